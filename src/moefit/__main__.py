@@ -1,0 +1,5 @@
+import sys
+
+from moefit.cli import main
+
+sys.exit(main())

@@ -1,0 +1,298 @@
+"""Model geometry: what the planner needs to know about a model, per layer.
+
+A :class:`ModelGeometry` is built from a Hugging Face ``config.json`` (see
+:mod:`moefit.families`) and never from weights. It lists, for every decoder layer, the
+attention kind and its cache-relevant sizes, the MLP kind (dense or MoE) and the weight
+tensors, with their exact shapes, that the reference implementation (transformers)
+creates for that layer. Non-expert tensors are listed one by one; the tensors of one
+routed expert are listed once per layer together with the expert count, so a 61-layer x
+256-expert model stays a few hundred small objects.
+
+Parameter counts and weight bytes are sums over these tensors, so the same listing
+prices an unquantized checkpoint, an fp8 block-scaled one and an mxfp4 one
+(:class:`Quantization`). When safetensors headers are present, :mod:`moefit.checkpoint`
+replaces the analytic listing by the exact one.
+
+This module imports no torch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Literal
+
+AttentionKind = Literal["full", "sliding", "linear", "mla"]
+TensorRole = Literal[
+    "embed", "lm_head", "norm", "attention", "linear_attention", "router",
+    "shared_expert", "dense_mlp", "expert",
+]
+
+#: Bytes per element of the floating dtypes that occur in configs (``torch_dtype`` / ``dtype``).
+DTYPE_BYTES: dict[str, int] = {
+    "float32": 4, "float": 4, "fp32": 4,
+    "bfloat16": 2, "bf16": 2,
+    "float16": 2, "fp16": 2, "half": 2,
+}
+
+
+@dataclass(frozen=True)
+class Tensor:
+    """One weight tensor of the reference implementation.
+
+    Attributes:
+        name: the checkpoint name (``model.layers.3.self_attn.q_proj.weight``); for the
+            per-expert listing, the name of expert 0.
+        shape: the tensor shape, outermost first (``[out_features, in_features]`` for a
+            linear weight, as ``torch.nn.Linear`` stores it).
+        role: which budget component it belongs to (experts go to the expert cache, every
+            other role to the ``weights`` line).
+        quantizable: True for the 2-D linear weights that a checkpoint's
+            ``quantization_config`` applies to (not embeddings, norms, biases, routers,
+            nor modules the config excludes).
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    role: TensorRole
+    quantizable: bool = False
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass(frozen=True)
+class Quantization:
+    """How a checkpoint stores its quantizable weights.
+
+    ``method``:
+      - ``"none"``: every tensor in the model dtype.
+      - ``"fp8"``: block-scaled e4m3 (DeepSeek-V3 ``quantization_config``: ``quant_method:
+        fp8``, ``weight_block_size: [128, 128]``): 1 byte per weight plus one fp32
+        ``weight_scale_inv`` per 128x128 block (DeepSeek-V3 ``inference/fp8_cast_bf16.py``).
+      - ``"mxfp4"``: OCP microscaling fp4 (gpt-oss ``quant_method: mxfp4``): 4 bits per
+        weight plus one uint8 e8m0 scale per 32 weights, experts only (``*_blocks`` /
+        ``*_scales`` tensors of the gpt-oss checkpoints; OCP MX spec v1.0).
+    ``applies_to``: the roles the method covers (``"expert"`` only for mxfp4).
+    """
+
+    method: Literal["none", "fp8", "mxfp4"] = "none"
+    block_size: tuple[int, int] = (128, 128)
+    applies_to: frozenset[str] = frozenset()
+
+    def tensor_bytes(self, t: Tensor, dtype_bytes: int) -> int:
+        """Bytes that tensor ``t`` occupies in a checkpoint/device buffer of this format.
+
+        Errors: none; tensors the method does not cover are priced at ``dtype_bytes``.
+        """
+        if self.method == "none" or not t.quantizable or t.role not in self.applies_to:
+            return t.numel * dtype_bytes
+        if self.method == "fp8":
+            if len(t.shape) < 2:
+                return t.numel * dtype_bytes
+            *lead, rows, cols = t.shape
+            b0, b1 = self.block_size
+            scales = math.prod(lead) * math.ceil(rows / b0) * math.ceil(cols / b1)
+            return t.numel + 4 * scales
+        if self.method == "mxfp4":
+            # 32 fp4 values in 16 bytes + 1 scale byte; gpt-oss in-features are multiples of 32
+            blocks = math.ceil(t.numel / 32)
+            return blocks * 16 + blocks
+        raise ValueError(f"unknown quantization method {self.method!r}")
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """Cache-relevant sizes of one layer's token mixer.
+
+    ``kind``:
+      - ``full``: softmax attention over the whole context (GQA: ``num_kv_heads`` K/V heads).
+      - ``sliding``: softmax attention over the last ``sliding_window`` tokens.
+      - ``mla``: DeepSeek multi-head latent attention; the cache holds the compressed
+        latent (``kv_lora_rank``) plus the decoupled RoPE key (``qk_rope_head_dim``) per
+        token (DeepSeek-V2 paper, section 2.1.2).
+      - ``linear``: Gated DeltaNet (Qwen3-Next / Qwen3.5): a fixed recurrent state of
+        ``linear_num_value_heads x linear_key_head_dim x linear_value_head_dim`` plus a
+        causal-conv state of ``conv_dim x (linear_conv_kernel - 1)`` per sequence.
+    """
+
+    kind: AttentionKind
+    num_heads: int
+    num_kv_heads: int = 0
+    head_dim: int = 0            # K (and Q) head dim; for MLA: qk_nope + qk_rope
+    v_head_dim: int = 0
+    rotary_dim: int = 0          # partial rotary: rotary_dim < head_dim
+    sliding_window: int | None = None
+    kv_lora_rank: int = 0
+    qk_rope_head_dim: int = 0
+    q_lora_rank: int = 0
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel: int = 0
+    state_dtype_bytes: int = 4   # recurrent state dtype (``mamba_ssm_dtype``), fp32 default
+    output_gate: bool = False    # Qwen3-Next/3.5 gated attention (q_proj doubled)
+
+    @property
+    def linear_conv_dim(self) -> int:
+        """Channels of the causal conv in a Gated DeltaNet layer (q, k and v projections)."""
+        return (2 * self.linear_num_key_heads * self.linear_key_head_dim
+                + self.linear_num_value_heads * self.linear_value_head_dim)
+
+
+@dataclass(frozen=True)
+class MoESpec:
+    """Routed-expert block of one layer."""
+
+    num_experts: int
+    experts_per_token: int
+    expert_intermediate: int
+    num_shared_experts: int = 0
+    shared_intermediate: int = 0   # total width of the shared expert(s)
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """One decoder layer.
+
+    ``tensors``: every non-expert tensor of the layer (attention, norms, router, shared
+    expert, dense MLP). ``expert_tensors``: the tensors of ONE routed expert (empty for a
+    dense layer); the layer holds ``moe.num_experts`` copies of them.
+    ``dense_intermediate``: width of the dense MLP (0 on MoE layers).
+    """
+
+    index: int
+    attention: AttentionSpec
+    moe: MoESpec | None
+    tensors: tuple[Tensor, ...]
+    expert_tensors: tuple[Tensor, ...] = ()
+    dense_intermediate: int = 0
+
+
+@dataclass(frozen=True)
+class RopeSpec:
+    """Rotary position embedding as the config declares it.
+
+    ``trained_window``: the longest context the checkpoint supports as shipped
+    (``max_position_embeddings``, which already includes any scaling in the config).
+    ``original_window``: the pre-scaling window when the config itself scales RoPE
+    (``rope_scaling.original_max_position_embeddings``), else ``trained_window``.
+    """
+
+    theta: float
+    scaling_type: str | None
+    factor: float
+    trained_window: int
+    original_window: int
+
+
+@dataclass(frozen=True)
+class ModelGeometry:
+    """Everything the planner needs about a model, without weights.
+
+    ``global_tensors``: embeddings, final norm, lm_head (absent when tied).
+    ``dtype_bytes``: bytes per element of unquantized tensors (from ``torch_dtype`` /
+    ``dtype``).
+    """
+
+    name: str
+    model_type: str
+    hidden_size: int
+    vocab_size: int
+    layers: tuple[LayerSpec, ...]
+    global_tensors: tuple[Tensor, ...]
+    dtype: str
+    dtype_bytes: int
+    quant: Quantization
+    rope: RopeSpec
+    source: str = ""               # where the config came from (preset name or path)
+    exact: "ExactWeights | None" = None   # set when safetensors headers were read
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    # ---- counts -------------------------------------------------------------------
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def moe_layers(self) -> tuple[LayerSpec, ...]:
+        return tuple(l for l in self.layers if l.moe is not None)
+
+    @property
+    def total_experts(self) -> int:
+        """Routed experts summed over MoE layers (the expert cache's "all experts")."""
+        return sum(l.moe.num_experts for l in self.moe_layers)
+
+    def _expert_numel(self, layer: LayerSpec) -> int:
+        return sum(t.numel for t in layer.expert_tensors)
+
+    @property
+    def total_params(self) -> int:
+        """Parameters of the text model as the reference implementation builds it."""
+        n = sum(t.numel for t in self.global_tensors)
+        for l in self.layers:
+            n += sum(t.numel for t in l.tensors)
+            if l.moe is not None:
+                n += l.moe.num_experts * self._expert_numel(l)
+        return n
+
+    @property
+    def active_params(self) -> int:
+        """Parameters used per token: all non-expert ones plus top-k routed experts per layer."""
+        n = sum(t.numel for t in self.global_tensors)
+        for l in self.layers:
+            n += sum(t.numel for t in l.tensors)
+            if l.moe is not None:
+                n += l.moe.experts_per_token * self._expert_numel(l)
+        return n
+
+    # ---- bytes --------------------------------------------------------------------
+    def tensor_bytes(self, t: Tensor) -> int:
+        return self.quant.tensor_bytes(t, self.dtype_bytes)
+
+    def analytic_weight_bytes(self) -> int:
+        """Bytes of every non-expert tensor (the ``weights`` budget line), analytic."""
+        n = sum(self.tensor_bytes(t) for t in self.global_tensors)
+        for l in self.layers:
+            n += sum(self.tensor_bytes(t) for t in l.tensors)
+        return n
+
+    def analytic_expert_blob_bytes(self) -> dict[int, int]:
+        """Bytes of one packed expert blob per MoE layer index, analytic."""
+        return {l.index: sum(self.tensor_bytes(t) for t in l.expert_tensors)
+                for l in self.moe_layers}
+
+    def weight_bytes(self) -> int:
+        """The ``weights`` line: exact from safetensors headers when read, else analytic."""
+        return self.exact.weight_bytes if self.exact else self.analytic_weight_bytes()
+
+    def expert_blob_bytes(self) -> dict[int, int]:
+        """Bytes of one expert blob per MoE layer: exact when headers were read, else analytic."""
+        return dict(self.exact.expert_blob_bytes) if self.exact else self.analytic_expert_blob_bytes()
+
+    def attention_layout(self) -> str:
+        """Short text such as ``10 full + 30 linear`` or ``61 mla``."""
+        counts: dict[str, int] = {}
+        for l in self.layers:
+            counts[l.attention.kind] = counts.get(l.attention.kind, 0) + 1
+        return " + ".join(f"{n} {k}" for k, n in counts.items())
+
+
+@dataclass(frozen=True)
+class ExactWeights:
+    """Weight bytes read from safetensors headers (shapes and dtypes, never data).
+
+    ``weight_bytes``: every tensor of the text model that is not a routed expert.
+    ``expert_blob_bytes``: bytes of one routed expert per MoE layer index (all its
+    tensors, scales included).
+    ``skipped_bytes``: tensors not used by the text model (vision tower, MTP layers).
+    ``files``: how many safetensors files were read.
+    """
+
+    weight_bytes: int
+    expert_blob_bytes: tuple[tuple[int, int], ...]
+    skipped_bytes: int
+    total_params: int
+    files: int
