@@ -1,0 +1,177 @@
+"""``moefit`` command line.
+
+Exit codes: 0 the plan fits (or the command succeeded), 2 bad input, 3 the plan does
+not fit. The planning commands import no torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from moefit.errors import InputError
+
+EXIT_OK, EXIT_INPUT, EXIT_NOFIT = 0, 2, 3
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that exits 2 with the usage line (its default) and a hint."""
+
+    def error(self, message: str):  # noqa: D401
+        self.print_usage(sys.stderr)
+        self.exit(EXIT_INPUT, f"moefit: error: {message}\n")
+
+
+def add_plan_flags(p: argparse.ArgumentParser) -> None:
+    """The flags shared by ``plan`` (and later ``serve``/``bench``): model, device, request."""
+    p.add_argument("model", help="preset name (see `moefit models`), a model directory, "
+                                 "or a config.json path")
+    dev = p.add_argument_group("device")
+    dev.add_argument("--device", help="cuda[:N] (a real GPU through NVML) or cpu "
+                                      "(simulated device; needs --vram)")
+    dev.add_argument("--gpu", help="a card from the built-in catalogue (see `moefit gpus`)")
+    dev.add_argument("--vram", help="declare the device capacity, e.g. 16GiB, 16384MiB, 16G")
+    dev.add_argument("--vram-free", help="declare the free memory on the device")
+    req = p.add_argument_group("request")
+    req.add_argument("--max-context", help="tokens per sequence (K/M suffixes: 512K = 524288); "
+                                           "default: the model's limit")
+    req.add_argument("--slots", type=int, default=1, help="concurrent sequences (default 1)")
+    req.add_argument("--kv", default="bf16",
+                     help="KV format: bf16, fp16, fp8, int8, k8v4, int4 (default bf16)")
+    req.add_argument("--prefill", default="auto",
+                     help="auto (largest chunk that fits, up to 16384), auto:N, or N tokens "
+                          "(clamped to fit unless --strict)")
+    req.add_argument("--prefill-min", type=int, default=256,
+                     help="smallest chunk a clamp may choose (default 256)")
+    req.add_argument("--strict", action="store_true",
+                     help="fail instead of clamping --prefill N")
+    req.add_argument("--vram-reserve-mib", type=float, default=None,
+                     help="safety margin left free at READY (default: 512 MiB, or 1/32 of "
+                          "the device if smaller)")
+    req.add_argument("--expert-cache", default="auto",
+                     help="auto (what remains) or N slots")
+    req.add_argument("--min-expert-cache", type=int, default=0,
+                     help="expert slots that must fit (default 0: misses run on the CPU)")
+    req.add_argument("--miss-policy", choices=("cpu", "copy"), default="cpu",
+                     help="non-resident experts run on the CPU (default) or are copied "
+                          "through the weight arena")
+    req.add_argument("--arena-slots", type=int, default=None,
+                     help="weight-arena ring size with --miss-policy copy "
+                          "(default 2 x experts per token)")
+    req.add_argument("--rope-scaling", choices=("none", "linear", "yarn"), default=None,
+                     help="extend the context beyond the trained window")
+    req.add_argument("--rope-scale", type=float, default=None, help="RoPE scaling factor")
+    req.add_argument("--yarn-orig-ctx", default=None,
+                     help="original context of YaRN (default: the config's)")
+
+
+def request_from_args(args: argparse.Namespace):
+    """Build a :class:`moefit.plan.request.Request` from parsed flags. Raises InputError."""
+    from moefit.plan.request import Request, parse_prefill
+    from moefit.units import parse_count
+
+    mode, tokens = parse_prefill(args.prefill)
+    if args.expert_cache.strip().lower() == "auto":
+        expert_cache = None
+    else:
+        try:
+            expert_cache = int(args.expert_cache)
+        except ValueError:
+            raise InputError(f"--expert-cache {args.expert_cache!r}: expected auto or a "
+                             "number of expert slots") from None
+    reserve = None
+    if args.vram_reserve_mib is not None:
+        if args.vram_reserve_mib < 0:
+            raise InputError("--vram-reserve-mib must not be negative")
+        reserve = int(args.vram_reserve_mib * (1 << 20))
+    return Request(
+        max_context=parse_count(args.max_context, "--max-context") if args.max_context else None,
+        slots=args.slots, kv=args.kv.lower(), prefill_mode=mode, prefill_tokens=tokens,
+        prefill_min=args.prefill_min, strict=args.strict, reserve_bytes=reserve,
+        expert_cache=expert_cache, min_expert_cache=args.min_expert_cache,
+        rope_scaling=args.rope_scaling, rope_scale=args.rope_scale,
+        yarn_orig_ctx=(parse_count(args.yarn_orig_ctx, "--yarn-orig-ctx")
+                       if args.yarn_orig_ctx else None),
+        miss_policy=args.miss_policy, arena_slots=args.arena_slots,
+    )
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from moefit.devices import resolve_device
+    from moefit.models import load_model
+    from moefit.plan.report import format_json, format_table
+    from moefit.plan.solver import solve
+
+    geom = load_model(args.model)
+    device = resolve_device(args.device, args.gpu, args.vram, args.vram_free)
+    req = request_from_args(args)
+    plan = solve(geom, device, req)
+    if args.json:
+        print(format_json(plan))
+    else:
+        print(format_table(plan))
+        if args.verbose:
+            print(_verbose(plan))
+    return EXIT_OK if plan.fits else EXIT_NOFIT
+
+
+def _verbose(plan) -> str:
+    from moefit.checkpoint import describe_weights
+    from moefit.memory.kv import kv_bytes, kv_format
+    from moefit.memory.staging import staging_model
+    from moefit.units import format_bytes
+
+    g, r = plan.geometry, plan.request
+    fmt = kv_format(r.kv)
+    kv = kv_bytes(g, fmt, plan.context, r.slots, plan.prefill_selected)
+    st = staging_model(g, fmt, r.slots)
+    out = ["details:"]
+    out += [f"  {line}" for line in describe_weights(g)]
+    out.append(f"  KV: cells {format_bytes(kv.cell_bytes)}, recurrent/conv state "
+               f"{format_bytes(kv.state_bytes)}, fp8 scales {kv.scale_bytes} B")
+    out.append(f"  prefill staging = {st.const_bytes} B + {st.per_token_bytes} B/token x chunk")
+    for name, const, per_tok in st.terms:
+        out.append(f"    {name:<44} {format_bytes(const):>11} + {per_tok} B/token")
+    return "\n".join(out)
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    from moefit.models import format_models_table, list_presets, load_model
+
+    print(format_models_table([load_model(n) for n in list_presets()]))
+    return EXIT_OK
+
+
+def cmd_gpus(args: argparse.Namespace) -> int:
+    from moefit.devices import format_gpu_table
+
+    print(format_gpu_table())
+    return EXIT_OK
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="moefit", description="One solved GPU memory budget for "
+                                                "Mixture-of-Experts inference.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    p = sub.add_parser("plan", help="solve and print the VRAM budget")
+    add_plan_flags(p)
+    p.add_argument("--json", action="store_true", help="print the moefit.plan/1 JSON document")
+    p.add_argument("--verbose", "-v", action="store_true",
+                   help="also show analytic vs exact weight bytes and the staging terms")
+    p.set_defaults(func=cmd_plan)
+    sub.add_parser("models", help="list the built-in model presets").set_defaults(func=cmd_models)
+    sub.add_parser("gpus", help="list the built-in GPU catalogue").set_defaults(func=cmd_gpus)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except InputError as e:
+        print(f"moefit: error: {e}", file=sys.stderr)
+        return EXIT_INPUT
+
+
+if __name__ == "__main__":
+    sys.exit(main())

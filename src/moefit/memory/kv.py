@@ -1,0 +1,213 @@
+"""The ``kv`` budget line: KV cells, MLA latent cells and linear-attention state.
+
+Byte layouts (DESIGN §5; the runtime stores exactly these):
+
+==========  ==================  ==================  ==========================================
+``--kv``    K bytes / element   V bytes / element   layout
+==========  ==================  ==================  ==========================================
+bf16, fp16  2                   2                   plain
+fp8         1                   1                   e4m3, one fp32 scale per layer (K and V)
+int8        34/32               34/32               blocks of 32 values + one fp16 scale
+                                                    (GGML ``block_q8_0``: 32 int8 + fp16 d)
+k8v4        34/32               18/32               K as int8 blocks, V as 4-bit blocks
+int4        18/32               18/32               both 4-bit blocks (GGML ``block_q4_0``:
+                                                    16 bytes of nibbles + fp16 d)
+==========  ==================  ==================  ==========================================
+
+Blocks run along the head dimension of one token and head, so a head vector of ``d``
+elements takes ``ceil(d / 32)`` blocks.
+
+Cells per layer kind, for ``context`` tokens, ``slots`` concurrent sequences and a prefill
+chunk of ``chunk`` tokens:
+
+1. full attention: ``context x slots`` cells of ``num_kv_heads x (K(head_dim) + V(v_head_dim))``
+   bytes (GQA: only the K/V heads are cached, Ainslie et al. 2023).
+2. sliding window: ``min(context, window + chunk) x slots`` cells: the window seen by the
+   first query of a chunk plus the chunk's own keys (gpt-oss ``sliding_window``).
+3. MLA: ``context x slots`` cells of ``kv_lora_rank + qk_rope_head_dim`` elements, the
+   compressed latent and the decoupled RoPE key (DeepSeek-V2, arXiv:2405.04434 §2.1.2).
+   The latent plays both the K and the V role; it is stored in the K format.
+4. linear attention (Gated DeltaNet): per slot, a recurrent state of
+   ``num_value_heads x key_head_dim x value_head_dim`` in the state dtype
+   (``mamba_ssm_dtype``, fp32 by default) plus a causal-conv state of
+   ``conv_dim x (conv_kernel - 1)`` in the model dtype (transformers
+   ``modeling_qwen3_next.py``: ``recurrent_state``, ``conv_state``; the conv only needs the
+   last ``kernel - 1`` inputs). Independent of context.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from moefit.errors import InputError
+from moefit.geometry import AttentionSpec, ModelGeometry
+
+QBLOCK = 32  #: values per quantization block (q8_0 / q4_0 style)
+
+
+@dataclass(frozen=True)
+class KVFormat:
+    """Storage format of the KV cache.
+
+    ``k_bits`` / ``v_bits``: 16 (plain), 8 (fp8 e4m3 or int8 blocks) or 4 (4-bit blocks).
+    ``blocked``: values are stored in blocks of 32 with one fp16 scale each.
+    ``layer_scale_bytes``: per-layer scale storage (fp8: one fp32 scale for K and one for V).
+    """
+
+    name: str
+    k_bits: int
+    v_bits: int
+    blocked: bool
+    layer_scale_bytes: int = 0
+
+    def k_bytes(self, dim: int) -> int:
+        """Bytes of one K head vector of ``dim`` elements."""
+        return _vector_bytes(dim, self.k_bits, self.blocked)
+
+    def v_bytes(self, dim: int) -> int:
+        """Bytes of one V head vector of ``dim`` elements."""
+        return _vector_bytes(dim, self.v_bits, self.blocked)
+
+    @property
+    def quantized(self) -> bool:
+        return self.k_bits < 16 or self.v_bits < 16
+
+
+def _vector_bytes(dim: int, bits: int, blocked: bool) -> int:
+    if not blocked:
+        return dim * bits // 8
+    blocks = math.ceil(dim / QBLOCK)
+    return blocks * (QBLOCK * bits // 8 + 2)  # payload + fp16 scale
+
+
+KV_FORMATS: dict[str, KVFormat] = {
+    "bf16": KVFormat("bf16", 16, 16, False),
+    "fp16": KVFormat("fp16", 16, 16, False),
+    "fp8": KVFormat("fp8", 8, 8, False, layer_scale_bytes=8),
+    "int8": KVFormat("int8", 8, 8, True),
+    "k8v4": KVFormat("k8v4", 8, 4, True),
+    "int4": KVFormat("int4", 4, 4, True),
+}
+
+
+def kv_format(name: str) -> KVFormat:
+    """Look up a ``--kv`` format. Raises InputError listing the formats for an unknown name."""
+    try:
+        return KV_FORMATS[name.lower()]
+    except KeyError:
+        raise InputError(f"--kv {name!r} is not a KV format; use one of "
+                         f"{', '.join(KV_FORMATS)}") from None
+
+
+def cell_bytes(att: AttentionSpec, fmt: KVFormat) -> int:
+    """Bytes of one token's cache entry in one layer (0 for linear attention).
+
+    Raises ValueError for an unknown attention kind.
+    """
+    if att.kind in ("full", "sliding"):
+        return att.num_kv_heads * (fmt.k_bytes(att.head_dim) + fmt.v_bytes(att.v_head_dim))
+    if att.kind == "mla":
+        return fmt.k_bytes(att.kv_lora_rank + att.qk_rope_head_dim)
+    if att.kind == "linear":
+        return 0
+    raise ValueError(f"unknown attention kind {att.kind!r}")
+
+
+def linear_state_bytes(att: AttentionSpec, dtype_bytes: int) -> int:
+    """Recurrent + conv state of one Gated DeltaNet layer for one sequence, in bytes."""
+    recurrent = (att.linear_num_value_heads * att.linear_key_head_dim
+                 * att.linear_value_head_dim * att.state_dtype_bytes)
+    conv = att.linear_conv_dim * max(att.linear_conv_kernel - 1, 0) * dtype_bytes
+    return recurrent + conv
+
+
+def layer_cells(att: AttentionSpec, context: int, chunk: int) -> int:
+    """Cells (tokens) one sequence keeps in this layer; 0 for linear attention."""
+    if att.kind == "sliding" and att.sliding_window:
+        return min(context, att.sliding_window + chunk)
+    if att.kind == "linear":
+        return 0
+    return context
+
+
+@dataclass(frozen=True)
+class KVBudget:
+    """The ``kv`` line, split by layer kind (bytes).
+
+    ``cache_layers``: layers that hold per-token cells (full, sliding, MLA);
+    ``total_layers``: all decoder layers.
+    """
+
+    bytes: int
+    cell_bytes: int          # full/sliding/MLA cells
+    state_bytes: int         # linear-attention recurrent + conv state
+    scale_bytes: int         # per-layer fp8 scales
+    cache_layers: int
+    total_layers: int
+
+
+def kv_bytes(geom: ModelGeometry, fmt: KVFormat, context: int, slots: int,
+             chunk: int) -> KVBudget:
+    """Size the ``kv`` line for ``context`` tokens x ``slots`` sequences.
+
+    Args:
+        geom: model geometry.
+        fmt: KV storage format.
+        context: cells per sequence on full-attention and MLA layers (tokens).
+        slots: concurrent sequences.
+        chunk: prefill chunk (tokens); only sliding-window layers depend on it.
+
+    Returns the byte split; ``.bytes`` is the line.
+    """
+    cells = state = scales = 0
+    cache_layers = 0
+    for layer in geom.layers:
+        att = layer.attention
+        if att.kind == "linear":
+            state += slots * linear_state_bytes(att, geom.dtype_bytes)
+            continue
+        cache_layers += 1
+        cells += slots * layer_cells(att, context, chunk) * cell_bytes(att, fmt)
+        scales += fmt.layer_scale_bytes
+    return KVBudget(cells + state + scales, cells, state, scales, cache_layers,
+                    geom.num_layers)
+
+
+def kv_chunk_pieces(geom: ModelGeometry, fmt: KVFormat, context: int,
+                    slots: int) -> list[tuple[int, int]]:
+    """The ``kv`` line as a function of the chunk ``c``: ``min`` over affine pieces.
+
+    Returns ``[(a, b), ...]`` such that ``kv_bytes(..., chunk=c).bytes == min(a + b*c)``
+    for every ``c >= 0``. Only sliding-window layers depend on the chunk, through
+    ``min(context, window + c)``; since every such layer has the same window in the
+    shipped families, two pieces suffice (window saturated or not). Layers with
+    different windows are handled exactly by taking one piece per breakpoint order.
+    """
+    base = kv_bytes(geom, fmt, context, slots, chunk=0).bytes
+    sliding = [(l.attention.sliding_window, slots * cell_bytes(l.attention, fmt))
+               for l in geom.layers
+               if l.attention.kind == "sliding" and l.attention.sliding_window]
+    if not sliding:
+        return [(base, 0)]
+    # base counts min(context, window) cells for each sliding layer; the chunk adds
+    # min(context - window, c) more. Each sliding layer contributes min(k*c, k*(ctx-w)).
+    # The sum of such terms with identical windows is min(K*c, K*(ctx-w)).
+    windows = {w for w, _ in sliding}
+    if len(windows) == 1:
+        w = windows.pop()
+        k = sum(cb for _, cb in sliding)
+        room = max(context - w, 0)
+        return [(base, k), (base + k * room, 0)]
+    # mixed windows: enumerate the subsets saturated in window order (exact, few layers)
+    pieces = []
+    order = sorted(sliding, key=lambda s: s[0], reverse=True)  # largest window saturates first
+    for n_sat in range(len(order) + 1):
+        a, b = base, 0
+        for i, (w, cb) in enumerate(order):
+            if i < n_sat:
+                a += cb * max(context - w, 0)
+            else:
+                b += cb
+        pieces.append((a, b))
+    return pieces

@@ -1,0 +1,369 @@
+"""Solve a plan: price the mandatory lines, then give the rest to the expert cache.
+
+Rules (DESIGN §3), for one device with ``free`` bytes:
+
+1. Price every mandatory line at the requested settings: ``runtime``, ``weights``,
+   ``weight_arena``, ``kv``, ``prefill``, ``margin``.
+2. Give the expert cache its floor (``--min-expert-cache``, default 0 slots; misses run
+   on the CPU), or exactly ``--expert-cache N`` slots when pinned.
+3. If mandatory + floor fits, the expert cache gets the rest, in whole slots, capped at
+   all experts, spread evenly over the MoE layers.
+4. Otherwise, if the chunk may shrink (``--prefill auto``, or ``--prefill N`` without
+   ``--strict``), take the largest chunk on the 256-token grid, not below
+   ``--prefill-min``, that fits. Every chunk-dependent line is ``min`` of affine pieces in
+   the chunk (staging is affine; sliding-window KV is ``min(context, window + chunk)``),
+   so the largest chunk is a direct calculation per piece, not a search.
+5. If nothing fits, the plan fails with the shortfall, the limiting lines and
+   alternatives found by re-solving.
+
+:func:`solve` is a pure function of (geometry, device, request): no torch, no I/O.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from moefit.devices import Device
+from moefit.geometry import ModelGeometry
+from moefit.memory.kv import KV_FORMATS, kv_bytes, kv_chunk_pieces, kv_format
+from moefit.memory.runtime import default_reserve_bytes, runtime_bytes
+from moefit.memory.staging import staging_model
+from moefit.memory.weights import expert_slot_bytes, weight_arena_bytes
+from moefit.plan.request import CHUNK_GRID, Request, resolve_context, validate
+
+#: Budget lines in commit order (DESIGN §2): key, label as printed.
+LINE_ORDER: tuple[tuple[str, str], ...] = (
+    ("runtime", "runtime"),
+    ("weights", "weights"),
+    ("weight_arena", "weight arena"),
+    ("kv", "KV cache"),
+    ("prefill", "prefill staging"),
+    ("margin", "safety margin"),
+    ("experts", "expert cache"),
+)
+MANDATORY = ("runtime", "weights", "weight_arena", "kv", "prefill", "margin")
+
+
+@dataclass(frozen=True)
+class Line:
+    """One budget line: ``key`` (DESIGN §2), ``bytes``, human ``detail``."""
+
+    key: str
+    bytes: int
+    detail: str = ""
+
+
+@dataclass(frozen=True)
+class DevicePlan:
+    device: Device
+    lines: tuple[Line, ...]       # commit order
+
+    @property
+    def planned_bytes(self) -> int:
+        return sum(l.bytes for l in self.lines)
+
+    @property
+    def unassigned_bytes(self) -> int:
+        """Free bytes no line claims (negative when the plan does not fit)."""
+        return self.device.free_bytes - self.planned_bytes
+
+    def line(self, key: str) -> Line:
+        return next(l for l in self.lines if l.key == key)
+
+
+@dataclass(frozen=True)
+class Alternative:
+    """A change of one flag that makes the plan fit (verified by re-solving)."""
+
+    flag: str
+    value: str | int
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The solved budget. Sizes in bytes, lengths in tokens.
+
+    On failure (``fits`` False) the lines show what was asked at the smallest allowed
+    chunk, ``shortfall_bytes`` how much is missing, ``limiting`` the lines that make it
+    too big (largest first) and ``alternatives`` changes that fit.
+    """
+
+    fits: bool
+    geometry: ModelGeometry
+    request: Request
+    context: int
+    devices: tuple[DevicePlan, ...]
+    prefill_requested: int
+    prefill_selected: int
+    prefill_clamped: bool
+    expert_slots: int
+    experts_per_layer: tuple[tuple[int, int], ...]   # (layer index, slots)
+    notes: tuple[str, ...] = ()
+    shortfall_bytes: int = 0
+    limiting: tuple[str, ...] = ()
+    alternatives: tuple[Alternative, ...] = field(default_factory=tuple)
+
+    @property
+    def total_experts(self) -> int:
+        return self.geometry.total_experts
+
+
+def _grid_floor(n: int) -> int:
+    return (n // CHUNK_GRID) * CHUNK_GRID
+
+
+@dataclass(frozen=True)
+class _Priced:
+    """Mandatory lines that do not depend on the chunk, and the chunk-dependent ones."""
+
+    runtime: int
+    weights: int
+    arena: int
+    margin: int
+    floor_bytes: int
+    slot_bytes: int
+    staging_const: int
+    staging_per_token: int
+    kv_pieces: tuple[tuple[int, int], ...]
+
+    def fixed(self) -> int:
+        return self.runtime + self.weights + self.arena + self.margin + self.floor_bytes
+
+    def cost(self, chunk: int) -> int:
+        """Mandatory lines + expert floor for a chunk of ``chunk`` tokens (bytes)."""
+        kv = min(a + b * chunk for a, b in self.kv_pieces)
+        return self.fixed() + kv + self.staging_const + self.staging_per_token * chunk
+
+    def largest_chunk(self, free: int) -> int:
+        """Largest chunk c >= 0 with cost(c) <= free, or -1. Direct, per affine piece."""
+        best = -1
+        base = self.fixed() + self.staging_const
+        for a, b in self.kv_pieces:
+            slope = b + self.staging_per_token
+            room = free - base - a
+            if room < 0:
+                continue
+            best = max(best, room // slope if slope else 1 << 40)
+        return best
+
+
+def _price(geom: ModelGeometry, device: Device, req: Request, context: int,
+           floor_slots: int) -> _Priced:
+    fmt = kv_format(req.kv)
+    stage = staging_model(geom, fmt, req.slots)
+    slot = expert_slot_bytes(geom)
+    margin = default_reserve_bytes(device) if req.reserve_bytes is None else req.reserve_bytes
+    return _Priced(
+        runtime=runtime_bytes(device),
+        weights=geom.weight_bytes(),
+        arena=weight_arena_bytes(geom, req.miss_policy, req.arena_slots),
+        margin=margin,
+        floor_bytes=floor_slots * slot,
+        slot_bytes=slot,
+        staging_const=stage.const_bytes,
+        staging_per_token=stage.per_token_bytes,
+        kv_pieces=tuple(kv_chunk_pieces(geom, fmt, context, req.slots)),
+    )
+
+
+def spread_slots(geom: ModelGeometry, slots: int) -> tuple[tuple[int, int], ...]:
+    """Spread ``slots`` expert slots evenly over the MoE layers.
+
+    Each layer gets ``slots // n`` (capped at its expert count); the remainder goes to the
+    earliest layers. Returns ((layer index, slots), ...) in layer order.
+    """
+    layers = geom.moe_layers
+    if not layers:
+        return ()
+    out = {l.index: 0 for l in layers}
+    left = slots
+    while left > 0:
+        open_layers = [l for l in layers if out[l.index] < l.moe.num_experts]
+        if not open_layers:
+            break
+        share, extra = divmod(left, len(open_layers))
+        for i, l in enumerate(open_layers):
+            give = min(share + (1 if i < extra else 0), l.moe.num_experts - out[l.index])
+            out[l.index] += give
+            left -= give
+    return tuple(out.items())
+
+
+def solve(geom: ModelGeometry, device: Device, req: Request, *,
+          alternatives: bool = True) -> Plan:
+    """Solve the budget of ``geom`` on ``device`` for ``req`` (DESIGN §3).
+
+    Raises InputError for an invalid request (bad flag values, a context beyond the RoPE
+    limit). A plan that does not fit is returned with ``fits=False``, not raised.
+    """
+    validate(req)
+    context = resolve_context(geom, req)
+    notes: list[str] = []
+    total_experts = geom.total_experts
+    if req.expert_cache is not None:
+        floor = ceiling = min(req.expert_cache, total_experts)
+    else:
+        floor, ceiling = min(req.min_expert_cache, total_experts), total_experts
+    priced = _price(geom, device, req, context, floor)
+    free = device.free_bytes
+
+    requested = req.prefill_tokens
+    # a chunk longer than the context only wastes staging
+    ctx_cap = max(CHUNK_GRID, -(-context // CHUNK_GRID) * CHUNK_GRID)
+    target = min(requested, ctx_cap)
+    if target < requested:
+        notes.append(f"prefill: requested {requested}, capped at {target} "
+                     f"(the context is {context} tokens)")
+    may_shrink = req.prefill_mode == "auto" or not req.strict
+    lowest = min(req.prefill_min, target) if may_shrink else target
+
+    if priced.cost(target) <= free:
+        chunk = target
+    else:
+        best = _grid_floor(min(priced.largest_chunk(free), target))
+        chunk = best if may_shrink and best >= lowest else -1
+
+    fits = chunk >= 0
+    shown_chunk = chunk if fits else lowest
+    clamped = fits and chunk < target
+    if clamped:
+        notes.append(f"prefill: requested {requested}, clamped to {chunk} due to VRAM budget")
+
+    slots = floor
+    # step 3 only: a clamped chunk took everything, the expert cache stays at its floor
+    # (this also keeps "more VRAM never gives fewer slots" true)
+    if fits and not clamped and priced.slot_bytes:
+        spare = free - priced.cost(chunk)
+        slots = min(ceiling, floor + spare // priced.slot_bytes)
+    lines = _lines(geom, device, req, context, shown_chunk, priced, slots)
+    dplan = DevicePlan(device, lines)
+    plan = Plan(
+        fits=fits, geometry=geom, request=req, context=context, devices=(dplan,),
+        prefill_requested=requested, prefill_selected=shown_chunk,
+        prefill_clamped=clamped, expert_slots=slots,
+        experts_per_layer=spread_slots(geom, slots), notes=tuple(notes),
+    )
+    if fits:
+        assert dplan.planned_bytes <= free, "solver bug: plan exceeds free memory"
+        return plan
+    shortfall = -dplan.unassigned_bytes
+    if shown_chunk < target:
+        notes.append(f"shown at the smallest chunk allowed ({shown_chunk} tokens)")
+    if req.strict and priced.cost(lowest) > free and priced.largest_chunk(free) >= CHUNK_GRID:
+        notes.append(f"prefill: requested {requested} does not fit and --strict forbids a clamp")
+    limiting = _limiting(dplan, shortfall)
+    alts = tuple(find_alternatives(geom, device, req, context)) if alternatives else ()
+    return replace(plan, notes=tuple(notes), shortfall_bytes=shortfall, limiting=limiting,
+                   alternatives=alts)
+
+
+def _lines(geom: ModelGeometry, device: Device, req: Request, context: int, chunk: int,
+           priced: _Priced, slots: int) -> tuple[Line, ...]:
+    fmt = kv_format(req.kv)
+    kv = kv_bytes(geom, fmt, context, req.slots, chunk)
+    slot_word = "slot" if req.slots == 1 else "slots"
+    kv_detail = (f"{context} tokens x {req.slots} {slot_word}, {fmt.name}, "
+                 f"{kv.cache_layers} of {kv.total_layers} layers")
+    if kv.state_bytes:
+        kv_detail += f" (+ recurrent state of {kv.total_layers - kv.cache_layers})"
+    arena_detail = ("misses computed on the CPU" if req.miss_policy == "cpu" or not priced.arena
+                    else f"{priced.arena // max(priced.slot_bytes, 1)} x "
+                         f"{priced.slot_bytes / 2**20:.1f} MiB expert blobs")
+    total = geom.total_experts
+    pct = f" ({100 * slots / total:.0f}%)" if total else ""
+    expert_detail = (f"{slots} of {total} experts{pct}" if total else "dense model: no experts")
+    weights_detail = "exact, from safetensors headers" if geom.exact else ""
+    if geom.quant.method != "none":
+        weights_detail = (weights_detail + ", " if weights_detail else "") + f"{geom.quant.method} checkpoint"
+    values = {
+        "runtime": (priced.runtime, "simulated device" if device.kind == "cpu" else
+                    ("measured" if device.runtime_bytes is not None else "CUDA context estimate")),
+        "weights": (priced.weights, weights_detail),
+        "weight_arena": (priced.arena, arena_detail),
+        "kv": (kv.bytes, kv_detail),
+        "prefill": (priced.staging_const + priced.staging_per_token * chunk,
+                    f"{chunk}-token chunks"),
+        "margin": (priced.margin, ""),
+        "experts": (slots * priced.slot_bytes, expert_detail),
+    }
+    return tuple(Line(k, *values[k]) for k, _ in LINE_ORDER)
+
+
+def _limiting(dplan: DevicePlan, shortfall: int) -> tuple[str, ...]:
+    """Largest lines first, as many as it takes to cover the shortfall."""
+    out, covered = [], 0
+    for l in sorted(dplan.lines, key=lambda l: l.bytes, reverse=True):
+        if covered >= shortfall or l.bytes == 0 or l.key in ("runtime", "margin"):
+            continue
+        out.append(l.key)
+        covered += l.bytes
+    return tuple(out)
+
+
+def _fits(geom: ModelGeometry, device: Device, req: Request) -> bool:
+    return solve(geom, device, req, alternatives=False).fits
+
+
+def find_alternatives(geom: ModelGeometry, device: Device, req: Request,
+                      context: int) -> list[Alternative]:
+    """Single-flag changes that make a failing plan fit, each verified by re-solving.
+
+    - ``--max-context``: the largest context (256-token grid) that fits, by bisection.
+    - ``--kv``: the closest smaller KV format that fits.
+    - ``--prefill``: the largest chunk that fits when ``--strict`` or ``--prefill-min``
+      forbade it.
+    - ``--slots``, ``--min-expert-cache`` / ``--expert-cache``: the largest value that fits.
+    """
+    alts: list[Alternative] = []
+    lo, hi = 0, context // CHUNK_GRID       # in grid units; lo always fits (or 0 = none)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if _fits(geom, device, req.with_(max_context=mid * CHUNK_GRID)):
+            lo = mid
+        else:
+            hi = mid - 1
+    if lo > 0 and lo * CHUNK_GRID < context:
+        alts.append(Alternative("--max-context", lo * CHUNK_GRID))
+
+    cur = KV_FORMATS[req.kv.lower()]
+    size = lambda f: f.k_bytes(128) + f.v_bytes(128)  # noqa: E731
+    for name, f in sorted(KV_FORMATS.items(), key=lambda kv: -size(kv[1])):
+        if size(f) < size(cur) and _fits(geom, device, req.with_(kv=name)):
+            alts.append(Alternative("--kv", name))
+            break
+
+    strict_free = req.with_(strict=False, prefill_mode="fixed", prefill_min=CHUNK_GRID)
+    plan = solve(geom, device, strict_free, alternatives=False)
+    if plan.fits and (req.strict or req.prefill_min > CHUNK_GRID):
+        flag = "--prefill" if req.strict else "--prefill-min"
+        alts.append(Alternative(flag, plan.prefill_selected))
+
+    if req.slots > 1:
+        fit = _largest_int(lambda n: _fits(geom, device, req.with_(slots=n)), 1, req.slots - 1)
+        if fit:
+            alts.append(Alternative("--slots", fit))
+    if req.expert_cache:
+        fit = _largest_int(lambda n: _fits(geom, device, req.with_(expert_cache=n)),
+                           0, req.expert_cache - 1)
+        if fit is not None:
+            alts.append(Alternative("--expert-cache", fit))
+    elif req.min_expert_cache:
+        fit = _largest_int(lambda n: _fits(geom, device, req.with_(min_expert_cache=n)),
+                           0, req.min_expert_cache - 1)
+        if fit is not None:
+            alts.append(Alternative("--min-expert-cache", fit))
+    return alts
+
+
+def _largest_int(ok, lo: int, hi: int) -> int | None:
+    """Largest n in [lo, hi] with ok(n) (ok monotone decreasing), or None."""
+    if hi < lo or not ok(lo):
+        return None
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if ok(mid):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
