@@ -1,0 +1,131 @@
+"""``moefit`` as a user runs it: a subprocess, exit codes, the table, the JSON schema."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+FIELD = ["Qwen3.5-35B-A3B", "--max-context", "512K", "--rope-scaling", "yarn",
+         "--rope-scale", "2", "--kv", "int8", "--prefill", "24576"]
+
+
+def moefit(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "moefit", *args], capture_output=True,
+                          text=True, env={**os.environ, **(env or {})}, timeout=60)
+
+
+def test_plan_fits_exit_0_and_prints_lines_in_commit_order():
+    r = moefit("plan", *FIELD, "--gpu", "RTX 5060 Ti 16GB")
+    assert r.returncode == 0, r.stderr
+    labels = ["runtime", "weights", "weight arena", "KV cache", "prefill staging",
+              "safety margin", "expert cache", "unassigned"]
+    rows = [l.strip() for l in r.stdout.splitlines() if l.startswith("  ")]
+    assert [next(lab for lab in labels if row.startswith(lab)) for row in rows] == labels
+    assert "VRAM budget  cuda:0  RTX 5060 Ti 16GB  15.48 GiB free of 15.93 GiB" in r.stdout
+    assert "524288 tokens x 1 slot, int8, 10 of 40 layers" in r.stdout
+
+
+def test_plan_clamp_line_on_12gb_card():
+    r = moefit("plan", *FIELD, "--gpu", "RTX 3060 12GB")
+    assert r.returncode == 0, r.stderr
+    assert "prefill: requested 24576, clamped to " in r.stdout
+    assert "due to VRAM budget" in r.stdout
+
+
+def test_plan_json_schema_when_clamped():
+    r = moefit("plan", *FIELD, "--gpu", "RTX 3060 12GB", "--json")
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert doc["schema"] == "moefit.plan/1" and doc["fits"] is True
+    assert {"name", "total_params", "active_params"} <= set(doc["model"])
+    dev = doc["devices"][0]
+    assert {"name", "capacity_bytes", "free_bytes", "lines", "unassigned_bytes"} <= set(dev)
+    assert [l["key"] for l in dev["lines"]] == ["runtime", "weights", "weight_arena", "kv",
+                                               "prefill", "margin", "experts"]
+    assert all(isinstance(l["bytes"], int) and set(l) == {"key", "bytes", "detail"}
+               for l in dev["lines"])
+    assert sum(l["bytes"] for l in dev["lines"]) + dev["unassigned_bytes"] == dev["free_bytes"]
+    p = doc["prefill"]
+    assert p["requested"] == 24576 and p["clamped"] is True and p["selected"] < 24576
+    assert {"slots", "total", "per_layer"} <= set(doc["experts"])
+    assert isinstance(doc["notes"], list)
+    assert "shortfall_bytes" not in doc
+
+
+def test_plan_does_not_fit_exit_3_with_alternatives_that_fit():
+    r = moefit("plan", *FIELD, "--vram", "6GiB", "--json")
+    assert r.returncode == 3, r.stderr
+    doc = json.loads(r.stdout)
+    assert doc["fits"] is False and doc["shortfall_bytes"] > 0
+    assert doc["limiting"] and doc["alternatives"]
+    base = [a for a in FIELD]
+    for alt in doc["alternatives"]:
+        args = list(base)
+        if alt["flag"] in args:
+            args[args.index(alt["flag"]) + 1] = str(alt["value"])
+        else:
+            args += [alt["flag"], str(alt["value"])]
+        assert moefit("plan", *args, "--vram", "6GiB").returncode == 0, alt
+    text = moefit("plan", *FIELD, "--vram", "6GiB")
+    assert text.returncode == 3 and "short by" in text.stdout and "fits with:" in text.stdout
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["plan", "no-such-model", "--vram", "16G"], "unknown model"),
+    (["plan", "Qwen3-30B-A3B", "--vram", "-16G"], "--vram"),
+    (["plan", "Qwen3-30B-A3B", "--vram", "16G", "--kv", "q4"], "--kv"),
+    (["plan", "Qwen3-30B-A3B", "--vram", "16G", "--max-context", "1M"], "--rope-scaling"),
+    (["plan", "Qwen3-30B-A3B", "--vram", "16G", "--prefill", "soon"], "--prefill"),
+    (["plan", "Qwen3-30B-A3B", "--gpu", "RTX 9999"], "moefit gpus"),
+    (["plan", "Qwen3-30B-A3B", "--vram", "16G", "--rope-scale", "2"], "--rope-scaling"),
+    (["plan"], "model"),
+])
+def test_bad_input_exit_2_names_the_input(args, needle):
+    r = moefit(*args)
+    assert r.returncode == 2
+    assert needle in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_plan_runs_with_torch_unimportable(tmp_path):
+    # a sitecustomize that makes `import torch` fail, as on a machine without torch
+    (tmp_path / "sitecustomize.py").write_text(textwrap.dedent("""
+        import sys
+        sys.modules["torch"] = None
+        sys.modules["transformers"] = None
+    """))
+    env = {"PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])}
+    r = moefit("plan", *FIELD, "--gpu", "RTX 5060 Ti 16GB", "--json", env=env)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["fits"] is True
+    check = subprocess.run([sys.executable, "-c", "import torch"], env={**os.environ, **env},
+                           capture_output=True, text=True)
+    assert check.returncode != 0   # the trick really hides torch
+
+
+def test_models_and_gpus_list():
+    m = moefit("models")
+    assert m.returncode == 0 and "Qwen3-30B-A3B" in m.stdout and "DeepSeek-V3" in m.stdout
+    g = moefit("gpus")
+    assert g.returncode == 0 and "RTX 4090" in g.stdout and "H200" in g.stdout
+
+
+def test_plan_from_a_config_path_matches_the_preset(tmp_path):
+    from moefit.models import list_presets  # noqa: F401  (preset data ships in the package)
+    import moefit
+    cfg = Path(moefit.__file__).parent / "presets" / "Qwen3-30B-A3B" / "config.json"
+    (tmp_path / "config.json").write_text(cfg.read_text())
+    a = json.loads(moefit_json("plan", str(tmp_path), "--vram", "24G"))
+    b = json.loads(moefit_json("plan", str(tmp_path / "config.json"), "--vram", "24G"))
+    c = json.loads(moefit_json("plan", "qwen3-30b-a3b", "--vram", "24G"))
+    assert a["devices"] == b["devices"] == c["devices"]
+
+
+def moefit_json(*args: str) -> str:
+    r = moefit(*args, "--json")
+    assert r.returncode == 0, r.stderr
+    return r.stdout
