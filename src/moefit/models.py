@@ -1,0 +1,163 @@
+"""Resolve a ``--model`` argument to a :class:`~moefit.geometry.ModelGeometry`.
+
+``spec`` is, in this order:
+
+1. a path to a model directory holding ``config.json`` (or only a DeepSeek inference config
+   such as ``config_671B.json``), or a path to a config ``.json`` file;
+2. the name of a shipped preset, case-insensitive (``qwen3-30b-a3b``); presets live in
+   ``moefit/presets/<name>/`` as byte copies of the upstream configs (provenance in
+   ``presets/SOURCES.md``).
+
+When the model directory also holds ``*.safetensors``, their headers are read
+(:mod:`moefit.checkpoint`) and attached as ``geom.exact``.
+
+Parsed presets are cached; nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import functools
+import json
+from pathlib import Path
+from typing import Iterable
+
+from moefit.checkpoint import exact_weights
+from moefit.errors import InputError
+from moefit.families import geometry_from_config, is_deepseek_inference_config
+from moefit.geometry import ModelGeometry
+
+PRESETS_DIR = Path(__file__).resolve().parent / "presets"
+
+
+def list_presets() -> list[str]:
+    """Names of the shipped presets (directory names under ``presets/``), sorted case-insensitively."""
+    return sorted((p.name for p in PRESETS_DIR.iterdir() if p.is_dir() and not p.name.startswith(("_", "."))),
+                  key=str.lower)
+
+
+def _read_json(path: Path) -> object:
+    """Parse a JSON file; InputError naming the file when it is unreadable or invalid."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as e:
+        raise InputError(f"{path}: cannot read model config ({e.strerror or e})") from e
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise InputError(f"{path}: invalid JSON in model config (line {e.lineno}, column {e.colno}: {e.msg})") from e
+
+
+def _config_in_dir(model_dir: Path) -> Path:
+    """``config.json``, else the one DeepSeek inference config among the ``*.json`` files."""
+    cfg = model_dir / "config.json"
+    if cfg.is_file():
+        return cfg
+    for path in sorted(model_dir.glob("*.json")):
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        if isinstance(data, dict) and is_deepseek_inference_config(data):
+            return path
+    raise InputError(f"{model_dir}: no config.json (nor a DeepSeek inference config) in this directory; "
+                     "point --model at a Hugging Face model directory or its config.json")
+
+
+def _from_file(path: Path, name: str, source: str) -> ModelGeometry:
+    return geometry_from_config(_read_json(path), name, source)
+
+
+@functools.lru_cache(maxsize=None)
+def _load_preset(name: str) -> ModelGeometry:
+    path = _config_in_dir(PRESETS_DIR / name)
+    return _from_file(path, name, f"preset {name} ({path.relative_to(PRESETS_DIR.parent)})")
+
+
+def _preset_name(spec: str) -> str | None:
+    by_lower = {p.lower(): p for p in list_presets()}
+    return by_lower.get(spec.strip().lower())
+
+
+def _unknown(spec: str) -> InputError:
+    if "/" in spec or "\\" in spec or spec.lower().endswith(".json"):
+        return InputError(f"--model {spec!r}: no such file or directory; give a model directory, "
+                          "its config.json, or a preset name (`moefit models` lists them)")
+    names = list_presets()
+    lower = {n.lower(): n for n in names}
+    key = spec.strip().lower()
+    close = [k for k in lower if key and key in k]
+    close += [k for k in difflib.get_close_matches(key, list(lower), n=5, cutoff=0.5) if k not in close]
+    hint = f"close matches: {', '.join(lower[k] for k in close[:6])}" if close else \
+        f"known presets: {', '.join(names)}"
+    return InputError(f"unknown model {spec!r}: not a preset and no such file or directory; {hint}. "
+                      "A path to a model directory or its config.json works too "
+                      "(`moefit models` lists the presets)")
+
+
+def load_model(spec: str) -> ModelGeometry:
+    """Resolve ``spec`` (path or preset name) to a geometry, with exact weights when the
+    directory holds safetensors shards.
+
+    Errors: :class:`InputError` for an unknown name (with close matches), a directory without
+    a config, invalid JSON (naming the file), an unsupported config, or a corrupt
+    safetensors header.
+    """
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        geom = _from_file(_config_in_dir(path), path.resolve().name, str(path))
+        model_dir = path
+    elif path.is_file():
+        geom = _from_file(path, path.resolve().parent.name, str(path))
+        model_dir = path.parent
+    else:
+        name = _preset_name(spec)
+        if name is None:
+            raise _unknown(spec)
+        return _load_preset(name)
+    exact = exact_weights(geom, model_dir)
+    return dataclasses.replace(geom, exact=exact) if exact is not None else geom
+
+
+# --------------------------------------------------------------------------------------------
+# `moefit models`
+# --------------------------------------------------------------------------------------------
+def format_params(n: int) -> str:
+    """Parameter count in billions with 2 decimals (``30.53B``); millions below 1B."""
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
+
+
+def _experts_cell(g: ModelGeometry) -> str:
+    """``128 x 48, top-8`` (+ ``, 1 shared``), or ``dense``."""
+    moe = g.moe_layers
+    if not moe:
+        return "dense"
+    first = moe[0].moe
+    counts = {l.moe.num_experts for l in moe}
+    per_layer = str(first.num_experts) if len(counts) == 1 else f"{min(counts)}-{max(counts)}"
+    text = f"{per_layer} x {len(moe)}, top-{first.experts_per_token}"
+    if first.num_shared_experts:
+        text += f", {first.num_shared_experts} shared"
+    return text
+
+
+#: Order of attention kinds in the layout cell (``10 full + 30 linear``).
+def _format_cell(g: ModelGeometry) -> str:
+    if g.quant.method == "mxfp4":
+        return f"{g.dtype} + mxfp4 experts"
+    return "fp8 (block)" if g.quant.method == "fp8" else g.dtype
+
+
+def format_models_table(geoms: Iterable[ModelGeometry]) -> str:
+    """The ``moefit models`` table: name, total / active parameters, layers, experts,
+    attention layout, stored format; one row per geometry, columns padded to fit."""
+    header = ("model", "params total / active", "layers", "experts", "attention", "format")
+    rows = [header] + [
+        (g.name, f"{format_params(g.total_params)} / {format_params(g.active_params)}", str(g.num_layers),
+         _experts_cell(g), g.attention_layout(), _format_cell(g))
+        for g in geoms]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
