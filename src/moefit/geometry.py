@@ -273,11 +273,11 @@ class ModelGeometry:
         return dict(self.exact.expert_blob_bytes) if self.exact else self.analytic_expert_blob_bytes()
 
     def attention_layout(self) -> str:
-        """Short text such as ``10 full + 30 linear`` or ``61 mla``."""
-        counts: dict[str, int] = {}
+        """Layer count per attention kind in a fixed kind order: ``10 full + 30 linear``."""
+        counts = {k: 0 for k in ("full", "sliding", "mla", "linear")}
         for l in self.layers:
             counts[l.attention.kind] = counts.get(l.attention.kind, 0) + 1
-        return " + ".join(f"{n} {k}" for k, n in counts.items())
+        return " + ".join(f"{n} {k}" for k, n in counts.items() if n)
 
 
 @dataclass(frozen=True)

@@ -23,16 +23,12 @@ from __future__ import annotations
 import json
 
 from moefit.memory.weights import expert_slot_bytes
+from moefit.models import format_params
 from moefit.plan.solver import LINE_ORDER, Plan
 from moefit.units import format_gib
 
 SCHEMA = "moefit.plan/1"
 LABELS = dict(LINE_ORDER)
-
-
-def format_params(n: int) -> str:
-    """``30532122624`` -> ``30.53B``."""
-    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
 
 
 def format_table(plan: Plan) -> str:
