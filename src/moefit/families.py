@@ -93,6 +93,15 @@ class _Cfg:
             raise InputError(f"{self.source}: key '{self.path}{key}' must be a whole number, got {value!r}")
         return int(value)
 
+    def num_experts(self) -> int:
+        """Routed experts: ``num_experts``, or ``num_local_experts``, the name transformers
+        5.x writes for it on ``save_pretrained`` (its configs' ``attribute_map``)."""
+        key = "num_experts" if self.data.get("num_experts") is not None else "num_local_experts"
+        if self.data.get(key) is None:
+            raise InputError(f"{self.source}: required key '{self.path}num_experts' is missing "
+                             f"(model_type {self.top.data.get('model_type', '?')!r})")
+        return self.int(key)
+
     def text_config(self) -> "_Cfg":
         sub = self.req("text_config")
         if not isinstance(sub, dict):
@@ -321,7 +330,7 @@ def _parse_qwen_moe(c: _Cfg, kind: str) -> tuple[list[LayerSpec], tuple[Tensor, 
     """
     m = _common(c)
     qwen2 = kind == "qwen2_moe"
-    e, k = c.int("num_experts"), c.int("num_experts_per_tok")
+    e, k = c.num_experts(), c.int("num_experts_per_tok")
     moe_i = c.int("moe_intermediate_size")
     shared_i = c.int("shared_expert_intermediate_size", 0) if qwen2 else 0
     window = c.get("sliding_window") if c.get("use_sliding_window") else None
@@ -410,7 +419,7 @@ def _parse_olmoe(c: _Cfg, kind: str) -> tuple[list[LayerSpec], tuple[Tensor, ...
     router ``mlp.gate`` and experts ``mlp.experts.{j}.*`` of width ``intermediate_size``.
     """
     m = _common(c)
-    e, k, inter = c.int("num_experts"), c.int("num_experts_per_tok"), c.int("intermediate_size")
+    e, k, inter = c.num_experts(), c.int("num_experts_per_tok"), c.int("intermediate_size")
     bias = bool(c.get("attention_bias", False))
     layers = []
     for i in range(m.layers):
@@ -602,7 +611,7 @@ def _parse_qwen_hybrid(c: _Cfg, kind: str) -> tuple[list[LayerSpec], tuple[Tenso
     multimodal = qwen35 and c.get("text_config") is not None
     tc = c.text_config() if multimodal else c
     m = _common(tc, head_dim_default=256)
-    e, k = tc.int("num_experts"), tc.int("num_experts_per_tok")
+    e, k = tc.num_experts(), tc.int("num_experts_per_tok")
     moe_i, shared_i = tc.int("moe_intermediate_size"), tc.int("shared_expert_intermediate_size", 0)
     types = _hybrid_types(tc, m.layers)
     linear = _linear_spec(tc)
