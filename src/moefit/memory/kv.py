@@ -6,6 +6,7 @@ Byte layouts (DESIGN §5; the runtime stores exactly these):
 ``--kv``    K bytes / element   V bytes / element   layout
 ==========  ==================  ==================  ==========================================
 bf16, fp16  2                   2                   plain
+fp32        4                   4                   plain (fp32 models; exact reference runs)
 fp8         1                   1                   e4m3, one fp32 scale per layer (K and V)
 int8        34/32               34/32               blocks of 32 values + one fp16 scale
                                                     (GGML ``block_q8_0``: 32 int8 + fp16 d)
@@ -84,6 +85,8 @@ def _vector_bytes(dim: int, bits: int, blocked: bool) -> int:
 KV_FORMATS: dict[str, KVFormat] = {
     "bf16": KVFormat("bf16", 16, 16, False),
     "fp16": KVFormat("fp16", 16, 16, False),
+    # fp32 models (tests, debugging): keeps the cache exact; 4 bytes per element
+    "fp32": KVFormat("fp32", 32, 32, False),
     "fp8": KVFormat("fp8", 8, 8, False, layer_scale_bytes=8),
     "int8": KVFormat("int8", 8, 8, True),
     "k8v4": KVFormat("k8v4", 8, 4, True),
