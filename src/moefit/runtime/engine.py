@@ -1,0 +1,288 @@
+"""The engine: commit a solved plan to the device, then prefill, decode and generate in it.
+
+Commit order (DESIGN §6), each allocation through the ledger on its own line:
+
+1. ``runtime``: on CUDA, create the context and the cuBLAS handle and charge what that
+   took from the device's free memory; nothing on a simulated device.
+2. ``weights``: every resident tensor (:func:`moefit.runtime.loader.load_checkpoint`);
+   the experts go to packed host blobs.
+3. ``weight_arena``: the ring of expert-blob buffers (``--miss-policy copy``).
+4. ``kv``: ONE buffer of exactly the plan's ``kv`` bytes (:class:`KVCache`).
+5. ``prefill``: ONE staging buffer of the plan's ``prefill`` bytes, reused by every
+   chunk and every decode step (:class:`Workspace`).
+6. ``experts``: the plan's slots per MoE layer, but never more than the free memory
+   above the margin allows; after the last commit the engine re-reads the free memory
+   and, if less than the margin is free, gives back expert slots (never a mandatory
+   line) and says so in :attr:`Engine.notes`.
+
+A failed allocation raises :class:`~moefit.runtime.ledger.BudgetError` naming the line,
+with the ledger table; nothing is retried.
+
+Prefill runs in chunks of the plan's ``prefill_selected`` tokens (a smaller ``chunk`` may
+be asked for); decode is a chunk of one token. Slots: the KV cache holds the plan's
+``--slots`` sequences; the engine serves one call at a time, on the slot it is given.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from moefit.devices import Device
+from moefit.errors import InputError
+from moefit.memory.kv import kv_format
+from moefit.memory.staging import ATTN_KV_BLOCK, ATTN_Q_BLOCK
+from moefit.plan.request import Request
+from moefit.plan.solver import Plan, solve
+from moefit.runtime.arch import arch_from_config, read_config
+from moefit.runtime.experts import ExpertCache, load_profile
+from moefit.runtime.kv_cache import KVCache, kv_buffer_bytes
+from moefit.runtime.ledger import BudgetError, Ledger
+from moefit.runtime.loader import load_checkpoint
+from moefit.runtime.model import Model, forward
+from moefit.runtime.rope import Rotary, rope_from_config
+from moefit.runtime.staging import Workspace
+from moefit.units import format_bytes
+
+__all__ = ["BudgetError", "Engine", "EngineOptions", "Sampling", "build_engine", "sample"]
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """Decoding settings. ``temperature`` 0 is greedy; ``top_k`` 0 and ``top_p`` 1 keep
+    every token; ``stop``: token ids that end generation (included in the output)."""
+
+    max_new_tokens: int = 16
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[int, ...] = ()
+
+
+@dataclass
+class EngineOptions:
+    """Knobs that do not change the plan.
+
+    ``device``: torch device (default: ``cpu`` for a simulated device, else the plan's
+    ``cuda:N``). ``chunk``: prefill chunk in tokens (default and maximum: the plan's).
+    ``routing_profile``: JSON path for the initial expert fill. ``q_block`` /
+    ``kv_block``: attention tile (tokens), at most the staging model's. ``free_bytes``:
+    the device's free memory at commit when it differs from the plan's (a simulated
+    device whose memory another process took in the meantime).
+    """
+
+    device: str | None = None
+    chunk: int | None = None
+    routing_profile: str | None = None
+    q_block: int = ATTN_Q_BLOCK
+    kv_block: int = ATTN_KV_BLOCK
+    free_bytes: int | None = None
+    progress: bool = True
+    log: object = None     # callable(str) for progress lines; default: collect in notes
+
+
+class Engine:
+    """A model committed to a device under a plan. Build with :meth:`start`."""
+
+    def __init__(self, plan: Plan, ledger: Ledger, model: Model, chunk: int, notes: list[str]):
+        self.plan, self.ledger, self.model, self.chunk = plan, ledger, model, chunk
+        self.notes = notes
+
+    # ---- commit ---------------------------------------------------------------------------
+    @classmethod
+    def start(cls, model_dir: str | Path, plan: Plan, options: EngineOptions | None = None) -> "Engine":
+        """Commit ``plan`` for the checkpoint in ``model_dir`` (see module docstring).
+
+        Raises:
+            InputError: the plan does not fit, the chunk override exceeds the plan, or
+                the checkpoint is unusable (from the loader).
+            BudgetError: an allocation failed; the message holds the ledger table.
+        """
+        opts = options or EngineOptions()
+        if not plan.fits:
+            raise InputError("the plan does not fit this device; see `moefit plan` for "
+                             "the budget table and the alternatives")
+        chunk = opts.chunk or plan.prefill_selected
+        if chunk > plan.prefill_selected:
+            raise InputError(f"chunk {chunk} exceeds the plan's prefill chunk of "
+                             f"{plan.prefill_selected} tokens")
+        if opts.q_block > ATTN_Q_BLOCK or opts.kv_block > ATTN_KV_BLOCK:
+            raise InputError(f"attention tiles are priced at {ATTN_Q_BLOCK} x {ATTN_KV_BLOCK} "
+                             "tokens at most")
+        notes: list[str] = []
+        say = opts.log or notes.append
+        geom, req = plan.geometry, plan.request
+        ledger = Ledger.for_plan(plan, opts.device, opts.free_bytes)
+        dev = ledger.device
+        cfg = read_config(model_dir)
+        arch = arch_from_config(cfg, geom)
+
+        # 1. runtime
+        if dev.type == "cuda":
+            _commit_cuda_runtime(ledger, plan.devices[0].device)
+        # 2. weights
+        weights, host = load_checkpoint(
+            model_dir, geom, arch, lambda shape, dtype: ledger.alloc("weights", shape, dtype),
+            pin=dev.type == "cuda", progress=opts.progress)
+        # 3. weight arena
+        arena = []
+        if req.miss_policy == "copy" and host.blobs:
+            ring = ledger.lines["weight_arena"].planned // max(1, _slot_bytes(host))
+            elems = max(host.blob_elems(l) for l in host.blobs)
+            arena = [ledger.alloc("weight_arena", (elems,), arch.dtype) for _ in range(ring)]
+        # 4. KV cache
+        fmt = kv_format(req.kv)
+        kv_buf = ledger.alloc("kv", (kv_buffer_bytes(geom, fmt, plan.context, req.slots,
+                                                     plan.prefill_selected),), torch.uint8)
+        kv = KVCache(geom, fmt, plan.context, req.slots, plan.prefill_selected, kv_buf)
+        # 5. prefill staging, once
+        ws = Workspace(ledger.alloc("prefill", (ledger.lines["prefill"].planned,), torch.uint8), ledger)
+        # 6. expert cache: the plan's slots, within what is free above the margin
+        slots = _commit_experts(ledger, host, plan, say)
+        profile = load_profile(opts.routing_profile) if opts.routing_profile else None
+        experts = ExpertCache(host, slots, arena, req.miss_policy, profile) if host.blobs else None
+        if experts is not None:
+            _shrink_to_margin(ledger, experts, say)
+        rope = rope_from_config(cfg, geom.layers[0].attention.rotary_dim or geom.layers[0].attention.head_dim,
+                                req.rope_scaling, req.rope_scale, req.yarn_orig_ctx)
+        model = Model(geom, arch, weights, kv, experts, Rotary(rope, dev), ws,
+                      q_block=opts.q_block, kv_block=opts.kv_block)
+        say("READY")
+        return cls(plan, ledger, model, chunk, notes)
+
+    # ---- run -----------------------------------------------------------------------------
+    @torch.inference_mode()
+    def prefill(self, token_ids, slot: int = 0) -> torch.Tensor:
+        """Run a prompt on a fresh sequence ``slot`` in chunks; returns the last token's
+        logits ``[V]`` (fp32, CPU). Raises ContextFull past the plan's context."""
+        self.reset(slot)
+        return self.extend(token_ids, slot)
+
+    @torch.inference_mode()
+    def extend(self, token_ids, slot: int = 0) -> torch.Tensor:
+        """Append tokens to sequence ``slot`` (chunked); last token's logits ``[V]``."""
+        ids = torch.as_tensor(list(token_ids), dtype=torch.long, device=self.ledger.device)
+        if ids.numel() == 0:
+            raise ValueError("prefill needs at least one token")
+        start = self.model.kv.lengths[slot]
+        logits = None
+        for c0 in range(0, ids.numel(), self.chunk):
+            logits = forward(self.model, ids[c0:c0 + self.chunk], slot, start + c0)
+        return logits.to("cpu", copy=True)
+
+    @torch.inference_mode()
+    def decode(self, token_id: int, slot: int = 0) -> torch.Tensor:
+        """Append one token to sequence ``slot``; returns the next-token logits ``[V]``."""
+        ids = torch.tensor([int(token_id)], dtype=torch.long, device=self.ledger.device)
+        logits = forward(self.model, ids, slot, self.model.kv.lengths[slot])
+        return logits.to("cpu", copy=True)
+
+    def generate(self, token_ids, sampling: Sampling = Sampling(), slot: int = 0) -> list[int]:
+        """Prefill ``token_ids`` then sample up to ``sampling.max_new_tokens`` tokens;
+        returns the new tokens."""
+        gen = torch.Generator().manual_seed(sampling.seed) if sampling.seed is not None else None
+        logits = self.prefill(token_ids, slot)
+        out: list[int] = []
+        for i in range(sampling.max_new_tokens):
+            tok = sample(logits, sampling, gen)
+            out.append(tok)
+            if tok in sampling.stop or i == sampling.max_new_tokens - 1:
+                break
+            logits = self.decode(tok, slot)
+        return out
+
+    def reset(self, slot: int = 0) -> None:
+        """Forget sequence ``slot``."""
+        self.model.kv.reset(slot)
+
+    # ---- reports -------------------------------------------------------------------------
+    def expert_stats(self) -> dict:
+        """Hits / misses per MoE layer and the resident experts (see ExpertCache.report)."""
+        return self.model.experts.report() if self.model.experts else {"layers": {}, "hits": 0,
+                                                                       "misses": 0, "hit_rate": 0.0}
+
+    def report(self) -> str:
+        """The ledger table (planned / allocated / peak per line)."""
+        return self.ledger.report()
+
+
+def sample(logits: torch.Tensor, s: Sampling, gen: torch.Generator | None = None) -> int:
+    """One token from ``logits`` ``[V]``: argmax at temperature 0, else softmax sampling
+    after top-k / top-p filtering."""
+    if s.temperature <= 0:
+        return int(torch.argmax(logits))
+    x = logits.float() / s.temperature
+    if s.top_k:
+        kth = torch.topk(x, min(s.top_k, x.numel())).values[-1]
+        x = x.masked_fill(x < kth, float("-inf"))
+    if s.top_p < 1.0:
+        p, idx = torch.sort(torch.softmax(x, -1), descending=True)
+        drop = p.cumsum(-1) - p > s.top_p
+        x[idx[drop]] = float("-inf")
+    return int(torch.multinomial(torch.softmax(x, -1), 1, generator=gen))
+
+
+def _slot_bytes(host) -> int:
+    return max(host.blob_bytes(l) for l in host.blobs)
+
+
+def _commit_cuda_runtime(ledger: Ledger, device: Device) -> None:
+    """Create the CUDA context and cuBLAS handle, and charge the free memory they took
+    (the plan's free bytes minus what CUDA reports free now) to ``runtime``."""
+    x = torch.ones((64, 64), device=ledger.device)
+    (x @ x).sum().item()
+    free, _ = torch.cuda.mem_get_info(ledger.device)
+    taken = max(0, device.free_bytes - free - torch.cuda.memory_reserved(ledger.device))
+    ledger.charge("runtime", taken)
+
+
+def _commit_experts(ledger: Ledger, host, plan: Plan, say) -> dict[int, list[torch.Tensor]]:
+    """Allocate the plan's expert slots, capped at what is free above the margin."""
+    if not host.blobs:
+        return {}
+    room = ledger.free_bytes() - ledger.margin
+    slot = _slot_bytes(host)
+    can = max(0, room // slot) if slot else 0
+    want = dict(plan.experts_per_layer)
+    total = sum(want.values())
+    if total > can:
+        say(f"expert cache: the plan's {total} slots do not fit above the margin "
+            f"({format_bytes(room)} free); committing {can}")
+        from moefit.plan.solver import spread_slots
+        want = dict(spread_slots(plan.geometry, can))
+    slots: dict[int, list[torch.Tensor]] = {}
+    for layer in host.blobs:
+        n = want.get(layer, 0)
+        slots[layer] = [ledger.alloc("experts", (host.blob_elems(layer),), host.dtype) for _ in range(n)]
+    return slots
+
+
+def _shrink_to_margin(ledger: Ledger, experts: ExpertCache, say) -> None:
+    """After the last commit: while less than the margin is free, give back expert slots
+    (largest layers first), and say how many."""
+    freed = 0
+    while ledger.free_bytes() < ledger.margin:
+        layer = max(experts.slots, key=lambda l: experts.num_slots(l), default=None)
+        if layer is None or experts.num_slots(layer) == 0:
+            break
+        ledger.release("experts", experts.release_slot(layer))
+        freed += 1
+    if freed:
+        say(f"expert cache: {freed} slot(s) given back after commit, less than the margin "
+            f"of {format_bytes(ledger.margin)} was free")
+
+
+def build_engine(model_dir: str | Path, device: Device, request: Request,
+                 options: EngineOptions | None = None) -> Engine:
+    """Plan ``request`` for the checkpoint in ``model_dir`` on ``device`` and start it.
+
+    Raises InputError when the plan does not fit (solve it with ``moefit plan`` to see the
+    table), BudgetError when an allocation fails.
+    """
+    from moefit.models import load_model
+
+    plan = solve(load_model(str(model_dir)), device, request)
+    return Engine.start(model_dir, plan, options)

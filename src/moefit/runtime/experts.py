@@ -1,0 +1,148 @@
+"""The expert cache: owns the device expert slots, and runs an expert wherever it lives.
+
+Per MoE layer, ``n`` device slots (the plan's ``experts_per_layer``), each holding one
+packed expert blob (:mod:`moefit.runtime.loader`). Filled at start with the layer's first
+``n`` experts, or with its ``n`` most used ones from a routing profile (JSON
+``{"layer": {"expert": count}}``, e.g. counts gathered by a previous run).
+
+A routed expert that is resident is a *hit* and runs on the device from its slot. A
+*miss* runs, by ``miss_policy``:
+
+- ``cpu`` (default): on the host, from the pinned host blob; the tokens go to the host
+  and the result comes back. Residency never changes.
+- ``copy``: the host blob is copied into the next buffer of the weight-arena ring and
+  runs there on the device; when the layer has slots, the arena copy then replaces the
+  least recently used resident expert (LRU; mixtral-offloading's policy).
+
+Hits and misses are counted per layer, once per expert per forward call (an expert that
+serves several tokens of a chunk is one load).
+
+The expert MLP is SwiGLU: ``down(silu(gate(x)) * up(x))`` (transformers
+``Qwen3MoeExperts.forward``: ``gate, up = linear(x, gate_up_proj[e]).chunk(2)``).
+"""
+
+from __future__ import annotations
+
+import json
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from moefit.errors import InputError
+from moefit.runtime.loader import HostExperts, split_blob
+
+
+@dataclass
+class LayerStats:
+    hits: int = 0
+    misses: int = 0
+
+
+def load_profile(path: str | Path) -> dict[int, dict[int, int]]:
+    """Read a routing profile ``{"layer": {"expert": count}}``. Raises InputError."""
+    try:
+        raw = json.loads(Path(path).read_text(encoding="utf-8"))
+        return {int(l): {int(e): int(c) for e, c in per.items()} for l, per in raw.items()}
+    except (OSError, ValueError, AttributeError, TypeError) as e:
+        raise InputError(f"{path}: not a routing profile {{\"layer\": {{\"expert\": count}}}} ({e})") from e
+
+
+def initial_residents(num_experts: int, slots: int, counts: dict[int, int] | None) -> list[int]:
+    """The experts a layer starts with: the ``slots`` most used in ``counts`` (ties and
+    unlisted experts by index), or the first ``slots`` experts without a profile."""
+    counts = counts or {}
+    order = sorted(range(num_experts), key=lambda e: (-counts.get(e, 0), e))
+    return order[:slots]
+
+
+def swiglu(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """SwiGLU expert: ``x`` ``[n, H]``, ``gate_up`` ``[2I, H]``, ``down`` ``[H, I]`` -> ``[n, H]``."""
+    g, u = F.linear(x, gate_up).chunk(2, dim=-1)   # [n, I] each
+    return F.linear(F.silu(g) * u, down)
+
+
+class ExpertCache:
+    """Device slots of routed experts, by layer.
+
+    Args:
+        host: the packed host blobs.
+        slots: ``{layer: [slot tensors]}``, each ``[3 I H]`` from the ledger's ``experts``
+            line (the engine allocates them; may be empty lists).
+        arena: weight-arena ring buffers ``[blob elems]`` (``copy`` policy), else empty.
+        miss_policy: ``cpu`` or ``copy``.
+        profile: routing profile for the initial fill (see module docstring).
+    """
+
+    def __init__(self, host: HostExperts, slots: dict[int, list[torch.Tensor]],
+                 arena: list[torch.Tensor], miss_policy: str = "cpu",
+                 profile: dict[int, dict[int, int]] | None = None):
+        if miss_policy not in ("cpu", "copy"):
+            raise InputError(f"--miss-policy {miss_policy!r}: use cpu or copy")
+        if miss_policy == "copy" and not arena:
+            raise InputError("--miss-policy copy needs a weight arena (--arena-slots >= 1)")
+        self.host, self.slots, self.arena, self.miss_policy = host, slots, arena, miss_policy
+        self.arena_next = 0
+        self.stats = {l: LayerStats() for l in host.blobs}
+        # layer -> OrderedDict(expert -> slot index), least recently used first
+        self.resident: dict[int, OrderedDict[int, int]] = {}
+        for layer, blobs in host.blobs.items():
+            n = len(slots.get(layer, []))
+            chosen = initial_residents(blobs.shape[0], n, (profile or {}).get(layer))
+            self.resident[layer] = OrderedDict()
+            for s, e in enumerate(chosen):
+                slots[layer][s].copy_(blobs[e])
+                self.resident[layer][e] = s
+
+    def num_slots(self, layer: int) -> int:
+        return len(self.slots.get(layer, []))
+
+    def release_slot(self, layer: int) -> torch.Tensor:
+        """Drop the layer's least recently used slot (to shrink the cache); returns it so
+        the engine can give it back to the ledger."""
+        res, tensors = self.resident[layer], self.slots[layer]
+        last = len(tensors) - 1
+        holder = {s: e for e, s in res.items()}.get(last)
+        if res:
+            s = res.pop(next(iter(res)))          # evict the LRU expert
+            if s != last and holder is not None:  # keep the last slot's expert: move it
+                tensors[s].copy_(tensors[last])
+                res[holder] = s
+        return tensors.pop()
+
+    def run(self, layer: int, expert: int, x: torch.Tensor) -> torch.Tensor:
+        """Expert ``expert`` of ``layer`` on ``x`` ``[n, H]`` (device) -> ``[n, H]`` (device).
+        Counts a hit or a miss."""
+        inter, hidden = self.host.inter[layer], self.host.hidden
+        res = self.resident[layer]
+        st = self.stats[layer]
+        if expert in res:
+            st.hits += 1
+            res.move_to_end(expert)
+            return swiglu(x, *split_blob(self.slots[layer][res[expert]], inter, hidden))
+        st.misses += 1
+        blob = self.host.blobs[layer][expert]
+        if self.miss_policy == "cpu":
+            y = swiglu(x.to(blob.device), *split_blob(blob, inter, hidden))
+            return y.to(x.device)
+        buf = self.arena[self.arena_next][:blob.numel()]
+        self.arena_next = (self.arena_next + 1) % len(self.arena)
+        buf.copy_(blob, non_blocking=True)
+        y = swiglu(x, *split_blob(buf, inter, hidden))
+        if self.slots.get(layer):
+            victim, s = res.popitem(last=False)
+            self.slots[layer][s][:blob.numel()].copy_(buf)
+            res[expert] = s
+        return y
+
+    def report(self) -> dict:
+        """``{"layers": {layer: {"slots", "resident", "hits", "misses"}}, "hits", "misses",
+        "hit_rate"}``."""
+        layers = {l: {"slots": self.num_slots(l), "resident": sorted(self.resident[l]),
+                      "hits": s.hits, "misses": s.misses} for l, s in self.stats.items()}
+        hits = sum(s.hits for s in self.stats.values())
+        misses = sum(s.misses for s in self.stats.values())
+        return {"layers": layers, "hits": hits, "misses": misses,
+                "hit_rate": hits / (hits + misses) if hits + misses else 0.0}

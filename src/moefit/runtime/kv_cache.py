@@ -1,0 +1,168 @@
+"""The KV cache: owns the cells of every attention layer, for every slot (sequence).
+
+The whole ``kv`` line is ONE uint8 buffer from the ledger, of exactly the bytes
+:func:`moefit.memory.kv.kv_bytes` prices, carved in layer order into:
+
+- per attention layer: K cells ``[slots, cells, kv_heads, k_bytes(head_dim)]`` then V
+  cells ``[slots, cells, kv_heads, v_bytes(v_head_dim)]`` (uint8, DESIGN §5 layouts,
+  :mod:`moefit.runtime.kv_codec`);
+- after all layers, for ``fp8``: one fp32 K scale and one fp32 V scale per layer.
+
+``cells`` is the plan's context on full-attention layers and ``min(context, window +
+chunk)`` on sliding-window layers (:func:`moefit.memory.kv.layer_cells`). A token at
+position ``p`` lives in cell ``p % cells``; on a full layer that is ``p``, on a sliding
+layer a ring that always holds the window seen by the first query of a chunk plus the
+chunk's own keys (needs ``cells >= window + chunk - 1``).
+
+fp8 scales: the first write to a layer fixes its scales at ``2 x amax / 448`` of that
+chunk's K (V); later values beyond the range saturate (vLLM's ``calculate_kv_scales``
+likewise derives a static per-layer scale from the first batch). ``reset`` of every slot
+clears them.
+
+Errors: :class:`ContextFull` when a write goes past the plan's context.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from moefit.geometry import ModelGeometry
+from moefit.memory.kv import KVFormat, cell_bytes, kv_bytes, layer_cells
+from moefit.runtime.kv_codec import FP8_MAX, Codec
+
+
+class ContextFull(RuntimeError):
+    """A sequence reached the plan's ``max_context`` (the message names the flag)."""
+
+
+@dataclass
+class LayerCells:
+    """Cells of one attention layer: byte views into the ``kv`` buffer."""
+
+    index: int
+    cells: int
+    window: int | None
+    k: torch.Tensor          # [slots, cells, kv_heads, k_bytes] uint8
+    v: torch.Tensor          # [slots, cells, kv_heads, v_bytes] uint8
+    k_codec: Codec
+    v_codec: Codec
+    scales: torch.Tensor | None   # [2] fp32 (fp8 only): K scale, V scale; 0 = unset
+
+
+def kv_buffer_bytes(geom: ModelGeometry, fmt: KVFormat, context: int, slots: int,
+                    chunk: int) -> int:
+    """Bytes of the ``kv`` buffer: exactly the planner's ``kv`` line."""
+    return kv_bytes(geom, fmt, context, slots, chunk).bytes
+
+
+class KVCache:
+    """KV cells of all attention layers for ``slots`` sequences.
+
+    Args:
+        geom: model geometry (attention kinds, heads, head dims).
+        fmt: the KV format (DESIGN §5).
+        context: cells per sequence on full layers (the plan's context, tokens).
+        slots: concurrent sequences.
+        chunk: the plan's prefill chunk (tokens; sizes the sliding-window rings).
+        buffer: uint8 tensor of :func:`kv_buffer_bytes` bytes from the ledger's ``kv`` line.
+
+    Raises ValueError for linear-attention or MLA layers (not supported by this runtime)
+    and when ``buffer`` is not exactly the priced size.
+    """
+
+    def __init__(self, geom: ModelGeometry, fmt: KVFormat, context: int, slots: int,
+                 chunk: int, buffer: torch.Tensor):
+        expected = kv_buffer_bytes(geom, fmt, context, slots, chunk)
+        if buffer.dtype != torch.uint8 or buffer.numel() != expected:
+            raise ValueError(f"KV buffer is {buffer.numel()} bytes, the plan priced {expected}")
+        self.fmt, self.context, self.slots, self.chunk = fmt, context, slots, chunk
+        self.buffer = buffer
+        self.lengths = [0] * slots
+        self.layers: dict[int, LayerCells] = {}
+        off = 0
+        cache_layers = [l for l in geom.layers if l.attention.kind in ("full", "sliding")]
+        for l in geom.layers:
+            if l.attention.kind not in ("full", "sliding"):
+                raise ValueError(f"layer {l.index}: {l.attention.kind} attention is not "
+                                 "supported by the runtime yet")
+        scale_off = sum(slots * layer_cells(l.attention, context, chunk) * cell_bytes(l.attention, fmt)
+                        for l in cache_layers)
+        for n, l in enumerate(cache_layers):
+            a = l.attention
+            cells = layer_cells(a, context, chunk)
+            kb, vb = fmt.k_bytes(a.head_dim), fmt.v_bytes(a.v_head_dim)
+            k_size = slots * cells * a.num_kv_heads * kb
+            v_size = slots * cells * a.num_kv_heads * vb
+            k = buffer[off:off + k_size].view(slots, cells, a.num_kv_heads, kb)
+            off += k_size
+            v = buffer[off:off + v_size].view(slots, cells, a.num_kv_heads, vb)
+            off += v_size
+            scales = None
+            if fmt.layer_scale_bytes:
+                s0 = scale_off + n * fmt.layer_scale_bytes
+                scales = buffer[s0:s0 + 8].view(torch.float32)
+                scales.zero_()
+            self.layers[l.index] = LayerCells(
+                l.index, cells, a.sliding_window if a.kind == "sliding" else None, k, v,
+                Codec(fmt.name, fmt.k_bits, fmt.blocked, a.head_dim, kb),
+                Codec(fmt.name, fmt.v_bits, fmt.blocked, a.v_head_dim, vb), scales)
+        assert off == scale_off and off + fmt.layer_scale_bytes * len(cache_layers) == expected
+
+    # ---- slots --------------------------------------------------------------------------
+    def reset(self, slot: int) -> None:
+        """Forget sequence ``slot`` (its cells are overwritten by the next one)."""
+        self.lengths[slot] = 0
+        if not any(self.lengths):
+            for lc in self.layers.values():
+                if lc.scales is not None:
+                    lc.scales.zero_()
+
+    def check_room(self, slot: int, start: int, n: int) -> None:
+        """Raise ContextFull unless positions ``[start, start + n)`` fit the plan."""
+        if start + n > self.context:
+            raise ContextFull(f"slot {slot}: {start + n} tokens exceed the planned context of "
+                              f"{self.context} tokens; plan with a larger --max-context")
+
+    # ---- cells --------------------------------------------------------------------------
+    def cell_index(self, layer: int, lo: int, hi: int, device) -> torch.Tensor:
+        """Cells holding positions ``[lo, hi)`` of ``layer`` (int64 ``[hi - lo]``)."""
+        cells = self.layers[layer].cells
+        return torch.arange(lo, hi, device=device) % cells
+
+    def write(self, layer: int, slot: int, start: int, k: torch.Tensor, v: torch.Tensor,
+              k_bytes: torch.Tensor, v_bytes: torch.Tensor) -> None:
+        """Store the chunk's keys/values at positions ``[start, start + T)``.
+
+        Args:
+            k: ``[T, kv_heads, head_dim]`` keys after RoPE and q/k-norm.
+            v: ``[T, kv_heads, v_head_dim]`` values.
+            k_bytes / v_bytes: uint8 scratch ``[T, kv_heads, k_bytes]`` / ``[..., v_bytes]``
+                (from the staging workspace) for the encoded rows.
+        """
+        lc = self.layers[layer]
+        t, h, _ = k.shape
+        if lc.scales is not None and float(lc.scales[0]) == 0.0:
+            lc.scales[0] = max(float(k.abs().max()), 1e-6) * 2 / FP8_MAX
+            lc.scales[1] = max(float(v.abs().max()), 1e-6) * 2 / FP8_MAX
+        ks, vs = (float(lc.scales[0]), float(lc.scales[1])) if lc.scales is not None else (1.0, 1.0)
+        lc.k_codec.encode(k.reshape(t * h, -1), k_bytes.view(t * h, -1), ks)
+        lc.v_codec.encode(v.reshape(t * h, -1), v_bytes.view(t * h, -1), vs)
+        idx = self.cell_index(layer, start, start + t, lc.k.device)
+        lc.k[slot].index_copy_(0, idx, k_bytes)
+        lc.v[slot].index_copy_(0, idx, v_bytes)
+
+    def read(self, layer: int, slot: int, lo: int, hi: int, k_bytes: torch.Tensor,
+             v_bytes: torch.Tensor, k_out: torch.Tensor, v_out: torch.Tensor) -> None:
+        """Dequantize positions ``[lo, hi)`` into ``k_out`` ``[B, kv_heads, head_dim]`` and
+        ``v_out`` ``[B, kv_heads, v_head_dim]`` (B = hi - lo; any float dtype), using the
+        uint8 scratch ``k_bytes`` / ``v_bytes`` ``[B, kv_heads, *_bytes]``."""
+        lc = self.layers[layer]
+        b, h = hi - lo, k_out.shape[1]
+        idx = self.cell_index(layer, lo, hi, lc.k.device)
+        torch.index_select(lc.k[slot], 0, idx, out=k_bytes)
+        torch.index_select(lc.v[slot], 0, idx, out=v_bytes)
+        ks, vs = (float(lc.scales[0]), float(lc.scales[1])) if lc.scales is not None else (1.0, 1.0)
+        lc.k_codec.decode(k_bytes.view(b * h, -1), k_out.view(b * h, -1), ks)
+        lc.v_codec.decode(v_bytes.view(b * h, -1), v_out.view(b * h, -1), vs)

@@ -1,0 +1,308 @@
+"""Load a Hugging Face checkpoint: resident weights onto the device, experts into host blobs.
+
+Input: a model directory with ``config.json`` and ``*.safetensors`` (sharded with
+``model.safetensors.index.json`` or not; :func:`moefit.checkpoint.checkpoint_files`), of
+the families in :mod:`moefit.runtime.arch`, stored in bf16, fp16 or fp32 (converted to the
+config's dtype on load).
+
+Routed experts come in two layouts, both accepted:
+
+1. one tensor per expert, as transformers 5.x ``save_pretrained`` writes them (its
+   conversion mapping splits the in-memory fused tensors back) and as the published
+   checkpoints hold them: ``{p}.mlp.experts.{j}.gate_proj.weight`` ``[I, H]``,
+   ``up_proj`` ``[I, H]``, ``down_proj`` ``[H, I]``; Mixtral
+   ``{p}.block_sparse_moe.experts.{j}.w1`` / ``w3`` / ``w2``;
+2. fused per layer, as transformers 5.x holds them in memory (``Qwen3MoeExperts``,
+   ``MixtralExperts``, ...): ``{p}.mlp.experts.gate_up_proj`` ``[E, 2I, H]`` (gate rows
+   first, then up) and ``{p}.mlp.experts.down_proj`` ``[E, H, I]``.
+
+Every expert becomes ONE contiguous host blob (DESIGN §6; mixtral-offloading's packed
+expert storage): ``[gate (I*H) | up (I*H) | down (H*I)]`` in the model dtype, so gate and
+up together are the ``[2I, H]`` matrix of the fused layout and a cache miss is one copy.
+Blobs are pinned when the device is CUDA (asynchronous host-to-device copies).
+
+Errors (:class:`~moefit.errors.InputError`): a missing tensor (named, with the file the
+index points to or the files searched), a tensor of the wrong shape (named, with its file,
+the shape found and the shape the config implies), no safetensors files.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from moefit.checkpoint import checkpoint_files, read_header
+from moefit.errors import InputError
+from moefit.geometry import LayerSpec, ModelGeometry
+from moefit.runtime.arch import Arch
+
+Alloc = Callable[[tuple[int, ...], torch.dtype], torch.Tensor]
+
+
+@dataclass
+class LayerWeights:
+    """Resident (device) weights of one decoder layer; ``None`` where the family has none.
+
+    Linear weights are ``[out_features, in_features]`` as ``torch.nn.Linear`` stores them.
+    """
+
+    input_norm: torch.Tensor = None          # [H]
+    post_norm: torch.Tensor = None           # [H]
+    q: torch.Tensor = None                   # [A*D, H]
+    k: torch.Tensor = None                   # [K*D, H]
+    v: torch.Tensor = None                   # [K*Dv, H]
+    o: torch.Tensor = None                   # [H, A*Dv]
+    q_bias: torch.Tensor | None = None
+    k_bias: torch.Tensor | None = None
+    v_bias: torch.Tensor | None = None
+    o_bias: torch.Tensor | None = None
+    q_norm: torch.Tensor | None = None       # [D] (per head) or [A*D] (all heads)
+    k_norm: torch.Tensor | None = None
+    router: torch.Tensor | None = None       # [E, H]
+    shared_gate: torch.Tensor | None = None  # [Is, H]
+    shared_up: torch.Tensor | None = None    # [Is, H]
+    shared_down: torch.Tensor | None = None  # [H, Is]
+    shared_expert_gate: torch.Tensor | None = None  # [1, H]
+    dense_gate: torch.Tensor | None = None   # [Id, H]
+    dense_up: torch.Tensor | None = None
+    dense_down: torch.Tensor | None = None   # [H, Id]
+
+
+@dataclass
+class Weights:
+    """Resident weights: embeddings ``[V, H]``, final norm ``[H]``, lm_head ``[V, H]``
+    (the embedding itself when tied), and the layers."""
+
+    embed: torch.Tensor
+    norm: torch.Tensor
+    lm_head: torch.Tensor
+    layers: list[LayerWeights]
+
+
+@dataclass
+class HostExperts:
+    """Packed expert blobs in host memory, per MoE layer.
+
+    ``blobs[layer]``: ``[E, 3 * I * H]`` in the model dtype, one row per expert;
+    ``inter[layer]``: the expert width I; ``hidden``: H.
+    """
+
+    hidden: int
+    dtype: torch.dtype
+    blobs: dict[int, torch.Tensor] = field(default_factory=dict)
+    inter: dict[int, int] = field(default_factory=dict)
+
+    def blob_elems(self, layer: int) -> int:
+        return 3 * self.inter[layer] * self.hidden
+
+    def blob_bytes(self, layer: int) -> int:
+        return self.blob_elems(layer) * self.blobs[layer].element_size()
+
+
+def split_blob(blob: torch.Tensor, inter: int, hidden: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Views of a packed blob ``[3 I H]``: gate+up ``[2I, H]`` and down ``[H, I]``."""
+    gu = blob[:2 * inter * hidden].view(2 * inter, hidden)
+    down = blob[2 * inter * hidden:].view(hidden, inter)
+    return gu, down
+
+
+class _Index:
+    """Tensor name -> (file, shape) from the safetensors headers (no data read)."""
+
+    def __init__(self, model_dir: Path):
+        self.model_dir = model_dir
+        self.files = checkpoint_files(model_dir)
+        if not self.files:
+            raise InputError(f"{model_dir}: no *.safetensors files; the runtime needs the "
+                             "weights (`moefit plan` works from config.json alone)")
+        self.where: dict[str, tuple[Path, tuple[int, ...]]] = {}
+        for f in self.files:
+            for t in read_header(f).tensors:
+                self.where[t.name] = (f, t.shape)
+        self._handles: dict[Path, object] = {}
+
+    def has(self, name: str) -> bool:
+        return name in self.where
+
+    def missing(self, name: str) -> InputError:
+        files = ", ".join(f.name for f in self.files[:4]) + (" ..." if len(self.files) > 4 else "")
+        return InputError(f"{self.model_dir}: tensor {name!r} is missing from the checkpoint "
+                          f"(searched {files}); is the checkpoint complete and does "
+                          "config.json match it?")
+
+    def check(self, name: str, shape: tuple[int, ...]) -> None:
+        if name not in self.where:
+            raise self.missing(name)
+        path, found = self.where[name]
+        if tuple(found) != tuple(shape):
+            raise InputError(f"{path}: tensor {name!r} has shape {list(found)}, but config.json "
+                             f"implies {list(shape)}")
+
+    def get(self, name: str) -> torch.Tensor:
+        from safetensors import safe_open
+
+        path, _ = self.where[name]
+        if path not in self._handles:
+            self._handles[path] = safe_open(str(path), framework="pt", device="cpu")
+        return self._handles[path].get_tensor(name)
+
+    def numel(self, name: str) -> int:
+        return math.prod(self.where[name][1])
+
+
+def _first(index: _Index, names: list[str]) -> str:
+    for n in names:
+        if index.has(n):
+            return n
+    raise index.missing(names[0])
+
+
+def _layer_plan(l: LayerSpec, geom: ModelGeometry, arch: Arch, index: _Index) -> list[tuple[str, str, tuple]]:
+    """(attribute, checkpoint name, shape) of every resident tensor of layer ``l``."""
+    a, h, p = l.attention, geom.hidden_size, f"model.layers.{l.index}."
+    qd, kd, vd = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim, a.num_kv_heads * a.v_head_dim
+    s = f"{p}self_attn."
+    out = [("input_norm", f"{p}input_layernorm.weight", (h,)),
+           ("post_norm", f"{p}post_attention_layernorm.weight", (h,)),
+           ("q", f"{s}q_proj.weight", (qd, h)), ("k", f"{s}k_proj.weight", (kd, h)),
+           ("v", f"{s}v_proj.weight", (vd, h)), ("o", f"{s}o_proj.weight", (h, a.num_heads * a.v_head_dim))]
+    if arch.q_bias:
+        out += [("q_bias", f"{s}q_proj.bias", (qd,)), ("k_bias", f"{s}k_proj.bias", (kd,)),
+                ("v_bias", f"{s}v_proj.bias", (vd,))]
+    if arch.o_bias:
+        out.append(("o_bias", f"{s}o_proj.bias", (h,)))
+    if arch.qk_norm == "head":
+        out += [("q_norm", f"{s}q_norm.weight", (a.head_dim,)), ("k_norm", f"{s}k_norm.weight", (a.head_dim,))]
+    elif arch.qk_norm == "full":
+        out += [("q_norm", f"{s}q_norm.weight", (qd,)), ("k_norm", f"{s}k_norm.weight", (kd,))]
+    if l.moe is None:
+        i = l.dense_intermediate
+        out += [("dense_gate", f"{p}mlp.gate_proj.weight", (i, h)),
+                ("dense_up", f"{p}mlp.up_proj.weight", (i, h)),
+                ("dense_down", f"{p}mlp.down_proj.weight", (h, i))]
+        return out
+    m = l.moe
+    router = _first(index, [f"{p}{arch.moe_prefix}.gate.weight", f"{p}mlp.gate.weight"])
+    out.append(("router", router, (m.num_experts, h)))
+    if m.shared_intermediate:
+        si, sp = m.shared_intermediate, f"{p}mlp.shared_expert."
+        out += [("shared_gate", f"{sp}gate_proj.weight", (si, h)),
+                ("shared_up", f"{sp}up_proj.weight", (si, h)),
+                ("shared_down", f"{sp}down_proj.weight", (h, si)),
+                ("shared_expert_gate", f"{p}mlp.shared_expert_gate.weight", (1, h))]
+    return out
+
+
+def _expert_plan(l: LayerSpec, geom: ModelGeometry, arch: Arch, index: _Index):
+    """``("fused", gate_up name, down name)`` or ``("per_expert", [(g, u, d) per expert])``."""
+    m, h, p = l.moe, geom.hidden_size, f"model.layers.{l.index}."
+    i = m.expert_intermediate
+    for prefix in dict.fromkeys((arch.moe_prefix, "mlp")):
+        gu, dn = f"{p}{prefix}.experts.gate_up_proj", f"{p}{prefix}.experts.down_proj"
+        if index.has(gu) or index.has(dn):
+            index.check(gu, (m.num_experts, 2 * i, h))
+            index.check(dn, (m.num_experts, h, i))
+            return "fused", gu, dn
+    g, u, d = arch.expert_names
+    names = []
+    for j in range(m.num_experts):
+        e = f"{p}{arch.moe_prefix}.experts.{j}."
+        trio = (f"{e}{g}.weight", f"{e}{u}.weight", f"{e}{d}.weight")
+        for n, shape in zip(trio, ((i, h), (i, h), (h, i))):
+            index.check(n, shape)
+        names.append(trio)
+    return "per_expert", names
+
+
+def load_checkpoint(model_dir: str | Path, geom: ModelGeometry, arch: Arch, alloc: Alloc, *,
+                    pin: bool = False, progress: bool = True) -> tuple[Weights, HostExperts]:
+    """Read the checkpoint in ``model_dir``: resident weights into tensors from ``alloc``
+    (the ledger's ``weights`` line), experts into packed host blobs.
+
+    Every name and shape is checked against the geometry before any data is read.
+
+    Args:
+        alloc: ``alloc(shape, dtype) -> tensor`` on the device.
+        pin: pin the host blobs (CUDA devices).
+        progress: show a progress bar (tqdm, on stderr).
+
+    Raises InputError (see module docstring).
+    """
+    model_dir = Path(model_dir)
+    index = _Index(model_dir)
+    h, dtype = geom.hidden_size, arch.dtype
+    # ---- resolve every name first: errors before any byte is read ------------------------
+    glob = [("embed", "model.embed_tokens.weight", (geom.vocab_size, h)),
+            ("norm", "model.norm.weight", (h,))]
+    if not arch.tie_embeddings:
+        glob.append(("lm_head", "lm_head.weight", (geom.vocab_size, h)))
+    layer_plans = [_layer_plan(l, geom, arch, index) for l in geom.layers]
+    expert_plans = {l.index: _expert_plan(l, geom, arch, index) for l in geom.moe_layers}
+    for attr, name, shape in glob + [t for lp in layer_plans for t in lp]:
+        index.check(name, shape)
+
+    total = sum(index.numel(n) for _, n, _ in glob + [t for lp in layer_plans for t in lp])
+    for plan in expert_plans.values():
+        names = [plan[1], plan[2]] if plan[0] == "fused" else [n for trio in plan[1] for n in trio]
+        total += sum(index.numel(n) for n in names)
+    bar = _progress(total, progress, model_dir.name)
+
+    def resident(name: str, shape: tuple) -> torch.Tensor:
+        src = index.get(name)
+        dst = alloc(shape, dtype)
+        dst.copy_(src)
+        bar.update(src.numel())
+        return dst
+
+    g = {attr: resident(name, shape) for attr, name, shape in glob}
+    layers = []
+    for lp in layer_plans:
+        lw = LayerWeights()
+        for attr, name, shape in lp:
+            setattr(lw, attr, resident(name, shape))
+        layers.append(lw)
+    weights = Weights(g["embed"], g["norm"], g.get("lm_head", g["embed"]), layers)
+
+    experts = HostExperts(h, dtype)
+    for l in geom.moe_layers:
+        m, i = l.moe, l.moe.expert_intermediate
+        blobs = torch.empty((m.num_experts, 3 * i * h), dtype=dtype, pin_memory=pin)  # [E, 3IH]
+        plan = expert_plans[l.index]
+        if plan[0] == "fused":
+            gu, dn = index.get(plan[1]), index.get(plan[2])          # [E, 2I, H], [E, H, I]
+            blobs[:, :2 * i * h].copy_(gu.reshape(m.num_experts, -1))
+            blobs[:, 2 * i * h:].copy_(dn.reshape(m.num_experts, -1))
+            bar.update(gu.numel() + dn.numel())
+        else:
+            for j, trio in enumerate(plan[1]):
+                row = blobs[j]
+                for part, name in enumerate(trio):
+                    t = index.get(name)
+                    row[part * i * h:(part + 1) * i * h].copy_(t.reshape(-1))
+                    bar.update(t.numel())
+        experts.blobs[l.index] = blobs
+        experts.inter[l.index] = i
+    bar.close()
+    return weights, experts
+
+
+class _NoBar:
+    def update(self, n: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _progress(total: int, show: bool, name: str):
+    if not show:
+        return _NoBar()
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return _NoBar()
+    return tqdm(total=total, desc=f"loading {name}", unit=" params", unit_scale=True, leave=False)

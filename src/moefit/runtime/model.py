@@ -1,0 +1,175 @@
+"""The decoder forward pass of one chunk (prefill) or one token (decode).
+
+Follows transformers 5.x ``modeling_qwen3_moe.py``, ``modeling_qwen2_moe.py``,
+``modeling_mixtral.py`` and ``modeling_olmoe.py`` (pre-norm decoder layers)::
+
+    h = embed(ids)                                       # [T, H]
+    for each layer:
+        h = h + o_proj(attention(qk_norm(q/k/v_proj(rms(h)))))
+        h = h + moe(rms(h))   (or the dense MLP)
+    logits = lm_head(rms(h[-1]))                         # [V], fp32
+
+The per-chunk tensors come from the staging workspace (:mod:`moefit.runtime.staging`);
+the chunk's keys and values go to the KV cache before attention reads the whole visible
+range back from it (keys quantized after RoPE and q/k-norm, DESIGN §5).
+
+Routing (mixtral-offloading, transformers ``*TopKRouter``): router logits in the compute
+dtype, softmax in fp32, top-k, renormalised per the family rule, then cast to the compute
+dtype; expert outputs are combined in an fp32 accumulator.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from moefit.geometry import LayerSpec, ModelGeometry
+from moefit.memory.staging import ATTN_KV_BLOCK, ATTN_Q_BLOCK
+from moefit.runtime.arch import Arch
+from moefit.runtime.attention import attend
+from moefit.runtime.experts import ExpertCache
+from moefit.runtime.kv_cache import KVCache
+from moefit.runtime.loader import LayerWeights, Weights
+from moefit.runtime.rope import Rotary
+from moefit.runtime.staging import Workspace
+
+
+@dataclass
+class Model:
+    """Everything the forward pass reads: geometry, switches, weights, caches, workspace."""
+
+    geom: ModelGeometry
+    arch: Arch
+    weights: Weights
+    kv: KVCache
+    experts: ExpertCache | None
+    rotary: Rotary
+    ws: Workspace
+    q_block: int = ATTN_Q_BLOCK
+    kv_block: int = ATTN_KV_BLOCK
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, out: torch.Tensor) -> torch.Tensor:
+    """``w * (x / sqrt(mean(x^2) + eps))`` over the last dim, statistics in fp32, the
+    normalised value cast back to ``x``'s dtype before the weight (``Qwen3MoeRMSNorm``)."""
+    xf = x.float()
+    var = xf.pow(2).mean(-1, keepdim=True)
+    out.copy_(xf * torch.rsqrt(var + eps))
+    return out.mul_(w)
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
+    """``out = x @ w^T (+ b)``; ``x`` ``[T, in]``, ``w`` ``[out, in]``, ``out`` ``[T, out]``."""
+    if b is None:
+        return torch.mm(x, w.t(), out=out)
+    return torch.addmm(b, x, w.t(), out=out)
+
+
+def _attention(mdl: Model, l: LayerSpec, lw: LayerWeights, x: torch.Tensor, slot: int,
+               start: int, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor) -> None:
+    """Self-attention of layer ``l`` on normed ``x`` ``[T, H]`` into ``out`` ``[T, H]``."""
+    a, arch, ws = l.attention, mdl.arch, mdl.ws
+    t, act = x.shape[0], x.dtype
+    heads, kvh, d, dv = a.num_heads, a.num_kv_heads, a.head_dim, a.v_head_dim
+    with ws.scope():
+        q = linear(x, lw.q, lw.q_bias, ws.take((t, heads * d), act))     # [T, A*D]
+        k = linear(x, lw.k, lw.k_bias, ws.take((t, kvh * d), act))       # [T, K*D]
+        v = linear(x, lw.v, lw.v_bias, ws.take((t, kvh * dv), act))      # [T, K*Dv]
+        if arch.qk_norm == "full":            # OLMoE: over all heads at once
+            rms_norm(q, lw.q_norm, arch.rms_eps, q)
+            rms_norm(k, lw.k_norm, arch.rms_eps, k)
+        if arch.clip_qkv is not None:
+            for y in (q, k, v):
+                y.clamp_(-arch.clip_qkv, arch.clip_qkv)
+        q3, k3, v3 = q.view(t, heads, d), k.view(t, kvh, d), v.view(t, kvh, dv)
+        if arch.qk_norm == "head":            # Qwen3: per head
+            rms_norm(q3, lw.q_norm, arch.rms_eps, q3)
+            rms_norm(k3, lw.k_norm, arch.rms_eps, k3)
+        mdl.rotary.apply(q3, cos, sin)
+        mdl.rotary.apply(k3, cos, sin)
+        lc = mdl.kv.layers[l.index]
+        mdl.kv.write(l.index, slot, start, k3, v3,
+                     ws.take((t, kvh, lc.k.shape[3]), torch.uint8),
+                     ws.take((t, kvh, lc.v.shape[3]), torch.uint8))
+        o = ws.take((t, heads, dv), act)                                  # [T, A, Dv]
+        attend(q3, start, mdl.kv, l.index, slot, d ** -0.5, o, ws,
+               q_block=mdl.q_block, kv_block=mdl.kv_block)
+        linear(o.view(t, heads * dv), lw.o, lw.o_bias, out)
+
+
+def _swiglu_mlp(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
+                ws: Workspace, out: torch.Tensor) -> torch.Tensor:
+    """``down(silu(gate(x)) * up(x))`` into ``out`` (``Qwen3MoeMLP``)."""
+    with ws.scope():
+        g = linear(x, gate, None, ws.take((x.shape[0], gate.shape[0]), x.dtype))
+        u = linear(x, up, None, ws.take((x.shape[0], up.shape[0]), x.dtype))
+        return linear(F.silu(g, inplace=True).mul_(u), down, None, out)
+
+
+def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k routing: ``logits`` ``[T, E]`` -> (weights ``[T, k]`` fp32, ids ``[T, k]``);
+    softmax in fp32 then top-k, renormalised to sum 1 when ``renormalize``."""
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)          # [T, E]
+    w, ids = torch.topk(probs, top_k, dim=-1)                          # [T, k]
+    if renormalize:
+        w = w / w.sum(-1, keepdim=True)
+    return w, ids
+
+
+def _moe(mdl: Model, l: LayerSpec, lw: LayerWeights, x: torch.Tensor, out: torch.Tensor) -> None:
+    """Routed experts (+ gated shared expert) of layer ``l`` on ``x`` ``[T, H]`` into ``out``."""
+    ws, m = mdl.ws, l.moe
+    t, h, act = x.shape[0], x.shape[1], x.dtype
+    with ws.scope():
+        logits = linear(x, lw.router, None, ws.take((t, m.num_experts), act))   # [T, E]
+        w, ids = route(logits, m.experts_per_token, mdl.arch.renormalize)
+        w = w.to(act)                                                     # cast after fp32 routing
+        acc = ws.take((t, h), torch.float32, zero=True)                  # [T, H] combine
+        for e in torch.unique(ids).tolist():
+            tok, kpos = torch.where(ids == e)                            # [n], [n]
+            with ws.scope():
+                xe = ws.take((tok.numel(), h), act)
+                torch.index_select(x, 0, tok, out=xe)
+                ye = mdl.experts.run(l.index, e, xe)                     # [n, H]
+                ye.mul_(w[tok, kpos, None])
+                acc.index_add_(0, tok, ye.float())
+        out.copy_(acc)
+        if lw.shared_gate is not None:
+            sh = _swiglu_mlp(x, lw.shared_gate, lw.shared_up, lw.shared_down, ws, ws.take((t, h), act))
+            gate = torch.sigmoid(linear(x, lw.shared_expert_gate, None, ws.take((t, 1), act)))
+            out.add_(sh.mul_(gate))
+
+
+def forward(mdl: Model, ids: torch.Tensor, slot: int, start: int) -> torch.Tensor:
+    """Run tokens ``ids`` ``[T]`` (int64, on the device) at positions ``start ..
+    start + T - 1`` of sequence ``slot``; returns the last token's logits ``[V]`` fp32 (a
+    view into the workspace: copy it before the next call)."""
+    g, arch, w, ws = mdl.geom, mdl.arch, mdl.weights, mdl.ws
+    t, h, act = ids.numel(), g.hidden_size, arch.dtype
+    mdl.kv.check_room(slot, start, t)
+    ws.offset = 0   # the chunk owns the whole workspace
+    hidden = ws.take((t, h), act)                                        # [T, H] residual
+    torch.index_select(w.embed, 0, ids, out=hidden)
+    normed = ws.take((t, h), act)                                        # [T, H]
+    delta = ws.take((t, h), act)                                         # [T, H] layer output
+    cos, sin = mdl.rotary.cos_sin(start, t, act)                         # [T, rot]
+    for l, lw in zip(g.layers, w.layers):
+        rms_norm(hidden, lw.input_norm, arch.rms_eps, normed)
+        _attention(mdl, l, lw, normed, slot, start, cos, sin, delta)
+        hidden.add_(delta)
+        rms_norm(hidden, lw.post_norm, arch.rms_eps, normed)
+        if l.moe is not None:
+            _moe(mdl, l, lw, normed, delta)
+        else:
+            _swiglu_mlp(normed, lw.dense_gate, lw.dense_up, lw.dense_down, ws, delta)
+        hidden.add_(delta)
+    last = rms_norm(hidden[-1:], w.norm, arch.rms_eps, normed[:1])       # [1, H]
+    logits = ws.take((1, g.vocab_size), torch.float32)                   # [1, V]
+    if act == torch.float32:
+        torch.mm(last, w.lm_head.t(), out=logits)
+    else:
+        logits.copy_(last @ w.lm_head.t())
+    mdl.kv.lengths[slot] = start + t
+    return logits[0]

@@ -1,0 +1,162 @@
+"""Rotary position embedding: inverse frequencies, cos/sin, and their application.
+
+Follows transformers ``modeling_rope_utils.py`` (5.x) for the RoPE kinds the runtime runs:
+
+- ``default``: ``inv_freq[i] = 1 / theta^(2i / dim)`` (Su et al. 2021, RoFormer).
+- ``linear``: the default frequencies divided by ``factor`` (position interpolation,
+  Chen et al. 2023, arXiv:2306.15595; ``_compute_linear_scaling_rope_parameters``).
+- ``yarn``: NTK-by-parts interpolation between the extrapolated and the interpolated
+  frequencies over the correction range of ``beta_fast`` / ``beta_slow`` rotations in
+  the original window, and the attention factor ``0.1 ln(factor) + 1`` (or
+  ``mscale`` / ``mscale_all_dim``) multiplied into cos and sin (Peng et al. 2023,
+  arXiv:2309.00071; ``_compute_yarn_parameters``, ``truncate`` default True).
+
+``dim`` is the rotary dimension (``head_dim x partial_rotary_factor``); the rotation is
+``rotate_half`` on the first ``dim`` channels of each head (``apply_rotary_pos_emb``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from moefit.errors import InputError
+
+
+@dataclass(frozen=True)
+class RopeParams:
+    """RoPE of one model as the runtime applies it.
+
+    ``rope_type``: ``default``, ``linear`` or ``yarn``; ``dim``: rotary dims per head;
+    ``original_window``: YaRN's ``original_max_position_embeddings`` (tokens).
+    """
+
+    rope_type: str
+    theta: float
+    dim: int
+    factor: float = 1.0
+    original_window: int = 0
+    max_position_embeddings: int = 0
+    attention_factor: float | None = None
+    beta_fast: float | None = None
+    beta_slow: float | None = None
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    truncate: bool = True
+
+
+def rope_from_config(cfg: dict, dim: int, rope_scaling: str | None = None,
+                     rope_scale: float | None = None, yarn_orig_ctx: int | None = None) -> RopeParams:
+    """RoPE of a ``config.json`` dict, optionally overridden by the request flags.
+
+    Args:
+        cfg: the (text) config dict: ``rope_parameters`` (transformers 5) or
+            ``rope_scaling`` + ``rope_theta`` (older configs).
+        dim: rotary dims per head.
+        rope_scaling: ``--rope-scaling``: None keeps the config's RoPE, ``none`` drops its
+            scaling, ``linear`` / ``yarn`` replace it with factor ``rope_scale``.
+        yarn_orig_ctx: ``--yarn-orig-ctx`` (default: the config's original window).
+
+    Raises InputError for a RoPE type the runtime does not implement.
+    """
+    block = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    theta = float(cfg.get("rope_theta") or block.get("rope_theta") or 10000.0)
+    max_pos = int(cfg.get("max_position_embeddings") or 0)
+    kind = block.get("rope_type") or block.get("type") or "default"
+    original = int(block.get("original_max_position_embeddings") or max_pos)
+    if rope_scaling == "none":
+        return RopeParams("default", theta, dim, max_position_embeddings=max_pos)
+    if rope_scaling in ("linear", "yarn"):
+        orig = yarn_orig_ctx or original
+        keep = block if kind == rope_scaling else {}
+        return RopeParams(rope_scaling, theta, dim, float(rope_scale), orig, max_pos,
+                          keep.get("attention_factor"), keep.get("beta_fast"),
+                          keep.get("beta_slow"), keep.get("mscale"), keep.get("mscale_all_dim"),
+                          bool(keep.get("truncate", True)))
+    if kind == "default":
+        return RopeParams("default", theta, dim, max_position_embeddings=max_pos)
+    if kind not in ("linear", "yarn"):
+        raise InputError(f"rope type {kind!r} is not supported by the runtime "
+                         "(supported: default, linear, yarn)")
+    factor = block.get("factor")
+    if factor is None and kind == "yarn":
+        factor = max_pos / original
+    return RopeParams(kind, theta, dim, float(factor), original, max_pos,
+                      block.get("attention_factor"), block.get("beta_fast"),
+                      block.get("beta_slow"), block.get("mscale"), block.get("mscale_all_dim"),
+                      bool(block.get("truncate", True)))
+
+
+def _default_inv_freq(theta: float, dim: int) -> torch.Tensor:
+    return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def inv_freq(p: RopeParams) -> tuple[torch.Tensor, float]:
+    """``(inv_freq [dim / 2] fp32, attention_scaling)`` for ``p`` (see module docstring)."""
+    if p.rope_type == "default":
+        return _default_inv_freq(p.theta, p.dim), 1.0
+    if p.rope_type == "linear":
+        return _default_inv_freq(p.theta, p.dim) / p.factor, 1.0
+    # YaRN, as transformers' _compute_yarn_parameters
+    factor, dim, base = p.factor, p.dim, p.theta
+    att = p.attention_factor
+    if att is None:
+        if p.mscale and p.mscale_all_dim:
+            att = _yarn_mscale(factor, p.mscale) / _yarn_mscale(factor, p.mscale_all_dim)
+        else:
+            att = _yarn_mscale(factor)
+    beta_fast, beta_slow = p.beta_fast or 32, p.beta_slow or 1
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(p.original_window / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if p.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    pos_freqs = base ** (torch.arange(0, dim, 2).float() / dim)
+    extrapolation = 1.0 / pos_freqs
+    interpolation = 1.0 / (factor * pos_freqs)
+    extra_factor = 1 - ramp
+    return interpolation * (1 - extra_factor) + extrapolation * extra_factor, float(att)
+
+
+class Rotary:
+    """cos/sin for positions, and the rotation of q and k in place.
+
+    Args:
+        p: RoPE parameters.
+        device: where cos/sin are computed (a few ``[T, dim]`` tensors per chunk).
+    """
+
+    def __init__(self, p: RopeParams, device: torch.device):
+        self.params = p
+        freq, self.scaling = inv_freq(p)
+        self.inv_freq = freq.to(device)
+
+    def cos_sin(self, start: int, n: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin ``[n, dim]`` for positions ``start .. start + n - 1``, computed in fp32
+        and cast to ``dtype`` (as transformers' rotary embedding)."""
+        pos = torch.arange(start, start + n, device=self.inv_freq.device, dtype=torch.float32)
+        freqs = pos[:, None] * self.inv_freq[None, :]            # [n, dim/2]
+        emb = torch.cat((freqs, freqs), dim=-1)                   # [n, dim]
+        return (emb.cos() * self.scaling).to(dtype), (emb.sin() * self.scaling).to(dtype)
+
+    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        """Rotate ``x`` ``[T, heads, head_dim]`` in place on its first ``dim`` channels:
+        ``x * cos + rotate_half(x) * sin``."""
+        d = self.params.dim
+        r = x[..., :d]
+        half = d // 2
+        c, s = cos[:, None, :], sin[:, None, :]                   # [T, 1, dim]
+        rot = torch.cat((-r[..., half:], r[..., :half]), dim=-1)  # [T, H, dim]
+        r.mul_(c).add_(rot.mul_(s))
