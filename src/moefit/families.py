@@ -852,6 +852,60 @@ def geometry_from_config(cfg: dict, name: str, source: str = "") -> ModelGeometr
     """
     if not isinstance(cfg, dict):
         raise InputError(f"{source or '<config>'}: expected a JSON object, got {type(cfg).__name__}")
+    try:
+        geom = _parse(cfg, name, source)
+    except InputError:
+        raise
+    except (TypeError, ValueError, ZeroDivisionError, KeyError, AttributeError, IndexError) as e:
+        # a key of the wrong type or value (a string where a number belongs, a zero
+        # interval, a null list): name the file rather than show a traceback
+        raise InputError(f"{source or '<config>'}: malformed config ({type(e).__name__}: {e}); "
+                         "check it against the model's published config.json") from None
+    check_geometry(geom)
+    return geom
+
+
+def check_geometry(g: ModelGeometry) -> None:
+    """Reject a geometry no real model has (InputError naming the config and the value).
+
+    Checks: at least one layer, positive hidden size, vocabulary, heads and widths;
+    KV heads dividing the query heads (GQA); experts per token within the expert count;
+    a positive trained window.
+    """
+    src = g.source or g.name
+
+    def bad(what: str) -> InputError:
+        return InputError(f"{src}: {what}; check it against the model's published config.json")
+
+    if g.num_layers < 1:
+        raise bad("num_hidden_layers must be at least 1")
+    if g.hidden_size < 1 or g.vocab_size < 1:
+        raise bad(f"hidden_size ({g.hidden_size}) and vocab_size ({g.vocab_size}) must be positive")
+    if g.rope.trained_window < 1 or g.rope.original_window < 1:
+        raise bad(f"max_position_embeddings ({g.rope.trained_window}) must be positive")
+    for t in (*g.global_tensors, *(t for l in g.layers for t in (*l.tensors, *l.expert_tensors))):
+        if any(d < 1 for d in t.shape):
+            raise bad(f"tensor {t.name} would have shape {list(t.shape)}; sizes must be positive")
+    for l in g.layers:
+        a = l.attention
+        if a.num_heads < 1:
+            raise bad(f"layer {l.index}: num_attention_heads must be positive")
+        if a.kind in ("full", "sliding"):
+            if a.num_kv_heads < 1 or a.num_heads % a.num_kv_heads:
+                raise bad(f"layer {l.index}: num_key_value_heads ({a.num_kv_heads}) must divide "
+                          f"num_attention_heads ({a.num_heads})")
+            if a.head_dim < 1 or a.v_head_dim < 1:
+                raise bad(f"layer {l.index}: head_dim must be positive")
+        if a.kind == "sliding" and (a.sliding_window or 0) < 1:
+            raise bad(f"layer {l.index}: sliding_window must be positive")
+        if l.moe is not None:
+            m = l.moe
+            if m.num_experts < 1 or not 1 <= m.experts_per_token <= m.num_experts:
+                raise bad(f"layer {l.index}: num_experts_per_tok ({m.experts_per_token}) must be "
+                          f"between 1 and the number of experts ({m.num_experts})")
+
+
+def _parse(cfg: dict, name: str, source: str) -> ModelGeometry:
     c = _Cfg(cfg, source)
     if is_deepseek_inference_config(cfg):
         return _deepseek_inference(c, name)

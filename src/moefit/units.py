@@ -48,7 +48,11 @@ SIZE_SUFFIXES: dict[str, int] = {
 COUNT_SUFFIXES: dict[str, int] = {"": 1, "K": 1024, "M": 1024 * 1024}
 
 _BIT_PREFIXES = {"", "K", "M", "G", "T", "KI", "MI", "GI", "TI"}
-_NUMBER_RE = re.compile(r"^(?P<num>\d+(?:\.\d*)?|\.\d+)\s*(?P<suffix>[A-Za-z]*)$")
+_NUMBER_RE = re.compile(r"^(?P<num>[0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*(?P<suffix>[A-Za-z]*)$")
+#: Sizes above this are typos, not devices (1 EiB; also keeps JSON within int64).
+MAX_SIZE = 1 << 60
+#: A suffix-less size below this is almost surely a forgotten unit (``--vram 16``).
+MIN_BARE_SIZE = 1024
 _SIZE_EXAMPLES = "e.g. 16GiB, 16G (binary), 16GB (decimal, 10^9), 15.5GiB, 512MiB or a byte count"
 
 
@@ -102,6 +106,11 @@ def parse_size(text: str, flag: str, *, allow_zero: bool = False) -> int:
             f"K/M/G/T (binary), KB/MB/GB/TB (decimal) or none (bytes)"
         )
     size = int(number * SIZE_SUFFIXES[key])  # int() of a non-negative Fraction rounds down
+    if size > MAX_SIZE:
+        raise InputError(f"{flag}: {text!r} is more than 1 EiB; {_SIZE_EXAMPLES}")
+    if key == "" and 0 < size < MIN_BARE_SIZE:
+        raise InputError(f"{flag}: {text!r} reads as {size} bytes; add a unit "
+                         f"(e.g. {text.strip()}GiB) or write bytes explicitly with a B suffix")
     if size == 0 and not allow_zero:
         raise InputError(f"{flag}: size must be more than 0 bytes, got {text!r}; {_SIZE_EXAMPLES}")
     return size
