@@ -854,6 +854,7 @@ def geometry_from_config(cfg: dict, name: str, source: str = "") -> ModelGeometr
         raise InputError(f"{source or '<config>'}: expected a JSON object, got {type(cfg).__name__}")
     try:
         geom = _parse(cfg, name, source)
+        check_geometry(geom)
     except InputError:
         raise
     except (TypeError, ValueError, ZeroDivisionError, KeyError, AttributeError, IndexError) as e:
@@ -861,7 +862,6 @@ def geometry_from_config(cfg: dict, name: str, source: str = "") -> ModelGeometr
         # interval, a null list): name the file rather than show a traceback
         raise InputError(f"{source or '<config>'}: malformed config ({type(e).__name__}: {e}); "
                          "check it against the model's published config.json") from None
-    check_geometry(geom)
     return geom
 
 
