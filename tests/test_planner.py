@@ -123,8 +123,17 @@ def test_pinned_expert_cache_and_floor(qwen35):
     pinned = solve(qwen35, dev, FIELD.with_(expert_cache=100))
     assert pinned.expert_slots == 100
     assert sum(n for _, n in pinned.experts_per_layer) == 100
-    assert solve(qwen35, dev, FIELD.with_(min_expert_cache=10 ** 9)).expert_slots \
-        == qwen35.total_experts
+    everything = FIELD.with_(min_expert_cache=qwen35.total_experts)
+    assert solve(qwen35, cuda(80 * GIB), everything).expert_slots == qwen35.total_experts
+    with pytest.raises(InputError, match="10241.*10240 routed experts"):
+        solve(qwen35, dev, FIELD.with_(min_expert_cache=10241))
+    with pytest.raises(InputError, match="--min-expert-cache 200 is above --expert-cache 100"):
+        solve(qwen35, dev, FIELD.with_(expert_cache=100, min_expert_cache=200))
+
+
+def test_expert_flags_on_a_dense_model_are_errors():
+    with pytest.raises(InputError, match="dense model"):
+        solve(load_model("Qwen3-8B"), cuda(24 * GIB), Request(max_context=4096, expert_cache=5))
 
 
 def test_dense_model_has_no_expert_lines():
@@ -161,7 +170,7 @@ def requests(draw):
         prefill_tokens=draw(st.integers(256, 32768)),
         strict=draw(st.booleans()),
         reserve_bytes=draw(st.integers(0, 2 * GIB)),
-        min_expert_cache=draw(st.integers(0, 300)),
+        min_expert_cache=draw(st.integers(0, 256)),   # Mixtral-8x7B has 256 in all
         miss_policy=draw(st.sampled_from(["cpu", "copy"])),
     )
 

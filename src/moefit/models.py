@@ -1,4 +1,4 @@
-"""Resolve a ``--model`` argument to a :class:`~moefit.geometry.ModelGeometry`.
+"""Resolve the ``MODEL`` argument to a :class:`~moefit.geometry.ModelGeometry`.
 
 ``spec`` is, in this order:
 
@@ -7,6 +7,9 @@
 2. the name of a shipped preset, case-insensitive (``qwen3-30b-a3b``); presets live in
    ``moefit/presets/<name>/`` as byte copies of the upstream configs (provenance in
    ``presets/SOURCES.md``).
+
+A path ending in ``.gguf`` (or the first shard of a split file, ``*-00001-of-0000N.gguf``)
+is read by :mod:`moefit.gguf_model`: geometry and exact bytes from its headers.
 
 When the model directory also holds ``*.safetensors``, their headers are read
 (:mod:`moefit.checkpoint`) and attached as ``geom.exact``.
@@ -62,7 +65,7 @@ def _config_in_dir(model_dir: Path) -> Path:
         if isinstance(data, dict) and is_deepseek_inference_config(data):
             return path
     raise InputError(f"{model_dir}: no config.json (nor a DeepSeek inference config) in this directory; "
-                     "point --model at a Hugging Face model directory or its config.json")
+                     "give MODEL as a Hugging Face model directory or its config.json")
 
 
 def _from_file(path: Path, name: str, source: str) -> ModelGeometry:
@@ -76,13 +79,18 @@ def _load_preset(name: str) -> ModelGeometry:
 
 
 def _preset_name(spec: str) -> str | None:
+    """The preset ``spec`` names, case-insensitively; a Hugging Face repo id
+    (``Qwen/Qwen3-30B-A3B``) names the preset of its last component."""
     by_lower = {p.lower(): p for p in list_presets()}
-    return by_lower.get(spec.strip().lower())
+    key = spec.strip().lower()
+    if key.count("/") == 1 and not key.startswith(("/", ".", "~")):
+        key = key.split("/")[1]
+    return by_lower.get(key)
 
 
 def _unknown(spec: str) -> InputError:
     if "/" in spec or "\\" in spec or spec.lower().endswith(".json"):
-        return InputError(f"--model {spec!r}: no such file or directory; give a model directory, "
+        return InputError(f"MODEL {spec!r}: no such file or directory; give a model directory, "
                           "its config.json, or a preset name (`moefit models` lists them)")
     names = list_presets()
     lower = {n.lower(): n for n in names}
@@ -102,9 +110,16 @@ def load_model(spec: str) -> ModelGeometry:
 
     Errors: :class:`InputError` for an unknown name (with close matches), a directory without
     a config, invalid JSON (naming the file), an unsupported config, or a corrupt
-    safetensors header.
+    safetensors or GGUF header.
     """
+    if not spec.strip():
+        raise InputError("MODEL is empty; give a preset name (`moefit models`), a model "
+                         "directory or a config.json path")
     path = Path(spec).expanduser()
+    if path.suffix.lower() == ".gguf":
+        from moefit.gguf_model import load_gguf_model   # imports gguf/numpy: only for GGUF
+
+        return load_gguf_model(path)
     if path.is_dir():
         geom = _from_file(_config_in_dir(path), path.resolve().name, str(path))
         model_dir = path

@@ -15,6 +15,7 @@ A :class:`Request` is plain data; :func:`context_limit` applies the RoPE rules:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from typing import Literal
 
@@ -59,19 +60,30 @@ class Request:
 
 
 def parse_prefill(text: str) -> tuple[str, int]:
-    """Parse ``--prefill auto|auto:N|N`` into (mode, tokens). Raises InputError."""
+    """Parse ``--prefill auto|auto:N|N`` into (mode, tokens); N accepts K (x1024).
+
+    The ceiling of ``auto:N`` is floored to the 256-token grid (auto picks grid chunks);
+    an explicit ``N`` is kept as asked. Raises InputError naming ``--prefill``.
+    """
+    from moefit.units import parse_count
+
     t = text.strip().lower()
     if t == "auto":
         return "auto", DEFAULT_PREFILL_CEILING
     mode, _, num = t.partition(":") if t.startswith("auto:") else ("fixed", "", t)
+    if num.lstrip().startswith("-"):
+        raise InputError(f"--prefill {text!r}: a chunk cannot be negative; use auto, auto:N "
+                         f"or N tokens (N >= {CHUNK_GRID})")
     try:
-        n = int(num.replace("_", ""))
-    except ValueError:
+        n = parse_count(num, "--prefill")
+    except InputError:
         raise InputError(f"--prefill {text!r}: expected auto, auto:N or N tokens "
-                         "(e.g. --prefill 8192)") from None
+                         "(e.g. --prefill 8192 or --prefill 8K)") from None
     if n < CHUNK_GRID:
         raise InputError(f"--prefill {text!r}: a chunk must be at least {CHUNK_GRID} tokens")
-    return ("auto" if mode == "auto" else "fixed"), n
+    if mode == "auto":
+        return "auto", n - n % CHUNK_GRID
+    return "fixed", n
 
 
 def validate(req: Request) -> None:
@@ -85,23 +97,31 @@ def validate(req: Request) -> None:
         raise InputError(f"--prefill-min {req.prefill_min}: must be a multiple of "
                          f"{CHUNK_GRID} tokens, at least {CHUNK_GRID}")
     if req.prefill_tokens < req.prefill_min:
-        raise InputError(f"--prefill {req.prefill_tokens} is below --prefill-min "
-                         f"{req.prefill_min}; lower --prefill-min or raise --prefill")
+        given = (f"--prefill {req.prefill_tokens}" if req.prefill_mode == "fixed" else
+                 f"the auto ceiling ({req.prefill_tokens} tokens)")
+        raise InputError(f"--prefill-min {req.prefill_min} is above {given}; lower "
+                         "--prefill-min or raise --prefill (auto:N sets the auto ceiling)")
     if req.reserve_bytes is not None and req.reserve_bytes < 0:
         raise InputError("--vram-reserve-mib must not be negative")
+    if req.expert_cache is not None and req.min_expert_cache > req.expert_cache:
+        raise InputError(f"--min-expert-cache {req.min_expert_cache} is above --expert-cache "
+                         f"{req.expert_cache}; a pinned cache is its own floor: drop one")
     if req.min_expert_cache < 0:
         raise InputError("--min-expert-cache must not be negative")
     if req.expert_cache is not None and req.expert_cache < 0:
         raise InputError("--expert-cache must be auto or a non-negative slot count")
     if req.arena_slots is not None and req.arena_slots < 1:
         raise InputError("--arena-slots must be at least 1")
+    if req.arena_slots is not None and req.miss_policy != "copy":
+        raise InputError("--arena-slots sizes the weight arena of --miss-policy copy; add "
+                         "--miss-policy copy or drop --arena-slots")
     if req.rope_scale is not None and req.rope_scaling in (None, "none"):
         raise InputError(f"--rope-scale {req.rope_scale} needs --rope-scaling yarn or linear")
     if req.rope_scaling in ("linear", "yarn") and req.rope_scale is None:
         raise InputError(f"--rope-scaling {req.rope_scaling} needs --rope-scale F "
                          "(e.g. --rope-scale 2 doubles the original window)")
-    if req.rope_scale is not None and req.rope_scale < 1:
-        raise InputError(f"--rope-scale {req.rope_scale}: must be at least 1")
+    if req.rope_scale is not None and not (math.isfinite(req.rope_scale) and 1 <= req.rope_scale <= 1024):
+        raise InputError(f"--rope-scale {req.rope_scale}: must be a number from 1 to 1024")
     if req.yarn_orig_ctx is not None:
         if req.rope_scaling != "yarn":
             raise InputError("--yarn-orig-ctx only applies with --rope-scaling yarn")
@@ -113,8 +133,13 @@ def context_limit(geom: ModelGeometry, req: Request) -> tuple[int, str]:
     """Longest context the model supports under ``req``'s RoPE settings.
 
     Returns (tokens, how) where ``how`` explains the limit for messages and the table.
+    Raises InputError for a ``--yarn-orig-ctx`` beyond the trained window.
     """
     rope = geom.rope
+    if req.yarn_orig_ctx is not None and req.yarn_orig_ctx > rope.trained_window:
+        raise InputError(f"--yarn-orig-ctx {req.yarn_orig_ctx} is beyond {geom.name}'s trained "
+                         f"window of {rope.trained_window} tokens; YaRN scales from a window "
+                         "the model was trained on")
     if req.rope_scaling is None:
         return rope.trained_window, f"trained window {rope.trained_window}"
     if req.rope_scaling == "none":
@@ -123,6 +148,18 @@ def context_limit(geom: ModelGeometry, req: Request) -> tuple[int, str]:
     limit = int(orig * req.rope_scale)
     name = "YaRN" if req.rope_scaling == "yarn" else "linear RoPE"
     return limit, f"{name} x{req.rope_scale:g} of {orig}"
+
+
+def rope_notes(geom: ModelGeometry, req: Request) -> list[str]:
+    """Warnings about the RoPE request: a scaling that shrinks the trained window."""
+    limit, how = context_limit(geom, req)
+    if req.rope_scaling is not None and limit < geom.rope.trained_window:
+        rope = geom.rope
+        return [f"rope: {how} gives {limit} tokens, below the trained window of "
+                f"{rope.trained_window} (the config already scales RoPE "
+                f"x{rope.factor:g} from {rope.original_window}); the scale counts from the "
+                f"original window, so --rope-scale {rope.factor:g} keeps the trained one"]
+    return []
 
 
 def resolve_context(geom: ModelGeometry, req: Request) -> int:

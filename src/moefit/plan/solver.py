@@ -28,8 +28,9 @@ from moefit.geometry import ModelGeometry
 from moefit.memory.kv import KV_FORMATS, kv_bytes, kv_chunk_pieces, kv_format
 from moefit.memory.runtime import default_reserve_bytes, runtime_bytes
 from moefit.memory.staging import staging_model
-from moefit.memory.weights import expert_slot_bytes, weight_arena_bytes
-from moefit.plan.request import CHUNK_GRID, Request, resolve_context, validate
+from moefit.memory.weights import default_arena_slots, expert_slot_bytes, weight_arena_bytes
+from moefit.errors import InputError
+from moefit.plan.request import CHUNK_GRID, Request, resolve_context, rope_notes, validate
 
 #: Budget lines in commit order (DESIGN §2): key, label as printed.
 LINE_ORDER: tuple[tuple[str, str], ...] = (
@@ -199,8 +200,9 @@ def solve(geom: ModelGeometry, device: Device, req: Request, *,
     """
     validate(req)
     context = resolve_context(geom, req)
-    notes: list[str] = []
+    notes: list[str] = [*geom.notes, *rope_notes(geom, req)]
     total_experts = geom.total_experts
+    _check_expert_flags(geom, req)
     if req.expert_cache is not None:
         floor = ceiling = min(req.expert_cache, total_experts)
     else:
@@ -213,8 +215,8 @@ def solve(geom: ModelGeometry, device: Device, req: Request, *,
     ctx_cap = max(CHUNK_GRID, -(-context // CHUNK_GRID) * CHUNK_GRID)
     target = min(requested, ctx_cap)
     if target < requested:
-        notes.append(f"prefill: requested {requested}, capped at {target} "
-                     f"(the context is {context} tokens)")
+        asked = f"requested {requested}" if req.prefill_mode == "fixed" else f"auto ceiling {requested}"
+        notes.append(f"prefill: {asked}, capped at {target} (the context is {context} tokens)")
     may_shrink = req.prefill_mode == "auto" or not req.strict
     lowest = min(req.prefill_min, target) if may_shrink else target
 
@@ -227,7 +229,9 @@ def solve(geom: ModelGeometry, device: Device, req: Request, *,
     fits = chunk >= 0
     shown_chunk = chunk if fits else lowest
     clamped = fits and chunk < target
-    if clamped:
+    if clamped and req.prefill_mode == "auto":
+        notes.append(f"prefill: auto, largest chunk that fits up to {requested}: {chunk}")
+    elif clamped:
         notes.append(f"prefill: requested {requested}, clamped to {chunk} due to VRAM budget")
 
     slots = floor
@@ -252,10 +256,26 @@ def solve(geom: ModelGeometry, device: Device, req: Request, *,
         notes.append(f"shown at the smallest chunk allowed ({shown_chunk} tokens)")
     if req.strict and priced.cost(lowest) > free and priced.largest_chunk(free) >= CHUNK_GRID:
         notes.append(f"prefill: requested {requested} does not fit and --strict forbids a clamp")
-    limiting = _limiting(dplan, shortfall)
+    strict_blocked = req.strict and priced.cost(CHUNK_GRID) <= free
+    limiting = ("prefill",) if strict_blocked else _limiting(dplan, shortfall)
     alts = tuple(find_alternatives(geom, device, req, context)) if alternatives else ()
     return replace(plan, notes=tuple(notes), shortfall_bytes=shortfall, limiting=limiting,
                    alternatives=alts)
+
+
+def _check_expert_flags(geom: ModelGeometry, req: Request) -> None:
+    """Expert-cache flags must name a cache the model can have (InputError otherwise)."""
+    total = geom.total_experts
+    for flag, value in (("--expert-cache", req.expert_cache),
+                        ("--min-expert-cache", req.min_expert_cache or None)):
+        if value is None:
+            continue
+        if total == 0:
+            raise InputError(f"{flag} {value}: {geom.name} is a dense model with no routed "
+                             "experts; drop the flag")
+        if value > total:
+            raise InputError(f"{flag} {value} is more than {geom.name}'s {total} routed experts "
+                             f"({len(geom.moe_layers)} MoE layers); use at most {total}")
 
 
 def _lines(geom: ModelGeometry, device: Device, req: Request, context: int, chunk: int,
@@ -273,7 +293,7 @@ def _lines(geom: ModelGeometry, device: Device, req: Request, context: int, chun
     total = geom.total_experts
     pct = f" ({100 * slots / total:.0f}%)" if total else ""
     expert_detail = (f"{slots} of {total} experts{pct}" if total else "dense model: no experts")
-    weights_detail = "exact, from safetensors headers" if geom.exact else ""
+    weights_detail = geom.exact.line_detail() if geom.exact else ""
     if geom.quant.method != "none":
         weights_detail = (weights_detail + ", " if weights_detail else "") + f"{geom.quant.method} checkpoint"
     values = {
@@ -294,7 +314,7 @@ def _limiting(dplan: DevicePlan, shortfall: int) -> tuple[str, ...]:
     """Largest lines first, as many as it takes to cover the shortfall."""
     out, covered = [], 0
     for l in sorted(dplan.lines, key=lambda l: l.bytes, reverse=True):
-        if covered >= shortfall or l.bytes == 0 or l.key in ("runtime", "margin"):
+        if covered >= shortfall or l.bytes == 0 or l.key == "runtime":
             continue
         out.append(l.key)
         covered += l.bytes
@@ -309,22 +329,18 @@ def find_alternatives(geom: ModelGeometry, device: Device, req: Request,
                       context: int) -> list[Alternative]:
     """Single-flag changes that make a failing plan fit, each verified by re-solving.
 
-    - ``--max-context``: the largest context (256-token grid) that fits, by bisection.
+    - ``--max-context``: the largest context that fits, to the token, by bisection.
     - ``--kv``: the closest smaller KV format that fits.
     - ``--prefill``: the largest chunk that fits when ``--strict`` or ``--prefill-min``
       forbade it.
+    - ``--miss-policy cpu`` / a smaller ``--arena-slots`` when the weight arena is in use;
+      a smaller ``--vram-reserve-mib`` when the margin was set by hand.
     - ``--slots``, ``--min-expert-cache`` / ``--expert-cache``: the largest value that fits.
     """
     alts: list[Alternative] = []
-    lo, hi = 0, context // CHUNK_GRID       # in grid units; lo always fits (or 0 = none)
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if _fits(geom, device, req.with_(max_context=mid * CHUNK_GRID)):
-            lo = mid
-        else:
-            hi = mid - 1
-    if lo > 0 and lo * CHUNK_GRID < context:
-        alts.append(Alternative("--max-context", lo * CHUNK_GRID))
+    ctx = _largest_int(lambda n: _fits(geom, device, req.with_(max_context=n)), 1, context - 1)
+    if ctx:
+        alts.append(Alternative("--max-context", ctx))
 
     cur = KV_FORMATS[req.kv.lower()]
     size = lambda f: f.k_bytes(128) + f.v_bytes(128)  # noqa: E731
@@ -339,6 +355,18 @@ def find_alternatives(geom: ModelGeometry, device: Device, req: Request,
         flag = "--prefill" if req.strict else "--prefill-min"
         alts.append(Alternative(flag, plan.prefill_selected))
 
+    if req.miss_policy == "copy":
+        if _fits(geom, device, req.with_(miss_policy="cpu", arena_slots=None)):
+            alts.append(Alternative("--miss-policy", "cpu"))
+        ring = req.arena_slots or default_arena_slots(geom)
+        fit = _largest_int(lambda n: _fits(geom, device, req.with_(arena_slots=n)), 1, ring - 1)
+        if fit:
+            alts.append(Alternative("--arena-slots", fit))
+    if req.reserve_bytes:
+        mib = _largest_int(lambda n: _fits(geom, device, req.with_(reserve_bytes=n << 20)),
+                           0, (req.reserve_bytes >> 20) - 1 if req.reserve_bytes >> 20 else -1)
+        if mib is not None:
+            alts.append(Alternative("--vram-reserve-mib", mib))
     if req.slots > 1:
         fit = _largest_int(lambda n: _fits(geom, device, req.with_(slots=n)), 1, req.slots - 1)
         if fit:
