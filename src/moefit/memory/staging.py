@@ -17,10 +17,10 @@ Terms, per token of the chunk (``act`` = bytes of the compute dtype, 2 for bf16/
    quantized into the cache when the KV format is quantized.
 3. MLA: the Q LoRA activation, Q heads (nope + rope), the latent + RoPE key of the chunk,
    and the attention output (DeepSeek-V2 §2.1).
-4. Gated DeltaNet: the fused q/k/v/z and b/a projections, the conv output, fp32 q/k/v,
-   gates, the intra-chunk ``64 x 64`` matrices of the chunked delta rule per value head
-   and the fp32 output (Yang et al. 2024, "Gated Delta Networks", chunkwise form;
-   transformers ``torch_chunk_gated_delta_rule``).
+4. Gated DeltaNet (:func:`moefit.runtime.deltanet.gated_deltanet`): the fused q/k/v/z
+   and b/a projections and the fp32 conv output (q/k/v), then the larger of the conv input
+   (freed after the conv) and what follows it: fp32 gates (beta, g), the fp32 delta-rule
+   output and the gated-norm output.
 5. MoE dispatch: fp32 router logits and probabilities (``2 x experts x 4``), top-k ids
    (int64) and weights (fp32), the gathered token copies and the expert intermediate
    (``top_k x (2 x hidden + 3 x expert_width) x act``: input, gate/up output, activated,
@@ -35,7 +35,16 @@ Constant terms:
    heads, the fp32 running output / max / sum of the query tile, and the K/V block
    dequantized to the compute dtype. None of it depends on the context.
 8. MLA: the K/V heads decompressed from one latent block.
-9. Gated DeltaNet: an fp32 working copy of the recurrent state.
+9. Gated DeltaNet: the chunked delta rule runs one block of ``DELTA_CHUNK`` (64) tokens
+   at a time (Yang et al. 2024, "Gated Delta Networks", chunkwise form; transformers
+   ``torch_chunk_gated_delta_rule``, which holds every block's intra-block tensors at once;
+   moefit computes them block by block, so they do not grow with the chunk): per value
+   head fp32 ``64 x (5 Dk + 6 Dv + 5 + 3 x 64)`` (q, k, beta k, decayed beta k, A^-1 beta
+   k exp(cum); v, beta v, A^-1 beta v, v_new, output, product; g, beta, cum and two decay
+   vectors; decay, UT and q k^T matrices) plus a ``64 x 64`` mask, one state-sized fp32
+   product, an fp32 working copy of the state when the state dtype is not fp32, the
+   ``kernel - 1`` conv inputs carried into the chunk, and 64-byte alignment of each of the
+   layer's workspace views.
 10. last-token logits: ``slots x vocab`` in fp32 (only the last position of a chunk is
     projected through ``lm_head``).
 """
@@ -50,6 +59,8 @@ from moefit.memory.kv import KVFormat
 ATTN_Q_BLOCK = 256      #: queries per attention tile (tokens)
 ATTN_KV_BLOCK = 512     #: cached tokens per attention tile (tokens)
 DELTA_CHUNK = 64        #: chunk of the chunked delta rule (transformers' default)
+WORKSPACE_ALIGN = 64    #: bytes; the runtime workspace starts every view on this boundary
+DELTANET_VIEWS = 32     #: workspace views one Gated DeltaNet layer takes at most (30)
 FP32 = 4
 INT64 = 8
 
@@ -104,17 +115,20 @@ def _mixer_terms(layer: LayerSpec, geom: ModelGeometry, fmt: KVFormat,
         return tile + acc + kv_block, per_token
     if att.kind == "linear":
         conv = att.linear_conv_dim
-        value_dim = att.linear_num_value_heads * att.linear_value_head_dim
-        nv = att.linear_num_value_heads
+        nv, dk, dv = att.linear_num_value_heads, att.linear_key_head_dim, att.linear_value_head_dim
+        value_dim = nv * dv
         proj = (conv + value_dim + 2 * nv) * act
-        conv_out = conv * act
+        conv_in = conv * act
         fp32_qkv = conv * FP32
         gates = 2 * nv * FP32
-        intra = 2 * nv * DELTA_CHUNK * FP32
         out = value_dim * (FP32 + act)
-        per_token = proj + conv_out + fp32_qkv + gates + intra + out
-        state = nv * att.linear_key_head_dim * att.linear_value_head_dim * FP32
-        return state, per_token
+        per_token = proj + fp32_qkv + max(conv_in, gates + out)
+        b = DELTA_CHUNK
+        block = nv * b * (5 * dk + 6 * dv + 5 + 3 * b) * FP32 + b * b
+        state = nv * dk * dv * FP32
+        working = state if att.state_dtype_bytes != FP32 else 0
+        conv_tail = max(att.linear_conv_kernel - 1, 0) * conv * act
+        return block + state + working + conv_tail + DELTANET_VIEWS * WORKSPACE_ALIGN, per_token
     raise ValueError(f"unknown attention kind {att.kind!r}")
 
 
@@ -155,9 +169,12 @@ def staging_model(geom: ModelGeometry, fmt: KVFormat, slots: int = 1) -> Staging
     layer_tok = max(mixer_tok, mlp_tok)
     terms = (
         ("residual stream", 0, residual),
-        ("attention tiles / recurrent state copy", mixer_const, 0),
+        ("attention tiles / delta-rule blocks", mixer_const, 0),
         ("largest layer: " + ("token mixer" if mixer_tok >= mlp_tok else "MLP / MoE dispatch"),
          0, layer_tok),
         ("last-token logits", logits, 0),
     )
+    if geom.exact is not None and geom.exact.expert_dequant_bytes:
+        # quantized experts (GGUF): one matrix dequantized at a time, plus kernel scratch
+        terms += (("expert dequantization (one matrix)", geom.exact.expert_dequant_bytes, 0),)
     return StagingModel(sum(t[1] for t in terms), sum(t[2] for t in terms), terms)

@@ -16,7 +16,17 @@ qwen2_moe   none; q/k/v bias (``qkv_bias``)            as qwen3_moe; plus the sh
 mixtral     none (``modeling_mixtral.py``)             softmax, top-k, always renormalised
 olmoe       RMSNorm over all heads ``[heads*hd]``      as qwen3_moe (``norm_topk_prob``, default
             then ``clip_qkv`` (``modeling_olmoe.py``)  False)
+qwen3_next  per head, ``(1 + w)`` RMSNorm (every norm   softmax, top-k, renormalise if
+            but the gated one; ``Qwen3NextRMSNorm``)   ``norm_topk_prob`` (default True); plus
+                                                       the sigmoid-gated shared expert
+qwen3_5_moe as qwen3_next (``modeling_qwen3_5_moe.py``) always renormalised; shared expert
 ==========  =========================================  ==========================================
+
+The hybrids (``qwen3_next``, ``qwen3_5_moe`` and its text-only ``qwen3_5_moe_text``) mix
+Gated DeltaNet layers (:mod:`moefit.runtime.deltanet`) with gated full attention; a
+multimodal ``qwen3_5_moe`` checkpoint keeps the text model's settings in ``text_config``
+(the dtype at the top level) and its weights under ``model.language_model.`` (``prefix``);
+the vision tower is not read.
 
 Checkpoint names (``moe_prefix``): ``mlp`` for the Qwen families and OLMoE,
 ``block_sparse_moe`` for Mixtral (``w1`` gate, ``w3`` up, ``w2`` down).
@@ -33,7 +43,9 @@ import torch
 from moefit.errors import InputError
 from moefit.geometry import ModelGeometry
 
-SUPPORTED = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
+SUPPORTED = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "qwen3_next", "qwen3_5_moe",
+             "qwen3_5_moe_text")
+HYBRID = ("qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text")
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 #: Default of ``norm_topk_prob`` in each family's config class (transformers 5.x).
@@ -60,7 +72,9 @@ class Arch:
     moe_prefix: str
     expert_names: tuple[str, str, str]
     tie_embeddings: bool
-    config: dict
+    config: dict             # the text model's config (``text_config`` of a multimodal one)
+    prefix: str = "model."   # checkpoint prefix of the text model
+    norm_offset: float = 0.0  # 1.0: ``(1 + w)`` RMSNorm weights (Qwen3-Next / Qwen3.5)
 
 
 def read_config(model_dir: str | Path) -> dict:
@@ -85,6 +99,8 @@ def arch_from_config(cfg: dict, geom: ModelGeometry) -> Arch:
     if mt not in SUPPORTED:
         raise InputError(f"model_type {mt!r}: the runtime runs {', '.join(SUPPORTED)} "
                          "(the planner knows more families: `moefit plan` works for it)")
+    if mt in HYBRID:
+        return _hybrid_arch(cfg)
     dtype_name = str(cfg.get("dtype") or cfg.get("torch_dtype") or "bfloat16").removeprefix("torch.")
     if dtype_name not in TORCH_DTYPES:
         raise InputError(f"config dtype {dtype_name!r} is not supported by the runtime "
@@ -108,4 +124,38 @@ def arch_from_config(cfg: dict, geom: ModelGeometry) -> Arch:
         expert_names=("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj"),
         tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         config=cfg,
+    )
+
+
+def _hybrid_arch(cfg: dict) -> Arch:
+    """Switches of Qwen3-Next / Qwen3.5 (``modeling_qwen3_next.py``, ``modeling_qwen3_5_moe.py``).
+
+    Raises InputError for an unsupported dtype or activation.
+    """
+    mt = cfg["model_type"]
+    multimodal = mt == "qwen3_5_moe" and isinstance(cfg.get("text_config"), dict)
+    text = dict(cfg["text_config"]) if multimodal else cfg
+    raw = (text.get("dtype") or text.get("torch_dtype") or cfg.get("dtype")
+           or cfg.get("torch_dtype") or "bfloat16")
+    dtype_name = str(raw).removeprefix("torch.")
+    if dtype_name not in TORCH_DTYPES:
+        raise InputError(f"config dtype {dtype_name!r} is not supported by the runtime "
+                         f"(use one of {', '.join(TORCH_DTYPES)})")
+    act = text.get("hidden_act", "silu")
+    if act != "silu":
+        raise InputError(f"hidden_act {act!r}: the runtime runs SiLU hybrids only")
+    bias = bool(text.get("attention_bias", False))
+    norm_topk = text.get("norm_topk_prob")
+    tied = text.get("tie_word_embeddings")
+    if tied is None:
+        tied = cfg.get("tie_word_embeddings", False)
+    return Arch(
+        model_type=mt, dtype=TORCH_DTYPES[dtype_name],
+        rms_eps=float(text.get("rms_norm_eps", 1e-6)),
+        qk_norm="head", q_bias=bias, o_bias=bias, clip_qkv=None,
+        # Qwen3_5MoeTopKRouter always renormalises; Qwen3NextTopKRouter if norm_topk_prob
+        renormalize=True if mt != "qwen3_next" or norm_topk is None else bool(norm_topk),
+        moe_prefix="mlp", expert_names=("gate_proj", "up_proj", "down_proj"),
+        tie_embeddings=bool(tied), config=text,
+        prefix="model.language_model." if multimodal else "model.", norm_offset=1.0,
     )

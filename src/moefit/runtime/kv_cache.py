@@ -8,6 +8,10 @@ The whole ``kv`` line is ONE uint8 buffer from the ledger, of exactly the bytes
   :mod:`moefit.runtime.kv_codec`);
 - after all layers, for ``fp8``: one fp32 K scale and one fp32 V scale per layer.
 
+On a hybrid model the buffer starts with the recurrent and conv state of the Gated
+DeltaNet layers (:class:`~moefit.runtime.linear_state.LinearStates`, ``self.linear``),
+then the cells of the full-attention layers as above.
+
 ``cells`` is the plan's context on full-attention layers and ``min(context, window +
 chunk)`` on sliding-window layers (:func:`moefit.memory.kv.layer_cells`). A token at
 position ``p`` lives in cell ``p % cells``; on a full layer that is ``p``, on a sliding
@@ -31,6 +35,7 @@ import torch
 from moefit.geometry import ModelGeometry
 from moefit.memory.kv import KVFormat, cell_bytes, kv_bytes, layer_cells
 from moefit.runtime.kv_codec import FP8_MAX, Codec
+from moefit.runtime.linear_state import LinearStates
 
 
 class ContextFull(RuntimeError):
@@ -68,8 +73,8 @@ class KVCache:
         chunk: the plan's prefill chunk (tokens; sizes the sliding-window rings).
         buffer: uint8 tensor of :func:`kv_buffer_bytes` bytes from the ledger's ``kv`` line.
 
-    Raises ValueError for linear-attention or MLA layers (not supported by this runtime)
-    and when ``buffer`` is not exactly the priced size.
+    Raises ValueError for MLA layers (not supported by this runtime) and when ``buffer``
+    is not exactly the priced size.
     """
 
     def __init__(self, geom: ModelGeometry, fmt: KVFormat, context: int, slots: int,
@@ -81,13 +86,15 @@ class KVCache:
         self.buffer = buffer
         self.lengths = [0] * slots
         self.layers: dict[int, LayerCells] = {}
-        off = 0
         cache_layers = [l for l in geom.layers if l.attention.kind in ("full", "sliding")]
         for l in geom.layers:
-            if l.attention.kind not in ("full", "sliding"):
+            if l.attention.kind not in ("full", "sliding", "linear"):
                 raise ValueError(f"layer {l.index}: {l.attention.kind} attention is not "
                                  "supported by the runtime yet")
-        scale_off = sum(slots * layer_cells(l.attention, context, chunk) * cell_bytes(l.attention, fmt)
+        self.linear = LinearStates(geom, slots, buffer)
+        off = self.linear.nbytes
+        scale_off = off + sum(slots * layer_cells(l.attention, context, chunk)
+                              * cell_bytes(l.attention, fmt)
                         for l in cache_layers)
         for n, l in enumerate(cache_layers):
             a = l.attention
@@ -114,6 +121,7 @@ class KVCache:
     def reset(self, slot: int) -> None:
         """Forget sequence ``slot`` (its cells are overwritten by the next one)."""
         self.lengths[slot] = 0
+        self.linear.reset(slot)
         if not any(self.lengths):
             for lc in self.layers.values():
                 if lc.scales is not None:

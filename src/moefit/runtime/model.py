@@ -16,6 +16,13 @@ range back from it (keys quantized after RoPE and q/k-norm, DESIGN §5).
 Routing (mixtral-offloading, transformers ``*TopKRouter``): router logits in the compute
 dtype, softmax in fp32, top-k, renormalised per the family rule, then cast to the compute
 dtype; expert outputs are combined in an fp32 accumulator.
+
+Hybrids (``modeling_qwen3_next.py``, ``modeling_qwen3_5_moe.py``): the token mixer of a
+``linear`` layer is Gated DeltaNet (:func:`moefit.runtime.deltanet.gated_deltanet`); the
+full-attention layers have an output gate, ``o * sigmoid(gate)`` before ``o_proj``, with
+the gate from the second half of ``q_proj`` (``Qwen3NextAttention``), and rotate only the
+first ``partial_rotary_factor x head_dim`` channels; every RMSNorm but the gated one scales
+by ``1 + w`` (``Qwen3NextRMSNorm``).
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ from moefit.geometry import LayerSpec, ModelGeometry
 from moefit.memory.staging import ATTN_KV_BLOCK, ATTN_Q_BLOCK
 from moefit.runtime.arch import Arch
 from moefit.runtime.attention import attend
+from moefit.runtime.deltanet import gated_deltanet
 from moefit.runtime.experts import ExpertCache
 from moefit.runtime.kv_cache import KVCache
 from moefit.runtime.loader import LayerWeights, Weights
@@ -51,11 +59,17 @@ class Model:
     kv_block: int = ATTN_KV_BLOCK
 
 
-def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, out: torch.Tensor) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, out: torch.Tensor,
+             offset: float = 0.0) -> torch.Tensor:
     """``w * (x / sqrt(mean(x^2) + eps))`` over the last dim, statistics in fp32, the
-    normalised value cast back to ``x``'s dtype before the weight (``Qwen3MoeRMSNorm``)."""
+    normalised value cast back to ``x``'s dtype before the weight (``Qwen3MoeRMSNorm``).
+
+    ``offset`` 1: ``(1 + w)`` applied in fp32 before the cast (``Qwen3NextRMSNorm``).
+    """
     xf = x.float()
     var = xf.pow(2).mean(-1, keepdim=True)
+    if offset:
+        return out.copy_(xf * torch.rsqrt(var + eps) * (offset + w.float()))
     out.copy_(xf * torch.rsqrt(var + eps))
     return out.mul_(w)
 
@@ -74,7 +88,11 @@ def _attention(mdl: Model, l: LayerSpec, lw: LayerWeights, x: torch.Tensor, slot
     t, act = x.shape[0], x.dtype
     heads, kvh, d, dv = a.num_heads, a.num_kv_heads, a.head_dim, a.v_head_dim
     with ws.scope():
-        q = linear(x, lw.q, lw.q_bias, ws.take((t, heads * d), act))     # [T, A*D]
+        q = linear(x, lw.q[:heads * d], _rows(lw.q_bias, heads * d),
+                   ws.take((t, heads * d), act))                         # [T, A*D]
+        if a.output_gate:   # q_proj rows regrouped at load: [queries; gates]
+            gate = linear(x, lw.q[heads * d:], _rows(lw.q_bias, heads * d, tail=True),
+                          ws.take((t, heads * dv), act))                 # [T, A*Dv]
         k = linear(x, lw.k, lw.k_bias, ws.take((t, kvh * d), act))       # [T, K*D]
         v = linear(x, lw.v, lw.v_bias, ws.take((t, kvh * dv), act))      # [T, K*Dv]
         if arch.qk_norm == "full":            # OLMoE: over all heads at once
@@ -85,8 +103,8 @@ def _attention(mdl: Model, l: LayerSpec, lw: LayerWeights, x: torch.Tensor, slot
                 y.clamp_(-arch.clip_qkv, arch.clip_qkv)
         q3, k3, v3 = q.view(t, heads, d), k.view(t, kvh, d), v.view(t, kvh, dv)
         if arch.qk_norm == "head":            # Qwen3: per head
-            rms_norm(q3, lw.q_norm, arch.rms_eps, q3)
-            rms_norm(k3, lw.k_norm, arch.rms_eps, k3)
+            rms_norm(q3, lw.q_norm, arch.rms_eps, q3, arch.norm_offset)
+            rms_norm(k3, lw.k_norm, arch.rms_eps, k3, arch.norm_offset)
         mdl.rotary.apply(q3, cos, sin)
         mdl.rotary.apply(k3, cos, sin)
         lc = mdl.kv.layers[l.index]
@@ -96,7 +114,16 @@ def _attention(mdl: Model, l: LayerSpec, lw: LayerWeights, x: torch.Tensor, slot
         o = ws.take((t, heads, dv), act)                                  # [T, A, Dv]
         attend(q3, start, mdl.kv, l.index, slot, d ** -0.5, o, ws,
                q_block=mdl.q_block, kv_block=mdl.kv_block)
+        if a.output_gate:
+            o.view(t, heads * dv).mul_(gate.sigmoid_())
         linear(o.view(t, heads * dv), lw.o, lw.o_bias, out)
+
+
+def _rows(b: torch.Tensor | None, n: int, tail: bool = False) -> torch.Tensor | None:
+    """The first ``n`` entries of an optional bias (the rest with ``tail``)."""
+    if b is None:
+        return None
+    return b[n:] if tail else b[:n]
 
 
 def _swiglu_mlp(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
@@ -155,17 +182,22 @@ def forward(mdl: Model, ids: torch.Tensor, slot: int, start: int) -> torch.Tenso
     normed = ws.take((t, h), act)                                        # [T, H]
     delta = ws.take((t, h), act)                                         # [T, H] layer output
     cos, sin = mdl.rotary.cos_sin(start, t, act)                         # [T, rot]
+    off = arch.norm_offset
     for l, lw in zip(g.layers, w.layers):
-        rms_norm(hidden, lw.input_norm, arch.rms_eps, normed)
-        _attention(mdl, l, lw, normed, slot, start, cos, sin, delta)
+        rms_norm(hidden, lw.input_norm, arch.rms_eps, normed, off)
+        if l.attention.kind == "linear":
+            gated_deltanet(l.attention, lw, normed, mdl.kv.linear.layers[l.index], slot,
+                           arch.rms_eps, ws, delta)
+        else:
+            _attention(mdl, l, lw, normed, slot, start, cos, sin, delta)
         hidden.add_(delta)
-        rms_norm(hidden, lw.post_norm, arch.rms_eps, normed)
+        rms_norm(hidden, lw.post_norm, arch.rms_eps, normed, off)
         if l.moe is not None:
             _moe(mdl, l, lw, normed, delta)
         else:
             _swiglu_mlp(normed, lw.dense_gate, lw.dense_up, lw.dense_down, ws, delta)
         hidden.add_(delta)
-    last = rms_norm(hidden[-1:], w.norm, arch.rms_eps, normed[:1])       # [1, H]
+    last = rms_norm(hidden[-1:], w.norm, arch.rms_eps, normed[:1], off)  # [1, H]
     logits = ws.take((1, g.vocab_size), torch.float32)                   # [1, V]
     if act == torch.float32:
         torch.mm(last, w.lm_head.t(), out=logits)
