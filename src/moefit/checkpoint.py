@@ -248,6 +248,9 @@ def describe_weights(geom: ModelGeometry) -> list[str]:
     """Lines for ``--verbose``: analytic vs exact bytes of the ``weights`` line and of one
     expert blob (range over MoE layers), their difference, and what the headers skipped.
     Without headers, the analytic figures and a note that they come from the config."""
+    own = geom.exact.describe(geom) if geom.exact is not None else None
+    if own is not None:
+        return own
     analytic_w = geom.analytic_weight_bytes()
     analytic_b = geom.analytic_expert_blob_bytes()
     fmt = geom.quant.method if geom.quant.method != "none" else geom.dtype

@@ -289,6 +289,12 @@ class ExactWeights:
     tensors, scales included).
     ``skipped_bytes``: tensors not used by the text model (vision tower, MTP layers).
     ``files``: how many safetensors files were read.
+    ``expert_dequant_bytes``: staging bytes that running one stored (quantized) expert
+    needs for its dequantized matrix and kernel scratch; 0 when experts are stored in the
+    compute dtype. Priced on the ``prefill`` line (:mod:`moefit.memory.staging`).
+
+    Other formats (GGUF: :class:`moefit.gguf_model.GGUFWeights`) subclass this and override
+    :meth:`line_detail` / :meth:`describe`.
     """
 
     weight_bytes: int
@@ -296,3 +302,12 @@ class ExactWeights:
     skipped_bytes: int
     total_params: int
     files: int
+    expert_dequant_bytes: int = 0
+
+    def line_detail(self) -> str:
+        """Detail of the ``weights`` budget line."""
+        return "exact, from safetensors headers"
+
+    def describe(self, geom: "ModelGeometry") -> list[str] | None:
+        """``--verbose`` lines of a format that has its own; None: the generic lines."""
+        return None

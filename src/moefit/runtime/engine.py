@@ -38,6 +38,7 @@ from moefit.plan.request import Request
 from moefit.plan.solver import Plan, solve
 from moefit.runtime.arch import arch_from_config, read_config
 from moefit.runtime.experts import ExpertCache, load_profile
+from moefit.runtime.gguf_loader import gguf_config, is_gguf, load_gguf
 from moefit.runtime.kv_cache import KVCache, kv_buffer_bytes
 from moefit.runtime.ledger import BudgetError, Ledger
 from moefit.runtime.loader import load_checkpoint
@@ -94,7 +95,8 @@ class Engine:
     # ---- commit ---------------------------------------------------------------------------
     @classmethod
     def start(cls, model_dir: str | Path, plan: Plan, options: EngineOptions | None = None) -> "Engine":
-        """Commit ``plan`` for the checkpoint in ``model_dir`` (see module docstring).
+        """Commit ``plan`` for the checkpoint in ``model_dir`` (see module docstring), or for
+        the ``.gguf`` file it names (:mod:`moefit.runtime.gguf_loader`).
 
         Raises:
             InputError: the plan does not fit, the chunk override exceeds the plan, or
@@ -117,14 +119,15 @@ class Engine:
         geom, req = plan.geometry, plan.request
         ledger = Ledger.for_plan(plan, opts.device, opts.free_bytes)
         dev = ledger.device
-        cfg = read_config(model_dir)
+        gguf = is_gguf(model_dir)
+        cfg = gguf_config(model_dir) if gguf else read_config(model_dir)
         arch = arch_from_config(cfg, geom)
 
         # 1. runtime
         if dev.type == "cuda":
             _commit_cuda_runtime(ledger, plan.devices[0].device)
         # 2. weights
-        weights, host = load_checkpoint(
+        weights, host = (load_gguf if gguf else load_checkpoint)(
             model_dir, geom, arch, lambda shape, dtype: ledger.alloc("weights", shape, dtype),
             pin=dev.type == "cuda", progress=opts.progress)
         # 3. weight arena
@@ -132,7 +135,8 @@ class Engine:
         if req.miss_policy == "copy" and host.blobs:
             ring = ledger.lines["weight_arena"].planned // max(1, _slot_bytes(host))
             elems = max(host.blob_elems(l) for l in host.blobs)
-            arena = [ledger.alloc("weight_arena", (elems,), arch.dtype) for _ in range(ring)]
+            blob_dtype = next(iter(host.blobs.values())).dtype   # uint8 for stored formats
+            arena = [ledger.alloc("weight_arena", (elems,), blob_dtype) for _ in range(ring)]
         # 4. KV cache
         fmt = kv_format(req.kv)
         kv_buf = ledger.alloc("kv", (kv_buffer_bytes(geom, fmt, plan.context, req.slots,
@@ -145,8 +149,11 @@ class Engine:
         profile = load_profile(opts.routing_profile) if opts.routing_profile else None
         experts = ExpertCache(host, slots, arena, req.miss_policy, profile) if host.blobs else None
         if experts is not None:
+            experts.ws = ws
             _shrink_to_margin(ledger, experts, say)
-        rope = rope_from_config(cfg, geom.layers[0].attention.rotary_dim or geom.layers[0].attention.head_dim,
+        att = next((l.attention for l in geom.layers if l.attention.kind != "linear"),
+                   geom.layers[0].attention)   # hybrids: layer 0 may be linear attention
+        rope = rope_from_config(arch.config, att.rotary_dim or att.head_dim,
                                 req.rope_scaling, req.rope_scale, req.yarn_orig_ctx)
         model = Model(geom, arch, weights, kv, experts, Rotary(rope, dev), ws,
                       q_block=opts.q_block, kv_block=opts.kv_block)
@@ -256,7 +263,8 @@ def _commit_experts(ledger: Ledger, host, plan: Plan, say) -> dict[int, list[tor
     slots: dict[int, list[torch.Tensor]] = {}
     for layer in host.blobs:
         n = want.get(layer, 0)
-        slots[layer] = [ledger.alloc("experts", (host.blob_elems(layer),), host.dtype) for _ in range(n)]
+        slots[layer] = [ledger.alloc("experts", (host.blob_elems(layer),), host.blobs[layer].dtype)
+                        for _ in range(n)]
     return slots
 
 

@@ -18,7 +18,10 @@ Hits and misses are counted per layer, once per expert per forward call (an expe
 serves several tokens of a chunk is one load).
 
 The expert MLP is SwiGLU: ``down(silu(gate(x)) * up(x))`` (transformers
-``Qwen3MoeExperts.forward``: ``gate, up = linear(x, gate_up_proj[e]).chunk(2)``).
+``Qwen3MoeExperts.forward``: ``gate, up = linear(x, gate_up_proj[e]).chunk(2)``). Blobs in a
+stored format (``host.formats``: GGUF quant types) run through
+:meth:`moefit.runtime.quant.StoredExpert.swiglu`, which dequantizes each matrix when used,
+into the staging workspace ``ws`` on the device.
 """
 
 from __future__ import annotations
@@ -85,6 +88,7 @@ class ExpertCache:
             raise InputError("--miss-policy copy needs a weight arena (--arena-slots >= 1)")
         self.host, self.slots, self.arena, self.miss_policy = host, slots, arena, miss_policy
         self.arena_next = 0
+        self.ws = None   # staging workspace for dequantizing stored experts on the device
         self.stats = {l: LayerStats() for l in host.blobs}
         # layer -> OrderedDict(expert -> slot index), least recently used first
         self.resident: dict[int, OrderedDict[int, int]] = {}
@@ -115,27 +119,34 @@ class ExpertCache:
     def run(self, layer: int, expert: int, x: torch.Tensor) -> torch.Tensor:
         """Expert ``expert`` of ``layer`` on ``x`` ``[n, H]`` (device) -> ``[n, H]`` (device).
         Counts a hit or a miss."""
-        inter, hidden = self.host.inter[layer], self.host.hidden
         res = self.resident[layer]
         st = self.stats[layer]
         if expert in res:
             st.hits += 1
             res.move_to_end(expert)
-            return swiglu(x, *split_blob(self.slots[layer][res[expert]], inter, hidden))
+            return self._apply(layer, x, self.slots[layer][res[expert]], self.ws)
         st.misses += 1
         blob = self.host.blobs[layer][expert]
         if self.miss_policy == "cpu":
-            y = swiglu(x.to(blob.device), *split_blob(blob, inter, hidden))
+            y = self._apply(layer, x.to(blob.device), blob, None)
             return y.to(x.device)
         buf = self.arena[self.arena_next][:blob.numel()]
         self.arena_next = (self.arena_next + 1) % len(self.arena)
         buf.copy_(blob, non_blocking=True)
-        y = swiglu(x, *split_blob(buf, inter, hidden))
+        y = self._apply(layer, x, buf, self.ws)
         if self.slots.get(layer):
             victim, s = res.popitem(last=False)
             self.slots[layer][s][:blob.numel()].copy_(buf)
             res[expert] = s
         return y
+
+    def _apply(self, layer: int, x: torch.Tensor, blob: torch.Tensor, ws) -> torch.Tensor:
+        """The expert in ``blob`` on ``x``: a stored format dequantizes (into ``ws`` on the
+        device), a plain blob is viewed as its matrices."""
+        fmt = self.host.formats.get(layer)
+        if fmt is not None:
+            return fmt.swiglu(x, blob[:fmt.nbytes], ws)
+        return swiglu(x, *split_blob(blob, self.host.inter[layer], self.host.hidden))
 
     def report(self) -> dict:
         """``{"layers": {layer: {"slots", "resident", "hits", "misses"}}, "hits", "misses",

@@ -24,6 +24,10 @@ Blobs are pinned when the device is CUDA (asynchronous host-to-device copies).
 Errors (:class:`~moefit.errors.InputError`): a missing tensor (named, with the file the
 index points to or the files searched), a tensor of the wrong shape (named, with its file,
 the shape found and the shape the config implies), no safetensors files.
+
+Hybrids (Qwen3-Next / Qwen3.5): the text model's tensors sit under ``Arch.prefix``
+(``model.language_model.`` in a multimodal checkpoint, whose vision tower is not read); a
+few projections are regrouped at load (:mod:`moefit.runtime.hybrid_layout`).
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from moefit.checkpoint import checkpoint_files, read_header
 from moefit.errors import InputError
 from moefit.geometry import LayerSpec, ModelGeometry
 from moefit.runtime.arch import Arch
+from moefit.runtime.hybrid_layout import Packed, gated_q, linear_attention_entries, sources
 
 Alloc = Callable[[tuple[int, ...], torch.dtype], torch.Tensor]
 
@@ -70,6 +75,14 @@ class LayerWeights:
     dense_gate: torch.Tensor | None = None   # [Id, H]
     dense_up: torch.Tensor | None = None
     dense_down: torch.Tensor | None = None   # [H, Id]
+    # Gated DeltaNet (linear-attention layers; see moefit.runtime.hybrid_layout)
+    la_qkvz: torch.Tensor | None = None      # [C + Nv*Dv, H]
+    la_ba: torch.Tensor | None = None        # [2*Nv, H]
+    la_conv: torch.Tensor | None = None      # [C, 1, K]
+    la_dt_bias: torch.Tensor | None = None   # [Nv]
+    la_a_log: torch.Tensor | None = None     # [Nv]
+    la_norm: torch.Tensor | None = None      # [Dv]
+    la_out: torch.Tensor | None = None       # [H, Nv*Dv]
 
 
 @dataclass
@@ -89,15 +102,18 @@ class HostExperts:
 
     ``blobs[layer]``: ``[E, 3 * I * H]`` in the model dtype, one row per expert;
     ``inter[layer]``: the expert width I; ``hidden``: H.
+    ``formats[layer]``: for experts kept in a stored (quantized) format, the blob layout
+    (:class:`moefit.runtime.quant.StoredExpert`); their blobs are uint8 ``[E, bytes]``.
     """
 
     hidden: int
     dtype: torch.dtype
     blobs: dict[int, torch.Tensor] = field(default_factory=dict)
     inter: dict[int, int] = field(default_factory=dict)
+    formats: dict[int, object] = field(default_factory=dict)
 
     def blob_elems(self, layer: int) -> int:
-        return 3 * self.inter[layer] * self.hidden
+        return self.blobs[layer].shape[1]
 
     def blob_bytes(self, layer: int) -> int:
         return self.blob_elems(layer) * self.blobs[layer].element_size()
@@ -163,15 +179,22 @@ def _first(index: _Index, names: list[str]) -> str:
 
 def _layer_plan(l: LayerSpec, geom: ModelGeometry, arch: Arch, index: _Index) -> list[tuple[str, str, tuple]]:
     """(attribute, checkpoint name, shape) of every resident tensor of layer ``l``."""
-    a, h, p = l.attention, geom.hidden_size, f"model.layers.{l.index}."
+    a, h, p = l.attention, geom.hidden_size, f"{arch.prefix}layers.{l.index}."
     qd, kd, vd = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim, a.num_kv_heads * a.v_head_dim
     s = f"{p}self_attn."
     out = [("input_norm", f"{p}input_layernorm.weight", (h,)),
-           ("post_norm", f"{p}post_attention_layernorm.weight", (h,)),
-           ("q", f"{s}q_proj.weight", (qd, h)), ("k", f"{s}k_proj.weight", (kd, h)),
-           ("v", f"{s}v_proj.weight", (vd, h)), ("o", f"{s}o_proj.weight", (h, a.num_heads * a.v_head_dim))]
+           ("post_norm", f"{p}post_attention_layernorm.weight", (h,))]
+    if a.kind == "linear":
+        out += linear_attention_entries(p, a, h, index.has)
+        return out + _mlp_plan(l, geom, arch, index, p)
+    q, qb = (f"{s}q_proj.weight", (qd, h)), (f"{s}q_proj.bias", (qd,))
+    if a.output_gate:   # q_proj holds [query | gate] per head: regrouped at load
+        q = gated_q(q[0], a.num_heads, a.head_dim, h)
+        qb = gated_q(qb[0], a.num_heads, a.head_dim, h, bias=True)
+    out += [("q", *q), ("k", f"{s}k_proj.weight", (kd, h)), ("v", f"{s}v_proj.weight", (vd, h)),
+            ("o", f"{s}o_proj.weight", (h, a.num_heads * a.v_head_dim))]
     if arch.q_bias:
-        out += [("q_bias", f"{s}q_proj.bias", (qd,)), ("k_bias", f"{s}k_proj.bias", (kd,)),
+        out += [("q_bias", *qb), ("k_bias", f"{s}k_proj.bias", (kd,)),
                 ("v_bias", f"{s}v_proj.bias", (vd,))]
     if arch.o_bias:
         out.append(("o_bias", f"{s}o_proj.bias", (h,)))
@@ -179,6 +202,13 @@ def _layer_plan(l: LayerSpec, geom: ModelGeometry, arch: Arch, index: _Index) ->
         out += [("q_norm", f"{s}q_norm.weight", (a.head_dim,)), ("k_norm", f"{s}k_norm.weight", (a.head_dim,))]
     elif arch.qk_norm == "full":
         out += [("q_norm", f"{s}q_norm.weight", (qd,)), ("k_norm", f"{s}k_norm.weight", (kd,))]
+    return out + _mlp_plan(l, geom, arch, index, p)
+
+
+def _mlp_plan(l: LayerSpec, geom: ModelGeometry, arch: Arch, index: _Index,
+              p: str) -> list[tuple[str, str, tuple]]:
+    """(attribute, checkpoint name, shape) of the MLP / MoE block of layer ``l``."""
+    h, out = geom.hidden_size, []
     if l.moe is None:
         i = l.dense_intermediate
         out += [("dense_gate", f"{p}mlp.gate_proj.weight", (i, h)),
@@ -199,7 +229,7 @@ def _layer_plan(l: LayerSpec, geom: ModelGeometry, arch: Arch, index: _Index) ->
 
 def _expert_plan(l: LayerSpec, geom: ModelGeometry, arch: Arch, index: _Index):
     """``("fused", gate_up name, down name)`` or ``("per_expert", [(g, u, d) per expert])``."""
-    m, h, p = l.moe, geom.hidden_size, f"model.layers.{l.index}."
+    m, h, p = l.moe, geom.hidden_size, f"{arch.prefix}layers.{l.index}."
     i = m.expert_intermediate
     for prefix in dict.fromkeys((arch.moe_prefix, "mlp")):
         gu, dn = f"{p}{prefix}.experts.gate_up_proj", f"{p}{prefix}.experts.down_proj"
@@ -236,23 +266,28 @@ def load_checkpoint(model_dir: str | Path, geom: ModelGeometry, arch: Arch, allo
     index = _Index(model_dir)
     h, dtype = geom.hidden_size, arch.dtype
     # ---- resolve every name first: errors before any byte is read ------------------------
-    glob = [("embed", "model.embed_tokens.weight", (geom.vocab_size, h)),
-            ("norm", "model.norm.weight", (h,))]
+    glob = [("embed", f"{arch.prefix}embed_tokens.weight", (geom.vocab_size, h)),
+            ("norm", f"{arch.prefix}norm.weight", (h,))]
     if not arch.tie_embeddings:
         glob.append(("lm_head", "lm_head.weight", (geom.vocab_size, h)))
     layer_plans = [_layer_plan(l, geom, arch, index) for l in geom.layers]
     expert_plans = {l.index: _expert_plan(l, geom, arch, index) for l in geom.moe_layers}
     for attr, name, shape in glob + [t for lp in layer_plans for t in lp]:
-        index.check(name, shape)
+        for part, part_shape in sources(name, shape):
+            index.check(part, part_shape)
 
-    total = sum(index.numel(n) for _, n, _ in glob + [t for lp in layer_plans for t in lp])
+    total = sum(index.numel(n) for _, name, shape in glob + [t for lp in layer_plans for t in lp]
+                for n, _ in sources(name, shape))
     for plan in expert_plans.values():
         names = [plan[1], plan[2]] if plan[0] == "fused" else [n for trio in plan[1] for n in trio]
         total += sum(index.numel(n) for n in names)
     bar = _progress(total, progress, model_dir.name)
 
-    def resident(name: str, shape: tuple) -> torch.Tensor:
-        src = index.get(name)
+    def resident(name: str | Packed, shape: tuple) -> torch.Tensor:
+        if isinstance(name, Packed):
+            src = name.build([index.get(n) for n, _ in name.parts])
+        else:
+            src = index.get(name)
         dst = alloc(shape, dtype)
         dst.copy_(src)
         bar.update(src.numel())

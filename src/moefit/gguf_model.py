@@ -1,0 +1,644 @@
+"""GGUF files -> :class:`~moefit.geometry.ModelGeometry` with exact bytes, from the headers only.
+
+A GGUF file (format spec: ggml ``docs/gguf.md``) is a header -- magic, version, tensor count,
+metadata key/values, one info record per tensor (name, dims ``ne`` innermost first, ggml type,
+data offset) -- then the aligned tensor data. This module reads the header through the
+``gguf`` package's :class:`gguf.GGUFReader` (which maps the file and never touches the tensor
+data) and:
+
+1. maps the GGUF architecture (``general.architecture``) onto the Hugging Face config of
+   the same model (:func:`config_from_gguf`), so the geometry comes from the very parsers of
+   the config path (:mod:`moefit.families`): same layers, attention kinds, KV and staging;
+2. prices every tensor exactly from its ggml type: ``n_elements / block_size x type_size``
+   bytes (``gguf.GGML_QUANT_SIZES``; the block sizes of ``ggml-common.h``);
+3. prices one expert blob per MoE layer from that layer's real tensor types (files give
+   layers different types: Q4_K_M keeps some ``ffn_down_exps`` in Q6_K): the bytes of the
+   layer's ``ffn_*_exps`` tensors divided by the expert count (every expert slice is whole
+   rows, so the division is exact).
+
+The ``weights`` line prices the non-expert tensors as the runtime holds them: dequantized at
+load to the compute dtype (:func:`compute_dtype`). The file's own bytes per ggml type are
+kept for ``--verbose``.
+
+Split files (``name-00001-of-00003.gguf``, written by ``llama-gguf-split`` / ``GGUFWriter``
+with ``split_max_*``): any shard names the set; every shard's header is read; the metadata
+comes from the first.
+
+Speed: the stock reader walks metadata arrays one element at a time with numpy (about 20 s
+for a 151k-token vocabulary), so :func:`_reader_class` skips scalar and string arrays in
+one step (their contents are not needed to plan). Everything else, including validation, is
+the package's own parsing.
+
+Imports: the ``gguf`` package (and numpy) lazily, only when a ``.gguf`` path is planned;
+never torch.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from moefit.errors import InputError
+from moefit.geometry import ExactWeights, ModelGeometry
+
+#: GGUF architectures planned, and the ``model_type`` of the config they map onto.
+ARCH_MODEL_TYPES: dict[str, str] = {
+    "qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe", "llama": "mixtral (with experts) / llama",
+    "olmoe": "olmoe", "qwen3next": "qwen3_next", "qwen35moe": "qwen3_5_moe_text",
+    "gpt-oss": "gpt_oss", "deepseek2": "deepseek_v2 / deepseek_v3", "glm4moe": "glm4_moe",
+}
+
+#: ggml types whose tensors hold floats as stored (no block structure).
+FLOAT_TYPES = ("F32", "F16", "BF16", "F64")
+
+#: Elements dequantized per kernel call when an expert runs (see ``runtime/quant.py``); the
+#: kernels keep about :data:`DEQUANT_SCRATCH_BYTES_PER_ELEM` bytes of fp32/int scratch per
+#: element of one tile.
+DEQUANT_TILE_ELEMS = 1 << 20
+DEQUANT_SCRATCH_BYTES_PER_ELEM = 12
+
+_SHARD = re.compile(r"^(?P<stem>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$", re.IGNORECASE)
+_BLK = re.compile(r"^blk\.(\d+)\.")
+_EXPERT = re.compile(r"^blk\.(\d+)\.ffn_(?:gate|up|down|gate_up)_exps\.(?:weight|bias)$")
+_SKIP_PREFIX = ("v.", "mm.", "a.", "enc.", "dec.")   # vision / audio towers, encoders
+
+
+# --------------------------------------------------------------------------------------------
+# reading headers
+# --------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class GGUFTensor:
+    """One tensor info record.
+
+    ``ne``: dims innermost first, as GGUF stores them (a torch ``[out, in]`` weight is
+    ``ne = (in, out)``; a stacked expert tensor ``[E, out, in]`` is ``(in, out, E)``).
+    ``nbytes``: ``n_elements / block_size x type_size`` of ``ggml_type``.
+    ``shard``: index of the file (0-based) holding its data; ``offset``: absolute byte
+    offset of the data in that file.
+    """
+
+    name: str
+    ggml_type: str
+    ne: tuple[int, ...]
+    n_elements: int
+    nbytes: int
+    shard: int
+    offset: int
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """Torch order, outermost first."""
+        return tuple(reversed(self.ne))
+
+
+@dataclass
+class GGUFHeader:
+    """Metadata (first shard) and tensor infos (all shards) of a GGUF model.
+
+    ``meta``: scalars and numeric arrays as Python values; string arrays (the tokenizer's
+    vocabulary and merges) are not kept, only their length in ``array_lengths``.
+    ``data_bytes``: per shard, the bytes from the start of the tensor data to the end of
+    the file (tensor data plus alignment padding).
+    """
+
+    paths: list[Path]
+    meta: dict[str, Any]
+    tensors: dict[str, GGUFTensor]
+    data_bytes: list[int]
+    array_lengths: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def arch(self) -> str:
+        return str(self.meta.get("general.architecture", ""))
+
+    def tensor_data_bytes(self) -> int:
+        """Sum of every tensor's bytes (the file's tensor data without alignment padding)."""
+        return sum(t.nbytes for t in self.tensors.values())
+
+
+@functools.lru_cache(maxsize=None)
+def _reader_class():
+    """:class:`gguf.GGUFReader` with a fast path for metadata arrays of scalars and strings.
+
+    The stock ``_get_field_parts`` builds one numpy view per array element; here a scalar
+    array becomes one view of all its elements (``contents()`` still returns them) and a
+    string array is stepped over by its length prefixes (``contents()`` returns ``[]``).
+    Nested arrays fall back to the stock code.
+    """
+    import numpy as np
+    from gguf import GGUFReader, GGUFValueType
+
+    class HeaderReader(GGUFReader):
+        def _get_field_parts(self, orig_offs, raw_type):
+            if raw_type != GGUFValueType.ARRAY:
+                return super()._get_field_parts(orig_offs, raw_type)
+            raw_itype = self._get(orig_offs, np.uint32)
+            alen = self._get(orig_offs + 4, np.uint64)
+            if len(raw_itype) < 1 or len(alen) < 1:
+                raise ValueError(f"metadata array at byte {orig_offs} runs past the end of the file")
+            itype, n, start = GGUFValueType(int(raw_itype[0])), int(alen[0]), orig_offs + 12
+            nptype = self.gguf_scalar_to_np.get(itype)
+            if nptype is not None:
+                values = self._get(start, nptype, n)
+                if len(values) != n:
+                    raise ValueError(f"metadata array at byte {orig_offs} runs past the end of the file")
+                return 12 + int(values.nbytes), [raw_itype, alen, values], [2], [GGUFValueType.ARRAY, itype]
+            if itype == GGUFValueType.STRING:
+                view = memoryview(self.data)
+                little = np.little_endian if self.byte_order == "I" else not np.little_endian
+                u64 = struct.Struct("<Q" if little else ">Q")
+                off = start
+                for _ in range(n):
+                    (length,) = u64.unpack_from(view, off)
+                    off += 8 + length
+                if off > len(view):
+                    raise ValueError(f"metadata string array at byte {orig_offs} runs past the end of the file")
+                return off - orig_offs, [raw_itype, alen, self.data[start:off]], [], \
+                    [GGUFValueType.ARRAY, GGUFValueType.STRING]
+            return super()._get_field_parts(orig_offs, raw_type)
+
+    return HeaderReader
+
+
+def shard_paths(path: str | Path) -> list[Path]:
+    """Every file of a (possibly split) GGUF model, in shard order.
+
+    ``x.gguf`` -> ``[x.gguf]``; ``x-0000K-of-0000N.gguf`` -> the N shards beside it.
+
+    Errors: :class:`InputError` naming the first missing shard, or a path that does not exist.
+    """
+    path = Path(path).expanduser()
+    m = _SHARD.match(path.name)
+    if m is None:
+        if not path.is_file():
+            raise InputError(f"{path}: no such GGUF file")
+        return [path]
+    count = int(m["count"])
+    if count < 1 or int(m["no"]) < 1 or int(m["no"]) > count:
+        raise InputError(f"{path}: not a valid split GGUF name (shard {m['no']} of {m['count']})")
+    paths = [path.with_name(f"{m['stem']}-{i:05d}-of-{count:05d}.gguf") for i in range(1, count + 1)]
+    missing = [p.name for p in paths if not p.is_file()]
+    if missing:
+        raise InputError(f"{path}: split GGUF incomplete, {len(missing)} of {count} shard(s) missing "
+                         f"(e.g. {missing[0]}); all shards must sit in the same directory")
+    return paths
+
+
+def open_reader(path: Path):
+    """A header reader (memory-mapped, read-only) for one GGUF file.
+
+    Errors: :class:`InputError` for an unreadable file, a file that is not GGUF (bad magic),
+    an unsupported version, or any inconsistency the reader finds (truncated header, tensor
+    data beyond the end of the file, an unknown ggml type, duplicate names).
+    """
+    try:
+        size = path.stat().st_size
+    except OSError as e:
+        raise InputError(f"{path}: cannot read GGUF file ({e.strerror or e})") from e
+    if size < 24:
+        raise InputError(f"{path}: corrupt GGUF file ({size} bytes, shorter than a GGUF header)")
+    try:
+        return _reader_class()(path)
+    except OSError as e:
+        raise InputError(f"{path}: cannot read GGUF file ({e.strerror or e})") from e
+    except Exception as e:  # noqa: BLE001 -- the reader raises ValueError, KeyError, IndexError, ...
+        msg = str(e) or type(e).__name__
+        if "magic" in msg.lower():
+            raise InputError(f"{path}: not a GGUF file (bad magic bytes)") from e
+        raise InputError(f"{path}: corrupt GGUF header ({msg})") from e
+
+
+def _field_value(f) -> Any:
+    """A metadata field as a Python value (string arrays are not materialised: None)."""
+    from gguf import GGUFValueType
+
+    if f.types and f.types[0] == GGUFValueType.ARRAY and f.types[-1] == GGUFValueType.STRING:
+        return None
+    return f.contents()
+
+
+def read_header(path: str | Path) -> GGUFHeader:
+    """Metadata and tensor infos of the GGUF model at ``path`` (every shard), never the data.
+
+    Errors: :class:`InputError` (see :func:`shard_paths`, :func:`open_reader`), or a split
+    whose shards disagree with ``split.count``.
+    """
+    paths = shard_paths(path)
+    meta: dict[str, Any] = {}
+    lengths: dict[str, int] = {}
+    tensors: dict[str, GGUFTensor] = {}
+    data_bytes: list[int] = []
+    for i, p in enumerate(paths):
+        r = open_reader(p)
+        try:
+            if i == 0:
+                for key, f in r.fields.items():
+                    if key.startswith("GGUF."):
+                        continue
+                    try:
+                        meta[key] = _field_value(f)
+                        if meta[key] is None:
+                            lengths[key] = int(f.parts[4][0])   # key len, key, type, item type, count
+                    except Exception as e:  # noqa: BLE001
+                        raise InputError(f"{p}: corrupt GGUF metadata value {key!r} ({e})") from e
+            split = r.fields.get("split.count")
+            if split is not None and int(split.contents()) != len(paths):
+                raise InputError(f"{p}: header says the model is split in {int(split.contents())} "
+                                 f"file(s), found {len(paths)}; point at the first shard of a complete set")
+            for t in r.tensors:
+                if t.name in tensors:
+                    raise InputError(f"{p}: tensor {t.name!r} appears in two shards")
+                tensors[t.name] = GGUFTensor(
+                    name=t.name, ggml_type=t.tensor_type.name, ne=tuple(int(d) for d in t.shape),
+                    n_elements=int(t.n_elements), nbytes=int(t.n_bytes), shard=i,
+                    offset=int(t.data_offset))
+            data_bytes.append(len(r.data) - int(r.data_offset))
+        finally:
+            close_reader(r)
+    if not paths or "general.architecture" not in meta:
+        raise InputError(f"{paths[0]}: corrupt GGUF header (no general.architecture key)")
+    return GGUFHeader(paths, meta, tensors, data_bytes, lengths)
+
+
+def close_reader(reader) -> None:
+    """Drop the reader's memory map now rather than at garbage collection."""
+    mm = getattr(reader.data, "_mmap", None)
+    reader.data = None
+    reader.tensors = []
+    if mm is not None:
+        try:
+            mm.close()
+        except (BufferError, ValueError):   # views still alive: the GC closes it later
+            pass
+
+
+# --------------------------------------------------------------------------------------------
+# GGUF metadata -> Hugging Face config
+# --------------------------------------------------------------------------------------------
+class _Meta:
+    """``{arch}.key`` access with errors naming the key and the file."""
+
+    def __init__(self, h: GGUFHeader):
+        self.h, self.arch, self.source = h, h.arch, str(h.paths[0])
+
+    def get(self, key: str, default: Any = None) -> Any:
+        v = self.h.meta.get(f"{self.arch}.{key}")
+        return default if v is None else v
+
+    def req(self, key: str) -> Any:
+        v = self.get(key)
+        if v is None:
+            raise InputError(f"{self.source}: GGUF metadata key '{self.arch}.{key}' is missing "
+                             f"(architecture {self.arch!r})")
+        return v
+
+    def int(self, key: str, default: int | None = None) -> int:
+        v = self.req(key) if default is None else self.get(key, default)
+        if isinstance(v, list):   # per-layer arrays (head counts of hybrids): the largest
+            v = max(v) if v else 0
+        try:
+            return int(v)
+        except (TypeError, ValueError):
+            raise InputError(f"{self.source}: GGUF metadata key '{self.arch}.{key}' must be a "
+                             f"whole number, got {v!r}") from None
+
+    def has(self, name: str) -> bool:
+        return name in self.h.tensors
+
+    def ne(self, name: str) -> tuple[int, ...] | None:
+        t = self.h.tensors.get(name)
+        return t.ne if t else None
+
+
+def num_text_layers(h: GGUFHeader) -> int:
+    """Decoder layers of the text model: ``block_count`` minus the MTP layers that GLM-4.5 /
+    DeepSeek conversions append (``nextn_predict_layers``)."""
+    m = _Meta(h)
+    return m.int("block_count") - m.int("nextn_predict_layers", 0)
+
+
+def compute_dtype(h: GGUFHeader) -> str:
+    """The dtype the runtime computes in, and holds dense weights in, for this file.
+
+    ``general.file_type`` (llama.cpp ``llama_ftype``): 0 ``ALL_F32`` -> float32, 1
+    ``MOSTLY_F16`` -> float16, 32 ``MOSTLY_BF16`` -> bfloat16, any quantized type ->
+    bfloat16. Without the key: float32 when every non-expert tensor is F32, else bfloat16.
+    """
+    ft = h.meta.get("general.file_type")
+    if ft is not None:
+        return {0: "float32", 1: "float16", 32: "bfloat16"}.get(int(ft), "bfloat16")
+    dense = [t for t in h.tensors.values() if not _EXPERT.match(t.name)]
+    return "float32" if dense and all(t.ggml_type == "F32" for t in dense) else "bfloat16"
+
+
+def _moe_layers(m: _Meta, n_layers: int) -> list[int]:
+    return [i for i in range(n_layers) if m.has(f"blk.{i}.ffn_gate_inp.weight")]
+
+
+def _expert_width(m: _Meta, layers: list[int]) -> int | None:
+    """Expert intermediate size from the first MoE layer's expert tensors."""
+    for i in layers:
+        for part in ("up", "gate"):
+            ne = m.ne(f"blk.{i}.ffn_{part}_exps.weight")
+            if ne is not None and len(ne) == 3:
+                return ne[1]
+        ne = m.ne(f"blk.{i}.ffn_gate_up_exps.weight")
+        if ne is not None and len(ne) == 3:
+            return ne[1] // 2
+    return None
+
+
+def _rope_config(m: _Meta) -> dict:
+    """``rope_theta`` and, when the file scales RoPE, ``rope_scaling`` (type, factor, original
+    window) from ``rope.freq_base`` / ``rope.scaling.*``."""
+    cfg: dict[str, Any] = {"rope_theta": float(m.get("rope.freq_base", 10000.0))}
+    kind = str(m.get("rope.scaling.type", "none")).lower()
+    factor = float(m.get("rope.scaling.factor", 0.0) or 0.0)
+    if kind in ("yarn", "linear") and factor > 1.0:
+        block: dict[str, Any] = {"rope_type": kind, "factor": factor}
+        orig = m.get("rope.scaling.original_context_length")
+        if orig:
+            block["original_max_position_embeddings"] = int(orig)
+        cfg["rope_scaling"] = block
+    return cfg
+
+
+def config_from_gguf(h: GGUFHeader) -> dict:
+    """The Hugging Face ``config.json`` dict of the model in ``h`` (see the module docstring).
+
+    Key map, for every architecture: ``block_count`` (minus ``nextn_predict_layers``) ->
+    num_hidden_layers, ``embedding_length`` -> hidden_size, ``attention.head_count(_kv)`` ->
+    num_attention_heads / num_key_value_heads, ``attention.key_length`` -> head_dim,
+    ``context_length`` -> max_position_embeddings, ``attention.layer_norm_rms_epsilon`` ->
+    rms_norm_eps, ``rope.*`` -> rope_theta / rope_scaling, ``expert_count`` /
+    ``expert_used_count`` -> experts and top-k; vocab from ``token_embd`` (``ne[1]``);
+    ``tie_word_embeddings`` when there is no ``output.weight``. Which layers are MoE, the
+    expert width and the presence of biases and q/k norms are read from the tensor infos
+    (ground truth over metadata). Architecture-specific keys are listed at each branch.
+
+    Errors: :class:`InputError` for an architecture not in :data:`ARCH_MODEL_TYPES` or a
+    missing required key (named with the file).
+    """
+    m = _Meta(h)
+    arch = h.arch
+    if arch not in ARCH_MODEL_TYPES:
+        raise InputError(f"{m.source}: GGUF architecture {arch!r} is not supported; supported: "
+                         f"{', '.join(sorted(ARCH_MODEL_TYPES))}")
+    embd = m.ne("token_embd.weight")
+    if embd is None or len(embd) != 2:
+        raise InputError(f"{m.source}: GGUF has no 2-D token_embd.weight tensor; not a text model file")
+    hidden = m.int("embedding_length")
+    layers = num_text_layers(h)
+    heads = m.int("attention.head_count")
+    cfg: dict[str, Any] = {
+        "hidden_size": hidden, "num_hidden_layers": layers, "num_attention_heads": heads,
+        "num_key_value_heads": m.int("attention.head_count_kv", heads) or heads,
+        "max_position_embeddings": m.int("context_length"),
+        "vocab_size": embd[1], "rms_norm_eps": float(m.get("attention.layer_norm_rms_epsilon", 1e-6)),
+        "tie_word_embeddings": not m.has("output.weight"),
+        "dtype": compute_dtype(h),
+    }
+    if m.get("attention.key_length") is not None:
+        cfg["head_dim"] = m.int("attention.key_length")
+    cfg.update(_rope_config(m))
+    moe = _moe_layers(m, layers)
+    experts = m.int("expert_count", 0)
+    top_k = m.int("expert_used_count", 0)
+    width = _expert_width(m, moe)
+    dense_ff = m.int("feed_forward_length", 0)
+    head_dim = cfg.get("head_dim", hidden // heads)
+    bias = m.has("blk.0.attn_q.bias")
+    norm = m.get("expert_weights_norm")
+    dense_layers = [i for i in range(layers) if i not in moe]
+
+    if arch in ("qwen3moe", "qwen2moe"):
+        # qwen3moe normalises the top-k weights in llama.cpp; qwen2moe's config default is False
+        cfg.update(model_type="qwen3_moe" if arch == "qwen3moe" else "qwen2_moe",
+                   num_experts=experts, num_experts_per_tok=top_k,
+                   moe_intermediate_size=m.int("expert_feed_forward_length", width or 0),
+                   intermediate_size=dense_ff or width, mlp_only_layers=dense_layers,
+                   norm_topk_prob=bool(norm if norm is not None else arch == "qwen3moe"))
+        if arch == "qwen2moe":
+            sh = m.ne("blk.%d.ffn_up_shexp.weight" % (moe[0] if moe else 0))
+            cfg["shared_expert_intermediate_size"] = m.int(
+                "expert_shared_feed_forward_length", sh[1] if sh else 0)
+            cfg["qkv_bias"] = bias
+        else:
+            cfg["attention_bias"] = bias
+    elif arch == "llama":
+        # Mixtral is converted as `llama` with stacked experts (ffn_*_exps; w1/w3/w2)
+        if experts:
+            cfg.update(model_type="mixtral", num_local_experts=experts, num_experts_per_tok=top_k,
+                       intermediate_size=width or dense_ff)
+            if m.get("attention.sliding_window"):
+                cfg["sliding_window"] = m.int("attention.sliding_window")
+        else:
+            cfg.update(model_type="llama", intermediate_size=dense_ff, attention_bias=bias,
+                       mlp_bias=m.has("blk.0.ffn_up.bias"))
+    elif arch == "olmoe":
+        # attention.clamp_kqv -> clip_qkv; q/k norms over all heads (ne[0] = heads x head_dim)
+        clamp = m.get("attention.clamp_kqv")
+        cfg.update(model_type="olmoe", num_experts=experts, num_experts_per_tok=top_k,
+                   intermediate_size=width or m.int("expert_feed_forward_length", dense_ff),
+                   norm_topk_prob=bool(norm) if norm is not None else False,
+                   attention_bias=bias, clip_qkv=float(clamp) if clamp else None)
+    elif arch in ("qwen3next", "qwen35moe"):
+        # Gated DeltaNet (convert_hf_to_gguf Qwen3NextModel): ssm.conv_kernel ->
+        # linear_conv_kernel_dim, ssm.state_size -> linear_key_head_dim, ssm.group_count ->
+        # linear_num_key_heads, ssm.time_step_rank -> linear_num_value_heads, ssm.inner_size ->
+        # value dim (Nv x Dv); rope.dimension_count = head_dim x partial_rotary_factor
+        nv = m.int("ssm.time_step_rank")
+        cfg.update(model_type="qwen3_next" if arch == "qwen3next" else "qwen3_5_moe_text",
+                   num_experts=experts, num_experts_per_tok=top_k,
+                   moe_intermediate_size=m.int("expert_feed_forward_length", width or 0),
+                   shared_expert_intermediate_size=m.int("expert_shared_feed_forward_length", 0),
+                   intermediate_size=dense_ff or width, mlp_only_layers=dense_layers,
+                   full_attention_interval=m.int("full_attention_interval", 4),
+                   linear_conv_kernel_dim=m.int("ssm.conv_kernel"),
+                   linear_key_head_dim=m.int("ssm.state_size"),
+                   linear_num_key_heads=m.int("ssm.group_count"),
+                   linear_num_value_heads=nv,
+                   linear_value_head_dim=m.int("ssm.inner_size") // max(nv, 1),
+                   partial_rotary_factor=m.int("rope.dimension_count", head_dim) / head_dim,
+                   attention_bias=bias, norm_topk_prob=True)
+        cfg.setdefault("head_dim", head_dim)
+    elif arch == "gpt-oss":
+        # every other layer sliding (window attention.sliding_window), biases everywhere
+        cfg.update(model_type="gpt_oss", num_local_experts=experts, num_experts_per_tok=top_k,
+                   intermediate_size=width or m.int("expert_feed_forward_length"),
+                   sliding_window=m.int("attention.sliding_window", 128), attention_bias=True)
+    elif arch == "deepseek2":
+        # MLA: rope.dimension_count -> qk_rope_head_dim; attention.key_length(_mla) = nope + rope;
+        # value_length(_mla) = v_head_dim (the _mla keys, when present, hold the per-head
+        # sizes and key/value_length the absorbed ones); leading_dense_block_count ->
+        # first_k_dense_replace; expert_gating_func 2 (sigmoid) -> deepseek_v3
+        rope = m.int("rope.dimension_count")
+        key = m.int("attention.key_length_mla", 0) or m.int("attention.key_length")
+        value = m.int("attention.value_length_mla", 0) or m.int("attention.value_length")
+        cfg.pop("head_dim", None)
+        cfg.update(model_type="deepseek_v3" if m.int("expert_gating_func", 1) == 2 else "deepseek_v2",
+                   intermediate_size=dense_ff or width, moe_intermediate_size=width or m.int("expert_feed_forward_length"),
+                   n_routed_experts=experts, num_experts_per_tok=top_k,
+                   n_shared_experts=m.int("expert_shared_count", 0),
+                   first_k_dense_replace=m.int("leading_dense_block_count", 0),
+                   q_lora_rank=m.int("attention.q_lora_rank", 0), kv_lora_rank=m.int("attention.kv_lora_rank"),
+                   qk_rope_head_dim=rope, qk_nope_head_dim=key - rope, v_head_dim=value)
+    elif arch == "glm4moe":
+        # leading_dense_block_count -> first_k_dense_replace; expert_shared_count ->
+        # n_shared_experts; rope.dimension_count = head_dim x partial_rotary_factor
+        cfg.update(model_type="glm4_moe", n_routed_experts=experts, num_experts_per_tok=top_k,
+                   moe_intermediate_size=width or m.int("expert_feed_forward_length"),
+                   n_shared_experts=m.int("expert_shared_count", 0),
+                   first_k_dense_replace=m.int("leading_dense_block_count", 0),
+                   intermediate_size=dense_ff or width,
+                   partial_rotary_factor=m.int("rope.dimension_count", head_dim) / head_dim,
+                   use_qk_norm=m.has("blk.0.attn_q_norm.weight"), attention_bias=bias)
+    return cfg
+
+
+# --------------------------------------------------------------------------------------------
+# exact bytes
+# --------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class GGUFWeights(ExactWeights):
+    """Exact bytes of a GGUF model (see :class:`~moefit.geometry.ExactWeights`).
+
+    ``weight_bytes``: the non-expert tensors as resident: dequantized to ``compute_dtype``.
+    ``stored_weight_bytes``: the same tensors as stored in the file.
+    ``by_type``: ``(ggml type, dense bytes, expert bytes, tensor count)`` over every tensor
+    of the file (skipped ones count as dense).
+    ``data_bytes``: every tensor's bytes (the file's tensor data without padding).
+    ``expert_types``: per MoE layer, the (gate, up, down) ggml types.
+    """
+
+    compute_dtype: str = "bfloat16"
+    stored_weight_bytes: int = 0
+    by_type: tuple[tuple[str, int, int, int], ...] = ()
+    data_bytes: int = 0
+    expert_types: tuple[tuple[int, tuple[str, ...]], ...] = ()
+
+    def line_detail(self) -> str:
+        short = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}[self.compute_dtype]
+        return f"exact, from GGUF; dequantized to {short} at load"
+
+    def describe(self, geom: ModelGeometry) -> list[str]:
+        from moefit.units import format_bytes as fmt
+
+        blobs = dict(self.expert_blob_bytes)
+        lines = [f"weights      {fmt(self.weight_bytes)} resident ({self.compute_dtype}, dequantized at "
+                 f"load), {fmt(self.stored_weight_bytes)} in the file"]
+        if blobs:
+            lo, hi = min(blobs.values()), max(blobs.values())
+            rng = fmt(lo) if lo == hi else f"{fmt(lo)}..{fmt(hi)}"
+            kinds = sorted({"/".join(t) for _, t in self.expert_types})
+            lines.append(f"expert blob  {rng} per expert, kept in the file's format "
+                         f"(gate/up/down: {', '.join(kinds)})")
+        lines.append(f"GGUF         {self.files} file(s), tensor data {fmt(self.data_bytes)}")
+        for kind, dense, expert, count in self.by_type:
+            lines.append(f"  {kind:<10} {fmt(dense + expert):>11}  experts {fmt(expert)}, "
+                         f"other {fmt(dense)}, {count} tensor(s)")
+        lines.append(f"params       analytic {geom.total_params:,}, in file {self.total_params:,}")
+        if self.skipped_bytes:
+            lines.append(f"skipped      {fmt(self.skipped_bytes)} not used by the text model (MTP layers, towers)")
+        return lines
+
+
+_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+def exact_from_gguf(geom: ModelGeometry, h: GGUFHeader) -> GGUFWeights:
+    """Exact bytes of ``geom``'s weights from the tensor infos of ``h``.
+
+    Buckets (by GGUF name): ``blk.N.ffn_{gate,up,down,gate_up}_exps.{weight,bias}`` with
+    ``N < num_layers`` -> the expert blob of layer N (bytes / expert count); ``blk.N.*`` with
+    ``N >= num_layers`` (MTP) and vision/audio towers -> skipped; everything else -> weights.
+
+    Errors: :class:`InputError` for an expert tensor on a layer the metadata makes dense, an
+    expert tensor whose expert dim is not the layer's expert count, or a layer whose expert
+    tensors are missing.
+    """
+    src = str(h.paths[0])
+    moe = {l.index: l.moe.num_experts for l in geom.moe_layers}
+    act = _DTYPE_BYTES[compute_dtype(h)]
+    weight = stored = skipped = params = 0
+    blob: dict[int, int] = {}
+    kinds: dict[int, dict[str, str]] = {}
+    by_type: dict[str, list[int]] = {}
+    for t in h.tensors.values():
+        row = by_type.setdefault(t.ggml_type, [0, 0, 0])
+        row[2] += 1
+        b = _BLK.match(t.name)
+        layer = int(b.group(1)) if b else None
+        if t.name.startswith(_SKIP_PREFIX) or (layer is not None and layer >= geom.num_layers):
+            skipped += t.nbytes
+            row[0] += t.nbytes
+            continue
+        params += t.n_elements
+        if _EXPERT.match(t.name):
+            if layer not in moe:
+                raise InputError(f"{src}: tensor {t.name!r} holds routed experts, but layer {layer} "
+                                 "has no router (blk.N.ffn_gate_inp); the file is inconsistent")
+            e = moe[layer]
+            dim = t.ne[-1]
+            if dim != e or t.nbytes % e:
+                raise InputError(f"{src}: tensor {t.name!r} has dims {list(t.ne)}; expected {e} "
+                                 f"experts in its last dim (expert_count)")
+            blob[layer] = blob.get(layer, 0) + t.nbytes // e
+            row[1] += t.nbytes
+            if t.name.endswith(".weight"):
+                part = t.name.split(".")[2].removeprefix("ffn_").removesuffix("_exps")
+                kinds.setdefault(layer, {})[part] = t.ggml_type
+            continue
+        weight += t.n_elements * act
+        stored += t.nbytes
+        row[0] += t.nbytes
+    missing = [i for i in moe if i not in blob]
+    if missing:
+        raise InputError(f"{src}: layer {missing[0]} has a router but no ffn_*_exps expert tensors")
+    types = []
+    for layer in sorted(kinds):
+        k = kinds[layer]
+        gate, up = (k["gate_up"], k["gate_up"]) if "gate_up" in k else (k.get("gate", "?"), k.get("up", "?"))
+        types.append((layer, (gate, up, k.get("down", "?"))))
+    # an expert runs from its stored blob: each matrix is dequantized into the staging
+    # workspace (compute dtype) by tiles of DEQUANT_TILE_ELEMS elements (runtime/quant.py)
+    dequant = 0
+    for l in geom.moe_layers:
+        mat = l.moe.expert_intermediate * geom.hidden_size
+        dequant = max(dequant, mat * act + min(mat, DEQUANT_TILE_ELEMS) * DEQUANT_SCRATCH_BYTES_PER_ELEM)
+    order = sorted(by_type.items(), key=lambda kv: -(kv[1][0] + kv[1][1]))
+    return GGUFWeights(
+        weight_bytes=weight, expert_blob_bytes=tuple(sorted(blob.items())), skipped_bytes=skipped,
+        total_params=params, files=len(h.paths), expert_dequant_bytes=dequant,
+        compute_dtype=compute_dtype(h), stored_weight_bytes=stored,
+        by_type=tuple((k, v[0], v[1], v[2]) for k, v in order), data_bytes=h.tensor_data_bytes(),
+        expert_types=tuple(types))
+
+
+def model_name(h: GGUFHeader) -> str:
+    """``general.name``, else the file name without ``.gguf`` and the shard suffix."""
+    name = h.meta.get("general.name")
+    if isinstance(name, str) and name.strip():
+        return name.strip()
+    m = _SHARD.match(h.paths[0].name)
+    return m["stem"] if m else h.paths[0].stem
+
+
+def load_gguf_model(path: str | Path) -> ModelGeometry:
+    """The geometry of the GGUF model at ``path`` with exact bytes (:class:`GGUFWeights`).
+
+    Errors: :class:`InputError` for a missing file or shard, a corrupt header, an
+    unsupported architecture, or metadata and tensors that disagree.
+    """
+    import dataclasses
+
+    from moefit.families import geometry_from_config
+
+    h = read_header(path)
+    cfg = config_from_gguf(h)
+    geom = geometry_from_config(cfg, model_name(h), str(path))
+    return dataclasses.replace(geom, exact=exact_from_gguf(geom, h))

@@ -1,0 +1,233 @@
+"""Load a GGUF model: dense weights dequantized onto the device, experts kept as stored.
+
+Input: a ``.gguf`` file (or the first shard of a split one) of the families the runtime
+runs: ``qwen3moe``, ``qwen2moe``, ``olmoe`` and ``llama`` with experts (Mixtral). The file
+is memory-mapped (``gguf.GGUFReader``); every tensor is read once, straight from the map
+into its destination, and the maps are closed at the end, so host memory holds the
+expert blobs once (not the file and a copy).
+
+- Dense tensors (attention, norms, routers, shared experts, dense MLPs, embeddings, output)
+  are dequantized tile by tile (:func:`moefit.runtime.quant.dequantize`) into tensors of
+  the compute dtype from ``alloc`` (the ledger's ``weights`` line; the plan priced them at
+  that dtype). ``llama`` files hold q/k rows permuted for llama.cpp's interleaved RoPE
+  (``convert_hf_to_gguf.py`` ``LlamaModel.permute``); they are permuted back to the
+  rotate-half order the forward pass uses.
+- Experts: per MoE layer, ``ffn_{gate,up,down}_exps`` (``[E, I, H]``, ``[E, I, H]``,
+  ``[E, H, I]``; or ``ffn_gate_up_exps`` ``[E, 2I, H]``) become one uint8 blob per expert,
+  ``[gate | up | down]`` bytes in the file's types (:class:`~moefit.runtime.quant.StoredExpert`).
+
+Errors (:class:`~moefit.errors.InputError`): a missing tensor, a tensor whose dims differ
+from the metadata's, a ggml type without a kernel (each named with the file), an
+architecture the runtime does not run.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import torch
+
+from moefit.errors import InputError
+from moefit.geometry import LayerSpec, ModelGeometry
+from moefit.gguf_model import GGUFHeader, GGUFTensor, close_reader, config_from_gguf, open_reader, read_header
+from moefit.runtime.arch import Arch
+from moefit.runtime.loader import HostExperts, LayerWeights, Weights, _NoBar
+from moefit.runtime.quant import StoredExpert, dequantize, kernel_for
+
+#: GGUF architectures the runtime runs.
+RUNTIME_ARCHS = ("qwen3moe", "qwen2moe", "olmoe", "llama")
+
+
+def is_gguf(path: str | Path) -> bool:
+    return str(path).lower().endswith(".gguf")
+
+
+def gguf_config(path: str | Path) -> dict:
+    """The Hugging Face config dict of the GGUF model at ``path`` (from its header)."""
+    return config_from_gguf(read_header(path))
+
+
+class _Tensors:
+    """GGUF tensor name -> data (a numpy view of the memory map), with checks."""
+
+    def __init__(self, h: GGUFHeader):
+        self.h = h
+        self.readers = [open_reader(p) for p in h.paths]
+        self.data = {t.name: t.data for r in self.readers for t in r.tensors}
+
+    def info(self, name: str) -> GGUFTensor:
+        t = self.h.tensors.get(name)
+        if t is None:
+            raise InputError(f"{self.h.paths[0]}: tensor {name!r} is missing from the GGUF file; "
+                             "is the file complete and of a supported architecture?")
+        return t
+
+    def check(self, name: str, shape: tuple[int, ...]) -> GGUFTensor:
+        """The tensor's info after checking its dims against ``shape`` (torch order; a
+        ``[1, H]`` weight may be stored 1-D) and that its type has a kernel."""
+        t = self.info(name)
+        squeeze = lambda s: tuple(d for d in s if d != 1)  # noqa: E731
+        if t.shape != tuple(shape) and squeeze(t.shape) != squeeze(shape):
+            raise InputError(f"{self.h.paths[t.shard]}: tensor {name!r} has dims {list(t.ne)}, "
+                             f"but the metadata implies {list(reversed(shape))}")
+        kernel_for(t.ggml_type, f"{self.h.paths[t.shard].name}: {name}")
+        return t
+
+    def raw(self, name: str) -> torch.Tensor:
+        """The tensor's bytes as a flat uint8 tensor sharing the memory map (read-only:
+        only ever copied from)."""
+        import numpy as np
+
+        a = self.data[name].reshape(-1).view(np.uint8)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)   # "non-writable array": never written
+            return torch.from_numpy(a)
+
+    def close(self) -> None:
+        self.data.clear()
+        for r in self.readers:
+            close_reader(r)
+
+
+def _prod(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n
+
+
+def _layer_plan(l: LayerSpec, geom: ModelGeometry, arch: Arch) -> list[tuple[str, str, tuple]]:
+    """(attribute, GGUF name, torch shape) of every resident tensor of layer ``l``."""
+    a, h, b = l.attention, geom.hidden_size, f"blk.{l.index}."
+    qd, kd, vd = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim, a.num_kv_heads * a.v_head_dim
+    out = [("input_norm", f"{b}attn_norm.weight", (h,)), ("post_norm", f"{b}ffn_norm.weight", (h,)),
+           ("q", f"{b}attn_q.weight", (qd, h)), ("k", f"{b}attn_k.weight", (kd, h)),
+           ("v", f"{b}attn_v.weight", (vd, h)), ("o", f"{b}attn_output.weight", (h, a.num_heads * a.v_head_dim))]
+    if arch.q_bias:
+        out += [("q_bias", f"{b}attn_q.bias", (qd,)), ("k_bias", f"{b}attn_k.bias", (kd,)),
+                ("v_bias", f"{b}attn_v.bias", (vd,))]
+    if arch.o_bias:
+        out.append(("o_bias", f"{b}attn_output.bias", (h,)))
+    if arch.qk_norm == "head":
+        out += [("q_norm", f"{b}attn_q_norm.weight", (a.head_dim,)), ("k_norm", f"{b}attn_k_norm.weight", (a.head_dim,))]
+    elif arch.qk_norm == "full":
+        out += [("q_norm", f"{b}attn_q_norm.weight", (qd,)), ("k_norm", f"{b}attn_k_norm.weight", (kd,))]
+    if l.moe is None:
+        i = l.dense_intermediate
+        return out + [("dense_gate", f"{b}ffn_gate.weight", (i, h)), ("dense_up", f"{b}ffn_up.weight", (i, h)),
+                      ("dense_down", f"{b}ffn_down.weight", (h, i))]
+    m = l.moe
+    out.append(("router", f"{b}ffn_gate_inp.weight", (m.num_experts, h)))
+    if m.shared_intermediate:
+        si = m.shared_intermediate
+        out += [("shared_gate", f"{b}ffn_gate_shexp.weight", (si, h)),
+                ("shared_up", f"{b}ffn_up_shexp.weight", (si, h)),
+                ("shared_down", f"{b}ffn_down_shexp.weight", (h, si)),
+                ("shared_expert_gate", f"{b}ffn_gate_inp_shexp.weight", (1, h))]
+    return out
+
+
+def _expert_parts(l: LayerSpec, geom: ModelGeometry, ts: _Tensors) -> tuple[list[str], StoredExpert]:
+    """The GGUF expert tensors of layer ``l`` in blob order (gate, up, down; or gate_up,
+    down) and the layer's :class:`StoredExpert` layout."""
+    m, h, b = l.moe, geom.hidden_size, f"blk.{l.index}."
+    e, i = m.num_experts, m.expert_intermediate
+    fused = f"{b}ffn_gate_up_exps.weight"
+    if fused in ts.h.tensors:
+        t = ts.check(fused, (e, 2 * i, h))
+        d = ts.check(f"{b}ffn_down_exps.weight", (e, h, i))
+        fmt = StoredExpert.pack(i, h, t.ggml_type, t.ggml_type, d.ggml_type)
+        return [fused, d.name], fmt
+    g = ts.check(f"{b}ffn_gate_exps.weight", (e, i, h))
+    u = ts.check(f"{b}ffn_up_exps.weight", (e, i, h))
+    d = ts.check(f"{b}ffn_down_exps.weight", (e, h, i))
+    return [g.name, u.name, d.name], StoredExpert.pack(i, h, g.ggml_type, u.ggml_type, d.ggml_type)
+
+
+def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """llama.cpp interleaved q/k rows -> rotate-half rows (inverse of ``LlamaModel.permute``)."""
+    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def load_gguf(path: str | Path, geom: ModelGeometry, arch: Arch, alloc, *, pin: bool = False,
+              progress: bool = True) -> tuple[Weights, HostExperts]:
+    """Read the GGUF model at ``path``: dense weights into tensors from ``alloc`` (compute
+    dtype ``arch.dtype``), experts into stored blobs. Every name, dims and type is checked
+    before any data is read. Raises InputError (see module docstring)."""
+    h = read_header(path)
+    if h.arch not in RUNTIME_ARCHS:
+        raise InputError(f"{h.paths[0]}: GGUF architecture {h.arch!r}: the runtime runs "
+                         f"{', '.join(RUNTIME_ARCHS)} (`moefit plan` plans it)")
+    ts = _Tensors(h)
+    try:
+        return _load(h, ts, geom, arch, alloc, pin, progress)
+    finally:
+        ts.close()
+
+
+def _load(h, ts: _Tensors, geom, arch, alloc, pin, progress):
+    hidden, dtype = geom.hidden_size, arch.dtype
+    glob = [("embed", "token_embd.weight", (geom.vocab_size, hidden)), ("norm", "output_norm.weight", (hidden,))]
+    if not arch.tie_embeddings:
+        glob.append(("lm_head", "output.weight", (geom.vocab_size, hidden)))
+    layer_plans = [_layer_plan(l, geom, arch) for l in geom.layers]
+    for _, name, shape in glob + [t for lp in layer_plans for t in lp]:
+        ts.check(name, shape)
+    expert_plans = {l.index: _expert_parts(l, geom, ts) for l in geom.moe_layers}
+    names = [n for _, n, _ in glob] + [n for lp in layer_plans for _, n, _ in lp]
+    names += [n for parts, _ in expert_plans.values() for n in parts]
+    bar = _progress_bytes(sum(h.tensors[n].nbytes for n in names), progress, h.paths[0].name)
+    heads = geom.layers[0].attention.num_heads
+    kv_heads = geom.layers[0].attention.num_kv_heads
+
+    def resident(name: str, shape: tuple) -> torch.Tensor:
+        t = h.tensors[name]
+        raw = ts.raw(name)
+        if h.arch == "llama" and (".attn_q." in name or ".attn_k." in name):
+            # whole quantized rows move: un-permute the bytes on the host, then dequantize
+            n = heads if ".attn_q." in name else kv_heads
+            raw = _unpermute(raw.view(shape[0], -1), n).reshape(-1)
+        dst = alloc(shape, dtype)
+        dequantize(raw, t.ggml_type, shape, out=dst)
+        bar.update(t.nbytes)
+        return dst
+
+    g = {attr: resident(name, shape) for attr, name, shape in glob}
+    layers = []
+    for lp in layer_plans:
+        lw = LayerWeights()
+        for attr, name, shape in lp:
+            setattr(lw, attr, resident(name, shape))
+        layers.append(lw)
+    weights = Weights(g["embed"], g["norm"], g.get("lm_head", g["embed"]), layers)
+
+    experts = HostExperts(hidden, torch.uint8)
+    for l in geom.moe_layers:
+        parts, fmt = expert_plans[l.index]
+        e = l.moe.num_experts
+        blobs = torch.empty((e, fmt.nbytes), dtype=torch.uint8, pin_memory=pin)   # [E, bytes]
+        off = 0
+        for name in parts:
+            src = ts.raw(name).view(e, -1)                                          # [E, bytes/E]
+            blobs[:, off:off + src.shape[1]].copy_(src)
+            off += src.shape[1]
+            bar.update(h.tensors[name].nbytes)
+        assert off == fmt.nbytes, (off, fmt)
+        experts.blobs[l.index] = blobs
+        experts.inter[l.index] = l.moe.expert_intermediate
+        experts.formats[l.index] = fmt
+    bar.close()
+    return weights, experts
+
+
+def _progress_bytes(total: int, show: bool, name: str):
+    """A tqdm bar over the file's bytes on stderr (none without tqdm or when not shown)."""
+    if not show:
+        return _NoBar()
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return _NoBar()
+    return tqdm(total=total, desc=f"loading {name}", unit="B", unit_scale=True, unit_divisor=1024,
+                leave=False)

@@ -1,0 +1,289 @@
+"""Dequantization kernels (PyTorch) and the stored-expert blob format.
+
+Kernels turn ggml blocks into floats, bit for bit as the ``gguf`` package's reference
+(``gguf/quants.py``, itself a port of ``ggml-quants.c`` ``dequantize_row_*``): the same
+integer unpacking, then the same fp32 multiplications and subtractions in the same order,
+so the results are identical (a test compares them on random blocks of every type). Each
+kernel maps ``raw`` uint8 ``[nb, type_size]`` -> fp32 ``[nb, block_size]``.
+
+=======  =====  ====  =========================================================================
+type     block  size  layout of one block (bytes)
+=======  =====  ====  =========================================================================
+Q8_0     32     34    d fp16 | 32 x int8;  x = q * d
+Q4_0     32     18    d fp16 | 16 bytes of nibbles (low nibbles: 0..15, high: 16..31); x = (q - 8) * d
+Q4_K     256    144   d fp16 | dmin fp16 | 12 bytes of 6-bit scales/mins | 128 bytes of nibbles;
+                      x = d*sc * q - dmin*m over 8 sub-blocks of 32
+Q5_K     256    176   as Q4_K plus 32 bytes of fifth bits (qh) before the nibbles
+Q6_K     256    210   128 bytes low nibbles | 64 bytes high 2-bit pairs | 16 int8 scales | d fp16;
+                      x = d*scale * (q - 32) over 16 sub-blocks of 16
+MXFP4    32     17    e8m0 exponent | 16 bytes of e2m1 nibbles; x = 2^(e-128) * 2*e2m1
+                      (OCP MX v1.0; ``ggml_e8m0_to_fp32_half`` x ``kvalues_mxfp4``)
+F32/F16/BF16  1  4/2/2  plain floats
+=======  =====  ====  =========================================================================
+
+Any other type is refused with :class:`~moefit.errors.InputError` naming the tensor.
+
+A stored expert (:class:`StoredExpert`) is one contiguous uint8 blob per expert, DESIGN §6:
+``[gate | up | down]``, each part in its own type (llama.cpp's Q4_K_M mixes Q4_K gate/up
+with Q6_K down), parts back to back with no padding, so a blob is exactly the bytes the
+file holds for that expert and a cache miss is one copy. When the expert runs, each matrix
+is dequantized in turn into one ``[I, H]`` buffer of the compute dtype -- taken from the
+prefill staging workspace when the blob is on the device -- by tiles of
+:data:`~moefit.gguf_model.DEQUANT_TILE_ELEMS` elements (the kernels' fp32 scratch is
+bounded by one tile), and multiplied. fp8 block-scaled experts of HF checkpoints fit the
+same design: a part whose kernel reads e4m3 weights followed by their fp32 block scales.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from moefit.errors import InputError
+from moefit.gguf_model import DEQUANT_TILE_ELEMS
+
+QK_K = 256
+
+# ---- kernels: raw uint8 [nb, type_size] -> fp32 [nb, block_size] ----------------------------
+
+
+def _as(raw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Reinterpret uint8 ``[nb, k]`` as ``dtype`` (copying when not contiguous or not
+    aligned: blob parts of odd-sized blocks, such as MXFP4's 17 bytes, start anywhere)."""
+    size = torch.empty((), dtype=dtype).element_size()
+    if not raw.is_contiguous() or raw.storage_offset() % size:
+        raw = raw.clone()
+    return raw.view(dtype)
+
+
+def _f16(raw: torch.Tensor) -> torch.Tensor:
+    """fp16 fields ``[nb, 2]`` (any alignment) -> fp32 ``[nb, 1]``."""
+    return _as(raw, torch.float16).float()
+
+
+def _shifts(device, *vals: int) -> torch.Tensor:
+    return torch.tensor(vals, dtype=torch.uint8, device=device)
+
+
+def _q8_0(raw: torch.Tensor) -> torch.Tensor:
+    d = _f16(raw[:, :2])
+    x = raw.view(torch.int8)[:, 2:].float()    # same-size view: no copy, one strided pass
+    return x.mul_(d)
+
+
+def _q4_0(raw: torch.Tensor) -> torch.Tensor:
+    nb = raw.shape[0]
+    d = _f16(raw[:, :2])
+    qs = raw[:, 2:]
+    q = torch.empty((nb, 2, 16), dtype=torch.float32, device=raw.device)   # low nibbles, then high
+    q[:, 0].copy_(qs & 0x0F)
+    q[:, 1].copy_(qs >> 4)
+    # (q - 8) is exact in fp32 as in int8, so the product equals the reference's
+    return q.sub_(8).mul_(d.view(nb, 1, 1)).view(nb, 32)
+
+
+def _scale_min_k4(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """6-bit scales and mins of the 8 sub-blocks of a Q4_K / Q5_K block (``get_scale_min_k4``)."""
+    nb = scales.shape[0]
+    s = scales.reshape(nb, 3, 4)
+    d, m, md = s[:, 0], s[:, 1], s[:, 2]
+    sc = torch.cat([d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)], dim=-1)
+    mn = torch.cat([m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)], dim=-1)
+    return sc, mn
+
+
+def _q4_k(raw: torch.Tensor) -> torch.Tensor:
+    nb = raw.shape[0]
+    d, dmin = _f16(raw[:, 0:2]), _f16(raw[:, 2:4])
+    sc, mn = _scale_min_k4(raw[:, 4:16])
+    d = (d * sc.float()).reshape(nb, 8, 1)
+    dm = (dmin * mn.float()).reshape(nb, 8, 1)
+    qs = raw[:, 16:].reshape(nb, 4, 1, 32) >> _shifts(raw.device, 0, 4).reshape(1, 1, 2, 1)
+    q = (qs & 0x0F).reshape(nb, 8, 32).float()
+    return (d * q - dm).reshape(nb, QK_K)
+
+
+def _q5_k(raw: torch.Tensor) -> torch.Tensor:
+    nb = raw.shape[0]
+    d, dmin = _f16(raw[:, 0:2]), _f16(raw[:, 2:4])
+    sc, mn = _scale_min_k4(raw[:, 4:16])
+    d = (d * sc.float()).reshape(nb, 8, 1)
+    dm = (dmin * mn.float()).reshape(nb, 8, 1)
+    qh = raw[:, 16:48].reshape(nb, 1, 1, 32) >> _shifts(raw.device, *range(8)).reshape(1, 1, 8, 1)
+    ql = raw[:, 48:].reshape(nb, 4, 1, 32) >> _shifts(raw.device, 0, 4).reshape(1, 1, 2, 1)
+    q = ((ql & 0x0F).reshape(nb, 8, 32) | ((qh & 0x01).reshape(nb, 8, 32) << 4)).float()
+    return (d * q - dm).reshape(nb, QK_K)
+
+
+def _q6_k(raw: torch.Tensor) -> torch.Tensor:
+    nb = raw.shape[0]
+    scales = _as(raw[:, 192:208], torch.int8).float()                   # [nb, 16]
+    d = (_f16(raw[:, 208:210]) * scales).reshape(nb, 16, 1)
+    ql = raw[:, :128].reshape(nb, 2, 1, 64) >> _shifts(raw.device, 0, 4).reshape(1, 1, 2, 1)
+    qh = raw[:, 128:192].reshape(nb, 2, 1, 32) >> _shifts(raw.device, 0, 2, 4, 6).reshape(1, 1, 4, 1)
+    q = ((ql & 0x0F).reshape(nb, 8, 32) | ((qh & 0x03).reshape(nb, 8, 32) << 4)).to(torch.int8) - 32
+    return (d * q.reshape(nb, 16, 16).float()).reshape(nb, QK_K)
+
+
+#: e2m1 values doubled (``kvalues_mxfp4``): the e8m0 scale is halved to match.
+_KVALUES_MXFP4 = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
+
+
+@functools.lru_cache(maxsize=None)
+def _mxfp4_table(device: torch.device) -> torch.Tensor:
+    """fp32 ``[256, 2]``: the e2m1 values of a byte's low and high nibble (one lookup per
+    byte instead of a mask, shift and gather per nibble)."""
+    b = torch.arange(256)
+    return torch.tensor(_KVALUES_MXFP4, dtype=torch.float32)[torch.stack([b & 0x0F, b >> 4], 1)].to(device)
+
+
+def _mxfp4(raw: torch.Tensor) -> torch.Tensor:
+    nb = raw.shape[0]
+    e = raw[:, :1].to(torch.int32)
+    # ggml_e8m0_to_fp32_half: 2^(e-128) as fp32 bits, subnormal for e < 2
+    bits = torch.where(e < 2, torch.tensor(0x00200000, dtype=torch.int32, device=raw.device) << e,
+                       (e - 1) << 23)
+    d = bits.view(torch.float32)                                          # [nb, 1]
+    idx = raw[:, 1:].to(torch.int32).reshape(-1)
+    q = torch.index_select(_mxfp4_table(raw.device), 0, idx).view(nb, 16, 2).transpose(1, 2)
+    return (d.view(nb, 1, 1) * q).reshape(nb, 32)                          # lows, then highs
+
+
+def _plain(dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
+    def kernel(raw: torch.Tensor) -> torch.Tensor:
+        return _as(raw, dtype).float().reshape(raw.shape[0], 1)
+    return kernel
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """``block_size`` values in ``type_size`` bytes; ``fn`` raw ``[nb, type_size]`` -> fp32."""
+
+    block_size: int
+    type_size: int
+    fn: Callable[[torch.Tensor], torch.Tensor]
+
+
+#: Supported ggml types (block sizes as ``GGML_QUANT_SIZES`` / ``ggml-common.h``).
+KERNELS: dict[str, Kernel] = {
+    "F32": Kernel(1, 4, _plain(torch.float32)),
+    "F16": Kernel(1, 2, _plain(torch.float16)),
+    "BF16": Kernel(1, 2, _plain(torch.bfloat16)),
+    "Q8_0": Kernel(32, 34, _q8_0),
+    "Q4_0": Kernel(32, 18, _q4_0),
+    "Q4_K": Kernel(256, 144, _q4_k),
+    "Q5_K": Kernel(256, 176, _q5_k),
+    "Q6_K": Kernel(256, 210, _q6_k),
+    "MXFP4": Kernel(32, 17, _mxfp4),
+}
+
+
+def kernel_for(qtype: str, tensor: str = "") -> Kernel:
+    """The kernel of ggml type ``qtype``. Raises InputError naming ``tensor`` and the type."""
+    k = KERNELS.get(qtype)
+    if k is None:
+        what = f"tensor {tensor!r} is stored as {qtype}" if tensor else f"ggml type {qtype}"
+        raise InputError(f"{what}, which the runtime cannot dequantize; supported types: "
+                         f"{', '.join(KERNELS)} (requantize the file, e.g. llama-quantize ... Q4_K_M)")
+    return k
+
+
+def row_bytes(qtype: str, cols: int) -> int:
+    """Bytes of one row of ``cols`` values in ``qtype`` (``cols`` a multiple of the block)."""
+    k = kernel_for(qtype)
+    return cols // k.block_size * k.type_size
+
+
+def dequantize(raw: torch.Tensor, qtype: str, shape: tuple[int, ...], *,
+               out: torch.Tensor | None = None, dtype: torch.dtype = torch.float32,
+               tile_elems: int = DEQUANT_TILE_ELEMS) -> torch.Tensor:
+    """Dequantize the bytes of one tensor (``raw``: contiguous uint8 of any shape, its
+    ``numel`` = rows x row bytes) to ``shape`` (torch order; the last dim is the row).
+
+    Tiles of about ``tile_elems`` values are dequantized in fp32 and cast into ``out``
+    (allocated as ``dtype`` on ``raw``'s device when not given). When ``out`` lives on
+    another device (host bytes -> GPU weights), each tile's bytes are copied there first
+    and dequantized on ``out``'s device: the temporaries stay one tile.
+
+    Raises InputError for an unsupported type, ValueError when the sizes disagree.
+    """
+    k = kernel_for(qtype)
+    numel = 1
+    for s in shape:
+        numel *= int(s)
+    if numel % k.block_size or raw.numel() != numel // k.block_size * k.type_size:
+        raise ValueError(f"{qtype}: {raw.numel()} bytes do not hold a {list(shape)} tensor")
+    if out is None:
+        out = torch.empty(shape, dtype=dtype, device=raw.device)
+    blocks = raw.reshape(-1, k.type_size)                      # [nb, type_size]
+    flat = out.view(-1, k.block_size)                          # [nb, block_size]
+    step = max(1, tile_elems // k.block_size)
+    for b0 in range(0, blocks.shape[0], step):
+        tile = blocks[b0:b0 + step]
+        if tile.device != out.device:
+            tile = tile.to(out.device)
+        flat[b0:b0 + step].copy_(k.fn(tile))
+    return out
+
+
+# ---- stored experts --------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Part:
+    """One matrix of a stored expert: ``[rows, cols]`` in ``qtype``, bytes
+    ``offset .. offset + nbytes`` of the blob."""
+
+    qtype: str
+    rows: int
+    cols: int
+    offset: int
+    nbytes: int
+
+    def dequantize_into(self, blob: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        return dequantize(blob[self.offset:self.offset + self.nbytes], self.qtype,
+                          (self.rows, self.cols), out=out)
+
+
+@dataclass(frozen=True)
+class StoredExpert:
+    """The blob layout of one MoE layer's experts: gate ``[I, H]``, up ``[I, H]``, down
+    ``[H, I]`` back to back; ``nbytes`` per expert (the expert-cache slot of the layer)."""
+
+    gate: Part
+    up: Part
+    down: Part
+
+    @property
+    def nbytes(self) -> int:
+        return self.gate.nbytes + self.up.nbytes + self.down.nbytes
+
+    @classmethod
+    def pack(cls, inter: int, hidden: int, gate: str, up: str, down: str) -> "StoredExpert":
+        """Layout for the given types (parts in gate, up, down order, no padding)."""
+        g = Part(gate, inter, hidden, 0, inter * row_bytes(gate, hidden))
+        u = Part(up, inter, hidden, g.nbytes, inter * row_bytes(up, hidden))
+        d = Part(down, hidden, inter, g.nbytes + u.nbytes, hidden * row_bytes(down, inter))
+        return cls(g, u, d)
+
+    def swiglu(self, x: torch.Tensor, blob: torch.Tensor, ws=None) -> torch.Tensor:
+        """``down(silu(gate(x)) * up(x))`` for ``x`` ``[n, H]`` from ``blob`` (uint8
+        ``[nbytes]`` on ``x``'s device) -> ``[n, H]`` in ``x``'s dtype.
+
+        One ``[I, H]`` buffer of ``x``'s dtype holds each matrix in turn; with ``ws`` (the
+        staging workspace) it is taken from it, else allocated.
+        """
+        scope = ws.scope() if ws is not None else contextlib.nullcontext()
+        n_w = self.gate.rows * self.gate.cols
+        with scope:
+            buf = (ws.take((n_w,), x.dtype) if ws is not None
+                   else torch.empty(n_w, dtype=x.dtype, device=x.device))
+            w = self.gate.dequantize_into(blob, buf.view(self.gate.rows, self.gate.cols))
+            g = F.linear(x, w)                                           # [n, I]
+            w = self.up.dequantize_into(blob, buf.view(self.up.rows, self.up.cols))
+            h = F.silu(g).mul_(F.linear(x, w))                           # [n, I]
+            w = self.down.dequantize_into(blob, buf.view(self.down.rows, self.down.cols))
+            return F.linear(h, w)                                        # [n, H]

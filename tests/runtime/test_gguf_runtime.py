@@ -1,0 +1,179 @@
+"""The engine on GGUF files: experts kept as stored, logits equal to the reference forward
+pass on the dequantized weights.
+
+Each tiny transformers checkpoint of ``conftest`` is written as GGUF by
+:func:`moefit.gguf_write.write_gguf` (experts quantized with the ``gguf`` package's
+quantizer; dense weights F32, ``file_type`` ALL_F32, so the runtime computes in fp32). The
+reference is the same transformers model with the weights the file holds, dequantized by
+``gguf.quants.dequantize``. Criterion: max abs logit error <= 1e-4 after the prompt and
+after each greedy decode step, identical greedy tokens.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+gguf = pytest.importorskip("gguf")
+
+from conftest import MIB, sim_device  # noqa: E402
+from moefit.errors import InputError  # noqa: E402
+from moefit.gguf_write import write_gguf  # noqa: E402
+from moefit.memory.weights import expert_slot_bytes  # noqa: E402
+from moefit.models import load_model  # noqa: E402
+from moefit.plan.request import Request  # noqa: E402
+from moefit.plan.solver import solve  # noqa: E402
+from moefit.runtime.engine import Engine, EngineOptions  # noqa: E402
+from moefit.runtime.ledger import BudgetError  # noqa: E402
+from reference import engine_greedy, max_error, prompt, reference_greedy  # noqa: E402
+
+TOL = 1e-4
+FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
+EXPERT_TYPES = ("Q8_0", "Q4_0", "MXFP4")
+
+
+class GGUFModel:
+    """A GGUF file, its geometry, and the reference model on the weights it stores."""
+
+    def __init__(self, tiny, path, **write_kw):
+        cfg = tiny.ref.config.to_dict()
+        stored = write_gguf(tiny.ref.state_dict(), cfg, path, **write_kw)
+        if not path.exists():                      # split: the first shard names the set
+            path = sorted(path.parent.glob(f"{path.stem}-00001-of-*.gguf"))[0]
+        self.path, self.family = path, tiny.family
+        self.geom = load_model(str(path))
+        self.ref = copy.deepcopy(tiny.ref)
+        self.ref.load_state_dict({k: torch.from_numpy(v) for k, v in stored.items()})
+        self._greedy = {}
+
+    def reference(self, steps: int = 16):
+        if steps not in self._greedy:
+            ids = prompt(self.ref.config.vocab_size)
+            self._greedy[steps] = (ids, *reference_greedy(self.ref, ids, steps=steps))
+        return self._greedy[steps]
+
+    def plan(self, free: int = 64 * MIB, **req):
+        kw = dict(kv="fp32", prefill_mode="fixed", prefill_tokens=256, reserve_bytes=MIB)
+        kw.update(req)
+        plan = solve(self.geom, sim_device(free), Request(**kw))
+        assert plan.fits, plan
+        return plan
+
+    def start(self, chunk=7, q_block=4, kv_block=8, free: int = 64 * MIB, **req) -> Engine:
+        return Engine.start(self.path, self.plan(free, **req),
+                            EngineOptions(progress=False, chunk=chunk, q_block=q_block, kv_block=kv_block))
+
+
+@pytest.fixture(scope="session")
+def gguf_models(tiny_models, tmp_path_factory) -> dict[tuple[str, str], GGUFModel]:
+    out = {}
+    for fam in FAMILIES:
+        for et in EXPERT_TYPES:
+            path = tmp_path_factory.mktemp(f"gguf_{fam}") / f"{fam}-{et}.gguf"
+            out[(fam, et)] = GGUFModel(tiny_models[(fam, "per_expert")], path, expert_types=et)
+    return out
+
+
+def check(engine, m: GGUFModel, steps: int = 16):
+    ids, ref_logits, ref_tokens = m.reference(steps)
+    logits, tokens = engine_greedy(engine, ids, steps=steps)
+    assert tokens == ref_tokens
+    assert max_error(logits, ref_logits) <= TOL
+
+
+@pytest.mark.parametrize("policy", ["cpu", "copy"])
+@pytest.mark.parametrize("expert_type", EXPERT_TYPES)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_gguf_logits_match_the_reference_on_dequantized_weights(gguf_models, family, expert_type, policy):
+    m = gguf_models[(family, expert_type)]
+    engine = m.start(expert_cache=m.geom.total_experts // 2, miss_policy=policy)
+    check(engine, m)
+    stats = engine.expert_stats()
+    assert stats["hits"] > 0 and stats["misses"] > 0
+    blobs = engine.model.experts.host.blobs
+    assert all(b.dtype == torch.uint8 for b in blobs.values())          # kept as stored
+    assert {l: b.shape[1] for l, b in blobs.items()} == dict(m.geom.expert_blob_bytes())
+
+
+@pytest.mark.parametrize("policy", ["cpu", "copy"])
+def test_every_expert_cache_size_from_zero_to_all(gguf_models, policy):
+    m = gguf_models[("qwen3_moe", "Q4_0")]
+    for slots in range(m.geom.total_experts + 1):
+        engine = m.start(expert_cache=slots, miss_policy=policy)
+        assert sum(s["slots"] for s in engine.expert_stats()["layers"].values()) == slots
+        check(engine, m, steps=3)
+
+
+def test_mixed_types_per_layer_and_quantized_dense_weights(tiny_models, tmp_path):
+    """Layer 0 Q8_0 experts, layer 2 Q4_0 gate/up with an MXFP4 down; attention and the
+    embedding quantized too (dequantized at load)."""
+    m = GGUFModel(tiny_models[("qwen2_moe", "per_expert")], tmp_path / "mixed.gguf",
+                  expert_types={0: ("Q8_0",) * 3, 2: ("Q4_0", "Q4_0", "MXFP4")},
+                  dense_types={"token_embd.weight": "Q4_0", "blk.0.attn_q.weight": "Q8_0",
+                               "blk.1.ffn_up.weight": "MXFP4", "blk.2.ffn_up_shexp.weight": "Q8_0"})
+    blob = dict(m.geom.expert_blob_bytes())
+    assert blob[0] != blob[2]
+    engine = m.start(expert_cache=5, miss_policy="copy")
+    check(engine, m)
+
+
+def test_split_gguf_runs(tiny_models, tmp_path):
+    m = GGUFModel(tiny_models[("olmoe", "per_expert")], tmp_path / "olmoe.gguf", split_max_tensors=6)
+    assert m.path.name.startswith("olmoe-00001-of-") and m.geom.exact.files > 2
+    check(m.start(expert_cache=4), m, steps=4)
+
+
+# ---- the runtime issue's field scenarios, on a GGUF model --------------------------------------
+def test_commit_matches_the_plan_line_by_line(gguf_models):
+    m = gguf_models[("qwen2_moe", "Q4_0")]
+    plan = m.plan(miss_policy="copy", expert_cache=5)
+    engine = Engine.start(m.path, plan, EngineOptions(progress=False))
+    for key in ("weights", "weight_arena", "kv", "prefill", "experts"):
+        line = engine.ledger.lines[key]
+        assert line.allocated == line.planned == plan.devices[0].line(key).bytes, key
+    assert plan.devices[0].line("weights").detail == "exact, from GGUF; dequantized to fp32 at load"
+    assert engine.notes[-1] == "READY"
+
+
+@pytest.mark.parametrize("line", ["weights", "weight_arena", "experts"])
+def test_fail_alloc_names_the_line(gguf_models, monkeypatch, line):
+    m = gguf_models[("mixtral", "Q8_0")]
+    plan = m.plan(miss_policy="copy", expert_cache=4)
+    monkeypatch.setenv("MOEFIT_FAIL_ALLOC", line)
+    with pytest.raises(BudgetError) as e:
+        Engine.start(m.path, plan, EngineOptions(progress=False))
+    assert e.value.line == line
+
+
+def test_dequantization_stays_inside_the_staging_line(gguf_models):
+    """Experts dequantize into the prefill workspace on the device; its peak stays within
+    the plan and does not grow with the context."""
+    m = gguf_models[("qwen3_moe", "MXFP4")]
+    engine = m.start(chunk=16, q_block=8, kv_block=16, expert_cache=16)
+    staging = engine.ledger.lines["prefill"]
+    engine.prefill(prompt(96, n=48))
+    peak = staging.used_peak
+    assert 0 < peak <= staging.planned and staging.allocated == staging.planned
+    for i in range(40):
+        engine.decode(i % 96)
+    assert staging.used_peak == peak
+
+
+def test_expert_cache_shrinks_when_less_is_free_at_commit(gguf_models):
+    m = gguf_models[("olmoe", "Q4_0")]
+    plan = m.plan(free=16 * MIB)
+    slot = expert_slot_bytes(m.geom)
+    assert plan.expert_slots == m.geom.total_experts
+    free_now = plan.devices[0].planned_bytes - 5 * slot
+    engine = Engine.start(m.path, plan, EngineOptions(progress=False, free_bytes=free_now))
+    assert sum(s["slots"] for s in engine.expert_stats()["layers"].values()) == plan.expert_slots - 5
+    assert engine.ledger.free_bytes() >= engine.ledger.margin
+    check(engine, m, steps=2)
+
+
+def test_unsupported_expert_type_is_named(tiny_models, tmp_path):
+    m = GGUFModel(tiny_models[("qwen3_moe", "per_expert")], tmp_path / "q5.gguf", expert_types="Q5_0")
+    with pytest.raises(InputError, match=r"blk\.0\.ffn_gate_exps\.weight.* Q5_0"):
+        m.start()
