@@ -1,17 +1,19 @@
 """``moefit`` command line.
 
 Exit codes: 0 the plan fits (or the command succeeded), 2 bad input, 3 the plan does
-not fit. The planning commands import no torch.
+not fit, 4 an allocation failed while ``serve`` / ``generate`` committed the plan. The
+planning commands import no torch; ``serve`` and ``generate`` need the ``serve`` extra.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from moefit.errors import InputError
 
-EXIT_OK, EXIT_INPUT, EXIT_NOFIT = 0, 2, 3
+EXIT_OK, EXIT_INPUT, EXIT_NOFIT, EXIT_ALLOC = 0, 2, 3, 4
 
 
 class _Parser(argparse.ArgumentParser):
@@ -25,7 +27,7 @@ class _Parser(argparse.ArgumentParser):
 def add_plan_flags(p: argparse.ArgumentParser) -> None:
     """The flags shared by ``plan`` (and later ``serve``/``bench``): model, device, request."""
     p.add_argument("model", help="preset name (see `moefit models`), a model directory, "
-                                 "or a config.json path")
+                                 "a config.json path, or a .gguf file (first shard of a split)")
     dev = p.add_argument_group("device")
     dev.add_argument("--device", help="cuda[:N] (a real GPU through NVML) or cpu "
                                       "(simulated device; needs --vram)")
@@ -81,8 +83,9 @@ def request_from_args(args: argparse.Namespace):
                              "number of expert slots") from None
     reserve = None
     if args.vram_reserve_mib is not None:
-        if args.vram_reserve_mib < 0:
-            raise InputError("--vram-reserve-mib must not be negative")
+        if not 0 <= args.vram_reserve_mib <= 1 << 30:   # also rejects nan and inf
+            raise InputError(f"--vram-reserve-mib {args.vram_reserve_mib}: expected a "
+                             "non-negative number of MiB (e.g. 512)")
         reserve = int(args.vram_reserve_mib * (1 << 20))
     return Request(
         max_context=parse_count(args.max_context, "--max-context") if args.max_context else None,
@@ -149,9 +152,45 @@ def cmd_gpus(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _runtime(name: str):
+    """``moefit.serve.launch.<name>``, or InputError naming the extra to install."""
+    from importlib.util import find_spec
+
+    from moefit.serve import launch
+
+    missing = [m for m in ("torch", "fastapi", "uvicorn", "tokenizers", "jinja2", "safetensors")
+               if find_spec(m) is None]
+    if missing:
+        raise InputError(f"this command runs the model and needs the serve extra: "
+                         f"pip install 'moefit[serve]' (missing: {', '.join(missing)})")
+    return getattr(launch, name)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    return _runtime("serve")(args)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    return _runtime("generate")(args)
+
+
+def _add_sampling_flags(p: argparse.ArgumentParser) -> None:
+    s = p.add_argument_group("sampling (default: generation_config.json, greedy unless it sets do_sample)")
+    s.add_argument("--max-tokens", type=int, default=128, help="new tokens at most (default 128)")
+    s.add_argument("--temperature", type=float, default=None, help="0 is greedy")
+    s.add_argument("--top-k", type=int, default=None, help="keep the k most likely tokens (0: all)")
+    s.add_argument("--top-p", type=float, default=None, help="nucleus sampling threshold")
+    s.add_argument("--seed", type=int, default=None, help="seed of the sampler")
+    s.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
+    s.add_argument("--ignore-eos", action="store_true", help="do not stop at the EOS ids")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="moefit", description="One solved GPU memory budget for "
                                                 "Mixture-of-Experts inference.")
+    from moefit import __version__
+
+    parser.add_argument("--version", action="version", version=f"moefit {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     p = sub.add_parser("plan", help="solve and print the VRAM budget")
     add_plan_flags(p)
@@ -159,6 +198,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--verbose", "-v", action="store_true",
                    help="also show analytic vs exact weight bytes and the staging terms")
     p.set_defaults(func=cmd_plan)
+    p = sub.add_parser("serve", help="commit the plan and serve an OpenAI-compatible API")
+    add_plan_flags(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0: any free port)")
+    p.add_argument("--served-model-name", default=None,
+                   help="the model id the API reports (default: the directory name)")
+    p.add_argument("--routing-profile", default=None,
+                   help='JSON {"layer": {"expert": count}}: fill the expert cache with the most used')
+    p.add_argument("--log-level", default="info",
+                   choices=("critical", "error", "warning", "info", "debug"),
+                   help="uvicorn's log level (default info)")
+    p.set_defaults(func=cmd_serve)
+    p = sub.add_parser("generate", help="commit the plan and complete one prompt")
+    add_plan_flags(p)
+    p.add_argument("--prompt", required=True, help="the prompt text")
+    p.add_argument("--chat", action="store_true",
+                   help="send the prompt as a user message through the chat template")
+    p.add_argument("--routing-profile", default=None,
+                   help='JSON {"layer": {"expert": count}}: fill the expert cache with the most used')
+    _add_sampling_flags(p)
+    p.set_defaults(func=cmd_generate)
     sub.add_parser("models", help="list the built-in model presets").set_defaults(func=cmd_models)
     sub.add_parser("gpus", help="list the built-in GPU catalogue").set_defaults(func=cmd_gpus)
     return parser
@@ -171,6 +231,15 @@ def main(argv: list[str] | None = None) -> int:
     except InputError as e:
         print(f"moefit: error: {e}", file=sys.stderr)
         return EXIT_INPUT
+    except BrokenPipeError:
+        # the reader went away (`moefit models | head -1`): not an error of ours
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_OK
+    except OSError as e:
+        if e.filename is not None:
+            raise
+        print(f"moefit: error: cannot write the output: {e.strerror}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

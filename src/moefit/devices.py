@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from moefit.errors import InputError
-from moefit.units import MIB, format_gib, parse_size
+from moefit.units import GIB, MIB, format_bytes, format_gib, parse_size
 
 DeviceKind = Literal["cuda", "cpu"]
 
@@ -445,8 +445,9 @@ def resolve_device(device: str | None, gpu: str | None, vram: str | None,
 
     if gpu is not None:
         if device is not None:
-            raise InputError(f"--gpu {gpu} plans for a catalogue card and --device {device} for a "
-                             f"real one; drop one of them")
+            what = "a simulated one on the CPU" if kind == "cpu" else "a real one"
+            raise InputError(f"--gpu {gpu} plans for a catalogue card and --device {device} for "
+                             f"{what}; drop one of them")
         if vram is not None:
             raise InputError(f"--gpu {gpu} already fixes the card's memory; drop --vram, or drop "
                              f"--gpu and describe the card with --vram SIZE [--vram-free SIZE]")
@@ -462,7 +463,8 @@ def resolve_device(device: str | None, gpu: str | None, vram: str | None,
             raise InputError("--device cpu simulates a GPU on the CPU and needs its size: "
                              "add --vram SIZE (e.g. --vram 2GiB)")
         check_free(vram_bytes, "--vram")
-        return Device("cpu", f"simulated {format_gib(vram_bytes)} device on the CPU", "cpu",
+        size = format_gib(vram_bytes) if vram_bytes >= GIB else format_bytes(vram_bytes)
+        return Device("cpu", f"simulated {size} device on the CPU", "cpu",
                       vram_bytes, free_bytes if free_bytes is not None else vram_bytes,
                       simulated=True, runtime_bytes=0,
                       source="--device cpu --vram" + (" --vram-free" if vram_free is not None else ""))
@@ -474,7 +476,16 @@ def resolve_device(device: str | None, gpu: str | None, vram: str | None,
                       simulated=True,
                       source="--vram" + (" --vram-free" if vram_free is not None else " (free = capacity)"))
 
-    real = probe_cuda(index)
+    try:
+        real = probe_cuda(index)
+    except InputError:
+        if vram_bytes is None:
+            raise
+        # no GPU here: --device cuda:N --vram SIZE is a what-if card with that index
+        check_free(vram_bytes, "--vram")
+        return Device(f"cuda:{index}", f"what-if {format_gib(vram_bytes)} CUDA card", "cuda",
+                      vram_bytes, free_bytes if free_bytes is not None else vram_bytes,
+                      simulated=True, source="--device --vram (no GPU readable here)")
     capacity, free = real.capacity_bytes, real.free_bytes
     if vram_bytes is not None:
         if vram_bytes > capacity:

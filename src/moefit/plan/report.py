@@ -25,10 +25,16 @@ import json
 from moefit.memory.weights import expert_slot_bytes
 from moefit.models import format_params
 from moefit.plan.solver import LINE_ORDER, Plan
-from moefit.units import format_gib
+from moefit.units import GIB, format_bytes, format_gib
 
 SCHEMA = "moefit.plan/1"
 LABELS = dict(LINE_ORDER)
+
+
+def size_format(capacity: int):
+    """GiB with two decimals; on a device below 1 GiB (a small simulated one) the largest
+    unit that fits (``format_bytes``), so its lines do not all read 0.00 GiB."""
+    return format_gib if capacity >= GIB else format_bytes
 
 
 def format_table(plan: Plan) -> str:
@@ -39,6 +45,7 @@ def format_table(plan: Plan) -> str:
            f"{g.attention_layout()}"]
     for d in plan.devices:
         dev = d.device
+        format_gib = size_format(dev.capacity_bytes)
         out.append(f"VRAM budget  {dev.label}  {dev.description}  "
                    f"{format_gib(dev.free_bytes)} free of {format_gib(dev.capacity_bytes)}")
         for line in d.lines:
@@ -54,7 +61,8 @@ def format_table(plan: Plan) -> str:
         return "\n".join(out)
     for n in plan.notes:
         out.append(n)
-    out.append(f"does not fit: short by {format_gib(plan.shortfall_bytes)}")
+    short = size_format(plan.devices[0].device.capacity_bytes)(plan.shortfall_bytes)
+    out.append(f"does not fit: short by {short}")
     out.append("limiting: " + ", ".join(LABELS[k] for k in plan.limiting))
     if plan.alternatives:
         out.append("fits with:")

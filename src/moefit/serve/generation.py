@@ -1,0 +1,156 @@
+"""One completion on the engine, token by token.
+
+``prefill`` the prompt (in the plan's chunks), then sample a token from the logits and
+``decode`` it, until one of:
+
+1. an EOS id (``generation_config.json``; the EOS token counts as a completion token but
+   adds no text): ``finish_reason = "stop"``;
+2. a stop string appears in the text (the text ends before it): ``"stop"``;
+3. ``max_tokens`` tokens were generated: ``"length"``;
+4. the sequence reached the plan's context (``--max-context``): ``"length"``. After a
+   prompt of P tokens the KV cache has room for ``context - P`` more, so at most
+   ``context - P + 1`` tokens can be sampled (the last one is never fed back).
+
+Sampling (:func:`moefit.runtime.engine.sample`): temperature 0 is greedy; otherwise
+top-k, then top-p (nucleus, Holtzman et al. 2019, arXiv:1904.09751) filtering and a draw
+from a ``torch.Generator`` seeded by the request's ``seed`` (a random seed without one).
+"""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass, field
+from typing import Iterator, Sequence
+
+import torch
+
+from moefit.errors import InputError
+from moefit.runtime.engine import Sampling, sample
+from moefit.serve.text import GenerationDefaults, TextStream, Tokenizer
+
+
+@dataclass(frozen=True)
+class Params:
+    """What one completion may do.
+
+    ``max_tokens``: new tokens at most (None: until the context is full). ``temperature``
+    0 is greedy; ``top_k`` 0 and ``top_p`` 1 keep every token. ``stop``: stop strings.
+    ``eos_ids``: token ids that end the completion (ignored with ``ignore_eos``).
+    """
+
+    max_tokens: int | None = 16
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    eos_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    @classmethod
+    def resolve(cls, defaults: GenerationDefaults, *, max_tokens: int | None = None,
+                temperature: float | None = None, top_k: int | None = None,
+                top_p: float | None = None, seed: int | None = None,
+                stop: Sequence[str] | str | None = None, ignore_eos: bool = False) -> "Params":
+        """Request values where given, else the checkpoint's defaults (greedy unless its
+        ``generation_config.json`` sets ``do_sample``). ``top_k`` -1 means no top-k."""
+        sampled = defaults.do_sample
+        if temperature is None:
+            temperature = defaults.temperature if sampled else 0.0
+        if top_k is None:
+            top_k = defaults.top_k if sampled else 0
+        if top_p is None:
+            top_p = defaults.top_p if sampled else 1.0
+        stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
+        return cls(max_tokens=max_tokens, temperature=float(temperature), top_k=max(0, int(top_k)),
+                   top_p=float(top_p), seed=seed, stop=stops, eos_ids=defaults.eos_ids,
+                   ignore_eos=ignore_eos)
+
+    def generator(self) -> torch.Generator:
+        """The request's random stream: seeded by ``seed``, else by the OS."""
+        seed = self.seed if self.seed is not None else secrets.randbits(63)
+        return torch.Generator().manual_seed(seed % (1 << 63))
+
+
+@dataclass
+class Step:
+    """One sampled token: the text that became final with it, and the finish reason
+    (None while the completion goes on)."""
+
+    token: int
+    text: str
+    finish_reason: str | None = None
+
+
+@dataclass
+class Completion:
+    """A finished completion: text, tokens (EOS included), finish reason."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str = "length"
+
+
+class PromptTooLong(InputError):
+    """A prompt longer than the plan's context (the message names the limit)."""
+
+
+def check_prompt(prompt_ids: Sequence[int], context: int, vocab_size: int) -> None:
+    """Raise InputError for an empty prompt, a token id outside the vocabulary, or a
+    prompt longer than ``context`` tokens (:class:`PromptTooLong`)."""
+    if not prompt_ids:
+        raise InputError("the prompt is empty (0 tokens)")
+    if len(prompt_ids) > context:
+        raise PromptTooLong(f"the prompt is {len(prompt_ids)} tokens, more than this server's "
+                            f"context of {context} tokens (--max-context {context}); shorten "
+                            "the prompt or restart with a larger --max-context")
+    bad = next((t for t in prompt_ids if not 0 <= int(t) < vocab_size), None)
+    if bad is not None:
+        raise InputError(f"token id {bad} is outside the vocabulary (0 .. {vocab_size - 1})")
+
+
+def stream(engine, prompt_ids: Sequence[int], params: Params, tokenizer: Tokenizer | None,
+           gen: torch.Generator | None = None, slot: int = 0) -> Iterator[Step]:
+    """Generate on ``engine`` (a started :class:`~moefit.runtime.engine.Engine`) one token
+    at a time; the last :class:`Step` carries the finish reason (module docstring).
+
+    The caller serialises calls: the engine runs one sequence at a time per slot.
+    """
+    context = engine.plan.context
+    check_prompt(prompt_ids, context, engine.plan.geometry.vocab_size)
+    room = context - len(prompt_ids) + 1
+    limit = room if params.max_tokens is None else min(params.max_tokens, room)
+    sampling = Sampling(max_new_tokens=limit, temperature=params.temperature,
+                        top_k=params.top_k, top_p=params.top_p, seed=params.seed)
+    gen = gen if gen is not None else params.generator()
+    eos = () if params.ignore_eos else params.eos_ids
+    text = TextStream(tokenizer, prompt_ids, params.stop)
+    logits = engine.prefill(prompt_ids, slot)
+    for i in range(limit):
+        tok = sample(logits, sampling, gen)
+        if tok in eos:
+            yield Step(tok, text.flush(), "stop")
+            return
+        delta = text.push(tok)
+        if text.stopped:
+            yield Step(tok, delta, "stop")
+            return
+        if i == limit - 1:
+            yield Step(tok, delta + text.flush(), "length")
+            return
+        yield Step(tok, delta)
+        logits = engine.decode(tok, slot)
+
+
+def complete(engine, prompt_ids: Sequence[int], params: Params, tokenizer: Tokenizer | None,
+             gen: torch.Generator | None = None, slot: int = 0) -> Completion:
+    """Run :func:`stream` to the end and collect it."""
+    out = Completion()
+    parts = []
+    for step in stream(engine, prompt_ids, params, tokenizer, gen, slot):
+        out.token_ids.append(step.token)
+        parts.append(step.text)
+        if step.finish_reason:
+            out.finish_reason = step.finish_reason
+    out.text = "".join(parts)
+    return out

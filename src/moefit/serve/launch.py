@@ -1,0 +1,251 @@
+"""``moefit serve`` and ``moefit generate``: plan, print, commit, READY, then serve or generate.
+
+Start-up, in this order:
+
+1. Solve the plan with the same flags and the same solver as ``moefit plan`` (so ``moefit
+   plan MODEL --device cpu --vram 2GiB`` shows exactly what ``serve`` will commit) and
+   print its table (DESIGN §4). A plan that does not fit ends here, before any weight is
+   read: the table, the shortfall, the limiting lines and the alternatives; exit 3.
+2. Read the tokenizer and ``generation_config.json`` (a bad file: exit 2).
+3. ``serve`` binds its socket and answers ``/health`` with 503 while the engine commits
+   the plan (:meth:`moefit.runtime.engine.Engine.start`: runtime, weights with a
+   progress bar, weight arena, KV cache, prefill staging, expert cache).
+4. An allocation failure prints the ledger table with the failing line marked; exit 4,
+   no traceback. Otherwise the commit notes (a reduced expert cache), the ledger table
+   (planned / allocated / peak per line) and one line beginning with ``READY`` stating
+   the context, the chunk, the expert slots and the free device memory.
+
+Exit codes: 0 ok, 2 bad input, 3 the plan does not fit, 4 an allocation failed during
+commit (1: anything else, with its traceback).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+
+from moefit.errors import InputError
+
+EXIT_OK, EXIT_INPUT, EXIT_NOFIT, EXIT_ALLOC, EXIT_OTHER = 0, 2, 3, 4, 1
+
+
+def _say(text: str, file=None) -> None:
+    print(text, file=file or sys.stdout, flush=True)
+
+
+def _runnable_device(args: argparse.Namespace):
+    """The device of ``--device``; a what-if card cannot run a model."""
+    from moefit.devices import resolve_device
+
+    if args.device is None and (args.gpu is not None or args.vram is not None):
+        raise InputError("serve and generate run the model on a real device: use --device "
+                         "cuda[:N] (optionally with --vram to cap it) or --device cpu --vram SIZE "
+                         "(a simulated device); --gpu and --vram alone only plan")
+    device = resolve_device(args.device, args.gpu, args.vram, args.vram_free)
+    if device.kind == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise InputError(f"--device {device.label}: this torch build sees no CUDA device; "
+                             "install a CUDA build of torch, or simulate the card with "
+                             "--device cpu --vram SIZE")
+    return device
+
+
+def prepare(args: argparse.Namespace):
+    """Steps 1-2 of the module docstring. Returns (plan, tokenizer, defaults, exit code):
+    the exit code is 3 when the plan does not fit (the table is printed), else None."""
+    from moefit.cli import request_from_args
+    from moefit.models import load_model
+    from moefit.plan.report import format_table
+    from moefit.plan.solver import solve
+    from moefit.serve.text import GenerationDefaults, Tokenizer
+
+    model = Path(args.model)
+    gguf = model.suffix.lower() == ".gguf" and model.is_file()
+    if not (model.is_dir() or gguf):
+        raise InputError(f"{args.model}: not a checkpoint; serve and generate need a directory "
+                         "with config.json and *.safetensors, or a .gguf file (a preset name or "
+                         "a config.json only plans: `moefit plan`)")
+    geom = load_model(str(model))
+    if not gguf and not geom.exact:
+        raise InputError(f"{model}: no *.safetensors files; the runtime needs the weights")
+    device = _runnable_device(args)
+    plan = solve(geom, device, request_from_args(args))
+    _say(format_table(plan), args.table_to)
+    if not plan.fits:
+        return plan, None, None, EXIT_NOFIT
+    text_dir = model.parent if gguf else model     # tokenizer.json beside a .gguf file
+    tokenizer = Tokenizer.from_dir(text_dir)
+    defaults = GenerationDefaults.from_dir(text_dir, tokenizer)
+    if gguf and tokenizer is None:                 # else the file's own metadata (llama.cpp keys)
+        from moefit.serve.gguf_text import text_from_gguf
+
+        tokenizer, defaults = text_from_gguf(model)
+    return plan, tokenizer, defaults, None
+
+
+def commit(args: argparse.Namespace, plan):
+    """Step 3-4: start the engine; returns (engine, exit code or None). Prints the
+    failure report itself."""
+    from moefit.runtime.engine import Engine, EngineOptions
+    from moefit.runtime.ledger import BudgetError
+
+    try:
+        engine = Engine.start(args.model, plan, EngineOptions(
+            progress=True, routing_profile=getattr(args, "routing_profile", None)))
+    except BudgetError as e:
+        from moefit.runtime.ledger import FAIL_ENV
+
+        _say(e.report, args.table_to)
+        hint = (f"(fault injection: unset {FAIL_ENV})" if FAIL_ENV in str(e) else
+                "the device had less free memory than planned; lower --max-context, --prefill "
+                "or --expert-cache, raise --vram-reserve-mib, or free device memory")
+        _say(f"moefit: error: {str(e).splitlines()[0]}\n{hint}", sys.stderr)
+        return None, EXIT_ALLOC
+    except InputError as e:
+        _say(f"moefit: error: {e}", sys.stderr)
+        return None, EXIT_INPUT
+    for note in engine.notes:
+        if note != "READY":
+            _say(note, args.table_to)
+    _say(engine.report(), args.table_to)
+    return engine, None
+
+
+def ready_line(engine, url: str | None = None) -> str:
+    """``READY  context ...  chunk ...  expert slots ...  free ...`` (one line)."""
+    from moefit.units import GIB, format_bytes, format_gib
+
+    ledger, plan = engine.ledger, engine.plan
+    size = format_gib if ledger.capacity >= GIB else format_bytes
+    slots = sum(s["slots"] for s in engine.expert_stats()["layers"].values())
+    n = plan.request.slots
+    line = (f"READY  context {plan.context} tokens x {n} slot{'s' if n != 1 else ''}, "
+            f"chunk {engine.chunk} tokens, expert slots {slots} of {plan.total_experts}, "
+            f"free {size(ledger.free_bytes())} of {size(ledger.capacity)} on {ledger.device}")
+    return f"{line}, serving {url}" if url else line
+
+
+# ---- moefit serve ---------------------------------------------------------------------------
+
+def _model_name(model: str) -> str:
+    path = Path(model).resolve()
+    return path.stem if path.is_file() else path.name
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise InputError(f"--host {host} --port {port}: cannot listen there ({e.strerror or e}); "
+                         "choose another --port (0: any free port)") from None
+    sock.listen(128)
+    sock.set_inheritable(True)
+    return sock
+
+
+def serve(args: argparse.Namespace) -> int:
+    """``moefit serve``: see the module docstring. Returns the exit code."""
+    args.table_to = sys.stdout
+    plan, tokenizer, defaults, code = prepare(args)
+    if code is not None:
+        return code
+    import uvicorn   # torch and the server only once the plan fits
+
+    from moefit.serve.app import ServerState, create_app
+
+    sock = _bind(args.host, args.port)
+    host, port = sock.getsockname()[:2]
+    url = f"http://{'[' + host + ']' if ':' in host else host}:{port}"
+    state = ServerState(plan=plan, model_name=args.served_model_name or _model_name(args.model),
+                        tokenizer=tokenizer, defaults=defaults)
+    server = uvicorn.Server(uvicorn.Config(create_app(state), log_level=args.log_level,
+                                           lifespan="off", timeout_graceful_shutdown=5))
+    exit_code = [EXIT_OK]
+
+    def load():
+        try:
+            engine, code = commit(args, plan)
+        except BaseException:
+            traceback.print_exc()
+            engine, code = None, EXIT_OTHER
+        if engine is None:
+            exit_code[0] = code
+            server.should_exit = True
+            return
+        state.engine = engine        # /health answers 200 from here on
+        _say(ready_line(engine, url))
+
+    loader = threading.Thread(target=load, name="moefit-commit", daemon=True)
+    loader.start()
+    server.run(sockets=[sock])
+    if loader.is_alive():            # stopped while committing: do not wait for the load
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(exit_code[0])
+    return exit_code[0]
+
+
+# ---- moefit generate ------------------------------------------------------------------------
+
+def generate(args: argparse.Namespace) -> int:
+    """``moefit generate``: the same plan and engine, one prompt, the text on stdout (the
+    tables and READY go to stderr). Returns the exit code."""
+    args.table_to = sys.stderr
+    plan, tokenizer, defaults, code = prepare(args)
+    if code is not None:
+        return code
+    from moefit.runtime.ledger import BudgetError
+    from moefit.serve.generation import Params, check_prompt, stream
+
+    if tokenizer is None:
+        raise InputError(f"{args.model}: no tokenizer.json; generate takes text prompts")
+    if args.max_tokens < 1:
+        raise InputError(f"--max-tokens {args.max_tokens}: must be at least 1")
+    if args.chat:
+        ids = tokenizer.encode_chat([{"role": "user", "content": args.prompt}])
+    else:
+        ids = tokenizer.encode(args.prompt)
+    params = Params.resolve(defaults, max_tokens=args.max_tokens, temperature=args.temperature,
+                            top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                            stop=args.stop or None, ignore_eos=args.ignore_eos)
+    check_prompt(ids, plan.context, plan.geometry.vocab_size)
+    engine, code = commit(args, plan)
+    if engine is None:
+        return code
+    _say(ready_line(engine), sys.stderr)
+    t0 = time.perf_counter()
+    first = None
+    n = 0
+    finish = "length"
+    try:
+        for step in stream(engine, ids, params, tokenizer):
+            if first is None:
+                first = time.perf_counter()
+            n += 1
+            sys.stdout.write(step.text)
+            sys.stdout.flush()
+            finish = step.finish_reason or finish
+    except BudgetError as e:        # the staging workspace under-priced a chunk
+        _say(e.report, sys.stderr)
+        _say(f"moefit: error: {str(e).splitlines()[0]}", sys.stderr)
+        return EXIT_ALLOC
+    end = time.perf_counter()
+    sys.stdout.write("\n")
+    decode = f", decode {(n - 1) / (end - first):.1f} tokens/s" if n > 1 else ""
+    stats = engine.expert_stats()
+    _say(f"prompt {len(ids)} tokens in {first - t0:.2f} s ({len(ids) / (first - t0):.1f} tokens/s)"
+         f"{decode}; {n} tokens, finish {finish}; expert hit rate {stats['hit_rate']:.0%}",
+         sys.stderr)
+    return EXIT_OK

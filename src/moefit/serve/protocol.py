@@ -1,0 +1,149 @@
+"""OpenAI-compatible request bodies (``/v1/completions``, ``/v1/chat/completions``).
+
+Field names and meanings are OpenAI's (https://platform.openai.com/docs/api-reference).
+Unknown fields are ignored, as OpenAI-compatible servers do. Fields whose feature moefit
+does not have are refused with a 400 when they ask for it (``logprobs``, ``logit_bias``,
+penalties, ``tools``, ``echo``, ``best_of``, ``suffix``), rather than silently ignored.
+
+Extensions (vLLM's names): ``top_k`` (0 or -1: off), ``ignore_eos``, ``return_token_ids``
+(the prompt and completion token ids in each choice), ``chat_template_kwargs``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from moefit.errors import InputError
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class _Sampling(_Body):
+    """Fields both endpoints share."""
+
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=-1)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int = Field(1, ge=1, le=16)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    ignore_eos: bool = False
+    return_token_ids: bool = False
+
+    def refuse_unsupported(self) -> None:
+        """InputError for a feature moefit does not have (see module docstring)."""
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name):
+                raise InputError(f"{name} is not supported by moefit (leave it 0)")
+        if self.logit_bias:
+            raise InputError("logit_bias is not supported by moefit")
+        if isinstance(self.stop, list) and len(self.stop) > 16:
+            raise InputError("stop: at most 16 stop strings")
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+Prompt = Union[str, list[str], list[int], list[list[int]]]
+
+
+class CompletionRequest(_Sampling):
+    """``POST /v1/completions``: ``prompt`` is a string, a list of strings, a list of token
+    ids, or a list of token-id lists; each prompt gets ``n`` choices."""
+
+    prompt: Prompt
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+    logprobs: int | None = None
+
+    def refuse_unsupported(self) -> None:
+        super().refuse_unsupported()
+        if self.echo:
+            raise InputError("echo is not supported by moefit")
+        if self.best_of not in (None, 1):
+            raise InputError("best_of is not supported by moefit (use n)")
+        if self.suffix:
+            raise InputError("suffix is not supported by moefit")
+        if self.logprobs:
+            raise InputError("logprobs are not supported by moefit")
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts, one per entry: text or token ids."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if not p:
+            raise InputError("prompt: empty list")
+        if all(isinstance(x, int) for x in p):
+            return [list(p)]
+        return list(p)
+
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    """One message; extra keys (``name``, ``tool_calls``, ``reasoning_content``) are kept
+    for the chat template."""
+
+    model_config = ConfigDict(extra="allow")
+    role: str
+    content: str | list[TextPart | dict[str, Any]] | None = None
+
+    def for_template(self) -> dict:
+        """The message as the template sees it: text parts joined by newlines."""
+        msg = self.model_dump(exclude_none=True)
+        content = self.content
+        if isinstance(content, list):
+            texts = []
+            for part in content:
+                if not isinstance(part, TextPart):
+                    kind = part.get("type", "?") if isinstance(part, dict) else "?"
+                    raise InputError(f"messages: content part of type {kind!r} is not "
+                                     "supported (text only)")
+                texts.append(part.text)
+            msg["content"] = "\n".join(texts)
+        return msg
+
+
+class ChatRequest(_Sampling):
+    """``POST /v1/chat/completions``."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def refuse_unsupported(self) -> None:
+        super().refuse_unsupported()
+        if self.logprobs or self.top_logprobs:
+            raise InputError("logprobs are not supported by moefit")
+        if self.tools:
+            raise InputError("tools (function calling) are not supported by moefit")
+
+    @property
+    def token_limit(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
