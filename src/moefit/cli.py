@@ -206,6 +206,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the model id the API reports (default: the directory name)")
     p.add_argument("--routing-profile", default=None,
                    help='JSON {"layer": {"expert": count}}: fill the expert cache with the most used')
+    p.add_argument("--tokenizer", default=None, metavar="DIR",
+                   help="read tokenizer.json / tokenizer_config.json / generation_config.json "
+                        "from DIR (default: the model directory; for a .gguf, the file's "
+                        "metadata unless a tokenizer.json lies beside it)")
     p.add_argument("--log-level", default="info",
                    choices=("critical", "error", "warning", "info", "debug"),
                    help="uvicorn's log level (default info)")
@@ -217,6 +221,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="send the prompt as a user message through the chat template")
     p.add_argument("--routing-profile", default=None,
                    help='JSON {"layer": {"expert": count}}: fill the expert cache with the most used')
+    p.add_argument("--tokenizer", default=None, metavar="DIR",
+                   help="read tokenizer.json / tokenizer_config.json / generation_config.json "
+                        "from DIR (default: the model directory; for a .gguf, the file's "
+                        "metadata unless a tokenizer.json lies beside it)")
     _add_sampling_flags(p)
     p.set_defaults(func=cmd_generate)
     sub.add_parser("models", help="list the built-in model presets").set_defaults(func=cmd_models)

@@ -114,3 +114,43 @@ def test_generate_runs_a_gguf_with_its_own_tokenizer(tmp_path, bpe):
     assert r.returncode == 0, r.stderr
     assert "READY" in r.stderr
     assert r.stdout.rstrip("\n") == bpe.decode(want, skip_special_tokens=True)
+
+
+def test_generate_takes_the_tokenizer_from_tokenizer_dir(tmp_path, bpe):
+    """A GGUF without a vocabulary runs with ``--tokenizer DIR`` (tokenizer.json there)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    import torch
+
+    from conftest import make_tiny
+    from moefit.gguf_write import write_gguf
+
+    tiny = make_tiny("qwen3_moe", tmp_path / "hf", vocab_size=bpe.get_vocab_size())
+    path = tmp_path / "bare-Q8_0.gguf"
+    stored = write_gguf(tiny.ref.state_dict(), tiny.ref.config.to_dict(), path, expert_types="Q8_0")
+    tiny.ref.load_state_dict({k: torch.from_numpy(v) for k, v in stored.items()})
+    tok_dir = tmp_path / "tok"
+    tok_dir.mkdir()
+    bpe.save(str(tok_dir / "tokenizer.json"))
+    (tok_dir / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>"}))
+    ids = bpe.encode("the lazy dog").ids
+    seq, want = list(ids), []
+    with torch.no_grad():
+        for _ in range(4):
+            want.append(int(tiny.ref(torch.tensor([seq])).logits[0, -1].argmax()))
+            if want[-1] == bpe.token_to_id("<|im_end|>"):
+                break
+            seq.append(want[-1])
+    base = [sys.executable, "-m", "moefit", "generate", str(path), "--device", "cpu",
+            "--vram", "1GiB", "--max-context", "256", "--kv", "fp32", "--max-tokens", "4",
+            "--prompt", "the lazy dog"]
+    r = subprocess.run(base + ["--tokenizer", str(tok_dir)], capture_output=True, text=True,
+                       timeout=120, env=dict(os.environ))
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.rstrip("\n") == bpe.decode(want, skip_special_tokens=True)
+    bad = subprocess.run(base + ["--tokenizer", str(tmp_path)], capture_output=True, text=True,
+                         timeout=120, env=dict(os.environ))
+    assert bad.returncode == 2 and "--tokenizer" in bad.stderr and "Traceback" not in bad.stderr

@@ -82,6 +82,10 @@ def prepare(args: argparse.Namespace):
     if not plan.fits:
         return plan, None, None, EXIT_NOFIT
     text_dir = model.parent if gguf else model     # tokenizer.json beside a .gguf file
+    if getattr(args, "tokenizer", None):
+        text_dir = Path(args.tokenizer)
+        if not (text_dir / "tokenizer.json").is_file():
+            raise InputError(f"--tokenizer {args.tokenizer}: no tokenizer.json in that directory")
     tokenizer = Tokenizer.from_dir(text_dir)
     defaults = GenerationDefaults.from_dir(text_dir, tokenizer)
     if gguf and tokenizer is None:                 # else the file's own metadata (llama.cpp keys)
