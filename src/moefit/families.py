@@ -280,6 +280,26 @@ def _router(name: str, experts: int, hidden: int, bias: bool = False) -> list[Te
 # --------------------------------------------------------------------------------------------
 # layer schedules (which layers are MoE, which attention kind)
 # --------------------------------------------------------------------------------------------
+def _qwen_mlp(c: _Cfg, p: str, hidden: int, is_moe: bool, e: int, k: int, moe_i: int,
+              shared_i: int) -> tuple[list[Tensor], MoESpec | None, tuple[Tensor, ...], int]:
+    """The MLP block of a Qwen-MoE-style layer (qwen2_moe / qwen3_moe / qwen3_next /
+    qwen3_5_moe): router ``mlp.gate``, optional shared expert with its 1-row sigmoid gate
+    ``mlp.shared_expert_gate``, routed experts ``mlp.experts.{j}``; or a dense SwiGLU of
+    ``intermediate_size`` on non-MoE layers.
+
+    Returns (non-expert tensors, MoESpec or None, one expert's tensors, dense width).
+    """
+    if not is_moe:
+        dense_i = c.int("intermediate_size")
+        return _swiglu(f"{p}mlp.", hidden, dense_i, "dense_mlp"), None, (), dense_i
+    ts = _router(f"{p}mlp.gate", e, hidden)
+    if shared_i:
+        ts += _swiglu(f"{p}mlp.shared_expert.", hidden, shared_i, "shared_expert")
+        ts.append(Tensor(f"{p}mlp.shared_expert_gate.weight", (1, hidden), "shared_expert"))
+    moe = MoESpec(e, k, moe_i, 1 if shared_i else 0, shared_i)
+    return ts, moe, _experts(f"{p}mlp.experts.", hidden, moe_i), 0
+
+
 def _qwen_is_moe(c: _Cfg, i: int, num_experts: int) -> bool:
     """``Qwen2MoeDecoderLayer`` / ``Qwen3MoeDecoderLayer`` / ``Qwen3NextDecoderLayer``: sparse
     when ``i not in mlp_only_layers and num_experts > 0 and (i + 1) % decoder_sparse_step == 0``."""
@@ -347,17 +367,9 @@ def _parse_qwen_moe(c: _Cfg, kind: str) -> tuple[list[LayerSpec], tuple[Tensor, 
     for i in range(m.layers):
         p = f"model.layers.{i}."
         ts = _gqa(p, m, **attn_kw)
-        moe, experts, dense_i = None, (), 0
-        if _qwen_is_moe(c, i, e):
-            ts += _router(f"{p}mlp.gate", e, m.hidden)
-            if shared_i:
-                ts += _swiglu(f"{p}mlp.shared_expert.", m.hidden, shared_i, "shared_expert")
-                ts.append(Tensor(f"{p}mlp.shared_expert_gate.weight", (1, m.hidden), "shared_expert"))
-            experts = _experts(f"{p}mlp.experts.", m.hidden, moe_i)
-            moe = MoESpec(e, k, moe_i, 1 if shared_i else 0, shared_i)
-        else:
-            dense_i = c.int("intermediate_size")
-            ts += _swiglu(f"{p}mlp.", m.hidden, dense_i, "dense_mlp")
+        mlp, moe, experts, dense_i = _qwen_mlp(c, p, m.hidden, _qwen_is_moe(c, i, e), e, k,
+                                               moe_i, shared_i)
+        ts += mlp
         ts += _layer_norms(p, m.hidden)
         spec = _attn_spec(m, _softmax_kind(c, types[i], window), _partial_rotary(c), window)
         layers.append(LayerSpec(i, spec, moe, tuple(ts), experts, dense_i))
@@ -627,17 +639,9 @@ def _parse_qwen_hybrid(c: _Cfg, kind: str) -> tuple[list[LayerSpec], tuple[Tenso
             ts = _gqa(p, m, qkv_bias=bias, o_bias=bias, q_mult=2, qk_norm="head")
         else:
             raise InputError(f"{c.source}: unknown layer type {types[i]!r} in {tc.path}layer_types")
-        moe, experts, dense_i = None, (), 0
-        if qwen35 or _qwen_is_moe(tc, i, e):
-            ts += _router(f"{p}mlp.gate", e, m.hidden)
-            if shared_i:
-                ts += _swiglu(f"{p}mlp.shared_expert.", m.hidden, shared_i, "shared_expert")
-                ts.append(Tensor(f"{p}mlp.shared_expert_gate.weight", (1, m.hidden), "shared_expert"))
-            experts = _experts(f"{p}mlp.experts.", m.hidden, moe_i)
-            moe = MoESpec(e, k, moe_i, 1 if shared_i else 0, shared_i)
-        else:
-            dense_i = tc.int("intermediate_size")
-            ts += _swiglu(f"{p}mlp.", m.hidden, dense_i, "dense_mlp")
+        mlp, moe, experts, dense_i = _qwen_mlp(tc, p, m.hidden, qwen35 or _qwen_is_moe(tc, i, e),
+                                               e, k, moe_i, shared_i)
+        ts += mlp
         ts += _layer_norms(p, m.hidden)
         layers.append(LayerSpec(i, spec, moe, tuple(ts), experts, dense_i))
     tied = bool(c.get_any("tie_word_embeddings", False)) if qwen35 else bool(c.get("tie_word_embeddings", False))
