@@ -174,6 +174,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return _runtime("generate")(args)
 
 
+def _add_model_files_flags(p: argparse.ArgumentParser) -> None:
+    """Flags of the commands that run the model: the routing profile and the tokenizer."""
+    p.add_argument("--routing-profile", default=None,
+                   help='JSON {"layer": {"expert": count}}: fill the expert cache with the most used')
+    p.add_argument("--tokenizer", default=None, metavar="DIR",
+                   help="read tokenizer.json / tokenizer_config.json / generation_config.json "
+                        "from DIR (default: the model directory; for a .gguf, the file's "
+                        "metadata unless a tokenizer.json lies beside it)")
+
+
 def _add_sampling_flags(p: argparse.ArgumentParser) -> None:
     s = p.add_argument_group("sampling (default: generation_config.json, greedy unless it sets do_sample)")
     s.add_argument("--max-tokens", type=int, default=128, help="new tokens at most (default 128)")
@@ -204,12 +214,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0: any free port)")
     p.add_argument("--served-model-name", default=None,
                    help="the model id the API reports (default: the directory name)")
-    p.add_argument("--routing-profile", default=None,
-                   help='JSON {"layer": {"expert": count}}: fill the expert cache with the most used')
-    p.add_argument("--tokenizer", default=None, metavar="DIR",
-                   help="read tokenizer.json / tokenizer_config.json / generation_config.json "
-                        "from DIR (default: the model directory; for a .gguf, the file's "
-                        "metadata unless a tokenizer.json lies beside it)")
+    _add_model_files_flags(p)
     p.add_argument("--log-level", default="info",
                    choices=("critical", "error", "warning", "info", "debug"),
                    help="uvicorn's log level (default info)")
@@ -219,12 +224,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt", required=True, help="the prompt text")
     p.add_argument("--chat", action="store_true",
                    help="send the prompt as a user message through the chat template")
-    p.add_argument("--routing-profile", default=None,
-                   help='JSON {"layer": {"expert": count}}: fill the expert cache with the most used')
-    p.add_argument("--tokenizer", default=None, metavar="DIR",
-                   help="read tokenizer.json / tokenizer_config.json / generation_config.json "
-                        "from DIR (default: the model directory; for a .gguf, the file's "
-                        "metadata unless a tokenizer.json lies beside it)")
+    _add_model_files_flags(p)
     _add_sampling_flags(p)
     p.set_defaults(func=cmd_generate)
     sub.add_parser("models", help="list the built-in model presets").set_defaults(func=cmd_models)
