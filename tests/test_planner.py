@@ -247,3 +247,28 @@ def test_slots_spread_evenly_and_capped_per_layer(name, req):
         unfilled = [per[i] for i in per if per[i] < full[i]]
         if unfilled:
             assert max(unfilled) - min(counts) <= 1
+
+
+def test_expert_slots_are_priced_per_layer_when_blobs_differ():
+    """GGUF files mix quant types by layer: each slot costs its own layer's blob."""
+    import dataclasses
+
+    from moefit.geometry import ExactWeights
+    from moefit.memory.weights import spread_slots
+
+    base = load_model("Qwen3-30B-A3B")
+    blobs = tuple((l.index, 1_000_000 if l.index % 2 else 3_000_000) for l in base.moe_layers)
+    g = dataclasses.replace(base, exact=ExactWeights(
+        weight_bytes=base.analytic_weight_bytes(), expert_blob_bytes=blobs, skipped_bytes=0,
+        total_params=base.total_params, files=1))
+    req = Request(max_context=4096, prefill_tokens=1024, reserve_bytes=0)
+    need = mandatory_cost(g, cuda(0), req, 1024, 4096)
+    plan = solve(g, cuda(need + 150_000_000), req)
+    per = dict(plan.experts_per_layer)
+    size = dict(blobs)
+    cache = sum(n * size[i] for i, n in per.items())
+    assert plan.devices[0].line("experts").bytes == cache <= 150_000_000
+    # one more slot (it lands on the layer spread_slots gives it to) would not fit
+    more = dict(spread_slots(g, plan.expert_slots + 1))
+    assert sum(n * size[i] for i, n in more.items()) > 150_000_000
+    assert plan.expert_slots > 150_000_000 // 3_000_000   # more than max-blob pricing gives

@@ -36,3 +36,47 @@ def weight_arena_bytes(geom: ModelGeometry, miss_policy: str, arena_slots: int |
         return 0
     ring = default_arena_slots(geom) if arena_slots is None else arena_slots
     return ring * expert_slot_bytes(geom)
+
+
+def spread_slots(geom: ModelGeometry, slots: int) -> tuple[tuple[int, int], ...]:
+    """Spread ``slots`` expert slots evenly over the MoE layers.
+
+    Each layer gets ``slots // n`` (capped at its expert count); the remainder goes to the
+    earliest layers. Returns ((layer index, slots), ...) in layer order.
+    """
+    layers = geom.moe_layers
+    if not layers:
+        return ()
+    out = {l.index: 0 for l in layers}
+    left = slots
+    while left > 0:
+        open_layers = [l for l in layers if out[l.index] < l.moe.num_experts]
+        if not open_layers:
+            break
+        share, extra = divmod(left, len(open_layers))
+        for i, l in enumerate(open_layers):
+            give = min(share + (1 if i < extra else 0), l.moe.num_experts - out[l.index])
+            out[l.index] += give
+            left -= give
+    return tuple(out.items())
+
+
+def expert_cache_bytes(geom: ModelGeometry, slots: int) -> int:
+    """Bytes of an expert cache of ``slots`` slots spread by :func:`spread_slots`, each
+    slot the size of its own layer's blob (GGUF files mix quant types layer by layer)."""
+    blobs = geom.expert_blob_bytes()
+    return sum(n * blobs[layer] for layer, n in spread_slots(geom, slots))
+
+
+def most_slots(geom: ModelGeometry, budget: int, floor: int, ceiling: int) -> int:
+    """The most slots in ``[floor, ceiling]`` whose :func:`expert_cache_bytes` fit in
+    ``budget`` bytes (``floor`` when none above it do). Bisection: the bytes grow with
+    the slot count."""
+    lo, hi = floor, ceiling
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if expert_cache_bytes(geom, mid) <= budget:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo

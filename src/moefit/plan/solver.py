@@ -28,7 +28,10 @@ from moefit.geometry import ModelGeometry
 from moefit.memory.kv import KV_FORMATS, kv_bytes, kv_chunk_pieces, kv_format
 from moefit.memory.runtime import default_reserve_bytes, runtime_bytes
 from moefit.memory.staging import staging_model
-from moefit.memory.weights import default_arena_slots, expert_slot_bytes, weight_arena_bytes
+from moefit.memory.weights import (
+    default_arena_slots, expert_cache_bytes, expert_slot_bytes, most_slots, spread_slots,
+    weight_arena_bytes,
+)
 from moefit.errors import InputError
 from moefit.plan.request import CHUNK_GRID, Request, resolve_context, rope_notes, validate
 
@@ -160,35 +163,12 @@ def _price(geom: ModelGeometry, device: Device, req: Request, context: int,
         weights=geom.weight_bytes(),
         arena=weight_arena_bytes(geom, req.miss_policy, req.arena_slots),
         margin=margin,
-        floor_bytes=floor_slots * slot,
+        floor_bytes=expert_cache_bytes(geom, floor_slots),
         slot_bytes=slot,
         staging_const=stage.const_bytes,
         staging_per_token=stage.per_token_bytes,
         kv_pieces=tuple(kv_chunk_pieces(geom, fmt, context, req.slots)),
     )
-
-
-def spread_slots(geom: ModelGeometry, slots: int) -> tuple[tuple[int, int], ...]:
-    """Spread ``slots`` expert slots evenly over the MoE layers.
-
-    Each layer gets ``slots // n`` (capped at its expert count); the remainder goes to the
-    earliest layers. Returns ((layer index, slots), ...) in layer order.
-    """
-    layers = geom.moe_layers
-    if not layers:
-        return ()
-    out = {l.index: 0 for l in layers}
-    left = slots
-    while left > 0:
-        open_layers = [l for l in layers if out[l.index] < l.moe.num_experts]
-        if not open_layers:
-            break
-        share, extra = divmod(left, len(open_layers))
-        for i, l in enumerate(open_layers):
-            give = min(share + (1 if i < extra else 0), l.moe.num_experts - out[l.index])
-            out[l.index] += give
-            left -= give
-    return tuple(out.items())
 
 
 def solve(geom: ModelGeometry, device: Device, req: Request, *,
@@ -239,7 +219,7 @@ def solve(geom: ModelGeometry, device: Device, req: Request, *,
     # (this also keeps "more VRAM never gives fewer slots" true)
     if fits and not clamped and priced.slot_bytes:
         spare = free - priced.cost(chunk)
-        slots = min(ceiling, floor + spare // priced.slot_bytes)
+        slots = most_slots(geom, priced.floor_bytes + spare, floor, ceiling)
     lines = _lines(geom, device, req, context, shown_chunk, priced, slots)
     dplan = DevicePlan(device, lines)
     plan = Plan(
@@ -305,7 +285,7 @@ def _lines(geom: ModelGeometry, device: Device, req: Request, context: int, chun
         "prefill": (priced.staging_const + priced.staging_per_token * chunk,
                     f"{chunk}-token chunks"),
         "margin": (priced.margin, ""),
-        "experts": (slots * priced.slot_bytes, expert_detail),
+        "experts": (expert_cache_bytes(geom, slots), expert_detail),
     }
     return tuple(Line(k, *values[k]) for k, _ in LINE_ORDER)
 
