@@ -374,3 +374,25 @@ def test_converter_header_of_each_architecture_gives_the_preset_geometry(tmp_pat
     assert g.exact.data_bytes == sum(cost(k, int(np.prod(s))) for _, s, k in tensors)
     if arch == "glm4moe":
         assert g.exact.skipped_bytes > 0                      # the MTP layer
+
+
+def test_types_the_runtime_cannot_run_are_noted_in_the_plan(tmp_path):
+    """A Q4_1 expert file plans exactly, and the plan says serve/generate will refuse it."""
+    from moefit.gguf_model import RUNTIME_TYPES
+
+    path, _ = tiny_gguf(tmp_path, "qwen3_moe", expert_types="Q8_0")
+    assert not any("runtime:" in n for n in load_model(str(path)).notes)
+    q41, _ = tiny_gguf(tmp_path, "qwen3_moe", "q41.gguf", expert_types="Q4_1")
+    g = load_model(str(q41))
+    note = next(n for n in g.notes if n.startswith("runtime:"))
+    assert "Q4_1" in note and "Q4_1" not in RUNTIME_TYPES
+    r = moefit("plan", str(q41), "--vram", "1GiB", "--max-context", "256")
+    assert r.returncode == 0 and "runtime: tensors of types serve/generate cannot run" in r.stdout
+
+
+def test_runtime_types_list_the_runtime_kernels():
+    torch = pytest.importorskip("torch")  # noqa: F841
+    from moefit.gguf_model import RUNTIME_TYPES
+    from moefit.runtime.quant import KERNELS
+
+    assert set(RUNTIME_TYPES) == set(KERNELS)

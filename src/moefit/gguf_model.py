@@ -628,6 +628,24 @@ def model_name(h: GGUFHeader) -> str:
     return m["stem"] if m else h.paths[0].stem
 
 
+#: ggml types ``moefit serve`` / ``generate`` can run (the kernels of
+#: :mod:`moefit.runtime.quant`; a test keeps the two lists equal). Planning prices any type.
+RUNTIME_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K", "MXFP4")
+
+
+def runtime_notes(h: "GGUFHeader") -> tuple[str, ...]:
+    """A note when the file holds tensor types the runtime cannot dequantize."""
+    other: dict[str, int] = {}
+    for t in h.tensors.values():
+        if t.ggml_type not in RUNTIME_TYPES:
+            other[t.ggml_type] = other.get(t.ggml_type, 0) + 1
+    if not other:
+        return ()
+    kinds = ", ".join(f"{n} x {k}" for k, n in sorted(other.items()))
+    return (f"runtime: tensors of types serve/generate cannot run ({kinds}); the plan is "
+            f"exact, but running needs a requantized file ({', '.join(RUNTIME_TYPES)})",)
+
+
 def load_gguf_model(path: str | Path) -> ModelGeometry:
     """The geometry of the GGUF model at ``path`` with exact bytes (:class:`GGUFWeights`).
 
@@ -641,4 +659,5 @@ def load_gguf_model(path: str | Path) -> ModelGeometry:
     h = read_header(path)
     cfg = config_from_gguf(h)
     geom = geometry_from_config(cfg, model_name(h), str(path))
-    return dataclasses.replace(geom, exact=exact_from_gguf(geom, h))
+    return dataclasses.replace(geom, exact=exact_from_gguf(geom, h),
+                               notes=geom.notes + runtime_notes(h))
