@@ -134,14 +134,17 @@ def qwen3_moe_tensors(fused: bool = False) -> dict:
     return t
 
 
-def check_against_analytic(model_dir: Path, extra_weight: int = 0, skipped: int = 0):
+def check_against_analytic(model_dir: Path, extra_weight: int = 0, skipped: int = 0,
+                           converted: int = 0):
+    """``converted``: bytes the runtime holds minus the stored bytes of floating tensors
+    stored in another dtype than the config's (the loader converts them)."""
     geom = load_model(str(model_dir))
     ex = geom.exact
     assert ex is not None
     assert ex.weight_bytes == geom.analytic_weight_bytes() + extra_weight
     assert dict(ex.expert_blob_bytes) == geom.analytic_expert_blob_bytes()
     assert ex.skipped_bytes == skipped
-    assert bucket_sum(geom, ex) == data_bytes_on_disk(model_dir)
+    assert bucket_sum(geom, ex) == data_bytes_on_disk(model_dir) + converted
     assert geom.weight_bytes() == ex.weight_bytes and geom.expert_blob_bytes() == dict(ex.expert_blob_bytes)
     return geom
 
@@ -255,7 +258,9 @@ def test_deepseek_fp8_with_mtp_layer(tmp_path):
         t.update(layer)
     save_sharded(tmp_path / "ds", cfg, t, shards=4)
     mtp_bytes = sum(math.prod(s) * BYTES[dt] for dt, s in mtp.values())
-    geom = check_against_analytic(tmp_path / "ds", extra_weight=1 * e * 4, skipped=mtp_bytes)
+    # the fp32 buffer is held in the config's dtype (bf16, 2 bytes) as the runtime loads it
+    geom = check_against_analytic(tmp_path / "ds", extra_weight=1 * e * 2, skipped=mtp_bytes,
+                                  converted=-1 * e * 2)
     blob = 3 * (moe_i * h + 4 * math.ceil(moe_i / 128) * math.ceil(h / 128))
     assert dict(geom.exact.expert_blob_bytes) == {1: blob}
     # the checkpoint stores the router buffer e_score_correction_bias, which transformers does not count
@@ -300,10 +305,11 @@ def test_qwen35_multimodal_skips_vision_and_mtp(tmp_path):
                "mtp.layers.0.self_attn.q_proj.weight": ("BF16", (2 * HEADS * HD, H))}
     t.update(skipped)
     save_sharded(tmp_path / "q35", cfg, t, shards=2)
-    # the 2 bytes/element of A_log and linear_attn.norm stored as F32 instead of bf16
-    extra = 2 * (4 + 8)
+    # A_log and linear_attn.norm stored as F32 are held in bf16 (the config's dtype), as
+    # the runtime loads them: no extra bytes, 2 bytes/element less than on disk
     skip_bytes = sum(math.prod(s) * BYTES[dt] for dt, s in skipped.values())
-    geom = check_against_analytic(tmp_path / "q35", extra_weight=extra, skipped=skip_bytes)
+    geom = check_against_analytic(tmp_path / "q35", extra_weight=0, skipped=skip_bytes,
+                                  converted=-2 * (4 + 8))
     assert geom.exact.total_params == geom.total_params
 
 
@@ -352,12 +358,14 @@ def test_no_safetensors_gives_analytic(tmp_path):
 def test_describe_weights_reports_difference(tmp_path):
     d = tmp_path / "m"
     t = qwen3_moe_tensors()
-    t["model.norm.weight"] = ("F32", (H,))          # stored wider than the config dtype
+    t["model.norm.weight"] = ("F32", (H,))          # stored wider: held in the config dtype
+    t["model.embed_tokens.bias"] = ("U8", (4 * H,))  # not in the analytic listing: stored bytes
     save_sharded(d, QWEN3_MOE, t)
     geom = load_model(str(d))
-    assert geom.exact.weight_bytes - geom.analytic_weight_bytes() == 2 * H
+    assert geom.exact.weight_bytes - geom.analytic_weight_bytes() == 4 * H
     text = "\n".join(describe_weights(geom))
-    assert "exact" in text and "analytic" in text and "+128 B" in text
+    assert "exact" in text and "analytic" in text and "+256 B" in text
+    assert "floating tensors at bfloat16, as loaded" in text
 
 
 @pytest.mark.parametrize("kind", ["short", "length", "json", "offsets", "dtype_size", "not_object"])

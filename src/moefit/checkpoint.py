@@ -17,6 +17,13 @@ Each tensor goes to one of three buckets (:func:`classify`):
   their ``_blocks`` / ``_scales`` / ``_bias``; bytes divided by the layer's expert count).
 - ``weight``: everything else (the ``weights`` budget line).
 
+Bytes are what the runtime holds, not what the file stores: the loader converts every
+floating tensor to the config's dtype (``torch_dtype`` / ``dtype``), so an unquantized
+floating tensor (``F32``, ``F16``, ``BF16``) is priced at numel x the model's compute
+dtype bytes (a bf16 checkpoint whose config says float32 costs twice its file size).
+Quantized and integer tensors (``F8_*``, ``U8`` blocks, ``I32`` packs) and quantization
+scales keep their stored bytes (:func:`held_bytes`).
+
 This module imports no torch.
 """
 
@@ -174,8 +181,26 @@ def _param_count(t: HeaderTensor) -> int:
     return 2 * numel if t.name.endswith("_blocks") and t.dtype == "U8" else numel
 
 
+#: Floating dtypes the loader converts to the model's compute dtype.
+CONVERTED_DTYPES = frozenset({"F32", "F16", "BF16"})
+
+
+def held_bytes(t: HeaderTensor, dtype_bytes: int) -> int:
+    """Bytes the runtime holds for ``t``: numel x ``dtype_bytes`` (the config's compute
+    dtype) for a floating F32 / F16 / BF16 tensor, which the loader converts; the stored
+    bytes for quantized or integer tensors and for quantization scales."""
+    if t.dtype not in CONVERTED_DTYPES or t.name.endswith(_SCALE_SUFFIXES):
+        return t.nbytes
+    return (t.nbytes // SAFETENSORS_DTYPE_BYTES[t.dtype]) * dtype_bytes
+
+
 def exact_weights(geom: ModelGeometry, model_dir: str | Path) -> ExactWeights | None:
     """Exact bytes of ``geom``'s weights from the headers in ``model_dir``; None without shards.
+
+    Each tensor is priced at what the runtime holds (:func:`held_bytes`): floating
+    F32 / F16 / BF16 tensors at numel x ``geom.dtype_bytes`` (the loader converts them to
+    the config's dtype), quantized / integer tensors and scales at their stored bytes.
+    ``skipped_bytes`` are stored bytes (never loaded).
 
     ``expert_blob_bytes[layer]`` is the largest per-expert sum of that layer (per-expert
     layout) plus each fused tensor's bytes divided by the layer's ``num_experts``.
@@ -200,18 +225,19 @@ def exact_weights(geom: ModelGeometry, model_dir: str | Path) -> ExactWeights | 
                 skipped += t.nbytes
                 continue
             params += _param_count(t)
+            nbytes = held_bytes(t, geom.dtype_bytes)
             if bucket == "weight":
-                weight += t.nbytes
+                weight += nbytes
                 continue
             if layer not in moe:
                 raise InputError(f"{path}: tensor {t.name!r} is a routed expert, but the config "
                                  f"declares layer {layer} dense; config and checkpoint disagree")
             if is_fused:
-                fused[layer] = fused.get(layer, 0) + t.nbytes
+                fused[layer] = fused.get(layer, 0) + nbytes
             else:
                 j = int(_PER_EXPERT.search(t.name).group(1))
                 per_expert.setdefault(layer, {})
-                per_expert[layer][j] = per_expert[layer].get(j, 0) + t.nbytes
+                per_expert[layer][j] = per_expert[layer].get(j, 0) + nbytes
     blobs = []
     for layer, n in sorted(moe.items()):
         blob = max(per_expert.get(layer, {0: 0}).values()) + -(-fused.get(layer, 0) // n)
@@ -247,6 +273,8 @@ def _blob_range(blobs: dict[int, int]) -> str:
 def describe_weights(geom: ModelGeometry) -> list[str]:
     """Lines for ``--verbose``: analytic vs exact bytes of the ``weights`` line and of one
     expert blob (range over MoE layers), their difference, and what the headers skipped.
+    The exact figures are what the runtime holds: floating tensors at the config's dtype
+    (the loader converts them), quantized / integer tensors at their stored bytes.
     Without headers, the analytic figures and a note that they come from the config."""
     own = geom.exact.describe(geom) if geom.exact is not None else None
     if own is not None:
@@ -262,7 +290,8 @@ def describe_weights(geom: ModelGeometry) -> list[str]:
     ex = geom.exact
     exact_b = dict(ex.expert_blob_bytes)
     lines = [f"weights      analytic {_fmt(analytic_w)}, exact {_fmt(ex.weight_bytes)} "
-             f"from {ex.files} safetensors file(s), difference {_diff(analytic_w, ex.weight_bytes)}"]
+             f"from {ex.files} safetensors file(s) (floating tensors at {geom.dtype}, as loaded), "
+             f"difference {_diff(analytic_w, ex.weight_bytes)}"]
     if analytic_b:
         worst = max(exact_b, key=lambda i: abs(exact_b[i] - analytic_b.get(i, 0)), default=None)
         d = "" if worst is None else f", largest difference {_diff(analytic_b[worst], exact_b[worst])} (layer {worst})"

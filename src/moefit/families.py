@@ -113,10 +113,12 @@ class _Cfg:
 # shared pieces: dtype, quantization, rope, tensor builders
 # --------------------------------------------------------------------------------------------
 def _dtype(c: _Cfg) -> tuple[str, int]:
-    """``torch_dtype`` or ``dtype`` (text config first), default bfloat16 (gpt-oss has none)."""
+    """``dtype`` or the older ``torch_dtype`` (text config first), default bfloat16
+    (gpt-oss has none). ``dtype`` wins when both are present, as in transformers 5 and
+    in the runtime (:mod:`moefit.runtime.arch`), so plan and serve price the same bytes."""
     raw, scope = None, c
     while raw is None and scope is not None:
-        raw = scope.get("torch_dtype") or scope.get("dtype")
+        raw = scope.get("dtype") or scope.get("torch_dtype")
         scope = scope.parent
     name = str(raw or "bfloat16").removeprefix("torch.")
     if name not in DTYPE_BYTES:

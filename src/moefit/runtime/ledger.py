@@ -20,6 +20,7 @@ Capacity:
 
 Fault injection: ``MOEFIT_FAIL_ALLOC=<line>`` (comma-separated for several) makes every
 allocation on that line fail, so the failure report can be tested without a full device.
+A key that is not a budget line is an input error (:func:`failing_lines`), not ignored.
 """
 
 from __future__ import annotations
@@ -29,12 +30,26 @@ from dataclasses import dataclass, field
 
 import torch
 
+from moefit.errors import InputError
 from moefit.plan.solver import LINE_ORDER, Plan
 from moefit.units import GIB, format_bytes
 from moefit.units import format_gib as _format_gib
 
 LABELS = dict(LINE_ORDER)
 FAIL_ENV = "MOEFIT_FAIL_ALLOC"
+
+
+def failing_lines(value: str | None = None) -> set[str]:
+    """The line keys of ``MOEFIT_FAIL_ALLOC`` (``value``, default: the environment).
+
+    Raises InputError for a key that is not a budget line, listing the valid keys."""
+    raw = os.environ.get(FAIL_ENV, "") if value is None else value
+    keys = {s.strip() for s in raw.split(",") if s.strip()}
+    bad = sorted(keys - set(LABELS))
+    if bad:
+        raise InputError(f"{FAIL_ENV}={raw}: unknown budget line {', '.join(map(repr, bad))}; "
+                         f"valid keys: {', '.join(LABELS)}")
+    return keys
 
 
 class BudgetError(RuntimeError):
@@ -92,7 +107,7 @@ class Ledger:
         self.capacity = int(capacity)
         self.margin = int(margin)
         self.lines: dict[str, LineUse] = {k: LineUse(k, planned.get(k, 0)) for k, _ in LINE_ORDER}
-        self.failing = {s.strip() for s in os.environ.get(FAIL_ENV, "").split(",") if s.strip()}
+        self.failing = failing_lines()
 
     @classmethod
     def for_plan(cls, plan: Plan, device: torch.device | str | None = None,

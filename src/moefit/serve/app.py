@@ -12,10 +12,15 @@ Routes:
 
 Errors use OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``: 400 for a
 malformed body or one the model cannot take (a prompt longer than the context names the
-limit), 503 while loading, 500 when the engine fails on a request; the server stays up.
+limit), 404 for a ``model`` other than the served one (an absent ``model`` is fine), 503
+while loading, 500 when the engine fails on a request; the server stays up.
 
 The engine runs one sequence at a time: requests are served in arrival order, each on a
-worker thread that holds :attr:`ServerState.lock` for the whole completion.
+worker thread that holds :attr:`ServerState.lock` for the whole completion. The worker
+stops at the next token when its client disconnects (streaming or not: a non-streaming
+request polls ``Request.is_disconnected`` while it waits) or when
+:attr:`ServerState.stopping` is set (server shutdown), so an abandoned request does not
+hold the engine.
 """
 
 from __future__ import annotations
@@ -50,6 +55,7 @@ class ServerState:
     defaults: GenerationDefaults
     engine: Any = None
     lock: threading.Lock = field(default_factory=threading.Lock)
+    stopping: threading.Event = field(default_factory=threading.Event)   # set on shutdown
     created: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -99,6 +105,11 @@ def create_app(state: ServerState) -> FastAPI:
                            "service_unavailable")
         return state.engine
 
+    def check_model(body) -> None:
+        if body.model is not None and body.model != state.model_name:
+            raise APIError(404, f"The model `{body.model}` does not exist.",
+                           "invalid_request_error", "model")
+
     @app.get("/health")
     async def health():
         if state.engine is None:
@@ -116,8 +127,9 @@ def create_app(state: ServerState) -> FastAPI:
         return budget_document(state)
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest):
+    async def completions(body: CompletionRequest, request: Request):
         eng = engine()
+        check_model(body)
         try:
             body.refuse_unsupported()
             prompts = [_encode_prompt(state, p) for p in body.prompts()]
@@ -131,7 +143,8 @@ def create_app(state: ServerState) -> FastAPI:
                 "created": int(time.time()), "model": state.model_name}
         if body.stream:
             return _sse(_completion_chunks(state, eng, head, jobs, params, body, prompts))
-        results = await _run(state, lambda: _complete_all(state, eng, jobs, params))
+        results = await _run(state, request,
+                             lambda cancelled: _complete_all(state, eng, jobs, params, cancelled))
         choices = []
         for (index, ids), res in zip(jobs, results):
             c = {"index": index, "text": res.text, "logprobs": None,
@@ -142,8 +155,9 @@ def create_app(state: ServerState) -> FastAPI:
         return {**head, "choices": choices, "usage": _usage(prompts, results)}
 
     @app.post("/v1/chat/completions")
-    async def chat(body: ChatRequest):
+    async def chat(body: ChatRequest, request: Request):
         eng = engine()
+        check_model(body)
         try:
             body.refuse_unsupported()
             if state.tokenizer is None:
@@ -161,7 +175,8 @@ def create_app(state: ServerState) -> FastAPI:
                 "created": int(time.time()), "model": state.model_name}
         if body.stream:
             return _sse(_chat_chunks(state, eng, head, jobs, params, body, [ids]))
-        results = await _run(state, lambda: _complete_all(state, eng, jobs, params))
+        results = await _run(state, request,
+                             lambda cancelled: _complete_all(state, eng, jobs, params, cancelled))
         choices = []
         for (index, _), res in zip(jobs, results):
             c = {"index": index, "message": {"role": "assistant", "content": res.text},
@@ -202,22 +217,49 @@ def _with_generator(jobs, params: Params):
         yield index, ids, gen
 
 
-def _complete_all(state: ServerState, eng, jobs, params: Params) -> list[Completion]:
-    return [complete(eng, ids, params, state.tokenizer, gen)
+def _complete_all(state: ServerState, eng, jobs, params: Params, cancelled) -> list[Completion]:
+    return [complete(eng, ids, params, state.tokenizer, gen, cancelled=cancelled)
             for _, ids, gen in _with_generator(jobs, params)]
 
 
-async def _run(state: ServerState, job):
-    """Run ``job`` on a worker thread holding the engine lock; engine errors become 500."""
+#: Seconds between two ``Request.is_disconnected`` polls while a worker runs.
+DISCONNECT_POLL_S = 0.05
+
+
+async def _run(state: ServerState, request: Request, job):
+    """Run ``job(cancelled)`` on a worker thread holding the engine lock; engine errors
+    become 500. ``cancelled()`` turns true when the client disconnects (polled here every
+    :data:`DISCONNECT_POLL_S`) or the server shuts down; the generation then stops at its
+    next token and frees the engine."""
+    gone = threading.Event()
+
+    def cancelled() -> bool:
+        return gone.is_set() or state.stopping.is_set()
+
     def locked():
         with state.lock:
-            return job()
-    try:
-        return await anyio.to_thread.run_sync(locked)
-    except InputError as e:
-        raise APIError(400, str(e)) from None
-    except Exception as e:  # the engine failed on this request; the server stays up
-        raise APIError(500, f"generation failed: {type(e).__name__}: {e}", "server_error") from None
+            return job(cancelled)
+
+    async def watch():
+        while not await request.is_disconnected():
+            await anyio.sleep(DISCONNECT_POLL_S)
+        gone.set()
+
+    result = error = None
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(watch)
+        try:
+            result = await anyio.to_thread.run_sync(locked)
+        except Exception as e:   # handled below, outside the task group (no ExceptionGroup)
+            error = e
+        finally:
+            tg.cancel_scope.cancel()
+    if isinstance(error, InputError):
+        raise APIError(400, str(error)) from None
+    if error is not None:   # the engine failed on this request; the server stays up
+        raise APIError(500, f"generation failed: {type(error).__name__}: {error}",
+                       "server_error") from None
+    return result
 
 
 def _usage(prompts: list[list[int]], results: list[Completion]) -> dict:
@@ -242,18 +284,25 @@ def _data(obj) -> str:
 
 async def _steps(state: ServerState, eng, jobs, params: Params):
     """(index, prompt ids, Step) for every sampled token of every job, produced by one
-    worker thread that holds the engine lock; it stops early when the client goes away."""
+    worker thread that holds the engine lock; it stops early when the client goes away
+    or the server shuts down (:attr:`ServerState.stopping`)."""
     q: queue.Queue = queue.Queue(maxsize=64)
     cancel = threading.Event()
+
+    def cancelled() -> bool:
+        return cancel.is_set() or state.stopping.is_set()
 
     def work():
         try:
             with state.lock:
                 for index, ids, gen in _with_generator(jobs, params):
-                    for step in stream(eng, ids, params, state.tokenizer, gen):
+                    for step in stream(eng, ids, params, state.tokenizer, gen,
+                                       cancelled=cancelled):
                         if cancel.is_set():
                             return
                         q.put((index, ids, step))
+                    if cancelled():
+                        return
         except Exception as e:  # reported in the stream; the server stays up
             q.put(e)
         finally:
@@ -294,8 +343,8 @@ async def _completion_chunks(state, eng, head, jobs, params, body, prompts) -> A
             break
         index, ids, step = item
         counts[index] += 1
-        if not step.text and step.finish_reason is None:
-            continue
+        if not step.text and step.finish_reason is None and not body.return_token_ids:
+            continue        # text held back; with return_token_ids the id still goes out
         c = {"index": index, "text": step.text, "logprobs": None,
              "finish_reason": step.finish_reason}
         if body.return_token_ids:
@@ -318,15 +367,22 @@ async def _chat_chunks(state, eng, head, jobs, params, body, prompts) -> AsyncIt
             break
         index, ids, step = item
         counts[index] += 1
-        if step.text:
+        sent = False
+        # text held back (incomplete UTF-8, stop-string lookahead): with return_token_ids
+        # the chunk still goes out, with empty content, so that every token id is delivered
+        if step.text or (body.return_token_ids and step.finish_reason is None):
             c = {"index": index, "delta": {"content": step.text}, "logprobs": None,
                  "finish_reason": None}
             if body.return_token_ids:
                 c["token_ids"] = [step.token]
             yield _data({**head, "choices": [c]})
+            sent = True
         if step.finish_reason is not None:
-            yield _data({**head, "choices": [{"index": index, "delta": {}, "logprobs": None,
-                                              "finish_reason": step.finish_reason}]})
+            c = {"index": index, "delta": {}, "logprobs": None,
+                 "finish_reason": step.finish_reason}
+            if body.return_token_ids and not sent:
+                c["token_ids"] = [step.token]
+            yield _data({**head, "choices": [c]})
     if body.include_usage:
         yield _usage_chunk(head, prompts, sum(counts.values()))
     yield "data: [DONE]\n\n"

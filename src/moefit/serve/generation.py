@@ -9,7 +9,10 @@
 3. ``max_tokens`` tokens were generated: ``"length"``;
 4. the sequence reached the plan's context (``--max-context``): ``"length"``. After a
    prompt of P tokens the KV cache has room for ``context - P`` more, so at most
-   ``context - P + 1`` tokens can be sampled (the last one is never fed back).
+   ``context - P + 1`` tokens can be sampled (the last one is never fed back);
+5. ``cancelled()`` turned true (the client went away, or the server is shutting down):
+   checked before the prefill and between tokens, the generation just ends (no more
+   steps; :func:`complete` reports ``finish_reason = "abort"``).
 
 Sampling (:func:`moefit.runtime.engine.sample`): temperature 0 is greedy; otherwise
 top-k, then top-p (nucleus, Holtzman et al. 2019, arXiv:1904.09751) filtering and a draw
@@ -20,7 +23,7 @@ from __future__ import annotations
 
 import secrets
 from dataclasses import dataclass, field
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 
@@ -109,10 +112,28 @@ def check_prompt(prompt_ids: Sequence[int], context: int, vocab_size: int) -> No
         raise InputError(f"token id {bad} is outside the vocabulary (0 .. {vocab_size - 1})")
 
 
+def check_sampling(temperature: float | None = None, top_p: float | None = None,
+                   top_k: int | None = None, flags: bool = False) -> None:
+    """Raise InputError for sampling settings outside the API's bounds (the request body's
+    in :mod:`moefit.serve.protocol`): ``temperature >= 0``, ``0 < top_p <= 1``,
+    ``top_k >= -1``. ``flags``: name them as command-line flags (``--top-p``)."""
+    def name(field: str) -> str:
+        return "--" + field.replace("_", "-") if flags else field
+    if temperature is not None and not temperature >= 0:
+        raise InputError(f"{name('temperature')} {temperature}: must be at least 0 (0: greedy)")
+    if top_p is not None and not 0 < top_p <= 1:
+        raise InputError(f"{name('top_p')} {top_p}: must be greater than 0 and at most 1")
+    if top_k is not None and top_k < -1:
+        raise InputError(f"{name('top_k')} {top_k}: must be at least -1 (0 or -1: off)")
+
+
 def stream(engine, prompt_ids: Sequence[int], params: Params, tokenizer: Tokenizer | None,
-           gen: torch.Generator | None = None, slot: int = 0) -> Iterator[Step]:
+           gen: torch.Generator | None = None, slot: int = 0,
+           cancelled: Callable[[], bool] | None = None) -> Iterator[Step]:
     """Generate on ``engine`` (a started :class:`~moefit.runtime.engine.Engine`) one token
     at a time; the last :class:`Step` carries the finish reason (module docstring).
+    ``cancelled``: checked before the prefill and between tokens; when it returns true
+    the generator ends without a finish reason.
 
     The caller serialises calls: the engine runs one sequence at a time per slot.
     """
@@ -125,8 +146,12 @@ def stream(engine, prompt_ids: Sequence[int], params: Params, tokenizer: Tokeniz
     gen = gen if gen is not None else params.generator()
     eos = () if params.ignore_eos else params.eos_ids
     text = TextStream(tokenizer, prompt_ids, params.stop)
+    if cancelled is not None and cancelled():
+        return
     logits = engine.prefill(prompt_ids, slot)
     for i in range(limit):
+        if cancelled is not None and cancelled():
+            return
         tok = sample(logits, sampling, gen)
         if tok in eos:
             yield Step(tok, text.flush(), "stop")
@@ -143,14 +168,20 @@ def stream(engine, prompt_ids: Sequence[int], params: Params, tokenizer: Tokeniz
 
 
 def complete(engine, prompt_ids: Sequence[int], params: Params, tokenizer: Tokenizer | None,
-             gen: torch.Generator | None = None, slot: int = 0) -> Completion:
-    """Run :func:`stream` to the end and collect it."""
+             gen: torch.Generator | None = None, slot: int = 0,
+             cancelled: Callable[[], bool] | None = None) -> Completion:
+    """Run :func:`stream` to the end and collect it (``finish_reason`` ``"abort"`` when
+    ``cancelled`` ended it)."""
     out = Completion()
     parts = []
-    for step in stream(engine, prompt_ids, params, tokenizer, gen, slot):
+    finished = False
+    for step in stream(engine, prompt_ids, params, tokenizer, gen, slot, cancelled):
         out.token_ids.append(step.token)
         parts.append(step.text)
         if step.finish_reason:
             out.finish_reason = step.finish_reason
+            finished = True
+    if not finished:
+        out.finish_reason = "abort"
     out.text = "".join(parts)
     return out

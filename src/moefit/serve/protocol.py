@@ -5,6 +5,9 @@ Unknown fields are ignored, as OpenAI-compatible servers do. Fields whose featur
 does not have are refused with a 400 when they ask for it (``logprobs``, ``logit_bias``,
 penalties, ``tools``, ``echo``, ``best_of``, ``suffix``), rather than silently ignored.
 
+Numbers and flags are strict (OpenAI's types): ``"max_tokens": "8"`` or ``true`` is a
+400, not 8 or 1; a number where a float is expected may be written as an integer.
+
 Extensions (vLLM's names): ``top_k`` (0 or -1: off), ``ignore_eos``, ``return_token_ids``
 (the prompt and completion token ids in each choice), ``chat_template_kwargs``.
 """
@@ -23,28 +26,28 @@ class _Body(BaseModel):
 
 
 class StreamOptions(_Body):
-    include_usage: bool = False
+    include_usage: bool = Field(False, strict=True)
 
 
 class _Sampling(_Body):
     """Fields both endpoints share."""
 
     model: str | None = None
-    max_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=-1)
-    seed: int | None = None
+    max_tokens: int | None = Field(None, ge=1, strict=True)
+    temperature: float | None = Field(None, ge=0.0, strict=True)
+    top_p: float | None = Field(None, gt=0.0, le=1.0, strict=True)
+    top_k: int | None = Field(None, ge=-1, strict=True)
+    seed: int | None = Field(None, strict=True)
     stop: str | list[str] | None = None
-    n: int = Field(1, ge=1, le=16)
-    stream: bool = False
+    n: int = Field(1, ge=1, le=16, strict=True)
+    stream: bool = Field(False, strict=True)
     stream_options: StreamOptions | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None
-    ignore_eos: bool = False
-    return_token_ids: bool = False
+    ignore_eos: bool = Field(False, strict=True)
+    return_token_ids: bool = Field(False, strict=True)
 
     def refuse_unsupported(self) -> None:
         """InputError for a feature moefit does not have (see module docstring)."""
@@ -104,14 +107,18 @@ class TextPart(_Body):
 
 class ChatMessage(BaseModel):
     """One message; extra keys (``name``, ``tool_calls``, ``reasoning_content``) are kept
-    for the chat template."""
+    for the chat template. ``content`` is required; it may be null only for an
+    ``assistant`` message (one that made tool calls)."""
 
     model_config = ConfigDict(extra="allow")
     role: str
-    content: str | list[TextPart | dict[str, Any]] | None = None
+    content: str | list[TextPart | dict[str, Any]] | None
 
     def for_template(self) -> dict:
         """The message as the template sees it: text parts joined by newlines."""
+        if self.content is None and self.role != "assistant":
+            raise InputError(f"messages: a {self.role!r} message needs content (null only "
+                             "for an assistant message)")
         msg = self.model_dump(exclude_none=True)
         content = self.content
         if isinstance(content, list):
@@ -130,7 +137,7 @@ class ChatRequest(_Sampling):
     """``POST /v1/chat/completions``."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1, strict=True)
     logprobs: bool | None = None
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
