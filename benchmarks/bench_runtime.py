@@ -50,14 +50,15 @@ CONFIG = {
 }
 
 
-def write_checkpoint(path: Path, seed: int = 0) -> None:
-    """Random bf16 weights (std 0.02, norms 1) in HF names, one shard per two layers."""
+def write_checkpoint(path: Path, seed: int = 0, config: dict | None = None) -> None:
+    """Random bf16 weights (std 0.02, norms 1) in HF names, one shard per two layers, of
+    Qwen3-MoE ``config`` (default :data:`CONFIG`)."""
     from safetensors.torch import save_file
 
     if (path / "model.safetensors.index.json").is_file():
         return
     path.mkdir(parents=True, exist_ok=True)
-    c = CONFIG
+    c = config or CONFIG
     h, e, i = c["hidden_size"], c["num_experts"], c["moe_intermediate_size"]
     q, kv = c["num_attention_heads"] * c["head_dim"], c["num_key_value_heads"] * c["head_dim"]
     g = torch.Generator().manual_seed(seed)
@@ -85,13 +86,15 @@ def write_checkpoint(path: Path, seed: int = 0) -> None:
             x = f"{p}mlp.experts.{j}."
             t.update({f"{x}gate_proj.weight": rnd(i, h), f"{x}up_proj.weight": rnd(i, h),
                       f"{x}down_proj.weight": rnd(h, i)})
-    weight_map = {}
+    weight_map, total = {}, 0
     for n, tensors in enumerate(shards):
         name = f"model-{n + 1:05d}-of-{len(shards):05d}.safetensors"
         save_file(tensors, str(path / name), metadata={"format": "pt"})
         weight_map.update({k: name for k in tensors})
-    (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
-    (path / "config.json").write_text(json.dumps(CONFIG, indent=2))
+        total += sum(t.numel() * t.element_size() for t in tensors.values())
+    (path / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}))
+    (path / "config.json").write_text(json.dumps(c, indent=2))
 
 
 def run(path: Path, slots: int, policy: str, prompt: int, chunk: int, decode: int,

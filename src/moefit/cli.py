@@ -1,8 +1,9 @@
 """``moefit`` command line.
 
 Exit codes: 0 the plan fits (or the command succeeded), 2 bad input, 3 the plan does
-not fit, 4 an allocation failed while ``serve`` / ``generate`` committed the plan. The
-planning commands import no torch; ``serve`` and ``generate`` need the ``serve`` extra.
+not fit (``bench``: at some context of the ladder), 4 an allocation failed while ``serve``
+/ ``generate`` committed the plan. The planning commands import no torch; ``serve`` and
+``generate`` need the ``serve`` extra, ``bench`` and ``calibrate`` the ``bench`` extra.
 """
 
 from __future__ import annotations
@@ -65,6 +66,9 @@ def add_plan_flags(p: argparse.ArgumentParser) -> None:
     req.add_argument("--rope-scale", type=float, default=None, help="RoPE scaling factor")
     req.add_argument("--yarn-orig-ctx", default=None,
                      help="original context of YaRN (default: the config's)")
+    req.add_argument("--no-calibration", action="store_true",
+                     help="price prefill staging with the analytic model even when `moefit "
+                          "calibrate` has measured this model on this device")
 
 
 def request_from_args(args: argparse.Namespace):
@@ -99,16 +103,29 @@ def request_from_args(args: argparse.Namespace):
     )
 
 
+def plan_from_args(geom, device, args: argparse.Namespace):
+    """Solve the flags' request for ``geom`` on ``device``, with the staging calibrated for
+    them on this device (:mod:`moefit.memory.calibration`) unless ``--no-calibration``; a
+    stale or corrupt calibration is ignored with a warning on stderr."""
+    from moefit.memory import calibration
+    from moefit.plan.solver import solve
+
+    req = request_from_args(args)
+    staging = None
+    if not getattr(args, "no_calibration", False):
+        staging = calibration.load(geom, device, req.kv,
+                                   lambda msg: print(f"moefit: warning: {msg}", file=sys.stderr))
+    return solve(geom, device, req, staging=staging)
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     from moefit.devices import resolve_device
     from moefit.models import load_model
     from moefit.plan.report import format_json, format_table
-    from moefit.plan.solver import solve
 
     geom = load_model(args.model)
     device = resolve_device(args.device, args.gpu, args.vram, args.vram_free)
-    req = request_from_args(args)
-    plan = solve(geom, device, req)
+    plan = plan_from_args(geom, device, args)
     if args.json:
         print(format_json(plan))
     else:
@@ -128,14 +145,21 @@ def _verbose(plan) -> str:
     fmt = kv_format(r.kv)
     kv = kv_bytes(g, fmt, plan.context, r.slots, plan.prefill_selected)
     st = staging_model(g, fmt, r.slots)
+    staged = plan.devices[0].line("prefill")
+    if staged.detail.endswith("(calibrated)"):
+        chunk = plan.prefill_selected
+        out_cal = [f"  prefill staging (calibrated on this device) = {staged.bytes} B at {chunk} "
+                   f"tokens; the analytic model says {st.bytes(chunk)} B"]
+    else:
+        out_cal = []
     out = ["details:"]
     out += [f"  {line}" for line in describe_weights(g)]
     out.append(f"  KV: cells {format_bytes(kv.cell_bytes)}, recurrent/conv state "
                f"{format_bytes(kv.state_bytes)}, fp8 scales {kv.scale_bytes} B")
     out.append(f"  prefill staging = {st.const_bytes} B + {st.per_token_bytes} B/token x chunk")
     for name, const, per_tok in st.terms:
-        out.append(f"    {name:<44} {format_bytes(const):>11} + {per_tok} B/token")
-    return "\n".join(out)
+        out.append(f"    {name:<58} {format_bytes(const):>11} + {per_tok} B/token")
+    return "\n".join(out + out_cal)
 
 
 def cmd_models(args: argparse.Namespace) -> int:
@@ -172,6 +196,27 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     return _runtime("generate")(args)
+
+
+def _bench_command(name: str):
+    """``moefit.bench.command.<name>``, or InputError naming the extra to install."""
+    from importlib.util import find_spec
+
+    missing = [m for m in ("torch", "safetensors", "tqdm") if find_spec(m) is None]
+    if missing:
+        raise InputError(f"this command runs the model and needs the bench extra: "
+                         f"pip install 'moefit[bench]' (missing: {', '.join(missing)})")
+    from moefit.bench import command
+
+    return getattr(command, name)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    return _bench_command("bench")(args)
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    return _bench_command("calibrate")(args)
 
 
 def _add_model_files_flags(p: argparse.ArgumentParser) -> None:
@@ -227,6 +272,35 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_files_flags(p)
     _add_sampling_flags(p)
     p.set_defaults(func=cmd_generate)
+    p = sub.add_parser("bench", help="run the model across a ladder of contexts: planned vs "
+                                     "allocated vs measured bytes, throughput, a chart")
+    add_plan_flags(p)
+    p.add_argument("--contexts", default=None,
+                   help="comma-separated contexts, K/M suffixes (e.g. 384K,512K,524K); default "
+                        "1/4, 1/2, 3/4 and all of the largest context the device allows")
+    p.add_argument("--prompt-tokens", default=None,
+                   help="comma-separated prompt lengths (default: one chunk and three chunks)")
+    p.add_argument("--decode-tokens", type=int, default=64,
+                   help="greedy tokens decoded after the longest prompt (default 64)")
+    p.add_argument("--out", default="bench", metavar="DIR",
+                   help="where bench.json, bench.md and bench.png go (default ./bench)")
+    p.add_argument("--vs", choices=("transformers",), default=None,
+                   help="also run the prompts through transformers' generate on the same "
+                        "device: tokens/s side by side, and whether greedy outputs agree")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random prompt (default 0)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads on the CPU (default: torch's; 1 is steadier on a "
+                        "shared machine)")
+    p.add_argument("--no-progress", dest="progress", action="store_false",
+                   help="no progress bar")
+    p.set_defaults(func=cmd_bench)
+    p = sub.add_parser("calibrate", help="measure the prefill staging peak at two chunk sizes "
+                                         "on this device and store the fitted model")
+    add_plan_flags(p)
+    p.add_argument("--chunks", default="512,2048",
+                   help="the two chunk sizes to measure (default 512,2048)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random prompt (default 0)")
+    p.set_defaults(func=cmd_calibrate)
     sub.add_parser("models", help="list the built-in model presets").set_defaults(func=cmd_models)
     sub.add_parser("gpus", help="list the built-in GPU catalogue").set_defaults(func=cmd_gpus)
     return parser

@@ -194,9 +194,11 @@ def test_linear_attention_staging_term_bounds_the_layer(dtype):
     """``gated_deltanet``'s workspace peak stays within the linear-attention term of the
     staging model (const + per-token x T) at every chunk length, and close to it, on
     Qwen3.5-35B-A3B's head counts and head dims (16 key heads, 32 value heads, 128 x 128;
-    hidden scaled down). Measured peak / term: fp32 0.949 (T=64), 0.904 (256), 0.885
-    (1024), 0.939 (2048); bf16 0.972, 0.941, 0.915, 0.917; a single token (the recurrent
-    form, no block buffers) 0.15."""
+    hidden scaled down). Without the engine's fixed region the block buffers go on the
+    stack above the projections, so this is looser than in the engine (where the layer
+    measures 1.00x, tests/runtime/test_staging_bound.py). Measured peak / term: fp32 0.972
+    (T=7), 0.902 (64), 0.877 (100), 0.837 (200); bf16 0.975, 0.917, 0.894, 0.853; a single
+    token (the recurrent form, no block buffers) 0.14."""
     from moefit.geometry import AttentionSpec, LayerSpec, ModelGeometry, Quantization, RopeSpec
 
     a = AttentionSpec(kind="linear", num_heads=32, linear_num_key_heads=16,

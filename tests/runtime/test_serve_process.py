@@ -4,14 +4,14 @@ the capacity really enforced).
 
 The tiny Qwen3-MoE checkpoint (2 MoE layers x 8 experts of 24 KiB, fp32) at a context of
 1024 tokens with fp32 KV needs 245.75 KiB of weights, 1 MiB of KV cache and
-4.38 MiB + 3 KiB/token of prefill staging; the margin is 1/32 of the device.
+3.10 MiB + 3 KiB/token of prefill staging; the margin is 1/32 of the device.
 
-(a) budget ordering: on 7812.5 KiB a 512-token chunk fits but not with all 16 experts;
+(a) budget ordering: on 6445.3125 KiB a 512-token chunk fits but not with all 16 experts;
     READY with the requested chunk and a reduced expert cache.
-(b) prefill fallback: on 7000000 bytes a 1024-token chunk does not fit; READY with the
+(b) prefill fallback: on 5800000 bytes a 1024-token chunk does not fit; READY with the
     chunk clamped to 256 and the clamp line, and a 300-token prompt (two chunks) gets the
     reference's greedy tokens.
-(c) hard failure: on 6500000 bytes nothing fits; exit 3 before any weight is read, with
+(c) hard failure: on 5300000 bytes nothing fits; exit 3 before any weight is read, with
     the shortfall and the alternatives.
 (d) fault injection: MOEFIT_FAIL_ALLOC=prefill; exit 4 with the budget table naming the
     line, no traceback.
@@ -35,9 +35,9 @@ from reference import prompt  # noqa: E402
 from serving import EOS, Server, make_servable, reference_tokens  # noqa: E402
 
 BASE = ["--device", "cpu", "--max-context", "1024", "--kv", "fp32"]
-FITS_512 = ["--vram", "7812.5KiB", "--prefill", "512"]           # = 8000000 bytes
-CLAMPS = ["--vram", "7000000", "--prefill", "1024"]
-NO_FIT = ["--vram", "6500000", "--prefill", "1024"]
+FITS_512 = ["--vram", "6445.3125KiB", "--prefill", "512"]         # = 6600000 bytes
+CLAMPS = ["--vram", "5800000", "--prefill", "1024"]
+NO_FIT = ["--vram", "5300000", "--prefill", "1024"]
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +63,7 @@ def moefit(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_a_budget_ordering_gives_the_chunk_and_shrinks_the_expert_cache(tiny, tmp_path):
-    planned = moefit("plan", str(tiny.path), *BASE, "--vram", "8000000", "--prefill", "512", "--json")
+    planned = moefit("plan", str(tiny.path), *BASE, "--vram", "6600000", "--prefill", "512", "--json")
     assert planned.returncode == 0, planned.stderr
     plan = json.loads(planned.stdout)
     with serve(tiny, tmp_path, *FITS_512) as srv:
@@ -172,3 +172,48 @@ def test_generate_runs_the_same_engine_once(tiny):
 def test_serve_bad_input_exits_2(tiny, args, needle):
     r = moefit("serve", str(tiny.path), *args)
     assert r.returncode == 2 and needle in r.stderr and "Traceback" not in r.stderr
+
+
+def test_sigint_while_streaming_stops_cleanly_with_exit_0(tiny, tmp_path):
+    import threading
+    import urllib.request
+
+    with serve(tiny, tmp_path, *FITS_512) as srv:
+        assert srv.url, srv.output
+        req = urllib.request.Request(srv.url + "/v1/completions", method="POST",
+                                     headers={"Content-Type": "application/json"},
+                                     data=json.dumps({"prompt": [4, 5, 6], "max_tokens": 1000,
+                                                      "ignore_eos": True, "stream": True}).encode())
+        got: list[bytes] = []
+        started = threading.Event()
+
+        def read():
+            with urllib.request.urlopen(req, timeout=30) as r:
+                for line in r:
+                    got.append(line)
+                    started.set()
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        assert started.wait(30)
+        srv.proc.send_signal(signal.SIGINT)
+        assert srv.wait(timeout=30) == 0
+        reader.join(timeout=10)
+    assert b"data: [DONE]\n" in got
+    assert "Traceback" not in srv.stderr and "CancelledError" not in srv.stderr
+
+
+@pytest.mark.parametrize("args,env,needle", [
+    (["serve", "--port", "99999"], {}, "--port 99999: must be 0-65535"),
+    (["serve", "--port", "0", "--host", "203.0.113.7"], {}, "--host 203.0.113.7"),
+    (["serve", "--port", "0"], {"MOEFIT_FAIL_ALLOC": "bogus"}, "valid keys: runtime"),
+    (["generate", "--prompt", "hello", "--temperature", "-1"], {}, "--temperature -1"),
+    (["generate", "--prompt", "hello", "--top-p", "0"], {}, "--top-p 0"),
+])
+def test_bad_flags_and_fault_keys_exit_2(tiny, args, env, needle):
+    r = subprocess.run([sys.executable, "-m", "moefit", args[0], str(tiny.path), *BASE, *FITS_512,
+                        *args[1:]], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "OMP_NUM_THREADS": "1", **env})
+    assert r.returncode == 2, r.stderr
+    assert needle in r.stderr and "Traceback" not in r.stderr
+    if "--host" in args:
+        assert "choose another --port" not in r.stderr

@@ -4,63 +4,65 @@ The model is affine in the chunk ``c`` (tokens) and independent of the context l
 
     staging(c) = const_bytes + per_token_bytes * c
 
-It prices the transient tensors of moefit's own forward pass for one chunk (the runtime
-allocates its staging from this line), layer by layer; layers run one after another, so
-only the largest layer counts. Each term is taken as the maximum over layers, term by
-term, which bounds the true per-layer maximum from above and keeps the result affine.
+It prices exactly what moefit's forward pass takes from the line's one workspace
+(:mod:`moefit.runtime.staging`), which has two parts:
 
-Terms, per token of the chunk (``act`` = bytes of the compute dtype, 2 for bf16/fp16):
+1. a *fixed region*, reserved at the bottom for the whole chunk and shared by the layers
+   one after another: whatever does not grow with the chunk. Its size is the largest of
+   one layer's token-mixer needs, the last-token logits (fp32, and in the compute dtype
+   first unless fp32), and one dequantized expert matrix of a stored (GGUF) format.
+   Attention runs over tiles of ``ATTN_Q_BLOCK`` queries x ``ATTN_KV_BLOCK`` cached
+   tokens with an online softmax (Milakov & Gimelshein 2018; FlashAttention, Dao et al.
+   2022), so its part is one tile whatever the context: the query tile, fp32 running
+   output / max / sum, the K/V block as stored and dequantized, fp32 scores (and in the
+   compute dtype), masks, row vectors, and a block read's codec scratch. The chunked
+   delta rule of Gated DeltaNet runs one block of ``DELTA_CHUNK`` (64) tokens at a time
+   (Yang et al. 2024, "Gated Delta Networks", chunkwise form; transformers
+   ``torch_chunk_gated_delta_rule`` holds every block at once, moefit one block), so its
+   part is the block buffers, one state-sized product, and an fp32 copy of the state when
+   it is kept in another dtype. Tiles are sized in full even for a chunk at position 0.
+2. a *stack* of ``[c, ...]`` tensors above it: the residual stream (hidden state, normed
+   input, layer output) and the chunk's RoPE cos / sin, always; on top, at each step of a
+   layer, what that step takes (:class:`_Step`): the RMSNorm's fp32 scratch; attention's
+   q / k / v, then the largest of the q/k-norm scratch, ``rotate_half``, the KV codec's
+   encoding scratch, the attention output; Gated DeltaNet's projections, fp32 conv input
+   and output, gates and gated norm; the MoE routing (fp32 softmax, top-k) and dispatch
+   (the pairs sorted by expert; the expert input, gate/up and output buffers taken for all
+   ``c`` rows, since one expert may get every token, and the fp32 combine); the dense MLP.
 
-1. residual stream: hidden state, normed input and layer output, ``3 x hidden x act``.
-2. attention (full / sliding): Q (doubled with an output gate), the new K and V, RoPE
-   copies of Q and K, the attention output, and an fp32 copy of the new K/V that is
-   quantized into the cache when the KV format is quantized.
-3. MLA: the Q LoRA activation, Q heads (nope + rope), the latent + RoPE key of the chunk,
-   and the attention output (DeepSeek-V2 §2.1).
-4. Gated DeltaNet (:func:`moefit.runtime.deltanet.gated_deltanet`): the fused q/k/v/z
-   and b/a projections and the fp32 conv output (q/k/v), then the larger of the conv input
-   (freed after the conv) and what follows it: fp32 gates (beta, g), the fp32 delta-rule
-   output and the gated-norm output.
-5. MoE dispatch: fp32 router logits and probabilities (``2 x experts x 4``), top-k ids
-   (int64) and weights (fp32), the gathered token copies and the expert intermediate
-   (``top_k x (2 x hidden + 3 x expert_width) x act``: input, gate/up output, activated,
-   output), and an fp32 combine accumulator; plus the shared expert.
-6. dense MLP: gate/up output, activation and output.
+So the bytes in use are always region + stack: ``const_bytes`` is the region plus the
+stack's few constants, view alignment and an allowance for torch's scalars
+(:data:`OP_SCRATCH`); ``per_token_bytes`` is the residual stream plus the largest step's
+bytes per token, the maximum over all steps of all layers (steps never overlap). The
+runtime's region is sized by the same rules (``moefit.runtime.model.fixed_bytes``; a test
+checks they agree to the byte), and the measured peak of a chunk, every tensor counted, is
+at most the model and within 2.5% of it from 256 tokens up, 0.2% at 16384
+(tests/runtime/test_staging_bound.py, docs/validation.md).
 
-Constant terms:
+MLA layers (DeepSeek-V2 §2.1) are priced as their reference would run them (the Q LoRA
+activation, Q heads twice, the latent + RoPE key, the output; a tile of scores and the
+K/V heads of one latent block): the runtime does not run them yet.
 
-7. attention block buffers: attention runs over tiles of ``ATTN_Q_BLOCK`` queries x
-   ``ATTN_KV_BLOCK`` cached tokens with an online softmax (Milakov & Gimelshein 2018;
-   FlashAttention, Dao et al. 2022): fp32 scores and probabilities for one tile of all
-   heads, the fp32 running output / max / sum of the query tile, and the K/V block
-   dequantized to the compute dtype. None of it depends on the context.
-8. MLA: the K/V heads decompressed from one latent block.
-9. Gated DeltaNet: the chunked delta rule runs one block of ``DELTA_CHUNK`` (64) tokens
-   at a time (Yang et al. 2024, "Gated Delta Networks", chunkwise form; transformers
-   ``torch_chunk_gated_delta_rule``, which holds every block's intra-block tensors at once;
-   moefit computes them block by block, so they do not grow with the chunk): per value
-   head fp32 ``64 x (5 Dk + 6 Dv + 5 + 3 x 64)`` (q, k, beta k, decayed beta k, A^-1 beta
-   k exp(cum); v, beta v, A^-1 beta v, v_new, output, product; g, beta, cum and two decay
-   vectors; decay, UT and q k^T matrices) plus a ``64 x 64`` mask, one state-sized fp32
-   product, an fp32 working copy of the state when the state dtype is not fp32, the
-   ``kernel - 1`` conv inputs carried into the chunk, and 64-byte alignment of each of the
-   layer's workspace views.
-10. last-token logits: ``slots x vocab`` in fp32 (only the last position of a chunk is
-    projected through ``lm_head``).
+A calibration measured on the device (``moefit calibrate``,
+:mod:`moefit.memory.calibration`) replaces the two numbers when there is one.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from moefit.geometry import LayerSpec, ModelGeometry
-from moefit.memory.kv import KVFormat
+from moefit.memory.kv import QBLOCK, KVFormat
 
 ATTN_Q_BLOCK = 256      #: queries per attention tile (tokens)
 ATTN_KV_BLOCK = 512     #: cached tokens per attention tile (tokens)
 DELTA_CHUNK = 64        #: chunk of the chunked delta rule (transformers' default)
 WORKSPACE_ALIGN = 64    #: bytes; the runtime workspace starts every view on this boundary
-DELTANET_VIEWS = 32     #: workspace views one Gated DeltaNet layer takes at most (30)
+ALIGN_SLACK = 32 * WORKSPACE_ALIGN   #: alignment of the stack's views (at most ~25 live)
+#: torch's own scalars and small results outside the workspace, and on CUDA the caching
+#: allocator's 512-byte rounding of what the measurement mirrors
+OP_SCRATCH = 64 << 10
 FP32 = 4
 INT64 = 8
 
@@ -70,11 +72,16 @@ class StagingModel:
     """``bytes(c) = const_bytes + per_token_bytes * c`` for a chunk of ``c`` tokens.
 
     ``terms``: (name, const_bytes, per_token_bytes) of each component, for ``--verbose``.
+    ``fixed_bytes``: the part of ``const_bytes`` that is the runtime's fixed region.
+    ``calibrated``: the two numbers were fitted to peaks measured on the device
+    (``moefit calibrate``, :mod:`moefit.memory.calibration`), not derived.
     """
 
     const_bytes: int
     per_token_bytes: int
     terms: tuple[tuple[str, int, int], ...]
+    fixed_bytes: int = 0
+    calibrated: bool = False
 
     def bytes(self, chunk: int) -> int:
         """Staging bytes for a chunk of ``chunk`` tokens."""
@@ -87,63 +94,181 @@ class StagingModel:
         return (budget - self.const_bytes) // self.per_token_bytes
 
 
+@dataclass(frozen=True)
+class _Step:
+    """One step of a layer: its fixed-region bytes, and its stack above the residual
+    stream (``const`` + ``per_token`` x T)."""
+
+    name: str
+    fixed: int
+    const: int
+    per_token: int
+
+
+def _span(sizes, start: int = 0) -> int:
+    """Workspace offset after takes of ``sizes`` bytes, in order, from ``start``
+    (``moefit.runtime.staging.span``)."""
+    off = start
+    for n in sizes:
+        off = -(-off // WORKSPACE_ALIGN) * WORKSPACE_ALIGN + n
+    return off
+
+
+def _codec(fmt: KVFormat, side: str) -> str:
+    bits = fmt.k_bits if side == "k" else fmt.v_bits
+    if not fmt.blocked:
+        return "plain" if bits >= 16 else "fp8"
+    return "q8" if bits == 8 else "q4"
+
+
+def codec_scratch(kind: str, dim: int, act: int, decode: bool) -> list[int]:
+    """Bytes per head vector of each scratch take of a KV codec
+    (``moefit.runtime.kv_codec.Codec.encode_scratch`` / ``decode_scratch``)."""
+    nb = math.ceil(dim / QBLOCK)
+    if kind == "plain":
+        return []
+    if kind == "fp8":
+        return [] if decode and act == FP32 else [dim * FP32]
+    if decode:
+        return ([nb * FP32, nb * QBLOCK * FP32] if kind == "q8"
+                else [nb * FP32, nb * QBLOCK, nb * QBLOCK * FP32])
+    if kind == "q8":
+        return [nb * QBLOCK * FP32] * 2 + [nb * FP32, nb * FP32, nb]
+    return [nb * QBLOCK * FP32] * 2 + [nb * INT64, nb * FP32, nb * FP32, nb, nb * QBLOCK]
+
+
+def _qk_norm(layer: LayerSpec) -> str:
+    """``head`` / ``full`` / ``""``: the layer's q/k RMSNorm, from its weight listing."""
+    for t in layer.tensors:
+        if t.name.endswith("q_norm.weight"):
+            return "head" if t.shape[-1] == layer.attention.head_dim else "full"
+    return ""
+
+
+def _attention_step(layer: LayerSpec, fmt: KVFormat, act: int) -> _Step:
+    """Softmax attention (``moefit.runtime.model._attention``, ``attention.attend``).
+
+    Stack per token: q (+ the output gate), k, v; then the largest of the q/k RMSNorm's
+    fp32 scratch, the RoPE ``rotate_half`` copy, the encoded K/V rows with the cell
+    indices and the codec's scratch, and the encoded rows with the attention output.
+    Fixed region: one tile of ``G x ATTN_Q_BLOCK`` query rows per KV head against
+    ``ATTN_KV_BLOCK`` cached tokens (``attention.tile_takes``: the query tile, fp32
+    running max / sum / output, the K/V block in bytes and dequantized, fp32 scores, in
+    the compute dtype too unless fp32, masks and row vectors), then a KV block read
+    (``attention.read_takes``: cell indices, the codec's decode scratch).
+    """
+    a = layer.attention
+    heads, kvh, d, dv = a.num_heads, a.num_kv_heads, a.head_dim, a.v_head_dim
+    g, rot = heads // kvh, a.rotary_dim or a.head_dim
+    kb, vb = fmt.k_bytes(d), fmt.v_bytes(dv)
+    up = 0 if act == FP32 else 1
+    proj = (heads * d + (heads * dv if a.output_gate else 0) + kvh * (d + dv)) * act
+    norm = {"head": (up + 1) * heads * d * FP32 + heads * FP32,
+            "full": (up + 1) * heads * d * FP32 + FP32}.get(_qk_norm(layer), 0)
+    rope = heads * rot * act
+    enc = max(sum(codec_scratch(_codec(fmt, "k"), d, act, False)),
+              sum(codec_scratch(_codec(fmt, "v"), dv, act, False)))
+    write = kvh * (kb + vb) + INT64 + kvh * enc
+    attend = kvh * (kb + vb) + heads * dv * act
+    rows, blk = g * ATTN_Q_BLOCK, ATTN_KV_BLOCK
+    tile = [kvh * rows * d * act, kvh * rows * FP32, kvh * rows * FP32, kvh * rows * dv * FP32,
+            rows * INT64, blk * kvh * kb, blk * kvh * vb, blk * kvh * d * act,
+            blk * kvh * dv * act, kvh * rows * blk * FP32]
+    if up:
+        tile += [kvh * rows * blk * act, kvh * rows * dv * act, kvh * rows * dv * FP32]
+    tile += [blk * INT64, rows * blk] + ([rows * blk] if a.kind == "sliding" else [])
+    tile += [kvh * rows * FP32] * 4 + [kvh * rows]
+    base = _span([blk * INT64], _span(tile))
+    fixed = max(_span([n * blk * kvh for n in codec_scratch(_codec(fmt, side), dim, act, True)], base)
+                for side, dim in (("k", d), ("v", dv)))
+    return _Step("attention", fixed, d * FP32, proj + max(norm, rope, write, attend))
+
+
+def _mla_step(layer: LayerSpec, fmt: KVFormat, act: int) -> _Step:
+    """MLA (DeepSeek-V2 §2.1; not run by this runtime, priced as its reference would):
+    the Q LoRA activation, Q heads (nope + rope) twice, the latent + RoPE key of the
+    chunk, the attention output; a tile of scores and the K/V heads of one latent block."""
+    a = layer.attention
+    q_lora = a.q_lora_rank * act
+    q = a.num_heads * a.head_dim * act
+    latent = (a.kv_lora_rank + a.qk_rope_head_dim) * (act + (FP32 if fmt.quantized else 0))
+    out = a.num_heads * a.v_head_dim * act
+    nope = a.head_dim - a.qk_rope_head_dim
+    tile = a.num_heads * ATTN_Q_BLOCK * ATTN_KV_BLOCK * FP32 * 2
+    acc = a.num_heads * ATTN_Q_BLOCK * (a.v_head_dim + 2) * FP32
+    kv_block = ATTN_KV_BLOCK * a.num_heads * (nope + a.qk_rope_head_dim + a.v_head_dim) * act
+    return _Step("MLA attention", tile + acc + kv_block, 0, q_lora + 2 * q + latent + out)
+
+
+def _deltanet_step(layer: LayerSpec, act: int) -> _Step:
+    """Gated DeltaNet (``moefit.runtime.deltanet.gated_deltanet``).
+
+    Stack per token: the fused q/k/v/z and b/a projections and the fp32 conv output, then
+    the largest of the fp32 conv input (its ``kernel - 1`` carried rows and the fp32 taps
+    are a constant), its rounding to the model dtype, and what follows the conv: fp32
+    beta and g, the fp32 delta-rule output, the gated-norm output and its fp32 ``o * o``
+    and mean. Fixed region: an fp32 working copy of the
+    state when it is kept in another dtype, then the chunked delta rule's buffers for one
+    block of ``DELTA_CHUNK`` tokens (``deltanet.block_takes``: per value head fp32
+    ``64 x (5 Dk + 6 Dv + 6 + 3 x 64)``, a ``64 x 64`` mask and one state-sized product;
+    Yang et al. 2024, chunkwise form, one block at a time).
+    """
+    a = layer.attention
+    conv = a.linear_conv_dim
+    nv, dk, dv = a.linear_num_value_heads, a.linear_key_head_dim, a.linear_value_head_dim
+    vd = nv * dv
+    proj = (conv + vd + 2 * nv) * act + conv * FP32
+    after = 2 * nv * FP32 + vd * FP32 + vd * act + vd * FP32 + nv * FP32
+    b = DELTA_CHUNK
+    blocks = ([nv * b * dk * FP32] * 5 + [nv * b * dv * FP32] * 6 + [nv * b * FP32] * 6
+              + [nv * b * b * FP32] * 3 + [b * b, nv * dk * dv * FP32])
+    state = [nv * dk * dv * FP32] if a.state_dtype_bytes != FP32 else []
+    kernel = a.linear_conv_kernel
+    const = max(max(kernel - 1, 0) * conv * FP32 + conv * kernel * FP32, nv * FP32)
+    conv_step = max(conv * FP32, conv * act if act != FP32 else 0)
+    return _Step("Gated DeltaNet", _span(state + blocks), const, proj + max(conv_step, after))
+
+
+def _mixer_step(layer: LayerSpec, fmt: KVFormat, act: int) -> _Step:
+    kind = layer.attention.kind
+    if kind in ("full", "sliding"):
+        return _attention_step(layer, fmt, act)
+    if kind == "mla":
+        return _mla_step(layer, fmt, act)
+    if kind == "linear":
+        return _deltanet_step(layer, act)
+    raise ValueError(f"unknown attention kind {kind!r}")
+
+
 def _mixer_terms(layer: LayerSpec, geom: ModelGeometry, fmt: KVFormat,
                  act: int) -> tuple[int, int]:
-    """(const, per_token) bytes of one layer's token mixer."""
-    att = layer.attention
-    if att.kind in ("full", "sliding"):
-        q = att.num_heads * att.head_dim * act * (2 if att.output_gate else 1)
-        kv = att.num_kv_heads * (att.head_dim + att.v_head_dim) * act
-        rope = (att.num_heads + att.num_kv_heads) * att.head_dim * act
-        out = att.num_heads * att.v_head_dim * act
-        quant = att.num_kv_heads * (att.head_dim + att.v_head_dim) * FP32 if fmt.quantized else 0
-        per_token = q + kv + rope + out + quant
-        tile = att.num_heads * ATTN_Q_BLOCK * ATTN_KV_BLOCK * FP32 * 2
-        acc = att.num_heads * ATTN_Q_BLOCK * (att.v_head_dim + 2) * FP32
-        kv_block = ATTN_KV_BLOCK * att.num_kv_heads * (att.head_dim + att.v_head_dim) * act
-        return tile + acc + kv_block, per_token
-    if att.kind == "mla":
-        q_lora = att.q_lora_rank * act
-        q = att.num_heads * att.head_dim * act
-        latent = (att.kv_lora_rank + att.qk_rope_head_dim) * (act + (FP32 if fmt.quantized else 0))
-        out = att.num_heads * att.v_head_dim * act
-        per_token = q_lora + 2 * q + latent + out
-        nope = att.head_dim - att.qk_rope_head_dim
-        tile = att.num_heads * ATTN_Q_BLOCK * ATTN_KV_BLOCK * FP32 * 2
-        acc = att.num_heads * ATTN_Q_BLOCK * (att.v_head_dim + 2) * FP32
-        kv_block = ATTN_KV_BLOCK * att.num_heads * (nope + att.qk_rope_head_dim + att.v_head_dim) * act
-        return tile + acc + kv_block, per_token
-    if att.kind == "linear":
-        conv = att.linear_conv_dim
-        nv, dk, dv = att.linear_num_value_heads, att.linear_key_head_dim, att.linear_value_head_dim
-        value_dim = nv * dv
-        proj = (conv + value_dim + 2 * nv) * act
-        conv_in = conv * act
-        fp32_qkv = conv * FP32
-        gates = 2 * nv * FP32
-        out = value_dim * (FP32 + act)
-        per_token = proj + fp32_qkv + max(conv_in, gates + out)
-        b = DELTA_CHUNK
-        block = nv * b * (5 * dk + 6 * dv + 5 + 3 * b) * FP32 + b * b
-        state = nv * dk * dv * FP32
-        working = state if att.state_dtype_bytes != FP32 else 0
-        conv_tail = max(att.linear_conv_kernel - 1, 0) * conv * act
-        return block + state + working + conv_tail + DELTANET_VIEWS * WORKSPACE_ALIGN, per_token
-    raise ValueError(f"unknown attention kind {att.kind!r}")
+    """(const, per_token) bytes of one layer's token mixer (fixed region + stack)."""
+    s = _mixer_step(layer, fmt, act)
+    return s.fixed + s.const, s.per_token
 
 
-def _mlp_terms(layer: LayerSpec, geom: ModelGeometry, act: int) -> int:
-    """Per-token bytes of one layer's MLP block."""
-    h = geom.hidden_size
+def _mlp_step(layer: LayerSpec, geom: ModelGeometry, act: int) -> _Step:
+    """The MLP (``moefit.runtime.model._moe`` / ``_swiglu_mlp``), stack per token.
+
+    MoE: fp32 top-k weights and int64 ids, then the larger of the routing (router logits,
+    their fp32 copy unless fp32, fp32 probabilities and the renormalising sum) and the
+    dispatch: the pairs' order (int64) and weights, then the larger of the sort's int64
+    keys and the expert buffers, taken for all ``T`` rows since one expert may get every
+    token: the fp32 combine accumulator, the input rows, the gate/up output, the output
+    and its fp32 copy unless fp32 (the shared expert runs after, in the same room).
+    Dense: gate and up outputs.
+    """
+    h, up = geom.hidden_size, 0 if act == FP32 else 1
     if layer.moe is None:
-        i = layer.dense_intermediate
-        return 3 * i * act + h * act
+        return _Step("dense MLP", 0, 0, 2 * layer.dense_intermediate * act)
     m = layer.moe
-    router = 2 * m.num_experts * FP32 + m.experts_per_token * (INT64 + FP32)
-    dispatch = m.experts_per_token * (2 * h + 3 * m.expert_intermediate) * act
-    combine = h * FP32
-    shared = (3 * m.shared_intermediate + h) * act if m.shared_intermediate else 0
-    return router + dispatch + combine + shared
+    k, e = m.experts_per_token, m.num_experts
+    route = e * act + up * e * FP32 + e * FP32 + FP32
+    buffers = h * FP32 + h * act + 2 * m.expert_intermediate * act + h * act + up * h * FP32
+    dispatch = up * k * act + k * INT64 + k * act + max(k * INT64, buffers)
+    shared = h * act + max(2 * m.shared_intermediate * act, act) if m.shared_intermediate else 0
+    return _Step("MoE dispatch", 0, 2 * (e + 1) * INT64,
+                 max(k * (FP32 + INT64) + max(route, dispatch), shared))
 
 
 def staging_model(geom: ModelGeometry, fmt: KVFormat, slots: int = 1) -> StagingModel:
@@ -151,30 +276,39 @@ def staging_model(geom: ModelGeometry, fmt: KVFormat, slots: int = 1) -> Staging
 
     Args:
         geom: model geometry.
-        fmt: KV format (quantized formats add the fp32 copy of the new K/V).
-        slots: concurrent sequences (only the last-token logits scale with it).
+        fmt: KV format (the codecs' scratch and the encoded rows depend on it).
+        slots: concurrent sequences (the engine runs one chunk of one sequence at a time;
+            kept for the interface).
     """
     act = geom.dtype_bytes if geom.dtype_bytes in (2, 4) else 2
-    residual = 3 * geom.hidden_size * act
-    mixer_const = mixer_tok = mlp_tok = 0
+    up = 0 if act == FP32 else 1
+    h = geom.hidden_size
+    att = next((l.attention for l in geom.layers if l.attention.kind != "linear"),
+               geom.layers[0].attention)
+    rot = att.rotary_dim or att.head_dim
+    # residual stream (hidden, normed, layer output) and the RoPE cos / sin of the chunk
+    residual = 3 * h * act + 2 * rot * act
+    steps = [_Step("RMSNorm", 0, h * FP32, up * h * FP32 + h * FP32 + FP32),
+             _Step("RoPE tables", 0, 0, FP32 + rot * FP32 + up * rot * FP32)]
     for layer in geom.layers:
-        c, t = _mixer_terms(layer, geom, fmt, act)
-        mixer_const = max(mixer_const, c)
-        mixer_tok = max(mixer_tok, t)
-        mlp_tok = max(mlp_tok, _mlp_terms(layer, geom, act))
-    logits = max(slots, 1) * geom.vocab_size * FP32
-    # The mixer and the MLP of a layer run one after the other and their transients are
-    # never live together: the layer peak is the larger of the two (the MLP has no
-    # constant term, so taking the larger slope keeps an affine upper bound).
-    layer_tok = max(mixer_tok, mlp_tok)
-    terms = (
-        ("residual stream", 0, residual),
-        ("attention tiles / delta-rule blocks", mixer_const, 0),
-        ("largest layer: " + ("token mixer" if mixer_tok >= mlp_tok else "MLP / MoE dispatch"),
-         0, layer_tok),
-        ("last-token logits", logits, 0),
-    )
+        steps += [_mixer_step(layer, fmt, act), _mlp_step(layer, geom, act)]
+    # the last-token logits (fp32, and in the compute dtype first unless fp32)
+    fixed = _span([geom.vocab_size * FP32] + ([geom.vocab_size * act] if up else []))
+    fixed = max([fixed] + [s.fixed for s in steps])
+    terms_extra: tuple = ()
     if geom.exact is not None and geom.exact.expert_dequant_bytes:
-        # quantized experts (GGUF): one matrix dequantized at a time, plus kernel scratch
-        terms += (("expert dequantization (one matrix)", geom.exact.expert_dequant_bytes, 0),)
-    return StagingModel(sum(t[1] for t in terms), sum(t[2] for t in terms), terms)
+        # quantized experts (GGUF): one matrix dequantized at a time into the fixed region;
+        # the kernels' fp32 scratch (bounded tiles) is allocated outside the workspace
+        mat = max(l.moe.expert_intermediate * h for l in geom.moe_layers) * act
+        fixed = max(fixed, _span([mat]))
+        scratch = max(0, geom.exact.expert_dequant_bytes - mat)
+        terms_extra = (("expert dequantization kernel scratch", scratch, 0),)
+    top = max(steps, key=lambda s: s.per_token)
+    terms = (
+        ("residual stream and RoPE tables", 0, residual),
+        ("fixed region: attention tiles / delta-rule blocks / logits", fixed, 0),
+        (f"largest step: {top.name}", max(s.const for s in steps), top.per_token),
+        ("view alignment and torch's own scratch", ALIGN_SLACK + OP_SCRATCH, 0),
+    ) + terms_extra
+    return StagingModel(sum(t[1] for t in terms), sum(t[2] for t in terms), terms,
+                        fixed_bytes=fixed)

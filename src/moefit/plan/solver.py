@@ -27,13 +27,14 @@ from moefit.devices import Device
 from moefit.geometry import ModelGeometry
 from moefit.memory.kv import KV_FORMATS, kv_bytes, kv_chunk_pieces, kv_format
 from moefit.memory.runtime import default_reserve_bytes, runtime_bytes
-from moefit.memory.staging import staging_model
+from moefit.memory.staging import StagingModel, staging_model
 from moefit.memory.weights import (
     default_arena_slots, expert_cache_bytes, expert_slot_bytes, most_slots, spread_slots,
     weight_arena_bytes,
 )
 from moefit.errors import InputError
-from moefit.plan.request import CHUNK_GRID, Request, resolve_context, rope_notes, validate
+from moefit.plan.request import (CHUNK_GRID, Request, context_limit, resolve_context,
+                                 rope_notes, validate)
 
 #: Budget lines in commit order (DESIGN §2): key, label as printed.
 LINE_ORDER: tuple[tuple[str, str], ...] = (
@@ -130,6 +131,7 @@ class _Priced:
     staging_const: int
     staging_per_token: int
     kv_pieces: tuple[tuple[int, int], ...]
+    staging_calibrated: bool = False
 
     def fixed(self) -> int:
         return self.runtime + self.weights + self.arena + self.margin + self.floor_bytes
@@ -153,9 +155,9 @@ class _Priced:
 
 
 def _price(geom: ModelGeometry, device: Device, req: Request, context: int,
-           floor_slots: int) -> _Priced:
+           floor_slots: int, staging: StagingModel | None = None) -> _Priced:
     fmt = kv_format(req.kv)
-    stage = staging_model(geom, fmt, req.slots)
+    stage = staging or staging_model(geom, fmt, req.slots)
     slot = expert_slot_bytes(geom)
     margin = default_reserve_bytes(device) if req.reserve_bytes is None else req.reserve_bytes
     return _Priced(
@@ -168,12 +170,17 @@ def _price(geom: ModelGeometry, device: Device, req: Request, context: int,
         staging_const=stage.const_bytes,
         staging_per_token=stage.per_token_bytes,
         kv_pieces=tuple(kv_chunk_pieces(geom, fmt, context, req.slots)),
+        staging_calibrated=stage.calibrated,
     )
 
 
 def solve(geom: ModelGeometry, device: Device, req: Request, *,
-          alternatives: bool = True) -> Plan:
+          alternatives: bool = True, staging: StagingModel | None = None) -> Plan:
     """Solve the budget of ``geom`` on ``device`` for ``req`` (DESIGN §3).
+
+    ``staging``: the ``prefill`` line's model when it is not the analytic one (a
+    calibration measured on this device, :mod:`moefit.memory.calibration`; the caller
+    reads it, this function does no I/O).
 
     Raises InputError for an invalid request (bad flag values, a context beyond the RoPE
     limit). A plan that does not fit is returned with ``fits=False``, not raised.
@@ -187,7 +194,7 @@ def solve(geom: ModelGeometry, device: Device, req: Request, *,
         floor = ceiling = min(req.expert_cache, total_experts)
     else:
         floor, ceiling = min(req.min_expert_cache, total_experts), total_experts
-    priced = _price(geom, device, req, context, floor)
+    priced = _price(geom, device, req, context, floor, staging)
     free = device.free_bytes
 
     requested = req.prefill_tokens
@@ -238,7 +245,7 @@ def solve(geom: ModelGeometry, device: Device, req: Request, *,
         notes.append(f"prefill: requested {requested} does not fit and --strict forbids a clamp")
     strict_blocked = req.strict and priced.cost(CHUNK_GRID) <= free
     limiting = ("prefill",) if strict_blocked else _limiting(dplan, shortfall)
-    alts = tuple(find_alternatives(geom, device, req, context)) if alternatives else ()
+    alts = tuple(find_alternatives(geom, device, req, context, staging)) if alternatives else ()
     return replace(plan, notes=tuple(notes), shortfall_bytes=shortfall, limiting=limiting,
                    alternatives=alts)
 
@@ -283,7 +290,7 @@ def _lines(geom: ModelGeometry, device: Device, req: Request, context: int, chun
         "weight_arena": (priced.arena, arena_detail),
         "kv": (kv.bytes, kv_detail),
         "prefill": (priced.staging_const + priced.staging_per_token * chunk,
-                    f"{chunk}-token chunks"),
+                    f"{chunk}-token chunks" + (" (calibrated)" if priced.staging_calibrated else "")),
         "margin": (priced.margin, ""),
         "experts": (expert_cache_bytes(geom, slots), expert_detail),
     }
@@ -301,12 +308,8 @@ def _limiting(dplan: DevicePlan, shortfall: int) -> tuple[str, ...]:
     return tuple(out)
 
 
-def _fits(geom: ModelGeometry, device: Device, req: Request) -> bool:
-    return solve(geom, device, req, alternatives=False).fits
-
-
 def find_alternatives(geom: ModelGeometry, device: Device, req: Request,
-                      context: int) -> list[Alternative]:
+                      context: int, staging: StagingModel | None = None) -> list[Alternative]:
     """Single-flag changes that make a failing plan fit, each verified by re-solving.
 
     - ``--max-context``: the largest context that fits, to the token, by bisection.
@@ -317,6 +320,11 @@ def find_alternatives(geom: ModelGeometry, device: Device, req: Request,
       a smaller ``--vram-reserve-mib`` when the margin was set by hand.
     - ``--slots``, ``--min-expert-cache`` / ``--expert-cache``: the largest value that fits.
     """
+    def _fits(geom: ModelGeometry, device: Device, r: Request) -> bool:
+        # a calibration holds for the KV format it was measured with
+        same = r.kv.lower() == req.kv.lower()
+        return solve(geom, device, r, alternatives=False, staging=staging if same else None).fits
+
     alts: list[Alternative] = []
     ctx = _largest_int(lambda n: _fits(geom, device, req.with_(max_context=n)), 1, context - 1)
     if ctx:
@@ -330,7 +338,7 @@ def find_alternatives(geom: ModelGeometry, device: Device, req: Request,
             break
 
     strict_free = req.with_(strict=False, prefill_mode="fixed", prefill_min=CHUNK_GRID)
-    plan = solve(geom, device, strict_free, alternatives=False)
+    plan = solve(geom, device, strict_free, alternatives=False, staging=staging)
     if plan.fits and (req.strict or req.prefill_min > CHUNK_GRID):
         flag = "--prefill" if req.strict else "--prefill-min"
         alts.append(Alternative(flag, plan.prefill_selected))
@@ -362,6 +370,16 @@ def find_alternatives(geom: ModelGeometry, device: Device, req: Request,
         if fit is not None:
             alts.append(Alternative("--min-expert-cache", fit))
     return alts
+
+
+def largest_context(geom: ModelGeometry, device: Device, req: Request,
+                    staging: StagingModel | None = None) -> int | None:
+    """The largest ``--max-context`` (tokens) for which ``req`` fits on ``device``, up to
+    the model's limit under ``req``'s RoPE settings; None when not even one token fits.
+    Bisection over :func:`solve` (the plan is monotone in the context)."""
+    limit, _ = context_limit(geom, req)
+    return _largest_int(lambda n: solve(geom, device, req.with_(max_context=n),
+                                        alternatives=False, staging=staging).fits, 1, limit)
 
 
 def _largest_int(ok, lo: int, hi: int) -> int | None:

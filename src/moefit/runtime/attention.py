@@ -13,7 +13,10 @@ normalizer calculation for softmax"; FlashAttention, Dao et al. 2022, Algorithm 
     out = acc / l
 
 so the temporary memory is one tile (``heads x q_block x kv_block`` scores), whatever the
-context: the staging model's constant term (:mod:`moefit.memory.staging`, term 7).
+context: every buffer of it comes from the workspace's fixed region, sized for full tiles
+(:func:`tile_takes`, :func:`read_takes`; priced the same way by
+:mod:`moefit.memory.staging`). K and V blocks are kept head-major (``[K, B, D]``), so each
+head's block is a plain matrix for ``bmm`` (no copy inside the product).
 
 Masks (transformers ``masking_utils``): causal ``k_pos <= q_pos``; sliding window
 ``k_pos > q_pos - window``. GQA (Ainslie et al. 2023): query head ``h`` reads KV head
@@ -27,7 +30,48 @@ import torch
 
 from moefit.memory.staging import ATTN_KV_BLOCK, ATTN_Q_BLOCK
 from moefit.runtime.kv_cache import KVCache
-from moefit.runtime.staging import Workspace
+from moefit.runtime.staging import Workspace, span
+
+
+def tile_takes(kvh: int, g: int, d: int, dv: int, k_row: int, v_row: int, act: torch.dtype,
+               window: bool, q_block: int = ATTN_Q_BLOCK, kv_block: int = ATTN_KV_BLOCK):
+    """The fixed-region takes of :func:`attend` for one layer, in order, before the KV
+    read: ``(shape, dtype)`` pairs, sized for full tiles whatever the chunk and the
+    position (so the region a chunk needs never depends on the context)."""
+    f32, rows = torch.float32, g * q_block
+    tile = (kvh * rows * kv_block,)
+    takes = [((kvh * rows * d,), act),                 # qt: query tile, heads as rows
+             ((kvh * rows,), f32), ((kvh * rows,), f32),   # m, l: running max and sum
+             ((kvh * rows * dv,), f32),                # acc: running output
+             ((rows,), torch.int64),                   # q_pos
+             ((kv_block * kvh * k_row,), torch.uint8), ((kv_block * kvh * v_row,), torch.uint8),
+             ((kv_block * kvh * d,), act), ((kv_block * kvh * dv,), act),   # K, V block
+             (tile, f32)]                              # s: scores, then probabilities
+    if act != f32:   # s / p in act, p @ v in act and in fp32
+        takes += [(tile, act), ((kvh * rows * dv,), act), ((kvh * rows * dv,), f32)]
+    takes += [((kv_block,), torch.int64), ((rows * kv_block,), torch.bool)]   # k_pos, mask
+    if window:
+        takes += [((rows * kv_block,), torch.bool)]
+    takes += [((kvh * rows,), f32)] * 4 + [((kvh * rows,), torch.bool)]   # m_new, m_safe, alpha, sum; inf
+    return takes
+
+
+def read_takes(kvh: int, k_codec, v_codec, act: torch.dtype, kv_block: int = ATTN_KV_BLOCK):
+    """The takes of one KV block read (:meth:`KVCache.read`): the cell indices, then the
+    K decode scratch, freed, then the V one. Returns (indices, k scratch, v scratch)."""
+    n = kv_block * kvh
+    return ([((kv_block,), torch.int64)], k_codec.decode_scratch(n, act),
+            v_codec.decode_scratch(n, act))
+
+
+def region_bytes(kvh: int, g: int, d: int, dv: int, k_codec, v_codec, act: torch.dtype,
+                 window: bool, q_block: int = ATTN_Q_BLOCK, kv_block: int = ATTN_KV_BLOCK) -> int:
+    """Bytes of the fixed region one attention layer uses (tiles, then a KV block read)."""
+    base = span(tile_takes(kvh, g, d, dv, k_codec.nbytes, v_codec.nbytes, act, window,
+                           q_block, kv_block))
+    idx, ks, vs = read_takes(kvh, k_codec, v_codec, act, kv_block)
+    base = span(idx, base)
+    return max(span(ks, base), span(vs, base))
 
 
 def attend(q: torch.Tensor, start: int, cache: KVCache, layer: int, slot: int, scale: float,
@@ -40,7 +84,8 @@ def attend(q: torch.Tensor, start: int, cache: KVCache, layer: int, slot: int, s
         cache: the KV cache; ``layer`` / ``slot`` select the cells.
         scale: softmax scale (``head_dim ** -0.5``).
         out: ``[T, A, Dv]`` output (compute dtype).
-        ws: staging workspace for tiles and dequantized blocks.
+        ws: staging workspace; the tiles and dequantized blocks come from its fixed
+            region ``ws.fixed`` (:func:`tile_takes`, :func:`read_takes`).
     """
     t_len, heads, d = q.shape
     lc = cache.layers[layer]
@@ -49,56 +94,76 @@ def attend(q: torch.Tensor, start: int, cache: KVCache, layer: int, slot: int, s
     g = heads // kvh
     window = lc.window
     act = q.dtype
-    dev = q.device
-    for q0 in range(0, t_len, q_block):
-        tq = min(q_block, t_len - q0)
-        with ws.scope():
+    f32 = torch.float32
+    region = ws.fixed
+    with region.scope():
+        (qt_, m_, l_, acc_, qpos_, kb_, vb_, k_, v_, s_, *rest) = (
+            region.take(shape, dtype) for shape, dtype in
+            tile_takes(kvh, g, d, dv, lc.k.shape[3], lc.v.shape[3], act, window is not None,
+                       q_block, kv_block))
+        p_, pv_, pv32_ = ((rest.pop(0), rest.pop(0), rest.pop(0)) if act != f32
+                          else (None, None, None))
+        kpos_, mask_ = rest.pop(0), rest.pop(0)
+        mask2_ = rest.pop(0) if window is not None else None
+        mnew_, msafe_, alpha_, sum_, inf_ = rest
+        for q0 in range(0, t_len, q_block):
+            tq = min(q_block, t_len - q0)
+            rows = g * tq
             p_first, p_last = start + q0, start + q0 + tq - 1
             # [K, G*tq, D]: the G query heads of each KV head stacked as rows
-            qt = ws.take((kvh, g * tq, d), act)
+            qt = qt_[:kvh * rows * d].view(kvh, rows, d)
             qt.view(kvh, g, tq, d).copy_(q[q0:q0 + tq].view(tq, kvh, g, d).permute(1, 2, 0, 3))
-            m = ws.take((kvh, g * tq), torch.float32)
-            m.fill_(float("-inf"))
-            l = ws.take((kvh, g * tq), torch.float32, zero=True)
-            acc = ws.take((kvh, g * tq, dv), torch.float32, zero=True)
-            q_pos = torch.arange(p_first, p_last + 1, device=dev).repeat(g)   # [G*tq]
+            m = m_[:kvh * rows].view(kvh, rows).fill_(float("-inf"))
+            l = l_[:kvh * rows].view(kvh, rows).zero_()
+            acc = acc_[:kvh * rows * dv].view(kvh, rows, dv).zero_()
+            q_pos = qpos_[:rows].view(g, tq)
+            torch.arange(p_first, p_last + 1, out=q_pos[0])
+            q_pos[1:].copy_(q_pos[:1].expand(g - 1, tq))           # [G*tq]
+            q_pos = q_pos.view(rows)
+            m_new, m_safe = mnew_[:kvh * rows].view(kvh, rows), msafe_[:kvh * rows].view(kvh, rows)
+            alpha, rowsum = alpha_[:kvh * rows].view(kvh, rows), sum_[:kvh * rows].view(kvh, rows)
+            inf = inf_[:kvh * rows].view(kvh, rows)
             lo = 0 if window is None else max(0, p_first - window + 1)
             for k0 in range(lo, p_last + 1, kv_block):
                 b = min(kv_block, p_last + 1 - k0)
-                with ws.scope():
-                    kb = ws.take((b, kvh, lc.k.shape[3]), torch.uint8)
-                    vb = ws.take((b, kvh, lc.v.shape[3]), torch.uint8)
-                    k = ws.take((b, kvh, d), act)                     # [B, K, D]
-                    v = ws.take((b, kvh, dv), act)                    # [B, K, Dv]
-                    cache.read(layer, slot, k0, k0 + b, kb, vb, k, v)
-                    s = ws.take((kvh, g * tq, b), torch.float32)      # [K, G*tq, B]
-                    if act == torch.float32:
-                        torch.bmm(qt, k.permute(1, 2, 0), out=s)
-                    else:
-                        s_act = ws.take((kvh, g * tq, b), act)
-                        torch.bmm(qt, k.permute(1, 2, 0), out=s_act)
-                        s.copy_(s_act)
-                    s.mul_(scale)
-                    k_pos = torch.arange(k0, k0 + b, device=dev)
-                    masked = k_pos[None, :] > q_pos[:, None]          # [G*tq, B]
-                    if window is not None:
-                        masked |= k_pos[None, :] <= q_pos[:, None] - window
-                    s.masked_fill_(masked, float("-inf"))
-                    m_new = torch.maximum(m, s.amax(-1))              # [K, G*tq]
-                    m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
-                    s.sub_(m_safe[..., None]).exp_()                  # p, in place
-                    alpha = torch.exp(m - m_safe)                     # 0 where m was -inf
-                    l.mul_(alpha).add_(s.sum(-1))
-                    acc.mul_(alpha[..., None])
-                    if act == torch.float32:
-                        acc.baddbmm_(s, v.permute(1, 0, 2))
-                    else:
-                        p_act = ws.take((kvh, g * tq, b), act)
-                        p_act.copy_(s)
-                        pv = ws.take((kvh, g * tq, dv), act)
-                        torch.bmm(p_act, v.permute(1, 0, 2), out=pv)
-                        acc.add_(pv)
-                    m.copy_(m_new)
+                kb = kb_[:b * kvh * lc.k.shape[3]].view(b, kvh, lc.k.shape[3])
+                vb = vb_[:b * kvh * lc.v.shape[3]].view(b, kvh, lc.v.shape[3])
+                # head-major, so each head's block is one plain matrix for bmm
+                k = k_[:b * kvh * d].view(kvh, b, d)                # [K, B, D]
+                v = v_[:b * kvh * dv].view(kvh, b, dv)              # [K, B, Dv]
+                cache.read(layer, slot, k0, k0 + b, kb, vb, k.transpose(0, 1), v.transpose(0, 1),
+                           region)
+                s = s_[:kvh * rows * b].view(kvh, rows, b)          # [K, G*tq, B]
+                if act == f32:
+                    torch.bmm(qt, k.transpose(1, 2), out=s)
+                else:
+                    s_act = p_[:kvh * rows * b].view(kvh, rows, b)
+                    torch.bmm(qt, k.transpose(1, 2), out=s_act)
+                    s.copy_(s_act)
+                s.mul_(scale)
+                k_pos = torch.arange(k0, k0 + b, out=kpos_[:b])
+                masked = mask_[:rows * b].view(rows, b)              # [G*tq, B]
+                torch.gt(k_pos[None, :], q_pos[:, None], out=masked)
+                if window is not None:
+                    masked |= torch.le(k_pos[None, :], q_pos[:, None] - window,
+                                       out=mask2_[:rows * b].view(rows, b))
+                s.masked_fill_(masked, float("-inf"))
+                torch.maximum(m, torch.amax(s, -1, out=m_new), out=m_new)   # [K, G*tq]
+                # scores are finite, so the running max is finite or -inf (all masked)
+                m_safe.copy_(m_new).masked_fill_(torch.eq(m_new, float("-inf"), out=inf), 0.0)
+                s.sub_(m_safe[..., None]).exp_()                     # p, in place
+                torch.exp(torch.sub(m, m_safe, out=alpha), out=alpha)   # 0 where m was -inf
+                l.mul_(alpha).add_(torch.sum(s, -1, out=rowsum))
+                acc.mul_(alpha[..., None])
+                if act == f32:
+                    acc.baddbmm_(s, v)
+                else:
+                    p_act = p_[:kvh * rows * b].view(kvh, rows, b)
+                    p_act.copy_(s)
+                    pv = pv_[:kvh * rows * dv].view(kvh, rows, dv)
+                    torch.bmm(p_act, v, out=pv)
+                    acc.add_(pv32_[:kvh * rows * dv].view(kvh, rows, dv).copy_(pv))
+                m.copy_(m_new)
             acc.div_(l[..., None])
             # [K, G, tq, Dv] -> [tq, K*G, Dv]
             out[q0:q0 + tq].view(tq, kvh, g, dv).copy_(acc.view(kvh, g, tq, dv).permute(2, 0, 1, 3))

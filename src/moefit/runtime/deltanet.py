@@ -38,13 +38,15 @@ buffer (:mod:`moefit.runtime.linear_state`) and is updated in place.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 
 from moefit.geometry import AttentionSpec
 from moefit.memory.staging import DELTA_CHUNK
 from moefit.runtime.linear_state import LayerState
-from moefit.runtime.staging import Workspace
+from moefit.runtime.staging import Workspace, span
 
 F32 = torch.float32
 L2_EPS = 1e-6   #: ``l2norm``'s eps in the reference (matches the FLA kernels)
@@ -68,25 +70,44 @@ def causal_conv(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor,
     """
     t, c = x.shape
     k = weight.shape[-1]
-    w = weight.view(c, k)
     with ws.scope():
-        xin = ws.take((k - 1 + t, c), x.dtype)                # [K-1+T, C]
+        # fp32 copies of the inputs and the taps, so no product casts behind our back
+        xin = ws.take((k - 1 + t, c), F32)                    # [K-1+T, C]
+        w = ws.take((c, k), F32).copy_(weight.view(c, k))     # [C, K]
         xin[:k - 1].copy_(conv_state)
         xin[k - 1:].copy_(x)
         out.copy_(xin[:t]).mul_(w[:, 0])
         for j in range(1, k):
             out.addcmul_(xin[j:j + t], w[:, j])               # computed in fp32 (self)
         conv_state.copy_(xin[t:])
-        F.silu(out, inplace=True)
-        if x.dtype != F32:     # the reference's conv output is in the model dtype
-            xin[:t].copy_(out)
-            out.copy_(xin[:t])
+    F.silu(out, inplace=True)
+    if x.dtype != F32:         # the reference's conv output is in the model dtype
+        with ws.scope():
+            out.copy_(ws.take((t, c), x.dtype).copy_(out))
 
 
-def _l2norm_(x: torch.Tensor, scratch: torch.Tensor) -> None:
-    """``x * rsqrt(sum(x * x) + 1e-6)`` over the last dim, in place (``l2norm``)."""
+def _l2norm_(x: torch.Tensor, scratch: torch.Tensor, sums: torch.Tensor) -> None:
+    """``x * rsqrt(sum(x * x) + 1e-6)`` over the last dim, in place (``l2norm``); ``sums``
+    holds ``x.shape[:-1]`` values."""
     torch.mul(x, x, out=scratch)
-    x.mul_(scratch.sum(-1, keepdim=True).add_(L2_EPS).rsqrt_())
+    x.mul_(torch.sum(scratch, -1, keepdim=True, out=sums.view(*x.shape[:-1], 1))
+           .add_(L2_EPS).rsqrt_())
+
+
+def block_takes(nv: int, dk: int, dv: int, block: int = DELTA_CHUNK):
+    """The takes of :func:`chunk_delta_rule` (fixed region), in order: ``(shape, dtype)``."""
+    f32 = F32
+    return ([((nv * block * dk,), f32)] * 5 + [((nv * block * dv,), f32)] * 6
+            + [((nv * block,), f32)] * 6 + [((nv * block * block,), f32)] * 3
+            + [((block, block), torch.bool), ((nv, dk, dv), F32)])
+
+
+def region_bytes(a: AttentionSpec, state_dtype: torch.dtype, block: int = DELTA_CHUNK) -> int:
+    """Bytes of the fixed region one Gated DeltaNet layer uses: an fp32 working copy of the
+    state when it is kept in another dtype, then the delta rule's block buffers."""
+    nv, dk, dv = a.linear_num_value_heads, a.linear_key_head_dim, a.linear_value_head_dim
+    state = [((nv, dk, dv), F32)] if state_dtype != F32 else []
+    return span(state + block_takes(nv, dk, dv, block))
 
 
 def chunk_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
@@ -114,30 +135,25 @@ def chunk_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     t_len, nk, dk = q.shape
     nv, dv = v.shape[1], v.shape[2]
     r = nv // nk
-    b_max = min(block, t_len)
     scale = dk ** -0.5
-    with ws.scope():
-        # flat buffers, viewed at each block's length so every view is contiguous
-        def buf(*per_token):
-            n = nv * b_max
-            for d in per_token:
-                n *= d
-            return ws.take((n,), F32)
-
-        qb, kb, kbeta, dkb, kcd = (buf(dk) for _ in range(5))     # [Nv, b, Dk]
-        vb, vbeta, newv, vnew, ob, tmp = (buf(dv) for _ in range(6))   # [Nv, b, Dv]
-        gb, betab, cum, ecum, etail = (buf() for _ in range(5))   # [Nv, b]
-        pm, ut, att = (buf(b_max) for _ in range(3))              # [Nv, b, b]
-        upper = ws.take((b_max, b_max), torch.bool)
-        sd = ws.take((nv, dk, dv), F32)                           # k^T V' of a block
+    region = ws.fixed
+    with region.scope():
+        # flat buffers for a whole block (block_takes), viewed at each block's length so
+        # every view is contiguous
+        (qb, kb, kbeta, dkb, kcd,                                 # [Nv, b, Dk]
+         vb, vbeta, newv, vnew, ob, tmp,                          # [Nv, b, Dv]
+         gb, betab, cum, ecum, etail, sums,                       # [Nv, b]
+         pm, ut, att,                                             # [Nv, b, b]
+         upper, sd) = (region.take(shape, dtype) for shape, dtype in block_takes(nv, dk, dv, block))
+        # sd [Nv, Dk, Dv]: k^T V' of a block
         for t0 in range(0, t_len, block):
             b = min(block, t_len - t0)
             Q, K, KB, DKB, KCD = (x[:nv * b * dk].view(nv, b, dk)
                                   for x in (qb, kb, kbeta, dkb, kcd))
             V, VB, NV, VN, O, TMP = (x[:nv * b * dv].view(nv, b, dv)
                                      for x in (vb, vbeta, newv, vnew, ob, tmp))
-            G, BETA, CUM, ECUM, ETAIL = (x[:nv * b].view(nv, b)
-                                         for x in (gb, betab, cum, ecum, etail))
+            G, BETA, CUM, ECUM, ETAIL, SUMS = (x[:nv * b].view(nv, b)
+                                               for x in (gb, betab, cum, ecum, etail, sums))
             PM, UT, ATT = (x[:nv * b * b].view(nv, b, b) for x in (pm, ut, att))
             UP = upper[:b, :b]
             # each q/k head serves r consecutive value heads (repeat_interleave)
@@ -146,8 +162,8 @@ def chunk_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
             V.copy_(v[t0:t0 + b].permute(1, 0, 2))
             G.copy_(g[t0:t0 + b].t())
             BETA.copy_(beta[t0:t0 + b].t())
-            _l2norm_(Q, KCD)
-            _l2norm_(K, KCD)
+            _l2norm_(Q, KCD, SUMS)
+            _l2norm_(K, KCD, SUMS)
             Q.mul_(scale)
             torch.mul(V, BETA[..., None], out=VB)                 # v_beta
             torch.mul(K, BETA[..., None], out=KB)                 # k_beta
@@ -183,17 +199,19 @@ def recurrent_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: t
     t_len, nk, dk = q.shape
     nv, dv = v.shape[1], v.shape[2]
     r = nv // nk
+    ws = ws.fixed           # a few state-sized buffers: far less than the chunked form's
     with ws.scope():
         qh = ws.take((nv, dk), F32)
         kh = ws.take((nv, dk), F32)
         scratch = ws.take((nv, dk), F32)
+        sums = ws.take((nv,), F32)
         delta = ws.take((nv, dv), F32)
         prod = ws.take((nv, dk, dv), F32)
         for t in range(t_len):
             qh.view(nk, r, dk).copy_(q[t][:, None])
             kh.view(nk, r, dk).copy_(k[t][:, None])
-            _l2norm_(qh, scratch)
-            _l2norm_(kh, scratch)
+            _l2norm_(qh, scratch, sums)
+            _l2norm_(kh, scratch, sums)
             qh.div_(dk ** 0.5)
             state.mul_(g[t].exp()[:, None, None])
             torch.mul(state, kh[..., None], out=prod)
@@ -230,11 +248,14 @@ def gated_deltanet(a: AttentionSpec, lw, x: torch.Tensor, st: LayerState, slot: 
         beta.copy_(b.sigmoid_())                       # sigmoid in the model dtype
         g = ws.take((t, nv), F32)
         g.copy_(a_).add_(lw.la_dt_bias)                # a.float() + dt_bias
-        g.copy_(F.softplus(g)).mul_(-lw.la_a_log.float().exp())
+        torch.ops.aten.softplus.out(g, 1, 20, out=g)   # g * -exp(A_log), sign exact:
+        with ws.scope():
+            g.mul_(ws.take((nv,), F32).copy_(lw.la_a_log).exp_()).neg_()
         o = ws.take((t, nv, dv), F32)                                    # [T, Nv, Dv]
         state = st.recurrent[slot]
-        with ws.scope():
-            s32 = state if state.dtype == F32 else ws.take(state.shape, F32).copy_(state)
+        region = ws.fixed
+        with region.scope():
+            s32 = state if state.dtype == F32 else region.take(state.shape, F32).copy_(state)
             if t == 1:
                 recurrent_delta_rule(q, k, v, g, beta, s32, o, ws)
             else:
@@ -242,25 +263,29 @@ def gated_deltanet(a: AttentionSpec, lw, x: torch.Tensor, st: LayerState, slot: 
             if s32 is not state:
                 state.copy_(s32)
         y = ws.take((t, nv, dv), act)                                    # [T, Nv, Dv]
-        gated_rms_norm(o, qkvz[:, c:].view(t, nv, dv), lw.la_norm, eps, y)
+        gated_rms_norm(o, qkvz[:, c:].view(t, nv, dv), lw.la_norm, eps, y, ws)
         torch.mm(y.view(t, vd), lw.la_out.t(), out=out)
 
 
 def gated_rms_norm(o: torch.Tensor, z: torch.Tensor, w: torch.Tensor, eps: float,
-                   out: torch.Tensor) -> None:
+                   out: torch.Tensor, ws: Workspace | None = None) -> None:
     """``Qwen3NextRMSNormGated``: ``(w * rmsnorm(o)) * silu(z)`` over the last dim.
 
     ``o`` ``[..., Dv]`` fp32 (overwritten: used as the fp32 scratch), ``z`` and ``out`` in
     the model dtype. As the reference: ``o`` rounded to the model dtype first (the delta
     rule returns it in the input dtype), statistics in fp32, the normalised value cast to
     the model dtype before the weight, the gate in fp32, the product cast at the end.
+    ``ws``: the ``o * o`` and ``mean`` scratch come from it (``linalg.vecdot``'s product).
     """
     if out.dtype != F32:
         out.copy_(o)
         o.copy_(out)
-    var = torch.linalg.vecdot(o, o, dim=-1).div_(o.shape[-1])           # mean(o^2)
-    o.mul_(var.add_(eps).rsqrt_()[..., None])
-    out.copy_(o).mul_(w)
-    o.copy_(z)
-    F.silu(o, inplace=True)
-    out.copy_(o.mul_(out))
+    with (ws.scope() if ws is not None else contextlib.nullcontext()):
+        sq = ws.take(o.shape, F32) if ws is not None else torch.empty_like(o)
+        var = ws.take(o.shape[:-1], F32) if ws is not None else o.new_empty(o.shape[:-1])
+        torch.sum(torch.mul(o, o, out=sq), -1, out=var).div_(o.shape[-1])   # mean(o^2)
+        o.mul_(var.add_(eps).rsqrt_()[..., None])
+        out.copy_(o).mul_(w)
+        o.copy_(z)
+        F.silu(o, inplace=True)
+        out.copy_(o.mul_(sq.copy_(out)))     # the gate in fp32 (an fp32 copy of out)

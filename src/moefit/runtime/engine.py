@@ -42,7 +42,7 @@ from moefit.runtime.gguf_loader import gguf_config, is_gguf, load_gguf
 from moefit.runtime.kv_cache import KVCache, kv_buffer_bytes
 from moefit.runtime.ledger import BudgetError, Ledger
 from moefit.runtime.loader import load_checkpoint
-from moefit.runtime.model import Model, forward
+from moefit.runtime.model import Model, fixed_bytes, forward
 from moefit.runtime.rope import Rotary, rope_from_config
 from moefit.runtime.staging import Workspace
 from moefit.units import format_bytes
@@ -125,7 +125,7 @@ class Engine:
 
         # 1. runtime
         if dev.type == "cuda":
-            _commit_cuda_runtime(ledger, plan.devices[0].device)
+            _commit_cuda_runtime(ledger, plan.devices[0].device, arch.dtype)
         # 2. weights
         weights, host = (load_gguf if gguf else load_checkpoint)(
             model_dir, geom, arch, lambda shape, dtype: ledger.alloc("weights", shape, dtype),
@@ -157,6 +157,7 @@ class Engine:
                                 req.rope_scaling, req.rope_scale, req.yarn_orig_ctx)
         model = Model(geom, arch, weights, kv, experts, Rotary(rope, dev), ws,
                       q_block=opts.q_block, kv_block=opts.kv_block)
+        model.fixed_bytes = fixed_bytes(model)
         say("READY")
         return cls(plan, ledger, model, chunk, notes)
 
@@ -236,11 +237,13 @@ def _slot_bytes(host) -> int:
     return max(host.blob_bytes(l) for l in host.blobs)
 
 
-def _commit_cuda_runtime(ledger: Ledger, device: Device) -> None:
-    """Create the CUDA context and cuBLAS handle, and charge the free memory they took
-    (the plan's free bytes minus what CUDA reports free now) to ``runtime``."""
-    x = torch.ones((64, 64), device=ledger.device)
-    (x @ x).sum().item()
+def _commit_cuda_runtime(ledger: Ledger, device: Device, dtype: torch.dtype = torch.float32) -> None:
+    """Create the CUDA context and the cuBLAS / cuBLASLt handles and workspaces (a product
+    in fp32 and in the model dtype), and charge the free memory they took (the plan's free
+    bytes minus what CUDA reports free now) to ``runtime``."""
+    for dt in {torch.float32, dtype}:
+        x = torch.ones((64, 64), device=ledger.device, dtype=dt)
+        (x @ x).sum().item()
     free, _ = torch.cuda.mem_get_info(ledger.device)
     taken = max(0, device.free_bytes - free - torch.cuda.memory_reserved(ledger.device))
     ledger.charge("runtime", taken)
@@ -250,15 +253,15 @@ def _commit_experts(ledger: Ledger, host, plan: Plan, say) -> dict[int, list[tor
     """Allocate the plan's expert slots, capped at what is free above the margin."""
     if not host.blobs:
         return {}
+    from moefit.memory.weights import most_slots, spread_slots
+
     room = ledger.free_bytes() - ledger.margin
-    slot = _slot_bytes(host)
-    can = max(0, room // slot) if slot else 0
     want = dict(plan.experts_per_layer)
     total = sum(want.values())
+    can = most_slots(plan.geometry, room, 0, total) if room > 0 else 0
     if total > can:
         say(f"expert cache: the plan's {total} slots do not fit above the margin "
             f"({format_bytes(room)} free); committing {can}")
-        from moefit.plan.solver import spread_slots
         want = dict(spread_slots(plan.geometry, can))
     slots: dict[int, list[torch.Tensor]] = {}
     for layer in host.blobs:

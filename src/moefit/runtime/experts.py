@@ -61,10 +61,21 @@ def initial_residents(num_experts: int, slots: int, counts: dict[int, int] | Non
     return order[:slots]
 
 
-def swiglu(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-    """SwiGLU expert: ``x`` ``[n, H]``, ``gate_up`` ``[2I, H]``, ``down`` ``[H, I]`` -> ``[n, H]``."""
-    g, u = F.linear(x, gate_up).chunk(2, dim=-1)   # [n, I] each
-    return F.linear(F.silu(g) * u, down)
+def swiglu(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+           scratch: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """SwiGLU expert: ``x`` ``[n, H]``, ``gate_up`` ``[2I, H]``, ``down`` ``[H, I]`` -> ``[n, H]``.
+
+    ``scratch`` (at least ``n x 2I`` elements) and ``out`` ``[n, H]``, both from the staging
+    workspace, hold the gate/up output and the result; without them both are allocated.
+    """
+    if scratch is None:
+        g, u = F.linear(x, gate_up).chunk(2, dim=-1)   # [n, I] each
+        return F.linear(F.silu(g) * u, down)
+    n, i2 = x.shape[0], gate_up.shape[0]
+    gu = torch.mm(x, gate_up.t(), out=scratch[:n * i2].view(n, i2))   # [n, 2I]
+    g, u = gu[:, :i2 // 2], gu[:, i2 // 2:]
+    F.silu(g, inplace=True).mul_(u)
+    return torch.mm(g, down.t(), out=out)
 
 
 class ExpertCache:
@@ -116,37 +127,44 @@ class ExpertCache:
                 res[holder] = s
         return tensors.pop()
 
-    def run(self, layer: int, expert: int, x: torch.Tensor) -> torch.Tensor:
+    def run(self, layer: int, expert: int, x: torch.Tensor, scratch: torch.Tensor | None = None,
+            out: torch.Tensor | None = None) -> torch.Tensor:
         """Expert ``expert`` of ``layer`` on ``x`` ``[n, H]`` (device) -> ``[n, H]`` (device).
-        Counts a hit or a miss."""
+        Counts a hit or a miss. ``scratch`` (``n x 2I`` elements or more) and ``out``
+        ``[n, H]``, from the staging workspace, hold the intermediate and the result on
+        the device; a miss run on the host computes there and copies the result to ``out``.
+        """
         res = self.resident[layer]
         st = self.stats[layer]
         if expert in res:
             st.hits += 1
             res.move_to_end(expert)
-            return self._apply(layer, x, self.slots[layer][res[expert]], self.ws)
+            return self._apply(layer, x, self.slots[layer][res[expert]], self.ws, scratch, out)
         st.misses += 1
         blob = self.host.blobs[layer][expert]
         if self.miss_policy == "cpu":
+            if blob.device == x.device:    # a simulated device: host and device are one
+                return self._apply(layer, x, blob, self.ws, scratch, out)
             y = self._apply(layer, x.to(blob.device), blob, None)
-            return y.to(x.device)
+            return out.copy_(y) if out is not None else y.to(x.device)
         buf = self.arena[self.arena_next][:blob.numel()]
         self.arena_next = (self.arena_next + 1) % len(self.arena)
         buf.copy_(blob, non_blocking=True)
-        y = self._apply(layer, x, buf, self.ws)
+        y = self._apply(layer, x, buf, self.ws, scratch, out)
         if self.slots.get(layer):
             victim, s = res.popitem(last=False)
             self.slots[layer][s][:blob.numel()].copy_(buf)
             res[expert] = s
         return y
 
-    def _apply(self, layer: int, x: torch.Tensor, blob: torch.Tensor, ws) -> torch.Tensor:
+    def _apply(self, layer: int, x: torch.Tensor, blob: torch.Tensor, ws, scratch=None,
+               out=None) -> torch.Tensor:
         """The expert in ``blob`` on ``x``: a stored format dequantizes (into ``ws`` on the
         device), a plain blob is viewed as its matrices."""
         fmt = self.host.formats.get(layer)
         if fmt is not None:
-            return fmt.swiglu(x, blob[:fmt.nbytes], ws)
-        return swiglu(x, *split_blob(blob, self.host.inter[layer], self.host.hidden))
+            return fmt.swiglu(x, blob[:fmt.nbytes], ws, scratch, out)
+        return swiglu(x, *split_blob(blob, self.host.inter[layer], self.host.hidden), scratch, out)
 
     def report(self) -> dict:
         """``{"layers": {layer: {"slots", "resident", "hits", "misses"}}, "hits", "misses",

@@ -28,6 +28,7 @@ Errors: :class:`ContextFull` when a write goes past the plan's context.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -134,13 +135,16 @@ class KVCache:
                               f"{self.context} tokens; plan with a larger --max-context")
 
     # ---- cells --------------------------------------------------------------------------
-    def cell_index(self, layer: int, lo: int, hi: int, device) -> torch.Tensor:
-        """Cells holding positions ``[lo, hi)`` of ``layer`` (int64 ``[hi - lo]``)."""
+    def cell_index(self, layer: int, lo: int, hi: int, device, ws=None) -> torch.Tensor:
+        """Cells holding positions ``[lo, hi)`` of ``layer`` (int64 ``[hi - lo]``, from
+        ``ws`` when given)."""
         cells = self.layers[layer].cells
-        return torch.arange(lo, hi, device=device) % cells
+        if ws is None:
+            return torch.arange(lo, hi, device=device) % cells
+        return torch.arange(lo, hi, out=ws.take((hi - lo,), torch.int64)).remainder_(cells)
 
     def write(self, layer: int, slot: int, start: int, k: torch.Tensor, v: torch.Tensor,
-              k_bytes: torch.Tensor, v_bytes: torch.Tensor) -> None:
+              k_bytes: torch.Tensor, v_bytes: torch.Tensor, ws=None) -> None:
         """Store the chunk's keys/values at positions ``[start, start + T)``.
 
         Args:
@@ -148,29 +152,40 @@ class KVCache:
             v: ``[T, kv_heads, v_head_dim]`` values.
             k_bytes / v_bytes: uint8 scratch ``[T, kv_heads, k_bytes]`` / ``[..., v_bytes]``
                 (from the staging workspace) for the encoded rows.
+            ws: the staging workspace for the cell indices ``[T]`` int64 and the codecs'
+                scratch (:meth:`Codec.encode_scratch`); None allocates them.
         """
         lc = self.layers[layer]
         t, h, _ = k.shape
         if lc.scales is not None and float(lc.scales[0]) == 0.0:
-            lc.scales[0] = max(float(k.abs().max()), 1e-6) * 2 / FP8_MAX
-            lc.scales[1] = max(float(v.abs().max()), 1e-6) * 2 / FP8_MAX
+            lc.scales[0] = max(_amax(k), 1e-6) * 2 / FP8_MAX
+            lc.scales[1] = max(_amax(v), 1e-6) * 2 / FP8_MAX
         ks, vs = (float(lc.scales[0]), float(lc.scales[1])) if lc.scales is not None else (1.0, 1.0)
-        lc.k_codec.encode(k.reshape(t * h, -1), k_bytes.view(t * h, -1), ks)
-        lc.v_codec.encode(v.reshape(t * h, -1), v_bytes.view(t * h, -1), vs)
-        idx = self.cell_index(layer, start, start + t, lc.k.device)
-        lc.k[slot].index_copy_(0, idx, k_bytes)
-        lc.v[slot].index_copy_(0, idx, v_bytes)
+        with (ws.scope() if ws is not None else contextlib.nullcontext()):
+            idx = self.cell_index(layer, start, start + t, lc.k.device, ws)
+            lc.k_codec.encode(k.reshape(t * h, -1), k_bytes.view(t * h, -1), ks, ws)
+            lc.v_codec.encode(v.reshape(t * h, -1), v_bytes.view(t * h, -1), vs, ws)
+            lc.k[slot].index_copy_(0, idx, k_bytes)
+            lc.v[slot].index_copy_(0, idx, v_bytes)
 
     def read(self, layer: int, slot: int, lo: int, hi: int, k_bytes: torch.Tensor,
-             v_bytes: torch.Tensor, k_out: torch.Tensor, v_out: torch.Tensor) -> None:
+             v_bytes: torch.Tensor, k_out: torch.Tensor, v_out: torch.Tensor, ws=None) -> None:
         """Dequantize positions ``[lo, hi)`` into ``k_out`` ``[B, kv_heads, head_dim]`` and
-        ``v_out`` ``[B, kv_heads, v_head_dim]`` (B = hi - lo; any float dtype), using the
-        uint8 scratch ``k_bytes`` / ``v_bytes`` ``[B, kv_heads, *_bytes]``."""
+        ``v_out`` ``[B, kv_heads, v_head_dim]`` (B = hi - lo; any float dtype, any strides:
+        attention passes head-major buffers seen token-major), using the
+        uint8 scratch ``k_bytes`` / ``v_bytes`` ``[B, kv_heads, *_bytes]``; the cell indices
+        and the codecs' scratch come from ``ws`` (the attention's fixed region) when given."""
         lc = self.layers[layer]
-        b, h = hi - lo, k_out.shape[1]
-        idx = self.cell_index(layer, lo, hi, lc.k.device)
-        torch.index_select(lc.k[slot], 0, idx, out=k_bytes)
-        torch.index_select(lc.v[slot], 0, idx, out=v_bytes)
         ks, vs = (float(lc.scales[0]), float(lc.scales[1])) if lc.scales is not None else (1.0, 1.0)
-        lc.k_codec.decode(k_bytes.view(b * h, -1), k_out.view(b * h, -1), ks)
-        lc.v_codec.decode(v_bytes.view(b * h, -1), v_out.view(b * h, -1), vs)
+        with (ws.scope() if ws is not None else contextlib.nullcontext()):
+            idx = self.cell_index(layer, lo, hi, lc.k.device, ws)
+            torch.index_select(lc.k[slot], 0, idx, out=k_bytes)
+            torch.index_select(lc.v[slot], 0, idx, out=v_bytes)
+            lc.k_codec.decode(k_bytes, k_out, ks, ws)
+            lc.v_codec.decode(v_bytes, v_out, vs, ws)
+
+
+def _amax(x: torch.Tensor) -> float:
+    """``max |x|`` without an ``|x|`` copy."""
+    lo, hi = torch.aminmax(x)
+    return max(-float(lo), float(hi))

@@ -21,6 +21,7 @@ is zero-padded):
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -36,66 +37,113 @@ def plain_dtype(bits: int, fmt_name: str) -> torch.dtype:
     return torch.float16 if fmt_name == "fp16" else torch.bfloat16
 
 
-def _blocks(x: torch.Tensor) -> torch.Tensor:
-    """``[N, d]`` -> fp32 ``[N, nb, 32]``, zero-padded."""
+Shape = tuple[int, ...]
+Scratch = list[tuple[Shape, torch.dtype]]
+
+
+def _take(ws, shape: Shape, dtype: torch.dtype, like: torch.Tensor) -> torch.Tensor:
+    """A scratch tensor from the staging workspace ``ws`` (or a new one when None)."""
+    if ws is not None:
+        return ws.take(shape, dtype)
+    return torch.empty(shape, dtype=dtype, device=like.device)
+
+
+def _scope(ws):
+    return ws.scope() if ws is not None else contextlib.nullcontext()
+
+
+def _blocks(x: torch.Tensor, xb: torch.Tensor) -> torch.Tensor:
+    """``x`` ``[N, d]`` into fp32 ``xb`` ``[N, nb * 32]``, zero-padded; returns ``[N, nb, 32]``."""
     n, d = x.shape
-    nb = math.ceil(d / QBLOCK)
-    xb = x.new_zeros((n, nb * QBLOCK), dtype=torch.float32)
-    xb[:, :d] = x
-    return xb.view(n, nb, QBLOCK)
+    if xb.shape[1] > d:
+        xb[:, d:].zero_()
+    xb[:, :d].copy_(x)
+    return xb.view(n, -1, QBLOCK)
 
 
-def encode_q8(x: torch.Tensor, out: torch.Tensor) -> None:
-    """Quantize ``x`` ``[N, d]`` into ``out`` ``[N, nb * 34]`` uint8 (q8_0 blocks)."""
-    xb = _blocks(x)                                             # [N, nb, 32]
-    d = xb.abs().amax(-1, keepdim=True) / 127.0                 # [N, nb, 1]
-    inv = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
-    q = torch.round(xb * inv).clamp_(-127, 127).to(torch.int8)  # [N, nb, 32]
-    o = out.view(x.shape[0], -1, 2 + QBLOCK)
-    o[..., :2] = d.to(torch.float16).view(torch.uint8)
-    o[..., 2:] = q.view(torch.uint8)
+def encode_q8(x: torch.Tensor, out: torch.Tensor, ws=None) -> None:
+    """Quantize ``x`` ``[N, d]`` into ``out`` ``[N, nb * 34]`` uint8 (q8_0 blocks); scratch
+    (:meth:`Codec.encode_scratch`) from ``ws``."""
+    n, dim = x.shape
+    nb = math.ceil(dim / QBLOCK)
+    with _scope(ws):
+        xb = _blocks(x, _take(ws, (n, nb * QBLOCK), torch.float32, x))   # [N, nb, 32]
+        a = _take(ws, (n, nb, QBLOCK), torch.float32, x)
+        d = _take(ws, (n, nb, 1), torch.float32, x)
+        inv = _take(ws, (n, nb, 1), torch.float32, x)
+        zero = _take(ws, (n, nb, 1), torch.bool, x)
+        torch.amax(torch.abs(xb, out=a), -1, keepdim=True, out=d).div_(127.0)
+        torch.reciprocal(d, out=inv).masked_fill_(torch.le(d, 0, out=zero), 0.0)
+        torch.mul(xb, inv, out=a).round_().clamp_(-127, 127)        # q, integral
+        o = out.view(n, nb, 2 + QBLOCK)
+        o[..., :2].view(torch.float16).copy_(d)
+        o[..., 2:].view(torch.int8).copy_(a)
 
 
-def decode_q8(b: torch.Tensor, d: int, out: torch.Tensor) -> None:
-    """Dequantize ``b`` ``[N, nb * 34]`` into ``out`` ``[N, d]``."""
-    blk = b.reshape(b.shape[0], -1, 2 + QBLOCK)                 # [N, nb, 34]
-    scale = blk[..., :2].contiguous().view(torch.float16).float()   # [N, nb, 1]
-    q = blk[..., 2:].view(torch.int8).float()                   # [N, nb, 32]
-    out.copy_((q * scale).reshape(b.shape[0], -1)[:, :d])
+def decode_q8(b: torch.Tensor, d: int, out: torch.Tensor, ws=None) -> None:
+    """Dequantize ``b`` ``[..., nb * 34]`` into ``out`` ``[..., d]`` (any strides)."""
+    n = b.numel() // b.shape[-1]
+    blk = b.reshape(n, -1, 2 + QBLOCK)                          # [N, nb, 34]
+    nb = blk.shape[1]
+    with _scope(ws):
+        scale = _take(ws, (n, nb, 1), torch.float32, b).copy_(blk[..., :2].view(torch.float16))
+        q = _take(ws, (n, nb, QBLOCK), torch.float32, b).copy_(blk[..., 2:].view(torch.int8))
+        out.copy_(q.mul_(scale).view(n, -1)[:, :d].view(out.shape))
 
 
-def encode_q4(x: torch.Tensor, out: torch.Tensor) -> None:
+def encode_q4(x: torch.Tensor, out: torch.Tensor, ws=None) -> None:
     """Quantize ``x`` ``[N, d]`` into ``out`` ``[N, nb * 18]`` uint8 (q4_0 blocks)."""
-    xb = _blocks(x)                                             # [N, nb, 32]
-    idx = xb.abs().argmax(-1, keepdim=True)
-    vmax = torch.gather(xb, -1, idx)                            # signed, [N, nb, 1]
-    d = vmax / -8.0
-    inv = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
-    q = torch.clamp(torch.floor(xb * inv + 8.5), 0, 15).to(torch.uint8)   # [N, nb, 32]
-    packed = q[..., :16] | (q[..., 16:] << 4)                   # [N, nb, 16]
-    o = out.view(x.shape[0], -1, 2 + QBLOCK // 2)
-    o[..., :2] = d.to(torch.float16).view(torch.uint8)
-    o[..., 2:] = packed
+    n, dim = x.shape
+    nb = math.ceil(dim / QBLOCK)
+    with _scope(ws):
+        xb = _blocks(x, _take(ws, (n, nb * QBLOCK), torch.float32, x))   # [N, nb, 32]
+        a = _take(ws, (n, nb, QBLOCK), torch.float32, x)
+        idx = _take(ws, (n, nb, 1), torch.int64, x)
+        d = _take(ws, (n, nb, 1), torch.float32, x)
+        inv = _take(ws, (n, nb, 1), torch.float32, x)
+        nz = _take(ws, (n, nb, 1), torch.bool, x)
+        q = _take(ws, (n, nb, QBLOCK), torch.uint8, x)
+        torch.argmax(torch.abs(xb, out=a), -1, keepdim=True, out=idx)
+        torch.gather(xb, -1, idx, out=d).div_(-8.0)              # max (signed) / -8
+        torch.reciprocal(d, out=inv).masked_fill_(torch.eq(d, 0, out=nz), 0.0)
+        torch.mul(xb, inv, out=a).add_(8.5).floor_().clamp_(0, 15)
+        q.copy_(a)
+        o = out.view(n, nb, 2 + QBLOCK // 2)
+        o[..., :2].view(torch.float16).copy_(d)
+        torch.bitwise_or(q[..., :16], q[..., 16:].bitwise_left_shift_(4), out=o[..., 2:])
 
 
-def decode_q4(b: torch.Tensor, d: int, out: torch.Tensor) -> None:
-    """Dequantize ``b`` ``[N, nb * 18]`` into ``out`` ``[N, d]``."""
-    blk = b.reshape(b.shape[0], -1, 2 + QBLOCK // 2)            # [N, nb, 18]
-    scale = blk[..., :2].contiguous().view(torch.float16).float()   # [N, nb, 1]
+def decode_q4(b: torch.Tensor, d: int, out: torch.Tensor, ws=None) -> None:
+    """Dequantize ``b`` ``[..., nb * 18]`` into ``out`` ``[..., d]`` (any strides)."""
+    n = b.numel() // b.shape[-1]
+    blk = b.reshape(n, -1, 2 + QBLOCK // 2)                     # [N, nb, 18]
+    nb = blk.shape[1]
     packed = blk[..., 2:]
-    q = torch.cat((packed & 0x0F, packed >> 4), dim=-1).float() - 8.0   # [N, nb, 32]
-    out.copy_((q * scale).reshape(b.shape[0], -1)[:, :d])
+    with _scope(ws):
+        scale = _take(ws, (n, nb, 1), torch.float32, b).copy_(blk[..., :2].view(torch.float16))
+        nib = _take(ws, (n, nb, QBLOCK), torch.uint8, b)
+        torch.bitwise_and(packed, 0x0F, out=nib[..., :16])
+        torch.bitwise_right_shift(packed, 4, out=nib[..., 16:])
+        q = _take(ws, (n, nb, QBLOCK), torch.float32, b).copy_(nib).sub_(8.0)
+        out.copy_(q.mul_(scale).view(n, -1)[:, :d].view(out.shape))
 
 
-def encode_fp8(x: torch.Tensor, scale: float, out: torch.Tensor) -> None:
+def encode_fp8(x: torch.Tensor, scale: float, out: torch.Tensor, ws=None) -> None:
     """``x / scale`` saturated to +-448 as e4m3 bytes into ``out`` ``[N, d]`` uint8."""
-    y = (x.float() / scale).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    out.copy_(y.view(torch.uint8))
+    with _scope(ws):
+        y = _take(ws, tuple(x.shape), torch.float32, x).copy_(x)
+        y.div_(scale).clamp_(-FP8_MAX, FP8_MAX)
+        out.view(torch.float8_e4m3fn).copy_(y)
 
 
-def decode_fp8(b: torch.Tensor, scale: float, out: torch.Tensor) -> None:
+def decode_fp8(b: torch.Tensor, scale: float, out: torch.Tensor, ws=None) -> None:
     """e4m3 bytes ``[N, d]`` times ``scale`` into ``out`` ``[N, d]``."""
-    out.copy_(b.contiguous().view(torch.float8_e4m3fn).float() * scale)
+    e4m3 = b.view(torch.float8_e4m3fn)
+    if out.dtype == torch.float32:
+        out.copy_(e4m3).mul_(scale)
+        return
+    with _scope(ws):
+        out.copy_(_take(ws, tuple(b.shape), torch.float32, b).copy_(e4m3).mul_(scale))
 
 
 class Codec:
@@ -103,6 +151,11 @@ class Codec:
 
     ``kind``: ``plain``, ``fp8``, ``q8`` or ``q4``; ``dim``: head dim; ``nbytes``: bytes of
     one encoded head vector (equals the planner's ``k_bytes``/``v_bytes``).
+
+    The scratch of :meth:`encode` / :meth:`decode` (fp32 blocks, scales) is taken from the
+    staging workspace ``ws`` when given, in the order and sizes :meth:`encode_scratch` /
+    :meth:`decode_scratch` list (the planner prices the same,
+    :func:`moefit.memory.staging.codec_scratch`).
     """
 
     def __init__(self, fmt_name: str, bits: int, blocked: bool, dim: int, nbytes: int):
@@ -119,24 +172,51 @@ class Codec:
             raise ValueError(f"KV format {fmt_name!r}: no codec for {bits}-bit "
                              f"{'blocked' if blocked else 'plain'} values")
 
-    def encode(self, x: torch.Tensor, out: torch.Tensor, scale: float = 1.0) -> None:
+    def encode(self, x: torch.Tensor, out: torch.Tensor, scale: float = 1.0, ws=None) -> None:
         """``x`` ``[N, dim]`` -> ``out`` ``[N, nbytes]`` uint8."""
         if self.kind == "plain":
             out.view(self.dtype).copy_(x)
         elif self.kind == "fp8":
-            encode_fp8(x, scale, out)
+            encode_fp8(x, scale, out, ws)
         elif self.kind == "q8":
-            encode_q8(x, out)
+            encode_q8(x, out, ws)
         else:
-            encode_q4(x, out)
+            encode_q4(x, out, ws)
 
-    def decode(self, b: torch.Tensor, out: torch.Tensor, scale: float = 1.0) -> None:
-        """``b`` ``[N, nbytes]`` uint8 -> ``out`` ``[N, dim]`` (any float dtype)."""
+    def decode(self, b: torch.Tensor, out: torch.Tensor, scale: float = 1.0, ws=None) -> None:
+        """``b`` ``[..., nbytes]`` uint8 (contiguous) -> ``out`` ``[..., dim]`` (any float
+        dtype, any strides)."""
         if self.kind == "plain":
             out.copy_(b.view(self.dtype))
         elif self.kind == "fp8":
-            decode_fp8(b, scale, out)
+            decode_fp8(b, scale, out, ws)
         elif self.kind == "q8":
-            decode_q8(b, self.dim, out)
+            decode_q8(b, self.dim, out, ws)
         else:
-            decode_q4(b, self.dim, out)
+            decode_q4(b, self.dim, out, ws)
+
+    def encode_scratch(self, n: int) -> Scratch:
+        """The workspace takes of :meth:`encode` on ``n`` vectors, in order."""
+        nb = math.ceil(self.dim / QBLOCK)
+        f32, blk = torch.float32, (n, nb, 1)
+        if self.kind == "plain":
+            return []
+        if self.kind == "fp8":
+            return [((n, self.dim), f32)]
+        if self.kind == "q8":
+            return [((n, nb * QBLOCK), f32), ((n, nb, QBLOCK), f32), (blk, f32), (blk, f32),
+                    (blk, torch.bool)]
+        return [((n, nb * QBLOCK), f32), ((n, nb, QBLOCK), f32), (blk, torch.int64), (blk, f32),
+                (blk, f32), (blk, torch.bool), ((n, nb, QBLOCK), torch.uint8)]
+
+    def decode_scratch(self, n: int, out_dtype: torch.dtype) -> Scratch:
+        """The workspace takes of :meth:`decode` on ``n`` vectors into ``out_dtype``."""
+        nb = math.ceil(self.dim / QBLOCK)
+        f32 = torch.float32
+        if self.kind == "plain" or (self.kind == "fp8" and out_dtype == f32):
+            return []
+        if self.kind == "fp8":
+            return [((n, self.dim), f32)]
+        if self.kind == "q8":
+            return [((n, nb, 1), f32), ((n, nb, QBLOCK), f32)]
+        return [((n, nb, 1), f32), ((n, nb, QBLOCK), torch.uint8), ((n, nb, QBLOCK), f32)]

@@ -36,12 +36,14 @@ from moefit.geometry import LayerSpec, ModelGeometry
 from moefit.memory.staging import ATTN_KV_BLOCK, ATTN_Q_BLOCK
 from moefit.runtime.arch import Arch
 from moefit.runtime.attention import attend
+from moefit.runtime.attention import region_bytes as attention_region_bytes
 from moefit.runtime.deltanet import gated_deltanet
+from moefit.runtime.deltanet import region_bytes as deltanet_region_bytes
 from moefit.runtime.experts import ExpertCache
 from moefit.runtime.kv_cache import KVCache
 from moefit.runtime.loader import LayerWeights, Weights
 from moefit.runtime.rope import Rotary
-from moefit.runtime.staging import Workspace
+from moefit.runtime.staging import Workspace, span
 
 
 @dataclass
@@ -57,15 +59,54 @@ class Model:
     ws: Workspace
     q_block: int = ATTN_Q_BLOCK
     kv_block: int = ATTN_KV_BLOCK
+    fixed_bytes: int = 0     #: the workspace's fixed region per chunk (:func:`fixed_bytes`)
+
+
+def fixed_bytes(mdl: Model) -> int:
+    """Bytes of the fixed region each chunk reserves at the bottom of the workspace: the
+    largest of what one layer's token mixer takes there (attention tiles and a KV block
+    read, :func:`moefit.runtime.attention.region_bytes`; the delta rule's blocks,
+    :func:`moefit.runtime.deltanet.region_bytes`), one dequantized expert matrix of a
+    stored format, and the last-token logits. The layers use it one after another."""
+    g, act, f32 = mdl.geom, mdl.arch.dtype, torch.float32
+    need = span([((1, g.vocab_size), f32)] + ([((1, g.vocab_size), act)] if act != f32 else []))
+    for l in g.layers:
+        a = l.attention
+        if a.kind == "linear":
+            st = mdl.kv.linear.layers[l.index].recurrent
+            need = max(need, deltanet_region_bytes(a, st.dtype))
+        elif a.kind in ("full", "sliding"):
+            lc = mdl.kv.layers[l.index]
+            need = max(need, attention_region_bytes(
+                a.num_kv_heads, a.num_heads // a.num_kv_heads, a.head_dim, a.v_head_dim,
+                lc.k_codec, lc.v_codec, act, lc.window is not None, mdl.q_block, mdl.kv_block))
+    if mdl.experts is not None:
+        for fmt in mdl.experts.host.formats.values():
+            need = max(need, span([((fmt.gate.rows * fmt.gate.cols,), act)]))
+    return need
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, out: torch.Tensor,
-             offset: float = 0.0) -> torch.Tensor:
+             offset: float = 0.0, ws: Workspace | None = None) -> torch.Tensor:
     """``w * (x / sqrt(mean(x^2) + eps))`` over the last dim, statistics in fp32, the
     normalised value cast back to ``x``'s dtype before the weight (``Qwen3MoeRMSNorm``).
 
     ``offset`` 1: ``(1 + w)`` applied in fp32 before the cast (``Qwen3NextRMSNorm``).
+    ``ws``: the fp32 scratch (a copy of ``x`` unless fp32, ``x^2`` then the normalised
+    value, ``[..., 1]`` statistics, the ``1 + w`` weight) comes from it.
     """
+    if ws is not None:
+        f32 = torch.float32
+        with ws.scope():
+            xf = x if x.dtype == f32 else ws.take(x.shape, f32).copy_(x)
+            sq = ws.take(x.shape, f32)
+            var = ws.take((*x.shape[:-1], 1), f32)
+            torch.mean(torch.mul(xf, xf, out=sq), -1, keepdim=True, out=var).add_(eps).rsqrt_()
+            torch.mul(xf, var, out=sq)
+            if offset:
+                return out.copy_(sq.mul_(ws.take(w.shape, f32).copy_(w).add_(offset)))
+            out.copy_(sq)
+            return out.mul_(w)
     xf = x.float()
     var = xf.pow(2).mean(-1, keepdim=True)
     if offset:
@@ -96,21 +137,21 @@ def _attention(mdl: Model, l: LayerSpec, lw: LayerWeights, x: torch.Tensor, slot
         k = linear(x, lw.k, lw.k_bias, ws.take((t, kvh * d), act))       # [T, K*D]
         v = linear(x, lw.v, lw.v_bias, ws.take((t, kvh * dv), act))      # [T, K*Dv]
         if arch.qk_norm == "full":            # OLMoE: over all heads at once
-            rms_norm(q, lw.q_norm, arch.rms_eps, q)
-            rms_norm(k, lw.k_norm, arch.rms_eps, k)
+            rms_norm(q, lw.q_norm, arch.rms_eps, q, ws=ws)
+            rms_norm(k, lw.k_norm, arch.rms_eps, k, ws=ws)
         if arch.clip_qkv is not None:
             for y in (q, k, v):
                 y.clamp_(-arch.clip_qkv, arch.clip_qkv)
         q3, k3, v3 = q.view(t, heads, d), k.view(t, kvh, d), v.view(t, kvh, dv)
         if arch.qk_norm == "head":            # Qwen3: per head
-            rms_norm(q3, lw.q_norm, arch.rms_eps, q3, arch.norm_offset)
-            rms_norm(k3, lw.k_norm, arch.rms_eps, k3, arch.norm_offset)
-        mdl.rotary.apply(q3, cos, sin)
-        mdl.rotary.apply(k3, cos, sin)
+            rms_norm(q3, lw.q_norm, arch.rms_eps, q3, arch.norm_offset, ws)
+            rms_norm(k3, lw.k_norm, arch.rms_eps, k3, arch.norm_offset, ws)
+        mdl.rotary.apply(q3, cos, sin, ws)
+        mdl.rotary.apply(k3, cos, sin, ws)
         lc = mdl.kv.layers[l.index]
         mdl.kv.write(l.index, slot, start, k3, v3,
                      ws.take((t, kvh, lc.k.shape[3]), torch.uint8),
-                     ws.take((t, kvh, lc.v.shape[3]), torch.uint8))
+                     ws.take((t, kvh, lc.v.shape[3]), torch.uint8), ws)
         o = ws.take((t, heads, dv), act)                                  # [T, A, Dv]
         attend(q3, start, mdl.kv, l.index, slot, d ** -0.5, o, ws,
                q_block=mdl.q_block, kv_block=mdl.kv_block)
@@ -135,37 +176,78 @@ def _swiglu_mlp(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: tor
         return linear(F.silu(g, inplace=True).mul_(u), down, None, out)
 
 
-def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def route(logits: torch.Tensor, top_k: int, renormalize: bool, ws: Workspace | None = None,
+          w: torch.Tensor | None = None,
+          ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k routing: ``logits`` ``[T, E]`` -> (weights ``[T, k]`` fp32, ids ``[T, k]``);
-    softmax in fp32 then top-k, renormalised to sum 1 when ``renormalize``."""
-    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)          # [T, E]
-    w, ids = torch.topk(probs, top_k, dim=-1)                          # [T, k]
-    if renormalize:
-        w = w / w.sum(-1, keepdim=True)
+    softmax in fp32 then top-k, renormalised to sum 1 when ``renormalize``. With ``ws``
+    the results go to ``w`` / ``ids`` and the fp32 probabilities (and the fp32 copy of
+    the logits) are taken from it."""
+    if ws is None:
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)      # [T, E]
+        w, ids = torch.topk(probs, top_k, dim=-1)                      # [T, k]
+        if renormalize:
+            w = w / w.sum(-1, keepdim=True)
+        return w, ids
+    f32 = torch.float32
+    with ws.scope():
+        x = logits if logits.dtype == f32 else ws.take(logits.shape, f32).copy_(logits)
+        probs = torch.ops.aten._softmax.out(x, -1, False, out=ws.take(logits.shape, f32))
+        torch.topk(probs, top_k, dim=-1, out=(w, ids))
+        if renormalize:
+            w.div_(torch.sum(w, -1, keepdim=True, out=ws.take((w.shape[0], 1), f32)))
     return w, ids
 
 
 def _moe(mdl: Model, l: LayerSpec, lw: LayerWeights, x: torch.Tensor, out: torch.Tensor) -> None:
-    """Routed experts (+ gated shared expert) of layer ``l`` on ``x`` ``[T, H]`` into ``out``."""
+    """Routed experts (+ gated shared expert) of layer ``l`` on ``x`` ``[T, H]`` into ``out``.
+
+    Dispatch: the ``T x k`` (token, expert) pairs are sorted by expert (a stable sort, so
+    each expert sees its tokens in order), then each routed expert runs once on its
+    tokens. The buffers an expert runs in (its input rows, the gate/up output, the output
+    and its fp32 copy) are taken for ``T`` rows, the most any expert can get, so the
+    staging is the same whatever the routing: what the planner prices.
+    """
     ws, m = mdl.ws, l.moe
-    t, h, act = x.shape[0], x.shape[1], x.dtype
+    t, h, act, f32 = x.shape[0], x.shape[1], x.dtype, torch.float32
+    k, n_exp = m.experts_per_token, m.num_experts
     with ws.scope():
-        logits = linear(x, lw.router, None, ws.take((t, m.num_experts), act))   # [T, E]
-        w, ids = route(logits, m.experts_per_token, mdl.arch.renormalize)
-        w = w.to(act)                                                     # cast after fp32 routing
-        acc = ws.take((t, h), torch.float32, zero=True)                  # [T, H] combine
-        for e in torch.unique(ids).tolist():
-            tok, kpos = torch.where(ids == e)                            # [n], [n]
-            with ws.scope():
-                xe = ws.take((tok.numel(), h), act)
-                torch.index_select(x, 0, tok, out=xe)
-                ye = mdl.experts.run(l.index, e, xe)                     # [n, H]
-                ye.mul_(w[tok, kpos, None])
-                acc.index_add_(0, tok, ye.float())
+        w = ws.take((t, k), f32)                                          # [T, k]
+        ids = ws.take((t, k), torch.int64)                               # [T, k]
+        with ws.scope():
+            logits = linear(x, lw.router, None, ws.take((t, n_exp), act))   # [T, E]
+            route(logits, k, mdl.arch.renormalize, ws, w, ids)
+        wa = w if act == f32 else ws.take((t, k), act).copy_(w)         # cast after fp32 routing
+        order = ws.take((t * k,), torch.int64)                           # pairs by expert
+        wsel = ws.take((t * k,), act)                                    # their weights
+        bounds = ws.take((n_exp + 1,), torch.int64)                      # expert e: [b[e], b[e+1])
+        with ws.scope():
+            by_expert = ws.take((t * k,), torch.int64)
+            torch.sort(ids.view(-1), stable=True, out=(by_expert, order))
+            torch.searchsorted(by_expert, torch.arange(n_exp + 1, out=ws.take((n_exp + 1,), torch.int64)),
+                               out=bounds)
+        torch.index_select(wa.view(-1), 0, order, out=wsel)
+        tok = order.div_(k, rounding_mode="floor")                       # token of each pair
+        acc = ws.take((t, h), f32, zero=True)                            # [T, H] combine
+        xe = ws.take((t, h), act)                                        # expert input rows
+        gu = ws.take((t * 2 * m.expert_intermediate,), act)              # gate/up output
+        ye = ws.take((t, h), act)                                        # expert output
+        yf = ye if act == f32 else ws.take((t, h), f32)
+        edges = bounds.tolist()
+        for e in range(n_exp):
+            s0, s1 = edges[e], edges[e + 1]
+            if s0 == s1:
+                continue
+            n, te = s1 - s0, tok[s0:s1]
+            torch.index_select(x, 0, te, out=xe[:n])
+            y = mdl.experts.run(l.index, e, xe[:n], gu, ye[:n])         # [n, H]
+            y.mul_(wsel[s0:s1, None])
+            acc.index_add_(0, te, y if yf is ye else yf[:n].copy_(y))
         out.copy_(acc)
-        if lw.shared_gate is not None:
+    if lw.shared_gate is not None:
+        with ws.scope():
             sh = _swiglu_mlp(x, lw.shared_gate, lw.shared_up, lw.shared_down, ws, ws.take((t, h), act))
-            gate = torch.sigmoid(linear(x, lw.shared_expert_gate, None, ws.take((t, 1), act)))
+            gate = linear(x, lw.shared_expert_gate, None, ws.take((t, 1), act)).sigmoid_()
             out.add_(sh.mul_(gate))
 
 
@@ -176,32 +258,32 @@ def forward(mdl: Model, ids: torch.Tensor, slot: int, start: int) -> torch.Tenso
     g, arch, w, ws = mdl.geom, mdl.arch, mdl.weights, mdl.ws
     t, h, act = ids.numel(), g.hidden_size, arch.dtype
     mdl.kv.check_room(slot, start, t)
-    ws.offset = 0   # the chunk owns the whole workspace
+    ws.begin_chunk(mdl.fixed_bytes)   # the chunk owns the whole workspace
     hidden = ws.take((t, h), act)                                        # [T, H] residual
     torch.index_select(w.embed, 0, ids, out=hidden)
     normed = ws.take((t, h), act)                                        # [T, H]
     delta = ws.take((t, h), act)                                         # [T, H] layer output
-    cos, sin = mdl.rotary.cos_sin(start, t, act)                         # [T, rot]
+    cos, sin = mdl.rotary.cos_sin(start, t, act, ws)                     # [T, rot]
     off = arch.norm_offset
     for l, lw in zip(g.layers, w.layers):
-        rms_norm(hidden, lw.input_norm, arch.rms_eps, normed, off)
+        rms_norm(hidden, lw.input_norm, arch.rms_eps, normed, off, ws)
         if l.attention.kind == "linear":
             gated_deltanet(l.attention, lw, normed, mdl.kv.linear.layers[l.index], slot,
                            arch.rms_eps, ws, delta)
         else:
             _attention(mdl, l, lw, normed, slot, start, cos, sin, delta)
         hidden.add_(delta)
-        rms_norm(hidden, lw.post_norm, arch.rms_eps, normed, off)
+        rms_norm(hidden, lw.post_norm, arch.rms_eps, normed, off, ws)
         if l.moe is not None:
             _moe(mdl, l, lw, normed, delta)
         else:
             _swiglu_mlp(normed, lw.dense_gate, lw.dense_up, lw.dense_down, ws, delta)
         hidden.add_(delta)
-    last = rms_norm(hidden[-1:], w.norm, arch.rms_eps, normed[:1], off)  # [1, H]
-    logits = ws.take((1, g.vocab_size), torch.float32)                   # [1, V]
+    last = rms_norm(hidden[-1:], w.norm, arch.rms_eps, normed[:1], off, ws)  # [1, H]
+    logits = ws.fixed.take((1, g.vocab_size), torch.float32)             # [1, V]
     if act == torch.float32:
         torch.mm(last, w.lm_head.t(), out=logits)
     else:
-        logits.copy_(last @ w.lm_head.t())
+        logits.copy_(torch.mm(last, w.lm_head.t(), out=ws.fixed.take((1, g.vocab_size), act)))
     mdl.kv.lengths[slot] = start + t
     return logits[0]

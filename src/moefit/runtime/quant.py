@@ -269,21 +269,33 @@ class StoredExpert:
         d = Part(down, hidden, inter, g.nbytes + u.nbytes, hidden * row_bytes(down, inter))
         return cls(g, u, d)
 
-    def swiglu(self, x: torch.Tensor, blob: torch.Tensor, ws=None) -> torch.Tensor:
+    def swiglu(self, x: torch.Tensor, blob: torch.Tensor, ws=None, scratch=None,
+               out=None) -> torch.Tensor:
         """``down(silu(gate(x)) * up(x))`` for ``x`` ``[n, H]`` from ``blob`` (uint8
         ``[nbytes]`` on ``x``'s device) -> ``[n, H]`` in ``x``'s dtype.
 
         One ``[I, H]`` buffer of ``x``'s dtype holds each matrix in turn; with ``ws`` (the
-        staging workspace) it is taken from it, else allocated.
+        staging workspace) it is taken from its fixed region, else allocated. ``scratch``
+        (``n x 2I`` elements or more: gate and up outputs) and ``out`` ``[n, H]``, from the
+        workspace too, hold the activations; without them they are allocated.
         """
-        scope = ws.scope() if ws is not None else contextlib.nullcontext()
+        region = ws.fixed if ws is not None else None
+        scope = region.scope() if region is not None else contextlib.nullcontext()
         n_w = self.gate.rows * self.gate.cols
+        n, inter = x.shape[0], self.gate.rows
         with scope:
-            buf = (ws.take((n_w,), x.dtype) if ws is not None
+            buf = (region.take((n_w,), x.dtype) if region is not None
                    else torch.empty(n_w, dtype=x.dtype, device=x.device))
             w = self.gate.dequantize_into(blob, buf.view(self.gate.rows, self.gate.cols))
-            g = F.linear(x, w)                                           # [n, I]
+            if scratch is None:
+                g = F.linear(x, w)                                       # [n, I]
+                w = self.up.dequantize_into(blob, buf.view(self.up.rows, self.up.cols))
+                h = F.silu(g).mul_(F.linear(x, w))                       # [n, I]
+                w = self.down.dequantize_into(blob, buf.view(self.down.rows, self.down.cols))
+                return F.linear(h, w)                                    # [n, H]
+            g = torch.mm(x, w.t(), out=scratch[:n * inter].view(n, inter))
             w = self.up.dequantize_into(blob, buf.view(self.up.rows, self.up.cols))
-            h = F.silu(g).mul_(F.linear(x, w))                           # [n, I]
+            u = torch.mm(x, w.t(), out=scratch[n * inter:2 * n * inter].view(n, inter))
+            F.silu(g, inplace=True).mul_(u)
             w = self.down.dequantize_into(blob, buf.view(self.down.rows, self.down.cols))
-            return F.linear(h, w)                                        # [n, H]
+            return torch.mm(g, w.t(), out=out)                           # [n, H]

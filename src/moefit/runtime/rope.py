@@ -143,20 +143,46 @@ class Rotary:
         freq, self.scaling = inv_freq(p)
         self.inv_freq = freq.to(device)
 
-    def cos_sin(self, start: int, n: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def cos_sin(self, start: int, n: int, dtype: torch.dtype,
+                ws=None) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin ``[n, dim]`` for positions ``start .. start + n - 1``, computed in fp32
-        and cast to ``dtype`` (as transformers' rotary embedding)."""
-        pos = torch.arange(start, start + n, device=self.inv_freq.device, dtype=torch.float32)
-        freqs = pos[:, None] * self.inv_freq[None, :]            # [n, dim/2]
-        emb = torch.cat((freqs, freqs), dim=-1)                   # [n, dim]
-        return (emb.cos() * self.scaling).to(dtype), (emb.sin() * self.scaling).to(dtype)
+        and cast to ``dtype`` (as transformers' rotary embedding). With the staging
+        workspace ``ws``, cos and sin are taken from it and the fp32 scratch is freed
+        (:func:`rope_takes`); else they are new tensors."""
+        if ws is None:
+            pos = torch.arange(start, start + n, device=self.inv_freq.device, dtype=torch.float32)
+            freqs = pos[:, None] * self.inv_freq[None, :]            # [n, dim/2]
+            emb = torch.cat((freqs, freqs), dim=-1)                   # [n, dim]
+            return (emb.cos() * self.scaling).to(dtype), (emb.sin() * self.scaling).to(dtype)
+        d, f32 = self.params.dim, torch.float32
+        cos, sin = ws.take((n, d), dtype), ws.take((n, d), dtype)
+        with ws.scope():
+            pos = torch.arange(start, start + n, out=ws.take((n,), f32))
+            emb = ws.take((n, d), f32)                                # [n, dim]
+            torch.mul(pos[:, None], self.inv_freq[None, :], out=emb[:, :d // 2])
+            emb[:, d // 2:].copy_(emb[:, :d // 2])
+            for fn, dst in ((torch.cos, cos), (torch.sin, sin)):
+                if dtype == f32:
+                    fn(emb, out=dst).mul_(self.scaling)
+                else:
+                    with ws.scope():
+                        dst.copy_(fn(emb, out=ws.take((n, d), f32)).mul_(self.scaling))
+        return cos, sin
 
-    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ws=None) -> None:
         """Rotate ``x`` ``[T, heads, head_dim]`` in place on its first ``dim`` channels:
-        ``x * cos + rotate_half(x) * sin``."""
+        ``x * cos + rotate_half(x) * sin``; ``rotate_half(x)`` ``[T, heads, dim]`` is taken
+        from ``ws`` when given."""
         d = self.params.dim
         r = x[..., :d]
         half = d // 2
         c, s = cos[:, None, :], sin[:, None, :]                   # [T, 1, dim]
-        rot = torch.cat((-r[..., half:], r[..., :half]), dim=-1)  # [T, H, dim]
-        r.mul_(c).add_(rot.mul_(s))
+        if ws is None:
+            rot = torch.cat((-r[..., half:], r[..., :half]), dim=-1)  # [T, H, dim]
+            r.mul_(c).add_(rot.mul_(s))
+            return
+        with ws.scope():
+            rot = ws.take((x.shape[0], x.shape[1], d), x.dtype)    # [T, H, dim]
+            torch.neg(r[..., half:], out=rot[..., :half])
+            rot[..., half:].copy_(r[..., :half])
+            r.mul_(c).add_(rot.mul_(s))

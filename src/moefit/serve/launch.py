@@ -15,13 +15,19 @@ Start-up, in this order:
    (planned / allocated / peak per line) and one line beginning with ``READY`` stating
    the context, the chunk, the expert slots and the free device memory.
 
-Exit codes: 0 ok, 2 bad input, 3 the plan does not fit, 4 an allocation failed during
-commit (1: anything else, with its traceback).
+Exit codes: 0 ok (also after a graceful stop on SIGINT / SIGTERM), 2 bad input, 3 the
+plan does not fit, 4 an allocation failed during commit (1: anything else, with its
+traceback).
+
+Shutdown (``serve``): SIGINT or SIGTERM sets :attr:`ServerState.stopping`, so a request in
+flight stops at its next token (a stream ends with ``data: [DONE]``), uvicorn closes the
+connections and the process exits 0 without a traceback; a second SIGINT forces the exit.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import socket
 import sys
@@ -61,10 +67,9 @@ def _runnable_device(args: argparse.Namespace):
 def prepare(args: argparse.Namespace):
     """Steps 1-2 of the module docstring. Returns (plan, tokenizer, defaults, exit code):
     the exit code is 3 when the plan does not fit (the table is printed), else None."""
-    from moefit.cli import request_from_args
+    from moefit.cli import plan_from_args
     from moefit.models import load_model
     from moefit.plan.report import format_table
-    from moefit.plan.solver import solve
     from moefit.serve.text import GenerationDefaults, Tokenizer
 
     model = Path(args.model)
@@ -77,7 +82,7 @@ def prepare(args: argparse.Namespace):
     if not gguf and not geom.exact:
         raise InputError(f"{model}: no *.safetensors files; the runtime needs the weights")
     device = _runnable_device(args)
-    plan = solve(geom, device, request_from_args(args))
+    plan = plan_from_args(geom, device, args)
     _say(format_table(plan), args.table_to)
     if not plan.fits:
         return plan, None, None, EXIT_NOFIT
@@ -144,38 +149,64 @@ def _model_name(model: str) -> str:
     return path.stem if path.is_file() else path.name
 
 
+def _check_port(port: int) -> None:
+    if not 0 <= port <= 65535:
+        raise InputError(f"--port {port}: must be 0-65535 (0: any free port)")
+
+
 def _bind(host: str, port: int) -> socket.socket:
+    _check_port(port)
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
-    except OSError as e:
+    except (OSError, OverflowError) as e:
         sock.close()
-        raise InputError(f"--host {host} --port {port}: cannot listen there ({e.strerror or e}); "
-                         "choose another --port (0: any free port)") from None
+        why = getattr(e, "strerror", None) or e
+        if isinstance(e, OSError) and e.errno in (errno.EADDRINUSE, errno.EACCES):
+            raise InputError(f"--host {host} --port {port}: cannot listen there ({why}); "
+                             "choose another --port (0: any free port)") from None
+        raise InputError(f"--host {host}: cannot listen on that address ({why}); use an "
+                         "address of this machine (127.0.0.1, 0.0.0.0, ::1, ...)") from None
     sock.listen(128)
     sock.set_inheritable(True)
     return sock
 
 
+def make_server(state, **config):
+    """A ``uvicorn.Server`` for ``create_app(state)`` whose SIGINT / SIGTERM handling sets
+    ``state.stopping`` (the request in flight stops at its next token) and does not
+    re-raise the signal after the graceful stop (exit 0, no KeyboardInterrupt)."""
+    import uvicorn
+
+    from moefit.serve.app import create_app
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            state.stopping.set()
+            super().handle_exit(sig, frame)
+            self._captured_signals.clear()
+
+    return Server(uvicorn.Config(create_app(state), **{
+        "lifespan": "off", "timeout_graceful_shutdown": 5, **config}))
+
+
 def serve(args: argparse.Namespace) -> int:
     """``moefit serve``: see the module docstring. Returns the exit code."""
     args.table_to = sys.stdout
+    _check_port(args.port)
     plan, tokenizer, defaults, code = prepare(args)
     if code is not None:
         return code
-    import uvicorn   # torch and the server only once the plan fits
-
-    from moefit.serve.app import ServerState, create_app
+    from moefit.serve.app import ServerState   # torch and the server only once the plan fits
 
     sock = _bind(args.host, args.port)
     host, port = sock.getsockname()[:2]
     url = f"http://{'[' + host + ']' if ':' in host else host}:{port}"
     state = ServerState(plan=plan, model_name=args.served_model_name or _model_name(args.model),
                         tokenizer=tokenizer, defaults=defaults)
-    server = uvicorn.Server(uvicorn.Config(create_app(state), log_level=args.log_level,
-                                           lifespan="off", timeout_graceful_shutdown=5))
+    server = make_server(state, log_level=args.log_level)
     exit_code = [EXIT_OK]
 
     def load():
@@ -193,7 +224,12 @@ def serve(args: argparse.Namespace) -> int:
 
     loader = threading.Thread(target=load, name="moefit-commit", daemon=True)
     loader.start()
-    server.run(sockets=[sock])
+    try:
+        server.run(sockets=[sock])
+    except KeyboardInterrupt:        # a signal outside uvicorn's handlers: still a clean stop
+        pass
+    finally:
+        state.stopping.set()         # a worker still running stops at its next token
     if loader.is_alive():            # stopped while committing: do not wait for the load
         sys.stdout.flush()
         sys.stderr.flush()
@@ -211,12 +247,13 @@ def generate(args: argparse.Namespace) -> int:
     if code is not None:
         return code
     from moefit.runtime.ledger import BudgetError
-    from moefit.serve.generation import Params, check_prompt, stream
+    from moefit.serve.generation import Params, check_prompt, check_sampling, stream
 
     if tokenizer is None:
         raise InputError(f"{args.model}: no tokenizer.json; generate takes text prompts")
     if args.max_tokens < 1:
         raise InputError(f"--max-tokens {args.max_tokens}: must be at least 1")
+    check_sampling(args.temperature, args.top_p, args.top_k, flags=True)
     if args.chat:
         ids = tokenizer.encode_chat([{"role": "user", "content": args.prompt}])
     else:

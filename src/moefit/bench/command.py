@@ -1,0 +1,140 @@
+"""``moefit bench MODEL [plan flags] --contexts 384K,512K,524K --out DIR``.
+
+Resolves the device as ``serve`` does (``--device cuda[:N]``, or ``--device cpu --vram
+SIZE`` for the simulated device), reads the device's calibration when there is one
+(:mod:`moefit.memory.calibration`, unless ``--no-calibration``), runs the ladder
+(:mod:`moefit.bench.ladder`) with a progress bar, optionally runs transformers on the same
+prompts (``--vs transformers``), and writes ``bench.json``, ``bench.md`` (printed) and
+``bench.png`` into ``--out``.
+
+Without ``--contexts`` the ladder is 1/4, 1/2, 3/4 and all of the largest context the
+device allows with the other flags (found by re-solving the plan).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from moefit.errors import InputError
+
+EXIT_OK, EXIT_NOFIT = 0, 3
+
+
+def bench(args: argparse.Namespace) -> int:
+    from moefit.bench import ladder, report, versus
+    from moefit.cli import request_from_args
+    from moefit.memory import calibration
+    from moefit.models import load_model
+    from moefit.plan.request import resolve_context
+    from moefit.plan.solver import largest_context
+    from moefit.serve.launch import _runnable_device
+
+    model = Path(args.model)
+    if not (model.is_dir() or (model.suffix.lower() == ".gguf" and model.is_file())):
+        raise InputError(f"{args.model}: not a checkpoint; bench runs the model and needs a "
+                         "directory with config.json and *.safetensors, or a .gguf file")
+    if args.decode_tokens < 1:
+        raise InputError(f"--decode-tokens {args.decode_tokens}: must be at least 1")
+    if args.threads is not None:
+        if args.threads < 1:
+            raise InputError(f"--threads {args.threads}: must be at least 1")
+        import torch
+
+        torch.set_num_threads(args.threads)
+    geom = load_model(str(model))
+    device = _runnable_device(args)
+    req = request_from_args(args)
+    warn = lambda msg: print(f"moefit: warning: {msg}", file=sys.stderr)  # noqa: E731
+    staging = None if args.no_calibration else calibration.load(geom, device, req.kv, warn)
+    if args.contexts:
+        contexts = ladder.parse_contexts(args.contexts)
+        for ctx in contexts:      # a context beyond the RoPE limit is bad input: say so now
+            resolve_context(geom, req.with_(max_context=ctx))
+    else:
+        largest = largest_context(geom, device, req, staging)
+        if largest is None:
+            raise InputError("no context fits this device with these flags; see `moefit plan`")
+        contexts = ladder.default_ladder(largest)
+    opts = ladder.BenchOptions(prompt_tokens=ladder.parse_prompt_tokens(args.prompt_tokens),
+                               decode_tokens=args.decode_tokens, seed=args.seed)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    from tqdm import tqdm
+
+    runs = []
+    bar = tqdm(contexts, desc="bench", unit="context", file=sys.stderr,
+               disable=not args.progress)
+    for ctx in bar:
+        bar.set_postfix_str(f"context {report.tokens_label(ctx)}")
+        runs.append(ladder.run_context(model, geom, device, req, ctx, opts, staging))
+    bar.close()
+    if args.vs:
+        ref = versus.Reference(model, "cpu" if device.kind == "cpu" else device.label,
+                               versus.rope_parameters(geom, req))
+        for r in tqdm(runs, desc="transformers", unit="context", file=sys.stderr,
+                      disable=not args.progress):
+            if r["fits"]:
+                ids = ladder.prompt_ids(geom, r["prompts"][-1]["tokens"], args.seed)
+                r["vs_transformers"] = versus.compare(r, ref.generate(ids, len(r["greedy_tokens"])))
+        ref.close()
+    doc = report.document(
+        model={"name": geom.name, "model_type": geom.model_type, "source": geom.source,
+               "dtype": geom.dtype, "total_params": geom.total_params,
+               "active_params": geom.active_params, "layers": geom.num_layers,
+               "total_experts": geom.total_experts},
+        device={"label": device.label, "kind": device.kind, "description": device.description,
+                "capacity_bytes": device.capacity_bytes, "free_bytes": device.free_bytes},
+        request={"kv": req.kv, "slots": req.slots, "prefill_mode": req.prefill_mode,
+                 "prefill_tokens": req.prefill_tokens, "miss_policy": req.miss_policy,
+                 "rope_scaling": req.rope_scaling, "rope_scale": req.rope_scale,
+                 "expert_cache": req.expert_cache, "reserve_bytes": req.reserve_bytes,
+                 "prompt_tokens": list(opts.prompt_tokens) or "one chunk and three chunks",
+                 "decode_tokens": opts.decode_tokens, "seed": opts.seed,
+                 "threads": __import__("torch").get_num_threads(),
+                 "staging": "calibrated" if staging is not None else "analytic"},
+        runs=runs)
+    report.write_json(doc, out)
+    _, text = report.write_markdown(doc, out, f"moefit bench: {geom.name} on {device.description}")
+    print(text)
+    try:
+        report.chart(doc, out / "bench.png")
+    except ImportError:
+        print("moefit: warning: no chart (bench.png): pip install 'moefit[bench]' adds "
+              "matplotlib", file=sys.stderr)
+    print(f"wrote {out / 'bench.json'}, {out / 'bench.md'}, {out / 'bench.png'}", file=sys.stderr)
+    return EXIT_OK if all(r["fits"] for r in runs) else EXIT_NOFIT
+
+
+def calibrate(args: argparse.Namespace) -> int:
+    """``moefit calibrate MODEL --device ...``: measure, fit, store, print."""
+    from moefit.cli import request_from_args
+    from moefit.memory import calibration
+    from moefit.models import load_model
+    from moefit.runtime.calibrate import measure_point
+    from moefit.serve.launch import _runnable_device
+    from moefit.units import format_bytes, parse_count
+
+    model = Path(args.model)
+    if not (model.is_dir() or (model.suffix.lower() == ".gguf" and model.is_file())):
+        raise InputError(f"{args.model}: not a checkpoint; calibrate runs the model")
+    geom = load_model(str(model))
+    device = _runnable_device(args)
+    req = request_from_args(args)
+    chunks = sorted({parse_count(c.strip(), "--chunks") for c in args.chunks.split(",") if c.strip()})
+    if len(chunks) != 2 or chunks[0] < 256:
+        raise InputError(f"--chunks {args.chunks}: expected two different chunk sizes of at "
+                         "least 256 tokens, e.g. 512,2048")
+    points = []
+    for c in chunks:
+        p = measure_point(model, geom, device, req, c, args.seed)
+        print(f"chunk {c:>6}: measured {format_bytes(p.measured_bytes):>11}, analytic model "
+              f"{format_bytes(p.analytic_bytes):>11} ({p.analytic_bytes / p.measured_bytes:.3f}x)")
+        points.append((c, p.measured_bytes))
+    path, fitted = calibration.save(geom, device, req.kv, points)
+    print(f"prefill staging = {fitted.const_bytes} B + {fitted.per_token_bytes} B/token x chunk "
+          f"(calibrated on {calibration.device_key(device)}, {geom.dtype}, KV {req.kv})")
+    print(f"stored in {path}")
+    return EXIT_OK

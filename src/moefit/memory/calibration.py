@@ -1,0 +1,166 @@
+"""Calibrated staging: the affine staging model fitted to peaks measured on a device.
+
+``moefit calibrate`` measures the peak of a prefill chunk (:mod:`moefit.runtime.measure`)
+at two chunk sizes ``c1 < c2`` on the device, fits ``staging(c) = const + per_token * c``
+through the two points, rounds both up (``const`` to :data:`ROUND` bytes), and stores the
+result here. Later plans for the same model geometry, device, dtype and KV format use it
+instead of the analytic model (:mod:`moefit.memory.staging`), and the table says
+``prefill staging ... (calibrated)``.
+
+Cache: one JSON file per key under ``$MOEFIT_CACHE_DIR``, else
+``$XDG_CACHE_HOME/moefit``, else ``~/.cache/moefit``, in ``calibration/``::
+
+    {"schema": "moefit.calibration/1", "moefit": "0.1.0", "revision": 1,
+     "key": {"geometry": "<sha256>", "device": "cuda:NVIDIA GeForce RTX 4090",
+             "dtype": "bfloat16", "kv": "int8"},
+     "model": "Qwen3-30B-A3B", "const_bytes": ..., "per_token_bytes": ...,
+     "points": [[256, peak], [2048, peak]], "analytic": [[256, bytes], [2048, bytes]],
+     "created": "2026-11-29T18:00:00+00:00"}
+
+A file is never trusted blindly: one that cannot be read or parsed, has another schema,
+was written by another moefit version or runtime revision, names another key, or whose
+numbers are implausible (negative, not reproducing its own points, or more than
+:data:`PLAUSIBLE` times away from the analytic model at its points) is ignored with a
+warning, and the plan uses the analytic model.
+
+This module imports no torch: the planner reads calibrations, ``moefit calibrate``
+(:mod:`moefit.runtime.calibrate`) writes them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+from dataclasses import asdict, replace
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Callable
+
+from moefit import __version__
+from moefit.devices import Device
+from moefit.geometry import ModelGeometry
+from moefit.memory.kv import kv_format
+from moefit.memory.staging import StagingModel, staging_model
+
+SCHEMA = "moefit.calibration/1"
+#: bumped whenever the runtime's staging changes shape: older calibrations go stale
+REVISION = 1
+CACHE_ENV = "MOEFIT_CACHE_DIR"
+ROUND = 64 << 10           #: the fitted constant is rounded up to this many bytes
+PLAUSIBLE = 4.0            #: a calibration within 1/4x .. 4x of the analytic model
+
+Warn = Callable[[str], None]
+
+
+def cache_dir() -> Path:
+    """The per-user cache directory of moefit (see module docstring)."""
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV])
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "moefit"
+
+
+def geometry_hash(geom: ModelGeometry) -> str:
+    """sha256 of what the staging depends on: family, sizes and every layer's specs."""
+    layers = [[asdict(l.attention), asdict(l.moe) if l.moe else None, l.dense_intermediate,
+               sorted(t.name.rsplit(".", 2)[-2] for t in l.tensors if "norm" in t.name)]
+              for l in geom.layers]
+    dequant = geom.exact.expert_dequant_bytes if geom.exact is not None else 0
+    doc = [geom.model_type, geom.hidden_size, geom.vocab_size, geom.dtype, geom.dtype_bytes,
+           layers, dequant]
+    return hashlib.sha256(json.dumps(doc, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def device_key(device: Device) -> str:
+    """``cpu`` for a simulated device, else ``cuda:<the card's name>``."""
+    return "cpu" if device.kind == "cpu" else f"cuda:{device.description}"
+
+
+def calibration_key(geom: ModelGeometry, device: Device, kv: str) -> dict:
+    return {"geometry": geometry_hash(geom), "device": device_key(device), "dtype": geom.dtype,
+            "kv": kv.lower()}
+
+
+def calibration_path(key: dict) -> Path:
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
+    return cache_dir() / "calibration" / f"{digest}.json"
+
+
+def fit(points: list[tuple[int, int]]) -> tuple[int, int]:
+    """``(const, per_token)`` through two measured ``(chunk, peak)`` points, both rounded
+    up so that the line is at or above both (``const`` to :data:`ROUND` bytes)."""
+    (c1, p1), (c2, p2) = sorted(points)[0], sorted(points)[-1]
+    if c2 <= c1:
+        raise ValueError("calibration needs two different chunk sizes")
+    per_token = max(1, math.ceil((p2 - p1) / (c2 - c1)))
+    const = max(p1 - per_token * c1, p2 - per_token * c2, 0)
+    return -(-const // ROUND) * ROUND, per_token
+
+
+def save(geom: ModelGeometry, device: Device, kv: str,
+         points: list[tuple[int, int]]) -> tuple[Path, StagingModel]:
+    """Fit ``points`` and store them for ``geom`` on ``device`` with KV format ``kv``.
+    Returns (file written, the calibrated model)."""
+    const, per_token = fit(points)
+    analytic = staging_model(geom, kv_format(kv))
+    key = calibration_key(geom, device, kv)
+    doc = {"schema": SCHEMA, "moefit": __version__, "revision": REVISION, "key": key,
+           "model": geom.name, "const_bytes": const, "per_token_bytes": per_token,
+           "points": [list(p) for p in sorted(points)],
+           "analytic": [[c, analytic.bytes(c)] for c, _ in sorted(points)],
+           "created": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+    path = calibration_path(key)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
+    tmp.replace(path)
+    return path, _model(const, per_token, analytic)
+
+
+def _model(const: int, per_token: int, analytic: StagingModel) -> StagingModel:
+    return replace(analytic, const_bytes=const, per_token_bytes=per_token, calibrated=True,
+                   terms=(("calibrated: measured on this device", const, per_token),))
+
+
+def load(geom: ModelGeometry, device: Device, kv: str,
+         warn: Warn | None = None) -> StagingModel | None:
+    """The calibrated staging model for ``geom`` on ``device`` with KV format ``kv``, or
+    None when there is none or it cannot be trusted (``warn`` says why)."""
+    key = calibration_key(geom, device, kv)
+    path = calibration_path(key)
+    if not path.is_file():
+        return None
+    say = warn or (lambda _msg: None)
+
+    def ignored(why: str) -> None:
+        say(f"calibration {path} ignored ({why}); using the analytic staging model; "
+            f"run `moefit calibrate` again or delete the file")
+        return None
+
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+        if not isinstance(doc, dict):
+            return ignored("not a calibration document")
+        if doc.get("schema") != SCHEMA:
+            return ignored(f"schema {doc.get('schema')!r}, expected {SCHEMA!r}")
+        if doc.get("moefit") != __version__ or doc.get("revision") != REVISION:
+            return ignored(f"written by moefit {doc.get('moefit')} (staging revision "
+                           f"{doc.get('revision')}), this is {__version__} (revision {REVISION})")
+        if doc.get("key") != key:
+            return ignored("it was measured for another model, device, dtype or KV format")
+        const, per_token = int(doc["const_bytes"]), int(doc["per_token_bytes"])
+        points = [(int(c), int(p)) for c, p in doc["points"]]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return ignored(f"unreadable: {e}")
+    if const < 0 or per_token <= 0 or len(points) < 2:
+        return ignored("implausible numbers")
+    if any(const + per_token * c < p for c, p in points):
+        return ignored("it does not cover its own measured points")
+    analytic = staging_model(geom, kv_format(kv))
+    for c, _ in points:
+        ratio = (const + per_token * c) / analytic.bytes(c)
+        if not 1 / PLAUSIBLE <= ratio <= PLAUSIBLE:
+            return ignored(f"{ratio:.2f}x the analytic model at {c} tokens")
+    return _model(const, per_token, analytic)

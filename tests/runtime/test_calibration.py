@@ -1,0 +1,118 @@
+"""``moefit calibrate``: measured at two chunk sizes, fitted, cached per model x device x
+dtype x KV format, used by later plans (``(calibrated)``), never trusted blindly."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import make_tiny
+from moefit.cli import main
+from moefit.devices import resolve_device
+from moefit.memory import calibration
+from moefit.memory.kv import kv_format
+from moefit.memory.staging import staging_model
+from moefit.models import load_model
+
+DEVICE = ["--device", "cpu", "--vram", "64MiB"]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return make_tiny("olmoe", tmp_path_factory.mktemp("ckpt"), max_position_embeddings=2048)
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv(calibration.CACHE_ENV, str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def _plan(tiny, *extra) -> dict:
+    from moefit.cli import build_parser, plan_from_args
+
+    args = build_parser().parse_args(["plan", str(tiny.path), *DEVICE, "--kv", "int8",
+                                      "--max-context", "1024", "--prefill", "512", *extra])
+    geom = load_model(args.model)
+    plan = plan_from_args(geom, resolve_device(args.device, None, args.vram, None), args)
+    return plan
+
+
+def _calibrate(tiny, capsys):
+    code = main(["calibrate", str(tiny.path), *DEVICE, "--kv", "int8", "--chunks", "256,768"])
+    assert code == 0
+    return capsys.readouterr()
+
+
+def test_calibrate_fits_two_measured_points_and_later_plans_use_it(tiny, cache, capsys):
+    out = _calibrate(tiny, capsys).out
+    files = list((cache / "calibration").glob("*.json"))
+    assert len(files) == 1 and str(files[0]) in out
+    doc = json.loads(files[0].read_text())
+    assert doc["key"]["device"] == "cpu" and doc["key"]["kv"] == "int8"
+    assert doc["key"]["dtype"] == "float32"
+    (c1, p1), (c2, p2) = doc["points"]
+    const, per_token = doc["const_bytes"], doc["per_token_bytes"]
+    # the fitted line covers both measured peaks, and is tight (rounding only)
+    assert const + per_token * c1 >= p1 and const + per_token * c2 >= p2
+    assert const + per_token * c2 - p2 <= calibration.ROUND + c2
+
+    plan = _plan(tiny)
+    line = plan.devices[0].line("prefill")
+    assert line.detail == "512-token chunks (calibrated)"
+    assert line.bytes == const + per_token * 512
+    analytic = _plan(tiny, "--no-calibration").devices[0].line("prefill")
+    assert analytic.detail == "512-token chunks"
+    assert analytic.bytes == staging_model(load_model(str(tiny.path)), kv_format("int8")).bytes(512)
+    # the table says so
+    assert main(["plan", str(tiny.path), *DEVICE, "--kv", "int8", "--max-context", "1024",
+                 "--prefill", "512"]) == 0
+    assert "(calibrated)" in capsys.readouterr().out
+    # another KV format was not calibrated
+    assert _plan(tiny, "--kv", "int4").devices[0].line("prefill").detail == "512-token chunks"
+
+
+def test_the_engine_runs_within_a_calibrated_plan(tiny, cache, capsys):
+    from moefit.runtime.engine import Engine, EngineOptions
+    from moefit.runtime.measure import prefill_measured
+
+    _calibrate(tiny, capsys)
+    plan = _plan(tiny)
+    engine = Engine.start(tiny.path, plan, EngineOptions(progress=False))
+    _, chunks = prefill_measured(engine, [i % 96 for i in range(1000)])
+    assert max(m.measured_bytes for m in chunks) <= plan.devices[0].line("prefill").bytes
+
+
+@pytest.mark.parametrize("damage,why", [
+    (lambda d: "{not json", "unreadable"),
+    (lambda d: json.dumps({**d, "moefit": "0.0.1"}), "written by moefit 0.0.1"),
+    (lambda d: json.dumps({**d, "revision": 0}), "revision 0"),
+    (lambda d: json.dumps({**d, "key": {**d["key"], "dtype": "bfloat16"}}), "another model"),
+    (lambda d: json.dumps({**d, "per_token_bytes": 1}), "does not cover its own measured points"),
+    (lambda d: json.dumps({**d, "const_bytes": 10 * d["const_bytes"]}), "the analytic model"),
+    (lambda d: json.dumps([1, 2]), "not a calibration document"),
+])
+def test_a_stale_or_corrupt_calibration_is_ignored_with_a_warning(tiny, cache, capsys, damage, why):
+    _calibrate(tiny, capsys)
+    path = next((cache / "calibration").glob("*.json"))
+    path.write_text(damage(json.loads(path.read_text())))
+    plan = _plan(tiny)
+    assert plan.devices[0].line("prefill").detail == "512-token chunks"
+    err = capsys.readouterr().err
+    assert "warning: calibration" in err and "ignored" in err and why in err
+
+
+def test_fit_is_the_line_through_two_points_rounded_up():
+    const, per_token = calibration.fit([(2048, 10_000_000), (512, 4_000_000)])
+    assert per_token == 3907                       # ceil(6e6 / 1536)
+    assert const % calibration.ROUND == 0
+    assert const + per_token * 512 >= 4_000_000 and const + per_token * 2048 >= 10_000_000
+    with pytest.raises(ValueError):
+        calibration.fit([(512, 1), (512, 2)])
+
+
+def test_the_cache_follows_xdg_when_no_override(monkeypatch, tmp_path):
+    monkeypatch.delenv(calibration.CACHE_ENV, raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert calibration.cache_dir() == tmp_path / "moefit"
