@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Literal
 
 AttentionKind = Literal["full", "sliding", "linear", "mla"]
@@ -254,13 +255,23 @@ class ModelGeometry:
 
     def analytic_weight_bytes(self) -> int:
         """Bytes of every non-expert tensor (the ``weights`` budget line), analytic."""
+        return self._analytic_weight_bytes
+
+    def analytic_expert_blob_bytes(self) -> dict[int, int]:
+        """Bytes of one packed expert blob per MoE layer index, analytic."""
+        return dict(self._analytic_blobs)
+
+    # The geometry is frozen, so these sums are computed once per instance (a solve asks
+    # for them many times; DeepSeek-V3 lists ~1000 tensors).
+    @cached_property
+    def _analytic_weight_bytes(self) -> int:
         n = sum(self.tensor_bytes(t) for t in self.global_tensors)
         for l in self.layers:
             n += sum(self.tensor_bytes(t) for t in l.tensors)
         return n
 
-    def analytic_expert_blob_bytes(self) -> dict[int, int]:
-        """Bytes of one packed expert blob per MoE layer index, analytic."""
+    @cached_property
+    def _analytic_blobs(self) -> dict[int, int]:
         return {l.index: sum(self.tensor_bytes(t) for t in l.expert_tensors)
                 for l in self.moe_layers}
 

@@ -61,10 +61,12 @@ def spread_slots(geom: ModelGeometry, slots: int) -> tuple[tuple[int, int], ...]
     return tuple(out.items())
 
 
-def expert_cache_bytes(geom: ModelGeometry, slots: int) -> int:
+def expert_cache_bytes(geom: ModelGeometry, slots: int,
+                       blobs: dict[int, int] | None = None) -> int:
     """Bytes of an expert cache of ``slots`` slots spread by :func:`spread_slots`, each
-    slot the size of its own layer's blob (GGUF files mix quant types layer by layer)."""
-    blobs = geom.expert_blob_bytes()
+    slot the size of its own layer's blob (GGUF files mix quant types layer by layer).
+    ``blobs``: ``geom.expert_blob_bytes()``, when the caller already has it."""
+    blobs = geom.expert_blob_bytes() if blobs is None else blobs
     return sum(n * blobs[layer] for layer, n in spread_slots(geom, slots))
 
 
@@ -72,10 +74,11 @@ def most_slots(geom: ModelGeometry, budget: int, floor: int, ceiling: int) -> in
     """The most slots in ``[floor, ceiling]`` whose :func:`expert_cache_bytes` fit in
     ``budget`` bytes (``floor`` when none above it do). Bisection: the bytes grow with
     the slot count."""
+    blobs = geom.expert_blob_bytes()
     lo, hi = floor, ceiling
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if expert_cache_bytes(geom, mid) <= budget:
+        if expert_cache_bytes(geom, mid, blobs) <= budget:
             lo = mid
         else:
             hi = mid - 1
