@@ -32,7 +32,7 @@ from moefit.errors import InputError
 from moefit.geometry import LayerSpec, ModelGeometry
 from moefit.gguf_model import GGUFHeader, GGUFTensor, close_reader, config_from_gguf, open_reader, read_header
 from moefit.runtime.arch import Arch
-from moefit.runtime.loader import HostExperts, LayerWeights, Weights, _NoBar
+from moefit.runtime.loader import HostExperts, _NoBar, assemble_weights
 from moefit.runtime.quant import StoredExpert, dequantize, kernel_for
 
 #: GGUF architectures the runtime runs.
@@ -193,14 +193,7 @@ def _load(h, ts: _Tensors, geom, arch, alloc, pin, progress):
         bar.update(t.nbytes)
         return dst
 
-    g = {attr: resident(name, shape) for attr, name, shape in glob}
-    layers = []
-    for lp in layer_plans:
-        lw = LayerWeights()
-        for attr, name, shape in lp:
-            setattr(lw, attr, resident(name, shape))
-        layers.append(lw)
-    weights = Weights(g["embed"], g["norm"], g.get("lm_head", g["embed"]), layers)
+    weights = assemble_weights(glob, layer_plans, resident)
 
     experts = HostExperts(hidden, torch.uint8)
     for l in geom.moe_layers:

@@ -248,6 +248,21 @@ def _expert_plan(l: LayerSpec, geom: ModelGeometry, arch: Arch, index: _Index):
     return "per_expert", names
 
 
+def assemble_weights(glob, layer_plans, resident) -> "Weights":
+    """The resident (non-expert) weights: ``resident(name, shape)`` allocates and fills
+    each tensor of the global plan ``glob`` ``[(attr, name, shape)]`` and of every layer's
+    plan; a tied model reuses the embeddings as ``lm_head``. Shared by the safetensors
+    and GGUF loaders."""
+    g = {attr: resident(name, shape) for attr, name, shape in glob}
+    layers = []
+    for lp in layer_plans:
+        lw = LayerWeights()
+        for attr, name, shape in lp:
+            setattr(lw, attr, resident(name, shape))
+        layers.append(lw)
+    return Weights(g["embed"], g["norm"], g.get("lm_head", g["embed"]), layers)
+
+
 def load_checkpoint(model_dir: str | Path, geom: ModelGeometry, arch: Arch, alloc: Alloc, *,
                     pin: bool = False, progress: bool = True) -> tuple[Weights, HostExperts]:
     """Read the checkpoint in ``model_dir``: resident weights into tensors from ``alloc``
@@ -293,14 +308,7 @@ def load_checkpoint(model_dir: str | Path, geom: ModelGeometry, arch: Arch, allo
         bar.update(src.numel())
         return dst
 
-    g = {attr: resident(name, shape) for attr, name, shape in glob}
-    layers = []
-    for lp in layer_plans:
-        lw = LayerWeights()
-        for attr, name, shape in lp:
-            setattr(lw, attr, resident(name, shape))
-        layers.append(lw)
-    weights = Weights(g["embed"], g["norm"], g.get("lm_head", g["embed"]), layers)
+    weights = assemble_weights(glob, layer_plans, resident)
 
     experts = HostExperts(h, dtype)
     for l in geom.moe_layers:
