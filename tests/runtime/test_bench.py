@@ -112,5 +112,21 @@ def test_a_context_beyond_the_rope_limit_is_refused_before_any_run(tiny, tmp_pat
     code = main(["bench", str(tiny.path), "--device", "cpu", "--vram", "64MiB", "--contexts",
                  "1K,64K", "--out", str(tmp_path / "bench"), "--no-progress"])
     assert code == 2
-    assert "--max-context 65536 exceeds" in capsys.readouterr().err
+    assert "--contexts value 65536 exceeds" in capsys.readouterr().err
     assert not (tmp_path / "bench" / "bench.json").exists()
+
+
+def test_out_that_is_a_file_is_bad_input(tiny, tmp_path, capsys):
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    code = main(["bench", str(tiny.path), "--device", "cpu", "--vram", "64MiB", "--contexts",
+                 "1K", "--out", str(afile), "--no-progress"])
+    assert code == 2 and "--out" in capsys.readouterr().err
+
+
+def test_calibrate_refuses_chunks_beyond_the_context_before_measuring(tmp_path, capsys):
+    small = make_tiny("qwen3_moe", tmp_path / "small", max_position_embeddings=1024)
+    code = main(["calibrate", str(small.path), "--device", "cpu", "--vram", "64MiB"])
+    err = capsys.readouterr()
+    assert code == 2 and "--chunks" in err.err and "context limit of 1024" in err.err
+    assert "measured" not in err.out     # nothing was run

@@ -51,7 +51,13 @@ def bench(args: argparse.Namespace) -> int:
     if args.contexts:
         contexts = ladder.parse_contexts(args.contexts)
         for ctx in contexts:      # a context beyond the RoPE limit is bad input: say so now
-            resolve_context(geom, req.with_(max_context=ctx))
+            try:
+                resolve_context(geom, req.with_(max_context=ctx))
+            except InputError as e:
+                # the request's limit message names --max-context; here the value came
+                # from --contexts
+                raise InputError(str(e).replace(f"--max-context {ctx}",
+                                                f"--contexts value {ctx}")) from None
     else:
         largest = largest_context(geom, device, req, staging)
         if largest is None:
@@ -60,6 +66,9 @@ def bench(args: argparse.Namespace) -> int:
     opts = ladder.BenchOptions(prompt_tokens=ladder.parse_prompt_tokens(args.prompt_tokens),
                                decode_tokens=args.decode_tokens, seed=args.seed)
     out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise InputError(f"--out {args.out}: is a file; give a directory (it is created "
+                         "when missing)")
     out.mkdir(parents=True, exist_ok=True)
 
     from tqdm import tqdm
@@ -127,6 +136,15 @@ def calibrate(args: argparse.Namespace) -> int:
     if len(chunks) != 2 or chunks[0] < 256:
         raise InputError(f"--chunks {args.chunks}: expected two different chunk sizes of at "
                          "least 256 tokens, e.g. 512,2048")
+    from moefit.plan.request import context_limit
+
+    limit, _ = context_limit(geom, req)
+    if chunks[1] > limit:
+        # say so before measuring anything (each point runs the model)
+        hint = f"e.g. --chunks 256,{max(512, limit - limit % 256)}" if limit >= 512 else ""
+        raise InputError(f"--chunks {args.chunks}: chunk {chunks[1]} is longer than "
+                         f"{geom.name}'s context limit of {limit} tokens; choose smaller "
+                         f"--chunks {hint}".rstrip())
     points = []
     for c in chunks:
         p = measure_point(model, geom, device, req, c, args.seed)
