@@ -92,6 +92,7 @@ def test_a_context_that_does_not_fit_is_recorded_and_exits_3(tiny, tmp_path, cap
 def test_contexts_take_k_and_m_suffixes():
     assert parse_contexts("384K,512K,524K") == [393216, 524288, 536576]
     assert parse_contexts("1M, 1536") == [1 << 20, 1536]
+    assert parse_contexts("256,1K,256,1024") == [256, 1024]   # a repeat runs once
     with pytest.raises(InputError, match="--contexts"):
         parse_contexts("384KiB")
 

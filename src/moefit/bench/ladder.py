@@ -54,12 +54,13 @@ class BenchOptions:
 
 
 def parse_contexts(text: str) -> list[int]:
-    """``384K,512K,524K`` -> token counts (K = 1024, M = 1024^2), in the order given.
-    Raises InputError naming ``--contexts``."""
+    """``384K,512K,524K`` -> token counts (K = 1024, M = 1024^2), in the order given, a
+    repeated context once (each run costs a full engine start). Raises InputError naming
+    ``--contexts``."""
     items = [t.strip() for t in text.split(",") if t.strip()]
     if not items:
         raise InputError("--contexts: expected a comma-separated list such as 384K,512K,524K")
-    return [parse_count(t, "--contexts") for t in items]
+    return list(dict.fromkeys(parse_count(t, "--contexts") for t in items))
 
 
 def parse_prompt_tokens(text: str | None) -> tuple[int, ...]:
