@@ -115,7 +115,6 @@ def test_models_and_gpus_list():
 
 
 def test_plan_from_a_config_path_matches_the_preset(tmp_path):
-    from moefit.models import list_presets  # noqa: F401  (preset data ships in the package)
     import moefit
     cfg = Path(moefit.__file__).parent / "presets" / "Qwen3-30B-A3B" / "config.json"
     (tmp_path / "config.json").write_text(cfg.read_text())

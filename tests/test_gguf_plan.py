@@ -391,7 +391,7 @@ def test_types_the_runtime_cannot_run_are_noted_in_the_plan(tmp_path):
 
 
 def test_runtime_types_list_the_runtime_kernels():
-    torch = pytest.importorskip("torch")  # noqa: F841
+    pytest.importorskip("torch")
     from moefit.gguf_model import RUNTIME_TYPES
     from moefit.runtime.quant import KERNELS
 

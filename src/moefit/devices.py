@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from moefit.errors import InputError
-from moefit.units import GIB, MIB, format_bytes, format_gib, parse_size
+from moefit.units import MIB, format_gib, parse_size, size_format
 
 DeviceKind = Literal["cuda", "cpu"]
 
@@ -463,7 +463,7 @@ def resolve_device(device: str | None, gpu: str | None, vram: str | None,
             raise InputError("--device cpu simulates a GPU on the CPU and needs its size: "
                              "add --vram SIZE (e.g. --vram 2GiB)")
         check_free(vram_bytes, "--vram")
-        size = format_gib(vram_bytes) if vram_bytes >= GIB else format_bytes(vram_bytes)
+        size = size_format(vram_bytes)(vram_bytes)
         return Device("cpu", f"simulated {size} device on the CPU", "cpu",
                       vram_bytes, free_bytes if free_bytes is not None else vram_bytes,
                       simulated=True, runtime_bytes=0,

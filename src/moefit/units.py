@@ -156,6 +156,13 @@ def format_gib(n: int) -> str:
     return f"{n / GIB:.2f} GiB"
 
 
+def size_format(capacity: int):
+    """The formatter for sizes on a device of ``capacity`` bytes: :func:`format_gib`, or
+    on a device below 1 GiB (a small simulated one) :func:`format_bytes`, so its lines do
+    not all read 0.00 GiB."""
+    return format_gib if capacity >= GIB else format_bytes
+
+
 def format_bytes(n: int) -> str:
     """Bytes in the largest binary unit not above them: ``'15.48 GiB'``, ``'512.00 MiB'``,
     ``'4.00 KiB'``, ``'17 B'``. Negative values (shortfalls) keep their sign.

@@ -28,7 +28,7 @@ pytest.importorskip("gguf")
 torch = pytest.importorskip("torch")
 
 from reference import prompt  # noqa: E402
-from serving import EOS, Server, make_servable, reference_tokens  # noqa: E402
+from serving import Server, make_servable, reference_tokens  # noqa: E402
 
 BASE = ["--device", "cpu", "--max-context", "1024", "--kv", "fp32"]
 

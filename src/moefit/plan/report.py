@@ -25,16 +25,10 @@ import json
 from moefit.memory.weights import expert_slot_bytes
 from moefit.models import format_params
 from moefit.plan.solver import LINE_ORDER, Plan
-from moefit.units import GIB, format_bytes, format_gib
+from moefit.units import size_format
 
 SCHEMA = "moefit.plan/1"
 LABELS = dict(LINE_ORDER)
-
-
-def size_format(capacity: int):
-    """GiB with two decimals; on a device below 1 GiB (a small simulated one) the largest
-    unit that fits (``format_bytes``), so its lines do not all read 0.00 GiB."""
-    return format_gib if capacity >= GIB else format_bytes
 
 
 def format_table(plan: Plan) -> str:

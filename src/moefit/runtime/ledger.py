@@ -32,8 +32,7 @@ import torch
 
 from moefit.errors import InputError
 from moefit.plan.solver import LINE_ORDER, Plan
-from moefit.units import GIB, format_bytes
-from moefit.units import format_gib as _format_gib
+from moefit.units import format_bytes, size_format
 
 LABELS = dict(LINE_ORDER)
 FAIL_ENV = "MOEFIT_FAIL_ALLOC"
@@ -200,7 +199,7 @@ class Ledger:
     def report(self, failing: str | None = None) -> str:
         """The budget table: planned / allocated / peak per line; ``failing`` is marked.
         Sizes in GiB, or in the largest fitting unit on a device below 1 GiB."""
-        format_gib = _format_gib if self.capacity >= GIB else format_bytes
+        format_gib = size_format(self.capacity)
         out = [f"VRAM ledger  {self.device}  capacity {format_gib(self.capacity)}, "
                f"free {format_gib(self.free_bytes())}",
                f"  {'line':<18} {'planned':>10} {'allocated':>10} {'peak':>10}"]

@@ -130,10 +130,10 @@ def commit(args: argparse.Namespace, plan):
 
 def ready_line(engine, url: str | None = None) -> str:
     """``READY  context ...  chunk ...  expert slots ...  free ...`` (one line)."""
-    from moefit.units import GIB, format_bytes, format_gib
+    from moefit.units import size_format
 
     ledger, plan = engine.ledger, engine.plan
-    size = format_gib if ledger.capacity >= GIB else format_bytes
+    size = size_format(ledger.capacity)
     slots = sum(s["slots"] for s in engine.expert_stats()["layers"].values())
     n = plan.request.slots
     line = (f"READY  context {plan.context} tokens x {n} slot{'s' if n != 1 else ''}, "
