@@ -40,7 +40,7 @@ def build(root: Path) -> None:
     """The runtime benchmark's checkpoint in ``root/bf16`` and its two GGUF versions."""
     from safetensors.torch import load_file
 
-    from moefit.gguf_write import write_gguf
+    from moefit.tools.gguf_write import write_gguf
 
     write_checkpoint(root / "bf16")
     todo = [n for n, f in FORMATS.items() if f is not None and not (root / f"{n}.gguf").exists()]
@@ -65,7 +65,7 @@ def run(root: Path, fmt: str, resident: str, tokens: int, threads: int) -> dict:
     import torch
 
     from moefit.devices import resolve_device
-    from moefit.models import load_model
+    from moefit.ingest.resolve import load_model
     from moefit.plan.request import Request
     from moefit.plan.solver import solve
     from moefit.runtime.engine import Engine, EngineOptions

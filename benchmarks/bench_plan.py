@@ -19,7 +19,7 @@ import sys
 import time
 
 from moefit.devices import Device, find_gpu
-from moefit.models import load_model
+from moefit.ingest.resolve import load_model
 from moefit.plan.request import Request
 from moefit.plan.solver import solve
 

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from moefit.devices import Device
-from moefit.models import load_model
+from moefit.ingest.resolve import load_model
 from moefit.plan.request import Request
 from moefit.plan.solver import solve
 from moefit.runtime.engine import Engine, EngineOptions

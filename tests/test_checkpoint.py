@@ -2,7 +2,7 @@
 
 Each test writes a tiny checkpoint in ``tmp_path`` with the tensor names, dtypes and shapes
 that the published checkpoints of the family use (listed here by hand, independently of
-:mod:`moefit.families`), with data, then checks that:
+:mod:`moefit.ingest.families`), with data, then checks that:
 
 - the three buckets (weights, experts, skipped) add up to the files' sizes minus headers;
 - the exact figures equal the analytic ones for the same config (or differ by exactly what
@@ -19,12 +19,12 @@ from pathlib import Path
 
 import pytest
 
-from moefit.checkpoint import (
+from moefit.ingest.checkpoint import (
     SAFETENSORS_DTYPE_BYTES, checkpoint_files, classify, describe_weights, exact_weights, read_header,
 )
 from moefit.errors import InputError
-from moefit.families import geometry_from_config
-from moefit.models import load_model
+from moefit.ingest.families import geometry_from_config
+from moefit.ingest.resolve import load_model
 
 BYTES = {"BF16": 2, "F16": 2, "F32": 4, "F8_E4M3": 1, "U8": 1, "I8": 1}
 

@@ -6,8 +6,8 @@ import json
 import pytest
 
 from moefit.errors import InputError
-from moefit.families import geometry_from_config
-from moefit.models import PRESETS_DIR
+from moefit.ingest.families import geometry_from_config
+from moefit.ingest.resolve import PRESETS_DIR
 
 
 def preset(name: str) -> dict:

@@ -23,9 +23,9 @@ from decimal import Decimal
 import pytest
 
 from moefit.errors import InputError
-from moefit.families import SUPPORTED_MODEL_TYPES, geometry_from_config
-from moefit.geometry import ModelGeometry
-from moefit.models import PRESETS_DIR, list_presets, load_model
+from moefit.ingest.families import SUPPORTED_MODEL_TYPES, geometry_from_config
+from moefit.ingest.geometry import ModelGeometry
+from moefit.ingest.resolve import PRESETS_DIR, list_presets, load_model
 
 REF_TOTALS = {
     "DeepSeek-R1": 671_026_404_352,

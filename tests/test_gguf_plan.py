@@ -26,10 +26,10 @@ import pytest
 gguf = pytest.importorskip("gguf")
 
 from moefit.errors import InputError  # noqa: E402
-from moefit.families import geometry_from_config  # noqa: E402
-from moefit.gguf_model import read_header  # noqa: E402
-from moefit.gguf_write import write_gguf  # noqa: E402
-from moefit.models import load_model  # noqa: E402
+from moefit.ingest.families import geometry_from_config  # noqa: E402
+from moefit.ingest.gguf_header import read_header  # noqa: E402
+from moefit.tools.gguf_write import write_gguf  # noqa: E402
+from moefit.ingest.resolve import load_model  # noqa: E402
 
 T = gguf.GGMLQuantizationType
 
@@ -378,7 +378,7 @@ def test_converter_header_of_each_architecture_gives_the_preset_geometry(tmp_pat
 
 def test_types_the_runtime_cannot_run_are_noted_in_the_plan(tmp_path):
     """A Q4_1 expert file plans exactly, and the plan says serve/generate will refuse it."""
-    from moefit.gguf_model import RUNTIME_TYPES
+    from moefit.ingest.gguf_header import RUNTIME_TYPES
 
     path, _ = tiny_gguf(tmp_path, "qwen3_moe", expert_types="Q8_0")
     assert not any("runtime:" in n for n in load_model(str(path)).notes)
@@ -392,7 +392,7 @@ def test_types_the_runtime_cannot_run_are_noted_in_the_plan(tmp_path):
 
 def test_runtime_types_list_the_runtime_kernels():
     pytest.importorskip("torch")
-    from moefit.gguf_model import RUNTIME_TYPES
+    from moefit.ingest.gguf_header import RUNTIME_TYPES
     from moefit.runtime.quant import KERNELS
 
     assert set(RUNTIME_TYPES) == set(KERNELS)

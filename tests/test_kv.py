@@ -7,7 +7,7 @@ taken from the code.
 import pytest
 
 from moefit.memory.kv import KV_FORMATS, kv_bytes, kv_chunk_pieces
-from moefit.models import load_model
+from moefit.ingest.resolve import load_model
 
 GIB = 1 << 30
 

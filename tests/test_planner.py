@@ -14,7 +14,7 @@ from moefit.memory.kv import KV_FORMATS, kv_bytes
 from moefit.memory.runtime import default_reserve_bytes, runtime_bytes
 from moefit.memory.staging import staging_model
 from moefit.memory.weights import expert_slot_bytes, weight_arena_bytes
-from moefit.models import load_model
+from moefit.ingest.resolve import load_model
 from moefit.plan.request import Request
 from moefit.plan.solver import MANDATORY, solve
 
@@ -253,7 +253,7 @@ def test_expert_slots_are_priced_per_layer_when_blobs_differ():
     """GGUF files mix quant types by layer: each slot costs its own layer's blob."""
     import dataclasses
 
-    from moefit.geometry import ExactWeights
+    from moefit.ingest.geometry import ExactWeights
     from moefit.memory.weights import spread_slots
 
     base = load_model("Qwen3-30B-A3B")

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from moefit import models
+from moefit.ingest import resolve as models
 from moefit.errors import InputError
-from moefit.models import PRESETS_DIR, format_models_table, list_presets, load_model
+from moefit.ingest.resolve import PRESETS_DIR, format_models_table, list_presets, load_model
 
 SHARED_MODELS = Path("/work/shared/data/models")
 SRC = Path(__file__).resolve().parents[1] / "src"
@@ -150,9 +150,9 @@ NO_TORCH = r"""
 import sys
 for mod in ("torch", "transformers", "safetensors", "numpy"):
     sys.modules[mod] = None          # any import of these now raises ImportError
-import moefit.geometry, moefit.families, moefit.checkpoint, moefit.models
-from moefit.models import list_presets, load_model, format_models_table
-from moefit.checkpoint import describe_weights
+import moefit.ingest.geometry, moefit.ingest.families, moefit.ingest.checkpoint, moefit.ingest.resolve
+from moefit.ingest.resolve import list_presets, load_model, format_models_table
+from moefit.ingest.checkpoint import describe_weights
 geoms = [load_model(n) for n in list_presets()]
 print(format_models_table(geoms).splitlines()[2].split()[0])
 for g in geoms:

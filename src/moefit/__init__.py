@@ -1,6 +1,6 @@
 """moefit: one solved GPU memory budget for Mixture-of-Experts inference.
 
-The planning path (:mod:`moefit.geometry`, :mod:`moefit.families`, :mod:`moefit.memory`,
+The planning path (:mod:`moefit.ingest.geometry`, :mod:`moefit.ingest.families`, :mod:`moefit.memory`,
 :mod:`moefit.plan`, :mod:`moefit.devices`) is pure Python and imports no torch.
 """
 

@@ -120,7 +120,7 @@ def plan_from_args(geom, device, args: argparse.Namespace):
 
 def cmd_plan(args: argparse.Namespace) -> int:
     from moefit.devices import resolve_device
-    from moefit.models import load_model
+    from moefit.ingest.resolve import load_model
     from moefit.plan.report import format_json, format_table
 
     geom = load_model(args.model)
@@ -136,7 +136,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def _verbose(plan) -> str:
-    from moefit.checkpoint import describe_weights
+    from moefit.ingest.checkpoint import describe_weights
     from moefit.memory.kv import kv_bytes, kv_format
     from moefit.memory.staging import staging_model
     from moefit.units import format_bytes
@@ -163,7 +163,7 @@ def _verbose(plan) -> str:
 
 
 def cmd_models(args: argparse.Namespace) -> int:
-    from moefit.models import format_models_table, list_presets, load_model
+    from moefit.ingest.resolve import format_models_table, list_presets, load_model
 
     print(format_models_table([load_model(n) for n in list_presets()]))
     return EXIT_OK

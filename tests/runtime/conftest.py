@@ -18,7 +18,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from moefit.devices import Device  # noqa: E402
-from moefit.models import load_model  # noqa: E402
+from moefit.ingest.resolve import load_model  # noqa: E402
 from moefit.plan.request import Request  # noqa: E402
 from moefit.plan.solver import solve  # noqa: E402
 

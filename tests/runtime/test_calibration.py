@@ -13,7 +13,7 @@ from moefit.devices import resolve_device
 from moefit.memory import calibration
 from moefit.memory.kv import kv_format
 from moefit.memory.staging import staging_model
-from moefit.models import load_model
+from moefit.ingest.resolve import load_model
 
 DEVICE = ["--device", "cpu", "--vram", "64MiB"]
 

@@ -2,7 +2,7 @@
 pass on the dequantized weights.
 
 Each tiny transformers checkpoint of ``conftest`` is written as GGUF by
-:func:`moefit.gguf_write.write_gguf` (experts quantized with the ``gguf`` package's
+:func:`moefit.tools.gguf_write.write_gguf` (experts quantized with the ``gguf`` package's
 quantizer; dense weights F32, ``file_type`` ALL_F32, so the runtime computes in fp32). The
 reference is the same transformers model with the weights the file holds, dequantized by
 ``gguf.quants.dequantize``. Criterion: max abs logit error <= 1e-4 after the prompt and
@@ -20,9 +20,9 @@ gguf = pytest.importorskip("gguf")
 
 from conftest import MIB, sim_device  # noqa: E402
 from moefit.errors import InputError  # noqa: E402
-from moefit.gguf_write import write_gguf  # noqa: E402
+from moefit.tools.gguf_write import write_gguf  # noqa: E402
 from moefit.memory.weights import expert_slot_bytes  # noqa: E402
-from moefit.models import load_model  # noqa: E402
+from moefit.ingest.resolve import load_model  # noqa: E402
 from moefit.plan.request import Request  # noqa: E402
 from moefit.plan.solver import solve  # noqa: E402
 from moefit.runtime.engine import Engine, EngineOptions  # noqa: E402

@@ -37,7 +37,7 @@ BASE = ["--device", "cpu", "--max-context", "1024", "--kv", "fp32"]
 def model(tmp_path_factory):
     """A tiny Qwen3-MoE written as GGUF with Q8_0 experts, its tokenizer beside it; the
     reference model holds the stored (dequantized) weights."""
-    from moefit.gguf_write import write_gguf
+    from moefit.tools.gguf_write import write_gguf
 
     root = tmp_path_factory.mktemp("gguf")
     tiny = make_servable(root / "hf", max_position_embeddings=1024)

@@ -90,7 +90,7 @@ def test_generate_runs_a_gguf_with_its_own_tokenizer(tmp_path, bpe):
     import torch
 
     from conftest import make_tiny
-    from moefit.gguf_write import write_gguf
+    from moefit.tools.gguf_write import write_gguf
 
     vocab = bpe.get_vocab_size()
     tiny = make_tiny("qwen3_moe", tmp_path / "hf", vocab_size=vocab)
@@ -126,7 +126,7 @@ def test_generate_takes_the_tokenizer_from_tokenizer_dir(tmp_path, bpe):
     import torch
 
     from conftest import make_tiny
-    from moefit.gguf_write import write_gguf
+    from moefit.tools.gguf_write import write_gguf
 
     tiny = make_tiny("qwen3_moe", tmp_path / "hf", vocab_size=bpe.get_vocab_size())
     path = tmp_path / "bare-Q8_0.gguf"

@@ -199,7 +199,7 @@ def test_linear_attention_staging_term_bounds_the_layer(dtype):
     measures 1.00x, tests/runtime/test_staging_bound.py). Measured peak / term: fp32 0.972
     (T=7), 0.902 (64), 0.877 (100), 0.837 (200); bf16 0.975, 0.917, 0.894, 0.853; a single
     token (the recurrent form, no block buffers) 0.14."""
-    from moefit.geometry import AttentionSpec, LayerSpec, ModelGeometry, Quantization, RopeSpec
+    from moefit.ingest.geometry import AttentionSpec, LayerSpec, ModelGeometry, Quantization, RopeSpec
 
     a = AttentionSpec(kind="linear", num_heads=32, linear_num_key_heads=16,
                       linear_num_value_heads=32, linear_key_head_dim=128,

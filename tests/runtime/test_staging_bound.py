@@ -26,7 +26,7 @@ from conftest import MIB, make_tiny, sim_device
 from hybrid import make_hybrid
 from moefit.memory.kv import kv_format
 from moefit.memory.staging import staging_model
-from moefit.models import load_model
+from moefit.ingest.resolve import load_model
 from moefit.plan.request import Request
 from moefit.plan.solver import solve
 from moefit.runtime.engine import Engine, EngineOptions

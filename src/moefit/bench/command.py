@@ -26,7 +26,7 @@ def bench(args: argparse.Namespace) -> int:
     from moefit.bench import ladder, report, versus
     from moefit.cli import request_from_args
     from moefit.memory import calibration
-    from moefit.models import load_model
+    from moefit.ingest.resolve import load_model
     from moefit.plan.request import resolve_context
     from moefit.plan.solver import largest_context
     from moefit.serve.launch import _runnable_device
@@ -121,7 +121,7 @@ def calibrate(args: argparse.Namespace) -> int:
     """``moefit calibrate MODEL --device ...``: measure, fit, store, print."""
     from moefit.cli import request_from_args
     from moefit.memory import calibration
-    from moefit.models import load_model
+    from moefit.ingest.resolve import load_model
     from moefit.runtime.calibrate import measure_point
     from moefit.serve.launch import _runnable_device
     from moefit.units import format_bytes, parse_count

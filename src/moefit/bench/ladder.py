@@ -34,7 +34,7 @@ import torch
 
 from moefit.devices import Device
 from moefit.errors import InputError
-from moefit.geometry import ModelGeometry
+from moefit.ingest.geometry import ModelGeometry
 from moefit.memory.staging import StagingModel
 from moefit.plan.request import CHUNK_GRID, Request
 from moefit.plan.solver import LINE_ORDER, solve

@@ -40,7 +40,7 @@ from typing import Callable
 
 from moefit import __version__
 from moefit.devices import Device
-from moefit.geometry import ModelGeometry
+from moefit.ingest.geometry import ModelGeometry
 from moefit.memory.kv import kv_format
 from moefit.memory.staging import StagingModel, staging_model
 

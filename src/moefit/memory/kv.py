@@ -1,6 +1,6 @@
 """The ``kv`` budget line: KV cells, MLA latent cells and linear-attention state.
 
-Byte layouts (DESIGN §5; the runtime stores exactly these):
+Byte layouts (docs/design.md, KV formats; the runtime stores exactly these):
 
 ==========  ==================  ==================  ==========================================
 ``--kv``    K bytes / element   V bytes / element   layout
@@ -42,7 +42,7 @@ import math
 from dataclasses import dataclass
 
 from moefit.errors import InputError
-from moefit.geometry import AttentionSpec, ModelGeometry
+from moefit.ingest.geometry import AttentionSpec, ModelGeometry
 
 QBLOCK = 32  #: values per quantization block (q8_0 / q4_0 style)
 

@@ -52,7 +52,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from moefit.geometry import LayerSpec, ModelGeometry
+from moefit.ingest.geometry import LayerSpec, ModelGeometry
 from moefit.memory.kv import QBLOCK, KVFormat
 
 ATTN_Q_BLOCK = 256      #: queries per attention tile (tokens)

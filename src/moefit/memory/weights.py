@@ -3,10 +3,10 @@
 ``weights``: every non-expert tensor of the text model (attention / linear-attention
 projections, norms, routers, shared experts, dense MLP layers, embeddings, lm_head),
 priced from the checkpoint's safetensors headers when present, else from the analytic
-tensor listing of :mod:`moefit.geometry` and the checkpoint's quantization.
+tensor listing of :mod:`moefit.ingest.geometry` and the checkpoint's quantization.
 
 Expert slot: one packed blob per expert (its gate, up and down weights, biases and
-scales; DESIGN §6), so a slot is the largest blob over the MoE layers.
+scales; docs/design.md, runtime contract), so a slot is the largest blob over the MoE layers.
 
 ``weight_arena``: with ``--miss-policy copy`` a non-resident expert is copied into a ring
 of ``arena_slots`` device buffers before it runs; default ring = 2 x experts per token
@@ -16,7 +16,7 @@ compute). With ``--miss-policy cpu`` (default) misses run on the host and the ar
 
 from __future__ import annotations
 
-from moefit.geometry import ModelGeometry
+from moefit.ingest.geometry import ModelGeometry
 
 
 def expert_slot_bytes(geom: ModelGeometry) -> int:

@@ -1,4 +1,4 @@
-"""Print a plan: the DESIGN §4 table, the decisions, and the ``moefit.plan/1`` JSON.
+"""Print a plan: the table of docs/design.md, output, the decisions, and the ``moefit.plan/1`` JSON.
 
 JSON document (sizes are integer bytes, lengths integer tokens)::
 
@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 
 from moefit.memory.weights import expert_slot_bytes
-from moefit.models import format_params
+from moefit.ingest.resolve import format_params
 from moefit.plan.solver import LINE_ORDER, Plan
 from moefit.units import size_format
 

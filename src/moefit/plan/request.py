@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 from typing import Literal
 
 from moefit.errors import InputError
-from moefit.geometry import ModelGeometry
+from moefit.ingest.geometry import ModelGeometry
 from moefit.memory.kv import kv_format
 
 CHUNK_GRID = 256            #: prefill chunks are multiples of this many tokens

@@ -1,6 +1,6 @@
 """Solve a plan: price the mandatory lines, then give the rest to the expert cache.
 
-Rules (DESIGN §3), for one device with ``free`` bytes:
+Rules (docs/design.md, solving), for one device with ``free`` bytes:
 
 1. Price every mandatory line at the requested settings: ``runtime``, ``weights``,
    ``weight_arena``, ``kv``, ``prefill``, ``margin``.
@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from moefit.devices import Device
-from moefit.geometry import ModelGeometry
+from moefit.ingest.geometry import ModelGeometry
 from moefit.memory.kv import KV_FORMATS, kv_bytes, kv_chunk_pieces, kv_format
 from moefit.memory.runtime import default_reserve_bytes, runtime_bytes
 from moefit.memory.staging import StagingModel, staging_model
@@ -36,7 +36,7 @@ from moefit.errors import InputError
 from moefit.plan.request import (CHUNK_GRID, Request, context_limit, resolve_context,
                                  rope_notes, validate)
 
-#: Budget lines in commit order (DESIGN §2): key, label as printed.
+#: Budget lines in commit order (docs/design.md, budget lines): key, label as printed.
 LINE_ORDER: tuple[tuple[str, str], ...] = (
     ("runtime", "runtime"),
     ("weights", "weights"),
@@ -51,7 +51,7 @@ MANDATORY = ("runtime", "weights", "weight_arena", "kv", "prefill", "margin")
 
 @dataclass(frozen=True)
 class Line:
-    """One budget line: ``key`` (DESIGN §2), ``bytes``, human ``detail``."""
+    """One budget line: ``key`` (docs/design.md, budget lines), ``bytes``, human ``detail``."""
 
     key: str
     bytes: int
@@ -176,7 +176,7 @@ def _price(geom: ModelGeometry, device: Device, req: Request, context: int,
 
 def solve(geom: ModelGeometry, device: Device, req: Request, *,
           alternatives: bool = True, staging: StagingModel | None = None) -> Plan:
-    """Solve the budget of ``geom`` on ``device`` for ``req`` (DESIGN §3).
+    """Solve the budget of ``geom`` on ``device`` for ``req`` (docs/design.md, solving).
 
     ``staging``: the ``prefill`` line's model when it is not the analytic one (a
     calibration measured on this device, :mod:`moefit.memory.calibration`; the caller

@@ -1,6 +1,6 @@
 """What the forward pass needs beyond the geometry: per-family switches from ``config.json``.
 
-The geometry (:mod:`moefit.families`) already fixes the layer structure the plan priced:
+The geometry (:mod:`moefit.ingest.families`) already fixes the layer structure the plan priced:
 attention kind and window per layer, which layers are MoE, expert widths. This module
 adds the numbers and rules that only the forward pass uses, read the way the reference
 implementations read them (transformers 5.x):
@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 
 from moefit.errors import InputError
-from moefit.geometry import ModelGeometry
+from moefit.ingest.geometry import ModelGeometry
 
 SUPPORTED = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "qwen3_next", "qwen3_5_moe",
              "qwen3_5_moe_text")

@@ -20,7 +20,7 @@ import torch
 
 from moefit.devices import Device
 from moefit.errors import InputError
-from moefit.geometry import ModelGeometry
+from moefit.ingest.geometry import ModelGeometry
 from moefit.memory.kv import kv_format
 from moefit.memory.runtime import default_reserve_bytes
 from moefit.memory.staging import staging_model

@@ -43,7 +43,7 @@ import contextlib
 import torch
 import torch.nn.functional as F
 
-from moefit.geometry import AttentionSpec
+from moefit.ingest.geometry import AttentionSpec
 from moefit.memory.staging import DELTA_CHUNK
 from moefit.runtime.linear_state import LayerState
 from moefit.runtime.staging import Workspace, span

@@ -1,6 +1,6 @@
 """The engine: commit a solved plan to the device, then prefill, decode and generate in it.
 
-Commit order (DESIGN §6), each allocation through the ledger on its own line:
+Commit order (docs/design.md, runtime contract), each allocation through the ledger on its own line:
 
 1. ``runtime``: on CUDA, create the context and the cuBLAS handle and charge what that
    took from the device's free memory; nothing on a simulated device.
@@ -293,7 +293,7 @@ def build_engine(model_dir: str | Path, device: Device, request: Request,
     Raises InputError when the plan does not fit (solve it with ``moefit plan`` to see the
     table), BudgetError when an allocation fails.
     """
-    from moefit.models import load_model
+    from moefit.ingest.resolve import load_model
 
     plan = solve(load_model(str(model_dir)), device, request)
     return Engine.start(model_dir, plan, options)

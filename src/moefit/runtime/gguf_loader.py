@@ -29,8 +29,8 @@ from pathlib import Path
 import torch
 
 from moefit.errors import InputError
-from moefit.geometry import LayerSpec, ModelGeometry
-from moefit.gguf_model import GGUFHeader, GGUFTensor, close_reader, config_from_gguf, open_reader, read_header
+from moefit.ingest.geometry import LayerSpec, ModelGeometry
+from moefit.ingest.gguf_header import GGUFHeader, GGUFTensor, close_reader, config_from_gguf, open_reader, read_header
 from moefit.runtime.arch import Arch
 from moefit.runtime.loader import HostExperts, Weights, _NoBar, assemble_weights
 from moefit.runtime.quant import StoredExpert, dequantize, kernel_for

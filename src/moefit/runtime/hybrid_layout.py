@@ -32,7 +32,7 @@ from typing import Callable
 
 import torch
 
-from moefit.geometry import AttentionSpec
+from moefit.ingest.geometry import AttentionSpec
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ The whole ``kv`` line is ONE uint8 buffer from the ledger, of exactly the bytes
 :func:`moefit.memory.kv.kv_bytes` prices, carved in layer order into:
 
 - per attention layer: K cells ``[slots, cells, kv_heads, k_bytes(head_dim)]`` then V
-  cells ``[slots, cells, kv_heads, v_bytes(v_head_dim)]`` (uint8, DESIGN §5 layouts,
+  cells ``[slots, cells, kv_heads, v_bytes(v_head_dim)]`` (uint8, docs/design.md, KV formats,
   :mod:`moefit.runtime.kv_codec`);
 - after all layers, for ``fp8``: one fp32 K scale and one fp32 V scale per layer.
 
@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moefit.geometry import ModelGeometry
+from moefit.ingest.geometry import ModelGeometry
 from moefit.memory.kv import KVFormat, cell_bytes, kv_bytes, layer_cells
 from moefit.runtime.kv_codec import FP8_MAX, Codec
 from moefit.runtime.linear_state import LinearStates
@@ -68,7 +68,7 @@ class KVCache:
 
     Args:
         geom: model geometry (attention kinds, heads, head dims).
-        fmt: the KV format (DESIGN §5).
+        fmt: the KV format (docs/design.md, KV formats).
         context: cells per sequence on full layers (the plan's context, tokens).
         slots: concurrent sequences.
         chunk: the plan's prefill chunk (tokens; sizes the sliding-window rings).

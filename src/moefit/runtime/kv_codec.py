@@ -1,4 +1,4 @@
-"""Encode and decode head vectors in the KV byte layouts of DESIGN §5.
+"""Encode and decode head vectors in the KV byte layouts of docs/design.md, KV formats.
 
 Every codec maps ``[N, d]`` floating vectors to ``[N, nbytes]`` uint8 rows and back, where
 ``nbytes`` is exactly :meth:`moefit.memory.kv.KVFormat.k_bytes` / ``v_bytes`` of ``d``, so

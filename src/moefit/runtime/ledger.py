@@ -1,4 +1,4 @@
-"""The ledger: every device allocation of the engine, by budget line (DESIGN §2, §6).
+"""The ledger: every device allocation of the engine, by budget line (docs/design.md: budget lines, runtime contract).
 
 One :class:`Ledger` per device. It knows the plan's bytes per line, hands out tensors on
 the device (``alloc(line, shape, dtype)``), refuses an allocation that the device cannot
@@ -143,7 +143,7 @@ class Ledger:
         """A new tensor on the device, charged to ``line``.
 
         Args:
-            line: budget line key (DESIGN §2).
+            line: budget line key (docs/design.md, budget lines).
             shape: tensor shape.
             dtype: element type.
             zero: fill with zeros (else uninitialised).

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moefit.geometry import ModelGeometry
+from moefit.ingest.geometry import ModelGeometry
 
 _DTYPES = {"float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
            "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,

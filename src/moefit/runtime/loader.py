@@ -1,7 +1,7 @@
 """Load a Hugging Face checkpoint: resident weights onto the device, experts into host blobs.
 
 Input: a model directory with ``config.json`` and ``*.safetensors`` (sharded with
-``model.safetensors.index.json`` or not; :func:`moefit.checkpoint.checkpoint_files`), of
+``model.safetensors.index.json`` or not; :func:`moefit.ingest.checkpoint.checkpoint_files`), of
 the families in :mod:`moefit.runtime.arch`, stored in bf16, fp16 or fp32 (converted to the
 config's dtype on load).
 
@@ -16,7 +16,7 @@ Routed experts come in two layouts, both accepted:
    ``MixtralExperts``, ...): ``{p}.mlp.experts.gate_up_proj`` ``[E, 2I, H]`` (gate rows
    first, then up) and ``{p}.mlp.experts.down_proj`` ``[E, H, I]``.
 
-Every expert becomes ONE contiguous host blob (DESIGN §6; mixtral-offloading's packed
+Every expert becomes ONE contiguous host blob (docs/design.md, runtime contract; mixtral-offloading's packed
 expert storage): ``[gate (I*H) | up (I*H) | down (H*I)]`` in the model dtype, so gate and
 up together are the ``[2I, H]`` matrix of the fused layout and a cache miss is one copy.
 Blobs are pinned when the device is CUDA (asynchronous host-to-device copies).
@@ -39,9 +39,9 @@ from typing import Callable
 
 import torch
 
-from moefit.checkpoint import checkpoint_files, read_header
+from moefit.ingest.checkpoint import checkpoint_files, read_header
 from moefit.errors import InputError
-from moefit.geometry import LayerSpec, ModelGeometry
+from moefit.ingest.geometry import LayerSpec, ModelGeometry
 from moefit.runtime.arch import Arch
 from moefit.runtime.hybrid_layout import Packed, gated_q, linear_attention_entries, sources
 

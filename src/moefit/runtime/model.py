@@ -11,7 +11,7 @@ Follows transformers 5.x ``modeling_qwen3_moe.py``, ``modeling_qwen2_moe.py``,
 
 The per-chunk tensors come from the staging workspace (:mod:`moefit.runtime.staging`);
 the chunk's keys and values go to the KV cache before attention reads the whole visible
-range back from it (keys quantized after RoPE and q/k-norm, DESIGN §5).
+range back from it (keys quantized after RoPE and q/k-norm, docs/design.md, KV formats).
 
 Routing (mixtral-offloading, transformers ``*TopKRouter``): router logits in the compute
 dtype, softmax in fp32, top-k, renormalised per the family rule, then cast to the compute
@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from moefit.geometry import LayerSpec, ModelGeometry
+from moefit.ingest.geometry import LayerSpec, ModelGeometry
 from moefit.memory.staging import ATTN_KV_BLOCK, ATTN_Q_BLOCK
 from moefit.runtime.arch import Arch
 from moefit.runtime.attention import attend

@@ -23,13 +23,13 @@ F32/F16/BF16  1  4/2/2  plain floats
 
 Any other type is refused with :class:`~moefit.errors.InputError` naming the tensor.
 
-A stored expert (:class:`StoredExpert`) is one contiguous uint8 blob per expert, DESIGN §6:
+A stored expert (:class:`StoredExpert`) is one contiguous uint8 blob per expert, docs/design.md, runtime contract:
 ``[gate | up | down]``, each part in its own type (llama.cpp's Q4_K_M mixes Q4_K gate/up
 with Q6_K down), parts back to back with no padding, so a blob is exactly the bytes the
 file holds for that expert and a cache miss is one copy. When the expert runs, each matrix
 is dequantized in turn into one ``[I, H]`` buffer of the compute dtype -- taken from the
 prefill staging workspace when the blob is on the device -- by tiles of
-:data:`~moefit.gguf_model.DEQUANT_TILE_ELEMS` elements (the kernels' fp32 scratch is
+:data:`~moefit.ingest.gguf_header.DEQUANT_TILE_ELEMS` elements (the kernels' fp32 scratch is
 bounded by one tile), and multiplied. fp8 block-scaled experts of HF checkpoints fit the
 same design: a part whose kernel reads e4m3 weights followed by their fp32 block scales.
 """
@@ -45,7 +45,7 @@ import torch
 import torch.nn.functional as F
 
 from moefit.errors import InputError
-from moefit.gguf_model import DEQUANT_TILE_ELEMS
+from moefit.ingest.gguf_header import DEQUANT_TILE_ELEMS
 
 QK_K = 256
 

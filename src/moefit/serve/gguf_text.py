@@ -27,7 +27,7 @@ def tokenizer_from_gguf(path: str | Path) -> Tokenizer:
     Raises InputError when the file has no vocabulary or the converter cannot build it
     (the message names ``--tokenizer DIR``).
     """
-    from moefit.gguf_model import shard_paths
+    from moefit.ingest.gguf_header import shard_paths
 
     first = shard_paths(path)[0]
     try:
@@ -52,7 +52,7 @@ def tokenizer_from_gguf(path: str | Path) -> Tokenizer:
 def generation_defaults_from_gguf(path: str | Path, tokenizer: Tokenizer | None) -> GenerationDefaults:
     """Greedy defaults; EOS ids from ``tokenizer.ggml.eos_token_id`` and ``eot_token_id``
     (llama.cpp stops at both) and the tokenizer's ``eos_token``."""
-    from moefit.gguf_model import read_header
+    from moefit.ingest.gguf_header import read_header
 
     meta = read_header(path).meta
     ids = [meta[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")
@@ -68,7 +68,7 @@ def text_from_gguf(path: str | Path) -> tuple[Tokenizer | None, GenerationDefaul
     """(tokenizer, generation defaults) of a GGUF model; the tokenizer is None when the file
     has no vocabulary (token-id requests only). Raises InputError when it has one that the
     converter cannot build."""
-    from moefit.gguf_model import read_header
+    from moefit.ingest.gguf_header import read_header
 
     if "tokenizer.ggml.tokens" not in read_header(path).array_lengths:
         return None, generation_defaults_from_gguf(path, None)

@@ -4,7 +4,7 @@ Start-up, in this order:
 
 1. Solve the plan with the same flags and the same solver as ``moefit plan`` (so ``moefit
    plan MODEL --device cpu --vram 2GiB`` shows exactly what ``serve`` will commit) and
-   print its table (DESIGN §4). A plan that does not fit ends here, before any weight is
+   print its table (docs/design.md, output). A plan that does not fit ends here, before any weight is
    read: the table, the shortfall, the limiting lines and the alternatives; exit 3.
 2. Read the tokenizer and ``generation_config.json`` (a bad file: exit 2).
 3. ``serve`` binds its socket and answers ``/health`` with 503 while the engine commits
@@ -68,7 +68,7 @@ def prepare(args: argparse.Namespace):
     """Steps 1-2 of the module docstring. Returns (plan, tokenizer, defaults, exit code):
     the exit code is 3 when the plan does not fit (the table is printed), else None."""
     from moefit.cli import plan_from_args
-    from moefit.models import load_model
+    from moefit.ingest.resolve import load_model
     from moefit.plan.report import format_table
     from moefit.serve.text import GenerationDefaults, Tokenizer
 

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from moefit.errors import InputError
-from moefit.geometry import ExactWeights, ModelGeometry
+from moefit.ingest.geometry import ExactWeights, ModelGeometry
 
 #: Bytes per element of the safetensors dtypes (``safetensors`` ``Dtype`` enum). Sub-byte
 #: types (F4, F6_*) are measured from ``data_offsets`` instead.

@@ -1,4 +1,4 @@
-"""Resolve the ``MODEL`` argument to a :class:`~moefit.geometry.ModelGeometry`.
+"""Resolve the ``MODEL`` argument to a :class:`~moefit.ingest.geometry.ModelGeometry`.
 
 ``spec`` is, in this order:
 
@@ -9,10 +9,10 @@
    ``presets/SOURCES.md``).
 
 A path ending in ``.gguf`` (or the first shard of a split file, ``*-00001-of-0000N.gguf``)
-is read by :mod:`moefit.gguf_model`: geometry and exact bytes from its headers.
+is read by :mod:`moefit.ingest.gguf_header`: geometry and exact bytes from its headers.
 
 When the model directory also holds ``*.safetensors``, their headers are read
-(:mod:`moefit.checkpoint`) and attached as ``geom.exact``.
+(:mod:`moefit.ingest.checkpoint`) and attached as ``geom.exact``.
 
 Parsed presets are cached; nothing here imports torch.
 """
@@ -26,12 +26,12 @@ import json
 from pathlib import Path
 from typing import Iterable
 
-from moefit.checkpoint import exact_weights
+from moefit.ingest.checkpoint import exact_weights
 from moefit.errors import InputError
-from moefit.families import geometry_from_config, is_deepseek_inference_config
-from moefit.geometry import ModelGeometry
+from moefit.ingest.families import geometry_from_config, is_deepseek_inference_config
+from moefit.ingest.geometry import ModelGeometry
 
-PRESETS_DIR = Path(__file__).resolve().parent / "presets"
+PRESETS_DIR = Path(__file__).resolve().parents[1] / "presets"
 
 
 def list_presets() -> list[str]:
@@ -117,7 +117,7 @@ def load_model(spec: str) -> ModelGeometry:
                          "directory or a config.json path")
     path = Path(spec).expanduser()
     if path.suffix.lower() == ".gguf":
-        from moefit.gguf_model import load_gguf_model   # imports gguf/numpy: only for GGUF
+        from moefit.ingest.gguf_header import load_gguf_model   # imports gguf/numpy: only for GGUF
 
         return load_gguf_model(path)
     if path.is_dir():

@@ -1,7 +1,7 @@
 """Model geometry: what the planner needs to know about a model, per layer.
 
 A :class:`ModelGeometry` is built from a Hugging Face ``config.json`` (see
-:mod:`moefit.families`) and never from weights. It lists, for every decoder layer, the
+:mod:`moefit.ingest.families`) and never from weights. It lists, for every decoder layer, the
 attention kind and its cache-relevant sizes, the MLP kind (dense or MoE) and the weight
 tensors, with their exact shapes, that the reference implementation (transformers)
 creates for that layer. Non-expert tensors are listed one by one; the tensors of one
@@ -10,7 +10,7 @@ routed expert are listed once per layer together with the expert count, so a 61-
 
 Parameter counts and weight bytes are sums over these tensors, so the same listing
 prices an unquantized checkpoint, an fp8 block-scaled one and an mxfp4 one
-(:class:`Quantization`). When safetensors headers are present, :mod:`moefit.checkpoint`
+(:class:`Quantization`). When safetensors headers are present, :mod:`moefit.ingest.checkpoint`
 replaces the analytic listing by the exact one.
 
 This module imports no torch.
@@ -304,7 +304,7 @@ class ExactWeights:
     needs for its dequantized matrix and kernel scratch; 0 when experts are stored in the
     compute dtype. Priced on the ``prefill`` line (:mod:`moefit.memory.staging`).
 
-    Other formats (GGUF: :class:`moefit.gguf_model.GGUFWeights`) subclass this and override
+    Other formats (GGUF: :class:`moefit.ingest.gguf_header.GGUFWeights`) subclass this and override
     :meth:`line_detail` / :meth:`describe`.
     """
 

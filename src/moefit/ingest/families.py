@@ -1,4 +1,4 @@
-"""Hugging Face ``config.json`` -> :class:`~moefit.geometry.ModelGeometry`, one parser per family.
+"""Hugging Face ``config.json`` -> :class:`~moefit.ingest.geometry.ModelGeometry`, one parser per family.
 
 Every parser lists, per decoder layer, the weight tensors that the reference implementation
 (transformers 5.x, ``src/transformers/models/<family>/modeling_<family>.py``) creates, under
@@ -28,7 +28,7 @@ Conventions shared by all families:
   norms, biases, convolutions and the 1-row ``shared_expert_gate`` never are.
 - Buffers are not parameters: DeepSeek-V3 / GLM-4.5 keep ``mlp.gate.e_score_correction_bias``
   (one fp32 per expert) as a buffer in transformers, so it is not listed (the checkpoint
-  stores it; the exact header reading of :mod:`moefit.checkpoint` counts it).
+  stores it; the exact header reading of :mod:`moefit.ingest.checkpoint` counts it).
 - MTP (multi-token prediction) layers stored after the last decoder layer and vision towers
   are not part of the text model and are not listed.
 
@@ -42,7 +42,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 from moefit.errors import InputError
-from moefit.geometry import (
+from moefit.ingest.geometry import (
     DTYPE_BYTES, AttentionSpec, LayerSpec, ModelGeometry, MoESpec, Quantization, RopeSpec, Tensor,
 )
 

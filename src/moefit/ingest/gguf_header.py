@@ -1,4 +1,4 @@
-"""GGUF files -> :class:`~moefit.geometry.ModelGeometry` with exact bytes, from the headers only.
+"""GGUF files -> :class:`~moefit.ingest.geometry.ModelGeometry` with exact bytes, from the headers only.
 
 A GGUF file (format spec: ggml ``docs/gguf.md``) is a header -- magic, version, tensor count,
 metadata key/values, one info record per tensor (name, dims ``ne`` innermost first, ggml type,
@@ -8,7 +8,7 @@ data) and:
 
 1. maps the GGUF architecture (``general.architecture``) onto the Hugging Face config of
    the same model (:func:`config_from_gguf`), so the geometry comes from the very parsers of
-   the config path (:mod:`moefit.families`): same layers, attention kinds, KV and staging;
+   the config path (:mod:`moefit.ingest.families`): same layers, attention kinds, KV and staging;
 2. prices every tensor exactly from its ggml type: ``n_elements / block_size x type_size``
    bytes (``gguf.GGML_QUANT_SIZES``; the block sizes of ``ggml-common.h``);
 3. prices one expert blob per MoE layer from that layer's real tensor types (files give
@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from moefit.errors import InputError
-from moefit.geometry import ExactWeights, ModelGeometry
+from moefit.ingest.geometry import ExactWeights, ModelGeometry
 
 #: GGUF architectures planned, and the ``model_type`` of the config they map onto.
 ARCH_MODEL_TYPES: dict[str, str] = {
@@ -505,7 +505,7 @@ def config_from_gguf(h: GGUFHeader) -> dict:
 # --------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class GGUFWeights(ExactWeights):
-    """Exact bytes of a GGUF model (see :class:`~moefit.geometry.ExactWeights`).
+    """Exact bytes of a GGUF model (see :class:`~moefit.ingest.geometry.ExactWeights`).
 
     ``weight_bytes``: the non-expert tensors as resident: dequantized to ``compute_dtype``.
     ``stored_weight_bytes``: the same tensors as stored in the file.
@@ -654,7 +654,7 @@ def load_gguf_model(path: str | Path) -> ModelGeometry:
     """
     import dataclasses
 
-    from moefit.families import geometry_from_config
+    from moefit.ingest.families import geometry_from_config
 
     h = read_header(path)
     cfg = config_from_gguf(h)

@@ -1,0 +1,10 @@
+"""Model ingestion: from a MODEL argument (preset, directory, config.json, GGUF) to a geometry.
+
+- ``geometry``: ModelGeometry, the per-layer attention / MoE specs and the weight tensor listing;
+- ``families``: config.json -> ModelGeometry, one parser per model family;
+- ``checkpoint``: safetensors headers -> exact weight and expert-blob bytes;
+- ``gguf_header``: GGUF headers -> the same geometry, exact bytes per ggml type;
+- ``resolve``: presets and paths -> ModelGeometry, and the ``moefit models`` table.
+
+Nothing here imports torch.
+"""
