@@ -1,0 +1,198 @@
+"""The package's import graph, read with ``ast`` (nothing is imported).
+
+Two rules over ``src/moefit/**.py``:
+
+1. No import cycle between moefit's modules, counting both module-level imports and the
+   imports inside functions (a function-local import is for a heavy dependency such as
+   torch or FastAPI, never to dodge a cycle).
+2. No module uses a private name (``_x``, not a dunder) of another module: neither
+   ``from moefit.a import _x`` nor ``moefit.a._x`` / ``a._x`` through an imported module.
+
+The first tests run the checks on the real package; the last ones on small made-up
+packages, so that each check is seen to catch what it is for.
+"""
+
+from __future__ import annotations
+
+import ast
+import textwrap
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import moefit
+
+SRC = Path(moefit.__file__).resolve().parent
+
+
+@dataclass
+class ImportGraph:
+    """Modules of one package: ``edges[a]`` = {module b: line numbers where a imports b};
+    ``private`` = (module, line, text) for each use of another module's private name."""
+
+    modules: dict[str, Path]
+    edges: dict[str, dict[str, list[int]]] = field(default_factory=dict)
+    private: list[tuple[str, int, str]] = field(default_factory=list)
+
+
+def _module_name(root: Path, path: Path) -> str:
+    parts = [root.name, *path.relative_to(root).with_suffix("").parts]
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _is_private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def read_graph(root: Path) -> ImportGraph:
+    """The import graph of the package in directory ``root`` (its name is the package's)."""
+    modules = {_module_name(root, p): p for p in sorted(root.rglob("*.py"))}
+    graph = ImportGraph(modules)
+    top = root.name
+    for name, path in modules.items():
+        is_pkg = path.name == "__init__.py"
+        tree = ast.parse(path.read_text(), filename=str(path))
+        edges = graph.edges.setdefault(name, {})
+        bound: dict[str, str] = {}          # local name -> moefit module it refers to
+
+        def target(module: str) -> str | None:
+            while module and module not in modules:
+                module = module.rpartition(".")[0]
+            return module or None
+
+        def add(module: str, line: int) -> None:
+            t = target(module)
+            if t is not None and t != name:
+                edges.setdefault(t, []).append(line)
+
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                for alias in node.names:
+                    if alias.name.split(".")[0] == top:
+                        add(alias.name, node.lineno)
+                        if alias.asname:
+                            bound[alias.asname] = alias.name
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = name.split(".") if is_pkg else name.split(".")[:-1]
+                    base = base[:len(base) - node.level + 1]
+                    module = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    module = node.module or ""
+                if module.split(".")[0] != top:
+                    continue
+                for alias in node.names:
+                    sub = f"{module}.{alias.name}"
+                    if sub in modules:                  # from pkg import module
+                        add(sub, node.lineno)
+                        bound[alias.asname or alias.name] = sub
+                    else:
+                        add(module, node.lineno)
+                        if _is_private(alias.name) and target(module) != name:
+                            graph.private.append((name, node.lineno,
+                                                  f"from {module} import {alias.name}"))
+        for node in ast.walk(tree):
+            if not (isinstance(node, ast.Attribute) and _is_private(node.attr)):
+                continue
+            dotted, base = [], node.value
+            while isinstance(base, ast.Attribute):
+                dotted.append(base.attr)
+                base = base.value
+            if not isinstance(base, ast.Name):
+                continue
+            ref = ".".join([bound.get(base.id, base.id), *reversed(dotted)])
+            if ref in modules and ref != name:
+                graph.private.append((name, node.lineno, f"{ref}.{node.attr}"))
+    return graph
+
+
+def find_cycle(edges: dict[str, dict[str, list[int]]]) -> list[str] | None:
+    """One cycle of the graph as [a, b, ..., a], or None (depth-first search)."""
+    state: dict[str, int] = {}            # 1: on the stack, 2: done
+    stack: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(edges.get(node, {})):
+            if state.get(nxt) == 1:
+                return stack[stack.index(nxt):] + [nxt]
+            if nxt not in state and (found := visit(nxt)):
+                return found
+        stack.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(edges):
+        if node not in state and (found := visit(node)):
+            return found
+    return None
+
+
+def _describe(graph: ImportGraph, cycle: list[str]) -> str:
+    return " -> ".join(f"{a} (line {graph.edges[a][b][0]})" for a, b in zip(cycle, cycle[1:])) \
+        + f" -> {cycle[-1]}"
+
+
+# ---- the package --------------------------------------------------------------------------
+
+def test_the_package_has_no_import_cycle():
+    graph = read_graph(SRC)
+    assert len(graph.modules) > 40 and sum(map(len, graph.edges.values())) > 100
+    cycle = find_cycle(graph.edges)
+    assert cycle is None, "import cycle: " + _describe(graph, cycle)
+
+
+#: Known uses awaiting their owner's change (module, text): the GGUF loader borrows the
+#: safetensors loader's no-op progress bar. Remove the entry when that class is public.
+KNOWN_PRIVATE = {("moefit.runtime.gguf_loader", "from moefit.runtime.loader import _NoBar")}
+
+
+def test_no_module_uses_another_modules_private_names():
+    graph = read_graph(SRC)
+    new = [(m, line, text) for m, line, text in graph.private if (m, text) not in KNOWN_PRIVATE]
+    assert new == [], "\n".join(f"{m}:{line}: {text}" for m, line, text in new)
+
+
+def test_nothing_in_the_package_imports_the_command_line():
+    graph = read_graph(SRC)
+    importers = sorted(m for m, out in graph.edges.items() if "moefit.cli" in out)
+    assert importers == ["moefit.__main__"]
+
+
+# ---- the checks on made-up packages --------------------------------------------------------
+
+def _package(tmp_path: Path, files: dict[str, str]) -> Path:
+    root = tmp_path / "moefit"
+    for rel, text in {"__init__.py": "", **files}.items():
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(textwrap.dedent(text))
+    return root
+
+
+def test_a_cycle_through_a_function_local_import_is_found(tmp_path):
+    root = _package(tmp_path, {
+        "a.py": "from moefit.b import g\n",
+        "sub/__init__.py": "",
+        "b.py": "def g():\n    from moefit.sub import c\n",
+        "sub/c.py": "from . import d\n",
+        "sub/d.py": "import moefit.a as a\n",
+    })
+    graph = read_graph(root)
+    assert find_cycle(graph.edges) == ["moefit.a", "moefit.b", "moefit.sub.c",
+                                       "moefit.sub.d", "moefit.a"]
+    (root / "sub" / "d.py").write_text("import moefit\n")
+    assert find_cycle(read_graph(root).edges) is None
+
+
+def test_private_names_of_other_modules_are_found(tmp_path):
+    root = _package(tmp_path, {
+        "a.py": "_hidden = 1\n__all__ = []\nx = _hidden\n",
+        "b.py": "from moefit.a import _hidden, __all__\n",
+        "c.py": "from moefit import a\ny = a._hidden\n",
+        "d.py": "import moefit.a\nz = moefit.a._hidden + moefit.a.__all__\n",
+        "e.py": "from moefit import a\nw = a.public\n",
+    })
+    found = sorted((m, text) for m, _, text in read_graph(root).private)
+    assert found == [("moefit.b", "from moefit.a import _hidden"),
+                     ("moefit.c", "moefit.a._hidden"), ("moefit.d", "moefit.a._hidden")]
