@@ -225,9 +225,8 @@ def generate(args: argparse.Namespace) -> int:
 
     if tokenizer is None:
         raise InputError(f"{args.model}: no tokenizer.json; generate takes text prompts")
-    if args.max_tokens < 1:
-        raise InputError(f"--max-tokens {args.max_tokens}: must be at least 1")
-    check_sampling(args.temperature, args.top_p, args.top_k, flags=True)
+    check_sampling(args.temperature, args.top_p, args.top_k, flags=True,
+                   max_tokens=args.max_tokens)
     if args.chat:
         ids = tokenizer.encode_chat([{"role": "user", "content": args.prompt}])
     else:
