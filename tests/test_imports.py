@@ -7,6 +7,8 @@ Two rules over ``src/moefit/**.py``:
    torch or FastAPI, never to dodge a cycle).
 2. No module uses a private name (``_x``, not a dunder) of another module: neither
    ``from moefit.a import _x`` nor ``moefit.a._x`` / ``a._x`` through an imported module.
+3. The layers of docs/design.md: a module imports only its own group and lower layers
+   (:data:`LAYERS`).
 
 The first tests run the checks on the real package; the last ones on small made-up
 packages, so that each check is seen to catch what it is for.
@@ -159,6 +161,45 @@ def test_nothing_in_the_package_imports_the_command_line():
     assert importers == ["moefit.__main__"]
 
 
+#: The layers of docs/design.md ("Layering"), lowest first: a module imports modules of its
+#: own group or of a lower rank, never of a higher rank or of another group of its rank.
+LAYERS: tuple[tuple[int, str, tuple[str, ...]], ...] = (
+    (0, "base", ("moefit", "moefit.units", "moefit.errors")),
+    (1, "ingest", ("moefit.ingest",)),
+    (2, "devices", ("moefit.devices",)),
+    (3, "planner", ("moefit.memory", "moefit.plan")),
+    (4, "flags", ("moefit.flags",)),
+    (5, "runtime", ("moefit.runtime",)),
+    (6, "tools", ("moefit.tools",)),
+    (6, "serve", ("moefit.serve",)),
+    (6, "bench", ("moefit.bench",)),
+    (7, "command line", ("moefit.cli", "moefit.__main__")),
+)
+
+
+def layer_of(module: str) -> tuple[int, str]:
+    """(rank, group) of ``module``: the group whose longest prefix names it."""
+    best = max(((len(p), rank, group) for rank, group, prefixes in LAYERS for p in prefixes
+                if module == p or module.startswith(p + ".")), default=None)
+    assert best is not None, f"{module}: in no layer of LAYERS; add it"
+    return best[1], best[2]
+
+
+def layer_violations(graph: ImportGraph) -> list[str]:
+    out = []
+    for a, targets in sorted(graph.edges.items()):
+        rank_a, group_a = layer_of(a)
+        for b, lines in sorted(targets.items()):
+            rank_b, group_b = layer_of(b)
+            if group_b != group_a and rank_b >= rank_a:
+                out.append(f"{a}:{lines[0]} ({group_a}) imports {b} ({group_b})")
+    return out
+
+
+def test_each_layer_imports_only_the_layers_below():
+    assert layer_violations(read_graph(SRC)) == []
+
+
 # ---- the checks on made-up packages --------------------------------------------------------
 
 def _package(tmp_path: Path, files: dict[str, str]) -> Path:
@@ -183,6 +224,18 @@ def test_a_cycle_through_a_function_local_import_is_found(tmp_path):
                                        "moefit.sub.d", "moefit.a"]
     (root / "sub" / "d.py").write_text("import moefit\n")
     assert find_cycle(read_graph(root).edges) is None
+
+
+def test_an_import_upwards_or_sideways_is_a_layer_violation(tmp_path):
+    root = _package(tmp_path, {
+        "units.py": "", "memory/__init__.py": "", "runtime/__init__.py": "",
+        "serve/__init__.py": "", "bench/__init__.py": "",
+        "memory/kv.py": "from moefit.units import x\nfrom moefit.runtime import y\n",
+        "bench/ladder.py": "from moefit.serve import z\nfrom moefit.memory import kv\n",
+    })
+    assert layer_violations(read_graph(root)) == [
+        "moefit.bench.ladder:1 (bench) imports moefit.serve (serve)",
+        "moefit.memory.kv:2 (planner) imports moefit.runtime (runtime)"]
 
 
 def test_private_names_of_other_modules_are_found(tmp_path):
