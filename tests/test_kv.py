@@ -1,4 +1,4 @@
-"""KV line against hand-worked values from the real configs (DESIGN §5 byte layouts).
+"""KV line against hand-worked values from the real configs (docs/design.md, KV formats).
 
 Each expected value is worked out in the comment beside it from the config numbers, not
 taken from the code.

@@ -1,4 +1,4 @@
-"""The solver: the field scenarios (DESIGN §3) and its invariants.
+"""The solver: the field scenarios (docs/design.md, solving) and its invariants.
 
 Field scenario: Qwen3.5-35B-A3B (hybrid, 10 of 40 layers full attention), YaRN x2 to
 524288 tokens, int8 KV, ``--prefill 24576`` on a 16 GB card.

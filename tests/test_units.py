@@ -102,7 +102,7 @@ def test_zero_is_accepted_only_when_allowed():
 
 
 def test_format_gib_matches_the_design_example():
-    # DESIGN.md §4 shows an RTX 5060 Ti with 15.48 GiB free of 15.93 GiB; gpus.csv gives its
+    # docs/design.md, output, shows an RTX 5060 Ti: 15.48 GiB free of 15.93 GiB; gpus.csv gives its
     # CUDA total as 16617897984 B and its nvidia-smi total as 16311 MiB.
     assert format_gib(16_617_897_984) == "15.48 GiB"
     assert format_gib(16311 * 2**20) == "15.93 GiB"

@@ -30,7 +30,8 @@ def cache(tmp_path, monkeypatch):
 
 
 def _plan(tiny, *extra) -> dict:
-    from moefit.cli import build_parser, plan_from_args
+    from moefit.cli import build_parser
+    from moefit.flags import plan_from_args
 
     args = build_parser().parse_args(["plan", str(tiny.path), *DEVICE, "--kv", "int8",
                                       "--max-context", "1024", "--prefill", "512", *extra])

@@ -100,15 +100,16 @@ def test_sliding_window_ring_matches_transformers(tmp_path):
     assert max_error(logits, ref_logits) <= TOL
 
 
-def test_generate_greedy_equals_decode_loop(tiny_models):
-    from moefit.runtime.engine import Sampling
+def test_generation_loop_greedy_equals_decode_loop(tiny_models):
+    from moefit.serve.generation import Params, complete
 
     tiny = tiny_models[("olmoe", "per_expert")]
     ids, _, ref_tokens = reference(tiny)
     engine = start(tiny, expert_cache=4)
-    assert engine.generate(ids, Sampling(max_new_tokens=16)) == ref_tokens
-    sampled = engine.generate(ids, Sampling(max_new_tokens=8, temperature=0.8, top_k=20,
-                                            top_p=0.9, seed=0))
+    greedy = complete(engine, ids, Params(max_tokens=16), None)
+    assert greedy.token_ids == ref_tokens and greedy.finish_reason == "length"
+    sampled = complete(engine, ids, Params(max_tokens=8, temperature=0.8, top_k=20, top_p=0.9,
+                                           seed=0), None).token_ids
     assert len(sampled) == 8 and all(0 <= t < 96 for t in sampled)
 
 

@@ -252,3 +252,40 @@ def test_generate_checks_sampling_flags_like_the_api():
                        ({"top_p": 1.5}, "--top-p"), ({"top_k": -2}, "--top-k")]:
         with pytest.raises(InputError, match=needle):
             check_sampling(**kw, flags=True)
+
+
+@pytest.mark.parametrize("field, values", [
+    ("max_tokens", [-1, 0, 1, 2]), ("temperature", [-0.5, 0.0, 0.7, float("nan")]),
+    ("top_p", [-0.1, 0.0, 0.5, 1.0, 1.01, float("nan")]), ("top_k", [-2, -1, 0, 5])])
+def test_flags_and_request_bodies_share_the_sampling_bounds(field, values):
+    from pydantic import ValidationError
+
+    from moefit.serve.generation import check_sampling
+    from moefit.serve.protocol import CompletionRequest
+
+    for value in values:
+        try:
+            CompletionRequest(prompt="x", **{field: value})
+            body_ok = True
+        except ValidationError:
+            body_ok = False
+        try:
+            check_sampling(**{field: value}, flags=True)
+            flag_ok = True
+        except InputError as e:
+            flag_ok = False
+            assert str(e).startswith(f"--{field.replace('_', '-')} {value}: must be ")
+        assert body_ok == flag_ok, (field, value)
+
+
+def test_sampling_flag_messages():
+    from moefit.serve.generation import check_sampling
+
+    for kw, message in [
+            ({"max_tokens": 0}, "--max-tokens 0: must be at least 1"),
+            ({"temperature": -1.0}, "--temperature -1.0: must be at least 0 (0: greedy)"),
+            ({"top_p": 0.0}, "--top-p 0.0: must be greater than 0 and at most 1"),
+            ({"top_k": -2}, "--top-k -2: must be at least -1 (0 or -1: off)")]:
+        with pytest.raises(InputError) as e:
+            check_sampling(**kw, flags=True)
+        assert str(e.value) == message

@@ -17,20 +17,21 @@ import argparse
 import sys
 from pathlib import Path
 
-from moefit.errors import InputError
+import torch
+from tqdm import tqdm
 
-EXIT_OK, EXIT_NOFIT = 0, 3
+from moefit.bench import ladder, report, versus
+from moefit.errors import EXIT_NOFIT, EXIT_OK, InputError
+from moefit.flags import calibrated_staging, request_from_args, runnable_device, warn
+from moefit.ingest.resolve import load_model
+from moefit.memory import calibration
+from moefit.plan.request import context_limit, resolve_context
+from moefit.plan.solver import largest_context
+from moefit.runtime.calibrate import measure_point
+from moefit.units import format_bytes, parse_count
 
 
 def bench(args: argparse.Namespace) -> int:
-    from moefit.bench import ladder, report, versus
-    from moefit.cli import request_from_args
-    from moefit.memory import calibration
-    from moefit.ingest.resolve import load_model
-    from moefit.plan.request import resolve_context
-    from moefit.plan.solver import largest_context
-    from moefit.serve.launch import _runnable_device
-
     model = Path(args.model)
     if not (model.is_dir() or (model.suffix.lower() == ".gguf" and model.is_file())):
         raise InputError(f"{args.model}: not a checkpoint; bench runs the model and needs a "
@@ -40,14 +41,11 @@ def bench(args: argparse.Namespace) -> int:
     if args.threads is not None:
         if args.threads < 1:
             raise InputError(f"--threads {args.threads}: must be at least 1")
-        import torch
-
         torch.set_num_threads(args.threads)
     geom = load_model(str(model))
-    device = _runnable_device(args)
+    device = runnable_device(args)
     req = request_from_args(args)
-    warn = lambda msg: print(f"moefit: warning: {msg}", file=sys.stderr)  # noqa: E731
-    staging = None if args.no_calibration else calibration.load(geom, device, req.kv, warn)
+    staging = calibrated_staging(geom, device, req.kv, args)
     if args.contexts:
         contexts = ladder.parse_contexts(args.contexts)
         for ctx in contexts:      # a context beyond the RoPE limit is bad input: say so now
@@ -70,9 +68,6 @@ def bench(args: argparse.Namespace) -> int:
         raise InputError(f"--out {args.out}: is a file; give a directory (it is created "
                          "when missing)")
     out.mkdir(parents=True, exist_ok=True)
-
-    from tqdm import tqdm
-
     runs = []
     bar = tqdm(contexts, desc="bench", unit="context", file=sys.stderr,
                disable=not args.progress)
@@ -102,7 +97,7 @@ def bench(args: argparse.Namespace) -> int:
                  "expert_cache": req.expert_cache, "reserve_bytes": req.reserve_bytes,
                  "prompt_tokens": list(opts.prompt_tokens) or "one chunk and three chunks",
                  "decode_tokens": opts.decode_tokens, "seed": opts.seed,
-                 "threads": __import__("torch").get_num_threads(),
+                 "threads": torch.get_num_threads(),
                  "staging": "calibrated" if staging is not None else "analytic"},
         runs=runs)
     report.write_json(doc, out)
@@ -111,33 +106,23 @@ def bench(args: argparse.Namespace) -> int:
     try:
         report.chart(doc, out / "bench.png")
     except ImportError:
-        print("moefit: warning: no chart (bench.png): pip install 'moefit[bench]' adds "
-              "matplotlib", file=sys.stderr)
+        warn("no chart (bench.png): pip install 'moefit[bench]' adds matplotlib")
     print(f"wrote {out / 'bench.json'}, {out / 'bench.md'}, {out / 'bench.png'}", file=sys.stderr)
     return EXIT_OK if all(r["fits"] for r in runs) else EXIT_NOFIT
 
 
 def calibrate(args: argparse.Namespace) -> int:
     """``moefit calibrate MODEL --device ...``: measure, fit, store, print."""
-    from moefit.cli import request_from_args
-    from moefit.memory import calibration
-    from moefit.ingest.resolve import load_model
-    from moefit.runtime.calibrate import measure_point
-    from moefit.serve.launch import _runnable_device
-    from moefit.units import format_bytes, parse_count
-
     model = Path(args.model)
     if not (model.is_dir() or (model.suffix.lower() == ".gguf" and model.is_file())):
         raise InputError(f"{args.model}: not a checkpoint; calibrate runs the model")
     geom = load_model(str(model))
-    device = _runnable_device(args)
+    device = runnable_device(args)
     req = request_from_args(args)
     chunks = sorted({parse_count(c.strip(), "--chunks") for c in args.chunks.split(",") if c.strip()})
     if len(chunks) != 2 or chunks[0] < 256:
         raise InputError(f"--chunks {args.chunks}: expected two different chunk sizes of at "
                          "least 256 tokens, e.g. 512,2048")
-    from moefit.plan.request import context_limit
-
     limit, _ = context_limit(geom, req)
     if chunks[1] > limit:
         # say so before measuring anything (each point runs the model)

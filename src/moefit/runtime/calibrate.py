@@ -29,8 +29,6 @@ from moefit.plan.solver import solve
 from moefit.runtime.engine import Engine, EngineOptions
 from moefit.runtime.measure import prefill_measured
 
-DEFAULT_CHUNKS = (512, 2048)
-
 
 @dataclass(frozen=True)
 class Point:

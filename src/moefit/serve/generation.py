@@ -14,13 +14,20 @@
    checked before the prefill and between tokens, the generation just ends (no more
    steps; :func:`complete` reports ``finish_reason = "abort"``).
 
-Sampling (:func:`moefit.runtime.engine.sample`): temperature 0 is greedy; otherwise
-top-k, then top-p (nucleus, Holtzman et al. 2019, arXiv:1904.09751) filtering and a draw
-from a ``torch.Generator`` seeded by the request's ``seed`` (a random seed without one).
+Sampling (:func:`moefit.runtime.engine.sample`, given the request's :class:`Params`):
+temperature 0 is greedy; otherwise top-k, then top-p (nucleus, Holtzman et al. 2019,
+arXiv:1904.09751) filtering and a draw from a ``torch.Generator`` seeded by the request's
+``seed`` (a random seed without one).
+
+:class:`Params` is the one sampling-parameter type: an API request body
+(:mod:`moefit.serve.protocol`) and the ``moefit generate`` flags both become one through
+:meth:`Params.resolve`, and both are checked against the same bounds
+(:data:`moefit.serve.protocol.SAMPLING_BOUNDS`).
 """
 
 from __future__ import annotations
 
+import operator
 import secrets
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Sequence
@@ -28,7 +35,8 @@ from typing import Callable, Iterator, Sequence
 import torch
 
 from moefit.errors import InputError
-from moefit.runtime.engine import Sampling, sample
+from moefit.runtime.engine import sample
+from moefit.serve.protocol import SAMPLING_BOUNDS
 from moefit.serve.text import GenerationDefaults, TextStream, Tokenizer
 
 
@@ -112,19 +120,29 @@ def check_prompt(prompt_ids: Sequence[int], context: int, vocab_size: int) -> No
         raise InputError(f"token id {bad} is outside the vocabulary (0 .. {vocab_size - 1})")
 
 
+_BOUND_TESTS = {"ge": operator.ge, "gt": operator.gt, "le": operator.le}
+_BOUND_WORDS = {"ge": "at least", "gt": "greater than", "le": "at most"}
+
+
 def check_sampling(temperature: float | None = None, top_p: float | None = None,
-                   top_k: int | None = None, flags: bool = False) -> None:
-    """Raise InputError for sampling settings outside the API's bounds (the request body's
-    in :mod:`moefit.serve.protocol`): ``temperature >= 0``, ``0 < top_p <= 1``,
-    ``top_k >= -1``. ``flags``: name them as command-line flags (``--top-p``)."""
-    def name(field: str) -> str:
-        return "--" + field.replace("_", "-") if flags else field
-    if temperature is not None and not temperature >= 0:
-        raise InputError(f"{name('temperature')} {temperature}: must be at least 0 (0: greedy)")
-    if top_p is not None and not 0 < top_p <= 1:
-        raise InputError(f"{name('top_p')} {top_p}: must be greater than 0 and at most 1")
-    if top_k is not None and top_k < -1:
-        raise InputError(f"{name('top_k')} {top_k}: must be at least -1 (0 or -1: off)")
+                   top_k: int | None = None, flags: bool = False,
+                   max_tokens: int | None = None) -> None:
+    """Raise InputError for sampling settings outside the API's bounds
+    (:data:`moefit.serve.protocol.SAMPLING_BOUNDS`: ``max_tokens >= 1``,
+    ``temperature >= 0``, ``0 < top_p <= 1``, ``top_k >= -1``; NaN is outside), checked in
+    that order; None is not checked. ``flags``: name them as command-line flags
+    (``--top-p``)."""
+    given = {"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p,
+             "top_k": top_k}
+    for field, (bounds, meaning) in SAMPLING_BOUNDS.items():
+        value = given[field]
+        if value is None:
+            continue
+        if all(_BOUND_TESTS[k](value, v) for k, v in bounds.items()):
+            continue
+        name = "--" + field.replace("_", "-") if flags else field
+        rule = " and ".join(f"{_BOUND_WORDS[k]} {v}" for k, v in bounds.items())
+        raise InputError(f"{name} {value}: must be {rule}" + (f" ({meaning})" if meaning else ""))
 
 
 def stream(engine, prompt_ids: Sequence[int], params: Params, tokenizer: Tokenizer | None,
@@ -141,8 +159,6 @@ def stream(engine, prompt_ids: Sequence[int], params: Params, tokenizer: Tokeniz
     check_prompt(prompt_ids, context, engine.plan.geometry.vocab_size)
     room = context - len(prompt_ids) + 1
     limit = room if params.max_tokens is None else min(params.max_tokens, room)
-    sampling = Sampling(max_new_tokens=limit, temperature=params.temperature,
-                        top_k=params.top_k, top_p=params.top_p, seed=params.seed)
     gen = gen if gen is not None else params.generator()
     eos = () if params.ignore_eos else params.eos_ids
     text = TextStream(tokenizer, prompt_ids, params.stop)
@@ -152,7 +168,7 @@ def stream(engine, prompt_ids: Sequence[int], params: Params, tokenizer: Tokeniz
     for i in range(limit):
         if cancelled is not None and cancelled():
             return
-        tok = sample(logits, sampling, gen)
+        tok = sample(logits, params, gen)
         if tok in eos:
             yield Step(tok, text.flush(), "stop")
             return

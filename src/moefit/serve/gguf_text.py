@@ -15,6 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from moefit.errors import InputError
+from moefit.ingest.gguf_header import read_header, shard_paths
 from moefit.serve.text import GenerationDefaults, Tokenizer
 
 _SPECIAL = ("bos_token", "eos_token", "pad_token", "unk_token")
@@ -27,8 +28,6 @@ def tokenizer_from_gguf(path: str | Path) -> Tokenizer:
     Raises InputError when the file has no vocabulary or the converter cannot build it
     (the message names ``--tokenizer DIR``).
     """
-    from moefit.ingest.gguf_header import shard_paths
-
     first = shard_paths(path)[0]
     try:
         from transformers.integrations.gguf.gguf_tokenizer_mapping import (
@@ -52,8 +51,6 @@ def tokenizer_from_gguf(path: str | Path) -> Tokenizer:
 def generation_defaults_from_gguf(path: str | Path, tokenizer: Tokenizer | None) -> GenerationDefaults:
     """Greedy defaults; EOS ids from ``tokenizer.ggml.eos_token_id`` and ``eot_token_id``
     (llama.cpp stops at both) and the tokenizer's ``eos_token``."""
-    from moefit.ingest.gguf_header import read_header
-
     meta = read_header(path).meta
     ids = [meta[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")
            if isinstance(meta.get(k), int)]
@@ -68,8 +65,6 @@ def text_from_gguf(path: str | Path) -> tuple[Tokenizer | None, GenerationDefaul
     """(tokenizer, generation defaults) of a GGUF model; the tokenizer is None when the file
     has no vocabulary (token-id requests only). Raises InputError when it has one that the
     converter cannot build."""
-    from moefit.ingest.gguf_header import read_header
-
     if "tokenizer.ggml.tokens" not in read_header(path).array_lengths:
         return None, generation_defaults_from_gguf(path, None)
     tokenizer = tokenizer_from_gguf(path)

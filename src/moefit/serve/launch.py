@@ -15,9 +15,9 @@ Start-up, in this order:
    (planned / allocated / peak per line) and one line beginning with ``READY`` stating
    the context, the chunk, the expert slots and the free device memory.
 
-Exit codes: 0 ok (also after a graceful stop on SIGINT / SIGTERM), 2 bad input, 3 the
-plan does not fit, 4 an allocation failed during commit (1: anything else, with its
-traceback).
+Exit codes (:mod:`moefit.errors`): 0 ok (also after a graceful stop on SIGINT / SIGTERM),
+2 bad input, 3 the plan does not fit, 4 an allocation failed during commit (1: anything
+else, with its traceback).
 
 Shutdown (``serve``): SIGINT or SIGTERM sets :attr:`ServerState.stopping`, so a request in
 flight stops at its next token (a stream ends with ``data: [DONE]``), uvicorn closes the
@@ -36,42 +36,22 @@ import time
 import traceback
 from pathlib import Path
 
-from moefit.errors import InputError
-
-EXIT_OK, EXIT_INPUT, EXIT_NOFIT, EXIT_ALLOC, EXIT_OTHER = 0, 2, 3, 4, 1
+from moefit.errors import EXIT_ALLOC, EXIT_INPUT, EXIT_NOFIT, EXIT_OK, EXIT_OTHER, InputError
+from moefit.flags import plan_from_args, runnable_device
+from moefit.ingest.resolve import load_model
+from moefit.plan.report import format_table
+from moefit.serve.gguf_text import text_from_gguf
+from moefit.serve.text import GenerationDefaults, Tokenizer
+from moefit.units import size_format
 
 
 def _say(text: str, file=None) -> None:
     print(text, file=file or sys.stdout, flush=True)
 
 
-def _runnable_device(args: argparse.Namespace):
-    """The device of ``--device``; a what-if card cannot run a model."""
-    from moefit.devices import resolve_device
-
-    if args.device is None and (args.gpu is not None or args.vram is not None):
-        raise InputError("serve and generate run the model on a real device: use --device "
-                         "cuda[:N] (optionally with --vram to cap it) or --device cpu --vram SIZE "
-                         "(a simulated device); --gpu and --vram alone only plan")
-    device = resolve_device(args.device, args.gpu, args.vram, args.vram_free)
-    if device.kind == "cuda":
-        import torch
-
-        if not torch.cuda.is_available():
-            raise InputError(f"--device {device.label}: this torch build sees no CUDA device; "
-                             "install a CUDA build of torch, or simulate the card with "
-                             "--device cpu --vram SIZE")
-    return device
-
-
 def prepare(args: argparse.Namespace):
     """Steps 1-2 of the module docstring. Returns (plan, tokenizer, defaults, exit code):
     the exit code is 3 when the plan does not fit (the table is printed), else None."""
-    from moefit.cli import plan_from_args
-    from moefit.ingest.resolve import load_model
-    from moefit.plan.report import format_table
-    from moefit.serve.text import GenerationDefaults, Tokenizer
-
     model = Path(args.model)
     gguf = model.suffix.lower() == ".gguf" and model.is_file()
     if not (model.is_dir() or gguf):
@@ -81,7 +61,7 @@ def prepare(args: argparse.Namespace):
     geom = load_model(str(model))
     if not gguf and not geom.exact:
         raise InputError(f"{model}: no *.safetensors files; the runtime needs the weights")
-    device = _runnable_device(args)
+    device = runnable_device(args)
     plan = plan_from_args(geom, device, args)
     _say(format_table(plan), args.table_to)
     if not plan.fits:
@@ -94,8 +74,6 @@ def prepare(args: argparse.Namespace):
     tokenizer = Tokenizer.from_dir(text_dir)
     defaults = GenerationDefaults.from_dir(text_dir, tokenizer)
     if gguf and tokenizer is None:                 # else the file's own metadata (llama.cpp keys)
-        from moefit.serve.gguf_text import text_from_gguf
-
         tokenizer, defaults = text_from_gguf(model)
     return plan, tokenizer, defaults, None
 
@@ -103,15 +81,13 @@ def prepare(args: argparse.Namespace):
 def commit(args: argparse.Namespace, plan):
     """Step 3-4: start the engine; returns (engine, exit code or None). Prints the
     failure report itself."""
-    from moefit.runtime.engine import Engine, EngineOptions
-    from moefit.runtime.ledger import BudgetError
+    from moefit.runtime.engine import Engine, EngineOptions      # torch: once the plan fits
+    from moefit.runtime.ledger import FAIL_ENV, BudgetError
 
     try:
         engine = Engine.start(args.model, plan, EngineOptions(
             progress=True, routing_profile=getattr(args, "routing_profile", None)))
     except BudgetError as e:
-        from moefit.runtime.ledger import FAIL_ENV
-
         _say(e.report, args.table_to)
         hint = (f"(fault injection: unset {FAIL_ENV})" if FAIL_ENV in str(e) else
                 "the device had less free memory than planned; lower --max-context, --prefill "
@@ -130,8 +106,6 @@ def commit(args: argparse.Namespace, plan):
 
 def ready_line(engine, url: str | None = None) -> str:
     """``READY  context ...  chunk ...  expert slots ...  free ...`` (one line)."""
-    from moefit.units import size_format
-
     ledger, plan = engine.ledger, engine.plan
     size = size_format(ledger.capacity)
     slots = sum(s["slots"] for s in engine.expert_stats()["layers"].values())
@@ -251,9 +225,8 @@ def generate(args: argparse.Namespace) -> int:
 
     if tokenizer is None:
         raise InputError(f"{args.model}: no tokenizer.json; generate takes text prompts")
-    if args.max_tokens < 1:
-        raise InputError(f"--max-tokens {args.max_tokens}: must be at least 1")
-    check_sampling(args.temperature, args.top_p, args.top_k, flags=True)
+    check_sampling(args.temperature, args.top_p, args.top_k, flags=True,
+                   max_tokens=args.max_tokens)
     if args.chat:
         ids = tokenizer.encode_chat([{"role": "user", "content": args.prompt}])
     else:

@@ -21,6 +21,22 @@ from pydantic import BaseModel, ConfigDict, Field
 from moefit.errors import InputError
 
 
+#: The bounds of the sampling settings, one home for the request body's fields (below)
+#: and the ``moefit generate`` flags (:func:`moefit.serve.generation.check_sampling`):
+#: field -> (pydantic's ``ge`` / ``gt`` / ``le`` constraints, what the edge value means).
+SAMPLING_BOUNDS: dict[str, tuple[dict[str, int], str | None]] = {
+    "max_tokens": ({"ge": 1}, None),
+    "temperature": ({"ge": 0}, "0: greedy"),
+    "top_p": ({"gt": 0, "le": 1}, None),
+    "top_k": ({"ge": -1}, "0 or -1: off"),
+}
+
+
+def _bounded(name: str):
+    """The optional, strictly typed field ``name`` with its :data:`SAMPLING_BOUNDS`."""
+    return Field(None, **SAMPLING_BOUNDS[name][0], strict=True)
+
+
 class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
@@ -33,10 +49,10 @@ class _Sampling(_Body):
     """Fields both endpoints share."""
 
     model: str | None = None
-    max_tokens: int | None = Field(None, ge=1, strict=True)
-    temperature: float | None = Field(None, ge=0.0, strict=True)
-    top_p: float | None = Field(None, gt=0.0, le=1.0, strict=True)
-    top_k: int | None = Field(None, ge=-1, strict=True)
+    max_tokens: int | None = _bounded("max_tokens")
+    temperature: float | None = _bounded("temperature")
+    top_p: float | None = _bounded("top_p")
+    top_k: int | None = _bounded("top_k")
     seed: int | None = Field(None, strict=True)
     stop: str | list[str] | None = None
     n: int = Field(1, ge=1, le=16, strict=True)

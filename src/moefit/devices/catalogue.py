@@ -1,0 +1,205 @@
+"""The built-in GPU catalogue: each card's name, framebuffer total and free memory at idle,
+and the ``moefit gpus`` table.
+
+Sources: ``gpus.md`` / ``gpus.csv`` in the project's shared data (driver-reported totals
+gathered from public issues and ``nvidia-smi -q`` captures); each catalogue row cites the
+line it comes from. Imports no torch and no NVML.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from moefit.devices.device import Device, cuda_runtime_estimate_bytes
+from moefit.errors import InputError
+from moefit.units import MIB
+
+
+@dataclass(frozen=True)
+class GpuSpec:
+    """One catalogue card, as the driver reports it on Linux.
+
+    Attributes:
+        name: catalogue name (``RTX 4090``).
+        nominal_gb: the marketed size in GB (24).
+        capacity_mib: framebuffer total in MiB as ``nvidia-smi`` / NVML report it.
+        free_mib: MiB that CUDA can hand out at idle on headless Linux (see
+            :data:`GPU_CATALOGUE` for the rule).
+        free_basis: which figure ``free_mib`` is, in a few words.
+        source: the gpus.md line the numbers come from.
+        aliases: extra names :func:`find_gpu` accepts besides those derived from ``name``.
+    """
+
+    name: str
+    nominal_gb: int
+    capacity_mib: int
+    free_mib: int
+    free_basis: str
+    source: str
+    aliases: tuple[str, ...] = ()
+
+    def device(self, label: str = "cuda:0") -> Device:
+        """This card as a what-if CUDA :class:`Device` (``simulated=True``)."""
+        return Device(
+            label=label,
+            description=self.name,
+            kind="cuda",
+            capacity_bytes=self.capacity_mib * MIB,
+            free_bytes=self.free_mib * MIB,
+            simulated=True,
+            runtime_bytes=None,
+            source=(f"catalogue (what-if): nvidia-smi total {self.capacity_mib} MiB, free at "
+                    f"idle {self.free_mib} MiB = {self.free_basis}; {self.source}"),
+        )
+
+
+_CUDA = "CUDA total"
+_RESERVED = "total - reserved"
+_IDLE = "headless idle free"
+_GUESS = "total - 450 MiB (guess)"
+
+#: The built-in cards. ``capacity_mib`` is the ``nvidia-smi`` total (gpus.md §4/§5).
+#: ``free_mib`` is the lowest Linux figure gpus.md gives for what CUDA can allocate at idle:
+#: a CUDA total (deviceQuery, cudaMemGetInfo; PyTorch's "total capacity" as a last resort),
+#: ``Total - Reserved`` or the free memory of a headless idle card (both ``nvidia-smi -q``).
+#: Newer drivers reserve more (gpus.md §1), so the lowest figure is the safe one to plan
+#: with. Where none was seen: total - 450 MiB (gpus.md §1 sees 303-763 MiB reserved,
+#: 303-464 MiB on consumer cards). Windows/WDDM figures (close to the full total) are not used.
+GPU_CATALOGUE: tuple[GpuSpec, ...] = (
+    GpuSpec("RTX 3060 12GB", 12, 12288, 11902, _CUDA + " (llama.cpp)",
+            "gpus.md §5 'RTX 3060 12GB: 12288 (= 12 GiB); CUDA ~11902-12042'"),
+    GpuSpec("RTX 3080 10GB", 10, 10240, 10014, "PyTorch total 9.78 GiB",
+            "gpus.md §5 'RTX 3080 10GB: 10240 (= 10 GiB, unattributed copy); PyTorch 9.78 GiB "
+            "on Linux' (the only CUDA figure seen; 9.78 x 1024 rounded down)"),
+    GpuSpec("RTX 3090", 24, 24576, 24115, _CUDA + " (recent driver)",
+            "gpus.md §5 'RTX 3090: 24576 (= 24 GiB); CUDA 24115-24268 (24154 on driver 560)'"),
+    GpuSpec("RTX 4060 Ti 16GB", 16, 16380, 16075, _IDLE,
+            "gpus.md §2 '4060 Ti 16GB: free 16075'; §5 'RTX 4060 Ti 16GB: 16380; CUDA 16076'"),
+    GpuSpec("RTX 4070", 12, 12282, 12282 - 450, _GUESS,
+            "gpus.md §5 'RTX 4070 12GB: 12282; CUDA not seen'"),
+    GpuSpec("RTX 4070 Ti Super", 16, 16376, 15942, _CUDA + " (llama.cpp); total assumed",
+            "gpus.md §5 'RTX 4070 Ti Super 16GB: nvidia-smi not seen; llama.cpp 15942 "
+            "(unattributed copy)'; §4 'equals the 4080 Super's 16376 - 434' (the total is "
+            "assumed to be the 4080 Super's: same AD103 memory layout)"),
+    GpuSpec("RTX 4080", 16, 16376, 16376 - 434, _RESERVED + " (4080 Super's 434)",
+            "gpus.md §5 'RTX 4080 / 4080 Super: 16376; CUDA ~15942 (16376 - 434 reserved)' "
+            "(reserved seen on the 4080 Super, driver 595)"),
+    GpuSpec("RTX 4080 Super", 16, 16376, 16376 - 434, _RESERVED + " (434)",
+            "gpus.md §5 'RTX 4080 / 4080 Super: 16376; CUDA ~15942 (16376 - 434 reserved)'"),
+    GpuSpec("RTX 4090", 24, 24564, 24080, _CUDA + " (llama.cpp)",
+            "gpus.md §5 'RTX 4090: 24564; CUDA 24080-24210 on Linux'"),
+    GpuSpec("RTX 5060 Ti 16GB", 16, 16311, 15848, _CUDA,
+            "gpus.md §5 'RTX 5060 Ti 16GB: 16311; CUDA 15848'"),
+    GpuSpec("RTX 5070", 12, 12227, 12227 - 464, _RESERVED + " (464)",
+            "gpus.md §5 'RTX 5070 12GB: 12227; reserved 464'"),
+    GpuSpec("RTX 5070 Ti", 16, 16303, 16303 - 450, _GUESS,
+            "gpus.md §5 'RTX 5070 Ti 16GB: 16303 (unattributed copy)'"),
+    GpuSpec("RTX 5080", 16, 16303, 16303 - 450, _GUESS,
+            "gpus.md §5 'RTX 5080: 16303 (unattributed copy)'"),
+    GpuSpec("RTX 5090", 32, 32607, 32101, _CUDA,
+            "gpus.md §5 'RTX 5090: 32607; CUDA 32101-32117 on Linux, 32606 on Windows'"),
+    GpuSpec("RTX A6000", 48, 49140, 49140 - 454, _RESERVED + " (454), ECC off",
+            "gpus.md §5 'RTX A6000: 49140 with ECC off (46068 with ECC on); CUDA 48790'; "
+            "§4 'Reserved is 454'. With ECC on, use --vram 46068MiB"),
+    GpuSpec("L40S", 48, 46068, 46068 - 609, _RESERVED + " (609), ECC on",
+            "gpus.md §5 'L40S: 46068 (ECC on); CUDA 45589'; §4 'On driver 595 the free "
+            "memory at idle is 45460 (reserved 609)'"),
+    GpuSpec("A100 40GB", 40, 40960, 40339, _CUDA,
+            "gpus.md §5 'A100 40GB SXM4: 40960; CUDA 40339'",
+            aliases=("A100 40GB SXM4", "A100 SXM4 40GB")),
+    GpuSpec("A100 80GB", 80, 81920, 81920 - 763, _RESERVED + " (763)",
+            "gpus.md §5 'A100 80GB: 81920; CUDA 81158'; §4 'Reserved is 763'",
+            aliases=("A100 80GB PCIe", "A100 SXM4 80GB", "A100 SXM 80GB")),
+    GpuSpec("H100 80GB", 80, 81559, 81559 - 479, _RESERVED + " (479)",
+            "gpus.md §5 'H100 80GB SXM / PCIe: 81559; CUDA 81080-81106'; §4 '81559 - 479 "
+            "reserved' on driver 590",
+            aliases=("H100 SXM", "H100 PCIe", "H100 80GB HBM3")),
+    GpuSpec("H200", 141, 143771, 143771 - 614, _RESERVED + " (614)",
+            "gpus.md §5 'H200: 143771; about 143158 free at idle'; §4 'Reserved is 614'"),
+    GpuSpec("RTX PRO 6000 Blackwell", 96, 97887, 97249, "cudaMemGetInfo total 94.97 GiB",
+            "gpus.md §5 'RTX PRO 6000 Blackwell: 97887; CUDA figures disagree (97886 vs "
+            "94.97 GiB)'; 94.97 x 1024 rounded down; 97886 looks like a Windows full-size "
+            "figure and is not used",
+            aliases=("RTX PRO 6000", "PRO 6000", "RTX PRO 6000 Blackwell Workstation Edition")),
+)
+
+
+def _normalize(name: str) -> str:
+    """Lower-case, keep letters and digits only, drop a leading ``nvidia`` / ``geforce``."""
+    key = "".join(ch for ch in name.lower() if ch.isalnum())
+    for prefix in ("nvidia", "geforce"):
+        key = key.removeprefix(prefix)
+    return key
+
+
+def _keys(spec: GpuSpec) -> set[str]:
+    """Every normalized name that selects ``spec``: with or without ``RTX`` and the size."""
+    base = _normalize(spec.name).removesuffix(f"{spec.nominal_gb}gb")
+    keys = set()
+    for stem in (base, base.removeprefix("rtx")):
+        keys |= {stem, f"{stem}{spec.nominal_gb}gb"}
+    keys |= {_normalize(alias) for alias in spec.aliases}
+    return keys
+
+
+def _index() -> dict[str, list[GpuSpec]]:
+    index: dict[str, list[GpuSpec]] = {}
+    for spec in GPU_CATALOGUE:
+        for key in _keys(spec):
+            index.setdefault(key, []).append(spec)
+    return index
+
+
+_INDEX = _index()
+
+
+def find_gpu(name: str) -> Device:
+    """The catalogue card called ``name``, as a what-if CUDA :class:`Device` on ``cuda:0``.
+
+    Matching ignores case, spaces, dashes and a leading ``NVIDIA`` / ``GeForce``; ``RTX`` and
+    the memory size are optional: ``"5060ti"``, ``"rtx 4090"``, ``"4090"``, ``"h100"``,
+    ``"NVIDIA GeForce RTX 4090"`` all match. Only whole names match, so ``"4070 Ti"`` does
+    not silently become the 4070 Ti Super.
+
+    Raises:
+        InputError: empty name; an ambiguous name (``"a100"``), listing the candidates;
+            an unknown name, listing the catalogue and pointing to ``moefit gpus`` and
+            ``--vram``.
+    """
+    key = _normalize(name or "")
+    if not key:
+        raise InputError("--gpu: empty GPU name; give one such as 'RTX 4090' (see `moefit gpus`)")
+    matches = _INDEX.get(key, [])
+    if len(matches) == 1:
+        return matches[0].device()
+    if matches:
+        names = ", ".join(spec.name for spec in matches)
+        raise InputError(f"--gpu: {name!r} is ambiguous: it matches {names}; give the full name")
+    near = [spec.name for spec in GPU_CATALOGUE if any(key in k for k in _keys(spec))]
+    hint = f" Did you mean {' or '.join(near)}?" if 0 < len(near) <= 3 else ""
+    known = ", ".join(spec.name for spec in GPU_CATALOGUE)
+    raise InputError(
+        f"--gpu: unknown GPU {name!r}.{hint} Known cards: {known} (`moefit gpus` lists their "
+        f"memory). For another card give its memory instead: --vram SIZE [--vram-free SIZE]"
+    )
+
+
+def format_gpu_table() -> str:
+    """The catalogue as the text table ``moefit gpus`` prints (sizes in MiB)."""
+    header = ("GPU", "nominal", "total MiB", "free MiB", "free at idle is")
+    rows = [header] + [
+        (s.name, f"{s.nominal_gb} GB", str(s.capacity_mib), str(s.free_mib), s.free_basis)
+        for s in GPU_CATALOGUE
+    ]
+    widths = [max(len(row[i]) for row in rows) for i in range(4)]
+    lines = []
+    for row in rows:
+        cells = [row[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(row[1:4], widths[1:])]
+        lines.append("  ".join(cells + [row[4]]).rstrip())
+    lines.append("")
+    lines.append("total MiB: the framebuffer total nvidia-smi reports. free MiB: what CUDA can "
+                 "allocate on an idle headless Linux box;")
+    lines.append("a desktop on the card takes 200-600 MiB more, and the CUDA runtime of "
+                 f"moefit itself ~{cuda_runtime_estimate_bytes() // MIB} MiB. Other cards: "
+                 "--vram SIZE [--vram-free SIZE].")
+    return "\n".join(lines)

@@ -1,0 +1,227 @@
+"""Real GPUs through NVML, and the device the command-line flags describe.
+
+:func:`probe_cuda` reads a card's name, total and free memory through NVML (the optional
+``nvidia-ml-py`` package, module ``pynvml``, imported only when a real GPU is probed; no
+CUDA context is created). :func:`resolve_device` turns ``--device``, ``--gpu``,
+``--vram`` and ``--vram-free`` into a :class:`~moefit.devices.device.Device`: a probed
+card, a catalogue card (:mod:`moefit.devices.catalogue`) or a what-if / simulated one.
+Imports no torch.
+"""
+
+from __future__ import annotations
+
+import os
+
+from moefit.devices.catalogue import find_gpu
+from moefit.devices.device import Device, DeviceKind
+from moefit.errors import InputError
+from moefit.units import format_gib, parse_size, size_format
+
+_NO_GPU_FIX = (
+    "plan for a card you do not have with --gpu NAME (see `moefit gpus`) or --vram SIZE, "
+    "or simulate one on the CPU with --device cpu --vram SIZE"
+)
+
+
+# --- real GPUs (NVML) -----------------------------------------------------------------
+
+def _visible_entries() -> list[str] | None:
+    """``CUDA_VISIBLE_DEVICES`` as CUDA reads it: entries up to the first invalid one."""
+    value = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if value is None:
+        return None
+    entries = []
+    for entry in (e.strip() for e in value.split(",")):
+        if not (entry.isdigit() or entry.startswith(("GPU-", "MIG-"))):
+            break
+        entries.append(entry)
+    return entries
+
+
+def _handle(pynvml, index: int):
+    """The NVML handle of CUDA device ``index`` and a note on how it was found.
+
+    CUDA numbers the devices listed in ``CUDA_VISIBLE_DEVICES`` from 0, NVML ignores that
+    variable, so ``cuda:N`` is mapped through it. Without it, ``cuda:N`` is NVML index N,
+    which is the PCI bus order; CUDA agrees when ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` or when
+    all cards are the same model.
+    """
+    count = pynvml.nvmlDeviceGetCount()
+    visible = _visible_entries()
+    if visible is None:
+        if index >= count:
+            raise InputError(f"--device cuda:{index}: NVML sees {count} GPU(s) "
+                             f"(cuda:0..cuda:{count - 1}); pick one of those or {_NO_GPU_FIX}")
+        return pynvml.nvmlDeviceGetHandleByIndex(index), f"NVML index {index}"
+    if index >= len(visible):
+        raise InputError(
+            f"--device cuda:{index}: CUDA_VISIBLE_DEVICES={os.environ['CUDA_VISIBLE_DEVICES']!r} "
+            f"makes {len(visible)} GPU(s) visible; pick a lower index, change the variable, "
+            f"or {_NO_GPU_FIX}")
+    entry = visible[index]
+    if entry.isdigit():
+        if int(entry) >= count:
+            raise InputError(f"--device cuda:{index}: CUDA_VISIBLE_DEVICES names GPU {entry} "
+                             f"but NVML sees {count} GPU(s); fix the variable or {_NO_GPU_FIX}")
+        return pynvml.nvmlDeviceGetHandleByIndex(int(entry)), f"NVML index {entry}"
+    return pynvml.nvmlDeviceGetHandleByUUID(entry), f"NVML UUID {entry}"
+
+
+def probe_cuda(index: int = 0) -> Device:
+    """Read name, total and free memory of GPU ``cuda:index`` through NVML.
+
+    Uses ``nvmlInit``, ``nvmlDeviceGetHandleByIndex`` (or ``...ByUUID`` when
+    ``CUDA_VISIBLE_DEVICES`` lists UUIDs), ``nvmlDeviceGetMemoryInfo`` and
+    ``nvmlDeviceGetName``. NVML's ``total`` is the ``nvidia-smi`` total and its ``free``
+    excludes the driver's reserved memory and other processes (gpus.md §1), which is what
+    this process can allocate. No CUDA context is created.
+
+    Returns:
+        A real (``simulated=False``) CUDA :class:`Device`, sizes in bytes,
+        ``runtime_bytes=None`` (the runtime is estimated until measured).
+
+    Raises:
+        InputError: ``pynvml`` (package ``nvidia-ml-py``) is not installed, no driver or GPU
+            is found, or ``index`` names no visible GPU; the message suggests ``--gpu NAME``
+            and ``--vram SIZE``.
+    """
+    label = f"cuda:{index}"
+    try:
+        import pynvml
+    except ImportError:
+        raise InputError(
+            f"--device {label}: cannot read the GPU's memory: NVML bindings are not installed "
+            f"(pip install 'moefit[nvml]', i.e. nvidia-ml-py); or {_NO_GPU_FIX}"
+        ) from None
+    nvml_error = getattr(pynvml, "NVMLError", Exception)
+    try:
+        pynvml.nvmlInit()
+    except nvml_error as exc:
+        raise InputError(f"--device {label}: no NVIDIA driver or GPU found (NVML: {exc}); "
+                         f"{_NO_GPU_FIX}") from None
+    try:
+        handle, how = _handle(pynvml, index)
+        memory = pynvml.nvmlDeviceGetMemoryInfo(handle)
+        name = pynvml.nvmlDeviceGetName(handle)
+    except nvml_error as exc:
+        raise InputError(f"--device {label}: NVML could not read this GPU ({exc}); "
+                         f"{_NO_GPU_FIX}") from None
+    finally:
+        pynvml.nvmlShutdown()
+    if isinstance(name, bytes):  # nvidia-ml-py < 11.515 returns bytes
+        name = name.decode()
+    return Device(
+        label=label,
+        description=name,
+        kind="cuda",
+        capacity_bytes=int(memory.total),
+        free_bytes=min(int(memory.free), int(memory.total)),
+        simulated=False,
+        runtime_bytes=None,
+        source=f"NVML ({how}), free memory at probe time",
+    )
+
+
+# --- command-line resolution ----------------------------------------------------------
+
+def _parse_device_flag(device: str) -> tuple[DeviceKind, int]:
+    text = device.strip().lower()
+    if text == "cpu":
+        return "cpu", 0
+    if text == "cuda":
+        return "cuda", 0
+    if text.startswith("cuda:") and text[5:].isdigit():
+        return "cuda", int(text[5:])
+    raise InputError(f"--device: {device!r} is not a device; use cuda, cuda:N (N = 0, 1, ...) "
+                     f"or cpu (a simulated device, with --vram SIZE)")
+
+
+def resolve_device(device: str | None, gpu: str | None, vram: str | None,
+                   vram_free: str | None) -> Device:
+    """The :class:`Device` the flags ``--device``, ``--gpu``, ``--vram``, ``--vram-free`` describe.
+
+    1. ``--device cuda[:N]``: the real GPU via NVML; ``--vram`` lowers its capacity and
+       ``--vram-free`` its free memory (a what-if on a real card; neither may exceed what
+       the card has).
+    2. ``--device cpu --vram SIZE``: a simulated device on the CPU with that capacity;
+       free = ``--vram-free`` or ``--vram``; runtime 0.
+    3. ``--gpu NAME``: a what-if catalogue card (:func:`find_gpu`); ``--vram-free`` replaces
+       its free memory.
+    4. ``--vram SIZE`` alone: a what-if CUDA card of that capacity; free = ``--vram-free``
+       or the whole capacity.
+    5. none of these: the real ``cuda:0`` via NVML (``--vram-free`` lowers its free memory).
+
+    Raises:
+        InputError: a bad size or device string; ``--device cpu`` without ``--vram``;
+            ``--gpu`` with ``--device`` or ``--vram``; ``--vram-free`` above the capacity;
+            a cap above what a real card has; and every error of :func:`probe_cuda` and
+            :func:`find_gpu`.
+    """
+    vram_bytes = parse_size(vram, "--vram") if vram is not None else None
+    free_bytes = parse_size(vram_free, "--vram-free") if vram_free is not None else None
+    kind, index = _parse_device_flag(device) if device is not None else (None, 0)
+
+    def check_free(capacity: int, what: str) -> None:
+        if free_bytes is not None and free_bytes > capacity:
+            raise InputError(f"--vram-free {vram_free} is more than {what} "
+                             f"({format_gib(capacity)}); lower --vram-free")
+
+    if gpu is not None:
+        if device is not None:
+            what = "a simulated one on the CPU" if kind == "cpu" else "a real one"
+            raise InputError(f"--gpu {gpu} plans for a catalogue card and --device {device} for "
+                             f"{what}; drop one of them")
+        if vram is not None:
+            raise InputError(f"--gpu {gpu} already fixes the card's memory; drop --vram, or drop "
+                             f"--gpu and describe the card with --vram SIZE [--vram-free SIZE]")
+        card = find_gpu(gpu)
+        check_free(card.capacity_bytes, f"the {card.description}'s total")
+        if free_bytes is None:
+            return card
+        return Device(card.label, card.description, "cuda", card.capacity_bytes, free_bytes,
+                      simulated=True, source=card.source + f"; free set by --vram-free {vram_free}")
+
+    if kind == "cpu":
+        if vram_bytes is None:
+            raise InputError("--device cpu simulates a GPU on the CPU and needs its size: "
+                             "add --vram SIZE (e.g. --vram 2GiB)")
+        check_free(vram_bytes, "--vram")
+        size = size_format(vram_bytes)(vram_bytes)
+        return Device("cpu", f"simulated {size} device on the CPU", "cpu",
+                      vram_bytes, free_bytes if free_bytes is not None else vram_bytes,
+                      simulated=True, runtime_bytes=0,
+                      source="--device cpu --vram" + (" --vram-free" if vram_free is not None else ""))
+
+    if kind is None and vram_bytes is not None:
+        check_free(vram_bytes, "--vram")
+        return Device("cuda:0", f"what-if {format_gib(vram_bytes)} CUDA card", "cuda",
+                      vram_bytes, free_bytes if free_bytes is not None else vram_bytes,
+                      simulated=True,
+                      source="--vram" + (" --vram-free" if vram_free is not None else " (free = capacity)"))
+
+    try:
+        real = probe_cuda(index)
+    except InputError:
+        if vram_bytes is None:
+            raise
+        # no GPU here: --device cuda:N --vram SIZE is a what-if card with that index
+        check_free(vram_bytes, "--vram")
+        return Device(f"cuda:{index}", f"what-if {format_gib(vram_bytes)} CUDA card", "cuda",
+                      vram_bytes, free_bytes if free_bytes is not None else vram_bytes,
+                      simulated=True, source="--device --vram (no GPU readable here)")
+    capacity, free = real.capacity_bytes, real.free_bytes
+    if vram_bytes is not None:
+        if vram_bytes > capacity:
+            raise InputError(f"--vram {vram} is more than {real.label} has "
+                             f"({format_gib(capacity)}); --vram can only lower a real card's size")
+        capacity, free = vram_bytes, min(free, vram_bytes)
+    if free_bytes is not None:
+        check_free(capacity, "--vram" if vram_bytes is not None else f"{real.label}'s total")
+        if free_bytes > real.free_bytes:
+            raise InputError(f"--vram-free {vram_free} is more than {real.label} has free now "
+                             f"({format_gib(real.free_bytes)}); lower --vram-free")
+        free = free_bytes
+    if (capacity, free) == (real.capacity_bytes, real.free_bytes):
+        return real
+    return Device(real.label, real.description, "cuda", capacity, free, simulated=False,
+                  source=real.source + "; capped by --vram/--vram-free")

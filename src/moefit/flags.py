@@ -1,0 +1,201 @@
+"""Command-line flags shared by the commands, and what they turn into.
+
+One argparse group per function (:func:`add_model_argument`, :func:`add_device_flags`,
+:func:`add_request_flags`, :func:`add_model_files_flags`, :func:`add_sampling_flags`), so
+a command takes the groups it needs and a new flag has one home. The parsed flags become:
+
+- a :class:`~moefit.plan.request.Request` (:func:`request_from_args`);
+- a :class:`~moefit.devices.Device`: any device for planning (:func:`device_from_args`),
+  a device that can run the model for ``serve``, ``generate``, ``bench`` and ``calibrate``
+  (:func:`runnable_device`);
+- a solved :class:`~moefit.plan.solver.Plan` (:func:`plan_from_args`), with the staging
+  this device measured (:func:`calibrated_staging`).
+
+This module sits below :mod:`moefit.cli`, :mod:`moefit.serve.launch` and
+:mod:`moefit.bench.command`, which all import it; it imports no torch (only
+:func:`runnable_device` does, to check that a CUDA device is usable).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from moefit.devices import Device, resolve_device
+from moefit.errors import InputError
+from moefit.ingest.geometry import ModelGeometry
+from moefit.memory import calibration
+from moefit.memory.staging import StagingModel
+from moefit.plan.request import Request, parse_prefill
+from moefit.plan.solver import Plan, solve
+from moefit.units import parse_count
+
+
+def warn(message: str) -> None:
+    """Print ``moefit: warning: MESSAGE`` on stderr."""
+    print(f"moefit: warning: {message}", file=sys.stderr)
+
+
+# ---- argparse groups ------------------------------------------------------------------------
+
+def add_model_argument(p: argparse.ArgumentParser) -> None:
+    """The positional MODEL of every planning and running command."""
+    p.add_argument("model", help="preset name (see `moefit models`), a model directory, "
+                                 "a config.json path, or a .gguf file (first shard of a split)")
+
+
+def add_device_flags(p: argparse.ArgumentParser) -> None:
+    """``--device``, ``--gpu``, ``--vram``, ``--vram-free`` (:func:`device_from_args`)."""
+    dev = p.add_argument_group("device")
+    dev.add_argument("--device", help="cuda[:N] (a real GPU through NVML) or cpu "
+                                      "(simulated device; needs --vram)")
+    dev.add_argument("--gpu", help="a card from the built-in catalogue (see `moefit gpus`)")
+    dev.add_argument("--vram", help="declare the device capacity, e.g. 16GiB, 16384MiB, 16G")
+    dev.add_argument("--vram-free", help="declare the free memory on the device")
+
+
+def add_request_flags(p: argparse.ArgumentParser) -> None:
+    """The request a plan is solved for (:func:`request_from_args`), and
+    ``--no-calibration`` (:func:`calibrated_staging`)."""
+    req = p.add_argument_group("request")
+    req.add_argument("--max-context", help="tokens per sequence (K/M suffixes: 512K = 524288); "
+                                           "default: the model's limit")
+    req.add_argument("--slots", type=int, default=1, help="concurrent sequences (default 1)")
+    req.add_argument("--kv", default="bf16",
+                     help="KV format: bf16, fp16, fp8, int8, k8v4, int4 (default bf16)")
+    req.add_argument("--prefill", default="auto",
+                     help="auto (largest chunk that fits, up to 16384), auto:N, or N tokens "
+                          "(clamped to fit unless --strict)")
+    req.add_argument("--prefill-min", type=int, default=256,
+                     help="smallest chunk a clamp may choose (default 256)")
+    req.add_argument("--strict", action="store_true",
+                     help="fail instead of clamping --prefill N")
+    req.add_argument("--vram-reserve-mib", type=float, default=None,
+                     help="safety margin left free at READY (default: 512 MiB, or 1/32 of "
+                          "the device if smaller)")
+    req.add_argument("--expert-cache", default="auto",
+                     help="auto (what remains) or N slots")
+    req.add_argument("--min-expert-cache", type=int, default=0,
+                     help="expert slots that must fit (default 0: misses run on the CPU)")
+    req.add_argument("--miss-policy", choices=("cpu", "copy"), default="cpu",
+                     help="non-resident experts run on the CPU (default) or are copied "
+                          "through the weight arena")
+    req.add_argument("--arena-slots", type=int, default=None,
+                     help="weight-arena ring size with --miss-policy copy "
+                          "(default 2 x experts per token)")
+    req.add_argument("--rope-scaling", choices=("none", "linear", "yarn"), default=None,
+                     help="extend the context beyond the trained window")
+    req.add_argument("--rope-scale", type=float, default=None, help="RoPE scaling factor")
+    req.add_argument("--yarn-orig-ctx", default=None,
+                     help="original context of YaRN (default: the config's)")
+    req.add_argument("--no-calibration", action="store_true",
+                     help="price prefill staging with the analytic model even when `moefit "
+                          "calibrate` has measured this model on this device")
+
+
+def add_plan_flags(p: argparse.ArgumentParser) -> None:
+    """The flags every planning and running command shares: MODEL, the device, the request."""
+    add_model_argument(p)
+    add_device_flags(p)
+    add_request_flags(p)
+
+
+def add_model_files_flags(p: argparse.ArgumentParser) -> None:
+    """Flags of the commands that run the model: the routing profile and the tokenizer."""
+    p.add_argument("--routing-profile", default=None,
+                   help='JSON {"layer": {"expert": count}}: fill the expert cache with the most used')
+    p.add_argument("--tokenizer", default=None, metavar="DIR",
+                   help="read tokenizer.json / tokenizer_config.json / generation_config.json "
+                        "from DIR (default: the model directory; for a .gguf, the file's "
+                        "metadata unless a tokenizer.json lies beside it)")
+
+
+def add_sampling_flags(p: argparse.ArgumentParser) -> None:
+    """``moefit generate``'s sampling flags; the names and meanings of the API's fields
+    (:mod:`moefit.serve.protocol`), checked by :func:`moefit.serve.generation.check_sampling`."""
+    s = p.add_argument_group("sampling (default: generation_config.json, greedy unless it sets do_sample)")
+    s.add_argument("--max-tokens", type=int, default=128, help="new tokens at most (default 128)")
+    s.add_argument("--temperature", type=float, default=None, help="0 is greedy")
+    s.add_argument("--top-k", type=int, default=None, help="keep the k most likely tokens (0: all)")
+    s.add_argument("--top-p", type=float, default=None, help="nucleus sampling threshold")
+    s.add_argument("--seed", type=int, default=None, help="seed of the sampler")
+    s.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
+    s.add_argument("--ignore-eos", action="store_true", help="do not stop at the EOS ids")
+
+
+# ---- flags -> request, device, plan ---------------------------------------------------------
+
+def request_from_args(args: argparse.Namespace) -> Request:
+    """Build a :class:`moefit.plan.request.Request` from parsed flags. Raises InputError."""
+    mode, tokens = parse_prefill(args.prefill)
+    if args.expert_cache.strip().lower() == "auto":
+        expert_cache = None
+    else:
+        try:
+            expert_cache = int(args.expert_cache)
+        except ValueError:
+            raise InputError(f"--expert-cache {args.expert_cache!r}: expected auto or a "
+                             "number of expert slots") from None
+    reserve = None
+    if args.vram_reserve_mib is not None:
+        if not 0 <= args.vram_reserve_mib <= 1 << 30:   # also rejects nan and inf
+            raise InputError(f"--vram-reserve-mib {args.vram_reserve_mib}: expected a "
+                             "non-negative number of MiB (e.g. 512)")
+        reserve = int(args.vram_reserve_mib * (1 << 20))
+    return Request(
+        max_context=parse_count(args.max_context, "--max-context") if args.max_context else None,
+        slots=args.slots, kv=args.kv.lower(), prefill_mode=mode, prefill_tokens=tokens,
+        prefill_min=args.prefill_min, strict=args.strict, reserve_bytes=reserve,
+        expert_cache=expert_cache, min_expert_cache=args.min_expert_cache,
+        rope_scaling=args.rope_scaling, rope_scale=args.rope_scale,
+        yarn_orig_ctx=(parse_count(args.yarn_orig_ctx, "--yarn-orig-ctx")
+                       if args.yarn_orig_ctx else None),
+        miss_policy=args.miss_policy, arena_slots=args.arena_slots,
+    )
+
+
+def device_from_args(args: argparse.Namespace) -> Device:
+    """The device the flags describe, real or what-if (:func:`moefit.devices.resolve_device`).
+    Raises InputError."""
+    return resolve_device(args.device, args.gpu, args.vram, args.vram_free)
+
+
+def runnable_device(args: argparse.Namespace) -> Device:
+    """The device of ``--device`` for the commands that run the model; a what-if card
+    (``--gpu``, ``--vram`` alone) cannot run one.
+
+    Raises:
+        InputError: ``--gpu`` or ``--vram`` without ``--device``; a CUDA device that this
+            torch build cannot see; every error of :func:`device_from_args`.
+    """
+    if args.device is None and (args.gpu is not None or args.vram is not None):
+        raise InputError("serve and generate run the model on a real device: use --device "
+                         "cuda[:N] (optionally with --vram to cap it) or --device cpu --vram SIZE "
+                         "(a simulated device); --gpu and --vram alone only plan")
+    device = device_from_args(args)
+    if device.kind == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise InputError(f"--device {device.label}: this torch build sees no CUDA device; "
+                             "install a CUDA build of torch, or simulate the card with "
+                             "--device cpu --vram SIZE")
+    return device
+
+
+def calibrated_staging(geom: ModelGeometry, device: Device, kv: str,
+                       args: argparse.Namespace) -> StagingModel | None:
+    """The prefill staging ``moefit calibrate`` measured for ``geom`` on ``device`` with
+    KV format ``kv`` (:func:`moefit.memory.calibration.load`), or None with
+    ``--no-calibration`` or when there is none; a stale or corrupt calibration is ignored
+    with a warning on stderr."""
+    if getattr(args, "no_calibration", False):
+        return None
+    return calibration.load(geom, device, kv, warn)
+
+
+def plan_from_args(geom: ModelGeometry, device: Device, args: argparse.Namespace) -> Plan:
+    """Solve the flags' request for ``geom`` on ``device``, with the staging calibrated for
+    them on this device (:func:`calibrated_staging`). Raises InputError."""
+    req = request_from_args(args)
+    return solve(geom, device, req, staging=calibrated_staging(geom, device, req.kv, args))

@@ -1,0 +1,353 @@
+"""The package's import graph, read with ``ast`` (nothing is imported).
+
+Two rules over ``src/moefit/**.py``:
+
+1. No import cycle between moefit's modules, counting both module-level imports and the
+   imports inside functions (a function-local import is for a heavy dependency such as
+   torch or FastAPI, never to dodge a cycle).
+2. No module uses a private name (``_x``, not a dunder) of another module: neither
+   ``from moefit.a import _x`` nor ``moefit.a._x`` / ``a._x`` through an imported module.
+3. The layers of docs/design.md: a module imports only its own group and lower layers
+   (:data:`LAYERS`).
+4. A function-local import is for a heavy dependency (:data:`HEAVY`, or a module that
+   imports one) or for a package that needs an extra (:data:`EXTRAS`), nothing else.
+
+The first tests run the checks on the real package; the last ones on small made-up
+packages, so that each check is seen to catch what it is for.
+"""
+
+from __future__ import annotations
+
+import ast
+import textwrap
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import moefit
+
+SRC = Path(moefit.__file__).resolve().parent
+
+
+@dataclass
+class ImportGraph:
+    """Modules of one package: ``edges[a]`` = {module b: line numbers where a imports b};
+    ``private`` = (module, line, text) for each use of another module's private name."""
+
+    modules: dict[str, Path]
+    edges: dict[str, dict[str, list[int]]] = field(default_factory=dict)
+    private: list[tuple[str, int, str]] = field(default_factory=list)
+    #: module -> moefit modules it imports at module level (not inside a function)
+    top_level: dict[str, set[str]] = field(default_factory=dict)
+    #: module -> top-level names of the outside packages it imports at module level
+    outside: dict[str, set[str]] = field(default_factory=dict)
+    #: (module, line, what) for each import inside a function: ``what`` is a moefit
+    #: module or the top-level name of an outside package
+    local: list[tuple[str, int, str]] = field(default_factory=list)
+
+
+def _module_name(root: Path, path: Path) -> str:
+    parts = [root.name, *path.relative_to(root).with_suffix("").parts]
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _is_private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def read_graph(root: Path) -> ImportGraph:
+    """The import graph of the package in directory ``root`` (its name is the package's)."""
+    modules = {_module_name(root, p): p for p in sorted(root.rglob("*.py"))}
+    graph = ImportGraph(modules)
+    top = root.name
+    for name, path in modules.items():
+        is_pkg = path.name == "__init__.py"
+        tree = ast.parse(path.read_text(), filename=str(path))
+        edges = graph.edges.setdefault(name, {})
+        bound: dict[str, str] = {}          # local name -> moefit module it refers to
+
+        def target(module: str) -> str | None:
+            while module and module not in modules:
+                module = module.rpartition(".")[0]
+            return module or None
+
+        top_level = graph.top_level.setdefault(name, set())
+        outside = graph.outside.setdefault(name, set())
+        inside_function = {id(n) for f in ast.walk(tree)
+                           if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+                           for n in ast.walk(f) if n is not f}
+
+        def add(module: str, node: ast.AST) -> None:
+            t = target(module)
+            if t is not None and t != name:
+                edges.setdefault(t, []).append(node.lineno)
+                if id(node) in inside_function:
+                    graph.local.append((name, node.lineno, t))
+                else:
+                    top_level.add(t)
+
+        def add_outside(module: str, node: ast.AST) -> None:
+            if id(node) in inside_function:
+                graph.local.append((name, node.lineno, module.split(".")[0]))
+            else:
+                outside.add(module.split(".")[0])
+
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                for alias in node.names:
+                    if alias.name.split(".")[0] == top:
+                        add(alias.name, node)
+                        if alias.asname:
+                            bound[alias.asname] = alias.name
+                    else:
+                        add_outside(alias.name, node)
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = name.split(".") if is_pkg else name.split(".")[:-1]
+                    base = base[:len(base) - node.level + 1]
+                    module = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    module = node.module or ""
+                if module.split(".")[0] != top:
+                    if module != "__future__":
+                        add_outside(module, node)
+                    continue
+                for alias in node.names:
+                    sub = f"{module}.{alias.name}"
+                    if sub in modules:                  # from pkg import module
+                        add(sub, node)
+                        bound[alias.asname or alias.name] = sub
+                    else:
+                        add(module, node)
+                        if _is_private(alias.name) and target(module) != name:
+                            graph.private.append((name, node.lineno,
+                                                  f"from {module} import {alias.name}"))
+        for node in ast.walk(tree):
+            if not (isinstance(node, ast.Attribute) and _is_private(node.attr)):
+                continue
+            dotted, base = [], node.value
+            while isinstance(base, ast.Attribute):
+                dotted.append(base.attr)
+                base = base.value
+            if not isinstance(base, ast.Name):
+                continue
+            ref = ".".join([bound.get(base.id, base.id), *reversed(dotted)])
+            if ref in modules and ref != name:
+                graph.private.append((name, node.lineno, f"{ref}.{node.attr}"))
+    return graph
+
+
+def find_cycle(edges: dict[str, dict[str, list[int]]]) -> list[str] | None:
+    """One cycle of the graph as [a, b, ..., a], or None (depth-first search)."""
+    state: dict[str, int] = {}            # 1: on the stack, 2: done
+    stack: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(edges.get(node, {})):
+            if state.get(nxt) == 1:
+                return stack[stack.index(nxt):] + [nxt]
+            if nxt not in state and (found := visit(nxt)):
+                return found
+        stack.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(edges):
+        if node not in state and (found := visit(node)):
+            return found
+    return None
+
+
+def _describe(graph: ImportGraph, cycle: list[str]) -> str:
+    return " -> ".join(f"{a} (line {graph.edges[a][b][0]})" for a, b in zip(cycle, cycle[1:])) \
+        + f" -> {cycle[-1]}"
+
+
+# ---- the package --------------------------------------------------------------------------
+
+def test_the_package_has_no_import_cycle():
+    graph = read_graph(SRC)
+    assert len(graph.modules) > 40 and sum(map(len, graph.edges.values())) > 100
+    cycle = find_cycle(graph.edges)
+    assert cycle is None, "import cycle: " + _describe(graph, cycle)
+
+
+#: Known uses awaiting their owner's change (module, text): the GGUF loader borrows the
+#: safetensors loader's no-op progress bar. Remove the entry when that class is public.
+KNOWN_PRIVATE = {("moefit.runtime.gguf_loader", "from moefit.runtime.loader import _NoBar")}
+
+
+def test_no_module_uses_another_modules_private_names():
+    graph = read_graph(SRC)
+    new = [(m, line, text) for m, line, text in graph.private if (m, text) not in KNOWN_PRIVATE]
+    assert new == [], "\n".join(f"{m}:{line}: {text}" for m, line, text in new)
+
+
+def test_nothing_in_the_package_imports_the_command_line():
+    graph = read_graph(SRC)
+    importers = sorted(m for m, out in graph.edges.items() if "moefit.cli" in out)
+    assert importers == ["moefit.__main__"]
+
+
+#: The layers of docs/design.md ("Layering"), lowest first: a module imports modules of its
+#: own group or of a lower rank, never of a higher rank or of another group of its rank.
+LAYERS: tuple[tuple[int, str, tuple[str, ...]], ...] = (
+    (0, "base", ("moefit", "moefit.units", "moefit.errors")),
+    (1, "ingest", ("moefit.ingest",)),
+    (2, "devices", ("moefit.devices",)),
+    (3, "planner", ("moefit.memory", "moefit.plan")),
+    (4, "flags", ("moefit.flags",)),
+    (5, "runtime", ("moefit.runtime",)),
+    (6, "tools", ("moefit.tools",)),
+    (6, "serve", ("moefit.serve",)),
+    (6, "bench", ("moefit.bench",)),
+    (7, "command line", ("moefit.cli", "moefit.__main__")),
+)
+
+
+def layer_of(module: str) -> tuple[int, str]:
+    """(rank, group) of ``module``: the group whose longest prefix names it."""
+    best = max(((len(p), rank, group) for rank, group, prefixes in LAYERS for p in prefixes
+                if module == p or module.startswith(p + ".")), default=None)
+    assert best is not None, f"{module}: in no layer of LAYERS; add it"
+    return best[1], best[2]
+
+
+def layer_violations(graph: ImportGraph) -> list[str]:
+    out = []
+    for a, targets in sorted(graph.edges.items()):
+        rank_a, group_a = layer_of(a)
+        for b, lines in sorted(targets.items()):
+            rank_b, group_b = layer_of(b)
+            if group_b != group_a and rank_b >= rank_a:
+                out.append(f"{a}:{lines[0]} ({group_a}) imports {b} ({group_b})")
+    return out
+
+
+def test_each_layer_imports_only_the_layers_below():
+    assert layer_violations(read_graph(SRC)) == []
+
+
+#: What a function-local import may be for: a heavy or optional outside package, imported
+#: only by the commands that need it (so that ``moefit plan`` stays torch-free and fast).
+HEAVY = {"torch", "fastapi", "uvicorn", "anyio", "pydantic", "transformers", "tokenizers",
+         "jinja2", "safetensors", "tqdm", "matplotlib", "gguf", "numpy", "pynvml"}
+
+
+#: Packages that need an extra (``serve``, ``bench``): the command line imports their
+#: modules only once it has checked that the extra is installed.
+EXTRAS = ("moefit.runtime", "moefit.serve", "moefit.bench", "moefit.tools")
+
+
+def heavy_modules(graph: ImportGraph) -> set[str]:
+    """moefit modules whose module-level imports (at any depth) reach a :data:`HEAVY`
+    package."""
+    heavy = {m for m, pkgs in graph.outside.items() if pkgs & HEAVY}
+    grew = True
+    while grew:
+        more = {m for m, targets in graph.top_level.items() if targets & heavy} - heavy
+        heavy |= more
+        grew = bool(more)
+    return heavy
+
+
+def needless_local_imports(graph: ImportGraph) -> list[tuple[str, int, str]]:
+    """Function-local imports of something that is neither heavy nor leads to it
+    (:func:`heavy_modules`), nor a module of a package that needs an extra imported from
+    outside that package (:data:`EXTRAS`)."""
+    heavy = heavy_modules(graph)
+
+    def extra(m: str, what: str) -> bool:
+        return any(what.startswith(p + ".") and not m.startswith(p + ".") for p in EXTRAS)
+
+    return [(m, line, what) for m, line, what in graph.local
+            if what not in heavy and what not in HEAVY and not extra(m, what)]
+
+
+#: Known ones awaiting their owner's change (module, what): leave these files to them.
+KNOWN_LOCAL = {
+    ("moefit.plan.request", "moefit.units"),
+    ("moefit.runtime.engine", "moefit.memory.weights"),
+    ("moefit.runtime.engine", "moefit.ingest.resolve"),
+    ("moefit.ingest.gguf_header", "moefit.units"),
+    ("moefit.ingest.gguf_header", "dataclasses"),
+    ("moefit.ingest.gguf_header", "moefit.ingest.families"),
+    ("moefit.ingest.resolve", "moefit.ingest.gguf_header"),
+    ("moefit.tools.gguf_write", "json"),
+}
+
+
+def test_function_local_imports_are_for_heavy_dependencies_only():
+    graph = read_graph(SRC)
+    assert "moefit.serve.app" in heavy_modules(graph)
+    assert "moefit.plan.solver" not in heavy_modules(graph)
+    new = [(m, line, what) for m, line, what in needless_local_imports(graph)
+           if (m, what) not in KNOWN_LOCAL]
+    assert new == [], "import these at module level:\n" + "\n".join(
+        f"{m}:{line}: {what}" for m, line, what in new)
+
+
+# ---- the checks on made-up packages --------------------------------------------------------
+
+def _package(tmp_path: Path, files: dict[str, str]) -> Path:
+    root = tmp_path / "moefit"
+    for rel, text in {"__init__.py": "", **files}.items():
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(textwrap.dedent(text))
+    return root
+
+
+def test_a_cycle_through_a_function_local_import_is_found(tmp_path):
+    root = _package(tmp_path, {
+        "a.py": "from moefit.b import g\n",
+        "sub/__init__.py": "",
+        "b.py": "def g():\n    from moefit.sub import c\n",
+        "sub/c.py": "from . import d\n",
+        "sub/d.py": "import moefit.a as a\n",
+    })
+    graph = read_graph(root)
+    assert find_cycle(graph.edges) == ["moefit.a", "moefit.b", "moefit.sub.c",
+                                       "moefit.sub.d", "moefit.a"]
+    (root / "sub" / "d.py").write_text("import moefit\n")
+    assert find_cycle(read_graph(root).edges) is None
+
+
+def test_an_import_upwards_or_sideways_is_a_layer_violation(tmp_path):
+    root = _package(tmp_path, {
+        "units.py": "", "memory/__init__.py": "", "runtime/__init__.py": "",
+        "serve/__init__.py": "", "bench/__init__.py": "",
+        "memory/kv.py": "from moefit.units import x\nfrom moefit.runtime import y\n",
+        "bench/ladder.py": "from moefit.serve import z\nfrom moefit.memory import kv\n",
+    })
+    assert layer_violations(read_graph(root)) == [
+        "moefit.bench.ladder:1 (bench) imports moefit.serve (serve)",
+        "moefit.memory.kv:2 (planner) imports moefit.runtime (runtime)"]
+
+
+def test_a_local_import_of_something_light_is_found(tmp_path):
+    root = _package(tmp_path, {
+        "units.py": "import math\n",
+        "model.py": "import torch\n",
+        "engine.py": "from moefit import model\n",
+        "cli.py": "def run():\n    from moefit import engine\n    import numpy\n"
+                  "    import json\n    from moefit.units import x\n",
+    })
+    graph = read_graph(root)
+    assert heavy_modules(graph) == {"moefit.model", "moefit.engine"}
+    assert needless_local_imports(graph) == [("moefit.cli", 4, "json"),
+                                             ("moefit.cli", 5, "moefit.units")]
+
+
+def test_private_names_of_other_modules_are_found(tmp_path):
+    root = _package(tmp_path, {
+        "a.py": "_hidden = 1\n__all__ = []\nx = _hidden\n",
+        "b.py": "from moefit.a import _hidden, __all__\n",
+        "c.py": "from moefit import a\ny = a._hidden\n",
+        "d.py": "import moefit.a\nz = moefit.a._hidden + moefit.a.__all__\n",
+        "e.py": "from moefit import a\nw = a.public\n",
+    })
+    found = sorted((m, text) for m, _, text in read_graph(root).private)
+    assert found == [("moefit.b", "from moefit.a import _hidden"),
+                     ("moefit.c", "moefit.a._hidden"), ("moefit.d", "moefit.a._hidden")]
