@@ -409,11 +409,20 @@ GGUF_EXPERT_NAMES: dict[str, str] = {
 
 @dataclass(frozen=True)
 class NameTable:
-    """One family's tensor names (see :data:`LAYER_NAMES`), resolved for its MoE block name."""
+    """One family's tensor names (see :data:`LAYER_NAMES`), resolved for its MoE block name.
+
+    ``aliases``: other Hugging Face names (under the layer prefix) of a slot, that a
+    checkpoint may use instead (transformers 5.x saves every MoE block as ``mlp``).
+    """
 
     layer: dict[str, tuple[str, str]]
     globals: dict[str, tuple[str, str]]
     experts: dict[str, str]
+    aliases: dict[str, str] = field(default_factory=dict)
+
+    def hf_candidates(self, slot: str, layer_prefix: str) -> list[str]:
+        """The checkpoint names ``slot`` may have: the table's, then its aliases."""
+        return [self.hf(slot, layer_prefix)] + [f"{layer_prefix}{a}" for a, s in self.aliases.items() if s == slot]
 
     def hf(self, slot: str, layer_prefix: str) -> str:
         """Checkpoint name of ``slot`` under ``layer_prefix`` (``model.layers.3.``)."""
@@ -436,17 +445,20 @@ class NameTable:
         head = f"{text_prefix}layers."
         if hf_name.startswith(head):
             idx, _, rest = hf_name[len(head):].partition(".")
-            for hf, g in self.layer.values():
-                if idx.isdigit() and rest == hf:
-                    return f"blk.{idx}.{g}"
+            slot = self.aliases.get(rest) or next((k for k, (hf, _) in self.layer.items() if hf == rest), None)
+            if idx.isdigit() and slot is not None:
+                return f"blk.{idx}.{self.layer[slot][1]}"
         raise KeyError(hf_name)
 
 
 def name_table(moe_prefix: str = "mlp", layer: dict[str, tuple[str, str]] | None = None) -> NameTable:
     """The :class:`NameTable` of a family whose MoE block is ``{prefix}layers.N.{moe_prefix}``,
-    with ``layer`` overriding or adding per-layer entries."""
+    with ``layer`` overriding or adding per-layer entries. A block not named ``mlp`` (Mixtral's
+    ``block_sparse_moe``) keeps ``mlp.gate`` as an alias of its router: transformers 5.x
+    names the block ``mlp`` (``MixtralDecoderLayer.mlp``) and saves it so."""
     table = {slot: (hf.replace("{moe}", moe_prefix), g) for slot, (hf, g) in {**LAYER_NAMES, **(layer or {})}.items()}
-    return NameTable(table, dict(GLOBAL_NAMES), dict(GGUF_EXPERT_NAMES))
+    aliases = {} if moe_prefix == "mlp" else {LAYER_NAMES["router"][0].replace("{moe}", "mlp"): "router"}
+    return NameTable(table, dict(GLOBAL_NAMES), dict(GGUF_EXPERT_NAMES), aliases)
 
 
 # --------------------------------------------------------------------------------------------
@@ -545,7 +557,7 @@ class GGUFFacts:
 Parser = Callable[["Cfg", str], "tuple[list[LayerSpec], tuple[Tensor, ...], int]"]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Family:
     """Everything moefit knows about one model family.
 
@@ -560,6 +572,8 @@ class Family:
     architecture's keys (``model_type`` included) to the generic config (see
     ``moefit.ingest.gguf_header.config_from_gguf``). ``switches(cfg)`` -> :class:`Switches`
     for the model types the runtime runs (``runtime_types``); ``names`` the tensor name table.
+    ``gguf_arch_of``: model_type -> the GGUF architecture ``convert_hf_to_gguf.py`` writes
+    for it; ``runtime_gguf_archs``: the architectures the runtime's GGUF loader runs.
     ``gguf_permute_qk``: the GGUF file holds q/k rows permuted for llama.cpp's interleaved
     RoPE (``convert_hf_to_gguf.py`` ``LlamaModel.permute``).
     """
@@ -575,6 +589,8 @@ class Family:
     switches: Callable[[dict], Switches] | None = None
     runtime_types: tuple[str, ...] = ()
     names: NameTable = field(default_factory=name_table)
+    gguf_arch_of: dict[str, str] = field(default_factory=dict)
+    runtime_gguf_archs: tuple[str, ...] = ()
     gguf_permute_qk: bool = False
 
     def kind(self, model_type: str) -> str:

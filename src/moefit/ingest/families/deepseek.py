@@ -187,4 +187,5 @@ def gguf_config(m: GGUFMeta, cfg: dict, f: GGUFFacts) -> None:
 
 
 FAMILY = Family(name="deepseek", model_types=("deepseek_v2", "deepseek_v3", "kimi_k2"), parse=parse,
-                notes=NOTES, gguf_archs=("deepseek2",), gguf_config=gguf_config)
+                notes=NOTES, gguf_archs=("deepseek2",), gguf_config=gguf_config,
+                gguf_arch_of={"deepseek_v2": "deepseek2", "deepseek_v3": "deepseek2", "kimi_k2": "deepseek2"})

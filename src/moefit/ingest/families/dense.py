@@ -50,4 +50,5 @@ def gguf_config_llama(m: GGUFMeta, cfg: dict, f: GGUFFacts) -> None:
                mlp_bias=m.has("blk.0.ffn_up.bias"))
 
 
-FAMILY = Family(name="dense", model_types=("qwen3", "llama"), parse=parse)
+FAMILY = Family(name="dense", model_types=("qwen3", "llama"), parse=parse,
+                gguf_arch_of={"qwen3": "qwen3", "llama": "llama"})

@@ -56,4 +56,4 @@ def gguf_config(m: GGUFMeta, cfg: dict, f: GGUFFacts) -> None:
 
 
 FAMILY = Family(name="gpt_oss", model_types=("gpt_oss",), parse=parse, gguf_archs=("gpt-oss",),
-                gguf_config=gguf_config)
+                gguf_config=gguf_config, gguf_arch_of={"gpt_oss": "gpt-oss"})

@@ -62,4 +62,5 @@ def switches(cfg: dict) -> Switches:
 
 FAMILY = Family(name="mixtral", model_types=("mixtral",), parse=parse, gguf_archs=("llama",),
                 gguf_config=gguf_config, switches=switches, runtime_types=("mixtral",),
-                names=name_table("block_sparse_moe"), gguf_permute_qk=True)
+                names=name_table("block_sparse_moe"), gguf_arch_of={"mixtral": "llama"},
+                runtime_gguf_archs=("llama",), gguf_permute_qk=True)

@@ -57,4 +57,5 @@ def switches(cfg: dict) -> Switches:
 
 
 FAMILY = Family(name="olmoe", model_types=("olmoe",), parse=parse, gguf_archs=("olmoe",),
-                gguf_config=gguf_config, switches=switches, runtime_types=("olmoe",))
+                gguf_config=gguf_config, switches=switches, runtime_types=("olmoe",),
+                gguf_arch_of={"olmoe": "olmoe"}, runtime_gguf_archs=("olmoe",))

@@ -170,4 +170,5 @@ FAMILY = Family(
     name="qwen_hybrid", model_types=("qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text"), parse=parse,
     aliases={"qwen3_5_moe_text": "qwen3_5_moe"}, text_config=("qwen3_5_moe",),
     gguf_archs=("qwen3next", "qwen35moe"), gguf_config=gguf_config, switches=switches,
-    runtime_types=("qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text"))
+    runtime_types=("qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text"),
+    gguf_arch_of={"qwen3_next": "qwen3next", "qwen3_5_moe": "qwen35moe", "qwen3_5_moe_text": "qwen35moe"})

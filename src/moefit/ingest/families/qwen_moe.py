@@ -128,4 +128,6 @@ def switches(cfg: dict) -> Switches:
 
 FAMILY = Family(name="qwen_moe", model_types=("qwen3_moe", "qwen2_moe"), parse=parse,
                 gguf_archs=("qwen3moe", "qwen2moe"), gguf_config=gguf_config, switches=switches,
-                runtime_types=("qwen3_moe", "qwen2_moe"))
+                runtime_types=("qwen3_moe", "qwen2_moe"),
+                gguf_arch_of={"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe"},
+                runtime_gguf_archs=("qwen3moe", "qwen2moe"))

@@ -60,6 +60,11 @@ def model_types() -> tuple[str, ...]:
     return tuple(sorted(_BY_TYPE))
 
 
+def runtime_gguf_archs() -> tuple[str, ...]:
+    """GGUF architectures the runtime's GGUF loader runs (families' ``runtime_gguf_archs``)."""
+    return tuple(sorted({a for f in set(_BY_TYPE.values()) for a in f.runtime_gguf_archs}))
+
+
 def gguf_archs() -> tuple[str, ...]:
     """Every registered GGUF architecture, sorted."""
     return tuple(sorted(_BY_GGUF))
