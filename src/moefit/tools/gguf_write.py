@@ -30,10 +30,12 @@ from typing import Mapping
 import numpy as np
 
 from moefit.ingest.families import registry
+from moefit.ingest.families.common import gguf_moe_metadata, rope_config
 
-_PER_EXPERT = re.compile(r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\."
+# routed experts under any MoE block name (``mlp``, Mixtral's ``block_sparse_moe``, ...)
+_PER_EXPERT = re.compile(r"^model\.layers\.(\d+)\.\w+\.experts\.(\d+)\."
                          r"(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
-_FUSED = re.compile(r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(gate_up_proj|down_proj)$")
+_FUSED = re.compile(r"^model\.layers\.(\d+)\.\w+\.experts\.(gate_up_proj|down_proj)$")
 _PART = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
 
 
@@ -142,9 +144,9 @@ def write_gguf(state: Mapping[str, "object"], config: Mapping, out: str | Path, 
     w.add_value_length(head_dim)
     w.add_rope_dimension_count(head_dim)
     w.add_layer_norm_rms_eps(float(config.get("rms_norm_eps", 1e-6)))
-    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
-    w.add_rope_freq_base(float(config.get("rope_theta") or rope.get("rope_theta") or 10000.0))
-    kind = rope.get("rope_type") or rope.get("type")
+    r = rope_config(dict(config))   # the planner's and the runtime's RoPE reading
+    rope, kind = r.block, r.rope_type
+    w.add_rope_freq_base(r.theta)
     if kind in ("yarn", "linear"):
         w.add_rope_scaling_type(gguf.RopeScalingType.YARN if kind == "yarn" else gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(float(rope["factor"]))
@@ -153,18 +155,7 @@ def write_gguf(state: Mapping[str, "object"], config: Mapping, out: str | Path, 
     w.add_vocab_size(config["vocab_size"])
     w.add_expert_count(experts)
     w.add_expert_used_count(config["num_experts_per_tok"])
-    if mt != "mixtral":
-        w.add_expert_feed_forward_length(config.get("moe_intermediate_size") or config["intermediate_size"])
-        w.add_feed_forward_length(config.get("intermediate_size") or 0)
-        w.add_expert_weights_norm(bool(config.get("norm_topk_prob", False)))
-    else:
-        w.add_feed_forward_length(config["intermediate_size"])
-        if config.get("sliding_window"):
-            w.add_sliding_window(int(config["sliding_window"]))
-    if mt == "qwen2_moe" and config.get("shared_expert_intermediate_size"):
-        w.add_expert_shared_feed_forward_length(config["shared_expert_intermediate_size"])
-    if mt == "olmoe" and config.get("clip_qkv"):
-        w.add_clamp_kqv(float(config["clip_qkv"]))
+    (registry.family_for(mt).gguf_write_meta or gguf_moe_metadata)(w, config)
     if file_type is not None:
         w.add_file_type(file_type)
     if tokenizer is not None:

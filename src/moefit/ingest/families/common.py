@@ -551,6 +551,17 @@ class GGUFFacts:
     dense_layers: list[int]
 
 
+def gguf_moe_metadata(w: Any, config: dict) -> None:
+    """The MoE metadata keys ``moefit.tools.gguf_write`` writes by default, on a
+    ``gguf.GGUFWriter`` ``w`` (llama.cpp ``convert_hf_to_gguf.py``, e.g. ``Qwen3MoeModel``):
+    ``expert_feed_forward_length`` (``moe_intermediate_size``, else ``intermediate_size``),
+    ``feed_forward_length`` (``intermediate_size``, 0 when absent), ``expert_weights_norm``
+    (``norm_topk_prob``). A family writing other keys sets ``Family.gguf_write_meta``."""
+    w.add_expert_feed_forward_length(config.get("moe_intermediate_size") or config["intermediate_size"])
+    w.add_feed_forward_length(config.get("intermediate_size") or 0)
+    w.add_expert_weights_norm(bool(config.get("norm_topk_prob", False)))
+
+
 # --------------------------------------------------------------------------------------------
 # the family record
 # --------------------------------------------------------------------------------------------
@@ -575,7 +586,9 @@ class Family:
     ``gguf_arch_of``: model_type -> the GGUF architecture ``convert_hf_to_gguf.py`` writes
     for it; ``runtime_gguf_archs``: the architectures the runtime's GGUF loader runs.
     ``gguf_permute_qk``: the GGUF file holds q/k rows permuted for llama.cpp's interleaved
-    RoPE (``convert_hf_to_gguf.py`` ``LlamaModel.permute``).
+    RoPE (``convert_hf_to_gguf.py`` ``LlamaModel.permute``). ``gguf_write_meta(writer,
+    config)``: the family's own metadata keys for ``moefit.tools.gguf_write`` (default
+    :func:`gguf_moe_metadata`).
     """
 
     name: str
@@ -592,6 +605,7 @@ class Family:
     gguf_arch_of: dict[str, str] = field(default_factory=dict)
     runtime_gguf_archs: tuple[str, ...] = ()
     gguf_permute_qk: bool = False
+    gguf_write_meta: Callable[[Any, dict], None] | None = None
 
     def kind(self, model_type: str) -> str:
         """The model_type whose parser branch ``model_type`` takes."""

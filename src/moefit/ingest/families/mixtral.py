@@ -48,6 +48,14 @@ def gguf_config(m: GGUFMeta, cfg: dict, f: GGUFFacts) -> None:
         cfg["sliding_window"] = m.int("attention.sliding_window")
 
 
+def gguf_write_meta(w, config: dict) -> None:
+    """Metadata ``LlamaModel`` writes for Mixtral: ``feed_forward_length`` (the expert width
+    ``intermediate_size``) and ``attention.sliding_window`` when set."""
+    w.add_feed_forward_length(config["intermediate_size"])
+    if config.get("sliding_window"):
+        w.add_sliding_window(int(config["sliding_window"]))
+
+
 def switches(cfg: dict) -> Switches:
     """No q/k norm, no biases; routing softmax, top-k, always renormalised
     (``MixtralSparseMoeBlock``); MoE block ``block_sparse_moe`` with experts ``w1`` (gate),
@@ -63,4 +71,5 @@ def switches(cfg: dict) -> Switches:
 FAMILY = Family(name="mixtral", model_types=("mixtral",), parse=parse, gguf_archs=("llama",),
                 gguf_config=gguf_config, switches=switches, runtime_types=("mixtral",),
                 names=name_table("block_sparse_moe"), gguf_arch_of={"mixtral": "llama"},
-                runtime_gguf_archs=("llama",), gguf_permute_qk=True)
+                runtime_gguf_archs=("llama",), gguf_permute_qk=True,
+                gguf_write_meta=gguf_write_meta)

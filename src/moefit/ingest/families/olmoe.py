@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from moefit.ingest.families.common import (
     Cfg, Family, GGUFFacts, GGUFMeta, Switches, attn_spec, dtype_name, expert_tensors,
-    global_tensors, gqa, layer_norms, partial_rotary, read_sizes, router_tensors,
+    gguf_moe_metadata, global_tensors, gqa, layer_norms, partial_rotary, read_sizes, router_tensors,
 )
 from moefit.ingest.geometry import LayerSpec, MoESpec, Tensor
 
@@ -43,6 +43,14 @@ def gguf_config(m: GGUFMeta, cfg: dict, f: GGUFFacts) -> None:
                attention_bias=f.bias, clip_qkv=float(clamp) if clamp else None)
 
 
+def gguf_write_meta(w, config: dict) -> None:
+    """:func:`~moefit.ingest.families.common.gguf_moe_metadata` plus ``attention.clamp_kqv``
+    (``clip_qkv``, ``OlmoeModel``)."""
+    gguf_moe_metadata(w, config)
+    if config.get("clip_qkv"):
+        w.add_clamp_kqv(float(config["clip_qkv"]))
+
+
 def switches(cfg: dict) -> Switches:
     """RMSNorm over all heads ``[heads*hd]`` on q and k, then ``clip_qkv``; ``attention_bias``
     on q/k/v/o; routing softmax, top-k, renormalised when ``norm_topk_prob`` (default False)."""
@@ -58,4 +66,5 @@ def switches(cfg: dict) -> Switches:
 
 FAMILY = Family(name="olmoe", model_types=("olmoe",), parse=parse, gguf_archs=("olmoe",),
                 gguf_config=gguf_config, switches=switches, runtime_types=("olmoe",),
-                gguf_arch_of={"olmoe": "olmoe"}, runtime_gguf_archs=("olmoe",))
+                gguf_arch_of={"olmoe": "olmoe"}, runtime_gguf_archs=("olmoe",),
+                gguf_write_meta=gguf_write_meta)

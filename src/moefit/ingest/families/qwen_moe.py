@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from moefit.ingest.families.common import (
     Cfg, Family, GGUFFacts, GGUFMeta, Switches, attn_spec, dtype_name, expert_tensors, global_tensors, gqa,
-    layer_norms, layer_types, partial_rotary, read_sizes, router_tensors, softmax_kind, swiglu,
+    gguf_moe_metadata, layer_norms, layer_types, partial_rotary, read_sizes, router_tensors, softmax_kind,
+    swiglu,
 )
 from moefit.ingest.geometry import LayerSpec, MoESpec, Tensor
 
@@ -105,6 +106,14 @@ def gguf_config(m: GGUFMeta, cfg: dict, f: GGUFFacts) -> None:
         cfg["attention_bias"] = f.bias
 
 
+def gguf_write_meta(w, config: dict) -> None:
+    """:func:`~moefit.ingest.families.common.gguf_moe_metadata` plus, for Qwen2-MoE,
+    ``expert_shared_feed_forward_length`` (``Qwen2MoeModel``)."""
+    gguf_moe_metadata(w, config)
+    if config.get("model_type") == "qwen2_moe" and config.get("shared_expert_intermediate_size"):
+        w.add_expert_shared_feed_forward_length(config["shared_expert_intermediate_size"])
+
+
 #: Default of ``norm_topk_prob`` in each config class (transformers 5.x): False.
 NORM_TOPK_DEFAULT = False
 
@@ -130,4 +139,4 @@ FAMILY = Family(name="qwen_moe", model_types=("qwen3_moe", "qwen2_moe"), parse=p
                 gguf_archs=("qwen3moe", "qwen2moe"), gguf_config=gguf_config, switches=switches,
                 runtime_types=("qwen3_moe", "qwen2_moe"),
                 gguf_arch_of={"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe"},
-                runtime_gguf_archs=("qwen3moe", "qwen2moe"))
+                runtime_gguf_archs=("qwen3moe", "qwen2moe"), gguf_write_meta=gguf_write_meta)
