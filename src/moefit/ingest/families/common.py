@@ -218,8 +218,13 @@ def read_rope(c: Cfg, max_pos: int) -> RopeSpec:
 
 
 def partial_rotary(c: Cfg) -> float:
-    """``partial_rotary_factor`` at top level or inside ``rope_parameters``, default 1."""
-    return float(c.get("partial_rotary_factor", rope_block(c.data).get("partial_rotary_factor", 1.0)))
+    """``partial_rotary_factor``: inside the RoPE dict (:func:`rope_block`), else at top
+    level, else 1. The rule of :func:`rope_config` for ``rope_theta``: transformers'
+    ``convert_rope_params_to_dict`` sets the top-level value as the dict's default, and the
+    models read the dict (``modeling_qwen3_next.py``: ``config.rope_parameters.get(
+    "partial_rotary_factor", 1.0)``)."""
+    value = rope_block(c.data).get("partial_rotary_factor")
+    return float(value if value is not None else c.get("partial_rotary_factor", 1.0))
 
 
 def linear(name: str, out_f: int, in_f: int, role: str, bias: bool = False) -> list[Tensor]:
