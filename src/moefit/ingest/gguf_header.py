@@ -45,7 +45,7 @@ from typing import Any
 
 from moefit.errors import InputError
 from moefit.ingest.families import registry
-from moefit.ingest.families.common import GGUFFacts, GGUFMeta
+from moefit.ingest.families.common import GGUF_EXPERT_NAMES, LAYER_NAMES, GGUFFacts, GGUFMeta
 from moefit.ingest.geometry import ExactWeights, ModelGeometry
 
 #: ggml types whose tensors hold floats as stored (no block structure).
@@ -297,17 +297,18 @@ def compute_dtype(h: GGUFHeader) -> str:
 
 
 def _moe_layers(m: GGUFMeta, n_layers: int) -> list[int]:
-    return [i for i in range(n_layers) if m.has(f"blk.{i}.ffn_gate_inp.weight")]
+    router = LAYER_NAMES["router"][1]
+    return [i for i in range(n_layers) if m.has(f"blk.{i}.{router}")]
 
 
 def _expert_width(m: GGUFMeta, layers: list[int]) -> int | None:
     """Expert intermediate size from the first MoE layer's expert tensors."""
     for i in layers:
         for part in ("up", "gate"):
-            ne = m.ne(f"blk.{i}.ffn_{part}_exps.weight")
+            ne = m.ne(f"blk.{i}.{GGUF_EXPERT_NAMES[part]}")
             if ne is not None and len(ne) == 3:
                 return ne[1]
-        ne = m.ne(f"blk.{i}.ffn_gate_up_exps.weight")
+        ne = m.ne(f"blk.{i}.{GGUF_EXPERT_NAMES['gate_up']}")
         if ne is not None and len(ne) == 3:
             return ne[1] // 2
     return None

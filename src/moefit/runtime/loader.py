@@ -229,7 +229,7 @@ def _expert_plan(l: LayerSpec, geom: ModelGeometry, arch: Arch, index: _Index):
     """``("fused", gate_up name, down name)`` or ``("per_expert", [(g, u, d) per expert])``."""
     m, h, p = l.moe, geom.hidden_size, f"{arch.prefix}layers.{l.index}."
     i = m.expert_intermediate
-    for prefix in dict.fromkeys((arch.moe_prefix, "mlp")):
+    for prefix in arch.names.moe_blocks:
         gu, dn = f"{p}{prefix}.experts.gate_up_proj", f"{p}{prefix}.experts.down_proj"
         if index.has(gu) or index.has(dn):
             index.check(gu, (m.num_experts, 2 * i, h))

@@ -418,12 +418,14 @@ class NameTable:
 
     ``aliases``: other Hugging Face names (under the layer prefix) of a slot, that a
     checkpoint may use instead (transformers 5.x saves every MoE block as ``mlp``).
+    ``moe_blocks``: the MoE block names a checkpoint may use, the family's first.
     """
 
     layer: dict[str, tuple[str, str]]
     globals: dict[str, tuple[str, str]]
     experts: dict[str, str]
     aliases: dict[str, str] = field(default_factory=dict)
+    moe_blocks: tuple[str, ...] = ("mlp",)
 
     def hf_candidates(self, slot: str, layer_prefix: str) -> list[str]:
         """The checkpoint names ``slot`` may have: the table's, then its aliases."""
@@ -463,7 +465,8 @@ def name_table(moe_prefix: str = "mlp", layer: dict[str, tuple[str, str]] | None
     names the block ``mlp`` (``MixtralDecoderLayer.mlp``) and saves it so."""
     table = {slot: (hf.replace("{moe}", moe_prefix), g) for slot, (hf, g) in {**LAYER_NAMES, **(layer or {})}.items()}
     aliases = {} if moe_prefix == "mlp" else {LAYER_NAMES["router"][0].replace("{moe}", "mlp"): "router"}
-    return NameTable(table, dict(GLOBAL_NAMES), dict(GGUF_EXPERT_NAMES), aliases)
+    return NameTable(table, dict(GLOBAL_NAMES), dict(GGUF_EXPERT_NAMES), aliases,
+                     tuple(dict.fromkeys((moe_prefix, "mlp"))))
 
 
 # --------------------------------------------------------------------------------------------
