@@ -178,6 +178,23 @@ def test_every_gguf_architecture_belongs_to_the_family_that_writes_it():
             assert registry.family_for_gguf(a) is fam and fam.switches is not None
 
 
+@pytest.mark.parametrize("name", [p for p, f in PRESET_FAMILY.items()
+                                  if registry.family_for(json.loads((PRESETS_DIR / p / "config.json").read_text())
+                                                         ["model_type"]).switches is not None])
+def test_switches_and_name_table_agree_with_the_listing(name):
+    """The MoE block of the switches is the name table's, and the table's router name is the
+    tensor the listing has, on every shipped config the runtime runs."""
+    cfg, g = preset(name)
+    fam = registry.family_for(cfg["model_type"])
+    sw = fam.switches(cfg)
+    assert sw.moe_prefix == fam.names.moe_blocks[0]
+    l = g.moe_layers[0]
+    prefix = f"{sw.prefix}layers.{l.index}."
+    assert fam.names.hf("router", prefix) in {t.name for t in l.tensors}
+    for slot in ("input_norm", "post_norm"):
+        assert fam.names.hf(slot, prefix) in {t.name for t in l.tensors}
+
+
 # ---- RoPE: one reading --------------------------------------------------------------------
 def test_rope_scaling_replaces_rope_parameters_as_in_transformers():
     """transformers 5.x ``convert_rope_params_to_dict``: a non-empty ``rope_scaling`` replaces

@@ -53,7 +53,7 @@ def gguf_arch(model_type: str) -> str:
     return arch
 
 
-def gguf_name(hf_name: str, model_type: str = "qwen3_moe") -> str:
+def gguf_name(hf_name: str, model_type: str) -> str:
     """GGUF name of a non-expert HF tensor name, from the name table of ``model_type``'s
     family (:class:`moefit.ingest.families.common.NameTable`). Raises KeyError for a name
     the table does not hold."""
