@@ -7,8 +7,9 @@ data offset) -- then the aligned tensor data. This module reads the header throu
 data) and:
 
 1. maps the GGUF architecture (``general.architecture``) onto the Hugging Face config of
-   the same model (:func:`config_from_gguf`), so the geometry comes from the very parsers of
-   the config path (:mod:`moefit.ingest.families`): same layers, attention kinds, KV and staging;
+   the same model (:func:`config_from_gguf`: the keys every architecture shares here, the
+   architecture's own keys in its family module), so the geometry comes from the very parsers
+   of the config path (:mod:`moefit.ingest.families`): same layers, attention kinds, KV and staging;
 2. prices every tensor exactly from its ggml type: ``n_elements / block_size x type_size``
    bytes (``gguf.GGML_QUANT_SIZES``; the block sizes of ``ggml-common.h``);
 3. prices one expert blob per MoE layer from that layer's real tensor types (files give
@@ -43,14 +44,9 @@ from pathlib import Path
 from typing import Any
 
 from moefit.errors import InputError
+from moefit.ingest.families import registry
+from moefit.ingest.families.common import GGUF_EXPERT_NAMES, LAYER_NAMES, GGUFFacts, GGUFMeta
 from moefit.ingest.geometry import ExactWeights, ModelGeometry
-
-#: GGUF architectures planned, and the ``model_type`` of the config they map onto.
-ARCH_MODEL_TYPES: dict[str, str] = {
-    "qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe", "llama": "mixtral (with experts) / llama",
-    "olmoe": "olmoe", "qwen3next": "qwen3_next", "qwen35moe": "qwen3_5_moe_text",
-    "gpt-oss": "gpt_oss", "deepseek2": "deepseek_v2 / deepseek_v3", "glm4moe": "glm4_moe",
-}
 
 #: ggml types whose tensors hold floats as stored (no block structure).
 FLOAT_TYPES = ("F32", "F16", "BF16", "F64")
@@ -279,45 +275,10 @@ def close_reader(reader) -> None:
 # --------------------------------------------------------------------------------------------
 # GGUF metadata -> Hugging Face config
 # --------------------------------------------------------------------------------------------
-class _Meta:
-    """``{arch}.key`` access with errors naming the key and the file."""
-
-    def __init__(self, h: GGUFHeader):
-        self.h, self.arch, self.source = h, h.arch, str(h.paths[0])
-
-    def get(self, key: str, default: Any = None) -> Any:
-        v = self.h.meta.get(f"{self.arch}.{key}")
-        return default if v is None else v
-
-    def req(self, key: str) -> Any:
-        v = self.get(key)
-        if v is None:
-            raise InputError(f"{self.source}: GGUF metadata key '{self.arch}.{key}' is missing "
-                             f"(architecture {self.arch!r})")
-        return v
-
-    def int(self, key: str, default: int | None = None) -> int:
-        v = self.req(key) if default is None else self.get(key, default)
-        if isinstance(v, list):   # per-layer arrays (head counts of hybrids): the largest
-            v = max(v) if v else 0
-        try:
-            return int(v)
-        except (TypeError, ValueError):
-            raise InputError(f"{self.source}: GGUF metadata key '{self.arch}.{key}' must be a "
-                             f"whole number, got {v!r}") from None
-
-    def has(self, name: str) -> bool:
-        return name in self.h.tensors
-
-    def ne(self, name: str) -> tuple[int, ...] | None:
-        t = self.h.tensors.get(name)
-        return t.ne if t else None
-
-
 def num_text_layers(h: GGUFHeader) -> int:
     """Decoder layers of the text model: ``block_count`` minus the MTP layers that GLM-4.5 /
     DeepSeek conversions append (``nextn_predict_layers``)."""
-    m = _Meta(h)
+    m = GGUFMeta(h)
     return m.int("block_count") - m.int("nextn_predict_layers", 0)
 
 
@@ -335,24 +296,25 @@ def compute_dtype(h: GGUFHeader) -> str:
     return "float32" if dense and all(t.ggml_type == "F32" for t in dense) else "bfloat16"
 
 
-def _moe_layers(m: _Meta, n_layers: int) -> list[int]:
-    return [i for i in range(n_layers) if m.has(f"blk.{i}.ffn_gate_inp.weight")]
+def _moe_layers(m: GGUFMeta, n_layers: int) -> list[int]:
+    router = LAYER_NAMES["router"][1]
+    return [i for i in range(n_layers) if m.has(f"blk.{i}.{router}")]
 
 
-def _expert_width(m: _Meta, layers: list[int]) -> int | None:
+def _expert_width(m: GGUFMeta, layers: list[int]) -> int | None:
     """Expert intermediate size from the first MoE layer's expert tensors."""
     for i in layers:
         for part in ("up", "gate"):
-            ne = m.ne(f"blk.{i}.ffn_{part}_exps.weight")
+            ne = m.ne(f"blk.{i}.{GGUF_EXPERT_NAMES[part]}")
             if ne is not None and len(ne) == 3:
                 return ne[1]
-        ne = m.ne(f"blk.{i}.ffn_gate_up_exps.weight")
+        ne = m.ne(f"blk.{i}.{GGUF_EXPERT_NAMES['gate_up']}")
         if ne is not None and len(ne) == 3:
             return ne[1] // 2
     return None
 
 
-def _rope_config(m: _Meta) -> dict:
+def _rope_config(m: GGUFMeta) -> dict:
     """``rope_theta`` and, when the file scales RoPE, ``rope_scaling`` (type, factor, original
     window) from ``rope.freq_base`` / ``rope.scaling.*``."""
     cfg: dict[str, Any] = {"rope_theta": float(m.get("rope.freq_base", 10000.0))}
@@ -378,16 +340,19 @@ def config_from_gguf(h: GGUFHeader) -> dict:
     ``expert_used_count`` -> experts and top-k; vocab from ``token_embd`` (``ne[1]``);
     ``tie_word_embeddings`` when there is no ``output.weight``. Which layers are MoE, the
     expert width and the presence of biases and q/k norms are read from the tensor infos
-    (ground truth over metadata). Architecture-specific keys are listed at each branch.
+    (ground truth over metadata). The architecture's own keys are mapped by its family
+    (``Family.gguf_config`` in :mod:`moefit.ingest.families`, found by
+    ``general.architecture``), which sets ``model_type``.
 
-    Errors: :class:`InputError` for an architecture not in :data:`ARCH_MODEL_TYPES` or a
+    Errors: :class:`InputError` for an architecture no registered family maps, or a
     missing required key (named with the file).
     """
-    m = _Meta(h)
+    m = GGUFMeta(h)
     arch = h.arch
-    if arch not in ARCH_MODEL_TYPES:
+    family = registry.family_for_gguf(arch)
+    if family is None or family.gguf_config is None:
         raise InputError(f"{m.source}: GGUF architecture {arch!r} is not supported; supported: "
-                         f"{', '.join(sorted(ARCH_MODEL_TYPES))}")
+                         f"{', '.join(registry.gguf_archs())}")
     embd = m.ne("token_embd.weight")
     if embd is None or len(embd) != 2:
         raise InputError(f"{m.source}: GGUF has no 2-D token_embd.weight tensor; not a text model file")
@@ -406,97 +371,13 @@ def config_from_gguf(h: GGUFHeader) -> dict:
         cfg["head_dim"] = m.int("attention.key_length")
     cfg.update(_rope_config(m))
     moe = _moe_layers(m, layers)
-    experts = m.int("expert_count", 0)
-    top_k = m.int("expert_used_count", 0)
-    width = _expert_width(m, moe)
-    dense_ff = m.int("feed_forward_length", 0)
-    head_dim = cfg.get("head_dim", hidden // heads)
-    bias = m.has("blk.0.attn_q.bias")
-    norm = m.get("expert_weights_norm")
-    dense_layers = [i for i in range(layers) if i not in moe]
-
-    if arch in ("qwen3moe", "qwen2moe"):
-        # qwen3moe normalises the top-k weights in llama.cpp; qwen2moe's config default is False
-        cfg.update(model_type="qwen3_moe" if arch == "qwen3moe" else "qwen2_moe",
-                   num_experts=experts, num_experts_per_tok=top_k,
-                   moe_intermediate_size=m.int("expert_feed_forward_length", width or 0),
-                   intermediate_size=dense_ff or width, mlp_only_layers=dense_layers,
-                   norm_topk_prob=bool(norm if norm is not None else arch == "qwen3moe"))
-        if arch == "qwen2moe":
-            sh = m.ne("blk.%d.ffn_up_shexp.weight" % (moe[0] if moe else 0))
-            cfg["shared_expert_intermediate_size"] = m.int(
-                "expert_shared_feed_forward_length", sh[1] if sh else 0)
-            cfg["qkv_bias"] = bias
-        else:
-            cfg["attention_bias"] = bias
-    elif arch == "llama":
-        # Mixtral is converted as `llama` with stacked experts (ffn_*_exps; w1/w3/w2)
-        if experts:
-            cfg.update(model_type="mixtral", num_local_experts=experts, num_experts_per_tok=top_k,
-                       intermediate_size=width or dense_ff)
-            if m.get("attention.sliding_window"):
-                cfg["sliding_window"] = m.int("attention.sliding_window")
-        else:
-            cfg.update(model_type="llama", intermediate_size=dense_ff, attention_bias=bias,
-                       mlp_bias=m.has("blk.0.ffn_up.bias"))
-    elif arch == "olmoe":
-        # attention.clamp_kqv -> clip_qkv; q/k norms over all heads (ne[0] = heads x head_dim)
-        clamp = m.get("attention.clamp_kqv")
-        cfg.update(model_type="olmoe", num_experts=experts, num_experts_per_tok=top_k,
-                   intermediate_size=width or m.int("expert_feed_forward_length", dense_ff),
-                   norm_topk_prob=bool(norm) if norm is not None else False,
-                   attention_bias=bias, clip_qkv=float(clamp) if clamp else None)
-    elif arch in ("qwen3next", "qwen35moe"):
-        # Gated DeltaNet (convert_hf_to_gguf Qwen3NextModel): ssm.conv_kernel ->
-        # linear_conv_kernel_dim, ssm.state_size -> linear_key_head_dim, ssm.group_count ->
-        # linear_num_key_heads, ssm.time_step_rank -> linear_num_value_heads, ssm.inner_size ->
-        # value dim (Nv x Dv); rope.dimension_count = head_dim x partial_rotary_factor
-        nv = m.int("ssm.time_step_rank")
-        cfg.update(model_type="qwen3_next" if arch == "qwen3next" else "qwen3_5_moe_text",
-                   num_experts=experts, num_experts_per_tok=top_k,
-                   moe_intermediate_size=m.int("expert_feed_forward_length", width or 0),
-                   shared_expert_intermediate_size=m.int("expert_shared_feed_forward_length", 0),
-                   intermediate_size=dense_ff or width, mlp_only_layers=dense_layers,
-                   full_attention_interval=m.int("full_attention_interval", 4),
-                   linear_conv_kernel_dim=m.int("ssm.conv_kernel"),
-                   linear_key_head_dim=m.int("ssm.state_size"),
-                   linear_num_key_heads=m.int("ssm.group_count"),
-                   linear_num_value_heads=nv,
-                   linear_value_head_dim=m.int("ssm.inner_size") // max(nv, 1),
-                   partial_rotary_factor=m.int("rope.dimension_count", head_dim) / head_dim,
-                   attention_bias=bias, norm_topk_prob=True)
-        cfg.setdefault("head_dim", head_dim)
-    elif arch == "gpt-oss":
-        # every other layer sliding (window attention.sliding_window), biases everywhere
-        cfg.update(model_type="gpt_oss", num_local_experts=experts, num_experts_per_tok=top_k,
-                   intermediate_size=width or m.int("expert_feed_forward_length"),
-                   sliding_window=m.int("attention.sliding_window", 128), attention_bias=True)
-    elif arch == "deepseek2":
-        # MLA: rope.dimension_count -> qk_rope_head_dim; attention.key_length(_mla) = nope + rope;
-        # value_length(_mla) = v_head_dim (the _mla keys, when present, hold the per-head
-        # sizes and key/value_length the absorbed ones); leading_dense_block_count ->
-        # first_k_dense_replace; expert_gating_func 2 (sigmoid) -> deepseek_v3
-        rope = m.int("rope.dimension_count")
-        key = m.int("attention.key_length_mla", 0) or m.int("attention.key_length")
-        value = m.int("attention.value_length_mla", 0) or m.int("attention.value_length")
-        cfg.pop("head_dim", None)
-        cfg.update(model_type="deepseek_v3" if m.int("expert_gating_func", 1) == 2 else "deepseek_v2",
-                   intermediate_size=dense_ff or width, moe_intermediate_size=width or m.int("expert_feed_forward_length"),
-                   n_routed_experts=experts, num_experts_per_tok=top_k,
-                   n_shared_experts=m.int("expert_shared_count", 0),
-                   first_k_dense_replace=m.int("leading_dense_block_count", 0),
-                   q_lora_rank=m.int("attention.q_lora_rank", 0), kv_lora_rank=m.int("attention.kv_lora_rank"),
-                   qk_rope_head_dim=rope, qk_nope_head_dim=key - rope, v_head_dim=value)
-    elif arch == "glm4moe":
-        # leading_dense_block_count -> first_k_dense_replace; expert_shared_count ->
-        # n_shared_experts; rope.dimension_count = head_dim x partial_rotary_factor
-        cfg.update(model_type="glm4_moe", n_routed_experts=experts, num_experts_per_tok=top_k,
-                   moe_intermediate_size=width or m.int("expert_feed_forward_length"),
-                   n_shared_experts=m.int("expert_shared_count", 0),
-                   first_k_dense_replace=m.int("leading_dense_block_count", 0),
-                   intermediate_size=dense_ff or width,
-                   partial_rotary_factor=m.int("rope.dimension_count", head_dim) / head_dim,
-                   use_qk_norm=m.has("blk.0.attn_q_norm.weight"), attention_bias=bias)
+    facts = GGUFFacts(
+        experts=m.int("expert_count", 0), top_k=m.int("expert_used_count", 0),
+        width=_expert_width(m, moe), dense_ff=m.int("feed_forward_length", 0),
+        head_dim=cfg.get("head_dim", hidden // heads), bias=m.has("blk.0.attn_q.bias"),
+        norm=m.get("expert_weights_norm"), moe_layers=moe,
+        dense_layers=[i for i in range(layers) if i not in moe])
+    family.gguf_config(m, cfg, facts)
     return cfg
 
 

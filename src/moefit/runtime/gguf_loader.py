@@ -29,14 +29,12 @@ from pathlib import Path
 import torch
 
 from moefit.errors import InputError
+from moefit.ingest.families import registry
 from moefit.ingest.geometry import LayerSpec, ModelGeometry
 from moefit.ingest.gguf_header import GGUFHeader, GGUFTensor, close_reader, config_from_gguf, open_reader, read_header
 from moefit.runtime.arch import Arch
 from moefit.runtime.loader import HostExperts, Weights, _NoBar, assemble_weights
 from moefit.runtime.quant import StoredExpert, dequantize, kernel_for
-
-#: GGUF architectures the runtime runs.
-RUNTIME_ARCHS = ("qwen3moe", "qwen2moe", "olmoe", "llama")
 
 
 def is_gguf(path: str | Path) -> bool:
@@ -98,50 +96,51 @@ def _prod(shape) -> int:
 
 
 def _layer_plan(l: LayerSpec, geom: ModelGeometry, arch: Arch) -> list[tuple[str, str, tuple]]:
-    """(attribute, GGUF name, torch shape) of every resident tensor of layer ``l``."""
-    a, h, b = l.attention, geom.hidden_size, f"blk.{l.index}."
+    """(attribute, GGUF name, torch shape) of every resident tensor of layer ``l``; names
+    from the family's table (``arch.names``)."""
+    a, h = l.attention, geom.hidden_size
     qd, kd, vd = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim, a.num_kv_heads * a.v_head_dim
-    out = [("input_norm", f"{b}attn_norm.weight", (h,)), ("post_norm", f"{b}ffn_norm.weight", (h,)),
-           ("q", f"{b}attn_q.weight", (qd, h)), ("k", f"{b}attn_k.weight", (kd, h)),
-           ("v", f"{b}attn_v.weight", (vd, h)), ("o", f"{b}attn_output.weight", (h, a.num_heads * a.v_head_dim))]
+    n = lambda slot: arch.names.gguf(slot, l.index)  # noqa: E731
+    out = [("input_norm", n("input_norm"), (h,)), ("post_norm", n("post_norm"), (h,)),
+           ("q", n("q"), (qd, h)), ("k", n("k"), (kd, h)),
+           ("v", n("v"), (vd, h)), ("o", n("o"), (h, a.num_heads * a.v_head_dim))]
     if arch.q_bias:
-        out += [("q_bias", f"{b}attn_q.bias", (qd,)), ("k_bias", f"{b}attn_k.bias", (kd,)),
-                ("v_bias", f"{b}attn_v.bias", (vd,))]
+        out += [("q_bias", n("q_bias"), (qd,)), ("k_bias", n("k_bias"), (kd,)), ("v_bias", n("v_bias"), (vd,))]
     if arch.o_bias:
-        out.append(("o_bias", f"{b}attn_output.bias", (h,)))
+        out.append(("o_bias", n("o_bias"), (h,)))
     if arch.qk_norm == "head":
-        out += [("q_norm", f"{b}attn_q_norm.weight", (a.head_dim,)), ("k_norm", f"{b}attn_k_norm.weight", (a.head_dim,))]
+        out += [("q_norm", n("q_norm"), (a.head_dim,)), ("k_norm", n("k_norm"), (a.head_dim,))]
     elif arch.qk_norm == "full":
-        out += [("q_norm", f"{b}attn_q_norm.weight", (qd,)), ("k_norm", f"{b}attn_k_norm.weight", (kd,))]
+        out += [("q_norm", n("q_norm"), (qd,)), ("k_norm", n("k_norm"), (kd,))]
     if l.moe is None:
         i = l.dense_intermediate
-        return out + [("dense_gate", f"{b}ffn_gate.weight", (i, h)), ("dense_up", f"{b}ffn_up.weight", (i, h)),
-                      ("dense_down", f"{b}ffn_down.weight", (h, i))]
+        return out + [("dense_gate", n("dense_gate"), (i, h)), ("dense_up", n("dense_up"), (i, h)),
+                      ("dense_down", n("dense_down"), (h, i))]
     m = l.moe
-    out.append(("router", f"{b}ffn_gate_inp.weight", (m.num_experts, h)))
+    out.append(("router", n("router"), (m.num_experts, h)))
     if m.shared_intermediate:
         si = m.shared_intermediate
-        out += [("shared_gate", f"{b}ffn_gate_shexp.weight", (si, h)),
-                ("shared_up", f"{b}ffn_up_shexp.weight", (si, h)),
-                ("shared_down", f"{b}ffn_down_shexp.weight", (h, si)),
-                ("shared_expert_gate", f"{b}ffn_gate_inp_shexp.weight", (1, h))]
+        out += [("shared_gate", n("shared_gate"), (si, h)), ("shared_up", n("shared_up"), (si, h)),
+                ("shared_down", n("shared_down"), (h, si)),
+                ("shared_expert_gate", n("shared_expert_gate"), (1, h))]
     return out
 
 
-def _expert_parts(l: LayerSpec, geom: ModelGeometry, ts: _Tensors) -> tuple[list[str], StoredExpert]:
+def _expert_parts(l: LayerSpec, geom: ModelGeometry, arch: Arch, ts: _Tensors) -> tuple[list[str], StoredExpert]:
     """The GGUF expert tensors of layer ``l`` in blob order (gate, up, down; or gate_up,
     down) and the layer's :class:`StoredExpert` layout."""
-    m, h, b = l.moe, geom.hidden_size, f"blk.{l.index}."
+    m, h = l.moe, geom.hidden_size
     e, i = m.num_experts, m.expert_intermediate
-    fused = f"{b}ffn_gate_up_exps.weight"
+    n = lambda part: arch.names.gguf_expert(part, l.index)  # noqa: E731
+    fused = n("gate_up")
     if fused in ts.h.tensors:
         t = ts.check(fused, (e, 2 * i, h))
-        d = ts.check(f"{b}ffn_down_exps.weight", (e, h, i))
+        d = ts.check(n("down"), (e, h, i))
         fmt = StoredExpert.pack(i, h, t.ggml_type, t.ggml_type, d.ggml_type)
         return [fused, d.name], fmt
-    g = ts.check(f"{b}ffn_gate_exps.weight", (e, i, h))
-    u = ts.check(f"{b}ffn_up_exps.weight", (e, i, h))
-    d = ts.check(f"{b}ffn_down_exps.weight", (e, h, i))
+    g = ts.check(n("gate"), (e, i, h))
+    u = ts.check(n("up"), (e, i, h))
+    d = ts.check(n("down"), (e, h, i))
     return [g.name, u.name, d.name], StoredExpert.pack(i, h, g.ggml_type, u.ggml_type, d.ggml_type)
 
 
@@ -156,9 +155,9 @@ def load_gguf(path: str | Path, geom: ModelGeometry, arch: Arch, alloc, *, pin: 
     dtype ``arch.dtype``), experts into stored blobs. Every name, dims and type is checked
     before any data is read. Raises InputError (see module docstring)."""
     h = read_header(path)
-    if h.arch not in RUNTIME_ARCHS:
+    if h.arch not in registry.runtime_gguf_archs():
         raise InputError(f"{h.paths[0]}: GGUF architecture {h.arch!r}: the runtime runs "
-                         f"{', '.join(RUNTIME_ARCHS)} (`moefit plan` plans it)")
+                         f"{', '.join(registry.runtime_gguf_archs())} (`moefit plan` plans it)")
     ts = _Tensors(h)
     try:
         return _load(h, ts, geom, arch, alloc, pin, progress)
@@ -168,26 +167,30 @@ def load_gguf(path: str | Path, geom: ModelGeometry, arch: Arch, alloc, *, pin: 
 
 def _load(h, ts: _Tensors, geom, arch, alloc, pin, progress):
     hidden, dtype = geom.hidden_size, arch.dtype
-    glob = [("embed", "token_embd.weight", (geom.vocab_size, hidden)), ("norm", "output_norm.weight", (hidden,))]
+    g = arch.names.globals
+    glob = [("embed", g["embed"][1], (geom.vocab_size, hidden)), ("norm", g["norm"][1], (hidden,))]
     if not arch.tie_embeddings:
-        glob.append(("lm_head", "output.weight", (geom.vocab_size, hidden)))
+        glob.append(("lm_head", g["lm_head"][1], (geom.vocab_size, hidden)))
     layer_plans = [_layer_plan(l, geom, arch) for l in geom.layers]
     for _, name, shape in glob + [t for lp in layer_plans for t in lp]:
         ts.check(name, shape)
-    expert_plans = {l.index: _expert_parts(l, geom, ts) for l in geom.moe_layers}
+    expert_plans = {l.index: _expert_parts(l, geom, arch, ts) for l in geom.moe_layers}
     names = [n for _, n, _ in glob] + [n for lp in layer_plans for _, n, _ in lp]
     names += [n for parts, _ in expert_plans.values() for n in parts]
     bar = _progress_bytes(sum(h.tensors[n].nbytes for n in names), progress, h.paths[0].name)
     heads = geom.layers[0].attention.num_heads
     kv_heads = geom.layers[0].attention.num_kv_heads
+    family = registry.family_for_gguf(h.arch)
+    permute = family is not None and family.gguf_permute_qk
+    qk = {name: heads if attr == "q" else kv_heads for lp in layer_plans for attr, name, _ in lp
+          if attr in ("q", "k", "q_bias", "k_bias")}
 
     def resident(name: str, shape: tuple) -> torch.Tensor:
         t = h.tensors[name]
         raw = ts.raw(name)
-        if h.arch == "llama" and (".attn_q." in name or ".attn_k." in name):
+        if permute and name in qk:
             # whole quantized rows move: un-permute the bytes on the host, then dequantize
-            n = heads if ".attn_q." in name else kv_heads
-            raw = _unpermute(raw.view(shape[0], -1), n).reshape(-1)
+            raw = _unpermute(raw.view(shape[0], -1), qk[name]).reshape(-1)
         dst = alloc(shape, dtype)
         dequantize(raw, t.ggml_type, shape, out=dst)
         bar.update(t.nbytes)

@@ -178,30 +178,29 @@ def _first(index: _Index, names: list[str]) -> str:
 
 
 def _layer_plan(l: LayerSpec, geom: ModelGeometry, arch: Arch, index: _Index) -> list[tuple[str, str, tuple]]:
-    """(attribute, checkpoint name, shape) of every resident tensor of layer ``l``."""
+    """(attribute, checkpoint name, shape) of every resident tensor of layer ``l``; names
+    from the family's table (``arch.names``)."""
     a, h, p = l.attention, geom.hidden_size, f"{arch.prefix}layers.{l.index}."
     qd, kd, vd = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim, a.num_kv_heads * a.v_head_dim
-    s = f"{p}self_attn."
-    out = [("input_norm", f"{p}input_layernorm.weight", (h,)),
-           ("post_norm", f"{p}post_attention_layernorm.weight", (h,))]
+    n = lambda slot: arch.names.hf(slot, p)  # noqa: E731
+    out = [("input_norm", n("input_norm"), (h,)), ("post_norm", n("post_norm"), (h,))]
     if a.kind == "linear":
         out += linear_attention_entries(p, a, h, index.has)
         return out + _mlp_plan(l, geom, arch, index, p)
-    q, qb = (f"{s}q_proj.weight", (qd, h)), (f"{s}q_proj.bias", (qd,))
+    q, qb = (n("q"), (qd, h)), (n("q_bias"), (qd,))
     if a.output_gate:   # q_proj holds [query | gate] per head: regrouped at load
         q = gated_q(q[0], a.num_heads, a.head_dim, h)
         qb = gated_q(qb[0], a.num_heads, a.head_dim, h, bias=True)
-    out += [("q", *q), ("k", f"{s}k_proj.weight", (kd, h)), ("v", f"{s}v_proj.weight", (vd, h)),
-            ("o", f"{s}o_proj.weight", (h, a.num_heads * a.v_head_dim))]
+    out += [("q", *q), ("k", n("k"), (kd, h)), ("v", n("v"), (vd, h)),
+            ("o", n("o"), (h, a.num_heads * a.v_head_dim))]
     if arch.q_bias:
-        out += [("q_bias", *qb), ("k_bias", f"{s}k_proj.bias", (kd,)),
-                ("v_bias", f"{s}v_proj.bias", (vd,))]
+        out += [("q_bias", *qb), ("k_bias", n("k_bias"), (kd,)), ("v_bias", n("v_bias"), (vd,))]
     if arch.o_bias:
-        out.append(("o_bias", f"{s}o_proj.bias", (h,)))
+        out.append(("o_bias", n("o_bias"), (h,)))
     if arch.qk_norm == "head":
-        out += [("q_norm", f"{s}q_norm.weight", (a.head_dim,)), ("k_norm", f"{s}k_norm.weight", (a.head_dim,))]
+        out += [("q_norm", n("q_norm"), (a.head_dim,)), ("k_norm", n("k_norm"), (a.head_dim,))]
     elif arch.qk_norm == "full":
-        out += [("q_norm", f"{s}q_norm.weight", (qd,)), ("k_norm", f"{s}k_norm.weight", (kd,))]
+        out += [("q_norm", n("q_norm"), (qd,)), ("k_norm", n("k_norm"), (kd,))]
     return out + _mlp_plan(l, geom, arch, index, p)
 
 
@@ -209,21 +208,20 @@ def _mlp_plan(l: LayerSpec, geom: ModelGeometry, arch: Arch, index: _Index,
               p: str) -> list[tuple[str, str, tuple]]:
     """(attribute, checkpoint name, shape) of the MLP / MoE block of layer ``l``."""
     h, out = geom.hidden_size, []
+    n = lambda slot: arch.names.hf(slot, p)  # noqa: E731
     if l.moe is None:
         i = l.dense_intermediate
-        out += [("dense_gate", f"{p}mlp.gate_proj.weight", (i, h)),
-                ("dense_up", f"{p}mlp.up_proj.weight", (i, h)),
-                ("dense_down", f"{p}mlp.down_proj.weight", (h, i))]
+        out += [("dense_gate", n("dense_gate"), (i, h)), ("dense_up", n("dense_up"), (i, h)),
+                ("dense_down", n("dense_down"), (h, i))]
         return out
     m = l.moe
-    router = _first(index, [f"{p}{arch.moe_prefix}.gate.weight", f"{p}mlp.gate.weight"])
+    router = _first(index, arch.names.hf_candidates("router", p))
     out.append(("router", router, (m.num_experts, h)))
     if m.shared_intermediate:
-        si, sp = m.shared_intermediate, f"{p}mlp.shared_expert."
-        out += [("shared_gate", f"{sp}gate_proj.weight", (si, h)),
-                ("shared_up", f"{sp}up_proj.weight", (si, h)),
-                ("shared_down", f"{sp}down_proj.weight", (h, si)),
-                ("shared_expert_gate", f"{p}mlp.shared_expert_gate.weight", (1, h))]
+        si = m.shared_intermediate
+        out += [("shared_gate", n("shared_gate"), (si, h)), ("shared_up", n("shared_up"), (si, h)),
+                ("shared_down", n("shared_down"), (h, si)),
+                ("shared_expert_gate", n("shared_expert_gate"), (1, h))]
     return out
 
 
@@ -231,7 +229,7 @@ def _expert_plan(l: LayerSpec, geom: ModelGeometry, arch: Arch, index: _Index):
     """``("fused", gate_up name, down name)`` or ``("per_expert", [(g, u, d) per expert])``."""
     m, h, p = l.moe, geom.hidden_size, f"{arch.prefix}layers.{l.index}."
     i = m.expert_intermediate
-    for prefix in dict.fromkeys((arch.moe_prefix, "mlp")):
+    for prefix in arch.names.moe_blocks:
         gu, dn = f"{p}{prefix}.experts.gate_up_proj", f"{p}{prefix}.experts.down_proj"
         if index.has(gu) or index.has(dn):
             index.check(gu, (m.num_experts, 2 * i, h))
@@ -281,10 +279,11 @@ def load_checkpoint(model_dir: str | Path, geom: ModelGeometry, arch: Arch, allo
     index = _Index(model_dir)
     h, dtype = geom.hidden_size, arch.dtype
     # ---- resolve every name first: errors before any byte is read ------------------------
-    glob = [("embed", f"{arch.prefix}embed_tokens.weight", (geom.vocab_size, h)),
-            ("norm", f"{arch.prefix}norm.weight", (h,))]
+    g = arch.names.globals
+    glob = [("embed", f"{arch.prefix}{g['embed'][0]}", (geom.vocab_size, h)),
+            ("norm", f"{arch.prefix}{g['norm'][0]}", (h,))]
     if not arch.tie_embeddings:
-        glob.append(("lm_head", "lm_head.weight", (geom.vocab_size, h)))
+        glob.append(("lm_head", g["lm_head"][0], (geom.vocab_size, h)))
     layer_plans = [_layer_plan(l, geom, arch, index) for l in geom.layers]
     expert_plans = {l.index: _expert_plan(l, geom, arch, index) for l in geom.moe_layers}
     for attr, name, shape in glob + [t for lp in layer_plans for t in lp]:

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from moefit.errors import InputError
+from moefit.ingest.families.common import rope_config
 
 
 @dataclass(frozen=True)
@@ -52,8 +53,10 @@ def rope_from_config(cfg: dict, dim: int, rope_scaling: str | None = None,
     """RoPE of a ``config.json`` dict, optionally overridden by the request flags.
 
     Args:
-        cfg: the (text) config dict: ``rope_parameters`` (transformers 5) or
-            ``rope_scaling`` + ``rope_theta`` (older configs).
+        cfg: the (text) config dict, read by the planner's reader
+            (:func:`moefit.ingest.families.common.rope_config`: a non-empty
+            ``rope_scaling`` replaces ``rope_parameters``, as in transformers 5.x), so the
+            RoPE run is the RoPE planned.
         dim: rotary dims per head.
         rope_scaling: ``--rope-scaling``: None keeps the config's RoPE, ``none`` drops its
             scaling, ``linear`` / ``yarn`` replace it with factor ``rope_scale``.
@@ -61,10 +64,8 @@ def rope_from_config(cfg: dict, dim: int, rope_scaling: str | None = None,
 
     Raises InputError for a RoPE type the runtime does not implement.
     """
-    block = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-    theta = float(cfg.get("rope_theta") or block.get("rope_theta") or 10000.0)
-    max_pos = int(cfg.get("max_position_embeddings") or 0)
-    kind = block.get("rope_type") or block.get("type") or "default"
+    r = rope_config(cfg)
+    block, theta, max_pos, kind = r.block, r.theta, r.max_position_embeddings, r.rope_type
     original = int(block.get("original_max_position_embeddings") or max_pos)
     if rope_scaling == "none":
         return RopeParams("default", theta, dim, max_position_embeddings=max_pos)

@@ -29,39 +29,38 @@ from typing import Mapping
 
 import numpy as np
 
-_ARCH = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "mixtral": "llama", "olmoe": "olmoe"}
-_PER_EXPERT = re.compile(r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\."
+from moefit.ingest.families import registry
+from moefit.ingest.families.common import gguf_moe_metadata, rope_config
+
+# routed experts under any MoE block name (``mlp``, Mixtral's ``block_sparse_moe``, ...)
+_PER_EXPERT = re.compile(r"^model\.layers\.(\d+)\.\w+\.experts\.(\d+)\."
                          r"(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
-_FUSED = re.compile(r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(gate_up_proj|down_proj)$")
+_FUSED = re.compile(r"^model\.layers\.(\d+)\.\w+\.experts\.(gate_up_proj|down_proj)$")
 _PART = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
-_LAYER = [
-    (r"input_layernorm\.weight", "attn_norm.weight"),
-    (r"post_attention_layernorm\.weight", "ffn_norm.weight"),
-    (r"self_attn\.q_proj\.(weight|bias)", r"attn_q.\1"),
-    (r"self_attn\.k_proj\.(weight|bias)", r"attn_k.\1"),
-    (r"self_attn\.v_proj\.(weight|bias)", r"attn_v.\1"),
-    (r"self_attn\.o_proj\.(weight|bias)", r"attn_output.\1"),
-    (r"self_attn\.q_norm\.weight", "attn_q_norm.weight"),
-    (r"self_attn\.k_norm\.weight", "attn_k_norm.weight"),
-    (r"(?:mlp|block_sparse_moe)\.gate\.weight", "ffn_gate_inp.weight"),
-    (r"mlp\.shared_expert\.(gate|up|down)_proj\.weight", r"ffn_\1_shexp.weight"),
-    (r"mlp\.shared_expert_gate\.weight", "ffn_gate_inp_shexp.weight"),
-    (r"mlp\.(gate|up|down)_proj\.weight", r"ffn_\1.weight"),
-]
-_GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-           "lm_head.weight": "output.weight"}
 
 
-def gguf_name(hf_name: str) -> str:
-    """GGUF name of a non-expert HF tensor name. Raises KeyError for an unknown name."""
-    if hf_name in _GLOBAL:
-        return _GLOBAL[hf_name]
-    m = re.match(r"^model\.layers\.(\d+)\.(.+)$", hf_name)
-    if m:
-        for pat, repl in _LAYER:
-            if re.fullmatch(pat, m.group(2)):
-                return f"blk.{m.group(1)}." + re.sub(f"^{pat}$", repl, m.group(2))
-    raise KeyError(hf_name)
+def gguf_arch(model_type: str) -> str:
+    """The GGUF architecture written for ``model_type``: its family's ``gguf_arch_of``
+    (:mod:`moefit.ingest.families`), when the runtime's GGUF loader runs it.
+
+    Raises ValueError for any other model type."""
+    family = registry.family_for(model_type)
+    arch = family.gguf_arch_of.get(model_type) if family else None
+    if arch is None or arch not in family.runtime_gguf_archs:
+        writable = [mt for mt in registry.model_types()
+                    if registry.family_for(mt).gguf_arch_of.get(mt) in registry.family_for(mt).runtime_gguf_archs]
+        raise ValueError(f"model_type {model_type!r}: write_gguf supports {', '.join(writable)}")
+    return arch
+
+
+def gguf_name(hf_name: str, model_type: str) -> str:
+    """GGUF name of a non-expert HF tensor name, from the name table of ``model_type``'s
+    family (:class:`moefit.ingest.families.common.NameTable`). Raises KeyError for a name
+    the table does not hold."""
+    family = registry.family_for(model_type)
+    if family is None:
+        raise KeyError(hf_name)
+    return family.names.gguf_from_hf(hf_name)
 
 
 def permute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -120,9 +119,9 @@ def write_gguf(state: Mapping[str, "object"], config: Mapping, out: str | Path, 
     import gguf
 
     mt = config.get("model_type")
-    if mt not in _ARCH:
-        raise ValueError(f"model_type {mt!r}: write_gguf supports {', '.join(_ARCH)}")
-    arch = _ARCH[mt]
+    arch = gguf_arch(mt)
+    expert_names = registry.family_for(mt).names
+    permute = registry.family_for(mt).gguf_permute_qk
     arrays = {k: (v.detach().float().cpu().numpy() if hasattr(v, "detach") else np.asarray(v, np.float32))
               for k, v in state.items()}
     heads, kv_heads = config["num_attention_heads"], config.get("num_key_value_heads", config["num_attention_heads"])
@@ -130,6 +129,9 @@ def write_gguf(state: Mapping[str, "object"], config: Mapping, out: str | Path, 
     head_dim = config.get("head_dim") or hidden // heads
     experts = config.get("num_experts") or config.get("num_local_experts")
     n_layers = config["num_hidden_layers"]
+    # q/k weights and biases (GGUF name under blk.N.) -> heads, for the llama.cpp row permutation
+    qk_heads = {expert_names.layer[slot][1]: heads if slot.startswith("q") else kv_heads
+                for slot in ("q", "q_bias", "k", "k_bias")}
 
     w = gguf.GGUFWriter(str(out), arch, split_max_tensors=split_max_tensors)
     w.add_name(name or f"moefit-{mt}")
@@ -142,9 +144,9 @@ def write_gguf(state: Mapping[str, "object"], config: Mapping, out: str | Path, 
     w.add_value_length(head_dim)
     w.add_rope_dimension_count(head_dim)
     w.add_layer_norm_rms_eps(float(config.get("rms_norm_eps", 1e-6)))
-    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
-    w.add_rope_freq_base(float(config.get("rope_theta") or rope.get("rope_theta") or 10000.0))
-    kind = rope.get("rope_type") or rope.get("type")
+    r = rope_config(dict(config))   # the planner's and the runtime's RoPE reading
+    rope, kind = r.block, r.rope_type
+    w.add_rope_freq_base(r.theta)
     if kind in ("yarn", "linear"):
         w.add_rope_scaling_type(gguf.RopeScalingType.YARN if kind == "yarn" else gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(float(rope["factor"]))
@@ -153,18 +155,7 @@ def write_gguf(state: Mapping[str, "object"], config: Mapping, out: str | Path, 
     w.add_vocab_size(config["vocab_size"])
     w.add_expert_count(experts)
     w.add_expert_used_count(config["num_experts_per_tok"])
-    if mt != "mixtral":
-        w.add_expert_feed_forward_length(config.get("moe_intermediate_size") or config["intermediate_size"])
-        w.add_feed_forward_length(config.get("intermediate_size") or 0)
-        w.add_expert_weights_norm(bool(config.get("norm_topk_prob", False)))
-    else:
-        w.add_feed_forward_length(config["intermediate_size"])
-        if config.get("sliding_window"):
-            w.add_sliding_window(int(config["sliding_window"]))
-    if mt == "qwen2_moe" and config.get("shared_expert_intermediate_size"):
-        w.add_expert_shared_feed_forward_length(config["shared_expert_intermediate_size"])
-    if mt == "olmoe" and config.get("clip_qkv"):
-        w.add_clamp_kqv(float(config["clip_qkv"]))
+    (registry.family_for(mt).gguf_write_meta or gguf_moe_metadata)(w, config)
     if file_type is not None:
         w.add_file_type(file_type)
     if tokenizer is not None:
@@ -199,15 +190,13 @@ def write_gguf(state: Mapping[str, "object"], config: Mapping, out: str | Path, 
         types = expert_types if isinstance(expert_types, tuple) else (
             expert_types.get(layer, ("Q8_0",) * 3) if isinstance(expert_types, Mapping) else (expert_types,) * 3)
         for part, qt in zip(("gate", "up", "down"), types):
-            tensors.append((f"blk.{layer}.ffn_{part}_exps.weight", t[part], qt))
+            tensors.append((expert_names.gguf_expert(part, layer), t[part], qt))
     for k, v in arrays.items():
         if _FUSED.match(k) or _PER_EXPERT.match(k):
             continue
-        g = gguf_name(k)
-        if arch == "llama" and g.endswith(("attn_q.weight", "attn_q.bias")):
-            v = permute_qk(v, heads)
-        elif arch == "llama" and g.endswith(("attn_k.weight", "attn_k.bias")):
-            v = permute_qk(v, kv_heads)
+        g = gguf_name(k, mt)
+        if permute and g.split(".", 2)[-1] in qk_heads:
+            v = permute_qk(v, qk_heads[g.split(".", 2)[-1]])
         qt = "F32" if v.ndim < 2 or "ffn_gate_inp" in g else dense_type
         qt = (dense_types or {}).get(g, qt)
         tensors.append((g, v, qt))
@@ -226,22 +215,20 @@ def write_gguf(state: Mapping[str, "object"], config: Mapping, out: str | Path, 
     for k in arrays:
         if _FUSED.match(k) or _PER_EXPERT.match(k):
             continue
-        g = gguf_name(k)
+        g = gguf_name(k, mt)
         v = deq[g]
-        if arch == "llama" and g.endswith(("attn_q.weight", "attn_q.bias")):
-            v = unpermute_qk(v, heads)
-        elif arch == "llama" and g.endswith(("attn_k.weight", "attn_k.bias")):
-            v = unpermute_qk(v, kv_heads)
+        if permute and g.split(".", 2)[-1] in qk_heads:
+            v = unpermute_qk(v, qk_heads[g.split(".", 2)[-1]])
         stored[k] = v
     for layer, names in fused_names.items():
-        g = {p: deq[f"blk.{layer}.ffn_{p}_exps.weight"] for p in ("gate", "up", "down")}
+        g = {p: deq[expert_names.gguf_expert(p, layer)] for p in ("gate", "up", "down")}
         if "gate_up_proj" in names:
             stored[names["gate_up_proj"]] = np.concatenate([g["gate"], g["up"]], axis=1)
         if "down_proj" in names:
             stored[names["down_proj"]] = g["down"]
     for layer, names in per_expert.items():
         for (part, j), k in names.items():
-            stored[k] = deq[f"blk.{layer}.ffn_{part}_exps.weight"][j]
+            stored[k] = deq[expert_names.gguf_expert(part, layer)][j]
     return stored
 
 

@@ -1,0 +1,620 @@
+"""What every model family shares: config access, dtype, quantization, RoPE, tensor builders,
+the family record and the tensor name table (Hugging Face name <-> GGUF name <-> runtime slot).
+
+A family module (:mod:`moefit.ingest.families.qwen_moe`, ...) builds on these pieces and
+exports one :class:`Family`; :mod:`moefit.ingest.families.registry` maps ``model_type`` and
+GGUF ``general.architecture`` to it.
+
+Conventions shared by all families:
+
+- Roles: embeddings ``embed``, output head ``lm_head`` (absent when
+  ``tie_word_embeddings``), every RMSNorm weight ``norm``, softmax/MLA attention projections,
+  biases and sinks ``attention``, Gated DeltaNet tensors ``linear_attention``, the router
+  (and its bias) ``router``, shared experts and their gate ``shared_expert``, the MLP of a
+  dense layer ``dense_mlp``, routed experts ``expert``.
+- ``quantizable``: the 2-D (per expert) linear weights of attention, linear attention,
+  shared experts, dense MLPs and routed experts, minus the modules a checkpoint's
+  ``quantization_config.modules_to_not_convert`` names. Embeddings, ``lm_head``, routers,
+  norms, biases, convolutions and the 1-row ``shared_expert_gate`` never are.
+- Buffers are not parameters: DeepSeek-V3 / GLM-4.5 keep ``mlp.gate.e_score_correction_bias``
+  (one fp32 per expert) as a buffer in transformers, so it is not listed (the checkpoint
+  stores it; the exact header reading of :mod:`moefit.ingest.checkpoint` counts it).
+- MTP (multi-token prediction) layers stored after the last decoder layer and vision towers
+  are not part of the text model and are not listed.
+
+This module imports no torch.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable
+
+from moefit.errors import InputError
+from moefit.ingest.geometry import (
+    DTYPE_BYTES, AttentionSpec, LayerSpec, Quantization, RopeSpec, Tensor,
+)
+
+#: Roles that a block-scaled fp8 checkpoint quantizes (every linear role but router, embed, head).
+FP8_ROLES = frozenset({"attention", "linear_attention", "shared_expert", "dense_mlp", "expert"})
+
+# --------------------------------------------------------------------------------------------
+# config access
+# --------------------------------------------------------------------------------------------
+class Cfg:
+    """A config dict plus where it came from, for error messages naming key and file."""
+
+    def __init__(self, data: dict, source: str, parent: "Cfg | None" = None, path: str = ""):
+        self.data = data
+        self.source = source or "<config>"
+        self.parent = parent
+        self.path = path   # "text_config." for a nested block
+
+    def req(self, key: str) -> Any:
+        """Required key; InputError naming the key and the file when absent or null."""
+        value = self.data.get(key)
+        if value is None:
+            raise InputError(
+                f"{self.source}: required key '{self.path}{key}' is missing "
+                f"(model_type {self.top.data.get('model_type', '?')!r})")
+        return value
+
+    def get(self, key: str, default: Any = None) -> Any:
+        value = self.data.get(key)
+        return default if value is None else value
+
+    def get_any(self, key: str, default: Any = None) -> Any:
+        """The key here, else in the enclosing config (multimodal top level), else default."""
+        if self.data.get(key) is not None:
+            return self.data[key]
+        if self.parent is not None:
+            return self.parent.get_any(key, default)
+        return default
+
+    @property
+    def top(self) -> "Cfg":
+        return self.parent.top if self.parent is not None else self
+
+    def int(self, key: str, default: int | None = None) -> int:
+        value = self.req(key) if default is None else self.get(key, default)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or int(value) != value:
+            raise InputError(f"{self.source}: key '{self.path}{key}' must be a whole number, got {value!r}")
+        return int(value)
+
+    def num_experts(self) -> int:
+        """Routed experts: ``num_experts``, or ``num_local_experts``, the name transformers
+        5.x writes for it on ``save_pretrained`` (its configs' ``attribute_map``)."""
+        key = "num_experts" if self.data.get("num_experts") is not None else "num_local_experts"
+        if self.data.get(key) is None:
+            raise InputError(f"{self.source}: required key '{self.path}num_experts' is missing "
+                             f"(model_type {self.top.data.get('model_type', '?')!r})")
+        return self.int(key)
+
+    def text_config(self) -> "Cfg":
+        sub = self.req("text_config")
+        if not isinstance(sub, dict):
+            raise InputError(f"{self.source}: 'text_config' must be an object, got {type(sub).__name__}")
+        return Cfg(sub, self.source, parent=self, path="text_config.")
+
+
+# --------------------------------------------------------------------------------------------
+# shared pieces: dtype, quantization, rope, tensor builders
+# --------------------------------------------------------------------------------------------
+def dtype_name(cfg: dict, text: dict | None = None) -> str:
+    """The checkpoint dtype named by a config: ``dtype`` or the older ``torch_dtype`` of the
+    text config ``text`` first, then of ``cfg``; default ``bfloat16`` (gpt-oss has none);
+    a ``torch.`` prefix dropped. ``dtype`` wins over ``torch_dtype`` in one scope, as in
+    transformers 5 (``PreTrainedConfig.__init__``). The one reading of the planner
+    (:func:`read_dtype`) and the runtime (:mod:`moefit.runtime.arch`). Unchecked."""
+    for scope in (text, cfg):
+        raw = (scope or {}).get("dtype") or (scope or {}).get("torch_dtype")
+        if raw:
+            return str(raw).removeprefix("torch.")
+    return "bfloat16"
+
+
+def read_dtype(c: Cfg) -> tuple[str, int]:
+    """(dtype name, bytes per element) of ``c`` (:func:`dtype_name`: text config first,
+    then the enclosing config). Errors: InputError for a dtype with no byte size."""
+    top = c.top
+    name = dtype_name(top.data, c.data if c is not top else None)
+    if name not in DTYPE_BYTES:
+        raise InputError(f"{c.source}: unsupported dtype {name!r}; expected one of "
+                         f"{', '.join(sorted(DTYPE_BYTES))}")
+    return name, DTYPE_BYTES[name]
+
+
+def read_quantization(c: Cfg) -> tuple[Quantization, tuple[str, ...]]:
+    """``quantization_config`` -> (Quantization, modules_to_not_convert patterns).
+
+    fp8 with ``weight_block_size`` [128, 128] (DeepSeek-V3, Kimi-K2, Qwen *-FP8): every linear
+    role but router/embed/lm_head. fp8 without a block size (per-tensor scale) is priced as one
+    block per tensor. mxfp4 (gpt-oss): routed experts only. Errors: InputError for any other
+    ``quant_method`` (the byte layout would be a guess).
+    """
+    q = c.get_any("quantization_config")
+    if not q:
+        return Quantization(), ()
+    if not isinstance(q, dict):
+        raise InputError(f"{c.source}: 'quantization_config' must be an object")
+    method = str(q.get("quant_method", "")).lower()
+    skip = tuple(q.get("modules_to_not_convert") or q.get("ignored_layers") or ())
+    if method == "fp8":
+        block = q.get("weight_block_size")
+        size = (int(block[0]), int(block[1])) if block else (1 << 30, 1 << 30)
+        return Quantization("fp8", size, FP8_ROLES), skip
+    if method == "mxfp4":
+        return Quantization("mxfp4", applies_to=frozenset({"expert"})), skip
+    raise InputError(f"{c.source}: quantization_config.quant_method {method!r} is not supported; "
+                     "supported: fp8 (block-scaled), mxfp4 (gpt-oss experts); "
+                     "use the unquantized config to plan")
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    """RoPE as a config declares it, read by the one rule of :func:`rope_config`.
+
+    ``block``: the scaling dict (keys ``rope_type`` / ``type``, ``factor``,
+    ``original_max_position_embeddings``, ``beta_fast``, ...), ``{}`` when none;
+    ``theta``: the base; ``rope_type``: ``default`` when the config does not scale RoPE;
+    ``max_position_embeddings``: tokens (0 when absent).
+    """
+
+    block: dict
+    theta: float
+    rope_type: str
+    max_position_embeddings: int
+
+
+def rope_block(cfg: dict) -> dict:
+    """The RoPE dict of a config: ``rope_scaling`` when it is a non-empty dict, else
+    ``rope_parameters``, else ``{}``.
+
+    The rule of transformers 5.x (``RotaryEmbeddingConfigMixin.convert_rope_params_to_dict``
+    in ``modeling_rope_utils.py``: ``self.rope_parameters = rope_scaling or
+    self.rope_parameters``): a legacy ``rope_scaling`` found in ``config.json`` replaces
+    ``rope_parameters`` whole, so a config carrying both keys runs ``rope_scaling``.
+    """
+    scaling = cfg.get("rope_scaling")
+    if isinstance(scaling, dict) and scaling:
+        return scaling
+    params = cfg.get("rope_parameters")
+    return params if isinstance(params, dict) else {}
+
+
+def rope_config(cfg: dict) -> RopeConfig:
+    """The RoPE of a (text) config dict, torch-free: the one reading of the planner
+    (:func:`read_rope`) and the runtime (``moefit.runtime.rope.rope_from_config``).
+
+    ``block`` per :func:`rope_block`; ``theta``: the block's ``rope_theta``, else the
+    top-level ``rope_theta``, else 10000 (transformers' ``convert_rope_params_to_dict``:
+    ``rope_parameters.setdefault("rope_theta", rope_theta)``, ``default_theta`` 10000);
+    ``rope_type``: ``rope_type`` or the older ``type`` (``standardize_rope_params``).
+    Errors: ValueError/TypeError from a non-numeric value (callers name the file).
+    """
+    block = rope_block(cfg)
+    theta = block.get("rope_theta")
+    if theta is None:
+        theta = cfg.get("rope_theta")
+    kind = block.get("rope_type") or block.get("type") or "default"
+    return RopeConfig(block=block, theta=float(theta if theta is not None else 10000.0),
+                      rope_type=str(kind), max_position_embeddings=int(cfg.get("max_position_embeddings") or 0))
+
+
+def read_rope(c: Cfg, max_pos: int) -> RopeSpec:
+    """RoPE as the planner prices it (:func:`rope_config`): the scaling type (``default``
+    means none) and factor (default 1). ``trained_window`` = ``max_position_embeddings``;
+    ``original_window`` = ``original_max_position_embeddings`` when the config scales RoPE,
+    else trained_window.
+    """
+    r = rope_config(c.data)
+    block = r.block
+    kind = None if r.rope_type == "default" else r.rope_type
+    factor = float(block.get("factor", 1.0)) if kind else 1.0
+    original = int(block.get("original_max_position_embeddings") or max_pos) if kind else max_pos
+    return RopeSpec(theta=r.theta, scaling_type=kind, factor=factor,
+                    trained_window=max_pos, original_window=original)
+
+
+def partial_rotary(c: Cfg) -> float:
+    """``partial_rotary_factor``: inside the RoPE dict (:func:`rope_block`), else at top
+    level, else 1. The rule of :func:`rope_config` for ``rope_theta``: transformers'
+    ``convert_rope_params_to_dict`` sets the top-level value as the dict's default, and the
+    models read the dict (``modeling_qwen3_next.py``: ``config.rope_parameters.get(
+    "partial_rotary_factor", 1.0)``)."""
+    value = rope_block(c.data).get("partial_rotary_factor")
+    return float(value if value is not None else c.get("partial_rotary_factor", 1.0))
+
+
+def linear(name: str, out_f: int, in_f: int, role: str, bias: bool = False) -> list[Tensor]:
+    """An ``nn.Linear(in_f, out_f)``: weight ``[out_f, in_f]`` (+ bias ``[out_f]``)."""
+    ts = [Tensor(f"{name}.weight", (out_f, in_f), role, quantizable=True)]
+    if bias:
+        ts.append(Tensor(f"{name}.bias", (out_f,), role))
+    return ts
+
+
+def norm_tensor(name: str, dim: int) -> Tensor:
+    return Tensor(f"{name}.weight", (dim,), "norm")
+
+
+def swiglu(prefix: str, hidden: int, inter: int, role: str,
+            names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")) -> list[Tensor]:
+    """Gate / up ``[inter, hidden]`` and down ``[hidden, inter]`` (``LlamaMLP``)."""
+    g, u, d = names
+    return (linear(f"{prefix}{g}", inter, hidden, role) + linear(f"{prefix}{u}", inter, hidden, role)
+            + linear(f"{prefix}{d}", hidden, inter, role))
+
+
+def global_tensors(embed_prefix: str, head_name: str, hidden: int, vocab: int, tied: bool) -> tuple[Tensor, ...]:
+    """``embed_tokens`` ``[vocab, hidden]``, final ``norm`` ``[hidden]``, ``lm_head`` unless tied."""
+    ts = [Tensor(f"{embed_prefix}embed_tokens.weight", (vocab, hidden), "embed"),
+          norm_tensor(f"{embed_prefix}norm", hidden)]
+    if not tied:
+        ts.append(Tensor(head_name, (vocab, hidden), "lm_head"))
+    return tuple(ts)
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """Sizes every softmax-attention family reads the same way."""
+
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    max_pos: int
+
+
+def read_sizes(c: Cfg, head_dim_default: int | None = None) -> Sizes:
+    hidden = c.int("hidden_size")
+    heads = c.int("num_attention_heads")
+    head_dim = c.get("head_dim") or head_dim_default or hidden // heads
+    return Sizes(hidden=hidden, layers=c.int("num_hidden_layers"), heads=heads,
+                   kv_heads=c.int("num_key_value_heads", heads), head_dim=int(head_dim),
+                   vocab=c.int("vocab_size"), max_pos=c.int("max_position_embeddings"))
+
+
+def gqa(p: str, m: Sizes, *, qkv_bias: bool = False, o_bias: bool = False, q_mult: int = 1,
+         qk_norm: str = "", sinks: bool = False) -> list[Tensor]:
+    """Softmax attention ``self_attn``: q ``[q_mult*heads*hd, hidden]``, k/v
+    ``[kv_heads*hd, hidden]``, o ``[hidden, heads*hd]``; ``qk_norm`` ``"head"`` (Qwen3:
+    ``[hd]``) or ``"full"`` (OLMoE: ``[heads*hd]`` / ``[kv_heads*hd]``); gpt-oss ``sinks``
+    ``[heads]``.
+    """
+    a = f"{p}self_attn."
+    q_out, kv_out = m.heads * m.head_dim, m.kv_heads * m.head_dim
+    ts: list[Tensor] = [Tensor(f"{a}sinks", (m.heads,), "attention")] if sinks else []
+    ts += linear(f"{a}q_proj", q_mult * q_out, m.hidden, "attention", qkv_bias)
+    ts += linear(f"{a}k_proj", kv_out, m.hidden, "attention", qkv_bias)
+    ts += linear(f"{a}v_proj", kv_out, m.hidden, "attention", qkv_bias)
+    ts += linear(f"{a}o_proj", m.hidden, q_out, "attention", o_bias)
+    if qk_norm == "head":
+        ts += [norm_tensor(f"{a}q_norm", m.head_dim), norm_tensor(f"{a}k_norm", m.head_dim)]
+    elif qk_norm == "full":
+        ts += [norm_tensor(f"{a}q_norm", q_out), norm_tensor(f"{a}k_norm", kv_out)]
+    return ts
+
+
+def attn_spec(m: Sizes, kind: str = "full", rotary: float = 1.0, window: int | None = None,
+               output_gate: bool = False) -> AttentionSpec:
+    return AttentionSpec(kind=kind, num_heads=m.heads, num_kv_heads=m.kv_heads, head_dim=m.head_dim,
+                         v_head_dim=m.head_dim, rotary_dim=int(m.head_dim * rotary),
+                         sliding_window=window if kind == "sliding" else None,
+                         output_gate=output_gate)
+
+
+def layer_norms(p: str, hidden: int) -> list[Tensor]:
+    return [norm_tensor(f"{p}input_layernorm", hidden), norm_tensor(f"{p}post_attention_layernorm", hidden)]
+
+
+def expert_tensors(prefix: str, hidden: int, inter: int,
+             names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")) -> tuple[Tensor, ...]:
+    """Per-expert checkpoint layout: ``{prefix}0.gate_proj.weight`` etc. of expert 0."""
+    return tuple(swiglu(f"{prefix}0.", hidden, inter, "expert", names))
+
+
+def router_tensors(name: str, experts: int, hidden: int, bias: bool = False) -> list[Tensor]:
+    ts = [Tensor(f"{name}.weight", (experts, hidden), "router")]
+    if bias:
+        ts.append(Tensor(f"{name}.bias", (experts,), "router"))
+    return ts
+
+
+# --------------------------------------------------------------------------------------------
+# layer schedules
+# --------------------------------------------------------------------------------------------
+def layer_types(c: Cfg, n: int, default: Callable[[int], str]) -> list[str]:
+    """``layer_types`` when the config lists them (checked for length), else ``default(i)``."""
+    types = c.get("layer_types")
+    if types is None:
+        return [default(i) for i in range(n)]
+    if len(types) != n:
+        raise InputError(f"{c.source}: {c.path}layer_types has {len(types)} entries for "
+                         f"num_hidden_layers {n}")
+    return list(types)
+
+
+def softmax_kind(c: Cfg, layer_type: str, window: int | None) -> str:
+    if layer_type == "sliding_attention" and window:
+        return "sliding"
+    if layer_type in ("full_attention", "sliding_attention", "chunked_attention"):
+        return "full"
+    raise InputError(f"{c.source}: unknown layer type {layer_type!r} in {c.path}layer_types")
+
+
+def apply_not_convert(tensors: tuple[Tensor, ...], patterns: tuple[str, ...]) -> tuple[Tensor, ...]:
+    """Clear ``quantizable`` on tensors whose module matches ``modules_to_not_convert``.
+
+    A pattern (``model.layers.*.self_attn``, ``lm_head``) matches a tensor when it equals, or
+    glob-matches, the tensor name or one of its dotted module prefixes.
+    """
+    if not patterns:
+        return tensors
+
+    def excluded(name: str) -> bool:
+        parts = name.split(".")
+        prefixes = [".".join(parts[:n]) for n in range(1, len(parts) + 1)]
+        return any(fnmatch.fnmatchcase(pre, pat) for pat in patterns for pre in prefixes)
+
+    return tuple(replace(t, quantizable=False) if t.quantizable and excluded(t.name) else t for t in tensors)
+
+
+# --------------------------------------------------------------------------------------------
+# tensor names: Hugging Face <-> GGUF <-> runtime slot
+# --------------------------------------------------------------------------------------------
+#: Per-layer tensors the runtime holds resident: slot (a ``LayerWeights`` field) ->
+#: (Hugging Face name under ``{prefix}layers.N.``, GGUF name under ``blk.N.``). ``{moe}`` is
+#: the family's MoE block name (:attr:`Switches.moe_prefix`). GGUF names: llama.cpp
+#: ``gguf-py/gguf/constants.py`` ``TENSOR_NAMES`` (``MODEL_TENSOR.ATTN_NORM`` ->
+#: ``blk.{bid}.attn_norm`` ...) and the HF -> GGUF map of ``gguf-py/gguf/tensor_mapping.py``
+#: used by ``convert_hf_to_gguf.py``.
+LAYER_NAMES: dict[str, tuple[str, str]] = {
+    "input_norm": ("input_layernorm.weight", "attn_norm.weight"),
+    "post_norm": ("post_attention_layernorm.weight", "ffn_norm.weight"),
+    "q": ("self_attn.q_proj.weight", "attn_q.weight"),
+    "k": ("self_attn.k_proj.weight", "attn_k.weight"),
+    "v": ("self_attn.v_proj.weight", "attn_v.weight"),
+    "o": ("self_attn.o_proj.weight", "attn_output.weight"),
+    "q_bias": ("self_attn.q_proj.bias", "attn_q.bias"),
+    "k_bias": ("self_attn.k_proj.bias", "attn_k.bias"),
+    "v_bias": ("self_attn.v_proj.bias", "attn_v.bias"),
+    "o_bias": ("self_attn.o_proj.bias", "attn_output.bias"),
+    "q_norm": ("self_attn.q_norm.weight", "attn_q_norm.weight"),
+    "k_norm": ("self_attn.k_norm.weight", "attn_k_norm.weight"),
+    "router": ("{moe}.gate.weight", "ffn_gate_inp.weight"),
+    "shared_gate": ("mlp.shared_expert.gate_proj.weight", "ffn_gate_shexp.weight"),
+    "shared_up": ("mlp.shared_expert.up_proj.weight", "ffn_up_shexp.weight"),
+    "shared_down": ("mlp.shared_expert.down_proj.weight", "ffn_down_shexp.weight"),
+    "shared_expert_gate": ("mlp.shared_expert_gate.weight", "ffn_gate_inp_shexp.weight"),
+    "dense_gate": ("mlp.gate_proj.weight", "ffn_gate.weight"),
+    "dense_up": ("mlp.up_proj.weight", "ffn_up.weight"),
+    "dense_down": ("mlp.down_proj.weight", "ffn_down.weight"),
+}
+
+#: Model-wide tensors: slot -> (Hugging Face name, under the text model's prefix except
+#: ``lm_head``, GGUF name) (``TENSOR_NAMES``: ``token_embd``, ``output_norm``, ``output``).
+GLOBAL_NAMES: dict[str, tuple[str, str]] = {
+    "embed": ("embed_tokens.weight", "token_embd.weight"),
+    "norm": ("norm.weight", "output_norm.weight"),
+    "lm_head": ("lm_head.weight", "output.weight"),
+}
+
+#: Routed-expert parts (gate, up, down) in GGUF: one tensor per layer stacking every expert
+#: ``[E, out, in]`` (``MODEL_TENSOR.FFN_{GATE,UP,DOWN}_EXP``), or gate and up fused
+#: (``ffn_gate_up_exps``, ``[E, 2I, H]``).
+GGUF_EXPERT_NAMES: dict[str, str] = {
+    "gate": "ffn_gate_exps.weight", "up": "ffn_up_exps.weight", "down": "ffn_down_exps.weight",
+    "gate_up": "ffn_gate_up_exps.weight",
+}
+
+
+@dataclass(frozen=True)
+class NameTable:
+    """One family's tensor names (see :data:`LAYER_NAMES`), resolved for its MoE block name.
+
+    ``aliases``: other Hugging Face names (under the layer prefix) of a slot, that a
+    checkpoint may use instead (transformers 5.x saves every MoE block as ``mlp``).
+    ``moe_blocks``: the MoE block names a checkpoint may use, the family's first.
+    """
+
+    layer: dict[str, tuple[str, str]]
+    globals: dict[str, tuple[str, str]]
+    experts: dict[str, str]
+    aliases: dict[str, str] = field(default_factory=dict)
+    moe_blocks: tuple[str, ...] = ("mlp",)
+
+    def hf_candidates(self, slot: str, layer_prefix: str) -> list[str]:
+        """The checkpoint names ``slot`` may have: the table's, then its aliases."""
+        return [self.hf(slot, layer_prefix)] + [f"{layer_prefix}{a}" for a, s in self.aliases.items() if s == slot]
+
+    def hf(self, slot: str, layer_prefix: str) -> str:
+        """Checkpoint name of ``slot`` under ``layer_prefix`` (``model.layers.3.``)."""
+        return f"{layer_prefix}{self.layer[slot][0]}"
+
+    def gguf(self, slot: str, layer: int) -> str:
+        """GGUF name of ``slot`` in layer ``layer`` (``blk.3.attn_q.weight``)."""
+        return f"blk.{layer}.{self.layer[slot][1]}"
+
+    def gguf_expert(self, part: str, layer: int) -> str:
+        """GGUF name of expert part ``part`` (gate, up, down, gate_up) of layer ``layer``."""
+        return f"blk.{layer}.{self.experts[part]}"
+
+    def gguf_from_hf(self, hf_name: str, text_prefix: str = "model.") -> str:
+        """GGUF name of a non-expert Hugging Face tensor name. Raises KeyError for a name
+        the table does not hold."""
+        for hf, g in self.globals.values():
+            if hf_name == (hf if hf == "lm_head.weight" else f"{text_prefix}{hf}"):
+                return g
+        head = f"{text_prefix}layers."
+        if hf_name.startswith(head):
+            idx, _, rest = hf_name[len(head):].partition(".")
+            slot = self.aliases.get(rest) or next((k for k, (hf, _) in self.layer.items() if hf == rest), None)
+            if idx.isdigit() and slot is not None:
+                return f"blk.{idx}.{self.layer[slot][1]}"
+        raise KeyError(hf_name)
+
+
+def name_table(moe_prefix: str = "mlp", layer: dict[str, tuple[str, str]] | None = None) -> NameTable:
+    """The :class:`NameTable` of a family whose MoE block is ``{prefix}layers.N.{moe_prefix}``,
+    with ``layer`` overriding or adding per-layer entries. A block not named ``mlp`` (Mixtral's
+    ``block_sparse_moe``) keeps ``mlp.gate`` as an alias of its router: transformers 5.x
+    names the block ``mlp`` (``MixtralDecoderLayer.mlp``) and saves it so."""
+    table = {slot: (hf.replace("{moe}", moe_prefix), g) for slot, (hf, g) in {**LAYER_NAMES, **(layer or {})}.items()}
+    aliases = {} if moe_prefix == "mlp" else {LAYER_NAMES["router"][0].replace("{moe}", "mlp"): "router"}
+    return NameTable(table, dict(GLOBAL_NAMES), dict(GGUF_EXPERT_NAMES), aliases,
+                     tuple(dict.fromkeys((moe_prefix, "mlp"))))
+
+
+# --------------------------------------------------------------------------------------------
+# the forward pass's switches, torch-free
+# --------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Switches:
+    """Per-family switches of the forward pass, as plain values (``moefit.runtime.arch.Arch``
+    adds the torch dtype).
+
+    ``dtype``: dtype name (:func:`dtype_name`). ``qk_norm``: ``"head"``, ``"full"`` or ``""``.
+    ``renormalize``: divide the top-k routing weights by their sum. ``moe_prefix``: the MoE
+    block's checkpoint name. ``expert_names``: (gate, up, down) per-expert names.
+    ``config``: the text model's config dict; ``prefix``: checkpoint prefix of the text
+    model; ``norm_offset``: 1.0 for ``(1 + w)`` RMSNorm weights.
+    """
+
+    model_type: str
+    dtype: str
+    rms_eps: float
+    qk_norm: str
+    q_bias: bool
+    o_bias: bool
+    clip_qkv: float | None
+    renormalize: bool
+    moe_prefix: str
+    expert_names: tuple[str, str, str]
+    tie_embeddings: bool
+    config: dict
+    prefix: str = "model."
+    norm_offset: float = 0.0
+
+
+# --------------------------------------------------------------------------------------------
+# GGUF metadata
+# --------------------------------------------------------------------------------------------
+class GGUFMeta:
+    """``{arch}.key`` access to a GGUF header (``moefit.ingest.gguf_header.GGUFHeader``:
+    ``meta``, ``arch``, ``paths``, ``tensors``) with errors naming the key and the file."""
+
+    def __init__(self, h: Any):
+        self.h, self.arch, self.source = h, h.arch, str(h.paths[0])
+
+    def get(self, key: str, default: Any = None) -> Any:
+        v = self.h.meta.get(f"{self.arch}.{key}")
+        return default if v is None else v
+
+    def req(self, key: str) -> Any:
+        v = self.get(key)
+        if v is None:
+            raise InputError(f"{self.source}: GGUF metadata key '{self.arch}.{key}' is missing "
+                             f"(architecture {self.arch!r})")
+        return v
+
+    def int(self, key: str, default: int | None = None) -> int:
+        v = self.req(key) if default is None else self.get(key, default)
+        if isinstance(v, list):   # per-layer arrays (head counts of hybrids): the largest
+            v = max(v) if v else 0
+        try:
+            return int(v)
+        except (TypeError, ValueError):
+            raise InputError(f"{self.source}: GGUF metadata key '{self.arch}.{key}' must be a "
+                             f"whole number, got {v!r}") from None
+
+    def has(self, name: str) -> bool:
+        return name in self.h.tensors
+
+    def ne(self, name: str) -> tuple[int, ...] | None:
+        t = self.h.tensors.get(name)
+        return t.ne if t else None
+
+
+@dataclass(frozen=True)
+class GGUFFacts:
+    """What ``config_from_gguf`` reads the same way for every architecture, handed to a
+    family's GGUF mapping: ``experts`` (``expert_count``), ``top_k`` (``expert_used_count``),
+    ``width`` (expert width from the first MoE layer's ``ffn_*_exps``, or None),
+    ``dense_ff`` (``feed_forward_length``), ``head_dim``, ``bias`` (``blk.0.attn_q.bias``
+    present), ``norm`` (``expert_weights_norm`` or None), ``moe_layers`` / ``dense_layers``
+    (layer indices with / without a router ``ffn_gate_inp``)."""
+
+    experts: int
+    top_k: int
+    width: int | None
+    dense_ff: int
+    head_dim: int
+    bias: bool
+    norm: Any
+    moe_layers: list[int]
+    dense_layers: list[int]
+
+
+def gguf_moe_metadata(w: Any, config: dict) -> None:
+    """The MoE metadata keys ``moefit.tools.gguf_write`` writes by default, on a
+    ``gguf.GGUFWriter`` ``w`` (llama.cpp ``convert_hf_to_gguf.py``, e.g. ``Qwen3MoeModel``):
+    ``expert_feed_forward_length`` (``moe_intermediate_size``, else ``intermediate_size``),
+    ``feed_forward_length`` (``intermediate_size``, 0 when absent), ``expert_weights_norm``
+    (``norm_topk_prob``). A family writing other keys sets ``Family.gguf_write_meta``."""
+    w.add_expert_feed_forward_length(config.get("moe_intermediate_size") or config["intermediate_size"])
+    w.add_feed_forward_length(config.get("intermediate_size") or 0)
+    w.add_expert_weights_norm(bool(config.get("norm_topk_prob", False)))
+
+
+# --------------------------------------------------------------------------------------------
+# the family record
+# --------------------------------------------------------------------------------------------
+Parser = Callable[["Cfg", str], "tuple[list[LayerSpec], tuple[Tensor, ...], int]"]
+
+
+@dataclass(frozen=True, eq=False)
+class Family:
+    """Everything moefit knows about one model family.
+
+    ``name``: the family's module name. ``model_types``: the ``config.json`` ``model_type``
+    values it parses; ``aliases`` maps a text-only variant to the model_type whose parser
+    branch it takes (``qwen3_5_moe_text`` -> ``qwen3_5_moe``). ``parse(cfg, kind)`` ->
+    (layers, global tensors, max_position_embeddings), ``kind`` the (aliased) model_type.
+    ``text_config``: the kinds whose dtype and quantization come from ``text_config`` when
+    the config has one (multimodal checkpoints).
+    ``notes``: per model_type, a line shown with the plan. ``gguf_archs``: GGUF
+    ``general.architecture`` values; ``gguf_config(meta, cfg, facts)`` adds the
+    architecture's keys (``model_type`` included) to the generic config (see
+    ``moefit.ingest.gguf_header.config_from_gguf``). ``switches(cfg)`` -> :class:`Switches`
+    for the model types the runtime runs (``runtime_types``); ``names`` the tensor name table.
+    ``gguf_arch_of``: model_type -> the GGUF architecture ``convert_hf_to_gguf.py`` writes
+    for it; ``runtime_gguf_archs``: the architectures the runtime's GGUF loader runs.
+    ``gguf_permute_qk``: the GGUF file holds q/k rows permuted for llama.cpp's interleaved
+    RoPE (``convert_hf_to_gguf.py`` ``LlamaModel.permute``). ``gguf_write_meta(writer,
+    config)``: the family's own metadata keys for ``moefit.tools.gguf_write`` (default
+    :func:`gguf_moe_metadata`).
+    """
+
+    name: str
+    model_types: tuple[str, ...]
+    parse: Parser
+    aliases: dict[str, str] = field(default_factory=dict)
+    text_config: tuple[str, ...] = ()
+    notes: dict[str, str] = field(default_factory=dict)
+    gguf_archs: tuple[str, ...] = ()
+    gguf_config: Callable[[GGUFMeta, dict, GGUFFacts], None] | None = None
+    switches: Callable[[dict], Switches] | None = None
+    runtime_types: tuple[str, ...] = ()
+    names: NameTable = field(default_factory=name_table)
+    gguf_arch_of: dict[str, str] = field(default_factory=dict)
+    runtime_gguf_archs: tuple[str, ...] = ()
+    gguf_permute_qk: bool = False
+    gguf_write_meta: Callable[[Any, dict], None] | None = None
+
+    def kind(self, model_type: str) -> str:
+        """The model_type whose parser branch ``model_type`` takes."""
+        return self.aliases.get(model_type, model_type)

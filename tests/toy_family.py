@@ -1,0 +1,52 @@
+"""A toy model family, defined outside moefit: what a new family module looks like.
+
+``TOY`` is registered by the tests (``registry.register``) and never shipped: a Qwen3-like
+MoE whose MoE block is named ``moe`` (checkpoint ``model.layers.N.moe.gate`` /
+``moe.experts.J.*``) and whose GGUF architecture is ``toymoe``. Used by
+``tests/test_families.py`` (config, GGUF mapping, name table) and
+``tests/runtime/test_toy_family.py`` (switches, safetensors and GGUF loaders, GGUF writer).
+"""
+
+from __future__ import annotations
+
+from moefit.ingest.families.common import (
+    Family, GGUFFacts, GGUFMeta, Switches, attn_spec, dtype_name, expert_tensors, global_tensors, gqa,
+    layer_norms, name_table, read_sizes, router_tensors,
+)
+from moefit.ingest.geometry import LayerSpec, MoESpec
+
+
+def toy_parse(c, kind):
+    """A Qwen3-like MoE whose MoE block is named ``moe`` (not a real model)."""
+    m = read_sizes(c)
+    e, k, i = c.num_experts(), c.int("num_experts_per_tok"), c.int("moe_intermediate_size")
+    layers = []
+    for n in range(m.layers):
+        p = f"model.layers.{n}."
+        ts = gqa(p, m, qk_norm="head") + router_tensors(f"{p}moe.gate", e, m.hidden) + layer_norms(p, m.hidden)
+        layers.append(LayerSpec(n, attn_spec(m), MoESpec(e, k, i), tuple(ts),
+                                expert_tensors(f"{p}moe.experts.", m.hidden, i)))
+    tied = bool(c.get("tie_word_embeddings", False))
+    return layers, global_tensors("model.", "lm_head.weight", m.hidden, m.vocab, tied), m.max_pos
+
+
+def _toy_gguf(m: GGUFMeta, cfg: dict, f: GGUFFacts) -> None:
+    cfg.update(model_type="toy_moe", num_experts=f.experts, num_experts_per_tok=f.top_k,
+               moe_intermediate_size=f.width)
+
+
+def _toy_switches(cfg: dict) -> Switches:
+    return Switches(model_type="toy_moe", dtype=dtype_name(cfg), rms_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+                    qk_norm="head", q_bias=False, o_bias=False, clip_qkv=None, renormalize=True,
+                    moe_prefix="moe", expert_names=("gate_proj", "up_proj", "down_proj"),
+                    tie_embeddings=bool(cfg.get("tie_word_embeddings", False)), config=cfg)
+
+
+TOY = Family(name="toy_moe", model_types=("toy_moe",), parse=toy_parse, gguf_archs=("toymoe",),
+             gguf_config=_toy_gguf, switches=_toy_switches, runtime_types=("toy_moe",),
+             names=name_table("moe"), gguf_arch_of={"toy_moe": "toymoe"}, runtime_gguf_archs=("toymoe",))
+
+TOY_CONFIG = {"model_type": "toy_moe", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 96, "max_position_embeddings": 256,
+              "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+              "rope_theta": 10000.0, "rms_norm_eps": 1e-6, "dtype": "float32"}
