@@ -49,7 +49,6 @@ from moefit.ingest.families.common import GGUF_EXPERT_NAMES, LAYER_NAMES, GGUFFa
 from moefit.ingest.geometry import ExactWeights, ModelGeometry
 
 #: ggml types whose tensors hold floats as stored (no block structure).
-FLOAT_TYPES = ("F32", "F16", "BF16", "F64")
 
 #: Elements dequantized per kernel call when an expert runs (see ``runtime/quant.py``); the
 #: kernels keep about :data:`DEQUANT_SCRATCH_BYTES_PER_ELEM` bytes of fp32/int scratch per

@@ -33,7 +33,7 @@ from moefit.ingest.families import registry
 from moefit.ingest.geometry import LayerSpec, ModelGeometry
 from moefit.ingest.gguf_header import GGUFHeader, GGUFTensor, close_reader, config_from_gguf, open_reader, read_header
 from moefit.runtime.arch import Arch
-from moefit.runtime.loader import HostExperts, Weights, _NoBar, assemble_weights
+from moefit.runtime.loader import HostExperts, Weights, assemble_weights, progress_bar
 from moefit.runtime.quant import StoredExpert, dequantize, kernel_for
 
 
@@ -88,11 +88,6 @@ class _Tensors:
             close_reader(r)
 
 
-def _prod(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= int(s)
-    return n
 
 
 def _layer_plan(l: LayerSpec, geom: ModelGeometry, arch: Arch) -> list[tuple[str, str, tuple]]:
@@ -217,13 +212,3 @@ def _load(h, ts: _Tensors, geom, arch, alloc, pin, progress):
     return weights, experts
 
 
-def _progress_bytes(total: int, show: bool, name: str):
-    """A tqdm bar over the file's bytes on stderr (none without tqdm or when not shown)."""
-    if not show:
-        return _NoBar()
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        return _NoBar()
-    return tqdm(total=total, desc=f"loading {name}", unit="B", unit_scale=True, unit_divisor=1024,
-                leave=False)

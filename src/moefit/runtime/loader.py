@@ -295,7 +295,7 @@ def load_checkpoint(model_dir: str | Path, geom: ModelGeometry, arch: Arch, allo
     for plan in expert_plans.values():
         names = [plan[1], plan[2]] if plan[0] == "fused" else [n for trio in plan[1] for n in trio]
         total += sum(index.numel(n) for n in names)
-    bar = _progress(total, progress, model_dir.name)
+    bar = progress_bar(total, progress, model_dir.name)
 
     def resident(name: str | Packed, shape: tuple) -> torch.Tensor:
         if isinstance(name, Packed):
@@ -340,11 +340,14 @@ class _NoBar:
         pass
 
 
-def _progress(total: int, show: bool, name: str):
+def progress_bar(total: int, show: bool, name: str, unit: str = " params", **tqdm_args):
+    """A tqdm bar on stderr over ``total`` units of loading ``name``; a no-op bar when not
+    ``show`` or without tqdm. Both loaders use it (params for safetensors, bytes for GGUF)."""
     if not show:
         return _NoBar()
     try:
         from tqdm import tqdm
     except ImportError:
         return _NoBar()
-    return tqdm(total=total, desc=f"loading {name}", unit=" params", unit_scale=True, leave=False)
+    return tqdm(total=total, desc=f"loading {name}", unit=unit, unit_scale=True, leave=False,
+                **tqdm_args)
