@@ -24,8 +24,11 @@ import torch
 
 from conftest import plan_for
 from moefit.memory.kv import KV_FORMATS
+from moefit.memory.staging import codec_scratch, span
 from moefit.runtime.engine import Engine, EngineOptions
 from moefit.runtime.kv_codec import Codec
+from moefit.runtime.ledger import Ledger
+from moefit.runtime.staging import Workspace
 from reference import engine_greedy, max_error, prompt
 
 BOUND = {"bf16": 2e-3, "fp16": 2e-4, "fp8": 2.5e-2, "int8": 6e-3, "k8v4": 6e-2, "int4": 8e-2}
@@ -74,7 +77,8 @@ def test_codec_roundtrip_error_and_row_bytes(fmt, dim):
     torch.manual_seed(dim)
     x = torch.randn(64, dim)
     for bits, nbytes, side in ((f.k_bits, f.k_bytes(dim), "k"), (f.v_bits, f.v_bytes(dim), "v")):
-        codec = Codec(fmt, bits, f.blocked, dim, nbytes)
+        codec = Codec(f, side, dim)
+        assert codec.nbytes == nbytes
         enc = torch.empty(64, nbytes, dtype=torch.uint8)
         scale = float(x.abs().max()) * 2 / 448
         codec.encode(x, enc, scale)
@@ -93,6 +97,31 @@ def test_codec_roundtrip_error_and_row_bytes(fmt, dim):
         half = step / 2 if bits == 8 else step
         limit = (half + amax * 2 ** -10).repeat_interleave(32, -1)[:, :dim]
         assert torch.all(err <= limit), (side, float((err - limit).max()))
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp32", "fp8", "int8", "k8v4", "int4"])
+@pytest.mark.parametrize("dim", [16, 80, 128])
+@pytest.mark.parametrize("act", [torch.bfloat16, torch.float32])
+def test_codec_scratch_is_what_the_staging_model_prices(fmt, dim, act):
+    """The workspace a codec takes to encode / decode ``n`` head vectors is the planner's
+    :func:`codec_scratch` for its kind, to the byte (alignment included): the staging
+    model prices the codecs the runtime runs."""
+    f, n = KV_FORMATS[fmt], 24
+    x = torch.randn(n, dim).to(act)
+    ledger = Ledger(torch.device("cpu"), 4 << 20, {"prefill": 2 << 20})
+    for side in ("k", "v"):
+        codec = Codec(f, side, dim)
+        enc = torch.empty(n, codec.nbytes, dtype=torch.uint8)
+        for decode in (False, True):
+            ws = Workspace(ledger.alloc("prefill", (1 << 20,), torch.uint8), ledger)
+            if decode:
+                codec.decode(enc, torch.empty(n, dim, dtype=act), 0.5, ws)
+            else:
+                codec.encode(x, enc, 0.5, ws)
+            priced = span([n * b for b in codec_scratch(f.codec(side), dim, act.itemsize, decode)])
+            assert ws.peak == priced, (side, decode, ws.peak, priced)
+            assert ws.offset == 0    # every take is given back
+            ledger.release("prefill", ws.buffer)
 
 
 def test_fp8_scales_live_in_the_kv_buffer(tiny_models):
