@@ -199,7 +199,7 @@ def test_unknown_gpu_lists_the_catalogue_and_the_ways_out(query):
     assert all(spec.name in message for spec in GPU_CATALOGUE)
 
 
-def test_a_partial_name_is_not_silently_completed():
+def test_partial_name_is_not_silently_completed():
     # The 4070 Ti (12 GB) is not in the catalogue; it must not become the 4070 Ti Super.
     with pytest.raises(InputError, match="Did you mean RTX 4070 Ti Super"):
         find_gpu("4070 Ti")
