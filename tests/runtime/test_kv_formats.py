@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from conftest import plan_for
-from moefit.memory.kv import KV_FORMATS
+from moefit.memory.kv import KV_FORMATS, KVFormat
 from moefit.memory.staging import codec_scratch, span
 from moefit.runtime.engine import Engine, EngineOptions
 from moefit.runtime.kv_codec import Codec
@@ -64,6 +64,24 @@ def test_ledger_kv_allocation_equals_plan_kv_bytes(tiny_models, family, fmt):
     engine = Engine.start(tiny.path, plan, EngineOptions(progress=False))
     kv = engine.ledger.lines["kv"]
     assert kv.allocated == kv.planned == plan.devices[0].line("kv").bytes
+
+
+def test_new_kv_format_of_existing_codecs_is_one_table_entry(tiny_models, monkeypatch):
+    """The README's "A new KV format" list: a format built from existing codecs (here K
+    as 4-bit blocks, V as 8-bit blocks) is one :data:`KV_FORMATS` entry; the plan prices
+    it, the engine allocates and runs it, and its error sits between int8's and int4's
+    bounds."""
+    monkeypatch.setitem(KV_FORMATS, "k4v8", KVFormat("k4v8", 4, 8, True))
+    tiny = tiny_models[("qwen3_moe", "per_expert")]
+    ids = prompt(64)
+    exact, tokens = engine_greedy(_engine(tiny, "fp32"), ids)
+    e = _engine(tiny, "k4v8")
+    kv = e.ledger.lines["kv"]
+    assert kv.allocated == kv.planned == e.plan.devices[0].line("kv").bytes
+    layer = next(iter(e.model.kv.layers.values()))
+    assert (layer.k_codec.kind, layer.v_codec.kind) == ("q4", "q8")
+    logits = [e.prefill(ids)] + [e.decode(t) for t in tokens]
+    assert 0 < max_error(logits, exact) <= BOUND["int4"]
 
 
 @pytest.mark.parametrize("fmt", ["fp8", "int8", "k8v4", "int4"])
