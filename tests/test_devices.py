@@ -223,6 +223,7 @@ def test_runtime_estimate_lies_in_the_range_gpus_md_reports():
     assert 426 * MIB <= cuda_runtime_estimate_bytes() < 1024 * MIB
 
 
+@pytest.mark.process
 def test_planning_path_imports_neither_torch_nor_pynvml():
     code = ("import sys, moefit.devices, moefit.units; "
             "assert 'torch' not in sys.modules and 'pynvml' not in sys.modules")

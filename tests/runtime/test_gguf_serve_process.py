@@ -30,6 +30,8 @@ torch = pytest.importorskip("torch")
 from reference import prompt  # noqa: E402
 from serving import Server, make_servable, reference_tokens  # noqa: E402
 
+pytestmark = pytest.mark.process   # every test starts `moefit` as a subprocess
+
 BASE = ["--device", "cpu", "--max-context", "1024", "--kv", "fp32"]
 
 

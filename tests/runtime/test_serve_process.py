@@ -34,6 +34,8 @@ pytest.importorskip("uvicorn")
 from reference import prompt  # noqa: E402
 from serving import EOS, Server, make_servable, reference_tokens  # noqa: E402
 
+pytestmark = pytest.mark.process   # every test starts `moefit` as a subprocess
+
 BASE = ["--device", "cpu", "--max-context", "1024", "--kv", "fp32"]
 FITS_512 = ["--vram", "6445.3125KiB", "--prefill", "512"]         # = 6600000 bytes
 CLAMPS = ["--vram", "5800000", "--prefill", "1024"]

@@ -136,6 +136,7 @@ def slow(state):
 LONG = {"prompt": "hello world", "max_tokens": 400, "ignore_eos": True}
 
 
+@pytest.mark.process
 def test_disconnected_non_streaming_request_stops_generating(state, slow):
     with Running(state) as srv:
         with pytest.raises(httpx.TimeoutException):
@@ -151,6 +152,7 @@ def test_disconnected_non_streaming_request_stops_generating(state, slow):
         assert r.status_code == 200
 
 
+@pytest.mark.process
 def test_shutdown_stops_the_request_in_flight(state, slow):
     with Running(state) as srv:
         with httpx.stream("POST", srv.url + "/v1/completions", json={**LONG, "stream": True},
