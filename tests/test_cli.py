@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.process   # every test starts `moefit` as a subprocess
+
 FIELD = ["Qwen3.5-35B-A3B", "--max-context", "512K", "--rope-scaling", "yarn",
          "--rope-scale", "2", "--kv", "int8", "--prefill", "24576"]
 

@@ -199,7 +199,7 @@ def test_unknown_gpu_lists_the_catalogue_and_the_ways_out(query):
     assert all(spec.name in message for spec in GPU_CATALOGUE)
 
 
-def test_a_partial_name_is_not_silently_completed():
+def test_partial_name_is_not_silently_completed():
     # The 4070 Ti (12 GB) is not in the catalogue; it must not become the 4070 Ti Super.
     with pytest.raises(InputError, match="Did you mean RTX 4070 Ti Super"):
         find_gpu("4070 Ti")
@@ -223,6 +223,7 @@ def test_runtime_estimate_lies_in_the_range_gpus_md_reports():
     assert 426 * MIB <= cuda_runtime_estimate_bytes() < 1024 * MIB
 
 
+@pytest.mark.process
 def test_planning_path_imports_neither_torch_nor_pynvml():
     code = ("import sys, moefit.devices, moefit.units; "
             "assert 'torch' not in sys.modules and 'pynvml' not in sys.modules")

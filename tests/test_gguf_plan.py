@@ -175,12 +175,14 @@ def test_corrupt_file_is_input_error(tmp_path, kind):
         load_model(str(_corrupt(tmp_path, kind)))
 
 
+@pytest.mark.process
 def test_cli_corrupt_header_exits_2_without_traceback(tmp_path):
     r = moefit("plan", str(_corrupt(tmp_path, "truncated_header")), "--vram", "1GiB", "--device", "cpu")
     assert r.returncode == 2
     assert "corrupt GGUF header" in r.stderr and "Traceback" not in r.stderr
 
 
+@pytest.mark.process
 def test_cli_unsupported_architecture_exits_2(tmp_path):
     path = tmp_path / "bert.gguf"
     w = gguf.GGUFWriter(str(path), "bert")
@@ -191,11 +193,13 @@ def test_cli_unsupported_architecture_exits_2(tmp_path):
     assert "architecture 'bert' is not supported" in r.stderr and "qwen3moe" in r.stderr
 
 
+@pytest.mark.process
 def test_cli_missing_file_exits_2(tmp_path):
     r = moefit("plan", str(tmp_path / "nope.gguf"), "--gpu", "4090")
     assert r.returncode == 2 and "no such GGUF file" in r.stderr
 
 
+@pytest.mark.process
 def test_cli_verbose_shows_bytes_per_quant_type(tmp_path):
     path, _ = tiny_gguf(tmp_path, "qwen2_moe", expert_types={0: ("Q8_0",) * 3, 2: ("Q4_0", "Q4_0", "MXFP4")})
     r = moefit("plan", str(path), "--vram", "1GiB", "--device", "cpu", "-v")
@@ -208,6 +212,7 @@ def test_cli_verbose_shows_bytes_per_quant_type(tmp_path):
     assert "expert dequantization" in r.stdout
 
 
+@pytest.mark.process
 def test_preset_planning_does_not_import_gguf_or_numpy():
     code = ("import sys; from moefit.cli import main; main(['plan', 'qwen3-30b-a3b', '--gpu', '4090']);"
             "print(sorted(m for m in ('gguf', 'numpy', 'torch') if m in sys.modules))")
@@ -376,6 +381,7 @@ def test_converter_header_of_each_architecture_gives_the_preset_geometry(tmp_pat
         assert g.exact.skipped_bytes > 0                      # the MTP layer
 
 
+@pytest.mark.process
 def test_types_the_runtime_cannot_run_are_noted_in_the_plan(tmp_path):
     """A Q4_1 expert file plans exactly, and the plan says serve/generate will refuse it."""
     from moefit.ingest.gguf_header import RUNTIME_TYPES

@@ -6,7 +6,8 @@ taken from the code.
 
 import pytest
 
-from moefit.memory.kv import KV_FORMATS, kv_bytes, kv_chunk_pieces
+from moefit.memory.kv import (KV_FORMATS, kv_bytes, kv_chunk_pieces, kv_layout, layer_cells,
+                             linear_state_split)
 from moefit.ingest.resolve import load_model
 
 GIB = 1 << 30
@@ -105,3 +106,40 @@ def test_deepseek_v3_mla_kv_bytes(fmt):
     scales = 61 * 8 if fmt == "fp8" else 0
     assert kv.bytes == 61 * DEEPSEEK[fmt] * 163840 + scales
     assert kv.cache_layers == 61
+
+
+@pytest.mark.parametrize("fmt", list(KV_FORMATS))
+@pytest.mark.parametrize("model,context,chunk", [
+    ("Qwen3-30B-A3B", 32768, 4096), ("Qwen3.5-35B-A3B", 8192, 2048),
+    ("gpt-oss-20b", 1000, 256), ("gpt-oss-20b", 131072, 2048)])
+def test_kv_layout_tiles_the_kv_line_exactly(fmt, model, context, chunk):
+    """The layout the runtime carves is the priced line: its views follow one another
+    without gap or overlap, each of the size the cell / state formulas give, and end at
+    ``kv_bytes``."""
+    g, f, slots = load_model(model), KV_FORMATS[fmt], 3
+    layout = kv_layout(g, f, context, slots, chunk)
+    assert layout.bytes == kv_bytes(g, f, context, slots, chunk).bytes
+    spans = []
+    for s in layout.linear:
+        rec, conv = linear_state_split(g.layers[s.index].attention, g.dtype_bytes)
+        spans += [(s.recurrent_offset, slots * rec), (s.conv_offset, slots * conv)]
+    for c in layout.layers:
+        att = g.layers[c.index].attention
+        assert c.cells == layer_cells(att, context, chunk)
+        assert (c.k_row, c.v_row) == (f.k_bytes(att.head_dim), f.v_bytes(att.v_head_dim))
+        spans += [(c.k_offset, slots * c.cells * c.kv_heads * c.k_row),
+                  (c.v_offset, slots * c.cells * c.kv_heads * c.v_row)]
+        if c.scale_offset is not None:
+            spans.append((c.scale_offset, f.layer_scale_bytes))
+    spans.sort()
+    end = 0
+    for off, size in spans:
+        assert off == end
+        end = off + size
+    assert end == layout.bytes
+    assert len(layout.layers) + len(layout.linear) == g.num_layers
+
+
+def test_kv_layout_refuses_mla_layers():
+    with pytest.raises(ValueError, match="layer 0: mla attention is not supported"):
+        kv_layout(load_model("DeepSeek-V3"), KV_FORMATS["bf16"], 4096, 1, 256)

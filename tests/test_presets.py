@@ -163,6 +163,7 @@ print("ok", len(geoms))
 """
 
 
+@pytest.mark.process
 def test_planning_path_imports_no_torch():
     env = {**os.environ, "PYTHONPATH": str(SRC) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     out = subprocess.run([sys.executable, "-c", NO_TORCH], capture_output=True, text=True, env=env, timeout=60)

@@ -6,6 +6,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.process   # every test starts `moefit` as a subprocess
+
 README = (Path(__file__).resolve().parents[1] / "README.md").read_text()
 
 

@@ -76,7 +76,7 @@ def test_two_point_ladder_records_every_field(tiny, tmp_path, capsys):
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 20_000
 
 
-def test_a_context_that_does_not_fit_is_recorded_and_exits_3(tiny, tmp_path, capsys):
+def test_context_that_does_not_fit_is_recorded_and_exits_3(tiny, tmp_path, capsys):
     out = tmp_path / "bench"
     code = main(["bench", str(tiny.path), "--device", "cpu", "--vram", "6MiB", "--kv", "fp32",
                  "--contexts", "1K,4K", "--decode-tokens", "2", "--prompt-tokens", "300",
@@ -109,7 +109,7 @@ def test_prompts_are_one_and_three_chunks_and_leave_room_to_decode():
     assert prompt_lengths(BenchOptions(prompt_tokens=(100, 50)), 256, 1024) == [50, 100]
 
 
-def test_a_context_beyond_the_rope_limit_is_refused_before_any_run(tiny, tmp_path, capsys):
+def test_context_beyond_the_rope_limit_is_refused_before_any_run(tiny, tmp_path, capsys):
     code = main(["bench", str(tiny.path), "--device", "cpu", "--vram", "64MiB", "--contexts",
                  "1K,64K", "--out", str(tmp_path / "bench"), "--no-progress"])
     assert code == 2

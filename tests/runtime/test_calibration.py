@@ -94,7 +94,7 @@ def test_the_engine_runs_within_a_calibrated_plan(tiny, cache, capsys):
     (lambda d: json.dumps({**d, "const_bytes": 10 * d["const_bytes"]}), "the analytic model"),
     (lambda d: json.dumps([1, 2]), "not a calibration document"),
 ])
-def test_a_stale_or_corrupt_calibration_is_ignored_with_a_warning(tiny, cache, capsys, damage, why):
+def test_stale_or_corrupt_calibration_is_ignored_with_a_warning(tiny, cache, capsys, damage, why):
     _calibrate(tiny, capsys)
     path = next((cache / "calibration").glob("*.json"))
     path.write_text(damage(json.loads(path.read_text())))

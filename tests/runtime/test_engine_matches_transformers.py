@@ -126,7 +126,7 @@ def test_slots_are_independent_sequences(tiny_models):
     assert float((engine.decode(7, slot=1) - ref_other).abs().max()) <= TOL
 
 
-def test_a_sequence_past_the_planned_context_is_refused(tiny_models):
+def test_sequence_past_the_planned_context_is_refused(tiny_models):
     from moefit.runtime.kv_cache import ContextFull
 
     tiny = tiny_models[("mixtral", "per_expert")]

@@ -30,6 +30,8 @@ torch = pytest.importorskip("torch")
 from reference import prompt  # noqa: E402
 from serving import Server, make_servable, reference_tokens  # noqa: E402
 
+pytestmark = pytest.mark.process   # every test starts `moefit` as a subprocess
+
 BASE = ["--device", "cpu", "--max-context", "1024", "--kv", "fp32"]
 
 
@@ -79,7 +81,7 @@ def ready_line(srv: Server) -> str:
     return ready[0]
 
 
-def test_a_gguf_budget_ordering(model, tmp_path):
+def test_gguf_budget_ordering_keeps_the_chunk_and_shrinks_the_expert_cache(model, tmp_path):
     path, ref = model
     need, slot, total = mandatory_bytes(path, 512)
     vram = need + slot * (total // 2) + slot // 2
@@ -98,7 +100,7 @@ def test_a_gguf_budget_ordering(model, tmp_path):
                 assert l["allocated"] == l["planned"], l
 
 
-def test_b_gguf_prefill_fallback(model, tmp_path):
+def test_gguf_prefill_fallback_clamps_the_chunk_and_answers_like_the_reference(model, tmp_path):
     path, ref = model
     need, _, _ = mandatory_bytes(path, 512)
     with serve(path, tmp_path, "--vram", str(need), "--prefill", "1024") as srv:
@@ -112,7 +114,7 @@ def test_b_gguf_prefill_fallback(model, tmp_path):
         assert r["choices"][0]["token_ids"] == reference_tokens(ref, ids, 8)
 
 
-def test_c_gguf_hard_failure(model, tmp_path):
+def test_gguf_hard_failure_exits_3_before_reading_the_file(model, tmp_path):
     path, _ = model
     need, _, _ = mandatory_bytes(path, 256)
     srv = serve(path, tmp_path, "--vram", str(need - 1), "--prefill", "1024")
@@ -126,7 +128,7 @@ def test_c_gguf_hard_failure(model, tmp_path):
     assert "READY" not in srv.stdout and "Traceback" not in srv.output
 
 
-def test_d_gguf_fault_injection(model, tmp_path):
+def test_gguf_fault_injection_exits_4_naming_the_kv_line(model, tmp_path):
     path, _ = model
     need, _, _ = mandatory_bytes(path, 512)
     srv = serve(path, tmp_path, "--vram", str(need), "--prefill", "512",

@@ -80,6 +80,7 @@ def test_gguf_without_vocabulary_asks_for_a_tokenizer_dir(tmp_path):
     assert text_from_gguf(path)[0] is None      # serve takes token ids; generate asks for text
 
 
+@pytest.mark.process
 def test_generate_runs_a_gguf_with_its_own_tokenizer(tmp_path, bpe):
     """`moefit generate x.gguf`: weights, tokenizer and EOS from the one file; the text is
     transformers' greedy continuation on the stored (dequantized) weights."""
@@ -116,6 +117,7 @@ def test_generate_runs_a_gguf_with_its_own_tokenizer(tmp_path, bpe):
     assert r.stdout.rstrip("\n") == bpe.decode(want, skip_special_tokens=True)
 
 
+@pytest.mark.process
 def test_generate_takes_the_tokenizer_from_tokenizer_dir(tmp_path, bpe):
     """A GGUF without a vocabulary runs with ``--tokenizer DIR`` (tokenizer.json there)."""
     import json

@@ -23,7 +23,7 @@ import torch
 
 from conftest import MIB, plan_for, sim_device
 from hybrid import HYBRIDS, TEXT, make_hybrid, text_model
-from moefit.memory.kv import KV_FORMATS, linear_state_bytes
+from moefit.memory.kv import KV_FORMATS, kv_layout, linear_state_bytes
 from moefit.memory.staging import _mixer_terms, staging_model
 from moefit.plan.request import Request
 from moefit.plan.solver import solve
@@ -219,7 +219,7 @@ def test_linear_attention_staging_term_bounds_the_layer(dtype):
                          la_conv=w(c, 1, 4, scale=0.3), la_dt_bias=w(32),
                          la_a_log=w(32, scale=1.0), la_norm=w(128), la_out=w(hidden, vd))
     buf = torch.zeros(linear_state_bytes(a, dtype.itemsize), dtype=torch.uint8)
-    states = LinearStates(geom, 1, buf)
+    states = LinearStates(geom, kv_layout(geom, KV_FORMATS["int8"], 1, 1, 1).linear, buf)
     peaks = {}
     for t in (1, 7, 64, 100, 200):
         ws = _workspace(const + per_token * t)

@@ -23,9 +23,12 @@ import pytest
 import torch
 
 from conftest import plan_for
-from moefit.memory.kv import KV_FORMATS
+from moefit.memory.kv import KV_FORMATS, KVFormat
+from moefit.memory.staging import codec_scratch, span
 from moefit.runtime.engine import Engine, EngineOptions
 from moefit.runtime.kv_codec import Codec
+from moefit.runtime.ledger import Ledger
+from moefit.runtime.staging import Workspace
 from reference import engine_greedy, max_error, prompt
 
 BOUND = {"bf16": 2e-3, "fp16": 2e-4, "fp8": 2.5e-2, "int8": 6e-3, "k8v4": 6e-2, "int4": 8e-2}
@@ -63,6 +66,24 @@ def test_ledger_kv_allocation_equals_plan_kv_bytes(tiny_models, family, fmt):
     assert kv.allocated == kv.planned == plan.devices[0].line("kv").bytes
 
 
+def test_new_kv_format_of_existing_codecs_is_one_table_entry(tiny_models, monkeypatch):
+    """The README's "A new KV format" list: a format built from existing codecs (here K
+    as 4-bit blocks, V as 8-bit blocks) is one :data:`KV_FORMATS` entry; the plan prices
+    it, the engine allocates and runs it, and its error sits between int8's and int4's
+    bounds."""
+    monkeypatch.setitem(KV_FORMATS, "k4v8", KVFormat("k4v8", 4, 8, True))
+    tiny = tiny_models[("qwen3_moe", "per_expert")]
+    ids = prompt(64)
+    exact, tokens = engine_greedy(_engine(tiny, "fp32"), ids)
+    e = _engine(tiny, "k4v8")
+    kv = e.ledger.lines["kv"]
+    assert kv.allocated == kv.planned == e.plan.devices[0].line("kv").bytes
+    layer = next(iter(e.model.kv.layers.values()))
+    assert (layer.k_codec.kind, layer.v_codec.kind) == ("q4", "q8")
+    logits = [e.prefill(ids)] + [e.decode(t) for t in tokens]
+    assert 0 < max_error(logits, exact) <= BOUND["int4"]
+
+
 @pytest.mark.parametrize("fmt", ["fp8", "int8", "k8v4", "int4"])
 @pytest.mark.parametrize("dim", [16, 32, 80, 128])
 def test_codec_roundtrip_error_and_row_bytes(fmt, dim):
@@ -74,7 +95,8 @@ def test_codec_roundtrip_error_and_row_bytes(fmt, dim):
     torch.manual_seed(dim)
     x = torch.randn(64, dim)
     for bits, nbytes, side in ((f.k_bits, f.k_bytes(dim), "k"), (f.v_bits, f.v_bytes(dim), "v")):
-        codec = Codec(fmt, bits, f.blocked, dim, nbytes)
+        codec = Codec(f, side, dim)
+        assert codec.nbytes == nbytes
         enc = torch.empty(64, nbytes, dtype=torch.uint8)
         scale = float(x.abs().max()) * 2 / 448
         codec.encode(x, enc, scale)
@@ -93,6 +115,31 @@ def test_codec_roundtrip_error_and_row_bytes(fmt, dim):
         half = step / 2 if bits == 8 else step
         limit = (half + amax * 2 ** -10).repeat_interleave(32, -1)[:, :dim]
         assert torch.all(err <= limit), (side, float((err - limit).max()))
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp32", "fp8", "int8", "k8v4", "int4"])
+@pytest.mark.parametrize("dim", [16, 80, 128])
+@pytest.mark.parametrize("act", [torch.bfloat16, torch.float32])
+def test_codec_scratch_is_what_the_staging_model_prices(fmt, dim, act):
+    """The workspace a codec takes to encode / decode ``n`` head vectors is the planner's
+    :func:`codec_scratch` for its kind, to the byte (alignment included): the staging
+    model prices the codecs the runtime runs."""
+    f, n = KV_FORMATS[fmt], 24
+    x = torch.randn(n, dim).to(act)
+    ledger = Ledger(torch.device("cpu"), 4 << 20, {"prefill": 2 << 20})
+    for side in ("k", "v"):
+        codec = Codec(f, side, dim)
+        enc = torch.empty(n, codec.nbytes, dtype=torch.uint8)
+        for decode in (False, True):
+            ws = Workspace(ledger.alloc("prefill", (1 << 20,), torch.uint8), ledger)
+            if decode:
+                codec.decode(enc, torch.empty(n, dim, dtype=act), 0.5, ws)
+            else:
+                codec.encode(x, enc, 0.5, ws)
+            priced = span([n * b for b in codec_scratch(f.codec(side), dim, act.itemsize, decode)])
+            assert ws.peak == priced, (side, decode, ws.peak, priced)
+            assert ws.offset == 0    # every take is given back
+            ledger.release("prefill", ws.buffer)
 
 
 def test_fp8_scales_live_in_the_kv_buffer(tiny_models):

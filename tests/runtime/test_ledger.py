@@ -134,3 +134,22 @@ def test_after_commit_only_the_expert_cache_gives_back_to_restore_the_margin(tin
     assert all(ledger.lines[k].allocated == before[k] for k in ("weights", "kv", "prefill"))
     assert "3 slot(s) given back" in notes[0]
     engine.prefill(prompt(96))           # still runs, with fewer resident experts
+
+
+@pytest.mark.parametrize("kv", ["fp32", "bf16", "fp8", "int8", "k8v4", "int4"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_the_engine_allocates_the_plans_layouts(tiny_models, family, kv):
+    """The plan is the allocation contract: the KV buffer is the plan's layout and the
+    fixed region the plan's for the engine's tiles; with tiles smaller than the chunk
+    every tile is full, so the region's measured high-water mark is the planned region
+    to the byte (the layouts are exact, not only upper bounds)."""
+    tiny = tiny_models[(family, "per_expert")]
+    plan = plan_for(tiny, kv=kv, slots=2, expert_cache=4)
+    engine = Engine.start(tiny.path, plan, EngineOptions(progress=False, chunk=16, q_block=4,
+                                                         kv_block=8))
+    kv_line = engine.ledger.lines["kv"]
+    assert kv_line.allocated == kv_line.planned == plan.kv_layout().bytes
+    assert engine.model.kv.buffer.numel() == plan.kv_layout().bytes
+    assert engine.model.fixed_bytes == plan.fixed_region_bytes(4, 8) < plan.fixed_region_bytes()
+    engine.prefill(prompt(96, n=37))
+    assert engine.model.ws.fixed.peak == engine.model.fixed_bytes

@@ -34,6 +34,8 @@ pytest.importorskip("uvicorn")
 from reference import prompt  # noqa: E402
 from serving import EOS, Server, make_servable, reference_tokens  # noqa: E402
 
+pytestmark = pytest.mark.process   # every test starts `moefit` as a subprocess
+
 BASE = ["--device", "cpu", "--max-context", "1024", "--kv", "fp32"]
 FITS_512 = ["--vram", "6445.3125KiB", "--prefill", "512"]         # = 6600000 bytes
 CLAMPS = ["--vram", "5800000", "--prefill", "1024"]
@@ -62,7 +64,7 @@ def moefit(*args: str) -> subprocess.CompletedProcess:
                           timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
-def test_a_budget_ordering_gives_the_chunk_and_shrinks_the_expert_cache(tiny, tmp_path):
+def test_budget_ordering_gives_the_chunk_and_shrinks_the_expert_cache(tiny, tmp_path):
     planned = moefit("plan", str(tiny.path), *BASE, "--vram", "6600000", "--prefill", "512", "--json")
     assert planned.returncode == 0, planned.stderr
     plan = json.loads(planned.stdout)
@@ -101,7 +103,7 @@ def test_a_budget_ordering_gives_the_chunk_and_shrinks_the_expert_cache(tiny, tm
     assert "Traceback" not in srv.stderr
 
 
-def test_b_prefill_fallback_clamps_the_chunk_and_answers_long_prompts(tiny, tmp_path):
+def test_prefill_fallback_clamps_the_chunk_and_answers_long_prompts(tiny, tmp_path):
     with serve(tiny, tmp_path, *CLAMPS) as srv:
         assert srv.url, srv.output
         before_ready = srv.stdout
@@ -121,7 +123,7 @@ def test_b_prefill_fallback_clamps_the_chunk_and_answers_long_prompts(tiny, tmp_
         assert 0 < staging["used_peak"] <= staging["planned"]
 
 
-def test_c_hard_failure_exits_3_before_loading_weights(tiny, tmp_path):
+def test_hard_failure_exits_3_before_loading_weights(tiny, tmp_path):
     srv = serve(tiny, tmp_path, *NO_FIT)
     try:
         srv.start()
@@ -137,7 +139,7 @@ def test_c_hard_failure_exits_3_before_loading_weights(tiny, tmp_path):
     assert "Traceback" not in srv.output
 
 
-def test_d_fault_injection_names_the_failing_line(tiny, tmp_path):
+def test_fault_injection_exits_4_naming_the_failing_line(tiny, tmp_path):
     srv = serve(tiny, tmp_path, *FITS_512, env={"MOEFIT_FAIL_ALLOC": "prefill"})
     try:
         srv.start()

@@ -171,7 +171,7 @@ def test_completions_default_to_16_tokens(client):
     assert r["usage"]["completion_tokens"] == 16
 
 
-def test_a_completion_stops_at_the_end_of_the_context(client):
+def test_completion_stops_at_the_end_of_the_context(client):
     r = client.post("/v1/completions", json={"prompt": [5] * (CONTEXT - 2), "max_tokens": 50,
                                              "ignore_eos": True}).json()
     assert r["usage"]["completion_tokens"] == 3 and r["choices"][0]["finish_reason"] == "length"

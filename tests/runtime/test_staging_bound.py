@@ -41,7 +41,8 @@ SHAPES = {"qwen3_moe": dict(num_hidden_layers=1), "mixtral": dict(num_hidden_lay
           "olmoe": dict(num_hidden_layers=1), "qwen2_moe": dict(num_hidden_layers=2)}
 
 GRID = ([(f, kv, 256, "float32") for f in FAMILIES for kv in FORMATS]
-        + [(f, FORMATS[(i + 3) % 7], LONGEST, "float32") for i, f in enumerate(FAMILIES)]
+        + [pytest.param(f, FORMATS[(i + 3) % 7], LONGEST, "float32", marks=pytest.mark.slow)
+           for i, f in enumerate(FAMILIES)]
         + [(f, FORMATS[(i + 1) % 7] if i % 7 else "bf16", 2048, "bfloat16")
            for i, f in enumerate(FAMILIES)])
 

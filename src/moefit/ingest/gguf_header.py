@@ -47,14 +47,9 @@ from moefit.errors import InputError
 from moefit.ingest.families import registry
 from moefit.ingest.families.common import GGUF_EXPERT_NAMES, LAYER_NAMES, GGUFFacts, GGUFMeta
 from moefit.ingest.geometry import ExactWeights, ModelGeometry
+from moefit.memory.staging import expert_dequant_bytes
 
 #: ggml types whose tensors hold floats as stored (no block structure).
-
-#: Elements dequantized per kernel call when an expert runs (see ``runtime/quant.py``); the
-#: kernels keep about :data:`DEQUANT_SCRATCH_BYTES_PER_ELEM` bytes of fp32/int scratch per
-#: element of one tile.
-DEQUANT_TILE_ELEMS = 1 << 20
-DEQUANT_SCRATCH_BYTES_PER_ELEM = 12
 
 _SHARD = re.compile(r"^(?P<stem>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$", re.IGNORECASE)
 _BLK = re.compile(r"^blk\.(\d+)\.")
@@ -484,12 +479,8 @@ def exact_from_gguf(geom: ModelGeometry, h: GGUFHeader) -> GGUFWeights:
         k = kinds[layer]
         gate, up = (k["gate_up"], k["gate_up"]) if "gate_up" in k else (k.get("gate", "?"), k.get("up", "?"))
         types.append((layer, (gate, up, k.get("down", "?"))))
-    # an expert runs from its stored blob: each matrix is dequantized into the staging
-    # workspace (compute dtype) by tiles of DEQUANT_TILE_ELEMS elements (runtime/quant.py)
-    dequant = 0
-    for l in geom.moe_layers:
-        mat = l.moe.expert_intermediate * geom.hidden_size
-        dequant = max(dequant, mat * act + min(mat, DEQUANT_TILE_ELEMS) * DEQUANT_SCRATCH_BYTES_PER_ELEM)
+    # an expert runs from its stored blob: priced by the staging model
+    dequant = expert_dequant_bytes(geom, act)
     order = sorted(by_type.items(), key=lambda kv: -(kv[1][0] + kv[1][1]))
     return GGUFWeights(
         weight_bytes=weight, expert_blob_bytes=tuple(sorted(blob.items())), skipped_bytes=skipped,

@@ -34,6 +34,14 @@ chunk of ``chunk`` tokens:
    ``conv_dim x (conv_kernel - 1)`` in the model dtype (transformers
    ``modeling_qwen3_next.py``: ``recurrent_state``, ``conv_state``; the conv only needs the
    last ``kernel - 1`` inputs). Independent of context.
+
+The runtime allocates the line as one buffer and views it by :func:`kv_layout` (offsets
+and row bytes from the formulas above; the runtime computes none of its own), as vLLM's
+``kv_cache_interface.py`` puts the page size on its spec classes and the worker allocates
+without recomputing. A new format is a :data:`KV_FORMATS` entry whose sides map to a
+codec (:meth:`KVFormat.codec`); a new codec kind also needs its scratch priced
+(:func:`moefit.memory.staging.codec_scratch`) and its encoder in
+``moefit.runtime.kv_codec``.
 """
 
 from __future__ import annotations
@@ -73,6 +81,26 @@ class KVFormat:
     @property
     def quantized(self) -> bool:
         return self.k_bits < 16 or self.v_bits < 16
+
+    def codec(self, side: str) -> str:
+        """The codec of one side (``"k"`` or ``"v"``): ``plain`` (16/32-bit values),
+        ``fp8`` (e4m3, per-layer scale), ``q8`` / ``q4`` (blocks of :data:`QBLOCK` with an
+        fp16 scale). The runtime's encoder (``moefit.runtime.kv_codec.Codec``) and the
+        staging model's scratch (:func:`moefit.memory.staging.codec_scratch`) are keyed by
+        it. Raises ValueError for a bit width with no codec."""
+        bits = self.k_bits if side == "k" else self.v_bits
+        if not self.blocked and bits in (16, 32):
+            return "plain"
+        if not self.blocked and bits == 8:
+            return "fp8"
+        if self.blocked and bits in (8, 4):
+            return "q8" if bits == 8 else "q4"
+        raise ValueError(f"KV format {self.name!r}: no codec for {bits}-bit "
+                         f"{'blocked' if self.blocked else 'plain'} values")
+
+    def row_bytes(self, side: str, dim: int) -> int:
+        """Bytes of one ``side`` (``"k"`` / ``"v"``) head vector of ``dim`` elements."""
+        return self.k_bytes(dim) if side == "k" else self.v_bytes(dim)
 
 
 def _vector_bytes(dim: int, bits: int, blocked: bool) -> int:
@@ -119,10 +147,16 @@ def cell_bytes(att: AttentionSpec, fmt: KVFormat) -> int:
 
 def linear_state_bytes(att: AttentionSpec, dtype_bytes: int) -> int:
     """Recurrent + conv state of one Gated DeltaNet layer for one sequence, in bytes."""
+    return sum(linear_state_split(att, dtype_bytes))
+
+
+def linear_state_split(att: AttentionSpec, dtype_bytes: int) -> tuple[int, int]:
+    """(recurrent, conv) bytes of one Gated DeltaNet layer's state for one sequence; their
+    sum is :func:`linear_state_bytes`."""
     recurrent = (att.linear_num_value_heads * att.linear_key_head_dim
                  * att.linear_value_head_dim * att.state_dtype_bytes)
     conv = att.linear_conv_dim * max(att.linear_conv_kernel - 1, 0) * dtype_bytes
-    return recurrent + conv
+    return recurrent, conv
 
 
 def layer_cells(att: AttentionSpec, context: int, chunk: int) -> int:
@@ -214,3 +248,114 @@ def kv_chunk_pieces(geom: ModelGeometry, fmt: KVFormat, context: int,
                 b += cb
         pieces.append((a, b))
     return pieces
+
+
+# ---- the layout of the ``kv`` buffer: what the runtime carves, from the same formulas ----
+
+@dataclass(frozen=True)
+class LinearStateLayout:
+    """One Gated DeltaNet layer's state in the ``kv`` buffer (byte offsets).
+
+    ``recurrent``: ``[slots, num_value_heads, key_head_dim, value_head_dim]`` of
+    ``state_bytes``-byte elements at ``recurrent_offset``; ``conv``: ``[slots, kernel - 1,
+    conv_dim]`` of ``conv_bytes``-byte elements (the model dtype) at ``conv_offset``.
+    """
+
+    index: int
+    recurrent_offset: int
+    recurrent_shape: tuple[int, int, int, int]
+    state_bytes: int
+    conv_offset: int
+    conv_shape: tuple[int, int, int]
+    conv_bytes: int
+
+
+@dataclass(frozen=True)
+class CellLayout:
+    """One attention layer's cells in the ``kv`` buffer (byte offsets, bytes).
+
+    K cells ``[slots, cells, kv_heads, k_row]`` uint8 at ``k_offset``, V cells
+    ``[slots, cells, kv_heads, v_row]`` at ``v_offset``; ``scale_offset``: the layer's
+    ``layer_scale_bytes`` (fp8: one fp32 K and one fp32 V scale), or None. ``window``: the
+    sliding window (tokens) of a sliding layer, else None; ``cells``: :func:`layer_cells`.
+    """
+
+    index: int
+    cells: int
+    window: int | None
+    kv_heads: int
+    k_dim: int
+    v_dim: int
+    k_row: int
+    v_row: int
+    k_offset: int
+    v_offset: int
+    scale_offset: int | None
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """The ``kv`` line as one buffer of ``bytes``: linear-attention states first (all
+    recurrent states in layer order, then all conv states: the fp32 states at offset 0
+    keep every view aligned), then each full / sliding layer's K then V cells, then the
+    per-layer scales. ``bytes`` equals :func:`kv_bytes` ``.bytes`` (a test checks it).
+    ``context``, ``slots``, ``chunk``: what it was carved for (tokens, sequences, tokens).
+    """
+
+    bytes: int
+    fmt: KVFormat
+    context: int
+    slots: int
+    chunk: int
+    linear: tuple[LinearStateLayout, ...]
+    layers: tuple[CellLayout, ...]
+
+
+def kv_layout(geom: ModelGeometry, fmt: KVFormat, context: int, slots: int,
+              chunk: int) -> KVLayout:
+    """Carve the ``kv`` line for ``context`` tokens x ``slots`` sequences and a prefill
+    chunk of ``chunk`` tokens into per-layer views (byte offsets); the runtime
+    (``moefit.runtime.kv_cache.KVCache``) allocates ``.bytes`` and views these offsets.
+
+    MLA layers have no layout (the runtime does not run them): raises ValueError naming
+    the layer.
+    """
+    off = 0
+    recurrent: list[tuple] = []
+    for l in geom.layers:
+        a = l.attention
+        if a.kind == "mla":
+            raise ValueError(f"layer {l.index}: mla attention is not supported by the "
+                             "runtime yet")
+        if a.kind == "linear":
+            rec, _ = linear_state_split(a, geom.dtype_bytes)
+            recurrent.append((l, off))
+            off += slots * rec
+    linear = []
+    for l, rec_off in recurrent:
+        a = l.attention
+        _, conv = linear_state_split(a, geom.dtype_bytes)
+        linear.append(LinearStateLayout(
+            l.index, rec_off, (slots, a.linear_num_value_heads, a.linear_key_head_dim,
+                               a.linear_value_head_dim), a.state_dtype_bytes,
+            off, (slots, max(a.linear_conv_kernel - 1, 0), a.linear_conv_dim),
+            geom.dtype_bytes))
+        off += slots * conv
+    cache = [l for l in geom.layers if l.attention.kind in ("full", "sliding")]
+    scale_off = off + sum(slots * layer_cells(l.attention, context, chunk)
+                          * cell_bytes(l.attention, fmt) for l in cache)
+    layers = []
+    for n, l in enumerate(cache):
+        a = l.attention
+        cells = layer_cells(a, context, chunk)
+        kb, vb = fmt.k_bytes(a.head_dim), fmt.v_bytes(a.v_head_dim)
+        k_off = off
+        off += slots * cells * a.num_kv_heads * kb
+        v_off = off
+        off += slots * cells * a.num_kv_heads * vb
+        layers.append(CellLayout(
+            l.index, cells, a.sliding_window if a.kind == "sliding" else None, a.num_kv_heads,
+            a.head_dim, a.v_head_dim, kb, vb, k_off, v_off,
+            scale_off + n * fmt.layer_scale_bytes if fmt.layer_scale_bytes else None))
+    return KVLayout(scale_off + fmt.layer_scale_bytes * len(cache), fmt, context, slots, chunk,
+                    tuple(linear), tuple(layers))

@@ -33,9 +33,13 @@ It prices exactly what moefit's forward pass takes from the line's one workspace
 So the bytes in use are always region + stack: ``const_bytes`` is the region plus the
 stack's few constants, view alignment and an allowance for torch's scalars
 (:data:`OP_SCRATCH`); ``per_token_bytes`` is the residual stream plus the largest step's
-bytes per token, the maximum over all steps of all layers (steps never overlap). The
-runtime's region is sized by the same rules (``moefit.runtime.model.fixed_bytes``; a test
-checks they agree to the byte), and the measured peak of a chunk, every tensor counted, is
+bytes per token, the maximum over all steps of all layers (steps never overlap).
+
+The fixed region's layouts have their one home here and the runtime takes its buffers by
+them: :func:`attention_tile_takes` (an attention tile), :func:`delta_block_takes` (a
+delta-rule block), and the region's size :func:`fixed_region_bytes`, which the engine
+reserves for every chunk; :data:`WORKSPACE_ALIGN` is the workspace's view alignment and
+:func:`span` its offset arithmetic. The measured peak of a chunk, every tensor counted, is
 at most the model and within 2.5% of it from 256 tokens up, 0.2% at 16384
 (tests/runtime/test_staging_bound.py, docs/validation.md).
 
@@ -52,7 +56,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from moefit.ingest.geometry import LayerSpec, ModelGeometry
+from moefit.ingest.geometry import AttentionSpec, LayerSpec, ModelGeometry
 from moefit.memory.kv import QBLOCK, KVFormat
 
 ATTN_Q_BLOCK = 256      #: queries per attention tile (tokens)
@@ -65,6 +69,16 @@ ALIGN_SLACK = 32 * WORKSPACE_ALIGN   #: alignment of the stack's views (at most 
 OP_SCRATCH = 64 << 10
 FP32 = 4
 INT64 = 8
+#: Elements dequantized per kernel call when a stored (GGUF) expert runs
+#: (``moefit.runtime.quant``); the kernels keep about
+#: :data:`DEQUANT_SCRATCH_BYTES_PER_ELEM` bytes of fp32/int scratch per element of one tile.
+DEQUANT_TILE_ELEMS = 1 << 20
+DEQUANT_SCRATCH_BYTES_PER_ELEM = 12
+#: bytes per element of the dtypes a workspace layout names; ``"act"`` is the compute
+#: dtype, whose size the caller gives
+ELEM_BYTES = {"f32": FP32, "i64": INT64, "u8": 1, "bool": 1}
+#: one workspace take: (elements, dtype name: ``act``, ``f32``, ``i64``, ``u8``, ``bool``)
+Take = tuple[int, str]
 
 
 @dataclass(frozen=True)
@@ -87,43 +101,43 @@ class StagingModel:
         """Staging bytes for a chunk of ``chunk`` tokens."""
         return self.const_bytes + self.per_token_bytes * chunk
 
-    def largest_chunk(self, budget: int) -> int:
-        """Largest chunk (tokens) whose staging fits in ``budget`` bytes; -1 if none."""
-        if budget < self.const_bytes:
-            return -1
-        return (budget - self.const_bytes) // self.per_token_bytes
-
 
 @dataclass(frozen=True)
 class _Step:
-    """One step of a layer: its fixed-region bytes, and its stack above the residual
-    stream (``const`` + ``per_token`` x T)."""
+    """One step of a layer: its stack above the residual stream (``const`` +
+    ``per_token`` x T)."""
 
     name: str
-    fixed: int
     const: int
     per_token: int
 
 
-def _span(sizes, start: int = 0) -> int:
-    """Workspace offset after takes of ``sizes`` bytes, in order, from ``start``
-    (``moefit.runtime.staging.span``)."""
+def span(sizes, start: int = 0) -> int:
+    """Workspace offset (bytes) after takes of ``sizes`` bytes, in order, from offset
+    ``start``, each view starting on a :data:`WORKSPACE_ALIGN` boundary: the bytes a
+    sequence of ``moefit.runtime.staging.Workspace.take`` needs."""
     off = start
     for n in sizes:
         off = -(-off // WORKSPACE_ALIGN) * WORKSPACE_ALIGN + n
     return off
 
 
-def _codec(fmt: KVFormat, side: str) -> str:
-    bits = fmt.k_bits if side == "k" else fmt.v_bits
-    if not fmt.blocked:
-        return "plain" if bits >= 16 else "fp8"
-    return "q8" if bits == 8 else "q4"
+def take_bytes(takes: list[Take], act: int) -> list[int]:
+    """Bytes of each take of a layout, the compute dtype being ``act`` bytes."""
+    return [n * (act if dt == "act" else ELEM_BYTES[dt]) for n, dt in takes]
+
+
+def compute_bytes(geom: ModelGeometry) -> int:
+    """Bytes per element of the compute dtype: the model's 16/32-bit dtype, else 2 (bf16)."""
+    return geom.dtype_bytes if geom.dtype_bytes in (2, 4) else 2
 
 
 def codec_scratch(kind: str, dim: int, act: int, decode: bool) -> list[int]:
-    """Bytes per head vector of each scratch take of a KV codec
-    (``moefit.runtime.kv_codec.Codec.encode_scratch`` / ``decode_scratch``)."""
+    """Bytes per head vector of each scratch take of a KV codec of ``kind``
+    (:meth:`moefit.memory.kv.KVFormat.codec`) encoding or decoding ``dim``-element
+    vectors, in the order ``moefit.runtime.kv_codec`` takes them (decode into the compute
+    dtype of ``act`` bytes); tests/runtime/test_kv_formats.py measures the codecs against
+    it."""
     nb = math.ceil(dim / QBLOCK)
     if kind == "plain":
         return []
@@ -145,88 +159,138 @@ def _qk_norm(layer: LayerSpec) -> str:
     return ""
 
 
-def _attention_step(layer: LayerSpec, fmt: KVFormat, act: int) -> _Step:
-    """Softmax attention (``moefit.runtime.model._attention``, ``attention.attend``).
+def attention_tile_takes(kvh: int, g: int, d: int, dv: int, k_row: int, v_row: int,
+                         act_fp32: bool, window: bool, q_block: int = ATTN_Q_BLOCK,
+                         kv_block: int = ATTN_KV_BLOCK) -> list[Take]:
+    """The fixed-region takes of one attention tile (``moefit.runtime.attention.attend``
+    takes its buffers by this list, in order), before the KV block read: ``G x q_block``
+    query rows per KV head (``kvh`` KV heads, ``g`` query heads each, head dims ``d`` /
+    ``dv``) against ``kv_block`` cached tokens whose encoded rows are ``k_row`` /
+    ``v_row`` bytes. Sized for full tiles whatever the chunk and the position, so the
+    region never depends on the context.
 
-    Stack per token: q (+ the output gate), k, v; then the largest of the q/k RMSNorm's
+    In order: the query tile; fp32 running max, sum and output; the query positions; the
+    K/V block as stored and dequantized; fp32 scores (then probabilities); unless
+    ``act_fp32`` the probabilities, ``p @ v`` in the compute dtype and in fp32; the key
+    positions and the causal mask (and the window mask); four fp32 row vectors (new max,
+    safe max, rescale, row sum) and a bool one (all masked).
+    """
+    rows = g * q_block
+    tile = kvh * rows * kv_block
+    takes = [(kvh * rows * d, "act"),
+             (kvh * rows, "f32"), (kvh * rows, "f32"), (kvh * rows * dv, "f32"),
+             (rows, "i64"),
+             (kv_block * kvh * k_row, "u8"), (kv_block * kvh * v_row, "u8"),
+             (kv_block * kvh * d, "act"), (kv_block * kvh * dv, "act"),
+             (tile, "f32")]
+    if not act_fp32:
+        takes += [(tile, "act"), (kvh * rows * dv, "act"), (kvh * rows * dv, "f32")]
+    takes += [(kv_block, "i64"), (rows * kv_block, "bool")]
+    if window:
+        takes += [(rows * kv_block, "bool")]
+    takes += [(kvh * rows, "f32")] * 4 + [(kvh * rows, "bool")]
+    return takes
+
+
+def attention_region_bytes(att: AttentionSpec, fmt: KVFormat, act: int,
+                           q_block: int = ATTN_Q_BLOCK, kv_block: int = ATTN_KV_BLOCK) -> int:
+    """Bytes of the fixed region one full / sliding attention layer uses: a tile
+    (:func:`attention_tile_takes`), then a KV block read (``KVCache.read``: the int64
+    cell indices, then the K codec's decode scratch, freed, then the V one's)."""
+    kvh, d, dv = att.num_kv_heads, att.head_dim, att.v_head_dim
+    tile = attention_tile_takes(kvh, att.num_heads // kvh, d, dv, fmt.k_bytes(d),
+                                fmt.v_bytes(dv), act == FP32, att.kind == "sliding",
+                                q_block, kv_block)
+    base = span([kv_block * INT64], span(take_bytes(tile, act)))
+    return max(span([n * kv_block * kvh for n in codec_scratch(fmt.codec(side), dim, act, True)],
+                    base)
+               for side, dim in (("k", d), ("v", dv)))
+
+
+def _attention_step(layer: LayerSpec, fmt: KVFormat, act: int) -> _Step:
+    """Softmax attention (``moefit.runtime.model._attention``, ``attention.attend``), the
+    stack per token: q (+ the output gate), k, v; then the largest of the q/k RMSNorm's
     fp32 scratch, the RoPE ``rotate_half`` copy, the encoded K/V rows with the cell
     indices and the codec's scratch, and the encoded rows with the attention output.
-    Fixed region: one tile of ``G x ATTN_Q_BLOCK`` query rows per KV head against
-    ``ATTN_KV_BLOCK`` cached tokens (``attention.tile_takes``: the query tile, fp32
-    running max / sum / output, the K/V block in bytes and dequantized, fp32 scores, in
-    the compute dtype too unless fp32, masks and row vectors), then a KV block read
-    (``attention.read_takes``: cell indices, the codec's decode scratch).
+    Its fixed region is :func:`attention_region_bytes`.
     """
     a = layer.attention
     heads, kvh, d, dv = a.num_heads, a.num_kv_heads, a.head_dim, a.v_head_dim
-    g, rot = heads // kvh, a.rotary_dim or a.head_dim
+    rot = a.rotary_dim or a.head_dim
     kb, vb = fmt.k_bytes(d), fmt.v_bytes(dv)
     up = 0 if act == FP32 else 1
     proj = (heads * d + (heads * dv if a.output_gate else 0) + kvh * (d + dv)) * act
     norm = {"head": (up + 1) * heads * d * FP32 + heads * FP32,
             "full": (up + 1) * heads * d * FP32 + FP32}.get(_qk_norm(layer), 0)
     rope = heads * rot * act
-    enc = max(sum(codec_scratch(_codec(fmt, "k"), d, act, False)),
-              sum(codec_scratch(_codec(fmt, "v"), dv, act, False)))
+    enc = max(sum(codec_scratch(fmt.codec("k"), d, act, False)),
+              sum(codec_scratch(fmt.codec("v"), dv, act, False)))
     write = kvh * (kb + vb) + INT64 + kvh * enc
     attend = kvh * (kb + vb) + heads * dv * act
-    rows, blk = g * ATTN_Q_BLOCK, ATTN_KV_BLOCK
-    tile = [kvh * rows * d * act, kvh * rows * FP32, kvh * rows * FP32, kvh * rows * dv * FP32,
-            rows * INT64, blk * kvh * kb, blk * kvh * vb, blk * kvh * d * act,
-            blk * kvh * dv * act, kvh * rows * blk * FP32]
-    if up:
-        tile += [kvh * rows * blk * act, kvh * rows * dv * act, kvh * rows * dv * FP32]
-    tile += [blk * INT64, rows * blk] + ([rows * blk] if a.kind == "sliding" else [])
-    tile += [kvh * rows * FP32] * 4 + [kvh * rows]
-    base = _span([blk * INT64], _span(tile))
-    fixed = max(_span([n * blk * kvh for n in codec_scratch(_codec(fmt, side), dim, act, True)], base)
-                for side, dim in (("k", d), ("v", dv)))
-    return _Step("attention", fixed, d * FP32, proj + max(norm, rope, write, attend))
+    return _Step("attention", d * FP32, proj + max(norm, rope, write, attend))
 
 
 def _mla_step(layer: LayerSpec, fmt: KVFormat, act: int) -> _Step:
     """MLA (DeepSeek-V2 §2.1; not run by this runtime, priced as its reference would):
     the Q LoRA activation, Q heads (nope + rope) twice, the latent + RoPE key of the
-    chunk, the attention output; a tile of scores and the K/V heads of one latent block."""
+    chunk, the attention output (its fixed region: :func:`mla_region_bytes`)."""
     a = layer.attention
     q_lora = a.q_lora_rank * act
     q = a.num_heads * a.head_dim * act
     latent = (a.kv_lora_rank + a.qk_rope_head_dim) * (act + (FP32 if fmt.quantized else 0))
     out = a.num_heads * a.v_head_dim * act
+    return _Step("MLA attention", 0, q_lora + 2 * q + latent + out)
+
+
+def mla_region_bytes(att: AttentionSpec, act: int) -> int:
+    """The fixed region of an MLA layer as its reference would run it: a tile of fp32
+    scores (twice), the fp32 output and statistics, the K/V heads of one latent block."""
+    a = att
     nope = a.head_dim - a.qk_rope_head_dim
     tile = a.num_heads * ATTN_Q_BLOCK * ATTN_KV_BLOCK * FP32 * 2
     acc = a.num_heads * ATTN_Q_BLOCK * (a.v_head_dim + 2) * FP32
     kv_block = ATTN_KV_BLOCK * a.num_heads * (nope + a.qk_rope_head_dim + a.v_head_dim) * act
-    return _Step("MLA attention", tile + acc + kv_block, 0, q_lora + 2 * q + latent + out)
+    return tile + acc + kv_block
+
+
+def delta_block_takes(nv: int, dk: int, dv: int, block: int = DELTA_CHUNK) -> list[Take]:
+    """The fixed-region takes of the chunked delta rule for one block of ``block`` tokens
+    (``moefit.runtime.deltanet.chunk_delta_rule`` takes its buffers by this list, in
+    order), ``nv`` value heads of key / value dims ``dk`` / ``dv``: five fp32 ``[Nv, b,
+    Dk]``, six fp32 ``[Nv, b, Dv]``, six fp32 ``[Nv, b]``, three fp32 ``[Nv, b, b]``, the
+    ``b x b`` bool mask and one fp32 state-sized product ``[Nv, Dk, Dv]`` (Yang et al.
+    2024, chunkwise form, one block at a time)."""
+    b = block
+    return ([(nv * b * dk, "f32")] * 5 + [(nv * b * dv, "f32")] * 6 + [(nv * b, "f32")] * 6
+            + [(nv * b * b, "f32")] * 3 + [(b * b, "bool"), (nv * dk * dv, "f32")])
+
+
+def deltanet_region_bytes(att: AttentionSpec, block: int = DELTA_CHUNK) -> int:
+    """Bytes of the fixed region one Gated DeltaNet layer uses: an fp32 working copy of
+    the state when it is kept in another dtype, then :func:`delta_block_takes`."""
+    nv, dk, dv = att.linear_num_value_heads, att.linear_key_head_dim, att.linear_value_head_dim
+    state = [nv * dk * dv * FP32] if att.state_dtype_bytes != FP32 else []
+    return span(state + take_bytes(delta_block_takes(nv, dk, dv, block), FP32))
 
 
 def _deltanet_step(layer: LayerSpec, act: int) -> _Step:
-    """Gated DeltaNet (``moefit.runtime.deltanet.gated_deltanet``).
-
-    Stack per token: the fused q/k/v/z and b/a projections and the fp32 conv output, then
-    the largest of the fp32 conv input (its ``kernel - 1`` carried rows and the fp32 taps
-    are a constant), its rounding to the model dtype, and what follows the conv: fp32
-    beta and g, the fp32 delta-rule output, the gated-norm output and its fp32 ``o * o``
-    and mean. Fixed region: an fp32 working copy of the
-    state when it is kept in another dtype, then the chunked delta rule's buffers for one
-    block of ``DELTA_CHUNK`` tokens (``deltanet.block_takes``: per value head fp32
-    ``64 x (5 Dk + 6 Dv + 6 + 3 x 64)``, a ``64 x 64`` mask and one state-sized product;
-    Yang et al. 2024, chunkwise form, one block at a time).
+    """Gated DeltaNet (``moefit.runtime.deltanet.gated_deltanet``), the stack per token:
+    the fused q/k/v/z and b/a projections and the fp32 conv output, then the largest of
+    the fp32 conv input (its ``kernel - 1`` carried rows and the fp32 taps are a
+    constant), its rounding to the model dtype, and what follows the conv: fp32 beta and
+    g, the fp32 delta-rule output, the gated-norm output and its fp32 ``o * o`` and mean.
+    Its fixed region is :func:`deltanet_region_bytes`.
     """
     a = layer.attention
     conv = a.linear_conv_dim
-    nv, dk, dv = a.linear_num_value_heads, a.linear_key_head_dim, a.linear_value_head_dim
+    nv, dv = a.linear_num_value_heads, a.linear_value_head_dim
     vd = nv * dv
     proj = (conv + vd + 2 * nv) * act + conv * FP32
     after = 2 * nv * FP32 + vd * FP32 + vd * act + vd * FP32 + nv * FP32
-    b = DELTA_CHUNK
-    blocks = ([nv * b * dk * FP32] * 5 + [nv * b * dv * FP32] * 6 + [nv * b * FP32] * 6
-              + [nv * b * b * FP32] * 3 + [b * b, nv * dk * dv * FP32])
-    state = [nv * dk * dv * FP32] if a.state_dtype_bytes != FP32 else []
     kernel = a.linear_conv_kernel
     const = max(max(kernel - 1, 0) * conv * FP32 + conv * kernel * FP32, nv * FP32)
     conv_step = max(conv * FP32, conv * act if act != FP32 else 0)
-    return _Step("Gated DeltaNet", _span(state + blocks), const, proj + max(conv_step, after))
+    return _Step("Gated DeltaNet", const, proj + max(conv_step, after))
 
 
 def _mixer_step(layer: LayerSpec, fmt: KVFormat, act: int) -> _Step:
@@ -240,11 +304,63 @@ def _mixer_step(layer: LayerSpec, fmt: KVFormat, act: int) -> _Step:
     raise ValueError(f"unknown attention kind {kind!r}")
 
 
+def _mixer_region(att: AttentionSpec, fmt: KVFormat, act: int, q_block: int,
+                  kv_block: int) -> int:
+    """Fixed-region bytes of one layer's token mixer (0 for an unknown kind: its step
+    raises)."""
+    if att.kind in ("full", "sliding"):
+        return attention_region_bytes(att, fmt, act, q_block, kv_block)
+    if att.kind == "mla":
+        return mla_region_bytes(att, act)
+    if att.kind == "linear":
+        return deltanet_region_bytes(att)
+    return 0
+
+
 def _mixer_terms(layer: LayerSpec, geom: ModelGeometry, fmt: KVFormat,
                  act: int) -> tuple[int, int]:
     """(const, per_token) bytes of one layer's token mixer (fixed region + stack)."""
     s = _mixer_step(layer, fmt, act)
-    return s.fixed + s.const, s.per_token
+    return _mixer_region(layer.attention, fmt, act, ATTN_Q_BLOCK, ATTN_KV_BLOCK) + s.const, s.per_token
+
+
+def expert_dequant_bytes(geom: ModelGeometry, act: int) -> int:
+    """Staging bytes running one stored (quantized, GGUF) expert takes: its largest matrix
+    (``expert_intermediate x hidden``) dequantized into the compute dtype of ``act``
+    bytes, plus the kernels' scratch for one tile of at most :data:`DEQUANT_TILE_ELEMS`
+    elements (``moefit.runtime.quant``). 0 for a model without MoE layers."""
+    dequant = 0
+    for l in geom.moe_layers:
+        mat = l.moe.expert_intermediate * geom.hidden_size
+        dequant = max(dequant, mat * act + min(mat, DEQUANT_TILE_ELEMS) * DEQUANT_SCRATCH_BYTES_PER_ELEM)
+    return dequant
+
+
+def fixed_region_bytes(geom: ModelGeometry, fmt: KVFormat, q_block: int = ATTN_Q_BLOCK,
+                       kv_block: int = ATTN_KV_BLOCK) -> int:
+    """Bytes of the fixed region every chunk reserves at the bottom of the workspace (the
+    engine reserves exactly this, ``moefit.runtime.model.Model.fixed_bytes``): the largest
+    of one layer's token-mixer region (attention tiles of ``q_block`` x ``kv_block``
+    tokens, :func:`attention_region_bytes`; :func:`deltanet_region_bytes`;
+    :func:`mla_region_bytes`), the last-token logits (fp32, and in the compute dtype first
+    unless fp32) and, for stored (GGUF) experts, one dequantized expert matrix. The
+    layers use it one after another. ``q_block`` / ``kv_block`` below the defaults give
+    the smaller region of smaller tiles (the engine's ``EngineOptions``)."""
+    act = compute_bytes(geom)
+    fixed = span([geom.vocab_size * FP32] + ([geom.vocab_size * act] if act != FP32 else []))
+    seen: dict = {}
+    for layer in geom.layers:
+        a = layer.attention
+        if a not in seen:
+            seen[a] = _mixer_region(a, fmt, act, q_block, kv_block)
+        fixed = max(fixed, seen[a])
+    if geom.exact is not None and geom.exact.expert_dequant_bytes:
+        fixed = max(fixed, span([_expert_matrix_bytes(geom, act)]))
+    return fixed
+
+
+def _expert_matrix_bytes(geom: ModelGeometry, act: int) -> int:
+    return max(l.moe.expert_intermediate * geom.hidden_size for l in geom.moe_layers) * act
 
 
 def _mlp_step(layer: LayerSpec, geom: ModelGeometry, act: int) -> _Step:
@@ -260,14 +376,14 @@ def _mlp_step(layer: LayerSpec, geom: ModelGeometry, act: int) -> _Step:
     """
     h, up = geom.hidden_size, 0 if act == FP32 else 1
     if layer.moe is None:
-        return _Step("dense MLP", 0, 0, 2 * layer.dense_intermediate * act)
+        return _Step("dense MLP", 0, 2 * layer.dense_intermediate * act)
     m = layer.moe
     k, e = m.experts_per_token, m.num_experts
     route = e * act + up * e * FP32 + e * FP32 + FP32
     buffers = h * FP32 + h * act + 2 * m.expert_intermediate * act + h * act + up * h * FP32
     dispatch = up * k * act + k * INT64 + k * act + max(k * INT64, buffers)
     shared = h * act + max(2 * m.shared_intermediate * act, act) if m.shared_intermediate else 0
-    return _Step("MoE dispatch", 0, 2 * (e + 1) * INT64,
+    return _Step("MoE dispatch", 2 * (e + 1) * INT64,
                  max(k * (FP32 + INT64) + max(route, dispatch), shared))
 
 
@@ -280,7 +396,7 @@ def staging_model(geom: ModelGeometry, fmt: KVFormat, slots: int = 1) -> Staging
         slots: concurrent sequences (the engine runs one chunk of one sequence at a time;
             kept for the interface).
     """
-    act = geom.dtype_bytes if geom.dtype_bytes in (2, 4) else 2
+    act = compute_bytes(geom)
     up = 0 if act == FP32 else 1
     h = geom.hidden_size
     att = next((l.attention for l in geom.layers if l.attention.kind != "linear"),
@@ -288,20 +404,16 @@ def staging_model(geom: ModelGeometry, fmt: KVFormat, slots: int = 1) -> Staging
     rot = att.rotary_dim or att.head_dim
     # residual stream (hidden, normed, layer output) and the RoPE cos / sin of the chunk
     residual = 3 * h * act + 2 * rot * act
-    steps = [_Step("RMSNorm", 0, h * FP32, up * h * FP32 + h * FP32 + FP32),
-             _Step("RoPE tables", 0, 0, FP32 + rot * FP32 + up * rot * FP32)]
+    steps = [_Step("RMSNorm", h * FP32, up * h * FP32 + h * FP32 + FP32),
+             _Step("RoPE tables", 0, FP32 + rot * FP32 + up * rot * FP32)]
     for layer in geom.layers:
         steps += [_mixer_step(layer, fmt, act), _mlp_step(layer, geom, act)]
-    # the last-token logits (fp32, and in the compute dtype first unless fp32)
-    fixed = _span([geom.vocab_size * FP32] + ([geom.vocab_size * act] if up else []))
-    fixed = max([fixed] + [s.fixed for s in steps])
+    fixed = fixed_region_bytes(geom, fmt)
     terms_extra: tuple = ()
     if geom.exact is not None and geom.exact.expert_dequant_bytes:
         # quantized experts (GGUF): one matrix dequantized at a time into the fixed region;
         # the kernels' fp32 scratch (bounded tiles) is allocated outside the workspace
-        mat = max(l.moe.expert_intermediate * h for l in geom.moe_layers) * act
-        fixed = max(fixed, _span([mat]))
-        scratch = max(0, geom.exact.expert_dequant_bytes - mat)
+        scratch = max(0, geom.exact.expert_dequant_bytes - _expert_matrix_bytes(geom, act))
         terms_extra = (("expert dequantization kernel scratch", scratch, 0),)
     top = max(steps, key=lambda s: s.per_token)
     terms = (

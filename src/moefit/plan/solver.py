@@ -25,9 +25,10 @@ from dataclasses import dataclass, field, replace
 
 from moefit.devices import Device
 from moefit.ingest.geometry import ModelGeometry
-from moefit.memory.kv import KV_FORMATS, kv_bytes, kv_chunk_pieces, kv_format
+from moefit.memory.kv import KV_FORMATS, KVLayout, kv_bytes, kv_chunk_pieces, kv_format, kv_layout
 from moefit.memory.runtime import default_reserve_bytes, runtime_bytes
-from moefit.memory.staging import StagingModel, staging_model
+from moefit.memory.staging import (ATTN_KV_BLOCK, ATTN_Q_BLOCK, StagingModel,
+                                   fixed_region_bytes, staging_model)
 from moefit.memory.weights import (
     default_arena_slots, expert_cache_bytes, expert_slot_bytes, most_slots, spread_slots,
     weight_arena_bytes,
@@ -112,6 +113,22 @@ class Plan:
     @property
     def total_experts(self) -> int:
         return self.geometry.total_experts
+
+    # ---- the allocation contract: what the runtime allocates, from the planner's formulas
+
+    def kv_layout(self) -> KVLayout:
+        """The ``kv`` line carved into per-layer views (byte offsets, row bytes) for this
+        plan's context, slots and chunk (:func:`moefit.memory.kv.kv_layout`); its
+        ``.bytes`` is the ``kv`` line. Raises ValueError for MLA layers (not run)."""
+        return kv_layout(self.geometry, kv_format(self.request.kv), self.context,
+                         self.request.slots, self.prefill_selected)
+
+    def fixed_region_bytes(self, q_block: int = ATTN_Q_BLOCK,
+                           kv_block: int = ATTN_KV_BLOCK) -> int:
+        """Bytes of the staging workspace's fixed region for attention tiles of
+        ``q_block`` x ``kv_block`` tokens (:func:`moefit.memory.staging.fixed_region_bytes`;
+        at the default tiles, the region the ``prefill`` line prices)."""
+        return fixed_region_bytes(self.geometry, kv_format(self.request.kv), q_block, kv_block)
 
 
 def _grid_floor(n: int) -> int:

@@ -13,9 +13,9 @@ normalizer calculation for softmax"; FlashAttention, Dao et al. 2022, Algorithm 
     out = acc / l
 
 so the temporary memory is one tile (``heads x q_block x kv_block`` scores), whatever the
-context: every buffer of it comes from the workspace's fixed region, sized for full tiles
-(:func:`tile_takes`, :func:`read_takes`; priced the same way by
-:mod:`moefit.memory.staging`). K and V blocks are kept head-major (``[K, B, D]``), so each
+context: every buffer of it comes from the workspace's fixed region, taken by the
+planner's layout (:func:`moefit.memory.staging.attention_tile_takes`; the region's size
+:func:`moefit.memory.staging.attention_region_bytes`). K and V blocks are kept head-major (``[K, B, D]``), so each
 head's block is a plain matrix for ``bmm`` (no copy inside the product).
 
 Masks (transformers ``masking_utils``): causal ``k_pos <= q_pos``; sliding window
@@ -28,50 +28,9 @@ from __future__ import annotations
 
 import torch
 
-from moefit.memory.staging import ATTN_KV_BLOCK, ATTN_Q_BLOCK
+from moefit.memory.staging import ATTN_KV_BLOCK, ATTN_Q_BLOCK, attention_tile_takes
 from moefit.runtime.kv_cache import KVCache
-from moefit.runtime.staging import Workspace, span
-
-
-def tile_takes(kvh: int, g: int, d: int, dv: int, k_row: int, v_row: int, act: torch.dtype,
-               window: bool, q_block: int = ATTN_Q_BLOCK, kv_block: int = ATTN_KV_BLOCK):
-    """The fixed-region takes of :func:`attend` for one layer, in order, before the KV
-    read: ``(shape, dtype)`` pairs, sized for full tiles whatever the chunk and the
-    position (so the region a chunk needs never depends on the context)."""
-    f32, rows = torch.float32, g * q_block
-    tile = (kvh * rows * kv_block,)
-    takes = [((kvh * rows * d,), act),                 # qt: query tile, heads as rows
-             ((kvh * rows,), f32), ((kvh * rows,), f32),   # m, l: running max and sum
-             ((kvh * rows * dv,), f32),                # acc: running output
-             ((rows,), torch.int64),                   # q_pos
-             ((kv_block * kvh * k_row,), torch.uint8), ((kv_block * kvh * v_row,), torch.uint8),
-             ((kv_block * kvh * d,), act), ((kv_block * kvh * dv,), act),   # K, V block
-             (tile, f32)]                              # s: scores, then probabilities
-    if act != f32:   # s / p in act, p @ v in act and in fp32
-        takes += [(tile, act), ((kvh * rows * dv,), act), ((kvh * rows * dv,), f32)]
-    takes += [((kv_block,), torch.int64), ((rows * kv_block,), torch.bool)]   # k_pos, mask
-    if window:
-        takes += [((rows * kv_block,), torch.bool)]
-    takes += [((kvh * rows,), f32)] * 4 + [((kvh * rows,), torch.bool)]   # m_new, m_safe, alpha, sum; inf
-    return takes
-
-
-def read_takes(kvh: int, k_codec, v_codec, act: torch.dtype, kv_block: int = ATTN_KV_BLOCK):
-    """The takes of one KV block read (:meth:`KVCache.read`): the cell indices, then the
-    K decode scratch, freed, then the V one. Returns (indices, k scratch, v scratch)."""
-    n = kv_block * kvh
-    return ([((kv_block,), torch.int64)], k_codec.decode_scratch(n, act),
-            v_codec.decode_scratch(n, act))
-
-
-def region_bytes(kvh: int, g: int, d: int, dv: int, k_codec, v_codec, act: torch.dtype,
-                 window: bool, q_block: int = ATTN_Q_BLOCK, kv_block: int = ATTN_KV_BLOCK) -> int:
-    """Bytes of the fixed region one attention layer uses (tiles, then a KV block read)."""
-    base = span(tile_takes(kvh, g, d, dv, k_codec.nbytes, v_codec.nbytes, act, window,
-                           q_block, kv_block))
-    idx, ks, vs = read_takes(kvh, k_codec, v_codec, act, kv_block)
-    base = span(idx, base)
-    return max(span(ks, base), span(vs, base))
+from moefit.runtime.staging import Workspace
 
 
 def attend(q: torch.Tensor, start: int, cache: KVCache, layer: int, slot: int, scale: float,
@@ -85,7 +44,8 @@ def attend(q: torch.Tensor, start: int, cache: KVCache, layer: int, slot: int, s
         scale: softmax scale (``head_dim ** -0.5``).
         out: ``[T, A, Dv]`` output (compute dtype).
         ws: staging workspace; the tiles and dequantized blocks come from its fixed
-            region ``ws.fixed`` (:func:`tile_takes`, :func:`read_takes`).
+            region ``ws.fixed`` (:func:`moefit.memory.staging.attention_tile_takes`, then
+            the KV block read's cell indices and codec scratch).
     """
     t_len, heads, d = q.shape
     lc = cache.layers[layer]
@@ -97,10 +57,9 @@ def attend(q: torch.Tensor, start: int, cache: KVCache, layer: int, slot: int, s
     f32 = torch.float32
     region = ws.fixed
     with region.scope():
-        (qt_, m_, l_, acc_, qpos_, kb_, vb_, k_, v_, s_, *rest) = (
-            region.take(shape, dtype) for shape, dtype in
-            tile_takes(kvh, g, d, dv, lc.k.shape[3], lc.v.shape[3], act, window is not None,
-                       q_block, kv_block))
+        (qt_, m_, l_, acc_, qpos_, kb_, vb_, k_, v_, s_, *rest) = region.take_layout(
+            attention_tile_takes(kvh, g, d, dv, lc.k.shape[3], lc.v.shape[3], act == f32,
+                                 window is not None, q_block, kv_block), act)
         p_, pv_, pv32_ = ((rest.pop(0), rest.pop(0), rest.pop(0)) if act != f32
                           else (None, None, None))
         kpos_, mask_ = rest.pop(0), rest.pop(0)

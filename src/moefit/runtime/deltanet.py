@@ -44,9 +44,9 @@ import torch
 import torch.nn.functional as F
 
 from moefit.ingest.geometry import AttentionSpec
-from moefit.memory.staging import DELTA_CHUNK
+from moefit.memory.staging import DELTA_CHUNK, delta_block_takes
 from moefit.runtime.linear_state import LayerState
-from moefit.runtime.staging import Workspace, span
+from moefit.runtime.staging import Workspace
 
 F32 = torch.float32
 L2_EPS = 1e-6   #: ``l2norm``'s eps in the reference (matches the FLA kernels)
@@ -94,22 +94,6 @@ def _l2norm_(x: torch.Tensor, scratch: torch.Tensor, sums: torch.Tensor) -> None
            .add_(L2_EPS).rsqrt_())
 
 
-def block_takes(nv: int, dk: int, dv: int, block: int = DELTA_CHUNK):
-    """The takes of :func:`chunk_delta_rule` (fixed region), in order: ``(shape, dtype)``."""
-    f32 = F32
-    return ([((nv * block * dk,), f32)] * 5 + [((nv * block * dv,), f32)] * 6
-            + [((nv * block,), f32)] * 6 + [((nv * block * block,), f32)] * 3
-            + [((block, block), torch.bool), ((nv, dk, dv), F32)])
-
-
-def region_bytes(a: AttentionSpec, state_dtype: torch.dtype, block: int = DELTA_CHUNK) -> int:
-    """Bytes of the fixed region one Gated DeltaNet layer uses: an fp32 working copy of the
-    state when it is kept in another dtype, then the delta rule's block buffers."""
-    nv, dk, dv = a.linear_num_value_heads, a.linear_key_head_dim, a.linear_value_head_dim
-    state = [((nv, dk, dv), F32)] if state_dtype != F32 else []
-    return span(state + block_takes(nv, dk, dv, block))
-
-
 def chunk_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                      beta: torch.Tensor, state: torch.Tensor, out: torch.Tensor,
                      ws: Workspace, block: int = DELTA_CHUNK) -> None:
@@ -138,13 +122,14 @@ def chunk_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     scale = dk ** -0.5
     region = ws.fixed
     with region.scope():
-        # flat buffers for a whole block (block_takes), viewed at each block's length so
-        # every view is contiguous
+        # flat buffers for a whole block (the planner's delta_block_takes), viewed at each
+        # block's length so every view is contiguous
         (qb, kb, kbeta, dkb, kcd,                                 # [Nv, b, Dk]
          vb, vbeta, newv, vnew, ob, tmp,                          # [Nv, b, Dv]
          gb, betab, cum, ecum, etail, sums,                       # [Nv, b]
          pm, ut, att,                                             # [Nv, b, b]
-         upper, sd) = (region.take(shape, dtype) for shape, dtype in block_takes(nv, dk, dv, block))
+         upper, sd) = region.take_layout(delta_block_takes(nv, dk, dv, block), F32)
+        upper, sd = upper.view(block, block), sd.view(nv, dk, dv)
         # sd [Nv, Dk, Dv]: k^T V' of a block
         for t0 in range(0, t_len, block):
             b = min(block, t_len - t0)

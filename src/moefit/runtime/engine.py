@@ -7,9 +7,11 @@ Commit order (docs/design.md, runtime contract), each allocation through the led
 2. ``weights``: every resident tensor (:func:`moefit.runtime.loader.load_checkpoint`);
    the experts go to packed host blobs.
 3. ``weight_arena``: the ring of expert-blob buffers (``--miss-policy copy``).
-4. ``kv``: ONE buffer of exactly the plan's ``kv`` bytes (:class:`KVCache`).
+4. ``kv``: ONE buffer of exactly the plan's ``kv`` bytes, carved by the plan's layout
+   (:meth:`moefit.plan.solver.Plan.kv_layout`, :class:`KVCache`).
 5. ``prefill``: ONE staging buffer of the plan's ``prefill`` bytes, reused by every
-   chunk and every decode step (:class:`Workspace`).
+   chunk and every decode step (:class:`Workspace`), whose fixed region is the plan's
+   (:meth:`moefit.plan.solver.Plan.fixed_region_bytes`).
 6. ``experts``: the plan's slots per MoE layer, but never more than the free memory
    above the margin allows; after the last commit the engine re-reads the free memory
    and, if less than the margin is free, gives back expert slots (never a mandatory
@@ -32,22 +34,20 @@ import torch
 
 from moefit.devices import Device
 from moefit.errors import InputError
-from moefit.memory.kv import kv_format
 from moefit.memory.staging import ATTN_KV_BLOCK, ATTN_Q_BLOCK
-from moefit.plan.request import Request
-from moefit.plan.solver import Plan, solve
+from moefit.plan.solver import Plan
 from moefit.runtime.arch import arch_from_config, read_config
 from moefit.runtime.experts import ExpertCache, load_profile
 from moefit.runtime.gguf_loader import gguf_config, is_gguf, load_gguf
-from moefit.runtime.kv_cache import KVCache, kv_buffer_bytes
+from moefit.runtime.kv_cache import KVCache
 from moefit.runtime.ledger import BudgetError, Ledger
 from moefit.runtime.loader import load_checkpoint
-from moefit.runtime.model import Model, fixed_bytes, forward
+from moefit.runtime.model import Model, forward
 from moefit.runtime.rope import Rotary, rope_from_config
 from moefit.runtime.staging import Workspace
 from moefit.units import format_bytes
 
-__all__ = ["BudgetError", "Engine", "EngineOptions", "Sampling", "build_engine", "sample"]
+__all__ = ["BudgetError", "Engine", "EngineOptions", "Sampling", "sample"]
 
 
 @dataclass(frozen=True)
@@ -138,10 +138,8 @@ class Engine:
             blob_dtype = next(iter(host.blobs.values())).dtype   # uint8 for stored formats
             arena = [ledger.alloc("weight_arena", (elems,), blob_dtype) for _ in range(ring)]
         # 4. KV cache
-        fmt = kv_format(req.kv)
-        kv_buf = ledger.alloc("kv", (kv_buffer_bytes(geom, fmt, plan.context, req.slots,
-                                                     plan.prefill_selected),), torch.uint8)
-        kv = KVCache(geom, fmt, plan.context, req.slots, plan.prefill_selected, kv_buf)
+        kv_buf = ledger.alloc("kv", (ledger.lines["kv"].planned,), torch.uint8)
+        kv = KVCache(geom, plan.kv_layout(), kv_buf)
         # 5. prefill staging, once
         ws = Workspace(ledger.alloc("prefill", (ledger.lines["prefill"].planned,), torch.uint8), ledger)
         # 6. expert cache: the plan's slots, within what is free above the margin
@@ -156,8 +154,8 @@ class Engine:
         rope = rope_from_config(arch.config, att.rotary_dim or att.head_dim,
                                 req.rope_scaling, req.rope_scale, req.yarn_orig_ctx)
         model = Model(geom, arch, weights, kv, experts, Rotary(rope, dev), ws,
-                      q_block=opts.q_block, kv_block=opts.kv_block)
-        model.fixed_bytes = fixed_bytes(model)
+                      q_block=opts.q_block, kv_block=opts.kv_block,
+                      fixed_bytes=plan.fixed_region_bytes(opts.q_block, opts.kv_block))
         say("READY")
         return cls(plan, ledger, model, chunk, notes)
 
@@ -284,16 +282,3 @@ def _shrink_to_margin(ledger: Ledger, experts: ExpertCache, say) -> None:
     if freed:
         say(f"expert cache: {freed} slot(s) given back after commit, less than the margin "
             f"of {format_bytes(ledger.margin)} was free")
-
-
-def build_engine(model_dir: str | Path, device: Device, request: Request,
-                 options: EngineOptions | None = None) -> Engine:
-    """Plan ``request`` for the checkpoint in ``model_dir`` on ``device`` and start it.
-
-    Raises InputError when the plan does not fit (solve it with ``moefit plan`` to see the
-    table), BudgetError when an allocation fails.
-    """
-    from moefit.ingest.resolve import load_model
-
-    plan = solve(load_model(str(model_dir)), device, request)
-    return Engine.start(model_dir, plan, options)

@@ -1,7 +1,8 @@
 """The KV cache: owns the cells of every attention layer, for every slot (sequence).
 
-The whole ``kv`` line is ONE uint8 buffer from the ledger, of exactly the bytes
-:func:`moefit.memory.kv.kv_bytes` prices, carved in layer order into:
+The whole ``kv`` line is ONE uint8 buffer from the ledger, of exactly the plan's ``kv``
+bytes, carved by the plan's layout (:func:`moefit.memory.kv.kv_layout`; the runtime
+computes no offset or row size of its own) in layer order into:
 
 - per attention layer: K cells ``[slots, cells, kv_heads, k_bytes(head_dim)]`` then V
   cells ``[slots, cells, kv_heads, v_bytes(v_head_dim)]`` (uint8, docs/design.md, KV formats,
@@ -34,7 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from moefit.ingest.geometry import ModelGeometry
-from moefit.memory.kv import KVFormat, cell_bytes, kv_bytes, layer_cells
+from moefit.memory.kv import KVLayout
 from moefit.runtime.kv_codec import FP8_MAX, Codec
 from moefit.runtime.linear_state import LinearStates
 
@@ -57,66 +58,39 @@ class LayerCells:
     scales: torch.Tensor | None   # [2] fp32 (fp8 only): K scale, V scale; 0 = unset
 
 
-def kv_buffer_bytes(geom: ModelGeometry, fmt: KVFormat, context: int, slots: int,
-                    chunk: int) -> int:
-    """Bytes of the ``kv`` buffer: exactly the planner's ``kv`` line."""
-    return kv_bytes(geom, fmt, context, slots, chunk).bytes
-
-
 class KVCache:
-    """KV cells of all attention layers for ``slots`` sequences.
+    """KV cells of all attention layers for ``layout.slots`` sequences.
 
     Args:
-        geom: model geometry (attention kinds, heads, head dims).
-        fmt: the KV format (docs/design.md, KV formats).
-        context: cells per sequence on full layers (the plan's context, tokens).
-        slots: concurrent sequences.
-        chunk: the plan's prefill chunk (tokens; sizes the sliding-window rings).
-        buffer: uint8 tensor of :func:`kv_buffer_bytes` bytes from the ledger's ``kv`` line.
+        geom: model geometry (the dtypes of the linear-attention states).
+        layout: the plan's carving of the ``kv`` line (:func:`moefit.memory.kv.kv_layout`,
+            ``Plan.kv_layout``): every offset and row size comes from it.
+        buffer: uint8 tensor of ``layout.bytes`` bytes from the ledger's ``kv`` line.
 
-    Raises ValueError for MLA layers (not supported by this runtime) and when ``buffer``
-    is not exactly the priced size.
+    Raises ValueError when ``buffer`` is not exactly the priced size.
     """
 
-    def __init__(self, geom: ModelGeometry, fmt: KVFormat, context: int, slots: int,
-                 chunk: int, buffer: torch.Tensor):
-        expected = kv_buffer_bytes(geom, fmt, context, slots, chunk)
-        if buffer.dtype != torch.uint8 or buffer.numel() != expected:
-            raise ValueError(f"KV buffer is {buffer.numel()} bytes, the plan priced {expected}")
-        self.fmt, self.context, self.slots, self.chunk = fmt, context, slots, chunk
+    def __init__(self, geom: ModelGeometry, layout: KVLayout, buffer: torch.Tensor):
+        if buffer.dtype != torch.uint8 or buffer.numel() != layout.bytes:
+            raise ValueError(f"KV buffer is {buffer.numel()} bytes, the plan priced {layout.bytes}")
+        fmt = layout.fmt
+        self.fmt, self.context, self.slots, self.chunk = fmt, layout.context, layout.slots, layout.chunk
         self.buffer = buffer
-        self.lengths = [0] * slots
+        self.lengths = [0] * layout.slots
         self.layers: dict[int, LayerCells] = {}
-        cache_layers = [l for l in geom.layers if l.attention.kind in ("full", "sliding")]
-        for l in geom.layers:
-            if l.attention.kind not in ("full", "sliding", "linear"):
-                raise ValueError(f"layer {l.index}: {l.attention.kind} attention is not "
-                                 "supported by the runtime yet")
-        self.linear = LinearStates(geom, slots, buffer)
-        off = self.linear.nbytes
-        scale_off = off + sum(slots * layer_cells(l.attention, context, chunk)
-                              * cell_bytes(l.attention, fmt)
-                        for l in cache_layers)
-        for n, l in enumerate(cache_layers):
-            a = l.attention
-            cells = layer_cells(a, context, chunk)
-            kb, vb = fmt.k_bytes(a.head_dim), fmt.v_bytes(a.v_head_dim)
-            k_size = slots * cells * a.num_kv_heads * kb
-            v_size = slots * cells * a.num_kv_heads * vb
-            k = buffer[off:off + k_size].view(slots, cells, a.num_kv_heads, kb)
-            off += k_size
-            v = buffer[off:off + v_size].view(slots, cells, a.num_kv_heads, vb)
-            off += v_size
+        self.linear = LinearStates(geom, layout.linear, buffer)
+        for c in layout.layers:
+            k = buffer[c.k_offset:c.v_offset].view(layout.slots, c.cells, c.kv_heads, c.k_row)
+            v_size = layout.slots * c.cells * c.kv_heads * c.v_row
+            v = buffer[c.v_offset:c.v_offset + v_size].view(layout.slots, c.cells, c.kv_heads,
+                                                            c.v_row)
             scales = None
-            if fmt.layer_scale_bytes:
-                s0 = scale_off + n * fmt.layer_scale_bytes
-                scales = buffer[s0:s0 + 8].view(torch.float32)
+            if c.scale_offset is not None:
+                scales = buffer[c.scale_offset:c.scale_offset + 8].view(torch.float32)
                 scales.zero_()
-            self.layers[l.index] = LayerCells(
-                l.index, cells, a.sliding_window if a.kind == "sliding" else None, k, v,
-                Codec(fmt.name, fmt.k_bits, fmt.blocked, a.head_dim, kb),
-                Codec(fmt.name, fmt.v_bits, fmt.blocked, a.v_head_dim, vb), scales)
-        assert off == scale_off and off + fmt.layer_scale_bytes * len(cache_layers) == expected
+            self.layers[c.index] = LayerCells(
+                c.index, c.cells, c.window, k, v, Codec(fmt, "k", c.k_dim),
+                Codec(fmt, "v", c.v_dim), scales)
 
     # ---- slots --------------------------------------------------------------------------
     def reset(self, slot: int) -> None:
@@ -153,7 +127,7 @@ class KVCache:
             k_bytes / v_bytes: uint8 scratch ``[T, kv_heads, k_bytes]`` / ``[..., v_bytes]``
                 (from the staging workspace) for the encoded rows.
             ws: the staging workspace for the cell indices ``[T]`` int64 and the codecs'
-                scratch (:meth:`Codec.encode_scratch`); None allocates them.
+                scratch; None allocates them.
         """
         lc = self.layers[layer]
         t, h, _ = k.shape

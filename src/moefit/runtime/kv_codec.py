@@ -26,7 +26,8 @@ import math
 
 import torch
 
-QBLOCK = 32
+from moefit.memory.kv import QBLOCK, KVFormat
+
 FP8_MAX = 448.0   #: largest finite float8 e4m3fn value
 
 
@@ -37,11 +38,7 @@ def plain_dtype(bits: int, fmt_name: str) -> torch.dtype:
     return torch.float16 if fmt_name == "fp16" else torch.bfloat16
 
 
-Shape = tuple[int, ...]
-Scratch = list[tuple[Shape, torch.dtype]]
-
-
-def _take(ws, shape: Shape, dtype: torch.dtype, like: torch.Tensor) -> torch.Tensor:
+def _take(ws, shape: tuple[int, ...], dtype: torch.dtype, like: torch.Tensor) -> torch.Tensor:
     """A scratch tensor from the staging workspace ``ws`` (or a new one when None)."""
     if ws is not None:
         return ws.take(shape, dtype)
@@ -63,7 +60,7 @@ def _blocks(x: torch.Tensor, xb: torch.Tensor) -> torch.Tensor:
 
 def encode_q8(x: torch.Tensor, out: torch.Tensor, ws=None) -> None:
     """Quantize ``x`` ``[N, d]`` into ``out`` ``[N, nb * 34]`` uint8 (q8_0 blocks); scratch
-    (:meth:`Codec.encode_scratch`) from ``ws``."""
+    (priced by :func:`moefit.memory.staging.codec_scratch`) from ``ws``."""
     n, dim = x.shape
     nb = math.ceil(dim / QBLOCK)
     with _scope(ws):
@@ -147,30 +144,23 @@ def decode_fp8(b: torch.Tensor, scale: float, out: torch.Tensor, ws=None) -> Non
 
 
 class Codec:
-    """Encoder/decoder of one side (K or V) of one KV format.
+    """Encoder/decoder of one side (``"k"`` or ``"v"``) of one KV format.
 
-    ``kind``: ``plain``, ``fp8``, ``q8`` or ``q4``; ``dim``: head dim; ``nbytes``: bytes of
-    one encoded head vector (equals the planner's ``k_bytes``/``v_bytes``).
+    ``kind``: the format's codec for that side (:meth:`moefit.memory.kv.KVFormat.codec`:
+    ``plain``, ``fp8``, ``q8`` or ``q4``); ``dim``: head dim; ``nbytes``: bytes of one
+    encoded head vector (the planner's ``k_bytes`` / ``v_bytes``).
 
     The scratch of :meth:`encode` / :meth:`decode` (fp32 blocks, scales) is taken from the
-    staging workspace ``ws`` when given, in the order and sizes :meth:`encode_scratch` /
-    :meth:`decode_scratch` list (the planner prices the same,
-    :func:`moefit.memory.staging.codec_scratch`).
+    staging workspace ``ws`` when given; the planner prices it
+    (:func:`moefit.memory.staging.codec_scratch`, checked against these codecs in
+    tests/runtime/test_kv_formats.py). Raises ValueError for a format side with no codec.
     """
 
-    def __init__(self, fmt_name: str, bits: int, blocked: bool, dim: int, nbytes: int):
-        self.dim, self.nbytes = dim, nbytes
-        if not blocked and bits in (16, 32):
-            self.kind, self.dtype = "plain", plain_dtype(bits, fmt_name)
-        elif not blocked and bits == 8:
-            self.kind, self.dtype = "fp8", None
-        elif blocked and bits == 8:
-            self.kind, self.dtype = "q8", None
-        elif blocked and bits == 4:
-            self.kind, self.dtype = "q4", None
-        else:
-            raise ValueError(f"KV format {fmt_name!r}: no codec for {bits}-bit "
-                             f"{'blocked' if blocked else 'plain'} values")
+    def __init__(self, fmt: KVFormat, side: str, dim: int):
+        self.kind = fmt.codec(side)
+        self.dim, self.nbytes = dim, fmt.row_bytes(side, dim)
+        bits = fmt.k_bits if side == "k" else fmt.v_bits
+        self.dtype = plain_dtype(bits, fmt.name) if self.kind == "plain" else None
 
     def encode(self, x: torch.Tensor, out: torch.Tensor, scale: float = 1.0, ws=None) -> None:
         """``x`` ``[N, dim]`` -> ``out`` ``[N, nbytes]`` uint8."""
@@ -194,29 +184,3 @@ class Codec:
             decode_q8(b, self.dim, out, ws)
         else:
             decode_q4(b, self.dim, out, ws)
-
-    def encode_scratch(self, n: int) -> Scratch:
-        """The workspace takes of :meth:`encode` on ``n`` vectors, in order."""
-        nb = math.ceil(self.dim / QBLOCK)
-        f32, blk = torch.float32, (n, nb, 1)
-        if self.kind == "plain":
-            return []
-        if self.kind == "fp8":
-            return [((n, self.dim), f32)]
-        if self.kind == "q8":
-            return [((n, nb * QBLOCK), f32), ((n, nb, QBLOCK), f32), (blk, f32), (blk, f32),
-                    (blk, torch.bool)]
-        return [((n, nb * QBLOCK), f32), ((n, nb, QBLOCK), f32), (blk, torch.int64), (blk, f32),
-                (blk, f32), (blk, torch.bool), ((n, nb, QBLOCK), torch.uint8)]
-
-    def decode_scratch(self, n: int, out_dtype: torch.dtype) -> Scratch:
-        """The workspace takes of :meth:`decode` on ``n`` vectors into ``out_dtype``."""
-        nb = math.ceil(self.dim / QBLOCK)
-        f32 = torch.float32
-        if self.kind == "plain" or (self.kind == "fp8" and out_dtype == f32):
-            return []
-        if self.kind == "fp8":
-            return [((n, self.dim), f32)]
-        if self.kind == "q8":
-            return [((n, nb, 1), f32), ((n, nb, QBLOCK), f32)]
-        return [((n, nb, 1), f32), ((n, nb, QBLOCK), torch.uint8), ((n, nb, QBLOCK), f32)]

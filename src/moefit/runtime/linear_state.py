@@ -11,9 +11,9 @@ A linear-attention layer keeps no per-token cells: per sequence (slot) it keeps
    (``causal_conv1d_update`` drops the oldest of its ``kernel + 1`` inputs).
 
 These are exactly the bytes :func:`moefit.memory.kv.linear_state_bytes` prices, and the
-``kv`` line's buffer holds them (:class:`moefit.runtime.kv_cache.KVCache` carves them
-first: all recurrent states in layer order, then all conv states, then the attention
-cells). Putting the fp32 recurrent states at offset 0 keeps every view aligned.
+``kv`` line's buffer holds them where the plan's layout puts them
+(:func:`moefit.memory.kv.kv_layout`: all recurrent states in layer order, then all conv
+states, then the attention cells).
 
 A new sequence starts from zeros (no state; a zero conv state is the zero left padding of
 ``causal_conv1d_fn``), so :meth:`LinearStates.reset` zeroes a slot.
@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from moefit.ingest.geometry import ModelGeometry
+from moefit.memory.kv import LinearStateLayout
 
 _DTYPES = {"float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
            "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -59,34 +60,30 @@ class LinearStates:
     """Recurrent and conv state of every linear-attention layer, as views of ``buffer``.
 
     Args:
-        geom: model geometry (its ``linear`` layers).
-        slots: concurrent sequences.
-        buffer: uint8 tensor whose first :attr:`nbytes` bytes hold the states (the head
-            of the ``kv`` buffer); they are zeroed here.
+        geom: model geometry (the model dtype of the conv states, the 16-bit state dtype).
+        layout: the layers' places in the ``kv`` buffer
+            (:attr:`moefit.memory.kv.KVLayout.linear`).
+        buffer: the uint8 ``kv`` buffer; the states' bytes (its head) are zeroed here.
+
+    Raises ValueError when a layout's element size is not the dtype's.
     """
 
-    def __init__(self, geom: ModelGeometry, slots: int, buffer: torch.Tensor):
-        layers = [l for l in geom.layers if l.attention.kind == "linear"]
+    def __init__(self, geom: ModelGeometry, layout: tuple[LinearStateLayout, ...],
+                 buffer: torch.Tensor):
         conv_dt = model_dtype(geom)
         self.layers: dict[int, LayerState] = {}
-        off = 0
-        recurrent = {}
-        for l in layers:                                      # fp32 states first: aligned
-            a = l.attention
-            dt = state_dtype(geom, a.state_dtype_bytes)
-            shape = (slots, a.linear_num_value_heads, a.linear_key_head_dim, a.linear_value_head_dim)
-            n = _numel(shape) * dt.itemsize
-            recurrent[l.index] = buffer[off:off + n].view(dt).view(shape)
-            off += n
-        for l in layers:
-            a = l.attention
-            shape = (slots, max(a.linear_conv_kernel - 1, 0), a.linear_conv_dim)
-            n = _numel(shape) * conv_dt.itemsize
-            conv = buffer[off:off + n].view(conv_dt).view(shape)
-            off += n
-            self.layers[l.index] = LayerState(l.index, recurrent[l.index], conv)
-        self.nbytes = off
-        buffer[:off].zero_()
+        self.nbytes = 0
+        for s in layout:
+            dt = state_dtype(geom, s.state_bytes)
+            if dt.itemsize != s.state_bytes or conv_dt.itemsize != s.conv_bytes:
+                raise ValueError(f"layer {s.index}: state elements of {s.state_bytes} / "
+                                 f"{s.conv_bytes} bytes, the runtime holds {dt} / {conv_dt}")
+            rec = _view(buffer, s.recurrent_offset, s.recurrent_shape, dt)
+            conv = _view(buffer, s.conv_offset, s.conv_shape, conv_dt)
+            self.layers[s.index] = LayerState(s.index, rec, conv)
+            self.nbytes = max(self.nbytes, s.recurrent_offset + rec.numel() * dt.itemsize,
+                              s.conv_offset + conv.numel() * conv_dt.itemsize)
+        buffer[:self.nbytes].zero_()
 
     def reset(self, slot: int) -> None:
         """Zero the state of sequence ``slot`` in every layer."""
@@ -95,8 +92,10 @@ class LinearStates:
             s.conv[slot].zero_()
 
 
-def _numel(shape: tuple[int, ...]) -> int:
+def _view(buffer: torch.Tensor, offset: int, shape: tuple[int, ...],
+          dtype: torch.dtype) -> torch.Tensor:
+    """``buffer[offset:]`` seen as ``shape`` of ``dtype``."""
     n = 1
     for d in shape:
         n *= d
-    return n
+    return buffer[offset:offset + n * dtype.itemsize].view(dtype).view(shape)

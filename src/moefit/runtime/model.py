@@ -36,14 +36,12 @@ from moefit.ingest.geometry import LayerSpec, ModelGeometry
 from moefit.memory.staging import ATTN_KV_BLOCK, ATTN_Q_BLOCK
 from moefit.runtime.arch import Arch
 from moefit.runtime.attention import attend
-from moefit.runtime.attention import region_bytes as attention_region_bytes
 from moefit.runtime.deltanet import gated_deltanet
-from moefit.runtime.deltanet import region_bytes as deltanet_region_bytes
 from moefit.runtime.experts import ExpertCache
 from moefit.runtime.kv_cache import KVCache
 from moefit.runtime.loader import LayerWeights, Weights
 from moefit.runtime.rope import Rotary
-from moefit.runtime.staging import Workspace, span
+from moefit.runtime.staging import Workspace
 
 
 @dataclass
@@ -59,31 +57,9 @@ class Model:
     ws: Workspace
     q_block: int = ATTN_Q_BLOCK
     kv_block: int = ATTN_KV_BLOCK
-    fixed_bytes: int = 0     #: the workspace's fixed region per chunk (:func:`fixed_bytes`)
-
-
-def fixed_bytes(mdl: Model) -> int:
-    """Bytes of the fixed region each chunk reserves at the bottom of the workspace: the
-    largest of what one layer's token mixer takes there (attention tiles and a KV block
-    read, :func:`moefit.runtime.attention.region_bytes`; the delta rule's blocks,
-    :func:`moefit.runtime.deltanet.region_bytes`), one dequantized expert matrix of a
-    stored format, and the last-token logits. The layers use it one after another."""
-    g, act, f32 = mdl.geom, mdl.arch.dtype, torch.float32
-    need = span([((1, g.vocab_size), f32)] + ([((1, g.vocab_size), act)] if act != f32 else []))
-    for l in g.layers:
-        a = l.attention
-        if a.kind == "linear":
-            st = mdl.kv.linear.layers[l.index].recurrent
-            need = max(need, deltanet_region_bytes(a, st.dtype))
-        elif a.kind in ("full", "sliding"):
-            lc = mdl.kv.layers[l.index]
-            need = max(need, attention_region_bytes(
-                a.num_kv_heads, a.num_heads // a.num_kv_heads, a.head_dim, a.v_head_dim,
-                lc.k_codec, lc.v_codec, act, lc.window is not None, mdl.q_block, mdl.kv_block))
-    if mdl.experts is not None:
-        for fmt in mdl.experts.host.formats.values():
-            need = max(need, span([((fmt.gate.rows * fmt.gate.cols,), act)]))
-    return need
+    #: the workspace's fixed region per chunk (bytes): the planner's
+    #: :func:`moefit.memory.staging.fixed_region_bytes` for the tiles above
+    fixed_bytes: int = 0
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, out: torch.Tensor,

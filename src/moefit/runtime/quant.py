@@ -29,7 +29,7 @@ with Q6_K down), parts back to back with no padding, so a blob is exactly the by
 file holds for that expert and a cache miss is one copy. When the expert runs, each matrix
 is dequantized in turn into one ``[I, H]`` buffer of the compute dtype -- taken from the
 prefill staging workspace when the blob is on the device -- by tiles of
-:data:`~moefit.ingest.gguf_header.DEQUANT_TILE_ELEMS` elements (the kernels' fp32 scratch is
+:data:`~moefit.memory.staging.DEQUANT_TILE_ELEMS` elements (the kernels' fp32 scratch is
 bounded by one tile), and multiplied. fp8 block-scaled experts of HF checkpoints fit the
 same design: a part whose kernel reads e4m3 weights followed by their fp32 block scales.
 """
@@ -45,7 +45,7 @@ import torch
 import torch.nn.functional as F
 
 from moefit.errors import InputError
-from moefit.ingest.gguf_header import DEQUANT_TILE_ELEMS
+from moefit.memory.staging import DEQUANT_TILE_ELEMS
 
 QK_K = 256
 

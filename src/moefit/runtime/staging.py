@@ -13,7 +13,8 @@ dispatch buffers, last-token logits) from it with a stack discipline:
 Each chunk starts with :meth:`Workspace.begin_chunk`: the stack is emptied and a *fixed
 region* is reserved at its bottom for the buffers whose size does not depend on the chunk
 (attention tiles, delta-rule blocks, the last-token logits, one dequantized expert
-matrix; :func:`moefit.runtime.model.fixed_bytes`). The region is held for the whole chunk
+matrix), of the size the planner gives (:func:`moefit.memory.staging.fixed_region_bytes`),
+whose layouts the layers take by (:meth:`Workspace.take_layout`). The region is held for the whole chunk
 and shared by the layers, one after another (``ws.fixed`` is a workspace over it); the
 per-token tensors go on the stack above it. So the bytes in use are always ``region +
 stack``, and the stack is a sum of ``[T, ...]`` tensors: the staging is affine in the
@@ -35,9 +36,12 @@ from contextlib import contextmanager
 
 import torch
 
+from moefit.memory.staging import WORKSPACE_ALIGN as ALIGN
+from moefit.memory.staging import Take
 from moefit.runtime.ledger import BudgetError, Ledger
 
-ALIGN = 64  #: bytes; every view starts on a 64-byte boundary (vector loads, dtype views)
+#: the torch dtypes of the planner's layout dtype names (``"act"``: the compute dtype)
+LAYOUT_DTYPES = {"f32": torch.float32, "i64": torch.int64, "u8": torch.uint8, "bool": torch.bool}
 
 
 class Workspace:
@@ -95,6 +99,11 @@ class Workspace:
         t = self.buffer[start:start + size].view(dtype).view(shape)
         return t.zero_() if zero else t
 
+    def take_layout(self, takes: list[Take], act: torch.dtype) -> list[torch.Tensor]:
+        """Flat tensors ``[elements]`` for a planner layout (:mod:`moefit.memory.staging`:
+        ``(elements, dtype name)`` pairs), taken in order; ``"act"`` is ``act``."""
+        return [self.take((n,), act if dt == "act" else LAYOUT_DTYPES[dt]) for n, dt in takes]
+
     @contextmanager
     def scope(self):
         """Free everything taken inside the ``with`` block on exit."""
@@ -121,24 +130,3 @@ class Workspace:
             self.fixed = Workspace(region, self.ledger, self.line, region_of=self)
             self.stack_base = self.offset
         self.chunk_peak = self.offset
-
-    @property
-    def chunk_use(self) -> int:
-        """Bytes the current chunk has needed at most: the stack's peak above the region
-        plus the region's own high-water mark (what a region of exactly that size would
-        hold)."""
-        region = self.fixed.peak if self.fixed is not self else 0
-        return self.chunk_peak - self.stack_base + region
-
-
-def span(takes, start: int = 0) -> int:
-    """The workspace offset after ``takes`` (``(shape, dtype)`` pairs, taken in order from
-    offset ``start``): the bytes a sequence of :meth:`Workspace.take` needs, alignment
-    included. Sizes the fixed region (:func:`moefit.runtime.model.fixed_bytes`)."""
-    off = start
-    for shape, dtype in takes:
-        n = 1
-        for d in shape:
-            n *= int(d)
-        off = -(-off // ALIGN) * ALIGN + n * dtype.itemsize
-    return off

@@ -1,4 +1,5 @@
-"""Fixes from a new-user review of ``moefit serve`` / ``generate``, in-process (fast).
+"""``moefit serve`` / ``generate`` request handling and flags, in-process (fast); fixes from a
+new-user review.
 
 1. a checkpoint stored in bf16 whose config says float32: the plan prices what the
    runtime holds (floating tensors at the config's dtype), so the ledger allocates
@@ -135,7 +136,8 @@ def slow(state):
 LONG = {"prompt": "hello world", "max_tokens": 400, "ignore_eos": True}
 
 
-def test_a_disconnected_non_streaming_request_stops_generating(state, slow):
+@pytest.mark.process
+def test_disconnected_non_streaming_request_stops_generating(state, slow):
     with Running(state) as srv:
         with pytest.raises(httpx.TimeoutException):
             httpx.post(srv.url + "/v1/completions", json=LONG, timeout=0.4)
@@ -150,6 +152,7 @@ def test_a_disconnected_non_streaming_request_stops_generating(state, slow):
         assert r.status_code == 200
 
 
+@pytest.mark.process
 def test_shutdown_stops_the_request_in_flight(state, slow):
     with Running(state) as srv:
         with httpx.stream("POST", srv.url + "/v1/completions", json={**LONG, "stream": True},
