@@ -28,6 +28,7 @@ gguf = pytest.importorskip("gguf")
 from moefit.errors import InputError  # noqa: E402
 from moefit.ingest.families import geometry_from_config  # noqa: E402
 from moefit.ingest.gguf_header import read_header  # noqa: E402
+from moefit.memory.staging import compute_bytes, expert_dequant_bytes  # noqa: E402
 from moefit.tools.gguf_write import write_gguf  # noqa: E402
 from moefit.ingest.resolve import load_model  # noqa: E402
 
@@ -118,7 +119,8 @@ def test_expert_blobs_are_priced_per_layer_from_their_own_types(tmp_path):
     i, h = 32, 64
     assert dict(g.expert_blob_bytes()) == {0: 3 * i * h // 32 * 34, 2: 2 * i * h // 32 * 18 + h * i // 32 * 17}
     assert dict(g.exact.expert_types) == types
-    assert g.exact.expert_dequant_bytes > 0
+    assert g.exact.experts_stored
+    assert expert_dequant_bytes(g, compute_bytes(g)) > 0
 
 
 def test_split_file_is_read_shard_by_shard(tmp_path):

@@ -300,9 +300,9 @@ class ExactWeights:
     tensors, scales included).
     ``skipped_bytes``: tensors not used by the text model (vision tower, MTP layers).
     ``files``: how many safetensors files were read.
-    ``expert_dequant_bytes``: staging bytes that running one stored (quantized) expert
-    needs for its dequantized matrix and kernel scratch; 0 when experts are stored in the
-    compute dtype. Priced on the ``prefill`` line (:mod:`moefit.memory.staging`).
+    ``experts_stored``: the routed experts stay in a stored (quantized) format and are
+    dequantized when they run; the staging this takes is priced on the ``prefill`` line
+    (:func:`moefit.memory.staging.expert_dequant_bytes`).
 
     Other formats (GGUF: :class:`moefit.ingest.gguf_header.GGUFWeights`) subclass this and override
     :meth:`line_detail` / :meth:`describe`.
@@ -313,7 +313,7 @@ class ExactWeights:
     skipped_bytes: int
     total_params: int
     files: int
-    expert_dequant_bytes: int = 0
+    experts_stored: bool = False
 
     def line_detail(self) -> str:
         """Detail of the ``weights`` budget line."""

@@ -47,7 +47,6 @@ from moefit.errors import InputError
 from moefit.ingest.families import registry
 from moefit.ingest.families.common import GGUF_EXPERT_NAMES, LAYER_NAMES, GGUFFacts, GGUFMeta
 from moefit.ingest.geometry import ExactWeights, ModelGeometry
-from moefit.memory.staging import expert_dequant_bytes
 
 #: ggml types whose tensors hold floats as stored (no block structure).
 
@@ -479,12 +478,10 @@ def exact_from_gguf(geom: ModelGeometry, h: GGUFHeader) -> GGUFWeights:
         k = kinds[layer]
         gate, up = (k["gate_up"], k["gate_up"]) if "gate_up" in k else (k.get("gate", "?"), k.get("up", "?"))
         types.append((layer, (gate, up, k.get("down", "?"))))
-    # an expert runs from its stored blob: priced by the staging model
-    dequant = expert_dequant_bytes(geom, act)
     order = sorted(by_type.items(), key=lambda kv: -(kv[1][0] + kv[1][1]))
     return GGUFWeights(
         weight_bytes=weight, expert_blob_bytes=tuple(sorted(blob.items())), skipped_bytes=skipped,
-        total_params=params, files=len(h.paths), expert_dequant_bytes=dequant,
+        total_params=params, files=len(h.paths), experts_stored=True,
         compute_dtype=compute_dtype(h), stored_weight_bytes=stored,
         by_type=tuple((k, v[0], v[1], v[2]) for k, v in order), data_bytes=h.tensor_data_bytes(),
         expert_types=tuple(types))

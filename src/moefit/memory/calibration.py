@@ -42,7 +42,7 @@ from moefit import __version__
 from moefit.devices import Device
 from moefit.ingest.geometry import ModelGeometry
 from moefit.memory.kv import kv_format
-from moefit.memory.staging import StagingModel, staging_model
+from moefit.memory.staging import StagingModel, compute_bytes, expert_dequant_bytes, staging_model
 
 SCHEMA = "moefit.calibration/1"
 #: bumped whenever the runtime's staging changes shape: older calibrations go stale
@@ -67,7 +67,8 @@ def geometry_hash(geom: ModelGeometry) -> str:
     layers = [[asdict(l.attention), asdict(l.moe) if l.moe else None, l.dense_intermediate,
                sorted(t.name.rsplit(".", 2)[-2] for t in l.tensors if "norm" in t.name)]
               for l in geom.layers]
-    dequant = geom.exact.expert_dequant_bytes if geom.exact is not None else 0
+    stored = geom.exact is not None and geom.exact.experts_stored
+    dequant = expert_dequant_bytes(geom, compute_bytes(geom)) if stored else 0
     doc = [geom.model_type, geom.hidden_size, geom.vocab_size, geom.dtype, geom.dtype_bytes,
            layers, dequant]
     return hashlib.sha256(json.dumps(doc, sort_keys=True, default=str).encode()).hexdigest()

@@ -354,7 +354,7 @@ def fixed_region_bytes(geom: ModelGeometry, fmt: KVFormat, q_block: int = ATTN_Q
         if a not in seen:
             seen[a] = _mixer_region(a, fmt, act, q_block, kv_block)
         fixed = max(fixed, seen[a])
-    if geom.exact is not None and geom.exact.expert_dequant_bytes:
+    if geom.exact is not None and geom.exact.experts_stored:
         fixed = max(fixed, span([_expert_matrix_bytes(geom, act)]))
     return fixed
 
@@ -410,10 +410,10 @@ def staging_model(geom: ModelGeometry, fmt: KVFormat, slots: int = 1) -> Staging
         steps += [_mixer_step(layer, fmt, act), _mlp_step(layer, geom, act)]
     fixed = fixed_region_bytes(geom, fmt)
     terms_extra: tuple = ()
-    if geom.exact is not None and geom.exact.expert_dequant_bytes:
+    if geom.exact is not None and geom.exact.experts_stored:
         # quantized experts (GGUF): one matrix dequantized at a time into the fixed region;
         # the kernels' fp32 scratch (bounded tiles) is allocated outside the workspace
-        scratch = max(0, geom.exact.expert_dequant_bytes - _expert_matrix_bytes(geom, act))
+        scratch = max(0, expert_dequant_bytes(geom, act) - _expert_matrix_bytes(geom, act))
         terms_extra = (("expert dequantization kernel scratch", scratch, 0),)
     top = max(steps, key=lambda s: s.per_token)
     terms = (

@@ -172,7 +172,8 @@ def _load(h, ts: _Tensors, geom, arch, alloc, pin, progress):
     expert_plans = {l.index: _expert_parts(l, geom, arch, ts) for l in geom.moe_layers}
     names = [n for _, n, _ in glob] + [n for lp in layer_plans for _, n, _ in lp]
     names += [n for parts, _ in expert_plans.values() for n in parts]
-    bar = _progress_bytes(sum(h.tensors[n].nbytes for n in names), progress, h.paths[0].name)
+    bar = progress_bar(sum(h.tensors[n].nbytes for n in names), progress, h.paths[0].name,
+                       unit="B", unit_divisor=1024)
     heads = geom.layers[0].attention.num_heads
     kv_heads = geom.layers[0].attention.num_kv_heads
     family = registry.family_for_gguf(h.arch)
