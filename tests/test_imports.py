@@ -265,17 +265,8 @@ def needless_local_imports(graph: ImportGraph) -> list[tuple[str, int, str]]:
             if what not in heavy and what not in HEAVY and not extra(m, what)]
 
 
-#: Known ones awaiting their owner's change (module, what): leave these files to them.
-KNOWN_LOCAL = {
-    ("moefit.plan.request", "moefit.units"),
-    ("moefit.runtime.engine", "moefit.memory.weights"),
-    ("moefit.runtime.engine", "moefit.ingest.resolve"),
-    ("moefit.ingest.gguf_header", "moefit.units"),
-    ("moefit.ingest.gguf_header", "dataclasses"),
-    ("moefit.ingest.gguf_header", "moefit.ingest.families"),
-    ("moefit.ingest.resolve", "moefit.ingest.gguf_header"),
-    ("moefit.tools.gguf_write", "json"),
-}
+#: Known ones awaiting their owner's change (module, what); empty now.
+KNOWN_LOCAL: set[tuple[str, str]] = set()
 
 
 def test_function_local_imports_are_for_heavy_dependencies_only():

@@ -39,14 +39,15 @@ from __future__ import annotations
 import functools
 import re
 import struct
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from moefit.errors import InputError
-from moefit.ingest.families import registry
+from moefit.ingest.families import geometry_from_config, registry
 from moefit.ingest.families.common import GGUF_EXPERT_NAMES, LAYER_NAMES, GGUFFacts, GGUFMeta
 from moefit.ingest.geometry import ExactWeights, ModelGeometry
+from moefit.units import format_bytes
 
 #: ggml types whose tensors hold floats as stored (no block structure).
 
@@ -400,24 +401,22 @@ class GGUFWeights(ExactWeights):
         return f"exact, from GGUF; dequantized to {short} at load"
 
     def describe(self, geom: ModelGeometry) -> list[str]:
-        from moefit.units import format_bytes as fmt
-
         blobs = dict(self.expert_blob_bytes)
-        lines = [f"weights      {fmt(self.weight_bytes)} resident ({self.compute_dtype}, dequantized at "
-                 f"load), {fmt(self.stored_weight_bytes)} in the file"]
+        lines = [f"weights      {format_bytes(self.weight_bytes)} resident ({self.compute_dtype}, dequantized at "
+                 f"load), {format_bytes(self.stored_weight_bytes)} in the file"]
         if blobs:
             lo, hi = min(blobs.values()), max(blobs.values())
-            rng = fmt(lo) if lo == hi else f"{fmt(lo)}..{fmt(hi)}"
+            rng = format_bytes(lo) if lo == hi else f"{format_bytes(lo)}..{format_bytes(hi)}"
             kinds = sorted({"/".join(t) for _, t in self.expert_types})
             lines.append(f"expert blob  {rng} per expert, kept in the file's format "
                          f"(gate/up/down: {', '.join(kinds)})")
-        lines.append(f"GGUF         {self.files} file(s), tensor data {fmt(self.data_bytes)}")
+        lines.append(f"GGUF         {self.files} file(s), tensor data {format_bytes(self.data_bytes)}")
         for kind, dense, expert, count in self.by_type:
-            lines.append(f"  {kind:<10} {fmt(dense + expert):>11}  experts {fmt(expert)}, "
-                         f"other {fmt(dense)}, {count} tensor(s)")
+            lines.append(f"  {kind:<10} {format_bytes(dense + expert):>11}  experts {format_bytes(expert)}, "
+                         f"other {format_bytes(dense)}, {count} tensor(s)")
         lines.append(f"params       analytic {geom.total_params:,}, in file {self.total_params:,}")
         if self.skipped_bytes:
-            lines.append(f"skipped      {fmt(self.skipped_bytes)} not used by the text model (MTP layers, towers)")
+            lines.append(f"skipped      {format_bytes(self.skipped_bytes)} not used by the text model (MTP layers, towers)")
         return lines
 
 
@@ -520,12 +519,7 @@ def load_gguf_model(path: str | Path) -> ModelGeometry:
     Errors: :class:`InputError` for a missing file or shard, a corrupt header, an
     unsupported architecture, or metadata and tensors that disagree.
     """
-    import dataclasses
-
-    from moefit.ingest.families import geometry_from_config
-
     h = read_header(path)
     cfg = config_from_gguf(h)
     geom = geometry_from_config(cfg, model_name(h), str(path))
-    return dataclasses.replace(geom, exact=exact_from_gguf(geom, h),
-                               notes=geom.notes + runtime_notes(h))
+    return replace(geom, exact=exact_from_gguf(geom, h), notes=geom.notes + runtime_notes(h))

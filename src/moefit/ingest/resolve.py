@@ -30,6 +30,7 @@ from moefit.ingest.checkpoint import exact_weights
 from moefit.errors import InputError
 from moefit.ingest.families import geometry_from_config, is_deepseek_inference_config
 from moefit.ingest.geometry import ModelGeometry
+from moefit.ingest.gguf_header import load_gguf_model
 
 PRESETS_DIR = Path(__file__).resolve().parents[1] / "presets"
 
@@ -117,8 +118,6 @@ def load_model(spec: str) -> ModelGeometry:
                          "directory or a config.json path")
     path = Path(spec).expanduser()
     if path.suffix.lower() == ".gguf":
-        from moefit.ingest.gguf_header import load_gguf_model   # imports gguf/numpy: only for GGUF
-
         return load_gguf_model(path)
     if path.is_dir():
         geom = _from_file(_config_in_dir(path), path.resolve().name, str(path))

@@ -22,6 +22,7 @@ from typing import Literal
 from moefit.errors import InputError
 from moefit.ingest.geometry import ModelGeometry
 from moefit.memory.kv import kv_format
+from moefit.units import parse_count
 
 CHUNK_GRID = 256            #: prefill chunks are multiples of this many tokens
 DEFAULT_PREFILL_CEILING = 16384
@@ -65,8 +66,6 @@ def parse_prefill(text: str) -> tuple[str, int]:
     The ceiling of ``auto:N`` is floored to the 256-token grid (auto picks grid chunks);
     an explicit ``N`` is kept as asked. Raises InputError naming ``--prefill``.
     """
-    from moefit.units import parse_count
-
     t = text.strip().lower()
     if t == "auto":
         return "auto", DEFAULT_PREFILL_CEILING

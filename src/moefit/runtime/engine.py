@@ -28,6 +28,7 @@ be asked for); decode is a chunk of one token. Slots: the KV cache holds the pla
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 from pathlib import Path
 
 import torch
@@ -35,6 +36,7 @@ import torch
 from moefit.devices import Device
 from moefit.errors import InputError
 from moefit.memory.staging import ATTN_KV_BLOCK, ATTN_Q_BLOCK
+from moefit.memory.weights import most_slots, spread_slots
 from moefit.plan.solver import Plan
 from moefit.runtime.arch import arch_from_config, read_config
 from moefit.runtime.experts import ExpertCache, load_profile
@@ -47,20 +49,17 @@ from moefit.runtime.rope import Rotary, rope_from_config
 from moefit.runtime.staging import Workspace
 from moefit.units import format_bytes
 
-__all__ = ["BudgetError", "Engine", "EngineOptions", "Sampling", "sample"]
+__all__ = ["BudgetError", "Engine", "EngineOptions", "SamplingParams", "sample"]
 
 
-@dataclass(frozen=True)
-class Sampling:
-    """Decoding settings. ``temperature`` 0 is greedy; ``top_k`` 0 and ``top_p`` 1 keep
-    every token; ``stop``: token ids that end generation (included in the output)."""
+class SamplingParams(Protocol):
+    """What :func:`sample` reads of a request's settings (``moefit.serve.generation.Params``
+    is the one implementation). ``temperature`` 0 is greedy; ``top_k`` 0 and ``top_p`` 1
+    keep every token."""
 
-    max_new_tokens: int = 16
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int | None = None
-    stop: tuple[int, ...] = ()
+    temperature: float
+    top_k: int
+    top_p: float
 
 
 @dataclass
@@ -186,20 +185,6 @@ class Engine:
         logits = forward(self.model, ids, slot, self.model.kv.lengths[slot])
         return logits.to("cpu", copy=True)
 
-    def generate(self, token_ids, sampling: Sampling = Sampling(), slot: int = 0) -> list[int]:
-        """Prefill ``token_ids`` then sample up to ``sampling.max_new_tokens`` tokens;
-        returns the new tokens."""
-        gen = torch.Generator().manual_seed(sampling.seed) if sampling.seed is not None else None
-        logits = self.prefill(token_ids, slot)
-        out: list[int] = []
-        for i in range(sampling.max_new_tokens):
-            tok = sample(logits, sampling, gen)
-            out.append(tok)
-            if tok in sampling.stop or i == sampling.max_new_tokens - 1:
-                break
-            logits = self.decode(tok, slot)
-        return out
-
     def reset(self, slot: int = 0) -> None:
         """Forget sequence ``slot``."""
         self.model.kv.reset(slot)
@@ -215,7 +200,7 @@ class Engine:
         return self.ledger.report()
 
 
-def sample(logits: torch.Tensor, s: Sampling, gen: torch.Generator | None = None) -> int:
+def sample(logits: torch.Tensor, s: SamplingParams, gen: torch.Generator | None = None) -> int:
     """One token from ``logits`` ``[V]``: argmax at temperature 0, else softmax sampling
     after top-k / top-p filtering."""
     if s.temperature <= 0:
@@ -251,7 +236,6 @@ def _commit_experts(ledger: Ledger, host, plan: Plan, say) -> dict[int, list[tor
     """Allocate the plan's expert slots, capped at what is free above the margin."""
     if not host.blobs:
         return {}
-    from moefit.memory.weights import most_slots, spread_slots
 
     room = ledger.free_bytes() - ledger.margin
     want = dict(plan.experts_per_layer)

@@ -23,6 +23,7 @@ names: the exact weights a reference forward pass must use.
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 from typing import Mapping
@@ -234,7 +235,6 @@ def write_gguf(state: Mapping[str, "object"], config: Mapping, out: str | Path, 
 
 def _add_vocab(w, tokenizer, eos_token: str | None) -> None:
     """A byte-level BPE as llama.cpp's GPT-2-style vocabulary keys."""
-    import json
 
     import gguf
 
