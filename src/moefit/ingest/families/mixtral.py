@@ -57,13 +57,13 @@ def gguf_write_meta(w, config: dict) -> None:
 
 
 def switches(cfg: dict) -> Switches:
-    """No q/k norm, no biases; routing softmax, top-k, always renormalised
-    (``MixtralSparseMoeBlock``); MoE block ``block_sparse_moe`` with experts ``w1`` (gate),
-    ``w3`` (up), ``w2`` (down)."""
-    bias = bool(cfg.get("attention_bias", False))
+    """No q/k norm, no biases whatever ``attention_bias`` says (``MixtralAttention``:
+    ``bias=False`` on q/k/v/o, as :func:`parse` lists them); routing softmax, top-k, always
+    renormalised (``MixtralSparseMoeBlock``); MoE block ``block_sparse_moe`` with experts
+    ``w1`` (gate), ``w3`` (up), ``w2`` (down)."""
     return Switches(
         model_type="mixtral", dtype=dtype_name(cfg), rms_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-        qk_norm="", q_bias=bias, o_bias=False, clip_qkv=None, renormalize=True,
+        qk_norm="", q_bias=False, o_bias=False, clip_qkv=None, renormalize=True,
         moe_prefix="block_sparse_moe", expert_names=("w1", "w3", "w2"),
         tie_embeddings=bool(cfg.get("tie_word_embeddings", False)), config=cfg)
 
