@@ -202,17 +202,37 @@ def rope_config(cfg: dict) -> RopeConfig:
                       rope_type=str(kind), max_position_embeddings=int(cfg.get("max_position_embeddings") or 0))
 
 
+def rope_factor_and_window(r: RopeConfig, max_pos: int) -> tuple[float, int]:
+    """(factor, original window in tokens) of RoPE ``r`` in a model trained to ``max_pos``
+    tokens: the one interpretation of the planner (:func:`read_rope`) and the runtime
+    (``moefit.runtime.rope.rope_from_config``).
+
+    Unscaled RoPE (``default``): (1, ``max_pos``). Scaled: the original window is
+    ``original_max_position_embeddings``, else ``max_pos`` (transformers 5.x
+    ``convert_rope_params_to_dict``: ``rope_parameters.setdefault(
+    "original_max_position_embeddings", self.max_position_embeddings)`` for llama3 / yarn /
+    longrope); the factor is ``factor``, else for yarn and longrope ``max_pos / original``
+    (``_compute_yarn_parameters`` / ``_compute_longrope_parameters`` in
+    ``modeling_rope_utils.py``: ``if factor is None: factor = config.max_position_embeddings
+    / original_max_position_embeddings``), else 1.
+    """
+    if r.rope_type == "default":
+        return 1.0, max_pos
+    original = int(r.block.get("original_max_position_embeddings") or max_pos)
+    factor = r.block.get("factor")
+    if factor is None:
+        factor = max_pos / original if r.rope_type in ("yarn", "longrope") else 1.0
+    return float(factor), original
+
+
 def read_rope(c: Cfg, max_pos: int) -> RopeSpec:
     """RoPE as the planner prices it (:func:`rope_config`): the scaling type (``default``
-    means none) and factor (default 1). ``trained_window`` = ``max_position_embeddings``;
-    ``original_window`` = ``original_max_position_embeddings`` when the config scales RoPE,
-    else trained_window.
+    means none), factor and original window per :func:`rope_factor_and_window`; ``trained_window`` =
+    ``max_position_embeddings``.
     """
     r = rope_config(c.data)
-    block = r.block
+    factor, original = rope_factor_and_window(r, max_pos)
     kind = None if r.rope_type == "default" else r.rope_type
-    factor = float(block.get("factor", 1.0)) if kind else 1.0
-    original = int(block.get("original_max_position_embeddings") or max_pos) if kind else max_pos
     return RopeSpec(theta=r.theta, scaling_type=kind, factor=factor,
                     trained_window=max_pos, original_window=original)
 
