@@ -20,9 +20,18 @@ import torch
 from moefit.errors import InputError
 from moefit.ingest.families import registry
 from moefit.ingest.families.common import NameTable, name_table
-from moefit.ingest.geometry import ModelGeometry
+from moefit.ingest.geometry import DTYPES, ModelGeometry
 
-TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a dtype name of :data:`moefit.ingest.geometry.DTYPES` (``bf16``
+    -> ``torch.bfloat16``). Raises InputError naming the dtype for any other name."""
+    d = DTYPES.get(name)
+    if d is None:
+        raise InputError(f"dtype {name!r} is not supported by the runtime "
+                         f"(use one of {', '.join(sorted({d.torch for d in DTYPES.values()}))})")
+    return getattr(torch, d.torch)
 
 
 @dataclass(frozen=True)
@@ -80,8 +89,5 @@ def arch_from_config(cfg: dict, geom: ModelGeometry) -> Arch:
         raise InputError(f"model_type {mt!r}: the runtime runs {', '.join(runtime_model_types())} "
                          "(the planner knows more families: `moefit plan` works for it)")
     sw = family.switches(cfg)
-    if sw.dtype not in TORCH_DTYPES:
-        raise InputError(f"config dtype {sw.dtype!r} is not supported by the runtime "
-                         f"(use one of {', '.join(TORCH_DTYPES)})")
     values = {f.name: getattr(sw, f.name) for f in fields(sw)}
-    return Arch(**values | {"dtype": TORCH_DTYPES[sw.dtype], "names": family.names})
+    return Arch(**values | {"dtype": torch_dtype(sw.dtype), "names": family.names})

@@ -16,7 +16,7 @@ from moefit.ingest.families.common import (
     layer_norms, layer_types, linear, norm_tensor, partial_rotary, read_sizes,
 )
 from moefit.ingest.families.qwen_moe import qwen_is_moe, qwen_mlp
-from moefit.ingest.geometry import DTYPE_BYTES, AttentionSpec, LayerSpec, Tensor
+from moefit.ingest.geometry import DTYPES, AttentionSpec, LayerSpec, Tensor
 
 
 def hybrid_types(c: Cfg, n: int) -> list[str]:
@@ -31,14 +31,15 @@ def hybrid_types(c: Cfg, n: int) -> list[str]:
 def linear_spec(c: Cfg) -> AttentionSpec:
     """Gated DeltaNet sizes; recurrent state dtype ``mamba_ssm_dtype`` (default float32)."""
     state = str(c.get("mamba_ssm_dtype", "float32")).removeprefix("torch.")
-    if state not in DTYPE_BYTES:
-        raise InputError(f"{c.source}: unsupported {c.path}mamba_ssm_dtype {state!r}")
+    if state not in DTYPES:
+        raise InputError(f"{c.source}: unsupported {c.path}mamba_ssm_dtype {state!r}; expected "
+                         f"one of {', '.join(sorted(DTYPES))}")
     nv = c.int("linear_num_value_heads")
     return AttentionSpec(
         kind="linear", num_heads=nv, linear_num_key_heads=c.int("linear_num_key_heads"),
         linear_num_value_heads=nv, linear_key_head_dim=c.int("linear_key_head_dim"),
         linear_value_head_dim=c.int("linear_value_head_dim"),
-        linear_conv_kernel=c.int("linear_conv_kernel_dim"), state_dtype_bytes=DTYPE_BYTES[state])
+        linear_conv_kernel=c.int("linear_conv_kernel_dim"), state_dtype=state)
 
 
 def gated_deltanet(p: str, hidden: int, a: AttentionSpec, split_proj: bool) -> list[Tensor]:
