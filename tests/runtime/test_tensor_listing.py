@@ -172,3 +172,23 @@ def test_gguf_loader_asks_for_the_listing(label, cfg):
         parts = [arch.names.gguf_expert(p, l.index) for p in ("gate", "up", "down")]
         assert {p: checked[p] for p in parts} == {
             p: (l.moe.num_experts, *s) for p, s in zip(parts, listed)}
+
+
+@pytest.mark.parametrize("label,cfg", CONFIGS, ids=[c[0] for c in CONFIGS])
+def test_arch_is_the_family_switches_with_the_torch_dtype(label, cfg):
+    """``Arch`` derives from ``Switches`` (its fields declared once, in the family layer):
+    every switch as the family set it, ``dtype`` its torch dtype, plus the name table."""
+    from dataclasses import fields
+
+    from moefit.ingest.families.common import Switches
+    from moefit.runtime.arch import torch_dtype
+
+    geom, arch = _setup(cfg)
+    fam = TOY if cfg["model_type"] == "toy_moe" else registry.family_for(cfg["model_type"])
+    sw = fam.switches(cfg)
+    assert isinstance(arch, Switches)
+    assert {f.name for f in fields(arch)} == {f.name for f in fields(Switches)} | {"names"}
+    for f in fields(Switches):
+        want = torch_dtype(sw.dtype) if f.name == "dtype" else getattr(sw, f.name)
+        assert getattr(arch, f.name) == want, f.name
+    assert arch.names is fam.names

@@ -19,9 +19,8 @@ import torch
 
 from moefit.errors import InputError
 from moefit.ingest.families import registry
-from moefit.ingest.families.common import NameTable, name_table
+from moefit.ingest.families.common import NameTable, Switches, name_table
 from moefit.ingest.geometry import DTYPES, ModelGeometry
-
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -35,27 +34,15 @@ def torch_dtype(name: str) -> torch.dtype:
 
 
 @dataclass(frozen=True)
-class Arch:
-    """Per-family switches of the forward pass: the fields of
-    :class:`~moefit.ingest.families.common.Switches` with ``dtype`` the torch dtype of
-    resident weights and activations.
+class Arch(Switches):
+    """Per-family switches of the forward pass: the family's
+    :class:`~moefit.ingest.families.common.Switches` (every field, declared once there) with
+    ``dtype`` the torch dtype of resident weights and activations (there its name), plus
+    the family's tensor ``names``.
     """
 
-    model_type: str
     dtype: torch.dtype
-    rms_eps: float
-    qk_norm: str
-    q_bias: bool
-    o_bias: bool
-    clip_qkv: float | None
-    renormalize: bool
-    moe_prefix: str
-    expert_names: tuple[str, str, str]
-    tie_embeddings: bool
-    config: dict             # the text model's config (``text_config`` of a multimodal one)
-    prefix: str = "model."   # checkpoint prefix of the text model
-    norm_offset: float = 0.0  # 1.0: ``(1 + w)`` RMSNorm weights (Qwen3-Next / Qwen3.5)
-    names: NameTable = field(default_factory=name_table)  # the family's tensor names
+    names: NameTable = field(default_factory=name_table)
 
 
 def read_config(model_dir: str | Path) -> dict:
@@ -89,5 +76,5 @@ def arch_from_config(cfg: dict, geom: ModelGeometry) -> Arch:
         raise InputError(f"model_type {mt!r}: the runtime runs {', '.join(runtime_model_types())} "
                          "(the planner knows more families: `moefit plan` works for it)")
     sw = family.switches(cfg)
-    values = {f.name: getattr(sw, f.name) for f in fields(sw)}
+    values = {f.name: getattr(sw, f.name) for f in fields(Switches)}
     return Arch(**values | {"dtype": torch_dtype(sw.dtype), "names": family.names})

@@ -495,7 +495,7 @@ def name_table(moe_prefix: str = "mlp", layer: dict[str, tuple[str, str]] | None
 @dataclass(frozen=True)
 class Switches:
     """Per-family switches of the forward pass, as plain values (``moefit.runtime.arch.Arch``
-    adds the torch dtype).
+    derives from it, with the torch dtype).
 
     ``dtype``: dtype name (:func:`dtype_name`). ``qk_norm``: ``"head"``, ``"full"`` or ``""``.
     ``renormalize``: divide the top-k routing weights by their sum. ``moe_prefix``: the MoE
