@@ -151,6 +151,7 @@ def test_dense(name):
     assert g.layers[0].dense_intermediate == cfg["intermediate_size"]
 
 
+@pytest.mark.slow
 def test_olmoe_and_glm4_moe_from_transformers_defaults():
     """The two families without a preset, on transformers' own default configs."""
     transformers = pytest.importorskip("transformers")

@@ -20,6 +20,7 @@ packages, so that each check is seen to catch what it is for.
 from __future__ import annotations
 
 import ast
+import functools
 import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -179,8 +180,14 @@ def _describe(graph: ImportGraph, cycle: list[str]) -> str:
 
 # ---- the package --------------------------------------------------------------------------
 
+@functools.lru_cache(maxsize=1)
+def package_graph() -> ImportGraph:
+    """The import graph of ``src/moefit``, read once for the tests below (none changes it)."""
+    return read_graph(SRC)
+
+
 def test_the_package_has_no_import_cycle():
-    graph = read_graph(SRC)
+    graph = package_graph()
     assert len(graph.modules) > 40 and sum(map(len, graph.edges.values())) > 100
     cycle = find_cycle(graph.edges)
     assert cycle is None, "import cycle: " + _describe(graph, cycle)
@@ -191,13 +198,13 @@ KNOWN_PRIVATE: set[tuple[str, str]] = set()
 
 
 def test_no_module_uses_another_modules_private_names():
-    graph = read_graph(SRC)
+    graph = package_graph()
     new = [(m, line, text) for m, line, text in graph.private if (m, text) not in KNOWN_PRIVATE]
     assert new == [], "\n".join(f"{m}:{line}: {text}" for m, line, text in new)
 
 
 def test_nothing_in_the_package_imports_the_command_line():
-    graph = read_graph(SRC)
+    graph = package_graph()
     importers = sorted(m for m, out in graph.edges.items() if "moefit.cli" in out)
     assert importers == ["moefit.__main__"]
 
@@ -238,7 +245,7 @@ def layer_violations(graph: ImportGraph) -> list[str]:
 
 
 def test_each_layer_imports_only_the_layers_below():
-    assert layer_violations(read_graph(SRC)) == []
+    assert layer_violations(package_graph()) == []
 
 
 #: What a function-local import may be for: a heavy or optional outside package, imported
@@ -282,7 +289,7 @@ KNOWN_LOCAL: set[tuple[str, str]] = set()
 
 
 def test_function_local_imports_are_for_heavy_dependencies_only():
-    graph = read_graph(SRC)
+    graph = package_graph()
     assert "moefit.serve.app" in heavy_modules(graph)
     assert "moefit.plan.solver" not in heavy_modules(graph)
     new = [(m, line, what) for m, line, what in needless_local_imports(graph)
