@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ast
 import functools
+import re
 import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -383,3 +384,18 @@ def test_private_names_of_other_modules_are_found(tmp_path):
     found = sorted((m, text) for m, _, text in read_graph(root).private)
     assert found == [("moefit.b", "from moefit.a import _hidden"),
                      ("moefit.c", "moefit.a._hidden"), ("moefit.d", "moefit.a._hidden")]
+
+
+def test_the_readme_layout_names_every_module():
+    """The README's Layout block names each module file (``arch.py``) of the package, but
+    the family modules (a new family is one new file: the Layout says "one module per
+    family")."""
+    readme = (SRC.parents[1] / "README.md").read_text()
+    layout = readme[readme.index("## Layout"):]
+    layout = layout[:layout.index("```", layout.index("```") + 3)]
+    families = SRC / "ingest" / "families"
+    files = {p.name for p in SRC.rglob("*.py") if p.name not in ("__init__.py", "__main__.py")
+             and (p.parent != families or p.name in ("common.py", "registry.py"))}
+    assert len(files) > 40
+    missing = sorted(f for f in files if not re.search(rf"\b{re.escape(f)}", layout))
+    assert missing == [], f"add to the README's Layout: {missing}"
