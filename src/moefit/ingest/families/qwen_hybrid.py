@@ -15,7 +15,7 @@ from moefit.ingest.families.common import (
     Cfg, Family, GGUFFacts, GGUFMeta, Switches, attn_spec, dtype_name, global_tensors, gqa,
     layer_norms, layer_types, linear, norm_tensor, partial_rotary, read_sizes,
 )
-from moefit.ingest.families.qwen_moe import qwen_is_moe, qwen_mlp
+from moefit.ingest.families.qwen_moe import NAMES, qwen_is_moe, qwen_mlp
 from moefit.ingest.geometry import DTYPES, AttentionSpec, LayerSpec, Tensor
 
 
@@ -162,7 +162,6 @@ def switches(cfg: dict) -> Switches:
         model_type=mt, dtype=dtype, rms_eps=float(text.get("rms_norm_eps", 1e-6)),
         qk_norm="head", q_bias=bias, o_bias=bias, clip_qkv=None,
         renormalize=True if mt != "qwen3_next" or norm_topk is None else bool(norm_topk),
-        moe_prefix="mlp", expert_names=("gate_proj", "up_proj", "down_proj"),
         tie_embeddings=bool(tied), config=text,
         prefix="model.language_model." if multimodal else "model.", norm_offset=1.0)
 
@@ -172,4 +171,5 @@ FAMILY = Family(
     aliases={"qwen3_5_moe_text": "qwen3_5_moe"}, text_config=("qwen3_5_moe",),
     gguf_archs=("qwen3next", "qwen35moe"), gguf_config=gguf_config, switches=switches,
     runtime_types=("qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text"),
-    gguf_arch_of={"qwen3_next": "qwen3next", "qwen3_5_moe": "qwen35moe", "qwen3_5_moe_text": "qwen35moe"})
+    gguf_arch_of={"qwen3_next": "qwen3next", "qwen3_5_moe": "qwen35moe", "qwen3_5_moe_text": "qwen35moe"},
+    names=NAMES)
