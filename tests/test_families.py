@@ -8,6 +8,7 @@ Torch-free: the runtime half of the toy family is ``tests/runtime/test_toy_famil
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -68,8 +69,9 @@ def test_qwen_moe(name):
     assert n["model.layers.0.mlp.experts.0.gate_proj.weight"] == (i, h)
     assert n["model.layers.0.mlp.gate.weight"] == (cfg["num_experts"], h)
     assert g.num_layers == cfg["num_hidden_layers"] and len(g.moe_layers) == g.num_layers
-    sw = registry.family_for("qwen3_moe").switches(cfg)
-    assert (sw.qk_norm, sw.renormalize, sw.moe_prefix) == ("head", cfg["norm_topk_prob"], "mlp")
+    fam = registry.family_for("qwen3_moe")
+    sw = fam.switches(cfg)
+    assert (sw.qk_norm, sw.renormalize, fam.names.moe_prefix) == ("head", cfg["norm_topk_prob"], "mlp")
 
 
 @pytest.mark.parametrize("name", presets_of("mixtral"))
@@ -82,7 +84,8 @@ def test_mixtral(name):
     assert g.layers[0].moe.num_experts == cfg["num_local_experts"]
     fam = registry.family_for("mixtral")
     sw = fam.switches(cfg)
-    assert (sw.moe_prefix, sw.expert_names, sw.renormalize) == ("block_sparse_moe", ("w1", "w3", "w2"), True)
+    assert (fam.names.moe_prefix, fam.names.expert_parts, sw.renormalize) == (
+        "block_sparse_moe", ("w1", "w3", "w2"), True)
     # the router's checkpoint name in the family's table is the one the listing has
     assert fam.names.hf("router", "model.layers.0.") in n
     assert fam.gguf_permute_qk and fam.gguf_arch_of["mixtral"] == "llama"
@@ -151,6 +154,7 @@ def test_dense(name):
     assert g.layers[0].dense_intermediate == cfg["intermediate_size"]
 
 
+@pytest.mark.slow
 def test_olmoe_and_glm4_moe_from_transformers_defaults():
     """The two families without a preset, on transformers' own default configs."""
     transformers = pytest.importorskip("transformers")
@@ -182,15 +186,18 @@ def test_every_gguf_architecture_belongs_to_the_family_that_writes_it():
                                   if registry.family_for(json.loads((PRESETS_DIR / p / "config.json").read_text())
                                                          ["model_type"]).switches is not None])
 def test_switches_and_name_table_agree_with_the_listing(name):
-    """The MoE block of the switches is the name table's, and the table's router name is the
-    tensor the listing has, on every shipped config the runtime runs."""
+    """The MoE block and expert names have one home, the family's name table: the switches
+    carry none, and the table's router and expert names are the tensors the listing has,
+    on every shipped config the runtime runs."""
     cfg, g = preset(name)
     fam = registry.family_for(cfg["model_type"])
     sw = fam.switches(cfg)
-    assert sw.moe_prefix == fam.names.moe_blocks[0]
+    assert not {"moe_prefix", "expert_names"} & {f.name for f in dataclasses.fields(sw)}
     l = g.moe_layers[0]
     prefix = f"{sw.prefix}layers.{l.index}."
     assert fam.names.hf("router", prefix) in {t.name for t in l.tensors}
+    assert [t.name for t in l.expert_tensors] == [
+        f"{fam.names.hf_experts(prefix)}0.{part}.weight" for part in fam.names.expert_parts]
     for slot in ("input_norm", "post_norm"):
         assert fam.names.hf(slot, prefix) in {t.name for t in l.tensors}
 

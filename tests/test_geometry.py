@@ -447,6 +447,7 @@ def assert_listing_matches(g: ModelGeometry, params) -> None:
     assert g.total_params == sum(math.prod(s) for s in ref.values())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", HF_PRESETS)
 def test_meta_device_total_and_listing(name):
     params = meta_params(_cfg(name))
@@ -494,6 +495,7 @@ TINY = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("key", sorted(TINY))
 def test_tiny_configs_match_transformers(key):
     cfg = TINY[key]
@@ -515,6 +517,7 @@ def test_tiny_schedules():
     assert {l.attention.kind for l in geometry_from_config(TINY["mixtral_sliding"], "x").layers} == {"sliding"}
 
 
+@pytest.mark.slow
 def test_deepseek_v2_lite_against_transformers():
     """The V2-Lite inference config, rebuilt by hand as the HF DeepseekV2Config of
     deepseek-ai/DeepSeek-V2-Lite (hidden 2048, 27 layers, 64 + 2 experts, top-6)."""
@@ -534,6 +537,7 @@ def test_deepseek_v2_lite_against_transformers():
     assert_listing_matches(g, params)
 
 
+@pytest.mark.slow
 def test_deepseek_v3_inference_config_against_transformers():
     _, transformers = _require_transformers()
     d = _cfg("DeepSeek-V3", "deepseek_inference_config_671B.json")

@@ -398,6 +398,7 @@ def test_types_the_runtime_cannot_run_are_noted_in_the_plan(tmp_path):
     assert r.returncode == 0 and "runtime: tensors of types serve/generate cannot run" in r.stdout
 
 
+@pytest.mark.slow
 def test_runtime_types_list_the_runtime_kernels():
     pytest.importorskip("torch")
     from moefit.ingest.gguf_header import RUNTIME_TYPES

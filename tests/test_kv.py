@@ -143,3 +143,16 @@ def test_kv_layout_tiles_the_kv_line_exactly(fmt, model, context, chunk):
 def test_kv_layout_refuses_mla_layers():
     with pytest.raises(ValueError, match="layer 0: mla attention is not supported"):
         kv_layout(load_model("DeepSeek-V3"), KV_FORMATS["bf16"], 4096, 1, 256)
+
+
+def test_kv_help_names_every_format():
+    """The ``--kv`` help is generated from :data:`KV_FORMATS` (fp32 included)."""
+    import argparse
+
+    from moefit.flags import add_request_flags
+
+    p = argparse.ArgumentParser()
+    add_request_flags(p)
+    kv = next(a for a in p._actions if "--kv" in a.option_strings)
+    listed = kv.help.split(":", 1)[1].split("(")[0].replace(",", " ").split()
+    assert set(KV_FORMATS) <= set(listed)

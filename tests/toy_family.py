@@ -16,6 +16,10 @@ from moefit.ingest.families.common import (
 from moefit.ingest.geometry import LayerSpec, MoESpec
 
 
+#: MoE block ``moe`` (router ``moe.gate``, experts ``moe.experts.J.{gate,up,down}_proj``).
+NAMES = name_table("moe")
+
+
 def toy_parse(c, kind):
     """A Qwen3-like MoE whose MoE block is named ``moe`` (not a real model)."""
     m = read_sizes(c)
@@ -23,9 +27,9 @@ def toy_parse(c, kind):
     layers = []
     for n in range(m.layers):
         p = f"model.layers.{n}."
-        ts = gqa(p, m, qk_norm="head") + router_tensors(f"{p}moe.gate", e, m.hidden) + layer_norms(p, m.hidden)
+        ts = gqa(p, m, qk_norm="head") + router_tensors(NAMES.router_module(p), e, m.hidden) + layer_norms(p, m.hidden)
         layers.append(LayerSpec(n, attn_spec(m), MoESpec(e, k, i), tuple(ts),
-                                expert_tensors(f"{p}moe.experts.", m.hidden, i)))
+                                expert_tensors(NAMES.hf_experts(p), m.hidden, i, NAMES.expert_parts)))
     tied = bool(c.get("tie_word_embeddings", False))
     return layers, global_tensors("model.", "lm_head.weight", m.hidden, m.vocab, tied), m.max_pos
 
@@ -38,13 +42,12 @@ def _toy_gguf(m: GGUFMeta, cfg: dict, f: GGUFFacts) -> None:
 def _toy_switches(cfg: dict) -> Switches:
     return Switches(model_type="toy_moe", dtype=dtype_name(cfg), rms_eps=float(cfg.get("rms_norm_eps", 1e-6)),
                     qk_norm="head", q_bias=False, o_bias=False, clip_qkv=None, renormalize=True,
-                    moe_prefix="moe", expert_names=("gate_proj", "up_proj", "down_proj"),
                     tie_embeddings=bool(cfg.get("tie_word_embeddings", False)), config=cfg)
 
 
 TOY = Family(name="toy_moe", model_types=("toy_moe",), parse=toy_parse, gguf_archs=("toymoe",),
              gguf_config=_toy_gguf, switches=_toy_switches, runtime_types=("toy_moe",),
-             names=name_table("moe"), gguf_arch_of={"toy_moe": "toymoe"}, runtime_gguf_archs=("toymoe",))
+             names=NAMES, gguf_arch_of={"toy_moe": "toymoe"}, runtime_gguf_archs=("toymoe",))
 
 TOY_CONFIG = {"model_type": "toy_moe", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
               "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 96, "max_position_embeddings": 256,

@@ -25,6 +25,7 @@ from moefit.devices import Device, resolve_device
 from moefit.errors import InputError
 from moefit.ingest.geometry import ModelGeometry
 from moefit.memory import calibration
+from moefit.memory.kv import KV_FORMATS
 from moefit.memory.staging import StagingModel
 from moefit.plan.request import Request, parse_prefill
 from moefit.plan.solver import Plan, solve
@@ -62,7 +63,7 @@ def add_request_flags(p: argparse.ArgumentParser) -> None:
                                            "default: the model's limit")
     req.add_argument("--slots", type=int, default=1, help="concurrent sequences (default 1)")
     req.add_argument("--kv", default="bf16",
-                     help="KV format: bf16, fp16, fp8, int8, k8v4, int4 (default bf16)")
+                     help=f"KV format: {', '.join(KV_FORMATS)} (default bf16)")
     req.add_argument("--prefill", default="auto",
                      help="auto (largest chunk that fits, up to 16384), auto:N, or N tokens "
                           "(clamped to fit unless --strict)")

@@ -283,3 +283,29 @@ def test_field_scenario_yarn_past_the_trained_window_int8_clamped_chunk(tmp_path
     assert tokens == ref_tokens
     assert max_error(logits, ref_logits) <= KV_BOUND["int8"]
     assert engine.model.kv.lengths[0] == 316
+
+
+@pytest.mark.parametrize("model,state,want", [
+    ("bfloat16", "float16", torch.float16),    # a 16-bit state keeps its own dtype
+    ("float16", "bfloat16", torch.bfloat16),
+    ("bfloat16", "float32", torch.float32),
+    ("float32", "bf16", torch.bfloat16),
+])
+def test_recurrent_state_runs_in_the_mamba_ssm_dtype(model, state, want):
+    """The recurrent state is held in the config's ``mamba_ssm_dtype`` by name (the
+    geometry's ``state_dtype``), not a dtype guessed back from its byte size; the conv
+    state in the model dtype."""
+    from moefit.ingest.geometry import AttentionSpec, LayerSpec, ModelGeometry, Quantization, RopeSpec
+    from moefit.runtime.arch import torch_dtype
+
+    a = AttentionSpec(kind="linear", num_heads=4, linear_num_key_heads=2, linear_num_value_heads=4,
+                      linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel=4,
+                      state_dtype=state)
+    geom = ModelGeometry("t", "qwen3_5_moe", 64, 96, (LayerSpec(0, a, None, ()),), (), model,
+                         torch_dtype(model).itemsize, Quantization(), RopeSpec(1e4, None, 1.0, 256, 256))
+    layout = kv_layout(geom, KV_FORMATS["int8"], 1, 2, 1)
+    buf = torch.ones(layout.bytes, dtype=torch.uint8)
+    states = LinearStates(geom, layout.linear, buf)
+    assert states.layers[0].recurrent.dtype == want
+    assert states.layers[0].conv.dtype == torch_dtype(model)
+    assert states.layers[0].recurrent.shape == (2, 4, 8, 8)

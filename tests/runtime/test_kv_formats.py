@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from conftest import plan_for
-from moefit.memory.kv import KV_FORMATS, KVFormat
+from moefit.memory.kv import BLOCK_BITS, KV_FORMATS, KVFormat
 from moefit.memory.staging import codec_scratch, span
 from moefit.runtime.engine import Engine, EngineOptions
 from moefit.runtime.kv_codec import Codec
@@ -71,7 +71,7 @@ def test_new_kv_format_of_existing_codecs_is_one_table_entry(tiny_models, monkey
     as 4-bit blocks, V as 8-bit blocks) is one :data:`KV_FORMATS` entry; the plan prices
     it, the engine allocates and runs it, and its error sits between int8's and int4's
     bounds."""
-    monkeypatch.setitem(KV_FORMATS, "k4v8", KVFormat("k4v8", 4, 8, True))
+    monkeypatch.setitem(KV_FORMATS, "k4v8", KVFormat("k4v8", "q4", "q8"))
     tiny = tiny_models[("qwen3_moe", "per_expert")]
     ids = prompt(64)
     exact, tokens = engine_greedy(_engine(tiny, "fp32"), ids)
@@ -84,6 +84,35 @@ def test_new_kv_format_of_existing_codecs_is_one_table_entry(tiny_models, monkey
     assert 0 < max_error(logits, exact) <= BOUND["int4"]
 
 
+@pytest.mark.parametrize("fmt,sides,kinds", [
+    # a mixed pair: plain bf16 K, 8-bit block V
+    (KVFormat("k16v8", "plain", "q8", "bfloat16"), ((torch.bfloat16, 128 * 2), (None, 4 * 34)),
+     ("plain", "q8")),
+    # a plain half-precision format under another name stores fp16, not bf16
+    (KVFormat("half", "plain", "plain", "float16"), ((torch.float16, 256), (torch.float16, 256)),
+     ("plain", "plain")),
+])
+def test_format_sides_are_explicit_codec_kinds_and_plain_dtype(fmt, sides, kinds):
+    """Each side of a :class:`KVFormat` names its codec kind, and a plain side stores the
+    format's ``plain_dtype`` (not a dtype guessed from the format's name); the codec's
+    row bytes are the planner's."""
+    for side, (dtype, nbytes), kind in zip("kv", sides, kinds):
+        codec = Codec(fmt, side, 128)
+        assert (codec.kind, codec.dtype, codec.nbytes) == (kind, dtype, nbytes)
+        assert fmt.row_bytes(side, 128) == nbytes
+    x = torch.randn(3, 128)
+    enc = torch.empty(3, sides[0][1], dtype=torch.uint8)
+    Codec(fmt, "k", 128).encode(x, enc)
+    assert torch.equal(enc.view(sides[0][0]), x.to(sides[0][0]))
+
+
+def test_kv_format_rejects_unknown_codec_or_dtype():
+    with pytest.raises(ValueError, match="codec 'q3'"):
+        KVFormat("bad", "q3", "q8")
+    with pytest.raises(ValueError, match="plain dtype 'float8'"):
+        KVFormat("bad", "plain", "plain", "float8")
+
+
 @pytest.mark.parametrize("fmt", ["fp8", "int8", "k8v4", "int4"])
 @pytest.mark.parametrize("dim", [16, 32, 80, 128])
 def test_codec_roundtrip_error_and_row_bytes(fmt, dim):
@@ -94,8 +123,9 @@ def test_codec_roundtrip_error_and_row_bytes(fmt, dim):
     f = KV_FORMATS[fmt]
     torch.manual_seed(dim)
     x = torch.randn(64, dim)
-    for bits, nbytes, side in ((f.k_bits, f.k_bytes(dim), "k"), (f.v_bits, f.v_bytes(dim), "v")):
+    for nbytes, side in ((f.k_bytes(dim), "k"), (f.v_bytes(dim), "v")):
         codec = Codec(f, side, dim)
+        bits = BLOCK_BITS.get(codec.kind)
         assert codec.nbytes == nbytes
         enc = torch.empty(64, nbytes, dtype=torch.uint8)
         scale = float(x.abs().max()) * 2 / 448

@@ -11,6 +11,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from conftest import make_tiny, plan_for
 from moefit.errors import InputError
+from moefit.ingest.families import geometry_from_config
 from moefit.runtime.engine import Engine, EngineOptions
 from moefit.runtime.rope import inv_freq, rope_from_config
 from reference import engine_greedy, max_error, prompt, reference_greedy
@@ -40,6 +41,32 @@ def test_inv_freq_and_attention_factor_match_transformers(params, head_dim):
     else:
         ref_freq, ref_att = ROPE_INIT_FUNCTIONS[params["rope_type"]](cfg)
     ours, att = inv_freq(rope_from_config(cfg.to_dict(), head_dim))
+    torch.testing.assert_close(ours, ref_freq, rtol=1e-6, atol=0)
+    assert att == pytest.approx(ref_att, rel=1e-12)
+
+
+@pytest.mark.parametrize("block", [
+    {"rope_type": "yarn", "factor": None, "original_max_position_embeddings": 32768},
+    {"rope_type": "yarn", "original_max_position_embeddings": 32768},
+    {"rope_type": "yarn"},
+])
+def test_yarn_without_factor_plans_and_runs_the_transformers_factor(block):
+    """A YaRN block without ``factor``: transformers (``_compute_yarn_parameters``) takes
+    ``max_position_embeddings / original_max_position_embeddings``; the planner's RopeSpec
+    and the runtime's RopeParams read the same (``common.rope_factor_and_window``)."""
+    cfg = {"model_type": "qwen3_moe", "hidden_size": 256, "num_hidden_layers": 1,
+           "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 96,
+           "max_position_embeddings": 131072, "num_experts": 4, "num_experts_per_tok": 2,
+           "moe_intermediate_size": 32, "rope_theta": 1e6, "rope_scaling": block}
+    geom = geometry_from_config(cfg, "yarn-no-factor")
+    run = rope_from_config(cfg, 64)
+    ref_cfg = Qwen3MoeConfig(**{k: v for k, v in cfg.items() if k not in ("model_type", "rope_scaling")},
+                             rope_parameters=dict(block, factor=None, rope_theta=1e6))
+    ref_freq, ref_att = ROPE_INIT_FUNCTIONS["yarn"](ref_cfg)
+    original = block.get("original_max_position_embeddings", 131072)
+    assert geom.rope.factor == run.factor == 131072 / original
+    assert geom.rope.original_window == run.original_window == original
+    ours, att = inv_freq(run)
     torch.testing.assert_close(ours, ref_freq, rtol=1e-6, atol=0)
     assert att == pytest.approx(ref_att, rel=1e-12)
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Literal
+from typing import Literal, NamedTuple
 
 AttentionKind = Literal["full", "sliding", "linear", "mla"]
 TensorRole = Literal[
@@ -29,12 +29,25 @@ TensorRole = Literal[
     "shared_expert", "dense_mlp", "expert",
 ]
 
-#: Bytes per element of the floating dtypes that occur in configs (``torch_dtype`` / ``dtype``).
-DTYPE_BYTES: dict[str, int] = {
-    "float32": 4, "float": 4, "fp32": 4,
-    "bfloat16": 2, "bf16": 2,
-    "float16": 2, "fp16": 2, "half": 2,
+class Dtype(NamedTuple):
+    """A floating dtype: ``bytes`` per element and ``torch``, the name of its ``torch.dtype``
+    (``getattr(torch, torch_name)``; kept a string so the planner imports no torch)."""
+
+    bytes: int
+    torch: str
+
+
+#: The floating dtypes that occur in configs (``dtype`` / ``torch_dtype``,
+#: ``mamba_ssm_dtype``), by every name configs write: the one table of the planner (bytes)
+#: and the runtime (torch dtype, ``moefit.runtime.arch.torch_dtype``).
+DTYPES: dict[str, Dtype] = {
+    "float32": Dtype(4, "float32"), "float": Dtype(4, "float32"), "fp32": Dtype(4, "float32"),
+    "bfloat16": Dtype(2, "bfloat16"), "bf16": Dtype(2, "bfloat16"),
+    "float16": Dtype(2, "float16"), "fp16": Dtype(2, "float16"), "half": Dtype(2, "float16"),
 }
+
+#: Bytes per element of each name of :data:`DTYPES`.
+DTYPE_BYTES: dict[str, int] = {name: d.bytes for name, d in DTYPES.items()}
 
 
 @dataclass(frozen=True)
@@ -133,8 +146,13 @@ class AttentionSpec:
     linear_key_head_dim: int = 0
     linear_value_head_dim: int = 0
     linear_conv_kernel: int = 0
-    state_dtype_bytes: int = 4   # recurrent state dtype (``mamba_ssm_dtype``), fp32 default
+    state_dtype: str = "float32"  # recurrent state dtype (``mamba_ssm_dtype``, a DTYPES name)
     output_gate: bool = False    # Qwen3-Next/3.5 gated attention (q_proj doubled)
+
+    @property
+    def state_dtype_bytes(self) -> int:
+        """Bytes per element of the recurrent state (:data:`DTYPES` of ``state_dtype``)."""
+        return DTYPES[self.state_dtype].bytes
 
     @property
     def linear_conv_dim(self) -> int:

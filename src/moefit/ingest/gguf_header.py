@@ -46,7 +46,7 @@ from typing import Any
 from moefit.errors import InputError
 from moefit.ingest.families import geometry_from_config, registry
 from moefit.ingest.families.common import GGUF_EXPERT_NAMES, LAYER_NAMES, GGUFFacts, GGUFMeta
-from moefit.ingest.geometry import ExactWeights, ModelGeometry
+from moefit.ingest.geometry import DTYPE_BYTES, ExactWeights, ModelGeometry
 from moefit.units import format_bytes
 
 #: ggml types whose tensors hold floats as stored (no block structure).
@@ -420,9 +420,6 @@ class GGUFWeights(ExactWeights):
         return lines
 
 
-_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
-
-
 def exact_from_gguf(geom: ModelGeometry, h: GGUFHeader) -> GGUFWeights:
     """Exact bytes of ``geom``'s weights from the tensor infos of ``h``.
 
@@ -436,7 +433,7 @@ def exact_from_gguf(geom: ModelGeometry, h: GGUFHeader) -> GGUFWeights:
     """
     src = str(h.paths[0])
     moe = {l.index: l.moe.num_experts for l in geom.moe_layers}
-    act = _DTYPE_BYTES[compute_dtype(h)]
+    act = DTYPE_BYTES[compute_dtype(h)]
     weight = stored = skipped = params = 0
     blob: dict[int, int] = {}
     kinds: dict[int, dict[str, str]] = {}

@@ -38,10 +38,10 @@ chunk of ``chunk`` tokens:
 The runtime allocates the line as one buffer and views it by :func:`kv_layout` (offsets
 and row bytes from the formulas above; the runtime computes none of its own), as vLLM's
 ``kv_cache_interface.py`` puts the page size on its spec classes and the worker allocates
-without recomputing. A new format is a :data:`KV_FORMATS` entry whose sides map to a
-codec (:meth:`KVFormat.codec`); a new codec kind also needs its scratch priced
-(:func:`moefit.memory.staging.codec_scratch`) and its encoder in
-``moefit.runtime.kv_codec``.
+without recomputing. A new format is a :data:`KV_FORMATS` entry naming each side's codec kind
+(:data:`CODEC_KINDS`) and the plain dtype; a new codec kind also needs its bytes
+(:meth:`KVFormat.row_bytes`), its scratch priced (:func:`moefit.memory.staging.codec_scratch`)
+and its encoder in ``moefit.runtime.kv_codec``.
 """
 
 from __future__ import annotations
@@ -50,75 +50,88 @@ import math
 from dataclasses import dataclass
 
 from moefit.errors import InputError
-from moefit.ingest.geometry import AttentionSpec, ModelGeometry
+from moefit.ingest.geometry import DTYPES, AttentionSpec, ModelGeometry
 
 QBLOCK = 32  #: values per quantization block (q8_0 / q4_0 style)
+
+
+#: Bits per stored value of the block codecs: blocks of :data:`QBLOCK` values with one fp16
+#: scale (GGML ``block_q8_0`` / ``block_q4_0``).
+BLOCK_BITS: dict[str, int] = {"q8": 8, "q4": 4}
+
+#: The codec kinds of one KV side: ``plain`` (the values in the format's ``plain_dtype``),
+#: ``fp8`` (e4m3, one byte per value, a per-layer scale), and the block codecs of
+#: :data:`BLOCK_BITS`.
+CODEC_KINDS: tuple[str, ...] = ("plain", "fp8", *BLOCK_BITS)
 
 
 @dataclass(frozen=True)
 class KVFormat:
     """Storage format of the KV cache.
 
-    ``k_bits`` / ``v_bits``: 16 (plain), 8 (fp8 e4m3 or int8 blocks) or 4 (4-bit blocks).
-    ``blocked``: values are stored in blocks of 32 with one fp16 scale each.
-    ``layer_scale_bytes``: per-layer scale storage (fp8: one fp32 scale for K and one for V).
+    ``k`` / ``v``: the codec kind of each side (:data:`CODEC_KINDS`), so K and V may differ
+    (``k8v4``). ``plain_dtype``: the dtype a ``plain`` side stores (a
+    :data:`moefit.ingest.geometry.DTYPES` name). ``layer_scale_bytes``: per-layer scale
+    storage (fp8: one fp32 scale for K and one for V).
+
+    Raises ValueError for an unknown codec kind or plain dtype.
     """
 
     name: str
-    k_bits: int
-    v_bits: int
-    blocked: bool
+    k: str
+    v: str
+    plain_dtype: str = "bfloat16"
     layer_scale_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        for side in (self.k, self.v):
+            if side not in CODEC_KINDS:
+                raise ValueError(f"KV format {self.name!r}: codec {side!r} is not one of "
+                                 f"{', '.join(CODEC_KINDS)}")
+        if self.plain_dtype not in DTYPES:
+            raise ValueError(f"KV format {self.name!r}: plain dtype {self.plain_dtype!r} is not "
+                             f"one of {', '.join(DTYPES)}")
 
     def k_bytes(self, dim: int) -> int:
         """Bytes of one K head vector of ``dim`` elements."""
-        return _vector_bytes(dim, self.k_bits, self.blocked)
+        return self.row_bytes("k", dim)
 
     def v_bytes(self, dim: int) -> int:
         """Bytes of one V head vector of ``dim`` elements."""
-        return _vector_bytes(dim, self.v_bits, self.blocked)
+        return self.row_bytes("v", dim)
 
     @property
     def quantized(self) -> bool:
-        return self.k_bits < 16 or self.v_bits < 16
+        return self.k != "plain" or self.v != "plain"
 
     def codec(self, side: str) -> str:
-        """The codec of one side (``"k"`` or ``"v"``): ``plain`` (16/32-bit values),
-        ``fp8`` (e4m3, per-layer scale), ``q8`` / ``q4`` (blocks of :data:`QBLOCK` with an
-        fp16 scale). The runtime's encoder (``moefit.runtime.kv_codec.Codec``) and the
-        staging model's scratch (:func:`moefit.memory.staging.codec_scratch`) are keyed by
-        it. Raises ValueError for a bit width with no codec."""
-        bits = self.k_bits if side == "k" else self.v_bits
-        if not self.blocked and bits in (16, 32):
-            return "plain"
-        if not self.blocked and bits == 8:
-            return "fp8"
-        if self.blocked and bits in (8, 4):
-            return "q8" if bits == 8 else "q4"
-        raise ValueError(f"KV format {self.name!r}: no codec for {bits}-bit "
-                         f"{'blocked' if self.blocked else 'plain'} values")
+        """The codec kind of one side (``"k"`` or ``"v"``): ``plain``, ``fp8``, ``q8`` or
+        ``q4`` (:data:`CODEC_KINDS`). The runtime's encoder (``moefit.runtime.kv_codec.Codec``)
+        and the staging model's scratch (:func:`moefit.memory.staging.codec_scratch`) are
+        keyed by it."""
+        return self.k if side == "k" else self.v
 
     def row_bytes(self, side: str, dim: int) -> int:
-        """Bytes of one ``side`` (``"k"`` / ``"v"``) head vector of ``dim`` elements."""
-        return self.k_bytes(dim) if side == "k" else self.v_bytes(dim)
-
-
-def _vector_bytes(dim: int, bits: int, blocked: bool) -> int:
-    if not blocked:
-        return dim * bits // 8
-    blocks = math.ceil(dim / QBLOCK)
-    return blocks * (QBLOCK * bits // 8 + 2)  # payload + fp16 scale
+        """Bytes of one ``side`` (``"k"`` / ``"v"``) head vector of ``dim`` elements: plain
+        ``dim x`` the plain dtype's bytes; fp8 ``dim``; a block codec ``ceil(dim / 32)``
+        blocks of ``32 x bits / 8`` payload bytes plus a 2-byte fp16 scale."""
+        kind = self.codec(side)
+        if kind == "plain":
+            return dim * DTYPES[self.plain_dtype].bytes
+        if kind == "fp8":
+            return dim
+        return math.ceil(dim / QBLOCK) * (QBLOCK * BLOCK_BITS[kind] // 8 + 2)
 
 
 KV_FORMATS: dict[str, KVFormat] = {
-    "bf16": KVFormat("bf16", 16, 16, False),
-    "fp16": KVFormat("fp16", 16, 16, False),
+    "bf16": KVFormat("bf16", "plain", "plain", "bfloat16"),
+    "fp16": KVFormat("fp16", "plain", "plain", "float16"),
     # fp32 models (tests, debugging): keeps the cache exact; 4 bytes per element
-    "fp32": KVFormat("fp32", 32, 32, False),
-    "fp8": KVFormat("fp8", 8, 8, False, layer_scale_bytes=8),
-    "int8": KVFormat("int8", 8, 8, True),
-    "k8v4": KVFormat("k8v4", 8, 4, True),
-    "int4": KVFormat("int4", 4, 4, True),
+    "fp32": KVFormat("fp32", "plain", "plain", "float32"),
+    "fp8": KVFormat("fp8", "fp8", "fp8", layer_scale_bytes=8),
+    "int8": KVFormat("int8", "q8", "q8"),
+    "k8v4": KVFormat("k8v4", "q8", "q4"),
+    "int4": KVFormat("int4", "q4", "q4"),
 }
 
 

@@ -19,34 +19,40 @@ import torch
 
 from moefit.errors import InputError
 from moefit.ingest.families import registry
-from moefit.ingest.families.common import NameTable, name_table
-from moefit.ingest.geometry import ModelGeometry
+from moefit.ingest.families.common import NameTable, Switches, name_table
+from moefit.ingest.geometry import DTYPES, ModelGeometry
 
-TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a dtype name of :data:`moefit.ingest.geometry.DTYPES` (``bf16``
+    -> ``torch.bfloat16``). Raises InputError naming the dtype for any other name."""
+    d = DTYPES.get(name)
+    if d is None:
+        raise InputError(f"dtype {name!r} is not supported by the runtime "
+                         f"(use one of {', '.join(sorted({d.torch for d in DTYPES.values()}))})")
+    return getattr(torch, d.torch)
 
 
 @dataclass(frozen=True)
-class Arch:
-    """Per-family switches of the forward pass: the fields of
-    :class:`~moefit.ingest.families.common.Switches` with ``dtype`` the torch dtype of
-    resident weights and activations.
+class Arch(Switches):
+    """Per-family switches of the forward pass: the family's
+    :class:`~moefit.ingest.families.common.Switches` (every field, declared once there) with
+    ``dtype`` the torch dtype of resident weights and activations (there its name), plus
+    the family's tensor ``names``.
     """
 
-    model_type: str
     dtype: torch.dtype
-    rms_eps: float
-    qk_norm: str
-    q_bias: bool
-    o_bias: bool
-    clip_qkv: float | None
-    renormalize: bool
-    moe_prefix: str
-    expert_names: tuple[str, str, str]
-    tie_embeddings: bool
-    config: dict             # the text model's config (``text_config`` of a multimodal one)
-    prefix: str = "model."   # checkpoint prefix of the text model
-    norm_offset: float = 0.0  # 1.0: ``(1 + w)`` RMSNorm weights (Qwen3-Next / Qwen3.5)
-    names: NameTable = field(default_factory=name_table)  # the family's tensor names
+    names: NameTable = field(default_factory=name_table)
+
+    @property
+    def moe_prefix(self) -> str:
+        """The MoE block's checkpoint name (:attr:`NameTable.moe_prefix`)."""
+        return self.names.moe_prefix
+
+    @property
+    def expert_names(self) -> tuple[str, str, str]:
+        """The (gate, up, down) module names of one expert (:attr:`NameTable.expert_parts`)."""
+        return self.names.expert_parts
 
 
 def read_config(model_dir: str | Path) -> dict:
@@ -80,8 +86,5 @@ def arch_from_config(cfg: dict, geom: ModelGeometry) -> Arch:
         raise InputError(f"model_type {mt!r}: the runtime runs {', '.join(runtime_model_types())} "
                          "(the planner knows more families: `moefit plan` works for it)")
     sw = family.switches(cfg)
-    if sw.dtype not in TORCH_DTYPES:
-        raise InputError(f"config dtype {sw.dtype!r} is not supported by the runtime "
-                         f"(use one of {', '.join(TORCH_DTYPES)})")
-    values = {f.name: getattr(sw, f.name) for f in fields(sw)}
-    return Arch(**values | {"dtype": TORCH_DTYPES[sw.dtype], "names": family.names})
+    values = {f.name: getattr(sw, f.name) for f in fields(Switches)}
+    return Arch(**values | {"dtype": torch_dtype(sw.dtype), "names": family.names})

@@ -7,7 +7,8 @@ the cache the runtime allocates is the cache the planner priced.
 Layouts (blocks run along the head dimension, ``nb = ceil(d / 32)``; a last partial block
 is zero-padded):
 
-- plain (``bf16``, ``fp16``, ``fp32``): the values, little-endian.
+- plain (``bf16``, ``fp16``, ``fp32``): the values in the format's ``plain_dtype``,
+  little-endian.
 - ``fp8``: e4m3 (``torch.float8_e4m3fn``) of ``x / scale``, saturated at +-448; the scale
   is one fp32 per layer for K and one for V (stored by the cache, not here).
 - 8-bit blocks (GGML ``block_q8_0``, ``ggml-quants.c`` ``quantize_row_q8_0_ref``): per
@@ -27,15 +28,9 @@ import math
 import torch
 
 from moefit.memory.kv import QBLOCK, KVFormat
+from moefit.runtime.arch import torch_dtype
 
 FP8_MAX = 448.0   #: largest finite float8 e4m3fn value
-
-
-def plain_dtype(bits: int, fmt_name: str) -> torch.dtype:
-    """Storage dtype of a plain (unblocked, 16/32-bit) format."""
-    if bits == 32:
-        return torch.float32
-    return torch.float16 if fmt_name == "fp16" else torch.bfloat16
 
 
 def _take(ws, shape: tuple[int, ...], dtype: torch.dtype, like: torch.Tensor) -> torch.Tensor:
@@ -159,8 +154,7 @@ class Codec:
     def __init__(self, fmt: KVFormat, side: str, dim: int):
         self.kind = fmt.codec(side)
         self.dim, self.nbytes = dim, fmt.row_bytes(side, dim)
-        bits = fmt.k_bits if side == "k" else fmt.v_bits
-        self.dtype = plain_dtype(bits, fmt.name) if self.kind == "plain" else None
+        self.dtype = torch_dtype(fmt.plain_dtype) if self.kind == "plain" else None
 
     def encode(self, x: torch.Tensor, out: torch.Tensor, scale: float = 1.0, ws=None) -> None:
         """``x`` ``[N, dim]`` -> ``out`` ``[N, nbytes]`` uint8."""

@@ -27,24 +27,8 @@ import torch
 
 from moefit.ingest.geometry import ModelGeometry
 from moefit.memory.kv import LinearStateLayout
+from moefit.runtime.arch import torch_dtype
 
-_DTYPES = {"float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
-           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-           "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
-
-
-def model_dtype(geom: ModelGeometry) -> torch.dtype:
-    """The torch dtype of the geometry's ``dtype`` name (bf16 when unknown)."""
-    return _DTYPES.get(geom.dtype, torch.bfloat16)
-
-
-def state_dtype(geom: ModelGeometry, state_bytes: int) -> torch.dtype:
-    """Recurrent-state dtype from its size: 4 bytes fp32, 2 bytes the model's 16-bit
-    dtype (bf16 for an fp32 model)."""
-    if state_bytes == 4:
-        return torch.float32
-    dt = model_dtype(geom)
-    return dt if dt != torch.float32 else torch.bfloat16
 
 
 @dataclass
@@ -60,7 +44,8 @@ class LinearStates:
     """Recurrent and conv state of every linear-attention layer, as views of ``buffer``.
 
     Args:
-        geom: model geometry (the model dtype of the conv states, the 16-bit state dtype).
+        geom: model geometry (the model dtype of the conv states; each linear layer's
+            ``state_dtype``, ``mamba_ssm_dtype``, of its recurrent state).
         layout: the layers' places in the ``kv`` buffer
             (:attr:`moefit.memory.kv.KVLayout.linear`).
         buffer: the uint8 ``kv`` buffer; the states' bytes (its head) are zeroed here.
@@ -70,11 +55,12 @@ class LinearStates:
 
     def __init__(self, geom: ModelGeometry, layout: tuple[LinearStateLayout, ...],
                  buffer: torch.Tensor):
-        conv_dt = model_dtype(geom)
+        conv_dt = torch_dtype(geom.dtype)
+        attention = {l.index: l.attention for l in geom.layers}
         self.layers: dict[int, LayerState] = {}
         self.nbytes = 0
         for s in layout:
-            dt = state_dtype(geom, s.state_bytes)
+            dt = torch_dtype(attention[s.index].state_dtype)
             if dt.itemsize != s.state_bytes or conv_dt.itemsize != s.conv_bytes:
                 raise ValueError(f"layer {s.index}: state elements of {s.state_bytes} / "
                                  f"{s.conv_bytes} bytes, the runtime holds {dt} / {conv_dt}")

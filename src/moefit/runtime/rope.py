@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from moefit.errors import InputError
-from moefit.ingest.families.common import rope_config
+from moefit.ingest.families.common import rope_config, rope_factor_and_window
 
 
 @dataclass(frozen=True)
@@ -62,11 +62,14 @@ def rope_from_config(cfg: dict, dim: int, rope_scaling: str | None = None,
             scaling, ``linear`` / ``yarn`` replace it with factor ``rope_scale``.
         yarn_orig_ctx: ``--yarn-orig-ctx`` (default: the config's original window).
 
+    Factor and original window: as the planner reads them
+    (:func:`moefit.ingest.families.common.rope_factor_and_window`).
+
     Raises InputError for a RoPE type the runtime does not implement.
     """
     r = rope_config(cfg)
     block, theta, max_pos, kind = r.block, r.theta, r.max_position_embeddings, r.rope_type
-    original = int(block.get("original_max_position_embeddings") or max_pos)
+    factor, original = rope_factor_and_window(r, max_pos)
     if rope_scaling == "none":
         return RopeParams("default", theta, dim, max_position_embeddings=max_pos)
     if rope_scaling in ("linear", "yarn"):
@@ -81,10 +84,7 @@ def rope_from_config(cfg: dict, dim: int, rope_scaling: str | None = None,
     if kind not in ("linear", "yarn"):
         raise InputError(f"rope type {kind!r} is not supported by the runtime "
                          "(supported: default, linear, yarn)")
-    factor = block.get("factor")
-    if factor is None and kind == "yarn":
-        factor = max_pos / original
-    return RopeParams(kind, theta, dim, float(factor), original, max_pos,
+    return RopeParams(kind, theta, dim, factor, original, max_pos,
                       block.get("attention_factor"), block.get("beta_fast"),
                       block.get("beta_slow"), block.get("mscale"), block.get("mscale_all_dim"),
                       bool(block.get("truncate", True)))

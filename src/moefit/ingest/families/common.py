@@ -202,17 +202,37 @@ def rope_config(cfg: dict) -> RopeConfig:
                       rope_type=str(kind), max_position_embeddings=int(cfg.get("max_position_embeddings") or 0))
 
 
+def rope_factor_and_window(r: RopeConfig, max_pos: int) -> tuple[float, int]:
+    """(factor, original window in tokens) of RoPE ``r`` in a model trained to ``max_pos``
+    tokens: the one interpretation of the planner (:func:`read_rope`) and the runtime
+    (``moefit.runtime.rope.rope_from_config``).
+
+    Unscaled RoPE (``default``): (1, ``max_pos``). Scaled: the original window is
+    ``original_max_position_embeddings``, else ``max_pos`` (transformers 5.x
+    ``convert_rope_params_to_dict``: ``rope_parameters.setdefault(
+    "original_max_position_embeddings", self.max_position_embeddings)`` for llama3 / yarn /
+    longrope); the factor is ``factor``, else for yarn and longrope ``max_pos / original``
+    (``_compute_yarn_parameters`` / ``_compute_longrope_parameters`` in
+    ``modeling_rope_utils.py``: ``if factor is None: factor = config.max_position_embeddings
+    / original_max_position_embeddings``), else 1.
+    """
+    if r.rope_type == "default":
+        return 1.0, max_pos
+    original = int(r.block.get("original_max_position_embeddings") or max_pos)
+    factor = r.block.get("factor")
+    if factor is None:
+        factor = max_pos / original if r.rope_type in ("yarn", "longrope") else 1.0
+    return float(factor), original
+
+
 def read_rope(c: Cfg, max_pos: int) -> RopeSpec:
     """RoPE as the planner prices it (:func:`rope_config`): the scaling type (``default``
-    means none) and factor (default 1). ``trained_window`` = ``max_position_embeddings``;
-    ``original_window`` = ``original_max_position_embeddings`` when the config scales RoPE,
-    else trained_window.
+    means none), factor and original window per :func:`rope_factor_and_window`; ``trained_window`` =
+    ``max_position_embeddings``.
     """
     r = rope_config(c.data)
-    block = r.block
+    factor, original = rope_factor_and_window(r, max_pos)
     kind = None if r.rope_type == "default" else r.rope_type
-    factor = float(block.get("factor", 1.0)) if kind else 1.0
-    original = int(block.get("original_max_position_embeddings") or max_pos) if kind else max_pos
     return RopeSpec(theta=r.theta, scaling_type=kind, factor=factor,
                     trained_window=max_pos, original_window=original)
 
@@ -368,7 +388,7 @@ def apply_not_convert(tensors: tuple[Tensor, ...], patterns: tuple[str, ...]) ->
 # --------------------------------------------------------------------------------------------
 #: Per-layer tensors the runtime holds resident: slot (a ``LayerWeights`` field) ->
 #: (Hugging Face name under ``{prefix}layers.N.``, GGUF name under ``blk.N.``). ``{moe}`` is
-#: the family's MoE block name (:attr:`Switches.moe_prefix`). GGUF names: llama.cpp
+#: the family's MoE block name (:attr:`NameTable.moe_prefix`). GGUF names: llama.cpp
 #: ``gguf-py/gguf/constants.py`` ``TENSOR_NAMES`` (``MODEL_TENSOR.ATTN_NORM`` ->
 #: ``blk.{bid}.attn_norm`` ...) and the HF -> GGUF map of ``gguf-py/gguf/tensor_mapping.py``
 #: used by ``convert_hf_to_gguf.py``.
@@ -419,6 +439,10 @@ class NameTable:
     ``aliases``: other Hugging Face names (under the layer prefix) of a slot, that a
     checkpoint may use instead (transformers 5.x saves every MoE block as ``mlp``).
     ``moe_blocks``: the MoE block names a checkpoint may use, the family's first.
+    ``expert_parts``: the (gate, up, down) module names of one routed expert under
+    ``{moe}.experts.{j}.``. The one home of a family's MoE names: its parser lists them
+    (:meth:`router_module`, :meth:`hf_experts`), the runtime loads them
+    (``moefit.runtime.arch.Arch.moe_prefix`` / ``expert_names``).
     """
 
     layer: dict[str, tuple[str, str]]
@@ -426,6 +450,21 @@ class NameTable:
     experts: dict[str, str]
     aliases: dict[str, str] = field(default_factory=dict)
     moe_blocks: tuple[str, ...] = ("mlp",)
+    expert_parts: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+
+    @property
+    def moe_prefix(self) -> str:
+        """The family's MoE block name (``mlp``, Mixtral's ``block_sparse_moe``)."""
+        return self.moe_blocks[0]
+
+    def router_module(self, layer_prefix: str) -> str:
+        """The router's module under ``layer_prefix`` (``model.layers.3.mlp.gate``)."""
+        return self.hf("router", layer_prefix).removesuffix(".weight")
+
+    def hf_experts(self, layer_prefix: str) -> str:
+        """The prefix of the routed experts under ``layer_prefix``
+        (``model.layers.3.mlp.experts.``; expert ``j`` is ``{this}{j}.{part}.weight``)."""
+        return f"{layer_prefix}{self.moe_prefix}.experts."
 
     def hf_candidates(self, slot: str, layer_prefix: str) -> list[str]:
         """The checkpoint names ``slot`` may have: the table's, then its aliases."""
@@ -458,15 +497,17 @@ class NameTable:
         raise KeyError(hf_name)
 
 
-def name_table(moe_prefix: str = "mlp", layer: dict[str, tuple[str, str]] | None = None) -> NameTable:
-    """The :class:`NameTable` of a family whose MoE block is ``{prefix}layers.N.{moe_prefix}``,
-    with ``layer`` overriding or adding per-layer entries. A block not named ``mlp`` (Mixtral's
+def name_table(moe_prefix: str = "mlp", layer: dict[str, tuple[str, str]] | None = None,
+               expert_parts: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")) -> NameTable:
+    """The :class:`NameTable` of a family whose MoE block is ``{prefix}layers.N.{moe_prefix}``
+    with experts' (gate, up, down) modules ``expert_parts``, and ``layer`` overriding or
+    adding per-layer entries. A block not named ``mlp`` (Mixtral's
     ``block_sparse_moe``) keeps ``mlp.gate`` as an alias of its router: transformers 5.x
     names the block ``mlp`` (``MixtralDecoderLayer.mlp``) and saves it so."""
     table = {slot: (hf.replace("{moe}", moe_prefix), g) for slot, (hf, g) in {**LAYER_NAMES, **(layer or {})}.items()}
     aliases = {} if moe_prefix == "mlp" else {LAYER_NAMES["router"][0].replace("{moe}", "mlp"): "router"}
     return NameTable(table, dict(GLOBAL_NAMES), dict(GGUF_EXPERT_NAMES), aliases,
-                     tuple(dict.fromkeys((moe_prefix, "mlp"))))
+                     tuple(dict.fromkeys((moe_prefix, "mlp"))), tuple(expert_parts))
 
 
 # --------------------------------------------------------------------------------------------
@@ -475,12 +516,11 @@ def name_table(moe_prefix: str = "mlp", layer: dict[str, tuple[str, str]] | None
 @dataclass(frozen=True)
 class Switches:
     """Per-family switches of the forward pass, as plain values (``moefit.runtime.arch.Arch``
-    adds the torch dtype).
+    derives from it, with the torch dtype).
 
     ``dtype``: dtype name (:func:`dtype_name`). ``qk_norm``: ``"head"``, ``"full"`` or ``""``.
-    ``renormalize``: divide the top-k routing weights by their sum. ``moe_prefix``: the MoE
-    block's checkpoint name. ``expert_names``: (gate, up, down) per-expert names.
-    ``config``: the text model's config dict; ``prefix``: checkpoint prefix of the text
+    ``renormalize``: divide the top-k routing weights by their sum. (The MoE block and
+    expert names are the family's :class:`NameTable`'s.) ``config``: the text model's config dict; ``prefix``: checkpoint prefix of the text
     model; ``norm_offset``: 1.0 for ``(1 + w)`` RMSNorm weights.
     """
 
@@ -492,8 +532,6 @@ class Switches:
     o_bias: bool
     clip_qkv: float | None
     renormalize: bool
-    moe_prefix: str
-    expert_names: tuple[str, str, str]
     tie_embeddings: bool
     config: dict
     prefix: str = "model."

@@ -14,6 +14,9 @@ from moefit.ingest.families.common import (
 from moefit.ingest.families.dense import gguf_config_llama
 from moefit.ingest.geometry import LayerSpec, MoESpec, Tensor
 
+#: MoE block ``block_sparse_moe``, experts ``w1`` (gate), ``w3`` (up), ``w2`` (down).
+NAMES = name_table("block_sparse_moe", expert_parts=("w1", "w3", "w2"))
+
 
 def parse(c: Cfg, kind: str) -> tuple[list[LayerSpec], tuple[Tensor, ...], int]:
     """Mixtral (``modeling_mixtral.py``; checkpoint names of ``mistralai/Mixtral-8x*``):
@@ -27,8 +30,8 @@ def parse(c: Cfg, kind: str) -> tuple[list[LayerSpec], tuple[Tensor, ...], int]:
     layers = []
     for i in range(m.layers):
         p = f"model.layers.{i}."
-        ts = gqa(p, m) + router_tensors(f"{p}block_sparse_moe.gate", e, m.hidden) + layer_norms(p, m.hidden)
-        experts = expert_tensors(f"{p}block_sparse_moe.experts.", m.hidden, inter, ("w1", "w3", "w2"))
+        ts = gqa(p, m) + router_tensors(NAMES.router_module(p), e, m.hidden) + layer_norms(p, m.hidden)
+        experts = expert_tensors(NAMES.hf_experts(p), m.hidden, inter, NAMES.expert_parts)
         spec = attn_spec(m, "sliding" if window else "full", 1.0, window)
         layers.append(LayerSpec(i, spec, MoESpec(e, k, inter), tuple(ts), experts))
     tied = bool(c.get("tie_word_embeddings", False))
@@ -57,19 +60,17 @@ def gguf_write_meta(w, config: dict) -> None:
 
 
 def switches(cfg: dict) -> Switches:
-    """No q/k norm, no biases; routing softmax, top-k, always renormalised
-    (``MixtralSparseMoeBlock``); MoE block ``block_sparse_moe`` with experts ``w1`` (gate),
-    ``w3`` (up), ``w2`` (down)."""
-    bias = bool(cfg.get("attention_bias", False))
+    """No q/k norm, no biases whatever ``attention_bias`` says (``MixtralAttention``:
+    ``bias=False`` on q/k/v/o, as :func:`parse` lists them); routing softmax, top-k, always
+    renormalised (``MixtralSparseMoeBlock``); MoE names: :data:`NAMES`."""
     return Switches(
         model_type="mixtral", dtype=dtype_name(cfg), rms_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-        qk_norm="", q_bias=bias, o_bias=False, clip_qkv=None, renormalize=True,
-        moe_prefix="block_sparse_moe", expert_names=("w1", "w3", "w2"),
+        qk_norm="", q_bias=False, o_bias=False, clip_qkv=None, renormalize=True,
         tie_embeddings=bool(cfg.get("tie_word_embeddings", False)), config=cfg)
 
 
 FAMILY = Family(name="mixtral", model_types=("mixtral",), parse=parse, gguf_archs=("llama",),
                 gguf_config=gguf_config, switches=switches, runtime_types=("mixtral",),
-                names=name_table("block_sparse_moe"), gguf_arch_of={"mixtral": "llama"},
+                names=NAMES, gguf_arch_of={"mixtral": "llama"},
                 runtime_gguf_archs=("llama",), gguf_permute_qk=True,
                 gguf_write_meta=gguf_write_meta)

@@ -7,9 +7,13 @@ from __future__ import annotations
 
 from moefit.ingest.families.common import (
     Cfg, Family, GGUFFacts, GGUFMeta, Switches, attn_spec, dtype_name, expert_tensors,
-    gguf_moe_metadata, global_tensors, gqa, layer_norms, partial_rotary, read_sizes, router_tensors,
+    gguf_moe_metadata, global_tensors, gqa, layer_norms, name_table, partial_rotary, read_sizes,
+    router_tensors,
 )
 from moefit.ingest.geometry import LayerSpec, MoESpec, Tensor
+
+#: MoE block ``mlp``, experts ``gate_proj`` / ``up_proj`` / ``down_proj``.
+NAMES = name_table()
 
 
 def parse(c: Cfg, kind: str) -> tuple[list[LayerSpec], tuple[Tensor, ...], int]:
@@ -24,8 +28,8 @@ def parse(c: Cfg, kind: str) -> tuple[list[LayerSpec], tuple[Tensor, ...], int]:
     for i in range(m.layers):
         p = f"model.layers.{i}."
         ts = gqa(p, m, qkv_bias=bias, o_bias=bias, qk_norm="full")
-        ts += router_tensors(f"{p}mlp.gate", e, m.hidden) + layer_norms(p, m.hidden)
-        experts = expert_tensors(f"{p}mlp.experts.", m.hidden, inter)
+        ts += router_tensors(NAMES.router_module(p), e, m.hidden) + layer_norms(p, m.hidden)
+        experts = expert_tensors(NAMES.hf_experts(p), m.hidden, inter, NAMES.expert_parts)
         layers.append(LayerSpec(i, attn_spec(m, "full", partial_rotary(c)), MoESpec(e, k, inter),
                                 tuple(ts), experts))
     tied = bool(c.get("tie_word_embeddings", False))
@@ -60,11 +64,10 @@ def switches(cfg: dict) -> Switches:
         model_type="olmoe", dtype=dtype_name(cfg), rms_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         qk_norm="full", q_bias=bias, o_bias=bias, clip_qkv=cfg.get("clip_qkv"),
         renormalize=False if value is None else bool(value),
-        moe_prefix="mlp", expert_names=("gate_proj", "up_proj", "down_proj"),
         tie_embeddings=bool(cfg.get("tie_word_embeddings", False)), config=cfg)
 
 
 FAMILY = Family(name="olmoe", model_types=("olmoe",), parse=parse, gguf_archs=("olmoe",),
                 gguf_config=gguf_config, switches=switches, runtime_types=("olmoe",),
                 gguf_arch_of={"olmoe": "olmoe"}, runtime_gguf_archs=("olmoe",),
-                gguf_write_meta=gguf_write_meta)
+                gguf_write_meta=gguf_write_meta, names=NAMES)

@@ -15,8 +15,8 @@ from moefit.ingest.families.common import (
     Cfg, Family, GGUFFacts, GGUFMeta, Switches, attn_spec, dtype_name, global_tensors, gqa,
     layer_norms, layer_types, linear, norm_tensor, partial_rotary, read_sizes,
 )
-from moefit.ingest.families.qwen_moe import qwen_is_moe, qwen_mlp
-from moefit.ingest.geometry import DTYPE_BYTES, AttentionSpec, LayerSpec, Tensor
+from moefit.ingest.families.qwen_moe import NAMES, qwen_is_moe, qwen_mlp
+from moefit.ingest.geometry import DTYPES, AttentionSpec, LayerSpec, Tensor
 
 
 def hybrid_types(c: Cfg, n: int) -> list[str]:
@@ -31,14 +31,15 @@ def hybrid_types(c: Cfg, n: int) -> list[str]:
 def linear_spec(c: Cfg) -> AttentionSpec:
     """Gated DeltaNet sizes; recurrent state dtype ``mamba_ssm_dtype`` (default float32)."""
     state = str(c.get("mamba_ssm_dtype", "float32")).removeprefix("torch.")
-    if state not in DTYPE_BYTES:
-        raise InputError(f"{c.source}: unsupported {c.path}mamba_ssm_dtype {state!r}")
+    if state not in DTYPES:
+        raise InputError(f"{c.source}: unsupported {c.path}mamba_ssm_dtype {state!r}; expected "
+                         f"one of {', '.join(sorted(DTYPES))}")
     nv = c.int("linear_num_value_heads")
     return AttentionSpec(
         kind="linear", num_heads=nv, linear_num_key_heads=c.int("linear_num_key_heads"),
         linear_num_value_heads=nv, linear_key_head_dim=c.int("linear_key_head_dim"),
         linear_value_head_dim=c.int("linear_value_head_dim"),
-        linear_conv_kernel=c.int("linear_conv_kernel_dim"), state_dtype_bytes=DTYPE_BYTES[state])
+        linear_conv_kernel=c.int("linear_conv_kernel_dim"), state_dtype=state)
 
 
 def gated_deltanet(p: str, hidden: int, a: AttentionSpec, split_proj: bool) -> list[Tensor]:
@@ -161,7 +162,6 @@ def switches(cfg: dict) -> Switches:
         model_type=mt, dtype=dtype, rms_eps=float(text.get("rms_norm_eps", 1e-6)),
         qk_norm="head", q_bias=bias, o_bias=bias, clip_qkv=None,
         renormalize=True if mt != "qwen3_next" or norm_topk is None else bool(norm_topk),
-        moe_prefix="mlp", expert_names=("gate_proj", "up_proj", "down_proj"),
         tie_embeddings=bool(tied), config=text,
         prefix="model.language_model." if multimodal else "model.", norm_offset=1.0)
 
@@ -171,4 +171,5 @@ FAMILY = Family(
     aliases={"qwen3_5_moe_text": "qwen3_5_moe"}, text_config=("qwen3_5_moe",),
     gguf_archs=("qwen3next", "qwen35moe"), gguf_config=gguf_config, switches=switches,
     runtime_types=("qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text"),
-    gguf_arch_of={"qwen3_next": "qwen3next", "qwen3_5_moe": "qwen35moe", "qwen3_5_moe_text": "qwen35moe"})
+    gguf_arch_of={"qwen3_next": "qwen3next", "qwen3_5_moe": "qwen35moe", "qwen3_5_moe_text": "qwen35moe"},
+    names=NAMES)

@@ -8,10 +8,14 @@ from __future__ import annotations
 
 from moefit.ingest.families.common import (
     Cfg, Family, GGUFFacts, GGUFMeta, Switches, attn_spec, dtype_name, expert_tensors, global_tensors, gqa,
-    gguf_moe_metadata, layer_norms, layer_types, partial_rotary, read_sizes, router_tensors, softmax_kind,
-    swiglu,
+    gguf_moe_metadata, layer_norms, layer_types, name_table, partial_rotary, read_sizes, router_tensors,
+    softmax_kind, swiglu,
 )
 from moefit.ingest.geometry import LayerSpec, MoESpec, Tensor
+
+#: MoE block ``mlp``, experts ``gate_proj`` / ``up_proj`` / ``down_proj`` (also the hybrids'
+#: of :mod:`moefit.ingest.families.qwen_hybrid`, which share :func:`qwen_mlp`).
+NAMES = name_table()
 
 # --------------------------------------------------------------------------------------------
 # layer schedules (which layers are MoE, which attention kind)
@@ -28,12 +32,12 @@ def qwen_mlp(c: Cfg, p: str, hidden: int, is_moe: bool, e: int, k: int, moe_i: i
     if not is_moe:
         dense_i = c.int("intermediate_size")
         return swiglu(f"{p}mlp.", hidden, dense_i, "dense_mlp"), None, (), dense_i
-    ts = router_tensors(f"{p}mlp.gate", e, hidden)
+    ts = router_tensors(NAMES.router_module(p), e, hidden)
     if shared_i:
         ts += swiglu(f"{p}mlp.shared_expert.", hidden, shared_i, "shared_expert")
         ts.append(Tensor(f"{p}mlp.shared_expert_gate.weight", (1, hidden), "shared_expert"))
     moe = MoESpec(e, k, moe_i, 1 if shared_i else 0, shared_i)
-    return ts, moe, expert_tensors(f"{p}mlp.experts.", hidden, moe_i), 0
+    return ts, moe, expert_tensors(NAMES.hf_experts(p), hidden, moe_i, NAMES.expert_parts), 0
 
 
 def qwen_is_moe(c: Cfg, i: int, num_experts: int) -> bool:
@@ -131,7 +135,6 @@ def switches(cfg: dict) -> Switches:
         qk_norm="head" if mt == "qwen3_moe" else "", q_bias=qkv_bias,
         o_bias=qkv_bias and mt == "qwen3_moe", clip_qkv=None,
         renormalize=NORM_TOPK_DEFAULT if value is None else bool(value),
-        moe_prefix="mlp", expert_names=("gate_proj", "up_proj", "down_proj"),
         tie_embeddings=bool(cfg.get("tie_word_embeddings", False)), config=cfg)
 
 
@@ -139,4 +142,5 @@ FAMILY = Family(name="qwen_moe", model_types=("qwen3_moe", "qwen2_moe"), parse=p
                 gguf_archs=("qwen3moe", "qwen2moe"), gguf_config=gguf_config, switches=switches,
                 runtime_types=("qwen3_moe", "qwen2_moe"),
                 gguf_arch_of={"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe"},
-                runtime_gguf_archs=("qwen3moe", "qwen2moe"), gguf_write_meta=gguf_write_meta)
+                runtime_gguf_archs=("qwen3moe", "qwen2moe"), gguf_write_meta=gguf_write_meta,
+                names=NAMES)

@@ -1,0 +1,194 @@
+"""The geometry's tensor listing and the loaders agree: every tensor name and shape the
+safetensors loader (``runtime.loader._layer_plan`` / ``_mlp_plan`` / ``_expert_plan``) and
+the GGUF loader (``runtime.gguf_loader._layer_plan`` / ``_expert_parts``) ask for is in the
+listing the plan priced (``ModelGeometry.layers[*].tensors`` / ``expert_tensors`` /
+``global_tensors``), and every listed tensor is one they load.
+
+Checked for every preset whose family the runtime runs, a few variants the presets do not
+cover (attention biases, Qwen2-MoE, OLMoE), and the toy family of ``tests/toy_family.py``.
+No checkpoint is read: the loaders see a stand-in index holding exactly the listing's names.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from moefit.ingest.families import geometry_from_config, registry
+from moefit.ingest.geometry import ModelGeometry
+from moefit.runtime import gguf_loader, loader
+from moefit.runtime.arch import arch_from_config, runtime_model_types
+from moefit.runtime.hybrid_layout import sources
+
+sys.path.insert(0, str(Path(__file__).parents[1]))
+from toy_family import TOY, TOY_CONFIG  # noqa: E402
+
+PRESETS = Path(loader.__file__).parents[1] / "presets"
+
+_SMALL = dict(vocab_size=96, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+              max_position_embeddings=256, rms_norm_eps=1e-6, num_hidden_layers=3,
+              num_experts_per_tok=2)
+
+
+def _preset(name: str, **over) -> dict:
+    return json.loads((PRESETS / name / "config.json").read_text()) | over
+
+
+def _configs() -> list[tuple[str, dict]]:
+    out = []
+    for path in sorted(PRESETS.glob("*/config.json")):
+        cfg = json.loads(path.read_text())
+        if cfg.get("model_type") in runtime_model_types():
+            out.append((path.parent.name, cfg))
+    out += [
+        # transformers' Mixtral has no attention biases, whatever the config says
+        ("Mixtral-8x7B attention_bias", _preset("Mixtral-8x7B-v0.1", attention_bias=True)),
+        ("Qwen3-30B-A3B attention_bias", _preset("Qwen3-30B-A3B", attention_bias=True)),
+        ("qwen2_moe", dict(_SMALL, model_type="qwen2_moe", num_experts=8, moe_intermediate_size=32,
+                           shared_expert_intermediate_size=48, intermediate_size=80,
+                           mlp_only_layers=[1])),
+        ("qwen2_moe no qkv_bias", dict(_SMALL, model_type="qwen2_moe", num_experts=8, qkv_bias=False,
+                                       moe_intermediate_size=32, intermediate_size=80)),
+        ("olmoe", dict(_SMALL, model_type="olmoe", num_experts=8, intermediate_size=32, clip_qkv=4.0)),
+        ("olmoe attention_bias", dict(_SMALL, model_type="olmoe", num_experts=8, intermediate_size=32,
+                                      attention_bias=True)),
+        ("toy_moe", dict(TOY_CONFIG)),
+    ]
+    return out
+
+
+CONFIGS = _configs()
+
+
+@pytest.fixture(autouse=True)
+def _toy_registered():
+    registry.register(TOY)
+    yield
+    registry.unregister(TOY)
+
+
+def _setup(cfg: dict):
+    geom = geometry_from_config(cfg, "listing")
+    return geom, arch_from_config(cfg, geom)
+
+
+def _listing(geom: ModelGeometry) -> tuple[dict[str, tuple], dict[str, tuple]]:
+    """(non-expert name -> shape, expert-0 name -> shape) of the geometry's listing."""
+    dense = {t.name: tuple(t.shape) for t in geom.global_tensors}
+    dense |= {t.name: tuple(t.shape) for l in geom.layers for t in l.tensors}
+    experts = {t.name: tuple(t.shape) for l in geom.layers for t in l.expert_tensors}
+    return dense, experts
+
+
+class _ListingIndex:
+    """Stands in for ``loader._Index``: holds exactly the listing's names (every expert
+    ``j`` named as expert 0 is), records what the loader checks."""
+
+    def __init__(self, names: set[str]):
+        self.names, self.checked = names, {}
+
+    def _as_listed(self, name: str) -> str:
+        head, sep, rest = name.partition(".experts.")
+        j, _, tail = rest.partition(".")
+        return f"{head}{sep}0.{tail}" if sep and j.isdigit() else name
+
+    def has(self, name: str) -> bool:
+        return self._as_listed(name) in self.names
+
+    def missing(self, name: str) -> Exception:
+        return KeyError(name)
+
+    def check(self, name: str, shape: tuple) -> None:
+        if self._as_listed(name) == name:   # expert 0 and every non-expert tensor
+            self.checked[name] = tuple(shape)
+
+
+def _safetensors_asks(geom, arch, names: set[str]) -> tuple[dict[str, tuple], dict[str, tuple]]:
+    index = _ListingIndex(names)
+    dense = {f"{arch.prefix}{arch.names.globals['embed'][0]}": (geom.vocab_size, geom.hidden_size),
+             f"{arch.prefix}{arch.names.globals['norm'][0]}": (geom.hidden_size,)}
+    if not arch.tie_embeddings:
+        dense[arch.names.globals["lm_head"][0]] = (geom.vocab_size, geom.hidden_size)
+    for l in geom.layers:
+        for _, name, shape in loader._layer_plan(l, geom, arch, index):
+            dense |= dict(sources(name, shape))
+    for l in geom.moe_layers:
+        loader._expert_plan(l, geom, arch, index)
+    return dense, index.checked
+
+
+@pytest.mark.parametrize("label,cfg", CONFIGS, ids=[c[0] for c in CONFIGS])
+def test_safetensors_loader_asks_for_the_listing(label, cfg):
+    geom, arch = _setup(cfg)
+    dense, experts = _listing(geom)
+    asked, asked_experts = _safetensors_asks(geom, arch, set(dense) | set(experts))
+    assert asked == dense, (set(asked.items()) ^ set(dense.items()))
+    assert asked_experts == experts, (set(asked_experts.items()) ^ set(experts.items()))
+
+
+def _gguf_configs():
+    out = []
+    for label, cfg in CONFIGS:
+        fam = TOY if cfg["model_type"] == "toy_moe" else registry.family_for(cfg["model_type"])
+        arch = fam.gguf_arch_of.get(cfg["model_type"])
+        if arch in fam.runtime_gguf_archs:
+            out.append((label, cfg))
+    return out
+
+
+GGUF_CONFIGS = _gguf_configs()
+
+
+@pytest.mark.parametrize("label,cfg", GGUF_CONFIGS, ids=[c[0] for c in GGUF_CONFIGS])
+def test_gguf_loader_asks_for_the_listing(label, cfg):
+    """The listing's Hugging Face names mapped by the family's name table
+    (``NameTable.gguf_from_hf``; experts stacked ``[E, ...]`` per part) are the GGUF names
+    and torch-order shapes the GGUF loader asks for."""
+    geom, arch = _setup(cfg)
+    dense, _ = _listing(geom)
+    want = {arch.names.gguf_from_hf(n, arch.prefix): s for n, s in dense.items()}
+    g = arch.names.globals
+    asked = {g["embed"][1]: (geom.vocab_size, geom.hidden_size), g["norm"][1]: (geom.hidden_size,)}
+    if not arch.tie_embeddings:
+        asked[g["lm_head"][1]] = (geom.vocab_size, geom.hidden_size)
+    for l in geom.layers:
+        asked |= {name: tuple(shape) for _, name, shape in gguf_loader._layer_plan(l, geom, arch)}
+    assert asked == want, set(asked.items()) ^ set(want.items())
+
+    checked = {}
+
+    def check(name, shape):
+        checked[name] = tuple(shape)
+        return SimpleNamespace(name=name, ggml_type="F32")
+
+    ts = SimpleNamespace(h=SimpleNamespace(tensors={}), check=check)
+    for l in geom.moe_layers:
+        gguf_loader._expert_parts(l, geom, arch, ts)
+        listed = [tuple(t.shape) for t in l.expert_tensors]          # gate, up, down of expert 0
+        parts = [arch.names.gguf_expert(p, l.index) for p in ("gate", "up", "down")]
+        assert {p: checked[p] for p in parts} == {
+            p: (l.moe.num_experts, *s) for p, s in zip(parts, listed)}
+
+
+@pytest.mark.parametrize("label,cfg", CONFIGS, ids=[c[0] for c in CONFIGS])
+def test_arch_is_the_family_switches_with_the_torch_dtype(label, cfg):
+    """``Arch`` derives from ``Switches`` (its fields declared once, in the family layer):
+    every switch as the family set it, ``dtype`` its torch dtype, plus the name table."""
+    from dataclasses import fields
+
+    from moefit.ingest.families.common import Switches
+    from moefit.runtime.arch import torch_dtype
+
+    geom, arch = _setup(cfg)
+    fam = TOY if cfg["model_type"] == "toy_moe" else registry.family_for(cfg["model_type"])
+    sw = fam.switches(cfg)
+    assert isinstance(arch, Switches)
+    assert {f.name for f in fields(arch)} == {f.name for f in fields(Switches)} | {"names"}
+    for f in fields(Switches):
+        want = torch_dtype(sw.dtype) if f.name == "dtype" else getattr(sw, f.name)
+        assert getattr(arch, f.name) == want, f.name
+    assert arch.names is fam.names
