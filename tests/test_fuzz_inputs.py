@@ -35,7 +35,7 @@ from moefit.cli import main
 #: seconds one `moefit plan` may take on a damaged input (a sound one takes < 0.2 s)
 BOUND_S = 5.0
 
-FUZZ = settings(max_examples=40, deadline=None, derandomize=True, database=None,
+FUZZ = settings(max_examples=120, deadline=None, derandomize=True, database=None,
                 suppress_health_check=list(HealthCheck))
 
 #: a tiny Qwen3-MoE (the GGUF tests' ``TINY["qwen3_moe"]``)
@@ -354,7 +354,16 @@ def test_damaged_index_json(tensors, damage):
 # --------------------------------------------------------------------------------------------
 # GGUF headers
 # --------------------------------------------------------------------------------------------
+GGUF_U32_KEYS = ["block_count", "context_length", "embedding_length", "attention.head_count",
+                 "attention.head_count_kv", "attention.key_length", "attention.value_length",
+                 "rope.dimension_count", "vocab_size", "expert_count", "expert_used_count",
+                 "expert_feed_forward_length", "feed_forward_length"]
+
 gguf_damage = st.one_of(
+    st.tuples(st.just("meta"), st.sampled_from(GGUF_U32_KEYS),
+              st.sampled_from([0, 1, 3, 2**16, 2**31, 2**32 - 1])),
+    st.tuples(st.just("float"), st.sampled_from(["rope.freq_base", "attention.layer_norm_rms_epsilon"]),
+              st.sampled_from([0.0, -1.0, 1e38, float("inf"), float("nan")])),
     st.tuples(st.just("truncate"), st.integers(0, 2**22)),
     st.tuples(st.just("byte"), st.integers(0, 4096), st.integers(0, 255)),
     st.tuples(st.just("u64"), st.integers(0, 4096),
@@ -363,7 +372,15 @@ gguf_damage = st.one_of(
 
 
 def damaged_gguf(good: bytes, damage) -> bytes:
+    """``good`` with one metadata value replaced (``meta``: a uint32, ``float``: a float32,
+    after the key's name and its 4-byte type), cut short, a byte changed or 8 bytes
+    overwritten by a uint64."""
     kind = damage[0]
+    if kind in ("meta", "float"):
+        name = f"qwen3moe.{damage[1]}".encode()
+        at = good.index(struct.pack("<Q", len(name)) + name) + 8 + len(name) + 4
+        value = struct.pack("<I" if kind == "meta" else "<f", damage[2])
+        return good[:at] + value + good[at + 4:]
     if kind == "truncate":
         return good[:damage[1] % len(good)]
     if kind == "byte":

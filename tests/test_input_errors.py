@@ -87,17 +87,17 @@ def test_config_json_that_is_not_utf8_names_the_file(tmp_path):
     ("vocab_size", "1e400"), ("hidden_size", "1e308"), ("vocab_size", "Infinity"),
     ("num_experts", "NaN"), ("vocab_size", "9" * 5000), ("hidden_size", "1" + "0" * 30),
     ("num_hidden_layers", "1e9"), ("num_experts", "1000000000"),
-    ("max_position_embeddings", "1e400"), ("intermediate_size", "1e308"),
+    ("max_position_embeddings", "1e400"), ("moe_intermediate_size", "1e308"),
 ])
 def test_sizes_no_model_has_name_the_key(key, raw, tmp_path):
     (tmp_path / "config.json").write_text(with_raw(CONFIG, (key,), raw))
-    refused(tmp_path, "config.json", key)
+    refused(tmp_path, str(tmp_path), key)
 
 
 def test_zero_fp8_block_size_names_the_key(tmp_path):
     q = '{"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [0, 128]}'
     (tmp_path / "config.json").write_text(with_raw(CONFIG, ("quantization_config",), q))
-    refused(tmp_path, "config.json", "weight_block_size")
+    refused(tmp_path, str(tmp_path), "weight_block_size")
 
 
 def test_deeply_nested_config_names_the_file(tmp_path):

@@ -51,7 +51,9 @@ def replace_files(folder: Path, writers: dict[str, Callable[[Path], None]]) -> l
     try:
         for name, write in writers.items():
             final = folder / name
-            fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=folder)
+            # a hidden name that keeps the extension (matplotlib picks the format by it)
+            fd, tmp = tempfile.mkstemp(prefix=f".{final.stem}.", suffix=f".tmp{final.suffix}",
+                                       dir=folder)
             os.close(fd)
             os.chmod(tmp, 0o666 & ~_umask())     # as open() would create it, not mkstemp's 0600
             done.append((Path(tmp), final))

@@ -10,8 +10,11 @@ the file:
   it is opened non-blocking and checked again after opening;
 - at most ``max_bytes`` are read (:data:`MAX_JSON_BYTES` unless the caller says less);
 - the bytes must be UTF-8 (the message gives the first bad byte and its offset);
-- JSON nested deeper than :data:`MAX_JSON_DEPTH` or holding an integer of more than 4300
-  digits (CPython's ``int`` conversion limit) is refused before the parser recurses;
+- JSON nested deeper than the interpreter's recursion limit (about 1000 levels; real
+  configs nest 3-4) is refused (the C decoder raises RecursionError cleanly);
+- a number beyond a float (``1e400``) or an integer of more than 4000 digits (CPython
+  refuses more than 4300) is kept as :class:`Unbounded`, an infinite float that shows the
+  number as written, so the key it sits under is named when it is read as a size;
 - numbers read from a file as sizes are bounded by :data:`LIMITS`: what a real model can
   have (:func:`bounded_int`), so a damaged file cannot make the planner build a billion
   layers or overflow a float.
@@ -34,10 +37,6 @@ from moefit.errors import InputError
 #: Largest JSON file read: the biggest real one is a safetensors index of a model with a
 #: few hundred thousand tensors (DeepSeek-V3's is 9 MB); a config.json is under 100 KB.
 MAX_JSON_BYTES = 256 << 20
-
-#: Deepest JSON nesting accepted (real configs nest 3-4 levels: ``text_config`` ->
-#: ``rope_scaling`` -> a list).
-MAX_JSON_DEPTH = 64
 
 #: What a real model can have, per size read from a config or a GGUF header. The largest
 #: published values (Hugging Face configs, 2025-2026) are far below each bound: 126 layers
@@ -86,8 +85,9 @@ def limit_of(key: str) -> int:
     return LIMITS[KEY_LIMITS.get(key.rsplit(".", 1)[-1], "other")]
 
 
-def bounded_int(value: Any, key: str, source: str, *, minimum: int = 0) -> int:
-    """``value`` as an int within ``[minimum, limit_of(key)]``.
+def bounded_int(value: Any, key: str, source: str, *, minimum: int | None = None) -> int:
+    """``value`` as an int within ``[minimum, limit_of(key)]`` (``minimum`` default:
+    ``-limit_of(key)``; the callers' own checks say "must be positive" for a size below 1).
 
     Accepts an int or a float with a whole value (``64.0``); refuses a bool, a string, a
     non-finite float (``Infinity``, ``NaN``, ``1e400`` parsed as infinity) and anything
@@ -98,6 +98,7 @@ def bounded_int(value: Any, key: str, source: str, *, minimum: int = 0) -> int:
     if isinstance(value, float) and (not math.isfinite(value) or value != int(value)):
         raise InputError(f"{source}: key '{key}' must be a whole number, got {_short(value)}")
     n, top = int(value), limit_of(key)
+    minimum = -top if minimum is None else minimum
     if not minimum <= n <= top:
         raise InputError(f"{source}: key '{key}' is {_short(value)}; no real model has that "
                          f"(expected {minimum} to {top:,}); the file is damaged or not a model config")
@@ -146,9 +147,10 @@ def is_regular_file(path: str | Path) -> bool:
 
 
 def read_bytes(path: str | Path, what: str, max_bytes: int = MAX_JSON_BYTES,
-               head: int | None = None) -> bytes:
+               head: int | None = None, offset: int = 0) -> bytes:
     """The bytes of the regular file ``path`` (``what`` names it in errors: "model
-    config"); only the first ``head`` bytes when given.
+    config"); only ``head`` bytes from byte ``offset`` when ``head`` is given (fewer at
+    the end of the file).
 
     Errors: InputError when the file is missing or unreadable, is not a regular file
     (a FIFO is never opened for a blocking read), or is larger than ``max_bytes``.
@@ -164,11 +166,12 @@ def read_bytes(path: str | Path, what: str, max_bytes: int = MAX_JSON_BYTES,
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise _not_regular(path, st.st_mode, what)
-        limit = head if head is not None else max_bytes
         if head is None and st.st_size > max_bytes:
             raise InputError(f"{path}: {what} is {st.st_size:,} bytes, more than the "
                              f"{max_bytes:,} a real one has; the file is damaged or not a {what}")
-        chunks, left = [], limit + 1
+        if offset:
+            os.lseek(fd, offset, os.SEEK_SET)
+        chunks, left = [], head if head is not None else max_bytes + 1
         while left > 0:
             chunk = os.read(fd, min(left, 1 << 20))
             if not chunk:
@@ -180,9 +183,7 @@ def read_bytes(path: str | Path, what: str, max_bytes: int = MAX_JSON_BYTES,
     finally:
         os.close(fd)
     data = b"".join(chunks)
-    if head is not None:
-        return data[:head]
-    if len(data) > max_bytes:
+    if head is None and len(data) > max_bytes:
         raise InputError(f"{path}: {what} is larger than the {max_bytes:,} bytes a real one has")
     return data
 
@@ -199,39 +200,38 @@ def decode_utf8(data: bytes, path: str | Path, what: str) -> str:
                          "or a GGUF file") from None
 
 
-def _depth_ok(text: str, limit: int) -> bool:
-    """True when ``text``'s brackets (outside strings) nest at most ``limit`` deep."""
-    if text.count("[") + text.count("{") <= limit:
-        return True
-    depth = 0
-    in_string = escape = False
-    for ch in text:
-        if in_string:
-            if escape:
-                escape = False
-            elif ch == "\\":
-                escape = True
-            elif ch == '"':
-                in_string = False
-        elif ch == '"':
-            in_string = True
-        elif ch in "[{":
-            depth += 1
-            if depth > limit:
-                return False
-        elif ch in "]}":
-            depth -= 1
-    return True
+class Unbounded(float):
+    """A JSON number beyond a float (``1e400``) or an integer of more than 4300 digits: an
+    infinite float that shows the number as written, so that the key it sits under is named
+    by :func:`bounded_int` / :func:`bounded_float` rather than the whole file refused."""
+
+    text: str
+
+    def __new__(cls, text: str) -> "Unbounded":
+        x = super().__new__(cls, "-inf" if text.startswith("-") else "inf")
+        x.text = text if len(text) <= 24 else f"{text[:12]}...({len(text)} characters)"
+        return x
+
+    def __repr__(self) -> str:
+        return self.text
+
+    __str__ = __repr__
+
+
+def _parse_int(text: str) -> int | float:
+    return int(text) if len(text) <= 4000 else Unbounded(text)
+
+
+def _parse_float(text: str) -> float:
+    x = float(text)
+    return Unbounded(text) if math.isinf(x) else x
 
 
 def parse_json(text: str, path: str | Path, what: str) -> Any:
     """``json.loads(text)`` with the limits of the module docstring; InputError naming
     ``path`` (and the line and column of a syntax error)."""
-    if not _depth_ok(text, MAX_JSON_DEPTH):
-        raise InputError(f"{path}: {what} is nested more than {MAX_JSON_DEPTH} levels deep; "
-                         "the file is damaged")
     try:
-        return json.loads(text)
+        return json.loads(text, parse_int=_parse_int, parse_float=_parse_float)
     except json.JSONDecodeError as e:
         raise InputError(f"{path}: invalid JSON in {what} (line {e.lineno}, column {e.colno}: "
                          f"{e.msg})") from None
@@ -277,6 +277,17 @@ def sniff(path: str | Path) -> str:
         if e.start < len(head) - 4:   # not a multi-byte character cut at the end of the head
             return "binary"
     return "text"
+
+
+def is_gguf_file(path: str | Path) -> bool:
+    """True when ``path`` is a regular file that starts with the GGUF magic (whatever its
+    name); False otherwise, never an error."""
+    if not is_regular_file(path):
+        return False
+    try:
+        return read_bytes(path, "GGUF file", head=4) == GGUF_MAGIC
+    except InputError:
+        return False
 
 
 # --------------------------------------------------------------------------------------------
