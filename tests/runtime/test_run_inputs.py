@@ -39,12 +39,12 @@ def tiny(tmp_path_factory):
 @pytest.fixture
 def no_runs(monkeypatch):
     """Record the measuring calls of bench and calibrate (none must happen)."""
+    import moefit.bench.command as command
     import moefit.bench.ladder as ladder
-    import moefit.runtime.calibrate as calibrate
 
     calls = []
     monkeypatch.setattr(ladder, "run_context", lambda *a, **k: calls.append(a) or pytest.fail("measured"))
-    monkeypatch.setattr(calibrate, "measure_point", lambda *a, **k: calls.append(a) or pytest.fail("measured"))
+    monkeypatch.setattr(command, "measure_point", lambda *a, **k: calls.append(a) or pytest.fail("measured"))
     return calls
 
 
