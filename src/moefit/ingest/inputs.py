@@ -34,16 +34,16 @@ from typing import Any
 
 from moefit.errors import InputError
 
-#: Largest JSON file read: the biggest real one is a safetensors index of a model with a
-#: few hundred thousand tensors (DeepSeek-V3's is 9 MB); a config.json is under 100 KB.
+#: Largest JSON file read: the biggest real ones are the safetensors indexes of models with
+#: about a hundred thousand tensors (a few MB); a config.json is under 100 KB.
 MAX_JSON_BYTES = 256 << 20
 
 #: What a real model can have, per size read from a config or a GGUF header. The largest
 #: published values (Hugging Face configs, 2025-2026) are far below each bound: 126 layers
 #: (Llama 3.1 405B), 512 routed experts (Qwen3-Next), hidden 16384 (Llama 3.1 405B), a
-#: vocabulary of 262144 (Gemma 3), 10M tokens of context (Llama 4 Scout), 128 query heads,
-#: head dimension 576 (DeepSeek MLA, with RoPE), expert width 2048 (Qwen3-235B), dense
-#: width 53248 (Llama 3.1 405B).
+#: vocabulary of 262144 (Gemma 3), 10M tokens of context (Llama 4 Scout), 128 query heads
+#: (DeepSeek-V3), head dimension 256 (Qwen3-Next), expert width 2048 (DeepSeek-V3), dense
+#: width 53248 (Llama 3.1 405B). Each bound is 16x or more above these.
 LIMITS: dict[str, int] = {
     "layers": 4096,
     "experts": 65536,
@@ -120,8 +120,10 @@ def bounded_float(value: Any, key: str, source: str, *, low: float, high: float)
 
 
 def _short(value: Any) -> str:
+    """``value`` for a message: at most 80 characters (a parsed JSON int has at most 4000
+    digits: longer ones are :class:`Unbounded`)."""
     text = repr(value) if not isinstance(value, int) or value.bit_length() < 200 else \
-        f"an integer of {len(str(abs(value)) if value.bit_length() < 14000 else 'over 4300')} digits"
+        f"an integer of {len(str(abs(value)))} digits"
     return text if len(text) <= 80 else text[:77] + "..."
 
 
@@ -195,9 +197,8 @@ def decode_utf8(data: bytes, path: str | Path, what: str) -> str:
         return data.decode("utf-8-sig")
     except UnicodeDecodeError as e:
         bad = data[e.start]
-        raise InputError(f"{path}: {what} is not UTF-8 text (byte 0x{bad:02x} at offset {e.start}); "
-                         f"save it as UTF-8, or give MODEL as a model directory, its config.json "
-                         "or a GGUF file") from None
+        raise InputError(f"{path}: {what} is not UTF-8 text (byte 0x{bad:02x} at offset "
+                         f"{e.start}); save it as UTF-8") from None
 
 
 class Unbounded(float):
@@ -313,9 +314,10 @@ def read_routing_profile(path: str | Path, geom) -> dict[int, dict[int, int]]:
         layer = _index(lkey)
         if layer is None or layer not in experts:
             moe = sorted(experts)
-            span = f"{moe[0]}-{moe[-1]}" if moe else "none"
+            span = ", ".join(map(str, moe)) if len(moe) <= 8 else \
+                f"{len(moe)} layers from {moe[0]} to {moe[-1]}"
             raise InputError(f"{path}: layer {lkey} is not an MoE layer of {geom.name} "
-                             f"(MoE layers: {span}); a routing profile is {form}")
+                             f"(MoE layers: {span or 'none'}); a routing profile is {form}")
         if not isinstance(per, dict):
             raise InputError(f"{path}: layer {lkey}: expected an object {{\"expert\": count}}, "
                              f"got {type(per).__name__}")
