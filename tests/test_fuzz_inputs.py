@@ -102,10 +102,10 @@ def plan(model: Path | str, *flags: str, env: dict | None = None) -> tuple[int, 
             except SystemExit as e:   # argparse
                 code = e.code if isinstance(e.code, int) else 2
     except _Timeout:
-        pytest.fail(f"moefit plan {model} {' '.join(flags)}: still running after {BOUND_S} s "
+        pytest.fail(f"moefit plan {model} {_args(flags)}: still running after {BOUND_S} s "
                     "(a hang or unbounded work)")
     except Exception:   # noqa: BLE001 -- the very thing under test
-        pytest.fail(f"moefit plan {model} {' '.join(flags)}: traceback\n{traceback.format_exc()}")
+        pytest.fail(f"moefit plan {model} {_args(flags)}: traceback\n{traceback.format_exc(limit=-8)}")
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, old)
@@ -115,6 +115,10 @@ def plan(model: Path | str, *flags: str, env: dict | None = None) -> tuple[int, 
             else:
                 os.environ[k] = v
     return int(code or 0), out.getvalue(), err.getvalue(), time.perf_counter() - t
+
+
+def _args(flags) -> str:
+    return " ".join(repr(f) if len(f) <= 40 else repr(f[:30]) + f"...({len(f)} characters)" for f in flags)
 
 
 def check(model, *flags, env=None) -> tuple[int, str, str]:
@@ -484,3 +488,27 @@ def test_calibration_with_absurd_numbers_is_ignored_with_a_warning(tmp_path):
     path.write_text(with_raw(doc, ("const_bytes",), "1" + "0" * 400))
     code, out, err = check(model, env={"MOEFIT_CACHE_DIR": str(cache)})
     assert code == 0 and "ignored" in err and str(path) in err, err
+
+
+# --------------------------------------------------------------------------------------------
+# flags
+# --------------------------------------------------------------------------------------------
+FLAG_VALUES = ["0", "-1", "1", "7", "255", "256", "1e9", "1e400", "inf", "nan", "-inf", "NaN",
+               "1K", "512K", "1M", "99999999999999999999999", "9" * 5000, "", " ", "x", "1.5",
+               "0x10", "1_000", "16GiB", "24576", "0.5GiB", "-16GiB", "1e308GiB", "auto",
+               "auto:0", "auto:-5", "auto:1e9", "max", "int4", "FP8", "\x00", "\u00e9"]
+FLAGS = ["--max-context", "--vram", "--vram-free", "--slots", "--prefill", "--prefill-min",
+         "--kv", "--expert-cache", "--min-expert-cache", "--arena-slots", "--rope-scale",
+         "--yarn-orig-ctx", "--vram-reserve-mib"]
+
+
+@FUZZ
+@given(flags=st.lists(st.tuples(st.sampled_from(FLAGS), st.one_of(st.sampled_from(FLAG_VALUES),
+                                                                  st.text(max_size=12))),
+                      min_size=1, max_size=3),
+       extra=st.sampled_from([[], ["--miss-policy", "copy"], ["--rope-scaling", "yarn"],
+                              ["--rope-scaling", "linear", "--strict"]]),
+       model=st.sampled_from(["Qwen3-30B-A3B", "Qwen3.5-35B-A3B", "gpt-oss-20b", "DeepSeek-V3"]))
+def test_damaged_flags(flags, extra, model):
+    argv = [a for flag, value in flags for a in (flag, value) if "\x00" not in value]
+    check(model, *argv, *extra)

@@ -149,3 +149,13 @@ def test_gguf_tensor_with_a_zero_dimension_is_refused(gguf_bytes, tmp_path):
     path = tmp_path / "zero.gguf"
     path.write_bytes(bytes(data))
     refused(path, "zero.gguf", "blk.0.attn_q.weight", "zero")
+
+
+@pytest.mark.parametrize("key,value", [("block_count", 2**31), ("attention.head_count", 0),
+                                       ("expert_count", 2**32 - 1), ("embedding_length", 2**32 - 1)])
+def test_gguf_metadata_no_model_has_names_the_key(gguf_bytes, tmp_path, key, value):
+    from test_fuzz_inputs import damaged_gguf
+
+    path = tmp_path / "meta.gguf"
+    path.write_bytes(damaged_gguf(gguf_bytes, ("meta", key, value)))
+    refused(path, "meta.gguf", key)

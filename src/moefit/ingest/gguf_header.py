@@ -391,6 +391,9 @@ def config_from_gguf(h: GGUFHeader) -> dict:
     hidden = m.int("embedding_length")
     layers = num_text_layers(h)
     heads = m.int("attention.head_count")
+    if heads < 1:
+        raise InputError(f"{m.source}: GGUF metadata key '{arch}.attention.head_count' must be "
+                         f"at least 1, got {heads}; the file is damaged")
     cfg: dict[str, Any] = {
         "hidden_size": hidden, "num_hidden_layers": layers, "num_attention_heads": heads,
         "num_key_value_heads": m.int("attention.head_count_kv", heads) or heads,
@@ -558,6 +561,12 @@ def load_gguf_model(path: str | Path) -> ModelGeometry:
     unsupported architecture, or metadata and tensors that disagree.
     """
     h = read_header(path)
-    cfg = config_from_gguf(h)
+    try:
+        cfg = config_from_gguf(h)
+    except InputError:
+        raise
+    except (ArithmeticError, ValueError, TypeError, KeyError, IndexError) as e:
+        # metadata no writer produces (a head count of 0, a string where a count belongs)
+        raise InputError(f"{path}: corrupt GGUF metadata ({type(e).__name__}: {e})") from None
     geom = geometry_from_config(cfg, model_name(h), str(path))
     return replace(geom, exact=exact_from_gguf(geom, h), notes=geom.notes + runtime_notes(h))

@@ -77,6 +77,12 @@ KEY_LIMITS: dict[str, str] = {
     "intermediate_size": "width", "moe_intermediate_size": "width", "inter_dim": "width",
     "moe_inter_dim": "width", "shared_expert_intermediate_size": "width",
     "intermediate_size_mlp": "width",
+    # GGUF metadata (``{arch}.<key>``, llama.cpp ``LLM_KV_*``)
+    "head_count": "heads", "head_count_kv": "heads", "key_length": "head_dim",
+    "value_length": "head_dim", "dimension_count": "head_dim", "expert_used_count": "experts",
+    "expert_shared_count": "experts", "feed_forward_length": "width",
+    "expert_feed_forward_length": "width", "expert_shared_feed_forward_length": "width",
+    "nextn_predict_layers": "layers", "leading_dense_block_count": "layers",
 }
 
 

@@ -533,14 +533,12 @@ class GGUFMeta:
         return v
 
     def int(self, key: str, default: int | None = None) -> int:
+        """A whole number within what a real model has for ``key``
+        (:func:`moefit.ingest.inputs.bounded_int`, by the key's last component)."""
         v = self.req(key) if default is None else self.get(key, default)
         if isinstance(v, list):   # per-layer arrays (head counts of hybrids): the largest
-            v = max(v) if v else 0
-        try:
-            return int(v)
-        except (TypeError, ValueError):
-            raise InputError(f"{self.source}: GGUF metadata key '{self.arch}.{key}' must be a "
-                             f"whole number, got {v!r}") from None
+            v = max(v) if all(isinstance(x, (int, float)) for x in v) and v else 0
+        return bounded_int(v, f"{self.arch}.{key}", self.source, minimum=0)
 
     def has(self, name: str) -> bool:
         return name in self.h.tensors
