@@ -136,7 +136,7 @@ def check(model, *flags, env=None) -> tuple[int, str, str]:
 # --------------------------------------------------------------------------------------------
 # files
 # --------------------------------------------------------------------------------------------
-def _tensors() -> list[tuple[str, tuple[int, ...]]]:
+def model_tensors() -> list[tuple[str, tuple[int, ...]]]:
     """(name, shape) of every tensor of :data:`CONFIG`'s checkpoint (one per expert)."""
     from moefit.ingest.resolve import load_model
 
@@ -168,7 +168,7 @@ def safetensors_bytes(tensors, header_raw: str | None = None) -> bytes:
 
 @pytest.fixture(scope="module")
 def tensors():
-    return _tensors()
+    return model_tensors()
 
 
 def write_checkpoint(d: Path, tensors, shards: int = 2) -> None:
@@ -192,7 +192,7 @@ def gguf_bytes(tmp_path_factory) -> bytes:
     from moefit.tools.gguf_write import write_gguf
 
     rng = np.random.default_rng(0)
-    state = {n: rng.standard_normal(s, dtype=np.float32) * 0.1 for n, s in _tensors()}
+    state = {n: rng.standard_normal(s, dtype=np.float32) * 0.1 for n, s in model_tensors()}
     path = tmp_path_factory.mktemp("gguf") / "tiny.gguf"
     write_gguf(state, CONFIG, path, expert_types="Q8_0")
     return path.read_bytes()

@@ -14,25 +14,9 @@ import struct
 
 import pytest
 
-from test_fuzz_inputs import CONFIG, plan, safetensors_bytes, with_raw, write_checkpoint, _tensors
-
-
-@pytest.fixture(scope="module")
-def tensors():
-    return _tensors()
-
-
-@pytest.fixture(scope="module")
-def gguf_bytes(tmp_path_factory) -> bytes:
-    np = pytest.importorskip("numpy")
-    pytest.importorskip("gguf")
-    from moefit.tools.gguf_write import write_gguf
-
-    rng = np.random.default_rng(0)
-    state = {n: rng.standard_normal(s, dtype=np.float32) * 0.1 for n, s in _tensors()}
-    path = tmp_path_factory.mktemp("gguf") / "tiny.gguf"
-    write_gguf(state, CONFIG, path, expert_types="Q8_0")
-    return path.read_bytes()
+from test_fuzz_inputs import (  # noqa: F401  (gguf_bytes, tensors: the fixtures, shared)
+    CONFIG, gguf_bytes, plan, safetensors_bytes, tensors, with_raw, write_checkpoint,
+)
 
 
 def refused(model, *needles, flags=()) -> str:
