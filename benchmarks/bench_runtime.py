@@ -126,12 +126,13 @@ def run(path: Path, slots: int, policy: str, prompt: int, chunk: int, decode: in
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--dir", type=Path, default=None, help="where the checkpoint is kept")
-    ap.add_argument("--prompt", type=int, default=512)
-    ap.add_argument("--chunk", type=int, default=512)
-    ap.add_argument("--decode", type=int, default=32)
-    ap.add_argument("--runs", type=int, default=3)
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dir", type=Path, default=None,
+                    help="where the checkpoint is kept (default: a temporary folder, removed after)")
+    ap.add_argument("--prompt", type=int, default=512, help="prompt tokens (default 512)")
+    ap.add_argument("--chunk", type=int, default=512, help="prefill chunk in tokens (default 512)")
+    ap.add_argument("--decode", type=int, default=32, help="greedy decode tokens (default 32)")
+    ap.add_argument("--runs", type=int, default=3, help="runs per set-up, median taken (default 3)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     args = ap.parse_args()
     if args.threads:

@@ -13,7 +13,7 @@ Run: ``python benchmarks/make_qwen3_mini.py DIR`` (once; an existing checkpoint 
 
 from __future__ import annotations
 
-import sys
+import argparse
 from pathlib import Path
 
 from bench_runtime import CONFIG, write_checkpoint
@@ -23,8 +23,16 @@ MINI = {**CONFIG, "vocab_size": 151936 // 4, "hidden_size": 2048 // 4, "num_hidd
         "num_experts": 128 // 4, "num_experts_per_tok": 8 // 4, "moe_intermediate_size": 768 // 4,
         "intermediate_size": 6144 // 4, "max_position_embeddings": 40960}
 
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("dir", type=Path, metavar="DIR",
+                    help="folder to write config.json and the safetensors shards into (1.07 GB; "
+                         "an existing checkpoint there is kept)")
+    args = ap.parse_args()
+    write_checkpoint(args.dir, seed=0, config=MINI)
+    print(f"wrote {args.dir}")
+
+
 if __name__ == "__main__":
-    if len(sys.argv) != 2:
-        sys.exit("usage: python benchmarks/make_qwen3_mini.py DIR")
-    write_checkpoint(Path(sys.argv[1]), seed=0, config=MINI)
-    print(f"wrote {sys.argv[1]}")
+    main()

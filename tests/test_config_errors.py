@@ -33,9 +33,9 @@ def mutated(name: str, path: tuple[str, ...], value) -> dict:
     ("Qwen3-30B-A3B", ("decoder_sparse_step",), 0, "malformed"),
     ("Qwen3-Next-80B-A3B-Instruct", ("full_attention_interval",), 0, "malformed"),
     ("gpt-oss-20b", ("layer_types",), "x", "layer_types"),
-    ("gpt-oss-20b", ("rope_scaling", "factor"), "x", "malformed"),
+    ("gpt-oss-20b", ("rope_scaling", "factor"), "x", "rope_scaling.factor"),
     ("gpt-oss-20b", ("sliding_window",), "x", "malformed"),
-    ("DeepSeek-V3", ("quantization_config", "weight_block_size"), 7, "malformed"),
+    ("DeepSeek-V3", ("quantization_config", "weight_block_size"), 7, "weight_block_size"),
     ("Llama-4-Scout-17B-16E-Instruct", ("text_config", "interleave_moe_layer_step"), 0, "malformed"),
 ])
 def test_malformed_config_is_an_input_error_naming_the_file(name, path, value, needle):

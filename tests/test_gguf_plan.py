@@ -181,7 +181,7 @@ def test_corrupt_file_is_input_error(tmp_path, kind):
 def test_cli_corrupt_header_exits_2_without_traceback(tmp_path):
     r = moefit("plan", str(_corrupt(tmp_path, "truncated_header")), "--vram", "1GiB", "--device", "cpu")
     assert r.returncode == 2
-    assert "corrupt GGUF header" in r.stderr and "Traceback" not in r.stderr
+    assert "truncated GGUF header" in r.stderr and "Traceback" not in r.stderr
 
 
 @pytest.mark.process

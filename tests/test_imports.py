@@ -213,7 +213,7 @@ def test_nothing_in_the_package_imports_the_command_line():
 #: The layers of docs/design.md ("Layering"), lowest first: a module imports modules of its
 #: own group or of a lower rank, never of a higher rank or of another group of its rank.
 LAYERS: tuple[tuple[int, str, tuple[str, ...]], ...] = (
-    (0, "base", ("moefit", "moefit.units", "moefit.errors")),
+    (0, "base", ("moefit", "moefit.units", "moefit.errors", "moefit.outputs")),
     (1, "ingest", ("moefit.ingest",)),
     (2, "devices", ("moefit.devices",)),
     (3, "planner", ("moefit.memory", "moefit.plan")),

@@ -3,7 +3,8 @@
 The flags several commands share, and what they turn into (a request, a device, a plan),
 live in :mod:`moefit.flags`; the exit codes in :mod:`moefit.errors` (0 the plan fits or
 the command succeeded, 2 bad input, 3 the plan does not fit, 4 an allocation failed while
-committing the plan). Nothing in the package imports this module: it is the entry point.
+committing the plan, 130 interrupted by Ctrl-C). Nothing in the package imports this
+module: it is the entry point.
 
 The planning commands import no torch; ``serve`` and ``generate`` need the ``serve``
 extra, ``bench`` and ``calibrate`` the ``bench`` extra, and their modules are imported
@@ -19,7 +20,7 @@ from importlib.util import find_spec
 
 from moefit import __version__
 from moefit.devices import format_gpu_table
-from moefit.errors import EXIT_INPUT, EXIT_NOFIT, EXIT_OK, EXIT_OTHER, InputError
+from moefit.errors import EXIT_INPUT, EXIT_INTERRUPTED, EXIT_NOFIT, EXIT_OK, EXIT_OTHER, InputError
 from moefit.flags import (add_model_files_flags, add_plan_flags, add_sampling_flags,
                           device_from_args, plan_from_args)
 from moefit.ingest.checkpoint import describe_weights
@@ -193,6 +194,10 @@ def main(argv: list[str] | None = None) -> int:
     except InputError as e:
         print(f"moefit: error: {e}", file=sys.stderr)
         return EXIT_INPUT
+    except KeyboardInterrupt:
+        # Ctrl-C: one line, no traceback; the commands write their files whole or not at all
+        print("moefit: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
     except BrokenPipeError:
         # the reader went away (`moefit models | head -1`): not an error of ours
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

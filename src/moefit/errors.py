@@ -13,10 +13,13 @@ and :mod:`moefit.bench.command` return these):
 - :data:`EXIT_INPUT` 2: bad input (:class:`InputError`);
 - :data:`EXIT_NOFIT` 3: the plan does not fit (``bench``: at some context of the ladder);
 - :data:`EXIT_ALLOC` 4: an allocation failed while ``serve`` / ``generate`` committed the
-  plan (or a prefill chunk outgrew its staging workspace).
+  plan (or a prefill chunk outgrew its staging workspace);
+- :data:`EXIT_INTERRUPTED` 130 (128 + SIGINT, the shell's convention): Ctrl-C before the
+  command finished (``serve``: before it was ready); one line, no traceback.
 """
 
 EXIT_OK, EXIT_OTHER, EXIT_INPUT, EXIT_NOFIT, EXIT_ALLOC = 0, 1, 2, 3, 4
+EXIT_INTERRUPTED = 130
 
 
 class InputError(ValueError):

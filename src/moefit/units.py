@@ -68,6 +68,9 @@ def _split(text: object, flag: str, what: str, examples: str) -> tuple[Fraction,
     match = _NUMBER_RE.match(stripped)
     if match is None:
         raise InputError(f"{flag}: cannot read {text!r} as {what}; {examples}")
+    if len(match["num"]) > 40:       # more digits than any size or count (and than int() takes)
+        raise InputError(f"{flag}: {stripped[:20]}... has {len(match['num'])} digits, too many "
+                         f"for {what}; {examples}")
     return Fraction(match["num"]), match["suffix"]
 
 

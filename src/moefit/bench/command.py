@@ -23,8 +23,10 @@ from tqdm import tqdm
 from moefit.bench import ladder, report, versus
 from moefit.errors import EXIT_NOFIT, EXIT_OK, InputError
 from moefit.flags import calibrated_staging, request_from_args, runnable_device, warn
+from moefit.ingest.inputs import is_gguf_file
 from moefit.ingest.resolve import load_model
 from moefit.memory import calibration
+from moefit.outputs import writable_dir
 from moefit.plan.request import context_limit, resolve_context
 from moefit.plan.solver import largest_context
 from moefit.runtime.calibrate import measure_point
@@ -33,9 +35,9 @@ from moefit.units import format_bytes, parse_count
 
 def bench(args: argparse.Namespace) -> int:
     model = Path(args.model)
-    if not (model.is_dir() or (model.suffix.lower() == ".gguf" and model.is_file())):
+    if not (model.is_dir() or is_gguf_file(model)):
         raise InputError(f"{args.model}: not a checkpoint; bench runs the model and needs a "
-                         "directory with config.json and *.safetensors, or a .gguf file")
+                         "directory with config.json and *.safetensors, or a GGUF file")
     if args.decode_tokens < 1:
         raise InputError(f"--decode-tokens {args.decode_tokens}: must be at least 1")
     if args.threads is not None:
@@ -63,11 +65,7 @@ def bench(args: argparse.Namespace) -> int:
         contexts = ladder.default_ladder(largest)
     opts = ladder.BenchOptions(prompt_tokens=ladder.parse_prompt_tokens(args.prompt_tokens),
                                decode_tokens=args.decode_tokens, seed=args.seed)
-    out = Path(args.out)
-    if out.exists() and not out.is_dir():
-        raise InputError(f"--out {args.out}: is a file; give a directory (it is created "
-                         "when missing)")
-    out.mkdir(parents=True, exist_ok=True)
+    out = writable_dir(args.out, f"--out {args.out}")     # before anything is measured
     runs = []
     bar = tqdm(contexts, desc="bench", unit="context", file=sys.stderr,
                disable=not args.progress)
@@ -100,21 +98,18 @@ def bench(args: argparse.Namespace) -> int:
                  "threads": torch.get_num_threads(),
                  "staging": "calibrated" if staging is not None else "analytic"},
         runs=runs)
-    report.write_json(doc, out)
-    _, text = report.write_markdown(doc, out, f"moefit bench: {geom.name} on {device.description}")
+    text, written = report.write_files(doc, out, f"moefit bench: {geom.name} on {device.description}")
     print(text)
-    try:
-        report.chart(doc, out / "bench.png")
-    except ImportError:
+    if len(written) < 3:
         warn("no chart (bench.png): pip install 'moefit[bench]' adds matplotlib")
-    print(f"wrote {out / 'bench.json'}, {out / 'bench.md'}, {out / 'bench.png'}", file=sys.stderr)
+    print(f"wrote {', '.join(str(p) for p in written)}", file=sys.stderr)
     return EXIT_OK if all(r["fits"] for r in runs) else EXIT_NOFIT
 
 
 def calibrate(args: argparse.Namespace) -> int:
     """``moefit calibrate MODEL --device ...``: measure, fit, store, print."""
     model = Path(args.model)
-    if not (model.is_dir() or (model.suffix.lower() == ".gguf" and model.is_file())):
+    if not (model.is_dir() or is_gguf_file(model)):
         raise InputError(f"{args.model}: not a checkpoint; calibrate runs the model")
     geom = load_model(str(model))
     device = runnable_device(args)
@@ -130,6 +125,7 @@ def calibrate(args: argparse.Namespace) -> int:
         raise InputError(f"--chunks {args.chunks}: chunk {chunks[1]} is longer than "
                          f"{geom.name}'s context limit of {limit} tokens; choose smaller "
                          f"--chunks {hint}".rstrip())
+    calibration.writable_cache()     # a cache that cannot be written: say so before measuring
     points = []
     for c in chunks:
         p = measure_point(model, geom, device, req, c, args.seed)

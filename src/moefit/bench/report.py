@@ -13,8 +13,10 @@ prefill line's measured peak marked on its segment); and prefill / decode throug
 from __future__ import annotations
 
 import json
+from importlib.util import find_spec
 from pathlib import Path
 
+from moefit.outputs import replace_files
 from moefit.plan.solver import LINE_ORDER
 from moefit.units import GIB, MIB, format_bytes
 
@@ -40,12 +42,6 @@ def _size(n: int, unit: int) -> str:
 
 def document(model: dict, device: dict, request: dict, runs: list[dict]) -> dict:
     return {"schema": SCHEMA, "model": model, "device": device, "request": request, "runs": runs}
-
-
-def write_json(doc: dict, out: Path) -> Path:
-    path = out / "bench.json"
-    path.write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
-    return path
 
 
 def markdown(doc: dict) -> str:
@@ -106,12 +102,26 @@ def markdown(doc: dict) -> str:
     return "\n".join(out)
 
 
-def write_markdown(doc: dict, out: Path, title: str = "") -> tuple[Path, str]:
+def write_files(doc: dict, out: Path, title: str = "") -> tuple[str, list[Path]]:
+    """Write ``bench.json``, ``bench.md`` (``title`` as its heading) and, when matplotlib
+    is installed, ``bench.png`` into ``out`` as one set (:func:`moefit.outputs.replace_files`:
+    an interrupted write leaves the previous files). Without matplotlib an older
+    ``bench.png`` is removed, so the folder never mixes two runs.
+
+    Returns (the Markdown tables, the files written).
+    """
     text = markdown(doc)
-    path = out / "bench.md"
     head = f"# {title}\n\n" if title else ""
-    path.write_text(head + text + "\n", encoding="utf-8")
-    return path, text
+    writers = {
+        "bench.json": lambda p: p.write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8"),
+        "bench.md": lambda p: p.write_text(head + text + "\n", encoding="utf-8"),
+    }
+    if find_spec("matplotlib") is not None:
+        writers["bench.png"] = lambda p: chart(doc, p)
+    written = replace_files(out, writers)
+    if "bench.png" not in writers:
+        (out / "bench.png").unlink(missing_ok=True)
+    return text, written
 
 
 def chart(doc: dict, path: Path) -> Path:
@@ -176,6 +186,6 @@ def chart(doc: dict, path: Path) -> Path:
     model, dev = doc["model"]["name"], doc["device"]["description"]
     fig.suptitle(f"moefit bench  {model}  on {dev}", fontsize=11)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, format="png")
     plt.close(fig)
     return path

@@ -29,7 +29,6 @@ This module imports no torch.
 
 from __future__ import annotations
 
-import json
 import re
 import struct
 from dataclasses import dataclass
@@ -37,6 +36,7 @@ from pathlib import Path
 
 from moefit.errors import InputError
 from moefit.ingest.geometry import ExactWeights, ModelGeometry
+from moefit.ingest.inputs import decode_utf8, parse_json, read_bytes, read_json
 
 #: Bytes per element of the safetensors dtypes (``safetensors`` ``Dtype`` enum). Sub-byte
 #: types (F4, F6_*) are measured from ``data_offsets`` instead.
@@ -79,47 +79,69 @@ class Header:
 def read_header(path: str | Path) -> Header:
     """Read the header of one ``.safetensors`` file (never its data).
 
-    Errors: :class:`InputError` naming the file when it is shorter than 8 bytes, the length
-    is beyond the file or above :data:`MAX_HEADER_BYTES`, the JSON does not parse, or an
-    entry has no valid dtype / shape / data_offsets, or its byte size disagrees with them.
+    Errors: :class:`InputError` naming the file when it is not a regular file, is shorter
+    than 8 bytes or than its header and data (truncated: the sizes expected and found), the
+    length is above :data:`MAX_HEADER_BYTES`, the header is not UTF-8 JSON (read by
+    :func:`moefit.ingest.inputs.parse_json`), holds no tensor, or an entry has no valid
+    dtype / shape / data_offsets, or its byte size disagrees with them.
     """
     path = Path(path)
-    try:
-        size = path.stat().st_size
-        with path.open("rb") as f:
-            head = f.read(8)
-            if len(head) < 8:
-                raise InputError(f"{path}: corrupt safetensors file (shorter than its 8-byte header length)")
-            (n,) = struct.unpack("<Q", head)
-            if n > MAX_HEADER_BYTES or n > size - 8:
-                raise InputError(f"{path}: corrupt safetensors header (declares {n} header bytes, "
-                                 f"file has {size})")
-            raw = f.read(n)
-    except OSError as e:
-        raise InputError(f"{path}: cannot read safetensors file ({e.strerror or e})") from e
-    try:
-        meta = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise InputError(f"{path}: corrupt safetensors header (not valid JSON: {e})") from e
+    what = "safetensors file"
+    head = read_bytes(path, what, head=8)
+    size = path.stat().st_size
+    if len(head) < 8:
+        raise InputError(f"{path}: truncated safetensors file ({size} bytes, shorter than its "
+                         "8-byte header length); download it again")
+    (n,) = struct.unpack("<Q", head)
+    if n > MAX_HEADER_BYTES:
+        raise InputError(f"{path}: corrupt safetensors header (declares {n:,} header bytes, more "
+                         f"than the {MAX_HEADER_BYTES:,} a safetensors reader accepts)")
+    if n > size - 8:
+        raise InputError(f"{path}: truncated or corrupt safetensors file: its header length says "
+                         f"{8 + n:,} bytes or more, the file has {size:,}; download it again")
+    raw = read_bytes(path, what, head=n, offset=8)
+    meta = parse_json(decode_utf8(raw, path, "safetensors header"), path, "safetensors header")
     if not isinstance(meta, dict):
         raise InputError(f"{path}: corrupt safetensors header (not a JSON object)")
     data_bytes = size - 8 - n
-    tensors = tuple(_entry(path, name, info, data_bytes)
-                    for name, info in meta.items() if name != "__metadata__")
-    return Header(path, tensors, data_bytes)
+    tensors = tuple(_entry(path, name, info) for name, info in meta.items() if name != "__metadata__")
+    if not tensors:
+        raise InputError(f"{path}: safetensors file holds no tensors; the file is damaged or "
+                         "not part of this checkpoint")
+    end = max(t.end for t in tensors)
+    if end > data_bytes:
+        raise InputError(f"{path}: truncated safetensors file: its header lists {8 + n + end:,} "
+                         f"bytes, the file has {size:,}; download it again")
+    return Header(path, tuple(HeaderTensor(t.name, t.dtype, t.shape, t.nbytes) for t in tensors),
+                  data_bytes)
 
 
-def _entry(path: Path, name: str, info: object, data_bytes: int) -> HeaderTensor:
+@dataclass(frozen=True)
+class _Entry(HeaderTensor):
+    end: int = 0     # data_offsets[1]: where the tensor's data ends, after the header
+
+
+#: Largest dimension or offset taken from a header (2**53: any real tensor is far smaller).
+_MAX_INDEX = 1 << 53
+
+
+def _whole(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and 0 <= x <= _MAX_INDEX
+
+
+def _entry(path: Path, name: str, info: object) -> _Entry:
     """Validate one header entry; bytes = prod(shape) x dtype size, checked against offsets."""
-    try:
-        dtype = info["dtype"]
-        shape = tuple(int(d) for d in info["shape"])
-        begin, end = (int(o) for o in info["data_offsets"])
-        ok = isinstance(dtype, str) and all(d >= 0 for d in shape) and 0 <= begin <= end <= data_bytes
-    except (TypeError, KeyError, ValueError):
-        ok = False
+    ok = isinstance(info, dict) and isinstance(info.get("dtype"), str) \
+        and isinstance(info.get("shape"), list) and all(_whole(d) for d in info["shape"]) \
+        and isinstance(info.get("data_offsets"), list) and len(info["data_offsets"]) == 2 \
+        and all(_whole(o) for o in info["data_offsets"]) \
+        and info["data_offsets"][0] <= info["data_offsets"][1]
     if not ok:
-        raise InputError(f"{path}: corrupt safetensors header entry {name!r}: {info!r}")
+        text = repr(info)
+        raise InputError(f"{path}: corrupt safetensors header entry {name!r}: "
+                         f"{text if len(text) <= 200 else text[:197] + '...'}")
+    dtype, shape = info["dtype"], tuple(info["shape"])
+    begin, end = info["data_offsets"]
     numel = 1
     for d in shape:
         numel *= d
@@ -128,7 +150,7 @@ def _entry(path: Path, name: str, info: object, data_bytes: int) -> HeaderTensor
     if nbytes != end - begin:
         raise InputError(f"{path}: corrupt safetensors header entry {name!r}: {dtype} {list(shape)} "
                          f"is {nbytes} bytes but data_offsets span {end - begin}")
-    return HeaderTensor(name, dtype, shape, nbytes)
+    return _Entry(name, dtype, shape, nbytes, end)
 
 
 def checkpoint_files(model_dir: str | Path) -> list[Path]:
@@ -140,14 +162,20 @@ def checkpoint_files(model_dir: str | Path) -> list[Path]:
     """
     model_dir = Path(model_dir)
     index = model_dir / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-            names = sorted(set(weight_map.values()))
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-            raise InputError(f"{index}: not a valid safetensors index ({e})") from e
-        files = [model_dir / n for n in names]
-        missing = [str(f.name) for f in files if not f.is_file()]
+    if index.exists():
+        doc = read_json(index, "safetensors index")
+        weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise InputError(f"{index}: not a valid safetensors index (no weight_map object "
+                             "naming each tensor's shard)")
+        bad = [v for v in weight_map.values() if not _shard_name(v)]
+        if bad:
+            text = repr(bad[0])
+            raise InputError(f"{index}: weight_map values must be shard file names of this "
+                             f"folder (e.g. model-00001-of-00002.safetensors), got "
+                             f"{text if len(text) <= 80 else text[:77] + '...'}")
+        files = [model_dir / n for n in sorted(set(weight_map.values()))]
+        missing = [str(f.name) for f in files if not f.exists()]
         if missing:
             raise InputError(f"{model_dir}: checkpoint incomplete, {len(missing)} shard(s) named in "
                              f"{index.name} are missing (e.g. {missing[0]})")
@@ -155,6 +183,12 @@ def checkpoint_files(model_dir: str | Path) -> list[Path]:
     files = sorted(model_dir.glob("*.safetensors"))
     hf = [f for f in files if not f.name.startswith("consolidated")]
     return hf or files
+
+
+def _shard_name(value: object) -> bool:
+    """A plain file name in the model folder (no folder part, not ``.`` / ``..``)."""
+    return isinstance(value, str) and value not in ("", ".", "..") and "/" not in value \
+        and "\\" not in value and "\0" not in value and len(value) <= 255
 
 
 def classify(name: str, num_layers: int) -> tuple[str, int | None, bool]:

@@ -47,6 +47,7 @@ from moefit.errors import InputError
 from moefit.ingest.families import geometry_from_config, registry
 from moefit.ingest.families.common import GGUF_EXPERT_NAMES, LAYER_NAMES, GGUFFacts, GGUFMeta
 from moefit.ingest.geometry import DTYPE_BYTES, ExactWeights, ModelGeometry
+from moefit.ingest.inputs import read_bytes
 from moefit.units import format_bytes
 
 #: ggml types whose tensors hold floats as stored (no block structure).
@@ -120,7 +121,7 @@ def _reader_class():
     Nested arrays fall back to the stock code.
     """
     import numpy as np
-    from gguf import GGUFReader, GGUFValueType
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType
 
     class HeaderReader(GGUFReader):
         def _get_field_parts(self, orig_offs, raw_type):
@@ -142,6 +143,9 @@ def _reader_class():
                 little = np.little_endian if self.byte_order == "I" else not np.little_endian
                 u64 = struct.Struct("<Q" if little else ">Q")
                 off = start
+                if n > (len(view) - start) // 8:   # each string takes 8 bytes at least
+                    raise ValueError(f"metadata string array at byte {orig_offs} declares {n} "
+                                     "strings, more than the file can hold")
                 for _ in range(n):
                     (length,) = u64.unpack_from(view, off)
                     off += 8 + length
@@ -151,7 +155,38 @@ def _reader_class():
                     [GGUFValueType.ARRAY, GGUFValueType.STRING]
             return super()._get_field_parts(orig_offs, raw_type)
 
+        def _build_tensors(self, start_offs, fields):
+            # before the stock code builds a view of each tensor's data (a numpy reshape
+            # error when the file is cut short): a zero dimension, or data past the end
+            end = 0
+            for f in fields:
+                _, name, _, dims, raw_type, offset = f.parts
+                ne = [int(d) for d in dims]
+                if 0 in ne:
+                    raise _Corrupt(f"tensor {bytes(name).decode('utf-8', 'replace')!r} has a zero "
+                                   f"dimension (ne {ne})")
+                block, size = GGML_QUANT_SIZES[GGMLQuantizationType(int(raw_type[0]))]
+                numel = 1
+                for d in ne:
+                    numel *= d
+                end = max(end, int(start_offs) + int(offset[0]) + numel * size // block)
+            if end > len(self.data):
+                raise _Truncated(end, len(self.data))
+            return super()._build_tensors(start_offs, fields)
+
     return HeaderReader
+
+
+class _Truncated(Exception):
+    """The tensor data a GGUF header lists ends past the end of the file."""
+
+    def __init__(self, expected: int, actual: int):
+        super().__init__(f"{expected} > {actual}")
+        self.expected, self.actual = expected, actual
+
+
+class _Corrupt(Exception):
+    """A GGUF header entry no writer produces."""
 
 
 def shard_paths(path: str | Path) -> list[Path]:
@@ -164,9 +199,9 @@ def shard_paths(path: str | Path) -> list[Path]:
     path = Path(path).expanduser()
     m = _SHARD.match(path.name)
     if m is None:
-        if not path.is_file():
+        if not path.exists():
             raise InputError(f"{path}: no such GGUF file")
-        return [path]
+        return [path]      # open_reader says what is wrong when it is not a regular file
     count = int(m["count"])
     if count < 1 or int(m["no"]) < 1 or int(m["no"]) > count:
         raise InputError(f"{path}: not a valid split GGUF name (shard {m['no']} of {m['count']})")
@@ -185,21 +220,24 @@ def open_reader(path: Path):
     an unsupported version, or any inconsistency the reader finds (truncated header, tensor
     data beyond the end of the file, an unknown ggml type, duplicate names).
     """
-    try:
-        size = path.stat().st_size
-    except OSError as e:
-        raise InputError(f"{path}: cannot read GGUF file ({e.strerror or e})") from e
+    head = read_bytes(path, "GGUF file", head=4)    # a regular file (never a FIFO), readable
+    size = path.stat().st_size
+    if head != b"GGUF":
+        raise InputError(f"{path}: not a GGUF file (bad magic bytes)")
     if size < 24:
-        raise InputError(f"{path}: corrupt GGUF file ({size} bytes, shorter than a GGUF header)")
+        raise InputError(f"{path}: truncated GGUF file ({size} bytes, shorter than a GGUF header)")
     try:
         return _reader_class()(path)
+    except _Truncated as e:
+        raise InputError(f"{path}: truncated GGUF file: its header lists {e.expected:,} bytes, "
+                         f"the file has {e.actual:,}; download it again") from None
+    except _Corrupt as e:
+        raise InputError(f"{path}: corrupt GGUF header: {e}") from None
     except OSError as e:
         raise InputError(f"{path}: cannot read GGUF file ({e.strerror or e})") from e
     except Exception as e:  # noqa: BLE001 -- the reader raises ValueError, KeyError, IndexError, ...
         msg = str(e) or type(e).__name__
-        if "magic" in msg.lower():
-            raise InputError(f"{path}: not a GGUF file (bad magic bytes)") from e
-        raise InputError(f"{path}: corrupt GGUF header ({msg})") from e
+        raise InputError(f"{path}: corrupt or truncated GGUF header ({msg})") from e
 
 
 def _field_value(f) -> Any:
@@ -353,6 +391,9 @@ def config_from_gguf(h: GGUFHeader) -> dict:
     hidden = m.int("embedding_length")
     layers = num_text_layers(h)
     heads = m.int("attention.head_count")
+    if heads < 1:
+        raise InputError(f"{m.source}: GGUF metadata key '{arch}.attention.head_count' must be "
+                         f"at least 1, got {heads}; the file is damaged")
     cfg: dict[str, Any] = {
         "hidden_size": hidden, "num_hidden_layers": layers, "num_attention_heads": heads,
         "num_key_value_heads": m.int("attention.head_count_kv", heads) or heads,
@@ -517,6 +558,12 @@ def load_gguf_model(path: str | Path) -> ModelGeometry:
     unsupported architecture, or metadata and tensors that disagree.
     """
     h = read_header(path)
-    cfg = config_from_gguf(h)
+    try:
+        cfg = config_from_gguf(h)
+    except InputError:
+        raise
+    except (ArithmeticError, ValueError, TypeError, KeyError, IndexError) as e:
+        # metadata no writer produces (a head count of 0, a string where a count belongs)
+        raise InputError(f"{path}: corrupt GGUF metadata ({type(e).__name__}: {e})") from None
     geom = geometry_from_config(cfg, model_name(h), str(path))
     return replace(geom, exact=exact_from_gguf(geom, h), notes=geom.notes + runtime_notes(h))

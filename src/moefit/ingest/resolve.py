@@ -22,7 +22,6 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
-import json
 from pathlib import Path
 from typing import Iterable
 
@@ -31,8 +30,12 @@ from moefit.errors import InputError
 from moefit.ingest.families import geometry_from_config, is_deepseek_inference_config
 from moefit.ingest.geometry import ModelGeometry
 from moefit.ingest.gguf_header import load_gguf_model
+from moefit.ingest.inputs import is_regular_file, read_json, sniff
 
 PRESETS_DIR = Path(__file__).resolve().parents[1] / "presets"
+
+#: Largest config.json read (the largest published ones are under 100 KB).
+MAX_CONFIG_BYTES = 16 << 20
 
 
 def list_presets() -> list[str]:
@@ -42,26 +45,23 @@ def list_presets() -> list[str]:
 
 
 def _read_json(path: Path) -> object:
-    """Parse a JSON file; InputError naming the file when it is unreadable or invalid."""
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as e:
-        raise InputError(f"{path}: cannot read model config ({e.strerror or e})") from e
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as e:
-        raise InputError(f"{path}: invalid JSON in model config (line {e.lineno}, column {e.colno}: {e.msg})") from e
+    """Parse a model config (:func:`moefit.ingest.inputs.read_json`: a regular file,
+    bounded, UTF-8); InputError naming the file when it is unreadable or invalid."""
+    return read_json(path, "model config", MAX_CONFIG_BYTES)
 
 
 def _config_in_dir(model_dir: Path) -> Path:
-    """``config.json``, else the one DeepSeek inference config among the ``*.json`` files."""
+    """``config.json``, else the one DeepSeek inference config among the ``*.json`` files
+    (only regular files are read: a FIFO named ``*.json`` is stepped over)."""
     cfg = model_dir / "config.json"
-    if cfg.is_file():
-        return cfg
+    if cfg.exists() or cfg.is_symlink():
+        return cfg        # read_json says what is wrong with it when it is not a regular file
     for path in sorted(model_dir.glob("*.json")):
+        if not is_regular_file(path):
+            continue
         try:
-            data = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, ValueError):
+            data = _read_json(path)
+        except InputError:
             continue
         if isinstance(data, dict) and is_deepseek_inference_config(data):
             return path
@@ -117,12 +117,22 @@ def load_model(spec: str) -> ModelGeometry:
         raise InputError("MODEL is empty; give a preset name (`moefit models`), a model "
                          "directory or a config.json path")
     path = Path(spec).expanduser()
-    if path.suffix.lower() == ".gguf":
+    kind = sniff(path) if path.exists() and not path.is_dir() else None
+    if kind == "gguf" or (kind is None and path.suffix.lower() == ".gguf"):
+        # by its magic bytes, whatever the name: Ollama's blobs are GGUF files without an
+        # extension (a missing .gguf path falls through to the GGUF reader's message)
         return load_gguf_model(path)
+    if kind == "safetensors":
+        raise InputError(f"{path}: a safetensors weight file; give MODEL as the directory that "
+                         "holds it and its config.json")
+    if kind == "binary" or (kind == "text" and path.suffix.lower() != ".json"):
+        raise InputError(f"{path}: not a model config, a model directory or a GGUF file "
+                         f"({'binary data' if kind == 'binary' else 'text that is not JSON'}); give "
+                         "MODEL as a Hugging Face model directory, its config.json, a GGUF file or a preset name")
     if path.is_dir():
         geom = _from_file(_config_in_dir(path), path.resolve().name, str(path))
         model_dir = path
-    elif path.is_file():
+    elif kind in ("json", "text"):
         geom = _from_file(path, path.resolve().parent.name, str(path))
         model_dir = path.parent
     else:

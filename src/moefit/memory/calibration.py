@@ -40,9 +40,12 @@ from typing import Callable
 
 from moefit import __version__
 from moefit.devices import Device
+from moefit.errors import InputError
 from moefit.ingest.geometry import ModelGeometry
+from moefit.ingest.inputs import read_json
 from moefit.memory.kv import kv_format
 from moefit.memory.staging import StagingModel, compute_bytes, expert_dequant_bytes, staging_model
+from moefit.outputs import writable_dir, write_text_atomic
 
 SCHEMA = "moefit.calibration/1"
 #: bumped whenever the runtime's staging changes shape: older calibrations go stale
@@ -113,16 +116,37 @@ def save(geom: ModelGeometry, device: Device, kv: str,
            "analytic": [[c, analytic.bytes(c)] for c, _ in sorted(points)],
            "created": datetime.now(timezone.utc).isoformat(timespec="seconds")}
     path = calibration_path(key)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
-    tmp.replace(path)
+    writable_cache()
+    write_text_atomic(path, json.dumps(doc, indent=2) + "\n")
     return path, _model(const, per_token, analytic)
+
+
+def writable_cache() -> Path:
+    """The calibration folder of :func:`cache_dir`, created; `moefit calibrate` calls it
+    before measuring. Errors: InputError naming the folder and :data:`CACHE_ENV` when it
+    cannot be created or written."""
+    return writable_dir(cache_dir() / "calibration", f"the calibration cache (set {CACHE_ENV} "
+                                                     "to move it)")
 
 
 def _model(const: int, per_token: int, analytic: StagingModel) -> StagingModel:
     return replace(analytic, const_bytes=const, per_token_bytes=per_token, calibrated=True,
                    terms=(("calibrated: measured on this device", const, per_token),))
+
+
+#: Bounds of the numbers a calibration file may hold: bytes below 1 EiB, chunks below 2**31
+#: tokens, a file below 1 MiB (a real one is under 1 KB).
+MAX_BYTES, MAX_TOKENS, MAX_FILE_BYTES = 1 << 60, 1 << 31, 1 << 20
+
+
+def _within(x: object, low: int, high: int) -> bool:
+    """``x`` is an int (not a bool) in ``[low, high]``."""
+    return isinstance(x, int) and not isinstance(x, bool) and low <= x <= high
+
+
+def _short(x: object) -> str:
+    text = x if isinstance(x, str) else repr(x)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def load(geom: ModelGeometry, device: Device, kv: str,
@@ -141,21 +165,24 @@ def load(geom: ModelGeometry, device: Device, kv: str,
         return None
 
     try:
-        doc = json.loads(path.read_text(encoding="utf-8"))
-        if not isinstance(doc, dict):
-            return ignored("not a calibration document")
-        if doc.get("schema") != SCHEMA:
-            return ignored(f"schema {doc.get('schema')!r}, expected {SCHEMA!r}")
-        if doc.get("moefit") != __version__ or doc.get("revision") != REVISION:
-            return ignored(f"written by moefit {doc.get('moefit')} (staging revision "
-                           f"{doc.get('revision')}), this is {__version__} (revision {REVISION})")
-        if doc.get("key") != key:
-            return ignored("it was measured for another model, device, dtype or KV format")
-        const, per_token = int(doc["const_bytes"]), int(doc["per_token_bytes"])
-        points = [(int(c), int(p)) for c, p in doc["points"]]
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        return ignored(f"unreadable: {e}")
-    if const < 0 or per_token <= 0 or len(points) < 2:
+        doc = read_json(path, "calibration file", MAX_FILE_BYTES)
+    except InputError as e:
+        return ignored(f"unreadable: {str(e).removeprefix(f'{path}: ')}")
+    if not isinstance(doc, dict):
+        return ignored("not a calibration document")
+    if doc.get("schema") != SCHEMA:
+        return ignored(f"schema {_short(repr(doc.get('schema')))}, expected {SCHEMA!r}")
+    if doc.get("moefit") != __version__ or doc.get("revision") != REVISION:
+        return ignored(f"written by moefit {_short(doc.get('moefit'))} (staging revision "
+                       f"{_short(doc.get('revision'))}), this is {__version__} (revision {REVISION})")
+    if doc.get("key") != key:
+        return ignored("it was measured for another model, device, dtype or KV format")
+    const, per_token, raw = doc.get("const_bytes"), doc.get("per_token_bytes"), doc.get("points")
+    points = [tuple(p) for p in raw if isinstance(p, list) and len(p) == 2] \
+        if isinstance(raw, list) else []
+    if not (_within(const, 0, MAX_BYTES) and _within(per_token, 1, MAX_BYTES) and len(points) >= 2
+            and len(points) == len(raw)
+            and all(_within(c, 1, MAX_TOKENS) and _within(p, 0, MAX_BYTES) for c, p in points)):
         return ignored("implausible numbers")
     if any(const + per_token * c < p for c, p in points):
         return ignored("it does not cover its own measured points")

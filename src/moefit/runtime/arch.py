@@ -11,7 +11,6 @@ checks that the config is the one the plan was solved for.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
@@ -21,6 +20,7 @@ from moefit.errors import InputError
 from moefit.ingest.families import registry
 from moefit.ingest.families.common import NameTable, Switches, name_table
 from moefit.ingest.geometry import DTYPES, ModelGeometry
+from moefit.ingest.inputs import read_json
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -57,11 +57,7 @@ class Arch(Switches):
 
 def read_config(model_dir: str | Path) -> dict:
     """``config.json`` of a model directory. Raises InputError naming the file."""
-    path = Path(model_dir) / "config.json"
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
-        raise InputError(f"{path}: cannot read the model config ({e})") from e
+    return read_json(Path(model_dir) / "config.json", "model config")
 
 
 def runtime_model_types() -> tuple[str, ...]:

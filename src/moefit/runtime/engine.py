@@ -35,14 +35,15 @@ import torch
 
 from moefit.devices import Device
 from moefit.errors import InputError
+from moefit.ingest.inputs import is_gguf_file, read_routing_profile
 from moefit.memory.staging import ATTN_KV_BLOCK, ATTN_Q_BLOCK
 from moefit.memory.weights import most_slots, spread_slots
 from moefit.plan.solver import Plan
 from moefit.runtime.arch import arch_from_config, read_config
-from moefit.runtime.experts import ExpertCache, load_profile
-from moefit.runtime.gguf_loader import gguf_config, is_gguf, load_gguf
+from moefit.runtime.experts import ExpertCache
+from moefit.runtime.gguf_loader import gguf_config, load_gguf
 from moefit.runtime.kv_cache import KVCache
-from moefit.runtime.ledger import BudgetError, Ledger
+from moefit.runtime.ledger import FAIL_ENV, BudgetError, Ledger
 from moefit.runtime.loader import load_checkpoint
 from moefit.runtime.model import Model, forward
 from moefit.runtime.rope import Rotary, rope_from_config
@@ -68,7 +69,9 @@ class EngineOptions:
 
     ``device``: torch device (default: ``cpu`` for a simulated device, else the plan's
     ``cuda:N``). ``chunk``: prefill chunk in tokens (default and maximum: the plan's).
-    ``routing_profile``: JSON path for the initial expert fill. ``q_block`` /
+    ``routing_profile``: the initial expert fill, ``{layer: {expert: count}}`` as
+    :func:`moefit.ingest.inputs.read_routing_profile` returns it, or that JSON file's
+    path (read and checked before any weight loads). ``q_block`` /
     ``kv_block``: attention tile (tokens), at most the staging model's. ``free_bytes``:
     the device's free memory at commit when it differs from the plan's (a simulated
     device whose memory another process took in the meantime).
@@ -76,7 +79,7 @@ class EngineOptions:
 
     device: str | None = None
     chunk: int | None = None
-    routing_profile: str | None = None
+    routing_profile: str | Path | dict | None = None
     q_block: int = ATTN_Q_BLOCK
     kv_block: int = ATTN_KV_BLOCK
     free_bytes: int | None = None
@@ -116,15 +119,24 @@ class Engine:
         notes: list[str] = []
         say = opts.log or notes.append
         geom, req = plan.geometry, plan.request
+        profile = opts.routing_profile
+        if isinstance(profile, (str, Path)):      # checked before any weight loads
+            profile = read_routing_profile(profile, geom)
         ledger = Ledger.for_plan(plan, opts.device, opts.free_bytes)
+        if "weight_arena" in ledger.failing and ledger.lines["weight_arena"].planned == 0:
+            raise InputError(f"{FAIL_ENV}=weight_arena: this plan has no weight arena "
+                             f"(--miss-policy {req.miss_policy}: misses run on the CPU), so "
+                             "nothing can fail there; use --miss-policy copy, or another line")
         dev = ledger.device
-        gguf = is_gguf(model_dir)
+        gguf = is_gguf_file(model_dir)
         cfg = gguf_config(model_dir) if gguf else read_config(model_dir)
         arch = arch_from_config(cfg, geom)
 
         # 1. runtime
         if dev.type == "cuda":
             _commit_cuda_runtime(ledger, plan.devices[0].device, arch.dtype)
+        else:
+            ledger.charge("runtime", 0)    # a simulated device has no runtime; fault injection still reaches the line
         # 2. weights
         weights, host = (load_gguf if gguf else load_checkpoint)(
             model_dir, geom, arch, lambda shape, dtype: ledger.alloc("weights", shape, dtype),
@@ -143,11 +155,11 @@ class Engine:
         ws = Workspace(ledger.alloc("prefill", (ledger.lines["prefill"].planned,), torch.uint8), ledger)
         # 6. expert cache: the plan's slots, within what is free above the margin
         slots = _commit_experts(ledger, host, plan, say)
-        profile = load_profile(opts.routing_profile) if opts.routing_profile else None
         experts = ExpertCache(host, slots, arena, req.miss_policy, profile) if host.blobs else None
         if experts is not None:
             experts.ws = ws
             _shrink_to_margin(ledger, experts, say)
+        ledger.keep_free("margin", ledger.margin)    # the margin is "committed" by staying free
         att = next((l.attention for l in geom.layers if l.attention.kind != "linear"),
                    geom.layers[0].attention)   # hybrids: layer 0 may be linear attention
         rope = rope_from_config(arch.config, att.rotary_dim or att.head_dim,

@@ -26,10 +26,8 @@ into the staging workspace ``ws`` on the device.
 
 from __future__ import annotations
 
-import json
 from collections import OrderedDict
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -42,15 +40,6 @@ from moefit.runtime.loader import HostExperts, split_blob
 class LayerStats:
     hits: int = 0
     misses: int = 0
-
-
-def load_profile(path: str | Path) -> dict[int, dict[int, int]]:
-    """Read a routing profile ``{"layer": {"expert": count}}``. Raises InputError."""
-    try:
-        raw = json.loads(Path(path).read_text(encoding="utf-8"))
-        return {int(l): {int(e): int(c) for e, c in per.items()} for l, per in raw.items()}
-    except (OSError, ValueError, AttributeError, TypeError) as e:
-        raise InputError(f"{path}: not a routing profile {{\"layer\": {{\"expert\": count}}}} ({e})") from e
 
 
 def initial_residents(num_experts: int, slots: int, counts: dict[int, int] | None) -> list[int]:

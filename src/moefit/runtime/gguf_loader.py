@@ -37,10 +37,6 @@ from moefit.runtime.loader import HostExperts, Weights, assemble_weights, progre
 from moefit.runtime.quant import StoredExpert, dequantize, kernel_for
 
 
-def is_gguf(path: str | Path) -> bool:
-    return str(path).lower().endswith(".gguf")
-
-
 def gguf_config(path: str | Path) -> dict:
     """The Hugging Face config dict of the GGUF model at ``path`` (from its header)."""
     return config_from_gguf(read_header(path))

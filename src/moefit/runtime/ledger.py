@@ -20,7 +20,11 @@ Capacity:
 
 Fault injection: ``MOEFIT_FAIL_ALLOC=<line>`` (comma-separated for several) makes every
 allocation on that line fail, so the failure report can be tested without a full device.
-A key that is not a budget line is an input error (:func:`failing_lines`), not ignored.
+The lines without tensors of their own fail where they are committed: ``runtime`` where
+it is charged (:meth:`Ledger.charge`, also on a simulated device), ``margin`` where it is
+kept free at READY (:meth:`Ledger.keep_free`). A key that is not a budget line is an
+input error (:func:`failing_lines`), and so is ``weight_arena`` when the plan has no
+arena (the engine refuses it before loading), never a key that does nothing.
 """
 
 from __future__ import annotations
@@ -156,9 +160,7 @@ class Ledger:
         use = self.lines[line]
         shape = tuple(int(d) for d in shape)
         nbytes = _nbytes(shape, dtype)
-        if line in self.failing:
-            raise BudgetError(line, nbytes, self.free_bytes(), self.report(failing=line),
-                              f"refused by {FAIL_ENV}={os.environ.get(FAIL_ENV)}")
+        self._injected(line, nbytes)
         free = self.free_bytes()
         if nbytes > free:
             raise BudgetError(line, nbytes, free, self.report(failing=line))
@@ -172,12 +174,32 @@ class Ledger:
         use.peak = max(use.peak, use.allocated)
         return t
 
+    def _injected(self, line: str, nbytes: int) -> None:
+        """BudgetError when ``line`` is in ``MOEFIT_FAIL_ALLOC`` (fault injection)."""
+        if line in self.failing:
+            raise BudgetError(line, nbytes, self.free_bytes(), self.report(failing=line),
+                              f"refused by {FAIL_ENV}={os.environ.get(FAIL_ENV)}")
+
     def charge(self, line: str, nbytes: int) -> None:
         """Record ``nbytes`` held on ``line`` outside any tensor of ours (the CUDA context
-        and library workspaces of the ``runtime`` line)."""
+        and library workspaces of the ``runtime`` line; 0 on a simulated device).
+
+        Raises:
+            BudgetError: the line is in ``MOEFIT_FAIL_ALLOC``.
+        """
+        self._injected(line, nbytes)
         use = self.lines[line]
         use.allocated += int(nbytes)
         use.peak = max(use.peak, use.allocated)
+
+    def keep_free(self, line: str, nbytes: int) -> None:
+        """The ``margin`` line at READY: it holds no tensor, it is kept free. Only fault
+        injection fails here (the expert cache already left the margin free).
+
+        Raises:
+            BudgetError: the line is in ``MOEFIT_FAIL_ALLOC``.
+        """
+        self._injected(line, nbytes)
 
     def release(self, line: str, t: torch.Tensor) -> None:
         """Give back a tensor of ``line`` (the caller drops its references)."""
@@ -206,7 +228,7 @@ class Ledger:
         for r in self.rows():
             mark = "   <-- allocation failed here" if r["key"] == failing else ""
             if r["key"] == "margin":
-                out.append(f"  {r['label']:<18} {format_gib(r['planned']):>10} {'(kept free)':>10}")
+                out.append(f"  {r['label']:<18} {format_gib(r['planned']):>10} {'(kept free)':>10}{mark}")
                 continue
             extra = ""
             if r["used_peak"]:

@@ -15,9 +15,10 @@ Start-up, in this order:
    (planned / allocated / peak per line) and one line beginning with ``READY`` stating
    the context, the chunk, the expert slots and the free device memory.
 
-Exit codes (:mod:`moefit.errors`): 0 ok (also after a graceful stop on SIGINT / SIGTERM),
-2 bad input, 3 the plan does not fit, 4 an allocation failed during commit (1: anything
-else, with its traceback).
+Exit codes (:mod:`moefit.errors`): 0 ok (also after a graceful stop on SIGINT / SIGTERM
+once READY), 2 bad input, 3 the plan does not fit, 4 an allocation failed during commit,
+130 (143 for SIGTERM) stopped before READY: one line, no traceback (1: anything else,
+with its traceback).
 
 Shutdown (``serve``): SIGINT or SIGTERM sets :attr:`ServerState.stopping`, so a request in
 flight stops at its next token (a stream ends with ``data: [DONE]``), uvicorn closes the
@@ -29,6 +30,7 @@ from __future__ import annotations
 import argparse
 import errno
 import os
+import signal
 import socket
 import sys
 import threading
@@ -38,6 +40,7 @@ from pathlib import Path
 
 from moefit.errors import EXIT_ALLOC, EXIT_INPUT, EXIT_NOFIT, EXIT_OK, EXIT_OTHER, InputError
 from moefit.flags import plan_from_args, runnable_device
+from moefit.ingest.inputs import is_gguf_file, read_routing_profile
 from moefit.ingest.resolve import load_model
 from moefit.plan.report import format_table
 from moefit.serve.gguf_text import text_from_gguf
@@ -53,15 +56,17 @@ def prepare(args: argparse.Namespace):
     """Steps 1-2 of the module docstring. Returns (plan, tokenizer, defaults, exit code):
     the exit code is 3 when the plan does not fit (the table is printed), else None."""
     model = Path(args.model)
-    gguf = model.suffix.lower() == ".gguf" and model.is_file()
+    gguf = is_gguf_file(model)        # by its magic bytes: Ollama's blobs have no extension
     if not (model.is_dir() or gguf):
         raise InputError(f"{args.model}: not a checkpoint; serve and generate need a directory "
-                         "with config.json and *.safetensors, or a .gguf file (a preset name or "
+                         "with config.json and *.safetensors, or a GGUF file (a preset name or "
                          "a config.json only plans: `moefit plan`)")
     geom = load_model(str(model))
     if not gguf and not geom.exact:
         raise InputError(f"{model}: no *.safetensors files; the runtime needs the weights")
     device = runnable_device(args)
+    if getattr(args, "routing_profile", None):      # checked with the other inputs
+        args.routing_counts = read_routing_profile(args.routing_profile, geom)
     plan = plan_from_args(geom, device, args)
     _say(format_table(plan), args.table_to)
     if not plan.fits:
@@ -86,7 +91,7 @@ def commit(args: argparse.Namespace, plan):
 
     try:
         engine = Engine.start(args.model, plan, EngineOptions(
-            progress=True, routing_profile=getattr(args, "routing_profile", None)))
+            progress=True, routing_profile=getattr(args, "routing_counts", None)))
     except BudgetError as e:
         _say(e.report, args.table_to)
         hint = (f"(fault injection: unset {FAIL_ENV})" if FAIL_ENV in str(e) else
@@ -157,7 +162,10 @@ def make_server(state, **config):
     from moefit.serve.app import create_app
 
     class Server(uvicorn.Server):
+        stop_signal = signal.SIGINT      # the signal that stopped it (KeyboardInterrupt: SIGINT)
+
         def handle_exit(self, sig, frame) -> None:
+            self.stop_signal = sig
             state.stopping.set()
             super().handle_exit(sig, frame)
             self._captured_signals.clear()
@@ -205,9 +213,12 @@ def serve(args: argparse.Namespace) -> int:
     finally:
         state.stopping.set()         # a worker still running stops at its next token
     if loader.is_alive():            # stopped while committing: do not wait for the load
+        sig = signal.Signals(server.stop_signal)
+        _say(f"moefit: interrupted ({sig.name}) while committing the plan; nothing was served",
+             sys.stderr)
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(exit_code[0])
+        os._exit(128 + sig.value)    # 130 for SIGINT, as the shell reports Ctrl-C
     return exit_code[0]
 
 

@@ -34,13 +34,11 @@ from pathlib import Path
 from typing import Sequence
 
 from moefit.errors import InputError
+from moefit.ingest.inputs import decode_utf8, read_bytes, read_json
 
 
 def _read_json(path: Path) -> dict:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
-        raise InputError(f"{path}: cannot read ({e})") from e
+    data = read_json(path, "tokenizer config")      # a regular file, bounded, UTF-8
     if not isinstance(data, dict):
         raise InputError(f"{path}: expected a JSON object")
     return data
@@ -98,7 +96,8 @@ class Tokenizer:
         if (model_dir / "chat_template.json").is_file():
             template = _pick_template(_read_json(model_dir / "chat_template.json").get("chat_template")) or template
         if (model_dir / "chat_template.jinja").is_file():
-            template = (model_dir / "chat_template.jinja").read_text(encoding="utf-8")
+            jinja = model_dir / "chat_template.jinja"
+            template = decode_utf8(read_bytes(jinja, "chat template"), jinja, "chat template")
         special = {k: t for k in ("bos_token", "eos_token", "pad_token", "unk_token")
                    if (t := _token_text(cfg.get(k))) is not None}
         return cls(tok, template, special)

@@ -62,9 +62,11 @@ def geometry_from_config(cfg: dict, name: str, source: str = "") -> ModelGeometr
         check_geometry(geom)
     except InputError:
         raise
-    except (TypeError, ValueError, ZeroDivisionError, KeyError, AttributeError, IndexError) as e:
+    except (TypeError, ValueError, ArithmeticError, KeyError, AttributeError, IndexError,
+            RecursionError) as e:
         # a key of the wrong type or value (a string where a number belongs, a zero
-        # interval, a null list): name the file rather than show a traceback
+        # interval, a null list, infinity where a size belongs): name the file rather
+        # than show a traceback
         raise InputError(f"{source or '<config>'}: malformed config ({type(e).__name__}: {e}); "
                          "check it against the model's published config.json") from None
     return geom

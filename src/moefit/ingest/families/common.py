@@ -35,6 +35,7 @@ from moefit.errors import InputError
 from moefit.ingest.geometry import (
     DTYPE_BYTES, AttentionSpec, LayerSpec, Quantization, RopeSpec, Tensor,
 )
+from moefit.ingest.inputs import bounded_float, bounded_int
 
 #: Roles that a block-scaled fp8 checkpoint quantizes (every linear role but router, embed, head).
 FP8_ROLES = frozenset({"attention", "linear_attention", "shared_expert", "dense_mlp", "expert"})
@@ -77,10 +78,10 @@ class Cfg:
         return self.parent.top if self.parent is not None else self
 
     def int(self, key: str, default: int | None = None) -> int:
+        """A whole number within what a real model has for ``key``
+        (:func:`moefit.ingest.inputs.bounded_int`: no bool, NaN, infinity or absurd size)."""
         value = self.req(key) if default is None else self.get(key, default)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or int(value) != value:
-            raise InputError(f"{self.source}: key '{self.path}{key}' must be a whole number, got {value!r}")
-        return int(value)
+        return bounded_int(value, f"{self.path}{key}", self.source)
 
     def num_experts(self) -> int:
         """Routed experts: ``num_experts``, or ``num_local_experts``, the name transformers
@@ -142,7 +143,13 @@ def read_quantization(c: Cfg) -> tuple[Quantization, tuple[str, ...]]:
     skip = tuple(q.get("modules_to_not_convert") or q.get("ignored_layers") or ())
     if method == "fp8":
         block = q.get("weight_block_size")
-        size = (int(block[0]), int(block[1])) if block else (1 << 30, 1 << 30)
+        size = (1 << 30, 1 << 30)
+        if block:
+            if not isinstance(block, list) or len(block) != 2:
+                raise InputError(f"{c.source}: quantization_config.weight_block_size must be "
+                                 f"[rows, columns], got {block!r}")
+            size = tuple(bounded_int(b, "quantization_config.weight_block_size", c.source, minimum=1)
+                         for b in block)
         return Quantization("fp8", size, FP8_ROLES), skip
     if method == "mxfp4":
         return Quantization("mxfp4", applies_to=frozenset({"expert"})), skip
@@ -233,7 +240,11 @@ def read_rope(c: Cfg, max_pos: int) -> RopeSpec:
     r = rope_config(c.data)
     factor, original = rope_factor_and_window(r, max_pos)
     kind = None if r.rope_type == "default" else r.rope_type
-    return RopeSpec(theta=r.theta, scaling_type=kind, factor=factor,
+    if kind:
+        factor = bounded_float(factor, "rope_scaling.factor", c.source, low=1e-3, high=1e6)
+        original = bounded_int(original, "original_max_position_embeddings", c.source, minimum=1)
+    theta = bounded_float(r.theta, "rope_theta", c.source, low=1e-3, high=1e30)
+    return RopeSpec(theta=theta, scaling_type=kind, factor=factor,
                     trained_window=max_pos, original_window=original)
 
 
@@ -242,9 +253,10 @@ def partial_rotary(c: Cfg) -> float:
     level, else 1. The rule of :func:`rope_config` for ``rope_theta``: transformers'
     ``convert_rope_params_to_dict`` sets the top-level value as the dict's default, and the
     models read the dict (``modeling_qwen3_next.py``: ``config.rope_parameters.get(
-    "partial_rotary_factor", 1.0)``)."""
+    "partial_rotary_factor", 1.0)``). A fraction of the head dimension: 0 to 1."""
     value = rope_block(c.data).get("partial_rotary_factor")
-    return float(value if value is not None else c.get("partial_rotary_factor", 1.0))
+    return bounded_float(value if value is not None else c.get("partial_rotary_factor", 1.0),
+                         "partial_rotary_factor", c.source, low=0.0, high=1.0)
 
 
 def linear(name: str, out_f: int, in_f: int, role: str, bias: bool = False) -> list[Tensor]:
@@ -560,14 +572,12 @@ class GGUFMeta:
         return v
 
     def int(self, key: str, default: int | None = None) -> int:
+        """A whole number within what a real model has for ``key``
+        (:func:`moefit.ingest.inputs.bounded_int`, by the key's last component)."""
         v = self.req(key) if default is None else self.get(key, default)
         if isinstance(v, list):   # per-layer arrays (head counts of hybrids): the largest
-            v = max(v) if v else 0
-        try:
-            return int(v)
-        except (TypeError, ValueError):
-            raise InputError(f"{self.source}: GGUF metadata key '{self.arch}.{key}' must be a "
-                             f"whole number, got {v!r}") from None
+            v = max(v) if all(isinstance(x, (int, float)) for x in v) and v else 0
+        return bounded_int(v, f"{self.arch}.{key}", self.source, minimum=0)
 
     def has(self, name: str) -> bool:
         return name in self.h.tensors

@@ -1,0 +1,80 @@
+"""Writing output files: the folder checked before the work, each file replaced whole.
+
+``bench --out DIR`` and the calibration cache write files that a later run reads. Both
+check, before anything is measured, that their folder can be created and written
+(:func:`writable_dir`), and replace their files atomically (:func:`replace_files`): each
+file is written to a temporary name in the same folder, flushed, and renamed over the old
+one only when every file of the set is complete, so an interrupted run (Ctrl-C, a kill, a
+full disk) leaves the previous files, never a truncated file or a mix of old and new.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import Callable
+
+from moefit.errors import InputError
+
+
+def writable_dir(path: str | Path, what: str) -> Path:
+    """Create the folder ``path`` (and its parents) when missing and check that a file
+    can be written in it; ``what`` names it in errors (``--out bench``).
+
+    Errors: InputError naming ``what`` and the reason (a file in the way, no permission,
+    a read-only file system).
+    """
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise InputError(f"{what}: {path} is a file; give a folder (it is created when missing)")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".moefit-probe-", dir=path)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        where = f" ({e.filename})" if e.filename and str(e.filename) != str(path) else ""
+        raise InputError(f"{what}: cannot create or write the folder {path}{where}: "
+                         f"{e.strerror or e}; choose a folder you can write") from None
+    return path
+
+
+def replace_files(folder: Path, writers: dict[str, Callable[[Path], None]]) -> list[Path]:
+    """Write the files of ``writers`` (``{name: write(tmp_path)}``) into ``folder`` as one
+    set: every writer writes its temporary file, then all are renamed into place.
+
+    On any exception (KeyboardInterrupt included) the temporary files are removed and the
+    previous files stay as they were; the exception propagates. Returns the final paths.
+    """
+    done: list[tuple[Path, Path]] = []
+    try:
+        for name, write in writers.items():
+            final = folder / name
+            # a hidden name that keeps the extension (matplotlib picks the format by it)
+            fd, tmp = tempfile.mkstemp(prefix=f".{final.stem}.", suffix=f".tmp{final.suffix}",
+                                       dir=folder)
+            os.close(fd)
+            os.chmod(tmp, 0o666 & ~_umask())     # as open() would create it, not mkstemp's 0600
+            done.append((Path(tmp), final))
+            write(Path(tmp))
+            with open(tmp, "rb") as f:
+                os.fsync(f.fileno())
+    except BaseException:
+        for tmp, _ in done:
+            tmp.unlink(missing_ok=True)
+        raise
+    for tmp, final in done:
+        os.replace(tmp, final)
+    return [final for _, final in done]
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def write_text_atomic(path: Path, text: str) -> Path:
+    """Replace ``path`` with ``text`` (UTF-8) atomically (:func:`replace_files`)."""
+    return replace_files(path.parent, {path.name: lambda tmp: tmp.write_text(text, encoding="utf-8")})[0]
