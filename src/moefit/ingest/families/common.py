@@ -238,8 +238,13 @@ def read_rope(c: Cfg, max_pos: int) -> RopeSpec:
     ``max_position_embeddings``.
     """
     r = rope_config(c.data)
-    factor, original = rope_factor_and_window(r, max_pos)
     kind = None if r.rope_type == "default" else r.rope_type
+    if kind and r.block.get("factor") is not None:   # name the key before any arithmetic
+        bounded_float(r.block["factor"], "rope_scaling.factor", c.source, low=1e-3, high=1e6)
+    if kind and r.block.get("original_max_position_embeddings") is not None:
+        bounded_int(r.block["original_max_position_embeddings"], "original_max_position_embeddings",
+                    c.source, minimum=1)
+    factor, original = rope_factor_and_window(r, max_pos)
     if kind:
         factor = bounded_float(factor, "rope_scaling.factor", c.source, low=1e-3, high=1e6)
         original = bounded_int(original, "original_max_position_embeddings", c.source, minimum=1)
