@@ -4,7 +4,9 @@
 directory made here without any download:
 
 - ``config.json``: the family's real keys (as its transformers config class writes them)
-  at toy sizes: 4 layers, hidden size 256, 16 routed experts (8 for Mixtral), bf16;
+  at toy sizes: 4 layers, hidden size 256, 16 routed experts (8 for Mixtral), bf16; the
+  vocabulary is the tokenizer's, ``bos_token_id`` / ``eos_token_id`` as Qwen's configs set
+  them (``<|endoftext|>`` / ``<|im_end|>``);
 - ``model.safetensors``: random weights (seeded), one tensor per expert as the published
   checkpoints store them. The tensor names and shapes are the planner's own listing of the
   family (:func:`moefit.ingest.families.geometry_from_config`, the same listing the
@@ -193,7 +195,10 @@ def write_demo(out: str | Path, family: str = "qwen3_moe", *, seed: int = 0,
 
     tok = build_tokenizer()
     vocab = tok.get_vocab_size()
+    im_end, eot = tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>")
     cfg = demo_config(family, vocab)
+    # as Qwen's configs: bos <|endoftext|>, eos <|im_end|> (llama.cpp's converter reads them)
+    _text_config(cfg).update(bos_token_id=eot, eos_token_id=im_end)
     geom = geometry_from_config(cfg, out.name, str(out / "config.json"))
     gen = torch.Generator().manual_seed(seed)
     hybrid = family in ("qwen3_next", "qwen3_5_moe")
@@ -213,7 +218,6 @@ def write_demo(out: str | Path, family: str = "qwen3_moe", *, seed: int = 0,
                     # the listing names expert 0 (``...experts.0.gate_proj.weight``)
                     add(t.name.replace(".experts.0.", f".experts.{j}.", 1), t.shape)
 
-    im_end, eot = tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>")
     files = {
         "config.json": json.dumps(cfg, indent=2) + "\n",
         "generation_config.json": json.dumps({"eos_token_id": [im_end, eot], "do_sample": False},
