@@ -77,7 +77,11 @@ def test_scout_at_128k_fits_a_5090_with_about_7_gib_of_kv():
     doc = json.loads(buf.getvalue())
     kv_line = next(l for l in doc["devices"][0]["lines"] if l["key"] == "kv")
     assert kv_line["bytes"] == kv.bytes
-    assert "36 chunked" in kv_line["detail"] or "chunked" in kv_line["detail"]
+    assert not any("chunked" in n and "full attention" in n for n in doc["notes"])
+    buf = io.StringIO()
+    with redirect_stdout(buf):
+        main(["plan", SCOUT, "--gpu", "RTX 5090", "--max-context", "128K", "--prefill", "2048"])
+    assert "48 layers, 12 full + 36 chunked" in buf.getvalue()
 
 
 def _geom(cfg: dict):
