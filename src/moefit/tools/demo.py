@@ -30,6 +30,7 @@ import math
 from pathlib import Path
 
 from moefit.errors import InputError
+from moefit.ingest.families import geometry_from_config
 
 #: Families ``make-demo`` writes (the runtime runs all of them): name -> config.json.
 #: Sizes are toy sizes; keys and structure are those of the real checkpoints
@@ -177,8 +178,6 @@ def write_demo(out: str | Path, family: str = "qwen3_moe", *, seed: int = 0,
     """
     import torch
     from safetensors.torch import save_file
-
-    from moefit.ingest.families import geometry_from_config
 
     out = Path(out).expanduser()
     if family not in FAMILIES:
