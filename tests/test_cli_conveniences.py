@@ -19,9 +19,6 @@ from moefit.cli import main
 from moefit.devices import find_gpu
 from moefit.ingest.resolve import load_model
 
-# PENDING: remove when the fix lands (issue 12); the tests were written first and fail before it
-pytestmark = pytest.mark.xfail(reason="issue 12 fix lands after the restructuring", strict=False)
-
 
 
 def run(capsys, *argv: str) -> tuple[int, str, str]:

@@ -122,13 +122,28 @@ KV_FORMATS: dict[str, KVFormat] = {
 }
 
 
-def kv_format(name: str) -> KVFormat:
-    """Look up a ``--kv`` format. Raises InputError listing the formats for an unknown name."""
-    try:
-        return KV_FORMATS[name.lower()]
-    except KeyError:
+#: llama.cpp's cache type names (``--cache-type-k/-v``) for the same layouts: ``q8_0`` is
+#: ``int8`` (34 B per 32 values), ``q4_0`` is ``int4`` (18 B per 32), ``f16`` / ``f32`` the
+#: plain floats.
+KV_ALIASES: dict[str, str] = {"q8_0": "int8", "q4_0": "int4", "f16": "fp16", "f32": "fp32"}
+
+
+def kv_name(name: str) -> str:
+    """The canonical ``--kv`` name of ``name`` (case-insensitive; llama.cpp's names are
+    aliases, :data:`KV_ALIASES`). Raises InputError listing the formats for an unknown one."""
+    key = name.strip().lower()
+    key = KV_ALIASES.get(key, key)
+    if key not in KV_FORMATS:
+        aliases = ", ".join(f"{a} (= {c})" for a, c in KV_ALIASES.items())
         raise InputError(f"--kv {name!r} is not a KV format; use one of "
-                         f"{', '.join(KV_FORMATS)}") from None
+                         f"{', '.join(KV_FORMATS)}, or llama.cpp's {aliases}")
+    return key
+
+
+def kv_format(name: str) -> KVFormat:
+    """Look up a ``--kv`` format (:func:`kv_name`). Raises InputError listing the formats
+    for an unknown name."""
+    return KV_FORMATS[kv_name(name)]
 
 
 def cell_bytes(att: AttentionSpec, fmt: KVFormat) -> int:

@@ -286,8 +286,8 @@ def _lines(geom: ModelGeometry, device: Device, req: Request, context: int, chun
            priced: _Priced, slots: int) -> tuple[Line, ...]:
     fmt = kv_format(req.kv)
     kv = kv_bytes(geom, fmt, context, req.slots, chunk)
-    slot_word = "slot" if req.slots == 1 else "slots"
-    kv_detail = (f"{context} tokens x {req.slots} {slot_word}, {fmt.name}, "
+    seq_word = "sequence" if req.slots == 1 else "sequences"
+    kv_detail = (f"{context} tokens x {req.slots} {seq_word}, {fmt.name}, "
                  f"{kv.cache_layers} of {kv.total_layers} layers")
     if kv.state_bytes:
         kv_detail += f" (+ recurrent state of {kv.total_layers - kv.cache_layers})"
@@ -335,7 +335,7 @@ def find_alternatives(geom: ModelGeometry, device: Device, req: Request,
       forbade it.
     - ``--miss-policy cpu`` / a smaller ``--arena-slots`` when the weight arena is in use;
       a smaller ``--vram-reserve-mib`` when the margin was set by hand.
-    - ``--slots``, ``--min-expert-cache`` / ``--expert-cache``: the largest value that fits.
+    - ``--parallel``, ``--min-expert-cache`` / ``--expert-cache``: the largest value that fits.
     """
     def _fits(geom: ModelGeometry, device: Device, r: Request) -> bool:
         # a calibration holds for the KV format it was measured with
@@ -375,7 +375,7 @@ def find_alternatives(geom: ModelGeometry, device: Device, req: Request,
     if req.slots > 1:
         fit = _largest_int(lambda n: _fits(geom, device, req.with_(slots=n)), 1, req.slots - 1)
         if fit:
-            alts.append(Alternative("--slots", fit))
+            alts.append(Alternative("--parallel", fit))
     if req.expert_cache:
         fit = _largest_int(lambda n: _fits(geom, device, req.with_(expert_cache=n)),
                            0, req.expert_cache - 1)

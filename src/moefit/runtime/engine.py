@@ -242,7 +242,7 @@ def _commit_experts(ledger: Ledger, host, plan: Plan, say) -> dict[int, list[tor
     total = sum(want.values())
     can = most_slots(plan.geometry, room, 0, total) if room > 0 else 0
     if total > can:
-        say(f"expert cache: the plan's {total} slots do not fit above the margin "
+        say(f"expert cache: the plan's {total} expert slots do not fit above the margin "
             f"({format_bytes(room)} free); committing {can}")
         want = dict(spread_slots(plan.geometry, can))
     slots: dict[int, list[torch.Tensor]] = {}
@@ -264,5 +264,5 @@ def _shrink_to_margin(ledger: Ledger, experts: ExpertCache, say) -> None:
         ledger.release("experts", experts.release_slot(layer))
         freed += 1
     if freed:
-        say(f"expert cache: {freed} slot(s) given back after commit, less than the margin "
+        say(f"expert cache: {freed} expert slot(s) given back after commit, less than the margin "
             f"of {format_bytes(ledger.margin)} was free")

@@ -112,9 +112,9 @@ def check_prompt(prompt_ids: Sequence[int], context: int, vocab_size: int) -> No
     if not prompt_ids:
         raise InputError("the prompt is empty (0 tokens)")
     if len(prompt_ids) > context:
-        raise PromptTooLong(f"the prompt is {len(prompt_ids)} tokens, more than this server's "
+        raise PromptTooLong(f"the prompt is {len(prompt_ids)} tokens, more than the planned "
                             f"context of {context} tokens (--max-context {context}); shorten "
-                            "the prompt or restart with a larger --max-context")
+                            "the prompt or plan a larger --max-context")
     bad = next((t for t in prompt_ids if not 0 <= int(t) < vocab_size), None)
     if bad is not None:
         raise InputError(f"token id {bad} is outside the vocabulary (0 .. {vocab_size - 1})")

@@ -110,7 +110,7 @@ def ready_line(engine, url: str | None = None) -> str:
     size = size_format(ledger.capacity)
     slots = sum(s["slots"] for s in engine.expert_stats()["layers"].values())
     n = plan.request.slots
-    line = (f"READY  context {plan.context} tokens x {n} slot{'s' if n != 1 else ''}, "
+    line = (f"READY  context {plan.context} tokens x {n} sequence{'s' if n != 1 else ''}, "
             f"chunk {engine.chunk} tokens, expert slots {slots} of {plan.total_experts}, "
             f"free {size(ledger.free_bytes())} of {size(ledger.capacity)} on {ledger.device}")
     return f"{line}, serving {url}" if url else line
