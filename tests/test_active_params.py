@@ -13,9 +13,6 @@ import pytest
 
 from moefit.ingest.resolve import load_model
 
-# PENDING: remove when the fix lands (issue 12); the tests were written first and fail before it
-pytestmark = pytest.mark.xfail(reason="issue 12 fix lands after the restructuring", strict=False)
-
 
 
 @pytest.mark.parametrize("name,total,active", [

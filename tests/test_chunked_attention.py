@@ -25,9 +25,6 @@ import pytest
 from moefit.ingest.resolve import load_model
 from moefit.memory.kv import KV_FORMATS, kv_bytes
 
-# PENDING: remove when the fix lands (issue 12); the tests were written first and fail before it
-pytestmark = pytest.mark.xfail(reason="issue 12 fix lands after the restructuring", strict=False)
-
 
 SCOUT = "Llama-4-Scout-17B-16E-Instruct"
 GIB = 1 << 30

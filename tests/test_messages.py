@@ -12,9 +12,6 @@ import pytest
 
 from moefit.cli import main
 
-# PENDING: remove when the fix lands (issue 12); the tests were written first and fail before it
-pytestmark = pytest.mark.xfail(reason="issue 12 fix lands after the restructuring", strict=False)
-
 
 
 def run(capsys, *argv: str) -> tuple[int, str, str]:

@@ -199,7 +199,7 @@ def attention_region_bytes(att: AttentionSpec, fmt: KVFormat, act: int,
     cell indices, then the K codec's decode scratch, freed, then the V one's)."""
     kvh, d, dv = att.num_kv_heads, att.head_dim, att.v_head_dim
     tile = attention_tile_takes(kvh, att.num_heads // kvh, d, dv, fmt.k_bytes(d),
-                                fmt.v_bytes(dv), act == FP32, att.kind == "sliding",
+                                fmt.v_bytes(dv), act == FP32, att.kind in ("sliding", "chunked"),
                                 q_block, kv_block)
     base = span([kv_block * INT64], span(take_bytes(tile, act)))
     return max(span([n * kv_block * kvh for n in codec_scratch(fmt.codec(side), dim, act, True)],
@@ -295,7 +295,7 @@ def _deltanet_step(layer: LayerSpec, act: int) -> _Step:
 
 def _mixer_step(layer: LayerSpec, fmt: KVFormat, act: int) -> _Step:
     kind = layer.attention.kind
-    if kind in ("full", "sliding"):
+    if kind in ("full", "sliding", "chunked"):
         return _attention_step(layer, fmt, act)
     if kind == "mla":
         return _mla_step(layer, fmt, act)
@@ -308,7 +308,7 @@ def _mixer_region(att: AttentionSpec, fmt: KVFormat, act: int, q_block: int,
                   kv_block: int) -> int:
     """Fixed-region bytes of one layer's token mixer (0 for an unknown kind: its step
     raises)."""
-    if att.kind in ("full", "sliding"):
+    if att.kind in ("full", "sliding", "chunked"):
         return attention_region_bytes(att, fmt, act, q_block, kv_block)
     if att.kind == "mla":
         return mla_region_bytes(att, act)
