@@ -12,8 +12,7 @@ import pytest
 from moefit.devices import GPU_CATALOGUE, find_gpu, resolve_device
 from moefit.errors import InputError
 
-# PENDING: remove when the fix lands (issue 12); the tests were written first and fail before it
-pytestmark = pytest.mark.xfail(reason="issue 12 fix lands after the restructuring", strict=False)
+
 
 
 MIB = 1 << 20
