@@ -146,7 +146,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_serve)
     p = sub.add_parser("generate", help="commit the plan and complete one prompt")
     add_plan_flags(p)
-    p.add_argument("--prompt", required=True, help="the prompt text")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="the prompt text; - reads it from stdin")
+    src.add_argument("--prompt-file", metavar="PATH", help="read the prompt from a UTF-8 text file")
     p.add_argument("--chat", action="store_true",
                    help="send the prompt as a user message through the chat template")
     add_model_files_flags(p)

@@ -124,6 +124,10 @@ def add_sampling_flags(p: argparse.ArgumentParser) -> None:
     s.add_argument("--temperature", type=float, default=None, help="0 is greedy")
     s.add_argument("--top-k", type=int, default=None, help="keep the k most likely tokens (0: all)")
     s.add_argument("--top-p", type=float, default=None, help="nucleus sampling threshold")
+    s.add_argument("--min-p", type=float, default=None,
+                   help="drop tokens less likely than MIN_P x the most likely one (0: off)")
+    s.add_argument("--repetition-penalty", type=float, default=None,
+                   help="divide the logits of tokens already seen by this (1: off)")
     s.add_argument("--seed", type=int, default=None, help="seed of the sampler")
     s.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
     s.add_argument("--ignore-eos", action="store_true", help="do not stop at the EOS ids")

@@ -17,8 +17,7 @@ pytest.importorskip("tokenizers")
 
 from moefit.tools.demo import write_demo  # noqa: E402
 
-# PENDING: remove when the fix lands (issue 12); the tests were written first and fail before it
-pytestmark = pytest.mark.xfail(reason="issue 12 fix lands after the restructuring", strict=False)
+
 
 
 PROMPT = "What is the capital of France?\nAnswer in one word, please.\n"

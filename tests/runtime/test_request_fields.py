@@ -24,8 +24,7 @@ from moefit.serve.app import ServerState, create_app  # noqa: E402
 from moefit.serve.text import GenerationDefaults, Tokenizer  # noqa: E402
 from serving import make_servable  # noqa: E402
 
-# PENDING: remove when the fix lands (issue 12); the tests were written first and fail before it
-pytestmark = pytest.mark.xfail(reason="issue 12 fix lands after the restructuring", strict=False)
+
 
 
 PROMPT = "tell me story about cat and dog"
@@ -109,7 +108,8 @@ def test_min_p_one_keeps_only_the_most_likely_token(client):
 
 
 def test_min_p_matches_transformers_warper():
-    from moefit.runtime.engine import Sampling, min_p_filter
+    from moefit.runtime.engine import min_p_filter
+    from moefit.serve.generation import Params
 
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(96, generator=g) * 3
@@ -117,7 +117,7 @@ def test_min_p_matches_transformers_warper():
                                                      logits[None].clone())[0]
     ours = min_p_filter(logits.clone(), 0.2)
     assert torch.equal(torch.isinf(ours), torch.isinf(ref))
-    assert Sampling(min_p=0.2).min_p == 0.2
+    assert Params(min_p=0.2).min_p == 0.2
 
 
 @pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])

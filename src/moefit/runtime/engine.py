@@ -49,17 +49,18 @@ from moefit.runtime.rope import Rotary, rope_from_config
 from moefit.runtime.staging import Workspace
 from moefit.units import format_bytes
 
-__all__ = ["BudgetError", "Engine", "EngineOptions", "SamplingParams", "sample"]
+__all__ = ["BudgetError", "Engine", "EngineOptions", "SamplingParams", "min_p_filter", "sample"]
 
 
 class SamplingParams(Protocol):
     """What :func:`sample` reads of a request's settings (``moefit.serve.generation.Params``
-    is the one implementation). ``temperature`` 0 is greedy; ``top_k`` 0 and ``top_p`` 1
-    keep every token."""
+    is the one implementation). ``temperature`` 0 is greedy; ``top_k`` 0, ``top_p`` 1 and
+    ``min_p`` 0 keep every token."""
 
     temperature: float
     top_k: int
     top_p: float
+    min_p: float
 
 
 @dataclass
@@ -200,9 +201,18 @@ class Engine:
         return self.ledger.report()
 
 
+def min_p_filter(x: torch.Tensor, min_p: float) -> torch.Tensor:
+    """Set to -inf the logits ``x`` ``[V]`` of tokens whose probability is below ``min_p``
+    x the largest one (transformers' ``MinPLogitsWarper``; Nguyen et al. 2024, "min-p
+    sampling"); the most likely token always stays. Returns ``x`` (changed in place)."""
+    p = torch.softmax(x.float(), -1)
+    x[p < min_p * p.max()] = float("-inf")
+    return x
+
+
 def sample(logits: torch.Tensor, s: SamplingParams, gen: torch.Generator | None = None) -> int:
     """One token from ``logits`` ``[V]``: argmax at temperature 0, else softmax sampling
-    after top-k / top-p filtering."""
+    after top-k / top-p / min-p filtering (transformers' order of the warpers)."""
     if s.temperature <= 0:
         return int(torch.argmax(logits))
     x = logits.float() / s.temperature
@@ -213,6 +223,8 @@ def sample(logits: torch.Tensor, s: SamplingParams, gen: torch.Generator | None 
         p, idx = torch.sort(torch.softmax(x, -1), descending=True)
         drop = p.cumsum(-1) - p > s.top_p
         x[idx[drop]] = float("-inf")
+    if s.min_p > 0:
+        x = min_p_filter(x, s.min_p)
     return int(torch.multinomial(torch.softmax(x, -1), 1, generator=gen))
 
 
