@@ -38,6 +38,11 @@ def test_the_demo_families_are_the_runtime_families():
     from moefit.runtime.arch import runtime_model_types
 
     assert set(FAMILIES) == set(runtime_model_types()) - {"qwen3_5_moe_text"}
+    from moefit.cli import build_parser
+
+    help_text = " ".join(build_parser()._subparsers._group_actions[0].choices["make-demo"]
+                         .format_help().split())
+    assert all(f in help_text for f in FAMILIES)
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
@@ -106,7 +111,6 @@ def _moefit(*args: str) -> subprocess.CompletedProcess:
                           env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
 
 
-@pytest.mark.xfail(strict=True, reason="make-demo is wired into the CLI after the restructuring")
 def test_make_demo_command_then_generate_as_the_readme_shows(tmp_path):
     out = tmp_path / "demo"
     r = _moefit("make-demo", str(out), "--family", "qwen3_5_moe")
