@@ -5,7 +5,7 @@ the kernels' own scratch depends on the ggml type (Q8_0 about 4 bytes per elemen
 tile, the K-quants and MXFP4 about 14). One figure for every type (12 bytes) over-counted
 Q8_0 files by 17% at 512-token chunks, where that scratch is a large part of the line, and
 under-counted the K-quants. The scratch is now priced per type
-(:data:`moefit.ingest.gguf_header.DEQUANT_SCRATCH_BYTES_PER_ELEM`), and:
+(:data:`moefit.memory.staging.DEQUANT_SCRATCH_BYTES_PER_ELEM`), and:
 
 1. each kernel's measured scratch (PyTorch profiler, one full tile) is at most its table
    entry and within 10% of it;
@@ -23,7 +23,7 @@ gguf = pytest.importorskip("gguf")
 
 from conftest import MIB, sim_device  # noqa: E402
 from moefit.ingest.families import geometry_from_config  # noqa: E402
-from moefit.ingest.gguf_header import DEQUANT_SCRATCH_BYTES_PER_ELEM, DEQUANT_TILE_ELEMS  # noqa: E402
+from moefit.memory.staging import DEQUANT_SCRATCH_BYTES_PER_ELEM, DEQUANT_TILE_ELEMS  # noqa: E402
 from moefit.ingest.resolve import load_model  # noqa: E402
 from moefit.plan.request import Request  # noqa: E402
 from moefit.plan.solver import solve  # noqa: E402
@@ -31,8 +31,7 @@ from moefit.runtime.engine import Engine, EngineOptions  # noqa: E402
 from moefit.runtime.measure import _cpu_peaks, prefill_measured  # noqa: E402
 from moefit.runtime.quant import KERNELS, dequantize  # noqa: E402
 
-# PENDING: remove when the fix lands (issue 12); the tests were written first and fail before it
-pytestmark = pytest.mark.xfail(reason="issue 12 fix lands after the restructuring", strict=False)
+
 
 CFG = dict(model_type="qwen3_moe", vocab_size=1024, hidden_size=512, num_attention_heads=8,
            num_key_value_heads=2, head_dim=64, num_hidden_layers=1, num_experts=8,
