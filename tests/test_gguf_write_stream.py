@@ -25,8 +25,7 @@ pytest.importorskip("tokenizers")
 
 from moefit.ingest.families import geometry_from_config  # noqa: E402
 
-# PENDING: remove when the fix lands (issue 12); the tests were written first and fail before it
-pytestmark = pytest.mark.xfail(reason="issue 12 fix lands after the restructuring", strict=False)
+
 
 CFG = dict(model_type="qwen3_moe", vocab_size=520, hidden_size=128, num_attention_heads=4,
            num_key_value_heads=2, head_dim=32, num_hidden_layers=4, num_experts=16,
