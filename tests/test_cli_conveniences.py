@@ -93,10 +93,21 @@ def test_unknown_kv_lists_the_aliases(capsys):
 # ---- 17: --max-context max -------------------------------------------------------------------
 
 def reference_largest(model: str, gpu: str, **req) -> int:
-    from moefit.plan.request import Request
-    from moefit.plan.solver import largest_context
+    """A bisection over the solver (the plan is monotone in the context), independent of
+    the direct solution ``--max-context max`` uses."""
+    from moefit.plan.request import Request, context_limit
+    from moefit.plan.solver import solve
 
-    return largest_context(load_model(model), find_gpu(gpu), Request(**req))
+    geom, dev, r = load_model(model), find_gpu(gpu), Request(**req)
+    lo, hi = 1, context_limit(geom, r)[0]
+    assert solve(geom, dev, r.with_(max_context=lo), alternatives=False).fits
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if solve(geom, dev, r.with_(max_context=mid), alternatives=False).fits:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 @pytest.mark.parametrize("model,gpu,flags,req", [
@@ -141,3 +152,27 @@ def test_max_context_max_when_nothing_fits_is_exit_3(capsys):
 def test_bad_max_context_mentions_max(capsys, bad):
     code, _, err = run(capsys, "plan", "Qwen3-30B-A3B", "--gpu", "RTX 4090", "--max-context", bad)
     assert code == 2 and "or max (the largest context that fits)" in err
+
+
+@pytest.mark.parametrize("model,gpu,req", [
+    ("Qwen3-30B-A3B", "RTX 5090", dict(rope_scaling="yarn", rope_scale=4.0, slots=2)),
+    ("Qwen3-235B-A22B", "RTX 5090", dict(kv="fp8", rope_scaling="yarn", rope_scale=4.0, slots=4)),
+    ("Qwen3.5-35B-A3B", "RTX 3060 12GB", dict(rope_scaling="yarn", rope_scale=4.0, slots=4)),
+    ("DeepSeek-V2-Lite", "RTX 4060", dict(slots=4)),                       # MLA
+    ("gpt-oss-20b", "RTX 3070", dict(slots=16, prefill_mode="fixed", prefill_tokens=2048,
+                                     strict=True)),                        # sliding windows
+    ("Llama-4-Scout-17B-16E-Instruct", "H200", dict(slots=16)),             # chunked layers
+])
+def test_largest_context_is_solved_directly_not_searched(monkeypatch, model, gpu, req):
+    """The affine form gives the answer; the solver only checks it (no bisection)."""
+    from moefit.plan import solver
+    from moefit.plan.request import Request, context_limit
+
+    def no_search(*a, **k):
+        raise AssertionError("searched")
+
+    geom, r = load_model(model), Request(**req)
+    expected = reference_largest(model, gpu, **req)
+    assert expected < context_limit(geom, r)[0]        # a case the memory limits, not RoPE
+    monkeypatch.setattr(solver, "_largest_int", no_search)
+    assert solver.largest_context(geom, find_gpu(gpu), r) == expected

@@ -393,10 +393,48 @@ def largest_context(geom: ModelGeometry, device: Device, req: Request,
                     staging: StagingModel | None = None) -> int | None:
     """The largest ``--max-context`` (tokens) for which ``req`` fits on ``device``, up to
     the model's limit under ``req``'s RoPE settings; None when not even one token fits.
-    Bisection over :func:`solve` (the plan is monotone in the context)."""
+
+    Solved directly (:func:`_affine_context`): once the context is past the prefill chunk
+    and every window, the mandatory lines at the smallest chunk a plan may take are affine
+    in the context, so the answer is one division. It is checked with :func:`solve` (it
+    fits; one token more does not, unless it is the limit); when it lies below that affine
+    range, or the check fails, a bisection over :func:`solve` finds it (the plan is
+    monotone in the context)."""
     limit, _ = context_limit(geom, req)
-    return _largest_int(lambda n: solve(geom, device, req.with_(max_context=n),
-                                        alternatives=False, staging=staging).fits, 1, limit)
+
+    def fits(n: int) -> bool:
+        return solve(geom, device, req.with_(max_context=n), alternatives=False,
+                     staging=staging).fits
+
+    n = _affine_context(geom, device, req, staging, limit)
+    if n is not None and fits(n) and (n == limit or not fits(n + 1)):
+        return n
+    return _largest_int(fits, 1, limit)
+
+
+def _affine_context(geom: ModelGeometry, device: Device, req: Request,
+                    staging: StagingModel | None, limit: int) -> int | None:
+    """The largest context at which the mandatory lines plus the expert floor, priced at
+    the smallest chunk a plan may take (``--prefill-min``, or the requested chunk with
+    ``--strict``), fit the free memory, from the affine form ``A + S x context`` those
+    lines take past the chunk and every window (full-attention and MLA cells grow by
+    ``S`` bytes per token; sliding / chunked cells, state and staging are constant). None
+    when that context lies below the affine range."""
+    validate(req)
+    total = geom.total_experts
+    floor = min(req.expert_cache if req.expert_cache is not None else req.min_expert_cache, total)
+    may_shrink = req.prefill_mode == "auto" or not req.strict
+    chunk = min(req.prefill_min, req.prefill_tokens) if may_shrink else req.prefill_tokens
+    windows = [l.attention.sliding_window or 0 for l in geom.layers]
+    start = max(req.prefill_tokens, max(windows, default=0) + chunk, 1)
+    at = [_price(geom, device, req, n, floor, staging).cost(chunk) for n in (start, start + 1)]
+    per_token = at[1] - at[0]
+    room = device.free_bytes - at[0]
+    if room < 0:
+        return None
+    if per_token == 0:
+        return limit
+    return min(start + room // per_token, limit)
 
 
 def _largest_int(ok, lo: int, hi: int) -> int | None:
