@@ -329,7 +329,7 @@ def find_alternatives(geom: ModelGeometry, device: Device, req: Request,
                       context: int, staging: StagingModel | None = None) -> list[Alternative]:
     """Single-flag changes that make a failing plan fit, each verified by re-solving.
 
-    - ``--max-context``: the largest context that fits, to the token, by bisection.
+    - ``--max-context``: the largest context that fits, to the token (:func:`largest_context`).
     - ``--kv``: the closest smaller KV format that fits.
     - ``--prefill``: the largest chunk that fits when ``--strict`` or ``--prefill-min``
       forbade it.
@@ -343,7 +343,8 @@ def find_alternatives(geom: ModelGeometry, device: Device, req: Request,
         return solve(geom, device, r, alternatives=False, staging=staging if same else None).fits
 
     alts: list[Alternative] = []
-    ctx = _largest_int(lambda n: _fits(geom, device, req.with_(max_context=n)), 1, context - 1)
+    # the plan at ``context`` does not fit, so the largest that does is below it
+    ctx = largest_context(geom, device, req, staging)
     if ctx:
         alts.append(Alternative("--max-context", ctx))
 
