@@ -28,7 +28,7 @@ def test_plan_fits_exit_0_and_prints_lines_in_commit_order():
     rows = [l.strip() for l in r.stdout.splitlines() if l.startswith("  ")]
     assert [next(lab for lab in labels if row.startswith(lab)) for row in rows] == labels
     assert "VRAM budget  cuda:0  RTX 5060 Ti 16GB  15.48 GiB free of 15.93 GiB" in r.stdout
-    assert "524288 tokens x 1 slot, int8, 10 of 40 layers" in r.stdout
+    assert "524288 tokens x 1 sequence, int8, 10 of 40 layers" in r.stdout
 
 
 def test_plan_clamp_line_on_12gb_card():

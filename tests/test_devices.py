@@ -42,6 +42,10 @@ needs_csv = pytest.mark.skipif(GPUS_CSV is None, reason="shared/data/gpus.csv no
 # 4080 and 4080 Super together (same AD103 board, same total).
 CSV_NAMES = {
     "RTX 3060 12GB": ["RTX 3060 12GB"],
+    "RTX 3060 Ti": ["RTX 3060 Ti"],
+    "RTX 3070": ["RTX 3070"],
+    "RTX 4060": ["RTX 4060 8GB"],
+    "RTX 4060 Ti 8GB": ["RTX 4060 Ti 8GB"],
     "RTX 3080 10GB": ["RTX 3080 10GB"],
     "RTX 3090": ["RTX 3090"],
     "RTX 4060 Ti 16GB": ["RTX 4060 Ti 16GB"],

@@ -18,13 +18,14 @@ import functools
 import json
 import math
 import re
+from dataclasses import replace
 from decimal import Decimal
 
 import pytest
 
 from moefit.errors import InputError
 from moefit.ingest.families import SUPPORTED_MODEL_TYPES, geometry_from_config
-from moefit.ingest.geometry import ModelGeometry
+from moefit.ingest.geometry import ACTIVE_CONVENTIONS, ModelGeometry
 from moefit.ingest.resolve import PRESETS_DIR, list_presets, load_model
 
 REF_TOTALS = {
@@ -173,9 +174,17 @@ def test_published_table_covers_every_preset():
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED))
 def test_active_matches_published(name):
+    """``active_params`` counts as the card does (issue 12, item 7): the card's figure
+    itself, and the convention the family declares is the one read off the card."""
     _, active, convention, rounding = PUBLISHED[name]
     lo, hi = _interval(active, rounding)
-    value = CONVENTIONS[convention](load_model(name))
+    g = load_model(name)
+    assert g.active_convention == convention
+    every = g.active_params + sum(t.numel for t in g.global_tensors
+                                  if t.role in ACTIVE_CONVENTIONS[convention])
+    assert CONVENTIONS[convention](replace(g, active_convention="all")) == g.active_params
+    assert every == replace(g, active_convention="all").active_params
+    value = g.active_params
     assert lo <= value < hi, f"{name}: {value / 1e9:.4f}B ({convention}) outside {active} ({rounding})"
 
 
@@ -296,10 +305,11 @@ def test_deepseek_v2_lite_inference_config():
     assert (g.rope.trained_window, g.rope.original_window, g.rope.factor) == (163840, 4096, 40)
 
 
-def test_llama4_text_config_chunked_as_full():
+def test_llama4_text_config_chunked_every_three_of_four():
+    # the layer pattern and its KV are tested in tests/test_chunked_attention.py
     g = load_model("Llama-4-Scout-17B-16E-Instruct")
-    assert {l.attention.kind for l in g.layers} == {"full"}
-    assert any("chunked" in n for n in g.notes)
+    assert [l.attention.kind for l in g.layers].count("chunked") == 36
+    assert not any("chunked" in n for n in g.notes)
     assert g.rope.scaling_type == "llama3" and g.rope.original_window == 8192
     assert g.rope.trained_window == 10485760
     assert g.layers[0].moe.num_shared_experts == 1 and g.layers[0].moe.experts_per_token == 1

@@ -94,7 +94,7 @@ def test_field_hard_failure_gives_shortfall_and_alternatives_that_fit(qwen35):
     assert plan.alternatives, "a failing plan must offer alternatives"
     for alt in plan.alternatives:
         field = {"--max-context": "max_context", "--kv": "kv", "--prefill": "prefill_tokens",
-                 "--slots": "slots", "--min-expert-cache": "min_expert_cache"}[alt.flag]
+                 "--parallel": "slots", "--min-expert-cache": "min_expert_cache"}[alt.flag]
         assert solve(qwen35, dev, FIELD.with_(**{field: alt.value})).fits, alt
     ctx = {a.flag: a.value for a in plan.alternatives}["--max-context"]
     # the largest: 256 tokens more does not fit

@@ -126,7 +126,7 @@ def test_models_table():
     row = next(l for l in lines if l.startswith("gpt-oss-120b"))
     assert "18 full + 18 sliding" in row and "mxfp4" in row
     row = next(l for l in lines if l.startswith("DeepSeek-V3"))
-    assert "671.03B / 37.55B" in row and "256 x 58" in row and "61 mla" in row and "fp8" in row
+    assert "671.03B / 36.63B" in row and "256 x 58" in row and "61 mla" in row and "fp8" in row
 
 
 def test_qwen3_coder_index_summary():

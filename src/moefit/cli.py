@@ -96,6 +96,22 @@ def _runtime(name: str):
     return getattr(launch, name)
 
 
+def cmd_make_demo(args: argparse.Namespace) -> int:
+    """``moefit make-demo DIR --family F``: a small random checkpoint with a tokenizer
+    (:func:`moefit.tools.demo.write_demo`)."""
+    missing = [m for m in ("torch", "safetensors", "tokenizers") if find_spec(m) is None]
+    if missing:
+        raise InputError(f"make-demo writes safetensors weights and a tokenizer and needs the "
+                         f"serve extra: pip install 'moefit[serve]' (missing: {', '.join(missing)})")
+    from moefit.tools.demo import write_demo   # torch: only with the serve extra
+
+    out = write_demo(args.dir, args.family, seed=args.seed, overwrite=args.force)
+    print(f"wrote a random {args.family} checkpoint with a tokenizer to {out}; try:")
+    print(f"  moefit generate {out} --device cpu --vram 1GiB --max-context 4096 --chat "
+          "--prompt 'Hello'")
+    return EXIT_OK
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     return _runtime("serve")(args)
 
@@ -147,7 +163,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_serve)
     p = sub.add_parser("generate", help="commit the plan and complete one prompt")
     add_plan_flags(p)
-    p.add_argument("--prompt", required=True, help="the prompt text")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="the prompt text; - reads it from stdin")
+    src.add_argument("--prompt-file", metavar="PATH", help="read the prompt from a UTF-8 text file")
     p.add_argument("--chat", action="store_true",
                    help="send the prompt as a user message through the chat template")
     add_model_files_flags(p)
@@ -182,6 +200,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the two chunk sizes to measure (default 512,2048)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompt (default 0)")
     p.set_defaults(func=cmd_calibrate)
+    p = sub.add_parser("make-demo", help="write a small random checkpoint with a tokenizer "
+                                         "that serve / generate run offline")
+    p.add_argument("dir", help="the directory to write (new, or empty)")
+    p.add_argument("--family", default="qwen3_moe",
+                   help="qwen3_moe (default), qwen2_moe, mixtral, olmoe, qwen3_next or qwen3_5_moe")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random weights (default 0)")
+    p.add_argument("--force", action="store_true", help="write into a non-empty directory")
+    p.set_defaults(func=cmd_make_demo)
     sub.add_parser("models", help="list the built-in model presets").set_defaults(func=cmd_models)
     sub.add_parser("gpus", help="list the built-in GPU catalogue").set_defaults(func=cmd_gpus)
     return parser

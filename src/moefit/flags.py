@@ -20,15 +20,16 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import replace
 
 from moefit.devices import Device, resolve_device
 from moefit.errors import InputError
 from moefit.ingest.geometry import ModelGeometry
 from moefit.memory import calibration
-from moefit.memory.kv import KV_FORMATS
+from moefit.memory.kv import KV_FORMATS, kv_name
 from moefit.memory.staging import StagingModel
-from moefit.plan.request import Request, parse_prefill
-from moefit.plan.solver import Plan, solve
+from moefit.plan.request import Request, context_limit, parse_prefill
+from moefit.plan.solver import Plan, largest_context, solve
 from moefit.units import parse_count
 
 
@@ -59,11 +60,15 @@ def add_request_flags(p: argparse.ArgumentParser) -> None:
     """The request a plan is solved for (:func:`request_from_args`), and
     ``--no-calibration`` (:func:`calibrated_staging`)."""
     req = p.add_argument_group("request")
-    req.add_argument("--max-context", help="tokens per sequence (K/M suffixes: 512K = 524288); "
-                                           "default: the model's limit")
-    req.add_argument("--slots", type=int, default=1, help="concurrent sequences (default 1)")
+    req.add_argument("--max-context", help="tokens per sequence (K/M suffixes: 512K = 524288), "
+                                           "or max: the largest that fits; default: the "
+                                           "model's limit")
+    req.add_argument("--parallel", "--slots", dest="slots", type=int, default=1, metavar="N",
+                     help="concurrent sequences, each with its own KV cache (default 1; "
+                          "--slots is the old name)")
     req.add_argument("--kv", default="bf16",
-                     help=f"KV format: {', '.join(KV_FORMATS)} (default bf16)")
+                     help=f"KV format: {', '.join(KV_FORMATS)} (default bf16); "
+                          "llama.cpp's q8_0, q4_0, f16 are aliases of int8, int4, fp16")
     req.add_argument("--prefill", default="auto",
                      help="auto (largest chunk that fits, up to 16384), auto:N, or N tokens "
                           "(clamped to fit unless --strict)")
@@ -75,14 +80,14 @@ def add_request_flags(p: argparse.ArgumentParser) -> None:
                      help="safety margin left free at READY (default: 512 MiB, or 1/32 of "
                           "the device if smaller)")
     req.add_argument("--expert-cache", default="auto",
-                     help="auto (what remains) or N slots")
+                     help="auto (what remains) or N expert slots")
     req.add_argument("--min-expert-cache", type=int, default=0,
                      help="expert slots that must fit (default 0: misses run on the CPU)")
     req.add_argument("--miss-policy", choices=("cpu", "copy"), default="cpu",
                      help="non-resident experts run on the CPU (default) or are copied "
                           "through the weight arena")
     req.add_argument("--arena-slots", type=int, default=None,
-                     help="weight-arena ring size with --miss-policy copy "
+                     help="weight-arena ring size in expert slots with --miss-policy copy "
                           "(default 2 x experts per token)")
     req.add_argument("--rope-scaling", choices=("none", "linear", "yarn"), default=None,
                      help="extend the context beyond the trained window")
@@ -119,6 +124,10 @@ def add_sampling_flags(p: argparse.ArgumentParser) -> None:
     s.add_argument("--temperature", type=float, default=None, help="0 is greedy")
     s.add_argument("--top-k", type=int, default=None, help="keep the k most likely tokens (0: all)")
     s.add_argument("--top-p", type=float, default=None, help="nucleus sampling threshold")
+    s.add_argument("--min-p", type=float, default=None,
+                   help="drop tokens less likely than MIN_P x the most likely one (0: off)")
+    s.add_argument("--repetition-penalty", type=float, default=None,
+                   help="divide the logits of tokens already seen by this (1: off)")
     s.add_argument("--seed", type=int, default=None, help="seed of the sampler")
     s.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
     s.add_argument("--ignore-eos", action="store_true", help="do not stop at the EOS ids")
@@ -144,8 +153,8 @@ def request_from_args(args: argparse.Namespace) -> Request:
                              "non-negative number of MiB (e.g. 512)")
         reserve = int(args.vram_reserve_mib * (1 << 20))
     return Request(
-        max_context=parse_count(args.max_context, "--max-context") if args.max_context else None,
-        slots=args.slots, kv=args.kv.lower(), prefill_mode=mode, prefill_tokens=tokens,
+        max_context=_max_context(args.max_context),
+        slots=args.slots, kv=kv_name(args.kv), prefill_mode=mode, prefill_tokens=tokens,
         prefill_min=args.prefill_min, strict=args.strict, reserve_bytes=reserve,
         expert_cache=expert_cache, min_expert_cache=args.min_expert_cache,
         rope_scaling=args.rope_scaling, rope_scale=args.rope_scale,
@@ -153,6 +162,23 @@ def request_from_args(args: argparse.Namespace) -> Request:
                        if args.yarn_orig_ctx else None),
         miss_policy=args.miss_policy, arena_slots=args.arena_slots,
     )
+
+
+def wants_max_context(args: argparse.Namespace) -> bool:
+    """``--max-context max``: the largest context that fits (see :func:`plan_from_args`)."""
+    text = getattr(args, "max_context", None)
+    return isinstance(text, str) and text.strip().lower() == "max"
+
+
+def _max_context(text: str | None) -> int | None:
+    """``--max-context``: a token count, or None for the model's limit (also for ``max``,
+    which :func:`plan_from_args` then lowers to what fits). Raises InputError."""
+    if not text or text.strip().lower() == "max":
+        return None
+    try:
+        return parse_count(text, "--max-context")
+    except InputError as e:
+        raise InputError(f"{e}; or max (the largest context that fits)") from None
 
 
 def device_from_args(args: argparse.Namespace) -> Device:
@@ -170,9 +196,10 @@ def runnable_device(args: argparse.Namespace) -> Device:
             torch build cannot see; every error of :func:`device_from_args`.
     """
     if args.device is None and (args.gpu is not None or args.vram is not None):
-        raise InputError("serve and generate run the model on a real device: use --device "
+        command = getattr(args, "command", None) or "this command"
+        raise InputError(f"{command} runs the model on a real device: use --device "
                          "cuda[:N] (optionally with --vram to cap it) or --device cpu --vram SIZE "
-                         "(a simulated device); --gpu and --vram alone only plan")
+                         "(a simulated device); --gpu and --vram alone only plan (moefit plan)")
     device = device_from_args(args)
     if device.kind == "cuda":
         import torch
@@ -199,4 +226,23 @@ def plan_from_args(geom: ModelGeometry, device: Device, args: argparse.Namespace
     """Solve the flags' request for ``geom`` on ``device``, with the staging calibrated for
     them on this device (:func:`calibrated_staging`). Raises InputError."""
     req = request_from_args(args)
-    return solve(geom, device, req, staging=calibrated_staging(geom, device, req.kv, args))
+    staging = calibrated_staging(geom, device, req.kv, args)
+    if not wants_max_context(args):
+        return solve(geom, device, req, staging=staging)
+    return _plan_max_context(geom, device, req, staging)
+
+
+def _plan_max_context(geom: ModelGeometry, device: Device, req: Request,
+                      staging: StagingModel | None) -> Plan:
+    """``--max-context max``: the plan at the largest context that fits
+    (:func:`~moefit.plan.solver.largest_context`, to the token, capped at the model's limit
+    under the RoPE flags), with a note saying so; when not even one token fits, the failed
+    plan at the model's limit (its alternatives say what would fit)."""
+    limit, how = context_limit(geom, req)
+    best = largest_context(geom, device, req, staging)
+    if best is None:
+        return solve(geom, device, req.with_(max_context=limit), staging=staging)
+    plan = solve(geom, device, req.with_(max_context=best), staging=staging)
+    capped = f" (the model's limit, {how})" if best == limit else ""
+    note = f"max-context: max, the largest context that fits: {best} tokens{capped}"
+    return replace(plan, notes=(note, *plan.notes))

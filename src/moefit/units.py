@@ -74,7 +74,8 @@ def _split(text: object, flag: str, what: str, examples: str) -> tuple[Fraction,
     return Fraction(match["num"]), match["suffix"]
 
 
-def parse_size(text: str, flag: str, *, allow_zero: bool = False) -> int:
+def parse_size(text: str, flag: str, *, allow_zero: bool = False,
+               min_bare: int = MIN_BARE_SIZE) -> int:
     """Parse a memory size such as ``16GiB``, ``16G``, ``16GB`` or ``15.5GiB`` into bytes.
 
     The rules are those of the module docstring: binary ``KiB``/``K``..., decimal ``KB``...,
@@ -84,6 +85,9 @@ def parse_size(text: str, flag: str, *, allow_zero: bool = False) -> int:
         text: what the user typed.
         flag: the flag or input name used in error messages (``--vram``).
         allow_zero: accept a size of 0 bytes (e.g. a reserve); otherwise 0 is an error.
+        min_bare: a suffix-less size below this many bytes is an error that asks for a
+            unit (device sizes pass 1 MiB: ``--vram 24576`` is nvidia-smi's MiB habit, not
+            a 24 KiB card).
 
     Returns:
         The size in bytes.
@@ -111,9 +115,15 @@ def parse_size(text: str, flag: str, *, allow_zero: bool = False) -> int:
     size = int(number * SIZE_SUFFIXES[key])  # int() of a non-negative Fraction rounds down
     if size > MAX_SIZE:
         raise InputError(f"{flag}: {text!r} is more than 1 EiB; {_SIZE_EXAMPLES}")
-    if key == "" and 0 < size < MIN_BARE_SIZE:
-        raise InputError(f"{flag}: {text!r} reads as {size} bytes; add a unit "
-                         f"(e.g. {text.strip()}GiB) or write bytes explicitly with a B suffix")
+    if key == "" and 0 < size < min_bare:
+        n = text.strip()
+        if min_bare > MIN_BARE_SIZE:
+            hint = f"write {n}MiB if it is nvidia-smi's figure (nvidia-smi counts MiB)"
+            hint += f" or {n}GiB" if size <= 1024 else ""
+        else:
+            hint = f"add a unit (e.g. {n}GiB)"
+        raise InputError(f"{flag}: {text!r} reads as {size} bytes; {hint}, or write bytes "
+                         "explicitly with a B suffix")
     if size == 0 and not allow_zero:
         raise InputError(f"{flag}: size must be more than 0 bytes, got {text!r}; {_SIZE_EXAMPLES}")
     return size

@@ -39,7 +39,7 @@ class GGUFModel:
 
     def __init__(self, tiny, path, **write_kw):
         cfg = tiny.ref.config.to_dict()
-        stored = write_gguf(tiny.ref.state_dict(), cfg, path, **write_kw)
+        stored = write_gguf(tiny.ref.state_dict(), cfg, path, return_stored=True, **write_kw)
         if not path.exists():                      # split: the first shard names the set
             path = sorted(path.parent.glob(f"{path.stem}-00001-of-*.gguf"))[0]
         self.path, self.family = path, tiny.family

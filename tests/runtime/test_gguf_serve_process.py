@@ -45,7 +45,8 @@ def model(tmp_path_factory):
     tiny = make_servable(root / "hf", max_position_embeddings=1024)
     path = root / "gguf" / "tiny-Q8_0.gguf"
     path.parent.mkdir()
-    stored = write_gguf(tiny.ref.state_dict(), tiny.ref.config.to_dict(), path, expert_types="Q8_0")
+    stored = write_gguf(tiny.ref.state_dict(), tiny.ref.config.to_dict(), path, expert_types="Q8_0",
+                        return_stored=True)
     tiny.ref.load_state_dict({k: torch.from_numpy(v) for k, v in stored.items()})
     for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
         if (tiny.path / name).exists():

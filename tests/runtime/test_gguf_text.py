@@ -97,7 +97,8 @@ def test_generate_runs_a_gguf_with_its_own_tokenizer(tmp_path, bpe):
     tiny = make_tiny("qwen3_moe", tmp_path / "hf", vocab_size=vocab)
     path = tmp_path / "tiny-Q8_0.gguf"
     stored = write_gguf(tiny.ref.state_dict(), tiny.ref.config.to_dict(), path, expert_types="Q8_0",
-                        tokenizer=bpe, chat_template=TEMPLATE, eos_token="<|im_end|>")
+                        return_stored=True, tokenizer=bpe, chat_template=TEMPLATE,
+                        eos_token="<|im_end|>")
     tiny.ref.load_state_dict({k: torch.from_numpy(v) for k, v in stored.items()})
     ids = bpe.encode("hello world, the lazy dog").ids
     seq, want = list(ids), []
@@ -132,7 +133,8 @@ def test_generate_takes_the_tokenizer_from_tokenizer_dir(tmp_path, bpe):
 
     tiny = make_tiny("qwen3_moe", tmp_path / "hf", vocab_size=bpe.get_vocab_size())
     path = tmp_path / "bare-Q8_0.gguf"
-    stored = write_gguf(tiny.ref.state_dict(), tiny.ref.config.to_dict(), path, expert_types="Q8_0")
+    stored = write_gguf(tiny.ref.state_dict(), tiny.ref.config.to_dict(), path, expert_types="Q8_0",
+                        return_stored=True)
     tiny.ref.load_state_dict({k: torch.from_numpy(v) for k, v in stored.items()})
     tok_dir = tmp_path / "tok"
     tok_dir.mkdir()

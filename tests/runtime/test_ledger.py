@@ -132,7 +132,7 @@ def test_after_commit_only_the_expert_cache_gives_back_to_restore_the_margin(tin
     assert ledger.free_bytes() >= ledger.margin
     assert ledger.lines["experts"].allocated == before["experts"] - 3 * slot
     assert all(ledger.lines[k].allocated == before[k] for k in ("weights", "kv", "prefill"))
-    assert "3 slot(s) given back" in notes[0]
+    assert "3 expert slot(s) given back" in notes[0]
     engine.prefill(prompt(96))           # still runs, with fewer resident experts
 
 

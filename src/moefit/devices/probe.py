@@ -15,7 +15,7 @@ import os
 from moefit.devices.catalogue import find_gpu
 from moefit.devices.device import Device, DeviceKind
 from moefit.errors import InputError
-from moefit.units import format_gib, parse_size, size_format
+from moefit.units import MIB, format_gib, parse_size, size_format
 
 _NO_GPU_FIX = (
     "plan for a card you do not have with --gpu NAME (see `moefit gpus`) or --vram SIZE, "
@@ -157,8 +157,9 @@ def resolve_device(device: str | None, gpu: str | None, vram: str | None,
             a cap above what a real card has; and every error of :func:`probe_cuda` and
             :func:`find_gpu`.
     """
-    vram_bytes = parse_size(vram, "--vram") if vram is not None else None
-    free_bytes = parse_size(vram_free, "--vram-free") if vram_free is not None else None
+    # a bare number below 1 MiB is nvidia-smi's MiB habit, not a device of a few KiB
+    vram_bytes = parse_size(vram, "--vram", min_bare=MIB) if vram is not None else None
+    free_bytes = parse_size(vram_free, "--vram-free", min_bare=MIB) if vram_free is not None else None
     kind, index = _parse_device_flag(device) if device is not None else (None, 0)
 
     def check_free(capacity: int, what: str) -> None:

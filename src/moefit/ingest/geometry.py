@@ -23,7 +23,19 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Literal, NamedTuple
 
-AttentionKind = Literal["full", "sliding", "linear", "mla"]
+#: How model cards count active parameters: convention -> the tensor roles left out. A
+#: token reads one row of the input embedding table, so some cards leave it out:
+#: ``all`` (Qwen3 / Qwen3.5, Mixtral, Llama 4: "3.3B activated" for Qwen3-30B-A3B is every
+#: non-expert parameter plus 8 experts per layer), ``no_input_embedding`` (OpenAI's gpt-oss
+#: card: 5.13B of 116.83B for gpt-oss-120b; DeepSeek-V2/V3 and Kimi K2: "37B activated"),
+#: ``non_embedding`` (Qwen3-Next's card: "3B activated", the head left out too).
+ACTIVE_CONVENTIONS: dict[str, frozenset[str]] = {
+    "all": frozenset(),
+    "no_input_embedding": frozenset({"embed"}),
+    "non_embedding": frozenset({"embed", "lm_head"}),
+}
+
+AttentionKind = Literal["full", "sliding", "chunked", "linear", "mla"]
 TensorRole = Literal[
     "embed", "lm_head", "norm", "attention", "linear_attention", "router",
     "shared_expert", "dense_mlp", "expert",
@@ -123,6 +135,9 @@ class AttentionSpec:
     ``kind``:
       - ``full``: softmax attention over the whole context (GQA: ``num_kv_heads`` K/V heads).
       - ``sliding``: softmax attention over the last ``sliding_window`` tokens.
+      - ``chunked``: softmax attention within fixed chunks of ``sliding_window`` tokens
+        (Llama 4's ``attention_chunk_size``): a query at position p attends to the keys
+        from ``(p // chunk) * chunk`` to p.
       - ``mla``: DeepSeek multi-head latent attention; the cache holds the compressed
         latent (``kv_lora_rank``) plus the decoupled RoPE key (``qk_rope_head_dim``) per
         token (DeepSeek-V2 paper, section 2.1.2).
@@ -137,7 +152,7 @@ class AttentionSpec:
     head_dim: int = 0            # K (and Q) head dim; for MLA: qk_nope + qk_rope
     v_head_dim: int = 0
     rotary_dim: int = 0          # partial rotary: rotary_dim < head_dim
-    sliding_window: int | None = None
+    sliding_window: int | None = None   # the window (sliding) or the chunk (chunked), tokens
     kv_lora_rank: int = 0
     qk_rope_head_dim: int = 0
     q_lora_rank: int = 0
@@ -229,6 +244,9 @@ class ModelGeometry:
     source: str = ""               # where the config came from (preset name or path)
     exact: "ExactWeights | None" = None   # set when safetensors headers were read
     notes: tuple[str, ...] = field(default_factory=tuple)
+    #: which embeddings :attr:`active_params` counts, as the model's card does
+    #: (:data:`ACTIVE_CONVENTIONS`; ``Family.active_convention``)
+    active_convention: str = "all"
 
     # ---- counts -------------------------------------------------------------------
     @property
@@ -259,8 +277,11 @@ class ModelGeometry:
 
     @property
     def active_params(self) -> int:
-        """Parameters used per token: all non-expert ones plus top-k routed experts per layer."""
-        n = sum(t.numel for t in self.global_tensors)
+        """Parameters used per token, as the model's card counts them: every non-expert
+        parameter plus the top-k routed experts of each MoE layer, less the embeddings the
+        card leaves out (:attr:`active_convention`, :data:`ACTIVE_CONVENTIONS`)."""
+        left_out = ACTIVE_CONVENTIONS[self.active_convention]
+        n = sum(t.numel for t in self.global_tensors if t.role not in left_out)
         for l in self.layers:
             n += sum(t.numel for t in l.tensors)
             if l.moe is not None:
@@ -303,7 +324,7 @@ class ModelGeometry:
 
     def attention_layout(self) -> str:
         """Layer count per attention kind in a fixed kind order: ``10 full + 30 linear``."""
-        counts = {k: 0 for k in ("full", "sliding", "mla", "linear")}
+        counts = {k: 0 for k in ("full", "sliding", "chunked", "mla", "linear")}
         for l in self.layers:
             counts[l.attention.kind] = counts.get(l.attention.kind, 0) + 1
         return " + ".join(f"{n} {k}" for k, n in counts.items() if n)

@@ -184,4 +184,9 @@ def format_models_table(geoms: Iterable[ModelGeometry]) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
+    lines.append("")
+    lines.append("active: parameters used per token as each model card counts them: all but the "
+                 "routed experts, plus the top-k experts")
+    lines.append("of each MoE layer; the embeddings active too, except the input embedding for "
+                 "gpt-oss, DeepSeek and Kimi, and both for Qwen3-Next.")
     return "\n".join(lines)

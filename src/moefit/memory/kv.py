@@ -25,6 +25,11 @@ chunk of ``chunk`` tokens:
    bytes (GQA: only the K/V heads are cached, Ainslie et al. 2023).
 2. sliding window: ``min(context, window + chunk) x slots`` cells: the window seen by the
    first query of a chunk plus the chunk's own keys (gpt-oss ``sliding_window``).
+   Chunked attention (Llama 4, ``attention_chunk_size`` C) is priced the same way with
+   ``window = C``: a query at position p attends to the keys from ``(p // C) * C`` to p, at
+   most C - 1 earlier tokens, so a prefill chunk needs at most C + chunk cells (vLLM's
+   chunked local attention; llama.cpp sizes its ``LLAMA_SWA_TYPE_CHUNKED`` cache as
+   ``n_swa + n_ubatch`` cells per sequence).
 3. MLA: ``context x slots`` cells of ``kv_lora_rank + qk_rope_head_dim`` elements, the
    compressed latent and the decoupled RoPE key (DeepSeek-V2, arXiv:2405.04434 §2.1.2).
    The latent plays both the K and the V role; it is stored in the K format.
@@ -135,13 +140,28 @@ KV_FORMATS: dict[str, KVFormat] = {
 }
 
 
-def kv_format(name: str) -> KVFormat:
-    """Look up a ``--kv`` format. Raises InputError listing the formats for an unknown name."""
-    try:
-        return KV_FORMATS[name.lower()]
-    except KeyError:
+#: llama.cpp's cache type names (``--cache-type-k/-v``) for the same layouts: ``q8_0`` is
+#: ``int8`` (34 B per 32 values), ``q4_0`` is ``int4`` (18 B per 32), ``f16`` / ``f32`` the
+#: plain floats.
+KV_ALIASES: dict[str, str] = {"q8_0": "int8", "q4_0": "int4", "f16": "fp16", "f32": "fp32"}
+
+
+def kv_name(name: str) -> str:
+    """The canonical ``--kv`` name of ``name`` (case-insensitive; llama.cpp's names are
+    aliases, :data:`KV_ALIASES`). Raises InputError listing the formats for an unknown one."""
+    key = name.strip().lower()
+    key = KV_ALIASES.get(key, key)
+    if key not in KV_FORMATS:
+        aliases = ", ".join(f"{a} (= {c})" for a, c in KV_ALIASES.items())
         raise InputError(f"--kv {name!r} is not a KV format; use one of "
-                         f"{', '.join(KV_FORMATS)}") from None
+                         f"{', '.join(KV_FORMATS)}, or llama.cpp's {aliases}")
+    return key
+
+
+def kv_format(name: str) -> KVFormat:
+    """Look up a ``--kv`` format (:func:`kv_name`). Raises InputError listing the formats
+    for an unknown name."""
+    return KV_FORMATS[kv_name(name)]
 
 
 def cell_bytes(att: AttentionSpec, fmt: KVFormat) -> int:
@@ -149,7 +169,7 @@ def cell_bytes(att: AttentionSpec, fmt: KVFormat) -> int:
 
     Raises ValueError for an unknown attention kind.
     """
-    if att.kind in ("full", "sliding"):
+    if att.kind in ("full", "sliding", "chunked"):
         return att.num_kv_heads * (fmt.k_bytes(att.head_dim) + fmt.v_bytes(att.v_head_dim))
     if att.kind == "mla":
         return fmt.k_bytes(att.kv_lora_rank + att.qk_rope_head_dim)
@@ -174,7 +194,7 @@ def linear_state_split(att: AttentionSpec, dtype_bytes: int) -> tuple[int, int]:
 
 def layer_cells(att: AttentionSpec, context: int, chunk: int) -> int:
     """Cells (tokens) one sequence keeps in this layer; 0 for linear attention."""
-    if att.kind == "sliding" and att.sliding_window:
+    if att.kind in ("sliding", "chunked") and att.sliding_window:
         return min(context, att.sliding_window + chunk)
     if att.kind == "linear":
         return 0
@@ -185,7 +205,7 @@ def layer_cells(att: AttentionSpec, context: int, chunk: int) -> int:
 class KVBudget:
     """The ``kv`` line, split by layer kind (bytes).
 
-    ``cache_layers``: layers that hold per-token cells (full, sliding, MLA);
+    ``cache_layers``: layers that hold per-token cells (full, sliding, chunked, MLA);
     ``total_layers``: all decoder layers.
     """
 
@@ -206,7 +226,7 @@ def kv_bytes(geom: ModelGeometry, fmt: KVFormat, context: int, slots: int,
         fmt: KV storage format.
         context: cells per sequence on full-attention and MLA layers (tokens).
         slots: concurrent sequences.
-        chunk: prefill chunk (tokens); only sliding-window layers depend on it.
+        chunk: prefill chunk (tokens); only sliding-window and chunked layers depend on it.
 
     Returns the byte split; ``.bytes`` is the line.
     """
@@ -229,7 +249,7 @@ def kv_chunk_pieces(geom: ModelGeometry, fmt: KVFormat, context: int,
     """The ``kv`` line as a function of the chunk ``c``: ``min`` over affine pieces.
 
     Returns ``[(a, b), ...]`` such that ``kv_bytes(..., chunk=c).bytes == min(a + b*c)``
-    for every ``c >= 0``. Only sliding-window layers depend on the chunk, through
+    for every ``c >= 0``. Only sliding-window and chunked layers depend on the chunk, through
     ``min(context, window + c)``; since every such layer has the same window in the
     shipped families, two pieces suffice (window saturated or not). Layers with
     different windows are handled exactly by taking one piece per breakpoint order.
@@ -237,7 +257,7 @@ def kv_chunk_pieces(geom: ModelGeometry, fmt: KVFormat, context: int,
     base = kv_bytes(geom, fmt, context, slots, chunk=0).bytes
     sliding = [(l.attention.sliding_window, slots * cell_bytes(l.attention, fmt))
                for l in geom.layers
-               if l.attention.kind == "sliding" and l.attention.sliding_window]
+               if l.attention.kind in ("sliding", "chunked") and l.attention.sliding_window]
     if not sliding:
         return [(base, 0)]
     # base counts min(context, window) cells for each sliding layer; the chunk adds
@@ -354,7 +374,8 @@ def kv_layout(geom: ModelGeometry, fmt: KVFormat, context: int, slots: int,
             off, (slots, max(a.linear_conv_kernel - 1, 0), a.linear_conv_dim),
             geom.dtype_bytes))
         off += slots * conv
-    cache = [l for l in geom.layers if l.attention.kind in ("full", "sliding")]
+    # chunked layers (Llama 4) are laid out for the bytes only: the runtime does not run them
+    cache = [l for l in geom.layers if l.attention.kind in ("full", "sliding", "chunked")]
     scale_off = off + sum(slots * layer_cells(l.attention, context, chunk)
                           * cell_bytes(l.attention, fmt) for l in cache)
     layers = []

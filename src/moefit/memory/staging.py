@@ -70,10 +70,19 @@ OP_SCRATCH = 64 << 10
 FP32 = 4
 INT64 = 8
 #: Elements dequantized per kernel call when a stored (GGUF) expert runs
-#: (``moefit.runtime.quant``); the kernels keep about
-#: :data:`DEQUANT_SCRATCH_BYTES_PER_ELEM` bytes of fp32/int scratch per element of one tile.
+#: (``moefit.runtime.quant``).
 DEQUANT_TILE_ELEMS = 1 << 20
-DEQUANT_SCRATCH_BYTES_PER_ELEM = 12
+#: Scratch bytes per element of one tile that each kernel of ``moefit.runtime.quant``
+#: allocates beside its output (fp32 values, unpacked integers, scales), by ggml type.
+#: Measured with the PyTorch profiler on a full tile (F16 / BF16 4.00, Q8_0 4.13, Q4_0 4.63,
+#: Q4_K 13.33, Q5_K 14.33, Q6_K 11.50, MXFP4 14.25) and rounded up to a quarter byte;
+#: tests/runtime/test_staging_bound_gguf.py re-measures every kernel against this table.
+#: One figure for all types (12) over-priced Q8_0 staging by 17% at 512-token chunks and
+#: under-priced the K-quants and MXFP4.
+DEQUANT_SCRATCH_BYTES_PER_ELEM: dict[str, float] = {
+    "F32": 0.0, "F16": 4.0, "BF16": 4.0, "Q8_0": 4.25, "Q4_0": 4.75,
+    "Q4_K": 13.5, "Q5_K": 14.5, "Q6_K": 11.5, "MXFP4": 14.5,
+}
 #: bytes per element of the dtypes a workspace layout names; ``"act"`` is the compute
 #: dtype, whose size the caller gives
 ELEM_BYTES = {"f32": FP32, "i64": INT64, "u8": 1, "bool": 1}
@@ -199,7 +208,7 @@ def attention_region_bytes(att: AttentionSpec, fmt: KVFormat, act: int,
     cell indices, then the K codec's decode scratch, freed, then the V one's)."""
     kvh, d, dv = att.num_kv_heads, att.head_dim, att.v_head_dim
     tile = attention_tile_takes(kvh, att.num_heads // kvh, d, dv, fmt.k_bytes(d),
-                                fmt.v_bytes(dv), act == FP32, att.kind == "sliding",
+                                fmt.v_bytes(dv), act == FP32, att.kind in ("sliding", "chunked"),
                                 q_block, kv_block)
     base = span([kv_block * INT64], span(take_bytes(tile, act)))
     return max(span([n * kv_block * kvh for n in codec_scratch(fmt.codec(side), dim, act, True)],
@@ -295,7 +304,7 @@ def _deltanet_step(layer: LayerSpec, act: int) -> _Step:
 
 def _mixer_step(layer: LayerSpec, fmt: KVFormat, act: int) -> _Step:
     kind = layer.attention.kind
-    if kind in ("full", "sliding"):
+    if kind in ("full", "sliding", "chunked"):
         return _attention_step(layer, fmt, act)
     if kind == "mla":
         return _mla_step(layer, fmt, act)
@@ -308,7 +317,7 @@ def _mixer_region(att: AttentionSpec, fmt: KVFormat, act: int, q_block: int,
                   kv_block: int) -> int:
     """Fixed-region bytes of one layer's token mixer (0 for an unknown kind: its step
     raises)."""
-    if att.kind in ("full", "sliding"):
+    if att.kind in ("full", "sliding", "chunked"):
         return attention_region_bytes(att, fmt, act, q_block, kv_block)
     if att.kind == "mla":
         return mla_region_bytes(att, act)
@@ -327,12 +336,18 @@ def _mixer_terms(layer: LayerSpec, geom: ModelGeometry, fmt: KVFormat,
 def expert_dequant_bytes(geom: ModelGeometry, act: int) -> int:
     """Staging bytes running one stored (quantized, GGUF) expert takes: its largest matrix
     (``expert_intermediate x hidden``) dequantized into the compute dtype of ``act``
-    bytes, plus the kernels' scratch for one tile of at most :data:`DEQUANT_TILE_ELEMS`
-    elements (``moefit.runtime.quant``). 0 for a model without MoE layers."""
+    bytes, plus its kernel's scratch for one tile of at most :data:`DEQUANT_TILE_ELEMS`
+    elements (``moefit.runtime.quant``), by the layer's expert types
+    (:data:`DEQUANT_SCRATCH_BYTES_PER_ELEM`; the largest entry for a type without one, or
+    when the types are not known). 0 for a model without MoE layers."""
+    types = dict(getattr(geom.exact, "expert_types", ()) or ())
+    worst = max(DEQUANT_SCRATCH_BYTES_PER_ELEM.values())
     dequant = 0
     for l in geom.moe_layers:
         mat = l.moe.expert_intermediate * geom.hidden_size
-        dequant = max(dequant, mat * act + min(mat, DEQUANT_TILE_ELEMS) * DEQUANT_SCRATCH_BYTES_PER_ELEM)
+        per_elem = max((DEQUANT_SCRATCH_BYTES_PER_ELEM.get(t, worst) for t in types.get(l.index, ())),
+                       default=worst)
+        dequant = max(dequant, mat * act + math.ceil(min(mat, DEQUANT_TILE_ELEMS) * per_elem))
     return dequant
 
 

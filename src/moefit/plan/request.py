@@ -37,7 +37,8 @@ class Request:
     ``prefill_mode``: ``auto`` (largest chunk that fits up to ``prefill_tokens``) or
     ``fixed`` (``prefill_tokens`` requested, clamped unless ``strict``).
     ``reserve_bytes``: the ``margin`` line; None means the default policy.
-    ``expert_cache``: None for ``auto``; N pins the cache at N slots.
+    ``slots``: concurrent sequences (``--parallel``, old name ``--slots``).
+    ``expert_cache``: None for ``auto``; N pins the cache at N expert slots.
     """
 
     max_context: int | None = None
@@ -89,7 +90,7 @@ def validate(req: Request) -> None:
     """Reject inconsistent requests with an InputError that names the flag."""
     kv_format(req.kv)
     if req.slots < 1:
-        raise InputError(f"--slots {req.slots}: need at least 1 concurrent sequence")
+        raise InputError(f"--parallel {req.slots}: need at least 1 concurrent sequence")
     if req.max_context is not None and req.max_context < 1:
         raise InputError(f"--max-context {req.max_context}: must be a positive token count")
     if req.prefill_min < CHUNK_GRID or req.prefill_min % CHUNK_GRID:
@@ -102,13 +103,15 @@ def validate(req: Request) -> None:
                          "--prefill-min or raise --prefill (auto:N sets the auto ceiling)")
     if req.reserve_bytes is not None and req.reserve_bytes < 0:
         raise InputError("--vram-reserve-mib must not be negative")
+    # the sign of each flag first: a negative value is named as itself, not as an ordering
+    if req.min_expert_cache < 0:
+        raise InputError(f"--min-expert-cache {req.min_expert_cache}: must not be negative")
+    if req.expert_cache is not None and req.expert_cache < 0:
+        raise InputError(f"--expert-cache {req.expert_cache}: expected auto or a non-negative "
+                         "number of expert slots")
     if req.expert_cache is not None and req.min_expert_cache > req.expert_cache:
         raise InputError(f"--min-expert-cache {req.min_expert_cache} is above --expert-cache "
                          f"{req.expert_cache}; a pinned cache is its own floor: drop one")
-    if req.min_expert_cache < 0:
-        raise InputError("--min-expert-cache must not be negative")
-    if req.expert_cache is not None and req.expert_cache < 0:
-        raise InputError("--expert-cache must be auto or a non-negative slot count")
     if req.arena_slots is not None and req.arena_slots < 1:
         raise InputError("--arena-slots must be at least 1")
     if req.arena_slots is not None and req.miss_policy != "copy":

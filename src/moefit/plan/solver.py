@@ -286,8 +286,8 @@ def _lines(geom: ModelGeometry, device: Device, req: Request, context: int, chun
            priced: _Priced, slots: int) -> tuple[Line, ...]:
     fmt = kv_format(req.kv)
     kv = kv_bytes(geom, fmt, context, req.slots, chunk)
-    slot_word = "slot" if req.slots == 1 else "slots"
-    kv_detail = (f"{context} tokens x {req.slots} {slot_word}, {fmt.name}, "
+    seq_word = "sequence" if req.slots == 1 else "sequences"
+    kv_detail = (f"{context} tokens x {req.slots} {seq_word}, {fmt.name}, "
                  f"{kv.cache_layers} of {kv.total_layers} layers")
     if kv.state_bytes:
         kv_detail += f" (+ recurrent state of {kv.total_layers - kv.cache_layers})"
@@ -329,13 +329,13 @@ def find_alternatives(geom: ModelGeometry, device: Device, req: Request,
                       context: int, staging: StagingModel | None = None) -> list[Alternative]:
     """Single-flag changes that make a failing plan fit, each verified by re-solving.
 
-    - ``--max-context``: the largest context that fits, to the token, by bisection.
+    - ``--max-context``: the largest context that fits, to the token (:func:`largest_context`).
     - ``--kv``: the closest smaller KV format that fits.
     - ``--prefill``: the largest chunk that fits when ``--strict`` or ``--prefill-min``
       forbade it.
     - ``--miss-policy cpu`` / a smaller ``--arena-slots`` when the weight arena is in use;
       a smaller ``--vram-reserve-mib`` when the margin was set by hand.
-    - ``--slots``, ``--min-expert-cache`` / ``--expert-cache``: the largest value that fits.
+    - ``--parallel``, ``--min-expert-cache`` / ``--expert-cache``: the largest value that fits.
     """
     def _fits(geom: ModelGeometry, device: Device, r: Request) -> bool:
         # a calibration holds for the KV format it was measured with
@@ -343,7 +343,8 @@ def find_alternatives(geom: ModelGeometry, device: Device, req: Request,
         return solve(geom, device, r, alternatives=False, staging=staging if same else None).fits
 
     alts: list[Alternative] = []
-    ctx = _largest_int(lambda n: _fits(geom, device, req.with_(max_context=n)), 1, context - 1)
+    # the plan at ``context`` does not fit, so the largest that does is below it
+    ctx = largest_context(geom, device, req, staging)
     if ctx:
         alts.append(Alternative("--max-context", ctx))
 
@@ -375,7 +376,7 @@ def find_alternatives(geom: ModelGeometry, device: Device, req: Request,
     if req.slots > 1:
         fit = _largest_int(lambda n: _fits(geom, device, req.with_(slots=n)), 1, req.slots - 1)
         if fit:
-            alts.append(Alternative("--slots", fit))
+            alts.append(Alternative("--parallel", fit))
     if req.expert_cache:
         fit = _largest_int(lambda n: _fits(geom, device, req.with_(expert_cache=n)),
                            0, req.expert_cache - 1)
@@ -393,10 +394,48 @@ def largest_context(geom: ModelGeometry, device: Device, req: Request,
                     staging: StagingModel | None = None) -> int | None:
     """The largest ``--max-context`` (tokens) for which ``req`` fits on ``device``, up to
     the model's limit under ``req``'s RoPE settings; None when not even one token fits.
-    Bisection over :func:`solve` (the plan is monotone in the context)."""
+
+    Solved directly (:func:`_affine_context`): once the context is past the prefill chunk
+    and every window, the mandatory lines at the smallest chunk a plan may take are affine
+    in the context, so the answer is one division. It is checked with :func:`solve` (it
+    fits; one token more does not, unless it is the limit); when it lies below that affine
+    range, or the check fails, a bisection over :func:`solve` finds it (the plan is
+    monotone in the context)."""
     limit, _ = context_limit(geom, req)
-    return _largest_int(lambda n: solve(geom, device, req.with_(max_context=n),
-                                        alternatives=False, staging=staging).fits, 1, limit)
+
+    def fits(n: int) -> bool:
+        return solve(geom, device, req.with_(max_context=n), alternatives=False,
+                     staging=staging).fits
+
+    n = _affine_context(geom, device, req, staging, limit)
+    if n is not None and fits(n) and (n == limit or not fits(n + 1)):
+        return n
+    return _largest_int(fits, 1, limit)
+
+
+def _affine_context(geom: ModelGeometry, device: Device, req: Request,
+                    staging: StagingModel | None, limit: int) -> int | None:
+    """The largest context at which the mandatory lines plus the expert floor, priced at
+    the smallest chunk a plan may take (``--prefill-min``, or the requested chunk with
+    ``--strict``), fit the free memory, from the affine form ``A + S x context`` those
+    lines take past the chunk and every window (full-attention and MLA cells grow by
+    ``S`` bytes per token; sliding / chunked cells, state and staging are constant). None
+    when that context lies below the affine range."""
+    validate(req)
+    total = geom.total_experts
+    floor = min(req.expert_cache if req.expert_cache is not None else req.min_expert_cache, total)
+    may_shrink = req.prefill_mode == "auto" or not req.strict
+    chunk = min(req.prefill_min, req.prefill_tokens) if may_shrink else req.prefill_tokens
+    windows = [l.attention.sliding_window or 0 for l in geom.layers]
+    start = max(req.prefill_tokens, max(windows, default=0) + chunk, 1)
+    at = [_price(geom, device, req, n, floor, staging).cost(chunk) for n in (start, start + 1)]
+    per_token = at[1] - at[0]
+    room = device.free_bytes - at[0]
+    if room < 0:
+        return None
+    if per_token == 0:
+        return limit
+    return min(start + room // per_token, limit)
 
 
 def _largest_int(ok, lo: int, hi: int) -> int | None:

@@ -50,17 +50,18 @@ from moefit.runtime.rope import Rotary, rope_from_config
 from moefit.runtime.staging import Workspace
 from moefit.units import format_bytes
 
-__all__ = ["BudgetError", "Engine", "EngineOptions", "SamplingParams", "sample"]
+__all__ = ["BudgetError", "Engine", "EngineOptions", "SamplingParams", "min_p_filter", "sample"]
 
 
 class SamplingParams(Protocol):
     """What :func:`sample` reads of a request's settings (``moefit.serve.generation.Params``
-    is the one implementation). ``temperature`` 0 is greedy; ``top_k`` 0 and ``top_p`` 1
-    keep every token."""
+    is the one implementation). ``temperature`` 0 is greedy; ``top_k`` 0, ``top_p`` 1 and
+    ``min_p`` 0 keep every token."""
 
     temperature: float
     top_k: int
     top_p: float
+    min_p: float
 
 
 @dataclass
@@ -212,9 +213,18 @@ class Engine:
         return self.ledger.report()
 
 
+def min_p_filter(x: torch.Tensor, min_p: float) -> torch.Tensor:
+    """Set to -inf the logits ``x`` ``[V]`` of tokens whose probability is below ``min_p``
+    x the largest one (transformers' ``MinPLogitsWarper``; Nguyen et al. 2024, "min-p
+    sampling"); the most likely token always stays. Returns ``x`` (changed in place)."""
+    p = torch.softmax(x.float(), -1)
+    x[p < min_p * p.max()] = float("-inf")
+    return x
+
+
 def sample(logits: torch.Tensor, s: SamplingParams, gen: torch.Generator | None = None) -> int:
     """One token from ``logits`` ``[V]``: argmax at temperature 0, else softmax sampling
-    after top-k / top-p filtering."""
+    after top-k / top-p / min-p filtering (transformers' order of the warpers)."""
     if s.temperature <= 0:
         return int(torch.argmax(logits))
     x = logits.float() / s.temperature
@@ -225,6 +235,8 @@ def sample(logits: torch.Tensor, s: SamplingParams, gen: torch.Generator | None 
         p, idx = torch.sort(torch.softmax(x, -1), descending=True)
         drop = p.cumsum(-1) - p > s.top_p
         x[idx[drop]] = float("-inf")
+    if s.min_p > 0:
+        x = min_p_filter(x, s.min_p)
     return int(torch.multinomial(torch.softmax(x, -1), 1, generator=gen))
 
 
@@ -254,7 +266,7 @@ def _commit_experts(ledger: Ledger, host, plan: Plan, say) -> dict[int, list[tor
     total = sum(want.values())
     can = most_slots(plan.geometry, room, 0, total) if room > 0 else 0
     if total > can:
-        say(f"expert cache: the plan's {total} slots do not fit above the margin "
+        say(f"expert cache: the plan's {total} expert slots do not fit above the margin "
             f"({format_bytes(room)} free); committing {can}")
         want = dict(spread_slots(plan.geometry, can))
     slots: dict[int, list[torch.Tensor]] = {}
@@ -276,5 +288,5 @@ def _shrink_to_margin(ledger: Ledger, experts: ExpertCache, say) -> None:
         ledger.release("experts", experts.release_slot(layer))
         freed += 1
     if freed:
-        say(f"expert cache: {freed} slot(s) given back after commit, less than the margin "
+        say(f"expert cache: {freed} expert slot(s) given back after commit, less than the margin "
             f"of {format_bytes(ledger.margin)} was free")

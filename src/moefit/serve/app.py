@@ -78,6 +78,9 @@ def _validation_message(exc: RequestValidationError) -> str:
         if err.get("type") == "json_invalid":
             return f"invalid request: the body is not valid JSON ({err.get('ctx', {}).get('error', err.get('msg'))})"
         loc = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
+        if err.get("type") == "extra_forbidden":
+            parts.append(f"unknown field {loc!r}: moefit does not implement it; remove it")
+            continue
         parts.append(f"{loc}: {err.get('msg')}" if loc else str(err.get("msg")))
     return "invalid request: " + "; ".join(parts)
 
@@ -206,7 +209,9 @@ def _encode_prompt(state: ServerState, prompt) -> list[int]:
 def _params(state: ServerState, body, max_tokens: int | None) -> Params:
     return Params.resolve(state.defaults, max_tokens=max_tokens, temperature=body.temperature,
                           top_k=body.top_k, top_p=body.top_p, seed=body.seed, stop=body.stop,
-                          ignore_eos=body.ignore_eos)
+                          ignore_eos=body.ignore_eos, min_p=body.min_p,
+                          repetition_penalty=body.repetition_penalty,
+                          stop_token_ids=body.stop_token_ids)
 
 
 def _with_generator(jobs, params: Params):

@@ -46,7 +46,9 @@ class Params:
 
     ``max_tokens``: new tokens at most (None: until the context is full). ``temperature``
     0 is greedy; ``top_k`` 0 and ``top_p`` 1 keep every token. ``stop``: stop strings.
-    ``eos_ids``: token ids that end the completion (ignored with ``ignore_eos``).
+    ``eos_ids``: token ids that end the completion (ignored with ``ignore_eos``);
+    ``stop_ids``: more such ids (``stop_token_ids``; kept with ``ignore_eos``). ``min_p`` 0
+    and ``repetition_penalty`` 1 are off.
     """
 
     max_tokens: int | None = 16
@@ -57,12 +59,17 @@ class Params:
     stop: tuple[str, ...] = ()
     eos_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    stop_ids: tuple[int, ...] = ()
 
     @classmethod
     def resolve(cls, defaults: GenerationDefaults, *, max_tokens: int | None = None,
                 temperature: float | None = None, top_k: int | None = None,
                 top_p: float | None = None, seed: int | None = None,
-                stop: Sequence[str] | str | None = None, ignore_eos: bool = False) -> "Params":
+                stop: Sequence[str] | str | None = None, ignore_eos: bool = False,
+                min_p: float | None = None, repetition_penalty: float | None = None,
+                stop_token_ids: Sequence[int] | None = None) -> "Params":
         """Request values where given, else the checkpoint's defaults (greedy unless its
         ``generation_config.json`` sets ``do_sample``). ``top_k`` -1 means no top-k."""
         sampled = defaults.do_sample
@@ -75,7 +82,9 @@ class Params:
         stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
         return cls(max_tokens=max_tokens, temperature=float(temperature), top_k=max(0, int(top_k)),
                    top_p=float(top_p), seed=seed, stop=stops, eos_ids=defaults.eos_ids,
-                   ignore_eos=ignore_eos)
+                   ignore_eos=ignore_eos, min_p=float(min_p or 0.0),
+                   repetition_penalty=float(repetition_penalty or 1.0),
+                   stop_ids=tuple(int(t) for t in stop_token_ids or ()))
 
     def generator(self) -> torch.Generator:
         """The request's random stream: seeded by ``seed``, else by the OS."""
@@ -112,9 +121,9 @@ def check_prompt(prompt_ids: Sequence[int], context: int, vocab_size: int) -> No
     if not prompt_ids:
         raise InputError("the prompt is empty (0 tokens)")
     if len(prompt_ids) > context:
-        raise PromptTooLong(f"the prompt is {len(prompt_ids)} tokens, more than this server's "
+        raise PromptTooLong(f"the prompt is {len(prompt_ids)} tokens, more than the planned "
                             f"context of {context} tokens (--max-context {context}); shorten "
-                            "the prompt or restart with a larger --max-context")
+                            "the prompt or plan a larger --max-context")
     bad = next((t for t in prompt_ids if not 0 <= int(t) < vocab_size), None)
     if bad is not None:
         raise InputError(f"token id {bad} is outside the vocabulary (0 .. {vocab_size - 1})")
@@ -126,14 +135,15 @@ _BOUND_WORDS = {"ge": "at least", "gt": "greater than", "le": "at most"}
 
 def check_sampling(temperature: float | None = None, top_p: float | None = None,
                    top_k: int | None = None, flags: bool = False,
-                   max_tokens: int | None = None) -> None:
+                   max_tokens: int | None = None, min_p: float | None = None,
+                   repetition_penalty: float | None = None) -> None:
     """Raise InputError for sampling settings outside the API's bounds
     (:data:`moefit.serve.protocol.SAMPLING_BOUNDS`: ``max_tokens >= 1``,
-    ``temperature >= 0``, ``0 < top_p <= 1``, ``top_k >= -1``; NaN is outside), checked in
-    that order; None is not checked. ``flags``: name them as command-line flags
-    (``--top-p``)."""
+    ``temperature >= 0``, ``0 < top_p <= 1``, ``top_k >= -1``, ``0 <= min_p <= 1``,
+    ``repetition_penalty > 0``; NaN is outside), checked in that order; None is not
+    checked. ``flags``: name them as command-line flags (``--top-p``)."""
     given = {"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p,
-             "top_k": top_k}
+             "top_k": top_k, "min_p": min_p, "repetition_penalty": repetition_penalty}
     for field, (bounds, meaning) in SAMPLING_BOUNDS.items():
         value = given[field]
         if value is None:
@@ -143,6 +153,17 @@ def check_sampling(temperature: float | None = None, top_p: float | None = None,
         name = "--" + field.replace("_", "-") if flags else field
         rule = " and ".join(f"{_BOUND_WORDS[k]} {v}" for k, v in bounds.items())
         raise InputError(f"{name} {value}: must be {rule}" + (f" ({meaning})" if meaning else ""))
+
+
+def repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
+    """transformers' ``RepetitionPenaltyLogitsProcessor`` (CTRL, Keskar et al. 2019): the
+    logit of every token already in the prompt or the output (``seen`` ``[V]`` bool) is
+    divided by ``penalty`` when positive and multiplied by it when negative. Returns fp32
+    ``[V]``."""
+    x = logits.float().clone()
+    s = x[seen]
+    x[seen] = torch.where(s < 0, s * penalty, s / penalty)
+    return x
 
 
 def stream(engine, prompt_ids: Sequence[int], params: Params, tokenizer: Tokenizer | None,
@@ -160,7 +181,9 @@ def stream(engine, prompt_ids: Sequence[int], params: Params, tokenizer: Tokeniz
     room = context - len(prompt_ids) + 1
     limit = room if params.max_tokens is None else min(params.max_tokens, room)
     gen = gen if gen is not None else params.generator()
-    eos = () if params.ignore_eos else params.eos_ids
+    eos = (() if params.ignore_eos else params.eos_ids) + params.stop_ids
+    seen = torch.zeros(engine.plan.geometry.vocab_size, dtype=torch.bool)
+    seen[torch.as_tensor(list(prompt_ids), dtype=torch.long)] = True
     text = TextStream(tokenizer, prompt_ids, params.stop)
     if cancelled is not None and cancelled():
         return
@@ -168,7 +191,10 @@ def stream(engine, prompt_ids: Sequence[int], params: Params, tokenizer: Tokeniz
     for i in range(limit):
         if cancelled is not None and cancelled():
             return
+        if params.repetition_penalty != 1.0:
+            logits = repetition_penalty(logits, seen, params.repetition_penalty)
         tok = sample(logits, params, gen)
+        seen[tok] = True
         if tok in eos:
             yield Step(tok, text.flush(), "stop")
             return

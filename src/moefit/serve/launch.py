@@ -115,7 +115,7 @@ def ready_line(engine, url: str | None = None) -> str:
     size = size_format(ledger.capacity)
     slots = sum(s["slots"] for s in engine.expert_stats()["layers"].values())
     n = plan.request.slots
-    line = (f"READY  context {plan.context} tokens x {n} slot{'s' if n != 1 else ''}, "
+    line = (f"READY  context {plan.context} tokens x {n} sequence{'s' if n != 1 else ''}, "
             f"chunk {engine.chunk} tokens, expert slots {slots} of {plan.total_experts}, "
             f"free {size(ledger.free_bytes())} of {size(ledger.capacity)} on {ledger.device}")
     return f"{line}, serving {url}" if url else line
@@ -224,10 +224,42 @@ def serve(args: argparse.Namespace) -> int:
 
 # ---- moefit generate ------------------------------------------------------------------------
 
+def read_prompt(args: argparse.Namespace) -> str:
+    """The prompt of ``generate``: ``--prompt TEXT``, ``--prompt -`` (all of stdin) or
+    ``--prompt-file PATH``, as UTF-8 text, verbatim (a trailing newline is kept).
+
+    Raises InputError naming the flag: a file that cannot be read, text that is not UTF-8,
+    an empty file or stdin."""
+    if getattr(args, "prompt_file", None) is not None:
+        where = f"--prompt-file {args.prompt_file}"
+        path = Path(args.prompt_file).expanduser()
+        if not path.is_file():
+            raise InputError(f"{where}: no such file (or not a regular file); give the path "
+                             "of a UTF-8 text file")
+        try:
+            data = path.read_bytes()
+        except OSError as e:
+            raise InputError(f"{where}: cannot read it ({e.strerror or e})") from None
+    elif args.prompt == "-":
+        where = "--prompt - (stdin)"
+        data = sys.stdin.buffer.read()
+    else:
+        return args.prompt
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise InputError(f"{where}: not UTF-8 text (byte {e.start} is 0x{data[e.start]:02x}); "
+                         "save the prompt as UTF-8") from None
+    if not text:
+        raise InputError(f"{where}: the prompt is empty")
+    return text
+
+
 def generate(args: argparse.Namespace) -> int:
     """``moefit generate``: the same plan and engine, one prompt, the text on stdout (the
     tables and READY go to stderr). Returns the exit code."""
     args.table_to = sys.stderr
+    prompt = read_prompt(args)
     plan, tokenizer, defaults, code = prepare(args)
     if code is not None:
         return code
@@ -237,14 +269,16 @@ def generate(args: argparse.Namespace) -> int:
     if tokenizer is None:
         raise InputError(f"{args.model}: no tokenizer.json; generate takes text prompts")
     check_sampling(args.temperature, args.top_p, args.top_k, flags=True,
-                   max_tokens=args.max_tokens)
+                   max_tokens=args.max_tokens, min_p=args.min_p,
+                   repetition_penalty=args.repetition_penalty)
     if args.chat:
-        ids = tokenizer.encode_chat([{"role": "user", "content": args.prompt}])
+        ids = tokenizer.encode_chat([{"role": "user", "content": prompt}])
     else:
-        ids = tokenizer.encode(args.prompt)
+        ids = tokenizer.encode(prompt)
     params = Params.resolve(defaults, max_tokens=args.max_tokens, temperature=args.temperature,
                             top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                            stop=args.stop or None, ignore_eos=args.ignore_eos)
+                            stop=args.stop or None, ignore_eos=args.ignore_eos,
+                            min_p=args.min_p, repetition_penalty=args.repetition_penalty)
     check_prompt(ids, plan.context, plan.geometry.vocab_size)
     engine, code = commit(args, plan)
     if engine is None:

@@ -1,15 +1,21 @@
 """OpenAI-compatible request bodies (``/v1/completions``, ``/v1/chat/completions``).
 
 Field names and meanings are OpenAI's (https://platform.openai.com/docs/api-reference).
-Unknown fields are ignored, as OpenAI-compatible servers do. Fields whose feature moefit
-does not have are refused with a 400 when they ask for it (``logprobs``, ``logit_bias``,
-penalties, ``tools``, ``echo``, ``best_of``, ``suffix``), rather than silently ignored.
+No field is ignored: a field moefit does not know is a 400 naming it, and fields whose
+feature moefit does not have are refused with a 400 when they ask for it (``logprobs``,
+``logit_bias``, ``presence_penalty`` / ``frequency_penalty``, ``tools``, ``echo``,
+``best_of``, ``suffix``, ``response_format`` other than ``{"type": "text"}``). A chat
+message's ``role`` is one of :data:`CHAT_ROLES`.
 
 Numbers and flags are strict (OpenAI's types): ``"max_tokens": "8"`` or ``true`` is a
 400, not 8 or 1; a number where a float is expected may be written as an integer.
 
-Extensions (vLLM's names): ``top_k`` (0 or -1: off), ``ignore_eos``, ``return_token_ids``
-(the prompt and completion token ids in each choice), ``chat_template_kwargs``.
+Extensions (vLLM's names and meanings): ``top_k`` (0 or -1: off), ``min_p`` (0..1: drop
+tokens less likely than ``min_p`` x the most likely one), ``repetition_penalty`` (> 0, 1:
+off; transformers' ``RepetitionPenaltyLogitsProcessor`` over the prompt and the output),
+``stop_token_ids`` (token ids that end the completion, like the EOS ids), ``ignore_eos``,
+``return_token_ids`` (the prompt and completion token ids in each choice),
+``chat_template_kwargs``.
 """
 
 from __future__ import annotations
@@ -29,6 +35,8 @@ SAMPLING_BOUNDS: dict[str, tuple[dict[str, int], str | None]] = {
     "temperature": ({"ge": 0}, "0: greedy"),
     "top_p": ({"gt": 0, "le": 1}, None),
     "top_k": ({"ge": -1}, "0 or -1: off"),
+    "min_p": ({"ge": 0, "le": 1}, "0: off"),
+    "repetition_penalty": ({"gt": 0}, "1: off"),
 }
 
 
@@ -38,7 +46,11 @@ def _bounded(name: str):
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
+
+
+#: Chat roles the API knows (OpenAI's; ``developer`` is its newer name for ``system``).
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 class StreamOptions(_Body):
@@ -53,6 +65,10 @@ class _Sampling(_Body):
     temperature: float | None = _bounded("temperature")
     top_p: float | None = _bounded("top_p")
     top_k: int | None = _bounded("top_k")
+    min_p: float | None = _bounded("min_p")
+    repetition_penalty: float | None = _bounded("repetition_penalty")
+    stop_token_ids: list[int] | None = Field(None, strict=True)
+    response_format: dict[str, Any] | None = None
     seed: int | None = Field(None, strict=True)
     stop: str | list[str] | None = None
     n: int = Field(1, ge=1, le=16, strict=True)
@@ -72,6 +88,12 @@ class _Sampling(_Body):
                 raise InputError(f"{name} is not supported by moefit (leave it 0)")
         if self.logit_bias:
             raise InputError("logit_bias is not supported by moefit")
+        if self.response_format is not None:
+            kind = self.response_format.get("type")
+            if kind != "text":
+                raise InputError(f"response_format {kind!r} is not supported by moefit (no "
+                                 "constrained decoding); leave response_format out or use "
+                                 '{"type": "text"}')
         if isinstance(self.stop, list) and len(self.stop) > 16:
             raise InputError("stop: at most 16 stop strings")
 
@@ -131,7 +153,11 @@ class ChatMessage(BaseModel):
     content: str | list[TextPart | dict[str, Any]] | None
 
     def for_template(self) -> dict:
-        """The message as the template sees it: text parts joined by newlines."""
+        """The message as the template sees it: text parts joined by newlines. Raises
+        InputError for a role not in :data:`CHAT_ROLES` or missing content."""
+        if self.role not in CHAT_ROLES:
+            raise InputError(f"messages: role {self.role!r} is not a chat role; use one of "
+                             f"{', '.join(CHAT_ROLES)}")
         if self.content is None and self.role != "assistant":
             raise InputError(f"messages: a {self.role!r} message needs content (null only "
                              "for an assistant message)")

@@ -13,12 +13,28 @@ quantized-expert file of a checkpoint without llama.cpp. It mirrors llama.cpp's
   ``blk.N.ffn_gate_inp`` (router), ``blk.N.ffn_{gate,up,down}_exps`` (experts stacked
   ``[E, out, in]``), ``blk.N.ffn_{gate,up,down}_shexp`` + ``ffn_gate_inp_shexp``;
 - ``llama``: q/k rows permuted for llama.cpp's interleaved RoPE (``LlamaModel.permute``);
-- routers and 1-D tensors stay F32.
+- routers and 1-D tensors stay F32;
+- ``general.quantization_version`` (``GGML_QUANT_VERSION``, as ``prepare_metadata`` adds it);
+- the vocabulary as ``_set_vocab_gpt2`` writes it: one entry per id up to the config's
+  ``vocab_size`` (``get_vocab_base``: ids the tokenizer lacks are ``[PAD{id}]`` of type
+  UNUSED, added tokens CONTROL when special, USER_DEFINED otherwise, the rest NORMAL), then
+  ``gguf.SpecialVocab`` (merges; bos / eos / unk / sep / pad ids from
+  ``tokenizer_config.json`` and ``config.json``; ``add_bos_token`` / ``add_eos_token``; the
+  chat template) when the tokenizer's directory is given.
+
+Memory: tensor by tensor. The tensor infos are declared first (shapes and byte sizes, no
+data), then each tensor is produced, converted, written and dropped; the experts of one
+layer are stacked one part (gate, up or down) at a time. The peak is about one stacked
+expert part in float32 plus its quantized copy, whatever the model's size (a 1 GiB bf16
+model: 0.25 GiB allocated instead of 6.5 GiB, ``benchmarks/gguf_write_memory.py``); with a
+lazy ``state`` (:func:`convert_checkpoint` reads the safetensors files tensor by tensor) a
+model larger than the machine's memory converts.
 
 Quantization is the package's own (``gguf.quants.quantize``: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1,
-MXFP4, BF16, ...; the K-quants have no Python quantizer). :func:`write_gguf` returns the
-weights as the file stores them, dequantized by ``gguf.quants.dequantize``, under the input
-names: the exact weights a reference forward pass must use.
+MXFP4, BF16, ...; the K-quants have no Python quantizer). With ``return_stored``,
+:func:`write_gguf` also returns the weights as the file stores them, dequantized by
+``gguf.quants.dequantize``, under the input names: the exact weights a reference forward
+pass must use (this holds every weight in float32: for tests and small models).
 """
 
 from __future__ import annotations
@@ -26,10 +42,11 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import Mapping
+from typing import Callable, Iterator, Mapping
 
 import numpy as np
 
+from moefit.ingest.checkpoint import checkpoint_files
 from moefit.ingest.families import registry
 from moefit.ingest.families.common import gguf_moe_metadata, rope_config
 
@@ -74,19 +91,89 @@ def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _store(qtype: str, data: np.ndarray):
-    """(array to write, raw ggml type or None, dequantized float32 copy)."""
+def _f32(v) -> np.ndarray:
+    """A torch tensor or array as a contiguous float32 array (one copy at most)."""
+    if hasattr(v, "detach"):
+        v = v.detach().float().cpu().numpy()
+    return np.ascontiguousarray(v, dtype=np.float32)
+
+
+def _shape(state: Mapping, key: str) -> tuple[int, ...]:
+    """The shape of ``state[key]`` without converting it (``shape_of`` of a lazy state)."""
+    if hasattr(state, "shape_of"):
+        return tuple(state.shape_of(key))
+    return tuple(state[key].shape)
+
+
+def _declared(qtype: str, shape: tuple[int, ...]) -> tuple[tuple[int, ...], np.dtype, int, object]:
+    """How a ``qtype`` tensor of ``shape`` is declared before its data: (array shape, numpy
+    dtype, bytes, raw ggml type or None)."""
     from gguf import GGMLQuantizationType, quants
 
-    data = np.ascontiguousarray(data, dtype=np.float32)
+    n = int(np.prod(shape))
     if qtype == "F32":
-        return data, None, data
+        return shape, np.dtype(np.float32), 4 * n, None
     if qtype == "F16":
-        h = data.astype(np.float16)
-        return h, None, h.astype(np.float32)
+        return shape, np.dtype(np.float16), 2 * n, None
     t = GGMLQuantizationType[qtype]
-    raw = quants.quantize(data, t)
-    return raw, t, quants.dequantize(raw, t).reshape(data.shape)
+    byte_shape = quants.quant_shape_to_byte_shape(shape, t)
+    return byte_shape, np.dtype(np.uint8), int(np.prod(byte_shape)), t
+
+
+def _store(qtype: str, data: np.ndarray):
+    """(array to write, raw ggml type or None)."""
+    from gguf import GGMLQuantizationType, quants
+
+    if qtype == "F32":
+        return data, None
+    if qtype == "F16":
+        return data.astype(np.float16), None
+    t = GGMLQuantizationType[qtype]
+    return quants.quantize(data, t), t
+
+
+def _dequantized(raw: np.ndarray, raw_type, shape: tuple[int, ...]) -> np.ndarray:
+    from gguf import quants
+
+    if raw_type is None:
+        return raw.astype(np.float32)
+    return quants.dequantize(raw, raw_type).reshape(shape)
+
+
+def _expert_layout(keys) -> dict[int, tuple[str, dict]]:
+    """Per MoE layer: ``("fused", {"gate_up_proj" | "down_proj": key})`` or
+    ``("per_expert", {(part, j): key})``."""
+    layers: dict[int, tuple[str, dict]] = {}
+    for k in keys:
+        if (m := _FUSED.match(k)):
+            layers.setdefault(int(m.group(1)), ("fused", {}))[1][m.group(2)] = k
+        elif (m := _PER_EXPERT.match(k)):
+            layer, j, part = int(m.group(1)), int(m.group(2)), _PART[m.group(3)]
+            layers.setdefault(layer, ("per_expert", {}))[1][(part, j)] = k
+    return layers
+
+
+def _expert_part(state: Mapping, kind: str, names: dict, part: str,
+                 experts: int) -> tuple[tuple[int, ...], Callable[[], np.ndarray]]:
+    """(shape, producer) of one layer's stacked expert part ``[E, out, in]`` (float32,
+    built only when the producer is called)."""
+    if kind == "fused":
+        if part == "down":
+            return _shape(state, names["down_proj"]), lambda: _f32(state[names["down_proj"]])
+        e, two_i, h = _shape(state, names["gate_up_proj"])
+
+        def gate_up() -> np.ndarray:
+            gu = state[names["gate_up_proj"]]                      # [E, 2I, H]
+            return _f32(gu[:, :two_i // 2] if part == "gate" else gu[:, two_i // 2:])
+        return (e, two_i // 2, h), gate_up
+    one = _shape(state, names[(part, 0)])
+
+    def stacked() -> np.ndarray:
+        out = np.empty((experts, *one), np.float32)
+        for j in range(experts):
+            out[j] = _f32(state[names[(part, j)]])
+        return out
+    return (experts, *one), stacked
 
 
 def write_gguf(state: Mapping[str, "object"], config: Mapping, out: str | Path, *,
@@ -94,9 +181,12 @@ def write_gguf(state: Mapping[str, "object"], config: Mapping, out: str | Path, 
                dense_type: str = "F32", dense_types: Mapping[str, str] | None = None,
                file_type: int | None = 0, split_max_tensors: int = 0,
                name: str = "", tokenizer=None, chat_template: str | None = None,
-               eos_token: str | None = None) -> dict[str, np.ndarray]:
-    """Write ``state`` (HF names; fused or per-expert layout; torch tensors or arrays) of a
-    model with ``config`` (its ``config.json`` dict) to ``out`` as GGUF.
+               eos_token: str | None = None, tokenizer_dir: str | Path | None = None,
+               tokenizer_pre: str = "qwen2",
+               return_stored: bool = False) -> dict[str, np.ndarray] | None:
+    """Write ``state`` (HF names; fused or per-expert layout; torch tensors or arrays, or a
+    lazy mapping) of a model with ``config`` (its ``config.json`` dict) to ``out`` as GGUF,
+    tensor by tensor (module docstring).
 
     Args:
         expert_types: ggml type of every expert tensor, or per MoE layer ``(gate, up, down)``.
@@ -107,12 +197,20 @@ def write_gguf(state: Mapping[str, "object"], config: Mapping, out: str | Path, 
         split_max_tensors: write ``out`` as a split file with at most this many tensors per
             shard (``name-0000K-of-0000N.gguf``).
         tokenizer: a byte-level BPE ``tokenizers.Tokenizer`` to store as llama.cpp does
-            (``_set_vocab_gpt2``: model ``gpt2``, pre ``qwen2``, tokens, token types,
-            merges), with ``chat_template`` and the id of ``eos_token``.
+            (``_set_vocab_gpt2``), with ``chat_template`` and the id of ``eos_token`` when
+            no ``tokenizer_dir`` gives them.
+        tokenizer_dir: the directory of ``tokenizer.json`` / ``tokenizer_config.json`` /
+            ``config.json``: the tokenizer (when ``tokenizer`` is None) and everything
+            ``gguf.SpecialVocab`` reads there, as the converter does.
+        tokenizer_pre: ``tokenizer.ggml.pre`` (the converter finds it from a hash of the
+            tokenizer's output; ``qwen2`` for the Qwen tokenizers).
+        return_stored: also return the stored weights (below); holds every weight in
+            float32, so leave it off for a large model.
 
     Returns:
-        The weights as stored, dequantized to float32, under the input names (q/k of
-        ``mixtral`` un-permuted back): load them into the reference model.
+        With ``return_stored``: the weights as stored, dequantized to float32, under the
+        input names (q/k of ``mixtral`` un-permuted back): load them into the reference
+        model. Otherwise None.
 
     Raises KeyError for a tensor name the families do not have, ValueError for a
     ``model_type`` other than qwen3_moe, qwen2_moe, mixtral, olmoe.
@@ -123,8 +221,6 @@ def write_gguf(state: Mapping[str, "object"], config: Mapping, out: str | Path, 
     arch = gguf_arch(mt)
     expert_names = registry.family_for(mt).names
     permute = registry.family_for(mt).gguf_permute_qk
-    arrays = {k: (v.detach().float().cpu().numpy() if hasattr(v, "detach") else np.asarray(v, np.float32))
-              for k, v in state.items()}
     heads, kv_heads = config["num_attention_heads"], config.get("num_key_value_heads", config["num_attention_heads"])
     hidden = config["hidden_size"]
     head_dim = config.get("head_dim") or hidden // heads
@@ -159,93 +255,148 @@ def write_gguf(state: Mapping[str, "object"], config: Mapping, out: str | Path, 
     (registry.family_for(mt).gguf_write_meta or gguf_moe_metadata)(w, config)
     if file_type is not None:
         w.add_file_type(file_type)
+    w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    if tokenizer is None and tokenizer_dir is not None:
+        from tokenizers import Tokenizer
+
+        tokenizer = Tokenizer.from_file(str(Path(tokenizer_dir) / "tokenizer.json"))
     if tokenizer is not None:
-        _add_vocab(w, tokenizer, eos_token)
-    if chat_template:
+        _add_vocab(w, tokenizer, config["vocab_size"], tokenizer_pre)
+        if tokenizer_dir is not None:
+            gguf.SpecialVocab(Path(tokenizer_dir), load_merges=True,
+                              n_vocab=config["vocab_size"]).add_to_gguf(w, quiet=True)
+        else:
+            model = json.loads(tokenizer.to_str())["model"]
+            w.add_token_merges([" ".join(m) if isinstance(m, list) else m for m in model["merges"]])
+            if eos_token is not None:
+                w.add_eos_token_id(model["vocab"][eos_token])
+    if chat_template and tokenizer_dir is None:
         w.add_chat_template(chat_template)
 
-    stored: dict[str, np.ndarray] = {}
-    # ---- experts: stack per layer as [E, out, in] ----------------------------------------
-    per_layer: dict[int, dict[str, np.ndarray]] = {}
-    fused_names: dict[int, dict[str, str]] = {}
-    per_expert: dict[int, dict[tuple[str, int], str]] = {}
-    for k, v in arrays.items():
-        if (m := _FUSED.match(k)):
-            layer = int(m.group(1))
-            fused_names.setdefault(layer, {})[m.group(2)] = k
-            if m.group(2) == "gate_up_proj":
-                inter = v.shape[1] // 2
-                per_layer.setdefault(layer, {}).update(gate=v[:, :inter], up=v[:, inter:])
-            else:
-                per_layer.setdefault(layer, {})["down"] = v
-        elif (m := _PER_EXPERT.match(k)):
-            layer, j, part = int(m.group(1)), int(m.group(2)), _PART[m.group(3)]
-            per_expert.setdefault(layer, {})[(part, j)] = k
-    for layer, names in per_expert.items():
-        for part in ("gate", "up", "down"):
-            per_layer.setdefault(layer, {})[part] = np.stack([arrays[names[(part, j)]] for j in range(experts)])
-
-    tensors: list[tuple[str, np.ndarray, str]] = []   # (gguf name, data, type)
-    for layer in sorted(per_layer):
-        t = per_layer[layer]
+    # ---- the tensors in file order, declared by shape (no data yet) ----------------------
+    plan: list[tuple[str, tuple[int, ...], str, Callable[[], np.ndarray]]] = []
+    layout = _expert_layout(state.keys())
+    for layer in sorted(layout):
+        kind, names = layout[layer]
         types = expert_types if isinstance(expert_types, tuple) else (
             expert_types.get(layer, ("Q8_0",) * 3) if isinstance(expert_types, Mapping) else (expert_types,) * 3)
         for part, qt in zip(("gate", "up", "down"), types):
-            tensors.append((expert_names.gguf_expert(part, layer), t[part], qt))
-    for k, v in arrays.items():
-        if _FUSED.match(k) or _PER_EXPERT.match(k):
-            continue
+            shape, make = _expert_part(state, kind, names, part, experts)
+            plan.append((expert_names.gguf_expert(part, layer), shape, qt, make))
+    dense = [k for k in state.keys() if not (_FUSED.match(k) or _PER_EXPERT.match(k))]
+    for k in dense:
         g = gguf_name(k, mt)
-        if permute and g.split(".", 2)[-1] in qk_heads:
-            v = permute_qk(v, qk_heads[g.split(".", 2)[-1]])
-        qt = "F32" if v.ndim < 2 or "ffn_gate_inp" in g else dense_type
-        qt = (dense_types or {}).get(g, qt)
-        tensors.append((g, v, qt))
+        shape = _shape(state, k)
+        n_perm = qk_heads.get(g.split(".", 2)[-1]) if permute else None
 
-    deq: dict[str, np.ndarray] = {}
-    for g, v, qt in tensors:
-        raw, raw_type, back = _store(qt, v)
-        w.add_tensor(g, raw, raw_dtype=raw_type)
-        deq[g] = back
+        def make(k=k, n_perm=n_perm) -> np.ndarray:
+            v = _f32(state[k])
+            return np.ascontiguousarray(permute_qk(v, n_perm)) if n_perm else v
+        qt = "F32" if len(shape) < 2 or "ffn_gate_inp" in g else dense_type
+        plan.append((g, shape, (dense_types or {}).get(g, qt), make))
+    for g, shape, qt, _ in plan:
+        arr_shape, dtype, nbytes, raw_type = _declared(qt, shape)
+        w.add_tensor_info(g, arr_shape, dtype, nbytes, raw_dtype=raw_type)
     w.write_header_to_file()
     w.write_kv_data_to_file()
-    w.write_tensors_to_file()
+    w.write_ti_data_to_file()
+
+    # ---- then the data, one tensor at a time -------------------------------------------
+    deq: dict[str, np.ndarray] = {}
+    for g, shape, qt, make in plan:
+        raw, raw_type = _store(qt, make())
+        w.write_tensor_data(raw)
+        if return_stored:
+            deq[g] = _dequantized(raw, raw_type, shape)
+        del raw
     w.close()
+    if not return_stored:
+        return None
 
     # ---- the stored weights under the input names ---------------------------------------
-    for k in arrays:
-        if _FUSED.match(k) or _PER_EXPERT.match(k):
-            continue
+    stored: dict[str, np.ndarray] = {}
+    for k in dense:
         g = gguf_name(k, mt)
-        v = deq[g]
-        if permute and g.split(".", 2)[-1] in qk_heads:
-            v = unpermute_qk(v, qk_heads[g.split(".", 2)[-1]])
-        stored[k] = v
-    for layer, names in fused_names.items():
-        g = {p: deq[expert_names.gguf_expert(p, layer)] for p in ("gate", "up", "down")}
-        if "gate_up_proj" in names:
-            stored[names["gate_up_proj"]] = np.concatenate([g["gate"], g["up"]], axis=1)
-        if "down_proj" in names:
-            stored[names["down_proj"]] = g["down"]
-    for layer, names in per_expert.items():
-        for (part, j), k in names.items():
-            stored[k] = deq[expert_names.gguf_expert(part, layer)][j]
+        n_perm = qk_heads.get(g.split(".", 2)[-1]) if permute else None
+        stored[k] = unpermute_qk(deq[g], n_perm) if n_perm else deq[g]
+    for layer, (kind, names) in layout.items():
+        parts = {p: deq[expert_names.gguf_expert(p, layer)] for p in ("gate", "up", "down")}
+        if kind == "fused":
+            if "gate_up_proj" in names:
+                stored[names["gate_up_proj"]] = np.concatenate([parts["gate"], parts["up"]], axis=1)
+            if "down_proj" in names:
+                stored[names["down_proj"]] = parts["down"]
+        else:
+            for (part, j), k in names.items():
+                stored[k] = parts[part][j]
     return stored
 
 
-def _add_vocab(w, tokenizer, eos_token: str | None) -> None:
-    """A byte-level BPE as llama.cpp's GPT-2-style vocabulary keys."""
-
+def _add_vocab(w, tokenizer, vocab_size: int, pre: str) -> None:
+    """A byte-level BPE as ``convert_hf_to_gguf.py``'s ``get_vocab_base`` lists it: one
+    token per id below ``vocab_size`` (the embedding rows); an id the tokenizer lacks is
+    ``[PAD{id}]`` (UNUSED); an added token is CONTROL when special, USER_DEFINED otherwise;
+    every other token NORMAL. Merges and special ids are added by the caller."""
     import gguf
 
-    model = json.loads(tokenizer.to_str())["model"]
-    vocab = model["vocab"]
-    special = {t.content for t in tokenizer.get_added_tokens_decoder().values() if t.special}
-    tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
+    by_id = {i: t for t, i in tokenizer.get_vocab(with_added_tokens=True).items()}
+    added = tokenizer.get_added_tokens_decoder()
+    tokens, types = [], []
+    for i in range(max(vocab_size, len(by_id))):
+        if i not in by_id:
+            tokens.append(f"[PAD{i}]")
+            types.append(gguf.TokenType.UNUSED)
+        elif i in added:
+            tokens.append(by_id[i])
+            types.append(gguf.TokenType.CONTROL if added[i].special else gguf.TokenType.USER_DEFINED)
+        else:
+            tokens.append(by_id[i])
+            types.append(gguf.TokenType.NORMAL)
     w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("qwen2")
+    w.add_tokenizer_pre(pre)
     w.add_token_list(tokens)
-    w.add_token_types([gguf.TokenType.CONTROL if t in special else gguf.TokenType.NORMAL for t in tokens])
-    w.add_token_merges([" ".join(m) if isinstance(m, list) else m for m in model["merges"]])
-    if eos_token is not None:
-        w.add_eos_token_id(vocab[eos_token])
+    w.add_token_types(types)
+
+
+class LazyCheckpoint(Mapping):
+    """The tensors of a safetensors checkpoint directory, read one at a time
+    (``safetensors.safe_open``); ``shape_of(name)`` reads the header only.
+
+    Raises KeyError for a name the checkpoint does not hold."""
+
+    def __init__(self, model_dir: str | Path):
+        from safetensors import safe_open
+
+        self._where: dict[str, object] = {}
+        for f in checkpoint_files(Path(model_dir)):
+            handle = safe_open(str(f), framework="pt", device="cpu")
+            for k in handle.keys():
+                self._where[k] = handle
+
+    def __getitem__(self, key: str):
+        return self._where[key].get_tensor(key)
+
+    def shape_of(self, key: str) -> tuple[int, ...]:
+        return tuple(self._where[key].get_slice(key).get_shape())
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._where)
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+
+def convert_checkpoint(model_dir: str | Path, out: str | Path, **kwargs) -> None:
+    """Convert the Hugging Face checkpoint in ``model_dir`` (``config.json``,
+    ``*.safetensors``, and its tokenizer files when present) to GGUF at ``out``, reading one
+    tensor at a time: a model larger than the machine's memory converts. ``kwargs`` are
+    :func:`write_gguf`'s (``expert_types``, ``dense_type``, ``file_type`` ...).
+
+    Raises OSError / ValueError for an unreadable directory, and :func:`write_gguf`'s
+    errors."""
+    model_dir = Path(model_dir)
+    config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+    if (model_dir / "tokenizer.json").is_file():
+        kwargs.setdefault("tokenizer_dir", model_dir)
+    kwargs.setdefault("name", model_dir.name)
+    write_gguf(LazyCheckpoint(model_dir), config, out, **kwargs)

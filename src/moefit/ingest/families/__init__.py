@@ -97,14 +97,14 @@ def check_geometry(g: ModelGeometry) -> None:
         a = l.attention
         if a.num_heads < 1:
             raise bad(f"layer {l.index}: num_attention_heads must be positive")
-        if a.kind in ("full", "sliding"):
+        if a.kind in ("full", "sliding", "chunked"):
             if a.num_kv_heads < 1 or a.num_heads % a.num_kv_heads:
                 raise bad(f"layer {l.index}: num_key_value_heads ({a.num_kv_heads}) must divide "
                           f"num_attention_heads ({a.num_heads})")
             if a.head_dim < 1 or a.v_head_dim < 1:
                 raise bad(f"layer {l.index}: head_dim must be positive")
-        if a.kind == "sliding" and (a.sliding_window or 0) < 1:
-            raise bad(f"layer {l.index}: sliding_window must be positive")
+        if a.kind in ("sliding", "chunked") and (a.sliding_window or 0) < 1:
+            raise bad(f"layer {l.index}: sliding_window / attention_chunk_size must be positive")
         if l.moe is not None:
             m = l.moe
             if m.num_experts < 1 or not 1 <= m.experts_per_token <= m.num_experts:
@@ -117,6 +117,12 @@ def _parse(cfg: dict, name: str, source: str) -> ModelGeometry:
     if is_deepseek_inference_config(cfg):
         return inference_geometry(c, name)
     model_type = cfg.get("model_type")
+    if model_type is None:
+        looks = (" (it looks like a tokenizer file)" if {"model", "added_tokens"} & set(cfg)
+                 or "tokenizer_class" in cfg else "")
+        raise InputError(
+            f"{c.source}: not a model config: it has no model_type{looks}; give the model's "
+            "config.json, its directory, a .gguf file or a preset name (`moefit models`)")
     family = registry.family_for(model_type)
     if family is None:
         raise InputError(
@@ -136,4 +142,4 @@ def _parse(cfg: dict, name: str, source: str) -> ModelGeometry:
         name=name, model_type=model_type, hidden_size=globals_[0].shape[1],
         vocab_size=globals_[0].shape[0], layers=tuple(layers), global_tensors=globals_,
         dtype=dtype, dtype_bytes=dtype_bytes, quant=quant, rope=read_rope(text, max_pos), source=source,
-        notes=notes)
+        notes=notes, active_convention=family.active_convention.get(kind, "all"))

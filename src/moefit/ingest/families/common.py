@@ -340,7 +340,7 @@ def attn_spec(m: Sizes, kind: str = "full", rotary: float = 1.0, window: int | N
                output_gate: bool = False) -> AttentionSpec:
     return AttentionSpec(kind=kind, num_heads=m.heads, num_kv_heads=m.kv_heads, head_dim=m.head_dim,
                          v_head_dim=m.head_dim, rotary_dim=int(m.head_dim * rotary),
-                         sliding_window=window if kind == "sliding" else None,
+                         sliding_window=window if kind in ("sliding", "chunked") else None,
                          output_gate=output_gate)
 
 
@@ -649,7 +649,9 @@ class Family:
     ``gguf_permute_qk``: the GGUF file holds q/k rows permuted for llama.cpp's interleaved
     RoPE (``convert_hf_to_gguf.py`` ``LlamaModel.permute``). ``gguf_write_meta(writer,
     config)``: the family's own metadata keys for ``moefit.tools.gguf_write`` (default
-    :func:`gguf_moe_metadata`).
+    :func:`gguf_moe_metadata`). ``active_convention``: per model_type, how its model card
+    counts active parameters when not every embedding is counted
+    (:data:`~moefit.ingest.geometry.ACTIVE_CONVENTIONS`).
     """
 
     name: str
@@ -667,6 +669,7 @@ class Family:
     runtime_gguf_archs: tuple[str, ...] = ()
     gguf_permute_qk: bool = False
     gguf_write_meta: Callable[[Any, dict], None] | None = None
+    active_convention: dict[str, str] = field(default_factory=dict)
 
     def kind(self, model_type: str) -> str:
         """The model_type whose parser branch ``model_type`` takes."""

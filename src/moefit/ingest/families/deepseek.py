@@ -19,12 +19,6 @@ from moefit.ingest.geometry import (
     AttentionSpec, LayerSpec, ModelGeometry, MoESpec, Quantization, RopeSpec, Tensor,
 )
 
-NOTES = {
-    "deepseek_v3": "router e_score_correction_bias (fp32 buffer) not in the analytic listing",
-    "kimi_k2": "router e_score_correction_bias (fp32 buffer) not in the analytic listing",
-}
-
-
 @dataclass(frozen=True)
 class MlaSizes:
     """DeepSeek-V2/V3 sizes, from an HF config or DeepSeek's own inference config."""
@@ -157,12 +151,12 @@ def inference_geometry(c: Cfg, name: str) -> ModelGeometry:
     quant = Quantization("fp8", (128, 128), FP8_ROLES) if fp8 else Quantization()
     model_type = "deepseek_v3" if c.get("score_func") == "sigmoid" else "deepseek_v2"
     notes = (f"DeepSeek inference config mapped to {model_type}; trained window "
-             f"{original} x {factor:g} = {window} (YaRN, as in the HF configs)",) + \
-        ((NOTES[model_type],) if model_type in NOTES else ())
+             f"{original} x {factor:g} = {window} (YaRN, as in the HF configs)",)
     return ModelGeometry(
         name=name, model_type=model_type, hidden_size=s.hidden, vocab_size=s.vocab,
         layers=tuple(mla_layers(s)), global_tensors=global_tensors("model.", "lm_head.weight", s.hidden, s.vocab, False),
-        dtype="bfloat16", dtype_bytes=2, quant=quant, rope=rope, source=c.source, notes=notes)
+        dtype="bfloat16", dtype_bytes=2, quant=quant, rope=rope, source=c.source, notes=notes,
+        active_convention="no_input_embedding")
 
 
 
@@ -187,5 +181,9 @@ def gguf_config(m: GGUFMeta, cfg: dict, f: GGUFFacts) -> None:
 
 
 FAMILY = Family(name="deepseek", model_types=("deepseek_v2", "deepseek_v3", "kimi_k2"), parse=parse,
-                notes=NOTES, gguf_archs=("deepseek2",), gguf_config=gguf_config,
+                # the cards' "37B activated" (V3) / "2.4B" (V2-Lite) / "32B" (Kimi K2) leave
+                # the input embedding out
+                active_convention=dict.fromkeys(("deepseek_v2", "deepseek_v3", "kimi_k2"),
+                                                "no_input_embedding"),
+                gguf_archs=("deepseek2",), gguf_config=gguf_config,
                 gguf_arch_of={"deepseek_v2": "deepseek2", "deepseek_v3": "deepseek2", "kimi_k2": "deepseek2"})

@@ -62,5 +62,4 @@ def gguf_config(m: GGUFMeta, cfg: dict, f: GGUFFacts) -> None:
 
 
 FAMILY = Family(name="glm4_moe", model_types=("glm4_moe",), parse=parse, gguf_archs=("glm4moe",),
-                gguf_config=gguf_config, gguf_arch_of={"glm4_moe": "glm4moe"},
-                notes={"glm4_moe": "router e_score_correction_bias (fp32 buffer) not in the analytic listing"})
+                gguf_config=gguf_config, gguf_arch_of={"glm4_moe": "glm4moe"})

@@ -55,5 +55,9 @@ def gguf_config(m: GGUFMeta, cfg: dict, f: GGUFFacts) -> None:
                sliding_window=m.int("attention.sliding_window", 128), attention_bias=True)
 
 
+#: Active parameters as OpenAI's gpt-oss model card counts them (its parameter table:
+#: gpt-oss-120b 5.13B active of 116.83B, gpt-oss-20b 3.61B of 20.91B): without the input
+#: embedding table, with the unembedding.
 FAMILY = Family(name="gpt_oss", model_types=("gpt_oss",), parse=parse, gguf_archs=("gpt-oss",),
-                gguf_config=gguf_config, gguf_arch_of={"gpt_oss": "gpt-oss"})
+                gguf_config=gguf_config, gguf_arch_of={"gpt_oss": "gpt-oss"},
+                active_convention={"gpt_oss": "no_input_embedding"})

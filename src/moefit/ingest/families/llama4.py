@@ -1,12 +1,14 @@
-"""Llama 4 (``model_type`` ``llama4``, text-only ``llama4_text``): config; planning only, no GGUF mapping.from moefit.ingest.geometry import LayerSpec, MoESpec, Tensor
+"""Llama 4 (``model_type`` ``llama4``, text-only ``llama4_text``): config; planning only, no GGUF mapping.
+
 Source: transformers 5.x ``modeling_llama4.py``. This module imports no torch.
 """
 
 from __future__ import annotations
 
+from moefit.errors import InputError
 from moefit.ingest.families.common import (
-    Cfg, Family, attn_spec, global_tensors, gqa, layer_norms, partial_rotary, read_sizes,
-    router_tensors, swiglu,
+    Cfg, Family, attn_spec, global_tensors, gqa, layer_norms, layer_types, partial_rotary,
+    read_sizes, router_tensors, swiglu,
 )
 from moefit.ingest.geometry import LayerSpec, MoESpec, Tensor
 
@@ -23,9 +25,11 @@ def parse(c: Cfg, kind: str) -> tuple[list[LayerSpec], tuple[Tensor, ...], int]:
     and one ``feed_forward.shared_expert`` of width I; other layers have a dense
     ``feed_forward`` of width ``intermediate_size_mlp``.
 
-    KV: Llama 4's chunked-attention layers (RoPE layers attending within
-    ``attention_chunk_size`` = 8192-token chunks) are treated as full attention, which
-    over-counts their KV at contexts beyond one chunk (the safe side).
+    Chunked attention, as transformers' ``Llama4TextConfig`` decides it (vLLM and llama.cpp
+    agree): ``layer_types`` when given, else a layer is ``chunked_attention`` when it uses
+    RoPE (``no_rope_layers[i]`` = 1; default: every layer but each
+    ``no_rope_layer_interval``-th, 4) and ``attention_chunk_size`` is set (8192 in Scout);
+    the NoPE layers attend over the whole context. Scout: 36 chunked + 12 full layers.
     """
     multimodal = c.get("text_config") is not None
     tc = c.text_config() if multimodal else c
@@ -36,9 +40,22 @@ def parse(c: Cfg, kind: str) -> tuple[list[LayerSpec], tuple[Tensor, ...], int]:
     step = tc.int("interleave_moe_layer_step", 1)
     moe_layers = set(tc.get("moe_layers") or range(step - 1, m.layers, step))
     bias = bool(tc.get("attention_bias", False))
+    chunk = tc.get("attention_chunk_size")
+    interval = tc.int("no_rope_layer_interval", 4)
+    rope_layers = tc.get("no_rope_layers") or [int((i + 1) % interval != 0) for i in range(m.layers)]
+    if len(rope_layers) != m.layers:
+        raise InputError(f"{c.source}: {tc.path}no_rope_layers has {len(rope_layers)} entries for "
+                         f"num_hidden_layers {m.layers}")
+    types = layer_types(tc, m.layers, lambda i: "chunked_attention" if rope_layers[i] and chunk
+                        else "full_attention")
     layers = []
     for i in range(m.layers):
         p = f"{pre}model.layers.{i}."
+        if types[i] not in ("chunked_attention", "full_attention"):
+            raise InputError(f"{c.source}: unknown layer type {types[i]!r} in {tc.path}layer_types")
+        chunked = types[i] == "chunked_attention" and bool(chunk)
+        spec = (attn_spec(m, "chunked", partial_rotary(tc), window=int(chunk)) if chunked
+                else attn_spec(m, "full", partial_rotary(tc)))
         ts = gqa(p, m, qkv_bias=bias, o_bias=bias)
         f = f"{p}feed_forward."
         moe, experts, dense_i = None, (), 0
@@ -51,7 +68,7 @@ def parse(c: Cfg, kind: str) -> tuple[list[LayerSpec], tuple[Tensor, ...], int]:
             dense_i = tc.int("intermediate_size_mlp")
             ts += swiglu(f, m.hidden, dense_i, "dense_mlp")
         ts += layer_norms(p, m.hidden)
-        layers.append(LayerSpec(i, attn_spec(m, "full", partial_rotary(tc)), moe, tuple(ts), experts, dense_i))
+        layers.append(LayerSpec(i, spec, moe, tuple(ts), experts, dense_i))
     tied = bool(c.get_any("tie_word_embeddings", False))
     return layers, global_tensors(f"{pre}model.", f"{pre}lm_head.weight", m.hidden, m.vocab, tied), m.max_pos
 
@@ -59,5 +76,4 @@ def parse(c: Cfg, kind: str) -> tuple[list[LayerSpec], tuple[Tensor, ...], int]:
 
 FAMILY = Family(
     name="llama4", model_types=("llama4", "llama4_text"), parse=parse,
-    aliases={"llama4_text": "llama4"}, text_config=("llama4",),
-    notes={"llama4": "chunked-attention layers counted as full attention for KV (over-counts beyond one chunk)"})
+    aliases={"llama4_text": "llama4"}, text_config=("llama4",))

@@ -172,4 +172,6 @@ FAMILY = Family(
     gguf_archs=("qwen3next", "qwen35moe"), gguf_config=gguf_config, switches=switches,
     runtime_types=("qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text"),
     gguf_arch_of={"qwen3_next": "qwen3next", "qwen3_5_moe": "qwen35moe", "qwen3_5_moe_text": "qwen35moe"},
-    names=NAMES)
+    names=NAMES,
+    # Qwen3-Next's card: "3B activated" of "79B non-embedding" (both embeddings left out)
+    active_convention={"qwen3_next": "non_embedding"})

@@ -1,0 +1,178 @@
+"""Conveniences a new user expects from `moefit plan` (issue 12, items 13, 15, 17).
+
+13. "slots" meant both concurrent sequences (``--slots``) and expert-cache units: sequences
+    are ``--parallel`` (llama.cpp's name; ``--slots`` stays as an alias) and read
+    "sequences" in the table, the expert cache's units are always "expert slots".
+15. llama.cpp's KV type names: ``--kv q8_0`` (= int8), ``q4_0`` (= int4), ``f16`` (= fp16).
+17. ``--max-context max``: the largest context that fits, checked against a bisection over
+    the solver (the reference: the plan is monotone in the context).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from moefit.cli import main
+from moefit.devices import find_gpu
+from moefit.ingest.resolve import load_model
+
+
+
+def run(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def plan_json(capsys, *argv: str) -> tuple[int, dict]:
+    code, out, err = run(capsys, "plan", *argv, "--json", "--no-calibration")
+    return code, json.loads(out)
+
+
+# ---- 13: sequences and expert slots ---------------------------------------------------------
+
+def test_parallel_is_the_sequence_flag_and_slots_its_alias(capsys):
+    base = ["Qwen3-30B-A3B", "--gpu", "RTX 4090", "--max-context", "16K"]
+    _, a = plan_json(capsys, *base, "--parallel", "3")
+    _, b = plan_json(capsys, *base, "--slots", "3")
+    assert a == b and a["slots"] == 3
+
+
+def test_the_table_says_sequences_and_expert_slots(capsys):
+    code, out, _ = run(capsys, "plan", "Qwen3-30B-A3B", "--gpu", "RTX 4090", "--max-context",
+                       "16K", "--parallel", "2", "-v")
+    assert code == 0
+    kv = next(l for l in out.splitlines() if l.strip().startswith("KV cache"))
+    assert "16384 tokens x 2 sequences" in kv
+    # every other "slot" in the output is an expert slot
+    for m in re.finditer(r"\bslots?\b", out):
+        assert out[max(0, m.start() - 7):m.start()] == "expert ", out[m.start() - 40:m.end() + 10]
+
+
+def test_a_failing_plan_suggests_parallel(capsys):
+    code, doc = plan_json(capsys, "Qwen3-30B-A3B", "--gpu", "RTX 4090", "--max-context", "32K",
+                          "--parallel", "16")
+    assert code == 3
+    flags = [a["flag"] for a in doc["alternatives"]]
+    assert "--parallel" in flags and "--slots" not in flags
+
+
+def test_help_names_expert_slots_and_parallel(capsys):
+    with pytest.raises(SystemExit):
+        main(["plan", "--help"])
+    out = capsys.readouterr().out
+    assert "--parallel" in out
+    line = " ".join(out.split())
+    assert re.search(r"--expert-cache EXPERT_CACHE\s+auto \(what remains\) or N expert slots", line)
+
+
+def test_parallel_zero_names_the_flag(capsys):
+    code, _, err = run(capsys, "plan", "Qwen3-30B-A3B", "--gpu", "RTX 4090", "--parallel", "0")
+    assert code == 2 and "--parallel 0" in err
+
+
+# ---- 15: llama.cpp KV names -----------------------------------------------------------------
+
+@pytest.mark.parametrize("alias,name", [("q8_0", "int8"), ("q4_0", "int4"), ("f16", "fp16"),
+                                        ("Q8_0", "int8")])
+def test_llama_cpp_kv_names_are_aliases(capsys, alias, name):
+    base = ["Qwen3-30B-A3B", "--gpu", "RTX 4090", "--max-context", "32K"]
+    _, a = plan_json(capsys, *base, "--kv", alias)
+    _, b = plan_json(capsys, *base, "--kv", name)
+    assert a == b and a["kv"] == name
+
+
+def test_unknown_kv_lists_the_aliases(capsys):
+    code, _, err = run(capsys, "plan", "Qwen3-30B-A3B", "--gpu", "RTX 4090", "--kv", "q5_0")
+    assert code == 2 and "q8_0" in err and "int8" in err
+
+
+# ---- 17: --max-context max -------------------------------------------------------------------
+
+def reference_largest(model: str, gpu: str, **req) -> int:
+    """A bisection over the solver (the plan is monotone in the context), independent of
+    the direct solution ``--max-context max`` uses."""
+    from moefit.plan.request import Request, context_limit
+    from moefit.plan.solver import solve
+
+    geom, dev, r = load_model(model), find_gpu(gpu), Request(**req)
+    lo, hi = 1, context_limit(geom, r)[0]
+    assert solve(geom, dev, r.with_(max_context=lo), alternatives=False).fits
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if solve(geom, dev, r.with_(max_context=mid), alternatives=False).fits:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+@pytest.mark.parametrize("model,gpu,flags,req", [
+    ("Qwen3-30B-A3B", "RTX 4090", ["--kv", "int8"], dict(kv="int8")),
+    ("Qwen3-30B-A3B", "RTX 5090", ["--rope-scaling", "yarn", "--rope-scale", "4", "--parallel", "2"],
+     dict(rope_scaling="yarn", rope_scale=4.0, slots=2)),
+    ("gpt-oss-20b", "RTX 4060 Ti 16GB", ["--prefill", "4096", "--strict"],
+     dict(prefill_mode="fixed", prefill_tokens=4096, strict=True)),
+    ("Qwen3.5-35B-A3B", "RTX 5060 Ti 16GB", ["--kv", "int4"], dict(kv="int4")),
+])
+def test_max_context_max_is_the_largest_that_fits(capsys, model, gpu, flags, req):
+    code, doc = plan_json(capsys, model, "--gpu", gpu, "--max-context", "max", *flags)
+    assert code == 0 and doc["fits"]
+    expected = reference_largest(model, gpu, **req)
+    assert doc["context"] == expected
+    # one token more does not fit, unless the model's limit stopped it (then one more is
+    # beyond the limit: an input error)
+    code2, out, err = run(capsys, "plan", model, "--gpu", gpu, "--max-context", str(expected + 1),
+                          *flags, "--json", "--no-calibration")
+    limit_hit = any("model's limit" in n for n in doc["notes"])
+    assert code2 == (2 if limit_hit else 3), (code2, err)
+
+
+def test_max_context_max_says_how_it_was_chosen(capsys):
+    code, out, _ = run(capsys, "plan", "Qwen3-30B-A3B", "--gpu", "RTX 4090", "--max-context", "max")
+    assert code == 0
+    assert re.search(r"max-context: max, the largest context that fits: \d+ tokens", out)
+
+
+def test_max_context_max_capped_at_the_model_limit(capsys):
+    code, doc = plan_json(capsys, "Qwen3-30B-A3B", "--gpu", "H200", "--max-context", "max")
+    assert code == 0 and doc["context"] == 40960   # max_position_embeddings
+    assert any("model's limit" in n for n in doc["notes"])
+
+
+def test_max_context_max_when_nothing_fits_is_exit_3(capsys):
+    code, out, _ = run(capsys, "plan", "Qwen3-235B-A22B", "--vram", "8GiB", "--max-context", "max")
+    assert code == 3 and "does not fit" in out
+
+
+@pytest.mark.parametrize("bad", ["maximum", "MAXX", "-1"])
+def test_bad_max_context_mentions_max(capsys, bad):
+    code, _, err = run(capsys, "plan", "Qwen3-30B-A3B", "--gpu", "RTX 4090", "--max-context", bad)
+    assert code == 2 and "or max (the largest context that fits)" in err
+
+
+@pytest.mark.parametrize("model,gpu,req", [
+    ("Qwen3-30B-A3B", "RTX 5090", dict(rope_scaling="yarn", rope_scale=4.0, slots=2)),
+    ("Qwen3-235B-A22B", "RTX 5090", dict(kv="fp8", rope_scaling="yarn", rope_scale=4.0, slots=4)),
+    ("Qwen3.5-35B-A3B", "RTX 3060 12GB", dict(rope_scaling="yarn", rope_scale=4.0, slots=4)),
+    ("DeepSeek-V2-Lite", "RTX 4060", dict(slots=4)),                       # MLA
+    ("gpt-oss-20b", "RTX 3070", dict(slots=16, prefill_mode="fixed", prefill_tokens=2048,
+                                     strict=True)),                        # sliding windows
+    ("Llama-4-Scout-17B-16E-Instruct", "H200", dict(slots=16)),             # chunked layers
+])
+def test_largest_context_is_solved_directly_not_searched(monkeypatch, model, gpu, req):
+    """The affine form gives the answer; the solver only checks it (no bisection)."""
+    from moefit.plan import solver
+    from moefit.plan.request import Request, context_limit
+
+    def no_search(*a, **k):
+        raise AssertionError("searched")
+
+    geom, r = load_model(model), Request(**req)
+    expected = reference_largest(model, gpu, **req)
+    assert expected < context_limit(geom, r)[0]        # a case the memory limits, not RoPE
+    monkeypatch.setattr(solver, "_largest_int", no_search)
+    assert solver.largest_context(geom, find_gpu(gpu), r) == expected
