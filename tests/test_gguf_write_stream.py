@@ -100,6 +100,7 @@ def demo(tmp_path_factory):
     return write_demo(tmp_path_factory.mktemp("demo") / "m", "qwen3_moe")
 
 
+@pytest.mark.slow
 def test_converted_demo_has_the_converters_metadata(demo, tmp_path):
     from tokenizers import Tokenizer
 
