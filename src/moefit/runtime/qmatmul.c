@@ -1,0 +1,418 @@
+/* Quantized matrix products on the CPU, reading ggml blocks as stored (moefit.runtime.qmatmul).
+ *
+ * Activations are quantized per 32 values, as ggml's CPU backend quantizes them to Q8_0 /
+ * Q8_K before its vec_dot kernels (ggml-cpu/quants.c): int8 q = round(x / d), d = max|x| / 127
+ * (fp32, one per 32 values), with the int32 sums of q per 16 values. A weight row of a quant
+ * type is then multiplied block by block in integers: sum(qw * qx), scaled by the weight's
+ * block scale(s) and the activation's d. Float weights (F32, F16, BF16) multiply fp32
+ * activations in fp32 (no activation quantization).
+ *
+ * Block layouts: see qmatmul.py / quant.py (ggml-common.h). Built by qmatmul.py with
+ * gcc -O3 -march=native -fopenmp; AVX-512 VNNI, AVX-VNNI or AVX2 paths, else plain C.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+enum { T_F32 = 0, T_F16 = 1, T_BF16 = 2, T_Q8_0 = 3, T_Q4_0 = 4, T_Q4_K = 5, T_Q5_K = 6, T_Q6_K = 7,
+       T_Q4_1 = 8, T_Q5_0 = 9, T_Q5_1 = 10, T_IQ4_NL = 11, T_MXFP4 = 12 };
+
+static const int8_t KV_IQ4NL[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+static const int8_t KV_MXFP4[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
+static inline float fp16_to_f32(uint16_t h) {
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
+    uint32_t s = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 0x1f, m = h & 0x3ff, u;
+    if (e == 0) {
+        if (m == 0) u = s;
+        else { float f = ldexpf((float)m, -24); memcpy(&u, &f, 4); u |= s; }
+    } else if (e == 31) u = s | 0x7f800000 | (m << 13);
+    else u = s | ((e + 112) << 23) | (m << 13);
+    float f; memcpy(&f, &u, 4); return f;
+#endif
+}
+static inline float bf16_to_f32(uint16_t h) { uint32_t u = (uint32_t)h << 16; float f; memcpy(&f, &u, 4); return f; }
+static inline uint16_t rd16(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); return v; }
+static inline float e8m0_half(uint8_t e) {   /* ggml_e8m0_to_fp32_half */
+    uint32_t bits = e < 2 ? (0x00200000u << e) : ((uint32_t)(e - 1) << 23);
+    float f; memcpy(&f, &bits, 4); return f;
+}
+
+/* ---- activations: fp32 [K] -> int8 q [K], fp32 d [K/32], int32 s16 [K/16] ------------------- */
+typedef struct { int8_t *q; float *d; int32_t *s16; } qact;
+
+static void quantize_act(const float *x, int K, qact a) {
+    for (int b = 0; b < K / 32; b++) {
+        const float *xb = x + 32 * b;
+        float amax = 0.f;
+        for (int i = 0; i < 32; i++) { float v = fabsf(xb[i]); amax = v > amax ? v : amax; }
+        float d = amax / 127.f, id = d ? 1.f / d : 0.f;
+        a.d[b] = d;
+        int32_t s0 = 0, s1 = 0;
+        for (int i = 0; i < 32; i++) {
+            int q = (int)lrintf(xb[i] * id);
+            a.q[32 * b + i] = (int8_t)q;
+            if (i < 16) s0 += q; else s1 += q;
+        }
+        a.s16[2 * b] = s0; a.s16[2 * b + 1] = s1;
+    }
+}
+
+/* ---- 32-byte integer dot products --------------------------------------------------------- */
+#ifdef __AVX2__
+/* u8 [32] x s8 [32] -> 8 int32 lanes (lane i: bytes 4i..4i+3). */
+static inline __m256i dot_us(__m256i u, __m256i s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+#elif defined(__AVXVNNI__)
+    return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s);
+#else
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+#endif
+}
+static inline __m256i dot_ss(__m256i a, __m256i b) {   /* s8 x s8 */
+    return dot_us(_mm256_sign_epi8(a, a), _mm256_sign_epi8(b, a));
+}
+static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+static inline __m256i nibbles(const uint8_t *p) {  /* 16 bytes -> 32 u8: low nibbles, then high */
+    __m128i v = _mm_loadu_si128((const __m128i *)p);
+    __m256i w = _mm256_inserti128_si256(_mm256_castsi128_si256(v), _mm_srli_epi16(v, 4), 1);
+    return _mm256_and_si256(w, _mm256_set1_epi8(0x0f));
+}
+static inline __m256i lut16(__m256i idx, const int8_t *tab) {
+    __m128i t = _mm_loadu_si128((const __m128i *)tab);
+    return _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(t), idx);
+}
+#endif
+
+/* ---- one row . one activation, per type ---------------------------------------------------- */
+static float dot_row(int t, const uint8_t *w, const float *xf, qact a, int K) {
+    float sum = 0.f;
+    int nb = K / 32;
+    switch (t) {
+    case T_F32: { const float *r = (const float *)w; int i = 0;
+#ifdef __AVX512F__
+        __m512 acc = _mm512_setzero_ps();
+        for (; i + 16 <= K; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(r + i), _mm512_loadu_ps(xf + i), acc);
+        sum = _mm512_reduce_add_ps(acc);
+#endif
+        for (; i < K; i++) sum += r[i] * xf[i];
+        return sum; }
+    case T_BF16: case T_F16: { int i = 0;
+#ifdef __AVX512F__
+        __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+        for (; i + 32 <= K; i += 32) {
+            __m256i h0 = _mm256_loadu_si256((const __m256i *)(w + 2 * i));
+            __m256i h1 = _mm256_loadu_si256((const __m256i *)(w + 2 * i + 32));
+            __m512 f0, f1;
+            if (t == T_BF16) {
+                f0 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h0), 16));
+                f1 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h1), 16));
+            } else { f0 = _mm512_cvtph_ps(h0); f1 = _mm512_cvtph_ps(h1); }
+            acc0 = _mm512_fmadd_ps(f0, _mm512_loadu_ps(xf + i), acc0);
+            acc1 = _mm512_fmadd_ps(f1, _mm512_loadu_ps(xf + i + 16), acc1);
+        }
+        sum = _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
+#endif
+        for (; i < K; i++) sum += (t == T_BF16 ? bf16_to_f32(rd16(w + 2 * i)) : fp16_to_f32(rd16(w + 2 * i))) * xf[i];
+        return sum; }
+    case T_Q8_0: {
+#ifdef __AVX2__
+        __m256 acc = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+        int b = 0;
+        for (; b + 2 <= nb; b += 2, w += 68) {
+            __m256i p0 = dot_ss(_mm256_loadu_si256((const __m256i *)(w + 2)), _mm256_loadu_si256((const __m256i *)(a.q + 32 * b)));
+            __m256i p1 = dot_ss(_mm256_loadu_si256((const __m256i *)(w + 36)), _mm256_loadu_si256((const __m256i *)(a.q + 32 * b + 32)));
+            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), _mm256_set1_ps(fp16_to_f32(rd16(w)) * a.d[b]), acc);
+            acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p1), _mm256_set1_ps(fp16_to_f32(rd16(w + 34)) * a.d[b + 1]), acc1);
+        }
+        for (; b < nb; b++, w += 34) {
+            __m256i p = dot_ss(_mm256_loadu_si256((const __m256i *)(w + 2)), _mm256_loadu_si256((const __m256i *)(a.q + 32 * b)));
+            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(fp16_to_f32(rd16(w)) * a.d[b]), acc);
+        }
+        return hsum8(_mm256_add_ps(acc, acc1));
+#else
+        for (int b = 0; b < nb; b++, w += 34) {
+            int s = 0; for (int i = 0; i < 32; i++) s += (int8_t)w[2 + i] * a.q[32 * b + i];
+            sum += fp16_to_f32(rd16(w)) * a.d[b] * s;
+        }
+        return sum;
+#endif
+    }
+    case T_Q4_0: case T_Q4_1: case T_IQ4_NL: case T_MXFP4: {
+        int bs = t == T_Q4_0 ? 18 : t == T_Q4_1 ? 20 : t == T_IQ4_NL ? 18 : 17;
+        int off = t == T_Q4_1 ? 4 : t == T_MXFP4 ? 1 : 2;
+#ifdef __AVX2__
+        __m256 acc = _mm256_setzero_ps();
+        for (int b = 0; b < nb; b++, w += bs) {
+            __m256i u = nibbles(w + off), y = _mm256_loadu_si256((const __m256i *)(a.q + 32 * b));
+            int32_t sy = a.s16[2 * b] + a.s16[2 * b + 1];
+            if (t == T_Q4_0) {
+                __m256i v = _mm256_sub_epi8(u, _mm256_set1_epi8(8));
+                acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_ss(v, y)), _mm256_set1_ps(fp16_to_f32(rd16(w)) * a.d[b]), acc);
+            } else if (t == T_Q4_1) {
+                float d = fp16_to_f32(rd16(w)) * a.d[b];
+                acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_us(u, y)), _mm256_set1_ps(d), acc);
+                sum += fp16_to_f32(rd16(w + 2)) * a.d[b] * sy;
+            } else {
+                float d = (t == T_IQ4_NL ? fp16_to_f32(rd16(w)) : e8m0_half(w[0])) * a.d[b];
+                __m256i v = lut16(u, t == T_IQ4_NL ? KV_IQ4NL : KV_MXFP4);
+                acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_ss(v, y)), _mm256_set1_ps(d), acc);
+            }
+        }
+        return sum + hsum8(acc);
+#else
+        for (int b = 0; b < nb; b++, w += bs) {
+            int s = 0, sy = a.s16[2 * b] + a.s16[2 * b + 1];
+            for (int i = 0; i < 32; i++) {
+                int q = i < 16 ? (w[off + i] & 15) : (w[off + i - 16] >> 4);
+                if (t == T_IQ4_NL) q = KV_IQ4NL[q]; else if (t == T_MXFP4) q = KV_MXFP4[q];
+                s += q * a.q[32 * b + i];
+            }
+            if (t == T_Q4_0) sum += fp16_to_f32(rd16(w)) * a.d[b] * (s - 8 * sy);
+            else if (t == T_Q4_1) sum += fp16_to_f32(rd16(w)) * a.d[b] * s + fp16_to_f32(rd16(w + 2)) * a.d[b] * sy;
+            else sum += (t == T_IQ4_NL ? fp16_to_f32(rd16(w)) : e8m0_half(w[0])) * a.d[b] * s;
+        }
+        return sum;
+#endif
+    }
+    case T_Q5_0: case T_Q5_1: {
+        int bs = t == T_Q5_0 ? 22 : 24, off = t == T_Q5_0 ? 2 : 4;
+        for (int b = 0; b < nb; b++, w += bs) {
+            uint32_t qh; memcpy(&qh, w + off, 4);
+            const uint8_t *qs = w + off + 4;
+            int s = 0, sy = a.s16[2 * b] + a.s16[2 * b + 1];
+            for (int i = 0; i < 32; i++) {
+                int q = (i < 16 ? (qs[i] & 15) : (qs[i - 16] >> 4)) | (((qh >> i) & 1) << 4);
+                s += q * a.q[32 * b + i];
+            }
+            float d = fp16_to_f32(rd16(w)) * a.d[b];
+            sum += t == T_Q5_0 ? d * (s - 16 * sy) : d * s + fp16_to_f32(rd16(w + 2)) * a.d[b] * sy;
+        }
+        return sum;
+    }
+    case T_Q4_K: case T_Q5_K: {
+        int bs = t == T_Q4_K ? 144 : 176;
+#ifdef __AVX2__
+        __m256 acc = _mm256_setzero_ps();
+#endif
+        for (int sb = 0; sb < K / 256; sb++, w += bs) {
+            float d = fp16_to_f32(rd16(w)), dmin = fp16_to_f32(rd16(w + 2));
+            const uint8_t *sc = w + 4, *qh = w + 16, *qs = w + (t == T_Q4_K ? 16 : 48);
+            for (int j = 0; j < 8; j++) {
+                int scj, mj;
+                if (j < 4) { scj = sc[j] & 63; mj = sc[j + 4] & 63; }
+                else { scj = (sc[j + 4] & 0xF) | ((sc[j - 4] >> 6) << 4); mj = (sc[j + 4] >> 4) | ((sc[j] >> 6) << 4); }
+                int b = sb * 8 + j;
+                const int8_t *y = a.q + 32 * b;
+                float dy = a.d[b];
+                int32_t sy = a.s16[2 * b] + a.s16[2 * b + 1];
+                sum -= dmin * mj * dy * sy;
+                const uint8_t *q4 = qs + 32 * (j / 2);
+#ifdef __AVX2__
+                __m256i u = _mm256_loadu_si256((const __m256i *)q4);
+                u = _mm256_and_si256(j & 1 ? _mm256_srli_epi16(u, 4) : u, _mm256_set1_epi8(0x0f));
+                if (t == T_Q5_K) {
+                    __m256i h = _mm256_loadu_si256((const __m256i *)qh);
+                    h = _mm256_and_si256(_mm256_srli_epi16(h, j), _mm256_set1_epi8(1));
+                    u = _mm256_or_si256(u, _mm256_slli_epi16(h, 4));
+                }
+                acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_us(u, _mm256_loadu_si256((const __m256i *)y))),
+                                      _mm256_set1_ps(d * scj * dy), acc);
+#else
+                int s = 0;
+                for (int i = 0; i < 32; i++) {
+                    int q = (j & 1 ? q4[i] >> 4 : q4[i] & 15);
+                    if (t == T_Q5_K) q |= ((qh[i] >> j) & 1) << 4;
+                    s += q * y[i];
+                }
+                sum += d * scj * dy * s;
+#endif
+            }
+        }
+#ifdef __AVX2__
+        sum += hsum8(acc);
+#endif
+        return sum;
+    }
+    case T_Q6_K: {
+#ifdef __AVX2__
+        __m256 acc = _mm256_setzero_ps();
+#endif
+        for (int sb = 0; sb < K / 256; sb++, w += 210) {
+            const uint8_t *ql = w, *qh = w + 128;
+            const int8_t *scales = (const int8_t *)(w + 192);
+            float d = fp16_to_f32(rd16(w + 208));
+            for (int j = 0; j < 8; j++) {      /* 32-value groups: half h = j/4, r0 = 32*(j%4) */
+                int h = j / 4, r0 = 32 * (j % 4), b = sb * 8 + j;
+                const int8_t *y = a.q + 32 * b;
+                float dy = a.d[b];
+                const uint8_t *l = ql + 64 * h + (r0 % 64), *hh = qh + 32 * h;
+                int ls = 4 * (r0 / 64), hs = 2 * (r0 / 32);
+                float s0 = d * scales[2 * j] * dy, s1 = d * scales[2 * j + 1] * dy;
+                sum -= 32.f * (s0 * a.s16[2 * b] + s1 * a.s16[2 * b + 1]);
+#ifdef __AVX2__
+                __m256i lo = _mm256_and_si256(_mm256_srli_epi16(_mm256_loadu_si256((const __m256i *)l), ls), _mm256_set1_epi8(0x0f));
+                __m256i hi = _mm256_and_si256(_mm256_srli_epi16(_mm256_loadu_si256((const __m256i *)hh), hs), _mm256_set1_epi8(3));
+                __m256i u = _mm256_or_si256(lo, _mm256_slli_epi16(hi, 4));
+                __m256 sc = _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_set1_ps(s0)), _mm_set1_ps(s1), 1);
+                acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_us(u, _mm256_loadu_si256((const __m256i *)y))), sc, acc);
+#else
+                int p0 = 0, p1 = 0;
+                for (int i = 0; i < 32; i++) {
+                    int q = ((l[i] >> ls) & 15) | (((hh[i] >> hs) & 3) << 4);
+                    if (i < 16) p0 += q * y[i]; else p1 += q * y[i];
+                }
+                sum += s0 * p0 + s1 * p1;
+#endif
+            }
+        }
+#ifdef __AVX2__
+        sum += hsum8(acc);
+#endif
+        return sum;
+    }
+    }
+    return 0.f;
+}
+
+static int is_float_type(int t) { return t == T_F32 || t == T_F16 || t == T_BF16; }
+
+/* bytes of one row of K values */
+static int64_t row_bytes(int t, int K) {
+    switch (t) {
+    case T_F32: return 4 * (int64_t)K;
+    case T_F16: case T_BF16: return 2 * (int64_t)K;
+    case T_Q8_0: return K / 32 * 34;
+    case T_Q4_0: case T_IQ4_NL: return K / 32 * 18;
+    case T_Q4_1: return K / 32 * 20;
+    case T_Q5_0: return K / 32 * 22;
+    case T_Q5_1: return K / 32 * 24;
+    case T_MXFP4: return K / 32 * 17;
+    case T_Q4_K: return K / 256 * 144;
+    case T_Q5_K: return K / 256 * 176;
+    case T_Q6_K: return K / 256 * 210;
+    }
+    return 0;
+}
+
+int64_t mf_row_bytes(int t, int K) { return row_bytes(t, K); }
+
+/* scratch bytes of one quantized activation of K values */
+static int64_t qact_bytes(int K) { return (int64_t)K + K / 32 * 4 + K / 16 * 4; }
+int64_t mf_qact_bytes(int K) { return qact_bytes(K); }
+
+static qact qact_at(uint8_t *base, int K) {
+    qact a; a.q = (int8_t *)base; a.d = (float *)(base + K); a.s16 = (int32_t *)(base + K + K / 32 * 4); return a;
+}
+
+/* x fp32 or bf16 row -> fp32 */
+static void load_row(const void *x, int xbf16, int64_t row, int K, float *dst) {
+    if (xbf16) { const uint16_t *p = (const uint16_t *)x + row * K; for (int i = 0; i < K; i++) dst[i] = bf16_to_f32(p[i]); }
+    else memcpy(dst, (const float *)x + row * K, sizeof(float) * K);
+}
+
+/* rows [r0, r1) of y [n, N] = x [n, K] . W^T, inside a parallel region (static split). */
+static void gemm_rows(int t, const uint8_t *W, int N, int K, int n, const float *xf, uint8_t *xq, float *y, int ldy) {
+    int64_t rb = row_bytes(t, K), qb = qact_bytes(K);
+#pragma omp for schedule(static)
+    for (int r = 0; r < N; r++) {
+        const uint8_t *wr = W + r * rb;
+        for (int i = 0; i < n; i++)
+            y[(int64_t)i * ldy + r] = dot_row(t, wr, xf + (int64_t)i * K, qact_at(xq + i * qb, K), K);
+    }
+}
+
+/* y [n, N] fp32 = x [n, K] (fp32, or bf16 when xbf16) . W [N, K]^T, W rows of type t.
+ * scratch: n * (4K + qact_bytes(K)) bytes. */
+void mf_gemm(int t, const uint8_t *W, int N, int K, const void *x, int xbf16, int n, float *y,
+             uint8_t *scratch, int nthreads) {
+    float *xf = (float *)scratch;
+    uint8_t *xq = scratch + (int64_t)n * K * 4;
+    int fl = is_float_type(t);
+#pragma omp parallel num_threads(nthreads)
+    {
+#pragma omp for schedule(static)
+        for (int i = 0; i < n; i++) {
+            load_row(x, xbf16, i, K, xf + (int64_t)i * K);
+            if (!fl) quantize_act(xf + (int64_t)i * K, K, qact_at(xq + i * qact_bytes(K), K));
+        }
+        gemm_rows(t, W, N, K, n, xf, xq, y, N);
+    }
+}
+
+static inline float silu(float v) { return v / (1.f + expf(-v)); }
+
+/* Routed experts of one MoE layer, SwiGLU, combined: acc [T, H] += sum over pairs p of
+ * wt[p] * down(silu(gate(x[tok[p]])) * up(x[tok[p]])), pairs grouped by expert:
+ * expert i (blob blobs[i]) serves pairs bounds[i] .. bounds[i+1]-1.
+ * Blob: gate [I, H] type tg at 0, up [I, H] type tu at off_u, down [H, I] type td at off_d.
+ * x [T, H] fp32 or bf16. scratch: tchunk * (4H + qact(H) + 8I + 4I + qact(I)) bytes; an
+ * expert's tokens run tchunk at a time. */
+void mf_moe(int n_exp, const uint8_t *const *blobs, const int64_t *bounds, const int64_t *tok,
+            const float *wt, const void *x, int xbf16, float *acc, int H, int I, int tg, int tu, int td,
+            int64_t off_u, int64_t off_d, uint8_t *scratch, int tchunk, int nthreads) {
+    int64_t qh = qact_bytes(H), qi = qact_bytes(I);
+    float *xf = (float *)scratch;                                  /* [tc, H] */
+    uint8_t *xq = scratch + (int64_t)tchunk * H * 4;               /* [tc] qact(H) */
+    float *gu = (float *)(xq + tchunk * qh);                       /* [tc, 2I] */
+    float *hf = gu + (int64_t)tchunk * 2 * I;                      /* [tc, I] */
+    uint8_t *hq = (uint8_t *)(hf + (int64_t)tchunk * I);           /* [tc] qact(I) */
+    float *yd = xf;                                                /* down output reuses xf */
+#pragma omp parallel num_threads(nthreads)
+    for (int e = 0; e < n_exp; e++) {
+        const uint8_t *b = blobs[e];
+        for (int64_t p0 = bounds[e]; p0 < bounds[e + 1]; p0 += tchunk) {
+            int n = (int)(bounds[e + 1] - p0 < tchunk ? bounds[e + 1] - p0 : tchunk);
+#pragma omp for schedule(static)
+            for (int i = 0; i < n; i++) {
+                load_row(x, xbf16, tok[p0 + i], H, xf + (int64_t)i * H);
+                if (!is_float_type(tg) || !is_float_type(tu)) quantize_act(xf + (int64_t)i * H, H, qact_at(xq + i * qh, H));
+            }
+            gemm_rows(tg, b, I, H, n, xf, xq, gu, 2 * I);
+            gemm_rows(tu, b + off_u, I, H, n, xf, xq, gu + I, 2 * I);
+#pragma omp for schedule(static)
+            for (int i = 0; i < n; i++) {
+                float *g = gu + (int64_t)i * 2 * I, *h = hf + (int64_t)i * I;
+                for (int j = 0; j < I; j++) h[j] = silu(g[j]) * g[I + j];
+                if (!is_float_type(td)) quantize_act(h, I, qact_at(hq + i * qi, I));
+            }
+            gemm_rows(td, b + off_d, H, I, n, hf, hq, yd, H);
+#pragma omp for schedule(static)
+            for (int c = 0; c < H; c += 64) {
+                int c1 = c + 64 < H ? c + 64 : H;
+                for (int i = 0; i < n; i++) {
+                    float *dst = acc + tok[p0 + i] * (int64_t)H, w = wt[p0 + i];
+                    const float *src = yd + (int64_t)i * H;
+                    for (int k = c; k < c1; k++) dst[k] += w * src[k];
+                }
+            }
+        }
+    }
+}
+
+int mf_simd(void) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return 3;
+#elif defined(__AVXVNNI__)
+    return 2;
+#elif defined(__AVX2__)
+    return 1;
+#else
+    return 0;
+#endif
+}
