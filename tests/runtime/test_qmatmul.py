@@ -152,3 +152,19 @@ def test_no_kernels_without_a_compiler(tmp_path):
            "PYTHONPATH": ":".join(sys.path)}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True).stdout
     assert out.splitlines()[0] == "False" and "could not be built" in out
+
+
+@pytest.mark.parametrize("qtype", sorted(qm.CTYPES))
+def test_dequantize_is_bit_exact(qtype):
+    """The C dequantization equals ``gguf.quants.dequantize`` bit for bit in fp32, and its
+    bf16 output is that value rounded to nearest even (torch's cast)."""
+    rows, cols = 8, 512
+    raw = random_matrix(qtype, rows, cols, seed=7)
+    ref = reference_weights(raw, qtype, rows, cols).float()
+    flat = torch.from_numpy(raw.reshape(-1))
+    got = qm.dequantize(flat, qtype, rows, cols, torch.empty(rows, cols), threads=2)
+    assert torch.equal(got.view(torch.int32), ref.view(torch.int32))
+    got16 = qm.dequantize(flat, qtype, rows, cols, torch.empty(rows, cols, dtype=torch.bfloat16))
+    assert torch.equal(got16.view(torch.int16), ref.bfloat16().view(torch.int16))
+    with pytest.raises(ValueError, match="out must be"):
+        qm.dequantize(flat, qtype, rows, cols, torch.empty(rows, cols - 1))

@@ -405,6 +405,96 @@ void mf_moe(int n_exp, const uint8_t *const *blobs, const int64_t *bounds, const
     }
 }
 
+
+/* ---- dequantization: rows of W -> fp32 / bf16, bit for bit as ggml's dequantize_row_* -------
+ * (the same fp32 operations in the same order: built with -ffp-contract=off, no FMA) */
+static inline uint16_t f32_to_bf16(float f) {     /* round to nearest even, as torch's cast */
+    uint32_t u; memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);   /* NaN stays NaN */
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* one block (32 values, or 256 for the K-quants) -> y */
+static void dequant_block(int t, const uint8_t *w, float *y) {
+    switch (t) {
+    case T_Q8_0: { float d = fp16_to_f32(rd16(w)); for (int i = 0; i < 32; i++) y[i] = (int8_t)w[2 + i] * d; return; }
+    case T_Q4_0: { float d = fp16_to_f32(rd16(w)); const uint8_t *q = w + 2;
+        for (int i = 0; i < 16; i++) { y[i] = ((q[i] & 15) - 8) * d; y[i + 16] = ((q[i] >> 4) - 8) * d; } return; }
+    case T_Q4_1: { float d = fp16_to_f32(rd16(w)), m = fp16_to_f32(rd16(w + 2)); const uint8_t *q = w + 4;
+        for (int i = 0; i < 16; i++) { y[i] = (q[i] & 15) * d + m; y[i + 16] = (q[i] >> 4) * d + m; } return; }
+    case T_Q5_0: case T_Q5_1: {
+        int off = t == T_Q5_0 ? 2 : 4; float d = fp16_to_f32(rd16(w)), m = t == T_Q5_1 ? fp16_to_f32(rd16(w + 2)) : 0.f;
+        uint32_t qh; memcpy(&qh, w + off, 4); const uint8_t *q = w + off + 4;
+        for (int i = 0; i < 16; i++) {
+            int x0 = (q[i] & 15) | (((qh >> i) & 1) << 4), x1 = (q[i] >> 4) | (((qh >> (i + 16)) & 1) << 4);
+            if (t == T_Q5_0) { y[i] = (x0 - 16) * d; y[i + 16] = (x1 - 16) * d; }
+            else { y[i] = x0 * d + m; y[i + 16] = x1 * d + m; }
+        }
+        return; }
+    case T_IQ4_NL: { float d = fp16_to_f32(rd16(w)); const uint8_t *q = w + 2;
+        for (int i = 0; i < 16; i++) { y[i] = d * KV_IQ4NL[q[i] & 15]; y[i + 16] = d * KV_IQ4NL[q[i] >> 4]; } return; }
+    case T_MXFP4: { float d = e8m0_half(w[0]); const uint8_t *q = w + 1;
+        for (int i = 0; i < 16; i++) { y[i] = KV_MXFP4[q[i] & 15] * d; y[i + 16] = KV_MXFP4[q[i] >> 4] * d; } return; }
+    case T_Q4_K: case T_Q5_K: {
+        float d = fp16_to_f32(rd16(w)), dmin = fp16_to_f32(rd16(w + 2));
+        const uint8_t *sc = w + 4, *qh = w + 16, *qs = w + (t == T_Q4_K ? 16 : 48);
+        for (int j = 0; j < 8; j++) {
+            int scj, mj;
+            if (j < 4) { scj = sc[j] & 63; mj = sc[j + 4] & 63; }
+            else { scj = (sc[j + 4] & 0xF) | ((sc[j - 4] >> 6) << 4); mj = (sc[j + 4] >> 4) | ((sc[j] >> 6) << 4); }
+            float d1 = d * scj, m1 = dmin * mj;
+            const uint8_t *q4 = qs + 32 * (j / 2);
+            int sh = 4 * (j & 1);
+            for (int i = 0; i < 32; i++) {
+                int q = (q4[i] >> sh) & 15;
+                if (t == T_Q5_K) q |= ((qh[i] >> j) & 1) << 4;
+                y[32 * j + i] = d1 * q - m1;
+            }
+        }
+        return; }
+    case T_Q6_K: {
+        const uint8_t *ql = w, *qh = w + 128; const int8_t *sc = (const int8_t *)(w + 192);
+        float d = fp16_to_f32(rd16(w + 208));
+        for (int j = 0; j < 8; j++) {
+            int h = j / 4, r0 = 32 * (j % 4), ls = 4 * (r0 / 64), hs = 2 * (r0 / 32);
+            const uint8_t *l = ql + 64 * h + (r0 % 64), *hh = qh + 32 * h;
+            float d0 = d * sc[2 * j], d1 = d * sc[2 * j + 1];
+            for (int i = 0; i < 32; i++) {
+                int q = (((l[i] >> ls) & 15) | (((hh[i] >> hs) & 3) << 4)) - 32;
+                y[32 * j + i] = (i < 16 ? d0 : d1) * q;
+            }
+        }
+        return; }
+    }
+}
+
+/* nrows rows of K values of type t -> out16 (bf16) or out32 (fp32), whichever is not NULL. */
+void mf_dequant(int t, const uint8_t *W, int64_t nrows, int K, uint16_t *out16, float *out32, int nthreads) {
+    int64_t rb = row_bytes(t, K);
+    int bs = (t == T_Q4_K || t == T_Q5_K || t == T_Q6_K) ? 256 : 32;
+    int64_t tb = t == T_Q8_0 ? 34 : t == T_Q4_0 || t == T_IQ4_NL ? 18 : t == T_Q4_1 ? 20 : t == T_Q5_0 ? 22
+               : t == T_Q5_1 ? 24 : t == T_MXFP4 ? 17 : t == T_Q4_K ? 144 : t == T_Q5_K ? 176 : 210;
+#pragma omp parallel num_threads(nthreads)
+    {
+        float y[256];
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < nrows; r++) {
+            const uint8_t *wr = W + r * rb;
+            for (int b = 0; b < K / bs; b++) {
+                float *dst = out32 ? out32 + r * K + (int64_t)b * bs : y;
+                if (is_float_type(t)) {
+                    for (int i = 0; i < bs; i++) {
+                        const uint8_t *p = wr + (int64_t)(b * bs + i) * (t == T_F32 ? 4 : 2);
+                        float v; if (t == T_F32) memcpy(&v, p, 4); else v = t == T_BF16 ? bf16_to_f32(rd16(p)) : fp16_to_f32(rd16(p));
+                        dst[i] = v;
+                    }
+                } else dequant_block(t, wr + b * tb, dst);
+                if (out16) { uint16_t *o = out16 + r * K + (int64_t)b * bs; for (int i = 0; i < bs; i++) o[i] = f32_to_bf16(dst[i]); }
+            }
+        }
+    }
+}
+
 int mf_simd(void) {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
     return 3;

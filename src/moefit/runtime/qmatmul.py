@@ -45,7 +45,7 @@ import torch
 #: ggml type -> the C kernels' type code.
 CTYPES = {"F32": 0, "F16": 1, "BF16": 2, "Q8_0": 3, "Q4_0": 4, "Q4_K": 5, "Q5_K": 6, "Q6_K": 7,
           "Q4_1": 8, "Q5_0": 9, "Q5_1": 10, "IQ4_NL": 11, "MXFP4": 12}
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
+FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
 _SRC = Path(__file__).with_name("qmatmul.c")
 
 _lib = None
@@ -92,6 +92,8 @@ def _build() -> ctypes.CDLL:
     lib.mf_qact_bytes.argtypes = [i]
     lib.mf_qact_bytes.restype = i64
     lib.mf_simd.restype = i
+    lib.mf_dequant.argtypes = [i, p, i64, i, p, p, i]
+    lib.mf_dequant.restype = None
     del f
     return lib
 
@@ -219,3 +221,22 @@ def moe(x: torch.Tensor, blob_ptrs: torch.Tensor, bounds: torch.Tensor, tok: tor
                CTYPES[fmt.gate.qtype], CTYPES[fmt.up.qtype], CTYPES[fmt.down.qtype],
                fmt.up.offset, fmt.down.offset, scratch.data_ptr(), tchunk, _threads(threads))
     return acc
+
+
+def dequantize(raw: torch.Tensor, qtype: str, rows: int, cols: int, out: torch.Tensor,
+               threads: int | None = None) -> torch.Tensor:
+    """Dequantize ``[rows, cols]`` of ggml ``qtype`` (``raw``: contiguous uint8 on the CPU)
+    into ``out`` (contiguous fp32 or bf16, ``rows x cols`` elements, CPU): bit for bit the
+    values of ``gguf.quants.dequantize`` (and of :mod:`moefit.runtime.quant`'s kernels),
+    rounded to nearest even for bf16. Returns ``out``. Raises ValueError when the sizes or
+    dtypes disagree."""
+    lib = _load()
+    if (not supports(qtype, cols) or raw.numel() != rows * lib.mf_row_bytes(CTYPES[qtype], cols)
+            or not raw.is_contiguous()):
+        raise ValueError(f"{qtype}: {raw.numel()} bytes are not a [{rows}, {cols}] matrix the kernels read")
+    if out.numel() != rows * cols or out.dtype not in (torch.float32, torch.bfloat16) or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous fp32/bf16 tensor of {rows * cols} elements")
+    bf16 = out.dtype == torch.bfloat16
+    lib.mf_dequant(CTYPES[qtype], raw.data_ptr(), rows, cols, out.data_ptr() if bf16 else None,
+                   None if bf16 else out.data_ptr(), _threads(threads))
+    return out
