@@ -36,6 +36,8 @@ from __future__ import annotations
 
 import argparse
 import json
+
+import numpy as np
 import os
 import shutil
 import statistics
@@ -133,6 +135,52 @@ def qwen_tokenizer(vocab_gguf: Path):
     return tok, tokens[eos]
 
 
+def fp32_maps(root: Path) -> dict:
+    """The checkpoint in ``root/hf`` as float32 memory maps in ``root/fp32`` (written once),
+    experts fused per layer (``mlp.experts.gate_up_proj`` ``[E, 2I, H]``, ``down_proj``
+    ``[E, H, I]``). moefit's writer converts its whole input to float32 in memory and keeps
+    a dequantized copy of every tensor it writes (about 6x the bf16 size at its peak); from
+    memory maps, and with those copies dropped (:func:`build`), the 1.37B model is written
+    in about the memory of its output."""
+    import re
+
+    from safetensors import safe_open
+
+    out = root / "fp32"
+    index = json.loads((root / "hf" / "model.safetensors.index.json").read_text())["weight_map"]
+    done = out / "done.json"
+    if not done.is_file():
+        out.mkdir(exist_ok=True)
+        per_expert = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
+        groups: dict[str, dict] = {}
+        shapes = {}
+        for name, shard in index.items():
+            m = per_expert.match(name)
+            if m:
+                groups.setdefault(m.group(1), {})[(int(m.group(2)), m.group(3))] = shard
+            else:
+                with safe_open(str(root / "hf" / shard), "pt") as f:
+                    t = f.get_tensor(name).float().numpy()
+                np.save(out / f"{name}.npy", t)
+                shapes[name] = list(t.shape)
+        for prefix, parts in groups.items():
+            e = 1 + max(j for j, _ in parts)
+            assert len(set(parts.values())) == 1, f"{prefix}: experts of a layer span shards"
+            with safe_open(str(root / "hf" / parts[(0, "gate")]), "pt") as f:
+                i, h = f.get_tensor(f"{prefix}.0.gate_proj.weight").shape
+                gu = np.lib.format.open_memmap(out / f"{prefix}.gate_up_proj.npy", "w+", np.float32, (e, 2 * i, h))
+                dn = np.lib.format.open_memmap(out / f"{prefix}.down_proj.npy", "w+", np.float32, (e, h, i))
+                for j in range(e):
+                    gu[j, :i] = f.get_tensor(f"{prefix}.{j}.gate_proj.weight").float().numpy()
+                    gu[j, i:] = f.get_tensor(f"{prefix}.{j}.up_proj.weight").float().numpy()
+                    dn[j] = f.get_tensor(f"{prefix}.{j}.down_proj.weight").float().numpy()
+            gu.flush()
+            dn.flush()
+            del gu, dn
+        done.write_text("{}")
+    return {p.name[:-4]: np.load(p, mmap_mode="r") for p in out.glob("*.npy")}
+
+
 def build(root: Path, config: dict, types: list[str], vocab: Path, quantize: Path | None) -> None:
     """Write the checkpoint and the GGUF files of ``types`` that are missing in ``root``."""
     from bench_runtime import write_checkpoint
@@ -143,21 +191,27 @@ def build(root: Path, config: dict, types: list[str], vocab: Path, quantize: Pat
         need.insert(0, "bf16")
     writer = [t for t in need if TYPES[t][0] == "writer"]
     if writer:
-        from safetensors.torch import load_file
+        from moefit.tools import gguf_write
 
-        from moefit.tools.gguf_write import write_gguf
-
-        state = {}
-        for shard in sorted((root / "hf").glob("*.safetensors")):
-            state.update(load_file(str(shard)))
+        state = fp32_maps(root)
         tok, eos = qwen_tokenizer(vocab)
-        for t in writer:
-            qt = TYPES[t][1]
-            t0 = time.perf_counter()
-            write_gguf(state, config, root / f"{t}.gguf", expert_types=qt, dense_type="BF16",
-                       file_type=FILE_TYPE[qt], name=f"vs-llamacpp-{t}", tokenizer=tok, eos_token=eos)
-            print(f"wrote {t}.gguf in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
-        del state
+        store = gguf_write._store
+
+        def lean_store(qtype, data):
+            raw, raw_type, back = store(qtype, data)
+            return raw, raw_type, np.broadcast_to(np.float32(0), back.shape)   # not kept
+
+        gguf_write._store = lean_store
+        try:
+            for t in writer:
+                qt = TYPES[t][1]
+                t0 = time.perf_counter()
+                gguf_write.write_gguf(state, config, root / f"{t}.gguf", expert_types=qt, dense_type="BF16",
+                                      file_type=FILE_TYPE[qt], name=f"vs-llamacpp-{t}", tokenizer=tok,
+                                      eos_token=eos)
+                print(f"wrote {t}.gguf in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+        finally:
+            gguf_write._store = store
     for t in need:
         if TYPES[t][0] == "quantize":
             t0 = time.perf_counter()
