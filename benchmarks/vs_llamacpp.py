@@ -240,7 +240,8 @@ def worker(path: Path, threads: int, resident: str, prompt: int, gen: int) -> No
     device = Device("cpu", "simulated 16 GiB device on the CPU", "cpu", 16 * GIB, 16 * GIB,
                     simulated=True, runtime_bytes=0)
     plan = solve(geom, device, Request(max_context=prompt + gen + 16, kv="bf16", prefill_mode="fixed",
-                                       prefill_tokens=prompt, expert_cache=slots, miss_policy="cpu"))
+                                       prefill_tokens=max(256, prompt), expert_cache=slots,
+                                       miss_policy="cpu"))
     if not plan.fits:
         sys.exit("the benchmark plan does not fit a 16 GiB simulated device")
     engine = Engine.start(path, plan, EngineOptions(progress=False))
