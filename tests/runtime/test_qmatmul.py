@@ -133,15 +133,16 @@ def test_moe_matches_per_expert_reference(types):
     bounds = torch.searchsorted(flat[order], torch.cat([used, used[-1:] + 1])).to(torch.int64)
     ptrs = torch.tensor([blobs[int(e)].data_ptr() for e in used], dtype=torch.int64)
     acc = torch.zeros(t, h)
-    for chunk in (t, 2):    # scratch for all tokens at once, and for two at a time
+    for pairs in (t * k, 3):    # scratch for all pairs at once, and for three at a time
         acc.zero_()
-        scratch = torch.empty(qm.moe_scratch_bytes(chunk, h, inter), dtype=torch.uint8)
+        scratch = torch.empty(qm.moe_scratch_bytes(t, h, inter, pairs), dtype=torch.uint8)
         qm.moe(x, ptrs, bounds, (order // k).contiguous(), wts.reshape(-1)[order].contiguous(), acc, fmt, scratch,
                threads=2)
         bound = FLOAT_BOUND * 10 if types[0] == "BF16" else 2 * QUANT_BOUND
         assert rel_err(acc, ref) < bound
-    with pytest.raises(ValueError, match="cannot hold one token"):
-        qm.moe(x, ptrs, bounds, order // k, wts.reshape(-1)[order], acc, fmt, scratch[:10])
+    with pytest.raises(ValueError, match="cannot hold the 5 token rows and one pair"):
+        qm.moe(x, ptrs, bounds, order // k, wts.reshape(-1)[order], acc, fmt,
+               scratch[:qm.moe_scratch_bytes(t, h, inter, 1) - 1])
 
 
 def test_no_kernels_without_a_compiler(tmp_path):

@@ -48,11 +48,24 @@ def layer_format(cache, layer: int) -> StoredExpert | None:
     return _plain_format(cache.host.inter[layer], cache.host.hidden, qtype) if qtype else None
 
 
-def applies(cache, layer: int, x: torch.Tensor) -> bool:
-    """Whether :func:`run_layer` runs ``layer`` for activations ``x``: the C kernels are
-    built, ``x`` and every blob the layer may read are CPU memory (misses computed on the
-    host: ``--miss-policy cpu``), and the kernels read the layer's types and widths."""
+#: :func:`run_layer` runs a chunk whose experts get at most this many tokens each on
+#: average; larger chunks (prefill) run expert by expert, each matrix dequantized (C,
+#: :func:`moefit.runtime.qmatmul.dequantize`) and multiplied by ``torch.mm`` (oneDNN's
+#: bf16 / AMX kernels), faster from about 8 tokens per expert on the CI machine (Q8_0 and
+#: Q4_K_M experts of a 1024 x 512 model: 4 tokens 1.5-1.9x faster batched, 32 tokens
+#: 0.9-1.6x, 128 tokens 0.4-0.8x).
+MAX_TOKENS_PER_EXPERT = 8
+
+
+def applies(cache, layer: int, x: torch.Tensor, experts_per_token: int) -> bool:
+    """Whether :func:`run_layer` runs ``layer`` for activations ``x`` ``[T, H]``: the C
+    kernels are built, ``x`` and every blob the layer may read are CPU memory (misses
+    computed on the host: ``--miss-policy cpu``), the kernels read the layer's types and
+    widths, and ``T x experts_per_token`` is at most :data:`MAX_TOKENS_PER_EXPERT` per
+    expert of the layer."""
     if cache is None or x.device.type != "cpu" or cache.miss_policy != "cpu" or not qmatmul.available():
+        return False
+    if x.shape[0] * experts_per_token > MAX_TOKENS_PER_EXPERT * cache.host.blobs[layer].shape[0]:
         return False
     if cache.host.blobs[layer].device.type != "cpu":
         return False
@@ -66,10 +79,10 @@ def scratch_bytes(tokens: int, hidden: int, inter: int, act: torch.dtype) -> int
     """Workspace bytes :func:`run_layer` takes for a chunk of ``tokens``: the bytes of the
     one-by-one path's buffers for the chunk (``[T, H]`` input rows, ``[T, 2I]`` gate/up,
     ``[T, H]`` output, and its ``[T, H]`` fp32 copy unless ``act`` is fp32), and at least
-    one token of the kernel's scratch."""
+    the kernel's token rows and one pair (:func:`moefit.runtime.qmatmul.moe_scratch_bytes`)."""
     e = torch.empty((), dtype=act).element_size()
     old = tokens * (2 * hidden * e + 2 * inter * e + (0 if act == torch.float32 else 4 * hidden))
-    return max(old, qmatmul.moe_scratch_bytes(1, hidden, inter))
+    return max(old, qmatmul.moe_scratch_bytes(tokens, hidden, inter, 1))
 
 
 def run_layer(cache, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
@@ -81,7 +94,7 @@ def run_layer(cache, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: to
         x: ``[T, H]`` fp32 or bf16 (contiguous, CPU).
         ids: int64 ``[T, k]``; weights: fp32 ``[T, k]``.
         acc: fp32 ``[T, H]``, added to.
-        scratch: uint8, at least one token of :func:`moefit.runtime.qmatmul.moe_scratch_bytes`.
+        scratch: uint8, at least :func:`moefit.runtime.qmatmul.moe_scratch_bytes` ``(T, H, I, 1)``.
 
     Returns ``acc``.
     """

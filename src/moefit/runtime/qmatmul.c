@@ -21,6 +21,10 @@
 #include <omp.h>
 #endif
 
+#ifndef PREFETCH
+#define PREFETCH 2048
+#endif
+
 enum { T_F32 = 0, T_F16 = 1, T_BF16 = 2, T_Q8_0 = 3, T_Q4_0 = 4, T_Q4_K = 5, T_Q5_K = 6, T_Q6_K = 7,
        T_Q4_1 = 8, T_Q5_0 = 9, T_Q5_1 = 10, T_IQ4_NL = 11, T_MXFP4 = 12 };
 
@@ -116,6 +120,7 @@ static float dot_row(int t, const uint8_t *w, const float *xf, qact a, int K) {
 #ifdef __AVX512F__
         __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
         for (; i + 32 <= K; i += 32) {
+            _mm_prefetch((const char *)(w + 2 * i + PREFETCH), _MM_HINT_T0);
             __m256i h0 = _mm256_loadu_si256((const __m256i *)(w + 2 * i));
             __m256i h1 = _mm256_loadu_si256((const __m256i *)(w + 2 * i + 32));
             __m512 f0, f1;
@@ -135,6 +140,7 @@ static float dot_row(int t, const uint8_t *w, const float *xf, qact a, int K) {
         __m256 acc = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
         int b = 0;
         for (; b + 2 <= nb; b += 2, w += 68) {
+            _mm_prefetch((const char *)(w + PREFETCH), _MM_HINT_T0);
             __m256i p0 = dot_ss(_mm256_loadu_si256((const __m256i *)(w + 2)), _mm256_loadu_si256((const __m256i *)(a.q + 32 * b)));
             __m256i p1 = dot_ss(_mm256_loadu_si256((const __m256i *)(w + 36)), _mm256_loadu_si256((const __m256i *)(a.q + 32 * b + 32)));
             acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), _mm256_set1_ps(fp16_to_f32(rd16(w)) * a.d[b]), acc);
@@ -159,6 +165,7 @@ static float dot_row(int t, const uint8_t *w, const float *xf, qact a, int K) {
 #ifdef __AVX2__
         __m256 acc = _mm256_setzero_ps();
         for (int b = 0; b < nb; b++, w += bs) {
+            _mm_prefetch((const char *)(w + PREFETCH), _MM_HINT_T0);
             __m256i u = nibbles(w + off), y = _mm256_loadu_si256((const __m256i *)(a.q + 32 * b));
             int32_t sy = a.s16[2 * b] + a.s16[2 * b + 1];
             if (t == T_Q4_0) {
@@ -213,6 +220,9 @@ static float dot_row(int t, const uint8_t *w, const float *xf, qact a, int K) {
         for (int sb = 0; sb < K / 256; sb++, w += bs) {
             float d = fp16_to_f32(rd16(w)), dmin = fp16_to_f32(rd16(w + 2));
             const uint8_t *sc = w + 4, *qh = w + 16, *qs = w + (t == T_Q4_K ? 16 : 48);
+#ifdef __AVX2__
+            for (int c = 0; c < bs; c += 64) _mm_prefetch((const char *)(w + PREFETCH + c), _MM_HINT_T0);
+#endif
             for (int j = 0; j < 8; j++) {
                 int scj, mj;
                 if (j < 4) { scj = sc[j] & 63; mj = sc[j + 4] & 63; }
@@ -257,6 +267,9 @@ static float dot_row(int t, const uint8_t *w, const float *xf, qact a, int K) {
             const uint8_t *ql = w, *qh = w + 128;
             const int8_t *scales = (const int8_t *)(w + 192);
             float d = fp16_to_f32(rd16(w + 208));
+#ifdef __AVX2__
+            for (int c = 0; c < 210; c += 64) _mm_prefetch((const char *)(w + PREFETCH + c), _MM_HINT_T0);
+#endif
             for (int j = 0; j < 8; j++) {      /* 32-value groups: half h = j/4, r0 = 32*(j%4) */
                 int h = j / 4, r0 = 32 * (j % 4), b = sb * 8 + j;
                 const int8_t *y = a.q + 32 * b;
@@ -361,37 +374,60 @@ static inline float silu(float v) { return v / (1.f + expf(-v)); }
  * wt[p] * down(silu(gate(x[tok[p]])) * up(x[tok[p]])), pairs grouped by expert:
  * expert i (blob blobs[i]) serves pairs bounds[i] .. bounds[i+1]-1.
  * Blob: gate [I, H] type tg at 0, up [I, H] type tu at off_u, down [H, I] type td at off_d.
- * x [T, H] fp32 or bf16. scratch: tchunk * (4H + qact(H) + 8I + 4I + qact(I)) bytes; an
- * expert's tokens run tchunk at a time. */
+ * x [T, H] fp32 or bf16.
+ * scratch: T * (4H + qact(H)) bytes for the token rows (converted and quantized once), then
+ * pchunk * (8I + 4I + qact(I) + 4H) for pchunk pairs at a time (gate/up outputs, SwiGLU
+ * product and its quantized form, down output).
+ * Work is split over the threads by rows of all the chunk's pairs at once (gate and up
+ * rows, then down rows), so a layer costs a few barriers, not a few per expert. */
 void mf_moe(int n_exp, const uint8_t *const *blobs, const int64_t *bounds, const int64_t *tok,
-            const float *wt, const void *x, int xbf16, float *acc, int H, int I, int tg, int tu, int td,
-            int64_t off_u, int64_t off_d, uint8_t *scratch, int tchunk, int nthreads) {
-    int64_t qh = qact_bytes(H), qi = qact_bytes(I);
-    float *xf = (float *)scratch;                                  /* [tc, H] */
-    uint8_t *xq = scratch + (int64_t)tchunk * H * 4;               /* [tc] qact(H) */
-    float *gu = (float *)(xq + tchunk * qh);                       /* [tc, 2I] */
-    float *hf = gu + (int64_t)tchunk * 2 * I;                      /* [tc, I] */
-    uint8_t *hq = (uint8_t *)(hf + (int64_t)tchunk * I);           /* [tc] qact(I) */
-    float *yd = xf;                                                /* down output reuses xf */
+            const float *wt, const void *x, int xbf16, float *acc, int T, int H, int I, int tg, int tu, int td,
+            int64_t off_u, int64_t off_d, uint8_t *scratch, int pchunk, int nthreads) {
+    int64_t qh = qact_bytes(H), qi = qact_bytes(I), P = bounds[n_exp];
+    int64_t rbg = row_bytes(tg, H), rbu = row_bytes(tu, H), rbd = row_bytes(td, I);
+    float *xf = (float *)scratch;                                  /* [T, H] */
+    uint8_t *xq = scratch + (int64_t)T * H * 4;                    /* [T] qact(H) */
+    float *gu = (float *)(xq + (int64_t)T * qh);                   /* [pc, 2I] */
+    float *hf = gu + (int64_t)pchunk * 2 * I;                      /* [pc, I] */
+    uint8_t *hq = (uint8_t *)(hf + (int64_t)pchunk * I);           /* [pc] qact(I) */
+    float *yd = (float *)(hq + (int64_t)pchunk * qi);              /* [pc, H] */
+    int qx = !is_float_type(tg) || !is_float_type(tu), qd = !is_float_type(td);
 #pragma omp parallel num_threads(nthreads)
-    for (int e = 0; e < n_exp; e++) {
-        const uint8_t *b = blobs[e];
-        for (int64_t p0 = bounds[e]; p0 < bounds[e + 1]; p0 += tchunk) {
-            int n = (int)(bounds[e + 1] - p0 < tchunk ? bounds[e + 1] - p0 : tchunk);
+    {
 #pragma omp for schedule(static)
-            for (int i = 0; i < n; i++) {
-                load_row(x, xbf16, tok[p0 + i], H, xf + (int64_t)i * H);
-                if (!is_float_type(tg) || !is_float_type(tu)) quantize_act(xf + (int64_t)i * H, H, qact_at(xq + i * qh, H));
+        for (int i = 0; i < T; i++) {
+            load_row(x, xbf16, i, H, xf + (int64_t)i * H);
+            if (qx) quantize_act(xf + (int64_t)i * H, H, qact_at(xq + i * qh, H));
+        }
+        int e = 0;
+        for (int64_t p0 = 0; p0 < P; p0 += pchunk) {
+            int n = (int)(P - p0 < pchunk ? P - p0 : pchunk);
+            while (bounds[e + 1] <= p0) e++;                       /* expert of pair p0 */
+#pragma omp for schedule(static)
+            for (int64_t idx = 0; idx < (int64_t)n * 2 * I; idx++) {
+                int i = (int)(idx / (2 * I)), r = (int)(idx % (2 * I));
+                int64_t p = p0 + i;
+                int ee = e;
+                while (bounds[ee + 1] <= p) ee++;
+                int64_t t = tok[p];
+                const uint8_t *w = r < I ? blobs[ee] + r * rbg : blobs[ee] + off_u + (r - I) * rbu;
+                gu[(int64_t)i * 2 * I + r] = dot_row(r < I ? tg : tu, w, xf + t * H, qact_at(xq + t * qh, H), H);
             }
-            gemm_rows(tg, b, I, H, n, xf, xq, gu, 2 * I);
-            gemm_rows(tu, b + off_u, I, H, n, xf, xq, gu + I, 2 * I);
 #pragma omp for schedule(static)
             for (int i = 0; i < n; i++) {
                 float *g = gu + (int64_t)i * 2 * I, *h = hf + (int64_t)i * I;
                 for (int j = 0; j < I; j++) h[j] = silu(g[j]) * g[I + j];
-                if (!is_float_type(td)) quantize_act(h, I, qact_at(hq + i * qi, I));
+                if (qd) quantize_act(h, I, qact_at(hq + i * qi, I));
             }
-            gemm_rows(td, b + off_d, H, I, n, hf, hq, yd, H);
+#pragma omp for schedule(static)
+            for (int64_t idx = 0; idx < (int64_t)n * H; idx++) {
+                int i = (int)(idx / H), r = (int)(idx % H);
+                int64_t p = p0 + i;
+                int ee = e;
+                while (bounds[ee + 1] <= p) ee++;
+                yd[(int64_t)i * H + r] = dot_row(td, blobs[ee] + off_d + r * rbd, hf + (int64_t)i * I,
+                                                 qact_at(hq + i * qi, I), I);
+            }
 #pragma omp for schedule(static)
             for (int c = 0; c < H; c += 64) {
                 int c1 = c + 64 < H ? c + 64 : H;
@@ -404,7 +440,6 @@ void mf_moe(int n_exp, const uint8_t *const *blobs, const int64_t *bounds, const
         }
     }
 }
-
 
 /* ---- dequantization: rows of W -> fp32 / bf16, bit for bit as ggml's dequantize_row_* -------
  * (the same fp32 operations in the same order: built with -ffp-contract=off, no FMA) */

@@ -85,7 +85,7 @@ def _build() -> ctypes.CDLL:
     i, i64, p, f = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
     lib.mf_gemm.argtypes = [i, p, i, i, p, i, i, p, p, i]
     lib.mf_gemm.restype = None
-    lib.mf_moe.argtypes = [i, p, p, p, p, p, i, p, i, i, i, i, i, i64, i64, p, i, i]
+    lib.mf_moe.argtypes = [i, p, p, p, p, p, i, p, i, i, i, i, i, i, i64, i64, p, i, i]
     lib.mf_moe.restype = None
     lib.mf_row_bytes.argtypes = [i, i]
     lib.mf_row_bytes.restype = i64
@@ -148,11 +148,17 @@ def gemm_scratch_bytes(n: int, k: int) -> int:
     return n * (4 * k + qact_bytes(k))
 
 
-def moe_scratch_bytes(tokens: int, hidden: int, inter: int) -> int:
-    """Scratch of :func:`moe` that runs an expert's tokens ``tokens`` at a time: fp32 input
-    rows ``[t, H]`` (reused for the output), their quantized form, gate/up outputs
-    ``[t, 2I]`` fp32, the SwiGLU product ``[t, I]`` fp32 and its quantized form."""
-    return tokens * (4 * hidden + qact_bytes(hidden) + 12 * inter + qact_bytes(inter))
+def moe_scratch_bytes(tokens: int, hidden: int, inter: int, pairs: int | None = None) -> int:
+    """Scratch of :func:`moe` for ``tokens`` token rows run ``pairs`` (token, expert) pairs
+    at a time (default: ``tokens``): the rows converted to fp32 and quantized once
+    (``[T, H]`` fp32 + quantized), then per pair the gate/up outputs ``[2I]`` fp32, the
+    SwiGLU product ``[I]`` fp32 and its quantized form, and the down output ``[H]`` fp32."""
+    pairs = tokens if pairs is None else pairs
+    return tokens * (4 * hidden + qact_bytes(hidden)) + pairs * _pair_bytes(hidden, inter)
+
+
+def _pair_bytes(hidden: int, inter: int) -> int:
+    return 12 * inter + qact_bytes(inter) + 4 * hidden
 
 
 def _threads(threads: int | None) -> int:
@@ -205,21 +211,22 @@ def moe(x: torch.Tensor, blob_ptrs: torch.Tensor, bounds: torch.Tensor, tok: tor
         weights: fp32 ``[P]``: the routing weight of each pair.
         acc: fp32 ``[T, H]``, added to.
         fmt: the layer's :class:`~moefit.runtime.quant.StoredExpert`.
-        scratch: uint8; an expert's tokens run in groups of as many as
-            :func:`moe_scratch_bytes` fits (at least one).
+        scratch: uint8 of at least :func:`moe_scratch_bytes` ``(T, H, I, 1)``; the pairs
+            run in groups of as many as it holds.
 
-    Returns ``acc``. Raises ValueError when the scratch cannot hold one token.
+    Returns ``acc``. Raises ValueError when the scratch cannot hold the rows and one pair.
     """
     lib = _load()
     h, inter = fmt.gate.cols, fmt.gate.rows
-    per = moe_scratch_bytes(1, h, inter)
-    tchunk = scratch.numel() // per
-    if tchunk < 1:
-        raise ValueError(f"moe scratch of {scratch.numel()} bytes cannot hold one token ({per} bytes)")
+    t = x.shape[0]
+    pchunk = (scratch.numel() - moe_scratch_bytes(t, h, inter, 0)) // _pair_bytes(h, inter)
+    if pchunk < 1:
+        raise ValueError(f"moe scratch of {scratch.numel()} bytes cannot hold the {t} token rows and one "
+                         f"pair ({moe_scratch_bytes(t, h, inter, 1)} bytes)")
     lib.mf_moe(blob_ptrs.numel(), blob_ptrs.data_ptr(), bounds.data_ptr(), tok.data_ptr(), weights.data_ptr(),
-               x.data_ptr(), int(x.dtype == torch.bfloat16), acc.data_ptr(), h, inter,
+               x.data_ptr(), int(x.dtype == torch.bfloat16), acc.data_ptr(), t, h, inter,
                CTYPES[fmt.gate.qtype], CTYPES[fmt.up.qtype], CTYPES[fmt.down.qtype],
-               fmt.up.offset, fmt.down.offset, scratch.data_ptr(), tchunk, _threads(threads))
+               fmt.up.offset, fmt.down.offset, scratch.data_ptr(), pchunk, _threads(threads))
     return acc
 
 
