@@ -314,7 +314,7 @@ def usable_bench(bench: Path, files: list[Path]) -> Path:
             m = re.search(r"loaded CPU backend from (\S+)", r.stderr)
             loaded = m.group(1) if m else loaded
             if r.returncode == -4 and loaded:       # SIGILL
-                d = Path(f"/tmp/moefit-llama-bin-{Path(loaded).stem}")
+                d = Path(f"/tmp/moefit-llama-bin-without-{Path(loaded).stem.removeprefix('libggml-cpu-')}")
                 if not d.exists():
                     shutil.copytree(bench.parent, d, symlinks=True)
                     (d / Path(loaded).name).unlink()

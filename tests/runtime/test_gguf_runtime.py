@@ -125,6 +125,15 @@ def test_mixed_types_per_layer_and_quantized_dense_weights(tiny_models, tmp_path
     check(engine, m)
 
 
+def test_llama_quantize_fallback_types_run(tiny_models, tmp_path):
+    """Q4_1, Q5_0 and Q5_1: what llama-quantize stores rows that are not a multiple of 256
+    in (a Q4_K_M of experts of width 1408 keeps its down projections as Q5_0)."""
+    m = GGUFModel(tiny_models[("qwen3_moe", "per_expert")], tmp_path / "fallback.gguf",
+                  expert_types=("Q4_1", "Q5_1", "Q5_0"), dense_types={"blk.0.attn_q.weight": "Q5_0"})
+    check(m.start(expert_cache=4, miss_policy="cpu"), m)
+    check(m.start(expert_cache=4, miss_policy="copy"), m)
+
+
 def test_split_gguf_runs(tiny_models, tmp_path):
     m = GGUFModel(tiny_models[("olmoe", "per_expert")], tmp_path / "olmoe.gguf", split_max_tensors=6)
     assert m.path.name.startswith("olmoe-00001-of-") and m.geom.exact.files > 2

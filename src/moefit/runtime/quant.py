@@ -11,6 +11,10 @@ type     block  size  layout of one block (bytes)
 =======  =====  ====  =========================================================================
 Q8_0     32     34    d fp16 | 32 x int8;  x = q * d
 Q4_0     32     18    d fp16 | 16 bytes of nibbles (low nibbles: 0..15, high: 16..31); x = (q - 8) * d
+Q4_1     32     20    d fp16 | m fp16 | 16 bytes of nibbles; x = d * q + m
+Q5_0     32     22    d fp16 | 4 bytes of fifth bits (bit i: value i) | nibbles; x = d * (q - 16)
+Q5_1     32     24    d fp16 | m fp16 | 4 bytes of fifth bits | nibbles; x = d * q + m
+IQ4_NL   32     18    d fp16 | nibbles indexing ``kvalues_iq4nl``; x = d * kvalues[q]
 Q4_K     256    144   d fp16 | dmin fp16 | 12 bytes of 6-bit scales/mins | 128 bytes of nibbles;
                       x = d*sc * q - dmin*m over 8 sub-blocks of 32
 Q5_K     256    176   as Q4_K plus 32 bytes of fifth bits (qh) before the nibbles
@@ -86,6 +90,45 @@ def _q4_0(raw: torch.Tensor) -> torch.Tensor:
     q[:, 1].copy_(qs >> 4)
     # (q - 8) is exact in fp32 as in int8, so the product equals the reference's
     return q.sub_(8).mul_(d.view(nb, 1, 1)).view(nb, 32)
+
+
+def _nibbles(qs: torch.Tensor) -> torch.Tensor:
+    """16 bytes per block ``[nb, 16]`` -> their 32 nibbles ``[nb, 32]`` (uint8): the low
+    nibbles are values 0..15, the high ones 16..31."""
+    return torch.cat([qs & 0x0F, qs >> 4], dim=-1)
+
+
+def _q4_1(raw: torch.Tensor) -> torch.Tensor:
+    d, m = _f16(raw[:, :2]), _f16(raw[:, 2:4])
+    return (d * _nibbles(raw[:, 4:]).float()) + m
+
+
+def _fifth_bits(qh: torch.Tensor) -> torch.Tensor:
+    """``qh`` ``[nb, 4]`` (a little-endian uint32 per block) -> bit i of each at ``[nb, i]``."""
+    bits = torch.arange(8, dtype=torch.uint8, device=qh.device)
+    return ((qh.unsqueeze(-1) >> bits) & 1).reshape(qh.shape[0], 32)
+
+
+def _q5_0(raw: torch.Tensor) -> torch.Tensor:
+    d = _f16(raw[:, :2])
+    q = (_nibbles(raw[:, 6:]) | (_fifth_bits(raw[:, 2:6]) << 4)).to(torch.int8) - 16
+    return d * q.float()
+
+
+def _q5_1(raw: torch.Tensor) -> torch.Tensor:
+    d, m = _f16(raw[:, :2]), _f16(raw[:, 2:4])
+    q = _nibbles(raw[:, 8:]) | (_fifth_bits(raw[:, 4:8]) << 4)
+    return (d * q.float()) + m
+
+
+#: ``kvalues_iq4nl`` (ggml-common.h): the 16 non-linear levels of IQ4_NL.
+_KVALUES_IQ4NL = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
+
+
+def _iq4_nl(raw: torch.Tensor) -> torch.Tensor:
+    d = _f16(raw[:, :2])
+    table = torch.tensor(_KVALUES_IQ4NL, dtype=torch.float32, device=raw.device)
+    return d * table[_nibbles(raw[:, 2:]).long()]
 
 
 def _scale_min_k4(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -177,6 +220,10 @@ KERNELS: dict[str, Kernel] = {
     "BF16": Kernel(1, 2, _plain(torch.bfloat16)),
     "Q8_0": Kernel(32, 34, _q8_0),
     "Q4_0": Kernel(32, 18, _q4_0),
+    "Q4_1": Kernel(32, 20, _q4_1),
+    "Q5_0": Kernel(32, 22, _q5_0),
+    "Q5_1": Kernel(32, 24, _q5_1),
+    "IQ4_NL": Kernel(32, 18, _iq4_nl),
     "Q4_K": Kernel(256, 144, _q4_k),
     "Q5_K": Kernel(256, 176, _q5_k),
     "Q6_K": Kernel(256, 210, _q6_k),
