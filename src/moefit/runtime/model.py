@@ -40,6 +40,7 @@ from moefit.runtime.deltanet import gated_deltanet
 from moefit.runtime.experts import ExpertCache
 from moefit.runtime import moe_batch
 from moefit.runtime.kv_cache import KVCache
+from moefit.runtime.quant import StoredMatrix
 from moefit.runtime.loader import LayerWeights, Weights
 from moefit.runtime.rope import Rotary
 from moefit.runtime.staging import Workspace
@@ -96,6 +97,9 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, out: torch.
     """``out = x @ w^T (+ b)``; ``x`` ``[T, in]``, ``w`` ``[out, in]``, ``out`` ``[T, out]``.
     A few rows against a bf16/fp16 weight on the CPU go through the C kernels
     (:func:`moefit.runtime.moe_batch.dense`)."""
+    if isinstance(w, StoredMatrix):
+        w.matmul(x, out)
+        return out if b is None else out.add_(b)
     if moe_batch.dense_applies(x, w):
         moe_batch.dense(x, w, out)
         return out if b is None else out.add_(b)
@@ -280,7 +284,7 @@ def forward(mdl: Model, ids: torch.Tensor, slot: int, start: int) -> torch.Tenso
         hidden.add_(delta)
     last = rms_norm(hidden[-1:], w.norm, arch.rms_eps, normed[:1], off, ws)  # [1, H]
     logits = ws.fixed.take((1, g.vocab_size), torch.float32)             # [1, V]
-    if act == torch.float32 or moe_batch.dense_applies(last, w.lm_head):
+    if act == torch.float32 or isinstance(w.lm_head, StoredMatrix) or moe_batch.dense_applies(last, w.lm_head):
         linear(last, w.lm_head, None, logits)           # fp32 logits, fp32 accumulation
     else:
         logits.copy_(torch.mm(last, w.lm_head.t(), out=ws.fixed.take((1, g.vocab_size), act)))

@@ -363,3 +363,82 @@ class StoredExpert:
             F.silu(g, inplace=True).mul_(u)
             w = self.down.dequantize_into(blob, buf.view(self.down.rows, self.down.cols))
             return torch.mm(g, w.t(), out=out)                           # [n, H]
+
+
+@dataclass(frozen=True)
+class StoredMatrix:
+    """A dense GGUF weight ``[rows, cols]`` kept in its stored ggml type on a CPU device.
+
+    ``buf`` is the allocation the plan priced for the weight (``[rows, cols]`` in the compute
+    dtype, the ledger's ``weights`` line): the stored bytes fill its start, so the ledger is
+    unchanged and a decode step reads the stored size instead of the widened one (a Q6_K
+    output matrix: 0.82 bytes per weight against 2). The rest of the buffer is the room
+    :meth:`matmul` dequantizes row blocks into for larger products (prefill).
+    """
+
+    buf: torch.Tensor
+    qtype: str
+    rows: int
+    cols: int
+
+    #: Products of at most this many rows use the C kernels on the stored blocks.
+    SMALL_ROWS = 8
+
+    @property
+    def nbytes(self) -> int:
+        return self.rows * row_bytes(self.qtype, self.cols)
+
+    @property
+    def raw(self) -> torch.Tensor:
+        """The stored bytes (uint8 ``[nbytes]``)."""
+        return self.buf.view(-1).view(torch.uint8)[:self.nbytes]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.rows, self.cols)
+
+    def _tail(self) -> torch.Tensor:
+        """The buffer's elements after the stored bytes (compute dtype, flat)."""
+        es = self.buf.element_size()
+        return self.buf.view(-1)[-(-self.nbytes // es):]
+
+    @classmethod
+    def fits(cls, qtype: str, rows: int, cols: int, dtype: torch.dtype) -> bool:
+        """Whether a ``[rows, cols]`` weight of ``qtype`` can live stored in a buffer of
+        ``dtype``: a quantized type the C kernels read, and room after the bytes for at
+        least one dequantized row."""
+        if qtype in ("F32", "F16", "BF16") or not qmatmul.supports(qtype, cols) or rows < 2:
+            return False
+        es = torch.empty((), dtype=dtype).element_size()
+        return rows * cols - -(-rows * row_bytes(qtype, cols) // es) >= cols
+
+    def __getitem__(self, rows: slice) -> "StoredMatrix":
+        """A row slice; only the whole matrix (``q[:heads * d]`` of a model without an
+        output gate). Raises ValueError otherwise."""
+        if range(self.rows)[rows] != range(self.rows):
+            raise ValueError("a stored matrix is used whole")
+        return self
+
+    def matmul(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """``out = x @ W^T`` for ``x`` ``[T, cols]`` (CPU): up to :attr:`SMALL_ROWS` rows
+        through the C kernels on the stored blocks (activations quantized per 32 values,
+        :mod:`moefit.runtime.qmatmul`); more rows in blocks of weight rows dequantized into
+        the buffer's free room (bit for bit the file's values), then ``torch.mm`` into
+        ``out``'s columns. Returns ``out``."""
+        if x.shape[0] <= self.SMALL_ROWS and qmatmul.available():
+            xc = x.contiguous()
+            if out.dtype == torch.float32 and out.is_contiguous():
+                return qmatmul.gemm(xc, self.raw, self.qtype, self.rows, self.cols, out=out)
+            return out.copy_(qmatmul.gemm(xc, self.raw, self.qtype, self.rows, self.cols))
+        tail = self._tail()
+        step = tail.numel() // self.cols
+        rb = row_bytes(self.qtype, self.cols)
+        raw = self.raw
+        for r0 in range(0, self.rows, step):
+            n = min(step, self.rows - r0)
+            w = dequantize(raw[r0 * rb:(r0 + n) * rb], self.qtype, (n, self.cols),
+                           out=tail[:n * self.cols].view(n, self.cols))
+            if w.dtype != x.dtype:
+                w = w.to(x.dtype)
+            torch.mm(x, w.t(), out=out[:, r0:r0 + n])
+        return out
