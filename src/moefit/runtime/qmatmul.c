@@ -52,9 +52,31 @@ static inline float e8m0_half(uint8_t e) {   /* ggml_e8m0_to_fp32_half */
 }
 
 /* ---- activations: fp32 [K] -> int8 q [K], fp32 d [K/32], int32 s16 [K/16] ------------------- */
-typedef struct { int8_t *q; float *d; int32_t *s16; } qact;
+typedef struct { int8_t *q; float *d; int32_t *s16; int8_t *qk; float *dk; int32_t *sk16; } qact;
+
+/* The K-quant form (ggml's Q8_K): one scale per 256 values, so a super-block's sub-block
+ * products add up in integers; sums per 16 values. Filled when K is a multiple of 256. */
+static void quantize_act_k(const float *x, int K, qact a) {
+    for (int b = 0; b < K / 256; b++) {
+        const float *xb = x + 256 * b;
+        float amax = 0.f;
+        for (int i = 0; i < 256; i++) { float v = fabsf(xb[i]); amax = v > amax ? v : amax; }
+        float d = amax / 127.f, id = d ? 1.f / d : 0.f;
+        a.dk[b] = d;
+        for (int g = 0; g < 16; g++) {
+            int32_t sg = 0;
+            for (int i = 16 * g; i < 16 * g + 16; i++) {
+                int q = (int)lrintf(xb[i] * id);
+                a.qk[256 * b + i] = (int8_t)q;
+                sg += q;
+            }
+            a.sk16[16 * b + g] = sg;
+        }
+    }
+}
 
 static void quantize_act(const float *x, int K, qact a) {
+    if (K % 256 == 0) quantize_act_k(x, K, a);
     for (int b = 0; b < K / 32; b++) {
         const float *xb = x + 32 * b;
         float amax = 0.f;
@@ -216,13 +238,48 @@ static float dot_row(int t, const uint8_t *w, const float *xf, qact a, int K) {
         int bs = t == T_Q4_K ? 144 : 176;
 #ifdef __AVX2__
         __m256 acc = _mm256_setzero_ps();
-#endif
+        for (int sb = 0; sb < K / 256; sb++, w += bs) {
+            for (int c = 0; c < bs; c += 64) _mm_prefetch((const char *)(w + PREFETCH + c), _MM_HINT_T0);
+            float dy = a.dk[sb], d = fp16_to_f32(rd16(w)) * dy, dmin = fp16_to_f32(rd16(w + 2)) * dy;
+            const uint8_t *sc = w + 4, *qh = w + 16, *qs = w + (t == T_Q4_K ? 16 : 48);
+            const int8_t *y = a.qk + 256 * sb;
+            const int32_t *bsum = a.sk16 + 16 * sb;
+            __m256i isum = _mm256_setzero_si256();
+            uint8_t scm[16];                       /* 8 scales, then 8 mins (ggml's kmask unpacking) */
+            {
+                uint32_t u4[4];
+                memcpy(u4, sc, 12);
+                u4[3] = ((u4[2] >> 4) & 0x0f0f0f0fu) | (((u4[1] >> 6) & 0x03030303u) << 4);
+                uint32_t aux = u4[1] & 0x3f3f3f3fu;
+                u4[1] = (u4[2] & 0x0f0f0f0fu) | (((u4[0] >> 6) & 0x03030303u) << 4);
+                u4[2] = aux;
+                u4[0] &= 0x3f3f3f3fu;
+                memcpy(scm, u4, 16);
+            }
+            int32_t msum = 0;
+            for (int j = 0; j < 8; j++) msum += scm[8 + j] * (bsum[2 * j] + bsum[2 * j + 1]);
+            __m256i hbits = t == T_Q5_K ? _mm256_loadu_si256((const __m256i *)qh) : _mm256_setzero_si256();
+            for (int j = 0; j < 8; j += 2) {
+                __m256i raw4 = _mm256_loadu_si256((const __m256i *)(qs + 16 * j));
+                __m256i u0 = _mm256_and_si256(raw4, _mm256_set1_epi8(0x0f));
+                __m256i u1 = _mm256_and_si256(_mm256_srli_epi16(raw4, 4), _mm256_set1_epi8(0x0f));
+                if (t == T_Q5_K) {
+                    u0 = _mm256_or_si256(u0, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hbits, j), _mm256_set1_epi8(1)), 4));
+                    u1 = _mm256_or_si256(u1, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hbits, j + 1), _mm256_set1_epi8(1)), 4));
+                }
+                __m256i p0 = dot_us(u0, _mm256_loadu_si256((const __m256i *)(y + 32 * j)));
+                __m256i p1 = dot_us(u1, _mm256_loadu_si256((const __m256i *)(y + 32 * j + 32)));
+                isum = _mm256_add_epi32(isum, _mm256_mullo_epi32(p0, _mm256_set1_epi32(scm[j])));
+                isum = _mm256_add_epi32(isum, _mm256_mullo_epi32(p1, _mm256_set1_epi32(scm[j + 1])));
+            }
+            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(d), acc);
+            sum -= dmin * (float)msum;
+        }
+        return sum + hsum8(acc);
+#else
         for (int sb = 0; sb < K / 256; sb++, w += bs) {
             float d = fp16_to_f32(rd16(w)), dmin = fp16_to_f32(rd16(w + 2));
             const uint8_t *sc = w + 4, *qh = w + 16, *qs = w + (t == T_Q4_K ? 16 : 48);
-#ifdef __AVX2__
-            for (int c = 0; c < bs; c += 64) _mm_prefetch((const char *)(w + PREFETCH + c), _MM_HINT_T0);
-#endif
             for (int j = 0; j < 8; j++) {
                 int scj, mj;
                 if (j < 4) { scj = sc[j] & 63; mj = sc[j + 4] & 63; }
@@ -233,17 +290,6 @@ static float dot_row(int t, const uint8_t *w, const float *xf, qact a, int K) {
                 int32_t sy = a.s16[2 * b] + a.s16[2 * b + 1];
                 sum -= dmin * mj * dy * sy;
                 const uint8_t *q4 = qs + 32 * (j / 2);
-#ifdef __AVX2__
-                __m256i u = _mm256_loadu_si256((const __m256i *)q4);
-                u = _mm256_and_si256(j & 1 ? _mm256_srli_epi16(u, 4) : u, _mm256_set1_epi8(0x0f));
-                if (t == T_Q5_K) {
-                    __m256i h = _mm256_loadu_si256((const __m256i *)qh);
-                    h = _mm256_and_si256(_mm256_srli_epi16(h, j), _mm256_set1_epi8(1));
-                    u = _mm256_or_si256(u, _mm256_slli_epi16(h, 4));
-                }
-                acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_us(u, _mm256_loadu_si256((const __m256i *)y))),
-                                      _mm256_set1_ps(d * scj * dy), acc);
-#else
                 int s = 0;
                 for (int i = 0; i < 32; i++) {
                     int q = (j & 1 ? q4[i] >> 4 : q4[i] & 15);
@@ -251,26 +297,45 @@ static float dot_row(int t, const uint8_t *w, const float *xf, qact a, int K) {
                     s += q * y[i];
                 }
                 sum += d * scj * dy * s;
-#endif
             }
         }
-#ifdef __AVX2__
-        sum += hsum8(acc);
-#endif
         return sum;
+#endif
     }
     case T_Q6_K: {
 #ifdef __AVX2__
         __m256 acc = _mm256_setzero_ps();
-#endif
+        for (int sb = 0; sb < K / 256; sb++, w += 210) {
+            for (int c = 0; c < 210; c += 64) _mm_prefetch((const char *)(w + PREFETCH + c), _MM_HINT_T0);
+            const uint8_t *ql = w, *qh = w + 128;
+            const int8_t *scales = (const int8_t *)(w + 192);
+            float d = fp16_to_f32(rd16(w + 208)) * a.dk[sb];
+            const int8_t *y = a.qk + 256 * sb;
+            const int32_t *bsum = a.sk16 + 16 * sb;
+            __m256i isum = _mm256_setzero_si256();
+            int32_t osum = 0;
+            for (int g = 0; g < 16; g++) osum += scales[g] * bsum[g];
+            for (int j = 0; j < 8; j++) {
+                int h = j / 4, r0 = 32 * (j % 4), ls = 4 * (r0 / 64), hs = 2 * (r0 / 32);
+                const uint8_t *l = ql + 64 * h + (r0 % 64), *hh = qh + 32 * h;
+                __m256i lo = _mm256_and_si256(_mm256_srli_epi16(_mm256_loadu_si256((const __m256i *)l), ls), _mm256_set1_epi8(0x0f));
+                __m256i hi = _mm256_and_si256(_mm256_srli_epi16(_mm256_loadu_si256((const __m256i *)hh), hs), _mm256_set1_epi8(3));
+                __m256i u = _mm256_or_si256(lo, _mm256_slli_epi16(hi, 4));
+                __m256i p = dot_us(u, _mm256_loadu_si256((const __m256i *)(y + 32 * j)));
+                __m256i scv = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_set1_epi32(scales[2 * j])),
+                                                      _mm_set1_epi32(scales[2 * j + 1]), 1);
+                isum = _mm256_add_epi32(isum, _mm256_mullo_epi32(p, scv));
+            }
+            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(d), acc);
+            sum -= d * 32.f * (float)osum;
+        }
+        return sum + hsum8(acc);
+#else
         for (int sb = 0; sb < K / 256; sb++, w += 210) {
             const uint8_t *ql = w, *qh = w + 128;
             const int8_t *scales = (const int8_t *)(w + 192);
             float d = fp16_to_f32(rd16(w + 208));
-#ifdef __AVX2__
-            for (int c = 0; c < 210; c += 64) _mm_prefetch((const char *)(w + PREFETCH + c), _MM_HINT_T0);
-#endif
-            for (int j = 0; j < 8; j++) {      /* 32-value groups: half h = j/4, r0 = 32*(j%4) */
+            for (int j = 0; j < 8; j++) {
                 int h = j / 4, r0 = 32 * (j % 4), b = sb * 8 + j;
                 const int8_t *y = a.q + 32 * b;
                 float dy = a.d[b];
@@ -278,26 +343,16 @@ static float dot_row(int t, const uint8_t *w, const float *xf, qact a, int K) {
                 int ls = 4 * (r0 / 64), hs = 2 * (r0 / 32);
                 float s0 = d * scales[2 * j] * dy, s1 = d * scales[2 * j + 1] * dy;
                 sum -= 32.f * (s0 * a.s16[2 * b] + s1 * a.s16[2 * b + 1]);
-#ifdef __AVX2__
-                __m256i lo = _mm256_and_si256(_mm256_srli_epi16(_mm256_loadu_si256((const __m256i *)l), ls), _mm256_set1_epi8(0x0f));
-                __m256i hi = _mm256_and_si256(_mm256_srli_epi16(_mm256_loadu_si256((const __m256i *)hh), hs), _mm256_set1_epi8(3));
-                __m256i u = _mm256_or_si256(lo, _mm256_slli_epi16(hi, 4));
-                __m256 sc = _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_set1_ps(s0)), _mm_set1_ps(s1), 1);
-                acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_us(u, _mm256_loadu_si256((const __m256i *)y))), sc, acc);
-#else
                 int p0 = 0, p1 = 0;
                 for (int i = 0; i < 32; i++) {
                     int q = ((l[i] >> ls) & 15) | (((hh[i] >> hs) & 3) << 4);
                     if (i < 16) p0 += q * y[i]; else p1 += q * y[i];
                 }
                 sum += s0 * p0 + s1 * p1;
-#endif
             }
         }
-#ifdef __AVX2__
-        sum += hsum8(acc);
-#endif
         return sum;
+#endif
     }
     }
     return 0.f;
@@ -326,11 +381,18 @@ static int64_t row_bytes(int t, int K) {
 int64_t mf_row_bytes(int t, int K) { return row_bytes(t, K); }
 
 /* scratch bytes of one quantized activation of K values */
-static int64_t qact_bytes(int K) { return (int64_t)K + K / 32 * 4 + K / 16 * 4; }
+static int64_t qact_bytes(int K) { return 2 * ((int64_t)K + K / 32 * 4 + K / 16 * 4) + K / 256 * 4; }
 int64_t mf_qact_bytes(int K) { return qact_bytes(K); }
 
 static qact qact_at(uint8_t *base, int K) {
-    qact a; a.q = (int8_t *)base; a.d = (float *)(base + K); a.s16 = (int32_t *)(base + K + K / 32 * 4); return a;
+    qact a; int64_t o = 0;
+    a.q = (int8_t *)base; o += K;
+    a.d = (float *)(base + o); o += K / 32 * 4;
+    a.s16 = (int32_t *)(base + o); o += K / 16 * 4;
+    a.sk16 = (int32_t *)(base + o); o += K / 16 * 4;
+    a.dk = (float *)(base + o); o += K / 256 * 4;
+    a.qk = (int8_t *)(base + o);
+    return a;
 }
 
 /* x fp32 or bf16 row -> fp32 */

@@ -137,9 +137,10 @@ def supports(qtype: str, cols: int) -> bool:
 
 
 def qact_bytes(k: int) -> int:
-    """Scratch bytes of one quantized activation of ``k`` values: ``k`` int8, ``k/32`` fp32
-    scales, ``k/16`` int32 sums (``qmatmul.c`` ``qact_bytes``)."""
-    return k + k // 32 * 4 + k // 16 * 4
+    """Scratch bytes of one quantized activation of ``k`` values (``qmatmul.c``
+    ``qact_bytes``): two forms, each ``k`` int8, ``k/32`` fp32 scales (the K-quant form:
+    ``k/256``) and ``k/16`` int32 sums."""
+    return 2 * (k + k // 32 * 4 + k // 16 * 4) + k // 256 * 4
 
 
 def gemm_scratch_bytes(n: int, k: int) -> int:
