@@ -2,10 +2,11 @@
 
 The kernels (``qmatmul.c``, next to this file) read ggml blocks as the file stores them and
 multiply them as llama.cpp's CPU backend does (``ggml-cpu/quants.c``, ``ggml_vec_dot_*``):
-the activations are quantized per 32 values to int8 with one fp32 scale
-(``d = max|x| / 127``, ``q = round(x / d)``, the Q8_0 recipe), each weight block is
-multiplied in integers (``sum(qw * qx)``, AVX-512 VNNI / AVX-VNNI / AVX2 where the CPU has
-them) and scaled by the weight block's scale(s) and ``d``; the sums are fp32. Float weights
+the activations are quantized to int8 with one fp32 scale per 32 values (``d = max|x| /
+127``, ``q = round(x / d)``, the Q8_0 recipe; for the K-quants one scale per 256 values,
+ggml's Q8_K, so a super-block's sub-block products add up in integers), each weight block
+is multiplied in integers (``sum(qw * qx)``, AVX-512 VNNI / AVX-VNNI / AVX2 where the CPU
+has them) and scaled by the weight block's scale(s) and ``d``; the sums are fp32. Float weights
 (F32, F16, BF16) multiply the fp32 activations in fp32. The results are therefore not bit for
 bit those of dequantize-then-multiply: the difference is the activation rounding, bounded in
 ``tests/runtime/test_qmatmul.py`` (about 1% of the output's scale on random data).
@@ -17,8 +18,8 @@ kernels of :mod:`moefit.runtime.quant`); torch's weight-only kernels
 (``_weight_int8pack_mm``: one scale per row, so a Q8_0 file would be requantized, lossy;
 ``_weight_int4pack_mm_for_cpu``: groups of 32 with bf16 scales and zeros, which only Q4_0 /
 Q4_1 / Q4_K map onto, and a repacked copy of every expert) about 110 us; these kernels
-15-40 us (see the README's Benchmarks). No maintained PyPI binding of ggml ships its CPU
-kernels for arbitrary buffers.
+22-46 us (BF16 and Q8_0 about 25, Q6_K 34, Q4_K 46) on the stored bytes, no copy. ggml
+through a PyPI binding was not tried: a C file built at first use needs only gcc.
 
 Build: the C file is compiled once per machine with ``gcc -O3 -march=native -fopenmp``
 (about 1 s) into ``$MOEFIT_CACHE_DIR`` (default ``~/.cache/moefit``), named by a hash of the
