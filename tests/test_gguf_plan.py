@@ -385,16 +385,19 @@ def test_converter_header_of_each_architecture_gives_the_preset_geometry(tmp_pat
 
 @pytest.mark.process
 def test_types_the_runtime_cannot_run_are_noted_in_the_plan(tmp_path):
-    """A Q4_1 expert file plans exactly, and the plan says serve/generate will refuse it."""
+    """A TQ2_0 expert file plans exactly, and the plan says serve/generate will refuse it
+    (Q4_1 / Q5_0 / Q5_1, llama-quantize's fallbacks, run)."""
     from moefit.ingest.gguf_header import RUNTIME_TYPES
 
-    path, _ = tiny_gguf(tmp_path, "qwen3_moe", expert_types="Q8_0")
+    path, _ = tiny_gguf(tmp_path, "qwen3_moe", expert_types="Q4_1")
     assert not any("runtime:" in n for n in load_model(str(path)).notes)
-    q41, _ = tiny_gguf(tmp_path, "qwen3_moe", "q41.gguf", expert_types="Q4_1")
-    g = load_model(str(q41))
+    cfg = dict(TINY["qwen3_moe"], hidden_size=256, moe_intermediate_size=256)   # TQ2_0 blocks: 256
+    tq2 = tmp_path / "tq2.gguf"
+    write_gguf(random_state(cfg), cfg, tq2, expert_types="TQ2_0")
+    g = load_model(str(tq2))
     note = next(n for n in g.notes if n.startswith("runtime:"))
-    assert "Q4_1" in note and "Q4_1" not in RUNTIME_TYPES
-    r = moefit("plan", str(q41), "--vram", "1GiB", "--max-context", "256")
+    assert "TQ2_0" in note and "TQ2_0" not in RUNTIME_TYPES
+    r = moefit("plan", str(tq2), "--vram", "1GiB", "--max-context", "256")
     assert r.returncode == 0 and "runtime: tensors of types serve/generate cannot run" in r.stdout
 
 

@@ -56,7 +56,7 @@ def _verbose(plan) -> str:
     g, r = plan.geometry, plan.request
     fmt = kv_format(r.kv)
     kv = kv_bytes(g, fmt, plan.context, r.slots, plan.prefill_selected)
-    st = staging_model(g, fmt, r.slots)
+    st = staging_model(g, fmt, r.slots, plan.devices[0].device.kind)
     staged = plan.devices[0].line("prefill")
     if staged.detail.endswith("(calibrated)"):
         chunk = plan.prefill_selected

@@ -114,6 +114,9 @@ def add_model_files_flags(p: argparse.ArgumentParser) -> None:
                    help="read tokenizer.json / tokenizer_config.json / generation_config.json "
                         "from DIR (default: the model directory; for a .gguf, the file's "
                         "metadata unless a tokenizer.json lies beside it)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="CPU threads of the runtime: torch's and moefit's C kernels (default: "
+                        "torch's, one per core; fewer are steadier on a shared machine)")
 
 
 def add_sampling_flags(p: argparse.ArgumentParser) -> None:
@@ -189,7 +192,8 @@ def device_from_args(args: argparse.Namespace) -> Device:
 
 def runnable_device(args: argparse.Namespace) -> Device:
     """The device of ``--device`` for the commands that run the model; a what-if card
-    (``--gpu``, ``--vram`` alone) cannot run one.
+    (``--gpu``, ``--vram`` alone) cannot run one. Applies ``--threads``
+    (:func:`apply_threads`).
 
     Raises:
         InputError: ``--gpu`` or ``--vram`` without ``--device``; a CUDA device that this
@@ -200,6 +204,7 @@ def runnable_device(args: argparse.Namespace) -> Device:
         raise InputError(f"{command} runs the model on a real device: use --device "
                          "cuda[:N] (optionally with --vram to cap it) or --device cpu --vram SIZE "
                          "(a simulated device); --gpu and --vram alone only plan (moefit plan)")
+    apply_threads(args)
     device = device_from_args(args)
     if device.kind == "cuda":
         import torch
@@ -209,6 +214,19 @@ def runnable_device(args: argparse.Namespace) -> Device:
                              "install a CUDA build of torch, or simulate the card with "
                              "--device cpu --vram SIZE")
     return device
+
+
+def apply_threads(args: argparse.Namespace) -> None:
+    """Set the runtime's CPU threads from ``--threads`` (torch's intra-op threads, which
+    moefit's C kernels use too); nothing without the flag. Raises InputError below 1."""
+    threads = getattr(args, "threads", None)
+    if threads is None:
+        return
+    if threads < 1:
+        raise InputError(f"--threads {threads}: must be at least 1")
+    import torch
+
+    torch.set_num_threads(threads)
 
 
 def calibrated_staging(geom: ModelGeometry, device: Device, kv: str,

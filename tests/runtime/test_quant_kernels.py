@@ -17,7 +17,7 @@ from moefit.errors import InputError  # noqa: E402
 from moefit.runtime.quant import KERNELS, StoredExpert, dequantize  # noqa: E402
 
 T = gguf.GGMLQuantizationType
-REQUIRED = ("Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K", "MXFP4")
+REQUIRED = ("Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K", "MXFP4", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL")
 
 
 def reference(raw: np.ndarray, qtype: str) -> np.ndarray:

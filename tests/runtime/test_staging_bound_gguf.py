@@ -7,10 +7,11 @@ Q8_0 files by 17% at 512-token chunks, where that scratch is a large part of the
 under-counted the K-quants. The scratch is now priced per type
 (:data:`moefit.memory.staging.DEQUANT_SCRATCH_BYTES_PER_ELEM`), and:
 
-1. each kernel's measured scratch (PyTorch profiler, one full tile) is at most its table
-   entry and within 10% of it;
+1. each torch kernel's measured scratch (PyTorch profiler, one full tile) is at most its
+   table entry and within 10% of it; the C kernels (a CPU device) allocate nothing;
 2. a model with realistic expert matrices (512 x 512) in each format, at 256 and 512-token
-   chunks: measured <= planned <= 1.15 x measured, the claim the README makes.
+   chunks, through the C kernels and through the torch kernels (``MOEFIT_NO_CKERNELS``):
+   measured <= planned <= 1.15 x measured, the claim the README makes.
 """
 
 from __future__ import annotations
@@ -29,7 +30,9 @@ from moefit.plan.request import Request  # noqa: E402
 from moefit.plan.solver import solve  # noqa: E402
 from moefit.runtime.engine import Engine, EngineOptions  # noqa: E402
 from moefit.runtime.measure import _cpu_peaks, prefill_measured  # noqa: E402
+from moefit.runtime import qmatmul  # noqa: E402
 from moefit.runtime.quant import KERNELS, dequantize  # noqa: E402
+from moefit.memory.cpu_kernels import CTYPES, DISABLE_ENV  # noqa: E402
 
 
 
@@ -45,7 +48,8 @@ FORMATS = {"Q8_0": ("Q8_0",) * 3, "Q4_0": ("Q4_0",) * 3, "MXFP4": ("MXFP4",) * 3
 
 def _kernel_scratch(qtype: str) -> int:
     """Peak bytes torch allocates while dequantizing one full tile of ``qtype`` into a
-    preallocated bf16 buffer (the output itself is not counted)."""
+    preallocated bf16 buffer (the output itself is not counted), by whichever path
+    :func:`moefit.runtime.quant.dequantize` takes."""
     from torch.profiler import ProfilerActivity, profile
 
     k = KERNELS[qtype]
@@ -61,10 +65,17 @@ def _kernel_scratch(qtype: str) -> int:
 
 
 @pytest.mark.parametrize("qtype", [q for q in KERNELS if q != "F32"])
-def test_each_kernels_scratch_is_its_table_entry(qtype):
+def test_each_kernels_scratch_is_its_table_entry(qtype, monkeypatch):
+    monkeypatch.setattr(qmatmul, "available", lambda: False)     # the torch kernels
     measured = _kernel_scratch(qtype) / DEQUANT_TILE_ELEMS
     table = DEQUANT_SCRATCH_BYTES_PER_ELEM[qtype]
     assert measured <= table <= 1.1 * measured, (qtype, measured, table)
+
+
+@pytest.mark.skipif(not qmatmul.available(), reason="no C compiler")
+@pytest.mark.parametrize("qtype", [q for q in KERNELS if q in CTYPES])
+def test_the_c_kernels_dequantize_without_scratch(qtype):
+    assert _kernel_scratch(qtype) == 0
 
 
 def _random_blocks(data: np.ndarray, qtype):
@@ -113,9 +124,15 @@ def gguf_files(tmp_path_factory):
     return out
 
 
+@pytest.mark.parametrize("kernels", ["c", "torch"])
 @pytest.mark.parametrize("chunk", [256, 512])
 @pytest.mark.parametrize("fmt", list(FORMATS))
-def test_gguf_staging_bound_at_small_chunks(gguf_files, fmt, chunk):
+def test_gguf_staging_bound_at_small_chunks(gguf_files, fmt, chunk, kernels, monkeypatch):
+    if kernels == "torch":
+        monkeypatch.setenv(DISABLE_ENV, "1")                     # the plan prices the torch path
+        monkeypatch.setattr(qmatmul, "available", lambda: False)
+    elif not qmatmul.available():
+        pytest.skip("no C compiler")
     path = gguf_files[fmt]
     geom = load_model(str(path))
     tokens = 2 * chunk

@@ -108,7 +108,7 @@ def save(geom: ModelGeometry, device: Device, kv: str,
     """Fit ``points`` and store them for ``geom`` on ``device`` with KV format ``kv``.
     Returns (file written, the calibrated model)."""
     const, per_token = fit(points)
-    analytic = staging_model(geom, kv_format(kv))
+    analytic = staging_model(geom, kv_format(kv), device_kind=device.kind)
     key = calibration_key(geom, device, kv)
     doc = {"schema": SCHEMA, "moefit": __version__, "revision": REVISION, "key": key,
            "model": geom.name, "const_bytes": const, "per_token_bytes": per_token,
@@ -186,7 +186,7 @@ def load(geom: ModelGeometry, device: Device, kv: str,
         return ignored("implausible numbers")
     if any(const + per_token * c < p for c, p in points):
         return ignored("it does not cover its own measured points")
-    analytic = staging_model(geom, kv_format(kv))
+    analytic = staging_model(geom, kv_format(kv), device_kind=device.kind)
     for c, _ in points:
         ratio = (const + per_token * c) / analytic.bytes(c)
         if not 1 / PLAUSIBLE <= ratio <= PLAUSIBLE:

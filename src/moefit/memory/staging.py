@@ -57,6 +57,7 @@ import math
 from dataclasses import dataclass
 
 from moefit.ingest.geometry import AttentionSpec, LayerSpec, ModelGeometry
+from moefit.memory import cpu_kernels
 from moefit.memory.kv import QBLOCK, KVFormat
 
 ATTN_Q_BLOCK = 256      #: queries per attention tile (tokens)
@@ -75,13 +76,15 @@ DEQUANT_TILE_ELEMS = 1 << 20
 #: Scratch bytes per element of one tile that each kernel of ``moefit.runtime.quant``
 #: allocates beside its output (fp32 values, unpacked integers, scales), by ggml type.
 #: Measured with the PyTorch profiler on a full tile (F16 / BF16 4.00, Q8_0 4.13, Q4_0 4.63,
-#: Q4_K 13.33, Q5_K 14.33, Q6_K 11.50, MXFP4 14.25) and rounded up to a quarter byte;
-#: tests/runtime/test_staging_bound_gguf.py re-measures every kernel against this table.
-#: One figure for all types (12) over-priced Q8_0 staging by 17% at 512-token chunks and
-#: under-priced the K-quants and MXFP4.
+#: Q4_1 8.25, Q5_0 9.13, Q5_1 9.25, IQ4_NL 12.13, Q4_K 13.33, Q5_K 14.33, Q6_K 11.50,
+#: MXFP4 14.25) and rounded up to a quarter byte; tests/runtime/test_staging_bound_gguf.py
+#: re-measures every kernel against this table. One figure for all types (12) over-priced
+#: Q8_0 staging by 17% at 512-token chunks and under-priced the K-quants and MXFP4. The C
+#: kernels of a CPU device (:mod:`moefit.memory.cpu_kernels`) allocate no scratch at all.
 DEQUANT_SCRATCH_BYTES_PER_ELEM: dict[str, float] = {
-    "F32": 0.0, "F16": 4.0, "BF16": 4.0, "Q8_0": 4.25, "Q4_0": 4.75,
-    "Q4_K": 13.5, "Q5_K": 14.5, "Q6_K": 11.5, "MXFP4": 14.5,
+    "F32": 0.0, "F16": 4.0, "BF16": 4.0, "Q8_0": 4.25, "Q4_0": 4.75, "Q4_1": 8.25,
+    "Q5_0": 9.25, "Q5_1": 9.25, "IQ4_NL": 12.25, "Q4_K": 13.5, "Q5_K": 14.5, "Q6_K": 11.5,
+    "MXFP4": 14.5,
 }
 #: bytes per element of the dtypes a workspace layout names; ``"act"`` is the compute
 #: dtype, whose size the caller gives
@@ -333,20 +336,29 @@ def _mixer_terms(layer: LayerSpec, geom: ModelGeometry, fmt: KVFormat,
     return _mixer_region(layer.attention, fmt, act, ATTN_Q_BLOCK, ATTN_KV_BLOCK) + s.const, s.per_token
 
 
-def expert_dequant_bytes(geom: ModelGeometry, act: int) -> int:
+def expert_dequant_bytes(geom: ModelGeometry, act: int, c_kernels: bool = False) -> int:
     """Staging bytes running one stored (quantized, GGUF) expert takes: its largest matrix
     (``expert_intermediate x hidden``) dequantized into the compute dtype of ``act``
     bytes, plus its kernel's scratch for one tile of at most :data:`DEQUANT_TILE_ELEMS`
     elements (``moefit.runtime.quant``), by the layer's expert types
     (:data:`DEQUANT_SCRATCH_BYTES_PER_ELEM`; the largest entry for a type without one, or
-    when the types are not known). 0 for a model without MoE layers."""
+    when the types are not known). With ``c_kernels`` (a CPU device where
+    :func:`moefit.memory.cpu_kernels.expected`), a type the C kernels read dequantizes
+    straight into that matrix and adds no scratch (fp32 / bf16 compute dtype; an fp16
+    one still goes through torch). 0 for a model without MoE layers."""
     types = dict(getattr(geom.exact, "expert_types", ()) or ())
     worst = max(DEQUANT_SCRATCH_BYTES_PER_ELEM.values())
+    direct = c_kernels and geom.dtype in ("float32", "bfloat16")
+
+    def scratch(t: str) -> float:
+        if direct and t in cpu_kernels.CTYPES:
+            return 0.0
+        return DEQUANT_SCRATCH_BYTES_PER_ELEM.get(t, worst)
+
     dequant = 0
     for l in geom.moe_layers:
         mat = l.moe.expert_intermediate * geom.hidden_size
-        per_elem = max((DEQUANT_SCRATCH_BYTES_PER_ELEM.get(t, worst) for t in types.get(l.index, ())),
-                       default=worst)
+        per_elem = max((scratch(t) for t in types.get(l.index, ())), default=worst)
         dequant = max(dequant, mat * act + math.ceil(min(mat, DEQUANT_TILE_ELEMS) * per_elem))
     return dequant
 
@@ -402,7 +414,8 @@ def _mlp_step(layer: LayerSpec, geom: ModelGeometry, act: int) -> _Step:
                  max(k * (FP32 + INT64) + max(route, dispatch), shared))
 
 
-def staging_model(geom: ModelGeometry, fmt: KVFormat, slots: int = 1) -> StagingModel:
+def staging_model(geom: ModelGeometry, fmt: KVFormat, slots: int = 1,
+                  device_kind: str = "cuda") -> StagingModel:
     """Affine staging model of one prefill chunk for ``geom`` (see module docstring).
 
     Args:
@@ -410,6 +423,9 @@ def staging_model(geom: ModelGeometry, fmt: KVFormat, slots: int = 1) -> Staging
         fmt: KV format (the codecs' scratch and the encoded rows depend on it).
         slots: concurrent sequences (the engine runs one chunk of one sequence at a time;
             kept for the interface).
+        device_kind: ``cuda`` or ``cpu``: on a CPU device stored experts dequantize
+            through the C kernels when they are expected (:mod:`moefit.memory.cpu_kernels`),
+            without the torch kernels' scratch.
     """
     act = compute_bytes(geom)
     up = 0 if act == FP32 else 1
@@ -428,7 +444,8 @@ def staging_model(geom: ModelGeometry, fmt: KVFormat, slots: int = 1) -> Staging
     if geom.exact is not None and geom.exact.experts_stored:
         # quantized experts (GGUF): one matrix dequantized at a time into the fixed region;
         # the kernels' fp32 scratch (bounded tiles) is allocated outside the workspace
-        scratch = max(0, expert_dequant_bytes(geom, act) - _expert_matrix_bytes(geom, act))
+        c_kernels = cpu_kernels.expected(device_kind)
+        scratch = max(0, expert_dequant_bytes(geom, act, c_kernels) - _expert_matrix_bytes(geom, act))
         terms_extra = (("expert dequantization kernel scratch", scratch, 0),)
     top = max(steps, key=lambda s: s.per_token)
     terms = (

@@ -174,7 +174,7 @@ class _Priced:
 def _price(geom: ModelGeometry, device: Device, req: Request, context: int,
            floor_slots: int, staging: StagingModel | None = None) -> _Priced:
     fmt = kv_format(req.kv)
-    stage = staging or staging_model(geom, fmt, req.slots)
+    stage = staging or staging_model(geom, fmt, req.slots, device.kind)
     slot = expert_slot_bytes(geom)
     margin = default_reserve_bytes(device) if req.reserve_bytes is None else req.reserve_bytes
     return _Priced(

@@ -33,6 +33,14 @@ from moefit.runtime.kv_cache import KVCache
 from moefit.runtime.staging import Workspace
 
 
+#: Query rows (heads per KV head x chunk tokens) up to which a bf16/fp16 layer multiplies
+#: its tiles in fp32: oneDNN builds a new bf16 kernel for every new shape (0.47 ms on the
+#: CI machine, against 0.02 ms for the product), and a decode step's key block grows by one
+#: token each step, so every step paid it twice per layer. The fp32 copies are of one KV
+#: block of the layer (``kv_block`` tokens), temporaries of the decode step.
+SMALL_ROWS = 64
+
+
 def attend(q: torch.Tensor, start: int, cache: KVCache, layer: int, slot: int, scale: float,
            out: torch.Tensor, ws: Workspace, *, q_block: int = ATTN_Q_BLOCK,
            kv_block: int = ATTN_KV_BLOCK) -> None:
@@ -93,7 +101,11 @@ def attend(q: torch.Tensor, start: int, cache: KVCache, layer: int, slot: int, s
                 cache.read(layer, slot, k0, k0 + b, kb, vb, k.transpose(0, 1), v.transpose(0, 1),
                            region)
                 s = s_[:kvh * rows * b].view(kvh, rows, b)          # [K, G*tq, B]
-                if act == f32:
+                small = act != f32 and rows <= SMALL_ROWS
+                if small:       # decode: fp32 products (see SMALL_ROWS)
+                    kf, vf = k.float(), v.float()
+                    torch.bmm(qt.float(), kf.transpose(1, 2), out=s)
+                elif act == f32:
                     torch.bmm(qt, k.transpose(1, 2), out=s)
                 else:
                     s_act = p_[:kvh * rows * b].view(kvh, rows, b)
@@ -114,7 +126,9 @@ def attend(q: torch.Tensor, start: int, cache: KVCache, layer: int, slot: int, s
                 torch.exp(torch.sub(m, m_safe, out=alpha), out=alpha)   # 0 where m was -inf
                 l.mul_(alpha).add_(torch.sum(s, -1, out=rowsum))
                 acc.mul_(alpha[..., None])
-                if act == f32:
+                if small:
+                    acc.baddbmm_(s, vf)
+                elif act == f32:
                     acc.baddbmm_(s, v)
                 else:
                     p_act = p_[:kvh * rows * b].view(kvh, rows, b)

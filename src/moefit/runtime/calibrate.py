@@ -48,7 +48,7 @@ def measure_point(model_dir: str | Path, geom: ModelGeometry, device: Device, re
     if context < chunk:
         raise InputError(f"calibration chunk {chunk} is longer than {geom.name}'s context "
                          f"limit of {limit} tokens; choose smaller --chunks")
-    analytic = staging_model(geom, kv_format(req.kv), req.slots)
+    analytic = staging_model(geom, kv_format(req.kv), req.slots, device.kind)
     r = req.with_(max_context=context, prefill_mode="fixed", prefill_tokens=chunk, strict=True,
                   prefill_min=256)
     if device.kind == "cuda":   # room for the mirrored workspace at READY

@@ -36,6 +36,7 @@ import torch
 from moefit.devices import Device
 from moefit.errors import InputError
 from moefit.ingest.inputs import is_gguf_file, read_routing_profile
+from moefit.memory import cpu_kernels
 from moefit.memory.staging import ATTN_KV_BLOCK, ATTN_Q_BLOCK
 from moefit.memory.weights import most_slots, spread_slots
 from moefit.plan.solver import Plan
@@ -45,6 +46,7 @@ from moefit.runtime.gguf_loader import gguf_config, load_gguf
 from moefit.runtime.kv_cache import KVCache
 from moefit.runtime.ledger import FAIL_ENV, BudgetError, Ledger
 from moefit.runtime.loader import load_checkpoint
+from moefit.runtime import qmatmul
 from moefit.runtime.model import Model, forward
 from moefit.runtime.rope import Rotary, rope_from_config
 from moefit.runtime.staging import Workspace
@@ -130,6 +132,11 @@ class Engine:
                              "nothing can fail there; use --miss-policy copy, or another line")
         dev = ledger.device
         gguf = is_gguf_file(model_dir)
+        if gguf and cpu_kernels.expected(dev.type) and not qmatmul.available():
+            # the plan priced the C kernels' staging (no scratch); the torch path needs more
+            raise InputError(f"the CPU kernels for GGUF tensors failed to build: "
+                             f"{qmatmul.unavailable_reason()}; fix the compiler ({cpu_kernels.compiler()}) "
+                             f"or set {cpu_kernels.DISABLE_ENV}=1 to plan and run without them")
         cfg = gguf_config(model_dir) if gguf else read_config(model_dir)
         arch = arch_from_config(cfg, geom)
 

@@ -34,7 +34,8 @@ from moefit.ingest.geometry import LayerSpec, ModelGeometry
 from moefit.ingest.gguf_header import GGUFHeader, GGUFTensor, close_reader, config_from_gguf, open_reader, read_header
 from moefit.runtime.arch import Arch
 from moefit.runtime.loader import HostExperts, Weights, assemble_weights, progress_bar
-from moefit.runtime.quant import StoredExpert, dequantize, kernel_for
+from moefit.runtime import qmatmul
+from moefit.runtime.quant import StoredExpert, StoredMatrix, dequantize, kernel_for
 
 
 def gguf_config(path: str | Path) -> dict:
@@ -160,6 +161,7 @@ def _load(h, ts: _Tensors, geom, arch, alloc, pin, progress):
     hidden, dtype = geom.hidden_size, arch.dtype
     g = arch.names.globals
     glob = [("embed", g["embed"][1], (geom.vocab_size, hidden)), ("norm", g["norm"][1], (hidden,))]
+    embed = g["embed"][1]      # looked up by row: always dequantized
     if not arch.tie_embeddings:
         glob.append(("lm_head", g["lm_head"][1], (geom.vocab_size, hidden)))
     layer_plans = [_layer_plan(l, geom, arch) for l in geom.layers]
@@ -184,6 +186,13 @@ def _load(h, ts: _Tensors, geom, arch, alloc, pin, progress):
             # whole quantized rows move: un-permute the bytes on the host, then dequantize
             raw = _unpermute(raw.view(shape[0], -1), qk[name]).reshape(-1)
         dst = alloc(shape, dtype)
+        if (name != embed and len(shape) == 2 and dst.device.type == "cpu" and qmatmul.available()
+                and StoredMatrix.fits(t.ggml_type, shape[0], shape[1], dtype)):
+            # kept as stored inside its planned buffer: decode reads the stored bytes
+            stored = StoredMatrix(dst, t.ggml_type, shape[0], shape[1])
+            stored.raw.copy_(raw.reshape(-1))
+            bar.update(t.nbytes)
+            return stored
         dequantize(raw, t.ggml_type, shape, out=dst)
         bar.update(t.nbytes)
         return dst

@@ -38,7 +38,9 @@ from moefit.runtime.arch import Arch
 from moefit.runtime.attention import attend
 from moefit.runtime.deltanet import gated_deltanet
 from moefit.runtime.experts import ExpertCache
+from moefit.runtime import moe_batch
 from moefit.runtime.kv_cache import KVCache
+from moefit.runtime.quant import StoredMatrix
 from moefit.runtime.loader import LayerWeights, Weights
 from moefit.runtime.rope import Rotary
 from moefit.runtime.staging import Workspace
@@ -92,7 +94,15 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, out: torch.Tensor,
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
-    """``out = x @ w^T (+ b)``; ``x`` ``[T, in]``, ``w`` ``[out, in]``, ``out`` ``[T, out]``."""
+    """``out = x @ w^T (+ b)``; ``x`` ``[T, in]``, ``w`` ``[out, in]``, ``out`` ``[T, out]``.
+    A few rows against a bf16/fp16 weight on the CPU go through the C kernels
+    (:func:`moefit.runtime.moe_batch.dense`)."""
+    if isinstance(w, StoredMatrix):
+        w.matmul(x, out)
+        return out if b is None else out.add_(b)
+    if moe_batch.dense_applies(x, w):
+        moe_batch.dense(x, w, out)
+        return out if b is None else out.add_(b)
     if b is None:
         return torch.mm(x, w.t(), out=out)
     return torch.addmm(b, x, w.t(), out=out)
@@ -193,6 +203,28 @@ def _moe(mdl: Model, l: LayerSpec, lw: LayerWeights, x: torch.Tensor, out: torch
         with ws.scope():
             logits = linear(x, lw.router, None, ws.take((t, n_exp), act))   # [T, E]
             route(logits, k, mdl.arch.renormalize, ws, w, ids)
+        if moe_batch.applies(mdl.experts, l.index, x, k):
+            acc = ws.take((t, h), f32, zero=True)
+            scratch = ws.take((moe_batch.scratch_bytes(t, h, m.expert_intermediate, act),), torch.uint8)
+            wq = w if act == f32 else ws.take((t, k), act).copy_(w).float()   # rounded as combined
+            moe_batch.run_layer(mdl.experts, l.index, x, ids, wq, acc, scratch)
+            out.copy_(acc)
+        else:
+            _moe_one_by_one(mdl, l, x, w, ids, out)
+    if lw.shared_gate is not None:
+        with ws.scope():
+            sh = _swiglu_mlp(x, lw.shared_gate, lw.shared_up, lw.shared_down, ws, ws.take((t, h), act))
+            gate = linear(x, lw.shared_expert_gate, None, ws.take((t, 1), act)).sigmoid_()
+            out.add_(sh.mul_(gate))
+
+
+def _moe_one_by_one(mdl: Model, l: LayerSpec, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor,
+                    out: torch.Tensor) -> None:
+    """The routed experts of ``l``, each expert on its tokens in turn (see :func:`_moe`)."""
+    ws, m = mdl.ws, l.moe
+    t, h, act, f32 = x.shape[0], x.shape[1], x.dtype, torch.float32
+    k, n_exp = m.experts_per_token, m.num_experts
+    with ws.scope():
         wa = w if act == f32 else ws.take((t, k), act).copy_(w)         # cast after fp32 routing
         order = ws.take((t * k,), torch.int64)                           # pairs by expert
         wsel = ws.take((t * k,), act)                                    # their weights
@@ -220,11 +252,6 @@ def _moe(mdl: Model, l: LayerSpec, lw: LayerWeights, x: torch.Tensor, out: torch
             y.mul_(wsel[s0:s1, None])
             acc.index_add_(0, te, y if yf is ye else yf[:n].copy_(y))
         out.copy_(acc)
-    if lw.shared_gate is not None:
-        with ws.scope():
-            sh = _swiglu_mlp(x, lw.shared_gate, lw.shared_up, lw.shared_down, ws, ws.take((t, h), act))
-            gate = linear(x, lw.shared_expert_gate, None, ws.take((t, 1), act)).sigmoid_()
-            out.add_(sh.mul_(gate))
 
 
 def forward(mdl: Model, ids: torch.Tensor, slot: int, start: int) -> torch.Tensor:
@@ -257,8 +284,8 @@ def forward(mdl: Model, ids: torch.Tensor, slot: int, start: int) -> torch.Tenso
         hidden.add_(delta)
     last = rms_norm(hidden[-1:], w.norm, arch.rms_eps, normed[:1], off, ws)  # [1, H]
     logits = ws.fixed.take((1, g.vocab_size), torch.float32)             # [1, V]
-    if act == torch.float32:
-        torch.mm(last, w.lm_head.t(), out=logits)
+    if act == torch.float32 or isinstance(w.lm_head, StoredMatrix) or moe_batch.dense_applies(last, w.lm_head):
+        linear(last, w.lm_head, None, logits)           # fp32 logits, fp32 accumulation
     else:
         logits.copy_(torch.mm(last, w.lm_head.t(), out=ws.fixed.take((1, g.vocab_size), act)))
     mdl.kv.lengths[slot] = start + t

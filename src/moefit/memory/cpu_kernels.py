@@ -1,0 +1,59 @@
+"""What the planner knows of the runtime's C kernels without building them.
+
+The runtime multiplies and dequantizes stored (GGUF) tensors on the CPU with C kernels
+(``moefit.runtime.qmatmul``, compiled with a C compiler at first use). They write their
+results straight into the buffers the runtime hands them and allocate nothing else, while
+the torch fallback (``moefit.runtime.quant``) allocates fp32 scratch beside each tile it
+dequantizes. The staging line of a plan therefore depends on which path will run; this
+module answers that before torch is imported:
+
+- the C kernels read these ggml types (:data:`CTYPES`, the codes ``qmatmul.c`` uses), rows
+  a multiple of 32 values (256 for the K-quants);
+- they are expected on a CPU device unless ``MOEFIT_NO_CKERNELS`` is set or no C compiler
+  (``$CC``, else ``gcc``) is on ``PATH`` (:func:`expected`). A compiler that is present
+  but fails to build them is reported by the engine at start (exit 2), never ignored.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Mapping
+
+#: ggml type -> the C kernels' type code (``qmatmul.c``).
+CTYPES: dict[str, int] = {"F32": 0, "F16": 1, "BF16": 2, "Q8_0": 3, "Q4_0": 4, "Q4_K": 5, "Q5_K": 6,
+                          "Q6_K": 7, "Q4_1": 8, "Q5_0": 9, "Q5_1": 10, "IQ4_NL": 11, "MXFP4": 12}
+#: ggml types whose rows are made of 256-value super-blocks
+SUPER_BLOCK_TYPES = frozenset({"Q4_K", "Q5_K", "Q6_K"})
+DISABLE_ENV = "MOEFIT_NO_CKERNELS"
+
+
+def row_block(qtype: str) -> int:
+    """Values per row unit the C kernels need for ``qtype``: 256 for K-quants, else 32."""
+    return 256 if qtype in SUPER_BLOCK_TYPES else 32
+
+
+def supports(qtype: str, cols: int) -> bool:
+    """Whether the C kernels read rows of ``cols`` values of ggml type ``qtype``."""
+    return qtype in CTYPES and cols % row_block(qtype) == 0
+
+
+def compiler(env: Mapping[str, str] = os.environ) -> str:
+    """The C compiler the runtime builds the kernels with: ``$CC``, else ``gcc``."""
+    return env.get("CC") or "gcc"
+
+
+def unexpected_reason(env: Mapping[str, str] = os.environ) -> str | None:
+    """Why the C kernels will not run on a CPU device (None when they are expected)."""
+    if env.get(DISABLE_ENV):
+        return f"{DISABLE_ENV} is set"
+    cc = compiler(env)
+    if shutil.which(cc) is None:
+        return f"no C compiler ({cc}) on PATH"
+    return None
+
+
+def expected(device_kind: str, env: Mapping[str, str] = os.environ) -> bool:
+    """Whether stored tensors on a device of ``device_kind`` (``cpu`` / ``cuda``) run
+    through the C kernels: only on the CPU, and only when :func:`unexpected_reason` is None."""
+    return device_kind == "cpu" and unexpected_reason(env) is None

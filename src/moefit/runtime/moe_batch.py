@@ -1,0 +1,144 @@
+"""One call per MoE layer on the CPU: every routed expert of a step, batched, in its stored format.
+
+:func:`run_layer` takes the router's top-k choice of a chunk (``ids``, ``weights``
+``[T, k]``), groups the (token, expert) pairs by expert with one stable sort, reads the
+used experts back once (one host read per layer, none per expert), counts hits and misses
+as :meth:`~moefit.runtime.experts.ExpertCache.run` does (once per expert per call, the LRU
+order refreshed), and hands the addresses of the experts' blobs -- the resident slot, or
+the host blob for a miss -- to :func:`moefit.runtime.qmatmul.moe`, which runs gate, up,
+SwiGLU, down and the weighted combine for all of them in C. It applies where the expert
+blobs and the activations are CPU memory (a simulated device, misses computed on the
+host): :func:`applies` says when.
+
+Plain float blobs (bf16 / fp16 / fp32 checkpoints, ``[gate | up | down]`` rows) are
+described by a :class:`~moefit.runtime.quant.StoredExpert` of that float type, so one
+kernel serves both.
+
+Scratch: the kernel's buffers (:func:`moefit.runtime.qmatmul.moe_scratch_bytes` per token)
+come from the staging workspace, in place of the per-expert buffers of the one-by-one path
+(its input rows ``[T, H]``, gate/up output ``[T, 2I]``, output ``[T, H]`` and fp32 copy),
+so the staging the planner prices for a chunk covers it: :func:`scratch_bytes`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from moefit.runtime import qmatmul
+from moefit.runtime.quant import StoredExpert
+
+#: torch dtype of a plain blob -> ggml type name
+_FLOAT_TYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
+
+
+@functools.lru_cache(maxsize=None)
+def _plain_format(inter: int, hidden: int, qtype: str) -> StoredExpert:
+    return StoredExpert.pack(inter, hidden, qtype, qtype, qtype)
+
+
+def layer_format(cache, layer: int) -> StoredExpert | None:
+    """The blob layout of ``layer``'s experts: its stored format, or the float layout of a
+    plain blob; None for a blob dtype the kernels do not read."""
+    fmt = cache.host.formats.get(layer)
+    if fmt is not None:
+        return fmt
+    qtype = _FLOAT_TYPES.get(cache.host.blobs[layer].dtype)
+    return _plain_format(cache.host.inter[layer], cache.host.hidden, qtype) if qtype else None
+
+
+#: :func:`run_layer` runs a chunk whose experts get at most this many tokens each on
+#: average; larger chunks (prefill) run expert by expert, each matrix dequantized (C,
+#: :func:`moefit.runtime.qmatmul.dequantize`) and multiplied by ``torch.mm`` (oneDNN's
+#: bf16 / AMX kernels), faster from about 8 tokens per expert on the CI machine (Q8_0 and
+#: Q4_K_M experts of a 1024 x 512 model: 4 tokens 1.5-1.9x faster batched, 32 tokens
+#: 0.9-1.6x, 128 tokens 0.4-0.8x).
+MAX_TOKENS_PER_EXPERT = 8
+
+
+def applies(cache, layer: int, x: torch.Tensor, experts_per_token: int) -> bool:
+    """Whether :func:`run_layer` runs ``layer`` for activations ``x`` ``[T, H]``: the C
+    kernels are built, ``x`` and every blob the layer may read are CPU memory (misses
+    computed on the host: ``--miss-policy cpu``), the kernels read the layer's types and
+    widths, and ``T x experts_per_token`` is at most :data:`MAX_TOKENS_PER_EXPERT` per
+    expert of the layer."""
+    if cache is None or x.device.type != "cpu" or cache.miss_policy != "cpu" or not qmatmul.available():
+        return False
+    if x.shape[0] * experts_per_token > MAX_TOKENS_PER_EXPERT * cache.host.blobs[layer].shape[0]:
+        return False
+    if cache.host.blobs[layer].device.type != "cpu":
+        return False
+    if any(s.device.type != "cpu" for s in cache.slots.get(layer, [])[:1]):
+        return False
+    fmt = layer_format(cache, layer)
+    return fmt is not None and all(qmatmul.supports(p.qtype, p.cols) for p in (fmt.gate, fmt.up, fmt.down))
+
+
+def scratch_bytes(tokens: int, hidden: int, inter: int, act: torch.dtype) -> int:
+    """Workspace bytes :func:`run_layer` takes for a chunk of ``tokens``: the bytes of the
+    one-by-one path's buffers for the chunk (``[T, H]`` input rows, ``[T, 2I]`` gate/up,
+    ``[T, H]`` output, and its ``[T, H]`` fp32 copy unless ``act`` is fp32), and at least
+    the kernel's token rows and one pair (:func:`moefit.runtime.qmatmul.moe_scratch_bytes`)."""
+    e = torch.empty((), dtype=act).element_size()
+    old = tokens * (2 * hidden * e + 2 * inter * e + (0 if act == torch.float32 else 4 * hidden))
+    return max(old, qmatmul.moe_scratch_bytes(tokens, hidden, inter, 1))
+
+
+def run_layer(cache, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+              acc: torch.Tensor, scratch: torch.Tensor, threads: int | None = None) -> torch.Tensor:
+    """``acc[t] += sum_j weights[t, j] * expert_{ids[t, j]}(x[t])`` for ``layer``.
+
+    Args:
+        cache: the :class:`~moefit.runtime.experts.ExpertCache` (hits / misses counted).
+        x: ``[T, H]`` fp32 or bf16 (contiguous, CPU).
+        ids: int64 ``[T, k]``; weights: fp32 ``[T, k]``.
+        acc: fp32 ``[T, H]``, added to.
+        scratch: uint8, at least :func:`moefit.runtime.qmatmul.moe_scratch_bytes` ``(T, H, I, 1)``.
+
+    Returns ``acc``.
+    """
+    k = ids.shape[1]
+    flat = ids.reshape(-1)
+    by_expert, order = torch.sort(flat, stable=True)
+    used, counts = torch.unique_consecutive(by_expert, return_counts=True)
+    used_l = used.tolist()                                       # the one host read
+    res, st = cache.resident[layer], cache.stats[layer]
+    slots, blobs = cache.slots.get(layer, []), cache.host.blobs[layer]
+    ptrs = []
+    for e in used_l:
+        s = res.get(e)
+        if s is not None:
+            st.hits += 1
+            res.move_to_end(e)
+            ptrs.append(slots[s].data_ptr())
+        else:
+            st.misses += 1
+            ptrs.append(blobs[e].data_ptr())
+    bounds = torch.zeros(len(used_l) + 1, dtype=torch.int64)
+    torch.cumsum(counts, 0, out=bounds[1:])
+    tok = torch.div(order, k, rounding_mode="floor")
+    wsel = weights.reshape(-1).index_select(0, order)
+    if wsel.dtype != torch.float32:
+        wsel = wsel.float()
+    return qmatmul.moe(x.contiguous(), torch.tensor(ptrs, dtype=torch.int64), bounds, tok, wsel, acc,
+                       layer_format(cache, layer), scratch, threads)
+
+
+def dense_applies(x: torch.Tensor, w: torch.Tensor, max_rows: int = 8) -> bool:
+    """Whether :func:`dense` computes ``x @ w^T``: a CPU product of at most ``max_rows``
+    rows (decode, last-token logits) with a bf16 or fp16 weight (fp32 stays with
+    ``torch.mm``, which is as fast there) and the kernels built."""
+    return (x.device.type == "cpu" and x.dim() == 2 and x.shape[0] <= max_rows and w.dtype in (torch.bfloat16, torch.float16)
+            and x.dtype in (torch.bfloat16, torch.float32) and w.is_contiguous() and x.is_contiguous()
+            and qmatmul.available())
+
+
+def dense(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``out = x @ w^T`` through the C kernels (fp32 accumulation, one rounding to
+    ``out``'s dtype); ``x`` ``[T, in]``, ``w`` ``[out, in]`` bf16/fp16, ``out`` ``[T, out]``."""
+    rows, cols = w.shape
+    raw = w.view(-1).view(torch.uint8)
+    if out.dtype == torch.float32 and out.is_contiguous():
+        return qmatmul.gemm(x, raw, _FLOAT_TYPES[w.dtype], rows, cols, out=out)
+    return out.copy_(qmatmul.gemm(x, raw, _FLOAT_TYPES[w.dtype], rows, cols))

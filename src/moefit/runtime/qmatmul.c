@@ -1,0 +1,605 @@
+/* Quantized matrix products on the CPU, reading ggml blocks as stored (moefit.runtime.qmatmul).
+ *
+ * Activations are quantized per 32 values, as ggml's CPU backend quantizes them to Q8_0 /
+ * Q8_K before its vec_dot kernels (ggml-cpu/quants.c): int8 q = round(x / d), d = max|x| / 127
+ * (fp32, one per 32 values), with the int32 sums of q per 16 values. A weight row of a quant
+ * type is then multiplied block by block in integers: sum(qw * qx), scaled by the weight's
+ * block scale(s) and the activation's d. Float weights (F32, F16, BF16) multiply fp32
+ * activations in fp32 (no activation quantization).
+ *
+ * Block layouts: see qmatmul.py / quant.py (ggml-common.h). Built by qmatmul.py with
+ * gcc -O3 -march=native -fopenmp; AVX-512 VNNI, AVX-VNNI or AVX2 paths, else plain C.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#ifndef PREFETCH
+#define PREFETCH 2048
+#endif
+
+enum { T_F32 = 0, T_F16 = 1, T_BF16 = 2, T_Q8_0 = 3, T_Q4_0 = 4, T_Q4_K = 5, T_Q5_K = 6, T_Q6_K = 7,
+       T_Q4_1 = 8, T_Q5_0 = 9, T_Q5_1 = 10, T_IQ4_NL = 11, T_MXFP4 = 12 };
+
+static const int8_t KV_IQ4NL[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+static const int8_t KV_MXFP4[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
+static inline float fp16_to_f32(uint16_t h) {
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
+    uint32_t s = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 0x1f, m = h & 0x3ff, u;
+    if (e == 0) {
+        if (m == 0) u = s;
+        else { float f = ldexpf((float)m, -24); memcpy(&u, &f, 4); u |= s; }
+    } else if (e == 31) u = s | 0x7f800000 | (m << 13);
+    else u = s | ((e + 112) << 23) | (m << 13);
+    float f; memcpy(&f, &u, 4); return f;
+#endif
+}
+static inline float bf16_to_f32(uint16_t h) { uint32_t u = (uint32_t)h << 16; float f; memcpy(&f, &u, 4); return f; }
+static inline uint16_t rd16(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); return v; }
+static inline float e8m0_half(uint8_t e) {   /* ggml_e8m0_to_fp32_half */
+    uint32_t bits = e < 2 ? (0x00200000u << e) : ((uint32_t)(e - 1) << 23);
+    float f; memcpy(&f, &bits, 4); return f;
+}
+
+/* ---- activations: fp32 [K] -> int8 q [K], fp32 d [K/32], int32 s16 [K/16] ------------------- */
+typedef struct { int8_t *q; float *d; int32_t *s16; int8_t *qk; float *dk; int32_t *sk16; } qact;
+
+/* The K-quant form (ggml's Q8_K): one scale per 256 values, so a super-block's sub-block
+ * products add up in integers; sums per 16 values. Filled when K is a multiple of 256. */
+static void quantize_act_k(const float *x, int K, qact a) {
+    for (int b = 0; b < K / 256; b++) {
+        const float *xb = x + 256 * b;
+        float amax = 0.f;
+        for (int i = 0; i < 256; i++) { float v = fabsf(xb[i]); amax = v > amax ? v : amax; }
+        float d = amax / 127.f, id = d ? 1.f / d : 0.f;
+        a.dk[b] = d;
+        for (int g = 0; g < 16; g++) {
+            int32_t sg = 0;
+            for (int i = 16 * g; i < 16 * g + 16; i++) {
+                int q = (int)lrintf(xb[i] * id);
+                a.qk[256 * b + i] = (int8_t)q;
+                sg += q;
+            }
+            a.sk16[16 * b + g] = sg;
+        }
+    }
+}
+
+static void quantize_act(const float *x, int K, qact a) {
+    if (K % 256 == 0) quantize_act_k(x, K, a);
+    for (int b = 0; b < K / 32; b++) {
+        const float *xb = x + 32 * b;
+        float amax = 0.f;
+        for (int i = 0; i < 32; i++) { float v = fabsf(xb[i]); amax = v > amax ? v : amax; }
+        float d = amax / 127.f, id = d ? 1.f / d : 0.f;
+        a.d[b] = d;
+        int32_t s0 = 0, s1 = 0;
+        for (int i = 0; i < 32; i++) {
+            int q = (int)lrintf(xb[i] * id);
+            a.q[32 * b + i] = (int8_t)q;
+            if (i < 16) s0 += q; else s1 += q;
+        }
+        a.s16[2 * b] = s0; a.s16[2 * b + 1] = s1;
+    }
+}
+
+/* ---- 32-byte integer dot products --------------------------------------------------------- */
+#ifdef __AVX2__
+/* u8 [32] x s8 [32] -> 8 int32 lanes (lane i: bytes 4i..4i+3). */
+static inline __m256i dot_us(__m256i u, __m256i s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+#elif defined(__AVXVNNI__)
+    return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s);
+#else
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+#endif
+}
+static inline __m256i dot_ss(__m256i a, __m256i b) {   /* s8 x s8 */
+    return dot_us(_mm256_sign_epi8(a, a), _mm256_sign_epi8(b, a));
+}
+static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+static inline __m256i nibbles(const uint8_t *p) {  /* 16 bytes -> 32 u8: low nibbles, then high */
+    __m128i v = _mm_loadu_si128((const __m128i *)p);
+    __m256i w = _mm256_inserti128_si256(_mm256_castsi128_si256(v), _mm_srli_epi16(v, 4), 1);
+    return _mm256_and_si256(w, _mm256_set1_epi8(0x0f));
+}
+static inline __m256i lut16(__m256i idx, const int8_t *tab) {
+    __m128i t = _mm_loadu_si128((const __m128i *)tab);
+    return _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(t), idx);
+}
+#endif
+
+/* ---- one row . one activation, per type ---------------------------------------------------- */
+static float dot_row(int t, const uint8_t *w, const float *xf, qact a, int K) {
+    float sum = 0.f;
+    int nb = K / 32;
+    switch (t) {
+    case T_F32: { const float *r = (const float *)w; int i = 0;
+#ifdef __AVX512F__
+        __m512 acc = _mm512_setzero_ps();
+        for (; i + 16 <= K; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(r + i), _mm512_loadu_ps(xf + i), acc);
+        sum = _mm512_reduce_add_ps(acc);
+#endif
+        for (; i < K; i++) sum += r[i] * xf[i];
+        return sum; }
+    case T_BF16: case T_F16: { int i = 0;
+#ifdef __AVX512F__
+        __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+        for (; i + 32 <= K; i += 32) {
+            _mm_prefetch((const char *)(w + 2 * i + PREFETCH), _MM_HINT_T0);
+            __m256i h0 = _mm256_loadu_si256((const __m256i *)(w + 2 * i));
+            __m256i h1 = _mm256_loadu_si256((const __m256i *)(w + 2 * i + 32));
+            __m512 f0, f1;
+            if (t == T_BF16) {
+                f0 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h0), 16));
+                f1 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h1), 16));
+            } else { f0 = _mm512_cvtph_ps(h0); f1 = _mm512_cvtph_ps(h1); }
+            acc0 = _mm512_fmadd_ps(f0, _mm512_loadu_ps(xf + i), acc0);
+            acc1 = _mm512_fmadd_ps(f1, _mm512_loadu_ps(xf + i + 16), acc1);
+        }
+        sum = _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
+#endif
+        for (; i < K; i++) sum += (t == T_BF16 ? bf16_to_f32(rd16(w + 2 * i)) : fp16_to_f32(rd16(w + 2 * i))) * xf[i];
+        return sum; }
+    case T_Q8_0: {
+#ifdef __AVX2__
+        __m256 acc = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+        int b = 0;
+        for (; b + 2 <= nb; b += 2, w += 68) {
+            _mm_prefetch((const char *)(w + PREFETCH), _MM_HINT_T0);
+            __m256i p0 = dot_ss(_mm256_loadu_si256((const __m256i *)(w + 2)), _mm256_loadu_si256((const __m256i *)(a.q + 32 * b)));
+            __m256i p1 = dot_ss(_mm256_loadu_si256((const __m256i *)(w + 36)), _mm256_loadu_si256((const __m256i *)(a.q + 32 * b + 32)));
+            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), _mm256_set1_ps(fp16_to_f32(rd16(w)) * a.d[b]), acc);
+            acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p1), _mm256_set1_ps(fp16_to_f32(rd16(w + 34)) * a.d[b + 1]), acc1);
+        }
+        for (; b < nb; b++, w += 34) {
+            __m256i p = dot_ss(_mm256_loadu_si256((const __m256i *)(w + 2)), _mm256_loadu_si256((const __m256i *)(a.q + 32 * b)));
+            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(fp16_to_f32(rd16(w)) * a.d[b]), acc);
+        }
+        return hsum8(_mm256_add_ps(acc, acc1));
+#else
+        for (int b = 0; b < nb; b++, w += 34) {
+            int s = 0; for (int i = 0; i < 32; i++) s += (int8_t)w[2 + i] * a.q[32 * b + i];
+            sum += fp16_to_f32(rd16(w)) * a.d[b] * s;
+        }
+        return sum;
+#endif
+    }
+    case T_Q4_0: case T_Q4_1: case T_IQ4_NL: case T_MXFP4: {
+        int bs = t == T_Q4_0 ? 18 : t == T_Q4_1 ? 20 : t == T_IQ4_NL ? 18 : 17;
+        int off = t == T_Q4_1 ? 4 : t == T_MXFP4 ? 1 : 2;
+#ifdef __AVX2__
+        __m256 acc = _mm256_setzero_ps();
+        for (int b = 0; b < nb; b++, w += bs) {
+            _mm_prefetch((const char *)(w + PREFETCH), _MM_HINT_T0);
+            __m256i u = nibbles(w + off), y = _mm256_loadu_si256((const __m256i *)(a.q + 32 * b));
+            int32_t sy = a.s16[2 * b] + a.s16[2 * b + 1];
+            if (t == T_Q4_0) {
+                __m256i v = _mm256_sub_epi8(u, _mm256_set1_epi8(8));
+                acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_ss(v, y)), _mm256_set1_ps(fp16_to_f32(rd16(w)) * a.d[b]), acc);
+            } else if (t == T_Q4_1) {
+                float d = fp16_to_f32(rd16(w)) * a.d[b];
+                acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_us(u, y)), _mm256_set1_ps(d), acc);
+                sum += fp16_to_f32(rd16(w + 2)) * a.d[b] * sy;
+            } else {
+                float d = (t == T_IQ4_NL ? fp16_to_f32(rd16(w)) : e8m0_half(w[0])) * a.d[b];
+                __m256i v = lut16(u, t == T_IQ4_NL ? KV_IQ4NL : KV_MXFP4);
+                acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_ss(v, y)), _mm256_set1_ps(d), acc);
+            }
+        }
+        return sum + hsum8(acc);
+#else
+        for (int b = 0; b < nb; b++, w += bs) {
+            int s = 0, sy = a.s16[2 * b] + a.s16[2 * b + 1];
+            for (int i = 0; i < 32; i++) {
+                int q = i < 16 ? (w[off + i] & 15) : (w[off + i - 16] >> 4);
+                if (t == T_IQ4_NL) q = KV_IQ4NL[q]; else if (t == T_MXFP4) q = KV_MXFP4[q];
+                s += q * a.q[32 * b + i];
+            }
+            if (t == T_Q4_0) sum += fp16_to_f32(rd16(w)) * a.d[b] * (s - 8 * sy);
+            else if (t == T_Q4_1) sum += fp16_to_f32(rd16(w)) * a.d[b] * s + fp16_to_f32(rd16(w + 2)) * a.d[b] * sy;
+            else sum += (t == T_IQ4_NL ? fp16_to_f32(rd16(w)) : e8m0_half(w[0])) * a.d[b] * s;
+        }
+        return sum;
+#endif
+    }
+    case T_Q5_0: case T_Q5_1: {
+        int bs = t == T_Q5_0 ? 22 : 24, off = t == T_Q5_0 ? 2 : 4;
+        for (int b = 0; b < nb; b++, w += bs) {
+            uint32_t qh; memcpy(&qh, w + off, 4);
+            const uint8_t *qs = w + off + 4;
+            int s = 0, sy = a.s16[2 * b] + a.s16[2 * b + 1];
+            for (int i = 0; i < 32; i++) {
+                int q = (i < 16 ? (qs[i] & 15) : (qs[i - 16] >> 4)) | (((qh >> i) & 1) << 4);
+                s += q * a.q[32 * b + i];
+            }
+            float d = fp16_to_f32(rd16(w)) * a.d[b];
+            sum += t == T_Q5_0 ? d * (s - 16 * sy) : d * s + fp16_to_f32(rd16(w + 2)) * a.d[b] * sy;
+        }
+        return sum;
+    }
+    case T_Q4_K: case T_Q5_K: {
+        int bs = t == T_Q4_K ? 144 : 176;
+#ifdef __AVX2__
+        __m256 acc = _mm256_setzero_ps();
+        for (int sb = 0; sb < K / 256; sb++, w += bs) {
+            for (int c = 0; c < bs; c += 64) _mm_prefetch((const char *)(w + PREFETCH + c), _MM_HINT_T0);
+            float dy = a.dk[sb], d = fp16_to_f32(rd16(w)) * dy, dmin = fp16_to_f32(rd16(w + 2)) * dy;
+            const uint8_t *sc = w + 4, *qh = w + 16, *qs = w + (t == T_Q4_K ? 16 : 48);
+            const int8_t *y = a.qk + 256 * sb;
+            const int32_t *bsum = a.sk16 + 16 * sb;
+            __m256i isum = _mm256_setzero_si256();
+            uint8_t scm[16];                       /* 8 scales, then 8 mins (ggml's kmask unpacking) */
+            {
+                uint32_t u4[4];
+                memcpy(u4, sc, 12);
+                u4[3] = ((u4[2] >> 4) & 0x0f0f0f0fu) | (((u4[1] >> 6) & 0x03030303u) << 4);
+                uint32_t aux = u4[1] & 0x3f3f3f3fu;
+                u4[1] = (u4[2] & 0x0f0f0f0fu) | (((u4[0] >> 6) & 0x03030303u) << 4);
+                u4[2] = aux;
+                u4[0] &= 0x3f3f3f3fu;
+                memcpy(scm, u4, 16);
+            }
+            int32_t msum = 0;
+            for (int j = 0; j < 8; j++) msum += scm[8 + j] * (bsum[2 * j] + bsum[2 * j + 1]);
+            __m256i hbits = t == T_Q5_K ? _mm256_loadu_si256((const __m256i *)qh) : _mm256_setzero_si256();
+            for (int j = 0; j < 8; j += 2) {
+                __m256i raw4 = _mm256_loadu_si256((const __m256i *)(qs + 16 * j));
+                __m256i u0 = _mm256_and_si256(raw4, _mm256_set1_epi8(0x0f));
+                __m256i u1 = _mm256_and_si256(_mm256_srli_epi16(raw4, 4), _mm256_set1_epi8(0x0f));
+                if (t == T_Q5_K) {
+                    u0 = _mm256_or_si256(u0, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hbits, j), _mm256_set1_epi8(1)), 4));
+                    u1 = _mm256_or_si256(u1, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hbits, j + 1), _mm256_set1_epi8(1)), 4));
+                }
+                __m256i p0 = dot_us(u0, _mm256_loadu_si256((const __m256i *)(y + 32 * j)));
+                __m256i p1 = dot_us(u1, _mm256_loadu_si256((const __m256i *)(y + 32 * j + 32)));
+                isum = _mm256_add_epi32(isum, _mm256_mullo_epi32(p0, _mm256_set1_epi32(scm[j])));
+                isum = _mm256_add_epi32(isum, _mm256_mullo_epi32(p1, _mm256_set1_epi32(scm[j + 1])));
+            }
+            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(d), acc);
+            sum -= dmin * (float)msum;
+        }
+        return sum + hsum8(acc);
+#else
+        for (int sb = 0; sb < K / 256; sb++, w += bs) {
+            float d = fp16_to_f32(rd16(w)), dmin = fp16_to_f32(rd16(w + 2));
+            const uint8_t *sc = w + 4, *qh = w + 16, *qs = w + (t == T_Q4_K ? 16 : 48);
+            for (int j = 0; j < 8; j++) {
+                int scj, mj;
+                if (j < 4) { scj = sc[j] & 63; mj = sc[j + 4] & 63; }
+                else { scj = (sc[j + 4] & 0xF) | ((sc[j - 4] >> 6) << 4); mj = (sc[j + 4] >> 4) | ((sc[j] >> 6) << 4); }
+                int b = sb * 8 + j;
+                const int8_t *y = a.q + 32 * b;
+                float dy = a.d[b];
+                int32_t sy = a.s16[2 * b] + a.s16[2 * b + 1];
+                sum -= dmin * mj * dy * sy;
+                const uint8_t *q4 = qs + 32 * (j / 2);
+                int s = 0;
+                for (int i = 0; i < 32; i++) {
+                    int q = (j & 1 ? q4[i] >> 4 : q4[i] & 15);
+                    if (t == T_Q5_K) q |= ((qh[i] >> j) & 1) << 4;
+                    s += q * y[i];
+                }
+                sum += d * scj * dy * s;
+            }
+        }
+        return sum;
+#endif
+    }
+    case T_Q6_K: {
+#ifdef __AVX2__
+        __m256 acc = _mm256_setzero_ps();
+        for (int sb = 0; sb < K / 256; sb++, w += 210) {
+            for (int c = 0; c < 210; c += 64) _mm_prefetch((const char *)(w + PREFETCH + c), _MM_HINT_T0);
+            const uint8_t *ql = w, *qh = w + 128;
+            const int8_t *scales = (const int8_t *)(w + 192);
+            float d = fp16_to_f32(rd16(w + 208)) * a.dk[sb];
+            const int8_t *y = a.qk + 256 * sb;
+            const int32_t *bsum = a.sk16 + 16 * sb;
+            __m256i isum = _mm256_setzero_si256();
+            int32_t osum = 0;
+            for (int g = 0; g < 16; g++) osum += scales[g] * bsum[g];
+            for (int j = 0; j < 8; j++) {
+                int h = j / 4, r0 = 32 * (j % 4), ls = 4 * (r0 / 64), hs = 2 * (r0 / 32);
+                const uint8_t *l = ql + 64 * h + (r0 % 64), *hh = qh + 32 * h;
+                __m256i lo = _mm256_and_si256(_mm256_srli_epi16(_mm256_loadu_si256((const __m256i *)l), ls), _mm256_set1_epi8(0x0f));
+                __m256i hi = _mm256_and_si256(_mm256_srli_epi16(_mm256_loadu_si256((const __m256i *)hh), hs), _mm256_set1_epi8(3));
+                __m256i u = _mm256_or_si256(lo, _mm256_slli_epi16(hi, 4));
+                __m256i p = dot_us(u, _mm256_loadu_si256((const __m256i *)(y + 32 * j)));
+                __m256i scv = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_set1_epi32(scales[2 * j])),
+                                                      _mm_set1_epi32(scales[2 * j + 1]), 1);
+                isum = _mm256_add_epi32(isum, _mm256_mullo_epi32(p, scv));
+            }
+            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(d), acc);
+            sum -= d * 32.f * (float)osum;
+        }
+        return sum + hsum8(acc);
+#else
+        for (int sb = 0; sb < K / 256; sb++, w += 210) {
+            const uint8_t *ql = w, *qh = w + 128;
+            const int8_t *scales = (const int8_t *)(w + 192);
+            float d = fp16_to_f32(rd16(w + 208));
+            for (int j = 0; j < 8; j++) {
+                int h = j / 4, r0 = 32 * (j % 4), b = sb * 8 + j;
+                const int8_t *y = a.q + 32 * b;
+                float dy = a.d[b];
+                const uint8_t *l = ql + 64 * h + (r0 % 64), *hh = qh + 32 * h;
+                int ls = 4 * (r0 / 64), hs = 2 * (r0 / 32);
+                float s0 = d * scales[2 * j] * dy, s1 = d * scales[2 * j + 1] * dy;
+                sum -= 32.f * (s0 * a.s16[2 * b] + s1 * a.s16[2 * b + 1]);
+                int p0 = 0, p1 = 0;
+                for (int i = 0; i < 32; i++) {
+                    int q = ((l[i] >> ls) & 15) | (((hh[i] >> hs) & 3) << 4);
+                    if (i < 16) p0 += q * y[i]; else p1 += q * y[i];
+                }
+                sum += s0 * p0 + s1 * p1;
+            }
+        }
+        return sum;
+#endif
+    }
+    }
+    return 0.f;
+}
+
+static int is_float_type(int t) { return t == T_F32 || t == T_F16 || t == T_BF16; }
+
+/* bytes of one row of K values */
+static int64_t row_bytes(int t, int K) {
+    switch (t) {
+    case T_F32: return 4 * (int64_t)K;
+    case T_F16: case T_BF16: return 2 * (int64_t)K;
+    case T_Q8_0: return K / 32 * 34;
+    case T_Q4_0: case T_IQ4_NL: return K / 32 * 18;
+    case T_Q4_1: return K / 32 * 20;
+    case T_Q5_0: return K / 32 * 22;
+    case T_Q5_1: return K / 32 * 24;
+    case T_MXFP4: return K / 32 * 17;
+    case T_Q4_K: return K / 256 * 144;
+    case T_Q5_K: return K / 256 * 176;
+    case T_Q6_K: return K / 256 * 210;
+    }
+    return 0;
+}
+
+int64_t mf_row_bytes(int t, int K) { return row_bytes(t, K); }
+
+/* scratch bytes of one quantized activation of K values */
+static int64_t qact_bytes(int K) { return 2 * ((int64_t)K + K / 32 * 4 + K / 16 * 4) + K / 256 * 4; }
+int64_t mf_qact_bytes(int K) { return qact_bytes(K); }
+
+static qact qact_at(uint8_t *base, int K) {
+    qact a; int64_t o = 0;
+    a.q = (int8_t *)base; o += K;
+    a.d = (float *)(base + o); o += K / 32 * 4;
+    a.s16 = (int32_t *)(base + o); o += K / 16 * 4;
+    a.sk16 = (int32_t *)(base + o); o += K / 16 * 4;
+    a.dk = (float *)(base + o); o += K / 256 * 4;
+    a.qk = (int8_t *)(base + o);
+    return a;
+}
+
+/* x fp32 or bf16 row -> fp32 */
+static void load_row(const void *x, int xbf16, int64_t row, int K, float *dst) {
+    if (xbf16) { const uint16_t *p = (const uint16_t *)x + row * K; for (int i = 0; i < K; i++) dst[i] = bf16_to_f32(p[i]); }
+    else memcpy(dst, (const float *)x + row * K, sizeof(float) * K);
+}
+
+/* rows [r0, r1) of y [n, N] = x [n, K] . W^T, inside a parallel region (static split). */
+static void gemm_rows(int t, const uint8_t *W, int N, int K, int n, const float *xf, uint8_t *xq, float *y, int ldy) {
+    int64_t rb = row_bytes(t, K), qb = qact_bytes(K);
+#pragma omp for schedule(static)
+    for (int r = 0; r < N; r++) {
+        const uint8_t *wr = W + r * rb;
+        for (int i = 0; i < n; i++)
+            y[(int64_t)i * ldy + r] = dot_row(t, wr, xf + (int64_t)i * K, qact_at(xq + i * qb, K), K);
+    }
+}
+
+/* y [n, N] fp32 = x [n, K] (fp32, or bf16 when xbf16) . W [N, K]^T, W rows of type t.
+ * scratch: n * (4K + qact_bytes(K)) bytes. */
+void mf_gemm(int t, const uint8_t *W, int N, int K, const void *x, int xbf16, int n, float *y,
+             uint8_t *scratch, int nthreads) {
+    float *xf = (float *)scratch;
+    uint8_t *xq = scratch + (int64_t)n * K * 4;
+    int fl = is_float_type(t);
+#pragma omp parallel num_threads(nthreads)
+    {
+#pragma omp for schedule(static)
+        for (int i = 0; i < n; i++) {
+            load_row(x, xbf16, i, K, xf + (int64_t)i * K);
+            if (!fl) quantize_act(xf + (int64_t)i * K, K, qact_at(xq + i * qact_bytes(K), K));
+        }
+        gemm_rows(t, W, N, K, n, xf, xq, y, N);
+    }
+}
+
+static inline float silu(float v) { return v / (1.f + expf(-v)); }
+
+/* Routed experts of one MoE layer, SwiGLU, combined: acc [T, H] += sum over pairs p of
+ * wt[p] * down(silu(gate(x[tok[p]])) * up(x[tok[p]])), pairs grouped by expert:
+ * expert i (blob blobs[i]) serves pairs bounds[i] .. bounds[i+1]-1.
+ * Blob: gate [I, H] type tg at 0, up [I, H] type tu at off_u, down [H, I] type td at off_d.
+ * x [T, H] fp32 or bf16.
+ * scratch: T * (4H + qact(H)) bytes for the token rows (converted and quantized once), then
+ * pchunk * (8I + 4I + qact(I) + 4H) for pchunk pairs at a time (gate/up outputs, SwiGLU
+ * product and its quantized form, down output).
+ * Work is split over the threads by rows of all the chunk's pairs at once (gate and up
+ * rows, then down rows), so a layer costs a few barriers, not a few per expert. */
+void mf_moe(int n_exp, const uint8_t *const *blobs, const int64_t *bounds, const int64_t *tok,
+            const float *wt, const void *x, int xbf16, float *acc, int T, int H, int I, int tg, int tu, int td,
+            int64_t off_u, int64_t off_d, uint8_t *scratch, int pchunk, int nthreads) {
+    int64_t qh = qact_bytes(H), qi = qact_bytes(I), P = bounds[n_exp];
+    int64_t rbg = row_bytes(tg, H), rbu = row_bytes(tu, H), rbd = row_bytes(td, I);
+    float *xf = (float *)scratch;                                  /* [T, H] */
+    uint8_t *xq = scratch + (int64_t)T * H * 4;                    /* [T] qact(H) */
+    float *gu = (float *)(xq + (int64_t)T * qh);                   /* [pc, 2I] */
+    float *hf = gu + (int64_t)pchunk * 2 * I;                      /* [pc, I] */
+    uint8_t *hq = (uint8_t *)(hf + (int64_t)pchunk * I);           /* [pc] qact(I) */
+    float *yd = (float *)(hq + (int64_t)pchunk * qi);              /* [pc, H] */
+    int qx = !is_float_type(tg) || !is_float_type(tu), qd = !is_float_type(td);
+#pragma omp parallel num_threads(nthreads)
+    {
+#pragma omp for schedule(static)
+        for (int i = 0; i < T; i++) {
+            load_row(x, xbf16, i, H, xf + (int64_t)i * H);
+            if (qx) quantize_act(xf + (int64_t)i * H, H, qact_at(xq + i * qh, H));
+        }
+        int e = 0;
+        for (int64_t p0 = 0; p0 < P; p0 += pchunk) {
+            int n = (int)(P - p0 < pchunk ? P - p0 : pchunk);
+            while (bounds[e + 1] <= p0) e++;                       /* expert of pair p0 */
+#pragma omp for schedule(static)
+            for (int64_t idx = 0; idx < (int64_t)n * 2 * I; idx++) {
+                int i = (int)(idx / (2 * I)), r = (int)(idx % (2 * I));
+                int64_t p = p0 + i;
+                int ee = e;
+                while (bounds[ee + 1] <= p) ee++;
+                int64_t t = tok[p];
+                const uint8_t *w = r < I ? blobs[ee] + r * rbg : blobs[ee] + off_u + (r - I) * rbu;
+                gu[(int64_t)i * 2 * I + r] = dot_row(r < I ? tg : tu, w, xf + t * H, qact_at(xq + t * qh, H), H);
+            }
+#pragma omp for schedule(static)
+            for (int i = 0; i < n; i++) {
+                float *g = gu + (int64_t)i * 2 * I, *h = hf + (int64_t)i * I;
+                for (int j = 0; j < I; j++) h[j] = silu(g[j]) * g[I + j];
+                if (qd) quantize_act(h, I, qact_at(hq + i * qi, I));
+            }
+#pragma omp for schedule(static)
+            for (int64_t idx = 0; idx < (int64_t)n * H; idx++) {
+                int i = (int)(idx / H), r = (int)(idx % H);
+                int64_t p = p0 + i;
+                int ee = e;
+                while (bounds[ee + 1] <= p) ee++;
+                yd[(int64_t)i * H + r] = dot_row(td, blobs[ee] + off_d + r * rbd, hf + (int64_t)i * I,
+                                                 qact_at(hq + i * qi, I), I);
+            }
+#pragma omp for schedule(static)
+            for (int c = 0; c < H; c += 64) {
+                int c1 = c + 64 < H ? c + 64 : H;
+                for (int i = 0; i < n; i++) {
+                    float *dst = acc + tok[p0 + i] * (int64_t)H, w = wt[p0 + i];
+                    const float *src = yd + (int64_t)i * H;
+                    for (int k = c; k < c1; k++) dst[k] += w * src[k];
+                }
+            }
+        }
+    }
+}
+
+/* ---- dequantization: rows of W -> fp32 / bf16, bit for bit as ggml's dequantize_row_* -------
+ * (the same fp32 operations in the same order: built with -ffp-contract=off, no FMA) */
+static inline uint16_t f32_to_bf16(float f) {     /* round to nearest even, as torch's cast */
+    uint32_t u; memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);   /* NaN stays NaN */
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* one block (32 values, or 256 for the K-quants) -> y */
+static void dequant_block(int t, const uint8_t *w, float *y) {
+    switch (t) {
+    case T_Q8_0: { float d = fp16_to_f32(rd16(w)); for (int i = 0; i < 32; i++) y[i] = (int8_t)w[2 + i] * d; return; }
+    case T_Q4_0: { float d = fp16_to_f32(rd16(w)); const uint8_t *q = w + 2;
+        for (int i = 0; i < 16; i++) { y[i] = ((q[i] & 15) - 8) * d; y[i + 16] = ((q[i] >> 4) - 8) * d; } return; }
+    case T_Q4_1: { float d = fp16_to_f32(rd16(w)), m = fp16_to_f32(rd16(w + 2)); const uint8_t *q = w + 4;
+        for (int i = 0; i < 16; i++) { y[i] = (q[i] & 15) * d + m; y[i + 16] = (q[i] >> 4) * d + m; } return; }
+    case T_Q5_0: case T_Q5_1: {
+        int off = t == T_Q5_0 ? 2 : 4; float d = fp16_to_f32(rd16(w)), m = t == T_Q5_1 ? fp16_to_f32(rd16(w + 2)) : 0.f;
+        uint32_t qh; memcpy(&qh, w + off, 4); const uint8_t *q = w + off + 4;
+        for (int i = 0; i < 16; i++) {
+            int x0 = (q[i] & 15) | (((qh >> i) & 1) << 4), x1 = (q[i] >> 4) | (((qh >> (i + 16)) & 1) << 4);
+            if (t == T_Q5_0) { y[i] = (x0 - 16) * d; y[i + 16] = (x1 - 16) * d; }
+            else { y[i] = x0 * d + m; y[i + 16] = x1 * d + m; }
+        }
+        return; }
+    case T_IQ4_NL: { float d = fp16_to_f32(rd16(w)); const uint8_t *q = w + 2;
+        for (int i = 0; i < 16; i++) { y[i] = d * KV_IQ4NL[q[i] & 15]; y[i + 16] = d * KV_IQ4NL[q[i] >> 4]; } return; }
+    case T_MXFP4: { float d = e8m0_half(w[0]); const uint8_t *q = w + 1;
+        for (int i = 0; i < 16; i++) { y[i] = KV_MXFP4[q[i] & 15] * d; y[i + 16] = KV_MXFP4[q[i] >> 4] * d; } return; }
+    case T_Q4_K: case T_Q5_K: {
+        float d = fp16_to_f32(rd16(w)), dmin = fp16_to_f32(rd16(w + 2));
+        const uint8_t *sc = w + 4, *qh = w + 16, *qs = w + (t == T_Q4_K ? 16 : 48);
+        for (int j = 0; j < 8; j++) {
+            int scj, mj;
+            if (j < 4) { scj = sc[j] & 63; mj = sc[j + 4] & 63; }
+            else { scj = (sc[j + 4] & 0xF) | ((sc[j - 4] >> 6) << 4); mj = (sc[j + 4] >> 4) | ((sc[j] >> 6) << 4); }
+            float d1 = d * scj, m1 = dmin * mj;
+            const uint8_t *q4 = qs + 32 * (j / 2);
+            int sh = 4 * (j & 1);
+            for (int i = 0; i < 32; i++) {
+                int q = (q4[i] >> sh) & 15;
+                if (t == T_Q5_K) q |= ((qh[i] >> j) & 1) << 4;
+                y[32 * j + i] = d1 * q - m1;
+            }
+        }
+        return; }
+    case T_Q6_K: {
+        const uint8_t *ql = w, *qh = w + 128; const int8_t *sc = (const int8_t *)(w + 192);
+        float d = fp16_to_f32(rd16(w + 208));
+        for (int j = 0; j < 8; j++) {
+            int h = j / 4, r0 = 32 * (j % 4), ls = 4 * (r0 / 64), hs = 2 * (r0 / 32);
+            const uint8_t *l = ql + 64 * h + (r0 % 64), *hh = qh + 32 * h;
+            float d0 = d * sc[2 * j], d1 = d * sc[2 * j + 1];
+            for (int i = 0; i < 32; i++) {
+                int q = (((l[i] >> ls) & 15) | (((hh[i] >> hs) & 3) << 4)) - 32;
+                y[32 * j + i] = (i < 16 ? d0 : d1) * q;
+            }
+        }
+        return; }
+    }
+}
+
+/* nrows rows of K values of type t -> out16 (bf16) or out32 (fp32), whichever is not NULL. */
+void mf_dequant(int t, const uint8_t *W, int64_t nrows, int K, uint16_t *out16, float *out32, int nthreads) {
+    int64_t rb = row_bytes(t, K);
+    int bs = (t == T_Q4_K || t == T_Q5_K || t == T_Q6_K) ? 256 : 32;
+    int64_t tb = t == T_Q8_0 ? 34 : t == T_Q4_0 || t == T_IQ4_NL ? 18 : t == T_Q4_1 ? 20 : t == T_Q5_0 ? 22
+               : t == T_Q5_1 ? 24 : t == T_MXFP4 ? 17 : t == T_Q4_K ? 144 : t == T_Q5_K ? 176 : 210;
+#pragma omp parallel num_threads(nthreads)
+    {
+        float y[256];
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < nrows; r++) {
+            const uint8_t *wr = W + r * rb;
+            for (int b = 0; b < K / bs; b++) {
+                float *dst = out32 ? out32 + r * K + (int64_t)b * bs : y;
+                if (is_float_type(t)) {
+                    for (int i = 0; i < bs; i++) {
+                        const uint8_t *p = wr + (int64_t)(b * bs + i) * (t == T_F32 ? 4 : 2);
+                        float v; if (t == T_F32) memcpy(&v, p, 4); else v = t == T_BF16 ? bf16_to_f32(rd16(p)) : fp16_to_f32(rd16(p));
+                        dst[i] = v;
+                    }
+                } else dequant_block(t, wr + b * tb, dst);
+                if (out16) { uint16_t *o = out16 + r * K + (int64_t)b * bs; for (int i = 0; i < bs; i++) o[i] = f32_to_bf16(dst[i]); }
+            }
+        }
+    }
+}
+
+int mf_simd(void) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return 3;
+#elif defined(__AVXVNNI__)
+    return 2;
+#elif defined(__AVX2__)
+    return 1;
+#else
+    return 0;
+#endif
+}

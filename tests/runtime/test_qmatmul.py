@@ -1,0 +1,182 @@
+"""The C kernels' products against ``gguf``'s dequantize-then-multiply reference.
+
+The kernels quantize the activations per 32 values (as llama.cpp's CPU backend does), so
+quantized types are not bit-equal to the reference: the largest error measured on these
+random matrices is 0.4-0.8% of the largest output (every type, one and three rows); the
+bound is twice that. Float weights multiply fp32 activations: rounding only.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+gguf = pytest.importorskip("gguf")
+
+from moefit.runtime import qmatmul as qm  # noqa: E402
+from moefit.runtime.quant import StoredExpert, dequantize  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not qm.available(), reason=f"C kernels: {qm.unavailable_reason()}")
+
+T = gguf.GGMLQuantizationType
+QUANT_BOUND = 0.016      # 2 x the measured 0.8% (activation quantized to int8 per 32 values)
+FLOAT_BOUND = 1e-5
+#: byte ranges of each block's scale fields, set to sane values in random blocks
+SCALES = {"Q8_0": [(0, 2)], "Q4_0": [(0, 2)], "Q4_1": [(0, 4)], "Q5_0": [(0, 2)], "Q5_1": [(0, 4)],
+          "IQ4_NL": [(0, 2)], "Q4_K": [(0, 4)], "Q5_K": [(0, 4)], "Q6_K": [(208, 210)]}
+
+
+def random_matrix(qtype: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
+    """uint8 ``[rows, row bytes]``: random blocks whose scales are small finite fp16 values
+    (MXFP4: exponents near 2^-6), so every quant field is random and the products finite."""
+    rng = np.random.default_rng(seed)
+    if qtype in ("F32", "F16", "BF16"):
+        w = rng.standard_normal((rows, cols)).astype(np.float32) * 0.05
+        if qtype == "BF16":
+            return gguf.quants.quantize(w, T.BF16).reshape(rows, -1)
+        return w.astype(np.float16 if qtype == "F16" else np.float32).view(np.uint8)
+    bs, ts = gguf.GGML_QUANT_SIZES[T[qtype]]
+    raw = rng.integers(0, 256, (rows, cols // bs, ts), dtype=np.uint8)
+    if qtype == "MXFP4":
+        raw[:, :, 0] = rng.integers(118, 124, raw.shape[:2])
+    for a, b in SCALES.get(qtype, []):
+        raw[:, :, a:b] = (rng.random((rows, cols // bs, (b - a) // 2)) * 0.01 + 1e-4).astype(np.float16).view(np.uint8)
+    return raw.reshape(rows, -1)
+
+
+def reference_weights(raw: np.ndarray, qtype: str, rows: int, cols: int) -> torch.Tensor:
+    if qtype == "F32":
+        w = raw.view(np.float32)
+    elif qtype == "F16":
+        w = raw.view(np.float16).astype(np.float32)
+    else:
+        w = gguf.quants.dequantize(raw, T[qtype])
+    return torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32).reshape(rows, cols)).double()
+
+
+def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((got.double() - ref).abs().max() / ref.abs().max()).item()
+
+
+@pytest.mark.parametrize("n", [1, 3])
+@pytest.mark.parametrize("qtype", sorted(qm.CTYPES))
+def test_gemm_matches_dequantize_then_multiply(qtype, n):
+    rows, cols = 96, 512
+    raw = random_matrix(qtype, rows, cols)
+    w = reference_weights(raw, qtype, rows, cols)
+    x = torch.randn(n, cols, generator=torch.Generator().manual_seed(n))
+    ref = x.double() @ w.T
+    got = qm.gemm(x, torch.from_numpy(raw.reshape(-1)), qtype, rows, cols, threads=1)
+    bound = FLOAT_BOUND if qtype in ("F32", "F16", "BF16") else QUANT_BOUND
+    assert got.shape == (n, rows) and got.dtype == torch.float32
+    assert rel_err(got, ref) < bound
+    # bf16 activations are read as such; two threads split the rows
+    xb = x.bfloat16()
+    got_b = qm.gemm(xb, torch.from_numpy(raw.reshape(-1)), qtype, rows, cols, threads=2)
+    assert rel_err(got_b, xb.double() @ w.T) < bound
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_K", "Q6_K"])
+def test_quantized_error_is_activation_rounding_not_a_layout_slip(qtype):
+    """A wrong block layout (a swapped nibble order, a shifted scale) gives errors of the
+    order of the output itself; the kernels' error is a small fraction of it, and shrinks
+    when the activations are exactly representable (ints in -127..127 per block of 32)."""
+    rows, cols = 64, 512
+    raw = random_matrix(qtype, rows, cols, seed=5)
+    w = reference_weights(raw, qtype, rows, cols)
+    x = torch.randint(-127, 128, (2, cols), generator=torch.Generator().manual_seed(2)).float()
+    x.view(2, -1, 32)[:, :, 0] = 127.0                # each block's scale is exactly 1
+    got = qm.gemm(x, torch.from_numpy(raw.reshape(-1)), qtype, rows, cols, threads=1)
+    assert rel_err(got, x.double() @ w.T) < 1e-5
+
+
+def test_gemm_rejects_wrong_sizes():
+    raw = torch.from_numpy(random_matrix("Q8_0", 4, 64).reshape(-1))
+    with pytest.raises(ValueError, match="Q8_0"):
+        qm.gemm(torch.randn(1, 64), raw[:-1], "Q8_0", 4, 64)
+    with pytest.raises(ValueError, match="x must be"):
+        qm.gemm(torch.randn(1, 32), raw, "Q8_0", 4, 64)
+    assert not qm.supports("Q4_K", 320) and qm.supports("Q4_K", 512) and not qm.supports("IQ2_XS", 256)
+
+
+@pytest.mark.parametrize("types", [("Q8_0", "Q8_0", "Q8_0"), ("Q4_K", "Q4_K", "Q6_K"), ("BF16", "BF16", "BF16"),
+                                   ("Q4_0", "Q4_0", "MXFP4")])
+def test_moe_matches_per_expert_reference(types):
+    """One call computes every routed expert of a layer and combines them: equal to the
+    dequantized experts run one by one, within the activation-rounding bound."""
+    h, inter, n_exp, t, k = 256, 256, 6, 5, 2
+    fmt = StoredExpert.pack(inter, h, *types)
+    g = torch.Generator().manual_seed(0)
+    blobs = []
+    for e in range(n_exp):
+        parts = [random_matrix(types[0], inter, h, seed=10 * e), random_matrix(types[1], inter, h, seed=10 * e + 1),
+                 random_matrix(types[2], h, inter, seed=10 * e + 2)]
+        blobs.append(torch.from_numpy(np.concatenate([p.reshape(-1) for p in parts])))
+    assert blobs[0].numel() == fmt.nbytes
+    x = torch.randn(t, h, generator=g)
+    ids = torch.stack([torch.randperm(n_exp, generator=g)[:k] for _ in range(t)])     # [T, k]
+    wts = torch.rand(t, k, generator=g)
+    ref = torch.zeros(t, h, dtype=torch.float64)
+    for e in range(n_exp):
+        mats = [dequantize(blobs[e][p.offset:p.offset + p.nbytes], p.qtype, (p.rows, p.cols)).double()
+                for p in (fmt.gate, fmt.up, fmt.down)]
+        for ti, j in zip(*torch.nonzero(ids == e, as_tuple=True)):
+            xe = x[ti].double()
+            ref[ti] += wts[ti, j] * (mats[2] @ (torch.nn.functional.silu(mats[0] @ xe) * (mats[1] @ xe)))
+    flat = ids.reshape(-1)
+    order = torch.sort(flat, stable=True).indices
+    used = torch.unique(flat)
+    bounds = torch.searchsorted(flat[order], torch.cat([used, used[-1:] + 1])).to(torch.int64)
+    ptrs = torch.tensor([blobs[int(e)].data_ptr() for e in used], dtype=torch.int64)
+    acc = torch.zeros(t, h)
+    for pairs in (t * k, 3):    # scratch for all pairs at once, and for three at a time
+        acc.zero_()
+        scratch = torch.empty(qm.moe_scratch_bytes(t, h, inter, pairs), dtype=torch.uint8)
+        qm.moe(x, ptrs, bounds, (order // k).contiguous(), wts.reshape(-1)[order].contiguous(), acc, fmt, scratch,
+               threads=2)
+        bound = FLOAT_BOUND * 10 if types[0] == "BF16" else 2 * QUANT_BOUND
+        assert rel_err(acc, ref) < bound
+    with pytest.raises(ValueError, match="cannot hold the 5 token rows and one pair"):
+        qm.moe(x, ptrs, bounds, order // k, wts.reshape(-1)[order], acc, fmt,
+               scratch[:qm.moe_scratch_bytes(t, h, inter, 1) - 1])
+
+
+def test_no_kernels_without_a_compiler(tmp_path):
+    """Without a C compiler the module says so and ``available`` is False (the runtime then
+    keeps dequantize-then-multiply)."""
+    code = ("from moefit.runtime import qmatmul as q; print(q.available()); print(q.unavailable_reason())")
+    env = {"PATH": "/nonexistent", "CC": "no-such-cc", "MOEFIT_CACHE_DIR": str(tmp_path), "HOME": str(tmp_path),
+           "PYTHONPATH": ":".join(sys.path)}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True).stdout
+    assert out.splitlines()[0] == "False" and "no C compiler (no-such-cc) on PATH" in out
+
+
+def test_a_compiler_that_fails_is_reported(tmp_path):
+    """A compiler that is there but fails: ``available`` is False and the reason says the
+    build failed (the planner expected the kernels; the engine refuses to start, below)."""
+    code = ("from moefit.runtime import qmatmul as q; print(q.available()); print(q.unavailable_reason())")
+    env = {**os.environ, "CC": "false", "MOEFIT_CACHE_DIR": str(tmp_path), "PYTHONPATH": ":".join(sys.path)}
+    env.pop("MOEFIT_NO_CKERNELS", None)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True).stdout
+    assert out.splitlines()[0] == "False" and "could not be built" in out
+
+
+@pytest.mark.parametrize("qtype", sorted(qm.CTYPES))
+def test_dequantize_is_bit_exact(qtype):
+    """The C dequantization equals ``gguf.quants.dequantize`` bit for bit in fp32, and its
+    bf16 output is that value rounded to nearest even (torch's cast)."""
+    rows, cols = 8, 512
+    raw = random_matrix(qtype, rows, cols, seed=7)
+    ref = reference_weights(raw, qtype, rows, cols).float()
+    flat = torch.from_numpy(raw.reshape(-1))
+    got = qm.dequantize(flat, qtype, rows, cols, torch.empty(rows, cols), threads=2)
+    assert torch.equal(got.view(torch.int32), ref.view(torch.int32))
+    got16 = qm.dequantize(flat, qtype, rows, cols, torch.empty(rows, cols, dtype=torch.bfloat16))
+    assert torch.equal(got16.view(torch.int16), ref.bfloat16().view(torch.int16))
+    with pytest.raises(ValueError, match="out must be"):
+        qm.dequantize(flat, qtype, rows, cols, torch.empty(rows, cols - 1))
