@@ -128,7 +128,8 @@ class Plan:
         """Bytes of the staging workspace's fixed region for attention tiles of
         ``q_block`` x ``kv_block`` tokens (:func:`moefit.memory.staging.fixed_region_bytes`;
         at the default tiles, the region the ``prefill`` line prices)."""
-        return fixed_region_bytes(self.geometry, kv_format(self.request.kv), q_block, kv_block)
+        return fixed_region_bytes(self.geometry, kv_format(self.request.kv), q_block, kv_block,
+                                  self.request.slots)
 
 
 def _grid_floor(n: int) -> int:
