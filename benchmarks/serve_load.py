@@ -107,8 +107,39 @@ def llama_server(binary: str, gguf: str, slots: int, context: int, threads: int)
     url = f"http://127.0.0.1:{port}"
 
     def ready(line: str):
-        return url if "server is listening" in line or "HTTP server listening" in line else None
+        return url if "listening on" in line else None
     return Child(argv, ready, 600)
+
+
+def build_gguf(root: Path, checkpoint: Path) -> Path:
+    """``root/small-q8_0.gguf``: the checkpoint with Q8_0 experts and BF16 dense weights,
+    and a byte-level BPE of the model's vocabulary size trained on this repository's
+    text (llama.cpp needs a tokenizer in the file), made once."""
+    out = root / "small-q8_0.gguf"
+    if out.exists():
+        return out
+    from safetensors.torch import load_file
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from moefit.tools.gguf_write import write_gguf
+
+    cfg = json.loads((checkpoint / "config.json").read_text())
+    repo = Path(__file__).resolve().parent.parent
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train([str(p) for p in sorted(repo.glob("src/**/*.py"))] + [str(repo / "README.md")],
+              trainers.BpeTrainer(vocab_size=cfg["vocab_size"], special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    if tok.get_vocab_size() != cfg["vocab_size"]:
+        raise SystemExit(f"the trained tokenizer has {tok.get_vocab_size()} tokens, the model "
+                         f"{cfg['vocab_size']}")
+    state = {}
+    for shard in sorted(checkpoint.glob("*.safetensors")):
+        state.update(load_file(str(shard)))
+    write_gguf(state, cfg, out, expert_types="Q8_0", dense_type="BF16", file_type=7,
+               name=checkpoint.name, tokenizer=tok, eos_token="<|endoftext|>")
+    return out
 
 
 def _free_port() -> int:
@@ -236,8 +267,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2, help="server threads (OMP / -t)")
     ap.add_argument("--round-timeout", type=float, default=300.0, help="seconds per round at most")
     ap.add_argument("--llama-server", default=None, metavar="BIN",
-                    help="also run llama-server -np SLOTS (needs --gguf)")
-    ap.add_argument("--gguf", default=None, help="the GGUF file for llama-server")
+                    help="also run llama-server -np SLOTS; both servers then serve the same "
+                         "GGUF (--gguf, default: the small model with Q8_0 experts, made in --dir)")
+    ap.add_argument("--gguf", default=None, help="the GGUF file both servers run")
     ap.add_argument("--json", action="store_true", help="print the rows as JSON")
     args = ap.parse_args()
     tmp = None
@@ -248,13 +280,15 @@ def main() -> None:
             args.dir = Path(tmp.name)
         model = args.dir / "small-qwen3moe"
         write_checkpoint(model, config=SMALL)
+        if args.llama_server and not args.gguf:
+            args.gguf = str(build_gguf(args.dir, model))
+    if args.gguf:
+        model = Path(args.gguf)
     vocab = _vocab(model)
     rows = bench("moefit", moefit_server(model, args.slots, args.vram, args.context,
                                          args.chunk, args.threads), args, vocab)
     if args.llama_server:
-        if not args.gguf:
-            raise SystemExit("--llama-server needs --gguf FILE")
-        rows += bench("llama-server", llama_server(args.llama_server, args.gguf, args.slots,
+        rows += bench("llama-server", llama_server(args.llama_server, str(model), args.slots,
                                                    args.context, args.threads), args, vocab)
     if args.json:
         print(json.dumps(rows, indent=2))
@@ -262,11 +296,18 @@ def main() -> None:
         print(HEADER)
         for r in rows:
             print(_line(r))
-        single = next((r for r in rows if r["server"] == "moefit" and r["clients"] == 1), None)
+        for name in ("moefit", "llama-server"):
+            single = next((r for r in rows if r["server"] == name and r["clients"] == 1), None)
+            for r in rows:
+                if single and r["server"] == name and r["clients"] > 1 and single["decode_tokens_per_s"]:
+                    print(f"{name} {r['clients']} clients / 1 client: "
+                          f"{r['decode_tokens_per_s'] / single['decode_tokens_per_s']:.2f}x")
         for r in rows:
-            if single and r["server"] == "moefit" and r["clients"] > 1 and single["decode_tokens_per_s"]:
-                print(f"moefit {r['clients']} clients / 1 client: "
-                      f"{r['decode_tokens_per_s'] / single['decode_tokens_per_s']:.2f}x")
+            peer = next((p for p in rows if p["server"] == "llama-server"
+                         and p["clients"] == r["clients"]), None)
+            if r["server"] == "moefit" and peer and peer["decode_tokens_per_s"]:
+                print(f"{r['clients']} clients: moefit / llama-server "
+                      f"{r['decode_tokens_per_s'] / peer['decode_tokens_per_s']:.2f}x")
     if tmp is not None:
         tmp.cleanup()
 

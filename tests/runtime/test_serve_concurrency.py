@@ -365,3 +365,68 @@ def test_shutdown_ends_every_stream_with_a_finish_reason(served):
     for lines in out.values():
         assert lines[-1] == "data: [DONE]"
         assert json.loads(lines[-2][6:])["choices"][0]["finish_reason"] == "abort"
+
+
+def test_prompt_text_that_cannot_fit_is_refused_before_the_tokenizer(served):
+    from moefit.serve.app import MAX_CHARS_PER_TOKEN
+
+    state = make_state(served)
+    calls = []
+    real = state.tokenizer
+
+    class Counting:
+        def __getattr__(self, name):
+            calls.append(name)
+            return getattr(real, name)
+
+    state.tokenizer = Counting()
+    with TestClient(create_app(state)) as c:
+        text = "a" * (MAX_CHARS_PER_TOKEN * CONTEXT + 1)
+        r = c.post("/v1/completions", json={"prompt": text})
+        assert r.status_code == 400 and "--max-context" in r.json()["error"]["message"]
+        r = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": text}]})
+        assert r.status_code == 400 and "--max-context" in r.json()["error"]["message"]
+    assert "encode" not in calls and "encode_chat" not in calls
+
+
+def test_clients_that_leave_mid_stream_or_while_queued_hold_no_slot(served):
+    state = make_state(served, max_queue=32)
+    slow = Slow(served[3], 0.01)
+    state.engine = slow
+    body = {"prompt": [7] * 20, "max_tokens": 200, "ignore_eos": True, "stream": True}
+    with Running(state) as srv:
+        def leave(_):
+            with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=30) as r:
+                for line in r.iter_lines():       # one chunk (or none: still queued), then go
+                    if line.startswith("data: "):
+                        break
+        with ThreadPoolExecutor(8) as pool:
+            list(pool.map(leave, range(8)))
+        # 200 tokens take 2 s a stream: freed slots come from the cancellations
+        deadline = time.monotonic() + 1.0
+        sch = state.scheduler()
+        while sch.busy_slots() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert sch.busy_slots() == 0 and sch.queue_length() == 0
+        prompt_before = sch.stats.prompt_tokens
+        holders = [httpx.Client(timeout=30) for _ in range(SLOTS)]
+        streams = [h.stream("POST", srv.url + "/v1/completions", json=body) for h in holders]
+        opened = [s.__enter__() for s in streams]
+        deadline = time.monotonic() + 10
+        while sch.busy_slots() < SLOTS and time.monotonic() < deadline:
+            time.sleep(0.02)
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(srv.url + "/v1/completions", json={**body, "prompt": [9] * 30},
+                       timeout=0.5)
+        time.sleep(0.3)
+        assert sch.queue_length() == 0                      # the waiting one left the queue
+        for s, h in zip(streams, holders):
+            s.__exit__(None, None, None)
+            h.close()
+        deadline = time.monotonic() + 1.0
+        while sch.busy_slots() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert sch.busy_slots() == 0
+        # the queued request's 30-token prompt never ran
+        assert sch.stats.prompt_tokens - prompt_before == SLOTS * 20
+        assert len(opened) == SLOTS

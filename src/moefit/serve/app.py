@@ -74,6 +74,10 @@ MAX_CHOICES = 16
 TOKENIZE_THREADS = 2
 #: Seconds a full queue asks a client to wait (``Retry-After``).
 RETRY_AFTER_S = 1
+#: Characters of prompt text per token of the context at most: longer text cannot fit (an
+#: English token is about 4 characters), so it is refused before the tokenizer, whose
+#: memory grows with the text, ever sees it.
+MAX_CHARS_PER_TOKEN = 32
 
 @dataclass
 class ServerState:
@@ -293,7 +297,7 @@ def create_app(state: ServerState) -> FastAPI:
             messages = [m.for_template() for m in body.messages]
             ids = await _tokenize(state, lambda: state.tokenizer.encode_chat(
                 messages, add_generation_prompt=body.add_generation_prompt,
-                **(body.chat_template_kwargs or {})))
+                **(body.chat_template_kwargs or {})), len(json.dumps(messages, default=str)))
             check_prompt(ids, state.plan.context, state.plan.geometry.vocab_size,
                          body.token_limit)
             params = _params(state, body, body.token_limit)
@@ -329,9 +333,15 @@ def _check_choices(prompts: int, n: int) -> None:
                          f"runs at most {MAX_CHOICES}: send fewer prompts or a smaller n")
 
 
-async def _tokenize(state: ServerState, fn):
+async def _tokenize(state: ServerState, fn, chars: int):
     """Run the tokenizer call ``fn`` on a worker thread, at most
-    :data:`TOKENIZE_THREADS` at once, so the event loop (``/health``) never waits on it."""
+    :data:`TOKENIZE_THREADS` at once, so the event loop (``/health``) never waits on it.
+    Text of ``chars`` characters past :data:`MAX_CHARS_PER_TOKEN` x the context is an
+    InputError, before tokenizing."""
+    limit = MAX_CHARS_PER_TOKEN * state.plan.context
+    if chars > limit:
+        raise InputError(f"the prompt text is {chars} characters; this server's context of "
+                         f"{state.plan.context} tokens (--max-context) takes at most {limit}")
     if state._tokenize is None:
         state._tokenize = anyio.CapacityLimiter(TOKENIZE_THREADS)
     return await anyio.to_thread.run_sync(fn, limiter=state._tokenize)
@@ -342,7 +352,7 @@ async def _encode_prompt(state: ServerState, prompt) -> list[int]:
         if state.tokenizer is None:
             raise InputError("this model directory has no tokenizer.json; send the prompt as "
                              "a list of token ids")
-        return await _tokenize(state, lambda: state.tokenizer.encode(prompt))
+        return await _tokenize(state, lambda: state.tokenizer.encode(prompt), len(prompt))
     return [int(t) for t in prompt]
 
 
