@@ -171,7 +171,10 @@ async def one_request(client: httpx.AsyncClient, url: str, prompt: list[int], to
                     continue
                 chunk = json.loads(line[6:])
                 for c in chunk.get("choices", []):
-                    times.append(time.perf_counter())
+                    # a token: a chunk before the end, or a last chunk that carries one
+                    # (llama-server ends with an empty chunk of its own)
+                    if c.get("finish_reason") is None or c.get("text") or c.get("token_ids"):
+                        times.append(time.perf_counter())
                     finish = c.get("finish_reason") or finish
     except httpx.HTTPError as e:
         return {"outcome": "failed", "why": type(e).__name__}
@@ -205,7 +208,11 @@ async def run_round(url: str, n: int, requests: int, prompt_len: int, tokens: in
     ttft = [r["ttft"] for r in results if r.get("ttft") is not None]
     itl = [x for r in results for x in r.get("itl", [])]
     streamed = sum(r.get("tokens", 0) for r in results)
-    return {"clients": n, "sent": sent, **got, "wall_s": wall,
+    why: dict[str, int] = {}
+    for r in results:
+        if r["outcome"] == "failed":
+            why[r["why"]] = why.get(r["why"], 0) + 1
+    return {"clients": n, "sent": sent, **got, "failures": why, "wall_s": wall,
             "ttft_p50": _pct(ttft, 50), "ttft_p95": _pct(ttft, 95),
             "itl_p50": _pct(itl, 50), "itl_p95": _pct(itl, 95),
             "decode_tokens_per_s": streamed / wall if wall else 0.0}
@@ -264,7 +271,9 @@ def main() -> None:
     ap.add_argument("--vram", default="2GiB", help="the simulated device's size")
     ap.add_argument("--context", type=int, default=512, help="--max-context per slot")
     ap.add_argument("--chunk", type=int, default=256, help="--prefill chunk (the step budget)")
-    ap.add_argument("--threads", type=int, default=2, help="server threads (OMP / -t)")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="server threads (OMP_NUM_THREADS / -t; default 1: on a shared 2-core "
+                         "machine OpenMP's spinning makes 2 threads much slower)")
     ap.add_argument("--round-timeout", type=float, default=300.0, help="seconds per round at most")
     ap.add_argument("--llama-server", default=None, metavar="BIN",
                     help="also run llama-server -np SLOTS; both servers then serve the same "

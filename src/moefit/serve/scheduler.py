@@ -117,13 +117,15 @@ class Scheduler:
 
     # ---- client side (event loop) ------------------------------------------------------------
     def submit(self, jobs: Sequence[Job]) -> None:
-        """Queue ``jobs`` (all or none). Raises QueueFull past ``max_queue`` waiting jobs,
-        Stopping once :meth:`stop` was called."""
+        """Queue ``jobs`` (all or none). Raises QueueFull when they would take the queue
+        past ``max_queue`` jobs (an empty queue takes any request, so one with more
+        choices than ``max_queue`` is not refused forever), Stopping once :meth:`stop`
+        was called."""
         with self._cv:
             if self.is_stopping():
                 raise Stopping("the server is shutting down")
-            if len(self.waiting) + len(jobs) > self.max_queue:
-                raise QueueFull(f"{len(self.waiting)} requests wait for one of {self.slots} "
+            if self.waiting and len(self.waiting) + len(jobs) > self.max_queue:
+                raise QueueFull(f"{len(self.waiting)} sequences wait for one of {self.slots} "
                                 f"slots (--max-queue {self.max_queue})")
             self.waiting.extend(jobs)
             self._cv.notify()
