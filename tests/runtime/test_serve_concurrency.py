@@ -430,3 +430,26 @@ def test_clients_that_leave_mid_stream_or_while_queued_hold_no_slot(served):
         # the queued request's 30-token prompt never ran
         assert sch.stats.prompt_tokens - prompt_before == SLOTS * 20
         assert len(opened) == SLOTS
+
+
+def test_connections_that_send_no_request_are_closed(served):
+    from moefit.serve.launch import make_server
+
+    state = make_state(served)
+    srv = Running(state)
+    srv.server = make_server(state, log_level="warning", header_timeout=0.5)
+    srv.thread = threading.Thread(target=srv.server.run, kwargs={"sockets": [srv.sock]},
+                                  daemon=True)
+    port = srv.sock.getsockname()[1]
+    with srv:
+        silent = socket.create_connection(("127.0.0.1", port))
+        half = socket.create_connection(("127.0.0.1", port))
+        half.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")     # never finished
+        for s in (silent, half):
+            s.settimeout(3)
+            t0 = time.monotonic()
+            assert s.recv(1024) == b""                   # closed by the server
+            assert time.monotonic() - t0 < 2.5
+            s.close()
+        # a whole request on a new connection is served as before
+        assert httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200

@@ -105,7 +105,8 @@ class Completion:
 
 
 class PromptTooLong(InputError):
-    """A prompt longer than the plan's context (the message names the limit)."""
+    """A prompt (plus the tokens asked for) that does not fit the plan's context (the
+    message names the limit)."""
 
 
 def check_prompt(prompt_ids: Sequence[int], context: int, vocab_size: int,

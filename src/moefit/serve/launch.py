@@ -171,10 +171,13 @@ def server_limits(args: argparse.Namespace) -> dict:
 def make_server(state, **config):
     """A ``uvicorn.Server`` for ``create_app(state)`` whose SIGINT / SIGTERM handling sets
     ``state.stopping`` (the request in flight stops at its next token) and does not
-    re-raise the signal after the graceful stop (exit 0, no KeyboardInterrupt)."""
+    re-raise the signal after the graceful stop (exit 0, no KeyboardInterrupt), and
+    whose connections must send their request headers within ``header_timeout`` seconds
+    (:mod:`moefit.serve.connections`; idle ones close after uvicorn's keep-alive)."""
     import uvicorn
 
     from moefit.serve.app import create_app
+    from moefit.serve.connections import HEADER_TIMEOUT_S, protocol_class
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame) -> None:
@@ -183,7 +186,8 @@ def make_server(state, **config):
             self._captured_signals.clear()
 
     return Server(uvicorn.Config(create_app(state), **{
-        "lifespan": "off", "timeout_graceful_shutdown": 5, **config}))
+        "lifespan": "off", "timeout_graceful_shutdown": 5,
+        "http": protocol_class(config.pop("header_timeout", HEADER_TIMEOUT_S)), **config}))
 
 
 def serve(args: argparse.Namespace) -> int:
