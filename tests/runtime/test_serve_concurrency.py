@@ -2,7 +2,8 @@
 
 A tiny servable checkpoint, ``--slots 4``; the server runs in-process (``make_server`` on
 a thread, on a free loopback port) or behind FastAPI's TestClient. Each abuse case of the
-issue has a test that runs in seconds.
+issue has a test that runs in seconds; those that start an HTTP server are marked
+``process``.
 """
 
 from __future__ import annotations
@@ -102,6 +103,7 @@ def _post(url, body, **kw):
 
 # ---- batching -----------------------------------------------------------------------------------
 
+@pytest.mark.process
 def test_concurrent_requests_share_steps_and_match_each_alone(served):
     state = make_state(served)
     slow = Slow(served[3], 0.0)
@@ -124,6 +126,7 @@ def test_concurrent_requests_share_steps_and_match_each_alone(served):
     assert all(sum(n for _, n in s) <= served[3].chunk for s in slow.steps)
 
 
+@pytest.mark.process
 def test_a_long_prompt_is_read_chunk_by_chunk_beside_the_decodes(served):
     state = make_state(served)
     slow = Slow(served[3], 0.02)
@@ -144,6 +147,7 @@ def test_a_long_prompt_is_read_chunk_by_chunk_beside_the_decodes(served):
 
 # ---- admission --------------------------------------------------------------------------------
 
+@pytest.mark.process
 def test_past_the_queue_requests_get_503_with_retry_after_and_none_is_lost(served):
     state = make_state(served, max_queue=2)
     state.engine = Slow(served[3], 0.01)
@@ -259,6 +263,7 @@ def test_budget_shows_cells_per_slot_without_paths_and_metrics_count(served):
         assert needle in text, needle
 
 
+@pytest.mark.process
 def test_cells_in_use_while_a_stream_runs(served):
     state = make_state(served)
     state.engine = Slow(served[3], 0.02)
@@ -273,6 +278,7 @@ def test_cells_in_use_while_a_stream_runs(served):
 
 # ---- abuse --------------------------------------------------------------------------------------
 
+@pytest.mark.process
 def test_a_body_past_the_limit_gets_413_before_parsing(served):
     state = make_state(served, max_body=4096)
     with Running(state) as srv:
@@ -290,6 +296,7 @@ def test_a_body_past_the_limit_gets_413_before_parsing(served):
         assert httpx.get(srv.url + "/health").status_code == 200
 
 
+@pytest.mark.process
 def test_many_streams_all_finish_or_get_503_and_health_stays_fast(served):
     state = make_state(served, max_queue=16)
     body = {"prompt": "hello", "max_tokens": 30, "ignore_eos": True, "stream": True}
@@ -345,6 +352,7 @@ def test_a_stalled_reader_loses_its_stream_and_its_slot():
     assert sent[-1].get("more_body") is True            # no clean end: the connection drops
 
 
+@pytest.mark.process
 def test_shutdown_ends_every_stream_with_a_finish_reason(served):
     state = make_state(served)
     state.engine = Slow(served[3], 0.02)
@@ -389,6 +397,7 @@ def test_prompt_text_that_cannot_fit_is_refused_before_the_tokenizer(served):
     assert "encode" not in calls and "encode_chat" not in calls
 
 
+@pytest.mark.process
 def test_clients_that_leave_mid_stream_or_while_queued_hold_no_slot(served):
     state = make_state(served, max_queue=32)
     slow = Slow(served[3], 0.01)
@@ -432,6 +441,7 @@ def test_clients_that_leave_mid_stream_or_while_queued_hold_no_slot(served):
         assert len(opened) == SLOTS
 
 
+@pytest.mark.process
 def test_connections_that_send_no_request_are_closed(served):
     from moefit.serve.launch import make_server
 
