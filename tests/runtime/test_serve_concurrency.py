@@ -251,6 +251,8 @@ def test_budget_shows_cells_per_slot_without_paths_and_metrics_count(served):
         slots = budget["slots"]
         assert slots["total"] == SLOTS and len(slots["kv_cells_in_use"]) == SLOTS
         assert slots["kv_cells_per_slot"] == CONTEXT
+        assert sorted(slots["kv_cells_peak"]) == [0] * (SLOTS - 1) + [102]   # 100 + 2 fed back
+        assert slots["kv_cells_in_use"] == [0] * SLOTS                         # all finished
         assert [l for l in budget["ledger"]["lines"] if l["key"] == "prefill"][0]["used_peak"] > 0
         text = c.get("/metrics").text
     for needle in ('moefit_requests_total{outcome="length"} 1.0',

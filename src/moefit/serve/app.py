@@ -594,7 +594,8 @@ def budget_document(state: ServerState, private: bool = False) -> dict:
     cells = sch.cells_in_use() if sch is not None else [0] * state.plan.request.slots
     doc["slots"] = {"total": len(cells), "busy": sum(c > 0 for c in cells),
                     "queued": sch.queue_length() if sch is not None else 0,
-                    "kv_cells_per_slot": state.plan.context, "kv_cells_in_use": cells}
+                    "kv_cells_per_slot": state.plan.context, "kv_cells_in_use": cells,
+                    "kv_cells_peak": list(sch.peak_cells) if sch is not None else [0] * len(cells)}
     doc["notes"] = [n for n in eng.notes if n != "READY"]
     stats = eng.expert_stats()
     layers = []

@@ -108,6 +108,7 @@ class Scheduler:
         self.max_queue = max(1, int(max_queue))
         self.observe = observe or (lambda *a: None)
         self.active: list[Job | None] = [None] * self.slots
+        self.peak_cells = [0] * self.slots     # most KV cells each slot has held
         self.waiting: deque[Job] = deque()
         self.stats = Stats()
         self._cv = threading.Condition()
@@ -247,8 +248,11 @@ class Scheduler:
                     job.emit(e)
             return
         now = time.monotonic()
+        lengths = self.engine.model.kv.lengths
         with self._cv:
             self.stats.steps += 1
+            for slot, _ in parts:
+                self.peak_cells[slot] = max(self.peak_cells[slot], lengths[slot])
             for row, ((job, decode), (_, ids)) in enumerate(zip(jobs, parts)):
                 if decode:
                     job.next_token = None          # the decode token is in the cache
