@@ -465,3 +465,37 @@ def test_connections_that_send_no_request_are_closed(served):
             s.close()
         # a whole request on a new connection is served as before
         assert httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200
+
+
+@pytest.mark.process
+def test_the_moefit_serve_process_batches_its_slots_behind_the_flags(tmp_path, monkeypatch):
+    """``moefit serve --slots 2`` with the admission flags and the key from the
+    environment: 401 / 413 at the door, two concurrent greedy streams each giving what
+    it gives alone, the counts in /metrics."""
+    from serving import Server, reference_tokens
+
+    tiny = make_servable(tmp_path / "ckpt", max_position_embeddings=1024)
+    key = {"Authorization": "Bearer k3y"}
+    with Server(tiny.path, "--device", "cpu", "--vram", "64MiB", "--max-context", "256",
+                "--kv", "fp32", "--slots", "2", "--max-queue", "4", "--max-body", "2048",
+                env={"MOEFIT_API_KEY": "k3y"}, log=tmp_path / "stderr.txt") as srv:
+        assert srv.url, srv.output
+        assert httpx.get(srv.url + "/health").status_code == 200
+        assert httpx.get(srv.url + "/v1/models").status_code == 401
+        big = httpx.post(srv.url + "/v1/completions", headers=key,
+                         json={"prompt": [5] * 3000, "max_tokens": 2})
+        assert big.status_code == 413
+        prompts = [[5, 9, 11, 3], [7, 7, 2, 40, 41, 42]]
+        body = {"max_tokens": 8, "ignore_eos": True, "return_token_ids": True}
+
+        def one(ids):
+            r = httpx.post(srv.url + "/v1/completions", headers=key,
+                           json={**body, "prompt": ids}, timeout=60)
+            return r.json()["choices"][0]["token_ids"]
+        with ThreadPoolExecutor(2) as pool:
+            got = list(pool.map(one, prompts))
+        for ids, toks in zip(prompts, got):
+            assert toks == reference_tokens(tiny.ref, ids, 8, eos=None)
+        metrics = httpx.get(srv.url + "/metrics").text
+        assert 'moefit_requests_total{outcome="length"} 2.0' in metrics
+        assert "moefit_slots 2.0" in metrics
