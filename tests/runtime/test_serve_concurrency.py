@@ -150,7 +150,7 @@ def test_a_long_prompt_is_read_chunk_by_chunk_beside_the_decodes(served):
 @pytest.mark.process
 def test_past_the_queue_requests_get_503_with_retry_after_and_none_is_lost(served):
     state = make_state(served, max_queue=2)
-    state.engine = Slow(served[3], 0.01)
+    state.engine = Slow(served[3], 0.05)       # 20 tokens: a second a request
     body = {"prompt": "hello", "max_tokens": 20, "ignore_eos": True, "stream": True}
     with Running(state) as srv:
         def one(_):
@@ -161,7 +161,8 @@ def test_past_the_queue_requests_get_503_with_retry_after_and_none_is_lost(serve
             results = list(pool.map(one, range(12)))
         metrics = httpx.get(srv.url + "/metrics").text
     codes = [c for c, _, _ in results]
-    assert set(codes) <= {200, 503} and codes.count(503) >= 1 and codes.count(200) >= SLOTS
+    # the first SLOTS + 2 take the free slots and the queue, whatever the timing
+    assert set(codes) <= {200, 503} and codes.count(503) >= 1 and codes.count(200) >= SLOTS + 2
     for code, retry, text in results:
         if code == 503:
             assert retry == "1" and "--max-queue 2" in text

@@ -118,14 +118,15 @@ class Scheduler:
 
     # ---- client side (event loop) ------------------------------------------------------------
     def submit(self, jobs: Sequence[Job]) -> None:
-        """Queue ``jobs`` (all or none). Raises QueueFull when they would take the queue
-        past ``max_queue`` jobs (an empty queue takes any request, so one with more
-        choices than ``max_queue`` is not refused forever), Stopping once :meth:`stop`
-        was called."""
+        """Queue ``jobs`` (all or none). Raises QueueFull when more than ``max_queue``
+        jobs would wait beyond the free slots (an empty queue takes any request, so one
+        with more choices than ``max_queue`` is not refused forever), Stopping once
+        :meth:`stop` was called."""
         with self._cv:
             if self.is_stopping():
                 raise Stopping("the server is shutting down")
-            if self.waiting and len(self.waiting) + len(jobs) > self.max_queue:
+            free = self.active.count(None)
+            if self.waiting and len(self.waiting) + len(jobs) > self.max_queue + free:
                 raise QueueFull(f"{len(self.waiting)} sequences wait for one of {self.slots} "
                                 f"slots (--max-queue {self.max_queue})")
             self.waiting.extend(jobs)
