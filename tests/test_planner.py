@@ -272,3 +272,23 @@ def test_expert_slots_are_priced_per_layer_when_blobs_differ():
     more = dict(spread_slots(g, plan.expert_slots + 1))
     assert sum(n * size[i] for i, n in more.items()) > 150_000_000
     assert plan.expert_slots > 150_000_000 // 3_000_000   # more than max-blob pricing gives
+
+
+@pytest.mark.parametrize("slots", [1, 64])
+def test_a_calibration_is_priced_with_the_logits_of_every_slot(slots):
+    """A calibration is measured with one sequence; with --slots N the prefill line adds
+    the other sequences' logits rows wherever they enlarge the fixed region."""
+    from dataclasses import replace
+
+    from moefit.memory.staging import fixed_region_bytes
+
+    g = load_model("Qwen3-30B-A3B")
+    fmt = KV_FORMATS["int8"]
+    calibrated = replace(staging_model(g, fmt), const_bytes=123 * MIB, per_token_bytes=4096,
+                         calibrated=True)
+    req = Request(max_context=8192, slots=slots, kv="int8", prefill_mode="fixed",
+                  prefill_tokens=1024)
+    plan = solve(g, cuda(80 * GIB), req, staging=calibrated)
+    extra = fixed_region_bytes(g, fmt, slots=slots) - fixed_region_bytes(g, fmt)
+    assert (extra > 0) == (slots > 1)
+    assert plan.devices[0].line("prefill").bytes == calibrated.bytes(1024) + extra

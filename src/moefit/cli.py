@@ -22,7 +22,7 @@ from moefit import __version__
 from moefit.devices import format_gpu_table
 from moefit.errors import EXIT_INPUT, EXIT_INTERRUPTED, EXIT_NOFIT, EXIT_OK, EXIT_OTHER, InputError
 from moefit.flags import (add_model_files_flags, add_plan_flags, add_sampling_flags,
-                          device_from_args, plan_from_args)
+                          add_serve_flags, device_from_args, plan_from_args)
 from moefit.ingest.checkpoint import describe_weights
 from moefit.ingest.resolve import format_models_table, list_presets, load_model
 from moefit.memory.kv import kv_bytes, kv_format
@@ -157,6 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", default=None,
                    help="the model id the API reports (default: the directory name)")
     add_model_files_flags(p)
+    add_serve_flags(p)
     p.add_argument("--log-level", default="info",
                    choices=("critical", "error", "warning", "info", "debug"),
                    help="uvicorn's log level (default info)")

@@ -119,6 +119,24 @@ def add_model_files_flags(p: argparse.ArgumentParser) -> None:
                         "torch's, one per core; fewer are steadier on a shared machine)")
 
 
+def add_serve_flags(p: argparse.ArgumentParser) -> None:
+    """``moefit serve``'s admission, limit and access flags (defaults:
+    :mod:`moefit.serve.app`; checked by ``moefit.serve.launch.server_limits``)."""
+    s = p.add_argument_group("admission and limits")
+    s.add_argument("--max-queue", type=int, default=None, metavar="N",
+                   help="sequences that may wait for a free slot; past it requests get 503 "
+                        "with Retry-After (default: 4 x --slots)")
+    s.add_argument("--max-body", type=int, default=None, metavar="BYTES",
+                   help="largest request body; larger ones get 413 before parsing "
+                        "(default 4 MiB)")
+    s.add_argument("--write-timeout", type=float, default=None, metavar="SECONDS",
+                   help="a stream whose client takes no data for this long is dropped and "
+                        "its slot freed (default 30)")
+    s.add_argument("--api-key", default=None, metavar="KEY",
+                   help="require `Authorization: Bearer KEY` on every /v1/* route "
+                        "(default: $MOEFIT_API_KEY; /health and /metrics stay open)")
+
+
 def add_sampling_flags(p: argparse.ArgumentParser) -> None:
     """``moefit generate``'s sampling flags; the names and meanings of the API's fields
     (:mod:`moefit.serve.protocol`), checked by :func:`moefit.serve.generation.check_sampling`."""

@@ -171,10 +171,18 @@ def test_completions_default_to_16_tokens(client):
     assert r["usage"]["completion_tokens"] == 16
 
 
-def test_completion_stops_at_the_end_of_the_context(client):
-    r = client.post("/v1/completions", json={"prompt": [5] * (CONTEXT - 2), "max_tokens": 50,
+def test_prompt_plus_max_tokens_past_the_context_is_refused_and_fits_exactly(client):
+    r = client.post("/v1/completions", json={"prompt": [5] * (CONTEXT - 2), "max_tokens": 3,
+                                             "ignore_eos": True})
+    assert r.status_code == 400
+    assert f"{CONTEXT + 1} tokens, more than the planned context of {CONTEXT}" in \
+        r.json()["error"]["message"]
+    r = client.post("/v1/completions", json={"prompt": [5] * (CONTEXT - 2), "max_tokens": 2,
                                              "ignore_eos": True}).json()
-    assert r["usage"]["completion_tokens"] == 3 and r["choices"][0]["finish_reason"] == "length"
+    assert r["usage"]["total_tokens"] == CONTEXT and r["choices"][0]["finish_reason"] == "length"
+    # a prompt of exactly the context leaves no room for a token
+    r = client.post("/v1/completions", json={"prompt": [5] * CONTEXT, "max_tokens": 1})
+    assert r.status_code == 400 and "--max-context" in r.json()["error"]["message"]
 
 
 @pytest.mark.parametrize("body,status,needle", [

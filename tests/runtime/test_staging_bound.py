@@ -30,7 +30,7 @@ from moefit.ingest.resolve import load_model
 from moefit.plan.request import Request
 from moefit.plan.solver import solve
 from moefit.runtime.engine import Engine, EngineOptions
-from moefit.runtime.measure import prefill_measured
+from moefit.runtime.measure import measure_step, prefill_measured
 
 FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "qwen3_next", "qwen3_5_moe")
 FORMATS = ("fp32", "bf16", "fp16", "fp8", "int8", "k8v4", "int4")
@@ -93,3 +93,36 @@ def test_measured_staging_peak_is_within_the_plan_and_within_15_percent(
         assert m.measured_bytes <= planned, (m, planned)
     assert planned <= 1.15 * peak, (planned, peak, planned / peak)
     assert engine.ledger.lines["prefill"].used_peak <= planned
+
+
+@pytest.mark.parametrize("family,kv", [("qwen3_moe", "int8"), ("qwen2_moe", "bf16"),
+                                       ("qwen3_next", "k8v4"), ("qwen3_5_moe", "fp32")])
+def test_a_full_batch_step_is_within_the_plan(checkpoints, family, kv):
+    """All slots busy: the decode tokens of three sequences and a prefill piece of the
+    fourth share one step of the chunk's tokens (what the serving scheduler runs); the
+    measured peak stays within the ``prefill`` line, and the ledger shows every line
+    allocated at its plan."""
+    path = checkpoints[(family, "float32")]
+    geom = load_model(str(path))
+    slots, chunk = 4, 256
+    plan = solve(geom, sim_device(4096 * MIB), Request(
+        max_context=2 * chunk, slots=slots, kv=kv, prefill_mode="fixed", prefill_tokens=chunk,
+        reserve_bytes=MIB, expert_cache=8))
+    assert plan.fits and plan.prefill_selected == chunk
+    planned = plan.devices[0].line("prefill").bytes
+    assert planned == staging_model(geom, kv_format(kv), slots).bytes(chunk)
+    engine = Engine.start(path, plan, EngineOptions(progress=False))
+    assert engine.model.fixed_bytes == staging_model(geom, kv_format(kv), slots).fixed_bytes
+    gen = torch.Generator().manual_seed(0)
+    for s in range(slots - 1):        # three sequences past one KV block, decoding
+        engine.prefill(torch.randint(0, geom.vocab_size, (200,), generator=gen).tolist(), s)
+    piece = torch.randint(0, geom.vocab_size, (chunk - (slots - 1),), generator=gen).tolist()
+    parts = [(s, [7]) for s in range(slots - 1)] + [(slots - 1, piece)]
+    logits, m = measure_step(engine, parts)
+    assert logits.shape == (slots, geom.vocab_size)
+    assert m.measured_bytes <= planned, (m, planned)
+    assert planned <= 1.15 * m.measured_bytes, (planned, m.measured_bytes)
+    assert engine.ledger.lines["prefill"].used_peak <= planned
+    for row in engine.ledger.rows():
+        if row["key"] != "margin":
+            assert row["planned"] == row["allocated"] == row["peak"], row

@@ -364,17 +364,20 @@ def expert_dequant_bytes(geom: ModelGeometry, act: int, c_kernels: bool = False)
 
 
 def fixed_region_bytes(geom: ModelGeometry, fmt: KVFormat, q_block: int = ATTN_Q_BLOCK,
-                       kv_block: int = ATTN_KV_BLOCK) -> int:
+                       kv_block: int = ATTN_KV_BLOCK, slots: int = 1) -> int:
     """Bytes of the fixed region every chunk reserves at the bottom of the workspace (the
     engine reserves exactly this, ``moefit.runtime.model.Model.fixed_bytes``): the largest
     of one layer's token-mixer region (attention tiles of ``q_block`` x ``kv_block``
     tokens, :func:`attention_region_bytes`; :func:`deltanet_region_bytes`;
-    :func:`mla_region_bytes`), the last-token logits (fp32, and in the compute dtype first
-    unless fp32) and, for stored (GGUF) experts, one dequantized expert matrix. The
-    layers use it one after another. ``q_block`` / ``kv_block`` below the defaults give
-    the smaller region of smaller tiles (the engine's ``EngineOptions``)."""
+    :func:`mla_region_bytes`), the last-token logits of each of the ``slots`` sequences a
+    batched step may hold (``[slots, V]`` fp32, and in the compute dtype first unless
+    fp32: ``moefit.runtime.model.forward_batch``) and, for stored (GGUF) experts, one
+    dequantized expert matrix. The layers use it one after another. ``q_block`` /
+    ``kv_block`` below the defaults give the smaller region of smaller tiles (the engine's
+    ``EngineOptions``)."""
     act = compute_bytes(geom)
-    fixed = span([geom.vocab_size * FP32] + ([geom.vocab_size * act] if act != FP32 else []))
+    rows = max(1, slots) * geom.vocab_size
+    fixed = span([rows * FP32] + ([rows * act] if act != FP32 else []))
     seen: dict = {}
     for layer in geom.layers:
         a = layer.attention
@@ -421,8 +424,11 @@ def staging_model(geom: ModelGeometry, fmt: KVFormat, slots: int = 1,
     Args:
         geom: model geometry.
         fmt: KV format (the codecs' scratch and the encoded rows depend on it).
-        slots: concurrent sequences (the engine runs one chunk of one sequence at a time;
-            kept for the interface).
+        slots: concurrent sequences. A batched step (``moefit.runtime.model.forward_batch``)
+            stacks the decode tokens of up to ``slots`` sequences and a prefill chunk, at
+            most ``c`` tokens in all (the scheduler's token budget), so the per-token terms
+            are those of one chunk; the per-sequence term is the last-token logits of
+            every sequence, in the fixed region (:func:`fixed_region_bytes`).
         device_kind: ``cuda`` or ``cpu``: on a CPU device stored experts dequantize
             through the C kernels when they are expected (:mod:`moefit.memory.cpu_kernels`),
             without the torch kernels' scratch.
@@ -439,7 +445,7 @@ def staging_model(geom: ModelGeometry, fmt: KVFormat, slots: int = 1,
              _Step("RoPE tables", 0, FP32 + rot * FP32 + up * rot * FP32)]
     for layer in geom.layers:
         steps += [_mixer_step(layer, fmt, act), _mlp_step(layer, geom, act)]
-    fixed = fixed_region_bytes(geom, fmt)
+    fixed = fixed_region_bytes(geom, fmt, slots=slots)
     terms_extra: tuple = ()
     if geom.exact is not None and geom.exact.experts_stored:
         # quantized experts (GGUF): one matrix dequantized at a time into the fixed region;

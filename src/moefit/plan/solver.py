@@ -128,7 +128,8 @@ class Plan:
         """Bytes of the staging workspace's fixed region for attention tiles of
         ``q_block`` x ``kv_block`` tokens (:func:`moefit.memory.staging.fixed_region_bytes`;
         at the default tiles, the region the ``prefill`` line prices)."""
-        return fixed_region_bytes(self.geometry, kv_format(self.request.kv), q_block, kv_block)
+        return fixed_region_bytes(self.geometry, kv_format(self.request.kv), q_block, kv_block,
+                                  self.request.slots)
 
 
 def _grid_floor(n: int) -> int:
@@ -175,6 +176,11 @@ def _price(geom: ModelGeometry, device: Device, req: Request, context: int,
            floor_slots: int, staging: StagingModel | None = None) -> _Priced:
     fmt = kv_format(req.kv)
     stage = staging or staging_model(geom, fmt, req.slots, device.kind)
+    if staging is not None and req.slots > 1:
+        # a calibration is measured with one sequence: add the logits rows of the others
+        # where they enlarge the fixed region (memory.staging.fixed_region_bytes)
+        extra = fixed_region_bytes(geom, fmt, slots=req.slots) - fixed_region_bytes(geom, fmt)
+        stage = replace(stage, const_bytes=stage.const_bytes + extra)
     slot = expert_slot_bytes(geom)
     margin = default_reserve_bytes(device) if req.reserve_bytes is None else req.reserve_bytes
     return _Priced(

@@ -22,7 +22,9 @@ with the ledger table; nothing is retried.
 
 Prefill runs in chunks of the plan's ``prefill_selected`` tokens (a smaller ``chunk`` may
 be asked for); decode is a chunk of one token. Slots: the KV cache holds the plan's
-``--slots`` sequences; the engine serves one call at a time, on the slot it is given.
+``--slots`` sequences; :meth:`Engine.step` runs tokens of several slots in one batched
+forward pass (the serving scheduler, :mod:`moefit.serve.scheduler`, drives it from one
+thread); the other calls run one slot.
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ from moefit.runtime.kv_cache import KVCache
 from moefit.runtime.ledger import FAIL_ENV, BudgetError, Ledger
 from moefit.runtime.loader import load_checkpoint
 from moefit.runtime import qmatmul
-from moefit.runtime.model import Model, forward
+from moefit.runtime.model import Model, forward, forward_batch, segments
 from moefit.runtime.rope import Rotary, rope_from_config
 from moefit.runtime.staging import Workspace
 from moefit.units import format_bytes
@@ -204,6 +206,25 @@ class Engine:
         ids = torch.tensor([int(token_id)], dtype=torch.long, device=self.ledger.device)
         logits = forward(self.model, ids, slot, self.model.kv.lengths[slot])
         return logits.to("cpu", copy=True)
+
+    @torch.inference_mode()
+    def step(self, parts) -> torch.Tensor:
+        """One batched step: ``parts`` is ``[(slot, token_ids), ...]``, each slot once; the
+        tokens of every slot are appended to it at its current length, all in one forward
+        pass (:func:`moefit.runtime.model.forward_batch`). At most the chunk's tokens in
+        all. Returns each part's last-token logits ``[S, V]`` (fp32, CPU).
+
+        Raises ValueError for an empty part, a slot given twice or more tokens than the
+        chunk; ContextFull past the plan's context."""
+        lengths = self.model.kv.lengths
+        total = sum(len(ids) for _, ids in parts)
+        if not parts or total > self.chunk:
+            raise ValueError(f"a step runs 1 .. {self.chunk} tokens (the prefill chunk), "
+                             f"got {total}")
+        segs = segments([(slot, lengths[slot], len(ids)) for slot, ids in parts])
+        flat = [int(t) for _, ids in parts for t in ids]
+        ids = torch.tensor(flat, dtype=torch.long, device=self.ledger.device)
+        return forward_batch(self.model, ids, segs).to("cpu", copy=True)
 
     def reset(self, slot: int = 0) -> None:
         """Forget sequence ``slot``."""

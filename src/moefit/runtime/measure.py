@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moefit.runtime.model import forward
+from moefit.runtime.model import forward, forward_batch, segments
 
 
 @dataclass(frozen=True)
@@ -107,7 +107,25 @@ def measure_chunk(engine, ids: torch.Tensor, slot: int, start: int) -> tuple[tor
     """Run one chunk (``ids`` ``[T]`` on the device, positions from ``start``) through
     :func:`moefit.runtime.model.forward`, measuring it. Returns (last-token logits ``[V]``
     fp32 on the CPU, the measurement)."""
-    mdl, ws = engine.model, engine.model.ws
+    return _measured(engine, ids, start, lambda: forward(engine.model, ids, slot, start))
+
+
+def measure_step(engine, parts) -> tuple[torch.Tensor, ChunkMeasure]:
+    """:meth:`Engine.step` of ``[(slot, token ids), ...]`` (a batched step of several
+    sequences, :func:`moefit.runtime.model.forward_batch`), measured like a chunk.
+    Returns (each part's last-token logits ``[S, V]`` fp32 on the CPU, the measurement;
+    its ``start`` is 0)."""
+    lengths = engine.model.kv.lengths
+    segs = segments([(slot, lengths[slot], len(ids)) for slot, ids in parts])
+    ids = torch.tensor([int(t) for _, p in parts for t in p], dtype=torch.long,
+                       device=engine.ledger.device)
+    return _measured(engine, ids, 0, lambda: forward_batch(engine.model, ids, segs))
+
+
+def _measured(engine, ids: torch.Tensor, start: int, run) -> tuple[torch.Tensor, ChunkMeasure]:
+    """Run ``run()`` (a forward pass over ``ids``) with the workspace mirrored and the
+    device's allocations profiled (see :func:`measure_chunk`)."""
+    ws = engine.model.ws
     dev = engine.ledger.device
     t = int(ids.numel())
     outside = gemm = 0
@@ -120,7 +138,7 @@ def measure_chunk(engine, ids: torch.Tensor, slot: int, start: int) -> tuple[tor
             torch.cuda.reset_peak_memory_stats(dev)
             base = torch.cuda.memory_allocated(dev)
             t0 = time.perf_counter()
-            logits = forward(mdl, ids, slot, start)
+            logits = run()
             torch.cuda.synchronize(dev)
             seconds = time.perf_counter() - t0
             peak = torch.cuda.max_memory_allocated(dev) - base
@@ -136,7 +154,7 @@ def measure_chunk(engine, ids: torch.Tensor, slot: int, start: int) -> tuple[tor
                 prof.start()
             t0 = time.perf_counter()
             try:
-                logits = forward(mdl, ids, slot, start)
+                logits = run()
             finally:
                 seconds = time.perf_counter() - t0
                 ws.mirror = None

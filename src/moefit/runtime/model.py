@@ -108,9 +108,12 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, out: torch.
     return torch.addmm(b, x, w.t(), out=out)
 
 
-def _attention(mdl: Model, l: LayerSpec, lw: LayerWeights, x: torch.Tensor, slot: int,
-               start: int, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor) -> None:
-    """Self-attention of layer ``l`` on normed ``x`` ``[T, H]`` into ``out`` ``[T, H]``."""
+def _attention(mdl: Model, l: LayerSpec, lw: LayerWeights, x: torch.Tensor,
+               segs: "tuple[Segment, ...]", cos: torch.Tensor, sin: torch.Tensor,
+               out: torch.Tensor) -> None:
+    """Self-attention of layer ``l`` on normed ``x`` ``[T, H]`` into ``out`` ``[T, H]``:
+    the projections, norms and RoPE on all ``T`` stacked tokens, the KV write and the
+    attention per segment, each over its own sequence's cells."""
     a, arch, ws = l.attention, mdl.arch, mdl.ws
     t, act = x.shape[0], x.dtype
     heads, kvh, d, dv = a.num_heads, a.num_kv_heads, a.head_dim, a.v_head_dim
@@ -135,12 +138,17 @@ def _attention(mdl: Model, l: LayerSpec, lw: LayerWeights, x: torch.Tensor, slot
         mdl.rotary.apply(q3, cos, sin, ws)
         mdl.rotary.apply(k3, cos, sin, ws)
         lc = mdl.kv.layers[l.index]
-        mdl.kv.write(l.index, slot, start, k3, v3,
-                     ws.take((t, kvh, lc.k.shape[3]), torch.uint8),
-                     ws.take((t, kvh, lc.v.shape[3]), torch.uint8), ws)
+        for sg in segs:       # every segment's keys go in before any query reads
+            a0, a1 = sg.offset, sg.offset + sg.length
+            with ws.scope():
+                mdl.kv.write(l.index, sg.slot, sg.start, k3[a0:a1], v3[a0:a1],
+                             ws.take((sg.length, kvh, lc.k.shape[3]), torch.uint8),
+                             ws.take((sg.length, kvh, lc.v.shape[3]), torch.uint8), ws)
         o = ws.take((t, heads, dv), act)                                  # [T, A, Dv]
-        attend(q3, start, mdl.kv, l.index, slot, d ** -0.5, o, ws,
-               q_block=mdl.q_block, kv_block=mdl.kv_block)
+        for sg in segs:
+            a0, a1 = sg.offset, sg.offset + sg.length
+            attend(q3[a0:a1], sg.start, mdl.kv, l.index, sg.slot, d ** -0.5, o[a0:a1], ws,
+                   q_block=mdl.q_block, kv_block=mdl.kv_block)
         if a.output_gate:
             o.view(t, heads * dv).mul_(gate.sigmoid_())
         linear(o.view(t, heads * dv), lw.o, lw.o_bias, out)
@@ -254,27 +262,90 @@ def _moe_one_by_one(mdl: Model, l: LayerSpec, x: torch.Tensor, w: torch.Tensor, 
         out.copy_(acc)
 
 
+@dataclass(frozen=True)
+class Segment:
+    """The tokens of one sequence in a batched step: rows ``offset .. offset + length - 1``
+    of the step's ``ids``, at positions ``start .. start + length - 1`` of KV slot
+    ``slot``."""
+
+    slot: int
+    start: int
+    offset: int
+    length: int
+
+
+def segments(parts) -> tuple[Segment, ...]:
+    """Segments of a step from ``(slot, start, length)`` triples, stacked in order.
+
+    Raises ValueError for an empty segment or a slot given twice (one sequence per slot)."""
+    out, off, seen = [], 0, set()
+    for slot, start, n in parts:
+        if n < 1 or slot in seen:
+            raise ValueError(f"slot {slot}: a step takes at least one token of each sequence "
+                             "and each slot once")
+        seen.add(slot)
+        out.append(Segment(int(slot), int(start), off, int(n)))
+        off += int(n)
+    return tuple(out)
+
+
+def _cos_sin(mdl: Model, segs: tuple[Segment, ...], t: int, act: torch.dtype,
+             ws: Workspace) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE cos, sin ``[T, rot]`` of every stacked token at its own position."""
+    if len(segs) == 1:
+        return mdl.rotary.cos_sin(segs[0].start, t, act, ws)
+    d = mdl.rotary.params.dim
+    cos, sin = ws.take((t, d), act), ws.take((t, d), act)
+    for sg in segs:
+        with ws.scope():
+            c, s_ = mdl.rotary.cos_sin(sg.start, sg.length, act, ws)
+            cos[sg.offset:sg.offset + sg.length].copy_(c)
+            sin[sg.offset:sg.offset + sg.length].copy_(s_)
+    return cos, sin
+
+
 def forward(mdl: Model, ids: torch.Tensor, slot: int, start: int) -> torch.Tensor:
     """Run tokens ``ids`` ``[T]`` (int64, on the device) at positions ``start ..
     start + T - 1`` of sequence ``slot``; returns the last token's logits ``[V]`` fp32 (a
     view into the workspace: copy it before the next call)."""
+    return forward_batch(mdl, ids, segments([(slot, start, ids.numel())]))[0]
+
+
+def forward_batch(mdl: Model, ids: torch.Tensor, segs: tuple[Segment, ...]) -> torch.Tensor:
+    """One batched step: the tokens ``ids`` ``[T]`` (int64, on the device) of several
+    sequences stacked by ``segs`` (:func:`segments`; ``T`` = their total length, at most
+    the plan's prefill chunk). Embedding, norms, projections, router and experts run on
+    the ``T`` stacked tokens at once (each expert sees the union of the step's tokens
+    routed to it); attention and the Gated DeltaNet state run per segment over their own
+    slot. Returns the logits of each segment's last token ``[S, V]`` fp32 (a view into the
+    workspace's fixed region: copy it before the next call; the region holds ``slots``
+    rows, :func:`moefit.memory.staging.fixed_region_bytes`).
+
+    Raises ContextFull when a segment runs past the plan's context.
+    """
     g, arch, w, ws = mdl.geom, mdl.arch, mdl.weights, mdl.ws
     t, h, act = ids.numel(), g.hidden_size, arch.dtype
-    mdl.kv.check_room(slot, start, t)
+    n_seq = len(segs)
+    if sum(sg.length for sg in segs) != t:
+        raise ValueError(f"segments cover {sum(sg.length for sg in segs)} tokens, ids {t}")
+    for sg in segs:
+        mdl.kv.check_room(sg.slot, sg.start, sg.length)
     ws.begin_chunk(mdl.fixed_bytes)   # the chunk owns the whole workspace
     hidden = ws.take((t, h), act)                                        # [T, H] residual
     torch.index_select(w.embed, 0, ids, out=hidden)
     normed = ws.take((t, h), act)                                        # [T, H]
     delta = ws.take((t, h), act)                                         # [T, H] layer output
-    cos, sin = mdl.rotary.cos_sin(start, t, act, ws)                     # [T, rot]
+    cos, sin = _cos_sin(mdl, segs, t, act, ws)                           # [T, rot]
     off = arch.norm_offset
     for l, lw in zip(g.layers, w.layers):
         rms_norm(hidden, lw.input_norm, arch.rms_eps, normed, off, ws)
         if l.attention.kind == "linear":
-            gated_deltanet(l.attention, lw, normed, mdl.kv.linear.layers[l.index], slot,
-                           arch.rms_eps, ws, delta)
+            for sg in segs:
+                a0, a1 = sg.offset, sg.offset + sg.length
+                gated_deltanet(l.attention, lw, normed[a0:a1], mdl.kv.linear.layers[l.index],
+                               sg.slot, arch.rms_eps, ws, delta[a0:a1])
         else:
-            _attention(mdl, l, lw, normed, slot, start, cos, sin, delta)
+            _attention(mdl, l, lw, normed, segs, cos, sin, delta)
         hidden.add_(delta)
         rms_norm(hidden, lw.post_norm, arch.rms_eps, normed, off, ws)
         if l.moe is not None:
@@ -282,11 +353,19 @@ def forward(mdl: Model, ids: torch.Tensor, slot: int, start: int) -> torch.Tenso
         else:
             _swiglu_mlp(normed, lw.dense_gate, lw.dense_up, lw.dense_down, ws, delta)
         hidden.add_(delta)
-    last = rms_norm(hidden[-1:], w.norm, arch.rms_eps, normed[:1], off, ws)  # [1, H]
-    logits = ws.fixed.take((1, g.vocab_size), torch.float32)             # [1, V]
+    rows = [sg.offset + sg.length - 1 for sg in segs]
+    if n_seq == 1:
+        lasts = hidden[rows[0]:rows[0] + 1]
+    else:
+        lasts = torch.index_select(hidden, 0, torch.tensor(rows, device=ids.device),
+                                   out=delta[:n_seq])
+    last = rms_norm(lasts, w.norm, arch.rms_eps, normed[:n_seq], off, ws)  # [S, H]
+    logits = ws.fixed.take((n_seq, g.vocab_size), torch.float32)         # [S, V]
     if act == torch.float32 or isinstance(w.lm_head, StoredMatrix) or moe_batch.dense_applies(last, w.lm_head):
         linear(last, w.lm_head, None, logits)           # fp32 logits, fp32 accumulation
     else:
-        logits.copy_(torch.mm(last, w.lm_head.t(), out=ws.fixed.take((1, g.vocab_size), act)))
-    mdl.kv.lengths[slot] = start + t
-    return logits[0]
+        logits.copy_(torch.mm(last, w.lm_head.t(),
+                              out=ws.fixed.take((n_seq, g.vocab_size), act)))
+    for sg in segs:
+        mdl.kv.lengths[sg.slot] = sg.start + sg.length
+    return logits

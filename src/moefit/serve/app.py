@@ -2,31 +2,47 @@
 
 Routes:
 
-- ``GET /health``: 503 ``{"status": "loading"}`` until the engine is READY, then 200.
-- ``GET /v1/models``: the one model served, with its context (``max_model_len``).
+- ``GET /health``: 503 ``{"status": "loading"}`` until the engine is READY, then 200 (never
+  behind the API key; answered on the event loop, which no request blocks).
+- ``GET /v1/models``, ``GET /v1/models/{id}``: the one model served, with its context
+  (``max_model_len``).
 - ``POST /v1/completions``, ``POST /v1/chat/completions``: OpenAI's bodies
   (:mod:`moefit.serve.protocol`), streamed over server-sent events with ``"stream":
   true`` (``data: {chunk}`` lines, then ``data: [DONE]``), with ``usage`` counts.
 - ``GET /v1/budget``: the plan (``moefit.plan/1``), the ledger's planned / allocated /
-  peak bytes per budget line, and the expert cache's hits, misses and hit rates.
+  peak bytes per budget line, the KV cells in use per slot, and the expert cache's hits,
+  misses and hit rates.
+- ``GET /metrics``: Prometheus text (:mod:`moefit.serve.metrics`).
+
+Concurrency: every prompt x choice of a request is a job of the scheduler
+(:mod:`moefit.serve.scheduler`), which decodes up to ``--slots`` sequences together in one
+batched forward pass per step; its engine thread posts each token to the request's asyncio
+queue (``loop.call_soon_threadsafe``), so no client holds a thread and no client can
+stall the engine. A request past the bounded wait queue (``--max-queue``) gets 503 with
+``Retry-After``. A request that goes away (disconnect, or a stream whose reader stops
+reading for ``--write-timeout`` seconds) is cancelled: its slot is free for the next
+step, and a job still waiting costs nothing. On shutdown (:attr:`ServerState.stopping`)
+every stream ends with ``finish_reason: "abort"`` and ``data: [DONE]``.
+
+Limits: request bodies over ``--max-body`` bytes get 413 before parsing; prompts are
+tokenized on worker threads (at most :data:`TOKENIZE_THREADS` at once), never on the
+event loop; a request runs at most :data:`MAX_CHOICES` prompt x ``n`` sequences. With
+``--api-key`` (or ``MOEFIT_API_KEY``) every ``/v1/*`` route needs ``Authorization: Bearer
+KEY`` (401 otherwise). ``/v1/budget`` shows the model's local path only to a client that
+sent the key.
 
 Errors use OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``: 400 for a
-malformed body or one the model cannot take (a prompt longer than the context names the
-limit), 404 for a ``model`` other than the served one (an absent ``model`` is fine), 503
-while loading, 500 when the engine fails on a request; the server stays up.
-
-The engine runs one sequence at a time: requests are served in arrival order, each on a
-worker thread that holds :attr:`ServerState.lock` for the whole completion. The worker
-stops at the next token when its client disconnects (streaming or not: a non-streaming
-request polls ``Request.is_disconnected`` while it waits) or when
-:attr:`ServerState.stopping` is set (server shutdown), so an abandoned request does not
-hold the engine.
+malformed body or one the model cannot take (a prompt + ``max_tokens`` longer than the
+context names the limit), 401 without the key, 404 for a ``model`` other than the served
+one (an absent ``model`` is fine), 413 for a body too large, 503 while loading or when
+the queue is full, 500 when the engine fails on a request; the server stays up.
 """
 
 from __future__ import annotations
 
+import asyncio
+import hmac
 import json
-import queue
 import threading
 import time
 import uuid
@@ -40,10 +56,28 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from moefit.errors import InputError
 from moefit.plan.report import plan_document
-from moefit.serve.generation import Completion, Params, check_prompt, complete, stream
+from moefit.serve.generation import Completion, Decoding, Params, Step, check_prompt
+from moefit.serve.metrics import Metrics
 from moefit.serve.protocol import ChatRequest, CompletionRequest
+from moefit.serve.scheduler import Ended, Job, QueueFull, Scheduler, Stopping
 from moefit.serve.text import GenerationDefaults, Tokenizer
 
+#: Default ``--max-body`` (bytes): far above any real prompt within a context.
+MAX_BODY = 4 << 20
+#: Default ``--max-queue`` per slot: jobs that may wait, ``QUEUE_PER_SLOT x slots``.
+QUEUE_PER_SLOT = 4
+#: Default ``--write-timeout`` (seconds) a stream waits for its reader to take a chunk.
+WRITE_TIMEOUT_S = 30.0
+#: Sequences (prompts x ``n``) one request may run.
+MAX_CHOICES = 16
+#: Tokenizations running at once (worker threads); more requests wait their turn.
+TOKENIZE_THREADS = 2
+#: Seconds a full queue asks a client to wait (``Retry-After``).
+RETRY_AFTER_S = 1
+#: Characters of prompt text per token of the context at most: longer text cannot fit (an
+#: English token is about 4 characters), so it is refused before the tokenizer, whose
+#: memory grows with the text, ever sees it.
+MAX_CHARS_PER_TOKEN = 32
 
 @dataclass
 class ServerState:
@@ -54,22 +88,99 @@ class ServerState:
     tokenizer: Tokenizer | None
     defaults: GenerationDefaults
     engine: Any = None
-    lock: threading.Lock = field(default_factory=threading.Lock)
     stopping: threading.Event = field(default_factory=threading.Event)   # set on shutdown
     created: int = field(default_factory=lambda: int(time.time()))
+    max_queue: int | None = None           # None: QUEUE_PER_SLOT x slots
+    max_body: int = MAX_BODY
+    write_timeout: float = WRITE_TIMEOUT_S
+    api_key: str | None = None
+    metrics: Any = None                    # moefit.serve.metrics.Metrics, made by create_app
+    _scheduler: Scheduler | None = None
+    _tokenize: Any = None                  # anyio.CapacityLimiter, made on first use
+
+    def scheduler(self) -> Scheduler:
+        """The scheduler of the current engine (started on first use, and again when
+        the engine was replaced)."""
+        sch = self._scheduler
+        if sch is None or sch.engine is not self.engine or not sch.alive:
+            if sch is not None:
+                sch.stop()
+            slots = self.plan.request.slots
+            sch = Scheduler(self.engine, self.max_queue or QUEUE_PER_SLOT * slots,
+                            observe=self.metrics.observe if self.metrics else None,
+                            stopping=self.stopping)
+            self._scheduler = sch
+        return sch
 
 
 class APIError(Exception):
     def __init__(self, status: int, message: str, kind: str = "invalid_request_error",
-                 param: str | None = None):
+                 param: str | None = None, headers: dict | None = None):
         super().__init__(message)
         self.status, self.message, self.kind, self.param = status, message, kind, param
+        self.headers = headers
 
 
 def _error(status: int, message: str, kind: str = "invalid_request_error",
-           param: str | None = None) -> JSONResponse:
+           param: str | None = None, headers: dict | None = None) -> JSONResponse:
     return JSONResponse({"error": {"message": message, "type": kind, "param": param,
-                                   "code": status}}, status_code=status)
+                                   "code": status}}, status_code=status, headers=headers)
+
+
+def _authorized(state: ServerState, headers) -> bool:
+    """The request sent ``Authorization: Bearer <--api-key>`` (always true without a key)."""
+    if not state.api_key:
+        return True
+    got = dict(headers).get(b"authorization", b"").decode("latin-1")
+    return hmac.compare_digest(got.encode(), f"Bearer {state.api_key}".encode())
+
+
+class _Guard:
+    """ASGI middleware in front of the routes: the API key on ``/v1/*`` (401) and the
+    body limit (413 on ``Content-Length`` before any byte is read, or as soon as a
+    chunked body passes it: such a body is read here, then handed on)."""
+
+    def __init__(self, app, state: ServerState):
+        self.app, self.state = app, state
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        st = self.state
+        if scope["path"].startswith("/v1/") and not _authorized(st, scope["headers"]):
+            resp = _error(401, "missing or wrong API key: send the header "
+                          "`Authorization: Bearer <key>` (the server's --api-key)",
+                          "authentication_error", headers={"WWW-Authenticate": "Bearer"})
+            return await resp(scope, receive, send)
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None and length.isdigit():
+            if int(length) > st.max_body:
+                return await _too_large(st)(scope, receive, send)
+            return await self.app(scope, receive, send)
+        if scope["method"] not in ("POST", "PUT", "PATCH"):
+            return await self.app(scope, receive, send)
+        # no Content-Length (chunked): read the body here, at most --max-body bytes
+        body = bytearray()
+        while True:
+            msg = await receive()
+            if msg["type"] != "http.request":
+                return
+            body += msg.get("body", b"")
+            if len(body) > st.max_body:
+                return await _too_large(st)(scope, receive, send)
+            if not msg.get("more_body"):
+                break
+        replay = [{"type": "http.request", "body": bytes(body), "more_body": False}]
+
+        async def replayed():
+            return replay.pop() if replay else await receive()
+
+        await self.app(scope, replayed, send)
+
+
+def _too_large(state: ServerState) -> JSONResponse:
+    return _error(413, f"the request body is larger than this server's limit of "
+                  f"{state.max_body} bytes (--max-body)")
 
 
 def _validation_message(exc: RequestValidationError) -> str:
@@ -89,6 +200,9 @@ def create_app(state: ServerState) -> FastAPI:
     """The FastAPI application serving ``state`` (see module docstring)."""
     app = FastAPI(title="moefit", docs_url=None, redoc_url=None)
     app.state.moefit = state
+    if state.metrics is None:
+        state.metrics = Metrics(state)
+    app.add_middleware(_Guard, state=state)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):
@@ -96,7 +210,7 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
-        return _error(exc.status, exc.message, exc.kind, exc.param)
+        return _error(exc.status, exc.message, exc.kind, exc.param, exc.headers)
 
     @app.exception_handler(Exception)
     async def _bug(request: Request, exc: Exception):   # logged by uvicorn; the server stays up
@@ -119,35 +233,51 @@ def create_app(state: ServerState) -> FastAPI:
             return JSONResponse({"status": "loading"}, status_code=503)
         return {"status": "ready"}
 
+    def model_card() -> dict:
+        return {"id": state.model_name, "object": "model", "created": state.created,
+                "owned_by": "moefit", "max_model_len": state.plan.context}
+
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{
-            "id": state.model_name, "object": "model", "created": state.created,
-            "owned_by": "moefit", "max_model_len": state.plan.context}]}
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        if model_id != state.model_name:
+            raise APIError(404, f"The model `{model_id}` does not exist.",
+                           "invalid_request_error", "model")
+        return model_card()
 
     @app.get("/v1/budget")
-    async def budget():
-        return budget_document(state)
+    async def budget(request: Request):
+        return budget_document(state, private=bool(state.api_key))
+
+    @app.get("/metrics")
+    async def metrics():
+        return state.metrics.response()
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        eng = engine()
+        engine()
         check_model(body)
         try:
             body.refuse_unsupported()
-            prompts = [_encode_prompt(state, p) for p in body.prompts()]
+            texts = body.prompts()
+            _check_choices(len(texts), body.n)
+            prompts = [await _encode_prompt(state, p) for p in texts]
+            max_tokens = 16 if body.max_tokens is None else body.max_tokens
             for ids in prompts:
-                check_prompt(ids, state.plan.context, state.plan.geometry.vocab_size)
-            params = _params(state, body, 16 if body.max_tokens is None else body.max_tokens)
+                check_prompt(ids, state.plan.context, state.plan.geometry.vocab_size, max_tokens)
+            params = _params(state, body, max_tokens)
         except InputError as e:
             raise APIError(400, str(e)) from None
         jobs = [(i * body.n + k, ids) for i, ids in enumerate(prompts) for k in range(body.n)]
         head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
                 "created": int(time.time()), "model": state.model_name}
+        run = _Run(state, jobs, params)
         if body.stream:
-            return _sse(_completion_chunks(state, eng, head, jobs, params, body, prompts))
-        results = await _run(state, request,
-                             lambda cancelled: _complete_all(state, eng, jobs, params, cancelled))
+            return _sse(state, run, _completion_chunks(run, head, body, prompts))
+        results = await run.collect(request)
         choices = []
         for (index, ids), res in zip(jobs, results):
             c = {"index": index, "text": res.text, "logprobs": None,
@@ -159,27 +289,30 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: Request):
-        eng = engine()
+        engine()
         check_model(body)
         try:
             body.refuse_unsupported()
             if state.tokenizer is None:
                 raise InputError("this model directory has no tokenizer.json, so it cannot "
                                  "take chat messages; use /v1/completions with token ids")
+            _check_choices(1, body.n)
             messages = [m.for_template() for m in body.messages]
-            ids = state.tokenizer.encode_chat(messages, add_generation_prompt=body.add_generation_prompt,
-                                              **(body.chat_template_kwargs or {}))
-            check_prompt(ids, state.plan.context, state.plan.geometry.vocab_size)
+            ids = await _tokenize(state, lambda: state.tokenizer.encode_chat(
+                messages, add_generation_prompt=body.add_generation_prompt,
+                **(body.chat_template_kwargs or {})), len(json.dumps(messages, default=str)))
+            check_prompt(ids, state.plan.context, state.plan.geometry.vocab_size,
+                         body.token_limit)
             params = _params(state, body, body.token_limit)
         except InputError as e:
             raise APIError(400, str(e)) from None
         jobs = [(k, ids) for k in range(body.n)]
         head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",
                 "created": int(time.time()), "model": state.model_name}
+        run = _Run(state, jobs, params)
         if body.stream:
-            return _sse(_chat_chunks(state, eng, head, jobs, params, body, [ids]))
-        results = await _run(state, request,
-                             lambda cancelled: _complete_all(state, eng, jobs, params, cancelled))
+            return _sse(state, run, _chat_chunks(run, head, body, [ids]))
+        results = await run.collect(request)
         choices = []
         for (index, _), res in zip(jobs, results):
             c = {"index": index, "message": {"role": "assistant", "content": res.text},
@@ -195,14 +328,34 @@ def create_app(state: ServerState) -> FastAPI:
     return app
 
 
-# ---- requests -> engine ----------------------------------------------------------------------
+# ---- requests -> scheduler -------------------------------------------------------------------
 
-def _encode_prompt(state: ServerState, prompt) -> list[int]:
+def _check_choices(prompts: int, n: int) -> None:
+    if prompts * n > MAX_CHOICES:
+        raise InputError(f"{prompts} prompt(s) x n {n} = {prompts * n} sequences; a request "
+                         f"runs at most {MAX_CHOICES}: send fewer prompts or a smaller n")
+
+
+async def _tokenize(state: ServerState, fn, chars: int):
+    """Run the tokenizer call ``fn`` on a worker thread, at most
+    :data:`TOKENIZE_THREADS` at once, so the event loop (``/health``) never waits on it.
+    Text of ``chars`` characters past :data:`MAX_CHARS_PER_TOKEN` x the context is an
+    InputError, before tokenizing."""
+    limit = MAX_CHARS_PER_TOKEN * state.plan.context
+    if chars > limit:
+        raise InputError(f"the prompt text is {chars} characters; this server's context of "
+                         f"{state.plan.context} tokens (--max-context) takes at most {limit}")
+    if state._tokenize is None:
+        state._tokenize = anyio.CapacityLimiter(TOKENIZE_THREADS)
+    return await anyio.to_thread.run_sync(fn, limiter=state._tokenize)
+
+
+async def _encode_prompt(state: ServerState, prompt) -> list[int]:
     if isinstance(prompt, str):
         if state.tokenizer is None:
             raise InputError("this model directory has no tokenizer.json; send the prompt as "
                              "a list of token ids")
-        return state.tokenizer.encode(prompt)
+        return await _tokenize(state, lambda: state.tokenizer.encode(prompt), len(prompt))
     return [int(t) for t in prompt]
 
 
@@ -214,58 +367,87 @@ def _params(state: ServerState, body, max_tokens: int | None) -> Params:
                           stop_token_ids=body.stop_token_ids)
 
 
-def _with_generator(jobs, params: Params):
-    """One random stream per request: the choices draw from it one after another, so a
-    seeded request is reproducible and its ``n`` choices still differ."""
-    gen = params.generator()
-    for index, ids in jobs:
-        yield index, ids, gen
-
-
-def _complete_all(state: ServerState, eng, jobs, params: Params, cancelled) -> list[Completion]:
-    return [complete(eng, ids, params, state.tokenizer, gen, cancelled=cancelled)
-            for _, ids, gen in _with_generator(jobs, params)]
-
-
-#: Seconds between two ``Request.is_disconnected`` polls while a worker runs.
+#: Seconds between two ``Request.is_disconnected`` polls while a request waits.
 DISCONNECT_POLL_S = 0.05
 
 
-async def _run(state: ServerState, request: Request, job):
-    """Run ``job(cancelled)`` on a worker thread holding the engine lock; engine errors
-    become 500. ``cancelled()`` turns true when the client disconnects (polled here every
-    :data:`DISCONNECT_POLL_S`) or the server shuts down; the generation then stops at its
-    next token and frees the engine."""
-    gone = threading.Event()
+class _Run:
+    """The jobs of one request in the scheduler, and the asyncio queue their events come
+    back on: ``(index, Step | Ended | Exception)``. Submitting raises APIError 503 when
+    the wait queue is full or the server is stopping."""
 
-    def cancelled() -> bool:
-        return gone.is_set() or state.stopping.is_set()
+    def __init__(self, state: ServerState, jobs, params: Params):
+        loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.scheduler = state.scheduler()
+        context, vocab = state.plan.context, state.plan.geometry.vocab_size
 
-    def locked():
-        with state.lock:
-            return job(cancelled)
+        def emitter(index: int):
+            def emit(event) -> None:     # engine thread: never blocks
+                try:
+                    loop.call_soon_threadsafe(self.queue.put_nowait, (index, event))
+                except RuntimeError:     # the loop is closed: nobody is listening
+                    pass
+            return emit
 
-    async def watch():
-        while not await request.is_disconnected():
-            await anyio.sleep(DISCONNECT_POLL_S)
-        gone.set()
-
-    result = error = None
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(watch)
+        self.jobs = [Job(list(ids), Decoding(ids, params, state.tokenizer, context, vocab,
+                                             params.generator(index)), emitter(index))
+                     for index, ids in jobs]
+        self.indices = [index for index, _ in jobs]
+        self.pending = len(self.jobs)
         try:
-            result = await anyio.to_thread.run_sync(locked)
-        except Exception as e:   # handled below, outside the task group (no ExceptionGroup)
-            error = e
-        finally:
-            tg.cancel_scope.cancel()
-    if isinstance(error, InputError):
-        raise APIError(400, str(error)) from None
-    if error is not None:   # the engine failed on this request; the server stays up
-        raise APIError(500, f"generation failed: {type(error).__name__}: {error}",
-                       "server_error") from None
-    return result
+            self.scheduler.submit(self.jobs)
+        except QueueFull as e:
+            state.metrics.refused()
+            raise APIError(503, f"the server is busy: {e}; retry later", "service_unavailable",
+                           headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+        except Stopping as e:
+            raise APIError(503, str(e), "service_unavailable") from None
 
+    def cancel(self) -> None:
+        self.scheduler.cancel(self.jobs)
+
+    async def next(self):
+        """The next event; ``pending`` counts the jobs not yet ended."""
+        index, ev = await self.queue.get()
+        if not isinstance(ev, Step) or ev.finish_reason is not None:
+            self.pending -= 1
+        return index, ev
+
+    async def collect(self, request: Request) -> list[Completion]:
+        """Every job's completion, in job order; cancels them when the client goes away.
+        Engine errors become APIError 500 (400 for an InputError)."""
+        out = {i: Completion() for i in range(len(self.jobs))}
+        order = {index: i for i, index in enumerate(self.indices)}
+        parts: dict[int, list[str]] = {i: [] for i in out}
+        async def watch():      # a client gone: its jobs end (Ended) and free their slots
+            while not await request.is_disconnected():
+                await asyncio.sleep(DISCONNECT_POLL_S)
+            self.cancel()
+
+        watcher = asyncio.create_task(watch())
+        try:
+            while self.pending:
+                index, ev = await self.next()
+                res, i = out[order[index]], order[index]
+                if isinstance(ev, Exception):
+                    if isinstance(ev, InputError):
+                        raise APIError(400, str(ev)) from None
+                    raise APIError(500, f"generation failed: {type(ev).__name__}: {ev}",
+                                   "server_error") from None
+                if isinstance(ev, Ended):
+                    res.finish_reason = ev.finish_reason
+                    continue
+                res.token_ids.append(ev.token)
+                parts[i].append(ev.text)
+                if ev.finish_reason is not None:
+                    res.finish_reason = ev.finish_reason
+        finally:
+            watcher.cancel()
+            self.cancel()
+        for i, res in out.items():
+            res.text = "".join(parts[i])
+        return [out[i] for i in range(len(self.jobs))]
 
 def _usage(prompts: list[list[int]], results: list[Completion]) -> dict:
     p = sum(len(ids) for ids in prompts)
@@ -275,62 +457,52 @@ def _usage(prompts: list[list[int]], results: list[Completion]) -> dict:
 
 # ---- streaming ------------------------------------------------------------------------------
 
-_DONE = object()
+class _EventStream(StreamingResponse):
+    """Server-sent events whose every write must be taken by the client within
+    ``write_timeout`` seconds: a reader that stops reading loses its stream (the
+    connection is dropped) and its jobs are cancelled, so their slots are free. The jobs
+    are cancelled too when the stream ends any other way (client gone, error)."""
+
+    def __init__(self, content, run: _Run, write_timeout: float):
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.run, self.write_timeout = run, write_timeout
+
+    async def stream_response(self, send) -> None:
+        try:
+            with anyio.fail_after(self.write_timeout):
+                await send({"type": "http.response.start", "status": self.status_code,
+                            "headers": self.raw_headers})
+            async for chunk in self.body_iterator:
+                with anyio.fail_after(self.write_timeout):
+                    await send({"type": "http.response.body", "body": chunk.encode("utf-8"),
+                                "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except TimeoutError:
+            pass        # the stalled reader's connection closes without the last chunk
+        finally:
+            self.run.cancel()
+            await self.body_iterator.aclose()
 
 
-def _sse(events) -> StreamingResponse:
-    return StreamingResponse(events, media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+def _sse(state: ServerState, run: _Run, events) -> StreamingResponse:
+    return _EventStream(events, run, state.write_timeout)
 
 
 def _data(obj) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
-async def _steps(state: ServerState, eng, jobs, params: Params):
-    """(index, prompt ids, Step) for every sampled token of every job, produced by one
-    worker thread that holds the engine lock; it stops early when the client goes away
-    or the server shuts down (:attr:`ServerState.stopping`)."""
-    q: queue.Queue = queue.Queue(maxsize=64)
-    cancel = threading.Event()
-
-    def cancelled() -> bool:
-        return cancel.is_set() or state.stopping.is_set()
-
-    def work():
-        try:
-            with state.lock:
-                for index, ids, gen in _with_generator(jobs, params):
-                    for step in stream(eng, ids, params, state.tokenizer, gen,
-                                       cancelled=cancelled):
-                        if cancel.is_set():
-                            return
-                        q.put((index, ids, step))
-                    if cancelled():
-                        return
-        except Exception as e:  # reported in the stream; the server stays up
-            q.put(e)
-        finally:
-            q.put(_DONE)
-
-    threading.Thread(target=work, name="moefit-stream", daemon=True).start()
-    try:
-        while True:
-            item = await anyio.to_thread.run_sync(q.get)
-            if item is _DONE:
-                return
-            if isinstance(item, Exception):
-                kind = "invalid_request_error" if isinstance(item, InputError) else "server_error"
-                yield {"error": {"message": f"generation failed: {item}", "type": kind}}
-                continue
-            yield item
-    finally:
-        cancel.set()
-        while True:   # unblock the worker if the queue is full
-            try:
-                q.get_nowait()
-            except queue.Empty:
-                break
+async def _events(run: _Run):
+    """(index, Step | Ended) of every job until all have ended; an engine error is
+    yielded as an OpenAI error dict and ends the stream."""
+    while run.pending:
+        index, ev = await run.next()
+        if isinstance(ev, Exception):
+            kind = "invalid_request_error" if isinstance(ev, InputError) else "server_error"
+            yield {"error": {"message": f"generation failed: {ev}", "type": kind}}
+            return
+        yield index, ev
 
 
 def _usage_chunk(head: dict, prompts: list[list[int]], completion_tokens: int) -> str:
@@ -340,14 +512,18 @@ def _usage_chunk(head: dict, prompts: list[list[int]], completion_tokens: int) -
                                                    "total_tokens": p + completion_tokens}})
 
 
-async def _completion_chunks(state, eng, head, jobs, params, body, prompts) -> AsyncIterator[str]:
-    counts = {index: 0 for index, _ in jobs}
-    async for item in _steps(state, eng, jobs, params):
+async def _completion_chunks(run: _Run, head, body, prompts) -> AsyncIterator[str]:
+    count = 0
+    async for item in _events(run):
         if isinstance(item, dict):      # an error: report it and end the stream
             yield _data(item)
             break
-        index, ids, step = item
-        counts[index] += 1
+        index, step = item
+        if isinstance(step, Ended):     # cut (shutdown): the choice still gets its reason
+            yield _data({**head, "choices": [{"index": index, "text": "", "logprobs": None,
+                                              "finish_reason": step.finish_reason}]})
+            continue
+        count += 1
         if not step.text and step.finish_reason is None and not body.return_token_ids:
             continue        # text held back; with return_token_ids the id still goes out
         c = {"index": index, "text": step.text, "logprobs": None,
@@ -356,22 +532,26 @@ async def _completion_chunks(state, eng, head, jobs, params, body, prompts) -> A
             c["token_ids"] = [step.token]
         yield _data({**head, "choices": [c]})
     if body.include_usage:
-        yield _usage_chunk(head, prompts, sum(counts.values()))
+        yield _usage_chunk(head, prompts, count)
     yield "data: [DONE]\n\n"
 
 
-async def _chat_chunks(state, eng, head, jobs, params, body, prompts) -> AsyncIterator[str]:
+async def _chat_chunks(run: _Run, head, body, prompts) -> AsyncIterator[str]:
     head = {**head, "object": "chat.completion.chunk"}
-    counts = {index: 0 for index, _ in jobs}
-    for index, _ in jobs:
+    count = 0
+    for index in run.indices:
         yield _data({**head, "choices": [{"index": index, "delta": {"role": "assistant", "content": ""},
                                           "logprobs": None, "finish_reason": None}]})
-    async for item in _steps(state, eng, jobs, params):
+    async for item in _events(run):
         if isinstance(item, dict):      # an error: report it and end the stream
             yield _data(item)
             break
-        index, ids, step = item
-        counts[index] += 1
+        index, step = item
+        if isinstance(step, Ended):     # cut (shutdown): the choice still gets its reason
+            yield _data({**head, "choices": [{"index": index, "delta": {}, "logprobs": None,
+                                              "finish_reason": step.finish_reason}]})
+            continue
+        count += 1
         sent = False
         # text held back (incomplete UTF-8, stop-string lookahead): with return_token_ids
         # the chunk still goes out, with empty content, so that every token id is delivered
@@ -389,15 +569,20 @@ async def _chat_chunks(state, eng, head, jobs, params, body, prompts) -> AsyncIt
                 c["token_ids"] = [step.token]
             yield _data({**head, "choices": [c]})
     if body.include_usage:
-        yield _usage_chunk(head, prompts, sum(counts.values()))
+        yield _usage_chunk(head, prompts, count)
     yield "data: [DONE]\n\n"
 
 
 # ---- /v1/budget -----------------------------------------------------------------------------
 
-def budget_document(state: ServerState) -> dict:
-    """The plan, and once READY the ledger per line and the expert cache's hit rates."""
-    doc: dict[str, Any] = {"ready": state.engine is not None, "plan": plan_document(state.plan)}
+def budget_document(state: ServerState, private: bool = False) -> dict:
+    """The plan, and once READY the ledger per line, the KV cells in use per slot and
+    the expert cache's hit rates. ``private`` false (a server without ``--api-key``):
+    the model's local path (``plan.model.source``) is left out."""
+    plan = plan_document(state.plan)
+    if not private and isinstance(plan.get("model"), dict) and "source" in plan["model"]:
+        plan["model"] = {k: v for k, v in plan["model"].items() if k != "source"}
+    doc: dict[str, Any] = {"ready": state.engine is not None, "plan": plan}
     eng = state.engine
     if eng is None:
         return doc
@@ -410,6 +595,12 @@ def budget_document(state: ServerState) -> dict:
                   for r in ledger.rows()],
     }
     doc["chunk"] = eng.chunk
+    sch = state._scheduler
+    cells = sch.cells_in_use() if sch is not None else [0] * state.plan.request.slots
+    doc["slots"] = {"total": len(cells), "busy": sum(c > 0 for c in cells),
+                    "queued": sch.queue_length() if sch is not None else 0,
+                    "kv_cells_per_slot": state.plan.context, "kv_cells_in_use": cells,
+                    "kv_cells_peak": list(sch.peak_cells) if sch is not None else [0] * len(cells)}
     doc["notes"] = [n for n in eng.notes if n != "READY"]
     stats = eng.expert_stats()
     layers = []

@@ -8,8 +8,8 @@
 2. a stop string appears in the text (the text ends before it): ``"stop"``;
 3. ``max_tokens`` tokens were generated: ``"length"``;
 4. the sequence reached the plan's context (``--max-context``): ``"length"``. After a
-   prompt of P tokens the KV cache has room for ``context - P`` more, so at most
-   ``context - P + 1`` tokens can be sampled (the last one is never fed back);
+   prompt of P tokens (at most ``context - 1``) at most ``context - P`` tokens are
+   sampled, so prompt + completion never exceed the context;
 5. ``cancelled()`` turned true (the client went away, or the server is shutting down):
    checked before the prefill and between tokens, the generation just ends (no more
    steps; :func:`complete` reports ``finish_reason = "abort"``).
@@ -86,10 +86,12 @@ class Params:
                    repetition_penalty=float(repetition_penalty or 1.0),
                    stop_ids=tuple(int(t) for t in stop_token_ids or ()))
 
-    def generator(self) -> torch.Generator:
-        """The request's random stream: seeded by ``seed``, else by the OS."""
+    def generator(self, index: int = 0) -> torch.Generator:
+        """The random stream of choice ``index`` of a request: seeded by ``seed`` (mixed
+        with ``index``, so the ``n`` choices of a seeded request differ, and each is the
+        same whichever sequences share its batch), else by the OS."""
         seed = self.seed if self.seed is not None else secrets.randbits(63)
-        return torch.Generator().manual_seed(seed % (1 << 63))
+        return torch.Generator().manual_seed((seed + index * 0x9E3779B97F4A7C15) % (1 << 63))
 
 
 @dataclass
@@ -112,18 +114,24 @@ class Completion:
 
 
 class PromptTooLong(InputError):
-    """A prompt longer than the plan's context (the message names the limit)."""
+    """A prompt (plus the tokens asked for) that does not fit the plan's context (the
+    message names the limit)."""
 
 
-def check_prompt(prompt_ids: Sequence[int], context: int, vocab_size: int) -> None:
+def check_prompt(prompt_ids: Sequence[int], context: int, vocab_size: int,
+                 max_tokens: int | None = None) -> None:
     """Raise InputError for an empty prompt, a token id outside the vocabulary, or a
-    prompt longer than ``context`` tokens (:class:`PromptTooLong`)."""
+    prompt that leaves no room in the ``context`` (at least one generated token, or
+    ``max_tokens`` of them when given: :class:`PromptTooLong`, naming the limit)."""
     if not prompt_ids:
         raise InputError("the prompt is empty (0 tokens)")
-    if len(prompt_ids) > context:
-        raise PromptTooLong(f"the prompt is {len(prompt_ids)} tokens, more than the planned "
+    need = len(prompt_ids) + (max_tokens or 1)
+    if need > context:
+        asked = (f"the prompt is {len(prompt_ids)} tokens" +
+                 (f" and max_tokens {max_tokens}" if max_tokens else " plus one generated token"))
+        raise PromptTooLong(f"{asked} make {need} tokens, more than the planned "
                             f"context of {context} tokens (--max-context {context}); shorten "
-                            "the prompt or plan a larger --max-context")
+                            "the prompt, lower max_tokens or plan a larger --max-context")
     bad = next((t for t in prompt_ids if not 0 <= int(t) < vocab_size), None)
     if bad is not None:
         raise InputError(f"token id {bad} is outside the vocabulary (0 .. {vocab_size - 1})")
@@ -166,6 +174,52 @@ def repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: float)
     return x
 
 
+class Decoding:
+    """What one sequence samples, token after token, from the logits it is given: the
+    finish rules of the module docstring (EOS, stop strings, ``max_tokens``, the context)
+    and its own random stream. The serving scheduler keeps one per sequence of a batch
+    (:mod:`moefit.serve.scheduler`); :func:`stream` runs one by itself.
+
+    Args:
+        prompt_ids: the prompt (checked by :func:`check_prompt` first).
+        params: the request's settings. ``gen``: its random stream (default:
+            ``params.generator()``). ``context``: the plan's context (tokens).
+        vocab_size: the model's vocabulary (tokens), for the repetition penalty.
+    """
+
+    def __init__(self, prompt_ids: Sequence[int], params: Params, tokenizer: Tokenizer | None,
+                 context: int, vocab_size: int, gen: torch.Generator | None = None):
+        room = context - len(prompt_ids)
+        self.params = params
+        self.limit = room if params.max_tokens is None else min(params.max_tokens, room)
+        self.gen = gen if gen is not None else params.generator()
+        self.eos = (() if params.ignore_eos else params.eos_ids) + params.stop_ids
+        self.text = TextStream(tokenizer, prompt_ids, params.stop)
+        self.count = 0
+        self.seen: torch.Tensor | None = None      # [V] bool, for the repetition penalty
+        if params.repetition_penalty != 1.0:
+            self.seen = torch.zeros(vocab_size, dtype=torch.bool)
+            self.seen[torch.as_tensor(list(prompt_ids), dtype=torch.long)] = True
+
+    def step(self, logits: torch.Tensor) -> Step:
+        """Sample the next token from ``logits`` ``[V]``; the Step has a finish reason
+        when this token ends the sequence."""
+        if self.seen is not None:
+            logits = repetition_penalty(logits, self.seen, self.params.repetition_penalty)
+        tok = sample(logits, self.params, self.gen)
+        if self.seen is not None:
+            self.seen[tok] = True
+        self.count += 1
+        if tok in self.eos:
+            return Step(tok, self.text.flush(), "stop")
+        delta = self.text.push(tok)
+        if self.text.stopped:
+            return Step(tok, delta, "stop")
+        if self.count >= self.limit:
+            return Step(tok, delta + self.text.flush(), "length")
+        return Step(tok, delta)
+
+
 def stream(engine, prompt_ids: Sequence[int], params: Params, tokenizer: Tokenizer | None,
            gen: torch.Generator | None = None, slot: int = 0,
            cancelled: Callable[[], bool] | None = None) -> Iterator[Step]:
@@ -174,39 +228,23 @@ def stream(engine, prompt_ids: Sequence[int], params: Params, tokenizer: Tokeniz
     ``cancelled``: checked before the prefill and between tokens; when it returns true
     the generator ends without a finish reason.
 
-    The caller serialises calls: the engine runs one sequence at a time per slot.
+    The caller serialises calls (``moefit generate``); the server batches sequences with
+    :mod:`moefit.serve.scheduler` instead.
     """
     context = engine.plan.context
     check_prompt(prompt_ids, context, engine.plan.geometry.vocab_size)
-    room = context - len(prompt_ids) + 1
-    limit = room if params.max_tokens is None else min(params.max_tokens, room)
-    gen = gen if gen is not None else params.generator()
-    eos = (() if params.ignore_eos else params.eos_ids) + params.stop_ids
-    seen = torch.zeros(engine.plan.geometry.vocab_size, dtype=torch.bool)
-    seen[torch.as_tensor(list(prompt_ids), dtype=torch.long)] = True
-    text = TextStream(tokenizer, prompt_ids, params.stop)
+    dec = Decoding(prompt_ids, params, tokenizer, context, engine.plan.geometry.vocab_size, gen)
     if cancelled is not None and cancelled():
         return
     logits = engine.prefill(prompt_ids, slot)
-    for i in range(limit):
+    while True:
         if cancelled is not None and cancelled():
             return
-        if params.repetition_penalty != 1.0:
-            logits = repetition_penalty(logits, seen, params.repetition_penalty)
-        tok = sample(logits, params, gen)
-        seen[tok] = True
-        if tok in eos:
-            yield Step(tok, text.flush(), "stop")
+        step = dec.step(logits)
+        yield step
+        if step.finish_reason is not None:
             return
-        delta = text.push(tok)
-        if text.stopped:
-            yield Step(tok, delta, "stop")
-            return
-        if i == limit - 1:
-            yield Step(tok, delta + text.flush(), "length")
-            return
-        yield Step(tok, delta)
-        logits = engine.decode(tok, slot)
+        logits = engine.decode(step.token, slot)
 
 
 def complete(engine, prompt_ids: Sequence[int], params: Params, tokenizer: Tokenizer | None,

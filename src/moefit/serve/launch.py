@@ -20,9 +20,10 @@ once READY), 2 bad input, 3 the plan does not fit, 4 an allocation failed during
 130 (143 for SIGTERM) stopped before READY: one line, no traceback (1: anything else,
 with its traceback).
 
-Shutdown (``serve``): SIGINT or SIGTERM sets :attr:`ServerState.stopping`, so a request in
-flight stops at its next token (a stream ends with ``data: [DONE]``), uvicorn closes the
-connections and the process exits 0 without a traceback; a second SIGINT forces the exit.
+Shutdown (``serve``): SIGINT or SIGTERM sets :attr:`ServerState.stopping`, so the
+scheduler ends every sequence after the step in flight (a stream ends with
+``finish_reason: "abort"`` and ``data: [DONE]``), uvicorn closes the connections and the
+process exits 0 without a traceback; a second SIGINT forces the exit.
 """
 
 from __future__ import annotations
@@ -153,13 +154,35 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def server_limits(args: argparse.Namespace) -> dict:
+    """The ``ServerState`` fields of the admission flags (``moefit.flags.add_serve_flags``),
+    unset ones left to the state's defaults; ``--api-key`` else ``MOEFIT_API_KEY``.
+    Raises InputError naming a flag out of range."""
+    out: dict = {}
+    for flag, name, low in (("--max-queue", "max_queue", 1), ("--max-body", "max_body", 1024),
+                            ("--write-timeout", "write_timeout", 0.1)):
+        value = getattr(args, name, None)
+        if value is None:
+            continue
+        if not value >= low:
+            raise InputError(f"{flag} {value}: must be at least {low}")
+        out[name] = value
+    key = getattr(args, "api_key", None) or os.environ.get("MOEFIT_API_KEY") or None
+    if key is not None:
+        out["api_key"] = key
+    return out
+
+
 def make_server(state, **config):
     """A ``uvicorn.Server`` for ``create_app(state)`` whose SIGINT / SIGTERM handling sets
     ``state.stopping`` (the request in flight stops at its next token) and does not
-    re-raise the signal after the graceful stop (exit 0, no KeyboardInterrupt)."""
+    re-raise the signal after the graceful stop (exit 0, no KeyboardInterrupt), and
+    whose connections must send their request headers within ``header_timeout`` seconds
+    (:mod:`moefit.serve.connections`; idle ones close after uvicorn's keep-alive)."""
     import uvicorn
 
     from moefit.serve.app import create_app
+    from moefit.serve.connections import HEADER_TIMEOUT_S, protocol_class
 
     class Server(uvicorn.Server):
         stop_signal = signal.SIGINT      # the signal that stopped it (KeyboardInterrupt: SIGINT)
@@ -171,13 +194,15 @@ def make_server(state, **config):
             self._captured_signals.clear()
 
     return Server(uvicorn.Config(create_app(state), **{
-        "lifespan": "off", "timeout_graceful_shutdown": 5, **config}))
+        "lifespan": "off", "timeout_graceful_shutdown": 5,
+        "http": protocol_class(config.pop("header_timeout", HEADER_TIMEOUT_S)), **config}))
 
 
 def serve(args: argparse.Namespace) -> int:
     """``moefit serve``: see the module docstring. Returns the exit code."""
     args.table_to = sys.stdout
     _check_port(args.port)
+    limits = server_limits(args)
     plan, tokenizer, defaults, code = prepare(args)
     if code is not None:
         return code
@@ -187,7 +212,7 @@ def serve(args: argparse.Namespace) -> int:
     host, port = sock.getsockname()[:2]
     url = f"http://{'[' + host + ']' if ':' in host else host}:{port}"
     state = ServerState(plan=plan, model_name=args.served_model_name or _model_name(args.model),
-                        tokenizer=tokenizer, defaults=defaults)
+                        tokenizer=tokenizer, defaults=defaults, **limits)
     server = make_server(state, log_level=args.log_level)
     exit_code = [EXIT_OK]
 

@@ -1,0 +1,109 @@
+"""``GET /metrics``: the server's state in Prometheus text format (prometheus_client).
+
+Every metric is named ``moefit_*``:
+
+- ``moefit_requests_total{outcome}``: sequences by how they ended (``stop``, ``length``,
+  ``abort``: their finish reason; ``error``: the engine failed) and requests refused with
+  503 (``refused``);
+- ``moefit_prompt_tokens_total``, ``moefit_generation_tokens_total``: tokens run;
+- ``moefit_queue_length``, ``moefit_slots_busy``, ``moefit_slots``: the scheduler;
+- ``moefit_kv_cells_in_use{slot}``: tokens held in each slot's KV cache;
+- ``moefit_expert_hit_rate``: expert-cache hits / lookups since start;
+- ``moefit_budget_bytes{line, kind}``: each budget line's planned / allocated / peak bytes
+  (the ledger, :mod:`moefit.runtime.ledger`);
+- ``moefit_time_to_first_token_seconds``, ``moefit_inter_token_latency_seconds``:
+  histograms, observed by the scheduler's engine thread.
+
+The gauges are read from the server state at scrape time, so they cost nothing between
+scrapes. Each server state has its own registry (no process-global metrics).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from starlette.responses import Response
+
+#: Histogram buckets (seconds) of the time to first token and the inter-token latency.
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+
+
+class Metrics:
+    """The registry of one server state (``moefit.serve.app.ServerState``)."""
+
+    def __init__(self, state):
+        self.state = state
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.ttft = Histogram("moefit_time_to_first_token_seconds",
+                              "Seconds from a sequence's submission to its first token",
+                              buckets=TTFT_BUCKETS, registry=self.registry)
+        self.itl = Histogram("moefit_inter_token_latency_seconds",
+                             "Seconds between two tokens of one sequence",
+                             buckets=ITL_BUCKETS, registry=self.registry)
+        self.refused_requests = 0       # answered 503: the wait queue was full
+        self.registry.register(_StateCollector(self))
+
+    def observe(self, what: str, job, seconds: float) -> None:
+        """The scheduler's callback (engine thread): ``"ttft"`` or ``"itl"``."""
+        (self.ttft if what == "ttft" else self.itl).observe(seconds)
+
+    def refused(self) -> None:
+        """Count a request answered 503 (event loop)."""
+        self.refused_requests += 1
+
+    def text(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def response(self) -> Response:
+        return Response(self.text(), media_type=CONTENT_TYPE_LATEST)
+
+
+class _StateCollector:
+    """The gauges and counters read from the server state at scrape time."""
+
+    def __init__(self, metrics: Metrics):
+        self.metrics = metrics
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        state = self.metrics.state
+        sch = state._scheduler
+        stats = sch.stats if sch is not None else None
+        req = CounterMetricFamily("moefit_requests", "Sequences by outcome, and refused requests",
+                                  labels=["outcome"])
+        for reason, n in sorted((stats.finished if stats else {}).items()):
+            req.add_metric([reason], n)
+        req.add_metric(["error"], stats.errors if stats else 0)
+        req.add_metric(["refused"], self.metrics.refused_requests)
+        yield req
+        yield CounterMetricFamily("moefit_prompt_tokens", "Prompt tokens run",
+                                  value=stats.prompt_tokens if stats else 0)
+        yield CounterMetricFamily("moefit_generation_tokens", "Tokens generated",
+                                  value=stats.generated_tokens if stats else 0)
+        slots = state.plan.request.slots
+        yield GaugeMetricFamily("moefit_slots", "Sequences the KV cache holds (--slots)",
+                                value=slots)
+        yield GaugeMetricFamily("moefit_slots_busy", "Slots holding a sequence",
+                                value=sch.busy_slots() if sch else 0)
+        yield GaugeMetricFamily("moefit_queue_length", "Sequences waiting for a slot",
+                                value=sch.queue_length() if sch else 0)
+        cells = GaugeMetricFamily("moefit_kv_cells_in_use", "Tokens held in a slot's KV cache",
+                                  labels=["slot"])
+        for s, n in enumerate(sch.cells_in_use() if sch else [0] * slots):
+            cells.add_metric([str(s)], n)
+        yield cells
+        eng = state.engine
+        if eng is None:
+            return
+        yield GaugeMetricFamily("moefit_expert_hit_rate", "Expert-cache hits / lookups",
+                                value=eng.expert_stats()["hit_rate"])
+        lines = GaugeMetricFamily("moefit_budget_bytes", "Budget line bytes (the ledger)",
+                                  labels=["line", "kind"])
+        for r in eng.ledger.rows():
+            for kind in ("planned", "allocated", "peak"):
+                lines.add_metric([r["key"], kind], r[kind])
+        yield lines

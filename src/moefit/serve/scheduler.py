@@ -1,0 +1,281 @@
+"""Continuous batching: the one owner of the server's sequences.
+
+Requests become :class:`Job` s (one per prompt x choice). A job waits in a bounded queue
+(``max_queue`` jobs; :class:`QueueFull` past it), is admitted to a free KV slot of the
+plan (``--slots``) and keeps that slot until it finishes, is cancelled or the server
+stops; then the slot is free at once for the next job.
+
+One engine thread runs steps (:meth:`moefit.runtime.engine.Engine.step`). Each step
+holds at most the plan's prefill chunk of tokens (the per-step token budget, like vLLM's
+``max_num_batched_tokens``), taken in this order:
+
+1. one decode token of every active sequence that has one (all of them in the same
+   forward pass, so the tokens routed to one expert share one read of its weights);
+2. the next piece of the prompts still being read, in admission order, with what is left
+   of the budget, so a long prompt advances chunk by chunk without stalling the others.
+
+After the step every sequence whose prompt is complete samples its next token with its
+own settings and random stream (:class:`moefit.serve.generation.Decoding`).
+
+The engine thread never waits on a client: each job's events go to its ``emit``
+callable, which must not block (the server posts them to an asyncio queue with
+``loop.call_soon_threadsafe``). Events: a :class:`~moefit.serve.generation.Step` per
+token (the last one has a finish reason); :class:`Ended` when the job ends without one
+(cancelled, server stopping: ``"abort"``); an ``Exception`` when the engine failed on its
+step (the job's slot is reset; the server stays up).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+from moefit.serve.generation import Decoding, Step
+
+#: Seconds an idle engine thread sleeps between looks at the ``stopping`` event.
+IDLE_POLL_S = 0.1
+
+
+class QueueFull(RuntimeError):
+    """The wait queue holds ``max_queue`` jobs (the server answers 503)."""
+
+
+class Stopping(RuntimeError):
+    """The scheduler is shutting down and takes no more jobs."""
+
+
+@dataclass(frozen=True)
+class Ended:
+    """A job ended without a finish reason of its own (``"abort"``: cancelled or the
+    server stopped)."""
+
+    finish_reason: str = "abort"
+
+
+@dataclass(eq=False)
+class Job:
+    """One sequence: a prompt, how it samples, where its events go.
+
+    ``emit``: called from the engine thread with each event (module docstring); must not
+    block. ``slot``: its KV slot once admitted. ``fed``: prompt tokens in the KV cache.
+    """
+
+    prompt: list[int]
+    decoding: Decoding
+    emit: Callable[[object], None]
+    slot: int | None = None
+    fed: int = 0
+    next_token: int | None = None
+    cancelled: bool = False
+    done: bool = False
+    submitted: float = field(default_factory=time.monotonic)
+    first_token: float | None = None
+    last_token: float | None = None
+
+
+@dataclass
+class Stats:
+    """Counters of the scheduler (read by ``/metrics`` and ``/v1/budget``)."""
+
+    steps: int = 0
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    finished: dict = field(default_factory=dict)    # finish reason -> jobs
+    errors: int = 0
+
+
+class Scheduler:
+    """Runs ``engine``'s slots as a continuous batch (module docstring).
+
+    Args:
+        engine: a started :class:`~moefit.runtime.engine.Engine` (``step``, ``reset``,
+            ``chunk``, ``plan``).
+        max_queue: jobs that may wait for a slot (at least 1).
+        observe: optional callable(event name, job, value) for metrics: ``"ttft"``
+            (seconds to the first token), ``"itl"`` (seconds between tokens).
+        stopping: an Event that stops the scheduler as :meth:`stop` does once set (the
+            server's shutdown flag), seen within :data:`IDLE_POLL_S`.
+    """
+
+    def __init__(self, engine, max_queue: int, observe: Callable | None = None,
+                 stopping: threading.Event | None = None):
+        self.engine = engine
+        self.stopping = stopping or threading.Event()
+        self.slots = engine.plan.request.slots
+        self.max_queue = max(1, int(max_queue))
+        self.observe = observe or (lambda *a: None)
+        self.active: list[Job | None] = [None] * self.slots
+        self.peak_cells = [0] * self.slots     # most KV cells each slot has held
+        self.waiting: deque[Job] = deque()
+        self.stats = Stats()
+        self._cv = threading.Condition()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="moefit-engine", daemon=True)
+        self._thread.start()
+
+    # ---- client side (event loop) ------------------------------------------------------------
+    def submit(self, jobs: Sequence[Job]) -> None:
+        """Queue ``jobs`` (all or none). Raises QueueFull when more than ``max_queue``
+        jobs would wait beyond the free slots (an empty queue takes any request, so one
+        with more choices than ``max_queue`` is not refused forever), Stopping once
+        :meth:`stop` was called."""
+        with self._cv:
+            if self.is_stopping():
+                raise Stopping("the server is shutting down")
+            free = self.active.count(None)
+            if self.waiting and len(self.waiting) + len(jobs) > self.max_queue + free:
+                raise QueueFull(f"{len(self.waiting)} sequences wait for one of {self.slots} "
+                                f"slots (--max-queue {self.max_queue})")
+            self.waiting.extend(jobs)
+            self._cv.notify()
+
+    def cancel(self, jobs: Sequence[Job]) -> None:
+        """Drop ``jobs``: a waiting job leaves the queue (it cost nothing), an active one
+        frees its slot before the next step."""
+        with self._cv:
+            for job in jobs:
+                if job.done:
+                    continue
+                job.cancelled = True
+                if job.slot is None:      # still waiting: it cost nothing
+                    try:
+                        self.waiting.remove(job)
+                    except ValueError:
+                        pass
+                    job.done = True
+                    job.emit(Ended())
+            self._cv.notify()
+
+    def stop(self, timeout: float | None = None) -> None:
+        """End every job (``Ended("abort")``) after the step in flight, take no more, and
+        stop the engine thread; waits up to ``timeout`` seconds for it when given."""
+        with self._cv:
+            self._stopping = True
+            self._cv.notify()
+        if timeout is not None and threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+
+    def is_stopping(self) -> bool:
+        return self._stopping or self.stopping.is_set()
+
+    @property
+    def alive(self) -> bool:
+        """The engine thread runs (not stopped)."""
+        return self._thread.is_alive() and not self.is_stopping()
+
+    # ---- reports --------------------------------------------------------------------------
+    def queue_length(self) -> int:
+        return len(self.waiting)
+
+    def busy_slots(self) -> int:
+        return sum(j is not None for j in self.active)
+
+    def cells_in_use(self) -> list[int]:
+        """KV cells in use per slot (tokens held; 0 for a free slot)."""
+        lengths = self.engine.model.kv.lengths
+        return [lengths[s] if self.active[s] is not None else 0 for s in range(self.slots)]
+
+    # ---- engine thread -----------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self.is_stopping() and not self.waiting and not any(self.active):
+                    self._cv.wait(IDLE_POLL_S)
+                if self.is_stopping():
+                    self._end_all()
+                    return
+                self._retire_cancelled()
+                self._admit()
+                parts, jobs = self._plan_step()
+            if parts:
+                self._step(parts, jobs)
+
+    def _admit(self) -> None:
+        for s in range(self.slots):
+            if self.active[s] is None and self.waiting:
+                job = self.waiting.popleft()
+                job.slot = s
+                self.engine.reset(s)
+                self.active[s] = job
+
+    def _free(self, job: Job) -> None:
+        if job.slot is not None and self.active[job.slot] is job:
+            self.active[job.slot] = None
+        job.done = True
+
+    def _retire_cancelled(self) -> None:
+        for job in self.active:
+            if job is not None and job.cancelled:
+                self._free(job)
+                job.emit(Ended())
+
+    def _end_all(self) -> None:
+        for job in [*self.active, *self.waiting]:
+            if job is not None and not job.done:
+                self._free(job)
+                job.emit(Ended())
+        self.waiting.clear()
+
+    def _plan_step(self) -> tuple[list, list[tuple[Job, bool]]]:
+        """The step's ``(slot, ids)`` parts and their ``(job, is a decode token)``, within
+        the chunk budget."""
+        budget = self.engine.chunk
+        parts, jobs = [], []
+        live = [j for j in self.active if j is not None]
+        for job in live:                       # 1. decode tokens
+            if job.next_token is not None and budget > 0:
+                parts.append((job.slot, [job.next_token]))
+                jobs.append((job, True))
+                budget -= 1
+        for job in sorted(live, key=lambda j: j.submitted):    # 2. prompt pieces
+            if job.fed < len(job.prompt) and budget > 0:
+                piece = job.prompt[job.fed:job.fed + budget]
+                parts.append((job.slot, piece))
+                jobs.append((job, False))
+                budget -= len(piece)
+        return parts, jobs
+
+    def _step(self, parts, jobs: list[tuple[Job, bool]]) -> None:
+        try:
+            logits = self.engine.step(parts)
+        except Exception as e:   # the engine failed: these jobs end with the error
+            with self._cv:
+                self.stats.errors += 1
+                for job, _ in jobs:
+                    self._free(job)
+                    job.emit(e)
+            return
+        now = time.monotonic()
+        lengths = self.engine.model.kv.lengths
+        with self._cv:
+            self.stats.steps += 1
+            for slot, _ in parts:
+                self.peak_cells[slot] = max(self.peak_cells[slot], lengths[slot])
+            for row, ((job, decode), (_, ids)) in enumerate(zip(jobs, parts)):
+                if decode:
+                    job.next_token = None          # the decode token is in the cache
+                else:
+                    job.fed += len(ids)
+                    self.stats.prompt_tokens += len(ids)
+                    if job.fed < len(job.prompt):
+                        continue                   # the prompt is not in yet
+                if job.done or job.cancelled:
+                    continue
+                step: Step = job.decoding.step(logits[row])
+                self.stats.generated_tokens += 1
+                if job.first_token is None:
+                    job.first_token = now
+                    self.observe("ttft", job, now - job.submitted)
+                else:
+                    self.observe("itl", job, now - job.last_token)
+                job.last_token = now
+                if step.finish_reason is None:
+                    job.next_token = step.token
+                else:
+                    self.stats.finished[step.finish_reason] = \
+                        self.stats.finished.get(step.finish_reason, 0) + 1
+                    self._free(job)
+                job.emit(step)

@@ -1,0 +1,502 @@
+"""Concurrent serving: the scheduler batches the slots, admission, limits, access, metrics.
+
+A tiny servable checkpoint, ``--slots 4``; the server runs in-process (``make_server`` on
+a thread, on a free loopback port) or behind FastAPI's TestClient. Each abuse case of the
+issue has a test that runs in seconds; those that start an HTTP server are marked
+``process``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+pytest.importorskip("fastapi")
+pytest.importorskip("httpx")
+pytest.importorskip("uvicorn")
+pytest.importorskip("prometheus_client")
+
+import httpx  # noqa: E402
+from fastapi.testclient import TestClient  # noqa: E402
+
+from conftest import plan_for  # noqa: E402
+from moefit.runtime.engine import Engine, EngineOptions  # noqa: E402
+from moefit.serve.app import MAX_CHOICES, ServerState, _EventStream, create_app  # noqa: E402
+from moefit.serve.generation import Decoding, Params  # noqa: E402
+from moefit.serve.scheduler import Ended, Job, QueueFull, Scheduler  # noqa: E402
+from moefit.serve.text import GenerationDefaults, Tokenizer  # noqa: E402
+from serving import make_servable  # noqa: E402
+
+SLOTS = 4
+CONTEXT = 256
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    d = tmp_path_factory.mktemp("concurrent")
+    tiny = make_servable(d, max_position_embeddings=1024)
+    plan = plan_for(tiny, max_context=CONTEXT, slots=SLOTS)
+    tok = Tokenizer.from_dir(d)
+    engine = Engine.start(d, plan, EngineOptions(progress=False, chunk=32))
+    return d, plan, tok, engine
+
+
+def make_state(served, **kw) -> ServerState:
+    d, plan, tok, engine = served
+    st = ServerState(plan=plan, model_name="tiny", tokenizer=tok,
+                     defaults=GenerationDefaults.from_dir(d, tok), **kw)
+    st.engine = engine
+    return st
+
+
+class Running:
+    """``make_server(state)`` on a thread, on a free loopback port."""
+
+    def __init__(self, state):
+        from moefit.serve.launch import make_server
+
+        self.state = state
+        self.server = make_server(state, log_level="warning")
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
+                                       daemon=True)
+
+    def __enter__(self):
+        self.thread.start()
+        deadline = time.monotonic() + 10
+        while not self.server.started and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return self
+
+    def __exit__(self, *exc):
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+        self.state.stopping.set()
+
+
+class Slow:
+    """The engine with a delay per batched step (and a record of the steps' sizes)."""
+
+    def __init__(self, engine, delay: float):
+        self.engine, self.delay, self.steps = engine, delay, []
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    def step(self, parts):
+        self.steps.append([(slot, len(ids)) for slot, ids in parts])
+        time.sleep(self.delay)
+        return self.engine.step(parts)
+
+
+def _post(url, body, **kw):
+    return httpx.post(url + "/v1/completions", json=body, timeout=kw.pop("timeout", 60), **kw)
+
+
+# ---- batching -----------------------------------------------------------------------------------
+
+@pytest.mark.process
+def test_concurrent_requests_share_steps_and_match_each_alone(served):
+    state = make_state(served)
+    slow = Slow(served[3], 0.0)
+    state.engine = slow
+    bodies = [{"prompt": f"tell me story about cat {'and dog ' * i}", "max_tokens": 12,
+               "ignore_eos": True} for i in range(SLOTS)]
+    # a seeded sampled request: the same text alone and in a batch
+    bodies.append({"prompt": "hello world", "max_tokens": 10, "ignore_eos": True,
+                   "temperature": 0.9, "top_k": 20, "seed": 7})
+    with Running(state) as srv:
+        alone = [_post(srv.url, b).json()["choices"][0]["text"] for b in bodies]
+        slow.steps.clear()
+        with ThreadPoolExecutor(len(bodies)) as pool:
+            together = [r.json()["choices"][0]["text"]
+                        for r in pool.map(lambda b: _post(srv.url, b), bodies)]
+    assert together == alone
+    # the sequences decoded together: some step held a token of several slots
+    assert max(len(s) for s in slow.steps) >= 2
+    assert len(slow.steps) < sum(b["max_tokens"] for b in bodies)
+    assert all(sum(n for _, n in s) <= served[3].chunk for s in slow.steps)
+
+
+@pytest.mark.process
+def test_a_long_prompt_is_read_chunk_by_chunk_beside_the_decodes(served):
+    state = make_state(served)
+    slow = Slow(served[3], 0.02)
+    state.engine = slow
+    with Running(state) as srv:
+        with ThreadPoolExecutor(2) as pool:
+            short = pool.submit(_post, srv.url, {"prompt": "hello", "max_tokens": 40,
+                                                 "ignore_eos": True})
+            time.sleep(0.2)
+            long = pool.submit(_post, srv.url, {"prompt": [5] * 150, "max_tokens": 2})
+            assert short.result().status_code == long.result().status_code == 200
+    chunk = served[3].chunk
+    pieces = [n for s in slow.steps for slot, n in s if n > 1]
+    assert len(pieces) >= 150 // chunk and max(pieces) <= chunk
+    # a step that read a piece of the prompt also decoded the other sequence
+    assert any(len(s) == 2 and {n for _, n in s} - {1} for s in slow.steps)
+
+
+# ---- admission --------------------------------------------------------------------------------
+
+@pytest.mark.process
+def test_past_the_queue_requests_get_503_with_retry_after_and_none_is_lost(served):
+    state = make_state(served, max_queue=2)
+    state.engine = Slow(served[3], 0.05)       # 20 tokens: a second a request
+    body = {"prompt": "hello", "max_tokens": 20, "ignore_eos": True, "stream": True}
+    with Running(state) as srv:
+        def one(_):
+            with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=60) as r:
+                text = r.read().decode()
+                return r.status_code, r.headers.get("retry-after"), text
+        with ThreadPoolExecutor(12) as pool:
+            results = list(pool.map(one, range(12)))
+        metrics = httpx.get(srv.url + "/metrics").text
+    codes = [c for c, _, _ in results]
+    # the first SLOTS + 2 take the free slots and the queue, whatever the timing
+    assert set(codes) <= {200, 503} and codes.count(503) >= 1 and codes.count(200) >= SLOTS + 2
+    for code, retry, text in results:
+        if code == 503:
+            assert retry == "1" and "--max-queue 2" in text
+        else:
+            assert text.rstrip().endswith("data: [DONE]") and '"finish_reason": "length"' in text
+    assert f'moefit_requests_total{{outcome="refused"}} {float(codes.count(503))}' in metrics
+
+
+def test_a_job_cancelled_while_queued_costs_nothing(served):
+    engine = Slow(served[3], 0.05)
+    sch = Scheduler(engine, max_queue=8)
+    events: dict[int, list] = {}
+    params = Params(max_tokens=5, ignore_eos=True)
+
+    def job(i):
+        events[i] = []
+        return Job([3, 4, 5], Decoding([3, 4, 5], params, None, CONTEXT, served[3].plan.geometry.vocab_size),
+                   events[i].append)
+
+    jobs = [job(i) for i in range(SLOTS + 2)]
+    try:
+        sch.submit(jobs)
+        time.sleep(0.02)
+        sch.cancel([jobs[-1]])                       # still waiting
+        with pytest.raises(QueueFull):
+            sch.submit([job(100 + i) for i in range(8)])
+        deadline = time.monotonic() + 20
+        while not all(j.done for j in jobs) and time.monotonic() < deadline:
+            time.sleep(0.02)
+    finally:
+        sch.stop(timeout=5)
+    assert events[len(jobs) - 1] == [Ended()]          # told, never run
+    assert jobs[-1].slot is None
+    ran = {slot for s in engine.steps for slot, _ in s}
+    assert ran == set(range(SLOTS))
+    assert all(len(events[i]) == 5 for i in range(len(jobs) - 1))
+    assert sum(n for s in engine.steps for _, n in s) == (len(jobs) - 1) * (3 + 4)
+
+
+def test_context_limit_and_choice_cap_are_400s(served):
+    with TestClient(create_app(make_state(served))) as c:
+        r = c.post("/v1/completions", json={"prompt": [5] * (CONTEXT - 4), "max_tokens": 5})
+        assert r.status_code == 400 and f"context of {CONTEXT} tokens" in r.json()["error"]["message"]
+        r = c.post("/v1/completions", json={"prompt": [[5, 6]] * 5, "n": 4})
+        assert r.status_code == 400 and f"at most {MAX_CHOICES}" in r.json()["error"]["message"]
+
+
+# ---- operations -------------------------------------------------------------------------------
+
+def test_api_key_guards_v1_but_not_health(served, monkeypatch):
+    state = make_state(served, api_key="s3cret")
+    with TestClient(create_app(state)) as c:
+        assert c.get("/health").status_code == 200
+        for headers in ({}, {"Authorization": "Bearer nope"}):
+            r = c.get("/v1/models", headers=headers)
+            assert r.status_code == 401 and "--api-key" in r.json()["error"]["message"]
+            assert c.post("/v1/completions", json={"prompt": "hi"}, headers=headers).status_code == 401
+        ok = {"Authorization": "Bearer s3cret"}
+        assert c.get("/v1/models/tiny", headers=ok).json()["max_model_len"] == CONTEXT
+        assert c.get("/v1/models/other", headers=ok).status_code == 404
+        budget = c.get("/v1/budget", headers=ok).json()
+        assert "source" in budget["plan"]["model"]           # the key holder sees the path
+
+
+def test_api_key_from_the_environment(monkeypatch):
+    from argparse import Namespace
+
+    from moefit.errors import InputError
+    from moefit.serve.launch import server_limits
+
+    monkeypatch.setenv("MOEFIT_API_KEY", "k")
+    assert server_limits(Namespace(api_key=None))["api_key"] == "k"
+    assert server_limits(Namespace(api_key="flag"))["api_key"] == "flag"
+    with pytest.raises(InputError, match="--max-queue 0: must be at least 1"):
+        server_limits(Namespace(max_queue=0))
+
+
+def test_budget_shows_cells_per_slot_without_paths_and_metrics_count(served):
+    state = make_state(served)
+    with TestClient(create_app(state)) as c:
+        r = c.post("/v1/completions", json={"prompt": [5] * 100, "max_tokens": 3,
+                                            "ignore_eos": True})
+        assert r.status_code == 200
+        budget = c.get("/v1/budget").json()
+        assert "source" not in budget["plan"]["model"]
+        assert str(served[0]) not in json.dumps(budget)
+        slots = budget["slots"]
+        assert slots["total"] == SLOTS and len(slots["kv_cells_in_use"]) == SLOTS
+        assert slots["kv_cells_per_slot"] == CONTEXT
+        assert sorted(slots["kv_cells_peak"]) == [0] * (SLOTS - 1) + [102]   # 100 + 2 fed back
+        assert slots["kv_cells_in_use"] == [0] * SLOTS                         # all finished
+        assert [l for l in budget["ledger"]["lines"] if l["key"] == "prefill"][0]["used_peak"] > 0
+        text = c.get("/metrics").text
+    for needle in ('moefit_requests_total{outcome="length"} 1.0',
+                   "moefit_prompt_tokens_total 100.0", "moefit_generation_tokens_total 3.0",
+                   "moefit_slots 4.0", "moefit_queue_length 0.0",
+                   'moefit_kv_cells_in_use{slot="0"}', "moefit_expert_hit_rate",
+                   'moefit_budget_bytes{kind="planned",line="kv"}',
+                   "moefit_time_to_first_token_seconds_count 1.0",
+                   "moefit_inter_token_latency_seconds_count 2.0"):
+        assert needle in text, needle
+
+
+@pytest.mark.process
+def test_cells_in_use_while_a_stream_runs(served):
+    state = make_state(served)
+    state.engine = Slow(served[3], 0.02)
+    with Running(state) as srv:
+        with httpx.stream("POST", srv.url + "/v1/completions", timeout=30, json={
+                "prompt": [5] * 60, "max_tokens": 100, "ignore_eos": True, "stream": True}) as r:
+            lines = r.iter_lines()
+            next(l for l in lines if l.startswith("data: "))
+            cells = httpx.get(srv.url + "/v1/budget").json()["slots"]["kv_cells_in_use"]
+    assert sorted(cells)[-1] >= 60 and sorted(cells)[:-1] == [0] * (SLOTS - 1)
+
+
+# ---- abuse --------------------------------------------------------------------------------------
+
+@pytest.mark.process
+def test_a_body_past_the_limit_gets_413_before_parsing(served):
+    state = make_state(served, max_body=4096)
+    with Running(state) as srv:
+        big = b'{"prompt": "' + b"a" * 200_000 + b'"}'
+        r = httpx.post(srv.url + "/v1/completions", content=big,
+                       headers={"Content-Type": "application/json"})
+        assert r.status_code == 413 and "--max-body" in r.json()["error"]["message"]
+
+        def chunks():                    # no Content-Length: counted as it arrives
+            for _ in range(100):
+                yield b"a" * 1000
+        r = httpx.post(srv.url + "/v1/completions", content=chunks(),
+                       headers={"Content-Type": "application/json"})
+        assert r.status_code == 413
+        assert httpx.get(srv.url + "/health").status_code == 200
+
+
+@pytest.mark.process
+def test_many_streams_all_finish_or_get_503_and_health_stays_fast(served):
+    state = make_state(served, max_queue=16)
+    body = {"prompt": "hello", "max_tokens": 30, "ignore_eos": True, "stream": True}
+    worst = []
+    with Running(state) as srv:
+        async def main():
+            async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=100)) as cl:
+                async def stream():
+                    async with cl.stream("POST", srv.url + "/v1/completions", json=body) as r:
+                        return r.status_code, (await r.aread()).decode()
+
+                async def health():
+                    for _ in range(10):
+                        t0 = time.monotonic()
+                        assert (await cl.get(srv.url + "/health")).status_code == 200
+                        worst.append(time.monotonic() - t0)
+                        await asyncio.sleep(0.1)
+                return await asyncio.gather(*[stream() for _ in range(48)], health())
+        results = asyncio.run(main())[:-1]
+        assert httpx.post(srv.url + "/v1/completions",
+                          json={"prompt": "hi", "max_tokens": 2}).status_code == 200
+    codes = [c for c, _ in results]
+    assert set(codes) <= {200, 503} and codes.count(200) >= SLOTS
+    assert all(t.rstrip().endswith("[DONE]") for c, t in results if c == 200)
+    assert max(worst) < 1.0
+
+
+def test_a_stalled_reader_loses_its_stream_and_its_slot():
+    cancelled = []
+
+    class Run:
+        def cancel(self):
+            cancelled.append(True)
+
+    async def events():
+        while True:
+            yield "data: {}\n\n"
+
+    async def main():
+        resp = _EventStream(events(), Run(), write_timeout=0.2)
+        sent = []
+
+        async def send(msg):             # the client took two writes, then stopped reading
+            sent.append(msg)
+            if len(sent) > 2:
+                await asyncio.Event().wait()
+        t0 = time.monotonic()
+        await resp.stream_response(send)
+        return time.monotonic() - t0, sent
+
+    elapsed, sent = asyncio.run(main())
+    assert elapsed < 2 and cancelled == [True]
+    assert sent[-1].get("more_body") is True            # no clean end: the connection drops
+
+
+@pytest.mark.process
+def test_shutdown_ends_every_stream_with_a_finish_reason(served):
+    state = make_state(served)
+    state.engine = Slow(served[3], 0.02)
+    body = {"prompt": "hello", "max_tokens": 200, "ignore_eos": True, "stream": True}
+    with Running(state) as srv:
+        out = {}
+
+        def one(i):
+            with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=20) as r:
+                out[i] = [l for l in r.iter_lines() if l.startswith("data: ")]
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        time.sleep(0.5)
+        srv.server.handle_exit(2, None)
+        for t in threads:
+            t.join(timeout=10)
+    for lines in out.values():
+        assert lines[-1] == "data: [DONE]"
+        assert json.loads(lines[-2][6:])["choices"][0]["finish_reason"] == "abort"
+
+
+def test_prompt_text_that_cannot_fit_is_refused_before_the_tokenizer(served):
+    from moefit.serve.app import MAX_CHARS_PER_TOKEN
+
+    state = make_state(served)
+    calls = []
+    real = state.tokenizer
+
+    class Counting:
+        def __getattr__(self, name):
+            calls.append(name)
+            return getattr(real, name)
+
+    state.tokenizer = Counting()
+    with TestClient(create_app(state)) as c:
+        text = "a" * (MAX_CHARS_PER_TOKEN * CONTEXT + 1)
+        r = c.post("/v1/completions", json={"prompt": text})
+        assert r.status_code == 400 and "--max-context" in r.json()["error"]["message"]
+        r = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": text}]})
+        assert r.status_code == 400 and "--max-context" in r.json()["error"]["message"]
+    assert "encode" not in calls and "encode_chat" not in calls
+
+
+@pytest.mark.process
+def test_clients_that_leave_mid_stream_or_while_queued_hold_no_slot(served):
+    state = make_state(served, max_queue=32)
+    slow = Slow(served[3], 0.01)
+    state.engine = slow
+    body = {"prompt": [7] * 20, "max_tokens": 200, "ignore_eos": True, "stream": True}
+    with Running(state) as srv:
+        def leave(_):
+            with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=30) as r:
+                for line in r.iter_lines():       # one chunk (or none: still queued), then go
+                    if line.startswith("data: "):
+                        break
+        with ThreadPoolExecutor(8) as pool:
+            list(pool.map(leave, range(8)))
+        # 200 tokens take 2 s a stream: freed slots come from the cancellations
+        deadline = time.monotonic() + 1.0
+        sch = state.scheduler()
+        while sch.busy_slots() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert sch.busy_slots() == 0 and sch.queue_length() == 0
+        prompt_before = sch.stats.prompt_tokens
+        holders = [httpx.Client(timeout=30) for _ in range(SLOTS)]
+        streams = [h.stream("POST", srv.url + "/v1/completions", json=body) for h in holders]
+        opened = [s.__enter__() for s in streams]
+        deadline = time.monotonic() + 10
+        while sch.busy_slots() < SLOTS and time.monotonic() < deadline:
+            time.sleep(0.02)
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(srv.url + "/v1/completions", json={**body, "prompt": [9] * 30},
+                       timeout=0.5)
+        time.sleep(0.3)
+        assert sch.queue_length() == 0                      # the waiting one left the queue
+        for s, h in zip(streams, holders):
+            s.__exit__(None, None, None)
+            h.close()
+        deadline = time.monotonic() + 1.0
+        while sch.busy_slots() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert sch.busy_slots() == 0
+        # the queued request's 30-token prompt never ran
+        assert sch.stats.prompt_tokens - prompt_before == SLOTS * 20
+        assert len(opened) == SLOTS
+
+
+@pytest.mark.process
+def test_connections_that_send_no_request_are_closed(served):
+    from moefit.serve.launch import make_server
+
+    state = make_state(served)
+    srv = Running(state)
+    srv.server = make_server(state, log_level="warning", header_timeout=0.5)
+    srv.thread = threading.Thread(target=srv.server.run, kwargs={"sockets": [srv.sock]},
+                                  daemon=True)
+    port = srv.sock.getsockname()[1]
+    with srv:
+        silent = socket.create_connection(("127.0.0.1", port))
+        half = socket.create_connection(("127.0.0.1", port))
+        half.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")     # never finished
+        for s in (silent, half):
+            s.settimeout(3)
+            t0 = time.monotonic()
+            assert s.recv(1024) == b""                   # closed by the server
+            assert time.monotonic() - t0 < 2.5
+            s.close()
+        # a whole request on a new connection is served as before
+        assert httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200
+
+
+@pytest.mark.process
+def test_the_moefit_serve_process_batches_its_slots_behind_the_flags(tmp_path, monkeypatch):
+    """``moefit serve --slots 2`` with the admission flags and the key from the
+    environment: 401 / 413 at the door, two concurrent greedy streams each giving what
+    it gives alone, the counts in /metrics."""
+    from serving import Server, reference_tokens
+
+    tiny = make_servable(tmp_path / "ckpt", max_position_embeddings=1024)
+    key = {"Authorization": "Bearer k3y"}
+    with Server(tiny.path, "--device", "cpu", "--vram", "64MiB", "--max-context", "256",
+                "--kv", "fp32", "--slots", "2", "--max-queue", "4", "--max-body", "2048",
+                env={"MOEFIT_API_KEY": "k3y"}, log=tmp_path / "stderr.txt") as srv:
+        assert srv.url, srv.output
+        assert httpx.get(srv.url + "/health").status_code == 200
+        assert httpx.get(srv.url + "/v1/models").status_code == 401
+        big = httpx.post(srv.url + "/v1/completions", headers=key,
+                         json={"prompt": [5] * 3000, "max_tokens": 2})
+        assert big.status_code == 413
+        prompts = [[5, 9, 11, 3], [7, 7, 2, 40, 41, 42]]
+        body = {"max_tokens": 8, "ignore_eos": True, "return_token_ids": True}
+
+        def one(ids):
+            r = httpx.post(srv.url + "/v1/completions", headers=key,
+                           json={**body, "prompt": ids}, timeout=60)
+            return r.json()["choices"][0]["token_ids"]
+        with ThreadPoolExecutor(2) as pool:
+            got = list(pool.map(one, prompts))
+        for ids, toks in zip(prompts, got):
+            assert toks == reference_tokens(tiny.ref, ids, 8, eos=None)
+        metrics = httpx.get(srv.url + "/metrics").text
+        assert 'moefit_requests_total{outcome="length"} 2.0' in metrics
+        assert "moefit_slots 2.0" in metrics
