@@ -119,6 +119,10 @@ def plan_from_args(geom, device, args: argparse.Namespace):
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
+    if getattr(args, "engine", "moefit") == "llama.cpp":
+        from moefit.engines.llamacpp import cmd_plan as cmd_plan_llamacpp
+
+        return cmd_plan_llamacpp(args)
     from moefit.devices import resolve_device
     from moefit.ingest.resolve import load_model
     from moefit.plan.report import format_json, format_table
@@ -252,6 +256,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the moefit.plan/1 JSON document")
     p.add_argument("--verbose", "-v", action="store_true",
                    help="also show analytic vs exact weight bytes and the staging terms")
+    p.add_argument("--engine", choices=("moefit", "llama.cpp"), default="moefit",
+                   help="whose memory to plan: moefit's runtime (default) or llama-server's "
+                        "(a .gguf model; prints the llama-server command)")
     p.set_defaults(func=cmd_plan)
     p = sub.add_parser("serve", help="commit the plan and serve an OpenAI-compatible API")
     add_plan_flags(p)
