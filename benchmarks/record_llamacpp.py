@@ -120,6 +120,38 @@ def _gptoss_tensors(h, layers, heads, kv_heads, head_dim, experts, ffn, vocab, d
     return t
 
 
+def _qwen35moe_tensors(h, layers, heads, kv_heads, head_dim, experts, ffn, vocab, dense, expert_type, *,
+                      interval=4, d_state=32, n_group=2, n_v_heads=4, d_conv=4, shexp=256):
+    """Qwen3.5-MoE (llama.cpp ``models/qwen35moe.cpp``): gated attention every ``interval``-th
+    layer, Gated DeltaNet (``attn_qkv``, ``attn_gate``, ``ssm_*``) in the others, routed and
+    shared experts everywhere."""
+    t = [("token_embd.weight", (vocab, h), dense), ("output_norm.weight", (h,), "F32"),
+         ("output.weight", (vocab, h), dense)]
+    q, kv = heads * head_dim, kv_heads * head_dim
+    key_dim, value_dim = d_state * n_group, d_state * n_v_heads
+    conv_dim = 2 * key_dim + value_dim
+    for i in range(layers):
+        b = f"blk.{i}."
+        t += [(b + "attn_norm.weight", (h,), "F32"), (b + "post_attention_norm.weight", (h,), "F32")]
+        if (i + 1) % interval == 0:
+            t += [(b + "attn_q.weight", (2 * q, h), dense), (b + "attn_k.weight", (kv, h), dense),
+                  (b + "attn_v.weight", (kv, h), dense), (b + "attn_output.weight", (h, q), dense),
+                  (b + "attn_q_norm.weight", (head_dim,), "F32"), (b + "attn_k_norm.weight", (head_dim,), "F32")]
+        else:
+            t += [(b + "attn_qkv.weight", (conv_dim, h), dense), (b + "attn_gate.weight", (value_dim, h), dense),
+                  (b + "ssm_conv1d.weight", (conv_dim, d_conv), "F32"), (b + "ssm_dt.bias", (n_v_heads,), "F32"),
+                  (b + "ssm_a", (n_v_heads,), "F32"), (b + "ssm_beta.weight", (n_v_heads, h), "F32"),
+                  (b + "ssm_alpha.weight", (n_v_heads, h), "F32"), (b + "ssm_norm.weight", (d_state,), "F32"),
+                  (b + "ssm_out.weight", (h, value_dim), dense)]
+        t += [(b + "ffn_gate_inp.weight", (experts, h), "F32"),
+              (b + "ffn_gate_exps.weight", (experts, ffn, h), expert_type),
+              (b + "ffn_up_exps.weight", (experts, ffn, h), expert_type),
+              (b + "ffn_down_exps.weight", (experts, h, ffn), expert_type),
+              (b + "ffn_gate_inp_shexp.weight", (h,), "F32"), (b + "ffn_gate_shexp.weight", (shexp, h), dense),
+              (b + "ffn_up_shexp.weight", (shexp, h), dense), (b + "ffn_down_shexp.weight", (h, shexp), dense)]
+    return t
+
+
 #: name -> (arch, file_type, hyper-parameters, tensor builder, dense type, expert type,
 #: llama-quantize target or None)
 MODELS = {
@@ -129,6 +161,9 @@ MODELS = {
                                       used=2, ffn=256, swa=128), _gptoss_tensors, "Q8_0", "MXFP4", None),
     "qwen3moe-q4km": ("qwen3moe", 1, dict(h=512, layers=6, heads=8, kv_heads=4, head_dim=64, experts=16,
                                           used=4, ffn=256), _qwen3moe_tensors, "F16", "F16", "Q4_K_M"),
+    "qwen35moe-hybrid": ("qwen35moe", 7, dict(h=256, layers=8, heads=4, kv_heads=2, head_dim=64, experts=8,
+                                              used=2, ffn=256, hybrid=True), _qwen35moe_tensors, "Q8_0", "Q8_0",
+                         None),
 }
 
 
@@ -156,6 +191,16 @@ def write_model(name: str, out: Path, vocab: Path, seed: int = 0) -> Path:
     w.add_feed_forward_length(hp["ffn"])
     if "swa" in hp:
         w.add_sliding_window(hp["swa"])
+    if hp.get("hybrid"):   # the defaults of _qwen35moe_tensors
+        w.add_expert_shared_feed_forward_length(256)
+        w.add_full_attention_interval(4)
+        w.add_ssm_conv_kernel(4)
+        w.add_ssm_state_size(32)
+        w.add_ssm_group_count(2)
+        w.add_ssm_time_step_rank(4)
+        w.add_ssm_inner_size(32 * 4)
+        w.add_rope_dimension_count(16)
+        w.add_rope_dimension_sections([3, 3, 2, 0])
     w.add_file_type(file_type)
     rng = np.random.default_rng(seed)
     for tname, shape, kind in build(hp["h"], hp["layers"], hp["heads"], hp["kv_heads"], hp["head_dim"],

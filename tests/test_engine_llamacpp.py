@@ -5,7 +5,7 @@ llama.cpp CPU tools (commit 0c1e570): per model the GGUF metadata (``.meta``) an
 (``.tensors``), then per run (``.run`` + the command) the buffer sizes llama.cpp printed. The
 tests rebuild each model's header as a sparse GGUF (no tensor data), plan it with the
 llama.cpp memory model on the CPU backend, and compare: the model buffer and every KV buffer
-at the printed precision (MiB, 2 decimals), the KV cells exactly, the compute buffer (printed
+at the printed precision (MiB, 2 decimals), the recurrent-state buffer at the printed precision, the KV cells exactly, the compute buffer (printed
 with 4 decimals in the verbose log) within 5%. llama.cpp itself is not needed.
 """
 
@@ -115,7 +115,7 @@ def _runs():
 def test_the_records_cover_three_families_and_several_settings():
     recs = {p.stem: parse_record(p) for p in RECORDS}
     archs = {next(v for k, _, v in r["meta"] if k == "general.architecture") for r in recs.values()}
-    assert {"qwen3moe", "gpt-oss"} <= archs
+    assert {"qwen3moe", "gpt-oss", "qwen35moe"} <= archs      # dense attention, SWA, hybrid recurrent
     kinds = {k for r in recs.values() for _, k, _ in r["tensors"]}
     assert {"Q8_0", "MXFP4", "Q4_K", "Q6_K"} <= kinds          # quantized experts, llama-quantize's mix
     for r in recs.values():
@@ -143,6 +143,8 @@ def test_plan_equals_what_llamacpp_allocated(recorded, name, index):
     want = [(kv.bytes_full, kv.cells)] if not kv.swa_layers else [(kv.bytes_full, kv.cells), (kv.bytes_swa, kv.swa_cells)]
     assert printed == [f"{b / MIB:.2f}" for b, _ in want]
     assert cells == [c for _, c in want]
+    rs = [_mib(l) for l in lines if "CPU RS buffer size" in l]
+    assert rs == ([f"{kv.recurrent_bytes / MIB:.2f}"] if kv.recurrent_layers else [])
 
     measured = float(re.search(r"size is\s+([0-9.]+) MiB", next(l for l in lines if "compute buffer size is" in l)).group(1)) * MIB
     planned = lc.compute_price(geom, tensors[0].ne[1] if tensors[0].name == "token_embd.weight" else
