@@ -7,7 +7,11 @@ the real Qwen2 tokenizer vocabulary copied in so llama.cpp accepts them):
 - ``gptoss-swa``: gpt-oss, sliding-window attention on every other layer (window 128),
   attention sinks, MXFP4 experts with biases;
 - ``qwen3moe-q4km``: a Qwen3-MoE written in F16, then quantized by ``llama-quantize
-  Q4_K_M`` (K-quants, some tensors Q6_K / Q8_0 by llama.cpp's own rules).
+  Q4_K_M`` (K-quants, some tensors Q6_K / Q8_0 by llama.cpp's own rules);
+- ``qwen35moe-hybrid``: Qwen3.5-MoE, Gated DeltaNet in 6 of 8 layers (recurrent state),
+  gated attention in the others, shared experts;
+- ``qwen3moe-wide``: hidden 1024, top-8 of 16 experts and a 259-token byte vocabulary, so
+  the compute buffer is the layers' activations, not the logits.
 
 Then it runs ``llama-completion -m F -c N -ub U -b B -ctk T -ctv T -fa on -n 1 -p hi`` for
 several contexts, micro-batches and KV cache types, and stores every run's command and the
@@ -19,7 +23,9 @@ tests re-price the model from the recorded file without llama.cpp or the GGUF it
 
     .venv/bin/python benchmarks/record_llamacpp.py --bin DIR [--work /tmp/moefit-llamacpp]
 
-``--bin``: the llama.cpp CPU tools (``llama-completion``, ``llama-quantize``);
+``--bin``: the llama.cpp CPU tools (``llama-completion``, ``llama-quantize``; if the
+libraries' symbolic links were copied as small text files, copy the folder and recreate the
+links first: ``ln -sf "$(cat F)" F``);
 ``--vocab``: a GGUF holding the ``tokenizer.*`` keys (llama.cpp's ``ggml-vocab-qwen2.gguf``).
 The GGUF files are written to ``--work`` (not committed); the outputs to ``--out``.
 """
@@ -57,9 +63,32 @@ KEEP = re.compile(r"(model buffer size|KV buffer size|RS buffer size|output buff
                   r"llama_memory_recurrent: size|llama_kv_cache_iswa|graph splits|graph nodes)")
 
 
+def _byte_vocab_keys(w) -> int:
+    """A 259-token byte-level BPE (the 256 bytes in GPT-2's byte-to-unicode mapping, one
+    merge ``h i``, an end-of-text token): logits that cost nothing next to the activations, so
+    the activation terms of the compute buffer are measured."""
+    import gguf
+
+    printable = list(range(33, 127)) + list(range(161, 173)) + list(range(174, 256))
+    extra = iter(range(256, 512))
+    table = {b: chr(b) if b in printable else chr(next(extra)) for b in range(256)}
+    tokens = [table[b] for b in range(256)] + ["hi", "<|endoftext|>", "<|pad|>"]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen2")
+    w.add_token_list(tokens)
+    w.add_token_types([gguf.TokenType.NORMAL] * 257 + [gguf.TokenType.CONTROL] * 2)
+    w.add_token_merges(["h i"])
+    w.add_eos_token_id(257)
+    w.add_bos_token_id(257)
+    return len(tokens)
+
+
 def _vocab_keys(w, vocab: Path) -> int:
     """Copy the tokenizer keys of ``vocab`` into writer ``w``; returns the vocabulary size."""
     import gguf
+
+    if str(vocab) == "bytes":
+        return _byte_vocab_keys(w)
 
     r = gguf.GGUFReader(str(vocab))
     tokens = [bytes(r.fields["tokenizer.ggml.tokens"].parts[i]).decode("utf-8")
@@ -161,6 +190,8 @@ MODELS = {
                                       used=2, ffn=256, swa=128), _gptoss_tensors, "Q8_0", "MXFP4", None),
     "qwen3moe-q4km": ("qwen3moe", 1, dict(h=512, layers=6, heads=8, kv_heads=4, head_dim=64, experts=16,
                                           used=4, ffn=256), _qwen3moe_tensors, "F16", "F16", "Q4_K_M"),
+    "qwen3moe-wide": ("qwen3moe", 7, dict(h=1024, layers=3, heads=16, kv_heads=4, head_dim=128, experts=16,
+                                          used=8, ffn=512, vocab="bytes"), _qwen3moe_tensors, "Q8_0", "Q8_0", None),
     "qwen35moe-hybrid": ("qwen35moe", 7, dict(h=256, layers=8, heads=4, kv_heads=2, head_dim=64, experts=8,
                                               used=2, ffn=256, hybrid=True), _qwen35moe_tensors, "Q8_0", "Q8_0",
                          None),
@@ -175,7 +206,7 @@ def write_model(name: str, out: Path, vocab: Path, seed: int = 0) -> Path:
     arch, file_type, hp, build, dense, expert, _ = MODELS[name]
     w = gguf.GGUFWriter(str(out), arch)
     w.add_name(f"moefit-{name}")
-    n_vocab = _vocab_keys(w, vocab)
+    n_vocab = _vocab_keys(w, Path(hp["vocab"]) if "vocab" in hp else vocab)
     w.add_block_count(hp["layers"])
     w.add_context_length(32768)
     w.add_embedding_length(hp["h"])
@@ -253,7 +284,8 @@ def run_one(bin_dir: Path, model: Path, ctx: int, ub: int, b: int, kv: str) -> t
     cmd = [str(bin_dir / "llama-completion"), "-m", str(model), "-c", str(ctx), "-ub", str(ub), "-b", str(b),
            "-ctk", kv, "-ctv", kv, "-fa", "on", "-n", "1", "-p", "hi", "-t", "1", "--no-warmup",
            "-no-cnv", "--temp", "0", "-lm", "none", "-nr", "-fit", "off", "-v"]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL)
+    r = subprocess.run(cmd, capture_output=True, text=True, errors="replace", timeout=600,
+                       stdin=subprocess.DEVNULL)
     log = r.stdout + r.stderr
     if r.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed ({r.returncode}):\n{log[-3000:]}")

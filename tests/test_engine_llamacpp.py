@@ -153,6 +153,18 @@ def test_plan_equals_what_llamacpp_allocated(recorded, name, index):
     assert abs(planned / measured - 1) <= 0.05, (planned, measured)
 
 
+def test_the_wide_model_measures_the_activations_not_the_logits(recorded):
+    """qwen3moe-wide has a 259-token vocabulary: its compute buffer is the layer phase (KQ mask
+    and activations) in every run, so the per-token activation terms are what is compared."""
+    rec, geom, tensors = recorded["qwen3moe-wide"]
+    assert geom.vocab_size < 300
+    for argv, _ in rec["runs"]:
+        ub = int(_flag(argv, "-ub"))
+        kv = lc.kv_price(geom, int(_flag(argv, "-c")), ub, _flag(argv, "-ctk"), _flag(argv, "-ctv"), lc.CPU)
+        c = lc.compute_price(geom, geom.vocab_size, ub, kv, _flag(argv, "-ctk"), _flag(argv, "-ctv"), lc.CPU)
+        assert c.layer_phase > c.end_phase and c.logits < 0.05 * c.bytes
+
+
 def test_the_long_context_run_is_priced_by_the_layer_phase(recorded):
     """At 327680 cells and -ub 64 the f16 KQ mask (40 MiB) outgrows the logits (37 MiB): the
     recorded compute buffer follows the mask, and so does the plan."""

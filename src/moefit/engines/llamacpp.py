@@ -275,10 +275,13 @@ def compute_price(geom: ModelGeometry, n_vocab: int, ubatch: int, kv: KVPrice, t
 
     - end of the graph: ``4 ub (n_vocab + 3 n_embd + 1)`` (logits, the last hidden states
       and their norm, ``out_ids``);
-    - a layer: the KQ masks ``2 ub n_kv`` (f16; one per cache) + ``4 ub (4 n_embd + q + 2 kv
-      + 3 top_k n_ff_exp + n_expert)`` (hidden states, Q/K/V, the routed experts' gate, up and
-      down outputs, router logits) + for a linear-attention layer ``4 ub (2 conv + 3 d_inner)``
-      + on CUDA the F16 copies of a non-F16 K and V (``2 n_kv n_embd_{k,v}_gqa``).
+    - a layer: the KQ masks ``2 ub n_kv`` (f16; one per cache, alive through every layer) +
+      ``4 ub`` x the larger of the token mixer (attention: ``2 n_embd + 3 q + 2 k + 2 v``;
+      Gated DeltaNet: ``2 n_embd + 2 conv + 3 d_inner + 256 n_v_heads``) and the FFN (MoE:
+      ``n_embd + 2 top_k n_embd + n_expert``, the top-k down-projections and their weighted
+      copy, ``build_moe_ffn``; shared expert ``2 n_embd + 3 n_ff_shexp``) + on CUDA the F16
+      copies of a non-F16 K and V (``2 n_kv n_embd_{k,v}_gqa``). The per-token terms were
+      matched to the recorded runs (a 259-token vocabulary model isolates them).
     """
     h = geom.hidden_size
     logits = 4 * ubatch * n_vocab   # n_outputs = min(n_ubatch, n_batch) = n_ubatch
@@ -287,19 +290,18 @@ def compute_price(geom: ModelGeometry, n_vocab: int, ubatch: int, kv: KVPrice, t
     act = 0
     for layer in geom.layers:
         a = layer.attention
-        per = 4 * h
-        if a.kind == "linear":
+        if a.kind == "linear":      # conv in/out, q/k/v, gate, the delta rule's 64-token blocks
             d_inner = a.linear_num_value_heads * a.linear_value_head_dim
-            per += 2 * a.linear_conv_dim + 3 * d_inner
-        else:
+            mix = 2 * h + 2 * a.linear_conv_dim + 3 * d_inner + 4 * 64 * a.linear_num_value_heads
+        else:                       # Q (twice: projected, roped), K, V (twice), the output
             k, v = _layer_kv_dims(a)
-            per += a.num_heads * (a.head_dim or 0) + k + (v or k)
-        if layer.moe is not None:
+            mix = 2 * h + 3 * a.num_heads * (a.head_dim or 0) + 2 * k + 2 * (v or k)
+        if layer.moe is not None:   # the top-k down outputs, weighted, + the residual, the router
             m = layer.moe
-            per += 3 * m.experts_per_token * m.expert_intermediate + m.num_experts
-        elif layer.dense_intermediate:
-            per += 3 * layer.dense_intermediate
-        act = max(act, 4 * ubatch * per)
+            ffn = max(h + 2 * m.experts_per_token * h + m.num_experts, 2 * h + 3 * m.shared_intermediate)
+        else:
+            ffn = h + 3 * (layer.dense_intermediate or 0)
+        act = max(act, 4 * ubatch * max(mix, ffn))
     fa = 0
     if backend.fa_f16 and kv.k_dims:
         cells = max(kv.cells, kv.swa_cells)
