@@ -31,8 +31,10 @@ vendored in the ``llama-cpp-python`` 0.3.36 sdist), file and function named at e
   ``n_vocab x n_ubatch x 4`` B are live with the last hidden states, and a layer, where the
   KQ masks, the attention and MoE activations are live (an upper bound per token, checked
   against the recorded runs). On CUDA a flash-attention node with a K/V cache that is not
-  F16 also holds K and V converted to F16 (``ggml_cuda_flash_attn_ext_get_f16_extra_data``,
-  ``fattn-common.cuh``, counted in the node's alloc size).
+  F16 also holds K and V converted to F16: the tile and MMA kernels a micro-batch uses need
+  F16 (``ggml_cuda_flash_attn_ext_get_alloc_size``, ``fattn.cu``), and the copies are part
+  of the node's alloc size (``ggml_cuda_flash_attn_ext_get_f16_extra_data``,
+  ``fattn-common.cuh``): ``2 x n_kv x n_embd_{k,v}_gqa`` bytes each.
 - **host**: the CPU model buffer (token embeddings, experts kept on the CPU), the output buffer
   ``n_vocab x n_seq x 4`` B (``llama_context::output_reserve``) and the embedding lookup's
   compute buffer are host memory, shown below the table, not on the device.
@@ -485,19 +487,25 @@ def _lines(m: _Model, device: Device, req: LlamaRequest, ub: int, k: int, kv: KV
     values = {
         "runtime": (runtime_bytes(device), "simulated device" if device.kind == "cpu" else
                     ("measured" if device.runtime_bytes is not None else "CUDA context estimate")),
-        "weights": (m.buffers.device, f"{be.name}: attention, norms, routers, shared experts, output; "
-                                      "token embeddings on the host"),
+        "weights": (m.buffers.device, f"{be.name}: all but the routed experts and the token embeddings"),
         "kv": (kv.kv_bytes, kv_detail),
         "state": (kv.recurrent_bytes, f"{kv.recurrent_layers} layers x 1 sequence, f32"
                   if kv.recurrent_layers else "no recurrent layers"),
-        "compute": (comp.bytes, f"-ub {ub}: logits {m.n_vocab} x {ub} x 4 B "
-                                f"({'end of graph' if comp.end_phase >= comp.layer_phase else 'a layer: KQ mask, activations'}"
-                                f"{', F16 K/V for flash attention' if comp.fa_f16 else ''} is the peak)"),
+        "compute": (comp.bytes, _compute_detail(ub, m.n_vocab, comp)),
         "margin": (margin, ""),
         "experts": (_experts_from(m, k), f"{on_dev} of {moe} MoE layers (--n-cpu-moe {k})" if moe
                     else "dense model: no experts"),
     }
     return tuple(Line(key, *values[key]) for key, _ in LINES)
+
+
+def _compute_detail(ub: int, n_vocab: int, comp: ComputePrice) -> str:
+    from moefit.units import format_bytes
+
+    if comp.end_phase >= comp.layer_phase:
+        return f"-ub {ub}; peak: logits {n_vocab} x {ub} x 4 B = {format_bytes(comp.logits)}"
+    fa = f" + F16 K/V {format_bytes(comp.fa_f16)}" if comp.fa_f16 else ""
+    return f"-ub {ub}; peak in a layer: KQ mask {format_bytes(comp.mask)}{fa} + activations"
 
 
 def _alternatives(geom, tensors, device, req) -> list[tuple[str, str]]:
