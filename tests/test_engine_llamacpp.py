@@ -195,6 +195,18 @@ def test_cuda_flash_attention_holds_f16_copies_of_a_quantized_cache():
     assert f16.fa_f16 == 0
 
 
+def test_cuda_copies_a_host_expert_tensor_for_a_large_enough_micro_batch():
+    g = load_model("Qwen3-30B-A3B")
+    kv = lc.kv_price(g, 8192, 512, "f16", "f16", lc.CUDA)
+    big = 64 << 20
+    with_copy = lc.compute_price(g, g.vocab_size, 512, kv, "f16", "f16", lc.CUDA, big)
+    without = lc.compute_price(g, g.vocab_size, 512, kv, "f16", "f16", lc.CUDA)
+    assert with_copy.layer_phase - without.layer_phase == big
+    small = lc.kv_price(g, 8192, 16, "f16", "f16", lc.CUDA)      # below GGML_OP_OFFLOAD_MIN_BATCH
+    assert lc.compute_price(g, g.vocab_size, 16, small, "f16", "f16", lc.CUDA, big).weight_copy == 0
+    assert lc.compute_price(g, g.vocab_size, 512, kv, "f16", "f16", lc.CPU, big).weight_copy == 0
+
+
 def test_kv_names_map_to_llamacpp_cache_types():
     assert lc.kv_types("int8") == ("q8_0", "q8_0")
     assert lc.kv_types("int4") == ("q4_0", "q4_0")
@@ -281,7 +293,9 @@ def test_qwen35_on_a_16gb_card_at_512k_prints_a_command_that_leaves_the_margin_f
     geom, tensors = load_model(str(f)), lc.tensors_from_header(str(f))
     buffers = lc.model_buffers(tensors, lc.CUDA)
     kv = lc.kv_price(geom, 524288, ub, "q8_0", "q8_0", lc.CUDA)
-    comp = lc.compute_price(geom, geom.vocab_size, ub, kv, "q8_0", "q8_0", lc.CUDA)
+    # experts on the host: a micro-batch copies the largest expert tensor into the compute buffer
+    comp = lc.compute_price(geom, geom.vocab_size, ub, kv, "q8_0", "q8_0", lc.CUDA, buffers.largest_expert_tensor)
+    assert comp.weight_copy == buffers.largest_expert_tensor > 0
     experts = sum(b for layer, b in buffers.experts if layer >= k)
     margin = lc.default_reserve_bytes(device)
     used = lc.runtime_bytes(device) + buffers.device + kv.kv_bytes + kv.recurrent_bytes + comp.bytes + experts

@@ -34,7 +34,12 @@ vendored in the ``llama-cpp-python`` 0.3.36 sdist), file and function named at e
   F16 also holds K and V converted to F16: the tile and MMA kernels a micro-batch uses need
   F16 (``ggml_cuda_flash_attn_ext_get_alloc_size``, ``fattn.cu``), and the copies are part
   of the node's alloc size (``ggml_cuda_flash_attn_ext_get_f16_extra_data``,
-  ``fattn-common.cuh``): ``2 x n_kv x n_embd_{k,v}_gqa`` bytes each.
+  ``fattn-common.cuh``): ``2 x n_kv x n_embd_{k,v}_gqa`` bytes each. And with experts kept on
+  the CPU (``--n-cpu-moe K > 0``) a micro-batch of 32 tokens or more runs their matrix
+  products on the GPU anyway (``op_offload``; ``ggml_backend_cuda_device_offload_op``,
+  ``GGML_OP_OFFLOAD_MIN_BATCH`` = 32): the scheduler copies each such weight into the
+  compute buffer, one split per weight so the copies reuse one region
+  (``ggml_backend_sched_split_graph``, ``ggml-backend.cpp``): the largest expert tensor.
 - **host**: the CPU model buffer (token embeddings, experts kept on the CPU), the output buffer
   ``n_vocab x n_seq x 4`` B (``llama_context::output_reserve``) and the embedding lookup's
   compute buffer are host memory, shown below the table, not on the device.
@@ -167,6 +172,7 @@ class ModelBuffers:
     experts: tuple[tuple[int, int], ...]          # (layer, device bytes), layer order
     experts_host: tuple[tuple[int, int], ...]     # (layer, CPU bytes)
     host: int
+    largest_expert_tensor: int = 0                # device bytes of the largest expert tensor
 
 
 def model_buffers(tensors: list[Tensor], backend: Backend) -> ModelBuffers:
@@ -174,16 +180,18 @@ def model_buffers(tensors: list[Tensor], backend: Backend) -> ModelBuffers:
     dev = host = 0
     experts: dict[int, int] = {}
     experts_host: dict[int, int] = {}
+    largest = 0
     for t in tensors:
         layer = expert_layer(t.name)
         if t.name.startswith("token_embd."):
             host += t.alloc_bytes(CPU)
         elif layer is not None:
             experts[layer] = experts.get(layer, 0) + t.alloc_bytes(backend)
+            largest = max(largest, t.alloc_bytes(backend))
             experts_host[layer] = experts_host.get(layer, 0) + t.alloc_bytes(CPU)
         else:
             dev += t.alloc_bytes(backend)
-    return ModelBuffers(dev, tuple(sorted(experts.items())), tuple(sorted(experts_host.items())), host)
+    return ModelBuffers(dev, tuple(sorted(experts.items())), tuple(sorted(experts_host.items())), host, largest)
 
 
 def cpu_model_buffer(tensors: list[Tensor]) -> int:
@@ -268,10 +276,16 @@ class ComputePrice:
     layer_phase: int
     mask: int
     fa_f16: int
+    weight_copy: int = 0
+
+
+#: ``GGML_OP_OFFLOAD_MIN_BATCH``: the smallest micro-batch whose products with weights in host
+#: memory run on the GPU (``ggml-cuda.cu``)
+OP_OFFLOAD_MIN_BATCH = 32
 
 
 def compute_price(geom: ModelGeometry, n_vocab: int, ubatch: int, kv: KVPrice, type_k: str,
-                  type_v: str, backend: Backend) -> ComputePrice:
+                  type_v: str, backend: Backend, host_weight: int = 0) -> ComputePrice:
     """Compute buffer of a ``ubatch``-token micro-batch (``graph_reserve`` with all tokens
     output; see the module docstring). Bytes:
 
@@ -282,8 +296,10 @@ def compute_price(geom: ModelGeometry, n_vocab: int, ubatch: int, kv: KVPrice, t
       Gated DeltaNet: ``2 n_embd + 2 conv + 3 d_inner + 256 n_v_heads``) and the FFN (MoE:
       ``n_embd + 2 top_k n_embd + n_expert``, the top-k down-projections and their weighted
       copy, ``build_moe_ffn``; shared expert ``2 n_embd + 3 n_ff_shexp``) + on CUDA the F16
-      copies of a non-F16 K and V (``2 n_kv n_embd_{k,v}_gqa``). The per-token terms were
-      matched to the recorded runs (a 259-token vocabulary model isolates them).
+      copies of a non-F16 K and V (``2 n_kv n_embd_{k,v}_gqa``) + on CUDA, when
+      ``ubatch >= 32``, the copy of the largest weight kept in host memory (``host_weight``
+      bytes: an expert tensor under ``--n-cpu-moe``). The per-token terms were matched to the
+      recorded runs (a 259-token vocabulary model isolates them).
     """
     h = geom.hidden_size
     logits = 4 * ubatch * n_vocab   # n_outputs = min(n_ubatch, n_batch) = n_ubatch
@@ -310,8 +326,9 @@ def compute_price(geom: ModelGeometry, n_vocab: int, ubatch: int, kv: KVPrice, t
         fk = 0 if type_k == "f16" else max(kv.k_dims) * cells * 2
         fv = 0 if type_v == "f16" else max(kv.v_dims or (0,)) * cells * 2
         fa = _pad(fk, 128) + _pad(fv, 128)
-    layer_phase = mask + act + fa
-    return ComputePrice(max(end, layer_phase), logits, end, layer_phase, mask, fa)
+    copy = host_weight if backend.fa_f16 and ubatch >= OP_OFFLOAD_MIN_BATCH else 0
+    layer_phase = mask + act + fa + copy
+    return ComputePrice(max(end, layer_phase), logits, end, layer_phase, mask, fa, copy)
 
 
 # ---- the plan ------------------------------------------------------------------------------------
@@ -405,10 +422,12 @@ def _backend(device: Device) -> Backend:
     return CPU if device.kind == "cpu" else CUDA
 
 
-def _mandatory(m: _Model, device: Device, req: LlamaRequest, ub: int) -> tuple[int, KVPrice, ComputePrice]:
+def _mandatory(m: _Model, device: Device, req: LlamaRequest, ub: int,
+               experts_on_host: bool) -> tuple[int, KVPrice, ComputePrice]:
     be = _backend(device)
     kv = kv_price(m.geom, req.context, ub, req.type_k, req.type_v, be)
-    comp = compute_price(m.geom, m.n_vocab, ub, kv, req.type_k, req.type_v, be)
+    comp = compute_price(m.geom, m.n_vocab, ub, kv, req.type_k, req.type_v, be,
+                         m.buffers.largest_expert_tensor if experts_on_host else 0)
     margin = default_reserve_bytes(device) if req.margin is None else req.margin
     total = runtime_bytes(device) + m.buffers.device + kv.kv_bytes + kv.recurrent_bytes + comp.bytes + margin
     return total, kv, comp
@@ -443,22 +462,27 @@ def solve_llamacpp(geom: ModelGeometry, tensors: list[Tensor], device: Device, r
     all_cpu = (max(moe_layers) + 1) if moe_layers else 0
     notes: list[str] = []
     ub = min(req.ubatch, max(req.batch, req.ubatch))
-    total, kv, comp = _mandatory(m, device, req, ub)
+    # all experts on the device (no host weight to copy), else the smallest K >= 1 that fits
+    total, kv, comp = _mandatory(m, device, req, ub, False)
     fits = True
-    if total <= free:
-        k = next(k for k in range(all_cpu + 1) if total + _experts_from(m, k) <= free)
+    if total + _experts_from(m, 0) <= free:
+        k = 0
     else:
+        total, kv, comp = _mandatory(m, device, req, ub, bool(moe_layers))
+        k = next((k for k in range(1, all_cpu + 1) if total + _experts_from(m, k) <= free), None)
+    if k is None or total > free:
         k = all_cpu
         lowest = min(req.ubatch_min, ub)
         grid = [u for u in range((ub // UB_GRID) * UB_GRID, lowest - 1, -UB_GRID) if u >= max(lowest, 1)]
-        best = None if req.strict else next((u for u in grid if _mandatory(m, device, req, u)[0] <= free), None)
+        best = None if req.strict else next(
+            (u for u in grid if _mandatory(m, device, req, u, bool(moe_layers))[0] <= free), None)
         if best is not None:
             notes.append(f"-ub: requested {req.ubatch}, clamped to {best} due to VRAM budget")
             ub = best
         else:
             fits = False
             ub = ub if req.strict else (grid[-1] if grid else ub)
-        total, kv, comp = _mandatory(m, device, req, ub)
+        total, kv, comp = _mandatory(m, device, req, ub, bool(moe_layers))
     lines = _lines(m, device, req, ub, k, kv, comp)
     host = {"model": m.buffers.host + sum(b for layer, b in m.buffers.experts_host if layer < k),
             "output": 4 * m.n_vocab, "compute": 4 * ub * (geom.hidden_size + 1)}
@@ -505,7 +529,8 @@ def _compute_detail(ub: int, n_vocab: int, comp: ComputePrice) -> str:
     if comp.end_phase >= comp.layer_phase:
         return f"-ub {ub}; peak: logits {n_vocab} x {ub} x 4 B = {format_bytes(comp.logits)}"
     fa = f" + F16 K/V {format_bytes(comp.fa_f16)}" if comp.fa_f16 else ""
-    return f"-ub {ub}; peak in a layer: KQ mask {format_bytes(comp.mask)}{fa} + activations"
+    copy = f" + expert copy {format_bytes(comp.weight_copy)}" if comp.weight_copy else ""
+    return f"-ub {ub}; peak in a layer: KQ mask {format_bytes(comp.mask)}{fa}{copy} + activations"
 
 
 def _alternatives(geom, tensors, device, req) -> list[tuple[str, str]]:
