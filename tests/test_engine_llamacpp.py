@@ -207,6 +207,13 @@ def test_cuda_copies_a_host_expert_tensor_for_a_large_enough_micro_batch():
     assert lc.compute_price(g, g.vocab_size, 512, kv, "f16", "f16", lc.CPU, big).weight_copy == 0
 
 
+def test_mla_caches_the_latent_and_the_rope_key_only():
+    g = load_model("DeepSeek-V2-Lite")
+    kv = lc.kv_price(g, 4000, 512, "f16", "f16", lc.CPU)
+    assert kv.n_ctx == 4096 and kv.full_layers == g.num_layers and set(kv.v_dims) == {0}
+    assert kv.bytes_full == g.num_layers * 4096 * (512 + 64) * 2      # kv_lora_rank + qk_rope_head_dim, f16
+
+
 def test_kv_names_map_to_llamacpp_cache_types():
     assert lc.kv_types("int8") == ("q8_0", "q8_0")
     assert lc.kv_types("int4") == ("q4_0", "q4_0")
@@ -368,6 +375,14 @@ def test_engine_flag_needs_a_gguf_and_a_known_kv_type(tmp_path):
     f = qwen35_q4km(tmp_path / "q.gguf")
     r = moefit("plan", str(f), "--engine", "llama.cpp", "--vram", "16GiB", "--kv", "int3")
     assert r.returncode == 2 and "--kv" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("flags", [["--slots", "2"], ["--expert-cache", "8"], ["--miss-policy", "copy"],
+                                   ["--vram-reserve-mib", "-1"], ["--max-context", "1M"]])
+def test_flags_without_a_llamacpp_meaning_exit_2(tmp_path, flags):
+    f = qwen35_q4km(tmp_path / "q.gguf")
+    r = moefit("plan", str(f), "--engine", "llama.cpp", "--vram", "16GiB", *flags)
+    assert r.returncode == 2 and flags[0] in r.stderr and "Traceback" not in r.stderr
 
 
 def test_default_engine_is_moefit_and_its_plan_is_unchanged():

@@ -616,10 +616,8 @@ def request_from_args(geom: ModelGeometry, args) -> LlamaRequest:
     ``--kv`` -> ``-ctk/-ctv``, ``--vram-reserve-mib`` -> the margin, ``--strict`` /
     ``--prefill-min`` as for the prefill chunk. Raises InputError (exit 2) for flags that have
     no llama.cpp meaning (``--slots`` above 1, the expert-cache flags)."""
-    import argparse
-
-    from moefit.cli import request_from_args as moefit_request
-    from moefit.plan.request import resolve_context
+    from moefit.plan.request import Request, parse_prefill, resolve_context, validate
+    from moefit.units import parse_count
 
     if not str(args.model).lower().endswith(".gguf"):
         raise InputError(f"{args.model}: --engine llama.cpp plans a .gguf file (llama.cpp's own format); "
@@ -630,7 +628,18 @@ def request_from_args(geom: ModelGeometry, args) -> LlamaRequest:
         raise InputError("--expert-cache / --min-expert-cache / --miss-policy are moefit runtime flags; with "
                          "--engine llama.cpp the experts kept on the CPU are chosen as --n-cpu-moe")
     tk, tv = kv_types(args.kv)
-    req = moefit_request(argparse.Namespace(**{**vars(args), "kv": "bf16"}))
+    reserve = None
+    if args.vram_reserve_mib is not None:
+        if not 0 <= args.vram_reserve_mib <= 1 << 30:   # also rejects nan and inf
+            raise InputError(f"--vram-reserve-mib {args.vram_reserve_mib}: expected a non-negative number "
+                             "of MiB (e.g. 512)")
+        reserve = int(args.vram_reserve_mib * (1 << 20))
+    mode, tokens = parse_prefill(args.prefill)
+    req = Request(max_context=parse_count(args.max_context, "--max-context") if args.max_context else None,
+                  prefill_mode=mode, prefill_tokens=tokens, prefill_min=args.prefill_min, strict=args.strict,
+                  reserve_bytes=reserve, rope_scaling=args.rope_scaling, rope_scale=args.rope_scale,
+                  yarn_orig_ctx=parse_count(args.yarn_orig_ctx, "--yarn-orig-ctx") if args.yarn_orig_ctx else None)
+    validate(req)
     context = resolve_context(geom, req)
     ub = DEFAULT_UBATCH if args.prefill.strip().lower() == "auto" else req.prefill_tokens
     extra: tuple[str, ...] = ()
