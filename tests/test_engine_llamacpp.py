@@ -292,8 +292,8 @@ def test_qwen35_on_a_16gb_card_at_512k_prints_a_command_that_leaves_the_margin_f
     assert r.stdout.rstrip().endswith("--rope-scaling yarn --rope-scale 2")
     cmd = next(l for l in r.stdout.splitlines() if l.startswith("command  ")).split()[1:]
     assert cmd[0] == "llama-server" and _flag(cmd, "-m") == str(f)
-    assert (_flag(cmd, "-c"), _flag(cmd, "-ctk"), _flag(cmd, "-ctv"), _flag(cmd, "-fa"), _flag(cmd, "-ngl")) == \
-        ("524288", "q8_0", "q8_0", "on", "999")
+    assert (_flag(cmd, "-c"), _flag(cmd, "-np"), _flag(cmd, "-ctk"), _flag(cmd, "-ctv"), _flag(cmd, "-fa"), _flag(cmd, "-ngl")) == \
+        ("524288", "1", "q8_0", "q8_0", "on", "999")
     ub, k = int(_flag(cmd, "-ub")), int(_flag(cmd, "--n-cpu-moe"))
     # re-price the command's settings line by line: everything but the margin fits
     device = find_gpu("RTX 5060 Ti 16GB")

@@ -394,7 +394,9 @@ class LlamaPlan:
     def command(self) -> str:
         """The ``llama-server`` command line of this plan."""
         r = self.request
-        parts = ["llama-server", "-m", r.gguf, "-c", str(_pad(r.context, CTX_PAD)),
+        # -np 1: llama-server's default (-1, auto) is 4 slots sharing one cache
+        # (tools/server/server.cpp), which multiplies the recurrent state and the SWA cache
+        parts = ["llama-server", "-m", r.gguf, "-c", str(_pad(r.context, CTX_PAD)), "-np", "1",
                  "-ub", str(self.ubatch), "-b", str(max(r.batch, self.ubatch)), "-ngl", "999"]
         if self.n_cpu_moe:
             parts += ["--n-cpu-moe", str(self.n_cpu_moe)]
