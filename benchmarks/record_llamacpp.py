@@ -43,7 +43,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 VOCAB = Path("/work/shared/data/vocab/ggml-vocab-qwen2.gguf")
 
-#: (name, -c, -ub, -b, KV type) of each run, per model. Contexts not on the 256 grid check
+#: (-c, -ub, -b, KV type[, -np]) of each run, per model. Contexts not on the 256 grid check
 #: llama.cpp's padding; ``-ub`` values check the compute buffer's slope.
 RUNS = [
     (512, 512, 2048, "f16"),
@@ -53,6 +53,8 @@ RUNS = [
     (16384, 1024, 2048, "q8_0"),
     (8192, 2048, 2048, "bf16"),
     (327680, 64, 2048, "q4_0"),     # the KQ mask of the full context outgrows the logits
+    (8192, 512, 2048, "q8_0", 2),   # -np 2: one cache stream per sequence
+    (4096, 256, 2048, "f16", 3),    # -np 3: n_ctx / 3 is padded per stream
 ]
 
 #: lines of llama.cpp's load log that the tests read (llama-model.cpp, llama-kv-cache.cpp,
@@ -279,10 +281,10 @@ def tensor_facts(path: Path) -> list[str]:
     return [f"{t.name} {t.tensor_type.name} {','.join(str(int(n)) for n in t.shape)}" for t in r.tensors]
 
 
-def run_one(bin_dir: Path, model: Path, ctx: int, ub: int, b: int, kv: str) -> tuple[str, list[str]]:
+def run_one(bin_dir: Path, model: Path, ctx: int, ub: int, b: int, kv: str, np_: int = 1) -> tuple[str, list[str]]:
     """Run llama-completion once; returns (command, kept log lines). Raises on failure."""
     cmd = [str(bin_dir / "llama-completion"), "-m", str(model), "-c", str(ctx), "-ub", str(ub), "-b", str(b),
-           "-ctk", kv, "-ctv", kv, "-fa", "on", "-n", "1", "-p", "hi", "-t", "1", "--no-warmup",
+           *(["-np", str(np_)] if np_ > 1 else []), "-ctk", kv, "-ctv", kv, "-fa", "on", "-n", "1", "-p", "hi", "-t", "1", "--no-warmup",
            "-no-cnv", "--temp", "0", "-lm", "none", "-nr", "-fit", "off", "-v"]
     r = subprocess.run(cmd, capture_output=True, text=True, errors="replace", timeout=600,
                        stdin=subprocess.DEVNULL)
@@ -319,8 +321,8 @@ def main(argv: list[str] | None = None) -> int:
                                capture_output=True)
         lines = [f"# llama.cpp buffer sizes of {name} (written by benchmarks/record_llamacpp.py)",
                  *(f"# {v}" for v in version if v), ".meta", *meta_facts(path), ".tensors", *tensor_facts(path)]
-        for ctx, ub, b, kv in RUNS:
-            cmd, keep = run_one(args.bin, path, ctx, ub, b, kv)
+        for run in RUNS:
+            cmd, keep = run_one(args.bin, path, *run)
             print(cmd, file=sys.stderr)
             lines += [f".run {cmd}", *keep]
         (args.out / f"{name}.txt").write_text("\n".join(lines) + "\n")

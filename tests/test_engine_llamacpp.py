@@ -97,8 +97,8 @@ def recorded(tmp_path_factory):
     return out
 
 
-def _flag(argv, name):
-    return argv[argv.index(name) + 1]
+def _flag(argv, name, default=None):
+    return argv[argv.index(name) + 1] if name in argv or default is None else default
 
 
 def _mib(line: str) -> str:
@@ -109,7 +109,7 @@ def _runs():
     for path in RECORDS:
         for i, (argv, _) in enumerate(parse_record(path)["runs"]):
             yield pytest.param(path.stem, i, id=f"{path.stem}-c{_flag(argv, '-c')}-ub{_flag(argv, '-ub')}"
-                                               f"-{_flag(argv, '-ctk')}")
+                                               f"-{_flag(argv, '-ctk')}-np{_flag(argv, '-np', '1')}")
 
 
 def test_the_records_cover_three_families_and_several_settings():
@@ -130,19 +130,22 @@ def test_plan_equals_what_llamacpp_allocated(recorded, name, index):
     argv, lines = rec["runs"][index]
     ctx, ub, b = int(_flag(argv, "-c")), int(_flag(argv, "-ub")), int(_flag(argv, "-b"))
     tk, tv = _flag(argv, "-ctk"), _flag(argv, "-ctv")
-    n_batch = min(b, -(-ctx // 256) * 256)      # llama.cpp: n_batch = min(n_ctx, n_batch)
-    ub = min(ub, n_batch)
+    n_seq = int(_flag(argv, "-np", "1"))
+    kv = lc.kv_price(geom, ctx, min(ub, b), tk, tv, lc.CPU, n_seq)
+    ub = min(ub, b, kv.n_ctx)                   # llama.cpp: n_batch = min(n_ctx, n_batch)
 
     model = next(l for l in lines if "CPU model buffer size" in l)
     assert f"{lc.cpu_model_buffer(tensors) / MIB:.2f}" == _mib(model)
 
-    kv = lc.kv_price(geom, ctx, ub, tk, tv, lc.CPU)
-    assert int(re.search(r"n_ctx\s+= (\d+)", next(l for l in lines if "n_ctx " in l)).group(1)) == kv.n_ctx
+    kv = lc.kv_price(geom, ctx, ub, tk, tv, lc.CPU, n_seq)
+    assert int(next(m for l in lines if (m := re.search(r"n_ctx\s+= (\d+)", l))).group(1)) == kv.n_ctx
     printed = [_mib(l) for l in lines if "CPU KV buffer size" in l]
     cells = [int(re.search(r"\(\s*(\d+) cells", l).group(1)) for l in lines if "llama_kv_cache: size" in l]
     want = [(kv.bytes_full, kv.cells)] if not kv.swa_layers else [(kv.bytes_full, kv.cells), (kv.bytes_swa, kv.swa_cells)]
     assert printed == [f"{b / MIB:.2f}" for b, _ in want]
     assert cells == [c for _, c in want]
+    output = next(l for l in lines if "output buffer size" in l)
+    assert _mib(output) == f"{4 * geom.vocab_size * n_seq / MIB:.2f}"       # logits of one token per sequence
     rs = [_mib(l) for l in lines if "CPU RS buffer size" in l]
     assert rs == ([f"{kv.recurrent_bytes / MIB:.2f}"] if kv.recurrent_layers else [])
 
@@ -377,7 +380,17 @@ def test_engine_flag_needs_a_gguf_and_a_known_kv_type(tmp_path):
     assert r.returncode == 2 and "--kv" in r.stderr and "Traceback" not in r.stderr
 
 
-@pytest.mark.parametrize("flags", [["--slots", "2"], ["--expert-cache", "8"], ["--miss-policy", "copy"],
+def test_slots_become_streams_of_the_cache_and_the_command_names_them(qwen35):
+    geom, tensors = qwen35
+    one = _solve(geom, tensors, 80 * GIB, context=65536)
+    two = _solve(geom, tensors, 80 * GIB, context=65536, slots=2)
+    assert two.line("kv").bytes == 2 * one.line("kv").bytes
+    assert two.line("state").bytes == 2 * one.line("state").bytes
+    assert "-c 131072 -np 2 " in two.command and "-c 65536 -np 1 " in one.command
+    assert two.host["output"] == 2 * one.host["output"]
+
+
+@pytest.mark.parametrize("flags", [["--slots", "0"], ["--expert-cache", "8"], ["--miss-policy", "copy"],
                                    ["--vram-reserve-mib", "-1"], ["--max-context", "1M"]])
 def test_flags_without_a_llamacpp_meaning_exit_2(tmp_path, flags):
     f = qwen35_q4km(tmp_path / "q.gguf")

@@ -76,7 +76,7 @@ KV_TYPE_SIZES = {"f32": (1, 4), "f16": (1, 2), "bf16": (1, 2), "q8_0": (32, 34),
 KV_FROM_MOEFIT = {"bf16": ("bf16", "bf16"), "fp16": ("f16", "f16"), "fp32": ("f32", "f32"),
                   "fp8": ("q8_0", "q8_0"), "int8": ("q8_0", "q8_0"), "k8v4": ("q8_0", "q4_0"),
                   "int4": ("q4_0", "q4_0")}
-#: smaller-first order for the ``--kv`` alternative
+#: largest first: the ``--kv`` alternative is the closest smaller pair of types that fits
 _KV_ORDER = ("f32", "bf16", "q8_0", "k8v4", "q5_1", "q5_0", "q4_1", "q4_0")
 
 
@@ -107,16 +107,18 @@ def _pad(n: int, to: int) -> int:
 class Backend:
     """Allocation rules of a ggml backend's buffers: ``alignment`` (bytes), quantized rows
     padded to ``row_padding`` elements (0: none), flash attention converting a non-F16 K/V to
-    F16 inside its node (``fa_f16``)."""
+    F16 inside its node (``fa_f16``), products with weights in host memory run here with a
+    copy of the weight (``op_offload``)."""
 
     name: str
     alignment: int
     row_padding: int = 0
     fa_f16: bool = False
+    op_offload: bool = False
 
 
 CPU = Backend("CPU", 32)
-CUDA = Backend("CUDA0", 128, MATRIX_ROW_PADDING, True)
+CUDA = Backend("CUDA0", 128, MATRIX_ROW_PADDING, fa_f16=True, op_offload=True)
 
 
 @dataclass(frozen=True)
@@ -205,9 +207,9 @@ def cpu_model_buffer(tensors: list[Tensor]) -> int:
 class KVPrice:
     """KV cache and recurrent state of one context (bytes; cells in tokens)."""
 
-    n_ctx: int
-    cells: int                  # full-attention cells (kv_size)
-    swa_cells: int              # sliding-window cells (0: no SWA layers)
+    n_ctx: int                  # all streams
+    cells: int                  # full-attention cells per stream (kv_size)
+    swa_cells: int              # sliding-window cells per stream (0: no SWA layers)
     full_layers: int
     swa_layers: int
     bytes_full: int
@@ -216,6 +218,7 @@ class KVPrice:
     recurrent_bytes: int
     k_dims: tuple[int, ...] = ()      # n_embd_k_gqa of each attention layer
     v_dims: tuple[int, ...] = ()
+    n_seq: int = 1                    # streams (-np)
 
     @property
     def kv_bytes(self) -> int:
@@ -231,11 +234,18 @@ def _layer_kv_dims(spec) -> tuple[int, int]:
 
 def kv_price(geom: ModelGeometry, context: int, ubatch: int, type_k: str, type_v: str,
              backend: Backend, n_seq: int = 1) -> KVPrice:
-    """KV cache and recurrent state of ``geom`` at ``context`` tokens (``-c``), ``ubatch``
-    (``-ub``), cache types ``type_k`` / ``type_v``, ``n_seq`` sequences sharing one unified
-    cache (see module docstring for the sources). Each K / V / state tensor is padded to the
-    backend's alignment."""
-    n_ctx = _pad(context, CTX_PAD)
+    """KV cache and recurrent state of ``geom`` for llama.cpp's ``-c context -ub ubatch -np
+    n_seq`` with cache types ``type_k`` / ``type_v`` (see module docstring for the sources).
+
+    ``-c`` is the total: ``n_ctx = pad(context, 256)``, and with ``n_seq`` slots each gets its
+    own stream (``kv_unified`` is off when ``-np`` is given) of ``n_ctx_seq = pad(n_ctx /
+    n_seq, 256)`` cells (``llama_context::llama_context``); a sliding-window stream holds
+    ``pad(min(n_ctx_seq, n_swa + ub), 256)`` cells; the recurrent state has one row per
+    sequence. Each K / V / state tensor is padded to the backend's alignment. ``cells`` and
+    ``swa_cells`` are per stream, as llama.cpp prints them."""
+    if n_seq < 1:
+        raise InputError(f"-np {n_seq}: need at least one sequence")
+    n_ctx_seq = _pad(_pad(context, CTX_PAD) // n_seq, CTX_PAD) if n_seq > 1 else _pad(context, CTX_PAD)
     full = swa = rec = 0
     nf = ns = nr = 0
     swa_cells = 0
@@ -246,23 +256,24 @@ def kv_price(geom: ModelGeometry, context: int, ubatch: int, type_k: str, type_v
             d_inner = a.linear_num_value_heads * a.linear_value_head_dim
             r = (a.linear_conv_kernel - 1) * (d_inner + 2 * a.linear_num_key_heads * a.linear_key_head_dim)
             s = a.linear_key_head_dim * d_inner
-            rec += _pad(4 * r * max(1, n_seq), backend.alignment) + _pad(4 * s * max(1, n_seq), backend.alignment)
+            rec += _pad(4 * r * n_seq, backend.alignment) + _pad(4 * s * n_seq, backend.alignment)
             nr += 1
             continue
         k, v = _layer_kv_dims(a)
         kd.append(k)
         vd.append(v)
         if a.kind == "sliding" and a.sliding_window:
-            cells = _pad(min(n_ctx, a.sliding_window * n_seq + ubatch), CTX_PAD)
+            cells = _pad(min(n_ctx_seq, a.sliding_window + ubatch), CTX_PAD)
             swa_cells = cells
-            swa += _pad(_row(type_k, k * cells), backend.alignment) + (
-                _pad(_row(type_v, v * cells), backend.alignment) if v else 0)
+            swa += _pad(_row(type_k, k * cells) * n_seq, backend.alignment) + (
+                _pad(_row(type_v, v * cells) * n_seq, backend.alignment) if v else 0)
             ns += 1
         else:
-            full += _pad(_row(type_k, k * n_ctx), backend.alignment) + (
-                _pad(_row(type_v, v * n_ctx), backend.alignment) if v else 0)
+            full += _pad(_row(type_k, k * n_ctx_seq) * n_seq, backend.alignment) + (
+                _pad(_row(type_v, v * n_ctx_seq) * n_seq, backend.alignment) if v else 0)
             nf += 1
-    return KVPrice(n_ctx, n_ctx if nf else 0, swa_cells, nf, ns, full, swa, nr, rec, tuple(kd), tuple(vd))
+    return KVPrice(n_ctx_seq * n_seq, n_ctx_seq if nf else 0, swa_cells, nf, ns, full, swa, nr, rec,
+                   tuple(kd), tuple(vd), n_seq)
 
 
 # ---- compute buffer ------------------------------------------------------------------------------
@@ -323,10 +334,10 @@ def compute_price(geom: ModelGeometry, n_vocab: int, ubatch: int, kv: KVPrice, t
     fa = 0
     if backend.fa_f16 and kv.k_dims:
         cells = max(kv.cells, kv.swa_cells)
-        fk = 0 if type_k == "f16" else max(kv.k_dims) * cells * 2
-        fv = 0 if type_v == "f16" else max(kv.v_dims or (0,)) * cells * 2
+        fk = 0 if type_k == "f16" else max(kv.k_dims) * cells * kv.n_seq * 2
+        fv = 0 if type_v == "f16" else max(kv.v_dims or (0,)) * cells * kv.n_seq * 2
         fa = _pad(fk, 128) + _pad(fv, 128)
-    copy = host_weight if backend.fa_f16 and ubatch >= OP_OFFLOAD_MIN_BATCH else 0
+    copy = host_weight if backend.op_offload and ubatch >= OP_OFFLOAD_MIN_BATCH else 0
     layer_phase = mask + act + fa + copy
     return ComputePrice(max(end, layer_phase), logits, end, layer_phase, mask, fa, copy)
 
@@ -346,11 +357,13 @@ class Line:
 
 @dataclass(frozen=True)
 class LlamaRequest:
-    """What to plan: ``context`` tokens (``-c``), ``ubatch`` requested (``-ub``; ``strict``: no
+    """What to plan: ``context`` tokens per sequence, ``slots`` sequences (``-np``; ``-c`` is
+    ``pad(context, 256) x slots``), ``ubatch`` requested (``-ub``; ``strict``: no
     clamp, ``ubatch_min``: the smallest clamp), ``batch`` (``-b``), cache types, ``margin``
     bytes (None: moefit's default), ``gguf`` path for the command."""
 
     context: int
+    slots: int = 1
     ubatch: int = DEFAULT_UBATCH
     batch: int = DEFAULT_BATCH
     type_k: str = "f16"
@@ -394,14 +407,19 @@ class LlamaPlan:
     def command(self) -> str:
         """The ``llama-server`` command line of this plan."""
         r = self.request
-        # -np 1: llama-server's default (-1, auto) is 4 slots sharing one cache
-        # (tools/server/server.cpp), which multiplies the recurrent state and the SWA cache
-        parts = ["llama-server", "-m", r.gguf, "-c", str(_pad(r.context, CTX_PAD)), "-np", "1",
+        # always -np: llama-server's default (-1, auto) is 4 slots sharing one cache
+        # (tools/server/server.cpp), which would multiply the recurrent state and the SWA cache
+        parts = ["llama-server", "-m", r.gguf, "-c", str(llama_ctx(r)), "-np", str(r.slots),
                  "-ub", str(self.ubatch), "-b", str(max(r.batch, self.ubatch)), "-ngl", "999"]
         if self.n_cpu_moe:
             parts += ["--n-cpu-moe", str(self.n_cpu_moe)]
         parts += ["-ctk", r.type_k, "-ctv", r.type_v, "-fa", "on", *r.extra_flags]
         return " ".join(parts)
+
+
+def llama_ctx(req: LlamaRequest) -> int:
+    """llama.cpp's ``-c``: every slot's context, each padded to 256 cells (tokens)."""
+    return _pad(req.context, CTX_PAD) * req.slots
 
 
 @dataclass(frozen=True)
@@ -427,7 +445,7 @@ def _backend(device: Device) -> Backend:
 def _mandatory(m: _Model, device: Device, req: LlamaRequest, ub: int,
                experts_on_host: bool) -> tuple[int, KVPrice, ComputePrice]:
     be = _backend(device)
-    kv = kv_price(m.geom, req.context, ub, req.type_k, req.type_v, be)
+    kv = kv_price(m.geom, llama_ctx(req), ub, req.type_k, req.type_v, be, req.slots)
     comp = compute_price(m.geom, m.n_vocab, ub, kv, req.type_k, req.type_v, be,
                          m.buffers.largest_expert_tensor if experts_on_host else 0)
     margin = default_reserve_bytes(device) if req.margin is None else req.margin
@@ -487,7 +505,7 @@ def solve_llamacpp(geom: ModelGeometry, tensors: list[Tensor], device: Device, r
         total, kv, comp = _mandatory(m, device, req, ub, bool(moe_layers))
     lines = _lines(m, device, req, ub, k, kv, comp)
     host = {"model": m.buffers.host + sum(b for layer, b in m.buffers.experts_host if layer < k),
-            "output": 4 * m.n_vocab, "compute": 4 * ub * (geom.hidden_size + 1)}
+            "output": 4 * m.n_vocab * req.slots, "compute": 4 * ub * (geom.hidden_size + 1)}
     if k and n_layers:
         notes.append(f"experts of layers 0-{k - 1} stay on the CPU (--n-cpu-moe {k}); "
                      f"{len([l for l in moe_layers if l >= k])} of {len(moe_layers)} MoE layers on the device")
@@ -503,9 +521,10 @@ def _lines(m: _Model, device: Device, req: LlamaRequest, ub: int, k: int, kv: KV
            comp: ComputePrice) -> tuple[Line, ...]:
     be = _backend(device)
     g = m.geom
-    kv_detail = f"{kv.n_ctx} cells x {kv.full_layers} layers" if kv.full_layers else ""
+    streams = f" x {req.slots} slots" if req.slots > 1 else ""
+    kv_detail = f"{kv.cells} cells{streams} x {kv.full_layers} layers" if kv.full_layers else ""
     if kv.swa_layers:
-        kv_detail += (", " if kv_detail else "") + f"SWA {kv.swa_cells} cells x {kv.swa_layers} layers"
+        kv_detail += (", " if kv_detail else "") + f"SWA {kv.swa_cells} cells{streams} x {kv.swa_layers} layers"
     kv_detail += f", K {req.type_k} / V {req.type_v}"
     moe = len(m.buffers.experts)
     on_dev = len([1 for layer, _ in m.buffers.experts if layer >= k])
@@ -515,7 +534,8 @@ def _lines(m: _Model, device: Device, req: LlamaRequest, ub: int, k: int, kv: KV
                     ("measured" if device.runtime_bytes is not None else "CUDA context estimate")),
         "weights": (m.buffers.device, f"{be.name}: all but the routed experts and the token embeddings"),
         "kv": (kv.kv_bytes, kv_detail),
-        "state": (kv.recurrent_bytes, f"{kv.recurrent_layers} layers x 1 sequence, f32"
+        "state": (kv.recurrent_bytes, f"{kv.recurrent_layers} layers x {req.slots} "
+                  f"sequence{'s' if req.slots > 1 else ''}, f32"
                   if kv.recurrent_layers else "no recurrent layers"),
         "compute": (comp.bytes, _compute_detail(ub, m.n_vocab, comp)),
         "margin": (margin, ""),
@@ -597,7 +617,8 @@ def plan_document(plan: LlamaPlan) -> dict:
     doc = {"schema": "moefit.plan/1", "engine": "llama.cpp", "fits": plan.fits,
            "model": {"name": g.name, "model_type": g.model_type, "total_params": g.total_params,
                      "active_params": g.active_params, "source": g.source},
-           "context": _pad(plan.request.context, CTX_PAD), "kv": [plan.request.type_k, plan.request.type_v],
+           "context": _pad(plan.request.context, CTX_PAD), "slots": plan.request.slots,
+           "kv": [plan.request.type_k, plan.request.type_v],
            "ubatch": plan.ubatch, "batch": max(plan.request.batch, plan.ubatch), "n_cpu_moe": plan.n_cpu_moe,
            "devices": [{"name": dev.label, "description": dev.description, "kind": dev.kind,
                         "capacity_bytes": dev.capacity_bytes, "free_bytes": dev.free_bytes,
@@ -615,17 +636,16 @@ def plan_document(plan: LlamaPlan) -> dict:
 def request_from_args(geom: ModelGeometry, args) -> LlamaRequest:
     """Map ``moefit plan`` flags onto llama.cpp's: ``--max-context`` -> ``-c`` (RoPE limits
     checked as for moefit's plans), ``--prefill`` -> ``-ub`` (``auto``: llama.cpp's 512),
-    ``--kv`` -> ``-ctk/-ctv``, ``--vram-reserve-mib`` -> the margin, ``--strict`` /
-    ``--prefill-min`` as for the prefill chunk. Raises InputError (exit 2) for flags that have
-    no llama.cpp meaning (``--slots`` above 1, the expert-cache flags)."""
+    ``--kv`` -> ``-ctk/-ctv``, ``--slots`` -> ``-np`` (one cache stream per slot),
+    ``--vram-reserve-mib`` -> the margin, ``--strict`` / ``--prefill-min`` as for the prefill
+    chunk. Raises InputError (exit 2) for flags that have no llama.cpp meaning (the
+    expert-cache flags)."""
     from moefit.plan.request import Request, parse_prefill, resolve_context, validate
     from moefit.units import parse_count
 
     if not str(args.model).lower().endswith(".gguf"):
         raise InputError(f"{args.model}: --engine llama.cpp plans a .gguf file (llama.cpp's own format); "
                          "convert the checkpoint with llama.cpp's convert_hf_to_gguf.py, or drop --engine")
-    if args.slots != 1:
-        raise InputError(f"--slots {args.slots}: --engine llama.cpp plans one sequence (-np 1); drop --slots")
     if args.expert_cache.strip().lower() != "auto" or args.min_expert_cache or args.miss_policy != "cpu":
         raise InputError("--expert-cache / --min-expert-cache / --miss-policy are moefit runtime flags; with "
                          "--engine llama.cpp the experts kept on the CPU are chosen as --n-cpu-moe")
@@ -638,7 +658,7 @@ def request_from_args(geom: ModelGeometry, args) -> LlamaRequest:
         reserve = int(args.vram_reserve_mib * (1 << 20))
     mode, tokens = parse_prefill(args.prefill)
     req = Request(max_context=parse_count(args.max_context, "--max-context") if args.max_context else None,
-                  prefill_mode=mode, prefill_tokens=tokens, prefill_min=args.prefill_min, strict=args.strict,
+                  slots=args.slots, prefill_mode=mode, prefill_tokens=tokens, prefill_min=args.prefill_min, strict=args.strict,
                   reserve_bytes=reserve, rope_scaling=args.rope_scaling, rope_scale=args.rope_scale,
                   yarn_orig_ctx=parse_count(args.yarn_orig_ctx, "--yarn-orig-ctx") if args.yarn_orig_ctx else None)
     validate(req)
@@ -649,7 +669,7 @@ def request_from_args(geom: ModelGeometry, args) -> LlamaRequest:
         extra = ("--rope-scaling", req.rope_scaling, "--rope-scale", f"{req.rope_scale:g}")
         if req.yarn_orig_ctx:
             extra += ("--yarn-orig-ctx", str(req.yarn_orig_ctx))
-    return LlamaRequest(context=context, ubatch=ub, batch=max(DEFAULT_BATCH, ub), type_k=tk, type_v=tv,
+    return LlamaRequest(context=context, slots=req.slots, ubatch=ub, batch=max(DEFAULT_BATCH, ub), type_k=tk, type_v=tv,
                         margin=req.reserve_bytes, ubatch_min=min(req.prefill_min, ub), strict=req.strict,
                         gguf=str(args.model), extra_flags=extra)
 
