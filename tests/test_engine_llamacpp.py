@@ -414,3 +414,12 @@ def test_the_readme_example_is_what_the_plan_prints(tmp_path):
                        env={**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent / "src")})
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == printed.strip()
+
+
+def test_verbose_shows_both_phases_and_every_moe_layer(qwen35):
+    geom, tensors = qwen35
+    plan = _solve(geom, tensors, 16 * GIB, context=131072)
+    assert plan.line("compute").bytes == max(plan.compute.end_phase, plan.compute.layer_phase)
+    text = lc.format_verbose(plan)
+    assert "end of graph" in text and "a layer" in text and "recurrent" in text
+    assert text.splitlines()[-1].count(":") - 1 == len(geom.moe_layers)     # "layer:bytes" per MoE layer

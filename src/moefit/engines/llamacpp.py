@@ -58,6 +58,7 @@ from moefit.devices import Device
 from moefit.errors import InputError
 from moefit.ingest.geometry import ModelGeometry
 from moefit.memory.runtime import default_reserve_bytes, runtime_bytes
+from moefit.plan.solver import Line
 
 #: ``-ub`` grid when the micro-batch is clamped (tokens)
 UB_GRID = 64
@@ -349,13 +350,6 @@ LINES = (("runtime", "runtime"), ("weights", "model buffers"), ("kv", "KV cache"
 
 
 @dataclass(frozen=True)
-class Line:
-    key: str
-    bytes: int
-    detail: str = ""
-
-
-@dataclass(frozen=True)
 class LlamaRequest:
     """What to plan: ``context`` tokens per sequence, ``slots`` sequences (``-np``; ``-c`` is
     ``pad(context, 256) x slots``), ``ubatch`` requested (``-ub``; ``strict``: no
@@ -389,6 +383,9 @@ class LlamaPlan:
     lines: tuple[Line, ...]
     host: dict = field(default_factory=dict)
     notes: tuple[str, ...] = ()
+    kv: KVPrice | None = None
+    compute: ComputePrice | None = None
+    expert_bytes: tuple[tuple[int, int], ...] = ()      # (layer, device bytes)
     shortfall_bytes: int = 0
     alternatives: tuple[tuple[str, str], ...] = ()
 
@@ -509,7 +506,7 @@ def solve_llamacpp(geom: ModelGeometry, tensors: list[Tensor], device: Device, r
     if k and n_layers:
         notes.append(f"experts of layers 0-{k - 1} stay on the CPU (--n-cpu-moe {k}); "
                      f"{len([l for l in moe_layers if l >= k])} of {len(moe_layers)} MoE layers on the device")
-    plan = LlamaPlan(fits, geom, device, req, ub, k, lines, host, tuple(notes))
+    plan = LlamaPlan(fits, geom, device, req, ub, k, lines, host, tuple(notes), kv, comp, m.buffers.experts)
     if fits:
         return plan
     shortfall = plan.planned_bytes - free
@@ -610,6 +607,24 @@ def format_plan(plan: LlamaPlan) -> str:
     return "\n".join(out)
 
 
+def format_verbose(plan: LlamaPlan) -> str:
+    """``-v``: the compute buffer's two phases, the KV caches per kind, the device bytes of
+    each MoE layer's experts (what one step of ``--n-cpu-moe`` moves)."""
+    from moefit.units import format_bytes
+
+    c, kv = plan.compute, plan.kv
+    out = [f"compute  end of graph {format_bytes(c.end_phase)} (logits {format_bytes(c.logits)}); "
+           f"a layer {format_bytes(c.layer_phase)} (KQ mask {format_bytes(c.mask)}, F16 K/V "
+           f"{format_bytes(c.fa_f16)}, expert copy {format_bytes(c.weight_copy)})",
+           f"KV       full {format_bytes(kv.bytes_full)} ({kv.cells} cells x {kv.full_layers} layers x "
+           f"{kv.n_seq} streams), SWA {format_bytes(kv.bytes_swa)} ({kv.swa_cells} cells x {kv.swa_layers} "
+           f"layers), recurrent {format_bytes(kv.recurrent_bytes)} ({kv.recurrent_layers} layers)"]
+    if plan.expert_bytes:
+        out.append("experts  device bytes per MoE layer: "
+                   + ", ".join(f"{layer}:{format_bytes(b)}" for layer, b in plan.expert_bytes))
+    return "\n".join(out)
+
+
 def plan_document(plan: LlamaPlan) -> dict:
     """The plan as JSON-ready dict (``moefit.plan/1`` fields that apply, plus ``engine``,
     ``command``, ``ubatch``, ``n_cpu_moe``, ``host``). Sizes in bytes."""
@@ -686,5 +701,10 @@ def cmd_plan(args) -> int:
     req = request_from_args(geom, args)
     device = resolve_device(args.device, args.gpu, args.vram, args.vram_free)
     plan = solve_llamacpp(geom, tensors_from_header(args.model), device, req)
-    print(json.dumps(plan_document(plan), indent=2) if args.json else format_plan(plan))
+    if args.json:
+        print(json.dumps(plan_document(plan), indent=2))
+    else:
+        print(format_plan(plan))
+        if getattr(args, "verbose", False):
+            print(format_verbose(plan))
     return 0 if plan.fits else 3
