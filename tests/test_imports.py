@@ -216,7 +216,7 @@ LAYERS: tuple[tuple[int, str, tuple[str, ...]], ...] = (
     (0, "base", ("moefit", "moefit.units", "moefit.errors", "moefit.outputs")),
     (1, "ingest", ("moefit.ingest",)),
     (2, "devices", ("moefit.devices",)),
-    (3, "planner", ("moefit.memory", "moefit.plan")),
+    (3, "planner", ("moefit.memory", "moefit.plan", "moefit.engines")),
     (4, "flags", ("moefit.flags",)),
     (5, "runtime", ("moefit.runtime",)),
     (6, "tools", ("moefit.tools",)),

@@ -14,6 +14,7 @@ only once the extra is known to be installed.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from importlib.util import find_spec
@@ -21,8 +22,10 @@ from importlib.util import find_spec
 from moefit import __version__
 from moefit.devices import format_gpu_table
 from moefit.errors import EXIT_INPUT, EXIT_INTERRUPTED, EXIT_NOFIT, EXIT_OK, EXIT_OTHER, InputError
+from moefit.engines import llamacpp
 from moefit.flags import (add_model_files_flags, add_plan_flags, add_sampling_flags,
-                          add_serve_flags, device_from_args, plan_from_args)
+                          add_serve_flags, device_from_args, llama_request_from_args,
+                          plan_from_args)
 from moefit.ingest.checkpoint import describe_weights
 from moefit.ingest.resolve import format_models_table, list_presets, load_model
 from moefit.memory.kv import kv_bytes, kv_format
@@ -40,6 +43,8 @@ class _Parser(argparse.ArgumentParser):
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
+    if args.engine == "llama.cpp":
+        return _plan_llamacpp(args)
     geom = load_model(args.model)
     device = device_from_args(args)
     plan = plan_from_args(geom, device, args)
@@ -49,6 +54,21 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(format_table(plan))
         if args.verbose:
             print(_verbose(plan))
+    return EXIT_OK if plan.fits else EXIT_NOFIT
+
+
+def _plan_llamacpp(args: argparse.Namespace) -> int:
+    """``moefit plan MODEL.gguf --engine llama.cpp``: llama-server's budget and command."""
+    geom = load_model(args.model)
+    req = llama_request_from_args(geom, args)
+    device = device_from_args(args)
+    plan = llamacpp.solve_llamacpp(geom, llamacpp.tensors_from_header(args.model), device, req)
+    if args.json:
+        print(json.dumps(llamacpp.plan_document(plan), indent=2))
+    else:
+        print(llamacpp.format_plan(plan))
+        if args.verbose:
+            print(llamacpp.format_verbose(plan))
     return EXIT_OK if plan.fits else EXIT_NOFIT
 
 
@@ -149,6 +169,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the moefit.plan/1 JSON document")
     p.add_argument("--verbose", "-v", action="store_true",
                    help="also show analytic vs exact weight bytes and the staging terms")
+    p.add_argument("--engine", choices=("moefit", "llama.cpp"), default="moefit",
+                   help="whose memory to plan: moefit's runtime (default) or llama-server's "
+                        "(a .gguf model; prints the llama-server command)")
     p.set_defaults(func=cmd_plan)
     p = sub.add_parser("serve", help="commit the plan and serve an OpenAI-compatible API")
     add_plan_flags(p)

@@ -4,7 +4,9 @@ One argparse group per function (:func:`add_model_argument`, :func:`add_device_f
 :func:`add_request_flags`, :func:`add_model_files_flags`, :func:`add_sampling_flags`), so
 a command takes the groups it needs and a new flag has one home. The parsed flags become:
 
-- a :class:`~moefit.plan.request.Request` (:func:`request_from_args`);
+- a :class:`~moefit.plan.request.Request` (:func:`request_from_args`), or llama.cpp's
+  :class:`~moefit.engines.llamacpp.LlamaRequest` for ``plan --engine llama.cpp``
+  (:func:`llama_request_from_args`);
 - a :class:`~moefit.devices.Device`: any device for planning (:func:`device_from_args`),
   a device that can run the model for ``serve``, ``generate``, ``bench`` and ``calibrate``
   (:func:`runnable_device`);
@@ -23,12 +25,16 @@ import sys
 from dataclasses import replace
 
 from moefit.devices import Device, resolve_device
+from moefit.engines.llamacpp import DEFAULT_BATCH as LLAMA_BATCH
+from moefit.engines.llamacpp import DEFAULT_UBATCH as LLAMA_UBATCH
+from moefit.engines.llamacpp import LlamaRequest, kv_types
 from moefit.errors import InputError
 from moefit.ingest.geometry import ModelGeometry
+from moefit.ingest.inputs import is_gguf_file
 from moefit.memory import calibration
 from moefit.memory.kv import KV_FORMATS, kv_name
 from moefit.memory.staging import StagingModel
-from moefit.plan.request import Request, context_limit, parse_prefill
+from moefit.plan.request import Request, context_limit, parse_prefill, resolve_context, validate
 from moefit.plan.solver import Plan, largest_context, solve
 from moefit.units import parse_count
 
@@ -167,22 +173,72 @@ def request_from_args(args: argparse.Namespace) -> Request:
         except ValueError:
             raise InputError(f"--expert-cache {args.expert_cache!r}: expected auto or a "
                              "number of expert slots") from None
-    reserve = None
-    if args.vram_reserve_mib is not None:
-        if not 0 <= args.vram_reserve_mib <= 1 << 30:   # also rejects nan and inf
-            raise InputError(f"--vram-reserve-mib {args.vram_reserve_mib}: expected a "
-                             "non-negative number of MiB (e.g. 512)")
-        reserve = int(args.vram_reserve_mib * (1 << 20))
     return Request(
         max_context=_max_context(args.max_context),
         slots=args.slots, kv=kv_name(args.kv), prefill_mode=mode, prefill_tokens=tokens,
-        prefill_min=args.prefill_min, strict=args.strict, reserve_bytes=reserve,
+        prefill_min=args.prefill_min, strict=args.strict, reserve_bytes=_reserve_bytes(args),
         expert_cache=expert_cache, min_expert_cache=args.min_expert_cache,
         rope_scaling=args.rope_scaling, rope_scale=args.rope_scale,
-        yarn_orig_ctx=(parse_count(args.yarn_orig_ctx, "--yarn-orig-ctx")
-                       if args.yarn_orig_ctx else None),
-        miss_policy=args.miss_policy, arena_slots=args.arena_slots,
+        yarn_orig_ctx=_yarn_orig_ctx(args), miss_policy=args.miss_policy,
+        arena_slots=args.arena_slots,
     )
+
+
+def _reserve_bytes(args: argparse.Namespace) -> int | None:
+    """``--vram-reserve-mib`` in bytes (None: the default margin). Raises InputError."""
+    if args.vram_reserve_mib is None:
+        return None
+    if not 0 <= args.vram_reserve_mib <= 1 << 30:   # also rejects nan and inf
+        raise InputError(f"--vram-reserve-mib {args.vram_reserve_mib}: expected a "
+                         "non-negative number of MiB (e.g. 512)")
+    return int(args.vram_reserve_mib * (1 << 20))
+
+
+def _yarn_orig_ctx(args: argparse.Namespace) -> int | None:
+    return parse_count(args.yarn_orig_ctx, "--yarn-orig-ctx") if args.yarn_orig_ctx else None
+
+
+def llama_request_from_args(geom: ModelGeometry, args: argparse.Namespace) -> LlamaRequest:
+    """Map ``moefit plan --engine llama.cpp`` flags onto llama.cpp's: ``--max-context`` ->
+    ``-c`` (RoPE limits checked as for moefit's plans), ``--prefill`` -> ``-ub``
+    (``auto``: llama.cpp's 512), ``--kv`` -> ``-ctk/-ctv`` (moefit's or llama.cpp's type
+    names, :func:`moefit.engines.llamacpp.kv_types`), ``--parallel`` -> ``-np`` (one cache
+    stream per sequence), ``--vram-reserve-mib`` -> the margin, ``--strict`` /
+    ``--prefill-min`` as for the prefill chunk.
+
+    Raises InputError (exit 2) for a model that is not a GGUF file and for flags that have
+    no llama.cpp meaning (the expert-cache flags, ``--max-context max``)."""
+    if not is_gguf_file(args.model):
+        raise InputError(f"{args.model}: --engine llama.cpp plans a .gguf file (llama.cpp's own "
+                         "format); convert the checkpoint with llama.cpp's convert_hf_to_gguf.py, "
+                         "or drop --engine")
+    if (args.expert_cache.strip().lower() != "auto" or args.min_expert_cache
+            or args.miss_policy != "cpu" or args.arena_slots is not None):
+        raise InputError("--expert-cache / --min-expert-cache / --miss-policy / --arena-slots are "
+                         "moefit runtime flags; with --engine llama.cpp the experts kept on the "
+                         "CPU are chosen as --n-cpu-moe")
+    if wants_max_context(args):
+        raise InputError("--max-context max is not planned with --engine llama.cpp; give a "
+                         "number of tokens (e.g. --max-context 128K)")
+    tk, tv = kv_types(args.kv)
+    mode, tokens = parse_prefill(args.prefill)
+    req = Request(max_context=_max_context(args.max_context), slots=args.slots,
+                  prefill_mode=mode, prefill_tokens=tokens, prefill_min=args.prefill_min,
+                  strict=args.strict, reserve_bytes=_reserve_bytes(args),
+                  rope_scaling=args.rope_scaling, rope_scale=args.rope_scale,
+                  yarn_orig_ctx=_yarn_orig_ctx(args))
+    validate(req)
+    context = resolve_context(geom, req)
+    ub = LLAMA_UBATCH if args.prefill.strip().lower() == "auto" else req.prefill_tokens
+    extra: tuple[str, ...] = ()
+    if req.rope_scaling in ("yarn", "linear"):
+        extra = ("--rope-scaling", req.rope_scaling, "--rope-scale", f"{req.rope_scale:g}")
+        if req.yarn_orig_ctx:
+            extra += ("--yarn-orig-ctx", str(req.yarn_orig_ctx))
+    return LlamaRequest(context=context, slots=req.slots, ubatch=ub, batch=max(LLAMA_BATCH, ub),
+                        type_k=tk, type_v=tv, margin=req.reserve_bytes,
+                        ubatch_min=min(req.prefill_min, ub), strict=req.strict,
+                        gguf=str(args.model), extra_flags=extra)
 
 
 def wants_max_context(args: argparse.Namespace) -> bool:

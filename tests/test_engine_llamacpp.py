@@ -1,0 +1,426 @@
+"""``moefit plan --engine llama.cpp`` against what the real llama.cpp allocated.
+
+``tests/data/llamacpp/*.txt`` were recorded once by ``benchmarks/record_llamacpp.py`` with the
+llama.cpp CPU tools (commit 0c1e570): per model the GGUF metadata (``.meta``) and tensor infos
+(``.tensors``), then per run (``.run`` + the command) the buffer sizes llama.cpp printed. The
+tests rebuild each model's header as a sparse GGUF (no tensor data), plan it with the
+llama.cpp memory model on the CPU backend, and compare: the model buffer and every KV buffer
+at the printed precision (MiB, 2 decimals), the recurrent-state buffer at the printed precision, the KV cells exactly, the compute buffer (printed
+with 4 decimals in the verbose log) within 5%. llama.cpp itself is not needed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+gguf = pytest.importorskip("gguf")
+
+from moefit.devices import Device, find_gpu  # noqa: E402
+from moefit.engines import llamacpp as lc  # noqa: E402
+from moefit.errors import InputError  # noqa: E402
+from moefit.ingest.resolve import load_model  # noqa: E402
+
+DATA = Path(__file__).parent / "data" / "llamacpp"
+RECORDS = sorted(DATA.glob("*.txt"))
+MIB = 1 << 20
+GIB = 1 << 30
+
+
+# ---- recorded runs ------------------------------------------------------------------------------
+def parse_record(path: Path) -> dict:
+    """{"meta": [(key, type, value)], "tensors": [(name, type, ne)], "runs": [(argv, [lines])]}"""
+    out = {"meta": [], "tensors": [], "runs": []}
+    section = None
+    for line in path.read_text().splitlines():
+        if line.startswith("#") or not line.strip():
+            continue
+        if line in (".meta", ".tensors"):
+            section = line[1:]
+        elif line.startswith(".run "):
+            section = "runs"
+            out["runs"].append((shlex.split(line[5:]), []))
+        elif section == "meta":
+            key, kind, value = line.split(" ", 2)
+            out["meta"].append((key, kind, value))
+        elif section == "tensors":
+            name, kind, ne = line.split(" ")
+            out["tensors"].append((name, kind, tuple(int(n) for n in ne.split(","))))
+        elif section == "runs":
+            out["runs"][-1][1].append(line)
+    return out
+
+
+def sparse_gguf(path: Path, meta, tensors) -> Path:
+    """A GGUF with ``meta`` and the infos of ``tensors`` whose data is a hole (``truncate``)."""
+    arch = next(v for k, _, v in meta if k == "general.architecture")
+    w = gguf.GGUFWriter(str(path), arch)
+    for key, kind, value in meta:
+        if key == "general.architecture":
+            continue
+        t = gguf.GGUFValueType[kind]
+        v = value if t == gguf.GGUFValueType.STRING else (
+            float(value) if t in (gguf.GGUFValueType.FLOAT32, gguf.GGUFValueType.FLOAT64) else
+            (value == "True" if t == gguf.GGUFValueType.BOOL else int(value)))
+        w.add_key_value(key, v, t)
+    total = 0
+    for name, kind, ne in tensors:
+        qt = gguf.GGMLQuantizationType[kind]
+        bs, ts = gguf.GGML_QUANT_SIZES[qt]
+        nbytes = int(np.prod(ne)) // bs * ts
+        w.add_tensor_info(name, tuple(reversed(ne)), np.dtype(np.float32), nbytes, raw_dtype=qt)
+        total += -(-nbytes // 32) * 32
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    w.close()
+    os.truncate(path, -(-path.stat().st_size // 32) * 32 + total)
+    return path
+
+
+@pytest.fixture(scope="module")
+def recorded(tmp_path_factory):
+    """name -> (record, geometry, tensors) for every recorded model."""
+    out = {}
+    for path in RECORDS:
+        rec = parse_record(path)
+        f = sparse_gguf(tmp_path_factory.mktemp("gguf") / f"{path.stem}.gguf", rec["meta"], rec["tensors"])
+        out[path.stem] = (rec, load_model(str(f)), lc.tensors_from_header(str(f)))
+    return out
+
+
+def _flag(argv, name, default=None):
+    return argv[argv.index(name) + 1] if name in argv or default is None else default
+
+
+def _mib(line: str) -> str:
+    return re.search(r"=\s*([0-9.]+) MiB", line).group(1)
+
+
+def _runs():
+    for path in RECORDS:
+        for i, (argv, _) in enumerate(parse_record(path)["runs"]):
+            yield pytest.param(path.stem, i, id=f"{path.stem}-c{_flag(argv, '-c')}-ub{_flag(argv, '-ub')}"
+                                               f"-{_flag(argv, '-ctk')}-np{_flag(argv, '-np', '1')}")
+
+
+def test_the_records_cover_three_families_and_several_settings():
+    recs = {p.stem: parse_record(p) for p in RECORDS}
+    archs = {next(v for k, _, v in r["meta"] if k == "general.architecture") for r in recs.values()}
+    assert {"qwen3moe", "gpt-oss", "qwen35moe"} <= archs      # dense attention, SWA, hybrid recurrent
+    kinds = {k for r in recs.values() for _, k, _ in r["tensors"]}
+    assert {"Q8_0", "MXFP4", "Q4_K", "Q6_K"} <= kinds          # quantized experts, llama-quantize's mix
+    for r in recs.values():
+        settings = {(_flag(a, "-c"), _flag(a, "-ub"), _flag(a, "-ctk")) for a, _ in r["runs"]}
+        assert len({c for c, _, _ in settings}) >= 3 and len({u for _, u, _ in settings}) >= 3
+        assert len({t for _, _, t in settings}) >= 3
+
+
+@pytest.mark.parametrize("name,index", list(_runs()))
+def test_plan_equals_what_llamacpp_allocated(recorded, name, index):
+    rec, geom, tensors = recorded[name]
+    argv, lines = rec["runs"][index]
+    ctx, ub, b = int(_flag(argv, "-c")), int(_flag(argv, "-ub")), int(_flag(argv, "-b"))
+    tk, tv = _flag(argv, "-ctk"), _flag(argv, "-ctv")
+    n_seq = int(_flag(argv, "-np", "1"))
+    kv = lc.kv_price(geom, ctx, min(ub, b), tk, tv, lc.CPU, n_seq)
+    ub = min(ub, b, kv.n_ctx)                   # llama.cpp: n_batch = min(n_ctx, n_batch)
+
+    model = next(l for l in lines if "CPU model buffer size" in l)
+    assert f"{lc.cpu_model_buffer(tensors) / MIB:.2f}" == _mib(model)
+
+    kv = lc.kv_price(geom, ctx, ub, tk, tv, lc.CPU, n_seq)
+    assert int(next(m for l in lines if (m := re.search(r"n_ctx\s+= (\d+)", l))).group(1)) == kv.n_ctx
+    printed = [_mib(l) for l in lines if "CPU KV buffer size" in l]
+    cells = [int(re.search(r"\(\s*(\d+) cells", l).group(1)) for l in lines if "llama_kv_cache: size" in l]
+    want = [(kv.bytes_full, kv.cells)] if not kv.swa_layers else [(kv.bytes_full, kv.cells), (kv.bytes_swa, kv.swa_cells)]
+    assert printed == [f"{b / MIB:.2f}" for b, _ in want]
+    assert cells == [c for _, c in want]
+    output = next(l for l in lines if "output buffer size" in l)
+    assert _mib(output) == f"{4 * geom.vocab_size * n_seq / MIB:.2f}"       # logits of one token per sequence
+    rs = [_mib(l) for l in lines if "CPU RS buffer size" in l]
+    assert rs == ([f"{kv.recurrent_bytes / MIB:.2f}"] if kv.recurrent_layers else [])
+
+    measured = float(re.search(r"size is\s+([0-9.]+) MiB", next(l for l in lines if "compute buffer size is" in l)).group(1)) * MIB
+    planned = lc.compute_price(geom, tensors[0].ne[1] if tensors[0].name == "token_embd.weight" else
+                               next(t.ne[1] for t in tensors if t.name == "token_embd.weight"),
+                               ub, kv, tk, tv, lc.CPU).bytes
+    assert abs(planned / measured - 1) <= 0.05, (planned, measured)
+
+
+def test_the_wide_model_measures_the_activations_not_the_logits(recorded):
+    """qwen3moe-wide has a 259-token vocabulary: its compute buffer is the layer phase (KQ mask
+    and activations) in every run, so the per-token activation terms are what is compared."""
+    rec, geom, tensors = recorded["qwen3moe-wide"]
+    assert geom.vocab_size < 300
+    for argv, _ in rec["runs"]:
+        ub = int(_flag(argv, "-ub"))
+        kv = lc.kv_price(geom, int(_flag(argv, "-c")), ub, _flag(argv, "-ctk"), _flag(argv, "-ctv"), lc.CPU)
+        c = lc.compute_price(geom, geom.vocab_size, ub, kv, _flag(argv, "-ctk"), _flag(argv, "-ctv"), lc.CPU)
+        assert c.layer_phase > c.end_phase and c.logits < 0.05 * c.bytes
+
+
+def test_the_long_context_run_is_priced_by_the_layer_phase(recorded):
+    """At 327680 cells and -ub 64 the f16 KQ mask (40 MiB) outgrows the logits (37 MiB): the
+    recorded compute buffer follows the mask, and so does the plan."""
+    rec, geom, tensors = recorded["qwen3moe-q8"]
+    kv = lc.kv_price(geom, 327680, 64, "q4_0", "q4_0", lc.CPU)
+    c = lc.compute_price(geom, 151936, 64, kv, "q4_0", "q4_0", lc.CPU)
+    assert c.layer_phase > c.end_phase and c.mask == 2 * 64 * 327680
+
+
+# ---- CUDA allocation rules (from the source; not measured here) ------------------------------------
+def test_cuda_pads_quantized_rows_to_512_elements_and_aligns_to_128_bytes():
+    # gpt-oss: ne0 = 2880 is not a multiple of 512: + 192 elements of Q8_0 = 6 blocks x 34 B
+    t = lc.Tensor("blk.0.attn_q.weight", "Q8_0", (2880, 4096), 2880 * 4096 // 32 * 34)
+    assert t.alloc_bytes(lc.CUDA) == -(-(t.nbytes + 6 * 34) // 128) * 128
+    assert t.alloc_bytes(lc.CPU) == t.nbytes                  # already 32-aligned, no row padding
+    f = lc.Tensor("blk.0.attn_norm.weight", "F32", (2880,), 2880 * 4)
+    assert f.alloc_bytes(lc.CUDA) == -(-2880 * 4 // 128) * 128   # floats: alignment only
+
+
+def test_cuda_flash_attention_holds_f16_copies_of_a_quantized_cache():
+    g = load_model("Qwen3-30B-A3B")
+    kv = lc.kv_price(g, 32768, 512, "q8_0", "q8_0", lc.CUDA)
+    cuda = lc.compute_price(g, g.vocab_size, 512, kv, "q8_0", "q8_0", lc.CUDA)
+    cpu = lc.compute_price(g, g.vocab_size, 512, kv, "q8_0", "q8_0", lc.CPU)
+    k_dim = 4 * 128                                          # 4 KV heads x 128
+    assert cuda.fa_f16 == 2 * (32768 * k_dim * 2) and cpu.fa_f16 == 0
+    f16 = lc.compute_price(g, g.vocab_size, 512, kv, "f16", "f16", lc.CUDA)
+    assert f16.fa_f16 == 0
+
+
+def test_cuda_copies_a_host_expert_tensor_for_a_large_enough_micro_batch():
+    g = load_model("Qwen3-30B-A3B")
+    kv = lc.kv_price(g, 8192, 512, "f16", "f16", lc.CUDA)
+    big = 64 << 20
+    with_copy = lc.compute_price(g, g.vocab_size, 512, kv, "f16", "f16", lc.CUDA, big)
+    without = lc.compute_price(g, g.vocab_size, 512, kv, "f16", "f16", lc.CUDA)
+    assert with_copy.layer_phase - without.layer_phase == big
+    small = lc.kv_price(g, 8192, 16, "f16", "f16", lc.CUDA)      # below GGML_OP_OFFLOAD_MIN_BATCH
+    assert lc.compute_price(g, g.vocab_size, 16, small, "f16", "f16", lc.CUDA, big).weight_copy == 0
+    assert lc.compute_price(g, g.vocab_size, 512, kv, "f16", "f16", lc.CPU, big).weight_copy == 0
+
+
+def test_mla_caches_the_latent_and_the_rope_key_only():
+    g = load_model("DeepSeek-V2-Lite")
+    kv = lc.kv_price(g, 4000, 512, "f16", "f16", lc.CPU)
+    assert kv.n_ctx == 4096 and kv.full_layers == g.num_layers and set(kv.v_dims) == {0}
+    assert kv.bytes_full == g.num_layers * 4096 * (512 + 64) * 2      # kv_lora_rank + qk_rope_head_dim, f16
+
+
+def test_kv_names_map_to_llamacpp_cache_types():
+    assert lc.kv_types("int8") == ("q8_0", "q8_0")
+    assert lc.kv_types("int4") == ("q4_0", "q4_0")
+    assert lc.kv_types("k8v4") == ("q8_0", "q4_0")
+    assert lc.kv_types("bf16") == ("bf16", "bf16") and lc.kv_types("fp16") == ("f16", "f16")
+    assert lc.kv_types("Q5_1") == ("q5_1", "q5_1")
+    with pytest.raises(InputError, match="--kv"):
+        lc.kv_types("int3")
+
+
+# ---- the Qwen3.5-35B-A3B field case (headers only) ------------------------------------------------
+def qwen35_q4km(path: Path) -> Path:
+    """A header-only GGUF with Qwen3.5-35B-A3B's tensor shapes and a Q4_K_M type mix
+    (llama-quantize's: Q4_K, with Q6_K for the output, half the ffn_down_exps and attn_v;
+    norms, routers and the SSM's small tensors F32)."""
+    g = load_model("Qwen3.5-35B-A3B")
+    h, v = g.hidden_size, g.vocab_size
+    full = next(l.attention for l in g.layers if l.attention.kind == "full")
+    lin = next(l.attention for l in g.layers if l.attention.kind == "linear")
+    moe = g.moe_layers[0].moe
+    a = "qwen35moe"
+    meta = [("general.architecture", "STRING", a), ("general.name", "STRING", "Qwen3.5-35B-A3B-Q4_K_M"),
+            ("general.file_type", "UINT32", "15")]
+    for key, value in {"block_count": g.num_layers, "context_length": 262144, "embedding_length": h,
+                       "attention.head_count": full.num_heads, "attention.head_count_kv": full.num_kv_heads,
+                       "attention.key_length": full.head_dim, "attention.value_length": full.head_dim,
+                       "expert_count": moe.num_experts, "expert_used_count": moe.experts_per_token,
+                       "expert_feed_forward_length": moe.expert_intermediate,
+                       "expert_shared_feed_forward_length": moe.shared_intermediate,
+                       "ssm.conv_kernel": lin.linear_conv_kernel, "ssm.state_size": lin.linear_key_head_dim,
+                       "ssm.group_count": lin.linear_num_key_heads, "ssm.time_step_rank": lin.linear_num_value_heads,
+                       "ssm.inner_size": lin.linear_num_value_heads * lin.linear_value_head_dim,
+                       "full_attention_interval": 4, "rope.dimension_count": full.rotary_dim}.items():
+        meta.append((f"{a}.{key}", "UINT32", str(value)))
+    meta += [(f"{a}.rope.freq_base", "FLOAT32", "10000000.0"),
+             (f"{a}.attention.layer_norm_rms_epsilon", "FLOAT32", "1e-06")]
+    d_inner = lin.linear_num_value_heads * lin.linear_value_head_dim
+    ts = [("token_embd.weight", "Q4_K", (h, v)), ("output_norm.weight", "F32", (h,)), ("output.weight", "Q6_K", (h, v))]
+    for l in g.layers:
+        b = f"blk.{l.index}."
+        ts += [(b + "attn_norm.weight", "F32", (h,)), (b + "post_attention_norm.weight", "F32", (h,))]
+        if l.attention.kind == "full":
+            q = full.num_heads * full.head_dim
+            kvd = full.num_kv_heads * full.head_dim
+            ts += [(b + "attn_q.weight", "Q4_K", (h, 2 * q)), (b + "attn_k.weight", "Q4_K", (h, kvd)),
+                   (b + "attn_v.weight", "Q6_K", (h, kvd)), (b + "attn_output.weight", "Q4_K", (q, h)),
+                   (b + "attn_q_norm.weight", "F32", (full.head_dim,)), (b + "attn_k_norm.weight", "F32", (full.head_dim,))]
+        else:
+            ts += [(b + "attn_qkv.weight", "Q4_K", (h, lin.linear_conv_dim)), (b + "attn_gate.weight", "Q4_K", (h, d_inner)),
+                   (b + "ssm_conv1d.weight", "F32", (lin.linear_conv_kernel, lin.linear_conv_dim)),
+                   (b + "ssm_dt.bias", "F32", (lin.linear_num_value_heads,)), (b + "ssm_a", "F32", (lin.linear_num_value_heads,)),
+                   (b + "ssm_alpha.weight", "Q8_0", (h, lin.linear_num_value_heads)),
+                   (b + "ssm_beta.weight", "Q8_0", (h, lin.linear_num_value_heads)),
+                   (b + "ssm_norm.weight", "F32", (lin.linear_value_head_dim,)), (b + "ssm_out.weight", "Q4_K", (d_inner, h))]
+        e, i = moe.num_experts, moe.expert_intermediate
+        ts += [(b + "ffn_gate_inp.weight", "F32", (h, e)), (b + "ffn_gate_exps.weight", "Q4_K", (h, i, e)),
+               (b + "ffn_up_exps.weight", "Q4_K", (h, i, e)),
+               (b + "ffn_down_exps.weight", "Q6_K" if l.index % 2 == 0 else "Q4_K", (i, h, e)),
+               (b + "ffn_gate_inp_shexp.weight", "F32", (h,)), (b + "ffn_gate_shexp.weight", "Q4_K", (h, moe.shared_intermediate)),
+               (b + "ffn_up_shexp.weight", "Q4_K", (h, moe.shared_intermediate)),
+               (b + "ffn_down_shexp.weight", "Q6_K", (moe.shared_intermediate, h))]
+    return sparse_gguf(path, meta, ts)
+
+
+def moefit(*args):
+    return subprocess.run([sys.executable, "-m", "moefit", *args], capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent / "src")})
+
+
+def test_qwen35_on_a_16gb_card_at_512k_prints_a_command_that_leaves_the_margin_free(tmp_path):
+    f = qwen35_q4km(tmp_path / "Qwen3.5-35B-A3B-Q4_K_M.gguf")
+    # 512K is twice the trained window: YaRN x2, as in the README's field scenario
+    r = moefit("plan", str(f), "--engine", "llama.cpp", "--gpu", "RTX 5060 Ti 16GB", "--max-context", "512K",
+               "--kv", "int8", "--rope-scaling", "yarn", "--rope-scale", "2")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.rstrip().endswith("--rope-scaling yarn --rope-scale 2")
+    cmd = next(l for l in r.stdout.splitlines() if l.startswith("command  ")).split()[1:]
+    assert cmd[0] == "llama-server" and _flag(cmd, "-m") == str(f)
+    assert (_flag(cmd, "-c"), _flag(cmd, "-np"), _flag(cmd, "-ctk"), _flag(cmd, "-ctv"), _flag(cmd, "-fa"), _flag(cmd, "-ngl")) == \
+        ("524288", "1", "q8_0", "q8_0", "on", "999")
+    ub, k = int(_flag(cmd, "-ub")), int(_flag(cmd, "--n-cpu-moe"))
+    # re-price the command's settings line by line: everything but the margin fits
+    device = find_gpu("RTX 5060 Ti 16GB")
+    geom, tensors = load_model(str(f)), lc.tensors_from_header(str(f))
+    buffers = lc.model_buffers(tensors, lc.CUDA)
+    kv = lc.kv_price(geom, 524288, ub, "q8_0", "q8_0", lc.CUDA)
+    # experts on the host: a micro-batch copies the largest expert tensor into the compute buffer
+    comp = lc.compute_price(geom, geom.vocab_size, ub, kv, "q8_0", "q8_0", lc.CUDA, buffers.largest_expert_tensor)
+    assert comp.weight_copy == buffers.largest_expert_tensor > 0
+    experts = sum(b for layer, b in buffers.experts if layer >= k)
+    margin = lc.default_reserve_bytes(device)
+    used = lc.runtime_bytes(device) + buffers.device + kv.kv_bytes + kv.recurrent_bytes + comp.bytes + experts
+    assert used + margin <= device.free_bytes
+    # and one more layer of experts on the GPU would eat into the margin (K is the smallest)
+    more = sum(b for layer, b in buffers.experts if layer == k - 1)
+    assert used + more + margin > device.free_bytes
+    assert kv.full_layers == 10 and kv.recurrent_layers == 30 and kv.cells == 524288
+    assert 0 < k < geom.num_layers
+
+
+def test_the_json_document_carries_the_command_and_the_lines(tmp_path):
+    f = qwen35_q4km(tmp_path / "q.gguf")
+    r = moefit("plan", str(f), "--engine", "llama.cpp", "--vram", "24GiB", "--device", "cuda:0",
+               "--max-context", "64K", "--kv", "q4_0", "--json")
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert doc["engine"] == "llama.cpp" and doc["command"].startswith("llama-server ")
+    lines = doc["devices"][0]["lines"]
+    assert [l["key"] for l in lines] == [k for k, _ in lc.LINES]
+    assert sum(l["bytes"] for l in lines) + doc["devices"][0]["unassigned_bytes"] == doc["devices"][0]["free_bytes"]
+
+
+def _solve(geom, tensors, vram, **kw):
+    dev = Device(label="cuda:0", description="what-if", kind="cuda", capacity_bytes=vram, free_bytes=vram,
+                 simulated=True)
+    return lc.solve_llamacpp(geom, tensors, dev, lc.LlamaRequest(**kw))
+
+
+@pytest.fixture(scope="module")
+def qwen35(tmp_path_factory):
+    f = qwen35_q4km(tmp_path_factory.mktemp("q35") / "q.gguf")
+    return load_model(str(f)), lc.tensors_from_header(str(f))
+
+
+def test_more_vram_keeps_fewer_layers_of_experts_on_the_cpu(qwen35):
+    geom, tensors = qwen35
+    ks = [_solve(geom, tensors, v * GIB, context=65536).n_cpu_moe for v in (12, 16, 24, 32, 48)]
+    assert ks == sorted(ks, reverse=True) and ks[0] > ks[-1]
+    assert _solve(geom, tensors, 48 * GIB, context=65536).n_cpu_moe == 0
+
+
+def test_ubatch_is_clamped_on_the_grid_when_the_mandatory_lines_do_not_fit(qwen35):
+    geom, tensors = qwen35
+    kw = dict(context=65536, ubatch=4096, margin=512 * MIB)
+    base = _solve(geom, tensors, 64 * GIB, **kw)
+    need = sum(l.bytes for l in base.lines if l.key != "experts")
+    small = _solve(geom, tensors, need - 256 * MIB, **kw)
+    assert small.fits and small.ubatch < 4096 and small.ubatch % lc.UB_GRID == 0
+    assert small.n_cpu_moe == max(l for l, _ in lc.model_buffers(tensors, lc.CUDA).experts) + 1
+    assert any("clamped" in n for n in small.notes)
+    strict = _solve(geom, tensors, need - 256 * MIB, **kw, strict=True)
+    assert not strict.fits
+
+
+def test_a_plan_that_does_not_fit_offers_checked_alternatives(qwen35, tmp_path):
+    geom, tensors = qwen35
+    plan = _solve(geom, tensors, 4 * GIB, context=524288, type_k="f16", type_v="f16")
+    assert not plan.fits and plan.shortfall_bytes > 0
+    flags = dict(plan.alternatives)
+    assert "--max-context" in flags
+    assert _solve(geom, tensors, 4 * GIB, context=int(flags["--max-context"]), type_k="f16", type_v="f16").fits
+    assert not _solve(geom, tensors, 4 * GIB, context=int(flags["--max-context"]) + 256,
+                      type_k="f16", type_v="f16").fits
+
+
+def test_engine_flag_needs_a_gguf_and_a_known_kv_type(tmp_path):
+    r = moefit("plan", "Qwen3-30B-A3B", "--engine", "llama.cpp", "--vram", "16GiB")
+    assert r.returncode == 2 and ".gguf" in r.stderr and "Traceback" not in r.stderr
+    f = qwen35_q4km(tmp_path / "q.gguf")
+    r = moefit("plan", str(f), "--engine", "llama.cpp", "--vram", "16GiB", "--kv", "int3")
+    assert r.returncode == 2 and "--kv" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_slots_become_streams_of_the_cache_and_the_command_names_them(qwen35):
+    geom, tensors = qwen35
+    one = _solve(geom, tensors, 80 * GIB, context=65536)
+    two = _solve(geom, tensors, 80 * GIB, context=65536, slots=2)
+    assert two.line("kv").bytes == 2 * one.line("kv").bytes
+    assert two.line("state").bytes == 2 * one.line("state").bytes
+    assert "-c 131072 -np 2 " in two.command and "-c 65536 -np 1 " in one.command
+    assert two.host["output"] == 2 * one.host["output"]
+
+
+@pytest.mark.parametrize("flags", [["--parallel", "0"], ["--expert-cache", "8"], ["--miss-policy", "copy"],
+                                   ["--vram-reserve-mib", "-1"], ["--max-context", "1M"],
+                                   ["--max-context", "max"], ["--arena-slots", "4"]])
+def test_flags_without_a_llamacpp_meaning_exit_2(tmp_path, flags):
+    f = qwen35_q4km(tmp_path / "q.gguf")
+    r = moefit("plan", str(f), "--engine", "llama.cpp", "--vram", "16GiB", *flags)
+    assert r.returncode == 2 and flags[0] in r.stderr and "Traceback" not in r.stderr
+
+
+def test_default_engine_is_moefit_and_its_plan_is_unchanged():
+    a = moefit("plan", "Qwen3-30B-A3B", "--vram", "16GiB", "--max-context", "32K")
+    b = moefit("plan", "Qwen3-30B-A3B", "--vram", "16GiB", "--max-context", "32K", "--engine", "moefit")
+    assert a.returncode == b.returncode == 0 and a.stdout == b.stdout and "expert cache" in a.stdout
+
+
+def test_the_readme_example_is_what_the_plan_prints(tmp_path):
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    rest = readme[readme.index("## llama.cpp plans"):]
+    command, printed = re.findall(r"```[a-z]*\n(.*?)```", rest, re.S)[:2]
+    args = shlex.split(command.strip().split("moefit ", 1)[1])
+    qwen35_q4km(tmp_path / args[1])
+    r = subprocess.run([sys.executable, "-m", "moefit", *args], capture_output=True, text=True, cwd=tmp_path,
+                       env={**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent / "src")})
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == printed.strip()
+
+
+def test_verbose_shows_both_phases_and_every_moe_layer(qwen35):
+    geom, tensors = qwen35
+    plan = _solve(geom, tensors, 16 * GIB, context=131072)
+    assert plan.line("compute").bytes == max(plan.compute.end_phase, plan.compute.layer_phase)
+    text = lc.format_verbose(plan)
+    assert "end of graph" in text and "a layer" in text and "recurrent" in text
+    assert text.splitlines()[-1].count(":") - 1 == len(geom.moe_layers)     # "layer:bytes" per MoE layer
