@@ -2,8 +2,8 @@
 
 The kernels quantize the activations per 32 values (as llama.cpp's CPU backend does), so
 quantized types are not bit-equal to the reference: the largest error measured on these
-random matrices is 0.4-0.8% of the largest output (every type, one and three rows); the
-bound is twice that. Float weights multiply fp32 activations: rounding only.
+random matrices is 0.5-1.1% of the largest output (every type, one and three rows; the
+most for Q4_K, whose activations share one scale per 256 values); the bound is twice that. Float weights multiply fp32 activations: rounding only.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from moefit.runtime.quant import StoredExpert, dequantize  # noqa: E402
 pytestmark = pytest.mark.skipif(not qm.available(), reason=f"C kernels: {qm.unavailable_reason()}")
 
 T = gguf.GGMLQuantizationType
-QUANT_BOUND = 0.016      # 2 x the measured 0.8% (activation quantized to int8 per 32 values)
+QUANT_BOUND = 0.022      # 2 x the measured 1.1% (activation quantized to int8 per 32 / 256 values)
 FLOAT_BOUND = 1e-5
 #: byte ranges of each block's scale fields, set to sane values in random blocks
 SCALES = {"Q8_0": [(0, 2)], "Q4_0": [(0, 2)], "Q4_1": [(0, 4)], "Q5_0": [(0, 2)], "Q5_1": [(0, 4)],
@@ -79,6 +79,19 @@ def test_gemm_matches_dequantize_then_multiply(qtype, n):
     xb = x.bfloat16()
     got_b = qm.gemm(xb, torch.from_numpy(raw.reshape(-1)), qtype, rows, cols, threads=2)
     assert rel_err(got_b, xb.double() @ w.T) < bound
+
+
+@pytest.mark.parametrize("qtype", sorted(set(qm.CTYPES) - {"Q4_K", "Q5_K", "Q6_K"}))
+def test_gemm_rows_of_any_block_count(qtype):
+    """Rows of 1 to 9 blocks of 32: the vector paths take 4, 2 and 1 blocks at a time, so
+    every remainder runs."""
+    for cols in (32, 64, 96, 160, 224, 288):
+        raw = random_matrix(qtype, 8, cols, seed=cols)
+        w = reference_weights(raw, qtype, 8, cols)
+        x = torch.randn(2, cols, generator=torch.Generator().manual_seed(cols)).bfloat16()
+        got = qm.gemm(x, torch.from_numpy(raw.reshape(-1)), qtype, 8, cols, threads=1)
+        bound = FLOAT_BOUND if qtype in ("F32", "F16", "BF16") else QUANT_BOUND
+        assert rel_err(got, x.double() @ w.T) < bound, cols
 
 
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_K", "Q6_K"])

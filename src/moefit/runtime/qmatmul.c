@@ -22,7 +22,7 @@
 #endif
 
 #ifndef PREFETCH
-#define PREFETCH 2048
+#define PREFETCH 8192
 #endif
 
 enum { T_F32 = 0, T_F16 = 1, T_BF16 = 2, T_Q8_0 = 3, T_Q4_0 = 4, T_Q4_K = 5, T_Q5_K = 6, T_Q6_K = 7,
@@ -51,8 +51,10 @@ static inline float e8m0_half(uint8_t e) {   /* ggml_e8m0_to_fp32_half */
     float f; memcpy(&f, &bits, 4); return f;
 }
 
-/* ---- activations: fp32 [K] -> int8 q [K], fp32 d [K/32], int32 s16 [K/16] ------------------- */
-typedef struct { int8_t *q; float *d; int32_t *s16; int8_t *qk; float *dk; int32_t *sk16; } qact;
+/* ---- activations: fp32 [K] -> int8 q [K], fp32 d [K/32], fp32 dsy [K/32] (d x the block's
+ * sum of q), int16 s16 [K/16] (sums of q per 16 values); the K-quant form: int8 qk [K], fp32
+ * dk [K/256], int16 sk16 [K/16] ------------------------------------------------------------ */
+typedef struct { int8_t *q; float *d; float *dsy; int16_t *s16; int8_t *qk; float *dk; int16_t *sk16; } qact;
 
 /* The K-quant form (ggml's Q8_K): one scale per 256 values, so a super-block's sub-block
  * products add up in integers; sums per 16 values. Filled when K is a multiple of 256. */
@@ -70,7 +72,7 @@ static void quantize_act_k(const float *x, int K, qact a) {
                 a.qk[256 * b + i] = (int8_t)q;
                 sg += q;
             }
-            a.sk16[16 * b + g] = sg;
+            a.sk16[16 * b + g] = (int16_t)sg;
         }
     }
 }
@@ -89,7 +91,8 @@ static void quantize_act(const float *x, int K, qact a) {
             a.q[32 * b + i] = (int8_t)q;
             if (i < 16) s0 += q; else s1 += q;
         }
-        a.s16[2 * b] = s0; a.s16[2 * b + 1] = s1;
+        a.s16[2 * b] = (int16_t)s0; a.s16[2 * b + 1] = (int16_t)s1;
+        a.dsy[b] = d * (float)(s0 + s1);
     }
 }
 
@@ -125,10 +128,305 @@ static inline __m256i lut16(__m256i idx, const int8_t *tab) {
 }
 #endif
 
+
+/* ---- AVX-512 (F, BW, VL, DQ, VNNI): 64 bytes of weights per step ------------------------------
+ * Unsigned weight values u = stored value + offset (Q4_0: nibble = value + 8; Q8_0: value xor
+ * 0x80 = value + 128; IQ4_NL / MXFP4: table value + 128), multiplied by the signed activation
+ * q with vpdpbusd; the offset comes back out through dsy (d x sum of q of the block):
+ * sum(value * q) * d_w * d = (sum(u * q) - offset * sum(q)) * d_w * d. */
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__) && defined(__AVX512VNNI__)
+#define HAVE512 1
+static const uint8_t KV_IQ4NL_U[16] = {1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241};
+static const uint8_t KV_MXFP4_U[16] = {128, 129, 130, 131, 132, 134, 136, 140, 128, 127, 126, 125, 124, 122, 120, 116};
+
+static inline float hsum16(__m512 v) { return _mm512_reduce_add_ps(v); }
+static inline __m512 pair_scale(float s0, float s1) {
+    return _mm512_insertf32x8(_mm512_set1_ps(s0), _mm256_set1_ps(s1), 1);
+}
+/* nibbles of two 16-byte runs -> 64 u8 [lo(p0) | hi(p0) | lo(p1) | hi(p1)]: values 0..31 of
+ * the block at p0, then those of the block at p1 */
+static inline __m512i nib2(const uint8_t *p0, const uint8_t *p1) {
+    __m256i t = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)p0)),
+                                        _mm_loadu_si128((const __m128i *)p1), 1);
+    __m256i m = _mm256_set1_epi8(0x0f);
+    __m256i lo = _mm256_and_si256(t, m), hi = _mm256_and_si256(_mm256_srli_epi16(t, 4), m);
+    return _mm512_permutex2var_epi64(_mm512_castsi256_si512(lo), _mm512_set_epi64(11, 10, 3, 2, 9, 8, 1, 0),
+                                     _mm512_castsi256_si512(hi));
+}
+
+/* vpermi2b indices of the 4-bit block types (dot_b32_512), per type: the nibbles of 4 blocks,
+ * their scales (d's, then m's) and 5th bits, out of [w, w + 64) and [w + 4bs - 64, w + 4bs) */
+static uint8_t PERM_IDX[16][192];
+static void perm_init(void) {
+    static const int types[] = {T_Q4_0, T_Q4_1, T_Q5_0, T_Q5_1, T_IQ4_NL, T_MXFP4};
+    for (int n = 0; n < 6; n++) {
+        int t = types[n];
+        int bs = t == T_Q4_0 || t == T_IQ4_NL ? 18 : t == T_Q4_1 ? 20 : t == T_Q5_0 ? 22 : t == T_Q5_1 ? 24 : 17;
+        int off = t == T_Q4_1 ? 4 : t == T_MXFP4 ? 1 : t == T_Q5_0 ? 6 : t == T_Q5_1 ? 8 : 2;
+        int base2 = 4 * bs - 64;
+        uint8_t *ix = PERM_IDX[t];
+        for (int j = 0; j < 64; j++) {
+            int o = (j / 16) * bs + off + j % 16;
+            ix[j] = (uint8_t)(o < 64 ? o : 64 + o - base2);
+            int os = ((j / 2) % 4) * bs + (j < 8 ? 0 : 2) + j % 2;   /* d's, then m's */
+            ix[64 + j] = (uint8_t)(os < 64 ? os : 64 + os - base2);
+            int oh = ((j / 4) % 4) * bs + off - 4 + j % 4;
+            ix[128 + j] = (uint8_t)(oh < 64 ? oh : 64 + oh - base2);
+        }
+    }
+}
+
+/* the 32 integer values of one block of a 32-block type (Q4_1 / Q5_1: before the min) */
+static __attribute__((noinline)) void block_values(int t, const uint8_t *w, int8_t v[32]) {
+    int off = t == T_Q4_1 ? 4 : t == T_MXFP4 ? 1 : t == T_Q5_0 ? 6 : t == T_Q5_1 ? 8 : 2;
+    if (t == T_Q8_0) { memcpy(v, w + 2, 32); return; }
+    uint32_t qh = 0;
+    if (t == T_Q5_0 || t == T_Q5_1) memcpy(&qh, w + off - 4, 4);
+    for (int i = 0; i < 16; i++) {
+        int lo = w[off + i] & 15, hi = w[off + i] >> 4;
+        if (t == T_IQ4_NL) { lo = KV_IQ4NL[lo]; hi = KV_IQ4NL[hi]; }
+        else if (t == T_MXFP4) { lo = KV_MXFP4[lo]; hi = KV_MXFP4[hi]; }
+        else if (t == T_Q5_0 || t == T_Q5_1) { lo |= ((qh >> i) & 1) << 4; hi |= ((qh >> (i + 16)) & 1) << 4; }
+        if (t == T_Q4_0) { lo -= 8; hi -= 8; } else if (t == T_Q5_0) { lo -= 16; hi -= 16; }
+        v[i] = (int8_t)lo; v[i + 16] = (int8_t)hi;
+    }
+}
+
+/* blocks of 32: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, MXFP4 */
+static float dot_b32_512(int t, const uint8_t *w, qact a, int nb) {
+    int bs = t == T_Q8_0 ? 34 : t == T_Q4_0 || t == T_IQ4_NL ? 18 : t == T_Q4_1 ? 20 : t == T_Q5_0 ? 22
+           : t == T_Q5_1 ? 24 : 17;
+    int off = t == T_Q4_1 ? 4 : t == T_MXFP4 ? 1 : t == T_Q5_0 ? 6 : t == T_Q5_1 ? 8 : 2;
+    float offset = t == T_Q4_0 ? 8.f : t == T_Q5_0 ? 16.f : (t == T_Q4_1 || t == T_Q5_1) ? 0.f : 128.f;
+    int lut = t == T_IQ4_NL || t == T_MXFP4, mins = t == T_Q4_1 || t == T_Q5_1;
+    __m512i tab = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(t == T_IQ4_NL ? KV_IQ4NL_U : KV_MXFP4_U)));
+    __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+    float corr = 0.f, mcorr = 0.f;
+    int b = 0;
+    /* 4-bit types (not Q8_0): 4 blocks per step, picked out of two 64-byte loads with vpermi2b
+     * (nibbles, the 5th bits of Q5_0 / Q5_1, the scales), so no load straddles a block */
+    if (t != T_Q8_0) {
+        int base2 = 4 * bs - 64;                   /* the second load covers [4bs - 64, 4bs) */
+        const uint8_t *ix = PERM_IDX[t];
+        const __m512i vnib = _mm512_loadu_si512(ix), vsc = _mm512_loadu_si512(ix + 64), vh = _mm512_loadu_si512(ix + 128);
+        const __m512i q01 = _mm512_set_epi64(11, 10, 3, 2, 9, 8, 1, 0), q23 = _mm512_set_epi64(15, 14, 7, 6, 13, 12, 5, 4);
+        const __m512i m4 = _mm512_set1_epi8(0x0f);
+        const __m512i sel0 = _mm512_inserti64x4(_mm512_set1_epi32(0), _mm256_set1_epi32(1), 1);
+        const __m512i sel1 = _mm512_inserti64x4(_mm512_set1_epi32(2), _mm256_set1_epi32(3), 1);
+        __m128 cv = _mm_setzero_ps(), mv = _mm_setzero_ps();
+        for (; b + 4 <= nb; b += 4, w += 4 * bs) {
+            _mm_prefetch((const char *)(w + PREFETCH), _MM_HINT_T0);
+            _mm_prefetch((const char *)(w + PREFETCH + 64), _MM_HINT_T0);
+            __m512i la = _mm512_loadu_si512((const void *)w), lb = _mm512_loadu_si512((const void *)(w + base2));
+            __m512i nib = _mm512_permutex2var_epi8(la, vnib, lb);
+            __m512i lo = _mm512_and_si512(nib, m4), hi = _mm512_and_si512(_mm512_srli_epi16(nib, 4), m4);
+            __m512i u0 = _mm512_permutex2var_epi64(lo, q01, hi), u1 = _mm512_permutex2var_epi64(lo, q23, hi);
+            if (lut) { u0 = _mm512_shuffle_epi8(tab, u0); u1 = _mm512_shuffle_epi8(tab, u1); }
+            if (t == T_Q5_0 || t == T_Q5_1) {
+                __m128i hq = _mm512_castsi512_si128(_mm512_permutex2var_epi8(la, vh, lb));
+                uint64_t h01 = (uint64_t)_mm_cvtsi128_si64(hq), h23 = (uint64_t)_mm_extract_epi64(hq, 1);
+                u0 = _mm512_or_si512(u0, _mm512_maskz_mov_epi8((__mmask64)h01, _mm512_set1_epi8(16)));
+                u1 = _mm512_or_si512(u1, _mm512_maskz_mov_epi8((__mmask64)h23, _mm512_set1_epi8(16)));
+            }
+            __m128i sq = _mm512_castsi512_si128(_mm512_permutex2var_epi8(la, vsc, lb));
+            __m128 dw;
+            if (t == T_MXFP4) {
+                __m128i e = _mm_cvtepu8_epi32(_mm_shuffle_epi8(sq, _mm_setr_epi8(0, 2, 4, 6, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1)));
+                __m128i big = _mm_slli_epi32(_mm_sub_epi32(e, _mm_set1_epi32(1)), 23);
+                __m128i small = _mm_sllv_epi32(_mm_set1_epi32(0x00200000), e);
+                dw = _mm_castsi128_ps(_mm_blendv_epi8(big, small, _mm_cmpgt_epi32(_mm_set1_epi32(2), e)));
+            } else dw = _mm_cvtph_ps(sq);
+            __m128 dsy = _mm_loadu_ps(a.dsy + b);
+            cv = _mm_fmadd_ps(dw, dsy, cv);
+            if (mins) mv = _mm_fmadd_ps(_mm_cvtph_ps(_mm_srli_si128(sq, 8)), dsy, mv);
+            __m512 s4 = _mm512_castps128_ps512(_mm_mul_ps(dw, _mm_loadu_ps(a.d + b)));
+            __m512i p0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u0, _mm512_loadu_si512((const void *)(a.q + 32 * b)));
+            __m512i p1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u1, _mm512_loadu_si512((const void *)(a.q + 32 * b + 64)));
+            acc0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p0), _mm512_permutexvar_ps(sel0, s4), acc0);
+            acc1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p1), _mm512_permutexvar_ps(sel1, s4), acc1);
+        }
+        __m128 c2 = _mm_add_ps(cv, _mm_movehl_ps(cv, cv)), m2 = _mm_add_ps(mv, _mm_movehl_ps(mv, mv));
+        corr += _mm_cvtss_f32(_mm_add_ss(c2, _mm_movehdup_ps(c2)));
+        mcorr += _mm_cvtss_f32(_mm_add_ss(m2, _mm_movehdup_ps(m2)));
+    }
+    for (; b + 2 <= nb; b += 2, w += 2 * bs) {
+        _mm_prefetch((const char *)(w + PREFETCH), _MM_HINT_T0);
+        _mm_prefetch((const char *)(w + PREFETCH + 64), _MM_HINT_T0);
+        const uint8_t *w1 = w + bs;
+        __m512i u;
+        if (t == T_Q8_0) {
+            u = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(w + 2))),
+                                   _mm256_loadu_si256((const __m256i *)(w1 + 2)), 1);
+            u = _mm512_xor_si512(u, _mm512_set1_epi8((char)0x80));
+        } else {
+            u = nib2(w + off, w1 + off);
+            if (lut) u = _mm512_shuffle_epi8(tab, u);
+            if (t == T_Q5_0 || t == T_Q5_1) {
+                uint32_t h0, h1; memcpy(&h0, w + off - 4, 4); memcpy(&h1, w1 + off - 4, 4);
+                __mmask64 hm = (__mmask64)h0 | ((__mmask64)h1 << 32);
+                u = _mm512_or_si512(u, _mm512_maskz_mov_epi8(hm, _mm512_set1_epi8(16)));
+            }
+        }
+        __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, _mm512_loadu_si512((const void *)(a.q + 32 * b)));
+        float d0 = t == T_MXFP4 ? e8m0_half(w[0]) : fp16_to_f32(rd16(w));
+        float d1 = t == T_MXFP4 ? e8m0_half(w1[0]) : fp16_to_f32(rd16(w1));
+        __m512 sc = pair_scale(d0 * a.d[b], d1 * a.d[b + 1]);
+        if (b & 2) acc1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), sc, acc1);
+        else acc0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), sc, acc0);
+        corr += d0 * a.dsy[b] + d1 * a.dsy[b + 1];
+        if (mins) mcorr += fp16_to_f32(rd16(w + 2)) * a.dsy[b] + fp16_to_f32(rd16(w1 + 2)) * a.dsy[b + 1];
+    }
+    float sum = hsum16(_mm512_add_ps(acc0, acc1)) - offset * corr + mcorr;
+    for (; b < nb; b++, w += bs) {        /* an odd last block */
+        int8_t v[32];
+        block_values(t, w, v);
+        int s = 0;
+        for (int i = 0; i < 32; i++) s += v[i] * a.q[32 * b + i];
+        float d = (t == T_MXFP4 ? e8m0_half(w[0]) : fp16_to_f32(rd16(w))) * a.d[b];
+        sum += d * s;
+        if (mins) sum += fp16_to_f32(rd16(w + 2)) * a.dsy[b];
+    }
+    return sum;
+}
+
+/* Q4_K, Q5_K: 8 sub-blocks of 32 per super-block, 6-bit scales and mins (ggml's kmask unpacking) */
+static inline void k4_scales(const uint8_t *sc, uint8_t scm[16]) {
+    uint32_t u4[4];
+    memcpy(u4, sc, 12);
+    u4[3] = ((u4[2] >> 4) & 0x0f0f0f0fu) | (((u4[1] >> 6) & 0x03030303u) << 4);
+    uint32_t aux = u4[1] & 0x3f3f3f3fu;
+    u4[1] = (u4[2] & 0x0f0f0f0fu) | (((u4[0] >> 6) & 0x03030303u) << 4);
+    u4[2] = aux;
+    u4[0] &= 0x3f3f3f3fu;
+    memcpy(scm, u4, 16);
+}
+
+static float dot_k45_512(int t, const uint8_t *w, qact a, int K) {
+    int bs = t == T_Q4_K ? 144 : 176;
+    __m512 acc = _mm512_setzero_ps();
+    __m256 macc = _mm256_setzero_ps();
+    const __m512i m4 = _mm512_set1_epi8(0x0f);
+    /* int16 lane i of the scale vector of sub-blocks (2p, 2p+1): scale 2p for lanes 0..15 */
+    const __m512i sel0 = _mm512_set_epi16(1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1, 0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0);
+    for (int sb = 0; sb < K / 256; sb++, w += bs) {
+        for (int c = 0; c < bs; c += 64) _mm_prefetch((const char *)(w + PREFETCH + c), _MM_HINT_T0);
+        float dy = a.dk[sb], d = fp16_to_f32(rd16(w)) * dy, dmin = fp16_to_f32(rd16(w + 2)) * dy;
+        const uint8_t *qh = w + 16, *qs = w + (t == T_Q4_K ? 16 : 48);
+        const int8_t *y = a.qk + 256 * sb;
+        uint8_t scm[16];
+        k4_scales(w + 4, scm);
+        __m128i s8 = _mm_loadu_si128((const __m128i *)scm);
+        __m512i sc16 = _mm512_castsi128_si512(_mm_cvtepu8_epi16(s8));     /* 8 scales as int16 */
+        /* mins: sum_j m_j * (sum of q over sub-block j) = madd(m per 16 values, sums per 16) */
+        __m128i m16 = _mm_cvtepu8_epi16(_mm_srli_si128(s8, 8));
+        __m256i mm = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_unpacklo_epi16(m16, m16)),
+                                             _mm_unpackhi_epi16(m16, m16), 1);
+        __m256i ms = _mm256_madd_epi16(mm, _mm256_loadu_si256((const __m256i *)(a.sk16 + 16 * sb)));
+        macc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ms), _mm256_set1_ps(dmin), macc);
+        __m512i isum = _mm512_setzero_si512();
+        __m256i hb = t == T_Q5_K ? _mm256_loadu_si256((const __m256i *)qh) : _mm256_setzero_si256();
+#define K45_STEP(P)                                                                                   \
+        {                                                                                             \
+            __m512i raw = _mm512_loadu_si512((const void *)(qs + 64 * (P)));                          \
+            __m512i lo = _mm512_and_si512(raw, m4), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), m4); \
+            __m512i va = _mm512_shuffle_i64x2(lo, hi, 0x44), vb = _mm512_shuffle_i64x2(lo, hi, 0xEE);  \
+            if (t == T_Q5_K) {                                                                        \
+                __m512i h = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_srli_epi16(hb, 4 * (P))),  \
+                                               _mm256_srli_epi16(hb, 4 * (P) + 1), 1);                \
+                __m512i h2 = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_srli_epi16(hb, 4 * (P) + 2)), \
+                                                _mm256_srli_epi16(hb, 4 * (P) + 3), 1);               \
+                va = _mm512_or_si512(va, _mm512_slli_epi16(_mm512_and_si512(h, _mm512_set1_epi8(1)), 4)); \
+                vb = _mm512_or_si512(vb, _mm512_slli_epi16(_mm512_and_si512(h2, _mm512_set1_epi8(1)), 4)); \
+            }                                                                                         \
+            __m512i pa = _mm512_maddubs_epi16(va, _mm512_loadu_si512((const void *)(y + 128 * (P))));  \
+            __m512i pb = _mm512_maddubs_epi16(vb, _mm512_loadu_si512((const void *)(y + 128 * (P) + 64))); \
+            __m512i sa = _mm512_permutexvar_epi16(_mm512_add_epi16(sel0, _mm512_set1_epi16(4 * (P))), sc16); \
+            __m512i sbv = _mm512_permutexvar_epi16(_mm512_add_epi16(sel0, _mm512_set1_epi16(4 * (P) + 2)), sc16); \
+            isum = _mm512_dpwssd_epi32(isum, pa, sa);                                                 \
+            isum = _mm512_dpwssd_epi32(isum, pb, sbv);                                                \
+        }
+        K45_STEP(0)
+        K45_STEP(1)
+#undef K45_STEP
+        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_set1_ps(d), acc);
+    }
+    return hsum16(acc) - hsum8(macc);
+}
+
+/* Q6_K: 16 sub-blocks of 16, int8 scales, values q - 32 */
+static float dot_q6k_512(const uint8_t *w, qact a, int K) {
+    __m512 acc = _mm512_setzero_ps();
+    __m256 oacc = _mm256_setzero_ps();
+    const __m512i m4 = _mm512_set1_epi8(0x0f), m2 = _mm512_set1_epi8(3);
+    /* int16 lane i of the scale vector of values 64g .. 64g+63: scale 4g + i / 8 */
+    const __m512i sel = _mm512_set_epi16(3,3,3,3,3,3,3,3, 2,2,2,2,2,2,2,2, 1,1,1,1,1,1,1,1, 0,0,0,0,0,0,0,0);
+    for (int sb = 0; sb < K / 256; sb++, w += 210) {
+        for (int c = 0; c < 210; c += 64) _mm_prefetch((const char *)(w + PREFETCH + c), _MM_HINT_T0);
+        const uint8_t *ql = w, *qh = w + 128;
+        float d = fp16_to_f32(rd16(w + 208)) * a.dk[sb];
+        const int8_t *y = a.qk + 256 * sb;
+        __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w + 192)));   /* 16 scales */
+        __m256i os = _mm256_madd_epi16(sc16, _mm256_loadu_si256((const __m256i *)(a.sk16 + 16 * sb)));
+        oacc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(os), _mm256_set1_ps(32.f * d), oacc);
+        __m512i scw = _mm512_castsi256_si512(sc16);
+        __m512i isum = _mm512_setzero_si512();
+        for (int h = 0; h < 2; h++) {
+            __m512i L = _mm512_loadu_si512((const void *)(ql + 64 * h));
+            __m256i H = _mm256_loadu_si256((const __m256i *)(qh + 32 * h));
+            __m512i ha = _mm512_inserti64x4(_mm512_castsi256_si512(H), _mm256_srli_epi16(H, 2), 1);
+            __m512i hb = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_srli_epi16(H, 4)), _mm256_srli_epi16(H, 6), 1);
+            __m512i va = _mm512_or_si512(_mm512_and_si512(L, m4), _mm512_slli_epi16(_mm512_and_si512(ha, m2), 4));
+            __m512i vb = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(L, 4), m4),
+                                         _mm512_slli_epi16(_mm512_and_si512(hb, m2), 4));
+            __m512i pa = _mm512_maddubs_epi16(va, _mm512_loadu_si512((const void *)(y + 128 * h)));
+            __m512i pb = _mm512_maddubs_epi16(vb, _mm512_loadu_si512((const void *)(y + 128 * h + 64)));
+            __m512i sa = _mm512_permutexvar_epi16(_mm512_add_epi16(sel, _mm512_set1_epi16(8 * h)), scw);
+            __m512i sbv = _mm512_permutexvar_epi16(_mm512_add_epi16(sel, _mm512_set1_epi16(8 * h + 4)), scw);
+            isum = _mm512_dpwssd_epi32(isum, pa, sa);
+            isum = _mm512_dpwssd_epi32(isum, pb, sbv);
+        }
+        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_set1_ps(d), acc);
+    }
+    return hsum16(acc) - hsum8(oacc);
+}
+#endif
+
+
+#if defined(HAVE512) && defined(__AVX512BF16__)
+#define HAVE_BF16DOT 1
+/* BF16 weights . bf16 activations: vdpbf16ps (pairs of exact bf16 products, fp32 sums) */
+static float dot_bf16x_512(const uint8_t *w, const uint16_t *x, int K) {
+    __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+    int i = 0;
+    for (; i + 64 <= K; i += 64) {
+        _mm_prefetch((const char *)(w + 2 * i + PREFETCH), _MM_HINT_T0);
+        _mm_prefetch((const char *)(w + 2 * i + PREFETCH + 64), _MM_HINT_T0);
+        a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_loadu_si512((const void *)(w + 2 * i)),
+                              (__m512bh)_mm512_loadu_si512((const void *)(x + i)));
+        a1 = _mm512_dpbf16_ps(a1, (__m512bh)_mm512_loadu_si512((const void *)(w + 2 * i + 64)),
+                              (__m512bh)_mm512_loadu_si512((const void *)(x + i + 32)));
+    }
+    for (; i + 32 <= K; i += 32)
+        a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_loadu_si512((const void *)(w + 2 * i)),
+                              (__m512bh)_mm512_loadu_si512((const void *)(x + i)));
+    float sum = _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
+    for (; i < K; i++) sum += bf16_to_f32(rd16(w + 2 * i)) * bf16_to_f32(x[i]);
+    return sum;
+}
+#endif
+
 /* ---- one row . one activation, per type ---------------------------------------------------- */
 static float dot_row(int t, const uint8_t *w, const float *xf, qact a, int K) {
     float sum = 0.f;
     int nb = K / 32;
+#ifdef HAVE512
+    switch (t) {
+    case T_Q8_0: case T_Q4_0: case T_Q4_1: case T_Q5_0: case T_Q5_1: case T_IQ4_NL: case T_MXFP4:
+        return dot_b32_512(t, w, a, nb);
+    case T_Q4_K: case T_Q5_K: return dot_k45_512(t, w, a, K);
+    case T_Q6_K: return dot_q6k_512(w, a, K);
+    }
+#endif
     switch (t) {
     case T_F32: { const float *r = (const float *)w; int i = 0;
 #ifdef __AVX512F__
@@ -243,7 +541,7 @@ static float dot_row(int t, const uint8_t *w, const float *xf, qact a, int K) {
             float dy = a.dk[sb], d = fp16_to_f32(rd16(w)) * dy, dmin = fp16_to_f32(rd16(w + 2)) * dy;
             const uint8_t *sc = w + 4, *qh = w + 16, *qs = w + (t == T_Q4_K ? 16 : 48);
             const int8_t *y = a.qk + 256 * sb;
-            const int32_t *bsum = a.sk16 + 16 * sb;
+            const int16_t *bsum = a.sk16 + 16 * sb;
             __m256i isum = _mm256_setzero_si256();
             uint8_t scm[16];                       /* 8 scales, then 8 mins (ggml's kmask unpacking) */
             {
@@ -311,7 +609,7 @@ static float dot_row(int t, const uint8_t *w, const float *xf, qact a, int K) {
             const int8_t *scales = (const int8_t *)(w + 192);
             float d = fp16_to_f32(rd16(w + 208)) * a.dk[sb];
             const int8_t *y = a.qk + 256 * sb;
-            const int32_t *bsum = a.sk16 + 16 * sb;
+            const int16_t *bsum = a.sk16 + 16 * sb;
             __m256i isum = _mm256_setzero_si256();
             int32_t osum = 0;
             for (int g = 0; g < 16; g++) osum += scales[g] * bsum[g];
@@ -380,19 +678,28 @@ static int64_t row_bytes(int t, int K) {
 
 int64_t mf_row_bytes(int t, int K) { return row_bytes(t, K); }
 
-/* scratch bytes of one quantized activation of K values */
-static int64_t qact_bytes(int K) { return 2 * ((int64_t)K + K / 32 * 4 + K / 16 * 4) + K / 256 * 4; }
+/* scratch bytes of one quantized activation of K values (qact above) */
+static int64_t qact_bytes(int K) { return 2 * (int64_t)K + K / 32 * 8 + K / 16 * 4 + K / 256 * 4; }
 int64_t mf_qact_bytes(int K) { return qact_bytes(K); }
 
 static qact qact_at(uint8_t *base, int K) {
     qact a; int64_t o = 0;
     a.q = (int8_t *)base; o += K;
+    a.qk = (int8_t *)(base + o); o += K;
     a.d = (float *)(base + o); o += K / 32 * 4;
-    a.s16 = (int32_t *)(base + o); o += K / 16 * 4;
-    a.sk16 = (int32_t *)(base + o); o += K / 16 * 4;
+    a.dsy = (float *)(base + o); o += K / 32 * 4;
     a.dk = (float *)(base + o); o += K / 256 * 4;
-    a.qk = (int8_t *)(base + o);
+    a.s16 = (int16_t *)(base + o); o += K / 16 * 2;
+    a.sk16 = (int16_t *)(base + o);
     return a;
+}
+
+/* one-time tables of the vector paths (idempotent: concurrent first callers write the same bytes) */
+static void kernels_init(void) {
+#ifdef HAVE512
+    static int ready;
+    if (!ready) { perm_init(); ready = 1; }
+#endif
 }
 
 /* x fp32 or bf16 row -> fp32 */
@@ -401,9 +708,21 @@ static void load_row(const void *x, int xbf16, int64_t row, int K, float *dst) {
     else memcpy(dst, (const float *)x + row * K, sizeof(float) * K);
 }
 
-/* rows [r0, r1) of y [n, N] = x [n, K] . W^T, inside a parallel region (static split). */
-static void gemm_rows(int t, const uint8_t *W, int N, int K, int n, const float *xf, uint8_t *xq, float *y, int ldy) {
+/* rows of y [n, N] = x [n, K] . W^T, inside a parallel region (static split). xb: the bf16
+ * rows of x when x is bf16 (BF16 weights then multiply them with vdpbf16ps), else NULL. */
+static void gemm_rows(int t, const uint8_t *W, int N, int K, int n, const float *xf, uint8_t *xq, float *y, int ldy,
+                      const uint16_t *xb) {
     int64_t rb = row_bytes(t, K), qb = qact_bytes(K);
+#ifdef HAVE_BF16DOT
+    if (t == T_BF16 && xb) {
+#pragma omp for schedule(static)
+        for (int r = 0; r < N; r++)
+            for (int i = 0; i < n; i++)
+                y[(int64_t)i * ldy + r] = dot_bf16x_512(W + r * rb, xb + (int64_t)i * K, K);
+        return;
+    }
+#endif
+    (void)xb;
 #pragma omp for schedule(static)
     for (int r = 0; r < N; r++) {
         const uint8_t *wr = W + r * rb;
@@ -419,6 +738,7 @@ void mf_gemm(int t, const uint8_t *W, int N, int K, const void *x, int xbf16, in
     float *xf = (float *)scratch;
     uint8_t *xq = scratch + (int64_t)n * K * 4;
     int fl = is_float_type(t);
+    kernels_init();
 #pragma omp parallel num_threads(nthreads)
     {
 #pragma omp for schedule(static)
@@ -426,7 +746,7 @@ void mf_gemm(int t, const uint8_t *W, int N, int K, const void *x, int xbf16, in
             load_row(x, xbf16, i, K, xf + (int64_t)i * K);
             if (!fl) quantize_act(xf + (int64_t)i * K, K, qact_at(xq + i * qact_bytes(K), K));
         }
-        gemm_rows(t, W, N, K, n, xf, xq, y, N);
+        gemm_rows(t, W, N, K, n, xf, xq, y, N, xbf16 ? (const uint16_t *)x : NULL);
     }
 }
 
@@ -454,6 +774,7 @@ void mf_moe(int n_exp, const uint8_t *const *blobs, const int64_t *bounds, const
     uint8_t *hq = (uint8_t *)(hf + (int64_t)pchunk * I);           /* [pc] qact(I) */
     float *yd = (float *)(hq + (int64_t)pchunk * qi);              /* [pc, H] */
     int qx = !is_float_type(tg) || !is_float_type(tu), qd = !is_float_type(td);
+    kernels_init();
 #pragma omp parallel num_threads(nthreads)
     {
 #pragma omp for schedule(static)
