@@ -14,7 +14,7 @@ import torch
 gguf = pytest.importorskip("gguf")
 
 from conftest import plan_for  # noqa: E402
-from moefit.runtime import moe_batch, qmatmul  # noqa: E402
+from moefit.runtime import decode_step, moe_batch, qmatmul  # noqa: E402
 from moefit.runtime.engine import Engine, EngineOptions  # noqa: E402
 from reference import engine_greedy, max_error, prompt  # noqa: E402
 from test_gguf_runtime import QUANT_TOL, GGUFModel  # noqa: E402
@@ -32,6 +32,7 @@ def greedy(engine, vocab: int, monkeypatch, batched: bool, steps: int = 8):
 
     with monkeypatch.context() as mp:
         mp.setattr(moe_batch, "run_layer", spy)
+        mp.setattr(decode_step, "applies", lambda *a: False)   # the torch step (the lean one: test_decode_step)
         if not batched:
             mp.setattr(moe_batch, "applies", lambda *a: False)
         logits, tokens = engine_greedy(engine, prompt(vocab), steps=steps)

@@ -45,7 +45,7 @@ from typing import Any
 
 from moefit.errors import InputError
 from moefit.ingest.families import geometry_from_config, registry
-from moefit.ingest.families.common import GGUF_EXPERT_NAMES, LAYER_NAMES, GGUFFacts, GGUFMeta
+from moefit.ingest.families.common import GGUF_EXPERT_NAMES, GLOBAL_NAMES, LAYER_NAMES, GGUFFacts, GGUFMeta
 from moefit.ingest.geometry import DTYPE_BYTES, ExactWeights, ModelGeometry
 from moefit.ingest.inputs import read_bytes
 from moefit.units import format_bytes
@@ -56,6 +56,7 @@ _SHARD = re.compile(r"^(?P<stem>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$", r
 _BLK = re.compile(r"^blk\.(\d+)\.")
 _EXPERT = re.compile(r"^blk\.(\d+)\.ffn_(?:gate|up|down|gate_up)_exps\.(?:weight|bias)$")
 _SKIP_PREFIX = ("v.", "mm.", "a.", "enc.", "dec.")   # vision / audio towers, encoders
+EMBEDDING = GLOBAL_NAMES["embed"][1]      # looked up by row, never multiplied
 
 
 # --------------------------------------------------------------------------------------------
@@ -429,6 +430,9 @@ class GGUFWeights(ExactWeights):
     of the file (skipped ones count as dense).
     ``data_bytes``: every tensor's bytes (the file's tensor data without padding).
     ``expert_types``: per MoE layer, the (gate, up, down) ggml types.
+    ``matrices``: ``(name, ggml type, rows, cols, stored bytes)`` of every 2-D non-expert
+    tensor but the token embedding: those a runtime may keep in their stored type
+    (:func:`moefit.memory.weights.stored_matrices` decides which, per device).
     """
 
     compute_dtype: str = "bfloat16"
@@ -436,6 +440,7 @@ class GGUFWeights(ExactWeights):
     by_type: tuple[tuple[str, int, int, int], ...] = ()
     data_bytes: int = 0
     expert_types: tuple[tuple[int, tuple[str, ...]], ...] = ()
+    matrices: tuple[tuple[str, str, int, int, int], ...] = ()
 
     def line_detail(self) -> str:
         short = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}[self.compute_dtype]
@@ -476,6 +481,7 @@ def exact_from_gguf(geom: ModelGeometry, h: GGUFHeader) -> GGUFWeights:
     moe = {l.index: l.moe.num_experts for l in geom.moe_layers}
     act = DTYPE_BYTES[compute_dtype(h)]
     weight = stored = skipped = params = 0
+    matrices = []
     blob: dict[int, int] = {}
     kinds: dict[int, dict[str, str]] = {}
     by_type: dict[str, list[int]] = {}
@@ -507,6 +513,8 @@ def exact_from_gguf(geom: ModelGeometry, h: GGUFHeader) -> GGUFWeights:
         weight += t.n_elements * act
         stored += t.nbytes
         row[0] += t.nbytes
+        if len(t.ne) == 2 and t.name != EMBEDDING:
+            matrices.append((t.name, t.ggml_type, t.ne[1], t.ne[0], t.nbytes))
     missing = [i for i in moe if i not in blob]
     if missing:
         raise InputError(f"{src}: layer {missing[0]} has a router but no ffn_*_exps expert tensors")
@@ -521,7 +529,7 @@ def exact_from_gguf(geom: ModelGeometry, h: GGUFHeader) -> GGUFWeights:
         total_params=params, files=len(h.paths), experts_stored=True,
         compute_dtype=compute_dtype(h), stored_weight_bytes=stored,
         by_type=tuple((k, v[0], v[1], v[2]) for k, v in order), data_bytes=h.tensor_data_bytes(),
-        expert_types=tuple(types))
+        expert_types=tuple(types), matrices=tuple(matrices))
 
 
 def model_name(h: GGUFHeader) -> str:

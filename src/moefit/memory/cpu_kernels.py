@@ -38,6 +38,14 @@ def supports(qtype: str, cols: int) -> bool:
     return qtype in CTYPES and cols % row_block(qtype) == 0
 
 
+def keeps_stored(qtype: str, cols: int) -> bool:
+    """Whether the runtime keeps a dense GGUF matrix of ggml type ``qtype`` with rows of
+    ``cols`` values in that type on a CPU device where the kernels run (:func:`expected`):
+    a quantized type they read. (Float matrices become the compute dtype; the token
+    embedding, looked up by row, is never a matrix kept stored.)"""
+    return qtype not in ("F32", "F16", "BF16") and supports(qtype, cols)
+
+
 def compiler(env: Mapping[str, str] = os.environ) -> str:
     """The C compiler the runtime builds the kernels with: ``$CC``, else ``gcc``."""
     return env.get("CC") or "gcc"

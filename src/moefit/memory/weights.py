@@ -16,7 +16,47 @@ compute). With ``--miss-policy cpu`` (default) misses run on the host and the ar
 
 from __future__ import annotations
 
-from moefit.ingest.geometry import ModelGeometry
+from moefit.ingest.geometry import DTYPE_BYTES, ModelGeometry
+from moefit.memory import cpu_kernels
+
+
+def stored_matrices(geom: ModelGeometry, device_kind: str) -> dict[str, int]:
+    """The dense GGUF matrices the runtime keeps in their stored type on a device of
+    ``device_kind``, by GGUF name -> stored bytes: on a CPU device where the C kernels run
+    (:func:`moefit.memory.cpu_kernels.expected`), every quantized matrix they read
+    (:func:`~moefit.memory.cpu_kernels.keeps_stored`), so a decode step reads the file's
+    bytes (a Q6_K output matrix: 0.82 bytes per weight against 2 in bf16); elsewhere none
+    (they are dequantized to the compute dtype at load). Empty for a model without GGUF
+    headers. The GGUF loader keeps exactly these."""
+    matrices = getattr(geom.exact, "matrices", ())
+    if not matrices or not cpu_kernels.expected(device_kind):
+        return {}
+    return {name: nbytes for name, qtype, _, cols, nbytes in matrices if cpu_kernels.keeps_stored(qtype, cols)}
+
+
+def weights_bytes(geom: ModelGeometry, device_kind: str) -> int:
+    """Bytes of the ``weights`` line on a device of ``device_kind``: the geometry's
+    (:meth:`~moefit.ingest.geometry.ModelGeometry.weight_bytes`, every dense tensor in the
+    compute dtype), with the matrices of :func:`stored_matrices` at their stored size."""
+    kept = stored_matrices(geom, device_kind)
+    if not kept:
+        return geom.weight_bytes()
+    act = DTYPE_BYTES[geom.exact.compute_dtype]
+    widened = sum(rows * cols * act for name, _, rows, cols, _ in geom.exact.matrices if name in kept)
+    return geom.weight_bytes() - widened + sum(kept.values())
+
+
+def weights_detail(geom: ModelGeometry, device_kind: str) -> str:
+    """Detail of the ``weights`` line: where the bytes come from, and for a GGUF file which
+    dense matrices stay stored (:func:`stored_matrices`) and which are dequantized."""
+    if geom.exact is None:
+        return ""
+    kept = stored_matrices(geom, device_kind)
+    if not kept:
+        return geom.exact.line_detail()
+    short = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}[geom.exact.compute_dtype]
+    return (f"exact, from GGUF; {len(kept)} quantized matrices kept as stored (C kernels), "
+            f"the rest dequantized to {short} at load")
 
 
 def expert_slot_bytes(geom: ModelGeometry) -> int:

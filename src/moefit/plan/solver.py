@@ -31,7 +31,7 @@ from moefit.memory.staging import (ATTN_KV_BLOCK, ATTN_Q_BLOCK, StagingModel,
                                    fixed_region_bytes, staging_model)
 from moefit.memory.weights import (
     default_arena_slots, expert_cache_bytes, expert_slot_bytes, most_slots, spread_slots,
-    weight_arena_bytes,
+    weight_arena_bytes, weights_bytes, weights_detail,
 )
 from moefit.errors import InputError
 from moefit.plan.request import (CHUNK_GRID, Request, context_limit, resolve_context,
@@ -185,7 +185,7 @@ def _price(geom: ModelGeometry, device: Device, req: Request, context: int,
     margin = default_reserve_bytes(device) if req.reserve_bytes is None else req.reserve_bytes
     return _Priced(
         runtime=runtime_bytes(device),
-        weights=geom.weight_bytes(),
+        weights=weights_bytes(geom, device.kind),
         arena=weight_arena_bytes(geom, req.miss_policy, req.arena_slots),
         margin=margin,
         floor_bytes=expert_cache_bytes(geom, floor_slots),
@@ -303,13 +303,13 @@ def _lines(geom: ModelGeometry, device: Device, req: Request, context: int, chun
     total = geom.total_experts
     pct = f" ({100 * slots / total:.0f}%)" if total else ""
     expert_detail = (f"{slots} of {total} experts{pct}" if total else "dense model: no experts")
-    weights_detail = geom.exact.line_detail() if geom.exact else ""
+    weights_note = weights_detail(geom, device.kind)
     if geom.quant.method != "none":
-        weights_detail = (weights_detail + ", " if weights_detail else "") + f"{geom.quant.method} checkpoint"
+        weights_note = (weights_note + ", " if weights_note else "") + f"{geom.quant.method} checkpoint"
     values = {
         "runtime": (priced.runtime, "simulated device" if device.kind == "cpu" else
                     ("measured" if device.runtime_bytes is not None else "CUDA context estimate")),
-        "weights": (priced.weights, weights_detail),
+        "weights": (priced.weights, weights_note),
         "weight_arena": (priced.arena, arena_detail),
         "kv": (kv.bytes, kv_detail),
         "prefill": (priced.staging_const + priced.staging_per_token * chunk,

@@ -40,7 +40,7 @@ from moefit.errors import InputError
 from moefit.ingest.inputs import is_gguf_file, read_routing_profile
 from moefit.memory import cpu_kernels
 from moefit.memory.staging import ATTN_KV_BLOCK, ATTN_Q_BLOCK
-from moefit.memory.weights import most_slots, spread_slots
+from moefit.memory.weights import most_slots, spread_slots, stored_matrices
 from moefit.plan.solver import Plan
 from moefit.runtime.arch import arch_from_config, read_config
 from moefit.runtime.experts import ExpertCache
@@ -50,6 +50,7 @@ from moefit.runtime.ledger import FAIL_ENV, BudgetError, Ledger
 from moefit.runtime.loader import load_checkpoint
 from moefit.runtime import qmatmul
 from moefit.runtime.model import Model, forward, forward_batch, segments
+from moefit.runtime.quant import StoredMatrix
 from moefit.runtime.rope import Rotary, rope_from_config
 from moefit.runtime.staging import Workspace
 from moefit.units import format_bytes
@@ -148,9 +149,13 @@ class Engine:
         else:
             ledger.charge("runtime", 0)    # a simulated device has no runtime; fault injection still reaches the line
         # 2. weights
-        weights, host = (load_gguf if gguf else load_checkpoint)(
-            model_dir, geom, arch, lambda shape, dtype: ledger.alloc("weights", shape, dtype),
-            pin=dev.type == "cuda", progress=opts.progress)
+        alloc = lambda shape, dtype: ledger.alloc("weights", shape, dtype)  # noqa: E731
+        if gguf:     # the dense matrices the plan priced as stored stay stored
+            weights, host = load_gguf(model_dir, geom, arch, alloc, pin=dev.type == "cuda", progress=opts.progress,
+                                      stored=frozenset(stored_matrices(geom, dev.type)))
+        else:
+            weights, host = load_checkpoint(model_dir, geom, arch, alloc, pin=dev.type == "cuda",
+                                            progress=opts.progress)
         # 3. weight arena
         arena = []
         if req.miss_policy == "copy" and host.blobs:
@@ -163,6 +168,8 @@ class Engine:
         kv = KVCache(geom, plan.kv_layout(), kv_buf)
         # 5. prefill staging, once
         ws = Workspace(ledger.alloc("prefill", (ledger.lines["prefill"].planned,), torch.uint8), ledger)
+        for m in _stored(weights):      # prefill products dequantize row blocks into its fixed region
+            m.ws = ws
         # 6. expert cache: the plan's slots, within what is free above the margin
         slots = _commit_experts(ledger, host, plan, say)
         experts = ExpertCache(host, slots, arena, req.miss_policy, profile) if host.blobs else None
@@ -266,6 +273,14 @@ def sample(logits: torch.Tensor, s: SamplingParams, gen: torch.Generator | None 
     if s.min_p > 0:
         x = min_p_filter(x, s.min_p)
     return int(torch.multinomial(torch.softmax(x, -1), 1, generator=gen))
+
+
+def _stored(weights) -> list[StoredMatrix]:
+    """The dense matrices kept in their stored type (:class:`StoredMatrix`) among ``weights``."""
+    out = [w for w in (weights.embed, weights.lm_head) if isinstance(w, StoredMatrix)]
+    for lw in weights.layers:
+        out += [v for v in vars(lw).values() if isinstance(v, StoredMatrix)]
+    return out
 
 
 def _slot_bytes(host) -> int:

@@ -88,6 +88,8 @@ class ExpertCache:
             raise InputError("--miss-policy copy needs a weight arena (--arena-slots >= 1)")
         self.host, self.slots, self.arena, self.miss_policy = host, slots, arena, miss_policy
         self.arena_next = 0
+        #: bumped whenever an expert moves in or out of a slot (readers cache slot addresses)
+        self.version = 0
         self.ws = None   # staging workspace for dequantizing stored experts on the device
         self.stats = {l: LayerStats() for l in host.blobs}
         # layer -> OrderedDict(expert -> slot index), least recently used first
@@ -108,6 +110,7 @@ class ExpertCache:
         the engine can give it back to the ledger."""
         res, tensors = self.resident[layer], self.slots[layer]
         last = len(tensors) - 1
+        self.version += 1
         holder = {s: e for e, s in res.items()}.get(last)
         if res:
             s = res.pop(next(iter(res)))          # evict the LRU expert
@@ -141,6 +144,7 @@ class ExpertCache:
         buf.copy_(blob, non_blocking=True)
         y = self._apply(layer, x, buf, self.ws, scratch, out)
         if self.slots.get(layer):
+            self.version += 1
             victim, s = res.popitem(last=False)
             self.slots[layer][s][:blob.numel()].copy_(buf)
             res[expert] = s

@@ -9,7 +9,9 @@ expert blobs once (not the file and a copy).
 - Dense tensors (attention, norms, routers, shared experts, dense MLPs, embeddings, output)
   are dequantized tile by tile (:func:`moefit.runtime.quant.dequantize`) into tensors of
   the compute dtype from ``alloc`` (the ledger's ``weights`` line; the plan priced them at
-  that dtype). ``llama`` files hold q/k rows permuted for llama.cpp's interleaved RoPE
+  that dtype), except the quantized matrices the plan kept stored (on a CPU device with
+  the C kernels, :func:`moefit.memory.weights.stored_matrices`): those are copied as
+  stored into buffers of their stored size (:class:`~moefit.runtime.quant.StoredMatrix`). ``llama`` files hold q/k rows permuted for llama.cpp's interleaved RoPE
   (``convert_hf_to_gguf.py`` ``LlamaModel.permute``); they are permuted back to the
   rotate-half order the forward pass uses.
 - Experts: per MoE layer, ``ffn_{gate,up,down}_exps`` (``[E, I, H]``, ``[E, I, H]``,
@@ -34,7 +36,6 @@ from moefit.ingest.geometry import LayerSpec, ModelGeometry
 from moefit.ingest.gguf_header import GGUFHeader, GGUFTensor, close_reader, config_from_gguf, open_reader, read_header
 from moefit.runtime.arch import Arch
 from moefit.runtime.loader import HostExperts, Weights, assemble_weights, progress_bar
-from moefit.runtime import qmatmul
 from moefit.runtime.quant import StoredExpert, StoredMatrix, dequantize, kernel_for
 
 
@@ -142,22 +143,25 @@ def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
 
 
 def load_gguf(path: str | Path, geom: ModelGeometry, arch: Arch, alloc, *, pin: bool = False,
-              progress: bool = True) -> tuple[Weights, HostExperts]:
+              progress: bool = True, stored: frozenset[str] = frozenset()) -> tuple[Weights, HostExperts]:
     """Read the GGUF model at ``path``: dense weights into tensors from ``alloc`` (compute
-    dtype ``arch.dtype``), experts into stored blobs. Every name, dims and type is checked
-    before any data is read. Raises InputError (see module docstring)."""
+    dtype ``arch.dtype``), experts into stored blobs; the matrices named in ``stored``
+    (GGUF names: :func:`moefit.memory.weights.stored_matrices` of the plan's device) into
+    buffers of their stored bytes, as :class:`~moefit.runtime.quant.StoredMatrix`. Every
+    name, dims and type is checked before any data is read. Raises InputError (see module
+    docstring)."""
     h = read_header(path)
     if h.arch not in registry.runtime_gguf_archs():
         raise InputError(f"{h.paths[0]}: GGUF architecture {h.arch!r}: the runtime runs "
                          f"{', '.join(registry.runtime_gguf_archs())} (`moefit plan` plans it)")
     ts = _Tensors(h)
     try:
-        return _load(h, ts, geom, arch, alloc, pin, progress)
+        return _load(h, ts, geom, arch, alloc, pin, progress, stored)
     finally:
         ts.close()
 
 
-def _load(h, ts: _Tensors, geom, arch, alloc, pin, progress):
+def _load(h, ts: _Tensors, geom, arch, alloc, pin, progress, stored=frozenset()):
     hidden, dtype = geom.hidden_size, arch.dtype
     g = arch.names.globals
     glob = [("embed", g["embed"][1], (geom.vocab_size, hidden)), ("norm", g["norm"][1], (hidden,))]
@@ -185,14 +189,13 @@ def _load(h, ts: _Tensors, geom, arch, alloc, pin, progress):
         if permute and name in qk:
             # whole quantized rows move: un-permute the bytes on the host, then dequantize
             raw = _unpermute(raw.view(shape[0], -1), qk[name]).reshape(-1)
-        dst = alloc(shape, dtype)
-        if (name != embed and len(shape) == 2 and dst.device.type == "cpu" and qmatmul.available()
-                and StoredMatrix.fits(t.ggml_type, shape[0], shape[1], dtype)):
-            # kept as stored inside its planned buffer: decode reads the stored bytes
-            stored = StoredMatrix(dst, t.ggml_type, shape[0], shape[1])
-            stored.raw.copy_(raw.reshape(-1))
+        if name in stored and name != embed:
+            # kept as stored, at the size the plan priced it: decode reads the stored bytes
+            m = StoredMatrix(alloc((t.nbytes,), torch.uint8), t.ggml_type, shape[0], shape[1])
+            m.raw.copy_(raw.reshape(-1))
             bar.update(t.nbytes)
-            return stored
+            return m
+        dst = alloc(shape, dtype)
         dequantize(raw, t.ggml_type, shape, out=dst)
         bar.update(t.nbytes)
         return dst

@@ -38,7 +38,7 @@ from moefit.runtime.arch import Arch
 from moefit.runtime.attention import attend
 from moefit.runtime.deltanet import gated_deltanet
 from moefit.runtime.experts import ExpertCache
-from moefit.runtime import moe_batch
+from moefit.runtime import decode_step, moe_batch
 from moefit.runtime.kv_cache import KVCache
 from moefit.runtime.quant import StoredMatrix
 from moefit.runtime.loader import LayerWeights, Weights
@@ -62,6 +62,8 @@ class Model:
     #: the workspace's fixed region per chunk (bytes): the planner's
     #: :func:`moefit.memory.staging.fixed_region_bytes` for the tiles above
     fixed_bytes: int = 0
+    #: the prepared lean decode step (:mod:`moefit.runtime.decode_step`), made on first use
+    lean: object = None
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, out: torch.Tensor,
@@ -328,6 +330,8 @@ def forward_batch(mdl: Model, ids: torch.Tensor, segs: tuple[Segment, ...]) -> t
     n_seq = len(segs)
     if sum(sg.length for sg in segs) != t:
         raise ValueError(f"segments cover {sum(sg.length for sg in segs)} tokens, ids {t}")
+    if decode_step.applies(mdl, segs):      # one token per sequence: a few C calls per layer
+        return decode_step.forward(mdl, ids, segs)
     for sg in segs:
         mdl.kv.check_room(sg.slot, sg.start, sg.length)
     ws.begin_chunk(mdl.fixed_bytes)   # the chunk owns the whole workspace

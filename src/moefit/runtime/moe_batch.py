@@ -30,7 +30,7 @@ from moefit.runtime import qmatmul
 from moefit.runtime.quant import StoredExpert
 
 #: torch dtype of a plain blob -> ggml type name
-_FLOAT_TYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
+FLOAT_TYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
 
 
 @functools.lru_cache(maxsize=None)
@@ -44,7 +44,7 @@ def layer_format(cache, layer: int) -> StoredExpert | None:
     fmt = cache.host.formats.get(layer)
     if fmt is not None:
         return fmt
-    qtype = _FLOAT_TYPES.get(cache.host.blobs[layer].dtype)
+    qtype = FLOAT_TYPES.get(cache.host.blobs[layer].dtype)
     return _plain_format(cache.host.inter[layer], cache.host.hidden, qtype) if qtype else None
 
 
@@ -130,7 +130,7 @@ def dense_applies(x: torch.Tensor, w: torch.Tensor, max_rows: int = 8) -> bool:
     rows (decode, last-token logits) with a bf16 or fp16 weight (fp32 stays with
     ``torch.mm``, which is as fast there) and the kernels built."""
     return (x.device.type == "cpu" and x.dim() == 2 and x.shape[0] <= max_rows and w.dtype in (torch.bfloat16, torch.float16)
-            and x.dtype in (torch.bfloat16, torch.float32) and w.is_contiguous() and x.is_contiguous()
+            and x.dtype in qmatmul.DTYPE_CODES and w.is_contiguous() and x.is_contiguous()
             and qmatmul.available())
 
 
@@ -139,6 +139,6 @@ def dense(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     ``out``'s dtype); ``x`` ``[T, in]``, ``w`` ``[out, in]`` bf16/fp16, ``out`` ``[T, out]``."""
     rows, cols = w.shape
     raw = w.view(-1).view(torch.uint8)
-    if out.dtype == torch.float32 and out.is_contiguous():
-        return qmatmul.gemm(x, raw, _FLOAT_TYPES[w.dtype], rows, cols, out=out)
-    return out.copy_(qmatmul.gemm(x, raw, _FLOAT_TYPES[w.dtype], rows, cols))
+    if out.dtype in qmatmul.DTYPE_CODES and out.is_contiguous():
+        return qmatmul.gemm(x, raw, FLOAT_TYPES[w.dtype], rows, cols, out=out)
+    return out.copy_(qmatmul.gemm(x, raw, FLOAT_TYPES[w.dtype], rows, cols))

@@ -702,23 +702,51 @@ static void kernels_init(void) {
 #endif
 }
 
-/* x fp32 or bf16 row -> fp32 */
-static void load_row(const void *x, int xbf16, int64_t row, int K, float *dst) {
-    if (xbf16) { const uint16_t *p = (const uint16_t *)x + row * K; for (int i = 0; i < K; i++) dst[i] = bf16_to_f32(p[i]); }
+/* x row of dtype xdt (0 fp32, 1 fp16, 2 bf16) -> fp32 */
+static void load_row(const void *x, int xdt, int64_t row, int K, float *dst) {
+    if (xdt == T_BF16) { const uint16_t *p = (const uint16_t *)x + row * K; for (int i = 0; i < K; i++) dst[i] = bf16_to_f32(p[i]); }
+    else if (xdt == T_F16) { const uint16_t *p = (const uint16_t *)x + row * K; for (int i = 0; i < K; i++) dst[i] = fp16_to_f32(p[i]); }
     else memcpy(dst, (const float *)x + row * K, sizeof(float) * K);
 }
 
-/* rows of y [n, N] = x [n, K] . W^T, inside a parallel region (static split). xb: the bf16
- * rows of x when x is bf16 (BF16 weights then multiply them with vdpbf16ps), else NULL. */
-static void gemm_rows(int t, const uint8_t *W, int N, int K, int n, const float *xf, uint8_t *xq, float *y, int ldy,
-                      const uint16_t *xb) {
+static inline uint16_t f32_to_bf16_rne(float f) {
+    uint32_t u; memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+static inline uint16_t f32_to_f16_rne(float f) {
+#if defined(__F16C__)
+    return _cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+#else
+    _Float16 h = (_Float16)f; uint16_t u; memcpy(&u, &h, 2); return u;
+#endif
+}
+/* out[i] = v in dtype ydt (0 fp32, 1 fp16, 2 bf16, rounded to nearest even); with a bias b
+ * (dtype ydt) the product is rounded first, then the sum (torch: mm into out, out.add_(b)) */
+static inline void store_y(void *y, int ydt, int64_t i, float v, const void *b, int64_t j) {
+    if (ydt == T_BF16) {
+        uint16_t r = f32_to_bf16_rne(v);
+        if (b) r = f32_to_bf16_rne(bf16_to_f32(r) + bf16_to_f32(((const uint16_t *)b)[j]));
+        ((uint16_t *)y)[i] = r;
+    } else if (ydt == T_F16) {
+        uint16_t r = f32_to_f16_rne(v);
+        if (b) r = f32_to_f16_rne(fp16_to_f32(r) + fp16_to_f32(((const uint16_t *)b)[j]));
+        ((uint16_t *)y)[i] = r;
+    } else ((float *)y)[i] = b ? v + ((const float *)b)[j] : v;
+}
+
+/* rows of y [n, N] (dtype ydt, row stride ldy, plus bias [N] when not NULL) = x [n, K] . W^T,
+ * inside a parallel region (static split). xb: the bf16 rows of x when x is bf16 (BF16
+ * weights then multiply them with vdpbf16ps), else NULL. */
+static void gemm_rows(int t, const uint8_t *W, int N, int K, int n, const float *xf, uint8_t *xq, void *y, int ydt,
+                      int ldy, const void *bias, const uint16_t *xb) {
     int64_t rb = row_bytes(t, K), qb = qact_bytes(K);
 #ifdef HAVE_BF16DOT
     if (t == T_BF16 && xb) {
 #pragma omp for schedule(static)
         for (int r = 0; r < N; r++)
             for (int i = 0; i < n; i++)
-                y[(int64_t)i * ldy + r] = dot_bf16x_512(W + r * rb, xb + (int64_t)i * K, K);
+                store_y(y, ydt, (int64_t)i * ldy + r, dot_bf16x_512(W + r * rb, xb + (int64_t)i * K, K), bias, r);
         return;
     }
 #endif
@@ -727,14 +755,14 @@ static void gemm_rows(int t, const uint8_t *W, int N, int K, int n, const float 
     for (int r = 0; r < N; r++) {
         const uint8_t *wr = W + r * rb;
         for (int i = 0; i < n; i++)
-            y[(int64_t)i * ldy + r] = dot_row(t, wr, xf + (int64_t)i * K, qact_at(xq + i * qb, K), K);
+            store_y(y, ydt, (int64_t)i * ldy + r, dot_row(t, wr, xf + (int64_t)i * K, qact_at(xq + i * qb, K), K), bias, r);
     }
 }
 
-/* y [n, N] fp32 = x [n, K] (fp32, or bf16 when xbf16) . W [N, K]^T, W rows of type t.
- * scratch: n * (4K + qact_bytes(K)) bytes. */
-void mf_gemm(int t, const uint8_t *W, int N, int K, const void *x, int xbf16, int n, float *y,
-             uint8_t *scratch, int nthreads) {
+/* y [n, N] (dtype ydt: 0 fp32, 1 fp16, 2 bf16) = x [n, K] (dtype xdt) . W [N, K]^T (+ bias [N],
+ * dtype ydt), W rows of type t. scratch: n * (4K + qact_bytes(K)) bytes. */
+void mf_gemm_ex(int t, const uint8_t *W, int N, int K, const void *x, int xdt, int n, void *y, int ydt,
+                const void *bias, uint8_t *scratch, int nthreads) {
     float *xf = (float *)scratch;
     uint8_t *xq = scratch + (int64_t)n * K * 4;
     int fl = is_float_type(t);
@@ -743,11 +771,18 @@ void mf_gemm(int t, const uint8_t *W, int N, int K, const void *x, int xbf16, in
     {
 #pragma omp for schedule(static)
         for (int i = 0; i < n; i++) {
-            load_row(x, xbf16, i, K, xf + (int64_t)i * K);
+            load_row(x, xdt, i, K, xf + (int64_t)i * K);
             if (!fl) quantize_act(xf + (int64_t)i * K, K, qact_at(xq + i * qact_bytes(K), K));
         }
-        gemm_rows(t, W, N, K, n, xf, xq, y, N, xbf16 ? (const uint16_t *)x : NULL);
+        gemm_rows(t, W, N, K, n, xf, xq, y, ydt, N, bias, xdt == T_BF16 ? (const uint16_t *)x : NULL);
     }
+}
+
+/* y [n, N] fp32 = x [n, K] (fp32, or bf16 when xbf16) . W [N, K]^T, W rows of type t.
+ * scratch: n * (4K + qact_bytes(K)) bytes. */
+void mf_gemm(int t, const uint8_t *W, int N, int K, const void *x, int xbf16, int n, float *y,
+             uint8_t *scratch, int nthreads) {
+    mf_gemm_ex(t, W, N, K, x, xbf16 ? T_BF16 : T_F32, n, y, T_F32, NULL, scratch, nthreads);
 }
 
 static inline float silu(float v) { return v / (1.f + expf(-v)); }
@@ -756,14 +791,16 @@ static inline float silu(float v) { return v / (1.f + expf(-v)); }
  * wt[p] * down(silu(gate(x[tok[p]])) * up(x[tok[p]])), pairs grouped by expert:
  * expert i (blob blobs[i]) serves pairs bounds[i] .. bounds[i+1]-1.
  * Blob: gate [I, H] type tg at 0, up [I, H] type tu at off_u, down [H, I] type td at off_d.
- * x [T, H] fp32 or bf16.
+ * x [T, H] of dtype xdt (0 fp32, 1 fp16, 2 bf16).
  * scratch: T * (4H + qact(H)) bytes for the token rows (converted and quantized once), then
  * pchunk * (8I + 4I + qact(I) + 4H) for pchunk pairs at a time (gate/up outputs, SwiGLU
  * product and its quantized form, down output).
- * Work is split over the threads by rows of all the chunk's pairs at once (gate and up
- * rows, then down rows), so a layer costs a few barriers, not a few per expert. */
+ * Work is split over the threads by rows of the chunk's experts (gate and up rows, then down
+ * rows); each row is read once and multiplied by every token of its expert in the chunk, so
+ * the tokens of a batch routed to one expert share one read of its weights, and a layer costs
+ * a few barriers, not a few per expert. */
 void mf_moe(int n_exp, const uint8_t *const *blobs, const int64_t *bounds, const int64_t *tok,
-            const float *wt, const void *x, int xbf16, float *acc, int T, int H, int I, int tg, int tu, int td,
+            const float *wt, const void *x, int xdt, float *acc, int T, int H, int I, int tg, int tu, int td,
             int64_t off_u, int64_t off_d, uint8_t *scratch, int pchunk, int nthreads) {
     int64_t qh = qact_bytes(H), qi = qact_bytes(I), P = bounds[n_exp];
     int64_t rbg = row_bytes(tg, H), rbu = row_bytes(tu, H), rbd = row_bytes(td, I);
@@ -774,27 +811,38 @@ void mf_moe(int n_exp, const uint8_t *const *blobs, const int64_t *bounds, const
     uint8_t *hq = (uint8_t *)(hf + (int64_t)pchunk * I);           /* [pc] qact(I) */
     float *yd = (float *)(hq + (int64_t)pchunk * qi);              /* [pc, H] */
     int qx = !is_float_type(tg) || !is_float_type(tu), qd = !is_float_type(td);
+    const uint16_t *xb = xdt == T_BF16 ? (const uint16_t *)x : NULL;
     kernels_init();
 #pragma omp parallel num_threads(nthreads)
     {
 #pragma omp for schedule(static)
         for (int i = 0; i < T; i++) {
-            load_row(x, xbf16, i, H, xf + (int64_t)i * H);
+            load_row(x, xdt, i, H, xf + (int64_t)i * H);
             if (qx) quantize_act(xf + (int64_t)i * H, H, qact_at(xq + i * qh, H));
         }
         int e = 0;
         for (int64_t p0 = 0; p0 < P; p0 += pchunk) {
             int n = (int)(P - p0 < pchunk ? P - p0 : pchunk);
             while (bounds[e + 1] <= p0) e++;                       /* expert of pair p0 */
+            int e1 = e;
+            while (bounds[e1 + 1] < p0 + n) e1++;                  /* expert of the chunk's last pair */
+            int ne = e1 - e + 1;
 #pragma omp for schedule(static)
-            for (int64_t idx = 0; idx < (int64_t)n * 2 * I; idx++) {
-                int i = (int)(idx / (2 * I)), r = (int)(idx % (2 * I));
-                int64_t p = p0 + i;
-                int ee = e;
-                while (bounds[ee + 1] <= p) ee++;
-                int64_t t = tok[p];
+            for (int64_t idx = 0; idx < (int64_t)ne * 2 * I; idx++) {
+                int ee = e + (int)(idx / (2 * I)), r = (int)(idx % (2 * I));
+                int64_t pa = bounds[ee] > p0 ? bounds[ee] : p0, pb = bounds[ee + 1] < p0 + n ? bounds[ee + 1] : p0 + n;
+                int tt = r < I ? tg : tu;
                 const uint8_t *w = r < I ? blobs[ee] + r * rbg : blobs[ee] + off_u + (r - I) * rbu;
-                gu[(int64_t)i * 2 * I + r] = dot_row(r < I ? tg : tu, w, xf + t * H, qact_at(xq + t * qh, H), H);
+                for (int64_t p = pa; p < pb; p++) {
+                    int64_t t = tok[p];
+                    float v;
+#ifdef HAVE_BF16DOT
+                    if (tt == T_BF16 && xb) v = dot_bf16x_512(w, xb + t * H, H);
+                    else
+#endif
+                    v = dot_row(tt, w, xf + t * H, qact_at(xq + t * qh, H), H);
+                    gu[(p - p0) * 2 * I + r] = v;
+                }
             }
 #pragma omp for schedule(static)
             for (int i = 0; i < n; i++) {
@@ -803,13 +851,14 @@ void mf_moe(int n_exp, const uint8_t *const *blobs, const int64_t *bounds, const
                 if (qd) quantize_act(h, I, qact_at(hq + i * qi, I));
             }
 #pragma omp for schedule(static)
-            for (int64_t idx = 0; idx < (int64_t)n * H; idx++) {
-                int i = (int)(idx / H), r = (int)(idx % H);
-                int64_t p = p0 + i;
-                int ee = e;
-                while (bounds[ee + 1] <= p) ee++;
-                yd[(int64_t)i * H + r] = dot_row(td, blobs[ee] + off_d + r * rbd, hf + (int64_t)i * I,
-                                                 qact_at(hq + i * qi, I), I);
+            for (int64_t idx = 0; idx < (int64_t)ne * H; idx++) {
+                int ee = e + (int)(idx / H), r = (int)(idx % H);
+                int64_t pa = bounds[ee] > p0 ? bounds[ee] : p0, pb = bounds[ee + 1] < p0 + n ? bounds[ee + 1] : p0 + n;
+                const uint8_t *w = blobs[ee] + off_d + r * rbd;
+                for (int64_t p = pa; p < pb; p++) {
+                    int64_t i = p - p0;
+                    yd[i * H + r] = dot_row(td, w, hf + i * I, qact_at(hq + i * qi, I), I);
+                }
             }
 #pragma omp for schedule(static)
             for (int c = 0; c < H; c += 64) {

@@ -47,7 +47,11 @@ from moefit.memory import cpu_kernels
 from moefit.memory.cpu_kernels import CTYPES
 
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
-_SRC = Path(__file__).with_name("qmatmul.c")
+#: the library's sources: these products, and the lean decode step's operations
+#: (``decode_step.c``, :mod:`moefit.runtime.decode_step`)
+_SRCS = (Path(__file__).with_name("qmatmul.c"), Path(__file__).with_name("decode_step.c"))
+#: torch dtype -> the kernels' float type code (0 fp32, 1 fp16, 2 bf16)
+DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
 _lib = None
 _reason: str | None = None
@@ -64,7 +68,7 @@ def _cpu_flags() -> str:
 
 
 def _build() -> ctypes.CDLL:
-    src = _SRC.read_bytes()
+    src = b"".join(p.read_bytes() for p in _SRCS)
     key = hashlib.sha256(src + " ".join(FLAGS).encode() + _cpu_flags().encode()
                          + platform.machine().encode()).hexdigest()[:16]
     cache = Path(os.environ.get("MOEFIT_CACHE_DIR") or Path.home() / ".cache" / "moefit")
@@ -75,7 +79,7 @@ def _build() -> ctypes.CDLL:
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
         os.close(fd)
         try:
-            r = subprocess.run([cc, *FLAGS, "-o", tmp, str(_SRC), "-lm"], capture_output=True, text=True)
+            r = subprocess.run([cc, *FLAGS, "-o", tmp, *map(str, _SRCS), "-lm"], capture_output=True, text=True)
             if r.returncode:
                 raise OSError(f"{cc} failed: {r.stderr.strip()[-500:]}")
             os.replace(tmp, so)       # atomic: concurrent builders each write their own temp file
@@ -86,6 +90,17 @@ def _build() -> ctypes.CDLL:
     i, i64, p, f = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
     lib.mf_gemm.argtypes = [i, p, i, i, p, i, i, p, p, i]
     lib.mf_gemm.restype = None
+    lib.mf_gemm_ex.argtypes = [i, p, i, i, p, i, i, p, i, p, p, i]
+    lib.mf_gemm_ex.restype = None
+    # the lean decode step (decode_step.c)
+    lib.mf_rmsnorm.argtypes = [i, i, p, p, i, p, i, f, f, p]
+    lib.mf_rmsnorm.restype = None
+    lib.mf_rope_kv.argtypes = [i, p, i, p, i, p, i, i, i, p, f, p, p, i, p, p, i, i, i, i, i]
+    lib.mf_rope_kv.restype = None
+    lib.mf_attn_decode.argtypes = [i, p, i, i, i, i, f, p, p, i, i, i, i, p, p, i, i, i, p, i]
+    lib.mf_attn_decode.restype = None
+    lib.mf_route.argtypes = [i, i, i, p, i, i, p, p, p, p, p, p, p]
+    lib.mf_route.restype = None
     lib.mf_moe.argtypes = [i, p, p, p, p, p, i, p, i, i, i, i, i, i, i64, i64, p, i, i]
     lib.mf_moe.restype = None
     lib.mf_row_bytes.argtypes = [i, i]
@@ -95,7 +110,6 @@ def _build() -> ctypes.CDLL:
     lib.mf_simd.restype = i
     lib.mf_dequant.argtypes = [i, p, i64, i, p, p, i]
     lib.mf_dequant.restype = None
-    del f
     return lib
 
 
@@ -109,6 +123,11 @@ def _load():
             except (OSError, FileNotFoundError) as e:
                 _reason = f"the C kernels could not be built ({e}); using dequantize-then-multiply"
     return _lib
+
+
+def library() -> ctypes.CDLL:
+    """The loaded library (builds it on first call); check :func:`available` first."""
+    return _load()
 
 
 def available() -> bool:
@@ -153,10 +172,13 @@ def moe_scratch_bytes(tokens: int, hidden: int, inter: int, pairs: int | None = 
     (``[T, H]`` fp32 + quantized), then per pair the gate/up outputs ``[2I]`` fp32, the
     SwiGLU product ``[I]`` fp32 and its quantized form, and the down output ``[H]`` fp32."""
     pairs = tokens if pairs is None else pairs
-    return tokens * (4 * hidden + qact_bytes(hidden)) + pairs * _pair_bytes(hidden, inter)
+    return tokens * (4 * hidden + qact_bytes(hidden)) + pairs * pair_bytes(hidden, inter)
 
 
-def _pair_bytes(hidden: int, inter: int) -> int:
+def pair_bytes(hidden: int, inter: int) -> int:
+    """Scratch of :func:`moe` per (token, expert) pair run at once: the gate/up outputs
+    ``[2I]`` fp32, the SwiGLU product ``[I]`` fp32 and its quantized form, the down output
+    ``[H]`` fp32."""
     return 12 * inter + qact_bytes(inter) + 4 * hidden
 
 
@@ -166,31 +188,39 @@ def _threads(threads: int | None) -> int:
 
 def gemm(x: torch.Tensor, raw: torch.Tensor, qtype: str, rows: int, cols: int, *,
          out: torch.Tensor | None = None, scratch: torch.Tensor | None = None,
-         threads: int | None = None) -> torch.Tensor:
-    """``x @ W^T`` with ``W`` ``[rows, cols]`` stored as ggml ``qtype`` in ``raw`` (contiguous
-    uint8, ``rows`` x row bytes, on the CPU).
+         threads: int | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ W^T (+ bias)`` with ``W`` ``[rows, cols]`` stored as ggml ``qtype`` in ``raw``
+    (contiguous uint8, ``rows`` x row bytes, on the CPU).
 
     Args:
-        x: ``[n, cols]`` fp32 or bf16, contiguous, on the CPU.
-        out: ``[n, rows]`` fp32 (allocated when not given).
+        x: ``[n, cols]`` fp32, fp16 or bf16, contiguous, on the CPU.
+        out: ``[n, rows]`` fp32, fp16 or bf16, contiguous (fp32, allocated, when not given);
+            a 16-bit ``out`` holds the fp32 sums rounded to nearest even.
         scratch: uint8 of at least :func:`gemm_scratch_bytes` ``(n, cols)`` (allocated when
             not given).
         threads: OpenMP threads (default: torch's).
+        bias: ``[rows]`` of ``out``'s dtype, added after the rounding to ``out``'s dtype
+            (and rounded again), as ``torch.mm`` into ``out`` then ``out.add_(bias)``.
 
     Returns ``out``. Raises ValueError when the sizes or dtypes disagree.
     """
     lib = _load()
     n = x.shape[0]
-    if x.dim() != 2 or x.shape[1] != cols or x.dtype not in (torch.float32, torch.bfloat16) or not x.is_contiguous():
-        raise ValueError(f"x must be a contiguous fp32/bf16 [n, {cols}] tensor, got {x.dtype} {list(x.shape)}")
+    if x.dim() != 2 or x.shape[1] != cols or x.dtype not in DTYPE_CODES or not x.is_contiguous():
+        raise ValueError(f"x must be a contiguous fp32/fp16/bf16 [n, {cols}] tensor, got {x.dtype} {list(x.shape)}")
     if not supports(qtype, cols) or raw.numel() != rows * lib.mf_row_bytes(CTYPES[qtype], cols):
         raise ValueError(f"{qtype}: {raw.numel()} bytes are not a [{rows}, {cols}] matrix the kernels run")
     if out is None:
         out = torch.empty((n, rows), dtype=torch.float32)
+    if out.shape != (n, rows) or out.dtype not in DTYPE_CODES or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous fp32/fp16/bf16 [{n}, {rows}] tensor")
+    if bias is not None and (bias.numel() != rows or bias.dtype != out.dtype or not bias.is_contiguous()):
+        raise ValueError(f"bias must be {rows} contiguous values of out's dtype {out.dtype}")
     if scratch is None:
         scratch = torch.empty(gemm_scratch_bytes(n, cols), dtype=torch.uint8)
-    lib.mf_gemm(CTYPES[qtype], raw.data_ptr(), rows, cols, x.data_ptr(), int(x.dtype == torch.bfloat16),
-                n, out.data_ptr(), scratch.data_ptr(), _threads(threads))
+    lib.mf_gemm_ex(CTYPES[qtype], raw.data_ptr(), rows, cols, x.data_ptr(), DTYPE_CODES[x.dtype], n,
+                   out.data_ptr(), DTYPE_CODES[out.dtype], None if bias is None else bias.data_ptr(),
+                   scratch.data_ptr(), _threads(threads))
     return out
 
 
@@ -201,7 +231,7 @@ def moe(x: torch.Tensor, blob_ptrs: torch.Tensor, bounds: torch.Tensor, tok: tor
     ``p``, ``acc[tok[p]] += weights[p] * down(silu(gate(x[tok[p]])) * up(x[tok[p]]))``.
 
     Args:
-        x: ``[T, H]`` fp32 or bf16, contiguous (CPU).
+        x: ``[T, H]`` fp32, fp16 or bf16, contiguous (CPU).
         blob_ptrs: int64 ``[n]``: the address of each used expert's blob (a
             :class:`~moefit.runtime.quant.StoredExpert` layout ``fmt``, or a plain float blob
             described by one).
@@ -218,12 +248,12 @@ def moe(x: torch.Tensor, blob_ptrs: torch.Tensor, bounds: torch.Tensor, tok: tor
     lib = _load()
     h, inter = fmt.gate.cols, fmt.gate.rows
     t = x.shape[0]
-    pchunk = (scratch.numel() - moe_scratch_bytes(t, h, inter, 0)) // _pair_bytes(h, inter)
+    pchunk = (scratch.numel() - moe_scratch_bytes(t, h, inter, 0)) // pair_bytes(h, inter)
     if pchunk < 1:
         raise ValueError(f"moe scratch of {scratch.numel()} bytes cannot hold the {t} token rows and one "
                          f"pair ({moe_scratch_bytes(t, h, inter, 1)} bytes)")
     lib.mf_moe(blob_ptrs.numel(), blob_ptrs.data_ptr(), bounds.data_ptr(), tok.data_ptr(), weights.data_ptr(),
-               x.data_ptr(), int(x.dtype == torch.bfloat16), acc.data_ptr(), t, h, inter,
+               x.data_ptr(), DTYPE_CODES[x.dtype], acc.data_ptr(), t, h, inter,
                CTYPES[fmt.gate.qtype], CTYPES[fmt.up.qtype], CTYPES[fmt.down.qtype],
                fmt.up.offset, fmt.down.offset, scratch.data_ptr(), pchunk, _threads(threads))
     return acc

@@ -366,21 +366,23 @@ class StoredExpert:
             return torch.mm(g, w.t(), out=out)                           # [n, H]
 
 
-@dataclass(frozen=True)
+@dataclass(eq=False)
 class StoredMatrix:
     """A dense GGUF weight ``[rows, cols]`` kept in its stored ggml type on a CPU device.
 
-    ``buf`` is the allocation the plan priced for the weight (``[rows, cols]`` in the compute
-    dtype, the ledger's ``weights`` line): the stored bytes fill its start, so the ledger is
-    unchanged and a decode step reads the stored size instead of the widened one (a Q6_K
-    output matrix: 0.82 bytes per weight against 2). The rest of the buffer is the room
-    :meth:`matmul` dequantizes row blocks into for larger products (prefill).
+    ``buf`` holds exactly the stored bytes (uint8 ``[rows x row bytes]``), allocated on the
+    ledger's ``weights`` line, which the plan prices at that size on a CPU device with the C
+    kernels (:func:`moefit.memory.weights.stored_matrices`): a decode step reads the stored
+    size instead of the widened one (a Q6_K output matrix: 0.82 bytes per weight against 2).
+    ``ws``: the staging workspace (the engine sets it), whose fixed region :meth:`matmul`
+    dequantizes row blocks into for larger products (prefill).
     """
 
     buf: torch.Tensor
     qtype: str
     rows: int
     cols: int
+    ws: object = None
 
     #: Products of at most this many rows use the C kernels on the stored blocks.
     SMALL_ROWS = 8
@@ -398,21 +400,6 @@ class StoredMatrix:
     def shape(self) -> tuple[int, int]:
         return (self.rows, self.cols)
 
-    def _tail(self) -> torch.Tensor:
-        """The buffer's elements after the stored bytes (compute dtype, flat)."""
-        es = self.buf.element_size()
-        return self.buf.view(-1)[-(-self.nbytes // es):]
-
-    @classmethod
-    def fits(cls, qtype: str, rows: int, cols: int, dtype: torch.dtype) -> bool:
-        """Whether a ``[rows, cols]`` weight of ``qtype`` can live stored in a buffer of
-        ``dtype``: a quantized type the C kernels read, and room after the bytes for at
-        least one dequantized row."""
-        if qtype in ("F32", "F16", "BF16") or not qmatmul.supports(qtype, cols) or rows < 2:
-            return False
-        es = torch.empty((), dtype=dtype).element_size()
-        return rows * cols - -(-rows * row_bytes(qtype, cols) // es) >= cols
-
     def __getitem__(self, rows: slice) -> "StoredMatrix":
         """A row slice; only the whole matrix (``q[:heads * d]`` of a model without an
         output gate). Raises ValueError otherwise."""
@@ -424,22 +411,28 @@ class StoredMatrix:
         """``out = x @ W^T`` for ``x`` ``[T, cols]`` (CPU): up to :attr:`SMALL_ROWS` rows
         through the C kernels on the stored blocks (activations quantized per 32 values,
         :mod:`moefit.runtime.qmatmul`); more rows in blocks of weight rows dequantized into
-        the buffer's free room (bit for bit the file's values), then ``torch.mm`` into
-        ``out``'s columns. Returns ``out``."""
-        if x.shape[0] <= self.SMALL_ROWS and qmatmul.available():
+        the free room of the workspace's fixed region (bit for bit the file's values; the
+        region is free while a projection runs: the attention tiles, the expert matrix and
+        the logits are taken around the products, not during them), then ``torch.mm`` into
+        ``out``'s columns. Without room for one row (the logits of many sequences fill the
+        region while the output matrix runs), the C kernels. Returns ``out``."""
+        region = getattr(self.ws, "fixed", None)
+        es = x.element_size()
+        room = (region.capacity - region.offset - 64) // (self.cols * es) if region is not None else self.rows
+        if (x.shape[0] <= self.SMALL_ROWS or room < 1) and qmatmul.available():
             xc = x.contiguous()
-            if out.dtype == torch.float32 and out.is_contiguous():
+            if out.dtype in qmatmul.DTYPE_CODES and out.is_contiguous():
                 return qmatmul.gemm(xc, self.raw, self.qtype, self.rows, self.cols, out=out)
             return out.copy_(qmatmul.gemm(xc, self.raw, self.qtype, self.rows, self.cols))
-        tail = self._tail()
-        step = tail.numel() // self.cols
+        step = min(self.rows, room)
         rb = row_bytes(self.qtype, self.cols)
         raw = self.raw
-        for r0 in range(0, self.rows, step):
-            n = min(step, self.rows - r0)
-            w = dequantize(raw[r0 * rb:(r0 + n) * rb], self.qtype, (n, self.cols),
-                           out=tail[:n * self.cols].view(n, self.cols))
-            if w.dtype != x.dtype:
-                w = w.to(x.dtype)
-            torch.mm(x, w.t(), out=out[:, r0:r0 + n])
+        with (region.scope() if region is not None else contextlib.nullcontext()):
+            tile = (region.take((step, self.cols), x.dtype) if region is not None
+                    else torch.empty((step, self.cols), dtype=x.dtype))   # no workspace: a test
+            for r0 in range(0, self.rows, step):
+                n = min(step, self.rows - r0)
+                w = dequantize(raw[r0 * rb:(r0 + n) * rb], self.qtype, (n, self.cols),
+                               out=tile[:n].view(n, self.cols))
+                torch.mm(x, w.t(), out=out[:, r0:r0 + n])
         return out

@@ -1,0 +1,336 @@
+/* The lean decode step's CPU operations (moefit.runtime.decode_step): RMSNorm, RoPE + KV write,
+ * attention of one query token per sequence over the KV cache, top-k routing grouped by expert.
+ *
+ * Built into the same library as qmatmul.c (moefit.runtime.qmatmul loads both). Each
+ * operation follows the torch code it replaces step by step and rounds where that code
+ * rounds: a value stored in the compute dtype (bf16 / fp16) is rounded to nearest even at
+ * the same point, the arithmetic between is fp32 (torch's CPU kernels compute bf16 ops in
+ * fp32); only fp32 summation orders differ.
+ *
+ * dtype codes (as qmatmul.c's float types): 0 fp32, 1 fp16, 2 bf16.
+ * KV codec codes: 0 / 1 / 2 plain fp32 / fp16 / bf16; 8 q8 (GGML block_q8_0); 9 q4
+ * (GGML block_q4_0) -- the layouts of moefit.runtime.kv_codec.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+enum { D_F32 = 0, D_F16 = 1, D_BF16 = 2, C_Q8 = 8, C_Q4 = 9 };
+
+static inline float h2f(uint16_t h) {
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
+    uint32_t s = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 0x1f, m = h & 0x3ff, u;
+    if (e == 0) {
+        if (m == 0) u = s;
+        else { float f = ldexpf((float)m, -24); memcpy(&u, &f, 4); u |= s; }
+    } else if (e == 31) u = s | 0x7f800000 | (m << 13);
+    else u = s | ((e + 112) << 23) | (m << 13);
+    float f; memcpy(&f, &u, 4); return f;
+#endif
+}
+static inline uint16_t f2h(float f) {
+#if defined(__F16C__)
+    return _cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+#else
+    /* round to nearest even, as torch's cast */
+    uint32_t u; memcpy(&u, &f, 4);
+    uint32_t s = (u >> 16) & 0x8000, a = u & 0x7fffffff;
+    if (a > 0x7f800000) return (uint16_t)(s | 0x7e00);
+    if (a >= 0x477ff000) return (uint16_t)(s | 0x7c00);
+    if (a < 0x38800000) {            /* subnormal half */
+        float v; memcpy(&v, &a, 4);
+        return (uint16_t)(s | (uint32_t)lrintf(v * 16777216.f));
+    }
+    uint32_t r = a + 0x0fff + ((a >> 13) & 1) - 0x38000000;
+    return (uint16_t)(s | (r >> 13));
+#endif
+}
+static inline float b2f(uint16_t h) { uint32_t u = (uint32_t)h << 16; float f; memcpy(&f, &u, 4); return f; }
+static inline uint16_t f2b(float f) {
+    uint32_t u; memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+static inline float ld(const void *p, int dt, int64_t i) {
+    if (dt == D_BF16) return b2f(((const uint16_t *)p)[i]);
+    if (dt == D_F16) return h2f(((const uint16_t *)p)[i]);
+    return ((const float *)p)[i];
+}
+static inline void st(void *p, int dt, int64_t i, float v) {
+    if (dt == D_BF16) ((uint16_t *)p)[i] = f2b(v);
+    else if (dt == D_F16) ((uint16_t *)p)[i] = f2h(v);
+    else ((float *)p)[i] = v;
+}
+/* v rounded to dtype dt (as a value stored in a tensor of that dtype and read back) */
+static inline float rnd(float v, int dt) {
+    if (dt == D_BF16) return b2f(f2b(v));
+    if (dt == D_F16) return h2f(f2h(v));
+    return v;
+}
+
+/* ---- RMSNorm (moefit.runtime.model.rms_norm) ------------------------------------------------
+ * rows x dim values of h (dtype dt). With delta (dtype ddt, fp32 = a combine accumulator):
+ * first h = h + delta, delta rounded to dt first (the layer output is a tensor of dt) and the
+ * sum rounded to dt (hidden.add_(delta)). Then out = w * (h / sqrt(mean(h^2) + eps)):
+ * the statistics in fp32, the normalised value rounded to dt, then times w (rounded again);
+ * offset 1: times (1 + w) in fp32 before one rounding (Qwen3NextRMSNorm). out may be h.
+ * w: dim values of dtype dt. */
+void mf_rmsnorm(int rows, int dim, void *h, const void *delta, int ddt, const void *w, int dt,
+                float eps, float offset, void *out) {
+    for (int r = 0; r < rows; r++) {
+        int64_t o = (int64_t)r * dim;
+        float ss = 0.f;
+        for (int i = 0; i < dim; i++) {
+            float x = ld(h, dt, o + i);
+            if (delta) {
+                x = rnd(x + rnd(ld(delta, ddt, o + i), dt), dt);
+                st(h, dt, o + i, x);
+            }
+            ss += x * x;
+        }
+        float inv = 1.f / sqrtf(ss / (float)dim + eps);
+        for (int i = 0; i < dim; i++) {
+            float x = ld(h, dt, o + i) * inv;
+            if (offset != 0.f) st(out, dt, o + i, x * (ld(w, dt, i) + offset));
+            else st(out, dt, o + i, rnd(x, dt) * ld(w, dt, i));
+        }
+    }
+}
+
+/* ---- KV codecs (moefit.runtime.kv_codec), one head vector ---------------------------------- */
+static void kv_encode(const float *x, int d, int codec, uint8_t *dst) {
+    if (codec <= D_BF16) { for (int i = 0; i < d; i++) st(dst, codec, i, x[i]); return; }
+    int nb = (d + 31) / 32;
+    for (int b = 0; b < nb; b++) {
+        float xb[32];
+        for (int i = 0; i < 32; i++) xb[i] = 32 * b + i < d ? x[32 * b + i] : 0.f;
+        if (codec == C_Q8) {
+            float amax = 0.f;
+            for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(xb[i]));
+            float dd = amax / 127.f, inv = dd > 0.f ? 1.f / dd : 0.f;
+            uint16_t hd = f2h(dd);
+            uint8_t *o = dst + 34 * b;
+            memcpy(o, &hd, 2);
+            for (int i = 0; i < 32; i++) {
+                float q = rintf(xb[i] * inv);
+                q = q < -127.f ? -127.f : q > 127.f ? 127.f : q;
+                o[2 + i] = (uint8_t)(int8_t)q;
+            }
+        } else {
+            int im = 0;
+            for (int i = 1; i < 32; i++) if (fabsf(xb[i]) > fabsf(xb[im])) im = i;
+            float dd = xb[im] / -8.f, inv = dd != 0.f ? 1.f / dd : 0.f;
+            uint16_t hd = f2h(dd);
+            uint8_t *o = dst + 18 * b, q[32];
+            memcpy(o, &hd, 2);
+            for (int i = 0; i < 32; i++) {
+                float v = floorf(xb[i] * inv + 8.5f);
+                q[i] = (uint8_t)(v < 0.f ? 0.f : v > 15.f ? 15.f : v);
+            }
+            for (int i = 0; i < 16; i++) o[2 + i] = (uint8_t)(q[i] | (q[i + 16] << 4));
+        }
+    }
+}
+
+/* one head vector back, each value rounded to dt (the attention reads K and V blocks into
+ * buffers of the compute dtype) */
+static void kv_decode(const uint8_t *src, int d, int codec, int dt, float *y) {
+    if (codec <= D_BF16) { for (int i = 0; i < d; i++) y[i] = rnd(ld(src, codec, i), dt); return; }
+    for (int i = 0; i < d; i++) {
+        int b = i / 32, j = i % 32;
+        if (codec == C_Q8) {
+            const uint8_t *o = src + 34 * b;
+            uint16_t hd; memcpy(&hd, o, 2);
+            y[i] = rnd((float)(int8_t)o[2 + j] * h2f(hd), dt);
+        } else {
+            const uint8_t *o = src + 18 * b;
+            uint16_t hd; memcpy(&hd, o, 2);
+            int q = j < 16 ? (o[2 + j] & 15) : (o[2 + j - 16] >> 4);
+            y[i] = rnd((float)(q - 8) * h2f(hd), dt);
+        }
+    }
+}
+
+/* ---- RoPE + KV write (moefit.runtime.rope.Rotary, moefit.runtime.kv_cache.KVCache.write) ----
+ * T tokens, token t at position pos[t] of KV slot slot[t]. q [T, A, D], k [T, Kh, D] (dtype
+ * dt) are rotated in place on their first rot channels: x * cos + rotate_half(x) * sin, with
+ * cos / sin = (cos|sin)(pos * inv_freq[i % (rot/2)]) * scaling rounded to dt, each product and
+ * the sum rounded to dt (r.mul_(c).add_(rot.mul_(s))). Then k and v [T, Kh, Dv] are encoded
+ * into the cache: K cells at kc + ((slot * cells + pos % cells) * Kh + h) * krow, V likewise. */
+void mf_rope_kv(int T, void *q, int A, void *k, int Kh, const void *v, int D, int Dv, int rot,
+                const float *inv_freq, float scaling, const int64_t *pos, const int64_t *slot, int dt,
+                uint8_t *kc, uint8_t *vc, int cells, int kcodec, int vcodec, int krow, int vrow) {
+    int half = rot / 2;
+    float cs[1024], sn[1024], x[1024];
+    for (int t = 0; t < T; t++) {
+        for (int i = 0; i < half; i++) {
+            float f = (float)pos[t] * inv_freq[i];
+            cs[i] = cs[i + half] = rnd(cosf(f) * scaling, dt);
+            sn[i] = sn[i + half] = rnd(sinf(f) * scaling, dt);
+        }
+        for (int pass = 0; pass < 2; pass++) {
+            void *base = pass ? k : q;
+            int heads = pass ? Kh : A;
+            for (int hh = 0; hh < heads; hh++) {
+                int64_t o = ((int64_t)t * heads + hh) * D;
+                float r[1024];
+                for (int i = 0; i < rot; i++) r[i] = ld(base, dt, o + i);
+                for (int i = 0; i < rot; i++) {
+                    float rh = i < half ? -r[i + half] : r[i - half];
+                    st(base, dt, o + i, rnd(r[i] * cs[i], dt) + rnd(rh * sn[i], dt));
+                }
+            }
+        }
+        int64_t cell = (slot[t] * (int64_t)cells + pos[t] % cells) * Kh;
+        for (int hh = 0; hh < Kh; hh++) {
+            for (int i = 0; i < D; i++) x[i] = ld(k, dt, ((int64_t)t * Kh + hh) * D + i);
+            kv_encode(x, D, kcodec, kc + (cell + hh) * krow);
+            for (int i = 0; i < Dv; i++) x[i] = ld(v, dt, ((int64_t)t * Kh + hh) * Dv + i);
+            kv_encode(x, Dv, vcodec, vc + (cell + hh) * vrow);
+        }
+    }
+}
+
+/* ---- attention of one query token per sequence (moefit.runtime.attention.attend) -----------
+ * Token t (query q [T, A, D], dtype dt) at position pos[t] of slot slot[t] attends to the
+ * cached positions lo .. pos[t] (lo = pos - window + 1 on a sliding layer, window 0: 0);
+ * query head a reads KV head a / (A / Kh) (GQA). Scores q . k * scale and the softmax in fp32
+ * (the running max and sum of an online softmax over blocks of 128 positions), K and V read
+ * as values of dt, out [T, A, Dv] = sum p v / sum p rounded to dt. One work item per (token,
+ * KV head), split over the threads. */
+#define ATT_BLOCK 128
+void mf_attn_decode(int T, const void *q, int A, int Kh, int D, int Dv, float scale,
+                    const uint8_t *kc, const uint8_t *vc, int kcodec, int vcodec, int krow, int vrow,
+                    const int64_t *pos, const int64_t *slot, int cells, int window, int dt, void *out,
+                    int nthreads) {
+    int G = A / Kh;
+    int64_t work = 0;
+    for (int t = 0; t < T; t++) work += pos[t] + 1;
+    int nt = work * Kh * (D + Dv) * G < 200000 ? 1 : nthreads;   /* a short context: one thread */
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nt)
+    for (int item = 0; item < T * Kh; item++) {
+        int t = item / Kh, kh = item % Kh;
+        float qv[16][512], acc[16][512], m[16], l[16], s[16][ATT_BLOCK], kb[512];
+        int g_n = G > 16 ? 16 : G;
+        for (int g0 = 0; g0 < G; g0 += g_n) {
+            int gn = G - g0 < g_n ? G - g0 : g_n;
+            for (int g = 0; g < gn; g++) {
+                int a = kh * G + g0 + g;
+                for (int i = 0; i < D; i++) qv[g][i] = ld(q, dt, ((int64_t)t * A + a) * D + i);
+                for (int i = 0; i < Dv; i++) acc[g][i] = 0.f;
+                m[g] = -INFINITY; l[g] = 0.f;
+            }
+            int64_t p = pos[t], lo = window > 0 && p - window + 1 > 0 ? p - window + 1 : 0;
+            const int64_t sbase = slot[t] * (int64_t)cells;
+            for (int64_t b0 = lo; b0 <= p; b0 += ATT_BLOCK) {
+                int n = (int)(p + 1 - b0 < ATT_BLOCK ? p + 1 - b0 : ATT_BLOCK);
+                for (int j = 0; j < n; j++) {
+                    const uint8_t *kr = kc + ((sbase + (b0 + j) % cells) * Kh + kh) * krow;
+                    kv_decode(kr, D, kcodec, dt, kb);
+                    for (int g = 0; g < gn; g++) {
+                        float d0 = 0.f;
+#ifdef __AVX512F__
+                        int i = 0;
+                        __m512 a16 = _mm512_setzero_ps();
+                        for (; i + 16 <= D; i += 16)
+                            a16 = _mm512_fmadd_ps(_mm512_loadu_ps(qv[g] + i), _mm512_loadu_ps(kb + i), a16);
+                        d0 = _mm512_reduce_add_ps(a16);
+                        for (; i < D; i++) d0 += qv[g][i] * kb[i];
+#else
+                        for (int i = 0; i < D; i++) d0 += qv[g][i] * kb[i];
+#endif
+                        s[g][j] = d0 * scale;
+                    }
+                }
+                for (int g = 0; g < gn; g++) {
+                    float mx = m[g];
+                    for (int j = 0; j < n; j++) mx = fmaxf(mx, s[g][j]);
+                    float alpha = expf(m[g] - mx);
+                    float sum = 0.f;
+                    for (int j = 0; j < n; j++) { s[g][j] = expf(s[g][j] - mx); sum += s[g][j]; }
+                    l[g] = l[g] * alpha + sum;
+                    for (int i = 0; i < Dv; i++) acc[g][i] *= alpha;
+                    m[g] = mx;
+                }
+                for (int j = 0; j < n; j++) {
+                    const uint8_t *vr = vc + ((sbase + (b0 + j) % cells) * Kh + kh) * vrow;
+                    kv_decode(vr, Dv, vcodec, dt, kb);
+                    for (int g = 0; g < gn; g++) {
+                        float pj = s[g][j];
+#ifdef __AVX512F__
+                        int i = 0;
+                        __m512 pv = _mm512_set1_ps(pj);
+                        for (; i + 16 <= Dv; i += 16)
+                            _mm512_storeu_ps(acc[g] + i, _mm512_fmadd_ps(pv, _mm512_loadu_ps(kb + i), _mm512_loadu_ps(acc[g] + i)));
+                        for (; i < Dv; i++) acc[g][i] += pj * kb[i];
+#else
+                        for (int i = 0; i < Dv; i++) acc[g][i] += pj * kb[i];
+#endif
+                    }
+                }
+            }
+            for (int g = 0; g < gn; g++) {
+                int a = kh * G + g0 + g;
+                for (int i = 0; i < Dv; i++) st(out, dt, ((int64_t)t * A + a) * Dv + i, acc[g][i] / l[g]);
+            }
+        }
+    }
+}
+
+/* ---- top-k routing, pairs grouped by expert (moefit.runtime.model.route, moe_batch.run_layer) ----
+ * logits [T, E] (dtype dt): softmax in fp32, the k largest (ties: the lower expert first),
+ * renormalised to sum 1 when renorm, then rounded to dt (the combine weights are a tensor of
+ * dt). The T x k (token, expert) pairs sorted by expert, tokens in order within one: expert i
+ * of the n used (n = stats[0]) is at blob address table[e] and serves pairs bounds[i] ..
+ * bounds[i+1]-1, whose tokens are tok[] and weights w[]. stats[1], stats[2]: used experts that
+ * are resident (resident[e] != 0) and not. */
+void mf_route(int T, int E, int k, const void *logits, int dt, int renorm, const int64_t *table,
+              const uint8_t *resident, int64_t *ptrs, int64_t *bounds, int64_t *tok, float *w,
+              int64_t *stats) {
+    int ids[64 * 16];
+    float wt[64 * 16], pr[1024];
+    for (int t = 0; t < T; t++) {
+        float mx = -INFINITY, sum = 0.f;
+        for (int e = 0; e < E; e++) { pr[e] = ld(logits, dt, (int64_t)t * E + e); mx = fmaxf(mx, pr[e]); }
+        for (int e = 0; e < E; e++) { pr[e] = expf(pr[e] - mx); sum += pr[e]; }
+        for (int e = 0; e < E; e++) pr[e] /= sum;
+        float tot = 0.f;
+        for (int j = 0; j < k; j++) {
+            int best = -1;
+            for (int e = 0; e < E; e++) {
+                int taken = 0;
+                for (int i = 0; i < j; i++) taken |= ids[t * k + i] == e;
+                if (!taken && (best < 0 || pr[e] > pr[best])) best = e;
+            }
+            ids[t * k + j] = best;
+            wt[t * k + j] = pr[best];
+            tot += pr[best];
+        }
+        for (int j = 0; j < k; j++) wt[t * k + j] = rnd(renorm ? wt[t * k + j] / tot : wt[t * k + j], dt);
+    }
+    /* counting sort by expert: tokens stay in order within an expert */
+    int n = 0, hits = 0, misses = 0;
+    int64_t p = 0;
+    for (int e = 0; e < E; e++) {
+        int64_t start = p;
+        for (int t = 0; t < T; t++)
+            for (int j = 0; j < k; j++)
+                if (ids[t * k + j] == e) { tok[p] = t; w[p] = wt[t * k + j]; p++; }
+        if (p > start) {
+            bounds[n] = start;
+            ptrs[n] = table[e];
+            if (resident[e]) hits++; else misses++;
+            n++;
+        }
+    }
+    bounds[n] = p;
+    stats[0] = n; stats[1] = hits; stats[2] = misses;
+}

@@ -1,0 +1,409 @@
+"""The lean decode step: a step of one token per sequence on the CPU, in a few C calls per layer.
+
+A decode step moves little data through many small operations; run as torch operations
+(:func:`moefit.runtime.model.forward_batch`), each layer costs a few hundred Python and
+torch dispatches (norms, projections, RoPE, the KV write, attention tiles, routing), a
+fifth to a third of the step on the 2-core CI machine, none of it multithreaded. Here the
+same layer is, for the ``T`` tokens of the step (one per sequence, ``T`` = the busy slots):
+
+1. RMSNorm, with the residual add of the previous sublayer folded in (``mf_rmsnorm``);
+2. the q / k / v projections (``mf_gemm_ex``: stored GGUF blocks or bf16 / fp16 / fp32
+   weights, fp32 sums rounded once into the compute dtype, bias added as torch adds it);
+3. q/k norm (``mf_rmsnorm`` per head or over all heads), then RoPE of q and k and the K/V
+   write into the cache cells of each token's slot, encoded in the plan's KV format
+   (``mf_rope_kv``);
+4. attention of each token over its own slot's cells (``mf_attn_decode``, threads over
+   tokens x KV heads), the output projection;
+5. RMSNorm (+ residual), the router, top-k routing grouped by expert (``mf_route``), and
+   the routed experts in one call (``mf_moe``: each expert's rows read once for all the
+   step's tokens routed to it);
+
+then the final norm and the fp32 logits (``mf_gemm_ex``). The C code (``decode_step.c``)
+rounds where the torch code rounds (every tensor the torch path stores in the compute dtype
+is rounded there), so the two paths differ by fp32 summation order only;
+tests/runtime/test_decode_step.py compares them on every family the runtime runs.
+
+What the step does not cover stays in torch, layer by layer: Gated DeltaNet layers
+(:func:`moefit.runtime.deltanet.gated_deltanet`), shared experts and dense MLPs
+(:func:`moefit.runtime.model.linear`), the output gate, ``clip_qkv``. :func:`applies` says
+when the whole step runs here: the C kernels are built, the device is the CPU, every
+segment of the step is one token, the KV format has a C codec (plain, int8 / int4 blocks;
+not fp8), the experts run on the CPU (:func:`moefit.runtime.moe_batch.applies`), and the
+model uses no switch, layer kind or weight this module does not know
+(:data:`KNOWN_SWITCHES`, :data:`KNOWN_WEIGHTS`), so a family added later runs through
+the torch path until it is taught here.
+
+Buffers: every per-step tensor comes from the staging workspace (taken once per step, not
+per layer); the attention keeps its scores on the C stack (blocks of 128 positions).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+import torch.nn.functional as F
+
+from moefit.ingest.families.common import Switches
+from moefit.ingest.geometry import AttentionSpec, MoESpec
+from moefit.runtime import moe_batch, qmatmul
+from moefit.runtime.deltanet import gated_deltanet
+from moefit.runtime.quant import StoredMatrix
+
+#: Most tokens (sequences) one lean step runs; larger steps take the torch path.
+MAX_TOKENS = 64
+#: Switches (:class:`~moefit.ingest.families.common.Switches`) this module implements,
+#: and the values it implements them for.
+KNOWN_SWITCHES = frozenset({"model_type", "dtype", "rms_eps", "qk_norm", "q_bias", "o_bias", "clip_qkv",
+                            "renormalize", "tie_embeddings", "config", "prefix", "norm_offset"})
+#: :class:`~moefit.runtime.loader.LayerWeights` fields this module reads (or hands to
+#: :func:`~moefit.runtime.deltanet.gated_deltanet`); a layer holding any other weight
+#: takes the torch path.
+KNOWN_WEIGHTS = frozenset({
+    "input_norm", "post_norm", "q", "k", "v", "o", "q_bias", "k_bias", "v_bias", "o_bias", "q_norm", "k_norm",
+    "router", "shared_gate", "shared_up", "shared_down", "shared_expert_gate", "dense_gate", "dense_up",
+    "dense_down", "la_qkvz", "la_ba", "la_conv", "la_dt_bias", "la_a_log", "la_norm", "la_out"})
+#: :class:`~moefit.ingest.geometry.AttentionSpec` and :class:`~moefit.ingest.geometry.MoESpec`
+#: fields this module implements; a layer with another one set takes the torch path.
+KNOWN_SPEC_FIELDS = frozenset({
+    "kind", "num_heads", "num_kv_heads", "head_dim", "v_head_dim", "rotary_dim", "sliding_window",
+    "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
+    "linear_conv_kernel", "state_dtype", "output_gate",
+    "num_experts", "experts_per_token", "expert_intermediate", "num_shared_experts", "shared_intermediate"})
+_KV_CODECS = {"plain": None, "q8": 8, "q4": 9}
+_PLAIN = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+
+
+@dataclass
+class _Mat:
+    """A weight as the C products read it: address, ggml type, rows x cols (and the tensor,
+    kept alive)."""
+
+    ptr: int
+    qtype: int
+    rows: int
+    cols: int
+    keep: object
+
+
+def _mat(w) -> _Mat | None:
+    """``w`` (a contiguous bf16 / fp16 / fp32 tensor on the CPU, or a
+    :class:`~moefit.runtime.quant.StoredMatrix`) as a :class:`_Mat`; None when the kernels
+    cannot read it."""
+    if isinstance(w, StoredMatrix):
+        return _Mat(w.raw.data_ptr(), qmatmul.CTYPES[w.qtype], w.rows, w.cols, w) if qmatmul.supports(w.qtype, w.cols) \
+            else None
+    if not isinstance(w, torch.Tensor) or w.dim() != 2 or w.device.type != "cpu" or not w.is_contiguous():
+        return None
+    name = moe_batch.FLOAT_TYPES.get(w.dtype)
+    return _Mat(w.data_ptr(), qmatmul.CTYPES[name], w.shape[0], w.shape[1], w) if name else None
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+class _Layer:
+    """What one layer's step reads, resolved once: weight addresses, cache views, flags."""
+
+    def __init__(self, mdl, l, lw):
+        a, arch = l.attention, mdl.arch
+        self.l, self.lw, self.kind = l, lw, a.kind
+        self.moe = l.moe
+        if a.kind != "linear":
+            heads, d, dv = a.num_heads, a.head_dim, a.v_head_dim
+            self.heads, self.kvh, self.d, self.dv = heads, a.num_kv_heads, d, dv
+            self.q = _mat(lw.q[:heads * d])
+            self.gate = _mat(lw.q[heads * d:]) if a.output_gate else None
+            self.k, self.v, self.o = _mat(lw.k), _mat(lw.v), _mat(lw.o)
+            self.q_bias = None if lw.q_bias is None else lw.q_bias[:heads * d]
+            self.gate_bias = None if lw.q_bias is None or not a.output_gate else lw.q_bias[heads * d:]
+            lc = mdl.kv.layers[l.index]
+            self.lc = lc
+            self.cells, self.window = lc.cells, lc.window or 0
+        self.router = _mat(lw.router) if l.moe is not None else None
+        self.shared = tuple(_mat(x) for x in (lw.shared_gate, lw.shared_up, lw.shared_down, lw.shared_expert_gate)) \
+            if lw.shared_gate is not None else None
+        self.dense = tuple(_mat(x) for x in (lw.dense_gate, lw.dense_up, lw.dense_down)) \
+            if l.moe is None else None
+
+
+class LeanStep:
+    """The prepared lean step of a :class:`~moefit.runtime.model.Model` (see the module
+    docstring); ``why`` says what keeps it from running (None when it runs)."""
+
+    def __init__(self, mdl):
+        self.mdl = mdl
+        self.why = self._check(mdl)
+        if self.why is not None:
+            return
+        self.lib = qmatmul.library()
+        self.layers = [_Layer(mdl, l, lw) for l, lw in zip(mdl.geom.layers, mdl.weights.layers)]
+        for L in self.layers:
+            mats = [L.q, L.k, L.v, L.o] + ([L.gate] if L.l.attention.output_gate else []) if L.kind != "linear" else []
+            if L.moe is not None:
+                mats.append(L.router)
+            mats += list(L.shared or ()) + list(L.dense or ())
+            if any(m is None for m in mats):
+                self.why = f"layer {L.l.index}: a weight the C kernels do not read"
+                return
+        self.lm_head = _mat(mdl.weights.lm_head)
+        if self.lm_head is None:
+            self.why = "the output matrix is not one the C kernels read"
+            return
+        self.act = _PLAIN[mdl.arch.dtype]
+        self.rot = mdl.rotary.params.dim
+        self.inv_freq = mdl.rotary.inv_freq.float().contiguous()
+        self.scaling = float(mdl.rotary.scaling)
+        self._tables = {}
+        self._version = None
+        self._applies: dict = {}
+
+    # ---- when --------------------------------------------------------------------------------
+    @staticmethod
+    def _check(mdl) -> str | None:
+        arch, g = mdl.arch, mdl.geom
+        if not qmatmul.available():
+            return "no C kernels"
+        if mdl.kv.buffer.device.type != "cpu":
+            return "not a CPU device"
+        if arch.dtype not in _PLAIN:
+            return f"compute dtype {arch.dtype}"
+        unknown = {f.name for f in fields(Switches)} - KNOWN_SWITCHES
+        if unknown:
+            return f"switches {sorted(unknown)} are not implemented here"
+        if arch.qk_norm not in ("", "head", "full"):
+            return f"qk_norm {arch.qk_norm!r}"
+        codecs = set()
+        for l, lw in zip(g.layers, mdl.weights.layers):
+            a = l.attention
+            if a.kind not in ("full", "sliding", "linear"):
+                return f"layer {l.index}: {a.kind} attention"
+            if a.kind != "linear":
+                if max(a.head_dim, a.v_head_dim) > 512 or a.num_heads % max(1, a.num_kv_heads):
+                    return f"layer {l.index}: head dims"
+                lc = mdl.kv.layers[l.index]
+                codecs |= {lc.k_codec.kind, lc.v_codec.kind}
+                if (lc.window or None) != (a.sliding_window if a.kind == "sliding" else None):
+                    return f"layer {l.index}: the window"
+            extra = {f.name for f in fields(lw) if getattr(lw, f.name) is not None} - KNOWN_WEIGHTS
+            for spec in (a, l.moe):
+                if spec is not None:
+                    extra |= {f.name for f in fields(spec) if f.name not in KNOWN_SPEC_FIELDS and getattr(spec, f.name)}
+            if extra:
+                return f"layer {l.index}: {sorted(extra)} are not implemented here"
+            if l.moe is not None and (l.moe.num_experts > 1024 or l.moe.experts_per_token > 16):
+                return f"layer {l.index}: routing of this size"
+        if not codecs <= set(_KV_CODECS):
+            return f"KV codecs {sorted(codecs)}"
+        if mdl.rotary.params.dim > 1024:
+            return "rotary dim"
+        return None
+
+    def applies(self, segs) -> bool:
+        """Whether this step of segments ``segs`` runs here: one token per segment, at most
+        :data:`MAX_TOKENS`, and every MoE layer's experts on the CPU
+        (:func:`moefit.runtime.moe_batch.applies`, asked once per token count and residency)."""
+        if self.why is not None or len(segs) > MAX_TOKENS or any(sg.length != 1 for sg in segs):
+            return False
+        t, ec = len(segs), self.mdl.experts
+        key = (t, ec.version if ec is not None else 0)
+        ok = self._applies.get(key)
+        if ok is None:
+            x = torch.empty((t, 1), dtype=self.mdl.arch.dtype).expand(t, self.mdl.geom.hidden_size)
+            ok = all(moe_batch.applies(ec, L.l.index, x, L.moe.experts_per_token)
+                     for L in self.layers if L.moe is not None)
+            self._applies[key] = ok
+        return ok
+
+    # ---- expert tables -----------------------------------------------------------------------
+    def _table(self, layer: int):
+        """(blob address per expert int64 [E], resident mask uint8 [E]) of ``layer``: the
+        resident slot, else the host blob (misses computed on the CPU). Rebuilt when the
+        cache's residency changed."""
+        ec = self.mdl.experts
+        if self._version != ec.version:
+            self._tables, self._version = {}, ec.version
+        tab = self._tables.get(layer)
+        if tab is None:
+            blobs, slots, res = ec.host.blobs[layer], ec.slots.get(layer, []), ec.resident[layer]
+            ptrs = [slots[res[e]].data_ptr() if e in res else blobs[e].data_ptr() for e in range(blobs.shape[0])]
+            mask = [1 if e in res else 0 for e in range(blobs.shape[0])]
+            tab = (torch.tensor(ptrs, dtype=torch.int64), torch.tensor(mask, dtype=torch.uint8),
+                   moe_batch.layer_format(ec, layer))
+            self._tables[layer] = tab
+        return tab
+
+    # ---- the step ----------------------------------------------------------------------------
+    def run(self, ids: torch.Tensor, segs) -> torch.Tensor:
+        """The step (``ids`` ``[T]``, one token per segment); returns the logits ``[T, V]``
+        fp32, a view into the workspace's fixed region (as
+        :func:`moefit.runtime.model.forward_batch`)."""
+        mdl, lib = self.mdl, self.lib
+        g, arch, w, ws = mdl.geom, mdl.arch, mdl.weights, mdl.ws
+        t, h, act, f32 = ids.numel(), g.hidden_size, arch.dtype, torch.float32
+        ad, eps, off = self.act, float(arch.rms_eps), float(arch.norm_offset)
+        threads = torch.get_num_threads()
+        for sg in segs:
+            mdl.kv.check_room(sg.slot, sg.start, 1)
+        ws.begin_chunk(mdl.fixed_bytes)
+        pos = torch.tensor([sg.start for sg in segs], dtype=torch.int64)
+        slot = torch.tensor([sg.slot for sg in segs], dtype=torch.int64)
+        hidden = ws.take((t, h), act)
+        torch.index_select(w.embed, 0, ids, out=hidden)
+        normed, delta = ws.take((t, h), act), ws.take((t, h), act)
+        acc = ws.take((t, h), f32)
+        widest = max([h] + [L.heads * L.dv for L in self.layers if L.kind != "linear"]
+                     + [m.cols for L in self.layers for m in (L.shared or ()) + (L.dense or ())])
+        gscratch = ws.take((qmatmul.gemm_scratch_bytes(t, widest),), torch.uint8)
+        att = [L for L in self.layers if L.kind != "linear"]
+        qw = max([L.heads * L.d for L in att], default=1)
+        kw = max([L.kvh * max(L.d, L.dv) for L in att], default=1)
+        ow = max([L.heads * L.dv for L in att], default=1)
+        qbuf, kbuf, vbuf = ws.take((t, qw), act), ws.take((t, kw), act), ws.take((t, kw), act)
+        obuf = ws.take((t, ow), act)
+        gbuf = ws.take((t, ow), act) if any(L.gate is not None for L in att) else None
+        moes = [L for L in self.layers if L.moe is not None]
+        if moes:
+            e_max = max(L.moe.num_experts for L in moes)
+            pairs = t * max(L.moe.experts_per_token for L in moes)
+            rlog = ws.take((t, e_max), act)
+            bptr, bounds = ws.take((pairs,), torch.int64), ws.take((pairs + 1,), torch.int64)
+            tok, wsel = ws.take((pairs,), torch.int64), ws.take((pairs,), f32)
+            stats = ws.take((3,), torch.int64)
+            mscratch = ws.take((max(moe_batch.scratch_bytes(t, h, L.moe.expert_intermediate, act) for L in moes),),
+                               torch.uint8)
+
+        def mm(m: _Mat, x: torch.Tensor, out: torch.Tensor, bias=None):
+            lib.mf_gemm_ex(m.qtype, m.ptr, m.rows, m.cols, x.data_ptr(), ad, t, out.data_ptr(), ad,
+                           _ptr(bias), gscratch.data_ptr(), threads)
+
+        pending, pdt = None, ad        # the last sublayer's output, not yet added to hidden
+        for L in self.layers:
+            l, lw = L.l, L.lw
+            lib.mf_rmsnorm(t, h, hidden.data_ptr(), _ptr(pending), pdt, lw.input_norm.data_ptr(), ad, eps, off,
+                           normed.data_ptr())
+            if L.kind == "linear":
+                for sg in segs:
+                    with ws.scope():
+                        gated_deltanet(l.attention, lw, normed[sg.offset:sg.offset + 1],
+                                       mdl.kv.linear.layers[l.index], sg.slot, arch.rms_eps, ws,
+                                       delta[sg.offset:sg.offset + 1])
+            else:
+                self._attention(L, normed, delta, qbuf, kbuf, vbuf, obuf, gbuf, pos, slot, mm, threads)
+            lib.mf_rmsnorm(t, h, hidden.data_ptr(), delta.data_ptr(), ad, lw.post_norm.data_ptr(), ad, eps, off,
+                           normed.data_ptr())
+            if L.moe is not None:
+                m = L.moe
+                e, k = m.num_experts, m.experts_per_token
+                lg = rlog[:, :e] if e == rlog.shape[1] else rlog.view(-1)[:t * e].view(t, e)
+                mm(L.router, normed, lg)
+                table, mask, fmt = self._table(l.index)
+                lib.mf_route(t, e, k, lg.data_ptr(), ad, int(arch.renormalize), table.data_ptr(), mask.data_ptr(),
+                             bptr.data_ptr(), bounds.data_ptr(), tok.data_ptr(), wsel.data_ptr(), stats.data_ptr())
+                n_used, hits, misses = stats.tolist()
+                st = mdl.experts.stats[l.index]
+                st.hits += hits
+                st.misses += misses
+                acc.zero_()
+                inter = fmt.gate.rows
+                pchunk = (mscratch.numel() - qmatmul.moe_scratch_bytes(t, h, inter, 0)) // qmatmul.pair_bytes(h, inter)
+                lib.mf_moe(n_used, bptr.data_ptr(), bounds.data_ptr(), tok.data_ptr(), wsel.data_ptr(),
+                           normed.data_ptr(), ad, acc.data_ptr(), t, h, inter, qmatmul.CTYPES[fmt.gate.qtype],
+                           qmatmul.CTYPES[fmt.up.qtype], qmatmul.CTYPES[fmt.down.qtype], fmt.up.offset,
+                           fmt.down.offset, mscratch.data_ptr(), pchunk, threads)
+                if L.shared is not None:      # Qwen2-MoE: + sigmoid(gate(x)) * shared(x)
+                    delta.copy_(acc)
+                    with ws.scope():
+                        sh = self._mlp(L.shared[:3], normed, ws.take((t, h), act), mm)
+                        gate = ws.take((t, 1), act)
+                        mm(L.shared[3], normed, gate)
+                        delta.add_(sh.mul_(gate.sigmoid_()))
+                    pending, pdt = delta, ad
+                else:
+                    pending, pdt = acc, 0
+            else:
+                self._mlp(L.dense, normed, delta, mm)
+                pending, pdt = delta, ad
+        lib.mf_rmsnorm(t, h, hidden.data_ptr(), _ptr(pending), pdt, w.norm.data_ptr(), ad, eps, off,
+                       normed.data_ptr())
+        logits = ws.fixed.take((t, g.vocab_size), f32)
+        hm = self.lm_head
+        lib.mf_gemm_ex(hm.qtype, hm.ptr, hm.rows, hm.cols, normed.data_ptr(), ad, t, logits.data_ptr(), 0, None,
+                       gscratch.data_ptr(), threads)
+        for sg in segs:
+            mdl.kv.lengths[sg.slot] = sg.start + 1
+        return logits
+
+    def _mlp(self, mats, x: torch.Tensor, out: torch.Tensor, mm) -> torch.Tensor:
+        """``down(silu(gate(x)) * up(x))`` into ``out`` (:func:`moefit.runtime.model._swiglu_mlp`)."""
+        ws, t, act = self.mdl.ws, x.shape[0], x.dtype
+        gm, um, dm = mats
+        with ws.scope():
+            g, u = ws.take((t, gm.rows), act), ws.take((t, um.rows), act)
+            mm(gm, x, g)
+            mm(um, x, u)
+            mm(dm, F.silu(g, inplace=True).mul_(u), out)
+        return out
+
+    def _attention(self, L: _Layer, x, out, qbuf, kbuf, vbuf, obuf, gbuf, pos, slot, mm, threads) -> None:
+        """Self-attention of layer ``L`` on normed ``x`` ``[T, H]`` into ``out`` (as
+        :func:`moefit.runtime.model._attention` for one token per sequence)."""
+        mdl, lib, arch = self.mdl, self.lib, self.mdl.arch
+        t, ad = x.shape[0], self.act
+        heads, kvh, d, dv = L.heads, L.kvh, L.d, L.dv
+        lw, lc = L.lw, L.lc
+        q = qbuf.view(-1)[:t * heads * d].view(t, heads * d)
+        k = kbuf.view(-1)[:t * kvh * d].view(t, kvh * d)
+        v = vbuf.view(-1)[:t * kvh * dv].view(t, kvh * dv)
+        o = obuf.view(-1)[:t * heads * dv].view(t, heads * dv)
+        mm(L.q, x, q, L.q_bias)
+        if L.gate is not None:
+            gate = gbuf.view(-1)[:t * heads * dv].view(t, heads * dv)
+            mm(L.gate, x, gate, L.gate_bias)
+        mm(L.k, x, k, lw.k_bias)
+        mm(L.v, x, v, lw.v_bias)
+        eps = float(arch.rms_eps)
+        if arch.qk_norm == "full":            # OLMoE: over all heads at once, no offset
+            lib.mf_rmsnorm(t, heads * d, q.data_ptr(), None, ad, lw.q_norm.data_ptr(), ad, eps, 0.0, q.data_ptr())
+            lib.mf_rmsnorm(t, kvh * d, k.data_ptr(), None, ad, lw.k_norm.data_ptr(), ad, eps, 0.0, k.data_ptr())
+        if arch.clip_qkv is not None:
+            for y in (q, k, v):
+                y.clamp_(-arch.clip_qkv, arch.clip_qkv)
+        if arch.qk_norm == "head":            # Qwen3: per head
+            off = float(arch.norm_offset)
+            lib.mf_rmsnorm(t * heads, d, q.data_ptr(), None, ad, lw.q_norm.data_ptr(), ad, eps, off, q.data_ptr())
+            lib.mf_rmsnorm(t * kvh, d, k.data_ptr(), None, ad, lw.k_norm.data_ptr(), ad, eps, off, k.data_ptr())
+        kc, vc = lc.k_codec, lc.v_codec
+        kcode = _PLAIN[kc.dtype] if kc.kind == "plain" else _KV_CODECS[kc.kind]
+        vcode = _PLAIN[vc.dtype] if vc.kind == "plain" else _KV_CODECS[vc.kind]
+        lib.mf_rope_kv(t, q.data_ptr(), heads, k.data_ptr(), kvh, v.data_ptr(), d, dv, self.rot,
+                       self.inv_freq.data_ptr(), self.scaling, pos.data_ptr(), slot.data_ptr(), ad,
+                       lc.k.data_ptr(), lc.v.data_ptr(), L.cells, kcode, vcode, kc.nbytes, vc.nbytes)
+        lib.mf_attn_decode(t, q.data_ptr(), heads, kvh, d, dv, d ** -0.5, lc.k.data_ptr(), lc.v.data_ptr(),
+                           kcode, vcode, kc.nbytes, vc.nbytes, pos.data_ptr(), slot.data_ptr(), L.cells,
+                           L.window, ad, o.data_ptr(), threads)
+        if L.gate is not None:
+            o.mul_(gate.sigmoid_())
+        mm(L.o, o, out, lw.o_bias)
+
+
+def lean(mdl) -> LeanStep:
+    """The model's :class:`LeanStep` (made on first use and kept on the model)."""
+    step = getattr(mdl, "lean", None)
+    if step is None or step.mdl is not mdl:
+        step = LeanStep(mdl)
+        mdl.lean = step
+    return step
+
+
+def applies(mdl, segs) -> bool:
+    """Whether the step of segments ``segs`` runs as a lean step (module docstring)."""
+    return lean(mdl).applies(segs)
+
+
+def forward(mdl, ids: torch.Tensor, segs) -> torch.Tensor:
+    """Run the lean step; the logits ``[S, V]`` fp32 (a view into the workspace's fixed
+    region), as :func:`moefit.runtime.model.forward_batch` returns them."""
+    return lean(mdl).run(ids, segs)
+
