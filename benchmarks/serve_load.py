@@ -10,9 +10,12 @@ Every round is bounded by ``--round-timeout`` seconds; nothing leaves the loopba
 
 Recorded per round: requests sent / completed / refused (503) / failed (anything else,
 including a stream cut short), p50 / p95 time to first token and inter-token latency
-(seconds, client side, from the SSE chunks), aggregate decode tokens/s (tokens streamed
-in the round / the round's wall time), and the server's resident set size (``VmRSS``)
-before and after. Nothing may be lost: completed + refused + failed = sent.
+(seconds, client side, from the SSE chunks), aggregate decode tokens/s (every token after
+a stream's first / the time during which at least one stream was decoding: the union of
+the streams' first-to-last-token windows, so prompts and connection set-up are left out),
+tokens/s over the round's wall time (every token streamed / the round's wall time, which
+includes them), and the server's resident set size (``VmRSS``) before and after. Nothing
+may be lost: completed + refused + failed = sent.
 
 Default model: a random bf16 Qwen3-MoE of about 120 MB written into ``--dir`` once
 (``bench_runtime.write_checkpoint`` at hidden 512, 4 layers, 32 experts of width 256, 4
@@ -180,7 +183,8 @@ async def one_request(client: httpx.AsyncClient, url: str, prompt: list[int], to
     if finish is None:
         return {"outcome": "failed", "why": "stream cut without a finish_reason"}
     return {"outcome": "completed", "ttft": times[0] - t0 if times else None,
-            "itl": [b - a for a, b in zip(times, times[1:])], "tokens": len(times)}
+            "itl": [b - a for a, b in zip(times, times[1:])], "tokens": len(times),
+            "window": (times[0], times[-1]) if len(times) > 1 else None}
 
 
 async def run_round(url: str, n: int, requests: int, prompt_len: int, tokens: int,
@@ -211,10 +215,27 @@ async def run_round(url: str, n: int, requests: int, prompt_len: int, tokens: in
     for r in results:
         if r["outcome"] == "failed":
             why[r["why"]] = why.get(r["why"], 0) + 1
+    windows = [r["window"] for r in results if r.get("window")]
+    decoded = sum(r["tokens"] - 1 for r in results if r.get("window"))
+    busy = _union(windows)
     return {"clients": n, "sent": sent, **got, "failures": why, "wall_s": wall,
             "ttft_p50": _pct(ttft, 50), "ttft_p95": _pct(ttft, 95),
             "itl_p50": _pct(itl, 50), "itl_p95": _pct(itl, 95),
-            "decode_tokens_per_s": streamed / wall if wall else 0.0}
+            "decode_tokens_per_s": decoded / busy if busy else 0.0,
+            "wall_tokens_per_s": streamed / wall if wall else 0.0}
+
+
+def _union(windows: list[tuple[float, float]]) -> float:
+    """Seconds covered by at least one of the ``(start, end)`` windows."""
+    total, end = 0.0, None
+    for a, b in sorted(windows):
+        if end is None or a > end:
+            total += b - a
+            end = b
+        elif b > end:
+            total += b - end
+            end = b
+    return total
 
 
 def _pct(xs: list[float], p: int) -> float | None:
@@ -248,11 +269,13 @@ def _line(r: dict) -> str:
     return (f"| {r['server']} | {r['clients']} | {r['sent']} | {r['completed']} | {r['refused']} | "
             f"{r['failed']} | {_fmt(r['ttft_p50'])} / {_fmt(r['ttft_p95'])} | "
             f"{_fmt(r['itl_p50'])} / {_fmt(r['itl_p95'])} | {r['decode_tokens_per_s']:.1f} | "
+            f"{r['wall_tokens_per_s']:.1f} | "
             f"{r['rss_before'] / 2**20:.0f} -> {r['rss_after'] / 2**20:.0f} MiB |")
 
 
 HEADER = ("| server | clients | sent | completed | refused | failed | TTFT p50 / p95 | "
-          "ITL p50 / p95 | decode tokens/s | RSS |\n|---|---|---|---|---|---|---|---|---|---|")
+          "ITL p50 / p95 | decode tokens/s | tokens/s (wall) | RSS |\n"
+          "|---|---|---|---|---|---|---|---|---|---|---|")
 
 
 def main() -> None:

@@ -143,6 +143,22 @@ static void kv_encode(const float *x, int d, int codec, uint8_t *dst) {
 /* one head vector back, each value rounded to dt (the attention reads K and V blocks into
  * buffers of the compute dtype) */
 static void kv_decode(const uint8_t *src, int d, int codec, int dt, float *y) {
+    if (codec <= D_BF16 && (codec == dt || dt == D_F32)) {      /* exact: no rounding */
+        int i = 0;
+#ifdef __AVX512F__
+        if (codec == D_BF16)
+            for (; i + 16 <= d; i += 16)
+                _mm512_storeu_ps(y + i, _mm512_castsi512_ps(_mm512_slli_epi32(
+                    _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(src + 2 * i))), 16)));
+        else if (codec == D_F16)
+            for (; i + 16 <= d; i += 16)
+                _mm512_storeu_ps(y + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(src + 2 * i))));
+        else
+            for (; i + 16 <= d; i += 16) _mm512_storeu_ps(y + i, _mm512_loadu_ps((const float *)src + i));
+#endif
+        for (; i < d; i++) y[i] = ld(src, codec, i);
+        return;
+    }
     if (codec <= D_BF16) { for (int i = 0; i < d; i++) y[i] = rnd(ld(src, codec, i), dt); return; }
     for (int i = 0; i < d; i++) {
         int b = i / 32, j = i % 32;

@@ -53,8 +53,10 @@ static inline float e8m0_half(uint8_t e) {   /* ggml_e8m0_to_fp32_half */
 
 /* ---- activations: fp32 [K] -> int8 q [K], fp32 d [K/32], fp32 dsy [K/32] (d x the block's
  * sum of q), int16 s16 [K/16] (sums of q per 16 values); the K-quant form: int8 qk [K], fp32
- * dk [K/256], int16 sk16 [K/16] ------------------------------------------------------------ */
-typedef struct { int8_t *q; float *d; float *dsy; int16_t *s16; int8_t *qk; float *dk; int16_t *sk16; } qact;
+ * dk [K/256], int16 sk16 [K/16]; q again in the nibble order qn [K]: per 4 blocks (128 values)
+ * values 0..15 of each block, then values 16..31 of each, as the low and high nibbles of 4
+ * blocks of a 4-bit type lie in one vector (dot_b32_512) ------------------------------------ */
+typedef struct { int8_t *q; float *d; float *dsy; int16_t *s16; int8_t *qk; float *dk; int16_t *sk16; int8_t *qn; } qact;
 
 /* The K-quant form (ggml's Q8_K): one scale per 256 values, so a super-block's sub-block
  * products add up in integers; sums per 16 values. Filled when K is a multiple of 256. */
@@ -94,6 +96,11 @@ static void quantize_act(const float *x, int K, qact a) {
         a.s16[2 * b] = (int16_t)s0; a.s16[2 * b + 1] = (int16_t)s1;
         a.dsy[b] = d * (float)(s0 + s1);
     }
+    for (int g = 0; g < K / 128; g++)
+        for (int k = 0; k < 4; k++) {
+            memcpy(a.qn + 128 * g + 16 * k, a.q + 128 * g + 32 * k, 16);
+            memcpy(a.qn + 128 * g + 64 + 16 * k, a.q + 128 * g + 32 * k + 16, 16);
+        }
 }
 
 /* ---- 32-byte integer dot products --------------------------------------------------------- */
@@ -209,10 +216,11 @@ static float dot_b32_512(int t, const uint8_t *w, qact a, int nb) {
         int base2 = 4 * bs - 64;                   /* the second load covers [4bs - 64, 4bs) */
         const uint8_t *ix = PERM_IDX[t];
         const __m512i vnib = _mm512_loadu_si512(ix), vsc = _mm512_loadu_si512(ix + 64), vh = _mm512_loadu_si512(ix + 128);
-        const __m512i q01 = _mm512_set_epi64(11, 10, 3, 2, 9, 8, 1, 0), q23 = _mm512_set_epi64(15, 14, 7, 6, 13, 12, 5, 4);
         const __m512i m4 = _mm512_set1_epi8(0x0f);
-        const __m512i sel0 = _mm512_inserti64x4(_mm512_set1_epi32(0), _mm256_set1_epi32(1), 1);
-        const __m512i sel1 = _mm512_inserti64x4(_mm512_set1_epi32(2), _mm256_set1_epi32(3), 1);
+        /* int32 lanes 4k .. 4k+3: block k */
+        const __m512i sel = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+        /* the 4 blocks' 5th bits: values 0..15 of each, then 16..31 of each */
+        const __m128i hsplit = _mm_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
         __m128 cv = _mm_setzero_ps(), mv = _mm_setzero_ps();
         for (; b + 4 <= nb; b += 4, w += 4 * bs) {
             _mm_prefetch((const char *)(w + PREFETCH), _MM_HINT_T0);
@@ -220,13 +228,12 @@ static float dot_b32_512(int t, const uint8_t *w, qact a, int nb) {
             __m512i la = _mm512_loadu_si512((const void *)w), lb = _mm512_loadu_si512((const void *)(w + base2));
             __m512i nib = _mm512_permutex2var_epi8(la, vnib, lb);
             __m512i lo = _mm512_and_si512(nib, m4), hi = _mm512_and_si512(_mm512_srli_epi16(nib, 4), m4);
-            __m512i u0 = _mm512_permutex2var_epi64(lo, q01, hi), u1 = _mm512_permutex2var_epi64(lo, q23, hi);
-            if (lut) { u0 = _mm512_shuffle_epi8(tab, u0); u1 = _mm512_shuffle_epi8(tab, u1); }
+            if (lut) { lo = _mm512_shuffle_epi8(tab, lo); hi = _mm512_shuffle_epi8(tab, hi); }
             if (t == T_Q5_0 || t == T_Q5_1) {
-                __m128i hq = _mm512_castsi512_si128(_mm512_permutex2var_epi8(la, vh, lb));
-                uint64_t h01 = (uint64_t)_mm_cvtsi128_si64(hq), h23 = (uint64_t)_mm_extract_epi64(hq, 1);
-                u0 = _mm512_or_si512(u0, _mm512_maskz_mov_epi8((__mmask64)h01, _mm512_set1_epi8(16)));
-                u1 = _mm512_or_si512(u1, _mm512_maskz_mov_epi8((__mmask64)h23, _mm512_set1_epi8(16)));
+                __m128i hq = _mm_shuffle_epi8(_mm512_castsi512_si128(_mm512_permutex2var_epi8(la, vh, lb)), hsplit);
+                uint64_t hl = (uint64_t)_mm_cvtsi128_si64(hq), hh = (uint64_t)_mm_extract_epi64(hq, 1);
+                lo = _mm512_or_si512(lo, _mm512_maskz_mov_epi8((__mmask64)hl, _mm512_set1_epi8(16)));
+                hi = _mm512_or_si512(hi, _mm512_maskz_mov_epi8((__mmask64)hh, _mm512_set1_epi8(16)));
             }
             __m128i sq = _mm512_castsi512_si128(_mm512_permutex2var_epi8(la, vsc, lb));
             __m128 dw;
@@ -240,10 +247,10 @@ static float dot_b32_512(int t, const uint8_t *w, qact a, int nb) {
             cv = _mm_fmadd_ps(dw, dsy, cv);
             if (mins) mv = _mm_fmadd_ps(_mm_cvtph_ps(_mm_srli_si128(sq, 8)), dsy, mv);
             __m512 s4 = _mm512_castps128_ps512(_mm_mul_ps(dw, _mm_loadu_ps(a.d + b)));
-            __m512i p0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u0, _mm512_loadu_si512((const void *)(a.q + 32 * b)));
-            __m512i p1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u1, _mm512_loadu_si512((const void *)(a.q + 32 * b + 64)));
-            acc0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p0), _mm512_permutexvar_ps(sel0, s4), acc0);
-            acc1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p1), _mm512_permutexvar_ps(sel1, s4), acc1);
+            __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512((const void *)(a.qn + 32 * b)));
+            p = _mm512_dpbusd_epi32(p, hi, _mm512_loadu_si512((const void *)(a.qn + 32 * b + 64)));
+            if (b & 4) acc1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_permutexvar_ps(sel, s4), acc1);
+            else acc0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_permutexvar_ps(sel, s4), acc0);
         }
         __m128 c2 = _mm_add_ps(cv, _mm_movehl_ps(cv, cv)), m2 = _mm_add_ps(mv, _mm_movehl_ps(mv, mv));
         corr += _mm_cvtss_f32(_mm_add_ss(c2, _mm_movehdup_ps(c2)));
@@ -289,6 +296,104 @@ static float dot_b32_512(int t, const uint8_t *w, qact a, int nb) {
     return sum;
 }
 
+/* Four rows of a 4-bit block type at once (rows w + r * rb), nb a multiple of 4: the
+ * activation vectors are loaded once per 4 blocks for the four rows, and the four rows'
+ * chains run side by side. out[r] = dot_b32_512(t, w + r * rb, a, nb). */
+static void dot4_b32_512(int t, const uint8_t *w, int64_t rb, qact a, int nb, float *out) {
+    int bs = t == T_Q4_0 || t == T_IQ4_NL ? 18 : t == T_Q4_1 ? 20 : t == T_Q5_0 ? 22 : t == T_Q5_1 ? 24 : 17;
+    float offset = t == T_Q4_0 ? 8.f : t == T_Q5_0 ? 16.f : (t == T_Q4_1 || t == T_Q5_1) ? 0.f : 128.f;
+    int lut = t == T_IQ4_NL || t == T_MXFP4, mins = t == T_Q4_1 || t == T_Q5_1, q5 = t == T_Q5_0 || t == T_Q5_1;
+    __m512i tab = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(t == T_IQ4_NL ? KV_IQ4NL_U : KV_MXFP4_U)));
+    int base2 = 4 * bs - 64;
+    const uint8_t *ix = PERM_IDX[t];
+    const __m512i vnib = _mm512_loadu_si512(ix), vsc = _mm512_loadu_si512(ix + 64), vh = _mm512_loadu_si512(ix + 128);
+    const __m512i m4 = _mm512_set1_epi8(0x0f);
+    const __m512i sel = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+    const __m128i hsplit = _mm_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
+    __m512 acc[4];
+    __m128 cv[4], mv[4];
+    for (int r = 0; r < 4; r++) { acc[r] = _mm512_setzero_ps(); cv[r] = mv[r] = _mm_setzero_ps(); }
+    for (int b = 0; b < nb; b += 4) {
+        __m512i ylo = _mm512_loadu_si512((const void *)(a.qn + 32 * b));
+        __m512i yhi = _mm512_loadu_si512((const void *)(a.qn + 32 * b + 64));
+        __m128 d4 = _mm_loadu_ps(a.d + b), dsy = _mm_loadu_ps(a.dsy + b);
+        for (int r = 0; r < 4; r++) {
+            const uint8_t *wr = w + r * rb + (int64_t)b / 4 * 4 * bs;
+            _mm_prefetch((const char *)(wr + PREFETCH), _MM_HINT_T0);
+            _mm_prefetch((const char *)(wr + PREFETCH + 64), _MM_HINT_T0);
+            __m512i la = _mm512_loadu_si512((const void *)wr), lb = _mm512_loadu_si512((const void *)(wr + base2));
+            __m512i nib = _mm512_permutex2var_epi8(la, vnib, lb);
+            __m512i lo = _mm512_and_si512(nib, m4), hi = _mm512_and_si512(_mm512_srli_epi16(nib, 4), m4);
+            if (lut) { lo = _mm512_shuffle_epi8(tab, lo); hi = _mm512_shuffle_epi8(tab, hi); }
+            if (q5) {
+                __m128i hq = _mm_shuffle_epi8(_mm512_castsi512_si128(_mm512_permutex2var_epi8(la, vh, lb)), hsplit);
+                uint64_t hl = (uint64_t)_mm_cvtsi128_si64(hq), hh = (uint64_t)_mm_extract_epi64(hq, 1);
+                lo = _mm512_or_si512(lo, _mm512_maskz_mov_epi8((__mmask64)hl, _mm512_set1_epi8(16)));
+                hi = _mm512_or_si512(hi, _mm512_maskz_mov_epi8((__mmask64)hh, _mm512_set1_epi8(16)));
+            }
+            __m128i sq = _mm512_castsi512_si128(_mm512_permutex2var_epi8(la, vsc, lb));
+            __m128 dw;
+            if (t == T_MXFP4) {
+                __m128i e = _mm_cvtepu8_epi32(_mm_shuffle_epi8(sq, _mm_setr_epi8(0, 2, 4, 6, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1)));
+                __m128i big = _mm_slli_epi32(_mm_sub_epi32(e, _mm_set1_epi32(1)), 23);
+                __m128i small = _mm_sllv_epi32(_mm_set1_epi32(0x00200000), e);
+                dw = _mm_castsi128_ps(_mm_blendv_epi8(big, small, _mm_cmpgt_epi32(_mm_set1_epi32(2), e)));
+            } else dw = _mm_cvtph_ps(sq);
+            cv[r] = _mm_fmadd_ps(dw, dsy, cv[r]);
+            if (mins) mv[r] = _mm_fmadd_ps(_mm_cvtph_ps(_mm_srli_si128(sq, 8)), dsy, mv[r]);
+            __m512 s4 = _mm512_castps128_ps512(_mm_mul_ps(dw, d4));
+            __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, ylo);
+            p = _mm512_dpbusd_epi32(p, hi, yhi);
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_permutexvar_ps(sel, s4), acc[r]);
+        }
+    }
+    for (int r = 0; r < 4; r++) {
+        __m128 c2 = _mm_add_ps(cv[r], _mm_movehl_ps(cv[r], cv[r])), m2 = _mm_add_ps(mv[r], _mm_movehl_ps(mv[r], mv[r]));
+        float corr = _mm_cvtss_f32(_mm_add_ss(c2, _mm_movehdup_ps(c2)));
+        float mcorr = _mm_cvtss_f32(_mm_add_ss(m2, _mm_movehdup_ps(m2)));
+        out[r] = hsum16(acc[r]) - offset * corr + mcorr;
+    }
+}
+
+/* Four Q8_0 rows at once (rows w + r * rb), nb a multiple of 4 (dot4_b32_512's plan for the
+ * 8-bit type: the int8 values xor 0x80 are value + 128) */
+static void dot4_q80_512(const uint8_t *w, int64_t rb, qact a, int nb, float *out) {
+    const __m512i sel01 = _mm512_inserti64x4(_mm512_set1_epi32(0), _mm256_set1_epi32(1), 1);
+    const __m512i sel23 = _mm512_inserti64x4(_mm512_set1_epi32(2), _mm256_set1_epi32(3), 1);
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    __m512 acc[4];
+    __m128 cv[4];
+    for (int r = 0; r < 4; r++) { acc[r] = _mm512_setzero_ps(); cv[r] = _mm_setzero_ps(); }
+    for (int b = 0; b < nb; b += 4) {
+        __m512i y0 = _mm512_loadu_si512((const void *)(a.q + 32 * b));
+        __m512i y1 = _mm512_loadu_si512((const void *)(a.q + 32 * b + 64));
+        __m128 d4 = _mm_loadu_ps(a.d + b), dsy = _mm_loadu_ps(a.dsy + b);
+        for (int r = 0; r < 4; r++) {
+            const uint8_t *wr = w + r * rb + (int64_t)b * 34;
+            _mm_prefetch((const char *)(wr + PREFETCH), _MM_HINT_T0);
+            _mm_prefetch((const char *)(wr + PREFETCH + 64), _MM_HINT_T0);
+            _mm_prefetch((const char *)(wr + PREFETCH + 128), _MM_HINT_T0);
+            __m512i u01 = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(wr + 2))),
+                                             _mm256_loadu_si256((const __m256i *)(wr + 36)), 1);
+            __m512i u23 = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(wr + 70))),
+                                             _mm256_loadu_si256((const __m256i *)(wr + 104)), 1);
+            __m128i sq = _mm_setr_epi16((short)rd16(wr), (short)rd16(wr + 34), (short)rd16(wr + 68),
+                                        (short)rd16(wr + 102), 0, 0, 0, 0);
+            __m128 dw = _mm_cvtph_ps(sq);
+            cv[r] = _mm_fmadd_ps(dw, dsy, cv[r]);
+            __m512 s4 = _mm512_castps128_ps512(_mm_mul_ps(dw, d4));
+            __m512i p01 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_xor_si512(u01, flip), y0);
+            __m512i p23 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_xor_si512(u23, flip), y1);
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p01), _mm512_permutexvar_ps(sel01, s4), acc[r]);
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p23), _mm512_permutexvar_ps(sel23, s4), acc[r]);
+        }
+    }
+    for (int r = 0; r < 4; r++) {
+        __m128 c2 = _mm_add_ps(cv[r], _mm_movehl_ps(cv[r], cv[r]));
+        out[r] = hsum16(acc[r]) - 128.f * _mm_cvtss_f32(_mm_add_ss(c2, _mm_movehdup_ps(c2)));
+    }
+}
+
 /* Q4_K, Q5_K: 8 sub-blocks of 32 per super-block, 6-bit scales and mins (ggml's kmask unpacking) */
 static inline void k4_scales(const uint8_t *sc, uint8_t scm[16]) {
     uint32_t u4[4];
@@ -301,94 +406,103 @@ static inline void k4_scales(const uint8_t *sc, uint8_t scm[16]) {
     memcpy(scm, u4, 16);
 }
 
+/* one super-block of a Q4_K / Q5_K row (w) against the K-quant activation's super-block sb:
+ * adds its sub-block products to *acc and its mins term to *macc */
+static inline __attribute__((always_inline)) void k45_sb(int t, const uint8_t *w, qact a, int sb, __m512 *acc,
+                                                         __m256 *macc) {
+    const __m512i m4 = _mm512_set1_epi8(0x0f);
+    /* int16 lane i of the scale vector of sub-blocks (2p, 2p+1): scale 2p for lanes 0..15 */
+    const __m512i sel0 = _mm512_set_epi16(1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1, 0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0);
+    int bs = t == T_Q4_K ? 144 : 176;
+    for (int c = 0; c < bs; c += 64) _mm_prefetch((const char *)(w + PREFETCH + c), _MM_HINT_T0);
+    float dy = a.dk[sb], d = fp16_to_f32(rd16(w)) * dy, dmin = fp16_to_f32(rd16(w + 2)) * dy;
+    const uint8_t *qh = w + 16, *qs = w + (t == T_Q4_K ? 16 : 48);
+    const int8_t *y = a.qk + 256 * sb;
+    uint8_t scm[16];
+    k4_scales(w + 4, scm);
+    __m128i s8 = _mm_loadu_si128((const __m128i *)scm);
+    __m512i sc16 = _mm512_castsi128_si512(_mm_cvtepu8_epi16(s8));     /* 8 scales as int16 */
+    /* mins: sum_j m_j * (sum of q over sub-block j) = madd(m per 16 values, sums per 16) */
+    __m128i m16 = _mm_cvtepu8_epi16(_mm_srli_si128(s8, 8));
+    __m256i mm = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_unpacklo_epi16(m16, m16)),
+                                         _mm_unpackhi_epi16(m16, m16), 1);
+    __m256i ms = _mm256_madd_epi16(mm, _mm256_loadu_si256((const __m256i *)(a.sk16 + 16 * sb)));
+    *macc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ms), _mm256_set1_ps(dmin), *macc);
+    __m512i isum = _mm512_setzero_si512();
+    __m256i hb = t == T_Q5_K ? _mm256_loadu_si256((const __m256i *)qh) : _mm256_setzero_si256();
+#define K45_STEP(P)                                                                                   \
+    {                                                                                                 \
+        __m512i raw = _mm512_loadu_si512((const void *)(qs + 64 * (P)));                              \
+        __m512i lo = _mm512_and_si512(raw, m4), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), m4); \
+        __m512i va = _mm512_shuffle_i64x2(lo, hi, 0x44), vb = _mm512_shuffle_i64x2(lo, hi, 0xEE);      \
+        if (t == T_Q5_K) {                                                                            \
+            __m512i h = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_srli_epi16(hb, 4 * (P))),      \
+                                           _mm256_srli_epi16(hb, 4 * (P) + 1), 1);                    \
+            __m512i h2 = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_srli_epi16(hb, 4 * (P) + 2)), \
+                                            _mm256_srli_epi16(hb, 4 * (P) + 3), 1);                   \
+            va = _mm512_or_si512(va, _mm512_slli_epi16(_mm512_and_si512(h, _mm512_set1_epi8(1)), 4));  \
+            vb = _mm512_or_si512(vb, _mm512_slli_epi16(_mm512_and_si512(h2, _mm512_set1_epi8(1)), 4)); \
+        }                                                                                             \
+        __m512i pa = _mm512_maddubs_epi16(va, _mm512_loadu_si512((const void *)(y + 128 * (P))));      \
+        __m512i pb = _mm512_maddubs_epi16(vb, _mm512_loadu_si512((const void *)(y + 128 * (P) + 64))); \
+        __m512i sa = _mm512_permutexvar_epi16(_mm512_add_epi16(sel0, _mm512_set1_epi16(4 * (P))), sc16); \
+        __m512i sbv = _mm512_permutexvar_epi16(_mm512_add_epi16(sel0, _mm512_set1_epi16(4 * (P) + 2)), sc16); \
+        isum = _mm512_dpwssd_epi32(isum, pa, sa);                                                     \
+        isum = _mm512_dpwssd_epi32(isum, pb, sbv);                                                    \
+    }
+    K45_STEP(0)
+    K45_STEP(1)
+#undef K45_STEP
+    *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_set1_ps(d), *acc);
+}
+
 static float dot_k45_512(int t, const uint8_t *w, qact a, int K) {
     int bs = t == T_Q4_K ? 144 : 176;
     __m512 acc = _mm512_setzero_ps();
     __m256 macc = _mm256_setzero_ps();
-    const __m512i m4 = _mm512_set1_epi8(0x0f);
-    /* int16 lane i of the scale vector of sub-blocks (2p, 2p+1): scale 2p for lanes 0..15 */
-    const __m512i sel0 = _mm512_set_epi16(1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1, 0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0);
-    for (int sb = 0; sb < K / 256; sb++, w += bs) {
-        for (int c = 0; c < bs; c += 64) _mm_prefetch((const char *)(w + PREFETCH + c), _MM_HINT_T0);
-        float dy = a.dk[sb], d = fp16_to_f32(rd16(w)) * dy, dmin = fp16_to_f32(rd16(w + 2)) * dy;
-        const uint8_t *qh = w + 16, *qs = w + (t == T_Q4_K ? 16 : 48);
-        const int8_t *y = a.qk + 256 * sb;
-        uint8_t scm[16];
-        k4_scales(w + 4, scm);
-        __m128i s8 = _mm_loadu_si128((const __m128i *)scm);
-        __m512i sc16 = _mm512_castsi128_si512(_mm_cvtepu8_epi16(s8));     /* 8 scales as int16 */
-        /* mins: sum_j m_j * (sum of q over sub-block j) = madd(m per 16 values, sums per 16) */
-        __m128i m16 = _mm_cvtepu8_epi16(_mm_srli_si128(s8, 8));
-        __m256i mm = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_unpacklo_epi16(m16, m16)),
-                                             _mm_unpackhi_epi16(m16, m16), 1);
-        __m256i ms = _mm256_madd_epi16(mm, _mm256_loadu_si256((const __m256i *)(a.sk16 + 16 * sb)));
-        macc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ms), _mm256_set1_ps(dmin), macc);
-        __m512i isum = _mm512_setzero_si512();
-        __m256i hb = t == T_Q5_K ? _mm256_loadu_si256((const __m256i *)qh) : _mm256_setzero_si256();
-#define K45_STEP(P)                                                                                   \
-        {                                                                                             \
-            __m512i raw = _mm512_loadu_si512((const void *)(qs + 64 * (P)));                          \
-            __m512i lo = _mm512_and_si512(raw, m4), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), m4); \
-            __m512i va = _mm512_shuffle_i64x2(lo, hi, 0x44), vb = _mm512_shuffle_i64x2(lo, hi, 0xEE);  \
-            if (t == T_Q5_K) {                                                                        \
-                __m512i h = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_srli_epi16(hb, 4 * (P))),  \
-                                               _mm256_srli_epi16(hb, 4 * (P) + 1), 1);                \
-                __m512i h2 = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_srli_epi16(hb, 4 * (P) + 2)), \
-                                                _mm256_srli_epi16(hb, 4 * (P) + 3), 1);               \
-                va = _mm512_or_si512(va, _mm512_slli_epi16(_mm512_and_si512(h, _mm512_set1_epi8(1)), 4)); \
-                vb = _mm512_or_si512(vb, _mm512_slli_epi16(_mm512_and_si512(h2, _mm512_set1_epi8(1)), 4)); \
-            }                                                                                         \
-            __m512i pa = _mm512_maddubs_epi16(va, _mm512_loadu_si512((const void *)(y + 128 * (P))));  \
-            __m512i pb = _mm512_maddubs_epi16(vb, _mm512_loadu_si512((const void *)(y + 128 * (P) + 64))); \
-            __m512i sa = _mm512_permutexvar_epi16(_mm512_add_epi16(sel0, _mm512_set1_epi16(4 * (P))), sc16); \
-            __m512i sbv = _mm512_permutexvar_epi16(_mm512_add_epi16(sel0, _mm512_set1_epi16(4 * (P) + 2)), sc16); \
-            isum = _mm512_dpwssd_epi32(isum, pa, sa);                                                 \
-            isum = _mm512_dpwssd_epi32(isum, pb, sbv);                                                \
-        }
-        K45_STEP(0)
-        K45_STEP(1)
-#undef K45_STEP
-        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_set1_ps(d), acc);
-    }
+    for (int sb = 0; sb < K / 256; sb++, w += bs) k45_sb(t, w, a, sb, &acc, &macc);
     return hsum16(acc) - hsum8(macc);
 }
 
 /* Q6_K: 16 sub-blocks of 16, int8 scales, values q - 32 */
-static float dot_q6k_512(const uint8_t *w, qact a, int K) {
-    __m512 acc = _mm512_setzero_ps();
-    __m256 oacc = _mm256_setzero_ps();
+static inline __attribute__((always_inline)) void q6k_sb(const uint8_t *w, qact a, int sb, __m512 *acc, __m256 *oacc) {
     const __m512i m4 = _mm512_set1_epi8(0x0f), m2 = _mm512_set1_epi8(3);
     /* int16 lane i of the scale vector of values 64g .. 64g+63: scale 4g + i / 8 */
     const __m512i sel = _mm512_set_epi16(3,3,3,3,3,3,3,3, 2,2,2,2,2,2,2,2, 1,1,1,1,1,1,1,1, 0,0,0,0,0,0,0,0);
-    for (int sb = 0; sb < K / 256; sb++, w += 210) {
-        for (int c = 0; c < 210; c += 64) _mm_prefetch((const char *)(w + PREFETCH + c), _MM_HINT_T0);
-        const uint8_t *ql = w, *qh = w + 128;
-        float d = fp16_to_f32(rd16(w + 208)) * a.dk[sb];
-        const int8_t *y = a.qk + 256 * sb;
-        __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w + 192)));   /* 16 scales */
-        __m256i os = _mm256_madd_epi16(sc16, _mm256_loadu_si256((const __m256i *)(a.sk16 + 16 * sb)));
-        oacc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(os), _mm256_set1_ps(32.f * d), oacc);
-        __m512i scw = _mm512_castsi256_si512(sc16);
-        __m512i isum = _mm512_setzero_si512();
-        for (int h = 0; h < 2; h++) {
-            __m512i L = _mm512_loadu_si512((const void *)(ql + 64 * h));
-            __m256i H = _mm256_loadu_si256((const __m256i *)(qh + 32 * h));
-            __m512i ha = _mm512_inserti64x4(_mm512_castsi256_si512(H), _mm256_srli_epi16(H, 2), 1);
-            __m512i hb = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_srli_epi16(H, 4)), _mm256_srli_epi16(H, 6), 1);
-            __m512i va = _mm512_or_si512(_mm512_and_si512(L, m4), _mm512_slli_epi16(_mm512_and_si512(ha, m2), 4));
-            __m512i vb = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(L, 4), m4),
-                                         _mm512_slli_epi16(_mm512_and_si512(hb, m2), 4));
-            __m512i pa = _mm512_maddubs_epi16(va, _mm512_loadu_si512((const void *)(y + 128 * h)));
-            __m512i pb = _mm512_maddubs_epi16(vb, _mm512_loadu_si512((const void *)(y + 128 * h + 64)));
-            __m512i sa = _mm512_permutexvar_epi16(_mm512_add_epi16(sel, _mm512_set1_epi16(8 * h)), scw);
-            __m512i sbv = _mm512_permutexvar_epi16(_mm512_add_epi16(sel, _mm512_set1_epi16(8 * h + 4)), scw);
-            isum = _mm512_dpwssd_epi32(isum, pa, sa);
-            isum = _mm512_dpwssd_epi32(isum, pb, sbv);
-        }
-        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_set1_ps(d), acc);
+    for (int c = 0; c < 210; c += 64) _mm_prefetch((const char *)(w + PREFETCH + c), _MM_HINT_T0);
+    const uint8_t *ql = w, *qh = w + 128;
+    float d = fp16_to_f32(rd16(w + 208)) * a.dk[sb];
+    const int8_t *y = a.qk + 256 * sb;
+    __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w + 192)));   /* 16 scales */
+    __m256i os = _mm256_madd_epi16(sc16, _mm256_loadu_si256((const __m256i *)(a.sk16 + 16 * sb)));
+    *oacc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(os), _mm256_set1_ps(32.f * d), *oacc);
+    __m512i scw = _mm512_castsi256_si512(sc16);
+    __m512i isum = _mm512_setzero_si512();
+    for (int h = 0; h < 2; h++) {
+        __m512i L = _mm512_loadu_si512((const void *)(ql + 64 * h));
+        __m256i H = _mm256_loadu_si256((const __m256i *)(qh + 32 * h));
+        __m512i ha = _mm512_inserti64x4(_mm512_castsi256_si512(H), _mm256_srli_epi16(H, 2), 1);
+        __m512i hb = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_srli_epi16(H, 4)), _mm256_srli_epi16(H, 6), 1);
+        __m512i va = _mm512_or_si512(_mm512_and_si512(L, m4), _mm512_slli_epi16(_mm512_and_si512(ha, m2), 4));
+        __m512i vb = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(L, 4), m4),
+                                     _mm512_slli_epi16(_mm512_and_si512(hb, m2), 4));
+        __m512i pa = _mm512_maddubs_epi16(va, _mm512_loadu_si512((const void *)(y + 128 * h)));
+        __m512i pb = _mm512_maddubs_epi16(vb, _mm512_loadu_si512((const void *)(y + 128 * h + 64)));
+        __m512i sa = _mm512_permutexvar_epi16(_mm512_add_epi16(sel, _mm512_set1_epi16(8 * h)), scw);
+        __m512i sbv = _mm512_permutexvar_epi16(_mm512_add_epi16(sel, _mm512_set1_epi16(8 * h + 4)), scw);
+        isum = _mm512_dpwssd_epi32(isum, pa, sa);
+        isum = _mm512_dpwssd_epi32(isum, pb, sbv);
     }
+    *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_set1_ps(d), *acc);
+}
+
+static float dot_q6k_512(const uint8_t *w, qact a, int K) {
+    __m512 acc = _mm512_setzero_ps();
+    __m256 oacc = _mm256_setzero_ps();
+    for (int sb = 0; sb < K / 256; sb++, w += 210) q6k_sb(w, a, sb, &acc, &oacc);
     return hsum16(acc) - hsum8(oacc);
 }
+
 #endif
 
 
@@ -679,7 +793,7 @@ static int64_t row_bytes(int t, int K) {
 int64_t mf_row_bytes(int t, int K) { return row_bytes(t, K); }
 
 /* scratch bytes of one quantized activation of K values (qact above) */
-static int64_t qact_bytes(int K) { return 2 * (int64_t)K + K / 32 * 8 + K / 16 * 4 + K / 256 * 4; }
+static int64_t qact_bytes(int K) { return 3 * (int64_t)K + K / 32 * 8 + K / 16 * 4 + K / 256 * 4; }
 int64_t mf_qact_bytes(int K) { return qact_bytes(K); }
 
 static qact qact_at(uint8_t *base, int K) {
@@ -690,7 +804,8 @@ static qact qact_at(uint8_t *base, int K) {
     a.dsy = (float *)(base + o); o += K / 32 * 4;
     a.dk = (float *)(base + o); o += K / 256 * 4;
     a.s16 = (int16_t *)(base + o); o += K / 16 * 2;
-    a.sk16 = (int16_t *)(base + o);
+    a.sk16 = (int16_t *)(base + o); o += K / 16 * 2;
+    a.qn = (int8_t *)(base + o);
     return a;
 }
 
@@ -735,6 +850,18 @@ static inline void store_y(void *y, int ydt, int64_t i, float v, const void *b, 
     } else ((float *)y)[i] = b ? v + ((const float *)b)[j] : v;
 }
 
+/* out[r] = dot_row(t, w + r * rb, ...) for the nr rows r < nr (nr <= 4) */
+static inline void dot_rows(int t, const uint8_t *w, int64_t rb, int nr, const float *xf, qact a, int K, float *out) {
+#ifdef HAVE512
+    if (nr == 4 && K % 128 == 0 && (t == T_Q4_0 || t == T_Q4_1 || t == T_Q5_0 || t == T_Q5_1 || t == T_IQ4_NL || t == T_MXFP4)) {
+        dot4_b32_512(t, w, rb, a, K / 32, out);
+        return;
+    }
+    if (nr == 4 && K % 128 == 0 && t == T_Q8_0) { dot4_q80_512(w, rb, a, K / 32, out); return; }
+#endif
+    for (int r = 0; r < nr; r++) out[r] = dot_row(t, w + r * rb, xf, a, K);
+}
+
 /* rows of y [n, N] (dtype ydt, row stride ldy, plus bias [N] when not NULL) = x [n, K] . W^T,
  * inside a parallel region (static split). xb: the bf16 rows of x when x is bf16 (BF16
  * weights then multiply them with vdpbf16ps), else NULL. */
@@ -752,10 +879,14 @@ static void gemm_rows(int t, const uint8_t *W, int N, int K, int n, const float 
 #endif
     (void)xb;
 #pragma omp for schedule(static)
-    for (int r = 0; r < N; r++) {
+    for (int r4 = 0; r4 < (N + 3) / 4; r4++) {
+        int r = 4 * r4, nr = N - r < 4 ? N - r : 4;
         const uint8_t *wr = W + r * rb;
-        for (int i = 0; i < n; i++)
-            store_y(y, ydt, (int64_t)i * ldy + r, dot_row(t, wr, xf + (int64_t)i * K, qact_at(xq + i * qb, K), K), bias, r);
+        for (int i = 0; i < n; i++) {
+            float v[4];
+            dot_rows(t, wr, rb, nr, xf + (int64_t)i * K, qact_at(xq + i * qb, K), K, v);
+            for (int j = 0; j < nr; j++) store_y(y, ydt, (int64_t)i * ldy + r + j, v[j], bias, r + j);
+        }
     }
 }
 
@@ -827,21 +958,24 @@ void mf_moe(int n_exp, const uint8_t *const *blobs, const int64_t *bounds, const
             int e1 = e;
             while (bounds[e1 + 1] < p0 + n) e1++;                  /* expert of the chunk's last pair */
             int ne = e1 - e + 1;
+            /* gate and up rows, 4 at a time (I is a multiple of 32: a group never straddles them) */
 #pragma omp for schedule(static)
-            for (int64_t idx = 0; idx < (int64_t)ne * 2 * I; idx++) {
-                int ee = e + (int)(idx / (2 * I)), r = (int)(idx % (2 * I));
+            for (int64_t idx = 0; idx < (int64_t)ne * (2 * I / 4); idx++) {
+                int ee = e + (int)(idx / (2 * I / 4)), r = 4 * (int)(idx % (2 * I / 4));
                 int64_t pa = bounds[ee] > p0 ? bounds[ee] : p0, pb = bounds[ee + 1] < p0 + n ? bounds[ee + 1] : p0 + n;
                 int tt = r < I ? tg : tu;
+                int64_t rbt = r < I ? rbg : rbu;
                 const uint8_t *w = r < I ? blobs[ee] + r * rbg : blobs[ee] + off_u + (r - I) * rbu;
                 for (int64_t p = pa; p < pb; p++) {
                     int64_t t = tok[p];
-                    float v;
+                    float *dst = gu + (p - p0) * 2 * I + r;
 #ifdef HAVE_BF16DOT
-                    if (tt == T_BF16 && xb) v = dot_bf16x_512(w, xb + t * H, H);
-                    else
+                    if (tt == T_BF16 && xb) {
+                        for (int j = 0; j < 4; j++) dst[j] = dot_bf16x_512(w + j * rbt, xb + t * H, H);
+                        continue;
+                    }
 #endif
-                    v = dot_row(tt, w, xf + t * H, qact_at(xq + t * qh, H), H);
-                    gu[(p - p0) * 2 * I + r] = v;
+                    dot_rows(tt, w, rbt, 4, xf + t * H, qact_at(xq + t * qh, H), H, dst);
                 }
             }
 #pragma omp for schedule(static)
@@ -851,13 +985,13 @@ void mf_moe(int n_exp, const uint8_t *const *blobs, const int64_t *bounds, const
                 if (qd) quantize_act(h, I, qact_at(hq + i * qi, I));
             }
 #pragma omp for schedule(static)
-            for (int64_t idx = 0; idx < (int64_t)ne * H; idx++) {
-                int ee = e + (int)(idx / H), r = (int)(idx % H);
+            for (int64_t idx = 0; idx < (int64_t)ne * (H / 4); idx++) {
+                int ee = e + (int)(idx / (H / 4)), r = 4 * (int)(idx % (H / 4));
                 int64_t pa = bounds[ee] > p0 ? bounds[ee] : p0, pb = bounds[ee + 1] < p0 + n ? bounds[ee + 1] : p0 + n;
                 const uint8_t *w = blobs[ee] + off_d + r * rbd;
                 for (int64_t p = pa; p < pb; p++) {
                     int64_t i = p - p0;
-                    yd[i * H + r] = dot_row(td, w, hf + i * I, qact_at(hq + i * qi, I), I);
+                    dot_rows(td, w, rbd, 4, hf + i * I, qact_at(hq + i * qi, I), I, yd + i * H + r);
                 }
             }
 #pragma omp for schedule(static)

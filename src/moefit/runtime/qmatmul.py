@@ -156,8 +156,9 @@ def supports(qtype: str, cols: int) -> bool:
 def qact_bytes(k: int) -> int:
     """Scratch bytes of one quantized activation of ``k`` values (``qmatmul.c``
     ``qact_bytes``): two forms, each ``k`` int8 and ``k/16`` int16 sums, with ``k/32``
-    fp32 scales and ``k/32`` fp32 scaled block sums (the K-quant form: ``k/256`` scales)."""
-    return 2 * k + k // 32 * 8 + k // 16 * 4 + k // 256 * 4
+    fp32 scales and ``k/32`` fp32 scaled block sums (the K-quant form: ``k/256`` scales),
+    and the first form's int8 again in the order of 4-bit blocks' nibbles."""
+    return 3 * k + k // 32 * 8 + k // 16 * 4 + k // 256 * 4
 
 
 def gemm_scratch_bytes(n: int, k: int) -> int:

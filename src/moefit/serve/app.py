@@ -371,23 +371,66 @@ def _params(state: ServerState, body, max_tokens: int | None) -> Params:
 DISCONNECT_POLL_S = 0.05
 
 
+class _Mailbox:
+    """Events from the engine thread to the event loop. The engine thread appends under a
+    lock and never blocks; the first event after a delivery wakes the loop once
+    (``loop.call_soon_threadsafe``), so the tokens of every busy slot of one step cost one
+    wake-up, not one each (each wake-up is a write to the loop's self-pipe and a GIL
+    hand-over between the two threads: a third of the engine thread's time went there
+    with one wake-up per token)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.items: list = []
+        self.lock = threading.Lock()
+        self.armed = False
+
+    def post(self, queue: asyncio.Queue, item) -> None:
+        """Queue ``item`` for ``queue`` (engine thread)."""
+        with self.lock:
+            self.items.append((queue, item))
+            if self.armed:
+                return
+            self.armed = True
+        try:
+            self.loop.call_soon_threadsafe(self._deliver)
+        except RuntimeError:     # the loop is closed: nobody is listening
+            pass
+
+    def _deliver(self) -> None:
+        with self.lock:
+            items, self.items, self.armed = self.items, [], False
+        for queue, item in items:
+            queue.put_nowait(item)
+
+
+_MAILBOXES: "dict[asyncio.AbstractEventLoop, _Mailbox]" = {}
+
+
+def _mailbox(loop: asyncio.AbstractEventLoop) -> _Mailbox:
+    box = _MAILBOXES.get(loop)
+    if box is None:
+        for old in [k for k in _MAILBOXES if k.is_closed()]:
+            del _MAILBOXES[old]
+        box = _MAILBOXES[loop] = _Mailbox(loop)
+    return box
+
+
 class _Run:
     """The jobs of one request in the scheduler, and the asyncio queue their events come
-    back on: ``(index, Step | Ended | Exception)``. Submitting raises APIError 503 when
-    the wait queue is full or the server is stopping."""
+    back on: ``(index, Step | Ended | Exception)``, through the loop's :class:`_Mailbox`.
+    Submitting raises APIError 503 when the wait queue is full or the server is
+    stopping."""
 
     def __init__(self, state: ServerState, jobs, params: Params):
-        loop = asyncio.get_running_loop()
+        box = _mailbox(asyncio.get_running_loop())
         self.queue: asyncio.Queue = asyncio.Queue()
         self.scheduler = state.scheduler()
         context, vocab = state.plan.context, state.plan.geometry.vocab_size
 
         def emitter(index: int):
             def emit(event) -> None:     # engine thread: never blocks
-                try:
-                    loop.call_soon_threadsafe(self.queue.put_nowait, (index, event))
-                except RuntimeError:     # the loop is closed: nobody is listening
-                    pass
+                box.post(self.queue, (index, event))
             return emit
 
         self.jobs = [Job(list(ids), Decoding(ids, params, state.tokenizer, context, vocab,
@@ -409,7 +452,18 @@ class _Run:
 
     async def next(self):
         """The next event; ``pending`` counts the jobs not yet ended."""
-        index, ev = await self.queue.get()
+        return self._count(await self.queue.get())
+
+    async def batch(self) -> list:
+        """The next event and every one already queued behind it (a stream writes them
+        in one go)."""
+        out = [await self.next()]
+        while self.pending and not self.queue.empty():
+            out.append(self._count(self.queue.get_nowait()))
+        return out
+
+    def _count(self, item):
+        index, ev = item
         if not isinstance(ev, Step) or ev.finish_reason is not None:
             self.pending -= 1
         return index, ev
@@ -494,15 +548,33 @@ def _data(obj) -> str:
 
 
 async def _events(run: _Run):
-    """(index, Step | Ended) of every job until all have ended; an engine error is
-    yielded as an OpenAI error dict and ends the stream."""
+    """Lists of (index, Step | Ended) of the jobs, as they come (all those queued at
+    once), until all have ended; an engine error is yielded as an OpenAI error dict and
+    ends the stream."""
     while run.pending:
-        index, ev = await run.next()
-        if isinstance(ev, Exception):
-            kind = "invalid_request_error" if isinstance(ev, InputError) else "server_error"
-            yield {"error": {"message": f"generation failed: {ev}", "type": kind}}
-            return
-        yield index, ev
+        batch = []
+        for index, ev in await run.batch():
+            if isinstance(ev, Exception):
+                if batch:
+                    yield batch
+                kind = "invalid_request_error" if isinstance(ev, InputError) else "server_error"
+                yield {"error": {"message": f"generation failed: {ev}", "type": kind}}
+                return
+            batch.append((index, ev))
+        yield batch
+
+
+class _Chunks:
+    """``data: {chunk}`` lines of one stream: the response head encoded once, each chunk
+    the same bytes as ``_data({**head, "choices": [choice]})``."""
+
+    def __init__(self, head: dict):
+        enc = json.dumps(head, ensure_ascii=False)
+        self.pre = f"data: {enc[:-1]}, \"choices\": ["
+        self.empty = _data({**head, "choices": []})
+
+    def choice(self, c: dict) -> str:
+        return f"{self.pre}{json.dumps(c, ensure_ascii=False)}]}}\n\n"
 
 
 def _usage_chunk(head: dict, prompts: list[list[int]], completion_tokens: int) -> str:
@@ -514,23 +586,27 @@ def _usage_chunk(head: dict, prompts: list[list[int]], completion_tokens: int) -
 
 async def _completion_chunks(run: _Run, head, body, prompts) -> AsyncIterator[str]:
     count = 0
-    async for item in _events(run):
-        if isinstance(item, dict):      # an error: report it and end the stream
-            yield _data(item)
+    enc = _Chunks(head)
+    async for items in _events(run):
+        if isinstance(items, dict):      # an error: report it and end the stream
+            yield _data(items)
             break
-        index, step = item
-        if isinstance(step, Ended):     # cut (shutdown): the choice still gets its reason
-            yield _data({**head, "choices": [{"index": index, "text": "", "logprobs": None,
-                                              "finish_reason": step.finish_reason}]})
-            continue
-        count += 1
-        if not step.text and step.finish_reason is None and not body.return_token_ids:
-            continue        # text held back; with return_token_ids the id still goes out
-        c = {"index": index, "text": step.text, "logprobs": None,
-             "finish_reason": step.finish_reason}
-        if body.return_token_ids:
-            c["token_ids"] = [step.token]
-        yield _data({**head, "choices": [c]})
+        out = []
+        for index, step in items:
+            if isinstance(step, Ended):     # cut (shutdown): the choice still gets its reason
+                out.append(enc.choice({"index": index, "text": "", "logprobs": None,
+                                       "finish_reason": step.finish_reason}))
+                continue
+            count += 1
+            if not step.text and step.finish_reason is None and not body.return_token_ids:
+                continue        # text held back; with return_token_ids the id still goes out
+            c = {"index": index, "text": step.text, "logprobs": None,
+                 "finish_reason": step.finish_reason}
+            if body.return_token_ids:
+                c["token_ids"] = [step.token]
+            out.append(enc.choice(c))
+        if out:
+            yield "".join(out)
     if body.include_usage:
         yield _usage_chunk(head, prompts, count)
     yield "data: [DONE]\n\n"
@@ -538,36 +614,40 @@ async def _completion_chunks(run: _Run, head, body, prompts) -> AsyncIterator[st
 
 async def _chat_chunks(run: _Run, head, body, prompts) -> AsyncIterator[str]:
     head = {**head, "object": "chat.completion.chunk"}
+    enc = _Chunks(head)
     count = 0
     for index in run.indices:
-        yield _data({**head, "choices": [{"index": index, "delta": {"role": "assistant", "content": ""},
-                                          "logprobs": None, "finish_reason": None}]})
-    async for item in _events(run):
-        if isinstance(item, dict):      # an error: report it and end the stream
-            yield _data(item)
+        yield enc.choice({"index": index, "delta": {"role": "assistant", "content": ""},
+                          "logprobs": None, "finish_reason": None})
+    async for items in _events(run):
+        if isinstance(items, dict):      # an error: report it and end the stream
+            yield _data(items)
             break
-        index, step = item
-        if isinstance(step, Ended):     # cut (shutdown): the choice still gets its reason
-            yield _data({**head, "choices": [{"index": index, "delta": {}, "logprobs": None,
-                                              "finish_reason": step.finish_reason}]})
-            continue
-        count += 1
-        sent = False
-        # text held back (incomplete UTF-8, stop-string lookahead): with return_token_ids
-        # the chunk still goes out, with empty content, so that every token id is delivered
-        if step.text or (body.return_token_ids and step.finish_reason is None):
-            c = {"index": index, "delta": {"content": step.text}, "logprobs": None,
-                 "finish_reason": None}
-            if body.return_token_ids:
-                c["token_ids"] = [step.token]
-            yield _data({**head, "choices": [c]})
-            sent = True
-        if step.finish_reason is not None:
-            c = {"index": index, "delta": {}, "logprobs": None,
-                 "finish_reason": step.finish_reason}
-            if body.return_token_ids and not sent:
-                c["token_ids"] = [step.token]
-            yield _data({**head, "choices": [c]})
+        out = []
+        for index, step in items:
+            if isinstance(step, Ended):     # cut (shutdown): the choice still gets its reason
+                out.append(enc.choice({"index": index, "delta": {}, "logprobs": None,
+                                       "finish_reason": step.finish_reason}))
+                continue
+            count += 1
+            sent = False
+            # text held back (incomplete UTF-8, stop-string lookahead): with return_token_ids
+            # the chunk still goes out, with empty content, so that every token id is delivered
+            if step.text or (body.return_token_ids and step.finish_reason is None):
+                c = {"index": index, "delta": {"content": step.text}, "logprobs": None,
+                     "finish_reason": None}
+                if body.return_token_ids:
+                    c["token_ids"] = [step.token]
+                out.append(enc.choice(c))
+                sent = True
+            if step.finish_reason is not None:
+                c = {"index": index, "delta": {}, "logprobs": None,
+                     "finish_reason": step.finish_reason}
+                if body.return_token_ids and not sent:
+                    c["token_ids"] = [step.token]
+                out.append(enc.choice(c))
+        if out:
+            yield "".join(out)
     if body.include_usage:
         yield _usage_chunk(head, prompts, count)
     yield "data: [DONE]\n\n"
