@@ -24,6 +24,8 @@
 #ifndef PREFETCH
 #define PREFETCH 8192
 #endif
+/* bytes of weights below which a product runs on the calling thread alone */
+#define SMALL_WORK (256 << 10)
 
 enum { T_F32 = 0, T_F16 = 1, T_BF16 = 2, T_Q8_0 = 3, T_Q4_0 = 4, T_Q4_K = 5, T_Q5_K = 6, T_Q6_K = 7,
        T_Q4_1 = 8, T_Q5_0 = 9, T_Q5_1 = 10, T_IQ4_NL = 11, T_MXFP4 = 12 };
@@ -898,7 +900,9 @@ void mf_gemm_ex(int t, const uint8_t *W, int N, int K, const void *x, int xdt, i
     uint8_t *xq = scratch + (int64_t)n * K * 4;
     int fl = is_float_type(t);
     kernels_init();
-#pragma omp parallel num_threads(nthreads)
+    /* a small matrix (a router, a K/V projection of a small model) is not worth a fork */
+    int nt = (int64_t)N * row_bytes(t, K) * n < SMALL_WORK ? 1 : nthreads;
+#pragma omp parallel num_threads(nt)
     {
 #pragma omp for schedule(static)
         for (int i = 0; i < n; i++) {

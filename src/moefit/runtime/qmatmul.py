@@ -11,21 +11,31 @@ has them) and scaled by the weight block's scale(s) and ``d``; the sums are fp32
 bit those of dequantize-then-multiply: the difference is the activation rounding, bounded in
 ``tests/runtime/test_qmatmul.py`` (about 1% of the output's scale on random data).
 
-Why this and not the alternatives (measured on the 2-core Sapphire Rapids CI machine, one
-thread, one ``[1, 1024] x [512, 1024]^T`` product): ``torch.mm`` in bf16 (the dequantized
-copy) 150 us plus the dequantization itself (0.5-1.3 ms per expert matrix with the torch
-kernels of :mod:`moefit.runtime.quant`); torch's weight-only kernels
-(``_weight_int8pack_mm``: one scale per row, so a Q8_0 file would be requantized, lossy;
-``_weight_int4pack_mm_for_cpu``: groups of 32 with bf16 scales and zeros, which only Q4_0 /
-Q4_1 / Q4_K map onto, and a repacked copy of every expert) about 110 us; these kernels
-22-46 us (BF16 and Q8_0 about 25, Q6_K 34, Q4_K 46) on the stored bytes, no copy. ggml
-through a PyPI binding was not tried: a C file built at first use needs only gcc.
+Why this and not the alternatives (measured on the 2-core CI machine, one thread, one
+``[1, 1024] x [512, 1024]^T`` product): ``torch.mm`` in bf16 (the dequantized copy) 150 us
+plus the dequantization itself (0.5-1.3 ms per expert matrix with the torch kernels of
+:mod:`moefit.runtime.quant`); torch's weight-only kernels (``_weight_int8pack_mm``: one
+scale per row, so a Q8_0 file would be requantized, lossy; ``_weight_int4pack_mm_for_cpu``:
+groups of 32 with bf16 scales and zeros, which only Q4_0 / Q4_1 / Q4_K map onto, and a
+repacked copy of every expert) about 110 us; these kernels 22-46 us on the stored bytes, no
+copy (the first, AVX2-width version). ggml through a PyPI binding was not tried: a C file
+built at first use needs only gcc. With AVX-512 (F, BW, VL, DQ, VNNI) each step reads 64
+bytes of weights: the 4-bit block types take 4 blocks at a time out of two 64-byte loads
+(``vpermi2b``) against an activation copy in their nibble order, Q8_0 and those types run
+four rows at once (the activation loads shared), the K-quants add their sub-block
+products in integers (``vpmaddubsw`` + ``vpdpwssd`` with the sub-block scales), BF16 rows
+against bf16 activations use ``vdpbf16ps``. On one thread of the AMD EPYC CI machine, a
+151936 x 1024 matrix (larger than the caches): BF16 39, Q8_0 36, Q4_0 28-31, Q4_K 29,
+Q6_K 41 GB/s of weights (the machine reads 43 GB/s on one thread); from L2 (no memory
+bound) Q8_0 54, Q4_0 36-38, Q4_K 24, Q6_K 37, BF16 110 GB/s, so Q4_K is the one type the
+arithmetic still limits.
 
-Build: the C file is compiled once per machine with ``gcc -O3 -march=native -fopenmp``
-(about 1 s) into ``$MOEFIT_CACHE_DIR`` (default ``~/.cache/moefit``), named by a hash of the
-source, the flags and the CPU's feature flags, and loaded with :mod:`ctypes`. Without a C
-compiler (or with ``MOEFIT_NO_CKERNELS=1``) :func:`available` is False and the runtime keeps
-its torch path (dequantize, then ``torch.mm``); :func:`unavailable_reason` says why.
+Build: the C files (this one and ``decode_step.c``) are compiled once per machine with
+``gcc -O3 -march=native -fopenmp`` into one library (about 2 s) in ``$MOEFIT_CACHE_DIR``
+(default ``~/.cache/moefit``), named by a hash of the sources, the flags and the CPU's
+feature flags, and loaded with :mod:`ctypes`. Without a C compiler (or with
+``MOEFIT_NO_CKERNELS=1``) :func:`available` is False and the runtime keeps its torch path
+(dequantize, then ``torch.mm``); :func:`unavailable_reason` says why.
 
 Types: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, MXFP4, Q4_K, Q5_K, Q6_K
 (:data:`CTYPES`). Row lengths: a multiple of 32 (256 for the K-quants).
