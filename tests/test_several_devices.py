@@ -165,6 +165,7 @@ def test_a_layer_split_is_chosen_when_the_main_device_cannot_hold_the_dense_part
     assert "expert split does not fit" in note and "--split experts" in note
     forced = solve(g, cards(4), req.with_(split="experts"))
     assert not forced.fits and forced.short_on == "cuda:0"
+    assert ("--split", "layers") in [(a.flag, a.value) for a in forced.alternatives]
 
 
 def test_layer_ranges_follow_the_free_memory_as_llama_cpp_splits():

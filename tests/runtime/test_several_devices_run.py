@@ -165,3 +165,52 @@ def test_a_host_that_cannot_hold_the_simulated_devices_fails_on_the_host(tiny_mo
     # the device had room; the host did not (its ledger's table is the report)
     assert e.value.line in ("weights", "kv") and "the host has" in str(e.value)
     assert "host ledger" in e.value.report and "allocation failed here" in e.value.report
+
+
+@pytest.mark.parametrize("policy", ["cpu", "copy"])
+def test_gguf_experts_run_from_the_files_pages_with_mmap(tiny_models, tmp_path, policy):
+    """--host-experts mmap: no host rows for the experts; each miss is gathered from the
+    map into one buffer; the logits are the reference's."""
+    from test_gguf_runtime import check
+
+    m = GGUFModel(tiny_models[("mixtral", "per_expert")], tmp_path / "m.gguf", expert_types="Q4_0")
+    host = Host(8 << 30, 8 << 30, "--host-ram 8GiB")
+    plan = solve(m.geom, sim_device(64 * MIB), Request(**REQ, expert_cache=5, miss_policy=policy,
+                                                       host_experts="mmap"), host=host)
+    assert plan.fits and plan.host.experts == "mmap" and plan.host.mapped_bytes > 0
+    engine = Engine.start(m.path, plan, EngineOptions(progress=False, chunk=7, q_block=4, kv_block=8))
+    he = engine.model.experts.host
+    assert he.mapped and all(len(r) == 0 for r in he.rows.values())
+    assert engine.host.lines["host_experts"].allocated == 0
+    slot = expert_slot_bytes(m.geom)
+    assert engine.host.lines["host_staging"].allocated >= slot          # the gather buffer
+    check(engine, m)
+    assert engine.expert_stats()["misses"] > 0
+
+
+@pytest.mark.process
+def test_generate_on_two_and_four_simulated_devices_gives_the_one_device_text(tmp_path):
+    """The `moefit generate` process: READY states each device's free memory, and the
+    greedy text is the one-device text."""
+    import re
+    import subprocess
+    import sys
+
+    from moefit.tools.demo import write_demo
+
+    demo = write_demo(tmp_path / "demo", "qwen3_moe")
+    base = [sys.executable, "-m", "moefit", "generate", str(demo), "--max-context", "1024",
+            "--prompt", "The plan", "--max-tokens", "12", "--host-ram", "16GiB"]
+    texts = {}
+    for vram in ("64MiB", "24MiB,8MiB", "24MiB,4MiB,4MiB,4MiB"):
+        r = subprocess.run(base + ["--device", "cpu", "--vram", vram], capture_output=True,
+                           text=True, timeout=120)
+        assert r.returncode == 0, r.stderr
+        ready = next(l for l in r.stderr.splitlines() if l.startswith("READY"))
+        n = vram.count(",") + 1
+        labels = ["cpu"] if n == 1 else [f"cpu:{i}" for i in range(n)]
+        assert re.findall(r"of [\d.]+ [KMG]iB on (cpu(?::\d)?)", ready) == labels, ready
+        assert "on the host" in ready
+        assert r.stderr.count("VRAM ledger") == n and "host ledger" in r.stderr
+        texts[vram] = r.stdout
+    assert len(set(texts.values())) == 1, texts

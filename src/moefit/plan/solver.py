@@ -860,7 +860,8 @@ def find_alternatives(geom: ModelGeometry, device: "Device | tuple[Device, ...]"
     - ``--miss-policy cpu`` / a smaller ``--arena-slots`` when the weight arena is in use;
       a smaller ``--vram-reserve-mib`` when the margin was set by hand.
     - ``--parallel``, ``--min-expert-cache`` / ``--expert-cache``: the largest value that fits.
-    - for a host that is short: ``--host-experts mmap`` (a GGUF file).
+    - for a host that is short: ``--host-experts mmap`` (a GGUF file); with several
+      devices and a split given: the other ``--split``.
 
     Every alternative fits the devices and the ``host`` alike.
     """
@@ -871,6 +872,10 @@ def find_alternatives(geom: ModelGeometry, device: "Device | tuple[Device, ...]"
                      staging=staging if same else None).fits
 
     alts: list[Alternative] = []
+    if len(_as_devices(device)) > 1 and req.split != "auto":
+        other = "layers" if req.split == "experts" else "experts"
+        if _fits(geom, device, req.with_(split=other)):
+            alts.append(Alternative("--split", other))
     if (req.host_experts != "mmap" and _is_gguf(geom) and geom.moe_layers
             and _fits(geom, device, req.with_(host_experts="mmap"))):
         alts.append(Alternative("--host-experts", "mmap"))
