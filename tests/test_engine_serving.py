@@ -130,6 +130,67 @@ def test_llama4_and_gpt_oss_gaps_are_the_weights():
     assert 0.4 < log["weights"] - plan.line("weights").bytes / GIB < 0.8
 
 
+DP_EP_LOG = DATA / "vllm-0.10.1-qwen3-coder-480b-fp8-141gb-dp8-ep.log"
+
+
+def fp8_release(preset: str, tmp_path: Path):
+    """The FP8 release of a Qwen preset (Qwen3-Coder-480B-A35B-Instruct-FP8,
+    Qwen3-235B-A22B-FP8): the preset's config with the block-fp8 ``quantization_config`` of
+    Qwen's FP8 releases (e4m3, 128 x 128 blocks)."""
+    cfg = json.loads((Path(serving.__file__).parents[1] / "presets" / preset / "config.json").read_text())
+    cfg["quantization_config"] = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                                  "weight_block_size": [128, 128]}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    return load_model(str(tmp_path))
+
+
+def test_dp_attention_with_ep_is_a_gap_of_the_activations(tmp_path):
+    # vllm-project/recipes#12: Qwen3-Coder-480B-FP8, -dp 8 --enable-expert-parallel, 141 GB cards
+    text = DP_EP_LOG.read_text()
+    assert "https://github.com/vllm-project/recipes/pull/12" in text
+    runs = re.findall(r"\(([\d.]+) GiB KV cache is needed.*?available KV cache memory \(([\d.]+) GiB\)"
+                      r".*?estimated maximum model length is (\d+)", text)
+    (need, low, len_low), (_, high, len_high) = [(float(a), float(b), int(c)) for a, b, c in runs]
+    geom = fp8_release("Qwen3-Coder-480B-A35B-Instruct", tmp_path)
+    layout = par.Layout(tp=1, dp=8, ep=True)
+    shard = par.stage_shards(geom, layout, 2)[0]
+    g = kv_groups(shard)
+    # kv_cache_utils.py alone is exact: the KV of one 262144-token request, and the longest
+    # request the logged memory holds (whole blocks of 16)
+    block_bytes = g.page * g.group_size         # one block of 16 tokens in all 62 layers
+    assert round(g.blocks_per_request(262144, 8192) * block_bytes / GIB, 2) == need
+    for avail, length in ((low, len_low), (high, len_high)):      # printed to 2 decimals: +-0.005 GiB
+        fewest, most = (int((avail + d) * GIB) // block_bytes for d in (-0.005, 0.005))
+        assert fewest * g.block <= length <= most * g.block and length % g.block == 0
+    # the two utilizations (0.90, 0.95) differ by 0.05 of the CUDA total: 139.8 GiB, an H200-sized card
+    total = (high - low) / 0.05
+    assert abs(total - find_gpu("H200").free_bytes / GIB) < 0.3
+    # moefit's vLLM model predicts 4.2 GiB more per rank than logged (+8.6%): with data-parallel
+    # attention every MoE layer gathers the tokens of all 8 ranks (8 x 8192 in the profile run),
+    # whose buffers the model does not price (README, "vLLM and SGLang plans")
+    req = serving.ServeRequest(context=262144, gpus=8, tp=1, dp=8, ep=8, batched=8192, fraction=0.9)
+    plan = serving.solve_serving(geom, VLLM, find_gpu("H200"), req, alternatives=False)
+    predicted = plan.budget.details["available_kv_bytes"] / GIB
+    assert 3.5 < predicted - low < 5.0
+
+
+def test_sglang_max_total_num_tokens_of_a_published_log(tmp_path):
+    # vllm/issues/21348: SGLang, Qwen3-235B-A22B-FP8, 4x H100, --tp 4, --mem-fraction-static 0.93
+    text = (DATA / "sglang-qwen3-235b-a22b-fp8-h100-tp4.log").read_text()
+    assert "https://github.com/vllm-project/vllm/issues/21348" in text
+    tokens = int(re.search(r"#tokens: (\d+)", text).group(1))
+    k_gib = float(re.search(r"K size: ([\d.]+) GB", text).group(1))      # SGLang's GB is 2^30
+    geom = fp8_release("Qwen3-235B-A22B", tmp_path)
+    shard = par.stage_shards(geom, par.Layout(tp=4), 2)[0]
+    # the cell: 94 layers x 1 of 4 K/V heads per rank x (128 + 128) x 2 B; K is half of it
+    assert round(tokens * shard.kv_token_bytes / 2 / GIB, 2) == k_gib
+    # the pool, predicted from the catalogue's H100 and moefit's runtime and weight shard (the
+    # log prints neither the free memory nor the weights, so only the total is checked)
+    req = serving.ServeRequest(context=40960, gpus=4, tp=4, fraction=0.93)
+    plan = serving.solve_serving(geom, SGLANG, find_gpu("H100"), req, alternatives=False)
+    assert abs(plan.budget.kv_tokens / tokens - 1) < 0.02, (plan.budget.kv_tokens, tokens)
+
+
 def test_the_calibration_constants_come_from_the_llama_runs():
     tp1 = parse_log("vllm-0.19.0-llama-3.1-8b-h100-tp1.log")
     # the sampler's peak: 1024 rows x 128256 (Llama-3.1's vocabulary) x bytes per logit, over
@@ -332,3 +393,54 @@ def test_cli_prints_the_table_the_json_and_exit_codes(capsys):
     rc = cli.main(["plan", "DeepSeek-V3", "--engine", "vllm", "--gpus", "8", "--gpu", "H100", "--max-context", "32K"])
     out = capsys.readouterr().out
     assert rc == 3 and "does not fit" in out and "--nodes 2" in out
+
+
+# ---- the README's plans ---------------------------------------------------------------------
+README = Path(__file__).parent.parent / "README.md"
+#: (model, GPUs as the README names them, their flags, engine): the large presets of issue 15
+README_HARDWARE = [("8x H100 80GB", ["--gpus", "8", "--gpu", "H100"]),
+                   ("8x H200", ["--gpus", "8", "--gpu", "H200"]),
+                   ("2 nodes x 8 H100", ["--gpus", "16", "--nodes", "2", "--gpu", "H100"])]
+README_PLANS = [(model, hw, flags, engine)
+                for model in ("deepseek-ai/DeepSeek-V3", "moonshotai/Kimi-K2-Instruct",
+                              "Qwen/Qwen3-Coder-480B-A35B-Instruct", "Qwen/Qwen3.5-397B-A17B")
+                for hw, flags in README_HARDWARE for engine in ("vllm", "sglang")]
+
+
+def readme_plan_row(model: str, hw: str, flags: list[str], engine: str) -> str:
+    """One row of the README's table of plans, from ``moefit plan ... --max-context 32K --json``."""
+    import contextlib
+    import io
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        rc = cli.main(["plan", model, "--engine", engine, *flags, "--max-context", "32K", "--json"])
+    doc = json.loads(out.getvalue())
+    assert rc == (0 if doc["fits"] else 3)
+    lay = par.Layout(**{k: doc["layout"][k] for k in ("tp", "pp", "dp", "ep", "nodes")})
+    layout = lay.describe().split(":")[0].replace(" (attention)", "").replace(" (experts whole)", "")
+    name = {"vllm": "vLLM", "sglang": "SGLang"}[engine]
+    if not doc["fits"]:
+        alt = ", ".join(f"`{a['flag']} {a['value'].split(' (')[0]}`" for a in doc["alternatives"])
+        return (f"| {model.split('/')[1]} | {hw} | {name} | {layout} | | short by "
+                f"{doc['shortfall_bytes'] / GIB:.2f} GiB per GPU | fits with {alt} |")
+    knob = next(f["value"] for f in doc["flags"] if f["flag"] in ("--gpu-memory-utilization", "--mem-fraction-static"))
+    tokens = f"{doc['kv_tokens']:,}" + (f" x {lay.dp}" if lay.dp > 1 else "")
+    return (f"| {model.split('/')[1]} | {hw} | {name} | {layout} | {knob} | {tokens} | "
+            f"{doc['concurrency'] * lay.dp:.1f} |")
+
+
+def test_the_readme_plans_are_what_moefit_prints(tmp_path, capsys):
+    text = README.read_text()
+    for args in README_PLANS:
+        row = readme_plan_row(*args)
+        assert row in text, row
+    # the FP8 release of Qwen3-Coder-480B on one node of 8 H100
+    fp8 = fp8_release("Qwen3-Coder-480B-A35B-Instruct", tmp_path)
+    plan = serving.solve_serving(fp8, VLLM, find_gpu("H100"), serving.ServeRequest(context=32768, gpus=8))
+    assert plan.fits and plan.layout.tp == 8 and plan.layout.ep
+    assert f"with TP 8 + EP 8, {plan.budget.kv_tokens:,} tokens" in " ".join(text.split())
+    # the example, byte for byte
+    rest = text[text.index("## vLLM and SGLang plans"):]
+    command, printed = re.findall(r"```[a-z]*\n(.*?)```", rest, re.S)[:2]
+    assert cli.main(command.strip().split("moefit ", 1)[1].split()) == 0
+    assert capsys.readouterr().out.strip() == printed.strip()

@@ -362,7 +362,8 @@ def format_serve_plan(plan: ServePlan) -> str:
         out.append(f"  {'unassigned':<18} {fmt(plan.unassigned_bytes):>10}")
     pool = (f"KV cache  {b.kv_tokens:,} tokens" + (" per DP replica" if lay.dp > 1 else "") +
             (f" x {lay.dp} = {plan.total_kv_tokens:,}" if lay.dp > 1 else "") +
-            f"; {b.concurrency:.2f} sequences of {plan.request.context:,} tokens")
+            f"; {b.concurrency:.2f} sequences of {plan.request.context:,} tokens" +
+            (f" per replica ({b.concurrency * lay.dp:.2f} in all)" if lay.dp > 1 else ""))
     out.append(pool)
     out += [n for n in plan.notes if n]
     if plan.fits:
@@ -388,7 +389,8 @@ def _rng(plan: ServePlan) -> str:
 
 def serve_plan_document(plan: ServePlan) -> dict:
     """The plan as a JSON-ready dict: the ``moefit.plan/1`` fields that apply (one device:
-    one rank), plus ``engine``, ``layout``, ``kv_tokens``, ``flags``, ``commands``."""
+    one rank), plus ``engine``, ``layout``, ``kv_tokens`` (per replica) and ``kv_tokens_total``,
+    ``concurrency`` (sequences of ``context`` tokens per replica), ``flags``, ``commands``."""
     g, dev, lay, b = plan.geometry, plan.device, plan.layout, plan.budget
     doc = {"schema": "moefit.plan/1", "engine": plan.engine.name, "engine_version": plan.engine.version,
            "fits": plan.fits,
@@ -401,7 +403,7 @@ def serve_plan_document(plan: ServePlan) -> dict:
                         "capacity_bytes": dev.capacity_bytes, "free_bytes": dev.free_bytes,
                         "lines": [{"key": l.key, "bytes": l.bytes, "detail": l.detail} for l in plan.lines],
                         "unassigned_bytes": plan.unassigned_bytes}],
-           "kv_tokens": b.kv_tokens, "kv_tokens_total": plan.total_kv_tokens,
+           "kv_tokens": b.kv_tokens, "kv_tokens_total": plan.total_kv_tokens, "concurrency": b.concurrency,
            "batched_tokens": b.batched, "memory_fraction": b.knob,
            "details": dict(b.details), "notes": [n for n in plan.notes if n]}
     if plan.fits:
@@ -425,14 +427,9 @@ def weight_detail(s: StageShard) -> str:
     return "shard: " + ", ".join(bits) + " GiB"
 
 
-
 def command_line(parts: list[tuple[str, str | None]]) -> str:
     """``--flag value --switch`` from (flag, value or None) pairs."""
     return " ".join(f if v is None else f"{f} {v}" for f, v in parts)
-
-
-def fmt_size(n: int) -> str:
-    return format_bytes(n)
 
 
 def format_serve_verbose(plan: ServePlan) -> str:

@@ -33,9 +33,10 @@ So moefit prices, per rank: the runtime (CUDA context + communicators, outside t
 fraction), the weight shard (:mod:`moefit.engines.parallel`), the profile run's activations
 and the workspaces (inside), the KV cache (what the fraction leaves), the CUDA graphs and
 the margin (outside), and chooses the largest ``--gpu-memory-utilization`` on a 0.01 grid
-that leaves the outside lines room. Block sizes: 16 tokens, 64 for MLA (the FlashMLA
-backend on Hopper: ``vllm/platforms/cuda.py``, "Forcing kv cache block size to 64 for
-FlashMLA backend"); with Gated DeltaNet layers the attention block grows to a multiple of
+that leaves the outside lines room. Block sizes: 16 tokens, also for MLA (the
+FLASH_ATTN_MLA backend that 0.19.0 picks on Hopper; the FlashMLA backend would force 64:
+``vllm/platforms/cuda.py``, "Forcing kv cache block size to 64 for FlashMLA backend", which
+changes the tokens by less than one block per rank); with Gated DeltaNet layers the attention block grows to a multiple of
 16 whose page holds one layer's recurrent state ("Setting attention block size to N
 tokens to ensure that attention page size is >= mamba page size").
 
@@ -46,7 +47,11 @@ GPUs of 70 GiB or more other than an A100, ``--max-num-batched-tokens 8192`` and
 (``vllm/config/compilation.py``).
 
 Checked against published startup logs in ``tests/test_engine_serving.py`` (the sources
-are cited there and in the README).
+are cited there and in the README). Not priced: with data-parallel attention every MoE layer
+gathers the tokens of all DP ranks (``FusedMoE`` with ``dp_size > 1``: the all-gather of
+the naive / allgather-reducescatter all2all backends), so the profile run's MoE buffers
+grow with the DP size; one published log (vllm-project/recipes#12, DP 8 + EP) has 4.2 GiB
+per rank less KV memory than this model predicts.
 """
 
 from __future__ import annotations
