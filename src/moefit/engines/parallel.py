@@ -139,7 +139,7 @@ def check_layout(geom: ModelGeometry, layout: Layout, *, fp8_block: int | None =
     heads = sorted({l.attention.num_heads for l in geom.layers if l.attention.kind != "linear"})
     for h in heads:
         if h % layout.tp:
-            ok = [t for t in (1, 2, 4, 8, 16, 32) if h % t == 0]
+            ok = [t for t in (1, 2, 4, 8, 16, 32) if h % t == 0 and layout.world % t == 0]
             raise InputError(f"--tp {layout.tp} does not divide {geom.name}'s {h} attention heads; "
                              f"use --tp {' or '.join(map(str, ok[-3:]))} (and --pp or --dp for the "
                              "other GPUs)")
