@@ -149,6 +149,14 @@ def test_pinned_and_mmap_are_visible(q30_gguf):
     assert "mmap:" in format_table(mapped)
 
 
+def test_a_bf16_checkpoint_short_of_host_memory_points_to_a_quantized_file():
+    geom = load_model("Qwen3-30B-A3B")
+    plan = solve(geom, find_gpu("RTX 4090"), Request(max_context=8192), host=host(24))
+    assert not plan.fits and plan.short_on == "host" and "host_experts" in plan.limiting
+    assert any(n.startswith("host: the experts are held as the checkpoint stores them (bfloat16)")
+               for n in plan.notes)
+
+
 def test_mmap_needs_a_gguf_file():
     with pytest.raises(InputError, match="--host-experts mmap"):
         solve(load_model("Qwen3-30B-A3B"), find_gpu("RTX 4090"), Request(host_experts="mmap"))
@@ -190,3 +198,4 @@ def test_gguf_token_embeddings_stay_on_the_host_unless_tied(tmp_path):
     p2 = solve(g2, resolve_device("cpu", None, "1GiB", None), Request(max_context=256))
     assert p2.devices[0].line("weights").bytes == g2.exact.weight_bytes
     assert p2.host.line("host_weights").bytes == 0
+    assert "tied" in p2.host.line("host_weights").detail          # the choice is stated

@@ -22,7 +22,7 @@ JSON document (sizes are integer bytes, lengths integer tokens)::
       "shortfall_bytes", "short_on", "limiting": [...], "alternatives": [{"flag", "value"}]
     }
 
-Version 2 (moefit 0.x, issue 14) added ``split``, each device's ``role``, ``layers``,
+Version 2 added ``split``, each device's ``role``, ``layers``,
 ``expert_slots`` and ``experts_per_layer``, the ``host`` table, and ``short_on``; the
 fields of version 1 keep their meaning.
 """

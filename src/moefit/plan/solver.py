@@ -169,9 +169,12 @@ class Alternative:
 class Plan:
     """The solved budget. Sizes in bytes, lengths in tokens.
 
+    ``devices``: one table per device in commit order (the main device first);
+    ``expert_slots`` / ``experts_per_layer``: over all of them; ``host``: the host table.
     On failure (``fits`` False) the lines show what was asked at the smallest allowed
-    chunk, ``shortfall_bytes`` how much is missing, ``limiting`` the lines that make it
-    too big (largest first) and ``alternatives`` changes that fit.
+    chunk, ``shortfall_bytes`` how much is missing on ``short_on`` (a device's label, or
+    ``host``), ``limiting`` the lines that make it too big (largest first; host line keys
+    when the host is short) and ``alternatives`` changes that fit.
     """
 
     fits: bool
@@ -753,7 +756,9 @@ def host_plan(geom: ModelGeometry, plan: Plan, host: Host | None) -> HostPlan:
     lines = (
         Line("host_runtime", runtime, runtime_detail),
         Line("host_weights", embed, f"token embeddings as stored ({geom.exact.embed_type})"
-             if embed else "none: every dense weight is on the device"),
+             if embed else ("none: the token embeddings are the output matrix too (tied), "
+                            "on the device" if _is_gguf(geom) else
+                            "none: every dense weight is on the device")),
         Line("host_staging", max(load, serving), staged),
         Line("host_experts", blob_bytes, expert_detail),
         Line("host_devices", sim_bytes, f"{len(sim)} simulated device(s): their tensors" if sim else ""),
@@ -776,7 +781,13 @@ def _with_host(plan: Plan, host: Host | None) -> Plan:
             continue
         out.append(l.key)
         covered += l.bytes
-    return replace(plan, fits=False, shortfall_bytes=short, limiting=tuple(out), short_on="host")
+    notes = plan.notes
+    if "host_experts" in out and not _is_gguf(geom := plan.geometry) and geom.dtype_bytes > 1:
+        notes = (*notes, f"host: the experts are held as the checkpoint stores them ({geom.dtype}); "
+                         "a quantized GGUF file of the model holds them at its stored size (plan "
+                         "that file)")
+    return replace(plan, fits=False, shortfall_bytes=short, limiting=tuple(out), short_on="host",
+                   notes=notes)
 
 
 def _check_expert_flags(geom: ModelGeometry, req: Request) -> None:
