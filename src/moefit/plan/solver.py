@@ -689,7 +689,8 @@ def _layer_split(geom: ModelGeometry, devices: tuple[Device, ...], req: Request,
         lines = _lines(sub, d, req, context, shown, p, 0, per) if sub.layers else tuple(
             Line(k, p.runtime if k == "runtime" else p.margin if k == "margin" else 0)
             for k, _ in LINE_ORDER)
-        what = _layer_range(r) + (", embeddings and output" if i == 0 else "")
+        what = _layer_range(r) + ((", output" if embed_dev else ", embeddings and output")
+                                  if i == 0 else "")
         lines = tuple(replace(l, detail=what) if l.key == "weights" else l for l in lines)
         dplans.append(DevicePlan(d, lines, "layers", per, r))
     total = _sum_counts(geom, counts)
