@@ -187,7 +187,8 @@ def test_fused_layout_matches_per_expert(tmp_path):
     a, b = check_against_analytic(tmp_path / "a"), check_against_analytic(tmp_path / "b")
     # the same bytes on the device; loading a fused [E, 2I, H] tensor reads it whole
     assert replace(a.exact, load_staging_bytes=0) == replace(b.exact, load_staging_bytes=0)
-    assert b.exact.load_staging_bytes == E * 2 * I_MOE * H * 2 > a.exact.load_staging_bytes
+    assert b.exact.load_staging_bytes >= E * 2 * I_MOE * H * 2       # the fused tensor, whole
+    assert a.exact.load_staging_bytes >= max(V * H * 2, I_MOE * H * 2)  # the embedding, an expert
 
 
 def test_gpt_oss_mxfp4(tmp_path):

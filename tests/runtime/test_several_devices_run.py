@@ -214,3 +214,18 @@ def test_generate_on_two_and_four_simulated_devices_gives_the_one_device_text(tm
         assert r.stderr.count("VRAM ledger") == n and "host ledger" in r.stderr
         texts[vram] = r.stdout
     assert len(set(texts.values())) == 1, texts
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text"])
+def test_the_loaders_host_transients_stay_within_the_planned_staging(tmp_path, family):
+    """Qwen3-Next / Qwen3.5 projections are rebuilt from several tensors at load: their
+    parts and the result at once, within the host table's staging line."""
+    from hybrid import make_hybrid
+
+    tiny = make_hybrid(family, tmp_path / family)
+    plan = solve(tiny.geom, sim_device(64 * MIB), Request(**REQ))
+    engine = Engine.start(tiny.path, plan, EngineOptions(progress=False))
+    staging = engine.host.lines["host_staging"]
+    assert 0 < staging.peak <= staging.planned == plan.host.line("host_staging").bytes
+    for key in ("host_experts", "host_devices"):
+        assert engine.host.lines[key].allocated == plan.host.line(key).bytes, key

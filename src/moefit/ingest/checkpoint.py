@@ -250,7 +250,8 @@ def exact_weights(geom: ModelGeometry, model_dir: str | Path) -> ExactWeights | 
         return None
     moe = {l.index: l.moe.num_experts for l in geom.moe_layers}
     weight = skipped = params = 0
-    largest_global = largest_layer = largest_expert = 0    # stored bytes: the loader's host staging
+    largest_global = largest_expert = 0    # stored bytes: the loader's host staging
+    layer_sum: dict[int, int] = {}
     per_expert: dict[int, dict[int, int]] = {}
     fused: dict[int, int] = {}
     for path in files:
@@ -266,7 +267,7 @@ def exact_weights(geom: ModelGeometry, model_dir: str | Path) -> ExactWeights | 
                 if layer is None:
                     largest_global = max(largest_global, t.nbytes)
                 else:
-                    largest_layer = max(largest_layer, t.nbytes)
+                    layer_sum[layer] = layer_sum.get(layer, 0) + t.nbytes
                 continue
             largest_expert = max(largest_expert, t.nbytes)
             if layer not in moe:
@@ -282,11 +283,13 @@ def exact_weights(geom: ModelGeometry, model_dir: str | Path) -> ExactWeights | 
     for layer, n in sorted(moe.items()):
         blob = max(per_expert.get(layer, {0: 0}).values()) + -(-fused.get(layer, 0) // n)
         blobs.append((layer, blob))
-    # the loader reads one tensor at a time (a layer's projection it regroups: its parts and
-    # the result at once, so twice that tensor; moefit.memory.host.load_staging_bytes)
+    # the loader reads one tensor at a time; a projection it rebuilds from several of a
+    # layer's tensors holds its parts and the result at once, which twice the layer's dense
+    # tensors bound (moefit.memory.host.load_staging_bytes)
     return ExactWeights(weight_bytes=weight, expert_blob_bytes=tuple(blobs), skipped_bytes=skipped,
                         total_params=params, files=len(files),
-                        load_staging_bytes=max(largest_global, 2 * largest_layer, largest_expert))
+                        load_staging_bytes=max(largest_global, 2 * max(layer_sum.values(), default=0),
+                                               largest_expert))
 
 
 # --------------------------------------------------------------------------------------------

@@ -81,16 +81,16 @@ def load_staging_bytes(geom: ModelGeometry) -> int:
 
     Safetensors (``moefit.runtime.loader``): one tensor is read at a time into host
     memory and copied to where it lives, so the largest tensor bounds it (a fused
-    ``[E, 2I, H]`` expert tensor is read whole); a layer's projection the loader regroups
-    (Qwen3-Next / Qwen3.5, ``moefit.runtime.hybrid_layout``) holds its parts and the result
-    at once, so twice the largest per-layer tensor. GGUF (``moefit.runtime.gguf_loader``): tensors are
+    ``[E, 2I, H]`` expert tensor is read whole); a projection the loader rebuilds from
+    several of a layer's tensors (Qwen3-Next / Qwen3.5, ``moefit.runtime.hybrid_layout``)
+    holds its parts and the result at once, which twice the layer's dense tensors bound. GGUF (``moefit.runtime.gguf_loader``): tensors are
     read through the file's memory map (page cache, not counted here), except llama's q/k
     rows, un-permuted in a copy: the largest dense tensor as stored. From the headers
     when read (``ExactWeights.load_staging_bytes``), else from the tensor listing."""
     if geom.exact is not None and geom.exact.load_staging_bytes:
         return geom.exact.load_staging_bytes
     glob = [geom.tensor_bytes(t) for t in geom.global_tensors]
-    layer = [geom.tensor_bytes(t) for l in geom.layers for t in l.tensors]
+    layer = [sum(geom.tensor_bytes(t) for t in l.tensors) for l in geom.layers]
     experts = [geom.tensor_bytes(t) for l in geom.layers for t in l.expert_tensors]
     return max(max(glob, default=0), 2 * max(layer, default=0), max(experts, default=0))
 
