@@ -25,6 +25,7 @@ This module sits below :mod:`moefit.cli`, :mod:`moefit.serve.launch` and
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from dataclasses import replace
 
@@ -42,6 +43,11 @@ from moefit.memory.staging import StagingModel
 from moefit.plan.request import Request, context_limit, parse_prefill, resolve_context, validate
 from moefit.plan.solver import Plan, largest_context, solve
 from moefit.units import parse_count
+
+
+#: The default of ``--host-ram`` when set (a machine's memory to plan with, where this one
+#: is shared and its free memory changes from one run to the next).
+HOST_RAM_ENV = "MOEFIT_HOST_RAM"
 
 
 def warn(message: str) -> None:
@@ -75,8 +81,9 @@ def add_device_flags(p: argparse.ArgumentParser) -> None:
                           "place layers on them as llama.cpp -ts does (layers), or whichever "
                           "holds more experts (auto, default)")
     dev.add_argument("--host-ram", metavar="SIZE",
-                     help="the host's memory for the host budget (default: this machine's "
-                          "MemAvailable when the devices are on it; what-if cards: not checked)")
+                     help="the host's memory for the host budget (default: $MOEFIT_HOST_RAM, "
+                          "else this machine's MemAvailable when the devices are on it; "
+                          "what-if cards: not checked)")
 
 
 def add_request_flags(p: argparse.ArgumentParser) -> None:
@@ -415,11 +422,13 @@ def device_from_args(args: argparse.Namespace) -> Device:
 
 
 def host_from_args(args: argparse.Namespace, devices: tuple[Device, ...]) -> Host | None:
-    """The host of the plan (:func:`moefit.devices.resolve_host`): ``--host-ram``, else
-    this machine when any device is on it (a probed GPU, a simulated device), else None
-    (what-if cards: the host table is priced, not checked). Raises InputError."""
+    """The host of the plan (:func:`moefit.devices.resolve_host`): ``--host-ram`` (or
+    ``$MOEFIT_HOST_RAM``), else this machine when any device is on it (a probed GPU, a
+    simulated device), else None (what-if cards: the host table is priced, not checked).
+    Raises InputError."""
     here = any(d.kind == "cpu" or not d.simulated for d in devices)
-    return resolve_host(getattr(args, "host_ram", None), here)
+    declared = getattr(args, "host_ram", None) or os.environ.get(HOST_RAM_ENV) or None
+    return resolve_host(declared, here)
 
 
 def runnable_device(args: argparse.Namespace) -> Device:

@@ -9,6 +9,7 @@ transformers 5.x writes them), or, for the ``fused`` layout, with the in-memory 
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,6 +27,10 @@ MIB = 1 << 20
 
 # tiny models: threads only add overhead on the 2-core CI machine
 torch.set_num_threads(1)
+# a declared host for every plan and `moefit` process of these tests: the CI machine is
+# shared, and its free memory (the default host) changes from run to run
+# (tests/test_host_budget.py checks this machine's own figures)
+os.environ.setdefault("MOEFIT_HOST_RAM", "64GiB")
 
 COMMON = dict(vocab_size=96, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
               max_position_embeddings=256, rms_norm_eps=1e-6, tie_word_embeddings=False)
