@@ -27,10 +27,6 @@ MIB = 1 << 20
 
 # tiny models: threads only add overhead on the 2-core CI machine
 torch.set_num_threads(1)
-# a declared host for every plan and `moefit` process of these tests: the CI machine is
-# shared, and its free memory (the default host) changes from run to run
-# (tests/test_host_budget.py checks this machine's own figures)
-os.environ.setdefault("MOEFIT_HOST_RAM", "64GiB")
 
 COMMON = dict(vocab_size=96, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
               max_position_embeddings=256, rms_norm_eps=1e-6, tie_word_embeddings=False)
@@ -105,6 +101,21 @@ def plan_for(tiny: Tiny, free: int = 64 * MIB, **req):
     plan = solve(tiny.geom, sim_device(free), Request(**kw))
     assert plan.fits, plan
     return plan
+
+
+@pytest.fixture(scope="module", autouse=True)
+def declared_host():
+    """A declared host for every plan and `moefit` process of these tests (module scope:
+    before the modules' servers start; restored after, so the planner tests keep their
+    own): the CI machine is shared and its free memory, the default host, changes from
+    run to run (tests/test_host_budget.py checks this machine's own figures)."""
+    before = os.environ.get("MOEFIT_HOST_RAM")
+    os.environ["MOEFIT_HOST_RAM"] = before or "64GiB"
+    yield
+    if before is None:
+        del os.environ["MOEFIT_HOST_RAM"]
+    else:
+        os.environ["MOEFIT_HOST_RAM"] = before
 
 
 @pytest.fixture(scope="session")
