@@ -29,6 +29,7 @@ from moefit.plan.solver import solve  # noqa: E402
 from moefit.runtime.engine import Engine, EngineOptions  # noqa: E402
 from moefit.runtime import qmatmul, quant  # noqa: E402
 from moefit.runtime.quant import StoredMatrix  # noqa: E402
+from moefit.runtime.gguf_loader import HostEmbedding  # noqa: E402
 from moefit.runtime.ledger import BudgetError  # noqa: E402
 from test_qmatmul import random_matrix  # noqa: E402
 from reference import engine_greedy, max_error, prompt, reference_greedy  # noqa: E402
@@ -118,9 +119,10 @@ def test_every_expert_cache_size_from_zero_to_all(gguf_models, policy):
 
 def test_mixed_types_per_layer_and_quantized_dense_weights(tiny_models, tmp_path):
     """Layer 0 Q8_0 experts, layer 2 Q4_0 gate/up with an MXFP4 down; attention, a dense MLP,
-    a shared expert and the embedding quantized too: the embedding dequantized at load, the
-    matrices kept as stored where the C kernels run, priced by the plan at their stored size
-    (planned = allocated)."""
+    a shared expert and the embedding quantized too: the embedding kept on the host as
+    stored (a lookup dequantizes its rows; the plan's host line), the matrices kept as
+    stored where the C kernels run, priced by the plan at their stored size (planned =
+    allocated)."""
     from moefit.memory.weights import stored_matrices
 
     m = GGUFModel(tiny_models[("qwen2_moe", "per_expert")], tmp_path / "mixed.gguf",
@@ -134,14 +136,18 @@ def test_mixed_types_per_layer_and_quantized_dense_weights(tiny_models, tmp_path
     w = engine.model.weights
     stored = [w.layers[0].q, w.layers[1].dense_up, w.layers[2].shared_up]
     assert all(isinstance(s, StoredMatrix) for s in stored) == qmatmul.available()
-    assert isinstance(w.embed, torch.Tensor) and isinstance(w.layers[0].k, torch.Tensor)
+    assert isinstance(w.embed, HostEmbedding) and isinstance(w.layers[0].k, torch.Tensor)
+    assert w.embed.qtype == "Q4_0"
     weights = engine.ledger.lines["weights"]
     assert weights.allocated == weights.planned
+    on_host = engine.host.lines["host_weights"]
+    assert on_host.allocated == on_host.planned == m.geom.exact.embed_stored_bytes
     kept = stored_matrices(m.geom, "cpu")
     assert set(kept) == ({"blk.0.attn_q.weight", "blk.1.ffn_up.weight", "blk.2.ffn_up_shexp.weight"}
                          if qmatmul.available() else set())
     widened = sum(r * c * 4 for name, _, r, c, _ in m.geom.exact.matrices if name in kept)   # fp32 compute
-    assert weights.planned == m.geom.weight_bytes() - widened + sum(kept.values())
+    assert weights.planned == (m.geom.exact.weight_bytes - m.geom.exact.embed_resident_bytes
+                               - widened + sum(kept.values()))
     line = next(l for l in engine.plan.devices[0].lines if l.key == "weights")
     assert ("3 quantized matrices kept as stored" in line.detail) == qmatmul.available()
     assert not stored_matrices(m.geom, "cuda")      # a GPU plan dequantizes them at load
@@ -196,7 +202,12 @@ def test_commit_matches_the_plan_line_by_line(gguf_models):
     for key in ("weights", "weight_arena", "kv", "prefill", "experts"):
         line = engine.ledger.lines[key]
         assert line.allocated == line.planned == plan.devices[0].line(key).bytes, key
-    assert plan.devices[0].line("weights").detail == "exact, from GGUF; dequantized to fp32 at load"
+    assert plan.devices[0].line("weights").detail == ("exact, from GGUF; dequantized to fp32 at "
+                                                      "load, token embeddings on the host")
+    # the host side through its ledger: planned = allocated
+    for key in ("host_weights", "host_experts", "host_devices"):
+        line = engine.host.lines[key]
+        assert line.allocated == line.planned == plan.host.line(key).bytes, key
     assert engine.notes[-1] == "READY"
 
 

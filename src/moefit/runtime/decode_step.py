@@ -226,9 +226,9 @@ class LeanStep:
             self._tables, self._version = {}, ec.version
         tab = self._tables.get(layer)
         if tab is None:
-            blobs, slots, res = ec.host.blobs[layer], ec.slots.get(layer, []), ec.resident[layer]
-            ptrs = [slots[res[e]].data_ptr() if e in res else blobs[e].data_ptr() for e in range(blobs.shape[0])]
-            mask = [1 if e in res else 0 for e in range(blobs.shape[0])]
+            count, slots, res = ec.host.experts[layer], ec.slots.get(layer, []), ec.resident[layer]
+            ptrs = [slots[res[e]].data_ptr() if e in res else ec.host.blob(layer, e).data_ptr() for e in range(count)]
+            mask = [1 if e in res else 0 for e in range(count)]
             tab = (torch.tensor(ptrs, dtype=torch.int64), torch.tensor(mask, dtype=torch.uint8),
                    moe_batch.layer_format(ec, layer))
             self._tables[layer] = tab
@@ -250,7 +250,10 @@ class LeanStep:
         pos = torch.tensor([sg.start for sg in segs], dtype=torch.int64)
         slot = torch.tensor([sg.slot for sg in segs], dtype=torch.int64)
         hidden = ws.take((t, h), act)
-        torch.index_select(w.embed, 0, ids, out=hidden)
+        if hasattr(w.embed, "lookup"):   # a GGUF table kept on the host (gguf_loader.HostEmbedding)
+            w.embed.lookup(ids, hidden)
+        else:
+            torch.index_select(w.embed, 0, ids, out=hidden)
         normed, delta = ws.take((t, h), act), ws.take((t, h), act)
         acc = ws.take((t, h), f32)
         widest = max([h] + [L.heads * L.dv for L in self.layers if L.kind != "linear"]
