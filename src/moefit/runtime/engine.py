@@ -383,8 +383,7 @@ def _commit_experts(ledgers: list[Ledger], source: ExpertSource, plan: Plan, say
             say(f"expert cache: the plan's {sum(want.values()) + cut} expert slots on "
                 f"{dp.device.label} do not fit above the margin ({format_bytes(room)} free, "
                 f"{format_bytes(planned)} planned); committing {sum(want.values())}")
-        mine = {l: [lg.alloc("experts", (source.elems[l],), source.dtype) for _ in range(want.get(l, 0))]
-                for l in source.experts}
+        mine = {l: lg.alloc_rows("experts", want.get(l, 0), source.elems[l], source.dtype) for l in source.experts}
         freed = 0
         while lg.free_bytes() < lg.margin:
             l = max(mine, key=lambda i: len(mine[i]))
