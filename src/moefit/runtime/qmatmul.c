@@ -929,7 +929,8 @@ static inline float silu(float v) { return v / (1.f + expf(-v)); }
  * x [T, H] of dtype xdt (0 fp32, 1 fp16, 2 bf16).
  * scratch: T * (4H + qact(H)) bytes for the token rows (converted and quantized once), then
  * pchunk * (8I + 4I + qact(I) + 4H) for pchunk pairs at a time (gate/up outputs, SwiGLU
- * product and its quantized form, down output).
+ * product and its quantized form -- for bf16 experts in a bf16 model the product rounded to
+ * bf16, as the torch expert holds it --, down output).
  * Work is split over the threads by rows of the chunk's experts (gate and up rows, then down
  * rows); each row is read once and multiplied by every token of its expert in the chunk, so
  * the tokens of a batch routed to one expert share one read of its weights, and a layer costs
@@ -947,6 +948,11 @@ void mf_moe(int n_exp, const uint8_t *const *blobs, const int64_t *bounds, const
     float *yd = (float *)(hq + (int64_t)pchunk * qi);              /* [pc, H] */
     int qx = !is_float_type(tg) || !is_float_type(tu), qd = !is_float_type(td);
     const uint16_t *xb = xdt == T_BF16 ? (const uint16_t *)x : NULL;
+#ifdef HAVE_BF16DOT
+    int hb16 = td == T_BF16 && xdt == T_BF16;
+#else
+    int hb16 = 0;
+#endif
     kernels_init();
 #pragma omp parallel num_threads(nthreads)
     {
@@ -987,6 +993,10 @@ void mf_moe(int n_exp, const uint8_t *const *blobs, const int64_t *bounds, const
                 float *g = gu + (int64_t)i * 2 * I, *h = hf + (int64_t)i * I;
                 for (int j = 0; j < I; j++) h[j] = silu(g[j]) * g[I + j];
                 if (qd) quantize_act(h, I, qact_at(hq + i * qi, I));
+                else if (hb16) {     /* bf16 experts, bf16 compute: the product as a bf16 tensor */
+                    uint16_t *hb = (uint16_t *)(hq + i * qi);
+                    for (int j = 0; j < I; j++) hb[j] = f32_to_bf16_rne(h[j]);
+                }
             }
 #pragma omp for schedule(static)
             for (int64_t idx = 0; idx < (int64_t)ne * (H / 4); idx++) {
@@ -995,6 +1005,13 @@ void mf_moe(int n_exp, const uint8_t *const *blobs, const int64_t *bounds, const
                 const uint8_t *w = blobs[ee] + off_d + r * rbd;
                 for (int64_t p = pa; p < pb; p++) {
                     int64_t i = p - p0;
+#ifdef HAVE_BF16DOT
+                    if (hb16) {
+                        for (int j = 0; j < 4; j++)
+                            yd[i * H + r + j] = dot_bf16x_512(w + j * rbd, (const uint16_t *)(hq + i * qi), I);
+                        continue;
+                    }
+#endif
                     dot_rows(td, w, rbd, 4, hf + i * I, qact_at(hq + i * qi, I), I, yd + i * H + r);
                 }
             }
