@@ -865,14 +865,15 @@ static inline void dot_rows(int t, const uint8_t *w, int64_t rb, int nr, const f
 }
 
 /* rows of y [n, N] (dtype ydt, row stride ldy, plus bias [N] when not NULL) = x [n, K] . W^T,
- * inside a parallel region (static split). xb: the bf16 rows of x when x is bf16 (BF16
+ * inside a parallel region: chunks of rows taken as the threads come (a thread whose core is
+ * shared with another process takes fewer, where a static split would wait for it). xb: the bf16 rows of x when x is bf16 (BF16
  * weights then multiply them with vdpbf16ps), else NULL. */
 static void gemm_rows(int t, const uint8_t *W, int N, int K, int n, const float *xf, uint8_t *xq, void *y, int ydt,
                       int ldy, const void *bias, const uint16_t *xb) {
     int64_t rb = row_bytes(t, K), qb = qact_bytes(K);
 #ifdef HAVE_BF16DOT
     if (t == T_BF16 && xb) {
-#pragma omp for schedule(static)
+#pragma omp for schedule(dynamic, 128)
         for (int r = 0; r < N; r++)
             for (int i = 0; i < n; i++)
                 store_y(y, ydt, (int64_t)i * ldy + r, dot_bf16x_512(W + r * rb, xb + (int64_t)i * K, K), bias, r);
@@ -880,7 +881,7 @@ static void gemm_rows(int t, const uint8_t *W, int N, int K, int n, const float 
     }
 #endif
     (void)xb;
-#pragma omp for schedule(static)
+#pragma omp for schedule(dynamic, 32)
     for (int r4 = 0; r4 < (N + 3) / 4; r4++) {
         int r = 4 * r4, nr = N - r < 4 ? N - r : 4;
         const uint8_t *wr = W + r * rb;
@@ -931,8 +932,8 @@ static inline float silu(float v) { return v / (1.f + expf(-v)); }
  * pchunk * (8I + 4I + qact(I) + 4H) for pchunk pairs at a time (gate/up outputs, SwiGLU
  * product and its quantized form -- for bf16 experts in a bf16 model the product rounded to
  * bf16, as the torch expert holds it --, down output).
- * Work is split over the threads by rows of the chunk's experts (gate and up rows, then down
- * rows); each row is read once and multiplied by every token of its expert in the chunk, so
+ * Work is split over the threads by chunks of rows of the chunk's experts, taken as they come
+ * (gate and up rows, then down rows); each row is read once and multiplied by every token of its expert in the chunk, so
  * the tokens of a batch routed to one expert share one read of its weights, and a layer costs
  * a few barriers, not a few per expert. */
 void mf_moe(int n_exp, const uint8_t *const *blobs, const int64_t *bounds, const int64_t *tok,
@@ -969,7 +970,7 @@ void mf_moe(int n_exp, const uint8_t *const *blobs, const int64_t *bounds, const
             while (bounds[e1 + 1] < p0 + n) e1++;                  /* expert of the chunk's last pair */
             int ne = e1 - e + 1;
             /* gate and up rows, 4 at a time (I is a multiple of 32: a group never straddles them) */
-#pragma omp for schedule(static)
+#pragma omp for schedule(dynamic, 32)
             for (int64_t idx = 0; idx < (int64_t)ne * (2 * I / 4); idx++) {
                 int ee = e + (int)(idx / (2 * I / 4)), r = 4 * (int)(idx % (2 * I / 4));
                 int64_t pa = bounds[ee] > p0 ? bounds[ee] : p0, pb = bounds[ee + 1] < p0 + n ? bounds[ee + 1] : p0 + n;
@@ -998,7 +999,7 @@ void mf_moe(int n_exp, const uint8_t *const *blobs, const int64_t *bounds, const
                     for (int j = 0; j < I; j++) hb[j] = f32_to_bf16_rne(h[j]);
                 }
             }
-#pragma omp for schedule(static)
+#pragma omp for schedule(dynamic, 32)
             for (int64_t idx = 0; idx < (int64_t)ne * (H / 4); idx++) {
                 int ee = e + (int)(idx / (H / 4)), r = 4 * (int)(idx % (H / 4));
                 int64_t pa = bounds[ee] > p0 ? bounds[ee] : p0, pb = bounds[ee + 1] < p0 + n ? bounds[ee + 1] : p0 + n;
