@@ -219,10 +219,49 @@ void mf_rope_kv(int T, void *q, int A, void *k, int Kh, const void *v, int D, in
  * Token t (query q [T, A, D], dtype dt) at position pos[t] of slot slot[t] attends to the
  * cached positions lo .. pos[t] (lo = pos - window + 1 on a sliding layer, window 0: 0);
  * query head a reads KV head a / (A / Kh) (GQA). Scores q . k * scale and the softmax in fp32
- * (the running max and sum of an online softmax over blocks of 128 positions), K and V read
- * as values of dt, out [T, A, Dv] = sum p v / sum p rounded to dt. One work item per (token,
- * KV head), split over the threads. */
-#define ATT_BLOCK 128
+ * (the running max and sum of an online softmax over blocks of ATT_BLOCK positions), K and V
+ * read as values of dt, out [T, A, Dv] = sum p v / sum p rounded to dt. One work item per
+ * (token, KV head), split over the threads; each block of K and V is decoded once for the
+ * G query heads that share it. */
+#define ATT_BLOCK 32
+
+#ifdef __AVX512F__
+/* e^x for x <= 0 (scores minus their running max), 16 lanes: 2^n * p(r), x = n ln2 + r, |r| <=
+ * ln2 / 2, p the degree-6 Taylor polynomial of e^r (relative error under 2e-7, the size of
+ * fp32 rounding); 0 below -87 (e^-87 is below fp32's normal range) */
+static inline __m512 exp512(__m512 x) {
+    const __m512 log2e = _mm512_set1_ps(1.44269504088896341f), ln2hi = _mm512_set1_ps(0.693359375f),
+                 ln2lo = _mm512_set1_ps(-2.12194440e-4f);
+    __mmask16 tiny = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.f), _CMP_LT_OQ);
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, ln2hi, x);
+    r = _mm512_fnmadd_ps(n, ln2lo, r);
+    __m512 p = _mm512_set1_ps(1.f / 720.f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+    __m512i e = _mm512_slli_epi32(_mm512_cvtps_epi32(n), 23);
+    __m512 y = _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(p), e));
+    return _mm512_maskz_mov_ps(~tiny, y);
+}
+#endif
+
+static inline float dotf(const float *a, const float *b, int n) {
+    int i = 0;
+    float d = 0.f;
+#ifdef __AVX512F__
+    __m512 s = _mm512_setzero_ps();
+    for (; i + 16 <= n; i += 16) s = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), s);
+    d = _mm512_reduce_add_ps(s);
+#endif
+    for (; i < n; i++) d += a[i] * b[i];
+    return d;
+}
+
 void mf_attn_decode(int T, const void *q, int A, int Kh, int D, int Dv, float scale,
                     const uint8_t *kc, const uint8_t *vc, int kcodec, int vcodec, int krow, int vrow,
                     const int64_t *pos, const int64_t *slot, int cells, int window, int dt, void *out,
@@ -234,7 +273,7 @@ void mf_attn_decode(int T, const void *q, int A, int Kh, int D, int Dv, float sc
 #pragma omp parallel for schedule(dynamic, 1) num_threads(nt)
     for (int item = 0; item < T * Kh; item++) {
         int t = item / Kh, kh = item % Kh;
-        float qv[16][512], acc[16][512], m[16], l[16], s[16][ATT_BLOCK], kb[512];
+        float qv[16][512], acc[16][512], m[16], l[16], s[16][ATT_BLOCK], kb[ATT_BLOCK][512];
         int g_n = G > 16 ? 16 : G;
         for (int g0 = 0; g0 < G; g0 += g_n) {
             int gn = G - g0 < g_n ? G - g0 : g_n;
@@ -248,49 +287,50 @@ void mf_attn_decode(int T, const void *q, int A, int Kh, int D, int Dv, float sc
             const int64_t sbase = slot[t] * (int64_t)cells;
             for (int64_t b0 = lo; b0 <= p; b0 += ATT_BLOCK) {
                 int n = (int)(p + 1 - b0 < ATT_BLOCK ? p + 1 - b0 : ATT_BLOCK);
-                for (int j = 0; j < n; j++) {
-                    const uint8_t *kr = kc + ((sbase + (b0 + j) % cells) * Kh + kh) * krow;
-                    kv_decode(kr, D, kcodec, dt, kb);
-                    for (int g = 0; g < gn; g++) {
-                        float d0 = 0.f;
-#ifdef __AVX512F__
-                        int i = 0;
-                        __m512 a16 = _mm512_setzero_ps();
-                        for (; i + 16 <= D; i += 16)
-                            a16 = _mm512_fmadd_ps(_mm512_loadu_ps(qv[g] + i), _mm512_loadu_ps(kb + i), a16);
-                        d0 = _mm512_reduce_add_ps(a16);
-                        for (; i < D; i++) d0 += qv[g][i] * kb[i];
-#else
-                        for (int i = 0; i < D; i++) d0 += qv[g][i] * kb[i];
-#endif
-                        s[g][j] = d0 * scale;
-                    }
-                }
+                for (int j = 0; j < n; j++)
+                    kv_decode(kc + ((sbase + (b0 + j) % cells) * Kh + kh) * krow, D, kcodec, dt, kb[j]);
+                for (int g = 0; g < gn; g++)
+                    for (int j = 0; j < n; j++) s[g][j] = dotf(qv[g], kb[j], D) * scale;
                 for (int g = 0; g < gn; g++) {
                     float mx = m[g];
                     for (int j = 0; j < n; j++) mx = fmaxf(mx, s[g][j]);
-                    float alpha = expf(m[g] - mx);
-                    float sum = 0.f;
-                    for (int j = 0; j < n; j++) { s[g][j] = expf(s[g][j] - mx); sum += s[g][j]; }
+                    float alpha = expf(m[g] - mx), sum = 0.f;
+                    int j = 0;
+#ifdef __AVX512F__
+                    __m512 vs = _mm512_setzero_ps(), vmx = _mm512_set1_ps(mx);
+                    for (; j + 16 <= n; j += 16) {
+                        __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(s[g] + j), vmx));
+                        _mm512_storeu_ps(s[g] + j, e);
+                        vs = _mm512_add_ps(vs, e);
+                    }
+                    sum = _mm512_reduce_add_ps(vs);
+#endif
+                    for (; j < n; j++) { s[g][j] = expf(s[g][j] - mx); sum += s[g][j]; }
                     l[g] = l[g] * alpha + sum;
-                    for (int i = 0; i < Dv; i++) acc[g][i] *= alpha;
+                    if (alpha != 1.f) for (int i = 0; i < Dv; i++) acc[g][i] *= alpha;
                     m[g] = mx;
                 }
-                for (int j = 0; j < n; j++) {
-                    const uint8_t *vr = vc + ((sbase + (b0 + j) % cells) * Kh + kh) * vrow;
-                    kv_decode(vr, Dv, vcodec, dt, kb);
-                    for (int g = 0; g < gn; g++) {
-                        float pj = s[g][j];
+                for (int j = 0; j < n; j++)         /* the V block, in kb (K is done with) */
+                    kv_decode(vc + ((sbase + (b0 + j) % cells) * Kh + kh) * vrow, Dv, vcodec, dt, kb[j]);
+                for (int g = 0; g < gn; g++) {
+                    int i = 0;
 #ifdef __AVX512F__
-                        int i = 0;
-                        __m512 pv = _mm512_set1_ps(pj);
-                        for (; i + 16 <= Dv; i += 16)
-                            _mm512_storeu_ps(acc[g] + i, _mm512_fmadd_ps(pv, _mm512_loadu_ps(kb + i), _mm512_loadu_ps(acc[g] + i)));
-                        for (; i < Dv; i++) acc[g][i] += pj * kb[i];
-#else
-                        for (int i = 0; i < Dv; i++) acc[g][i] += pj * kb[i];
-#endif
+                    for (; i + 64 <= Dv; i += 64) {     /* 64 outputs in registers over the block */
+                        __m512 a0 = _mm512_loadu_ps(acc[g] + i), a1 = _mm512_loadu_ps(acc[g] + i + 16);
+                        __m512 a2 = _mm512_loadu_ps(acc[g] + i + 32), a3 = _mm512_loadu_ps(acc[g] + i + 48);
+                        for (int j = 0; j < n; j++) {
+                            __m512 pj = _mm512_set1_ps(s[g][j]);
+                            a0 = _mm512_fmadd_ps(pj, _mm512_loadu_ps(kb[j] + i), a0);
+                            a1 = _mm512_fmadd_ps(pj, _mm512_loadu_ps(kb[j] + i + 16), a1);
+                            a2 = _mm512_fmadd_ps(pj, _mm512_loadu_ps(kb[j] + i + 32), a2);
+                            a3 = _mm512_fmadd_ps(pj, _mm512_loadu_ps(kb[j] + i + 48), a3);
+                        }
+                        _mm512_storeu_ps(acc[g] + i, a0); _mm512_storeu_ps(acc[g] + i + 16, a1);
+                        _mm512_storeu_ps(acc[g] + i + 32, a2); _mm512_storeu_ps(acc[g] + i + 48, a3);
                     }
+#endif
+                    for (; i < Dv; i++)
+                        for (int j = 0; j < n; j++) acc[g][i] += s[g][j] * kb[j][i];
                 }
             }
             for (int g = 0; g < gn; g++) {
