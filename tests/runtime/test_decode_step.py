@@ -23,8 +23,8 @@ from reference import prompt
 pytestmark = pytest.mark.skipif(not qmatmul.available(), reason=f"C kernels: {qmatmul.unavailable_reason()}")
 
 #: fp32 checkpoints, fp32 KV: the largest |lean - torch| logit difference measured
-#: (1.2e-7; Gated DeltaNet hybrids 6.6e-7), x 2
-FP32_TOL = 2.5e-7
+#: (1.8e-7; Gated DeltaNet hybrids 6.9e-7), x 2
+FP32_TOL = 3.6e-7
 HYBRID_TOL = 1.5e-6
 FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
 STEPS = 6

@@ -83,8 +83,50 @@ static inline float rnd(float v, int dt) {
  * the statistics in fp32, the normalised value rounded to dt, then times w (rounded again);
  * offset 1: times (1 + w) in fp32 before one rounding (Qwen3NextRMSNorm). out may be h.
  * w: dim values of dtype dt. */
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+static inline __m512 ldb16(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+static inline __m512 rndb16(__m512 v) {      /* round to bf16 (nearest even) and back */
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
+}
+static inline void stb16(uint16_t *p, __m512 v) { _mm256_storeu_si256((__m256i *)p, (__m256i)_mm512_cvtneps_pbh(v)); }
+
+/* mf_rmsnorm for bf16 rows (dim a multiple of 16), 16 values per step */
+static void rmsnorm_bf16(int rows, int dim, uint16_t *h, const void *delta, int ddt, const uint16_t *w,
+                         float eps, float offset, uint16_t *out) {
+    for (int r = 0; r < rows; r++) {
+        int64_t o = (int64_t)r * dim;
+        __m512 ss = _mm512_setzero_ps();
+        for (int i = 0; i < dim; i += 16) {
+            __m512 x = ldb16(h + o + i);
+            if (delta) {
+                __m512 d = ddt == D_BF16 ? ldb16((const uint16_t *)delta + o + i)
+                                         : rndb16(_mm512_loadu_ps((const float *)delta + o + i));
+                x = rndb16(_mm512_add_ps(x, d));
+                stb16(h + o + i, x);
+            }
+            ss = _mm512_fmadd_ps(x, x, ss);
+        }
+        float inv = 1.f / sqrtf(_mm512_reduce_add_ps(ss) / (float)dim + eps);
+        __m512 vi = _mm512_set1_ps(inv), off = _mm512_set1_ps(offset);
+        for (int i = 0; i < dim; i += 16) {
+            __m512 x = _mm512_mul_ps(ldb16(h + o + i), vi), wv = ldb16(w + i);
+            stb16(out + o + i, offset != 0.f ? _mm512_mul_ps(x, _mm512_add_ps(wv, off))
+                                             : _mm512_mul_ps(rndb16(x), wv));
+        }
+    }
+}
+#endif
+
 void mf_rmsnorm(int rows, int dim, void *h, const void *delta, int ddt, const void *w, int dt,
                 float eps, float offset, void *out) {
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+    if (dt == D_BF16 && dim % 16 == 0 && (!delta || ddt == D_BF16 || ddt == D_F32)) {
+        rmsnorm_bf16(rows, dim, (uint16_t *)h, delta, ddt, (const uint16_t *)w, eps, offset, (uint16_t *)out);
+        return;
+    }
+#endif
     for (int r = 0; r < rows; r++) {
         int64_t o = (int64_t)r * dim;
         float ss = 0.f;
