@@ -218,41 +218,74 @@ static void kv_decode(const uint8_t *src, int d, int codec, int dt, float *y) {
 }
 
 /* ---- RoPE + KV write (moefit.runtime.rope.Rotary, moefit.runtime.kv_cache.KVCache.write) ----
- * T tokens, token t at position pos[t] of KV slot slot[t]. q [T, A, D], k [T, Kh, D] (dtype
- * dt) are rotated in place on their first rot channels: x * cos + rotate_half(x) * sin, with
- * cos / sin = (cos|sin)(pos * inv_freq[i % (rot/2)]) * scaling rounded to dt, each product and
- * the sum rounded to dt (r.mul_(c).add_(rot.mul_(s))). Then k and v [T, Kh, Dv] are encoded
- * into the cache: K cells at kc + ((slot * cells + pos % cells) * Kh + h) * krow, V likewise. */
-void mf_rope_kv(int T, void *q, int A, void *k, int Kh, const void *v, int D, int Dv, int rot,
-                const float *inv_freq, float scaling, const int64_t *pos, const int64_t *slot, int dt,
-                uint8_t *kc, uint8_t *vc, int cells, int kcodec, int vcodec, int krow, int vrow) {
-    int half = rot / 2;
-    float cs[1024], sn[1024], x[1024];
-    for (int t = 0; t < T; t++) {
+ * mf_rope_table: cos / sin [T, rot/2] (fp32 values of dtype dt) of the T positions pos[t]:
+ * (cos|sin)(pos * inv_freq[i]) * scaling rounded to dt, computed in fp32 as transformers'
+ * rotary embedding does; once per step, shared by the layers. */
+void mf_rope_table(int T, int half, const float *inv_freq, float scaling, const int64_t *pos, int dt,
+                   float *cs, float *sn) {
+    for (int t = 0; t < T; t++)
         for (int i = 0; i < half; i++) {
             float f = (float)pos[t] * inv_freq[i];
-            cs[i] = cs[i + half] = rnd(cosf(f) * scaling, dt);
-            sn[i] = sn[i + half] = rnd(sinf(f) * scaling, dt);
+            cs[(int64_t)t * half + i] = rnd(cosf(f) * scaling, dt);
+            sn[(int64_t)t * half + i] = rnd(sinf(f) * scaling, dt);
         }
+}
+
+/* mf_rope_kv: T tokens, token t at position pos[t] of KV slot slot[t]. q [T, A, D], k [T, Kh, D]
+ * (dtype dt) are rotated in place on their first rot channels: x * cos + rotate_half(x) * sin
+ * (cos / sin of mf_rope_table, the same for both halves), each product and the sum rounded to
+ * dt (r.mul_(c).add_(rot.mul_(s))). Then k and v [T, Kh, Dv] are encoded into the cache: K
+ * cells at kc + ((slot * cells + pos % cells) * Kh + h) * krow, V likewise. */
+void mf_rope_kv(int T, void *q, int A, void *k, int Kh, const void *v, int D, int Dv, int rot,
+                const float *cs, const float *sn, const int64_t *pos, const int64_t *slot, int dt,
+                uint8_t *kc, uint8_t *vc, int cells, int kcodec, int vcodec, int krow, int vrow) {
+    int half = rot / 2;
+    float x[1024];
+    for (int t = 0; t < T; t++) {
+        const float *c = cs + (int64_t)t * half, *sv = sn + (int64_t)t * half;
         for (int pass = 0; pass < 2; pass++) {
             void *base = pass ? k : q;
             int heads = pass ? Kh : A;
             for (int hh = 0; hh < heads; hh++) {
                 int64_t o = ((int64_t)t * heads + hh) * D;
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+                if (dt == D_BF16 && half % 16 == 0) {
+                    uint16_t *r = (uint16_t *)base + o;
+                    for (int i = 0; i < half; i += 16) {
+                        __m512 lo = ldb16(r + i), hi = ldb16(r + half + i);
+                        __m512 cv = _mm512_loadu_ps(c + i), sw = _mm512_loadu_ps(sv + i);
+                        /* first half: lo c - hi s; second half: hi c + lo s (rotate_half) */
+                        __m512 nlo = _mm512_add_ps(rndb16(_mm512_mul_ps(lo, cv)),
+                                                   rndb16(_mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), hi), sw)));
+                        __m512 nhi = _mm512_add_ps(rndb16(_mm512_mul_ps(hi, cv)), rndb16(_mm512_mul_ps(lo, sw)));
+                        stb16(r + i, nlo);
+                        stb16(r + half + i, nhi);
+                    }
+                    continue;
+                }
+#endif
                 float r[1024];
                 for (int i = 0; i < rot; i++) r[i] = ld(base, dt, o + i);
                 for (int i = 0; i < rot; i++) {
                     float rh = i < half ? -r[i + half] : r[i - half];
-                    st(base, dt, o + i, rnd(r[i] * cs[i], dt) + rnd(rh * sn[i], dt));
+                    st(base, dt, o + i, rnd(r[i] * c[i % half], dt) + rnd(rh * sv[i % half], dt));
                 }
             }
         }
         int64_t cell = (slot[t] * (int64_t)cells + pos[t] % cells) * Kh;
         for (int hh = 0; hh < Kh; hh++) {
-            for (int i = 0; i < D; i++) x[i] = ld(k, dt, ((int64_t)t * Kh + hh) * D + i);
-            kv_encode(x, D, kcodec, kc + (cell + hh) * krow);
-            for (int i = 0; i < Dv; i++) x[i] = ld(v, dt, ((int64_t)t * Kh + hh) * Dv + i);
-            kv_encode(x, Dv, vcodec, vc + (cell + hh) * vrow);
+            const uint8_t *ks = (const uint8_t *)k + ((int64_t)t * Kh + hh) * D * (dt == D_F32 ? 4 : 2);
+            const uint8_t *vs = (const uint8_t *)v + ((int64_t)t * Kh + hh) * Dv * (dt == D_F32 ? 4 : 2);
+            if (kcodec == dt) memcpy(kc + (cell + hh) * krow, ks, (size_t)krow);      /* plain, same dtype */
+            else {
+                for (int i = 0; i < D; i++) x[i] = ld(k, dt, ((int64_t)t * Kh + hh) * D + i);
+                kv_encode(x, D, kcodec, kc + (cell + hh) * krow);
+            }
+            if (vcodec == dt) memcpy(vc + (cell + hh) * vrow, vs, (size_t)vrow);
+            else {
+                for (int i = 0; i < Dv; i++) x[i] = ld(v, dt, ((int64_t)t * Kh + hh) * Dv + i);
+                kv_encode(x, Dv, vcodec, vc + (cell + hh) * vrow);
+            }
         }
     }
 }

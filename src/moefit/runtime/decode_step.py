@@ -9,8 +9,9 @@ same layer is, for the ``T`` tokens of the step (one per sequence, ``T`` = the b
 1. RMSNorm, with the residual add of the previous sublayer folded in (``mf_rmsnorm``);
 2. the q / k / v projections (``mf_gemm_ex``: stored GGUF blocks or bf16 / fp16 / fp32
    weights, fp32 sums rounded once into the compute dtype, bias added as torch adds it);
-3. q/k norm (``mf_rmsnorm`` per head or over all heads), then RoPE of q and k and the K/V
-   write into the cache cells of each token's slot, encoded in the plan's KV format
+3. q/k norm (``mf_rmsnorm`` per head or over all heads), then RoPE of q and k (cos / sin of
+   the step's positions computed once for all layers, ``mf_rope_table``) and the K/V write
+   into the cache cells of each token's slot, encoded in the plan's KV format
    (``mf_rope_kv``);
 4. attention of each token over its own slot's cells (``mf_attn_decode``, threads over
    tokens x KV heads), the output projection;
@@ -39,6 +40,7 @@ per layer); the attention keeps its scores on the C stack (blocks of 128 positio
 
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass, fields
 
 import torch
@@ -103,6 +105,11 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
+def _view(ptr: int, n: int, dtype: torch.dtype) -> torch.Tensor:
+    """The ``n`` values of ``dtype`` at address ``ptr`` (a workspace buffer) as a tensor."""
+    return torch.frombuffer((ctypes.c_char * (n * dtype.itemsize)).from_address(ptr), dtype=dtype)
+
+
 class _Layer:
     """What one layer's step reads, resolved once: weight addresses, cache views, flags."""
 
@@ -121,6 +128,16 @@ class _Layer:
             lc = mdl.kv.layers[l.index]
             self.lc = lc
             self.cells, self.window = lc.cells, lc.window or 0
+            kc, vc = lc.k_codec, lc.v_codec
+            if kc.kind in _KV_CODECS and vc.kind in _KV_CODECS:
+                self.kcode = _PLAIN[kc.dtype] if kc.kind == "plain" else _KV_CODECS[kc.kind]
+                self.vcode = _PLAIN[vc.dtype] if vc.kind == "plain" else _KV_CODECS[vc.kind]
+            self.knb, self.vnb = kc.nbytes, vc.nbytes
+            self.kptr, self.vptr = lc.k.data_ptr(), lc.v.data_ptr()
+            self.qn, self.kn = _ptr(lw.q_norm), _ptr(lw.k_norm)
+            self.biases = tuple(_ptr(b) for b in (self.q_bias, self.gate_bias, lw.k_bias, lw.v_bias, lw.o_bias))
+            self.scale = d ** -0.5
+        self.norms = (lw.input_norm.data_ptr(), lw.post_norm.data_ptr())
         self.router = _mat(lw.router) if l.moe is not None else None
         self.shared = tuple(_mat(x) for x in (lw.shared_gate, lw.shared_up, lw.shared_down, lw.shared_expert_gate)) \
             if lw.shared_gate is not None else None
@@ -229,8 +246,9 @@ class LeanStep:
             count, slots, res = ec.host.experts[layer], ec.slots.get(layer, []), ec.resident[layer]
             ptrs = [slots[res[e]].data_ptr() if e in res else ec.host.blob(layer, e).data_ptr() for e in range(count)]
             mask = [1 if e in res else 0 for e in range(count)]
-            tab = (torch.tensor(ptrs, dtype=torch.int64), torch.tensor(mask, dtype=torch.uint8),
-                   moe_batch.layer_format(ec, layer))
+            fmt = moe_batch.layer_format(ec, layer)
+            tab = (torch.tensor(ptrs, dtype=torch.int64), torch.tensor(mask, dtype=torch.uint8), fmt,
+                   tuple(qmatmul.CTYPES[p.qtype] for p in (fmt.gate, fmt.up, fmt.down)))
             self._tables[layer] = tab
         return tab
 
@@ -277,15 +295,27 @@ class LeanStep:
             mscratch = ws.take((max(moe_batch.scratch_bytes(t, h, L.moe.expert_intermediate, act) for L in moes),),
                                torch.uint8)
 
-        def mm(m: _Mat, x: torch.Tensor, out: torch.Tensor, bias=None):
-            lib.mf_gemm_ex(m.qtype, m.ptr, m.rows, m.cols, x.data_ptr(), ad, t, out.data_ptr(), ad,
-                           _ptr(bias), gscratch.data_ptr(), threads)
+        gemm, norm, gp = lib.mf_gemm_ex, lib.mf_rmsnorm, gscratch.data_ptr()
 
-        pending, pdt = None, ad        # the last sublayer's output, not yet added to hidden
+        def mm(m: _Mat, x: int, out: int, bias: int | None = None):
+            gemm(m.qtype, m.ptr, m.rows, m.cols, x, ad, t, out, ad, bias, gp, threads)
+
+        hp, np_, dp, ap = hidden.data_ptr(), normed.data_ptr(), delta.data_ptr(), acc.data_ptr()
+        half = self.rot // 2
+        cs, sn = ws.take((t, half), f32), ws.take((t, half), f32)     # RoPE of the step's positions
+        lib.mf_rope_table(t, half, self.inv_freq.data_ptr(), self.scaling, pos.data_ptr(), ad, cs.data_ptr(),
+                          sn.data_ptr())
+        bufs = (qbuf.data_ptr(), kbuf.data_ptr(), vbuf.data_ptr(), obuf.data_ptr(),
+                None if gbuf is None else gbuf.data_ptr(), pos.data_ptr(), slot.data_ptr(), cs.data_ptr(),
+                sn.data_ptr())
+        if moes:
+            rp, bp, bnp, tp, wp, sp, msp = (rlog.data_ptr(), bptr.data_ptr(), bounds.data_ptr(), tok.data_ptr(),
+                                             wsel.data_ptr(), stats.data_ptr(), mscratch.data_ptr())
+            counts = (ctypes.c_int64 * 3).from_address(sp)
+        pending, pdt = None, ad        # the last sublayer's output (address), not yet added to hidden
         for L in self.layers:
             l, lw = L.l, L.lw
-            lib.mf_rmsnorm(t, h, hidden.data_ptr(), _ptr(pending), pdt, lw.input_norm.data_ptr(), ad, eps, off,
-                           normed.data_ptr())
+            norm(t, h, hp, pending, pdt, L.norms[0], ad, eps, off, np_)
             if L.kind == "linear":
                 for sg in segs:
                     with ws.scope():
@@ -293,47 +323,40 @@ class LeanStep:
                                        mdl.kv.linear.layers[l.index], sg.slot, arch.rms_eps, ws,
                                        delta[sg.offset:sg.offset + 1])
             else:
-                self._attention(L, normed, delta, qbuf, kbuf, vbuf, obuf, gbuf, pos, slot, mm, threads)
-            lib.mf_rmsnorm(t, h, hidden.data_ptr(), delta.data_ptr(), ad, lw.post_norm.data_ptr(), ad, eps, off,
-                           normed.data_ptr())
+                self._attention(L, t, np_, dp, bufs, mm, threads)
+            norm(t, h, hp, dp, ad, L.norms[1], ad, eps, off, np_)
             if L.moe is not None:
                 m = L.moe
                 e, k = m.num_experts, m.experts_per_token
-                lg = rlog[:, :e] if e == rlog.shape[1] else rlog.view(-1)[:t * e].view(t, e)
-                mm(L.router, normed, lg)
-                table, mask, fmt = self._table(l.index)
-                lib.mf_route(t, e, k, lg.data_ptr(), ad, int(arch.renormalize), table.data_ptr(), mask.data_ptr(),
-                             bptr.data_ptr(), bounds.data_ptr(), tok.data_ptr(), wsel.data_ptr(), stats.data_ptr())
-                n_used, hits, misses = stats.tolist()
+                mm(L.router, np_, rp)
+                table, mask, fmt, codes = self._table(l.index)
+                lib.mf_route(t, e, k, rp, ad, int(arch.renormalize), table.data_ptr(), mask.data_ptr(),
+                             bp, bnp, tp, wp, sp)
                 st = mdl.experts.stats[l.index]
-                st.hits += hits
-                st.misses += misses
+                st.hits += counts[1]
+                st.misses += counts[2]
                 acc.zero_()
                 inter = fmt.gate.rows
                 pchunk = (mscratch.numel() - qmatmul.moe_scratch_bytes(t, h, inter, 0)) // qmatmul.pair_bytes(h, inter)
-                lib.mf_moe(n_used, bptr.data_ptr(), bounds.data_ptr(), tok.data_ptr(), wsel.data_ptr(),
-                           normed.data_ptr(), ad, acc.data_ptr(), t, h, inter, qmatmul.CTYPES[fmt.gate.qtype],
-                           qmatmul.CTYPES[fmt.up.qtype], qmatmul.CTYPES[fmt.down.qtype], fmt.up.offset,
-                           fmt.down.offset, mscratch.data_ptr(), pchunk, threads)
+                lib.mf_moe(counts[0], bp, bnp, tp, wp, np_, ad, ap, t, h, inter, *codes, fmt.up.offset,
+                           fmt.down.offset, msp, pchunk, threads)
                 if L.shared is not None:      # Qwen2-MoE: + sigmoid(gate(x)) * shared(x)
                     delta.copy_(acc)
                     with ws.scope():
                         sh = self._mlp(L.shared[:3], normed, ws.take((t, h), act), mm)
                         gate = ws.take((t, 1), act)
-                        mm(L.shared[3], normed, gate)
+                        mm(L.shared[3], np_, gate.data_ptr())
                         delta.add_(sh.mul_(gate.sigmoid_()))
-                    pending, pdt = delta, ad
+                    pending, pdt = dp, ad
                 else:
-                    pending, pdt = acc, 0
+                    pending, pdt = ap, 0
             else:
                 self._mlp(L.dense, normed, delta, mm)
-                pending, pdt = delta, ad
-        lib.mf_rmsnorm(t, h, hidden.data_ptr(), _ptr(pending), pdt, w.norm.data_ptr(), ad, eps, off,
-                       normed.data_ptr())
+                pending, pdt = dp, ad
+        norm(t, h, hp, pending, pdt, w.norm.data_ptr(), ad, eps, off, np_)
         logits = ws.fixed.take((t, g.vocab_size), f32)
         hm = self.lm_head
-        lib.mf_gemm_ex(hm.qtype, hm.ptr, hm.rows, hm.cols, normed.data_ptr(), ad, t, logits.data_ptr(), 0, None,
-                       gscratch.data_ptr(), threads)
+        gemm(hm.qtype, hm.ptr, hm.rows, hm.cols, np_, ad, t, logits.data_ptr(), 0, None, gp, threads)
         for sg in segs:
             mdl.kv.lengths[sg.slot] = sg.start + 1
         return logits
@@ -344,51 +367,45 @@ class LeanStep:
         gm, um, dm = mats
         with ws.scope():
             g, u = ws.take((t, gm.rows), act), ws.take((t, um.rows), act)
-            mm(gm, x, g)
-            mm(um, x, u)
-            mm(dm, F.silu(g, inplace=True).mul_(u), out)
+            mm(gm, x.data_ptr(), g.data_ptr())
+            mm(um, x.data_ptr(), u.data_ptr())
+            mm(dm, F.silu(g, inplace=True).mul_(u).data_ptr(), out.data_ptr())
         return out
 
-    def _attention(self, L: _Layer, x, out, qbuf, kbuf, vbuf, obuf, gbuf, pos, slot, mm, threads) -> None:
-        """Self-attention of layer ``L`` on normed ``x`` ``[T, H]`` into ``out`` (as
-        :func:`moefit.runtime.model._attention` for one token per sequence)."""
-        mdl, lib, arch = self.mdl, self.lib, self.mdl.arch
-        t, ad = x.shape[0], self.act
+    def _attention(self, L: _Layer, t: int, x: int, out: int, bufs, mm, threads) -> None:
+        """Self-attention of layer ``L`` on the normed rows at ``x`` (``[T, H]``) into ``out``
+        (as :func:`moefit.runtime.model._attention` for one token per sequence); ``bufs``:
+        the addresses of the step's q, k, v, attention-output and gate buffers, positions
+        and slots."""
+        lib, arch, ad = self.lib, self.mdl.arch, self.act
         heads, kvh, d, dv = L.heads, L.kvh, L.d, L.dv
-        lw, lc = L.lw, L.lc
-        q = qbuf.view(-1)[:t * heads * d].view(t, heads * d)
-        k = kbuf.view(-1)[:t * kvh * d].view(t, kvh * d)
-        v = vbuf.view(-1)[:t * kvh * dv].view(t, kvh * dv)
-        o = obuf.view(-1)[:t * heads * dv].view(t, heads * dv)
-        mm(L.q, x, q, L.q_bias)
+        q, k, v, o, gate, pos, slot, cs, sn = bufs
+        qb, gb, kb, vb, ob = L.biases
+        mm(L.q, x, q, qb)
         if L.gate is not None:
-            gate = gbuf.view(-1)[:t * heads * dv].view(t, heads * dv)
-            mm(L.gate, x, gate, L.gate_bias)
-        mm(L.k, x, k, lw.k_bias)
-        mm(L.v, x, v, lw.v_bias)
+            mm(L.gate, x, gate, gb)
+        mm(L.k, x, k, kb)
+        mm(L.v, x, v, vb)
         eps = float(arch.rms_eps)
         if arch.qk_norm == "full":            # OLMoE: over all heads at once, no offset
-            lib.mf_rmsnorm(t, heads * d, q.data_ptr(), None, ad, lw.q_norm.data_ptr(), ad, eps, 0.0, q.data_ptr())
-            lib.mf_rmsnorm(t, kvh * d, k.data_ptr(), None, ad, lw.k_norm.data_ptr(), ad, eps, 0.0, k.data_ptr())
+            lib.mf_rmsnorm(t, heads * d, q, None, ad, L.qn, ad, eps, 0.0, q)
+            lib.mf_rmsnorm(t, kvh * d, k, None, ad, L.kn, ad, eps, 0.0, k)
         if arch.clip_qkv is not None:
-            for y in (q, k, v):
-                y.clamp_(-arch.clip_qkv, arch.clip_qkv)
+            ws, act = self.mdl.ws, self.mdl.arch.dtype
+            for ptr, n in ((q, heads * d), (k, kvh * d), (v, kvh * dv)):
+                _view(ptr, t * n, act).clamp_(-arch.clip_qkv, arch.clip_qkv)
         if arch.qk_norm == "head":            # Qwen3: per head
             off = float(arch.norm_offset)
-            lib.mf_rmsnorm(t * heads, d, q.data_ptr(), None, ad, lw.q_norm.data_ptr(), ad, eps, off, q.data_ptr())
-            lib.mf_rmsnorm(t * kvh, d, k.data_ptr(), None, ad, lw.k_norm.data_ptr(), ad, eps, off, k.data_ptr())
-        kc, vc = lc.k_codec, lc.v_codec
-        kcode = _PLAIN[kc.dtype] if kc.kind == "plain" else _KV_CODECS[kc.kind]
-        vcode = _PLAIN[vc.dtype] if vc.kind == "plain" else _KV_CODECS[vc.kind]
-        lib.mf_rope_kv(t, q.data_ptr(), heads, k.data_ptr(), kvh, v.data_ptr(), d, dv, self.rot,
-                       self.inv_freq.data_ptr(), self.scaling, pos.data_ptr(), slot.data_ptr(), ad,
-                       lc.k.data_ptr(), lc.v.data_ptr(), L.cells, kcode, vcode, kc.nbytes, vc.nbytes)
-        lib.mf_attn_decode(t, q.data_ptr(), heads, kvh, d, dv, d ** -0.5, lc.k.data_ptr(), lc.v.data_ptr(),
-                           kcode, vcode, kc.nbytes, vc.nbytes, pos.data_ptr(), slot.data_ptr(), L.cells,
-                           L.window, ad, o.data_ptr(), threads)
+            lib.mf_rmsnorm(t * heads, d, q, None, ad, L.qn, ad, eps, off, q)
+            lib.mf_rmsnorm(t * kvh, d, k, None, ad, L.kn, ad, eps, off, k)
+        lib.mf_rope_kv(t, q, heads, k, kvh, v, d, dv, self.rot, cs, sn, pos, slot, ad,
+                       L.kptr, L.vptr, L.cells, L.kcode, L.vcode, L.knb, L.vnb)
+        lib.mf_attn_decode(t, q, heads, kvh, d, dv, L.scale, L.kptr, L.vptr, L.kcode, L.vcode, L.knb, L.vnb,
+                           pos, slot, L.cells, L.window, ad, o, threads)
         if L.gate is not None:
-            o.mul_(gate.sigmoid_())
-        mm(L.o, o, out, lw.o_bias)
+            act = self.mdl.arch.dtype
+            _view(o, t * heads * dv, act).mul_(_view(gate, t * heads * dv, act).sigmoid_())
+        mm(L.o, o, out, ob)
 
 
 def lean(mdl) -> LeanStep:

@@ -105,7 +105,9 @@ def _build() -> ctypes.CDLL:
     # the lean decode step (decode_step.c)
     lib.mf_rmsnorm.argtypes = [i, i, p, p, i, p, i, f, f, p]
     lib.mf_rmsnorm.restype = None
-    lib.mf_rope_kv.argtypes = [i, p, i, p, i, p, i, i, i, p, f, p, p, i, p, p, i, i, i, i, i]
+    lib.mf_rope_table.argtypes = [i, i, p, f, p, i, p, p]
+    lib.mf_rope_table.restype = None
+    lib.mf_rope_kv.argtypes = [i, p, i, p, i, p, i, i, i, p, p, p, p, i, p, p, i, i, i, i, i]
     lib.mf_rope_kv.restype = None
     lib.mf_attn_decode.argtypes = [i, p, i, i, i, i, f, p, p, i, i, i, i, p, p, i, i, i, p, i]
     lib.mf_attn_decode.restype = None
