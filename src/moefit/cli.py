@@ -31,6 +31,7 @@ from moefit.ingest.resolve import format_models_table, list_presets, load_model
 from moefit.memory.kv import kv_bytes, kv_format
 from moefit.memory.staging import staging_model
 from moefit.plan.report import format_json, format_table
+from moefit.tools.demo import FAMILIES as DEMO_FAMILIES
 from moefit.units import format_bytes
 
 
@@ -228,7 +229,7 @@ def build_parser() -> argparse.ArgumentParser:
                                          "that serve / generate run offline")
     p.add_argument("dir", help="the directory to write (new, or empty)")
     p.add_argument("--family", default="qwen3_moe",
-                   help="qwen3_moe (default), qwen2_moe, mixtral, olmoe, qwen3_next or qwen3_5_moe")
+                   help=f"{', '.join(DEMO_FAMILIES)} (default qwen3_moe)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights (default 0)")
     p.add_argument("--force", action="store_true", help="write into a non-empty directory")
     p.set_defaults(func=cmd_make_demo)

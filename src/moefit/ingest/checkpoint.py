@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from moefit.errors import InputError
+from moefit.ingest.families.common import FP32_TENSORS
 from moefit.ingest.geometry import ExactWeights, ModelGeometry
 from moefit.ingest.inputs import decode_utf8, parse_json, read_bytes, read_json
 
@@ -221,11 +222,13 @@ CONVERTED_DTYPES = frozenset({"F32", "F16", "BF16"})
 
 def held_bytes(t: HeaderTensor, dtype_bytes: int) -> int:
     """Bytes the runtime holds for ``t``: numel x ``dtype_bytes`` (the config's compute
-    dtype) for a floating F32 / F16 / BF16 tensor, which the loader converts; the stored
-    bytes for quantized or integer tensors and for quantization scales."""
+    dtype) for a floating F32 / F16 / BF16 tensor, which the loader converts (numel x 4 for
+    the tensors kept in fp32, :data:`moefit.ingest.families.common.FP32_TENSORS`); the
+    stored bytes for quantized or integer tensors and for quantization scales."""
     if t.dtype not in CONVERTED_DTYPES or t.name.endswith(_SCALE_SUFFIXES):
         return t.nbytes
-    return (t.nbytes // SAFETENSORS_DTYPE_BYTES[t.dtype]) * dtype_bytes
+    numel = t.nbytes // SAFETENSORS_DTYPE_BYTES[t.dtype]
+    return numel * (4 if t.name.endswith(FP32_TENSORS) else dtype_bytes)
 
 
 def exact_weights(geom: ModelGeometry, model_dir: str | Path) -> ExactWeights | None:

@@ -43,9 +43,9 @@ reserves for every chunk; :data:`WORKSPACE_ALIGN` is the workspace's view alignm
 at most the model and within 2.5% of it from 256 tokens up, 0.2% at 16384
 (tests/runtime/test_staging_bound.py, docs/validation.md).
 
-MLA layers (DeepSeek-V2 §2.1) are priced as their reference would run them (the Q LoRA
-activation, Q heads twice, the latent + RoPE key, the output; a tile of scores and the
-K/V heads of one latent block): the runtime does not run them yet.
+MLA layers (DeepSeek-V2 §2.1) run in the absorbed form, as one KV head over the cached
+latent rows (:func:`mla_attention_dims`): their tile is an attention tile of that head,
+their stack the absorbed queries, the latent output and the value heads (:func:`_mla_step`).
 
 A calibration measured on the device (``moefit calibrate``,
 :mod:`moefit.memory.calibration`) replaces the two numbers when there is one.
@@ -56,7 +56,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from moefit.ingest.geometry import AttentionSpec, LayerSpec, ModelGeometry
+from moefit.ingest.geometry import AttentionSpec, LayerSpec, ModelGeometry, Routing
 from moefit.memory import cpu_kernels
 from moefit.memory.kv import QBLOCK, KVFormat
 
@@ -173,7 +173,7 @@ def _qk_norm(layer: LayerSpec) -> str:
 
 def attention_tile_takes(kvh: int, g: int, d: int, dv: int, k_row: int, v_row: int,
                          act_fp32: bool, window: bool, q_block: int = ATTN_Q_BLOCK,
-                         kv_block: int = ATTN_KV_BLOCK) -> list[Take]:
+                         kv_block: int = ATTN_KV_BLOCK, latent: bool = False) -> list[Take]:
     """The fixed-region takes of one attention tile (``moefit.runtime.attention.attend``
     takes its buffers by this list, in order), before the KV block read: ``G x q_block``
     query rows per KV head (``kvh`` KV heads, ``g`` query heads each, head dims ``d`` /
@@ -185,7 +185,9 @@ def attention_tile_takes(kvh: int, g: int, d: int, dv: int, k_row: int, v_row: i
     K/V block as stored and dequantized; fp32 scores (then probabilities); unless
     ``act_fp32`` the probabilities, ``p @ v`` in the compute dtype and in fp32; the key
     positions and the causal mask (and the window mask); four fp32 row vectors (new max,
-    safe max, rescale, row sum) and a bool one (all masked).
+    safe max, rescale, row sum) and a bool one (all masked). ``latent`` (MLA, one KV head
+    over the latent rows): V is the first ``dv`` values of the dequantized K block, so the
+    V block takes nothing.
     """
     rows = g * q_block
     tile = kvh * rows * kv_block
@@ -193,7 +195,7 @@ def attention_tile_takes(kvh: int, g: int, d: int, dv: int, k_row: int, v_row: i
              (kvh * rows, "f32"), (kvh * rows, "f32"), (kvh * rows * dv, "f32"),
              (rows, "i64"),
              (kv_block * kvh * k_row, "u8"), (kv_block * kvh * v_row, "u8"),
-             (kv_block * kvh * d, "act"), (kv_block * kvh * dv, "act"),
+             (kv_block * kvh * d, "act"), (0 if latent else kv_block * kvh * dv, "act"),
              (tile, "f32")]
     if not act_fp32:
         takes += [(tile, "act"), (kvh * rows * dv, "act"), (kvh * rows * dv, "f32")]
@@ -206,17 +208,37 @@ def attention_tile_takes(kvh: int, g: int, d: int, dv: int, k_row: int, v_row: i
 
 def attention_region_bytes(att: AttentionSpec, fmt: KVFormat, act: int,
                            q_block: int = ATTN_Q_BLOCK, kv_block: int = ATTN_KV_BLOCK) -> int:
-    """Bytes of the fixed region one full / sliding attention layer uses: a tile
+    """Bytes of the fixed region one full / sliding / MLA attention layer uses: a tile
     (:func:`attention_tile_takes`), then a KV block read (``KVCache.read``: the int64
-    cell indices, then the K codec's decode scratch, freed, then the V one's)."""
-    kvh, d, dv = att.num_kv_heads, att.head_dim, att.v_head_dim
-    tile = attention_tile_takes(kvh, att.num_heads // kvh, d, dv, fmt.k_bytes(d),
-                                fmt.v_bytes(dv), act == FP32, att.kind in ("sliding", "chunked"),
-                                q_block, kv_block)
+    cell indices, then the K codec's decode scratch, freed, then the V one's). MLA
+    attends as one KV head over the latent rows (:func:`mla_attention_dims`), without a
+    V read."""
+    if att.kind == "mla":
+        kvh, g, d, dv = mla_attention_dims(att)
+        sides = (("k", d),)
+        k_row, v_row = fmt.k_bytes(d), 0
+    else:
+        kvh, d, dv = att.num_kv_heads, att.head_dim, att.v_head_dim
+        g, sides = att.num_heads // kvh, (("k", d), ("v", dv))
+        k_row, v_row = fmt.k_bytes(d), fmt.v_bytes(dv)
+    tile = attention_tile_takes(kvh, g, d, dv, k_row, v_row, act == FP32,
+                                att.kind in ("sliding", "chunked"), q_block, kv_block,
+                                latent=att.kind == "mla")
     base = span([kv_block * INT64], span(take_bytes(tile, act)))
     return max(span([n * kv_block * kvh for n in codec_scratch(fmt.codec(side), dim, act, True)],
                     base)
-               for side, dim in (("k", d), ("v", dv)))
+               for side, dim in sides)
+
+
+def mla_attention_dims(att: AttentionSpec) -> tuple[int, int, int, int]:
+    """(KV heads, query heads per KV head, key dim, value dim) of MLA attention in the
+    absorbed form (DeepSeek-V2, arXiv:2405.04434 §2.1.2 and appendix C; DeepSeek-V3
+    ``inference/model.py`` ``MLA.forward`` with ``attn_impl = "absorb"``; vLLM's MLA): the
+    queries are ``q_nope W_UK`` and ``q_pe`` against one shared KV head, the cached latent
+    and RoPE key of ``kv_lora_rank + qk_rope_head_dim`` values, and the value is the latent
+    (``W_UV`` applied after attention): (1, heads, kv_lora_rank + qk_rope_head_dim,
+    kv_lora_rank)."""
+    return 1, att.num_heads, att.kv_lora_rank + att.qk_rope_head_dim, att.kv_lora_rank
 
 
 def _attention_step(layer: LayerSpec, fmt: KVFormat, act: int) -> _Step:
@@ -243,26 +265,50 @@ def _attention_step(layer: LayerSpec, fmt: KVFormat, act: int) -> _Step:
 
 
 def _mla_step(layer: LayerSpec, fmt: KVFormat, act: int) -> _Step:
-    """MLA (DeepSeek-V2 §2.1; not run by this runtime, priced as its reference would):
-    the Q LoRA activation, Q heads (nope + rope) twice, the latent + RoPE key of the
-    chunk, the attention output (its fixed region: :func:`mla_region_bytes`)."""
+    """MLA in the absorbed form (``moefit.runtime.model._mla_attention``), the stack per
+    token, in three phases over the absorbed queries ``[heads, L + R]`` (L
+    ``kv_lora_rank``, R ``qk_rope_head_dim``): (1) the queries ``[heads, nope + R]``, then
+    the larger of the q LoRA activation with its RMSNorm's fp32 scratch and the latent row
+    ``[L + R]`` with the largest of its RMSNorm scratch, the ``rotate_half`` copy of the
+    query RoPE part, the encoded latent with the cell index and the codec's scratch; (2)
+    the latent attention output ``[heads, L]``; (3) the value heads ``[heads, v_head_dim]``
+    after ``W_UV``, in the spent absorbed queries' room. Its fixed region is
+    :func:`attention_region_bytes` (one KV head over the latent rows)."""
     a = layer.attention
-    q_lora = a.q_lora_rank * act
-    q = a.num_heads * a.head_dim * act
-    latent = (a.kv_lora_rank + a.qk_rope_head_dim) * (act + (FP32 if fmt.quantized else 0))
-    out = a.num_heads * a.v_head_dim * act
-    return _Step("MLA attention", 0, q_lora + 2 * q + latent + out)
+    heads, qk, dv = a.num_heads, a.head_dim, a.v_head_dim
+    lora, rope = a.kv_lora_rank, a.qk_rope_head_dim
+    up = 0 if act == FP32 else 1
+    qabs = heads * (lora + rope) * act
+    q = heads * qk * act
+    q_lora = (a.q_lora_rank * act + (up + 1) * a.q_lora_rank * FP32 + FP32) if a.q_lora_rank else 0
+    norm = (up + 1) * lora * FP32 + FP32
+    rot = heads * rope * act
+    write = fmt.k_bytes(lora + rope) + INT64 + sum(codec_scratch(fmt.codec("k"), lora + rope, act, False))
+    build = q + max(q_lora, (lora + rope) * act + max(norm, rot, write))
+    return _Step("MLA attention", 0, qabs + max(build, heads * lora * act))
 
 
-def mla_region_bytes(att: AttentionSpec, act: int) -> int:
-    """The fixed region of an MLA layer as its reference would run it: a tile of fp32
-    scores (twice), the fp32 output and statistics, the K/V heads of one latent block."""
-    a = att
-    nope = a.head_dim - a.qk_rope_head_dim
-    tile = a.num_heads * ATTN_Q_BLOCK * ATTN_KV_BLOCK * FP32 * 2
-    acc = a.num_heads * ATTN_Q_BLOCK * (a.v_head_dim + 2) * FP32
-    kv_block = ATTN_KV_BLOCK * a.num_heads * (nope + a.qk_rope_head_dim + a.v_head_dim) * act
-    return tile + acc + kv_block
+def grouped_route_takes(t: int, e: int, k: int, r: Routing, act_fp32: bool) -> list[Take]:
+    """The stack takes of the grouped router for ``t`` tokens of ``e`` experts, top-``k``,
+    routing ``r`` (``moefit.runtime.routing.route_grouped`` takes its buffers by this list,
+    in order): the fp32 copy of the logits (unless ``act_fp32``), the fp32 scores; unless
+    ``greedy``, the choice scores, and when groups are dropped the group scores (with the
+    top-2 values and indices of ``noaux_tc``), the kept groups' indices and scores and the
+    dropped-group mask; the top-k values of the choice (``noaux_tc``); the renormalising
+    sum."""
+    g, tg = r.n_group, r.topk_group
+    takes: list[Take] = [] if act_fp32 else [(t * e, "f32")]
+    takes.append((t * e, "f32"))
+    if r.method != "greedy":
+        takes.append((t * e, "f32"))
+        if tg < g:
+            takes.append((t * g, "f32"))
+            if r.method == "noaux_tc":
+                takes += [(t * g * 2, "f32"), (t * g * 2, "i64")]
+            takes += [(t * tg, "i64"), (t * tg, "f32"), (t * g, "bool")]
+        if r.method == "noaux_tc":
+            takes.append((t * k, "f32"))
+    return takes + [(t, "f32")]
 
 
 def delta_block_takes(nv: int, dk: int, dv: int, block: int = DELTA_CHUNK) -> list[Take]:
@@ -320,10 +366,8 @@ def _mixer_region(att: AttentionSpec, fmt: KVFormat, act: int, q_block: int,
                   kv_block: int) -> int:
     """Fixed-region bytes of one layer's token mixer (0 for an unknown kind: its step
     raises)."""
-    if att.kind in ("full", "sliding", "chunked"):
+    if att.kind in ("full", "sliding", "chunked", "mla"):
         return attention_region_bytes(att, fmt, act, q_block, kv_block)
-    if att.kind == "mla":
-        return mla_region_bytes(att, act)
     if att.kind == "linear":
         return deltanet_region_bytes(att)
     return 0
@@ -369,7 +413,7 @@ def fixed_region_bytes(geom: ModelGeometry, fmt: KVFormat, q_block: int = ATTN_Q
     engine reserves exactly this, ``moefit.runtime.model.Model.fixed_bytes``): the largest
     of one layer's token-mixer region (attention tiles of ``q_block`` x ``kv_block``
     tokens, :func:`attention_region_bytes`; :func:`deltanet_region_bytes`;
-    :func:`mla_region_bytes`), the last-token logits of each of the ``slots`` sequences a
+    :func:`attention_region_bytes` of MLA's latent head), the last-token logits of each of the ``slots`` sequences a
     batched step may hold (``[slots, V]`` fp32, and in the compute dtype first unless
     fp32: ``moefit.runtime.model.forward_batch``) and, for stored (GGUF) experts, one
     dequantized expert matrix. The layers use it one after another. ``q_block`` /
@@ -397,7 +441,8 @@ def _mlp_step(layer: LayerSpec, geom: ModelGeometry, act: int) -> _Step:
     """The MLP (``moefit.runtime.model._moe`` / ``_swiglu_mlp``), stack per token.
 
     MoE: fp32 top-k weights and int64 ids, then the larger of the routing (router logits,
-    their fp32 copy unless fp32, fp32 probabilities and the renormalising sum) and the
+    their fp32 copy unless fp32, fp32 probabilities and the renormalising sum; a grouped
+    router's takes, :func:`grouped_route_takes`) and the
     dispatch: the pairs' order (int64) and weights, then the larger of the sort's int64
     keys and the expert buffers, taken for all ``T`` rows since one expert may get every
     token: the fp32 combine accumulator, the input rows, the gate/up output, the output
@@ -409,7 +454,10 @@ def _mlp_step(layer: LayerSpec, geom: ModelGeometry, act: int) -> _Step:
         return _Step("dense MLP", 0, 2 * layer.dense_intermediate * act)
     m = layer.moe
     k, e = m.experts_per_token, m.num_experts
-    route = e * act + up * e * FP32 + e * FP32 + FP32
+    if m.routing.grouped:   # the router logits, then the grouped router's takes
+        route = e * act + sum(take_bytes(grouped_route_takes(1, e, k, m.routing, act == FP32), act))
+    else:
+        route = e * act + up * e * FP32 + e * FP32 + FP32
     buffers = h * FP32 + h * act + 2 * m.expert_intermediate * act + h * act + up * h * FP32
     dispatch = up * k * act + k * INT64 + k * act + max(k * INT64, buffers)
     shared = h * act + max(2 * m.shared_intermediate * act, act) if m.shared_intermediate else 0

@@ -1,7 +1,8 @@
 """Load a GGUF model: dense weights dequantized onto the device, experts kept as stored.
 
 Input: a ``.gguf`` file (or the first shard of a split one) of the families the runtime
-runs: ``qwen3moe``, ``qwen2moe``, ``olmoe`` and ``llama`` with experts (Mixtral). The file
+runs: ``qwen3moe``, ``qwen2moe``, ``olmoe``, ``llama`` with experts (Mixtral), ``deepseek2``
+(MLA: ``attn_kv_b`` or the split ``attn_k_b`` / ``attn_v_b``) and ``glm4moe``. The file
 is memory-mapped (``gguf.GGUFReader``); every tensor is read once, straight from the map
 into its destination, and the maps are closed at the end, so host memory holds the
 expert blobs once (not the file and a copy).
@@ -33,7 +34,9 @@ from moefit.ingest.families import registry
 from moefit.ingest.geometry import LayerSpec, ModelGeometry
 from moefit.ingest.gguf_header import GGUFHeader, GGUFTensor, close_reader, config_from_gguf, open_reader, read_header
 from moefit.runtime.arch import Arch
-from moefit.runtime.loader import HostExperts, Weights, assemble_weights, progress_bar
+from moefit.runtime.loader import (
+    HostExperts, Weights, assemble_weights, mla_plan, moe_extras_plan, progress_bar, resident_dtype,
+)
 from moefit.runtime import qmatmul
 from moefit.runtime.quant import StoredExpert, StoredMatrix, dequantize, kernel_for
 
@@ -87,14 +90,18 @@ class _Tensors:
 
 
 
-def _layer_plan(l: LayerSpec, geom: ModelGeometry, arch: Arch) -> list[tuple[str, str, tuple]]:
+def _layer_plan(l: LayerSpec, geom: ModelGeometry, arch: Arch,
+                header: GGUFHeader) -> list[tuple[str, str, tuple]]:
     """(attribute, GGUF name, torch shape) of every resident tensor of layer ``l``; names
-    from the family's table (``arch.names``)."""
+    from the family's table (``arch.names``). MLA layers: :func:`moefit.runtime.loader.mla_plan`
+    (``attn_k_b`` / ``attn_v_b`` when the file splits ``attn_kv_b``)."""
     a, h = l.attention, geom.hidden_size
     qd, kd, vd = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim, a.num_kv_heads * a.v_head_dim
     n = lambda slot: arch.names.gguf(slot, l.index)  # noqa: E731
-    out = [("input_norm", n("input_norm"), (h,)), ("post_norm", n("post_norm"), (h,)),
-           ("q", n("q"), (qd, h)), ("k", n("k"), (kd, h)),
+    out = [("input_norm", n("input_norm"), (h,)), ("post_norm", n("post_norm"), (h,))]
+    if a.kind == "mla":
+        return out + mla_plan(a, h, arch, n, split=n("k_b") in header.tensors) + _mlp_plan(l, geom, arch, n)
+    out += [("q", n("q"), (qd, h)), ("k", n("k"), (kd, h)),
            ("v", n("v"), (vd, h)), ("o", n("o"), (h, a.num_heads * a.v_head_dim))]
     if arch.q_bias:
         out += [("q_bias", n("q_bias"), (qd,)), ("k_bias", n("k_bias"), (kd,)), ("v_bias", n("v_bias"), (vd,))]
@@ -104,18 +111,18 @@ def _layer_plan(l: LayerSpec, geom: ModelGeometry, arch: Arch) -> list[tuple[str
         out += [("q_norm", n("q_norm"), (a.head_dim,)), ("k_norm", n("k_norm"), (a.head_dim,))]
     elif arch.qk_norm == "full":
         out += [("q_norm", n("q_norm"), (qd,)), ("k_norm", n("k_norm"), (kd,))]
+    return out + _mlp_plan(l, geom, arch, n)
+
+
+def _mlp_plan(l: LayerSpec, geom: ModelGeometry, arch: Arch, n) -> list[tuple[str, str, tuple]]:
+    """(attribute, GGUF name, torch shape) of the dense MLP or the MoE block of ``l``."""
+    h = geom.hidden_size
     if l.moe is None:
         i = l.dense_intermediate
-        return out + [("dense_gate", n("dense_gate"), (i, h)), ("dense_up", n("dense_up"), (i, h)),
-                      ("dense_down", n("dense_down"), (h, i))]
+        return [("dense_gate", n("dense_gate"), (i, h)), ("dense_up", n("dense_up"), (i, h)),
+                ("dense_down", n("dense_down"), (h, i))]
     m = l.moe
-    out.append(("router", n("router"), (m.num_experts, h)))
-    if m.shared_intermediate:
-        si = m.shared_intermediate
-        out += [("shared_gate", n("shared_gate"), (si, h)), ("shared_up", n("shared_up"), (si, h)),
-                ("shared_down", n("shared_down"), (h, si)),
-                ("shared_expert_gate", n("shared_expert_gate"), (1, h))]
-    return out
+    return [("router", n("router"), (m.num_experts, h))] + moe_extras_plan(m, h, arch, n)
 
 
 def _expert_parts(l: LayerSpec, geom: ModelGeometry, arch: Arch, ts: _Tensors) -> tuple[list[str], StoredExpert]:
@@ -164,7 +171,7 @@ def _load(h, ts: _Tensors, geom, arch, alloc, pin, progress):
     embed = g["embed"][1]      # looked up by row: always dequantized
     if not arch.tie_embeddings:
         glob.append(("lm_head", g["lm_head"][1], (geom.vocab_size, hidden)))
-    layer_plans = [_layer_plan(l, geom, arch) for l in geom.layers]
+    layer_plans = [_layer_plan(l, geom, arch, h) for l in geom.layers]
     for _, name, shape in glob + [t for lp in layer_plans for t in lp]:
         ts.check(name, shape)
     expert_plans = {l.index: _expert_parts(l, geom, arch, ts) for l in geom.moe_layers}
@@ -178,6 +185,8 @@ def _load(h, ts: _Tensors, geom, arch, alloc, pin, progress):
     permute = family is not None and family.gguf_permute_qk
     qk = {name: heads if attr == "q" else kv_heads for lp in layer_plans for attr, name, _ in lp
           if attr in ("q", "k", "q_bias", "k_bias")}
+    # MLA's kv_b is viewed per head (W_UK / W_UV), so it is never kept in a stored format
+    unstored = {name for lp in layer_plans for attr, name, _ in lp if attr == "kv_b"}
 
     def resident(name: str, shape: tuple) -> torch.Tensor:
         t = h.tensors[name]
@@ -185,8 +194,9 @@ def _load(h, ts: _Tensors, geom, arch, alloc, pin, progress):
         if permute and name in qk:
             # whole quantized rows move: un-permute the bytes on the host, then dequantize
             raw = _unpermute(raw.view(shape[0], -1), qk[name]).reshape(-1)
-        dst = alloc(shape, dtype)
-        if (name != embed and len(shape) == 2 and dst.device.type == "cpu" and qmatmul.available()
+        dst = alloc(shape, resident_dtype(name, dtype))
+        if (name != embed and name not in unstored and len(shape) == 2 and dst.device.type == "cpu"
+                and qmatmul.available()
                 and StoredMatrix.fits(t.ggml_type, shape[0], shape[1], dtype)):
             # kept as stored inside its planned buffer: decode reads the stored bytes
             stored = StoredMatrix(dst, t.ggml_type, shape[0], shape[1])

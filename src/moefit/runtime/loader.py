@@ -41,6 +41,7 @@ import torch
 
 from moefit.ingest.checkpoint import checkpoint_files, read_header
 from moefit.errors import InputError
+from moefit.ingest.families.common import FP32_TENSORS
 from moefit.ingest.geometry import LayerSpec, ModelGeometry
 from moefit.runtime.arch import Arch
 from moefit.runtime.hybrid_layout import Packed, gated_q, linear_attention_entries, sources
@@ -83,6 +84,18 @@ class LayerWeights:
     la_a_log: torch.Tensor | None = None     # [Nv]
     la_norm: torch.Tensor | None = None      # [Dv]
     la_out: torch.Tensor | None = None       # [H, Nv*Dv]
+    # MLA (DeepSeek; see mla_plan): L kv_lora_rank, R qk_rope_head_dim, Q q_lora_rank
+    q_a: torch.Tensor | None = None          # [Q, H]
+    q_a_bias: torch.Tensor | None = None     # [Q]
+    q_a_norm: torch.Tensor | None = None     # [Q]
+    q_b: torch.Tensor | None = None          # [A*(nope+R), Q]
+    kv_a: torch.Tensor | None = None         # [L+R, H]
+    kv_a_bias: torch.Tensor | None = None    # [L+R]
+    kv_a_norm: torch.Tensor | None = None    # [L]
+    kv_b: torch.Tensor | None = None         # [A*(nope+Dv), L]  (or k_b and v_b:)
+    k_b: torch.Tensor | None = None          # [A, L, nope]
+    v_b: torch.Tensor | None = None          # [A, Dv, L]
+    router_bias: torch.Tensor | None = None  # [E] fp32 e_score_correction_bias
 
 
 @dataclass
@@ -177,6 +190,39 @@ def _first(index: _Index, names: list[str]) -> str:
     raise index.missing(names[0])
 
 
+def mla_plan(a, hidden: int, arch: Arch, name, split: bool = False) -> list[tuple[str, str, tuple]]:
+    """(attribute, name, shape) of an MLA layer's attention tensors (DeepSeek-V2 §2.1;
+    ``DeepseekV3Attention``): the q projection (``q_proj``, or ``q_a_proj`` + its bias when
+    ``attention_bias`` + ``q_a_layernorm`` + ``q_b_proj`` with a q LoRA),
+    ``kv_a_proj_with_mqa`` (+ bias) ``[L + R, H]``, ``kv_a_layernorm`` ``[L]``,
+    ``kv_b_proj`` ``[A (nope + Dv), L]`` -- or, ``split`` (GGUF files of current llama.cpp),
+    ``k_b`` ``[A, L, nope]`` and ``v_b`` ``[A, Dv, L]`` -- and ``o_proj`` (+ bias).
+    ``name(slot)``: the tensor name of a slot. Both loaders use it."""
+    heads, qk, dv = a.num_heads, a.head_dim, a.v_head_dim
+    lora, rope, ql = a.kv_lora_rank, a.qk_rope_head_dim, a.q_lora_rank
+    nope = qk - rope
+    out = []
+    if ql:
+        out.append(("q_a", name("q_a"), (ql, hidden)))
+        if arch.q_bias:
+            out.append(("q_a_bias", name("q_a_bias"), (ql,)))
+        out += [("q_a_norm", name("q_a_norm"), (ql,)), ("q_b", name("q_b"), (heads * qk, ql))]
+    else:
+        out.append(("q", name("q"), (heads * qk, hidden)))
+    out.append(("kv_a", name("kv_a"), (lora + rope, hidden)))
+    if arch.q_bias:
+        out.append(("kv_a_bias", name("kv_a_bias"), (lora + rope,)))
+    out.append(("kv_a_norm", name("kv_a_norm"), (lora,)))
+    if split:
+        out += [("k_b", name("k_b"), (heads, lora, nope)), ("v_b", name("v_b"), (heads, dv, lora))]
+    else:
+        out.append(("kv_b", name("kv_b"), (heads * (nope + dv), lora)))
+    out.append(("o", name("o"), (hidden, heads * dv)))
+    if arch.o_bias:
+        out.append(("o_bias", name("o_bias"), (hidden,)))
+    return out
+
+
 def _layer_plan(l: LayerSpec, geom: ModelGeometry, arch: Arch, index: _Index) -> list[tuple[str, str, tuple]]:
     """(attribute, checkpoint name, shape) of every resident tensor of layer ``l``; names
     from the family's table (``arch.names``)."""
@@ -187,6 +233,8 @@ def _layer_plan(l: LayerSpec, geom: ModelGeometry, arch: Arch, index: _Index) ->
     if a.kind == "linear":
         out += linear_attention_entries(p, a, h, index.has)
         return out + _mlp_plan(l, geom, arch, index, p)
+    if a.kind == "mla":
+        return out + mla_plan(a, h, arch, n) + _mlp_plan(l, geom, arch, index, p)
     q, qb = (n("q"), (qd, h)), (n("q_bias"), (qd,))
     if a.output_gate:   # q_proj holds [query | gate] per head: regrouped at load
         q = gated_q(q[0], a.num_heads, a.head_dim, h)
@@ -217,11 +265,24 @@ def _mlp_plan(l: LayerSpec, geom: ModelGeometry, arch: Arch, index: _Index,
     m = l.moe
     router = _first(index, arch.names.hf_candidates("router", p))
     out.append(("router", router, (m.num_experts, h)))
+    return out + moe_extras_plan(m, h, arch, n)
+
+
+def moe_extras_plan(m, hidden: int, arch: Arch, name) -> list[tuple[str, str, tuple]]:
+    """(attribute, name, shape) of a MoE block's tensors beside the router: the router's
+    ``e_score_correction_bias`` ``[E]`` (held in fp32, :data:`FP32_TENSORS`) when the
+    routing has one; the shared expert, with its 1-row sigmoid gate when the family's name
+    table has one (Qwen2-MoE / Qwen3-Next; DeepSeek's and GLM's ``shared_experts`` are
+    added ungated). ``name(slot)``: the tensor name of a slot. Both loaders use it."""
+    out = []
+    if m.routing.bias:
+        out.append(("router_bias", name("router_bias"), (m.num_experts,)))
     if m.shared_intermediate:
         si = m.shared_intermediate
-        out += [("shared_gate", n("shared_gate"), (si, h)), ("shared_up", n("shared_up"), (si, h)),
-                ("shared_down", n("shared_down"), (h, si)),
-                ("shared_expert_gate", n("shared_expert_gate"), (1, h))]
+        out += [("shared_gate", name("shared_gate"), (si, hidden)), ("shared_up", name("shared_up"), (si, hidden)),
+                ("shared_down", name("shared_down"), (hidden, si))]
+        if arch.names.shared_gate:
+            out.append(("shared_expert_gate", name("shared_expert_gate"), (1, hidden)))
     return out
 
 
@@ -244,6 +305,13 @@ def _expert_plan(l: LayerSpec, geom: ModelGeometry, arch: Arch, index: _Index):
             index.check(n, shape)
         names.append(trio)
     return "per_expert", names
+
+
+def resident_dtype(name, dtype: torch.dtype) -> torch.dtype:
+    """The dtype a resident tensor is held in: ``dtype`` (the compute dtype), or fp32 for
+    the tensors :data:`moefit.ingest.families.common.FP32_TENSORS` names (the weight
+    pricing reads the same table)."""
+    return torch.float32 if isinstance(name, str) and name.endswith(FP32_TENSORS) else dtype
 
 
 def assemble_weights(glob, layer_plans, resident) -> "Weights":
@@ -302,7 +370,7 @@ def load_checkpoint(model_dir: str | Path, geom: ModelGeometry, arch: Arch, allo
             src = name.build([index.get(n) for n, _ in name.parts])
         else:
             src = index.get(name)
-        dst = alloc(shape, dtype)
+        dst = alloc(shape, resident_dtype(name, dtype))
         dst.copy_(src)
         bar.update(src.numel())
         return dst
