@@ -302,8 +302,9 @@ def gguf_write_meta(w, config: dict) -> None:
     mt = config["model_type"]
     kind = "deepseek_v3" if mt in V3_TYPES else "deepseek_v2"
     get = lambda k: config.get(k) if config.get(k) is not None else DEFAULTS[kind].get(k)  # noqa: E731
-    if get("q_lora_rank"):
-        w.add_q_lora_rank(int(get("q_lora_rank")))
+    q_lora = config["q_lora_rank"] if "q_lora_rank" in config else get("q_lora_rank")   # null: none
+    if q_lora:
+        w.add_q_lora_rank(int(q_lora))
     w.add_kv_lora_rank(int(config["kv_lora_rank"]))
     w.add_key_length_mla(int(config["qk_nope_head_dim"]) + int(config["qk_rope_head_dim"]))
     w.add_value_length_mla(int(config["v_head_dim"]))
