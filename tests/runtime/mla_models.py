@@ -89,3 +89,80 @@ def make_mla(family: str, path: Path, seed: int = 0, **over) -> Tiny:
         cfg["model_type"] = "kimi_k2"
         (path / "config.json").write_text(json.dumps(cfg))
     return Tiny(family, path, model)
+
+
+def make_fp8(tiny: Tiny, path: Path, block: tuple[int, int] = (16, 16)) -> Tiny:
+    """``tiny``'s checkpoint block-scaled to fp8 at ``path``, as DeepSeek-V3 / Kimi-K2 ship:
+    every linear weight the planner's listing marks quantizable (attention, shared
+    experts, dense MLP, routed experts; not the router, norms, embeddings or head) as an
+    F8_E4M3 ``weight`` with an fp32 ``weight_scale_inv`` per ``block`` (``amax / 448`` of
+    the block, DeepSeek-V3 ``inference/kernel.py`` ``act_quant``'s rule), and
+    ``quantization_config`` ``{"quant_method": "fp8", "weight_block_size": block}``.
+    Returns the Tiny whose reference holds the dequantized weights (``q * scale``)."""
+    import copy
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from moefit.ingest.resolve import load_model
+
+    path.mkdir(parents=True, exist_ok=True)
+    for f in tiny.path.iterdir():
+        if f.suffix != ".safetensors":
+            shutil.copy(f, path / f.name)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8", "weight_block_size": list(block),
+                                  "activation_scheme": "dynamic", "fmt": "e4m3"}
+    (path / "config.json").write_text(json.dumps(cfg))
+    geom = load_model(str(path))
+    quantized = {t.name for l in geom.layers for t in l.tensors if t.quantizable}
+    quantized |= {t.name for l in geom.layers for t in l.expert_tensors if t.quantizable}
+    state = {}
+    for f in sorted(tiny.path.glob("*.safetensors")):
+        state.update(load_file(str(f)))
+    out, ref_state = {}, {}
+    b0, b1 = block
+    for name, w in state.items():
+        if _as_expert0(name) not in quantized:
+            out[name] = w
+            continue
+        rows, cols = w.shape
+        rb, cb = -(-rows // b0), -(-cols // b1)
+        pad = torch.zeros(rb * b0, cb * b1)
+        pad[:rows, :cols] = w.float()
+        blocks = pad.view(rb, b0, cb, b1)
+        scale = blocks.abs().amax(dim=(1, 3)).clamp_min(1e-12) / 448.0        # [rb, cb]
+        q = (blocks / scale[:, None, :, None]).to(torch.float8_e4m3fn)
+        deq = (q.float() * scale[:, None, :, None]).view(rb * b0, cb * b1)[:rows, :cols]
+        out[name] = q.view(rb * b0, cb * b1)[:rows, :cols].contiguous()
+        out[name.removesuffix("weight") + "weight_scale_inv"] = scale.contiguous()
+        ref_state[name] = deq
+    save_file(out, str(path / "model.safetensors"), metadata={"format": "pt"})
+    ref = copy.deepcopy(tiny.ref)
+    ref.load_state_dict({**ref.state_dict(), **_fused(ref_state, ref.state_dict())})
+    return Tiny(tiny.family, path, ref)
+
+
+def _as_expert0(name: str) -> str:
+    """``...experts.7.gate_proj.weight`` -> ``...experts.0.gate_proj.weight`` (the listing
+    names expert 0)."""
+    head, sep, rest = name.partition(".experts.")
+    j, _, tail = rest.partition(".")
+    return f"{head}{sep}0.{tail}" if sep and j.isdigit() else name
+
+
+def _fused(per_expert: dict, like: dict) -> dict:
+    """Per-expert saved tensors (``experts.{j}.gate_proj.weight``...) into the in-memory
+    fused layout of ``like`` (``experts.gate_up_proj`` ``[E, 2I, H]``, ``down_proj``)."""
+    out = {k: v for k, v in per_expert.items() if ".experts." not in k}
+    for key in like:
+        if key.endswith("experts.gate_up_proj") or key.endswith("experts.down_proj"):
+            base = key.rsplit(".", 1)[0]
+            e = like[key].shape[0]
+            if key.endswith("gate_up_proj"):
+                parts = [torch.cat([per_expert[f"{base}.{j}.gate_proj.weight"],
+                                    per_expert[f"{base}.{j}.up_proj.weight"]]) for j in range(e)]
+            else:
+                parts = [per_expert[f"{base}.{j}.down_proj.weight"] for j in range(e)]
+            out[key] = torch.stack(parts)
+    return out

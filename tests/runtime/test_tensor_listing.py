@@ -115,6 +115,9 @@ class _ListingIndex:
     def missing(self, name: str) -> Exception:
         return KeyError(name)
 
+    def fp8(self, name: str) -> bool:   # the listing's names, in the model dtype
+        return False
+
     def check(self, name: str, shape: tuple) -> None:
         if self._as_listed(name) == name:   # expert 0 and every non-expert tensor
             self.checked[name] = tuple(shape)

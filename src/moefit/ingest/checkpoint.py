@@ -243,7 +243,8 @@ def exact_weights(geom: ModelGeometry, model_dir: str | Path) -> ExactWeights | 
     layout) plus each fused tensor's bytes divided by the layer's ``num_experts``.
     ``total_params`` counts the parameters of every non-skipped tensor (see
     :func:`_param_count`), including buffers the checkpoint stores (e.g. DeepSeek's
-    ``e_score_correction_bias``).
+    ``e_score_correction_bias``). ``experts_stored``: the experts are fp8 (F8_*), which the
+    runtime keeps as stored and dequantizes when they run.
 
     Errors: :class:`InputError` for a corrupt header, an incomplete sharded checkpoint, or an
     expert tensor on a layer the config declares dense.
@@ -253,6 +254,7 @@ def exact_weights(geom: ModelGeometry, model_dir: str | Path) -> ExactWeights | 
         return None
     moe = {l.index: l.moe.num_experts for l in geom.moe_layers}
     weight = skipped = params = 0
+    fp8_experts = False
     per_expert: dict[int, dict[int, int]] = {}
     fused: dict[int, int] = {}
     for path in files:
@@ -269,6 +271,7 @@ def exact_weights(geom: ModelGeometry, model_dir: str | Path) -> ExactWeights | 
             if layer not in moe:
                 raise InputError(f"{path}: tensor {t.name!r} is a routed expert, but the config "
                                  f"declares layer {layer} dense; config and checkpoint disagree")
+            fp8_experts |= t.dtype.startswith("F8_")
             if is_fused:
                 fused[layer] = fused.get(layer, 0) + nbytes
             else:
@@ -280,7 +283,7 @@ def exact_weights(geom: ModelGeometry, model_dir: str | Path) -> ExactWeights | 
         blob = max(per_expert.get(layer, {0: 0}).values()) + -(-fused.get(layer, 0) // n)
         blobs.append((layer, blob))
     return ExactWeights(weight_bytes=weight, expert_blob_bytes=tuple(blobs), skipped_bytes=skipped,
-                        total_params=params, files=len(files))
+                        total_params=params, files=len(files), experts_stored=fp8_experts)
 
 
 # --------------------------------------------------------------------------------------------

@@ -73,6 +73,10 @@ INT64 = 8
 #: Elements dequantized per kernel call when a stored (GGUF) expert runs
 #: (``moefit.runtime.quant``).
 DEQUANT_TILE_ELEMS = 1 << 20
+#: Block-scaled fp8 weights of Hugging Face checkpoints (``quant_method: fp8``), held as
+#: stored (``moefit.runtime.quant.FP8``): e4m3 values with an fp32 scale per block,
+#: dequantized a tile at a time (:func:`fp8_tile_elems`, its scratch :func:`fp8_scratch_bytes`).
+FP8_TYPE = "F8_E4M3"
 #: Scratch bytes per element of one tile that each kernel of ``moefit.runtime.quant``
 #: allocates beside its output (fp32 values, unpacked integers, scales), by ggml type.
 #: Measured with the PyTorch profiler on a full tile (F16 / BF16 4.00, Q8_0 4.13, Q4_0 4.63,
@@ -264,7 +268,61 @@ def _attention_step(layer: LayerSpec, fmt: KVFormat, act: int) -> _Step:
     return _Step("attention", d * FP32, proj + max(norm, rope, write, attend))
 
 
-def _mla_step(layer: LayerSpec, fmt: KVFormat, act: int) -> _Step:
+def fp8_dense_tensors(geom: ModelGeometry) -> list:
+    """The non-expert weights held as block-scaled fp8 (:data:`FP8_TYPE`): the 2-D
+    quantizable tensors of the roles an fp8 ``quantization_config`` covers
+    (:class:`moefit.ingest.geometry.Quantization`); none for another method. A dense one
+    is dequantized whole into the fixed region when used (``moefit.runtime.quant.Fp8Matrix``),
+    MLA's ``kv_b_proj`` into the attention step's stack (it is read before and after the
+    attention tiles)."""
+    q = geom.quant
+    if q.method != "fp8":
+        return []
+    ts = list(geom.global_tensors) + [t for l in geom.layers for t in l.tensors]
+    return [t for t in ts if t.quantizable and t.role in q.applies_to and len(t.shape) == 2]
+
+
+def _is_kv_b(t) -> bool:
+    return t.name.endswith("kv_b_proj.weight")
+
+
+def fp8_tile_elems(rows: int, cols: int, block: tuple[int, int]) -> int:
+    """Elements of one dequantization tile of a ``[rows, cols]`` fp8 matrix
+    (``moefit.runtime.quant.dequantize_fp8``): a row block by at most
+    ``DEQUANT_TILE_ELEMS / b0`` columns, a multiple of ``b1``."""
+    b0, b1 = block
+    width = max(b1, DEQUANT_TILE_ELEMS // b0 // b1 * b1)
+    return min(b0, rows) * min(width, cols)
+
+
+def fp8_scratch_bytes(rows: int, cols: int, block: tuple[int, int]) -> int:
+    """The scratch ``moefit.runtime.quant.dequantize_fp8`` allocates beside its output for
+    a ``[rows, cols]`` matrix: the fp32 copy of one tile (:func:`fp8_tile_elems`) and the
+    tile's row of scales, repeated over its blocks' columns (fp32). Measured with the
+    PyTorch profiler to the byte (tests/runtime/test_mla_and_glm.py)."""
+    b0, b1 = block
+    tile = fp8_tile_elems(rows, cols, block)
+    width = tile // min(b0, rows)
+    return FP32 * tile + FP32 * -(-width // b1) * b1
+
+
+def fp8_dense_scratch(geom: ModelGeometry) -> int:
+    """The dequantization scratch of the largest dense fp8 matrix (allocated beside the
+    workspace while a matrix is dequantized): 0 without fp8 weights."""
+    return max((fp8_scratch_bytes(*t.shape, geom.quant.block_size) for t in fp8_dense_tensors(geom)),
+               default=0)
+
+
+def experts_stored(geom: ModelGeometry) -> bool:
+    """Whether the routed experts stay in a stored (quantized) format and are dequantized
+    when they run: as the checkpoint's headers say when they were read (GGUF, fp8
+    safetensors), else when an fp8 ``quantization_config`` covers them."""
+    if geom.exact is not None:
+        return geom.exact.experts_stored
+    return geom.quant.method == "fp8" and "expert" in geom.quant.applies_to
+
+
+def _mla_step(layer: LayerSpec, fmt: KVFormat, act: int, geom: ModelGeometry | None = None) -> _Step:
     """MLA in the absorbed form (``moefit.runtime.model._mla_attention``), the stack per
     token, in three phases over the absorbed queries ``[heads, L + R]`` (L
     ``kv_lora_rank``, R ``qk_rope_head_dim``): (1) the queries ``[heads, nope + R]``, then
@@ -285,7 +343,10 @@ def _mla_step(layer: LayerSpec, fmt: KVFormat, act: int) -> _Step:
     rot = heads * rope * act
     write = fmt.k_bytes(lora + rope) + INT64 + sum(codec_scratch(fmt.codec("k"), lora + rope, act, False))
     build = q + max(q_lora, (lora + rope) * act + max(norm, rot, write))
-    return _Step("MLA attention", 0, qabs + max(build, heads * lora * act))
+    # a block-scaled fp8 kv_b_proj: dequantized at the bottom of the step's stack
+    fp8_kv_b = [t for t in (fp8_dense_tensors(geom) if geom else []) if t in layer.tensors and _is_kv_b(t)]
+    const = fp8_kv_b[0].numel * act if fp8_kv_b else 0
+    return _Step("MLA attention", const, qabs + max(build, heads * lora * act))
 
 
 def grouped_route_takes(t: int, e: int, k: int, r: Routing, act_fp32: bool) -> list[Take]:
@@ -351,12 +412,12 @@ def _deltanet_step(layer: LayerSpec, act: int) -> _Step:
     return _Step("Gated DeltaNet", const, proj + max(conv_step, after))
 
 
-def _mixer_step(layer: LayerSpec, fmt: KVFormat, act: int) -> _Step:
+def _mixer_step(layer: LayerSpec, fmt: KVFormat, act: int, geom: ModelGeometry | None = None) -> _Step:
     kind = layer.attention.kind
     if kind in ("full", "sliding", "chunked"):
         return _attention_step(layer, fmt, act)
     if kind == "mla":
-        return _mla_step(layer, fmt, act)
+        return _mla_step(layer, fmt, act, geom)
     if kind == "linear":
         return _deltanet_step(layer, act)
     raise ValueError(f"unknown attention kind {kind!r}")
@@ -376,7 +437,7 @@ def _mixer_region(att: AttentionSpec, fmt: KVFormat, act: int, q_block: int,
 def _mixer_terms(layer: LayerSpec, geom: ModelGeometry, fmt: KVFormat,
                  act: int) -> tuple[int, int]:
     """(const, per_token) bytes of one layer's token mixer (fixed region + stack)."""
-    s = _mixer_step(layer, fmt, act)
+    s = _mixer_step(layer, fmt, act, geom)
     return _mixer_region(layer.attention, fmt, act, ATTN_Q_BLOCK, ATTN_KV_BLOCK) + s.const, s.per_token
 
 
@@ -389,7 +450,14 @@ def expert_dequant_bytes(geom: ModelGeometry, act: int, c_kernels: bool = False)
     when the types are not known). With ``c_kernels`` (a CPU device where
     :func:`moefit.memory.cpu_kernels.expected`), a type the C kernels read dequantizes
     straight into that matrix and adds no scratch (fp32 / bf16 compute dtype; an fp16
-    one still goes through torch). 0 for a model without MoE layers."""
+    one still goes through torch). Block-scaled fp8 experts: the matrix plus
+    :func:`fp8_scratch_bytes`. 0 for a model without MoE layers."""
+    if geom.quant.method == "fp8" and experts_stored(geom):    # fp8 safetensors experts
+        i_h = lambda l: (l.moe.expert_intermediate, geom.hidden_size)  # noqa: E731
+        return max((l.moe.expert_intermediate * geom.hidden_size * act
+                    + max(fp8_scratch_bytes(*i_h(l), geom.quant.block_size),
+                          fp8_scratch_bytes(*reversed(i_h(l)), geom.quant.block_size))
+                    for l in geom.moe_layers), default=0)
     types = dict(getattr(geom.exact, "expert_types", ()) or ())
     worst = max(DEQUANT_SCRATCH_BYTES_PER_ELEM.values())
     direct = c_kernels and geom.dtype in ("float32", "bfloat16")
@@ -415,8 +483,9 @@ def fixed_region_bytes(geom: ModelGeometry, fmt: KVFormat, q_block: int = ATTN_Q
     tokens, :func:`attention_region_bytes`; :func:`deltanet_region_bytes`;
     :func:`attention_region_bytes` of MLA's latent head), the last-token logits of each of the ``slots`` sequences a
     batched step may hold (``[slots, V]`` fp32, and in the compute dtype first unless
-    fp32: ``moefit.runtime.model.forward_batch``) and, for stored (GGUF) experts, one
-    dequantized expert matrix. The layers use it one after another. ``q_block`` /
+    fp32: ``moefit.runtime.model.forward_batch``) and, for stored (GGUF, fp8) experts, one
+    dequantized expert matrix, and with block-scaled fp8 weights the largest of them
+    dequantized (:func:`fp8_dense_tensors`). The layers use it one after another. ``q_block`` /
     ``kv_block`` below the defaults give the smaller region of smaller tiles (the engine's
     ``EngineOptions``)."""
     act = compute_bytes(geom)
@@ -428,8 +497,11 @@ def fixed_region_bytes(geom: ModelGeometry, fmt: KVFormat, q_block: int = ATTN_Q
         if a not in seen:
             seen[a] = _mixer_region(a, fmt, act, q_block, kv_block)
         fixed = max(fixed, seen[a])
-    if geom.exact is not None and geom.exact.experts_stored:
+    if experts_stored(geom):
         fixed = max(fixed, span([_expert_matrix_bytes(geom, act)]))
+    dense = [t.numel for t in fp8_dense_tensors(geom) if not _is_kv_b(t)]
+    if dense:       # the largest block-scaled fp8 matrix, dequantized when used
+        fixed = max(fixed, span([max(dense) * act]))
     return fixed
 
 
@@ -492,15 +564,17 @@ def staging_model(geom: ModelGeometry, fmt: KVFormat, slots: int = 1,
     steps = [_Step("RMSNorm", h * FP32, up * h * FP32 + h * FP32 + FP32),
              _Step("RoPE tables", 0, FP32 + rot * FP32 + up * rot * FP32)]
     for layer in geom.layers:
-        steps += [_mixer_step(layer, fmt, act), _mlp_step(layer, geom, act)]
+        steps += [_mixer_step(layer, fmt, act, geom), _mlp_step(layer, geom, act)]
     fixed = fixed_region_bytes(geom, fmt, slots=slots)
     terms_extra: tuple = ()
-    if geom.exact is not None and geom.exact.experts_stored:
-        # quantized experts (GGUF): one matrix dequantized at a time into the fixed region;
-        # the kernels' fp32 scratch (bounded tiles) is allocated outside the workspace
+    scratch = fp8_dense_scratch(geom)
+    if experts_stored(geom):
+        # quantized experts (GGUF, fp8): one matrix dequantized at a time into the fixed
+        # region; the kernels' fp32 scratch (bounded tiles) is allocated outside the workspace
         c_kernels = cpu_kernels.expected(device_kind)
-        scratch = max(0, expert_dequant_bytes(geom, act, c_kernels) - _expert_matrix_bytes(geom, act))
-        terms_extra = (("expert dequantization kernel scratch", scratch, 0),)
+        scratch = max(scratch, expert_dequant_bytes(geom, act, c_kernels) - _expert_matrix_bytes(geom, act))
+    if scratch:
+        terms_extra = (("dequantization kernel scratch", scratch, 0),)
     top = max(steps, key=lambda s: s.per_token)
     terms = (
         ("residual stream and RoPE tables", 0, residual),

@@ -47,7 +47,7 @@ from moefit.runtime.experts import ExpertCache
 from moefit.runtime.gguf_loader import gguf_config, load_gguf
 from moefit.runtime.kv_cache import KVCache
 from moefit.runtime.ledger import FAIL_ENV, BudgetError, Ledger
-from moefit.runtime.loader import load_checkpoint
+from moefit.runtime.loader import fp8_matrices, load_checkpoint
 from moefit.runtime import qmatmul
 from moefit.runtime.model import Model, forward, forward_batch, segments
 from moefit.runtime.rope import Rotary, rope_from_config
@@ -163,6 +163,8 @@ class Engine:
         kv = KVCache(geom, plan.kv_layout(), kv_buf)
         # 5. prefill staging, once
         ws = Workspace(ledger.alloc("prefill", (ledger.lines["prefill"].planned,), torch.uint8), ledger)
+        for m in fp8_matrices(weights):      # block-scaled fp8 weights dequantize in staging
+            m.ws = ws
         # 6. expert cache: the plan's slots, within what is free above the margin
         slots = _commit_experts(ledger, host, plan, say)
         experts = ExpertCache(host, slots, arena, req.miss_policy, profile) if host.blobs else None

@@ -21,6 +21,12 @@ expert storage): ``[gate (I*H) | up (I*H) | down (H*I)]`` in the model dtype, so
 up together are the ``[2I, H]`` matrix of the fused layout and a cache miss is one copy.
 Blobs are pinned when the device is CUDA (asynchronous host-to-device copies).
 
+Block-scaled fp8 checkpoints (``quant_method: fp8``: DeepSeek-V3 / R1, Kimi-K2): each F8_E4M3
+weight with its ``weight_scale_inv`` stays as stored, as priced: a dense one as a
+:class:`~moefit.runtime.quant.Fp8Matrix` (dequantized into the staging workspace when used),
+the experts as stored blobs of e4m3 bytes and fp32 scales
+(:meth:`~moefit.runtime.quant.StoredExpert.pack_fp8`), dequantized when they run.
+
 Errors (:class:`~moefit.errors.InputError`): a missing tensor (named, with the file the
 index points to or the files searched), a tensor of the wrong shape (named, with its file,
 the shape found and the shape the config implies), no safetensors files.
@@ -45,6 +51,7 @@ from moefit.ingest.families.common import FP32_TENSORS
 from moefit.ingest.geometry import LayerSpec, ModelGeometry
 from moefit.runtime.arch import Arch
 from moefit.runtime.hybrid_layout import Packed, gated_q, linear_attention_entries, sources
+from moefit.runtime.quant import FP8, Fp8Matrix, StoredExpert, fp8_scale_shape
 
 Alloc = Callable[[tuple[int, ...], torch.dtype], torch.Tensor]
 
@@ -149,10 +156,27 @@ class _Index:
             raise InputError(f"{model_dir}: no *.safetensors files; the runtime needs the "
                              "weights (`moefit plan` works from config.json alone)")
         self.where: dict[str, tuple[Path, tuple[int, ...]]] = {}
+        self.dtypes: dict[str, str] = {}      # safetensors dtype names
         for f in self.files:
             for t in read_header(f).tensors:
                 self.where[t.name] = (f, t.shape)
+                self.dtypes[t.name] = t.dtype
         self._handles: dict[Path, object] = {}
+
+    def fp8(self, name: str) -> bool:
+        """Whether ``name`` is stored as block-scaled fp8 (an F8_E4M3 weight)."""
+        return self.dtypes.get(name) == FP8
+
+    def check_fp8_scales(self, name: str, shape: tuple[int, ...], block: tuple[int, int]) -> str:
+        """The ``weight_scale_inv`` of fp8 weight ``name`` ``[rows, cols]``, checked for its
+        shape (one fp32 per ``block``); InputError naming it when absent or misshapen, or
+        when the checkpoint's ``quantization_config`` does not make it block-scaled fp8."""
+        scale = name.removesuffix("weight") + "weight_scale_inv"
+        if len(shape) != 2:
+            raise InputError(f"{self.where[name][0]}: tensor {name!r} is {FP8} with shape "
+                             f"{list(shape)}; the runtime runs 2-D block-scaled fp8 weights")
+        self.check(scale, fp8_scale_shape(shape[0], shape[1], block))
+        return scale
 
     def has(self, name: str) -> bool:
         return name in self.where
@@ -303,8 +327,29 @@ def _expert_plan(l: LayerSpec, geom: ModelGeometry, arch: Arch, index: _Index):
         trio = (f"{e}{g}.weight", f"{e}{u}.weight", f"{e}{d}.weight")
         for n, shape in zip(trio, ((i, h), (i, h), (h, i))):
             index.check(n, shape)
+            if index.fp8(n):
+                index.check_fp8_scales(n, shape, _fp8_block(geom, index, n))
         names.append(trio)
     return "per_expert", names
+
+
+def _fp8_block(geom: ModelGeometry, index: _Index, name: str) -> tuple[int, int]:
+    """The block of the checkpoint's fp8 scales (``quantization_config.weight_block_size``).
+    Raises InputError when an fp8 tensor comes without a block-scaled fp8 config."""
+    if geom.quant.method != "fp8":
+        raise InputError(f"{index.where[name][0]}: tensor {name!r} is {FP8}, but config.json has "
+                         "no block-scaled fp8 quantization_config; the checkpoint and its "
+                         "config disagree")
+    return tuple(geom.quant.block_size)
+
+
+def fp8_matrices(weights: "Weights") -> list[Fp8Matrix]:
+    """Every block-scaled fp8 matrix of the resident weights (the engine hands them the
+    staging workspace they dequantize into)."""
+    out = [w for w in (weights.embed, weights.norm, weights.lm_head) if isinstance(w, Fp8Matrix)]
+    for lw in weights.layers:
+        out += [v for v in vars(lw).values() if isinstance(v, Fp8Matrix)]
+    return out
 
 
 def resident_dtype(name, dtype: torch.dtype) -> torch.dtype:
@@ -367,7 +412,20 @@ def load_checkpoint(model_dir: str | Path, geom: ModelGeometry, arch: Arch, allo
 
     def resident(name: str | Packed, shape: tuple) -> torch.Tensor:
         if isinstance(name, Packed):
+            if any(index.fp8(n) for n, _ in name.parts):
+                raise InputError(f"{model_dir}: {name.parts[0][0]!r} is {FP8}: the runtime runs "
+                                 "fp8 attention and MLP weights, not fp8 linear-attention ones")
             src = name.build([index.get(n) for n, _ in name.parts])
+        elif index.fp8(name):     # held as stored: the e4m3 bytes and the block scales
+            block = _fp8_block(geom, index, name)
+            scale = index.check_fp8_scales(name, shape, block)
+            m = Fp8Matrix(alloc((shape[0] * shape[1],), torch.uint8),
+                          alloc(fp8_scale_shape(shape[0], shape[1], block), torch.float32),
+                          shape[0], shape[1], block)
+            m.w.copy_(index.get(name).view(torch.uint8).reshape(-1))
+            m.scale.copy_(index.get(scale))
+            bar.update(index.numel(name))
+            return m
         else:
             src = index.get(name)
         dst = alloc(shape, resident_dtype(name, dtype))
@@ -380,8 +438,17 @@ def load_checkpoint(model_dir: str | Path, geom: ModelGeometry, arch: Arch, allo
     experts = HostExperts(h, dtype)
     for l in geom.moe_layers:
         m, i = l.moe, l.moe.expert_intermediate
-        blobs = torch.empty((m.num_experts, 3 * i * h), dtype=dtype, pin_memory=pin)  # [E, 3IH]
         plan = expert_plans[l.index]
+        if plan[0] == "per_expert" and index.fp8(plan[1][0][0]):
+            experts.dtype = torch.uint8
+            experts.blobs[l.index], experts.formats[l.index] = _fp8_blobs(
+                l, plan[1], index, _fp8_block(geom, index, plan[1][0][0]), pin, bar)
+            experts.inter[l.index] = i
+            continue
+        if plan[0] == "fused" and (index.fp8(plan[1]) or index.fp8(plan[2])):
+            raise InputError(f"{model_dir}: {plan[1]!r} is {FP8}: fp8 experts are read one "
+                             "tensor per expert, as the published checkpoints store them")
+        blobs = torch.empty((m.num_experts, 3 * i * h), dtype=dtype, pin_memory=pin)  # [E, 3IH]
         if plan[0] == "fused":
             gu, dn = index.get(plan[1]), index.get(plan[2])          # [E, 2I, H], [E, H, I]
             blobs[:, :2 * i * h].copy_(gu.reshape(m.num_experts, -1))
@@ -398,6 +465,24 @@ def load_checkpoint(model_dir: str | Path, geom: ModelGeometry, arch: Arch, allo
         experts.inter[l.index] = i
     bar.close()
     return weights, experts
+
+
+def _fp8_blobs(l: LayerSpec, trios, index: _Index, block: tuple[int, int], pin: bool,
+               bar) -> tuple[torch.Tensor, StoredExpert]:
+    """The fp8 experts of layer ``l`` as stored blobs (uint8 ``[E, bytes]``): per expert
+    gate, up and down, each its e4m3 bytes then its fp32 block scales
+    (:meth:`moefit.runtime.quant.StoredExpert.pack_fp8`): the checkpoint's bytes."""
+    fmt = StoredExpert.pack_fp8(l.moe.expert_intermediate, index.where[trios[0][0]][1][1], block)
+    blobs = torch.empty((l.moe.num_experts, fmt.nbytes), dtype=torch.uint8, pin_memory=pin)
+    for j, trio in enumerate(trios):
+        for part, name in zip((fmt.gate, fmt.up, fmt.down), trio):
+            n = part.rows * part.cols
+            row = blobs[j, part.offset:part.offset + part.nbytes]
+            row[:n].copy_(index.get(name).view(torch.uint8).reshape(-1))
+            scale = name.removesuffix("weight") + "weight_scale_inv"
+            row[n:].copy_(index.get(scale).reshape(-1).view(torch.uint8))
+            bar.update(index.numel(name))
+    return blobs, fmt
 
 
 class _NoBar:

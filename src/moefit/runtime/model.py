@@ -45,7 +45,7 @@ from moefit.runtime.deltanet import gated_deltanet
 from moefit.runtime.experts import ExpertCache
 from moefit.runtime import moe_batch
 from moefit.runtime.kv_cache import KVCache
-from moefit.runtime.quant import StoredMatrix
+from moefit.runtime.quant import Fp8Matrix, StoredMatrix
 from moefit.runtime.loader import LayerWeights, Weights
 from moefit.runtime.rope import Rotary, mla_softmax_scale
 from moefit.runtime.routing import route_grouped
@@ -103,7 +103,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, out: torch.
     """``out = x @ w^T (+ b)``; ``x`` ``[T, in]``, ``w`` ``[out, in]``, ``out`` ``[T, out]``.
     A few rows against a bf16/fp16 weight on the CPU go through the C kernels
     (:func:`moefit.runtime.moe_batch.dense`)."""
-    if isinstance(w, StoredMatrix):
+    if isinstance(w, (StoredMatrix, Fp8Matrix)):
         w.matmul(x, out)
         return out if b is None else out.add_(b)
     if moe_batch.dense_applies(x, w):
@@ -160,15 +160,19 @@ def _attention(mdl: Model, l: LayerSpec, lw: LayerWeights, x: torch.Tensor,
         linear(o.view(t, heads * dv), lw.o, lw.o_bias, out)
 
 
-def mla_absorbed(lw: LayerWeights, a) -> tuple[torch.Tensor, torch.Tensor]:
+def mla_absorbed(lw: LayerWeights, a, ws: Workspace, act: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """MLA's up-projections per head, as views of the loaded weights: ``W_UK`` ``[A, nope,
     L]`` (absorbed into the queries) and ``W_UV`` ``[A, Dv, L]`` (applied after attention),
     from ``kv_b_proj`` ``[A (nope + Dv), L]`` (each head's nope rows, then its Dv rows:
     ``DeepseekV3Attention.expand_kv``) or from llama.cpp's ``k_b`` ``[A, L, nope]`` and
-    ``v_b`` ``[A, Dv, L]``."""
+    ``v_b`` ``[A, Dv, L]``. A block-scaled fp8 ``kv_b_proj`` is dequantized into ``ws``
+    (the caller's scope; the staging model prices it as the MLA step's constant)."""
     nope = a.head_dim - a.qk_rope_head_dim
     if lw.kv_b is not None:
-        kvb = lw.kv_b.view(a.num_heads, nope + a.v_head_dim, a.kv_lora_rank)
+        kv_b = lw.kv_b
+        if isinstance(kv_b, Fp8Matrix):
+            kv_b = kv_b.dequantize(ws.take(kv_b.shape, act))
+        kvb = kv_b.view(a.num_heads, nope + a.v_head_dim, a.kv_lora_rank)
         return kvb[:, :nope], kvb[:, nope:]
     return lw.k_b.transpose(1, 2), lw.v_b
 
@@ -199,9 +203,9 @@ def _mla_attention(mdl: Model, l: LayerSpec, lw: LayerWeights, x: torch.Tensor,
     heads, qk, dv = a.num_heads, a.head_dim, a.v_head_dim
     lora, rope = a.kv_lora_rank, a.qk_rope_head_dim
     nope = qk - rope
-    w_uk, w_uv = mla_absorbed(lw, a)
     rotate = mdl.rotary.apply_pairs if arch.rope_interleave else mdl.rotary.apply
     with ws.scope():
+        w_uk, w_uv = mla_absorbed(lw, a, ws, act)
         qabs = ws.take((heads, t, lora + rope), act)                        # [A, T, L+R]
         with ws.scope():
             q = ws.take((t, heads * qk), act)                               # [T, A*(nope+R)]
