@@ -12,7 +12,8 @@ routed experts (top-2) and shared experts:
   ``group_limited_greedy`` routing (4 groups, keeping 1), interleaved RoPE, YaRN as V2-Lite (mscale 0.707);
 - ``deepseek_v2_lite``: V2-Lite's greedy routing, no YaRN;
 - ``glm4_moe``: ``Glm4MoeForCausalLM`` with q/k norm, attention biases, partial RoPE 0.5,
-  sigmoid ``noaux_tc`` routing over 2 groups keeping 1.
+  sigmoid ``noaux_tc`` routing over 2 groups keeping 1;
+- ``glm4_moe_air``: GLM-4.5-Air's settings (no q/k norm, one group, no scaling).
 
 transformers initialises the RMSNorm weights to 1 and ``e_score_correction_bias`` to 0,
 which would hide a missing norm or bias; they are randomised here (the bias at the scale
@@ -29,7 +30,7 @@ import transformers
 
 from conftest import Tiny
 
-MLA_FAMILIES = ("deepseek_v3", "kimi_k2", "deepseek_v2", "deepseek_v2_lite", "glm4_moe")
+MLA_FAMILIES = ("deepseek_v3", "kimi_k2", "deepseek_v2", "deepseek_v2_lite", "glm4_moe", "glm4_moe_air")
 
 BASE = dict(vocab_size=96, hidden_size=64, intermediate_size=80, moe_intermediate_size=32,
             num_hidden_layers=3, num_attention_heads=4, n_routed_experts=8, num_experts_per_tok=2,
@@ -59,17 +60,19 @@ def config(family: str, **over):
             kw.update(topk_method="greedy", n_group=None, topk_group=None, routed_scaling_factor=1.0,
                       rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
         return t.DeepseekV2Config(**{**kw, **over})
-    if family == "glm4_moe":
+    if family in ("glm4_moe", "glm4_moe_air"):
         kw = dict(BASE, num_key_value_heads=2, head_dim=16, n_shared_experts=1, n_group=2,
                   topk_group=1, routed_scaling_factor=1.8, norm_topk_prob=True, use_qk_norm=True,
                   attention_bias=True)
+        if family == "glm4_moe_air":
+            kw.update(use_qk_norm=False, n_group=1, topk_group=1, routed_scaling_factor=1.0)
         return t.Glm4MoeConfig(**{**kw, **over})
     raise ValueError(family)
 
 
 _CLASSES = {"deepseek_v3": "DeepseekV3ForCausalLM", "kimi_k2": "DeepseekV3ForCausalLM",
             "deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v2_lite": "DeepseekV2ForCausalLM",
-            "glm4_moe": "Glm4MoeForCausalLM"}
+            "glm4_moe": "Glm4MoeForCausalLM", "glm4_moe_air": "Glm4MoeForCausalLM"}
 
 
 def make_mla(family: str, path: Path, seed: int = 0, **over) -> Tiny:
