@@ -9,11 +9,11 @@ least 1/1.15 of it.
 
 Grid (tiny checkpoints, hidden 64, so 16384-token chunks stay fast): every family x every
 KV format at 256-token chunks (two chunks, so the second attends over full tiles); every
-family at 16384 in fp32 and at 2048 in bf16, the KV formats rotating. Planned / measured on
-this grid: 1.017-1.022 at 256 tokens, 1.008-1.010 at 2048 (bf16), 1.001-1.002 at 16384
-(the MLA and GLM-4.5 checkpoints: 1.017-1.021, 1.009-1.010, 1.001-1.002)
-(the difference is view alignment and a 64 KiB allowance for torch's scalars; the table
-is in docs/validation.md).
+family at 2048 in bf16 and at 16384 in fp32 (of DeepSeek-V2 / V3 and GLM-4.5, DeepSeek-V3
+only), the KV formats rotating. Planned / measured on this grid: 1.017-1.022 at 256 tokens,
+1.008-1.010 at 2048 (bf16), 1.001-1.002 at 16384 (the MLA and GLM-4.5 checkpoints:
+1.017-1.021, 1.009-1.010, 1.001-1.002) (the difference is view alignment and a 64 KiB
+allowance for torch's scalars; the table is in docs/validation.md).
 """
 
 from __future__ import annotations
@@ -51,8 +51,10 @@ _YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings":
          "mscale": 1.0, "mscale_all_dim": 1.0, "rope_theta": 10000.0}
 
 GRID = ([(f, kv, 256, "float32") for f in FAMILIES for kv in FORMATS]
+        # (DeepSeek-V2's MLA layer is V3's without the q LoRA, GLM's attention GQA: one
+        # 16384-token chunk of DeepSeek-V3 covers the new kinds)
         + [pytest.param(f, FORMATS[(i + 3) % 7], LONGEST, "float32", marks=pytest.mark.slow)
-           for i, f in enumerate(FAMILIES)]
+           for i, f in enumerate(FAMILIES) if f not in ("deepseek_v2", "glm4_moe")]
         + [(f, FORMATS[(i + 1) % 7] if i % 7 else "bf16", 2048, "bfloat16")
            for i, f in enumerate(FAMILIES)])
 

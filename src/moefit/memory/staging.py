@@ -573,8 +573,9 @@ def staging_model(geom: ModelGeometry, fmt: KVFormat, slots: int = 1,
         # region; the kernels' fp32 scratch (bounded tiles) is allocated outside the workspace
         c_kernels = cpu_kernels.expected(device_kind)
         scratch = max(scratch, expert_dequant_bytes(geom, act, c_kernels) - _expert_matrix_bytes(geom, act))
-    if scratch:
-        terms_extra = (("dequantization kernel scratch", scratch, 0),)
+        terms_extra = (("expert dequantization kernel scratch", scratch, 0),)
+    elif scratch:    # fp8 dense weights only
+        terms_extra = (("fp8 dequantization kernel scratch", scratch, 0),)
     top = max(steps, key=lambda s: s.per_token)
     terms = (
         ("residual stream and RoPE tables", 0, residual),
