@@ -31,7 +31,7 @@ from moefit.serve.app import MAX_CHOICES, ServerState, _EventStream, create_app 
 from moefit.serve.generation import Decoding, Params  # noqa: E402
 from moefit.serve.scheduler import Ended, Job, QueueFull, Scheduler  # noqa: E402
 from moefit.serve.text import GenerationDefaults, Tokenizer  # noqa: E402
-from serving import make_servable  # noqa: E402
+from serving import Running, Slow, make_servable  # noqa: E402
 
 SLOTS = 4
 CONTEXT = 256
@@ -53,48 +53,6 @@ def make_state(served, **kw) -> ServerState:
                      defaults=GenerationDefaults.from_dir(d, tok), **kw)
     st.engine = engine
     return st
-
-
-class Running:
-    """``make_server(state)`` on a thread, on a free loopback port."""
-
-    def __init__(self, state):
-        from moefit.serve.launch import make_server
-
-        self.state = state
-        self.server = make_server(state, log_level="warning")
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
-                                       daemon=True)
-
-    def __enter__(self):
-        self.thread.start()
-        deadline = time.monotonic() + 10
-        while not self.server.started and time.monotonic() < deadline:
-            time.sleep(0.02)
-        return self
-
-    def __exit__(self, *exc):
-        self.server.should_exit = True
-        self.thread.join(timeout=10)
-        self.state.stopping.set()
-
-
-class Slow:
-    """The engine with a delay per batched step (and a record of the steps' sizes)."""
-
-    def __init__(self, engine, delay: float):
-        self.engine, self.delay, self.steps = engine, delay, []
-
-    def __getattr__(self, name):
-        return getattr(self.engine, name)
-
-    def step(self, parts):
-        self.steps.append([(slot, len(ids)) for slot, ids in parts])
-        time.sleep(self.delay)
-        return self.engine.step(parts)
 
 
 def _post(url, body, **kw):
@@ -261,6 +219,7 @@ def test_budget_shows_cells_per_slot_without_paths_and_metrics_count(served):
                    "moefit_slots 4.0", "moefit_queue_length 0.0",
                    'moefit_kv_cells_in_use{slot="0"}', "moefit_expert_hit_rate",
                    'moefit_budget_bytes{kind="planned",line="kv"}',
+                   'moefit_ledger_bytes{kind="allocated",ledger="host",line="host_devices"}',
                    "moefit_time_to_first_token_seconds_count 1.0",
                    "moefit_inter_token_latency_seconds_count 2.0"):
         assert needle in text, needle

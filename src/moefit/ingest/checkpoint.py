@@ -255,6 +255,8 @@ def exact_weights(geom: ModelGeometry, model_dir: str | Path) -> ExactWeights | 
     moe = {l.index: l.moe.num_experts for l in geom.moe_layers}
     weight = skipped = params = 0
     fp8_experts = False
+    largest_global = largest_expert = 0    # stored bytes: the loader's host staging
+    layer_sum: dict[int, int] = {}
     per_expert: dict[int, dict[int, int]] = {}
     fused: dict[int, int] = {}
     for path in files:
@@ -267,7 +269,12 @@ def exact_weights(geom: ModelGeometry, model_dir: str | Path) -> ExactWeights | 
             nbytes = held_bytes(t, geom.dtype_bytes)
             if bucket == "weight":
                 weight += nbytes
+                if layer is None:
+                    largest_global = max(largest_global, t.nbytes)
+                else:
+                    layer_sum[layer] = layer_sum.get(layer, 0) + t.nbytes
                 continue
+            largest_expert = max(largest_expert, t.nbytes)
             if layer not in moe:
                 raise InputError(f"{path}: tensor {t.name!r} is a routed expert, but the config "
                                  f"declares layer {layer} dense; config and checkpoint disagree")
@@ -282,8 +289,13 @@ def exact_weights(geom: ModelGeometry, model_dir: str | Path) -> ExactWeights | 
     for layer, n in sorted(moe.items()):
         blob = max(per_expert.get(layer, {0: 0}).values()) + -(-fused.get(layer, 0) // n)
         blobs.append((layer, blob))
+    # the loader reads one tensor at a time; a projection it rebuilds from several of a
+    # layer's tensors holds its parts and the result at once, which twice the layer's dense
+    # tensors bound (moefit.memory.host.load_staging_bytes)
     return ExactWeights(weight_bytes=weight, expert_blob_bytes=tuple(blobs), skipped_bytes=skipped,
-                        total_params=params, files=len(files), experts_stored=fp8_experts)
+                        total_params=params, files=len(files), experts_stored=fp8_experts,
+                        load_staging_bytes=max(largest_global, 2 * max(layer_sum.values(), default=0),
+                                               largest_expert))
 
 
 # --------------------------------------------------------------------------------------------

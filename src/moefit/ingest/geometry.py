@@ -371,6 +371,9 @@ class ExactWeights:
     ``experts_stored``: the routed experts stay in a stored (quantized) format and are
     dequantized when they run; the staging this takes is priced on the ``prefill`` line
     (:func:`moefit.memory.staging.expert_dequant_bytes`).
+    ``load_staging_bytes``: the most host memory the loader holds at once beside its
+    destinations while reading the files (:func:`moefit.memory.host.load_staging_bytes`);
+    0 when not known (the analytic bound is used).
 
     Other formats (GGUF: :class:`moefit.ingest.gguf_header.GGUFWeights`) subclass this and override
     :meth:`line_detail` / :meth:`describe`.
@@ -382,6 +385,7 @@ class ExactWeights:
     total_params: int
     files: int
     experts_stored: bool = False
+    load_staging_bytes: int = 0
 
     def line_detail(self) -> str:
         """Detail of the ``weights`` budget line."""

@@ -16,10 +16,14 @@ Routed experts come in two layouts, both accepted:
    ``MixtralExperts``, ...): ``{p}.mlp.experts.gate_up_proj`` ``[E, 2I, H]`` (gate rows
    first, then up) and ``{p}.mlp.experts.down_proj`` ``[E, H, I]``.
 
-Every expert becomes ONE contiguous host blob (docs/design.md, runtime contract; mixtral-offloading's packed
+Every expert becomes ONE contiguous blob (docs/design.md, runtime contract; mixtral-offloading's packed
 expert storage): ``[gate (I*H) | up (I*H) | down (H*I)]`` in the model dtype, so gate and
 up together are the ``[2I, H]`` matrix of the fused layout and a cache miss is one copy.
-Blobs are pinned when the device is CUDA (asynchronous host-to-device copies).
+The loader reads the dense weights at once and returns an :class:`ExpertSource`; the
+engine reads the experts from it once it knows where each one lives (docs/design.md,
+host budget): a resident expert straight into its device slot, the others into host rows
+(pinned when the device is CUDA: asynchronous host-to-device copies), so the host never
+holds a resident expert.
 
 Block-scaled fp8 checkpoints (``quant_method: fp8``: DeepSeek-V3 / R1, Kimi-K2): each F8_E4M3
 weight with its ``weight_scale_inv`` stays as stored, as priced: a dense one as a
@@ -38,6 +42,7 @@ few projections are regrouped at load (:mod:`moefit.runtime.hybrid_layout`).
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -118,12 +123,16 @@ class Weights:
 
 @dataclass
 class HostExperts:
-    """Packed expert blobs in host memory, per MoE layer.
+    """Packed expert blobs in host memory, per MoE layer: the experts that are not
+    resident on a device (every expert with ``--miss-policy copy``).
 
-    ``blobs[layer]``: ``[E, 3 * I * H]`` in the model dtype, one row per expert;
-    ``inter[layer]``: the expert width I; ``hidden``: H.
-    ``formats[layer]``: for experts kept in a stored (quantized) format, the blob layout
-    (:class:`moefit.runtime.quant.StoredExpert`); their blobs are uint8 ``[E, bytes]``.
+    ``blobs[layer]``: ``[rows, 3 * I * H]`` in the model dtype, one row per expert held
+    (``rows[layer]``: expert -> row); ``experts[layer]``: the layer's expert count E;
+    ``elems[layer]``: elements of one blob; ``inter[layer]``: the expert width I;
+    ``hidden``: H. ``formats[layer]``: for experts kept in a stored (quantized) format, the
+    blob layout (:class:`moefit.runtime.quant.StoredExpert`); their blobs are uint8.
+    ``mapped``: the experts without a row are read from the file's pages when they run
+    (``--host-experts mmap``), gathered into ``gather_buf`` by ``source``.
     """
 
     hidden: int
@@ -131,12 +140,48 @@ class HostExperts:
     blobs: dict[int, torch.Tensor] = field(default_factory=dict)
     inter: dict[int, int] = field(default_factory=dict)
     formats: dict[int, object] = field(default_factory=dict)
+    rows: dict[int, dict[int, int]] = field(default_factory=dict)
+    experts: dict[int, int] = field(default_factory=dict)
+    elems: dict[int, int] = field(default_factory=dict)
+    mapped: bool = False
+    source: "ExpertSource | None" = None
+    gather_buf: torch.Tensor | None = None
+    #: rows added after the commit for experts a shrinking cache gave up (:meth:`keep`),
+    #: and where they are allocated (``spill(elems, dtype)``: the host ledger)
+    extra: dict[int, dict[int, torch.Tensor]] = field(default_factory=dict)
+    spill: object = None
+
+    def keep(self, layer: int, expert: int, src: torch.Tensor) -> None:
+        """Give ``expert`` a host copy of ``src`` (its slot, about to be released) unless
+        the host holds or maps it already."""
+        if self.mapped or expert in self.rows.get(layer, {}) or expert in self.extra.get(layer, {}):
+            return
+        alloc = self.spill or (lambda n, dt: torch.empty(n, dtype=dt))
+        t = alloc(self.elems[layer], self.dtype)
+        t.copy_(src)
+        self.extra.setdefault(layer, {})[expert] = t
 
     def blob_elems(self, layer: int) -> int:
-        return self.blobs[layer].shape[1]
+        return self.elems[layer]
 
     def blob_bytes(self, layer: int) -> int:
-        return self.blob_elems(layer) * self.blobs[layer].element_size()
+        return self.elems[layer] * self.dtype.itemsize
+
+    def blob(self, layer: int, expert: int) -> torch.Tensor:
+        """Expert ``expert``'s blob ``[elems]`` in host memory: its row, or (mapped) its
+        bytes gathered from the file into ``gather_buf`` (valid until the next call).
+        Raises KeyError for an expert the host does not hold (a resident one)."""
+        row = self.rows[layer].get(expert)
+        if row is not None:
+            return self.blobs[layer][row]
+        kept = self.extra.get(layer, {}).get(expert)
+        if kept is not None:
+            return kept
+        if not self.mapped:
+            raise KeyError(f"layer {layer} expert {expert} is resident; the host holds no copy")
+        out = self.gather_buf[:self.elems[layer]]
+        self.source.read(layer, {expert: out})
+        return out
 
 
 def split_blob(blob: torch.Tensor, inter: int, hidden: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -157,10 +202,12 @@ class _Index:
                              "weights (`moefit plan` works from config.json alone)")
         self.where: dict[str, tuple[Path, tuple[int, ...]]] = {}
         self.dtypes: dict[str, str] = {}      # safetensors dtype names
+        self.nbytes: dict[str, int] = {}
         for f in self.files:
             for t in read_header(f).tensors:
                 self.where[t.name] = (f, t.shape)
                 self.dtypes[t.name] = t.dtype
+                self.nbytes[t.name] = t.nbytes
         self._handles: dict[Path, object] = {}
 
     def fp8(self, name: str) -> bool:
@@ -374,22 +421,122 @@ def assemble_weights(glob, layer_plans, resident) -> "Weights":
     return Weights(g["embed"], g["norm"], g.get("lm_head", g["embed"]), layers)
 
 
+def _no_transient(nbytes: int):
+    return contextlib.nullcontext()
+
+
+class ExpertSource:
+    """The experts of a checkpoint, read when the engine knows where each one goes.
+
+    ``layers``: the MoE layer indices; ``experts[layer]``, ``elems[layer]``,
+    ``inter[layer]``, ``formats[layer]`` and ``dtype`` describe the blobs (as in
+    :class:`HostExperts`). :meth:`read` copies experts into given blob tensors, :meth:`close`
+    ends the reading (the files' handles or maps, the progress bar).
+    """
+
+    hidden: int
+    dtype: torch.dtype
+    experts: dict[int, int]
+    elems: dict[int, int]
+    inter: dict[int, int]
+    formats: dict[int, object]
+
+    @property
+    def layers(self) -> list[int]:
+        return list(self.experts)
+
+    def read(self, layer: int, targets: dict[int, torch.Tensor]) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+    def host_experts(self) -> HostExperts:
+        """An empty :class:`HostExperts` of this source's layout (rows added by the engine)."""
+        return HostExperts(self.hidden, self.dtype, inter=dict(self.inter), formats=dict(self.formats),
+                           experts=dict(self.experts), elems=dict(self.elems))
+
+
+class _SafetensorsExperts(ExpertSource):
+    """Experts of a safetensors checkpoint (module docstring: both layouts)."""
+
+    def __init__(self, index: "_Index", geom: ModelGeometry, plans: dict, dtype: torch.dtype,
+                 bar, transient):
+        self.index, self.plans, self.bar, self.transient = index, plans, bar, transient
+        self.hidden, self.dtype = geom.hidden_size, dtype
+        self.experts = {l.index: l.moe.num_experts for l in geom.moe_layers}
+        self.inter = {l.index: l.moe.expert_intermediate for l in geom.moe_layers}
+        self.elems = {l: 3 * i * self.hidden for l, i in self.inter.items()}
+        self.formats = {}
+        # block-scaled fp8 experts stay as stored: uint8 blobs of e4m3 bytes and fp32 scales
+        fp8 = {l: plan[0] == "per_expert" and index.fp8(plan[1][0][0]) for l, plan in plans.items()}
+        for l, plan in plans.items():
+            if plan[0] == "fused" and (index.fp8(plan[1]) or index.fp8(plan[2])):
+                raise InputError(f"{index.model_dir}: {plan[1]!r} is {FP8}: fp8 experts are read one "
+                                 "tensor per expert, as the published checkpoints store them")
+        if any(fp8.values()):
+            if not all(fp8.values()):
+                raise InputError(f"{index.model_dir}: some MoE layers' experts are {FP8} and some "
+                                 "are not; the runtime holds one expert format per checkpoint")
+            block = _fp8_block(geom, index, next(iter(plans.values()))[1][0][0])
+            self.dtype = torch.uint8
+            self.formats = {l: StoredExpert.pack_fp8(i, self.hidden, block) for l, i in self.inter.items()}
+            self.elems = {l: fmt.nbytes for l, fmt in self.formats.items()}
+
+    def read(self, layer: int, targets: dict[int, torch.Tensor]) -> None:
+        """Copy each expert ``e`` of ``targets`` (``{e: blob [3 I H]}``) from the files.
+        A fused tensor is read whole, one at a time."""
+        i, h, plan = self.inter[layer], self.hidden, self.plans[layer]
+        if plan[0] == "fused":
+            for name, lo, hi in ((plan[1], 0, 2 * i * h), (plan[2], 2 * i * h, 3 * i * h)):
+                with self.transient(self.index.nbytes[name]):
+                    t = self.index.get(name)                           # [E, 2I, H] / [E, H, I]
+                    for e, dst in targets.items():
+                        dst[lo:hi].copy_(t[e].reshape(-1))
+                    self.bar.update(t.numel() * len(targets) // t.shape[0])
+            return
+        fmt = self.formats.get(layer)
+        for e, dst in targets.items():
+            for part, name in enumerate(plan[1][e]):
+                if fmt is not None:     # fp8: the e4m3 bytes, then the fp32 block scales
+                    p = (fmt.gate, fmt.up, fmt.down)[part]
+                    n, scale = p.rows * p.cols, name.removesuffix("weight") + "weight_scale_inv"
+                    with self.transient(self.index.nbytes[name] + self.index.nbytes[scale]):
+                        row = dst[p.offset:p.offset + p.nbytes]
+                        row[:n].copy_(self.index.get(name).view(torch.uint8).reshape(-1))
+                        row[n:].copy_(self.index.get(scale).reshape(-1).view(torch.uint8))
+                        self.bar.update(n)
+                    continue
+                with self.transient(self.index.nbytes[name]):
+                    t = self.index.get(name)
+                    dst[part * i * h:(part + 1) * i * h].copy_(t.reshape(-1))
+                    self.bar.update(t.numel())
+
+    def close(self) -> None:
+        self.bar.close()
+
+
 def load_checkpoint(model_dir: str | Path, geom: ModelGeometry, arch: Arch, alloc: Alloc, *,
-                    pin: bool = False, progress: bool = True) -> tuple[Weights, HostExperts]:
+                    pin: bool = False, progress: bool = True,
+                    transient=None) -> tuple[Weights, ExpertSource]:
     """Read the checkpoint in ``model_dir``: resident weights into tensors from ``alloc``
-    (the ledger's ``weights`` line), experts into packed host blobs.
+    (the ledger's ``weights`` line); the experts are read later, from the returned
+    :class:`ExpertSource`.
 
     Every name and shape is checked against the geometry before any data is read.
 
     Args:
         alloc: ``alloc(shape, dtype) -> tensor`` on the device.
-        pin: pin the host blobs (CUDA devices).
+        pin: unused here (the engine pins the host rows it allocates); kept for callers.
         progress: show a progress bar (tqdm, on stderr).
+        transient: ``transient(nbytes)`` -> a context in which a tensor of ``nbytes`` read
+            from the files is held on the host (the host ledger's ``host_staging`` line).
 
     Raises InputError (see module docstring).
     """
     model_dir = Path(model_dir)
     index = _Index(model_dir)
+    transient = transient or _no_transient
     h, dtype = geom.hidden_size, arch.dtype
     # ---- resolve every name first: errors before any byte is read ------------------------
     g = arch.names.globals
@@ -415,74 +562,32 @@ def load_checkpoint(model_dir: str | Path, geom: ModelGeometry, arch: Arch, allo
             if any(index.fp8(n) for n, _ in name.parts):
                 raise InputError(f"{model_dir}: {name.parts[0][0]!r} is {FP8}: the runtime runs "
                                  "fp8 attention and MLP weights, not fp8 linear-attention ones")
-            src = name.build([index.get(n) for n, _ in name.parts])
+            held = 2 * sum(index.nbytes[n] for n, _ in name.parts)     # the parts and the result
+            with transient(held):
+                src = name.build([index.get(n) for n, _ in name.parts])
+                dst = alloc(shape, dtype)
+                dst.copy_(src)
         elif index.fp8(name):     # held as stored: the e4m3 bytes and the block scales
             block = _fp8_block(geom, index, name)
             scale = index.check_fp8_scales(name, shape, block)
             m = Fp8Matrix(alloc((shape[0] * shape[1],), torch.uint8),
                           alloc(fp8_scale_shape(shape[0], shape[1], block), torch.float32),
                           shape[0], shape[1], block)
-            m.w.copy_(index.get(name).view(torch.uint8).reshape(-1))
-            m.scale.copy_(index.get(scale))
+            with transient(index.nbytes[name] + index.nbytes[scale]):
+                m.w.copy_(index.get(name).view(torch.uint8).reshape(-1))
+                m.scale.copy_(index.get(scale))
             bar.update(index.numel(name))
             return m
         else:
-            src = index.get(name)
-        dst = alloc(shape, resident_dtype(name, dtype))
-        dst.copy_(src)
+            with transient(index.nbytes[name]):
+                src = index.get(name)
+                dst = alloc(shape, resident_dtype(name, dtype))
+                dst.copy_(src)
         bar.update(src.numel())
         return dst
 
     weights = assemble_weights(glob, layer_plans, resident)
-
-    experts = HostExperts(h, dtype)
-    for l in geom.moe_layers:
-        m, i = l.moe, l.moe.expert_intermediate
-        plan = expert_plans[l.index]
-        if plan[0] == "per_expert" and index.fp8(plan[1][0][0]):
-            experts.dtype = torch.uint8
-            experts.blobs[l.index], experts.formats[l.index] = _fp8_blobs(
-                l, plan[1], index, _fp8_block(geom, index, plan[1][0][0]), pin, bar)
-            experts.inter[l.index] = i
-            continue
-        if plan[0] == "fused" and (index.fp8(plan[1]) or index.fp8(plan[2])):
-            raise InputError(f"{model_dir}: {plan[1]!r} is {FP8}: fp8 experts are read one "
-                             "tensor per expert, as the published checkpoints store them")
-        blobs = torch.empty((m.num_experts, 3 * i * h), dtype=dtype, pin_memory=pin)  # [E, 3IH]
-        if plan[0] == "fused":
-            gu, dn = index.get(plan[1]), index.get(plan[2])          # [E, 2I, H], [E, H, I]
-            blobs[:, :2 * i * h].copy_(gu.reshape(m.num_experts, -1))
-            blobs[:, 2 * i * h:].copy_(dn.reshape(m.num_experts, -1))
-            bar.update(gu.numel() + dn.numel())
-        else:
-            for j, trio in enumerate(plan[1]):
-                row = blobs[j]
-                for part, name in enumerate(trio):
-                    t = index.get(name)
-                    row[part * i * h:(part + 1) * i * h].copy_(t.reshape(-1))
-                    bar.update(t.numel())
-        experts.blobs[l.index] = blobs
-        experts.inter[l.index] = i
-    bar.close()
-    return weights, experts
-
-
-def _fp8_blobs(l: LayerSpec, trios, index: _Index, block: tuple[int, int], pin: bool,
-               bar) -> tuple[torch.Tensor, StoredExpert]:
-    """The fp8 experts of layer ``l`` as stored blobs (uint8 ``[E, bytes]``): per expert
-    gate, up and down, each its e4m3 bytes then its fp32 block scales
-    (:meth:`moefit.runtime.quant.StoredExpert.pack_fp8`): the checkpoint's bytes."""
-    fmt = StoredExpert.pack_fp8(l.moe.expert_intermediate, index.where[trios[0][0]][1][1], block)
-    blobs = torch.empty((l.moe.num_experts, fmt.nbytes), dtype=torch.uint8, pin_memory=pin)
-    for j, trio in enumerate(trios):
-        for part, name in zip((fmt.gate, fmt.up, fmt.down), trio):
-            n = part.rows * part.cols
-            row = blobs[j, part.offset:part.offset + part.nbytes]
-            row[:n].copy_(index.get(name).view(torch.uint8).reshape(-1))
-            scale = name.removesuffix("weight") + "weight_scale_inv"
-            row[n:].copy_(index.get(scale).reshape(-1).view(torch.uint8))
-            bar.update(index.numel(name))
-    return blobs, fmt
+    return weights, _SafetensorsExperts(index, geom, expert_plans, dtype, bar, transient)
 
 
 class _NoBar:
