@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from moefit.ingest.geometry import ModelGeometry
 from moefit.memory import cpu_kernels
-from moefit.memory.staging import FP32, compute_bytes, expert_dequant_bytes
+from moefit.memory.staging import FP32, compute_bytes, expert_dequant_bytes, experts_stored
 
 MIB = 1 << 20
 GIB = 1 << 30
@@ -120,7 +120,7 @@ def serving_staging_bytes(geom: ModelGeometry, chunk: int, slots: int, main_kind
     if main_kind == "cuda" and miss_policy == "cpu" and geom.moe_layers:
         inter = max(l.moe.expert_intermediate for l in geom.moe_layers)
         out += chunk * (2 * geom.hidden_size + 4 * inter) * act
-        if geom.exact is not None and geom.exact.experts_stored:
+        if experts_stored(geom):
             out += expert_dequant_bytes(geom, act, cpu_kernels.expected("cpu"))
     if mapped:
         out += slot_bytes

@@ -616,7 +616,7 @@ def expert_staging_model(geom: ModelGeometry, device_kind: str = "cuda") -> Stag
 
 def expert_fixed_region_bytes(geom: ModelGeometry) -> int:
     """The fixed region of an expert-only device's workspace: one dequantized expert
-    matrix for a stored (GGUF) format, else 0 (bytes)."""
-    if geom.exact is not None and geom.exact.experts_stored and geom.moe_layers:
+    matrix for a stored (GGUF, fp8) format, else 0 (bytes)."""
+    if experts_stored(geom) and geom.moe_layers:
         return span([_expert_matrix_bytes(geom, compute_bytes(geom))])
     return 0
