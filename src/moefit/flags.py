@@ -427,8 +427,10 @@ def host_from_args(args: argparse.Namespace, devices: tuple[Device, ...]) -> Hos
     simulated device), else None (what-if cards: the host table is priced, not checked).
     Raises InputError."""
     here = any(d.kind == "cpu" or not d.simulated for d in devices)
-    declared = getattr(args, "host_ram", None) or os.environ.get(HOST_RAM_ENV) or None
-    return resolve_host(declared, here)
+    flag = getattr(args, "host_ram", None)
+    if flag:
+        return resolve_host(flag, here)
+    return resolve_host(os.environ.get(HOST_RAM_ENV) or None, here, HOST_RAM_ENV)
 
 
 def runnable_device(args: argparse.Namespace) -> Device:
@@ -472,11 +474,13 @@ def runnable_devices(args: argparse.Namespace) -> tuple[Device, ...]:
 
 def normalize_argv(argv: list[str]) -> list[str]:
     """``--gpu NAME xN`` as one value (``--gpu "NAME xN"``): a count after a card's name
-    is not a positional argument."""
+    is not a positional argument (nor a negative one, which
+    :func:`moefit.devices.probe.expand_gpus` then refuses by name)."""
     out = list(argv)
     i = 0
     while i < len(out) - 2:
-        if out[i] == "--gpu" and out[i + 2][:1].lower() in ("x", "×") and out[i + 2][1:].isdigit():
+        if (out[i] == "--gpu" and out[i + 2][:1].lower() in ("x", "×")
+                and out[i + 2][1:].lstrip("-").isdigit()):
             out[i + 1:i + 3] = [f"{out[i + 1]} {out[i + 2]}"]
         i += 1
     return out

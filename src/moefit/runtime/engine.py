@@ -168,6 +168,8 @@ class Engine:
 
         # 1. runtime, on every device; the process itself on the host
         for lg, dp in zip(ledgers, plan.devices):
+            if dp.left_out:
+                continue                   # the plan leaves it out: no context is created there
             if lg.device.type == "cuda":
                 _commit_cuda_runtime(lg, dp.device, arch.dtype)
             else:
@@ -202,7 +204,8 @@ class Engine:
             ws = Workspace(ledger.alloc("prefill", (ledger.lines["prefill"].planned,), torch.uint8), ledger)
             for m in fp8_matrices(weights):      # block-scaled fp8 weights dequantize in staging
                 m.ws = ws
-            spaces = [None] + [_expert_workspace(lg, geom) for lg in ledgers[1:]]
+            spaces = [None] + [None if dp.left_out else _expert_workspace(lg, geom)
+                               for lg, dp in zip(ledgers[1:], plan.devices[1:])]
             # 6. expert cache: the plan's slots on each device, within what is free above its
             # margin; then each expert read once, into its slot or a host row
             experts = None
