@@ -364,14 +364,35 @@ def test_sglang_pool_is_the_fraction_less_the_weights():
 def test_sglang_splits_hybrid_pools():
     g = load_model("Qwen3.5-397B-A17B")
     s = par.stage_shards(g, par.Layout(tp=8), 2)[0]
-    tokens, slots, slot_bytes = pool_tokens(g, s, 40 * GIB)
+    tokens, swa_tokens, slots, slot_bytes = pool_tokens(g, s, 40 * GIB)
+    assert swa_tokens == 0
     assert abs(slot_bytes / (40 * GIB) - 0.9 / 1.9) < 0.01 and slots == int(40 * GIB * 0.9 / 1.9 // s.state_bytes)
     assert tokens == (40 * GIB - slot_bytes) // s.kv_token_bytes
     gpt = load_model("gpt-oss-120b")
     shard = par.stage_shards(gpt, par.Layout(tp=1), 2)[0]
     full, swa = 18 * 8 * 128 * 2, 18 * 8 * 128 * 2
-    tokens, _, _ = pool_tokens(gpt, shard, 10 * GIB)
+    tokens, swa_tokens, _, _ = pool_tokens(gpt, shard, 10 * GIB)
     assert tokens == int((10 * GIB // (full + swa)) * (full + swa) / (full + 0.8 * swa))
+    assert swa_tokens == int(tokens * 0.8)
+    # the two pools together are the memory the profile found, less the rounding (tokens are whole)
+    assert 10 * GIB - 3 * (full + swa) <= tokens * full + swa_tokens * swa <= 10 * GIB
+
+
+@pytest.mark.parametrize("model,gpus", [("gpt-oss-120b", 1), ("gpt-oss-20b", 1),
+                                        ("Llama-4-Scout-17B-16E-Instruct", 4)])
+def test_sglang_sliding_window_models_fit_in_their_two_pools(model, gpus):
+    # SGLang's SWAKVPool: the full layers hold max_total_num_tokens, the sliding (gpt-oss) or
+    # chunked (Llama 4) layers 0.8 of it; the KV line is both pools, inside rest_memory
+    plan = serving.solve_serving(load_model(model), SGLANG, find_gpu("H200"),
+                                 serving.ServeRequest(context=32768, gpus=gpus))
+    assert plan.fits, plan.alternatives
+    d = plan.budget.details
+    kv = plan.line("kv").bytes
+    assert kv <= d["rest_memory"] and d["swa_max_total_num_tokens"] == int(plan.budget.kv_tokens * 0.8)
+    shard = par.stage_shards(load_model(model), plan.layout, 2)[0]
+    full = sum(b for b, (_, w) in zip(shard.kv_layer_bytes, shard.kv_kinds) if not w)
+    swa = sum(b for b, (_, w) in zip(shard.kv_layer_bytes, shard.kv_kinds) if w)
+    assert kv == plan.budget.kv_tokens * full + d["swa_max_total_num_tokens"] * swa
 
 
 def test_cuda_graph_sizes_match_vllm_defaults():
