@@ -25,6 +25,7 @@ from moefit.engines import serving
 from moefit.engines.sglang import ENGINE as SGLANG
 from moefit.engines.sglang import default_fraction, memory_defaults, pool_tokens
 from moefit.engines.vllm import ENGINE as VLLM
+from moefit.errors import InputError
 from moefit.engines.serving import NON_TORCH_COLLECTIVES, NON_TORCH_ONE_GPU, NON_TORCH_PIPELINE
 from moefit.engines.vllm import SAMPLER_BYTES_PER_LOGIT, capture_sizes, kv_groups
 from moefit.ingest.resolve import load_model
@@ -465,3 +466,28 @@ def test_the_readme_plans_are_what_moefit_prints(tmp_path, capsys):
     command, printed = re.findall(r"```[a-z]*\n(.*?)```", rest, re.S)[:2]
     assert cli.main(command.strip().split("moefit ", 1)[1].split()) == 0
     assert capsys.readouterr().out.strip() == printed.strip()
+
+
+def test_vllm_data_parallel_ranks_larger_than_a_node_run_through_ray():
+    # TP 8 x DP 2 on 4 nodes of 4: each DP rank spans two nodes, which the multiprocessing
+    # launcher cannot start (--data-parallel-size-local would be 0); vLLM's Ray launcher with
+    # VLLM_RAY_DP_PACK_STRATEGY=span does (vllm-project/vllm#26367)
+    g = load_model("DeepSeek-V3")
+    req = serving.ServeRequest(context=32768, gpus=16, nodes=4, tp=8, dp=2, model_ref="deepseek-ai/DeepSeek-V3")
+    plan = serving.solve_serving(g, VLLM, find_gpu("H200"), req)
+    cmds = plan.commands
+    assert plan.fits and len(cmds) == 5
+    assert cmds[0] == "ray start --head --port 6379"
+    assert cmds[1:4] == ["ray start --address HEAD_IP:6379"] * 3
+    assert cmds[4].startswith("VLLM_RAY_DP_PACK_STRATEGY=span vllm serve ") and "--data-parallel-backend ray" in cmds[4]
+    assert not any("--data-parallel-size-local" in c for c in cmds)
+    # ranks of whole nodes or whole ranks on a node: 4-GPU ranks on 6-GPU nodes are refused
+    with pytest.raises(InputError, match="--tp 4.*--nodes 2"):
+        serving.solve_serving(g, VLLM, find_gpu("H200"),
+                              serving.ServeRequest(context=32768, gpus=12, nodes=2, tp=4, dp=3, ep=12))
+    # and every multiprocessing DP command starts at least one engine per node, at its own rank
+    two = serving.solve_serving(g, VLLM, find_gpu("H100"), serving.ServeRequest(
+        context=32768, gpus=16, nodes=2, tp=2, dp=8, ep=16))
+    starts = [int(c.split("--data-parallel-start-rank ")[1].split()[0]) if "start-rank" in c else 0
+              for c in two.commands]
+    assert starts == [0, 4] and all("--data-parallel-size-local 4" in c for c in two.commands)

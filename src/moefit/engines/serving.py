@@ -143,6 +143,9 @@ class EngineModel(Protocol):
     def commands(self, plan: "ServePlan") -> list[str]:
         """One launch command per node."""
 
+    def check_layout(self, layout: Layout) -> None:
+        """Raise InputError (naming the flag) for a layout this engine cannot start."""
+
 
 @dataclass(frozen=True)
 class ServePlan:
@@ -294,7 +297,15 @@ def solve_serving(geom: ModelGeometry, engine: EngineModel, device: Device, req:
     engine.kv_dtype(req.kv)
     if req.context < 1:
         raise InputError(f"--max-context {req.context}: must be a positive token count")
-    layouts = candidate_layouts(geom, req)
+    layouts, refused = [], None
+    for lay in candidate_layouts(geom, req):
+        try:
+            engine.check_layout(lay)
+            layouts.append(lay)
+        except InputError as e:
+            refused = refused or e
+    if not layouts:
+        raise refused
     plans = [_solve_layout(geom, engine, device, req, lay) for lay in layouts]
     fitting = [p for p in plans if p.fits]
     if fitting:
@@ -369,7 +380,8 @@ def format_serve_plan(plan: ServePlan) -> str:
     if plan.fits:
         cmds = plan.commands
         for i, c in enumerate(cmds):
-            head = "command" if len(cmds) == 1 else f"node {i}"
+            head = ("command" if len(cmds) == 1 else f"node {i}" if i < plan.layout.nodes else
+                    "then node 0")
             out.append(f"{head}  {c}")
         return "\n".join(out)
     out.append(f"does not fit: short by {fmt(plan.shortfall_bytes)} per GPU ({plan.request.seqs or 1} "

@@ -221,6 +221,10 @@ class SGLangEngine:
                            "max_mamba_cache_size": slots, "swa_max_total_num_tokens": swa_tokens,
                            "request_bytes": pool_bytes(s, need_full, need_swa)})
 
+    def check_layout(self, layout: Layout) -> None:
+        """SGLang starts every layout :func:`moefit.engines.serving.candidate_layouts` gives
+        (its TP group, data-parallel attention included, spans nodes with ``--nnodes``)."""
+
     # ---- the command line -----------------------------------------------------------------
     def flags(self, plan: ServePlan) -> list[tuple[str, str | None]]:
         lay, b, r = plan.layout, plan.budget, plan.request
