@@ -55,6 +55,8 @@ RUNS = [
     (327680, 64, 2048, "q4_0"),     # the KQ mask of the full context outgrows the logits
     (8192, 512, 2048, "q8_0", 2),   # -np 2: one cache stream per sequence
     (4096, 256, 2048, "f16", 3),    # -np 3: n_ctx / 3 is padded per stream
+    (1024, 8192, 8192, "f16"),      # -ub above -c: llama.cpp runs n_ubatch = min(-ub, -b, -c) = 1024
+    (3072, 4096, 4096, "f16", 3),   # the same with three streams: n_ubatch = -c = 3072
 ]
 
 #: lines of llama.cpp's load log that the tests read (llama-model.cpp, llama-kv-cache.cpp,

@@ -286,13 +286,16 @@ def moefit(*args):
                           env={**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent / "src")})
 
 
-def test_qwen35_on_a_16gb_card_at_512k_prints_a_command_that_leaves_the_margin_free(tmp_path):
+@pytest.mark.parametrize("rope", [["--rope-scaling", "yarn", "--rope-scale", "2"], []])
+def test_qwen35_on_a_16gb_card_at_512k_prints_a_command_that_leaves_the_margin_free(tmp_path, rope):
     f = qwen35_q4km(tmp_path / "Qwen3.5-35B-A3B-Q4_K_M.gguf")
-    # 512K is twice the trained window: YaRN x2, as in the README's field scenario
+    # 512K is twice the trained window: YaRN x2, as in the README's field scenario; or, the
+    # issue's command, without it: llama.cpp runs it with a warning, and so does the plan
     r = moefit("plan", str(f), "--engine", "llama.cpp", "--gpu", "RTX 5060 Ti 16GB", "--max-context", "512K",
-               "--kv", "int8", "--rope-scaling", "yarn", "--rope-scale", "2")
+               "--kv", "int8", *rope)
     assert r.returncode == 0, r.stderr
-    assert r.stdout.rstrip().endswith("--rope-scaling yarn --rope-scale 2")
+    assert r.stdout.rstrip().endswith(" ".join(rope) or "-fa on")
+    assert ("possible training context overflow" in r.stdout) == (not rope)
     cmd = next(l for l in r.stdout.splitlines() if l.startswith("command  ")).split()[1:]
     assert cmd[0] == "llama-server" and _flag(cmd, "-m") == str(f)
     assert (_flag(cmd, "-c"), _flag(cmd, "-np"), _flag(cmd, "-ctk"), _flag(cmd, "-ctv"), _flag(cmd, "-fa"), _flag(cmd, "-ngl")) == \
@@ -391,7 +394,7 @@ def test_slots_become_streams_of_the_cache_and_the_command_names_them(qwen35):
 
 
 @pytest.mark.parametrize("flags", [["--parallel", "0"], ["--expert-cache", "8"], ["--miss-policy", "copy"],
-                                   ["--vram-reserve-mib", "-1"], ["--max-context", "1M"],
+                                   ["--vram-reserve-mib", "-1"], ["--max-context", "4096M"],
                                    ["--max-context", "max"], ["--arena-slots", "4"]])
 def test_flags_without_a_llamacpp_meaning_exit_2(tmp_path, flags):
     f = qwen35_q4km(tmp_path / "q.gguf")
@@ -424,3 +427,65 @@ def test_verbose_shows_both_phases_and_every_moe_layer(qwen35):
     text = lc.format_verbose(plan)
     assert "end of graph" in text and "a layer" in text and "recurrent" in text
     assert text.splitlines()[-1].count(":") - 1 == len(geom.moe_layers)     # "layer:bytes" per MoE layer
+
+
+def _recorded_run(rec, ctx: int, ub: int, n_seq: int):
+    return next(lines for argv, lines in rec["runs"] if int(_flag(argv, "-c")) == ctx and
+                int(_flag(argv, "-ub")) == ub and int(_flag(argv, "-np", "1")) == n_seq)
+
+
+@pytest.mark.parametrize("name", [p.stem for p in RECORDS])
+@pytest.mark.parametrize("ctx,ub,n_seq", [(1024, 8192, 1), (3072, 4096, 3)])
+def test_a_micro_batch_above_the_context_is_planned_as_llamacpp_runs_it(recorded, name, ctx, ub, n_seq):
+    # llama.cpp: n_batch = min(n_ctx, -b), n_ubatch = min(n_batch, -ub) (llama-context.cpp): the
+    # recorded runs print n_ubatch = -c, and the compute buffer of that micro-batch
+    rec, geom, tensors = recorded[name]
+    lines = _recorded_run(rec, ctx, ub, n_seq)
+    printed_ub = int(next(m for l in lines if (m := re.search(r"n_ubatch\s+= (\d+)", l))).group(1))
+    cpu = Device("cpu", "simulated", "cpu", 64 * GIB, 64 * GIB, True)
+    plan = lc.solve_llamacpp(geom, tensors, cpu, lc.LlamaRequest(context=ctx // n_seq, slots=n_seq, ubatch=ub,
+                                                                   batch=ub))
+    assert plan.ubatch == printed_ub == ctx
+    measured = float(re.search(r"size is\s+([0-9.]+) MiB",
+                               next(l for l in lines if "compute buffer size is" in l)).group(1)) * MIB
+    assert abs(plan.line("compute").bytes / measured - 1) <= 0.05
+    assert f"-ub {ctx} " in plan.command and any("as llama.cpp runs it" in n for n in plan.notes)
+
+
+def test_huge_micro_batches_are_answered_at_once(qwen35):
+    # the clamp is a bisection on the 64-token grid, bounded by -c: no loop over 10^12 tokens
+    import time
+    geom, tensors = qwen35
+    t0 = time.perf_counter()
+    plan = _solve(geom, tensors, 12 * GIB, context=65536, ubatch=99_999_999_999_999, batch=99_999_999_999_999)
+    assert time.perf_counter() - t0 < 2.0
+    assert plan.ubatch <= 65536 and plan.batch <= 65536 and plan.ubatch % lc.UB_GRID == 0
+
+
+@pytest.mark.parametrize("flags,needle", [(["--prefill", "64"], "-ub 64 "),
+                                          (["--prefill", "100", "--prefill-min", "64"], "-ub 100 ")])
+def test_micro_batches_below_256_are_llamacpp_micro_batches(tmp_path, flags, needle):
+    # llama.cpp runs any -ub >= 1 (the recorded runs include -ub 64); the clamp's grid is 64
+    f = qwen35_q4km(tmp_path / "q.gguf")
+    r = moefit("plan", str(f), "--engine", "llama.cpp", "--vram", "24GiB", "--device", "cuda:0",
+               "--max-context", "32K", *flags)
+    assert r.returncode == 0, r.stderr
+    assert needle in r.stdout
+
+
+def test_more_than_256_sequences_is_refused_as_llamacpp_does(tmp_path):
+    f = qwen35_q4km(tmp_path / "q.gguf")
+    r = moefit("plan", str(f), "--engine", "llama.cpp", "--vram", "24GiB", "--parallel", "300")
+    assert r.returncode == 2 and "--parallel 300" in r.stderr and "256" in r.stderr
+
+
+def test_llamacpp_defaults_and_device_selection(tmp_path):
+    # without --kv the cache is llama.cpp's own default, f16; --device cuda:1 selects CUDA1 (-dev);
+    # a context past the trained window runs with llama.cpp's warning, as a note
+    f = qwen35_q4km(tmp_path / "q.gguf")
+    r = moefit("plan", str(f), "--engine", "llama.cpp", "--vram", "24GiB", "--device", "cuda:1",
+               "--max-context", "512K")
+    assert r.returncode == 0, r.stderr
+    cmd = next(l for l in r.stdout.splitlines() if l.startswith("command  ")).split()
+    assert (_flag(cmd, "-ctk"), _flag(cmd, "-ctv"), _flag(cmd, "-dev"), _flag(cmd, "-c")) == ("f16", "f16", "CUDA1", "524288")
+    assert "possible training context overflow" in r.stdout and "--rope-scaling" not in " ".join(cmd)

@@ -69,9 +69,16 @@ from moefit.units import format_bytes, size_format
 
 #: ``-ub`` grid when the micro-batch is clamped (tokens)
 UB_GRID = 64
-#: llama.cpp's defaults (``common/common.h``): ``n_batch`` 2048, ``n_ubatch`` 512
+#: llama.cpp's defaults (``common/common.h``): ``n_batch`` 2048, ``n_ubatch`` 512, K and V
+#: caches ``f16`` (``cache_type_k`` / ``cache_type_v``)
 DEFAULT_UBATCH = 512
 DEFAULT_BATCH = 2048
+DEFAULT_KV = "f16"
+#: ``LLAMA_MAX_SEQ`` (``llama-cparams.h``): a context refuses more sequences ("n_seq_max must
+#: be <= 256", ``llama_init_from_model``)
+MAX_SEQ = 256
+#: ``-c`` is read as an ``int`` (``common/arg.cpp``, ``std::stoi``): at most 2^31 - 1 tokens
+MAX_CTX = 2**31 - 1
 #: ``n_ctx`` and SWA cache padding (``llama-context.cpp``, ``llama-kv-cache-iswa.cpp``)
 CTX_PAD = 256
 MATRIX_ROW_PADDING = 512
@@ -109,6 +116,11 @@ def _row(kind: str, n: int) -> int:
 
 def _pad(n: int, to: int) -> int:
     return -(-n // to) * to
+
+
+def pad_cells(context: int) -> int:
+    """A sequence's cells: ``context`` padded to llama.cpp's 256 (``llama-context.cpp``)."""
+    return _pad(context, CTX_PAD)
 
 
 @dataclass(frozen=True)
@@ -359,7 +371,8 @@ class LlamaRequest:
     """What to plan: ``context`` tokens per sequence, ``slots`` sequences (``-np``; ``-c`` is
     ``pad(context, 256) x slots``), ``ubatch`` requested (``-ub``; ``strict``: no
     clamp, ``ubatch_min``: the smallest clamp), ``batch`` (``-b``), cache types, ``margin``
-    bytes (None: moefit's default), ``gguf`` path for the command."""
+    bytes (None: moefit's default), ``gguf`` path for the command, ``notes`` of the flags'
+    mapping (carried into the plan), ``device`` (``-dev``, e.g. ``CUDA1``; empty: none)."""
 
     context: int
     slots: int = 1
@@ -372,6 +385,8 @@ class LlamaRequest:
     strict: bool = False
     gguf: str = "model.gguf"
     extra_flags: tuple[str, ...] = ()
+    notes: tuple[str, ...] = ()
+    device: str = ""
 
 
 @dataclass(frozen=True)
@@ -406,13 +421,20 @@ class LlamaPlan:
         return next(l for l in self.lines if l.key == key)
 
     @property
+    def batch(self) -> int:
+        """``-b`` of the command: llama.cpp's 2048, or the micro-batch when larger."""
+        return min(self.request.batch, max(DEFAULT_BATCH, self.ubatch))
+
+    @property
     def command(self) -> str:
         """The ``llama-server`` command line of this plan."""
         r = self.request
         # always -np: llama-server's default (-1, auto) is 4 slots sharing one cache
         # (tools/server/server.cpp), which would multiply the recurrent state and the SWA cache
         parts = ["llama-server", "-m", r.gguf, "-c", str(llama_ctx(r)), "-np", str(r.slots),
-                 "-ub", str(self.ubatch), "-b", str(max(r.batch, self.ubatch)), "-ngl", "999"]
+                 "-ub", str(self.ubatch), "-b", str(self.batch), "-ngl", "999"]
+        if r.device:
+            parts += ["-dev", r.device]
         if self.n_cpu_moe:
             parts += ["--n-cpu-moe", str(self.n_cpu_moe)]
         parts += ["-ctk", r.type_k, "-ctv", r.type_v, "-fa", "on", *r.extra_flags]
@@ -421,7 +443,14 @@ class LlamaPlan:
 
 def llama_ctx(req: LlamaRequest) -> int:
     """llama.cpp's ``-c``: every slot's context, each padded to 256 cells (tokens)."""
-    return _pad(req.context, CTX_PAD) * req.slots
+    return pad_cells(req.context) * req.slots
+
+
+def effective_ubatch(req: LlamaRequest) -> int:
+    """The micro-batch llama.cpp runs for ``req`` (tokens): ``n_batch = min(n_ctx, -b)`` with
+    causal attention, then ``n_ubatch = min(n_batch, -ub)`` (``llama-context.cpp``,
+    ``llama_context::llama_context``; ``n_ctx`` is the command's ``-c``)."""
+    return min(req.ubatch, max(req.batch, req.ubatch), llama_ctx(req))
 
 
 @dataclass(frozen=True)
@@ -477,13 +506,17 @@ def solve_llamacpp(geom: ModelGeometry, tensors: list[Tensor], device: Device, r
     """
     if req.ubatch < 1:
         raise InputError(f"--prefill {req.ubatch}: the micro-batch (-ub) needs at least 1 token")
+    if not 1 <= req.slots <= MAX_SEQ:
+        raise InputError(f"--parallel {req.slots}: llama.cpp runs 1 to {MAX_SEQ} sequences")
     m = _Model(geom, _n_vocab(tensors), model_buffers(tensors, _backend(device)))
     free = device.free_bytes
     n_layers = geom.num_layers
     moe_layers = [layer for layer, _ in m.buffers.experts]
     all_cpu = (max(moe_layers) + 1) if moe_layers else 0
-    notes: list[str] = []
-    ub = min(req.ubatch, max(req.batch, req.ubatch))
+    notes: list[str] = list(req.notes)
+    ub = effective_ubatch(req)
+    if ub < req.ubatch:
+        notes.append(f"-ub: requested {req.ubatch}, {ub} as llama.cpp runs it (n_ubatch = min(-ub, -b, -c))")
     # all experts on the device (no host weight to copy), else the smallest K >= 1 that fits
     total, kv, comp = _mandatory(m, device, req, ub, False)
     fits = True
@@ -494,16 +527,27 @@ def solve_llamacpp(geom: ModelGeometry, tensors: list[Tensor], device: Device, r
         k = next((k for k in range(1, all_cpu + 1) if total + _experts_from(m, k) <= free), None)
     if k is None or total > free:
         k = all_cpu
-        lowest = min(req.ubatch_min, ub)
-        grid = [u for u in range((ub // UB_GRID) * UB_GRID, lowest - 1, -UB_GRID) if u >= max(lowest, 1)]
-        best = None if req.strict else next(
-            (u for u in grid if _mandatory(m, device, req, u, bool(moe_layers))[0] <= free), None)
+        lowest = max(1, min(req.ubatch_min, ub))
+        # the grid below ub: multiples of UB_GRID down to the floor (the floor itself when it is
+        # off the grid); the mandatory lines grow with -ub, so the largest that fits is bisected
+        grid = sorted({u for u in (lowest, *range(-(-lowest // UB_GRID) * UB_GRID, ub + 1, UB_GRID)) if u <= ub})
+
+        def fits_at(u: int) -> bool:
+            return _mandatory(m, device, req, u, bool(moe_layers))[0] <= free
+
+        best = None
+        if not req.strict and grid and fits_at(grid[0]):
+            lo, hi = 0, len(grid) - 1
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                lo, hi = (mid, hi) if fits_at(grid[mid]) else (lo, mid - 1)
+            best = grid[lo]
         if best is not None:
             notes.append(f"-ub: requested {req.ubatch}, clamped to {best} due to VRAM budget")
             ub = best
         else:
             fits = False
-            ub = ub if req.strict else (grid[-1] if grid else ub)
+            ub = ub if req.strict else (grid[0] if grid else ub)
         total, kv, comp = _mandatory(m, device, req, ub, bool(moe_layers))
     lines = _lines(m, device, req, ub, k, kv, comp)
     host = {"model": m.buffers.host + sum(b for layer, b in m.buffers.experts_host if layer < k),
@@ -633,7 +677,7 @@ def plan_document(plan: LlamaPlan) -> dict:
                      "active_params": g.active_params, "source": g.source},
            "context": _pad(plan.request.context, CTX_PAD), "slots": plan.request.slots,
            "kv": [plan.request.type_k, plan.request.type_v],
-           "ubatch": plan.ubatch, "batch": max(plan.request.batch, plan.ubatch), "n_cpu_moe": plan.n_cpu_moe,
+           "ubatch": plan.ubatch, "batch": plan.batch, "n_cpu_moe": plan.n_cpu_moe,
            "devices": [{"name": dev.label, "description": dev.description, "kind": dev.kind,
                         "capacity_bytes": dev.capacity_bytes, "free_bytes": dev.free_bytes,
                         "lines": [{"key": l.key, "bytes": l.bytes, "detail": l.detail} for l in plan.lines],
