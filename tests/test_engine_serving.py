@@ -491,3 +491,17 @@ def test_vllm_data_parallel_ranks_larger_than_a_node_run_through_ray():
     starts = [int(c.split("--data-parallel-start-rank ")[1].split()[0]) if "start-rank" in c else 0
               for c in two.commands]
     assert starts == [0, 4] and all("--data-parallel-size-local 4" in c for c in two.commands)
+
+
+@pytest.mark.parametrize("engine", [VLLM, SGLANG])
+def test_a_huge_batched_token_request_is_clamped_at_once_to_the_largest_that_fits(engine):
+    import time
+    g, dev = load_model("Qwen3-30B-A3B"), find_gpu("H100")
+    t0 = time.perf_counter()
+    plan = serving.solve_serving(g, engine, dev, serving.ServeRequest(context=40960, batched=99_999_999_999_999))
+    assert time.perf_counter() - t0 < 2.0
+    assert plan.fits and plan.budget.batched % serving.BATCH_GRID == 0
+    assert serving.solve_serving(g, engine, dev, serving.ServeRequest(
+        context=40960, batched=plan.budget.batched, strict=True), alternatives=False).fits
+    assert not serving.solve_serving(g, engine, dev, serving.ServeRequest(
+        context=40960, batched=plan.budget.batched + serving.BATCH_GRID, strict=True), alternatives=False).fits

@@ -273,13 +273,24 @@ def _solve_layout(geom, engine: EngineModel, device: Device, req: ServeRequest,
     b = engine.price(geom, shards, layout, device, req, batched, seqs)
     fits = b.concurrency >= need and _outside_fit(b, device)
     if not fits and not req.strict:
+        # the largest grid step below the request that fits: every line grows with the batch
+        # (activations, SGLang's lines outside the fraction), so the grid is bisected
         lowest = max(BATCH_GRID, min(req.batched_min, batched))
-        for cand in range((batched - 1) // BATCH_GRID * BATCH_GRID, lowest - 1, -BATCH_GRID):
-            c = engine.price(geom, shards, layout, device, req, cand, min(seqs, cand))
-            if c.concurrency >= need and _outside_fit(c, device):
-                notes.append(f"batched tokens: requested {batched}, clamped to {cand} due to VRAM budget")
-                b, fits = c, True
-                break
+        lo, hi = -(-lowest // BATCH_GRID), (batched - 1) // BATCH_GRID
+
+        def at(step: int) -> RankBudget:
+            cand = step * BATCH_GRID
+            return engine.price(geom, shards, layout, device, req, cand, min(seqs, cand))
+
+        def ok(c: RankBudget) -> bool:
+            return c.concurrency >= need and _outside_fit(c, device)
+
+        if lo <= hi and ok(at(lo)):
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                lo, hi = (mid, hi) if ok(at(mid)) else (lo, mid - 1)
+            b, fits = at(lo), True
+            notes.append(f"batched tokens: requested {batched}, clamped to {b.batched} due to VRAM budget")
     return ServePlan(fits, engine, geom, device, req, layout, b, need * req.context, tuple(notes))
 
 
