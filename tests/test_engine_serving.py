@@ -505,3 +505,21 @@ def test_a_huge_batched_token_request_is_clamped_at_once_to_the_largest_that_fit
         context=40960, batched=plan.budget.batched, strict=True), alternatives=False).fits
     assert not serving.solve_serving(g, engine, dev, serving.ServeRequest(
         context=40960, batched=plan.budget.batched + serving.BATCH_GRID, strict=True), alternatives=False).fits
+
+
+@pytest.mark.parametrize("model,flags,needle", [
+    ("deepseek-ai/DeepSeek-V3", ["--gpus", "1000000000"], "--gpus 1000000000"),
+    ("Qwen3-30B-A3B", ["--gpus", "1000000000"], "--gpus 1000000000"),
+    ("deepseek-ai/DeepSeek-V3", ["--gpus", "512", "--tp", "1", "--dp", "512", "--ep", "512"], "256 experts"),
+])
+def test_more_gpus_than_the_model_splits_over_exit_2(capsys, model, flags, needle):
+    rc = cli.main(["plan", model, "--engine", "vllm", "--gpu", "H200", "--max-context", "32K", *flags])
+    err = capsys.readouterr().err
+    assert rc == 2 and needle in err and "Traceback" not in err
+
+
+def test_a_context_past_any_rope_scale_names_the_reachable_limit(capsys):
+    rc = cli.main(["plan", "Qwen3-30B-A3B", "--gpu", "H200", "--max-context", "99999999999999"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "--rope-scale 1024" in err and "--rope-scale 2441406250" not in err
+    assert f"{40960 * 1024}" in err

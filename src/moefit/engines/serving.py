@@ -256,7 +256,11 @@ def candidate_layouts(geom: ModelGeometry, req: ServeRequest) -> list[Layout]:
             if lay not in out:
                 out.append(lay)
     if not out:
-        check_layout(geom, Layout(per_node, m, 1, False, m), fp8_block=fp8_block_of(geom))
+        try:
+            check_layout(geom, Layout(per_node, m, 1, False, m), fp8_block=fp8_block_of(geom))
+        except InputError as e:
+            raise InputError(f"--gpus {g}: no layout moefit tries ({', '.join(f'TP {t} x PP {p} x DP {d}' for t, p, d in shapes)}) "
+                             f"splits {geom.name} over {g} GPUs: {e}; use fewer GPUs or give --tp/--pp/--dp") from None
     return out
 
 
