@@ -368,8 +368,8 @@ def test_a_plan_that_does_not_fit_offers_checked_alternatives(qwen35, tmp_path):
     geom, tensors = qwen35
     plan = _solve(geom, tensors, 4 * GIB, context=524288, type_k="f16", type_v="f16")
     assert not plan.fits and plan.shortfall_bytes > 0
-    flags = dict(plan.alternatives)
-    assert "--max-context" in flags
+    flags = {a.flag: a.value for a in plan.alternatives}
+    assert "--max-context" in flags and plan.limiting
     assert _solve(geom, tensors, 4 * GIB, context=int(flags["--max-context"]), type_k="f16", type_v="f16").fits
     assert not _solve(geom, tensors, 4 * GIB, context=int(flags["--max-context"]) + 256,
                       type_k="f16", type_v="f16").fits
@@ -489,3 +489,16 @@ def test_llamacpp_defaults_and_device_selection(tmp_path):
     cmd = next(l for l in r.stdout.splitlines() if l.startswith("command  ")).split()
     assert (_flag(cmd, "-ctk"), _flag(cmd, "-ctv"), _flag(cmd, "-dev"), _flag(cmd, "-c")) == ("f16", "f16", "CUDA1", "524288")
     assert "possible training context overflow" in r.stdout and "--rope-scaling" not in " ".join(cmd)
+
+
+def test_llamacpp_json_is_its_own_schema_and_a_failure_names_the_limiting_lines(tmp_path):
+    f = qwen35_q4km(tmp_path / "q.gguf")
+    r = moefit("plan", str(f), "--engine", "llama.cpp", "--vram", "4GiB", "--device", "cuda:0",
+               "--max-context", "512K", "--json")
+    doc = json.loads(r.stdout)
+    assert r.returncode == 3 and doc["schema"] == "moefit.llamacpp-plan/1"
+    assert doc["kv"] == {"k": "f16", "v": "f16"} and doc["limiting"]
+    assert all(isinstance(a["value"], int) for a in doc["alternatives"] if a["flag"] == "--max-context")
+    text = moefit("plan", str(f), "--engine", "llama.cpp", "--vram", "4GiB", "--device", "cuda:0",
+                  "--max-context", "512K")
+    assert text.returncode == 3 and "\nlimiting: " in text.stdout

@@ -310,7 +310,7 @@ def test_parallel_n_is_the_number_of_sequences_that_must_fit():
     assert one.fits and one.budget.seqs == 1024
     many = serving.solve_serving(g, VLLM, dev, serving.ServeRequest(context=131072, gpus=1, tp=1, seqs=8))
     assert not many.fits and many.shortfall_bytes > 0
-    flags = dict(many.alternatives)
+    flags = {a.flag: a.value for a in many.alternatives}
     assert int(flags["--max-context"]) < 131072
     assert serving.solve_serving(g, VLLM, dev, serving.ServeRequest(
         context=int(flags["--max-context"]), gpus=1, tp=1, seqs=8)).fits
@@ -335,7 +335,7 @@ def test_multi_node_commands_as_each_engine_documents_them():
 def test_deepseek_v3_on_8_h100_does_not_fit_and_two_nodes_do():
     g = load_model("DeepSeek-V3")
     plan = serving.solve_serving(g, VLLM, find_gpu("H100"), serving.ServeRequest(context=32768, gpus=8))
-    assert not plan.fits and ("--nodes", "2 (--gpus 16)") in plan.alternatives
+    assert not plan.fits and "--nodes 2 --gpus 16" in [a.flags for a in plan.alternatives]
     two = serving.solve_serving(g, VLLM, find_gpu("H100"), serving.ServeRequest(context=32768, gpus=16, nodes=2))
     assert two.fits
 
@@ -409,7 +409,7 @@ def test_cli_prints_the_table_the_json_and_exit_codes(capsys):
     assert rc == 0 and "engine  SGLang" in out and "command  python -m sglang.launch_server --model-path Qwen/Qwen3-30B-A3B" in out
     rc = cli.main(["plan", "Qwen3-30B-A3B", "--engine", "vllm", "--gpu", "H100", "--max-context", "32K", "--json"])
     doc = json.loads(capsys.readouterr().out)
-    assert rc == 0 and doc["engine"] == "vllm" and doc["commands"][0].startswith("vllm serve Qwen3-30B-A3B")
+    assert rc == 0 and doc["engine"] == "vllm" and doc["commands"][0].startswith("vllm serve Qwen/Qwen3-30B-A3B ")
     dev = doc["devices"][0]
     assert sum(l["bytes"] for l in dev["lines"]) + dev["unassigned_bytes"] == dev["free_bytes"]
     rc = cli.main(["plan", "DeepSeek-V3", "--engine", "vllm", "--gpus", "8", "--gpu", "H100", "--max-context", "32K"])
@@ -442,7 +442,7 @@ def readme_plan_row(model: str, hw: str, flags: list[str], engine: str) -> str:
     layout = lay.describe().split(":")[0].replace(" (attention)", "").replace(" (experts whole)", "")
     name = {"vllm": "vLLM", "sglang": "SGLang"}[engine]
     if not doc["fits"]:
-        alt = ", ".join(f"`{a['flag']} {a['value'].split(' (')[0]}`" for a in doc["alternatives"])
+        alt = ", ".join(f"`{a['flag']} {a['value']}`" for a in doc["alternatives"])
         return (f"| {model.split('/')[1]} | {hw} | {name} | {layout} | | short by "
                 f"{doc['shortfall_bytes'] / GIB:.2f} GiB per GPU | fits with {alt} |")
     knob = next(f["value"] for f in doc["flags"] if f["flag"] in ("--gpu-memory-utilization", "--mem-fraction-static"))
@@ -523,3 +523,67 @@ def test_a_context_past_any_rope_scale_names_the_reachable_limit(capsys):
     err = capsys.readouterr().err
     assert rc == 2 and "--rope-scale 1024" in err and "--rope-scale 2441406250" not in err
     assert f"{40960 * 1024}" in err
+
+
+def test_commands_name_the_hugging_face_id_and_trust_remote_code_from_the_config(capsys, tmp_path):
+    from moefit.ingest.resolve import list_presets, serving_reference
+    # every preset has its repository id; a name as typed becomes it
+    for name in list_presets():
+        ref = serving_reference(name.lower())
+        assert ref.model.count("/") == 1 and ref.model.split("/")[1] == name
+    rc = cli.main(["plan", "qwen3-30b-a3b", "--engine", "vllm", "--gpu", "H100", "--max-context", "32K"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "command  vllm serve Qwen/Qwen3-30B-A3B " in out and "--trust-remote-code" not in out
+    # Kimi-K2's config maps AutoConfig to the repository's code (auto_map): both engines need
+    # --trust-remote-code; a model directory is named by its path, its tokenizer config read too
+    for engine in ("vllm", "sglang"):
+        rc = cli.main(["plan", "Kimi-K2-Instruct", "--engine", engine, "--gpus", "8", "--gpu", "H200",
+                       "--max-context", "32K"])
+        out = capsys.readouterr().out
+        assert rc == 0 and "moonshotai/Kimi-K2-Instruct" in out and out.rstrip().endswith("--trust-remote-code")
+    cfg = json.loads((Path(serving.__file__).parents[1] / "presets" / "Qwen3-30B-A3B" / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    assert serving_reference(str(tmp_path)) == type(serving_reference("Qwen3-8B"))(str(tmp_path), False)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"auto_map": {"AutoTokenizer": ["t.T", None]}}))
+    assert serving_reference(str(tmp_path / "config.json")).trust_remote_code
+
+
+@pytest.mark.parametrize("model,flags", [
+    ("deepseek-ai/DeepSeek-V3", ["--gpu", "H200", "--gpus", "2", "--tp", "2", "--pp", "1", "--dp", "1", "--ep", "2"]),
+    ("Qwen3-30B-A3B", ["--vram", "24GiB"]),
+    ("DeepSeek-V3", ["--gpu", "H100", "--gpus", "8"]),
+    ("Qwen3-30B-A3B", ["--gpu", "H100", "--parallel", "64"]),
+])
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+def test_every_printed_alternative_fits_when_applied_as_printed(capsys, model, flags, engine):
+    # the flags of each "fits with:" line, put on the command line as printed (a flag given
+    # twice takes the later value), make the plan fit
+    base = ["plan", model, "--engine", engine, "--max-context", "32K", *flags]
+    rc = cli.main(base)
+    out = capsys.readouterr().out
+    assert rc == 3
+    alts = out.split("fits with:\n", 1)[1].splitlines()
+    assert alts and "limiting: " in out
+    if model == "Qwen3-30B-A3B" and "--vram" in flags:
+        assert "  --gpus 2" in alts or "  --gpus 4" in alts      # more cards on one machine first
+    for line in alts:
+        rc = cli.main(base + line.split())
+        capsys.readouterr()
+        assert rc == 0, line
+
+
+def test_engine_plans_have_their_own_documented_schema(capsys, tmp_path):
+    # the serving document: its own schema id, counts as ints, limiting and alternatives
+    rc = cli.main(["plan", "DeepSeek-V3", "--engine", "vllm", "--gpus", "8", "--gpu", "H100",
+                   "--max-context", "32K", "--json"])
+    doc = json.loads(capsys.readouterr().out)
+    assert rc == 3 and doc["schema"] == "moefit.serve-plan/1" and doc["limiting"]
+    nodes = next(a for a in doc["alternatives"] if a["flag"] == "--nodes")
+    assert nodes == {"flag": "--nodes", "value": 2, "with": [{"flag": "--gpus", "value": 16}]}
+    rc = cli.main(["plan", "Qwen3-30B-A3B", "--engine", "sglang", "--gpu", "H100", "--parallel", "64",
+                   "--max-context", "32K", "--json"])
+    doc = json.loads(capsys.readouterr().out)
+    ctx = next(a for a in doc["alternatives"] if a["flag"] == "--max-context")
+    assert rc == 3 and isinstance(ctx["value"], int) and "with" not in ctx
+    readme = README.read_text()
+    assert "`moefit.serve-plan/1`" in readme and "`moefit.llamacpp-plan/1`" in readme

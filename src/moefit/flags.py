@@ -39,6 +39,7 @@ from moefit.engines.serving import BATCH_GRID, ServeRequest
 from moefit.errors import InputError
 from moefit.ingest.geometry import ModelGeometry
 from moefit.ingest.inputs import is_gguf_file
+from moefit.ingest.resolve import serving_reference
 from moefit.memory import calibration
 from moefit.memory.kv import KV_FORMATS, kv_name
 from moefit.memory.staging import StagingModel
@@ -389,11 +390,12 @@ def serve_request_from_args(geom: ModelGeometry, args: argparse.Namespace) -> Se
         extra = (("--hf-overrides", override), ("--json-model-override-args", override))
     gpus = args.gpus or 1
     nodes = args.nodes or 1
+    ref = serving_reference(args.model)
     seqs = args.slots
     return ServeRequest(context=context, gpus=gpus, nodes=nodes, tp=args.tp, pp=args.pp, dp=args.dp,
                         ep=args.ep, seqs=seqs, batched=batched, batched_min=args.prefill_min,
                         strict=args.strict, kv=kv_name("bf16" if args.kv is None else args.kv), margin=req.reserve_bytes,
-                        model_ref=str(args.model), extra_flags=extra)
+                        model_ref=ref.model, trust_remote_code=ref.trust_remote_code, extra_flags=extra)
 
 
 def slots_of(args: argparse.Namespace) -> int:

@@ -64,7 +64,7 @@ from moefit.ingest.geometry import ModelGeometry
 from moefit.ingest.gguf_header import read_header
 from moefit.ingest.resolve import format_params
 from moefit.memory.runtime import default_reserve_bytes, runtime_bytes
-from moefit.plan.solver import Line
+from moefit.plan.solver import Alternative, Line, limiting_lines
 from moefit.units import format_bytes, size_format
 
 #: ``-ub`` grid when the micro-batch is clamped (tokens)
@@ -407,7 +407,8 @@ class LlamaPlan:
     compute: ComputePrice | None = None
     expert_bytes: tuple[tuple[int, int], ...] = ()      # (layer, device bytes)
     shortfall_bytes: int = 0
-    alternatives: tuple[tuple[str, str], ...] = ()
+    alternatives: tuple[Alternative, ...] = ()
+    limiting: tuple[str, ...] = ()
 
     @property
     def planned_bytes(self) -> int:
@@ -560,7 +561,8 @@ def solve_llamacpp(geom: ModelGeometry, tensors: list[Tensor], device: Device, r
         return plan
     shortfall = plan.planned_bytes - free
     alts = _alternatives(geom, tensors, device, req) if alternatives else ()
-    return replace(plan, shortfall_bytes=shortfall, alternatives=tuple(alts))
+    return replace(plan, shortfall_bytes=shortfall, alternatives=tuple(alts),
+                   limiting=limiting_lines(plan.lines, shortfall))
 
 
 def _lines(m: _Model, device: Device, req: LlamaRequest, ub: int, k: int, kv: KVPrice,
@@ -599,7 +601,7 @@ def _compute_detail(ub: int, n_vocab: int, comp: ComputePrice) -> str:
     return f"-ub {ub}; peak in a layer: KQ mask {format_bytes(comp.mask)}{fa}{copy} + activations"
 
 
-def _alternatives(geom, tensors, device, req) -> list[tuple[str, str]]:
+def _alternatives(geom, tensors, device, req) -> list[Alternative]:
     out = []
     lo, hi = 1, req.context - 1
     if hi >= lo and solve_llamacpp(geom, tensors, device, replace(req, context=lo), alternatives=False).fits:
@@ -609,13 +611,13 @@ def _alternatives(geom, tensors, device, req) -> list[tuple[str, str]]:
                 lo = mid
             else:
                 hi = mid - 1
-        out.append(("--max-context", str(lo)))
+        out.append(Alternative("--max-context", lo))
     cur = _row(req.type_k, 256) + _row(req.type_v, 256)
     for name in _KV_ORDER:
         tk, tv = kv_types(name)
         if _row(tk, 256) + _row(tv, 256) < cur and solve_llamacpp(
                 geom, tensors, device, replace(req, type_k=tk, type_v=tv), alternatives=False).fits:
-            out.append(("--kv", name))
+            out.append(Alternative("--kv", name))
             break
     return out
 
@@ -644,9 +646,10 @@ def format_plan(plan: LlamaPlan) -> str:
         out.append("command  " + plan.command)
         return "\n".join(out)
     out.append(f"does not fit: short by {fmt(plan.shortfall_bytes)}")
+    out.append("limiting: " + ", ".join(dict(LINES)[k] for k in plan.limiting))
     if plan.alternatives:
         out.append("fits with:")
-        out += [f"  {flag} {value}" for flag, value in plan.alternatives]
+        out += [f"  {a.flags}" for a in plan.alternatives]
     else:
         out.append("fits with: nothing short of a larger device (no single flag change makes it fit)")
     return "\n".join(out)
@@ -668,15 +671,23 @@ def format_verbose(plan: LlamaPlan) -> str:
     return "\n".join(out)
 
 
+#: the JSON document of a llama.cpp plan (README, "JSON (`moefit plan --json`)")
+SCHEMA = "moefit.llamacpp-plan/1"
+
+
 def plan_document(plan: LlamaPlan) -> dict:
-    """The plan as JSON-ready dict (``moefit.plan/1`` fields that apply, plus ``engine``,
-    ``command``, ``ubatch``, ``n_cpu_moe``, ``host``). Sizes in bytes."""
+    """The plan as the JSON-ready ``moefit.llamacpp-plan/1`` dict: ``moefit.plan/1``'s model,
+    devices (the lines of :data:`LINES`), notes, and on failure ``shortfall_bytes``,
+    ``limiting``, ``alternatives`` (``value`` an int for a count); its own ``engine``,
+    ``context`` (cells per sequence), ``slots`` (``-np``), ``kv`` ``{"k", "v"}`` (llama.cpp's
+    cache types), ``ubatch``, ``batch``, ``n_cpu_moe``, ``host`` (bytes) and ``command``.
+    Sizes in bytes."""
     g, dev = plan.geometry, plan.device
-    doc = {"schema": "moefit.plan/1", "engine": "llama.cpp", "fits": plan.fits,
+    doc = {"schema": SCHEMA, "engine": "llama.cpp", "fits": plan.fits,
            "model": {"name": g.name, "model_type": g.model_type, "total_params": g.total_params,
                      "active_params": g.active_params, "source": g.source},
            "context": _pad(plan.request.context, CTX_PAD), "slots": plan.request.slots,
-           "kv": [plan.request.type_k, plan.request.type_v],
+           "kv": {"k": plan.request.type_k, "v": plan.request.type_v},
            "ubatch": plan.ubatch, "batch": plan.batch, "n_cpu_moe": plan.n_cpu_moe,
            "devices": [{"name": dev.label, "description": dev.description, "kind": dev.kind,
                         "capacity_bytes": dev.capacity_bytes, "free_bytes": dev.free_bytes,
@@ -687,5 +698,6 @@ def plan_document(plan: LlamaPlan) -> dict:
         doc["command"] = plan.command
     else:
         doc["shortfall_bytes"] = plan.shortfall_bytes
-        doc["alternatives"] = [{"flag": f, "value": v} for f, v in plan.alternatives]
+        doc["limiting"] = list(plan.limiting)
+        doc["alternatives"] = [{"flag": a.flag, "value": a.value} for a in plan.alternatives]
     return doc

@@ -242,6 +242,8 @@ class SGLangEngine:
         if r.seqs:
             out.append(("--max-running-requests", str(b.seqs)))
         out += [(f, v) for f, v in r.extra_flags if f == "--json-model-override-args"]
+        if r.trust_remote_code:
+            out.append(("--trust-remote-code", None))
         return out
 
     def commands(self, plan: ServePlan) -> list[str]:

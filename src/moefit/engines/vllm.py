@@ -236,9 +236,10 @@ class VLLMEngine:
         kv_alloc = blocks * g.page * g.group_size
         per_req = g.blocks_per_request(req.context, batched)
         conc = blocks / per_req if per_req else 0.0
-        kinds = sorted({k for k, _ in g.groups if k != "state"})
-        kv_detail = (f"{tokens:,} tokens ({blocks:,} blocks of {g.block}), {' + '.join(kinds) or 'no'} attention"
-                     f", {self.kv_dtype(req.kv)[0]}")
+        kinds = [f"{k} attention" for k in sorted({k for k, _ in g.groups if k != "state"})]
+        if any(k == "state" for k, _ in g.groups):
+            kinds.append("Gated DeltaNet state")
+        kv_detail = (f"{blocks:,} blocks of {g.block} tokens, {' + '.join(kinds)}, {self.kv_dtype(req.kv)[0]}")
         lines = (
             Line("runtime", runtime, "CUDA context + NCCL" if layout.world > 1 else "CUDA context estimate"),
             Line("weights", s.weights, weight_detail(s)),
@@ -251,7 +252,7 @@ class VLLMEngine:
         return RankBudget(lines, tokens, util, s.stage, batched, seqs, conc,
                           {"gpu_memory_utilization": util, "available_kv_bytes": available,
                            "num_blocks": blocks, "block_size": g.block, "kv_groups": len(g.groups),
-                           "request_bytes": per_req * g.page * g.group_size})
+                           "blocks_per_request": per_req, "request_bytes": per_req * g.page * g.group_size})
 
     # ---- the command line -----------------------------------------------------------------
     def flags(self, plan: ServePlan) -> list[tuple[str, str | None]]:
@@ -268,6 +269,8 @@ class VLLMEngine:
                 ("--gpu-memory-utilization", f"{b.knob:.2f}"),
                 ("--kv-cache-dtype", self.kv_dtype(r.kv)[0])]
         out += [(f, v) for f, v in r.extra_flags if f == "--hf-overrides"]
+        if r.trust_remote_code:
+            out.append(("--trust-remote-code", None))
         return out
 
     def check_layout(self, layout: Layout) -> None:
