@@ -34,7 +34,10 @@ vendored in the ``llama-cpp-python`` 0.3.36 sdist), file and function named at e
   F16 also holds K and V converted to F16: the tile and MMA kernels a micro-batch uses need
   F16 (``ggml_cuda_flash_attn_ext_get_alloc_size``, ``fattn.cu``), and the copies are part
   of the node's alloc size (``ggml_cuda_flash_attn_ext_get_f16_extra_data``,
-  ``fattn-common.cuh``): ``2 x n_kv x n_embd_{k,v}_gqa`` bytes each. And with experts kept on
+  ``fattn-common.cuh``): ``2 x n_kv x n_embd_{k,v}_gqa`` bytes each, inside the printed
+  ``CUDA0 compute buffer`` since ggml-org/llama.cpp#23907 (May 2026; before it they came from
+  the CUDA pool at the first prefill, ``ggml_cuda_pool_alloc<half> K_f16(pool)``, on top of the
+  printed buffer, which this model does not price). And with experts kept on
   the CPU (``--n-cpu-moe K > 0``) a micro-batch of 32 tokens or more runs their matrix
   products on the GPU anyway (``op_offload``; ``ggml_backend_cuda_device_offload_op``,
   ``GGML_OP_OFFLOAD_MIN_BATCH`` = 32): the scheduler copies each such weight into the
