@@ -35,6 +35,7 @@ from moefit.engines.llamacpp import MAX_CTX as LLAMA_MAX_CTX
 from moefit.engines.llamacpp import MAX_SEQ as LLAMA_MAX_SEQ
 from moefit.engines.llamacpp import pad_cells as _pad_cells
 from moefit.engines.llamacpp import LlamaRequest, kv_types
+from moefit.engines.llamacpp_quant import DEFAULT_FTYPE, ftype_name
 from moefit.engines.serving import BATCH_GRID, ServeRequest
 from moefit.errors import InputError
 from moefit.ingest.geometry import ModelGeometry
@@ -129,6 +130,10 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                      help="whose memory to plan: moefit's runtime (default), llama-server's (a "
                           ".gguf model), or vLLM's / SGLang's across GPUs and nodes (prints "
                           "their launch commands)")
+    eng.add_argument("--gguf-type", default=None, metavar="FTYPE",
+                     help="--engine llama.cpp with a Hugging Face model: plan the GGUF that "
+                          "llama-quantize FTYPE would write (default Q4_K_M; Q8_0, Q6_K, Q5_K_M, "
+                          "Q4_K_S, MXFP4_MOE, ...)")
     eng.add_argument("--gpus", type=int, default=None, metavar="N",
                      help="--engine vllm|sglang: GPUs in all (default 1), each a --gpu / --vram card")
     eng.add_argument("--nodes", type=int, default=None, metavar="M",
@@ -243,12 +248,16 @@ def llama_request_from_args(geom: ModelGeometry, args: argparse.Namespace) -> Ll
     stream per sequence), ``--vram-reserve-mib`` -> the margin, ``--strict`` /
     ``--prefill-min`` as for the prefill chunk.
 
-    Raises InputError (exit 2) for a model that is not a GGUF file and for flags that have
-    no llama.cpp meaning (the expert-cache flags, ``--max-context max``)."""
-    if not is_gguf_file(args.model):
-        raise InputError(f"{args.model}: --engine llama.cpp plans a .gguf file (llama.cpp's own "
-                         "format); convert the checkpoint with llama.cpp's convert_hf_to_gguf.py, "
-                         "or drop --engine")
+    A Hugging Face model is planned as the GGUF ``llama-quantize --gguf-type`` would write
+    (``-m`` names ``<model>-<FTYPE>.gguf``; :func:`llama_ftype`).
+
+    Raises InputError (exit 2) for ``--gguf-type`` with a GGUF file and for flags that have
+    no llama.cpp meaning (the expert-cache flags, ``--max-context max``, ``--parallel`` above
+    256, a ``-c`` past 2^31 - 1)."""
+    gguf_type = getattr(args, "gguf_type", None)
+    if is_gguf_file(args.model) and gguf_type is not None:
+        raise InputError(f"--gguf-type {gguf_type}: {args.model} is a GGUF file, planned with its own "
+                         "tensor types; drop --gguf-type (it names the type mix of a Hugging Face model)")
     if (args.expert_cache.strip().lower() != "auto" or args.min_expert_cache
             or args.miss_policy != "cpu" or args.arena_slots is not None):
         raise InputError("--expert-cache / --min-expert-cache / --miss-policy / --arena-slots are "
@@ -292,8 +301,16 @@ def llama_request_from_args(geom: ModelGeometry, args: argparse.Namespace) -> Ll
     return LlamaRequest(context=context, slots=slots, ubatch=ub, batch=max(LLAMA_BATCH, ub),
                         type_k=tk, type_v=tv, margin=req.reserve_bytes,
                         ubatch_min=min(ub_min, ub), strict=req.strict,
-                        gguf=str(args.model), extra_flags=extra, notes=notes,
-                        device=llama_device(args.device))
+                        gguf=str(args.model) if is_gguf_file(args.model) else f"{geom.name}-{llama_ftype(args)}.gguf",
+                        extra_flags=extra, notes=notes, device=llama_device(args.device))
+
+
+def llama_ftype(args: argparse.Namespace) -> str:
+    """``--gguf-type`` (default ``Q4_K_M``, the most used mix): the ``llama-quantize`` file
+    type a Hugging Face model is planned in with ``--engine llama.cpp``
+    (:func:`moefit.engines.llamacpp_quant.ftype_name`). Raises InputError."""
+    text = getattr(args, "gguf_type", None)
+    return ftype_name(text) if text is not None else DEFAULT_FTYPE
 
 
 def llama_device(device: str | None) -> str:
@@ -329,7 +346,11 @@ def llama_ubatch(prefill: str, prefill_min: int) -> tuple[int, int]:
 def check_engine_flags(args: argparse.Namespace) -> None:
     """The parallelism flags belong to ``--engine vllm|sglang``. Raises InputError naming
     the first one given with another engine."""
-    if getattr(args, "engine", "moefit") in ("vllm", "sglang"):
+    engine = getattr(args, "engine", "moefit")
+    if getattr(args, "gguf_type", None) is not None and engine != "llama.cpp":
+        raise InputError(f"--gguf-type {args.gguf_type}: a GGUF type mix is planned with --engine "
+                         "llama.cpp; add it, or drop --gguf-type")
+    if engine in ("vllm", "sglang"):
         return
     for name in PARALLEL_FLAGS:
         if getattr(args, name, None) is not None:

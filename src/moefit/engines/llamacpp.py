@@ -58,10 +58,13 @@ alignment) and the expert-tensor copy come from the source and are not measured.
 
 from __future__ import annotations
 
+import itertools
+import math
 import re
 from dataclasses import dataclass, field, replace
 
 from moefit.devices import Device
+from moefit.engines.llamacpp_quant import llamacpp_tensors
 from moefit.errors import InputError
 from moefit.ingest.geometry import ModelGeometry
 from moefit.ingest.gguf_header import read_header
@@ -179,6 +182,17 @@ def tensors_from_header(path: str) -> list[Tensor]:
     return [Tensor(t.name, t.ggml_type, tuple(t.ne), t.nbytes) for t in h.tensors.values()]
 
 
+def tensors_from_geometry(geom: ModelGeometry, ftype: str) -> tuple[list[Tensor], str]:
+    """The tensors of the GGUF ``llama-quantize FTYPE`` would write for the Hugging Face model
+    ``geom`` (:func:`moefit.engines.llamacpp_quant.llamacpp_tensors`), and a note saying so."""
+    infos, unknown = llamacpp_tensors(geom, ftype)
+    note = (f"model: the GGUF of convert_hf_to_gguf.py + llama-quantize {ftype} (--gguf-type), derived from "
+            f"the config, {format_bytes(sum(t.nbytes for t in infos))}")
+    if unknown:
+        note += f"; {unknown} tensors without a llama.cpp name priced at the mix's default type"
+    return [Tensor(t.name, t.kind, t.ne, t.nbytes) for t in infos], note
+
+
 def expert_layer(name: str) -> int | None:
     """The layer of an expert tensor ``--n-cpu-moe`` moves (its regex), or None."""
     m = _EXPS.match(name)
@@ -214,6 +228,11 @@ def model_buffers(tensors: list[Tensor], backend: Backend) -> ModelBuffers:
             experts_host[layer] = experts_host.get(layer, 0) + t.alloc_bytes(CPU)
         else:
             dev += t.alloc_bytes(backend)
+    emb = next((t for t in tensors if t.name == "token_embd.weight"), None)
+    if emb is not None and not any(t.name == "output.weight" for t in tensors):
+        # tied embeddings: the output layer loads token_embd again, on its own device
+        # (llama_model::load_tensors, TENSOR_DUPLICATED)
+        dev += emb.alloc_bytes(backend)
     return ModelBuffers(dev, tuple(sorted(experts.items())), tuple(sorted(experts_host.items())), host, largest)
 
 
@@ -412,6 +431,7 @@ class LlamaPlan:
     shortfall_bytes: int = 0
     alternatives: tuple[Alternative, ...] = ()
     limiting: tuple[str, ...] = ()
+    cpu_layers: tuple[int, ...] | None = None   # layers whose experts stay on the CPU, when not a prefix
 
     @property
     def planned_bytes(self) -> int:
@@ -423,6 +443,16 @@ class LlamaPlan:
 
     def line(self, key: str) -> Line:
         return next(l for l in self.lines if l.key == key)
+
+    @property
+    def override(self) -> str:
+        """``-ot PATTERN=CPU`` for :attr:`cpu_layers` (``--override-tensor``: tensors whose name
+        matches the regex go to that buffer type; the regex of ``--n-cpu-moe``'s
+        ``llm_ffn_exps_block_regex``, one alternative per layer), or "" with ``--n-cpu-moe``."""
+        if not self.cpu_layers:
+            return ""
+        layers = "|".join(str(i) for i in self.cpu_layers)
+        return f"'blk\\.({layers})\\.ffn_(up|down|gate|gate_up)_(ch|)exps=CPU'"
 
     @property
     def batch(self) -> int:
@@ -439,7 +469,9 @@ class LlamaPlan:
                  "-ub", str(self.ubatch), "-b", str(self.batch), "-ngl", "999"]
         if r.device:
             parts += ["-dev", r.device]
-        if self.n_cpu_moe:
+        if self.cpu_layers:
+            parts += ["-ot", self.override]
+        elif self.n_cpu_moe:
             parts += ["--n-cpu-moe", str(self.n_cpu_moe)]
         parts += ["-ctk", r.type_k, "-ctv", r.type_v, "-fa", "on", *r.extra_flags]
         return " ".join(parts)
@@ -553,13 +585,26 @@ def solve_llamacpp(geom: ModelGeometry, tensors: list[Tensor], device: Device, r
             fits = False
             ub = ub if req.strict else (grid[0] if grid else ub)
         total, kv, comp = _mandatory(m, device, req, ub, bool(moe_layers))
-    lines = _lines(m, device, req, ub, k, kv, comp)
-    host = {"model": m.buffers.host + sum(b for layer, b in m.buffers.experts_host if layer < k),
+    on_cpu = frozenset(layer for layer in moe_layers if layer < k)
+    per_layer = None
+    if fits and 0 < k < all_cpu + 1 and on_cpu:
+        chosen = _best_layers(dict(m.buffers.experts), free - total)
+        if sum(b for layer, b in m.buffers.experts if layer in chosen) > _experts_from(m, k):
+            on_cpu = frozenset(moe_layers) - chosen
+            per_layer = tuple(sorted(on_cpu))
+    lines = _lines(m, device, req, ub, on_cpu, kv, comp)
+    host = {"model": m.buffers.host + sum(b for layer, b in m.buffers.experts_host if layer in on_cpu),
             "output": 4 * m.n_vocab * req.slots, "compute": 4 * ub * (geom.hidden_size + 1)}
-    if k and n_layers:
+    if per_layer:
+        notes.append(f"experts of layers {_ranges(per_layer)} stay on the CPU (-ot, a per-layer choice: "
+                     f"{format_bytes(lines[-1].bytes - _experts_from(m, k))} more experts on the device than "
+                     f"--n-cpu-moe {k}); {len(moe_layers) - len(per_layer)} of {len(moe_layers)} MoE layers on "
+                     "the device")
+    elif k and n_layers:
         notes.append(f"experts of layers 0-{k - 1} stay on the CPU (--n-cpu-moe {k}); "
                      f"{len([l for l in moe_layers if l >= k])} of {len(moe_layers)} MoE layers on the device")
-    plan = LlamaPlan(fits, geom, device, req, ub, k, lines, host, tuple(notes), kv, comp, m.buffers.experts)
+    plan = LlamaPlan(fits, geom, device, req, ub, k, lines, host, tuple(notes), kv, comp, m.buffers.experts,
+                     cpu_layers=per_layer)
     if fits:
         return plan
     shortfall = plan.planned_bytes - free
@@ -568,7 +613,59 @@ def solve_llamacpp(geom: ModelGeometry, tensors: list[Tensor], device: Device, r
                    limiting=limiting_lines(plan.lines, shortfall))
 
 
-def _lines(m: _Model, device: Device, req: LlamaRequest, ub: int, k: int, kv: KVPrice,
+#: combinations of per-size layer counts :func:`_best_layers` enumerates before it settles
+#: for the largest-first fill
+_SUBSET_COMBOS = 200_000
+
+
+def _best_layers(experts: dict[int, int], budget: int) -> frozenset[int]:
+    """The MoE layers whose experts to keep on the device: the most expert bytes within
+    ``budget`` (a subset-sum over the layers' device bytes). Layers of one size are
+    interchangeable, so this enumerates how many of each size (all but the smallest size, whose
+    count then follows) and keeps the last layers of each size on the device; with too many
+    sizes it fills largest first. Ties: more layers on the device."""
+    by_size: dict[int, list[int]] = {}
+    for layer, b in experts.items():
+        by_size.setdefault(b, []).append(layer)
+    sizes = sorted(by_size, reverse=True)
+    if budget <= 0 or not sizes:
+        return frozenset()
+    combos = math.prod(len(by_size[s]) + 1 for s in sizes[:-1])
+    if combos > _SUBSET_COMBOS:
+        chosen, left = [], budget
+        for s in sizes:
+            n = min(len(by_size[s]), left // s)
+            chosen += sorted(by_size[s])[len(by_size[s]) - n:]
+            left -= n * s
+        return frozenset(chosen)
+    best = (0, 0, ())
+    last = sizes[-1]
+    for counts in itertools.product(*(range(len(by_size[s]) + 1) for s in sizes[:-1])):
+        used = sum(c * s for c, s in zip(counts, sizes))
+        if used > budget:
+            continue
+        n_last = min(len(by_size[last]), (budget - used) // last)
+        key = (used + n_last * last, sum(counts) + n_last, (*counts, n_last))
+        best = max(best, key)
+    chosen = []
+    for s, n in zip(sizes, best[2]):
+        chosen += sorted(by_size[s])[len(by_size[s]) - n:] if n else []
+    return frozenset(chosen)
+
+
+def _ranges(layers: tuple[int, ...]) -> str:
+    """``0-4, 7, 9-11`` of sorted layer indices."""
+    out, start = [], None
+    for i, layer in enumerate(layers):
+        if start is None:
+            start = layer
+        if i + 1 == len(layers) or layers[i + 1] != layer + 1:
+            out.append(f"{start}" if start == layer else f"{start}-{layer}")
+            start = None
+    return ", ".join(out)
+
+
+def _lines(m: _Model, device: Device, req: LlamaRequest, ub: int, on_cpu: frozenset[int], kv: KVPrice,
            comp: ComputePrice) -> tuple[Line, ...]:
     be = _backend(device)
     g = m.geom
@@ -578,7 +675,8 @@ def _lines(m: _Model, device: Device, req: LlamaRequest, ub: int, k: int, kv: KV
         kv_detail += (", " if kv_detail else "") + f"SWA {kv.swa_cells} cells{streams} x {kv.swa_layers} layers"
     kv_detail += f", K {req.type_k} / V {req.type_v}"
     moe = len(m.buffers.experts)
-    on_dev = len([1 for layer, _ in m.buffers.experts if layer >= k])
+    on_dev = len([1 for layer, _ in m.buffers.experts if layer not in on_cpu])
+    k = max(on_cpu) + 1 if on_cpu else 0
     margin = default_reserve_bytes(device) if req.margin is None else req.margin
     values = {
         "runtime": (runtime_bytes(device), "simulated device" if device.kind == "cpu" else
@@ -590,8 +688,10 @@ def _lines(m: _Model, device: Device, req: LlamaRequest, ub: int, k: int, kv: KV
                   if kv.recurrent_layers else "no recurrent layers"),
         "compute": (comp.bytes, _compute_detail(ub, m.n_vocab, comp)),
         "margin": (margin, ""),
-        "experts": (_experts_from(m, k), f"{on_dev} of {moe} MoE layers (--n-cpu-moe {k})" if moe
-                    else "dense model: no experts"),
+        "experts": (sum(b for layer, b in m.buffers.experts if layer not in on_cpu),
+                    (f"{on_dev} of {moe} MoE layers (--n-cpu-moe {k})" if len(on_cpu) == k else
+                     f"{on_dev} of {moe} MoE layers (-ot: layers {_ranges(tuple(sorted(on_cpu)))} on the CPU)")
+                    if moe else "dense model: no experts"),
     }
     return tuple(Line(key, *values[key]) for key, _ in LINES)
 
@@ -642,7 +742,7 @@ def format_plan(plan: LlamaPlan) -> str:
         out.append(f"  {'unassigned':<18} {fmt(plan.unassigned_bytes):>10}")
     h = plan.host
     out.append(f"host  model {format_bytes(h['model'])} (token embeddings"
-               f"{', experts of the first %d layers' % plan.n_cpu_moe if plan.n_cpu_moe else ''}), "
+               f"{_host_experts(plan)}), "
                f"output {format_bytes(h['output'])}, compute {format_bytes(h['compute'])}")
     out += list(plan.notes)
     if plan.fits:
@@ -656,6 +756,12 @@ def format_plan(plan: LlamaPlan) -> str:
     else:
         out.append("fits with: nothing short of a larger device (no single flag change makes it fit)")
     return "\n".join(out)
+
+
+def _host_experts(plan: LlamaPlan) -> str:
+    if plan.cpu_layers:
+        return f", experts of layers {_ranges(plan.cpu_layers)}"
+    return f", experts of the first {plan.n_cpu_moe} layers" if plan.n_cpu_moe else ""
 
 
 def format_verbose(plan: LlamaPlan) -> str:
@@ -691,7 +797,9 @@ def plan_document(plan: LlamaPlan) -> dict:
                      "active_params": g.active_params, "source": g.source},
            "context": _pad(plan.request.context, CTX_PAD), "slots": plan.request.slots,
            "kv": {"k": plan.request.type_k, "v": plan.request.type_v},
-           "ubatch": plan.ubatch, "batch": plan.batch, "n_cpu_moe": plan.n_cpu_moe,
+           "ubatch": plan.ubatch, "batch": plan.batch, "n_cpu_moe": 0 if plan.cpu_layers else plan.n_cpu_moe,
+           "cpu_layers": list(plan.cpu_layers) if plan.cpu_layers else
+           [layer for layer, _ in plan.expert_bytes if layer < plan.n_cpu_moe],
            "devices": [{"name": dev.label, "description": dev.description, "kind": dev.kind,
                         "capacity_bytes": dev.capacity_bytes, "free_bytes": dev.free_bytes,
                         "lines": [{"key": l.key, "bytes": l.bytes, "detail": l.detail} for l in plan.lines],
