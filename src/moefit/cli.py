@@ -28,14 +28,15 @@ from moefit.engines.sglang import ENGINE as SGLANG
 from moefit.engines.vllm import ENGINE as VLLM
 from moefit.flags import (add_engine_flags, add_model_files_flags, add_plan_flags,
                           add_sampling_flags, add_serve_flags, check_engine_flags,
-                          device_from_args, llama_ftype, llama_request_from_args, plan_from_args,
-                          serve_request_from_args)
+                          device_from_args, devices_from_args, llama_ftype, llama_request_from_args,
+                          normalize_argv, plan_from_args, serve_request_from_args)
 from moefit.ingest.checkpoint import describe_weights
 from moefit.ingest.inputs import is_gguf_file
 from moefit.ingest.resolve import format_models_table, list_presets, load_model
 from moefit.memory.kv import kv_bytes, kv_format
 from moefit.memory.staging import staging_model
 from moefit.plan.report import format_json, format_table
+from moefit.tools.demo import FAMILIES as DEMO_FAMILIES
 from moefit.units import format_bytes
 
 
@@ -54,8 +55,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.engine in ("vllm", "sglang"):
         return _plan_serving(args)
     geom = load_model(args.model)
-    device = device_from_args(args)
-    plan = plan_from_args(geom, device, args)
+    devices = devices_from_args(args)
+    plan = plan_from_args(geom, devices, args)
     if args.json:
         print(format_json(plan))
     else:
@@ -257,7 +258,7 @@ def build_parser() -> argparse.ArgumentParser:
                                          "that serve / generate run offline")
     p.add_argument("dir", help="the directory to write (new, or empty)")
     p.add_argument("--family", default="qwen3_moe",
-                   help="qwen3_moe (default), qwen2_moe, mixtral, olmoe, qwen3_next or qwen3_5_moe")
+                   help=f"{', '.join(DEMO_FAMILIES)} (default qwen3_moe)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights (default 0)")
     p.add_argument("--force", action="store_true", help="write into a non-empty directory")
     p.set_defaults(func=cmd_make_demo)
@@ -267,7 +268,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_args(normalize_argv(sys.argv[1:] if argv is None else argv))
     try:
         return args.func(args)
     except InputError as e:

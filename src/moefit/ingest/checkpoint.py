@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from moefit.errors import InputError
+from moefit.ingest.families.common import FP32_TENSORS
 from moefit.ingest.geometry import ExactWeights, ModelGeometry
 from moefit.ingest.inputs import decode_utf8, parse_json, read_bytes, read_json
 
@@ -221,11 +222,13 @@ CONVERTED_DTYPES = frozenset({"F32", "F16", "BF16"})
 
 def held_bytes(t: HeaderTensor, dtype_bytes: int) -> int:
     """Bytes the runtime holds for ``t``: numel x ``dtype_bytes`` (the config's compute
-    dtype) for a floating F32 / F16 / BF16 tensor, which the loader converts; the stored
-    bytes for quantized or integer tensors and for quantization scales."""
+    dtype) for a floating F32 / F16 / BF16 tensor, which the loader converts (numel x 4 for
+    the tensors kept in fp32, :data:`moefit.ingest.families.common.FP32_TENSORS`); the
+    stored bytes for quantized or integer tensors and for quantization scales."""
     if t.dtype not in CONVERTED_DTYPES or t.name.endswith(_SCALE_SUFFIXES):
         return t.nbytes
-    return (t.nbytes // SAFETENSORS_DTYPE_BYTES[t.dtype]) * dtype_bytes
+    numel = t.nbytes // SAFETENSORS_DTYPE_BYTES[t.dtype]
+    return numel * (4 if t.name.endswith(FP32_TENSORS) else dtype_bytes)
 
 
 def exact_weights(geom: ModelGeometry, model_dir: str | Path) -> ExactWeights | None:
@@ -240,7 +243,8 @@ def exact_weights(geom: ModelGeometry, model_dir: str | Path) -> ExactWeights | 
     layout) plus each fused tensor's bytes divided by the layer's ``num_experts``.
     ``total_params`` counts the parameters of every non-skipped tensor (see
     :func:`_param_count`), including buffers the checkpoint stores (e.g. DeepSeek's
-    ``e_score_correction_bias``).
+    ``e_score_correction_bias``). ``experts_stored``: the experts are fp8 (F8_*), which the
+    runtime keeps as stored and dequantizes when they run.
 
     Errors: :class:`InputError` for a corrupt header, an incomplete sharded checkpoint, or an
     expert tensor on a layer the config declares dense.
@@ -250,6 +254,9 @@ def exact_weights(geom: ModelGeometry, model_dir: str | Path) -> ExactWeights | 
         return None
     moe = {l.index: l.moe.num_experts for l in geom.moe_layers}
     weight = skipped = params = 0
+    fp8_experts = False
+    largest_global = largest_expert = 0    # stored bytes: the loader's host staging
+    layer_sum: dict[int, int] = {}
     per_expert: dict[int, dict[int, int]] = {}
     fused: dict[int, int] = {}
     for path in files:
@@ -262,10 +269,16 @@ def exact_weights(geom: ModelGeometry, model_dir: str | Path) -> ExactWeights | 
             nbytes = held_bytes(t, geom.dtype_bytes)
             if bucket == "weight":
                 weight += nbytes
+                if layer is None:
+                    largest_global = max(largest_global, t.nbytes)
+                else:
+                    layer_sum[layer] = layer_sum.get(layer, 0) + t.nbytes
                 continue
+            largest_expert = max(largest_expert, t.nbytes)
             if layer not in moe:
                 raise InputError(f"{path}: tensor {t.name!r} is a routed expert, but the config "
                                  f"declares layer {layer} dense; config and checkpoint disagree")
+            fp8_experts |= t.dtype.startswith("F8_")
             if is_fused:
                 fused[layer] = fused.get(layer, 0) + nbytes
             else:
@@ -276,8 +289,13 @@ def exact_weights(geom: ModelGeometry, model_dir: str | Path) -> ExactWeights | 
     for layer, n in sorted(moe.items()):
         blob = max(per_expert.get(layer, {0: 0}).values()) + -(-fused.get(layer, 0) // n)
         blobs.append((layer, blob))
+    # the loader reads one tensor at a time; a projection it rebuilds from several of a
+    # layer's tensors holds its parts and the result at once, which twice the layer's dense
+    # tensors bound (moefit.memory.host.load_staging_bytes)
     return ExactWeights(weight_bytes=weight, expert_blob_bytes=tuple(blobs), skipped_bytes=skipped,
-                        total_params=params, files=len(files))
+                        total_params=params, files=len(files), experts_stored=fp8_experts,
+                        load_staging_bytes=max(largest_global, 2 * max(layer_sum.values(), default=0),
+                                               largest_expert))
 
 
 # --------------------------------------------------------------------------------------------

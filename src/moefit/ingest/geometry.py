@@ -177,14 +177,43 @@ class AttentionSpec:
 
 
 @dataclass(frozen=True)
+class Routing:
+    """How a router chooses a token's experts, beyond softmax top-k.
+
+    ``scoring``: ``softmax`` or ``sigmoid`` of the router logits. ``method``: ``greedy``
+    (top-k of the scores), ``group_limited_greedy`` (DeepSeek-V2: the experts are split
+    into ``n_group`` groups, the ``topk_group`` groups with the highest best score are
+    kept, top-k within them) or ``noaux_tc`` (DeepSeek-V3 / Kimi-K2 / GLM-4.5: groups
+    ranked by the sum of their two best scores plus the per-expert
+    ``e_score_correction_bias``, which chooses but does not weigh). ``scale``:
+    ``routed_scaling_factor``, multiplied into the chosen weights. ``bias``: the router has
+    an ``e_score_correction_bias``. Sources: transformers 5.x ``DeepseekV2TopkRouter`` /
+    ``DeepseekV3TopkRouter`` / ``Glm4MoeTopkRouter``. The default is plain softmax top-k.
+    """
+
+    scoring: Literal["softmax", "sigmoid"] = "softmax"
+    method: Literal["greedy", "group_limited_greedy", "noaux_tc"] = "greedy"
+    n_group: int = 1
+    topk_group: int = 1
+    scale: float = 1.0
+    bias: bool = False
+
+    @property
+    def grouped(self) -> bool:
+        """True when the router is not plain softmax top-k (it needs the grouped router)."""
+        return self != Routing()
+
+
+@dataclass(frozen=True)
 class MoESpec:
-    """Routed-expert block of one layer."""
+    """Routed-expert block of one layer (``routing``: :class:`Routing`)."""
 
     num_experts: int
     experts_per_token: int
     expert_intermediate: int
     num_shared_experts: int = 0
     shared_intermediate: int = 0   # total width of the shared expert(s)
+    routing: Routing = Routing()
 
 
 @dataclass(frozen=True)
@@ -342,6 +371,9 @@ class ExactWeights:
     ``experts_stored``: the routed experts stay in a stored (quantized) format and are
     dequantized when they run; the staging this takes is priced on the ``prefill`` line
     (:func:`moefit.memory.staging.expert_dequant_bytes`).
+    ``load_staging_bytes``: the most host memory the loader holds at once beside its
+    destinations while reading the files (:func:`moefit.memory.host.load_staging_bytes`);
+    0 when not known (the analytic bound is used).
 
     Other formats (GGUF: :class:`moefit.ingest.gguf_header.GGUFWeights`) subclass this and override
     :meth:`line_detail` / :meth:`describe`.
@@ -353,6 +385,7 @@ class ExactWeights:
     total_params: int
     files: int
     experts_stored: bool = False
+    load_staging_bytes: int = 0
 
     def line_detail(self) -> str:
         """Detail of the ``weights`` budget line."""

@@ -45,7 +45,9 @@ from typing import Any
 
 from moefit.errors import InputError
 from moefit.ingest.families import geometry_from_config, registry
-from moefit.ingest.families.common import GGUF_EXPERT_NAMES, LAYER_NAMES, GGUFFacts, GGUFMeta
+from moefit.ingest.families.common import (
+    FP32_TENSORS, GGUF_EXPERT_NAMES, LAYER_NAMES, GGUFFacts, GGUFMeta,
+)
 from moefit.ingest.geometry import DTYPE_BYTES, ExactWeights, ModelGeometry
 from moefit.ingest.inputs import read_bytes
 from moefit.units import format_bytes
@@ -429,6 +431,11 @@ class GGUFWeights(ExactWeights):
     of the file (skipped ones count as dense).
     ``data_bytes``: every tensor's bytes (the file's tensor data without padding).
     ``expert_types``: per MoE layer, the (gate, up, down) ggml types.
+    ``embed_resident_bytes`` / ``embed_stored_bytes`` / ``embed_row_bytes``: what
+    ``weight_bytes`` counts for ``token_embd.weight``, its bytes in the file, and one of
+    its rows in the file; ``tied``: the file has no ``output.weight`` (the output reuses
+    the token embeddings). The plan keeps an untied token embedding on the host, as
+    llama.cpp does (:func:`moefit.memory.host.embed_on_host`).
     """
 
     compute_dtype: str = "bfloat16"
@@ -436,6 +443,11 @@ class GGUFWeights(ExactWeights):
     by_type: tuple[tuple[str, int, int, int], ...] = ()
     data_bytes: int = 0
     expert_types: tuple[tuple[int, tuple[str, ...]], ...] = ()
+    embed_resident_bytes: int = 0
+    embed_stored_bytes: int = 0
+    embed_row_bytes: int = 0
+    embed_type: str = ""
+    tied: bool = False
 
     def line_detail(self) -> str:
         short = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}[self.compute_dtype]
@@ -475,7 +487,8 @@ def exact_from_gguf(geom: ModelGeometry, h: GGUFHeader) -> GGUFWeights:
     src = str(h.paths[0])
     moe = {l.index: l.moe.num_experts for l in geom.moe_layers}
     act = DTYPE_BYTES[compute_dtype(h)]
-    weight = stored = skipped = params = 0
+    weight = stored = skipped = params = largest = 0
+    embed = (0, 0, 0, "")
     blob: dict[int, int] = {}
     kinds: dict[int, dict[str, str]] = {}
     by_type: dict[str, list[int]] = {}
@@ -504,9 +517,13 @@ def exact_from_gguf(geom: ModelGeometry, h: GGUFHeader) -> GGUFWeights:
                 part = t.name.split(".")[2].removeprefix("ffn_").removesuffix("_exps")
                 kinds.setdefault(layer, {})[part] = t.ggml_type
             continue
-        weight += t.n_elements * act
+        before = weight
+        weight += t.n_elements * (4 if t.name.endswith(FP32_TENSORS) else act)
         stored += t.nbytes
         row[0] += t.nbytes
+        largest = max(largest, t.nbytes)
+        if t.name == "token_embd.weight":
+            embed = (weight - before, t.nbytes, t.nbytes // max(1, t.ne[-1]), t.ggml_type)
     missing = [i for i in moe if i not in blob]
     if missing:
         raise InputError(f"{src}: layer {missing[0]} has a router but no ffn_*_exps expert tensors")
@@ -521,7 +538,9 @@ def exact_from_gguf(geom: ModelGeometry, h: GGUFHeader) -> GGUFWeights:
         total_params=params, files=len(h.paths), experts_stored=True,
         compute_dtype=compute_dtype(h), stored_weight_bytes=stored,
         by_type=tuple((k, v[0], v[1], v[2]) for k, v in order), data_bytes=h.tensor_data_bytes(),
-        expert_types=tuple(types))
+        expert_types=tuple(types), load_staging_bytes=largest,
+        embed_resident_bytes=embed[0], embed_stored_bytes=embed[1], embed_row_bytes=embed[2],
+        embed_type=embed[3], tied="output.weight" not in h.tensors)
 
 
 def model_name(h: GGUFHeader) -> str:

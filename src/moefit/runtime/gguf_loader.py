@@ -1,7 +1,8 @@
 """Load a GGUF model: dense weights dequantized onto the device, experts kept as stored.
 
 Input: a ``.gguf`` file (or the first shard of a split one) of the families the runtime
-runs: ``qwen3moe``, ``qwen2moe``, ``olmoe`` and ``llama`` with experts (Mixtral). The file
+runs: ``qwen3moe``, ``qwen2moe``, ``olmoe``, ``llama`` with experts (Mixtral), ``deepseek2``
+(MLA: ``attn_kv_b`` or the split ``attn_k_b`` / ``attn_v_b``) and ``glm4moe``. The file
 is memory-mapped (``gguf.GGUFReader``); every tensor is read once, straight from the map
 into its destination, and the maps are closed at the end, so host memory holds the
 expert blobs once (not the file and a copy).
@@ -14,7 +15,13 @@ expert blobs once (not the file and a copy).
   rotate-half order the forward pass uses.
 - Experts: per MoE layer, ``ffn_{gate,up,down}_exps`` (``[E, I, H]``, ``[E, I, H]``,
   ``[E, H, I]``; or ``ffn_gate_up_exps`` ``[E, 2I, H]``) become one uint8 blob per expert,
-  ``[gate | up | down]`` bytes in the file's types (:class:`~moefit.runtime.quant.StoredExpert`).
+  ``[gate | up | down]`` bytes in the file's types (:class:`~moefit.runtime.quant.StoredExpert`),
+  read by the engine from the returned :class:`GGUFExperts` once it knows where each
+  expert lives. With ``--host-experts mmap`` the file stays mapped and a non-resident
+  expert's three parts are gathered from its pages each time it runs.
+- The token embedding of a file with its own output matrix stays on the host as stored
+  when the plan says so (:class:`HostEmbedding`; llama.cpp does the same): a token's row is
+  dequantized when it is looked up.
 
 Errors (:class:`~moefit.errors.InputError`): a missing tensor, a tensor whose dims differ
 from the metadata's, a ggml type without a kernel (each named with the file), an
@@ -23,6 +30,7 @@ architecture the runtime does not run.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from pathlib import Path
 
@@ -33,7 +41,9 @@ from moefit.ingest.families import registry
 from moefit.ingest.geometry import LayerSpec, ModelGeometry
 from moefit.ingest.gguf_header import GGUFHeader, GGUFTensor, close_reader, config_from_gguf, open_reader, read_header
 from moefit.runtime.arch import Arch
-from moefit.runtime.loader import HostExperts, Weights, assemble_weights, progress_bar
+from moefit.runtime.loader import (
+    ExpertSource, Weights, assemble_weights, mla_plan, moe_extras_plan, progress_bar, resident_dtype,
+)
 from moefit.runtime import qmatmul
 from moefit.runtime.quant import StoredExpert, StoredMatrix, dequantize, kernel_for
 
@@ -87,14 +97,18 @@ class _Tensors:
 
 
 
-def _layer_plan(l: LayerSpec, geom: ModelGeometry, arch: Arch) -> list[tuple[str, str, tuple]]:
+def _layer_plan(l: LayerSpec, geom: ModelGeometry, arch: Arch,
+                header: GGUFHeader) -> list[tuple[str, str, tuple]]:
     """(attribute, GGUF name, torch shape) of every resident tensor of layer ``l``; names
-    from the family's table (``arch.names``)."""
+    from the family's table (``arch.names``). MLA layers: :func:`moefit.runtime.loader.mla_plan`
+    (``attn_k_b`` / ``attn_v_b`` when the file splits ``attn_kv_b``)."""
     a, h = l.attention, geom.hidden_size
     qd, kd, vd = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim, a.num_kv_heads * a.v_head_dim
     n = lambda slot: arch.names.gguf(slot, l.index)  # noqa: E731
-    out = [("input_norm", n("input_norm"), (h,)), ("post_norm", n("post_norm"), (h,)),
-           ("q", n("q"), (qd, h)), ("k", n("k"), (kd, h)),
+    out = [("input_norm", n("input_norm"), (h,)), ("post_norm", n("post_norm"), (h,))]
+    if a.kind == "mla":
+        return out + mla_plan(a, h, arch, n, split=n("k_b") in header.tensors) + _mlp_plan(l, geom, arch, n)
+    out += [("q", n("q"), (qd, h)), ("k", n("k"), (kd, h)),
            ("v", n("v"), (vd, h)), ("o", n("o"), (h, a.num_heads * a.v_head_dim))]
     if arch.q_bias:
         out += [("q_bias", n("q_bias"), (qd,)), ("k_bias", n("k_bias"), (kd,)), ("v_bias", n("v_bias"), (vd,))]
@@ -104,18 +118,18 @@ def _layer_plan(l: LayerSpec, geom: ModelGeometry, arch: Arch) -> list[tuple[str
         out += [("q_norm", n("q_norm"), (a.head_dim,)), ("k_norm", n("k_norm"), (a.head_dim,))]
     elif arch.qk_norm == "full":
         out += [("q_norm", n("q_norm"), (qd,)), ("k_norm", n("k_norm"), (kd,))]
+    return out + _mlp_plan(l, geom, arch, n)
+
+
+def _mlp_plan(l: LayerSpec, geom: ModelGeometry, arch: Arch, n) -> list[tuple[str, str, tuple]]:
+    """(attribute, GGUF name, torch shape) of the dense MLP or the MoE block of ``l``."""
+    h = geom.hidden_size
     if l.moe is None:
         i = l.dense_intermediate
-        return out + [("dense_gate", n("dense_gate"), (i, h)), ("dense_up", n("dense_up"), (i, h)),
-                      ("dense_down", n("dense_down"), (h, i))]
+        return [("dense_gate", n("dense_gate"), (i, h)), ("dense_up", n("dense_up"), (i, h)),
+                ("dense_down", n("dense_down"), (h, i))]
     m = l.moe
-    out.append(("router", n("router"), (m.num_experts, h)))
-    if m.shared_intermediate:
-        si = m.shared_intermediate
-        out += [("shared_gate", n("shared_gate"), (si, h)), ("shared_up", n("shared_up"), (si, h)),
-                ("shared_down", n("shared_down"), (h, si)),
-                ("shared_expert_gate", n("shared_expert_gate"), (1, h))]
-    return out
+    return [("router", n("router"), (m.num_experts, h))] + moe_extras_plan(m, h, arch, n)
 
 
 def _expert_parts(l: LayerSpec, geom: ModelGeometry, arch: Arch, ts: _Tensors) -> tuple[list[str], StoredExpert]:
@@ -141,30 +155,113 @@ def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
+class HostEmbedding:
+    """A token embedding table ``[V, H]`` kept on the host in its stored ggml type.
+
+    ``raw``: uint8 ``[V, row bytes]`` (the host ledger's ``host_weights`` line). A lookup
+    gathers the rows of the ids into ``rows`` (uint8 ``[chunk, row bytes]``, the host's
+    staging) and dequantizes them into the output (:func:`moefit.runtime.quant.dequantize`,
+    bit for bit what dequantizing the whole table would give), through ``tmp`` (``[chunk,
+    H]`` of the compute dtype on the host) when the output is on a GPU."""
+
+    def __init__(self, raw: torch.Tensor, qtype: str, hidden: int):
+        self.raw, self.qtype, self.hidden = raw, qtype, hidden
+        self.rows: torch.Tensor | None = None
+        self.tmp: torch.Tensor | None = None
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.raw.shape[0], self.hidden)
+
+    def lookup(self, ids: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """``out[t] = table[ids[t]]``: ``ids`` int64 ``[T]``, ``out`` ``[T, H]``."""
+        t = ids.numel()
+        host_ids = ids if ids.device.type == "cpu" else ids.to("cpu")
+        rows = (self.rows[:t] if self.rows is not None and self.rows.shape[0] >= t
+                else torch.empty((t, self.raw.shape[1]), dtype=torch.uint8))
+        torch.index_select(self.raw, 0, host_ids, out=rows)
+        if out.device.type == "cpu":
+            return dequantize(rows.view(-1), self.qtype, (t, self.hidden), out=out)
+        tmp = (self.tmp[:t] if self.tmp is not None and self.tmp.shape[0] >= t
+               else torch.empty((t, self.hidden), dtype=out.dtype))
+        dequantize(rows.view(-1), self.qtype, (t, self.hidden), out=tmp)
+        return out.copy_(tmp)
+
+
+class GGUFExperts(ExpertSource):
+    """The experts of a GGUF file, read from its memory map (module docstring)."""
+
+    def __init__(self, ts: _Tensors, plans: dict, geom: ModelGeometry, bar, mapped: bool):
+        self.ts, self.plans, self.bar, self.mapped = ts, plans, bar, mapped
+        self.hidden, self.dtype = geom.hidden_size, torch.uint8
+        self.experts = {l.index: l.moe.num_experts for l in geom.moe_layers}
+        self.inter = {l.index: l.moe.expert_intermediate for l in geom.moe_layers}
+        self.formats = {l: fmt for l, (_, fmt) in plans.items()}
+        self.elems = {l: fmt.nbytes for l, fmt in self.formats.items()}
+
+    def read(self, layer: int, targets: dict[int, torch.Tensor]) -> None:
+        """Copy each expert ``e`` of ``targets`` (``{e: uint8 blob}``) from the map: its
+        gate, up and down bytes back to back."""
+        parts, fmt = self.plans[layer]
+        e_count = self.experts[layer]
+        off = 0
+        for name in parts:
+            src = self.ts.raw(name).view(e_count, -1)                          # [E, bytes/E]
+            n = src.shape[1]
+            for e, dst in targets.items():
+                dst[off:off + n].copy_(src[e])
+            off += n
+            if not self.bar_done:
+                self.bar.update(n * len(targets))
+        assert off == fmt.nbytes, (off, fmt)
+
+    bar_done = False
+
+    def close(self) -> None:
+        """End the load: the progress bar, and the file's maps unless the experts run
+        from them (``mapped``; :meth:`release` closes them then)."""
+        self.bar.close()
+        self.bar_done = True
+        if not self.mapped:
+            self.ts.close()
+
+    def release(self) -> None:
+        self.ts.close()
+
+
 def load_gguf(path: str | Path, geom: ModelGeometry, arch: Arch, alloc, *, pin: bool = False,
-              progress: bool = True) -> tuple[Weights, HostExperts]:
+              progress: bool = True, host_alloc=None, mapped: bool = False,
+              transient=None) -> tuple[Weights, GGUFExperts]:
     """Read the GGUF model at ``path``: dense weights into tensors from ``alloc`` (compute
-    dtype ``arch.dtype``), experts into stored blobs. Every name, dims and type is checked
-    before any data is read. Raises InputError (see module docstring)."""
+    dtype ``arch.dtype``); the experts are read later from the returned
+    :class:`GGUFExperts`. Every name, dims and type is checked before any data is read.
+
+    ``host_alloc(shape, dtype)``: where the token embedding goes when it stays on the host
+    (the host ledger's ``host_weights`` line; None: on the device with the others).
+    ``mapped``: the experts run from the file's pages (the map stays open).
+    ``transient(nbytes)``: a context in which the loader holds ``nbytes`` on the host.
+    Raises InputError (see module docstring)."""
     h = read_header(path)
     if h.arch not in registry.runtime_gguf_archs():
         raise InputError(f"{h.paths[0]}: GGUF architecture {h.arch!r}: the runtime runs "
                          f"{', '.join(registry.runtime_gguf_archs())} (`moefit plan` plans it)")
     ts = _Tensors(h)
     try:
-        return _load(h, ts, geom, arch, alloc, pin, progress)
-    finally:
+        return _load(h, ts, geom, arch, alloc, progress, host_alloc, mapped, transient)
+    except BaseException:
         ts.close()
+        raise
 
 
-def _load(h, ts: _Tensors, geom, arch, alloc, pin, progress):
+def _load(h, ts: _Tensors, geom, arch, alloc, progress, host_alloc, mapped, transient):
     hidden, dtype = geom.hidden_size, arch.dtype
+    transient = transient or (lambda n: contextlib.nullcontext())
     g = arch.names.globals
     glob = [("embed", g["embed"][1], (geom.vocab_size, hidden)), ("norm", g["norm"][1], (hidden,))]
     embed = g["embed"][1]      # looked up by row: always dequantized
     if not arch.tie_embeddings:
         glob.append(("lm_head", g["lm_head"][1], (geom.vocab_size, hidden)))
-    layer_plans = [_layer_plan(l, geom, arch) for l in geom.layers]
+    layer_plans = [_layer_plan(l, geom, arch, h) for l in geom.layers]
     for _, name, shape in glob + [t for lp in layer_plans for t in lp]:
         ts.check(name, shape)
     expert_plans = {l.index: _expert_parts(l, geom, arch, ts) for l in geom.moe_layers}
@@ -178,15 +275,29 @@ def _load(h, ts: _Tensors, geom, arch, alloc, pin, progress):
     permute = family is not None and family.gguf_permute_qk
     qk = {name: heads if attr == "q" else kv_heads for lp in layer_plans for attr, name, _ in lp
           if attr in ("q", "k", "q_bias", "k_bias")}
+    # MLA's kv_b is viewed per head (W_UK / W_UV), so it is never kept in a stored format
+    unstored = {name for lp in layer_plans for attr, name, _ in lp if attr == "kv_b"}
 
     def resident(name: str, shape: tuple) -> torch.Tensor:
         t = h.tensors[name]
         raw = ts.raw(name)
+        if name == embed and host_alloc is not None:
+            # kept on the host as stored: a lookup dequantizes the rows it reads
+            table = host_alloc((shape[0], t.nbytes // shape[0]), torch.uint8)
+            table.view(-1).copy_(raw)
+            bar.update(t.nbytes)
+            return HostEmbedding(table, t.ggml_type, shape[1])
         if permute and name in qk:
             # whole quantized rows move: un-permute the bytes on the host, then dequantize
-            raw = _unpermute(raw.view(shape[0], -1), qk[name]).reshape(-1)
-        dst = alloc(shape, dtype)
-        if (name != embed and len(shape) == 2 and dst.device.type == "cpu" and qmatmul.available()
+            with transient(t.nbytes):
+                raw = _unpermute(raw.view(shape[0], -1), qk[name]).reshape(-1)
+                return _fill(name, t, raw, shape)
+        return _fill(name, t, raw, shape)
+
+    def _fill(name, t, raw, shape):
+        dst = alloc(shape, resident_dtype(name, dtype))
+        if (name != embed and name not in unstored and len(shape) == 2 and dst.device.type == "cpu"
+                and qmatmul.available()
                 and StoredMatrix.fits(t.ggml_type, shape[0], shape[1], dtype)):
             # kept as stored inside its planned buffer: decode reads the stored bytes
             stored = StoredMatrix(dst, t.ggml_type, shape[0], shape[1])
@@ -198,23 +309,4 @@ def _load(h, ts: _Tensors, geom, arch, alloc, pin, progress):
         return dst
 
     weights = assemble_weights(glob, layer_plans, resident)
-
-    experts = HostExperts(hidden, torch.uint8)
-    for l in geom.moe_layers:
-        parts, fmt = expert_plans[l.index]
-        e = l.moe.num_experts
-        blobs = torch.empty((e, fmt.nbytes), dtype=torch.uint8, pin_memory=pin)   # [E, bytes]
-        off = 0
-        for name in parts:
-            src = ts.raw(name).view(e, -1)                                          # [E, bytes/E]
-            blobs[:, off:off + src.shape[1]].copy_(src)
-            off += src.shape[1]
-            bar.update(h.tensors[name].nbytes)
-        assert off == fmt.nbytes, (off, fmt)
-        experts.blobs[l.index] = blobs
-        experts.inter[l.index] = l.moe.expert_intermediate
-        experts.formats[l.index] = fmt
-    bar.close()
-    return weights, experts
-
-
+    return weights, GGUFExperts(ts, expert_plans, geom, bar, mapped)

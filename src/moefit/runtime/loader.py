@@ -16,10 +16,20 @@ Routed experts come in two layouts, both accepted:
    ``MixtralExperts``, ...): ``{p}.mlp.experts.gate_up_proj`` ``[E, 2I, H]`` (gate rows
    first, then up) and ``{p}.mlp.experts.down_proj`` ``[E, H, I]``.
 
-Every expert becomes ONE contiguous host blob (docs/design.md, runtime contract; mixtral-offloading's packed
+Every expert becomes ONE contiguous blob (docs/design.md, runtime contract; mixtral-offloading's packed
 expert storage): ``[gate (I*H) | up (I*H) | down (H*I)]`` in the model dtype, so gate and
 up together are the ``[2I, H]`` matrix of the fused layout and a cache miss is one copy.
-Blobs are pinned when the device is CUDA (asynchronous host-to-device copies).
+The loader reads the dense weights at once and returns an :class:`ExpertSource`; the
+engine reads the experts from it once it knows where each one lives (docs/design.md,
+host budget): a resident expert straight into its device slot, the others into host rows
+(pinned when the device is CUDA: asynchronous host-to-device copies), so the host never
+holds a resident expert.
+
+Block-scaled fp8 checkpoints (``quant_method: fp8``: DeepSeek-V3 / R1, Kimi-K2): each F8_E4M3
+weight with its ``weight_scale_inv`` stays as stored, as priced: a dense one as a
+:class:`~moefit.runtime.quant.Fp8Matrix` (dequantized into the staging workspace when used),
+the experts as stored blobs of e4m3 bytes and fp32 scales
+(:meth:`~moefit.runtime.quant.StoredExpert.pack_fp8`), dequantized when they run.
 
 Errors (:class:`~moefit.errors.InputError`): a missing tensor (named, with the file the
 index points to or the files searched), a tensor of the wrong shape (named, with its file,
@@ -32,6 +42,7 @@ few projections are regrouped at load (:mod:`moefit.runtime.hybrid_layout`).
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,9 +52,11 @@ import torch
 
 from moefit.ingest.checkpoint import checkpoint_files, read_header
 from moefit.errors import InputError
+from moefit.ingest.families.common import FP32_TENSORS
 from moefit.ingest.geometry import LayerSpec, ModelGeometry
 from moefit.runtime.arch import Arch
 from moefit.runtime.hybrid_layout import Packed, gated_q, linear_attention_entries, sources
+from moefit.runtime.quant import FP8, Fp8Matrix, StoredExpert, fp8_scale_shape
 
 Alloc = Callable[[tuple[int, ...], torch.dtype], torch.Tensor]
 
@@ -83,6 +96,18 @@ class LayerWeights:
     la_a_log: torch.Tensor | None = None     # [Nv]
     la_norm: torch.Tensor | None = None      # [Dv]
     la_out: torch.Tensor | None = None       # [H, Nv*Dv]
+    # MLA (DeepSeek; see mla_plan): L kv_lora_rank, R qk_rope_head_dim, Q q_lora_rank
+    q_a: torch.Tensor | None = None          # [Q, H]
+    q_a_bias: torch.Tensor | None = None     # [Q]
+    q_a_norm: torch.Tensor | None = None     # [Q]
+    q_b: torch.Tensor | None = None          # [A*(nope+R), Q]
+    kv_a: torch.Tensor | None = None         # [L+R, H]
+    kv_a_bias: torch.Tensor | None = None    # [L+R]
+    kv_a_norm: torch.Tensor | None = None    # [L]
+    kv_b: torch.Tensor | None = None         # [A*(nope+Dv), L]  (or k_b and v_b:)
+    k_b: torch.Tensor | None = None          # [A, L, nope]
+    v_b: torch.Tensor | None = None          # [A, Dv, L]
+    router_bias: torch.Tensor | None = None  # [E] fp32 e_score_correction_bias
 
 
 @dataclass
@@ -98,12 +123,16 @@ class Weights:
 
 @dataclass
 class HostExperts:
-    """Packed expert blobs in host memory, per MoE layer.
+    """Packed expert blobs in host memory, per MoE layer: the experts that are not
+    resident on a device (every expert with ``--miss-policy copy``).
 
-    ``blobs[layer]``: ``[E, 3 * I * H]`` in the model dtype, one row per expert;
-    ``inter[layer]``: the expert width I; ``hidden``: H.
-    ``formats[layer]``: for experts kept in a stored (quantized) format, the blob layout
-    (:class:`moefit.runtime.quant.StoredExpert`); their blobs are uint8 ``[E, bytes]``.
+    ``blobs[layer]``: ``[rows, 3 * I * H]`` in the model dtype, one row per expert held
+    (``rows[layer]``: expert -> row); ``experts[layer]``: the layer's expert count E;
+    ``elems[layer]``: elements of one blob; ``inter[layer]``: the expert width I;
+    ``hidden``: H. ``formats[layer]``: for experts kept in a stored (quantized) format, the
+    blob layout (:class:`moefit.runtime.quant.StoredExpert`); their blobs are uint8.
+    ``mapped``: the experts without a row are read from the file's pages when they run
+    (``--host-experts mmap``), gathered into ``gather_buf`` by ``source``.
     """
 
     hidden: int
@@ -111,12 +140,48 @@ class HostExperts:
     blobs: dict[int, torch.Tensor] = field(default_factory=dict)
     inter: dict[int, int] = field(default_factory=dict)
     formats: dict[int, object] = field(default_factory=dict)
+    rows: dict[int, dict[int, int]] = field(default_factory=dict)
+    experts: dict[int, int] = field(default_factory=dict)
+    elems: dict[int, int] = field(default_factory=dict)
+    mapped: bool = False
+    source: "ExpertSource | None" = None
+    gather_buf: torch.Tensor | None = None
+    #: rows added after the commit for experts a shrinking cache gave up (:meth:`keep`),
+    #: and where they are allocated (``spill(elems, dtype)``: the host ledger)
+    extra: dict[int, dict[int, torch.Tensor]] = field(default_factory=dict)
+    spill: object = None
+
+    def keep(self, layer: int, expert: int, src: torch.Tensor) -> None:
+        """Give ``expert`` a host copy of ``src`` (its slot, about to be released) unless
+        the host holds or maps it already."""
+        if self.mapped or expert in self.rows.get(layer, {}) or expert in self.extra.get(layer, {}):
+            return
+        alloc = self.spill or (lambda n, dt: torch.empty(n, dtype=dt))
+        t = alloc(self.elems[layer], self.dtype)
+        t.copy_(src)
+        self.extra.setdefault(layer, {})[expert] = t
 
     def blob_elems(self, layer: int) -> int:
-        return self.blobs[layer].shape[1]
+        return self.elems[layer]
 
     def blob_bytes(self, layer: int) -> int:
-        return self.blob_elems(layer) * self.blobs[layer].element_size()
+        return self.elems[layer] * self.dtype.itemsize
+
+    def blob(self, layer: int, expert: int) -> torch.Tensor:
+        """Expert ``expert``'s blob ``[elems]`` in host memory: its row, or (mapped) its
+        bytes gathered from the file into ``gather_buf`` (valid until the next call).
+        Raises KeyError for an expert the host does not hold (a resident one)."""
+        row = self.rows[layer].get(expert)
+        if row is not None:
+            return self.blobs[layer][row]
+        kept = self.extra.get(layer, {}).get(expert)
+        if kept is not None:
+            return kept
+        if not self.mapped:
+            raise KeyError(f"layer {layer} expert {expert} is resident; the host holds no copy")
+        out = self.gather_buf[:self.elems[layer]]
+        self.source.read(layer, {expert: out})
+        return out
 
 
 def split_blob(blob: torch.Tensor, inter: int, hidden: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -136,10 +201,29 @@ class _Index:
             raise InputError(f"{model_dir}: no *.safetensors files; the runtime needs the "
                              "weights (`moefit plan` works from config.json alone)")
         self.where: dict[str, tuple[Path, tuple[int, ...]]] = {}
+        self.dtypes: dict[str, str] = {}      # safetensors dtype names
+        self.nbytes: dict[str, int] = {}
         for f in self.files:
             for t in read_header(f).tensors:
                 self.where[t.name] = (f, t.shape)
+                self.dtypes[t.name] = t.dtype
+                self.nbytes[t.name] = t.nbytes
         self._handles: dict[Path, object] = {}
+
+    def fp8(self, name: str) -> bool:
+        """Whether ``name`` is stored as block-scaled fp8 (an F8_E4M3 weight)."""
+        return self.dtypes.get(name) == FP8
+
+    def check_fp8_scales(self, name: str, shape: tuple[int, ...], block: tuple[int, int]) -> str:
+        """The ``weight_scale_inv`` of fp8 weight ``name`` ``[rows, cols]``, checked for its
+        shape (one fp32 per ``block``); InputError naming it when absent or misshapen, or
+        when the checkpoint's ``quantization_config`` does not make it block-scaled fp8."""
+        scale = name.removesuffix("weight") + "weight_scale_inv"
+        if len(shape) != 2:
+            raise InputError(f"{self.where[name][0]}: tensor {name!r} is {FP8} with shape "
+                             f"{list(shape)}; the runtime runs 2-D block-scaled fp8 weights")
+        self.check(scale, fp8_scale_shape(shape[0], shape[1], block))
+        return scale
 
     def has(self, name: str) -> bool:
         return name in self.where
@@ -177,6 +261,39 @@ def _first(index: _Index, names: list[str]) -> str:
     raise index.missing(names[0])
 
 
+def mla_plan(a, hidden: int, arch: Arch, name, split: bool = False) -> list[tuple[str, str, tuple]]:
+    """(attribute, name, shape) of an MLA layer's attention tensors (DeepSeek-V2 §2.1;
+    ``DeepseekV3Attention``): the q projection (``q_proj``, or ``q_a_proj`` + its bias when
+    ``attention_bias`` + ``q_a_layernorm`` + ``q_b_proj`` with a q LoRA),
+    ``kv_a_proj_with_mqa`` (+ bias) ``[L + R, H]``, ``kv_a_layernorm`` ``[L]``,
+    ``kv_b_proj`` ``[A (nope + Dv), L]`` -- or, ``split`` (GGUF files of current llama.cpp),
+    ``k_b`` ``[A, L, nope]`` and ``v_b`` ``[A, Dv, L]`` -- and ``o_proj`` (+ bias).
+    ``name(slot)``: the tensor name of a slot. Both loaders use it."""
+    heads, qk, dv = a.num_heads, a.head_dim, a.v_head_dim
+    lora, rope, ql = a.kv_lora_rank, a.qk_rope_head_dim, a.q_lora_rank
+    nope = qk - rope
+    out = []
+    if ql:
+        out.append(("q_a", name("q_a"), (ql, hidden)))
+        if arch.q_bias:
+            out.append(("q_a_bias", name("q_a_bias"), (ql,)))
+        out += [("q_a_norm", name("q_a_norm"), (ql,)), ("q_b", name("q_b"), (heads * qk, ql))]
+    else:
+        out.append(("q", name("q"), (heads * qk, hidden)))
+    out.append(("kv_a", name("kv_a"), (lora + rope, hidden)))
+    if arch.q_bias:
+        out.append(("kv_a_bias", name("kv_a_bias"), (lora + rope,)))
+    out.append(("kv_a_norm", name("kv_a_norm"), (lora,)))
+    if split:
+        out += [("k_b", name("k_b"), (heads, lora, nope)), ("v_b", name("v_b"), (heads, dv, lora))]
+    else:
+        out.append(("kv_b", name("kv_b"), (heads * (nope + dv), lora)))
+    out.append(("o", name("o"), (hidden, heads * dv)))
+    if arch.o_bias:
+        out.append(("o_bias", name("o_bias"), (hidden,)))
+    return out
+
+
 def _layer_plan(l: LayerSpec, geom: ModelGeometry, arch: Arch, index: _Index) -> list[tuple[str, str, tuple]]:
     """(attribute, checkpoint name, shape) of every resident tensor of layer ``l``; names
     from the family's table (``arch.names``)."""
@@ -187,6 +304,8 @@ def _layer_plan(l: LayerSpec, geom: ModelGeometry, arch: Arch, index: _Index) ->
     if a.kind == "linear":
         out += linear_attention_entries(p, a, h, index.has)
         return out + _mlp_plan(l, geom, arch, index, p)
+    if a.kind == "mla":
+        return out + mla_plan(a, h, arch, n) + _mlp_plan(l, geom, arch, index, p)
     q, qb = (n("q"), (qd, h)), (n("q_bias"), (qd,))
     if a.output_gate:   # q_proj holds [query | gate] per head: regrouped at load
         q = gated_q(q[0], a.num_heads, a.head_dim, h)
@@ -217,11 +336,24 @@ def _mlp_plan(l: LayerSpec, geom: ModelGeometry, arch: Arch, index: _Index,
     m = l.moe
     router = _first(index, arch.names.hf_candidates("router", p))
     out.append(("router", router, (m.num_experts, h)))
+    return out + moe_extras_plan(m, h, arch, n)
+
+
+def moe_extras_plan(m, hidden: int, arch: Arch, name) -> list[tuple[str, str, tuple]]:
+    """(attribute, name, shape) of a MoE block's tensors beside the router: the router's
+    ``e_score_correction_bias`` ``[E]`` (held in fp32, :data:`FP32_TENSORS`) when the
+    routing has one; the shared expert, with its 1-row sigmoid gate when the family's name
+    table has one (Qwen2-MoE / Qwen3-Next; DeepSeek's and GLM's ``shared_experts`` are
+    added ungated). ``name(slot)``: the tensor name of a slot. Both loaders use it."""
+    out = []
+    if m.routing.bias:
+        out.append(("router_bias", name("router_bias"), (m.num_experts,)))
     if m.shared_intermediate:
         si = m.shared_intermediate
-        out += [("shared_gate", n("shared_gate"), (si, h)), ("shared_up", n("shared_up"), (si, h)),
-                ("shared_down", n("shared_down"), (h, si)),
-                ("shared_expert_gate", n("shared_expert_gate"), (1, h))]
+        out += [("shared_gate", name("shared_gate"), (si, hidden)), ("shared_up", name("shared_up"), (si, hidden)),
+                ("shared_down", name("shared_down"), (hidden, si))]
+        if arch.names.shared_gate:
+            out.append(("shared_expert_gate", name("shared_expert_gate"), (1, hidden)))
     return out
 
 
@@ -242,8 +374,36 @@ def _expert_plan(l: LayerSpec, geom: ModelGeometry, arch: Arch, index: _Index):
         trio = (f"{e}{g}.weight", f"{e}{u}.weight", f"{e}{d}.weight")
         for n, shape in zip(trio, ((i, h), (i, h), (h, i))):
             index.check(n, shape)
+            if index.fp8(n):
+                index.check_fp8_scales(n, shape, _fp8_block(geom, index, n))
         names.append(trio)
     return "per_expert", names
+
+
+def _fp8_block(geom: ModelGeometry, index: _Index, name: str) -> tuple[int, int]:
+    """The block of the checkpoint's fp8 scales (``quantization_config.weight_block_size``).
+    Raises InputError when an fp8 tensor comes without a block-scaled fp8 config."""
+    if geom.quant.method != "fp8":
+        raise InputError(f"{index.where[name][0]}: tensor {name!r} is {FP8}, but config.json has "
+                         "no block-scaled fp8 quantization_config; the checkpoint and its "
+                         "config disagree")
+    return tuple(geom.quant.block_size)
+
+
+def fp8_matrices(weights: "Weights") -> list[Fp8Matrix]:
+    """Every block-scaled fp8 matrix of the resident weights (the engine hands them the
+    staging workspace they dequantize into)."""
+    out = [w for w in (weights.embed, weights.norm, weights.lm_head) if isinstance(w, Fp8Matrix)]
+    for lw in weights.layers:
+        out += [v for v in vars(lw).values() if isinstance(v, Fp8Matrix)]
+    return out
+
+
+def resident_dtype(name, dtype: torch.dtype) -> torch.dtype:
+    """The dtype a resident tensor is held in: ``dtype`` (the compute dtype), or fp32 for
+    the tensors :data:`moefit.ingest.families.common.FP32_TENSORS` names (the weight
+    pricing reads the same table)."""
+    return torch.float32 if isinstance(name, str) and name.endswith(FP32_TENSORS) else dtype
 
 
 def assemble_weights(glob, layer_plans, resident) -> "Weights":
@@ -261,22 +421,122 @@ def assemble_weights(glob, layer_plans, resident) -> "Weights":
     return Weights(g["embed"], g["norm"], g.get("lm_head", g["embed"]), layers)
 
 
+def _no_transient(nbytes: int):
+    return contextlib.nullcontext()
+
+
+class ExpertSource:
+    """The experts of a checkpoint, read when the engine knows where each one goes.
+
+    ``layers``: the MoE layer indices; ``experts[layer]``, ``elems[layer]``,
+    ``inter[layer]``, ``formats[layer]`` and ``dtype`` describe the blobs (as in
+    :class:`HostExperts`). :meth:`read` copies experts into given blob tensors, :meth:`close`
+    ends the reading (the files' handles or maps, the progress bar).
+    """
+
+    hidden: int
+    dtype: torch.dtype
+    experts: dict[int, int]
+    elems: dict[int, int]
+    inter: dict[int, int]
+    formats: dict[int, object]
+
+    @property
+    def layers(self) -> list[int]:
+        return list(self.experts)
+
+    def read(self, layer: int, targets: dict[int, torch.Tensor]) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+    def host_experts(self) -> HostExperts:
+        """An empty :class:`HostExperts` of this source's layout (rows added by the engine)."""
+        return HostExperts(self.hidden, self.dtype, inter=dict(self.inter), formats=dict(self.formats),
+                           experts=dict(self.experts), elems=dict(self.elems))
+
+
+class _SafetensorsExperts(ExpertSource):
+    """Experts of a safetensors checkpoint (module docstring: both layouts)."""
+
+    def __init__(self, index: "_Index", geom: ModelGeometry, plans: dict, dtype: torch.dtype,
+                 bar, transient):
+        self.index, self.plans, self.bar, self.transient = index, plans, bar, transient
+        self.hidden, self.dtype = geom.hidden_size, dtype
+        self.experts = {l.index: l.moe.num_experts for l in geom.moe_layers}
+        self.inter = {l.index: l.moe.expert_intermediate for l in geom.moe_layers}
+        self.elems = {l: 3 * i * self.hidden for l, i in self.inter.items()}
+        self.formats = {}
+        # block-scaled fp8 experts stay as stored: uint8 blobs of e4m3 bytes and fp32 scales
+        fp8 = {l: plan[0] == "per_expert" and index.fp8(plan[1][0][0]) for l, plan in plans.items()}
+        for l, plan in plans.items():
+            if plan[0] == "fused" and (index.fp8(plan[1]) or index.fp8(plan[2])):
+                raise InputError(f"{index.model_dir}: {plan[1]!r} is {FP8}: fp8 experts are read one "
+                                 "tensor per expert, as the published checkpoints store them")
+        if any(fp8.values()):
+            if not all(fp8.values()):
+                raise InputError(f"{index.model_dir}: some MoE layers' experts are {FP8} and some "
+                                 "are not; the runtime holds one expert format per checkpoint")
+            block = _fp8_block(geom, index, next(iter(plans.values()))[1][0][0])
+            self.dtype = torch.uint8
+            self.formats = {l: StoredExpert.pack_fp8(i, self.hidden, block) for l, i in self.inter.items()}
+            self.elems = {l: fmt.nbytes for l, fmt in self.formats.items()}
+
+    def read(self, layer: int, targets: dict[int, torch.Tensor]) -> None:
+        """Copy each expert ``e`` of ``targets`` (``{e: blob [3 I H]}``) from the files.
+        A fused tensor is read whole, one at a time."""
+        i, h, plan = self.inter[layer], self.hidden, self.plans[layer]
+        if plan[0] == "fused":
+            for name, lo, hi in ((plan[1], 0, 2 * i * h), (plan[2], 2 * i * h, 3 * i * h)):
+                with self.transient(self.index.nbytes[name]):
+                    t = self.index.get(name)                           # [E, 2I, H] / [E, H, I]
+                    for e, dst in targets.items():
+                        dst[lo:hi].copy_(t[e].reshape(-1))
+                    self.bar.update(t.numel() * len(targets) // t.shape[0])
+            return
+        fmt = self.formats.get(layer)
+        for e, dst in targets.items():
+            for part, name in enumerate(plan[1][e]):
+                if fmt is not None:     # fp8: the e4m3 bytes, then the fp32 block scales
+                    p = (fmt.gate, fmt.up, fmt.down)[part]
+                    n, scale = p.rows * p.cols, name.removesuffix("weight") + "weight_scale_inv"
+                    with self.transient(self.index.nbytes[name] + self.index.nbytes[scale]):
+                        row = dst[p.offset:p.offset + p.nbytes]
+                        row[:n].copy_(self.index.get(name).view(torch.uint8).reshape(-1))
+                        row[n:].copy_(self.index.get(scale).reshape(-1).view(torch.uint8))
+                        self.bar.update(n)
+                    continue
+                with self.transient(self.index.nbytes[name]):
+                    t = self.index.get(name)
+                    dst[part * i * h:(part + 1) * i * h].copy_(t.reshape(-1))
+                    self.bar.update(t.numel())
+
+    def close(self) -> None:
+        self.bar.close()
+
+
 def load_checkpoint(model_dir: str | Path, geom: ModelGeometry, arch: Arch, alloc: Alloc, *,
-                    pin: bool = False, progress: bool = True) -> tuple[Weights, HostExperts]:
+                    pin: bool = False, progress: bool = True,
+                    transient=None) -> tuple[Weights, ExpertSource]:
     """Read the checkpoint in ``model_dir``: resident weights into tensors from ``alloc``
-    (the ledger's ``weights`` line), experts into packed host blobs.
+    (the ledger's ``weights`` line); the experts are read later, from the returned
+    :class:`ExpertSource`.
 
     Every name and shape is checked against the geometry before any data is read.
 
     Args:
         alloc: ``alloc(shape, dtype) -> tensor`` on the device.
-        pin: pin the host blobs (CUDA devices).
+        pin: unused here (the engine pins the host rows it allocates); kept for callers.
         progress: show a progress bar (tqdm, on stderr).
+        transient: ``transient(nbytes)`` -> a context in which a tensor of ``nbytes`` read
+            from the files is held on the host (the host ledger's ``host_staging`` line).
 
     Raises InputError (see module docstring).
     """
     model_dir = Path(model_dir)
     index = _Index(model_dir)
+    transient = transient or _no_transient
     h, dtype = geom.hidden_size, arch.dtype
     # ---- resolve every name first: errors before any byte is read ------------------------
     g = arch.names.globals
@@ -299,37 +559,35 @@ def load_checkpoint(model_dir: str | Path, geom: ModelGeometry, arch: Arch, allo
 
     def resident(name: str | Packed, shape: tuple) -> torch.Tensor:
         if isinstance(name, Packed):
-            src = name.build([index.get(n) for n, _ in name.parts])
+            if any(index.fp8(n) for n, _ in name.parts):
+                raise InputError(f"{model_dir}: {name.parts[0][0]!r} is {FP8}: the runtime runs "
+                                 "fp8 attention and MLP weights, not fp8 linear-attention ones")
+            held = 2 * sum(index.nbytes[n] for n, _ in name.parts)     # the parts and the result
+            with transient(held):
+                src = name.build([index.get(n) for n, _ in name.parts])
+                dst = alloc(shape, dtype)
+                dst.copy_(src)
+        elif index.fp8(name):     # held as stored: the e4m3 bytes and the block scales
+            block = _fp8_block(geom, index, name)
+            scale = index.check_fp8_scales(name, shape, block)
+            m = Fp8Matrix(alloc((shape[0] * shape[1],), torch.uint8),
+                          alloc(fp8_scale_shape(shape[0], shape[1], block), torch.float32),
+                          shape[0], shape[1], block)
+            with transient(index.nbytes[name] + index.nbytes[scale]):
+                m.w.copy_(index.get(name).view(torch.uint8).reshape(-1))
+                m.scale.copy_(index.get(scale))
+            bar.update(index.numel(name))
+            return m
         else:
-            src = index.get(name)
-        dst = alloc(shape, dtype)
-        dst.copy_(src)
+            with transient(index.nbytes[name]):
+                src = index.get(name)
+                dst = alloc(shape, resident_dtype(name, dtype))
+                dst.copy_(src)
         bar.update(src.numel())
         return dst
 
     weights = assemble_weights(glob, layer_plans, resident)
-
-    experts = HostExperts(h, dtype)
-    for l in geom.moe_layers:
-        m, i = l.moe, l.moe.expert_intermediate
-        blobs = torch.empty((m.num_experts, 3 * i * h), dtype=dtype, pin_memory=pin)  # [E, 3IH]
-        plan = expert_plans[l.index]
-        if plan[0] == "fused":
-            gu, dn = index.get(plan[1]), index.get(plan[2])          # [E, 2I, H], [E, H, I]
-            blobs[:, :2 * i * h].copy_(gu.reshape(m.num_experts, -1))
-            blobs[:, 2 * i * h:].copy_(dn.reshape(m.num_experts, -1))
-            bar.update(gu.numel() + dn.numel())
-        else:
-            for j, trio in enumerate(plan[1]):
-                row = blobs[j]
-                for part, name in enumerate(trio):
-                    t = index.get(name)
-                    row[part * i * h:(part + 1) * i * h].copy_(t.reshape(-1))
-                    bar.update(t.numel())
-        experts.blobs[l.index] = blobs
-        experts.inter[l.index] = i
-    bar.close()
-    return weights, experts
+    return weights, _SafetensorsExperts(index, geom, expert_plans, dtype, bar, transient)
 
 
 class _NoBar:

@@ -253,14 +253,15 @@ def read_rope(c: Cfg, max_pos: int) -> RopeSpec:
                     trained_window=max_pos, original_window=original)
 
 
-def partial_rotary(c: Cfg) -> float:
+def partial_rotary(c: Cfg, default: float = 1.0) -> float:
     """``partial_rotary_factor``: inside the RoPE dict (:func:`rope_block`), else at top
     level, else 1. The rule of :func:`rope_config` for ``rope_theta``: transformers'
     ``convert_rope_params_to_dict`` sets the top-level value as the dict's default, and the
     models read the dict (``modeling_qwen3_next.py``: ``config.rope_parameters.get(
-    "partial_rotary_factor", 1.0)``). A fraction of the head dimension: 0 to 1."""
+    "partial_rotary_factor", 1.0)``). A fraction of the head dimension: 0 to 1; ``default``
+    when the config has none (the config class's: GLM-4.5's ``Glm4MoeConfig`` sets 0.5)."""
     value = rope_block(c.data).get("partial_rotary_factor")
-    return bounded_float(value if value is not None else c.get("partial_rotary_factor", 1.0),
+    return bounded_float(value if value is not None else c.get("partial_rotary_factor", default),
                          "partial_rotary_factor", c.source, low=0.0, high=1.0)
 
 
@@ -432,6 +433,15 @@ LAYER_NAMES: dict[str, tuple[str, str]] = {
     "dense_down": ("mlp.down_proj.weight", "ffn_down.weight"),
 }
 
+#: Name suffixes (Hugging Face, GGUF) of tensors held in fp32 whatever the compute dtype:
+#: the router's ``e_score_correction_bias`` of DeepSeek-V3 / Kimi-K2 / GLM-4.5 (slot
+#: ``router_bias``; GGUF ``exp_probs_b.bias``), which transformers keeps in fp32
+#: (``_keep_in_fp32_modules_strict`` of ``DeepseekV3PreTrainedModel``) and vLLM too: it
+#: decides which experts run, and bf16 would round it. The weight pricing
+#: (``moefit.ingest.checkpoint.held_bytes``, ``moefit.ingest.gguf_header``) and both loaders
+#: read this.
+FP32_TENSORS: tuple[str, ...] = ("e_score_correction_bias", "exp_probs_b.bias")
+
 #: Model-wide tensors: slot -> (Hugging Face name, under the text model's prefix except
 #: ``lm_head``, GGUF name) (``TENSOR_NAMES``: ``token_embd``, ``output_norm``, ``output``).
 GLOBAL_NAMES: dict[str, tuple[str, str]] = {
@@ -509,7 +519,9 @@ class NameTable:
     checkpoint may use instead (transformers 5.x saves every MoE block as ``mlp``).
     ``moe_blocks``: the MoE block names a checkpoint may use, the family's first.
     ``expert_parts``: the (gate, up, down) module names of one routed expert under
-    ``{moe}.experts.{j}.``. The one home of a family's MoE names: its parser lists them
+    ``{moe}.experts.{j}.``. ``shared_gate``: the shared expert is scaled by a 1-row sigmoid
+    gate (``shared_expert_gate``: Qwen2-MoE, Qwen3-Next); DeepSeek's and GLM-4.5's
+    ``shared_experts`` are added ungated. The one home of a family's MoE names: its parser lists them
     (:meth:`router_module`, :meth:`hf_experts`), the runtime loads them
     (``moefit.runtime.arch.Arch.moe_prefix`` / ``expert_names``).
     """
@@ -520,6 +532,7 @@ class NameTable:
     aliases: dict[str, str] = field(default_factory=dict)
     moe_blocks: tuple[str, ...] = ("mlp",)
     expert_parts: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+    shared_gate: bool = True
 
     @property
     def moe_prefix(self) -> str:
@@ -567,7 +580,8 @@ class NameTable:
 
 
 def name_table(moe_prefix: str = "mlp", layer: dict[str, tuple[str, str]] | None = None,
-               expert_parts: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")) -> NameTable:
+               expert_parts: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"),
+               shared_gate: bool = True) -> NameTable:
     """The :class:`NameTable` of a family whose MoE block is ``{prefix}layers.N.{moe_prefix}``
     with experts' (gate, up, down) modules ``expert_parts``, and ``layer`` overriding or
     adding per-layer entries. A block not named ``mlp`` (Mixtral's
@@ -576,7 +590,7 @@ def name_table(moe_prefix: str = "mlp", layer: dict[str, tuple[str, str]] | None
     table = {slot: (hf.replace("{moe}", moe_prefix), g) for slot, (hf, g) in {**LAYER_NAMES, **(layer or {})}.items()}
     aliases = {} if moe_prefix == "mlp" else {LAYER_NAMES["router"][0].replace("{moe}", "mlp"): "router"}
     return NameTable(table, dict(GLOBAL_NAMES), dict(GGUF_EXPERT_NAMES), aliases,
-                     tuple(dict.fromkeys((moe_prefix, "mlp"))), tuple(expert_parts))
+                     tuple(dict.fromkeys((moe_prefix, "mlp"))), tuple(expert_parts), shared_gate)
 
 
 # --------------------------------------------------------------------------------------------
@@ -590,7 +604,9 @@ class Switches:
     ``dtype``: dtype name (:func:`dtype_name`). ``qk_norm``: ``"head"``, ``"full"`` or ``""``.
     ``renormalize``: divide the top-k routing weights by their sum. (The MoE block and
     expert names are the family's :class:`NameTable`'s.) ``config``: the text model's config dict; ``prefix``: checkpoint prefix of the text
-    model; ``norm_offset``: 1.0 for ``(1 + w)`` RMSNorm weights.
+    model; ``norm_offset``: 1.0 for ``(1 + w)`` RMSNorm weights; ``rope_interleave``: RoPE
+    rotates interleaved pairs ``(x0, x1), (x2, x3) ...`` (DeepSeek's layout) instead of the
+    two halves (``rotate_half``).
     """
 
     model_type: str
@@ -605,6 +621,7 @@ class Switches:
     config: dict
     prefix: str = "model."
     norm_offset: float = 0.0
+    rope_interleave: bool = False
 
 
 # --------------------------------------------------------------------------------------------
@@ -703,7 +720,11 @@ class Family:
     config)``: the family's own metadata keys for ``moefit.tools.gguf_write`` (default
     :func:`gguf_moe_metadata`). ``active_convention``: per model_type, how its model card
     counts active parameters when not every embedding is counted
-    (:data:`~moefit.ingest.geometry.ACTIVE_CONVENTIONS`).
+    (:data:`~moefit.ingest.geometry.ACTIVE_CONVENTIONS`). ``gguf_attention_meta(config)``:
+    the family's values of the attention keys ``moefit.tools.gguf_write`` writes
+    (``head_count_kv``, ``key_length``, ``value_length``, ``rope_dimension_count``; default:
+    the KV heads and the head dim). ``gguf_split_tensors(name, shape, config)``: a Hugging
+    Face tensor the converter writes as several GGUF tensors (``(parts, join)``), or None.
     """
 
     name: str
@@ -722,6 +743,8 @@ class Family:
     gguf_permute_qk: bool = False
     gguf_write_meta: Callable[[Any, dict], None] | None = None
     active_convention: dict[str, str] = field(default_factory=dict)
+    gguf_attention_meta: Callable[[dict], dict] | None = None
+    gguf_split_tensors: Callable[[str, tuple, dict], Any] | None = None
 
     def kind(self, model_type: str) -> str:
         """The model_type whose parser branch ``model_type`` takes."""
