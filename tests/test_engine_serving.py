@@ -494,12 +494,15 @@ def test_vllm_data_parallel_ranks_larger_than_a_node_run_through_ray():
 
 
 @pytest.mark.parametrize("engine", [VLLM, SGLANG])
-def test_a_huge_batched_token_request_is_clamped_at_once_to_the_largest_that_fits(engine):
-    import time
+def test_a_huge_batched_token_request_is_clamped_at_once_to_the_largest_that_fits(engine, monkeypatch):
+    # the clamp bisects the 256 grid: a few dozen pricings for 10^14 tokens, not 4 x 10^11
+    calls = []
+    price = type(engine).price
+    monkeypatch.setattr(type(engine), "price", lambda self, *a, **k: calls.append(1) or price(self, *a, **k))
     g, dev = load_model("Qwen3-30B-A3B"), find_gpu("H100")
-    t0 = time.perf_counter()
-    plan = serving.solve_serving(g, engine, dev, serving.ServeRequest(context=40960, batched=99_999_999_999_999))
-    assert time.perf_counter() - t0 < 2.0
+    plan = serving.solve_serving(g, engine, dev, serving.ServeRequest(context=40960, batched=99_999_999_999_999),
+                                 alternatives=False)
+    assert len(calls) < 200
     assert plan.fits and plan.budget.batched % serving.BATCH_GRID == 0
     assert serving.solve_serving(g, engine, dev, serving.ServeRequest(
         context=40960, batched=plan.budget.batched, strict=True), alternatives=False).fits
