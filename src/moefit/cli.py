@@ -14,6 +14,7 @@ only once the extra is known to be installed.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -27,9 +28,10 @@ from moefit.engines.sglang import ENGINE as SGLANG
 from moefit.engines.vllm import ENGINE as VLLM
 from moefit.flags import (add_engine_flags, add_model_files_flags, add_plan_flags,
                           add_sampling_flags, add_serve_flags, check_engine_flags,
-                          device_from_args, devices_from_args, llama_request_from_args,
+                          device_from_args, devices_from_args, llama_ftype, llama_request_from_args,
                           normalize_argv, plan_from_args, serve_request_from_args)
 from moefit.ingest.checkpoint import describe_weights
+from moefit.ingest.inputs import is_gguf_file
 from moefit.ingest.resolve import format_models_table, list_presets, load_model
 from moefit.memory.kv import kv_bytes, kv_format
 from moefit.memory.staging import staging_model
@@ -65,11 +67,17 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def _plan_llamacpp(args: argparse.Namespace) -> int:
-    """``moefit plan MODEL.gguf --engine llama.cpp``: llama-server's budget and command."""
+    """``moefit plan MODEL --engine llama.cpp``: llama-server's budget and command, for a GGUF
+    file (its header) or a Hugging Face model (the GGUF of ``--gguf-type``)."""
     geom = load_model(args.model)
     req = llama_request_from_args(geom, args)
     device = device_from_args(args)
-    plan = llamacpp.solve_llamacpp(geom, llamacpp.tensors_from_header(args.model), device, req)
+    if is_gguf_file(args.model):
+        tensors = llamacpp.tensors_from_header(args.model)
+    else:
+        tensors, note = llamacpp.tensors_from_geometry(geom, llama_ftype(args))
+        req = dataclasses.replace(req, notes=(note, *req.notes))
+    plan = llamacpp.solve_llamacpp(geom, tensors, device, req)
     if args.json:
         print(json.dumps(llamacpp.plan_document(plan), indent=2))
     else:

@@ -129,7 +129,7 @@ def format_table(plan: Plan) -> str:
 def format_alternative(a) -> str:
     """One ``fits with:`` line: ``  FLAG VALUE[ without FLAG...][   note]``; the flags as
     printed are exactly the change that was solved."""
-    text = f"  {a.flag} {a.value}" + "".join(f" without {d}" for d in a.drop)
+    text = f"  {a.flags}" + "".join(f" without {d}" for d in a.drop)
     return f"{text}   ({a.note})" if a.note else text
 
 

@@ -459,6 +459,58 @@ GGUF_EXPERT_NAMES: dict[str, str] = {
 }
 
 
+#: Per-layer Hugging Face tensors outside :data:`LAYER_NAMES` (the families' own attention and
+#: MoE modules) -> their GGUF names, as llama.cpp's ``convert_hf_to_gguf.py`` writes them
+#: (``gguf-py/gguf/tensor_mapping.py``): MLA (DeepSeek-V2/V3, Kimi-K2), Gated DeltaNet (Qwen3.5,
+#: Qwen3-Next), gpt-oss's sinks and router bias, Llama 4's ``feed_forward``, the DeepSeek /
+#: GLM-4.5 ``shared_experts`` and routing bias. Keys are the name under ``layers.N.``.
+GGUF_LAYER_EXTRA: dict[str, str] = {
+    "self_attn.q_a_proj.weight": "attn_q_a.weight",
+    "self_attn.q_a_layernorm.weight": "attn_q_a_norm.weight",
+    "self_attn.q_b_proj.weight": "attn_q_b.weight",
+    "self_attn.kv_a_proj_with_mqa.weight": "attn_kv_a_mqa.weight",
+    "self_attn.kv_a_layernorm.weight": "attn_kv_a_norm.weight",
+    "self_attn.kv_b_proj.weight": "attn_kv_b.weight",
+    "self_attn.sinks": "attn_sinks.weight",
+    "linear_attn.in_proj_qkv.weight": "attn_qkv.weight",
+    "linear_attn.in_proj_z.weight": "attn_gate.weight",
+    "linear_attn.in_proj_b.weight": "ssm_beta.weight",
+    "linear_attn.in_proj_a.weight": "ssm_alpha.weight",
+    "linear_attn.in_proj_qkvz.weight": "ssm_in.weight",
+    "linear_attn.in_proj_ba.weight": "ssm_ba.weight",
+    "linear_attn.conv1d.weight": "ssm_conv1d.weight",
+    "linear_attn.dt_bias": "ssm_dt.bias",
+    "linear_attn.A_log": "ssm_a",
+    "linear_attn.norm.weight": "ssm_norm.weight",
+    "linear_attn.out_proj.weight": "ssm_out.weight",
+    "mlp.router.weight": "ffn_gate_inp.weight",
+    "mlp.router.bias": "ffn_gate_inp.bias",
+    "mlp.gate.e_score_correction_bias": "exp_probs_b.bias",
+    "mlp.shared_experts.gate_proj.weight": "ffn_gate_shexp.weight",
+    "mlp.shared_experts.up_proj.weight": "ffn_up_shexp.weight",
+    "mlp.shared_experts.down_proj.weight": "ffn_down_shexp.weight",
+    "feed_forward.router.weight": "ffn_gate_inp.weight",
+    "feed_forward.shared_expert.gate_proj.weight": "ffn_gate_shexp.weight",
+    "feed_forward.shared_expert.up_proj.weight": "ffn_up_shexp.weight",
+    "feed_forward.shared_expert.down_proj.weight": "ffn_down_shexp.weight",
+    "feed_forward.gate_proj.weight": "ffn_gate.weight",
+    "feed_forward.up_proj.weight": "ffn_up.weight",
+    "feed_forward.down_proj.weight": "ffn_down.weight",
+}
+
+#: One routed expert's Hugging Face tensor (the name after ``experts.[j.]``) -> the GGUF
+#: tensors stacking every expert (:data:`GGUF_EXPERT_NAMES`; a fused ``gate_up`` is written as
+#: gate and up, each half of the rows, as ``convert_hf_to_gguf.py`` does for gpt-oss and Llama 4).
+GGUF_EXPERT_PARTS: dict[str, tuple[str, ...]] = {
+    "gate_proj.weight": ("ffn_gate_exps.weight",), "w1.weight": ("ffn_gate_exps.weight",),
+    "up_proj.weight": ("ffn_up_exps.weight",), "w3.weight": ("ffn_up_exps.weight",),
+    "down_proj.weight": ("ffn_down_exps.weight",), "w2.weight": ("ffn_down_exps.weight",),
+    "down_proj": ("ffn_down_exps.weight",), "down_proj_bias": ("ffn_down_exps.bias",),
+    "gate_up_proj": ("ffn_gate_exps.weight", "ffn_up_exps.weight"),
+    "gate_up_proj_bias": ("ffn_gate_exps.bias", "ffn_up_exps.bias"),
+}
+
+
 @dataclass(frozen=True)
 class NameTable:
     """One family's tensor names (see :data:`LAYER_NAMES`), resolved for its MoE block name.
