@@ -199,3 +199,24 @@ def test_gguf_token_embeddings_stay_on_the_host_unless_tied(tmp_path):
     assert p2.devices[0].line("weights").bytes == g2.exact.weight_bytes
     assert p2.host.line("host_weights").bytes == 0
     assert "tied" in p2.host.line("host_weights").detail          # the choice is stated
+
+
+def test_the_host_ram_environment_variable_is_named_as_such(monkeypatch):
+    """$MOEFIT_HOST_RAM is not --host-ram: a bad value names the variable, a good one is the
+    table's source as the variable."""
+    import argparse
+
+    from moefit.devices import resolve_devices
+    from moefit.errors import InputError
+    from moefit.flags import HOST_RAM_ENV, host_from_args
+
+    args = argparse.Namespace(host_ram=None)
+    devices = resolve_devices("cpu", None, "1GiB", None)
+    monkeypatch.setenv(HOST_RAM_ENV, "bogus")
+    with pytest.raises(InputError) as err:
+        host_from_args(args, devices)
+    assert str(err.value).startswith("MOEFIT_HOST_RAM") and "--host-ram" not in str(err.value)
+    monkeypatch.setenv(HOST_RAM_ENV, "8GiB")
+    host = host_from_args(args, devices)
+    assert host.source == "MOEFIT_HOST_RAM=8GiB" and host.free_bytes == 8 << 30
+    assert host_from_args(argparse.Namespace(host_ram="4GiB"), devices).source == "--host-ram 4GiB"

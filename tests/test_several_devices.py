@@ -285,6 +285,41 @@ def test_bad_device_lists_are_input_errors(args, flag):
     assert flag in str(err.value)
 
 
+@pytest.mark.parametrize("args, says, never", [
+    (("cuda", None, "16GiB,8GiB", None), "--device cuda names one device and --vram lists 2 values",
+     "named twice"),
+    (("cuda:0", None, "16GiB,12GiB", None), "--device cuda:0 names one device and --vram lists 2",
+     "named twice"),
+    (("cpu", None, "16MiB,4MiB", "16MiB,8MiB"), "--vram-free 8MiB (cpu:1) is more than --vram (4.00 MiB)",
+     "0.00 GiB"),
+    (("cpu:1,cpu:0", None, "16MiB,12MiB", None), "use --device cpu:0,cpu:1", "not a device"),
+])
+def test_device_list_errors_name_the_real_problem(args, says, never):
+    with pytest.raises(InputError) as err:
+        resolve_devices(*args)
+    assert says in str(err.value) and never not in str(err.value)
+
+
+def test_simulated_devices_are_accepted_by_the_names_the_tables_give_them():
+    two = resolve_devices("cpu:0,cpu:1", None, "16MiB,12MiB", None)
+    assert [(d.label, d.kind, d.capacity_bytes) for d in two] == [("cpu:0", "cpu", 16 * MIB),
+                                                                  ("cpu:1", "cpu", 12 * MIB)]
+    assert resolve_devices("cpu:0", None, "16MiB", None)[0].label == "cpu"
+
+
+def test_a_small_what_if_card_is_described_in_the_unit_of_its_table():
+    card = resolve_devices(None, None, "100MiB", None)[0]
+    assert card.description == "what-if 100.00 MiB CUDA card"
+    assert "free at idle assumed 93.75 MiB" in card.note
+
+
+def test_a_negative_card_count_is_refused_by_name():
+    from golden_plans import run_plan
+
+    code, _, err = run_plan("Qwen3-30B-A3B", ["--gpu", "4090", "x-1"])
+    assert code == 2 and "--gpu '4090 x-1': -1 cards" in err and "unrecognized" not in err
+
+
 @pytest.mark.process
 def test_cli_four_cards_one_table_each_in_commit_order_and_json_lists_them():
     r = moefit("plan", *FIELD_FLAGS, "--gpu", "RTX 5060 Ti 16GB", "x4")
