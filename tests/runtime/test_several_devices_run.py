@@ -137,7 +137,11 @@ def test_the_host_ledger_equals_the_plan_on_a_simulated_device(tiny_models):
     lines = engine.host.lines
     for key in ("host_weights", "host_experts", "host_devices"):
         assert lines[key].allocated == lines[key].planned == plan.host.line(key).bytes, key
-    assert 0 < lines["host_staging"].peak <= lines["host_staging"].planned   # load transients
+    # the staging's peak is the plan (the largest tensor read at load); at READY it holds
+    # the step's logits
+    staging = lines["host_staging"]
+    assert staging.peak == staging.planned == plan.host.line("host_staging").bytes
+    assert staging.allocated == plan.request.slots * tiny.geom.vocab_size * 4
     assert lines["host_runtime"].allocated > 0                              # measured, not priced
     # the simulated devices' tensors are counted on the host as they are allocated
     assert lines["host_devices"].allocated == sum(lg.allocated for lg in engine.ledgers)
@@ -183,7 +187,10 @@ def test_gguf_experts_run_from_the_files_pages_with_mmap(tiny_models, tmp_path, 
     assert he.mapped and all(len(r) == 0 for r in he.rows.values())
     assert engine.host.lines["host_experts"].allocated == 0
     slot = expert_slot_bytes(m.geom)
-    assert engine.host.lines["host_staging"].allocated >= slot          # the gather buffer
+    staging = engine.host.lines["host_staging"]
+    assert staging.allocated >= slot                                    # the gather buffer
+    # a GGUF file is read through its map: the staging is the serving buffers, as planned
+    assert staging.allocated == staging.peak == staging.planned == plan.host.line("host_staging").bytes
     check(engine, m)
     assert engine.expert_stats()["misses"] > 0
 
@@ -226,6 +233,6 @@ def test_the_loaders_host_transients_stay_within_the_planned_staging(tmp_path, f
     plan = solve(tiny.geom, sim_device(64 * MIB), Request(**REQ))
     engine = Engine.start(tiny.path, plan, EngineOptions(progress=False))
     staging = engine.host.lines["host_staging"]
-    assert 0 < staging.peak <= staging.planned == plan.host.line("host_staging").bytes
+    assert 0 < staging.peak == staging.planned == plan.host.line("host_staging").bytes
     for key in ("host_experts", "host_devices"):
         assert engine.host.lines[key].allocated == plan.host.line(key).bytes, key

@@ -231,6 +231,47 @@ def held_bytes(t: HeaderTensor, dtype_bytes: int) -> int:
     return numel * (4 if t.name.endswith(FP32_TENSORS) else dtype_bytes)
 
 
+#: The projections the safetensors loader rebuilds from checkpoint tensors, holding the
+#: parts and the result at once (``moefit.runtime.hybrid_layout``, its ``Packed`` entries):
+#: a linear-attention layer's (Qwen3-Next's fused ones, Qwen3.5's split ones) ...
+LINEAR_ATTENTION_PACKS = (("linear_attn.in_proj_qkvz.weight",), ("linear_attn.in_proj_ba.weight",),
+                          ("linear_attn.in_proj_qkv.weight", "linear_attn.in_proj_z.weight"),
+                          ("linear_attn.in_proj_b.weight", "linear_attn.in_proj_a.weight"))
+#: ... and a gated attention layer's ``q_proj`` (``AttentionSpec.output_gate``), regrouped.
+GATED_Q_PACKS = (("self_attn.q_proj.weight",), ("self_attn.q_proj.bias",))
+FP8_SCALE = "_scale_inv"     # an fp8 ``X.weight``'s block scales: ``X.weight_scale_inv``
+
+
+def load_staging(geom: ModelGeometry, tensors: dict[str, int]) -> int:
+    """The most host memory the safetensors loader holds at once beside its destinations,
+    in bytes, for ``tensors`` (``{name: stored bytes}`` of the tensors it reads, experts
+    included): one tensor at a time (``moefit.runtime.loader``: a fused expert tensor
+    whole; an fp8 tensor with its block scales), and a projection it packs
+    (:data:`LINEAR_ATTENTION_PACKS`, :data:`GATED_Q_PACKS`) as its parts and the result at
+    once, twice the parts' bytes. The same as the loader charges to ``host_staging``."""
+    largest = 0
+    for name, n in tensors.items():
+        if name.endswith(FP8_SCALE):
+            continue
+        largest = max(largest, n + tensors.get(name + FP8_SCALE, 0))
+    for layer in geom.layers:
+        packs = (LINEAR_ATTENTION_PACKS if layer.attention.kind == "linear" else ()) + \
+                (GATED_Q_PACKS if layer.attention.output_gate else ())
+        if not packs:
+            continue
+        mine = {name: n for name, n in tensors.items() if _LAYER_OF(name) == layer.index}
+        for pack in packs:
+            parts = [n for name, n in mine.items() if name.endswith(pack)]
+            if len(parts) == len(pack):
+                largest = max(largest, 2 * sum(parts))
+    return largest
+
+
+def _LAYER_OF(name: str) -> int | None:
+    m = _LAYER.search(name)
+    return int(m.group(1)) if m else None
+
+
 def exact_weights(geom: ModelGeometry, model_dir: str | Path) -> ExactWeights | None:
     """Exact bytes of ``geom``'s weights from the headers in ``model_dir``; None without shards.
 
@@ -255,8 +296,7 @@ def exact_weights(geom: ModelGeometry, model_dir: str | Path) -> ExactWeights | 
     moe = {l.index: l.moe.num_experts for l in geom.moe_layers}
     weight = skipped = params = 0
     fp8_experts = False
-    largest_global = largest_expert = 0    # stored bytes: the loader's host staging
-    layer_sum: dict[int, int] = {}
+    read: dict[str, int] = {}     # stored bytes of what the loader reads: its host staging
     per_expert: dict[int, dict[int, int]] = {}
     fused: dict[int, int] = {}
     for path in files:
@@ -267,14 +307,10 @@ def exact_weights(geom: ModelGeometry, model_dir: str | Path) -> ExactWeights | 
                 continue
             params += _param_count(t)
             nbytes = held_bytes(t, geom.dtype_bytes)
+            read[t.name] = t.nbytes
             if bucket == "weight":
                 weight += nbytes
-                if layer is None:
-                    largest_global = max(largest_global, t.nbytes)
-                else:
-                    layer_sum[layer] = layer_sum.get(layer, 0) + t.nbytes
                 continue
-            largest_expert = max(largest_expert, t.nbytes)
             if layer not in moe:
                 raise InputError(f"{path}: tensor {t.name!r} is a routed expert, but the config "
                                  f"declares layer {layer} dense; config and checkpoint disagree")
@@ -289,13 +325,9 @@ def exact_weights(geom: ModelGeometry, model_dir: str | Path) -> ExactWeights | 
     for layer, n in sorted(moe.items()):
         blob = max(per_expert.get(layer, {0: 0}).values()) + -(-fused.get(layer, 0) // n)
         blobs.append((layer, blob))
-    # the loader reads one tensor at a time; a projection it rebuilds from several of a
-    # layer's tensors holds its parts and the result at once, which twice the layer's dense
-    # tensors bound (moefit.memory.host.load_staging_bytes)
     return ExactWeights(weight_bytes=weight, expert_blob_bytes=tuple(blobs), skipped_bytes=skipped,
                         total_params=params, files=len(files), experts_stored=fp8_experts,
-                        load_staging_bytes=max(largest_global, 2 * max(layer_sum.values(), default=0),
-                                               largest_expert))
+                        load_staging_bytes=load_staging(geom, read))
 
 
 # --------------------------------------------------------------------------------------------

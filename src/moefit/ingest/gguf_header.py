@@ -57,6 +57,8 @@ from moefit.units import format_bytes
 _SHARD = re.compile(r"^(?P<stem>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$", re.IGNORECASE)
 _BLK = re.compile(r"^blk\.(\d+)\.")
 _EXPERT = re.compile(r"^blk\.(\d+)\.ffn_(?:gate|up|down|gate_up)_exps\.(?:weight|bias)$")
+#: the tensors the GGUF loader un-permutes in a host copy for a family with gguf_permute_qk
+_PERMUTED_QK = re.compile(r"^blk\.\d+\.attn_[qk]\.(?:weight|bias)$")
 _SKIP_PREFIX = ("v.", "mm.", "a.", "enc.", "dec.")   # vision / audio towers, encoders
 
 
@@ -521,7 +523,8 @@ def exact_from_gguf(geom: ModelGeometry, h: GGUFHeader) -> GGUFWeights:
         weight += t.n_elements * (4 if t.name.endswith(FP32_TENSORS) else act)
         stored += t.nbytes
         row[0] += t.nbytes
-        largest = max(largest, t.nbytes)
+        if _PERMUTED_QK.match(t.name):
+            largest = max(largest, t.nbytes)
         if t.name == "token_embd.weight":
             embed = (weight - before, t.nbytes, t.nbytes // max(1, t.ne[-1]), t.ggml_type)
     missing = [i for i in moe if i not in blob]
@@ -532,6 +535,9 @@ def exact_from_gguf(geom: ModelGeometry, h: GGUFHeader) -> GGUFWeights:
         k = kinds[layer]
         gate, up = (k["gate_up"], k["gate_up"]) if "gate_up" in k else (k.get("gate", "?"), k.get("up", "?"))
         types.append((layer, (gate, up, k.get("down", "?"))))
+    family = registry.family_for(geom.model_type)
+    if family is None or not family.gguf_permute_qk:
+        largest = 0          # read through the file's map: no host copy at load
     order = sorted(by_type.items(), key=lambda kv: -(kv[1][0] + kv[1][1]))
     return GGUFWeights(
         weight_bytes=weight, expert_blob_bytes=tuple(sorted(blob.items())), skipped_bytes=skipped,

@@ -426,10 +426,14 @@ def _fill_experts(source: ExpertSource, host: HostLedger, slots, where, req, are
 
 def _commit_host_buffers(host: HostLedger, weights, experts: ExpertCache | None, plan: Plan,
                          dtype: torch.dtype) -> None:
-    """The host buffers serving uses, on ``host_staging``: the rows a GGUF token embedding
-    kept on the host is looked up into (and their dequantized values on CUDA), the buffer a
-    mapped expert is gathered into."""
+    """The host buffers serving uses, on ``host_staging``: the logits of a step's sequences
+    (``[slots, V]`` fp32: each step returns them as a new host tensor, so the line is charged,
+    not allocated), the rows a GGUF token embedding kept on the host is looked up into (and
+    their dequantized values on CUDA), the buffer a mapped expert is gathered into
+    (:func:`moefit.memory.host.serving_staging_bytes` prices the same, and on CUDA the host
+    side of misses computed there, which torch allocates as they run)."""
     chunk = plan.prefill_selected
+    host.charge("host_staging", plan.request.slots * plan.geometry.vocab_size * 4)
     emb = weights.embed
     if hasattr(emb, "lookup"):
         emb.rows = host.alloc("host_staging", (chunk, emb.raw.shape[1]), torch.uint8)
