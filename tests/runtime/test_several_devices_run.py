@@ -236,3 +236,85 @@ def test_the_loaders_host_transients_stay_within_the_planned_staging(tmp_path, f
     assert 0 < staging.peak == staging.planned == plan.host.line("host_staging").bytes
     for key in ("host_experts", "host_devices"):
         assert engine.host.lines[key].allocated == plan.host.line(key).bytes, key
+
+
+@pytest.mark.parametrize("value, says", [
+    ("experts@2", "this plan has 2 device(s), 0 (cpu:0), 1 (cpu:1)"),
+    ("kv@1", "cpu:1 holds expert slots only"),
+    ("weights@1", "cpu:1 holds expert slots only"),
+    ("weight_arena@1", "cpu:1 holds expert slots only"),
+    ("host_weights", "host weights is 0 B in this plan"),
+    ("host_devices@1", "the host's lines have no device index"),
+])
+def test_a_fault_injection_key_that_reaches_no_allocation_is_an_input_error(tiny_models, monkeypatch,
+                                                                            value, says):
+    """MOEFIT_FAIL_ALLOC must never do nothing: a device the plan does not have, a line
+    that is not on that device or is 0 B there is refused before any weight is read."""
+    from moefit.errors import InputError
+
+    tiny = tiny_models[("qwen3_moe", "per_expert")]
+    plan = solve(tiny.geom, devices_for(tiny.geom, 2), Request(**REQ, split="experts"))
+    monkeypatch.setenv("MOEFIT_FAIL_ALLOC", value)
+    with pytest.raises(InputError) as e:
+        Engine.start(tiny.path, plan, EngineOptions(progress=False))
+    assert says in str(e.value) and repr(value) in str(e.value)
+
+
+def test_fault_injection_on_one_device_and_lines_of_zero_bytes(tiny_models, monkeypatch):
+    """On one device ``experts@1`` names no device; ``experts`` with no slots holds no
+    tensor; ``runtime@1`` is charged on a simulated device (0 B) and fails there; a device
+    the plan leaves out has nothing to fail."""
+    from moefit.errors import InputError
+    from moefit.runtime.ledger import check_fault_injection
+
+    tiny = tiny_models[("qwen3_moe", "per_expert")]
+    one = solve(tiny.geom, sim_device(64 * MIB), Request(**REQ, expert_cache=0))
+    with pytest.raises(InputError, match="this plan has 1 device"):
+        check_fault_injection(one, "experts@1")
+    with pytest.raises(InputError, match="expert cache is 0 B on cpu"):
+        check_fault_injection(one, "experts")
+    check_fault_injection(one, "runtime,margin,kv,prefill,weights,host_runtime,host_experts")
+    two = solve(tiny.geom, devices_for(tiny.geom, 2), Request(**REQ, split="experts"))
+    monkeypatch.setenv("MOEFIT_FAIL_ALLOC", "runtime@1")
+    with pytest.raises(BudgetError) as e:
+        Engine.start(tiny.path, two, EngineOptions(progress=False))
+    assert e.value.line == "runtime" and e.value.where == "cpu:1"
+    # a device too small for its expert staging is left out: nothing to fail there
+    small = (two.devices[0].device, sim("cpu:1", 1024))
+    out = solve(tiny.geom, small, Request(**REQ, split="experts"))
+    assert out.fits and out.devices[1].left_out
+    with pytest.raises(InputError, match="cpu:1 is left out of this plan"):
+        check_fault_injection(out, "runtime@1")
+
+
+def test_the_other_devices_hold_slots_when_the_main_device_clamps_its_chunk(tiny_models):
+    """The main device has room for a 256-token chunk only: asked for 512, it clamps and
+    keeps no slot, and cpu:1 still holds the slots its room holds, committed as planned;
+    the tokens are the one-device run's with as many slots."""
+    tiny = tiny_models[("qwen3_moe", "per_expert")]
+    geom = tiny.geom
+    longer = dict(REQ, max_context=1024, rope_scaling="linear", rope_scale=4.0)   # room for 512
+    req = Request(**{**longer, "prefill_tokens": 512}, split="experts")
+    at256 = solve(geom, sim_device(64 * MIB), Request(**longer, expert_cache=0))
+    main = sim("cpu:0", at256.devices[0].planned_bytes + 1024)
+    side = devices_for(geom, 2, slots=3)[1]
+    plan = solve(geom, (main, side), req)
+    assert plan.fits and plan.prefill_clamped and plan.prefill_selected == 256
+    assert plan.devices[0].expert_slots == 0 and plan.devices[1].expert_slots == 3
+    engine, tokens, _ = run(tiny.path, plan)
+    assert engine.ledgers[1].lines["experts"].allocated == plan.devices[1].line("experts").bytes > 0
+    one = solve(geom, sim_device(64 * MIB), Request(**longer, expert_cache=3))
+    assert tokens == run(tiny.path, one)[1]
+
+
+def test_a_device_the_plan_leaves_out_commits_nothing(tiny_models):
+    """cpu:1 is too small for its expert staging: the plan leaves it out, the engine
+    allocates nothing there (READY), and the tokens are the main device's alone."""
+    tiny = tiny_models[("mixtral", "per_expert")]
+    main = devices_for(tiny.geom, 2)[0]
+    plan = solve(tiny.geom, (main, sim("cpu:1", 4096)), Request(**REQ, split="experts"))
+    assert plan.fits and plan.devices[1].left_out and plan.devices[0].expert_slots > 0
+    engine, tokens, _ = run(tiny.path, plan)
+    assert engine.notes[-1] == "READY" and engine.ledgers[1].allocated == 0
+    one = solve(tiny.geom, sim_device(64 * MIB), Request(**REQ, expert_cache=plan.expert_slots))
+    assert tokens == run(tiny.path, one)[1]

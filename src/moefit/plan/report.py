@@ -67,10 +67,23 @@ def _device_table(d: DevicePlan, plan: Plan) -> list[str]:
     return out
 
 
+#: The host lines the process and the machine set, whatever the model.
+HOST_FIXED_LINES = ("host_runtime", "host_margin")
+
+
+def host_size_format(lines):
+    """The host table's formatter for ``lines`` (``(key, bytes)`` pairs): GiB (two
+    decimals) when what the model puts on the host, every line but the runtime and the
+    margin, is 1 GiB or more, else the largest fitting unit
+    (:func:`moefit.units.format_bytes`), so a small model's lines do not all read 0.00 GiB
+    (the device tables do the same by the device's size)."""
+    return size_format(sum(n for k, n in lines if k not in HOST_FIXED_LINES))
+
+
 def format_host_table(hp: HostPlan) -> list[str]:
     """The host table (docs/design.md, host budget)."""
     h = hp.host
-    format_gib = size_format(h.capacity_bytes if h else max(hp.planned_bytes, 1 << 30))
+    format_gib = host_size_format((l.key, l.bytes) for l in hp.lines)
     if h is None:
         out = [f"host budget  not checked (what-if devices; --host-ram SIZE checks a machine)  "
                f"needs {format_gib(hp.planned_bytes)}"]

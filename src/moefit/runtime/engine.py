@@ -58,7 +58,8 @@ from moefit.runtime.arch import arch_from_config, read_config
 from moefit.runtime.experts import ExpertCache, initial_residents
 from moefit.runtime.gguf_loader import gguf_config, load_gguf
 from moefit.runtime.kv_cache import KVCache
-from moefit.runtime.ledger import FAIL_ENV, BudgetError, HostLedger, Ledger, resident_bytes
+from moefit.runtime.ledger import (FAIL_ENV, BudgetError, HostLedger, Ledger, check_fault_injection,
+                                   resident_bytes, unreached)
 from moefit.runtime.loader import ExpertSource, fp8_matrices, load_checkpoint
 from moefit.runtime import qmatmul
 from moefit.runtime.model import Model, forward, forward_batch, segments
@@ -156,6 +157,7 @@ class Engine:
             raise InputError(f"{FAIL_ENV}=weight_arena: this plan has no weight arena "
                              f"(--miss-policy {req.miss_policy}: misses run on the CPU), so "
                              "nothing can fail there; use --miss-policy copy, or another line")
+        check_fault_injection(plan)
         dev = ledger.device
         gguf = is_gguf_file(model_dir)
         if gguf and cpu_kernels.expected(dev.type) and not qmatmul.available():
@@ -221,9 +223,14 @@ class Engine:
             for lg in ledgers:           # the free memory read again after the last commit
                 _shrink_to_margin(lg, experts, say)
         _commit_host_buffers(host, weights, experts, plan, arch.dtype)
-        for lg in ledgers:
-            lg.keep_free("margin", lg.margin)    # the margin is "committed" by staying free
+        for lg, dp in zip(ledgers, plan.devices):
+            if not dp.left_out:
+                lg.keep_free("margin", lg.margin)    # the margin is "committed" by staying free
         host.keep_free("host_margin", host.margin)
+        missed = unreached([*ledgers, host])
+        if missed:          # check_fault_injection's net: a key must never do nothing
+            raise InputError(f"{FAIL_ENV}: {', '.join(sorted(missed))} reached no allocation of "
+                             "this plan's commit; name a line it allocates, or unset it")
         att = next((l.attention for l in geom.layers if l.attention.kind != "linear"),
                    geom.layers[0].attention)   # hybrids: layer 0 may be linear attention
         rope = rope_from_config(arch.config, att.rotary_dim or att.head_dim,

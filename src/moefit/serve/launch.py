@@ -119,12 +119,13 @@ def ready_line(engine, url: str | None = None) -> str:
     n = plan.request.slots
     free = []
     for lg in getattr(engine, "ledgers", [engine.ledger]):
-        size = size_format(lg.capacity)
-        free.append(f"{size(lg.free_bytes())} of {size(lg.capacity)} on {lg.label}")
+        total = getattr(lg, "total", lg.capacity)
+        size = size_format(total)
+        free.append(f"{size(lg.free_bytes())} of {size(total)} on {lg.label}")
     host = getattr(engine, "host", None)
     if host is not None and host.capacity is not None:
-        size = size_format(host.capacity)
-        free.append(f"{size(host.free_bytes())} of {size(host.capacity)} on the host")
+        size = size_format(host.total)
+        free.append(f"{size(host.free_bytes())} of {size(host.total)} on the host")
     line = (f"READY  context {plan.context} tokens x {n} sequence{'s' if n != 1 else ''}, "
             f"chunk {engine.chunk} tokens, expert slots {slots} of {plan.total_experts}, "
             f"free {', '.join(free)}")
