@@ -98,6 +98,18 @@ def test_the_same_seed_writes_the_same_bytes_and_another_seed_does_not(tmp_path)
     assert (a / "model.safetensors").read_bytes() != (c / "model.safetensors").read_bytes()
 
 
+def test_every_demo_file_gets_the_mode_open_gives_a_new_file(demos):
+    """safetensors' save_file leaves its file 0600; the demo's files all read like the rest."""
+    import stat
+
+    from moefit.outputs import default_file_mode
+
+    d = next(iter(demos.values()))
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in d.iterdir()}
+    assert modes["model.safetensors"] == default_file_mode(), modes
+    assert set(modes.values()) == {default_file_mode()}, modes
+
+
 def test_bad_family_and_non_empty_directory_are_input_errors(tmp_path):
     with pytest.raises(InputError, match="--family 'llama4'.*qwen3_moe"):
         write_demo(tmp_path / "x", "llama4")

@@ -318,3 +318,64 @@ def test_a_device_the_plan_leaves_out_commits_nothing(tiny_models):
     assert engine.notes[-1] == "READY" and engine.ledgers[1].allocated == 0
     one = solve(tiny.geom, sim_device(64 * MIB), Request(**REQ, expert_cache=plan.expert_slots))
     assert tokens == run(tiny.path, one)[1]
+
+
+def test_the_ledgers_state_the_capacity_the_plan_states(tiny_models):
+    """The host ledger enforces the plan's free host bytes (MemAvailable) and reports the
+    plan's capacity (MemTotal) as its capacity, as /v1/budget does beside the plan
+    document; a small model's host tables read in MiB, not 0.00 GiB; the runtime row says
+    it is an estimate."""
+    from moefit.plan.report import format_host_table, plan_document
+    from moefit.serve.app import _ledger_doc
+    from moefit.serve.launch import ready_line
+
+    tiny = tiny_models[("olmoe", "per_expert")]
+    host = Host(16 << 30, 8 << 30, "this machine (MemAvailable)")
+    plan = solve(tiny.geom, devices_for(tiny.geom, 2), Request(**REQ, split="experts"), host=host)
+    engine, _, _ = run(tiny.path, plan)
+    doc = plan_document(plan)["host"]
+    ledger = _ledger_doc(engine.host)
+    assert ledger["capacity_bytes"] == doc["capacity_bytes"] == 16 << 30
+    assert ledger["limit_bytes"] == doc["free_bytes"] == 8 << 30
+    assert _ledger_doc(engine.ledgers[1])["capacity_bytes"] == plan.devices[1].device.capacity_bytes
+    report = engine.host.report()
+    assert report.startswith("host ledger  host  capacity 16.00 GiB, free ")
+    assert report.splitlines()[0].endswith(", 8.00 GiB free when planned")
+    assert "planned: estimate; allocated: the process's resident memory" in report
+    assert "0.00 GiB" not in report and " MiB" in report and " KiB" in report
+    table = "\n".join(format_host_table(plan.host))
+    assert "0.00 GiB" not in table and "512.00 MiB   process" in table
+    assert "of 16.00 GiB on the host" in ready_line(engine)
+
+
+@pytest.mark.process
+@pytest.mark.slow
+def test_generate_runs_what_it_suggests_on_two_simulated_devices(tmp_path):
+    """The review's commands: a main device that clamps its chunk leaves the other's slots
+    (auto keeps the expert split, READY with slots on cpu:1); a device too small for its
+    staging is left out (READY); --split layers exits 2 naming --split experts, which fits."""
+    import re
+    import subprocess
+    import sys
+
+    from moefit.tools.demo import write_demo
+
+    demo = write_demo(tmp_path / "demo", "qwen3_moe")
+    base = [sys.executable, "-m", "moefit", "generate", str(demo), "--device", "cpu",
+            "--max-context", "1024", "--prompt", "Hi", "--max-tokens", "2", "--host-ram", "16GiB"]
+
+    def gen(*flags):
+        return subprocess.run(base + list(flags), capture_output=True, text=True, timeout=120)
+
+    r = gen("--vram", "13MiB,12MiB", "--prefill", "512")
+    assert r.returncode == 0, r.stderr
+    out = r.stderr        # generate prints its tables on stderr, the text on stdout
+    assert "clamped to 256" in out and "split: experts over 2 devices" in out
+    on1 = re.search(r"VRAM budget  cpu:1 .*\n(?:  .*\n)*?  expert cache .*?(\d+) of 64", out)
+    assert on1 and int(on1.group(1)) > 0, out
+    r = gen("--vram", "16MiB,100KiB", "--prefill", "256")
+    assert r.returncode == 0, r.stderr
+    assert "cpu:1: left out" in r.stderr and "READY" in r.stderr
+    r = gen("--vram", "16MiB,100KiB", "--prefill", "256", "--split", "layers")
+    assert r.returncode == 2 and "add --split experts (it fits: " in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr

@@ -145,8 +145,8 @@ class Engine:
             profile = read_routing_profile(profile, geom)
         if plan.split == "layers":
             raise InputError("this plan places layers on the devices (a layer split, as llama.cpp's "
-                             "-ts); the runtime runs the expert split: add --split experts, or run "
-                             "the layer split with llama.cpp")
+                             "-ts); the runtime runs the expert split only: solve it with "
+                             "--split experts")
         host = HostLedger.for_host_plan(plan)
         frees = opts.free_bytes if isinstance(opts.free_bytes, tuple) else (opts.free_bytes,)
         frees = frees + (None,) * (len(plan.devices) - len(frees))

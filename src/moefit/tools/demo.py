@@ -27,10 +27,12 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
 from moefit.errors import InputError
 from moefit.ingest.families import geometry_from_config
+from moefit.outputs import default_file_mode
 
 #: Families ``make-demo`` writes (the runtime runs all of them): name -> config.json.
 #: Sizes are toy sizes; keys and structure are those of the real checkpoints
@@ -257,6 +259,7 @@ def write_demo(out: str | Path, family: str = "qwen3_moe", *, seed: int = 0,
     }
     try:
         save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+        os.chmod(out / "model.safetensors", default_file_mode())   # save_file leaves 0600
         tok.save(str(out / "tokenizer.json"))
         for name, text in files.items():
             (out / name).write_text(text, encoding="utf-8")
