@@ -252,6 +252,9 @@ def test_a_device_too_small_for_the_expert_split_is_left_out_and_a_layer_split_n
     assert any(n.startswith("cuda:1: left out") and "more than its 100.00 MiB free" in n
                for n in plan.notes)
     assert "cuda:1  what-if 24.00 GiB CUDA card  0.10 GiB free of 24.00 GiB  left out" in format_table(plan)
+    auto = solve(g, devices, req.with_(split="auto"))
+    note = next(n for n in auto.notes if n.startswith("split:"))
+    assert auto.split == "experts" and "does not fit" in note and "--split layers" not in note
     by_layers = solve(g, devices, req.with_(split="layers"))
     assert not by_layers.fits and by_layers.short_on == "cuda:1"
     text = format_table(by_layers)

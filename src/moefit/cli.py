@@ -198,7 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     p = sub.add_parser("plan", help="solve and print the VRAM budget")
     add_plan_flags(p)
-    p.add_argument("--json", action="store_true", help="print the moefit.plan/1 JSON document")
+    p.add_argument("--json", action="store_true", help="print the moefit.plan/2 JSON document")
     p.add_argument("--verbose", "-v", action="store_true",
                    help="also show analytic vs exact weight bytes and the staging terms")
     add_engine_flags(p)
