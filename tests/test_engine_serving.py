@@ -261,6 +261,7 @@ def test_experts_whole_or_split_over_the_moe_group():
     ("Qwen3-30B-A3B", ["--max-context", "max"], "--max-context"),
     ("Qwen3-30B-A3B", ["--expert-cache", "8"], "--expert-cache"),
     ("Qwen3-30B-A3B", ["--device", "cpu"], "--device cpu"),
+    ("Qwen3-30B-A3B", ["--device", "cpu:0"], "--device cpu:0"),    # simulated by its table name
     ("Qwen3-30B-A3B", ["--gpus", "0"], "--gpus"),
 ])
 def test_bad_layouts_and_flags_exit_2_naming_the_flag(capsys, model, flags, needle):

@@ -417,8 +417,8 @@ def serve_request_from_args(geom: ModelGeometry, args: argparse.Namespace) -> Se
         raise InputError(f"--max-context max is not planned with --engine {engine}; give a number "
                          "of tokens (e.g. --max-context 128K): a plan that does not fit names the "
                          "largest that does")
-    if getattr(args, "device", None) and args.device.strip().lower() == "cpu":
-        raise InputError(f"--device cpu: --engine {engine} plans CUDA GPUs; use --gpu NAME or "
+    if getattr(args, "device", None) and args.device.strip().lower().partition(":")[0] == "cpu":
+        raise InputError(f"--device {args.device}: --engine {engine} plans CUDA GPUs; use --gpu NAME or "
                          "--vram SIZE for the card of each rank")
     for name in PARALLEL_FLAGS:
         v = getattr(args, name, None)
