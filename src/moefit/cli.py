@@ -228,7 +228,7 @@ def build_parser() -> argparse.ArgumentParser:
                                          "that serve / generate run offline")
     p.add_argument("dir", help="the directory to write (new, or empty)")
     p.add_argument("--family", default="qwen3_moe",
-                   help="qwen3_moe (default), qwen2_moe, mixtral, olmoe, qwen3_next or qwen3_5_moe")
+                   help="qwen3_moe (default), qwen2_moe, mixtral, olmoe, qwen3_next, qwen3_5_moe or gpt_oss")
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights (default 0)")
     p.add_argument("--force", action="store_true", help="write into a non-empty directory")
     p.set_defaults(func=cmd_make_demo)

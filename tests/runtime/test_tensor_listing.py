@@ -12,6 +12,7 @@ No checkpoint is read: the loaders see a stand-in index holding exactly the list
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -127,7 +128,16 @@ def test_safetensors_loader_asks_for_the_listing(label, cfg):
     dense, experts = _listing(geom)
     asked, asked_experts = _safetensors_asks(geom, arch, set(dense) | set(experts))
     assert asked == dense, (set(asked.items()) ^ set(dense.items()))
-    assert asked_experts == experts, (set(asked_experts.items()) ^ set(experts.items()))
+    if arch.names.fused_experts:
+        # gpt-oss: the listing prices one expert's [out, in] matrices; the checkpoint holds
+        # the layer's experts fused ([E, in, out]): the same names, E times the elements
+        assert set(asked_experts) == set(experts)
+        e = geom.moe_layers[0].moe.num_experts
+        for name, shape in experts.items():
+            assert math.prod(asked_experts[name]) == e * math.prod(shape), name
+            assert asked_experts[name][0] == e and sorted(asked_experts[name][1:]) == sorted(shape), name
+    else:
+        assert asked_experts == experts, (set(asked_experts.items()) ^ set(experts.items()))
 
 
 def _gguf_configs():
@@ -168,6 +178,16 @@ def test_gguf_loader_asks_for_the_listing(label, cfg):
     ts = SimpleNamespace(h=SimpleNamespace(tensors={}), check=check)
     for l in geom.moe_layers:
         gguf_loader._expert_parts(l, geom, arch, ts)
+        e, i, h = l.moe.num_experts, l.moe.expert_intermediate, geom.hidden_size
+        if arch.names.fused_experts:    # gpt-oss: gate_up [2I, H] split into gate and up, + biases
+            names = {p: arch.names.gguf_expert(p, l.index) for p in
+                     ("gate", "up", "down", "gate_bias", "up_bias", "down_bias")}
+            assert {p: checked[n] for p, n in names.items()} == {
+                "gate": (e, i, h), "up": (e, i, h), "down": (e, h, i),
+                "gate_bias": (e, i), "up_bias": (e, i), "down_bias": (e, h)}
+            listed = sum(math.prod(t.shape) for t in l.expert_tensors)
+            assert sum(math.prod(checked[n]) for n in names.values()) == e * listed
+            continue
         listed = [tuple(t.shape) for t in l.expert_tensors]          # gate, up, down of expert 0
         parts = [arch.names.gguf_expert(p, l.index) for p in ("gate", "up", "down")]
         assert {p: checked[p] for p in parts} == {

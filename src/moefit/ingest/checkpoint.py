@@ -15,6 +15,8 @@ Each tensor goes to one of three buckets (:func:`classify`):
 - ``expert``: routed experts, per-expert (``...experts.{j}.gate_proj.weight``, with fp8
   ``weight_scale_inv``) or fused over experts (``...experts.gate_up_proj``, ``down_proj``, and
   their ``_blocks`` / ``_scales`` / ``_bias``; bytes divided by the layer's expert count).
+  Experts with mxfp4 ``_blocks`` are run as stored (``experts_stored``, type MXFP4: the
+  runtime repacks each block of 32 into a GGUF MXFP4 block of the same 17 bytes).
 - ``weight``: everything else (the ``weights`` budget line).
 
 Bytes are what the runtime holds, not what the file stores: the loader converts every
@@ -252,6 +254,7 @@ def exact_weights(geom: ModelGeometry, model_dir: str | Path) -> ExactWeights | 
     weight = skipped = params = 0
     per_expert: dict[int, dict[int, int]] = {}
     fused: dict[int, int] = {}
+    mxfp4: set[int] = set()
     for path in files:
         for t in read_header(path).tensors:
             bucket, layer, is_fused = classify(t.name, geom.num_layers)
@@ -268,6 +271,8 @@ def exact_weights(geom: ModelGeometry, model_dir: str | Path) -> ExactWeights | 
                                  f"declares layer {layer} dense; config and checkpoint disagree")
             if is_fused:
                 fused[layer] = fused.get(layer, 0) + nbytes
+                if t.name.endswith("_blocks") and t.dtype == "U8":
+                    mxfp4.add(layer)
             else:
                 j = int(_PER_EXPERT.search(t.name).group(1))
                 per_expert.setdefault(layer, {})
@@ -277,7 +282,8 @@ def exact_weights(geom: ModelGeometry, model_dir: str | Path) -> ExactWeights | 
         blob = max(per_expert.get(layer, {0: 0}).values()) + -(-fused.get(layer, 0) // n)
         blobs.append((layer, blob))
     return ExactWeights(weight_bytes=weight, expert_blob_bytes=tuple(blobs), skipped_bytes=skipped,
-                        total_params=params, files=len(files))
+                        total_params=params, files=len(files), experts_stored=bool(mxfp4),
+                        expert_types=tuple((layer, ("MXFP4",) * 3) for layer in sorted(mxfp4)))
 
 
 # --------------------------------------------------------------------------------------------

@@ -341,7 +341,8 @@ class ExactWeights:
     ``files``: how many safetensors files were read.
     ``experts_stored``: the routed experts stay in a stored (quantized) format and are
     dequantized when they run; the staging this takes is priced on the ``prefill`` line
-    (:func:`moefit.memory.staging.expert_dequant_bytes`).
+    (:func:`moefit.memory.staging.expert_dequant_bytes`). ``expert_types``: per MoE layer,
+    the (gate, up, down) ggml types they are stored in (gpt-oss's mxfp4 experts: MXFP4).
 
     Other formats (GGUF: :class:`moefit.ingest.gguf_header.GGUFWeights`) subclass this and override
     :meth:`line_detail` / :meth:`describe`.
@@ -353,6 +354,7 @@ class ExactWeights:
     total_params: int
     files: int
     experts_stored: bool = False
+    expert_types: tuple[tuple[int, tuple[str, ...]], ...] = ()
 
     def line_detail(self) -> str:
         """Detail of the ``weights`` budget line."""

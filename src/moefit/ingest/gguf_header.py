@@ -435,7 +435,6 @@ class GGUFWeights(ExactWeights):
     stored_weight_bytes: int = 0
     by_type: tuple[tuple[str, int, int, int], ...] = ()
     data_bytes: int = 0
-    expert_types: tuple[tuple[int, tuple[str, ...]], ...] = ()
 
     def line_detail(self) -> str:
         short = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}[self.compute_dtype]

@@ -33,6 +33,7 @@ from moefit.ingest.families import registry
 from moefit.ingest.geometry import LayerSpec, ModelGeometry
 from moefit.ingest.gguf_header import GGUFHeader, GGUFTensor, close_reader, config_from_gguf, open_reader, read_header
 from moefit.runtime.arch import Arch
+from moefit.runtime.gpt_oss_experts import BiasedExpert
 from moefit.runtime.loader import HostExperts, Weights, assemble_weights, progress_bar
 from moefit.runtime import qmatmul
 from moefit.runtime.quant import StoredExpert, StoredMatrix, dequantize, kernel_for
@@ -100,6 +101,8 @@ def _layer_plan(l: LayerSpec, geom: ModelGeometry, arch: Arch) -> list[tuple[str
         out += [("q_bias", n("q_bias"), (qd,)), ("k_bias", n("k_bias"), (kd,)), ("v_bias", n("v_bias"), (vd,))]
     if arch.o_bias:
         out.append(("o_bias", n("o_bias"), (h,)))
+    if arch.sinks:
+        out.append(("sinks", n("sinks"), (a.num_heads,)))
     if arch.qk_norm == "head":
         out += [("q_norm", n("q_norm"), (a.head_dim,)), ("k_norm", n("k_norm"), (a.head_dim,))]
     elif arch.qk_norm == "full":
@@ -110,6 +113,8 @@ def _layer_plan(l: LayerSpec, geom: ModelGeometry, arch: Arch) -> list[tuple[str
                       ("dense_down", n("dense_down"), (h, i))]
     m = l.moe
     out.append(("router", n("router"), (m.num_experts, h)))
+    if arch.router_bias:
+        out.append(("router_bias", n("router_bias"), (m.num_experts,)))
     if m.shared_intermediate:
         si = m.shared_intermediate
         out += [("shared_gate", n("shared_gate"), (si, h)), ("shared_up", n("shared_up"), (si, h)),
@@ -120,10 +125,21 @@ def _layer_plan(l: LayerSpec, geom: ModelGeometry, arch: Arch) -> list[tuple[str
 
 def _expert_parts(l: LayerSpec, geom: ModelGeometry, arch: Arch, ts: _Tensors) -> tuple[list[str], StoredExpert]:
     """The GGUF expert tensors of layer ``l`` in blob order (gate, up, down; or gate_up,
-    down) and the layer's :class:`StoredExpert` layout."""
+    down; gpt-oss: the three biases first) and the layer's :class:`StoredExpert` (gpt-oss:
+    :class:`~moefit.runtime.gpt_oss_experts.BiasedExpert`) layout."""
     m, h = l.moe, geom.hidden_size
     e, i = m.num_experts, m.expert_intermediate
     n = lambda part: arch.names.gguf_expert(part, l.index)  # noqa: E731
+    if arch.clamped_swiglu is not None:
+        biases = [ts.check(n("gate_bias"), (e, i)), ts.check(n("up_bias"), (e, i)),
+                  ts.check(n("down_bias"), (e, h))]
+        if len({b.ggml_type for b in biases}) != 1:
+            raise InputError(f"{ts.h.paths[0]}: the expert biases of layer {l.index} have types "
+                             f"{[b.ggml_type for b in biases]}; the runtime reads one type per layer")
+        g, u, d = ts.check(n("gate"), (e, i, h)), ts.check(n("up"), (e, i, h)), ts.check(n("down"), (e, h, i))
+        fmt = BiasedExpert.pack(i, h, biases[0].ggml_type, g.ggml_type, u.ggml_type, d.ggml_type,
+                                *arch.clamped_swiglu)
+        return [b.name for b in biases] + [g.name, u.name, d.name], fmt
     fused = n("gate_up")
     if fused in ts.h.tensors:
         t = ts.check(fused, (e, 2 * i, h))

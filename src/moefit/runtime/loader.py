@@ -42,6 +42,7 @@ import torch
 from moefit.ingest.checkpoint import checkpoint_files, read_header
 from moefit.errors import InputError
 from moefit.ingest.geometry import LayerSpec, ModelGeometry
+from moefit.runtime import gpt_oss_experts
 from moefit.runtime.arch import Arch
 from moefit.runtime.hybrid_layout import Packed, gated_q, linear_attention_entries, sources
 
@@ -65,9 +66,11 @@ class LayerWeights:
     k_bias: torch.Tensor | None = None
     v_bias: torch.Tensor | None = None
     o_bias: torch.Tensor | None = None
+    sinks: torch.Tensor | None = None        # [A] gpt-oss attention sinks
     q_norm: torch.Tensor | None = None       # [D] (per head) or [A*D] (all heads)
     k_norm: torch.Tensor | None = None
     router: torch.Tensor | None = None       # [E, H]
+    router_bias: torch.Tensor | None = None  # [E] (gpt-oss)
     shared_gate: torch.Tensor | None = None  # [Is, H]
     shared_up: torch.Tensor | None = None    # [Is, H]
     shared_down: torch.Tensor | None = None  # [H, Is]
@@ -197,6 +200,8 @@ def _layer_plan(l: LayerSpec, geom: ModelGeometry, arch: Arch, index: _Index) ->
         out += [("q_bias", *qb), ("k_bias", n("k_bias"), (kd,)), ("v_bias", n("v_bias"), (vd,))]
     if arch.o_bias:
         out.append(("o_bias", n("o_bias"), (h,)))
+    if arch.sinks:
+        out.append(("sinks", n("sinks"), (a.num_heads,)))
     if arch.qk_norm == "head":
         out += [("q_norm", n("q_norm"), (a.head_dim,)), ("k_norm", n("k_norm"), (a.head_dim,))]
     elif arch.qk_norm == "full":
@@ -217,6 +222,8 @@ def _mlp_plan(l: LayerSpec, geom: ModelGeometry, arch: Arch, index: _Index,
     m = l.moe
     router = _first(index, arch.names.hf_candidates("router", p))
     out.append(("router", router, (m.num_experts, h)))
+    if arch.router_bias:
+        out.append(("router_bias", n("router_bias"), (m.num_experts,)))
     if m.shared_intermediate:
         si = m.shared_intermediate
         out += [("shared_gate", n("shared_gate"), (si, h)), ("shared_up", n("shared_up"), (si, h)),
@@ -226,9 +233,17 @@ def _mlp_plan(l: LayerSpec, geom: ModelGeometry, arch: Arch, index: _Index,
 
 
 def _expert_plan(l: LayerSpec, geom: ModelGeometry, arch: Arch, index: _Index):
-    """``("fused", gate_up name, down name)`` or ``("per_expert", [(g, u, d) per expert])``."""
+    """``("fused", gate_up name, down name)``, ``("per_expert", [(g, u, d) per expert])``
+    or, for experts with biases (gpt-oss), ``("biased", {part: name})``
+    (:func:`moefit.runtime.gpt_oss_experts.hf_expert_names`)."""
     m, h, p = l.moe, geom.hidden_size, f"{arch.prefix}layers.{l.index}."
     i = m.expert_intermediate
+    if arch.clamped_swiglu is not None:
+        prefix = arch.names.hf_experts(p)
+        mxfp4 = index.has(f"{prefix}gate_up_proj_blocks")
+        for name, shape in gpt_oss_experts.checkpoint_experts(m.num_experts, i, h, mxfp4).items():
+            index.check(prefix + name, shape)
+        return "biased", gpt_oss_experts.hf_expert_names(prefix, mxfp4)
     for prefix in arch.names.moe_blocks:
         gu, dn = f"{p}{prefix}.experts.gate_up_proj", f"{p}{prefix}.experts.down_proj"
         if index.has(gu) or index.has(dn):
@@ -293,7 +308,8 @@ def load_checkpoint(model_dir: str | Path, geom: ModelGeometry, arch: Arch, allo
     total = sum(index.numel(n) for _, name, shape in glob + [t for lp in layer_plans for t in lp]
                 for n, _ in sources(name, shape))
     for plan in expert_plans.values():
-        names = [plan[1], plan[2]] if plan[0] == "fused" else [n for trio in plan[1] for n in trio]
+        names = ([plan[1], plan[2]] if plan[0] == "fused" else list(plan[1].values()) if plan[0] == "biased"
+                 else [n for trio in plan[1] for n in trio])
         total += sum(index.numel(n) for n in names)
     bar = progress_bar(total, progress, model_dir.name)
 
@@ -312,8 +328,17 @@ def load_checkpoint(model_dir: str | Path, geom: ModelGeometry, arch: Arch, allo
     experts = HostExperts(h, dtype)
     for l in geom.moe_layers:
         m, i = l.moe, l.moe.expert_intermediate
-        blobs = torch.empty((m.num_experts, 3 * i * h), dtype=dtype, pin_memory=pin)  # [E, 3IH]
         plan = expert_plans[l.index]
+        if plan[0] == "biased":       # gpt-oss: biases, clamped SwiGLU, mxfp4 kept as stored
+            def get(name):
+                t = index.get(name)
+                bar.update(t.numel())
+                return t
+            blobs, fmt = gpt_oss_experts.hf_blobs(get, plan[1], m.num_experts, i, h, dtype,
+                                                  *arch.clamped_swiglu, pin=pin)
+            experts.blobs[l.index], experts.inter[l.index], experts.formats[l.index] = blobs, i, fmt
+            continue
+        blobs = torch.empty((m.num_experts, 3 * i * h), dtype=dtype, pin_memory=pin)  # [E, 3IH]
         if plan[0] == "fused":
             gu, dn = index.get(plan[1]), index.get(plan[2])          # [E, 2I, H], [E, H, I]
             blobs[:, :2 * i * h].copy_(gu.reshape(m.num_experts, -1))

@@ -17,6 +17,12 @@ Routing (mixtral-offloading, transformers ``*TopKRouter``): router logits in the
 dtype, softmax in fp32, top-k, renormalised per the family rule, then cast to the compute
 dtype; expert outputs are combined in an fp32 accumulator.
 
+gpt-oss (``modeling_gpt_oss.py``): attention sinks (a per-head logit in each softmax
+denominator, :func:`moefit.runtime.attention.attend`), alternating sliding-window layers
+(the KV cache's ring), a router with a bias and a softmax over its top-k logits
+(:func:`route_topk_softmax`), experts with biases and the clamped SwiGLU
+(:mod:`moefit.runtime.gpt_oss_experts`).
+
 Hybrids (``modeling_qwen3_next.py``, ``modeling_qwen3_5_moe.py``): the token mixer of a
 ``linear`` layer is Gated DeltaNet (:func:`moefit.runtime.deltanet.gated_deltanet`); the
 full-attention layers have an output gate, ``o * sigmoid(gate)`` before ``o_proj``, with
@@ -148,7 +154,7 @@ def _attention(mdl: Model, l: LayerSpec, lw: LayerWeights, x: torch.Tensor,
         for sg in segs:
             a0, a1 = sg.offset, sg.offset + sg.length
             attend(q3[a0:a1], sg.start, mdl.kv, l.index, sg.slot, d ** -0.5, o[a0:a1], ws,
-                   q_block=mdl.q_block, kv_block=mdl.kv_block)
+                   q_block=mdl.q_block, kv_block=mdl.kv_block, sinks=lw.sinks)
         if a.output_gate:
             o.view(t, heads * dv).mul_(gate.sigmoid_())
         linear(o.view(t, heads * dv), lw.o, lw.o_bias, out)
@@ -193,6 +199,20 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool, ws: Workspace | N
     return w, ids
 
 
+def route_topk_softmax(logits: torch.Tensor, top_k: int, ws: Workspace, w: torch.Tensor,
+                       ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """gpt-oss routing (``GptOssTopKRouter``): top-k of the router logits ``[T, E]``, then a
+    softmax over those k values only, into ``w`` ``[T, k]`` fp32 and ``ids`` ``[T, k]``
+    (the same weights as softmax-then-top-k renormalised, computed the reference's way).
+    The fp32 copy of the logits and the softmax's output come from ``ws``."""
+    f32 = torch.float32
+    with ws.scope():
+        x = logits if logits.dtype == f32 else ws.take(logits.shape, f32).copy_(logits)
+        torch.topk(x, top_k, dim=-1, out=(w, ids))
+        w.copy_(torch.ops.aten._softmax.out(w, -1, False, out=ws.take(w.shape, f32)))
+    return w, ids
+
+
 def _moe(mdl: Model, l: LayerSpec, lw: LayerWeights, x: torch.Tensor, out: torch.Tensor) -> None:
     """Routed experts (+ gated shared expert) of layer ``l`` on ``x`` ``[T, H]`` into ``out``.
 
@@ -209,9 +229,12 @@ def _moe(mdl: Model, l: LayerSpec, lw: LayerWeights, x: torch.Tensor, out: torch
         w = ws.take((t, k), f32)                                          # [T, k]
         ids = ws.take((t, k), torch.int64)                               # [T, k]
         with ws.scope():
-            logits = linear(x, lw.router, None, ws.take((t, n_exp), act))   # [T, E]
-            route(logits, k, mdl.arch.renormalize, ws, w, ids)
-        if moe_batch.applies(mdl.experts, l.index, x, k):
+            logits = linear(x, lw.router, lw.router_bias, ws.take((t, n_exp), act))   # [T, E]
+            if mdl.arch.topk_softmax:
+                route_topk_softmax(logits, k, ws, w, ids)
+            else:
+                route(logits, k, mdl.arch.renormalize, ws, w, ids)
+        if mdl.arch.clamped_swiglu is None and moe_batch.applies(mdl.experts, l.index, x, k):
             acc = ws.take((t, h), f32, zero=True)
             scratch = ws.take((moe_batch.scratch_bytes(t, h, m.expert_intermediate, act),), torch.uint8)
             wq = w if act == f32 else ws.take((t, k), act).copy_(w).float()   # rounded as combined

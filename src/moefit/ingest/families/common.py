@@ -457,7 +457,9 @@ class NameTable:
     checkpoint may use instead (transformers 5.x saves every MoE block as ``mlp``).
     ``moe_blocks``: the MoE block names a checkpoint may use, the family's first.
     ``expert_parts``: the (gate, up, down) module names of one routed expert under
-    ``{moe}.experts.{j}.``. The one home of a family's MoE names: its parser lists them
+    ``{moe}.experts.{j}.``; ``fused_experts``: for a family whose checkpoints hold its
+    experts only fused over the layer (gpt-oss), those tensors' names under
+    ``{moe}.experts.``. The one home of a family's MoE names: its parser lists them
     (:meth:`router_module`, :meth:`hf_experts`), the runtime loads them
     (``moefit.runtime.arch.Arch.moe_prefix`` / ``expert_names``).
     """
@@ -468,6 +470,7 @@ class NameTable:
     aliases: dict[str, str] = field(default_factory=dict)
     moe_blocks: tuple[str, ...] = ("mlp",)
     expert_parts: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+    fused_experts: tuple[str, ...] = ()
 
     @property
     def moe_prefix(self) -> str:
@@ -539,6 +542,13 @@ class Switches:
     ``renormalize``: divide the top-k routing weights by their sum. (The MoE block and
     expert names are the family's :class:`NameTable`'s.) ``config``: the text model's config dict; ``prefix``: checkpoint prefix of the text
     model; ``norm_offset``: 1.0 for ``(1 + w)`` RMSNorm weights.
+
+    gpt-oss (``modeling_gpt_oss.py``): ``sinks``, a learned per-head logit in every softmax
+    denominator (``GptOssAttention.sinks``); ``router_bias``, the router's bias;
+    ``topk_softmax``, softmax over the top-k router logits only (``GptOssTopKRouter``);
+    ``clamped_swiglu`` ``(alpha, limit)``: experts with biases and the clamped SwiGLU of
+    ``GptOssExperts._apply_gate`` (``(clamp(up, -limit, limit) + 1) * g * sigmoid(alpha g)``,
+    ``g = min(gate, limit)``); ``None`` is the plain SwiGLU without biases.
     """
 
     model_type: str
@@ -553,6 +563,10 @@ class Switches:
     config: dict
     prefix: str = "model."
     norm_offset: float = 0.0
+    sinks: bool = False
+    router_bias: bool = False
+    topk_softmax: bool = False
+    clamped_swiglu: tuple[float, float] | None = None
 
 
 # --------------------------------------------------------------------------------------------
@@ -623,6 +637,39 @@ def gguf_moe_metadata(w: Any, config: dict) -> None:
     w.add_expert_weights_norm(bool(config.get("norm_topk_prob", False)))
 
 
+@dataclass(frozen=True)
+class GGUFTensorOut:
+    """One tensor a family's GGUF conversion writes (:class:`GGUFConversion`).
+
+    ``name``: the GGUF name; ``shape``: its shape in torch order; ``make()``: its values as
+    a float32 array of that shape, or, with ``stored``, the bytes already in that ggml type
+    (uint8 ``[..., row bytes]``: written as they are, not quantized again). ``kind``:
+    ``dense`` (the writer's dense type, F32 when 1-D), ``f32``, or the expert part
+    ``gate`` / ``up`` / ``down`` (the layer's expert type).
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    make: Callable[[], Any]
+    kind: str = "dense"
+    stored: str | None = None
+
+
+@dataclass(frozen=True)
+class GGUFConversion:
+    """How ``moefit.tools.gguf_write`` writes some Hugging Face tensors of a family that
+    llama.cpp's converter transforms (``convert_hf_to_gguf.py``): the state keys
+    ``sources`` become ``outputs``. ``hf_name``: the tensor of the transformers model the
+    outputs hold (default: the only source); ``back(arrays)``: the outputs as the file
+    stores them (float32, torch order, in ``outputs`` order) -> that tensor, for a reference
+    model on the stored weights (default: the only output, reshaped)."""
+
+    sources: tuple[str, ...]
+    outputs: tuple[GGUFTensorOut, ...]
+    hf_name: str | None = None
+    back: Callable[[list], Any] | None = None
+
+
 # --------------------------------------------------------------------------------------------
 # the family record
 # --------------------------------------------------------------------------------------------
@@ -651,7 +698,10 @@ class Family:
     config)``: the family's own metadata keys for ``moefit.tools.gguf_write`` (default
     :func:`gguf_moe_metadata`). ``active_convention``: per model_type, how its model card
     counts active parameters when not every embedding is counted
-    (:data:`~moefit.ingest.geometry.ACTIVE_CONVENTIONS`).
+    (:data:`~moefit.ingest.geometry.ACTIVE_CONVENTIONS`). ``gguf_tensors(state, config,
+    prefix, shape_of)``: the :class:`GGUFConversion` of the tensors the family writes its
+    own way (``config`` the text model's, ``prefix`` its checkpoint prefix); the writer
+    maps every other tensor by the name table.
     """
 
     name: str
@@ -670,6 +720,7 @@ class Family:
     gguf_permute_qk: bool = False
     gguf_write_meta: Callable[[Any, dict], None] | None = None
     active_convention: dict[str, str] = field(default_factory=dict)
+    gguf_tensors: Callable[..., list[GGUFConversion]] | None = None
 
     def kind(self, model_type: str) -> str:
         """The model_type whose parser branch ``model_type`` takes."""
