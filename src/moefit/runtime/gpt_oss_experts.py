@@ -123,14 +123,12 @@ class BiasedExpert:
         g = scratch[:n * i].view(n, i)
         u = scratch[n * i:2 * n * i].view(n, i)
         region = ws.fixed if ws is not None else None
-        with (region.scope() if region is not None else contextlib.nullcontext()):
-            self._matmul(self.gate, x, blob, g, region).add_(bg)
-            self._matmul(self.up, x, blob, u, region).add_(bu)
+        self._matmul(self.gate, x, blob, g, region).add_(bg)
+        self._matmul(self.up, x, blob, u, region).add_(bu)
         g.clamp_(max=self.limit)
         u.clamp_(-self.limit, self.limit).add_(1.0).mul_(g)     # (u + 1) * g
         u.mul_(g.mul_(self.alpha).sigmoid_())                   # * sigmoid(alpha g)
-        with (region.scope() if region is not None else contextlib.nullcontext()):
-            self._matmul(self.down, u, blob, out, region)
+        self._matmul(self.down, u, blob, out, region)
         return out.add_(bd)
 
     @staticmethod
@@ -138,6 +136,11 @@ class BiasedExpert:
         """``out = x @ W^T`` for the part ``p`` of ``blob``: a float part viewed in place, a
         few rows against a quantized part through the C kernels, else the part dequantized
         into the fixed region (or a new buffer) and ``torch.mm``."""
+        with (region.scope() if region is not None else contextlib.nullcontext()):
+            return BiasedExpert._matmul_in(p, x, blob, out, region)
+
+    @staticmethod
+    def _matmul_in(p: Part, x: torch.Tensor, blob: torch.Tensor, out: torch.Tensor, region) -> torch.Tensor:
         raw = blob[p.offset:p.offset + p.nbytes]
         n = x.shape[0]
         if p.qtype in FLOAT_TYPES:
