@@ -20,6 +20,7 @@ from types import SimpleNamespace
 import pytest
 
 from moefit.ingest.families import geometry_from_config, registry
+from moefit.ingest.families.qwen_hybrid import V_TILED_ARCHS
 from moefit.ingest.geometry import ModelGeometry
 from moefit.runtime import gguf_loader, loader
 from moefit.runtime.arch import arch_from_config, runtime_model_types
@@ -160,13 +161,22 @@ def test_gguf_loader_asks_for_the_listing(label, cfg):
     and torch-order shapes the GGUF loader asks for."""
     geom, arch = _setup(cfg)
     dense, _ = _listing(geom)
-    want = {arch.names.gguf_from_hf(n, arch.prefix): s for n, s in dense.items()}
+    fam = TOY if cfg["model_type"] == "toy_moe" else registry.family_for(cfg["model_type"])
+    # the writer's own conversions (Qwen3-Next / Qwen3.5 linear attention, offset norms),
+    # then the name table for the rest
+    convs = fam.gguf_tensors(dict.fromkeys(dense), arch.config, arch.prefix, lambda k: dense[k]) \
+        if fam.gguf_tensors else []
+    converted = {k for c in convs for k in c.sources}
+    want = {o.name: tuple(o.shape) for c in convs for o in c.outputs if set(c.sources) <= set(dense)}
+    want |= {arch.names.gguf_from_hf(n, arch.prefix): s for n, s in dense.items() if n not in converted}
     g = arch.names.globals
     asked = {g["embed"][1]: (geom.vocab_size, geom.hidden_size), g["norm"][1]: (geom.hidden_size,)}
     if not arch.tie_embeddings:
         asked[g["lm_head"][1]] = (geom.vocab_size, geom.hidden_size)
+    tiled = fam.gguf_arch_of.get(cfg["model_type"]) in V_TILED_ARCHS
     for l in geom.layers:
-        asked |= {name: tuple(shape) for _, name, shape in gguf_loader._layer_plan(l, geom, arch)}
+        for _, name, shape in gguf_loader._layer_plan(l, geom, arch, lambda n: n in want, tiled):
+            asked |= {p: tuple(s) for p, s in sources(name, shape)}
     assert asked == want, set(asked.items()) ^ set(want.items())
 
     checked = {}

@@ -30,10 +30,12 @@ import torch
 
 from moefit.errors import InputError
 from moefit.ingest.families import registry
+from moefit.ingest.families.qwen_hybrid import V_TILED_ARCHS
 from moefit.ingest.geometry import LayerSpec, ModelGeometry
 from moefit.ingest.gguf_header import GGUFHeader, GGUFTensor, close_reader, config_from_gguf, open_reader, read_header
 from moefit.runtime.arch import Arch
 from moefit.runtime.gpt_oss_experts import BiasedExpert
+from moefit.runtime.hybrid_layout import Packed, gated_q, gguf_linear_attention_entries, sources
 from moefit.runtime.loader import HostExperts, Weights, assemble_weights, progress_bar
 from moefit.runtime import qmatmul
 from moefit.runtime.quant import StoredExpert, StoredMatrix, dequantize, kernel_for
@@ -88,17 +90,39 @@ class _Tensors:
 
 
 
-def _layer_plan(l: LayerSpec, geom: ModelGeometry, arch: Arch) -> list[tuple[str, str, tuple]]:
-    """(attribute, GGUF name, torch shape) of every resident tensor of layer ``l``; names
-    from the family's table (``arch.names``)."""
+#: the RMSNorm weights a GGUF holds as applied, ``w + norm_offset`` (llama.cpp multiplies by
+#: the stored weight; its converter adds 1 to Qwen3-Next's ``(1 + w)`` norms), by slot
+OFFSET_NORM_SLOTS = ("input_norm", "post_norm", "q_norm", "k_norm")
+
+
+def _minus(name: str, shape: tuple, offset: float) -> Packed:
+    """A norm weight stored as ``w + offset`` (see :data:`OFFSET_NORM_SLOTS`), read as ``w``."""
+    return Packed(((name, shape),), lambda ts: ts[0] - offset)
+
+
+def _layer_plan(l: LayerSpec, geom: ModelGeometry, arch: Arch, has=lambda name: True,
+                tiled: bool = False) -> list[tuple[str, object, tuple]]:
+    """(attribute, GGUF name or :class:`~moefit.runtime.hybrid_layout.Packed`, torch
+    shape) of every resident tensor of layer ``l``; names from the family's table
+    (``arch.names``). Gated DeltaNet layers: :func:`gguf_linear_attention_entries` (``has``:
+    whether the file holds a tensor; ``tiled``: its value heads are tiled); a gated
+    ``attn_q`` is regrouped as the checkpoint's ``q_proj``; norms stored with the family's
+    ``norm_offset`` added are read back without it."""
     a, h = l.attention, geom.hidden_size
     qd, kd, vd = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim, a.num_kv_heads * a.v_head_dim
     n = lambda slot: arch.names.gguf(slot, l.index)  # noqa: E731
-    out = [("input_norm", n("input_norm"), (h,)), ("post_norm", n("post_norm"), (h,)),
-           ("q", n("q"), (qd, h)), ("k", n("k"), (kd, h)),
-           ("v", n("v"), (vd, h)), ("o", n("o"), (h, a.num_heads * a.v_head_dim))]
+    out = [("input_norm", n("input_norm"), (h,)), ("post_norm", n("post_norm"), (h,))]
+    if a.kind == "linear":
+        out += gguf_linear_attention_entries(l.index, a, h, has, tiled)
+        return _offset_norms(out + _mlp_plan(l, geom, arch), arch)
+    q, qb = (n("q"), (qd, h)), (n("q_bias"), (qd,))
+    if a.output_gate:   # attn_q holds [query | gate] per head, as q_proj: regrouped at load
+        q = gated_q(q[0], a.num_heads, a.head_dim, h)
+        qb = gated_q(qb[0], a.num_heads, a.head_dim, h, bias=True)
+    out += [("q", *q), ("k", n("k"), (kd, h)),
+            ("v", n("v"), (vd, h)), ("o", n("o"), (h, a.num_heads * a.v_head_dim))]
     if arch.q_bias:
-        out += [("q_bias", n("q_bias"), (qd,)), ("k_bias", n("k_bias"), (kd,)), ("v_bias", n("v_bias"), (vd,))]
+        out += [("q_bias", *qb), ("k_bias", n("k_bias"), (kd,)), ("v_bias", n("v_bias"), (vd,))]
     if arch.o_bias:
         out.append(("o_bias", n("o_bias"), (h,)))
     if arch.sinks:
@@ -107,6 +131,22 @@ def _layer_plan(l: LayerSpec, geom: ModelGeometry, arch: Arch) -> list[tuple[str
         out += [("q_norm", n("q_norm"), (a.head_dim,)), ("k_norm", n("k_norm"), (a.head_dim,))]
     elif arch.qk_norm == "full":
         out += [("q_norm", n("q_norm"), (qd,)), ("k_norm", n("k_norm"), (kd,))]
+    return _offset_norms(out + _mlp_plan(l, geom, arch), arch)
+
+
+def _offset_norms(plan: list, arch: Arch) -> list:
+    """``plan`` with the norms of :data:`OFFSET_NORM_SLOTS` read back without the family's
+    ``norm_offset`` (unchanged when it is 0)."""
+    if not arch.norm_offset:
+        return plan
+    return [(attr, _minus(name, shape, arch.norm_offset) if attr in OFFSET_NORM_SLOTS else name, shape)
+            for attr, name, shape in plan]
+
+
+def _mlp_plan(l: LayerSpec, geom: ModelGeometry, arch: Arch) -> list[tuple[str, str, tuple]]:
+    """(attribute, GGUF name, torch shape) of the MLP / MoE block of layer ``l``."""
+    h, out = geom.hidden_size, []
+    n = lambda slot: arch.names.gguf(slot, l.index)  # noqa: E731
     if l.moe is None:
         i = l.dense_intermediate
         return out + [("dense_gate", n("dense_gate"), (i, h)), ("dense_up", n("dense_up"), (i, h)),
@@ -176,26 +216,38 @@ def load_gguf(path: str | Path, geom: ModelGeometry, arch: Arch, alloc, *, pin: 
 def _load(h, ts: _Tensors, geom, arch, alloc, pin, progress):
     hidden, dtype = geom.hidden_size, arch.dtype
     g = arch.names.globals
-    glob = [("embed", g["embed"][1], (geom.vocab_size, hidden)), ("norm", g["norm"][1], (hidden,))]
+    norm = (g["norm"][1] if not arch.norm_offset
+            else _minus(g["norm"][1], (hidden,), arch.norm_offset))
+    glob = [("embed", g["embed"][1], (geom.vocab_size, hidden)), ("norm", norm, (hidden,))]
     embed = g["embed"][1]      # looked up by row: always dequantized
     if not arch.tie_embeddings:
         glob.append(("lm_head", g["lm_head"][1], (geom.vocab_size, hidden)))
-    layer_plans = [_layer_plan(l, geom, arch) for l in geom.layers]
+    family = registry.family_for_gguf(h.arch)
+    tiled = h.arch in V_TILED_ARCHS
+    layer_plans = [_layer_plan(l, geom, arch, lambda n: n in h.tensors, tiled) for l in geom.layers]
     for _, name, shape in glob + [t for lp in layer_plans for t in lp]:
-        ts.check(name, shape)
+        for part, part_shape in sources(name, shape):
+            ts.check(part, part_shape)
     expert_plans = {l.index: _expert_parts(l, geom, arch, ts) for l in geom.moe_layers}
-    names = [n for _, n, _ in glob] + [n for lp in layer_plans for _, n, _ in lp]
+    names = [p for _, n, s in glob for p, _ in sources(n, s)]
+    names += [p for lp in layer_plans for _, n, s in lp for p, _ in sources(n, s)]
     names += [n for parts, _ in expert_plans.values() for n in parts]
     bar = progress_bar(sum(h.tensors[n].nbytes for n in names), progress, h.paths[0].name,
                        unit="B", unit_divisor=1024)
     heads = geom.layers[0].attention.num_heads
     kv_heads = geom.layers[0].attention.num_kv_heads
-    family = registry.family_for_gguf(h.arch)
     permute = family is not None and family.gguf_permute_qk
     qk = {name: heads if attr == "q" else kv_heads for lp in layer_plans for attr, name, _ in lp
           if attr in ("q", "k", "q_bias", "k_bias")}
 
-    def resident(name: str, shape: tuple) -> torch.Tensor:
+    def resident(name, shape: tuple) -> torch.Tensor:
+        if isinstance(name, Packed):     # read in fp32, rebuilt, then cast once
+            parts = []
+            for part, part_shape in name.parts:
+                t = h.tensors[part]
+                parts.append(dequantize(ts.raw(part), t.ggml_type, part_shape))
+                bar.update(t.nbytes)
+            return alloc(shape, dtype).copy_(name.build(parts).reshape(shape))
         t = h.tensors[name]
         raw = ts.raw(name)
         if permute and name in qk:
