@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -284,3 +285,22 @@ def test_the_toy_family_is_gone_after_unregister():
     with pytest.raises(Exception, match="toy_moe"):
         geometry_from_config(TOY_CONFIG, "toy")
     assert "toymoe" not in registry.gguf_archs()
+
+
+# ---- the README's family table ----------------------------------------------------------------
+def test_the_readme_family_table_is_the_registry():
+    """One row per built-in family: its model types and GGUF architectures, and whether the
+    runtime runs it from a Hugging Face checkpoint (``runtime_types``) and from GGUF
+    (``runtime_gguf_archs``), exactly as the registry says."""
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    head = "| family | `model_type` | GGUF architecture | plan | run from HF | run from GGUF |"
+    rows = readme[readme.index(head):].split("\n\n", 1)[0].splitlines()[2:]
+    table = {}
+    for row in rows:
+        name, types, archs, plan, hf, gg = (c.strip() for c in row.strip("|").split("|"))
+        table[name] = (set(re.findall(r"`([^`]+)`", types)), set(re.findall(r"`([^`]+)`", archs)), plan, hf, gg)
+    assert set(table) == {f.name for f in registry.BUILTIN}
+    for f in registry.BUILTIN:
+        yes = lambda b: "yes" if b else "no"  # noqa: E731
+        assert table[f.name] == (set(f.model_types), set(f.gguf_archs), "yes",
+                                 yes(f.runtime_types), yes(f.runtime_gguf_archs)), f.name
