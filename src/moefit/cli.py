@@ -22,10 +22,13 @@ from importlib.util import find_spec
 from moefit import __version__
 from moefit.devices import format_gpu_table
 from moefit.errors import EXIT_INPUT, EXIT_INTERRUPTED, EXIT_NOFIT, EXIT_OK, EXIT_OTHER, InputError
-from moefit.engines import llamacpp
-from moefit.flags import (add_model_files_flags, add_plan_flags, add_sampling_flags,
-                          add_serve_flags, device_from_args, llama_request_from_args,
-                          plan_from_args)
+from moefit.engines import llamacpp, serving
+from moefit.engines.sglang import ENGINE as SGLANG
+from moefit.engines.vllm import ENGINE as VLLM
+from moefit.flags import (add_engine_flags, add_model_files_flags, add_plan_flags,
+                          add_sampling_flags, add_serve_flags, check_engine_flags,
+                          device_from_args, llama_request_from_args, plan_from_args,
+                          serve_request_from_args)
 from moefit.ingest.checkpoint import describe_weights
 from moefit.ingest.resolve import format_models_table, list_presets, load_model
 from moefit.memory.kv import kv_bytes, kv_format
@@ -43,8 +46,11 @@ class _Parser(argparse.ArgumentParser):
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
+    check_engine_flags(args)
     if args.engine == "llama.cpp":
         return _plan_llamacpp(args)
+    if args.engine in ("vllm", "sglang"):
+        return _plan_serving(args)
     geom = load_model(args.model)
     device = device_from_args(args)
     plan = plan_from_args(geom, device, args)
@@ -69,6 +75,23 @@ def _plan_llamacpp(args: argparse.Namespace) -> int:
         print(llamacpp.format_plan(plan))
         if args.verbose:
             print(llamacpp.format_verbose(plan))
+    return EXIT_OK if plan.fits else EXIT_NOFIT
+
+
+def _plan_serving(args: argparse.Namespace) -> int:
+    """``moefit plan MODEL --engine vllm|sglang --gpus N [--nodes M]``: one rank's budget
+    under the engine's parallelism and one launch command per node."""
+    geom = load_model(args.model)
+    req = serve_request_from_args(geom, args)
+    device = device_from_args(args)
+    engine = VLLM if args.engine == "vllm" else SGLANG
+    plan = serving.solve_serving(geom, engine, device, req)
+    if args.json:
+        print(json.dumps(serving.serve_plan_document(plan), indent=2))
+    else:
+        print(serving.format_serve_plan(plan))
+        if args.verbose:
+            print(serving.format_serve_verbose(plan))
     return EXIT_OK if plan.fits else EXIT_NOFIT
 
 
@@ -169,9 +192,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the moefit.plan/1 JSON document")
     p.add_argument("--verbose", "-v", action="store_true",
                    help="also show analytic vs exact weight bytes and the staging terms")
-    p.add_argument("--engine", choices=("moefit", "llama.cpp"), default="moefit",
-                   help="whose memory to plan: moefit's runtime (default) or llama-server's "
-                        "(a .gguf model; prints the llama-server command)")
+    add_engine_flags(p)
     p.set_defaults(func=cmd_plan)
     p = sub.add_parser("serve", help="commit the plan and serve an OpenAI-compatible API")
     add_plan_flags(p)

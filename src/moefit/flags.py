@@ -1,12 +1,15 @@
 """Command-line flags shared by the commands, and what they turn into.
 
 One argparse group per function (:func:`add_model_argument`, :func:`add_device_flags`,
-:func:`add_request_flags`, :func:`add_model_files_flags`, :func:`add_sampling_flags`), so
-a command takes the groups it needs and a new flag has one home. The parsed flags become:
+:func:`add_request_flags`, :func:`add_engine_flags`, :func:`add_model_files_flags`,
+:func:`add_sampling_flags`), so a command takes the groups it needs and a new flag has one
+home. The parsed flags become:
 
-- a :class:`~moefit.plan.request.Request` (:func:`request_from_args`), or llama.cpp's
+- a :class:`~moefit.plan.request.Request` (:func:`request_from_args`), llama.cpp's
   :class:`~moefit.engines.llamacpp.LlamaRequest` for ``plan --engine llama.cpp``
-  (:func:`llama_request_from_args`);
+  (:func:`llama_request_from_args`), or a vLLM / SGLang
+  :class:`~moefit.engines.serving.ServeRequest` for ``plan --engine vllm|sglang``
+  (:func:`serve_request_from_args`);
 - a :class:`~moefit.devices.Device`: any device for planning (:func:`device_from_args`),
   a device that can run the model for ``serve``, ``generate``, ``bench`` and ``calibrate``
   (:func:`runnable_device`);
@@ -28,6 +31,7 @@ from moefit.devices import Device, resolve_device
 from moefit.engines.llamacpp import DEFAULT_BATCH as LLAMA_BATCH
 from moefit.engines.llamacpp import DEFAULT_UBATCH as LLAMA_UBATCH
 from moefit.engines.llamacpp import LlamaRequest, kv_types
+from moefit.engines.serving import BATCH_GRID, ServeRequest
 from moefit.errors import InputError
 from moefit.ingest.geometry import ModelGeometry
 from moefit.ingest.inputs import is_gguf_file
@@ -69,7 +73,7 @@ def add_request_flags(p: argparse.ArgumentParser) -> None:
     req.add_argument("--max-context", help="tokens per sequence (K/M suffixes: 512K = 524288), "
                                            "or max: the largest that fits; default: the "
                                            "model's limit")
-    req.add_argument("--parallel", "--slots", dest="slots", type=int, default=1, metavar="N",
+    req.add_argument("--parallel", "--slots", dest="slots", type=int, default=None, metavar="N",
                      help="concurrent sequences, each with its own KV cache (default 1; "
                           "--slots is the old name)")
     req.add_argument("--kv", default="bf16",
@@ -103,6 +107,33 @@ def add_request_flags(p: argparse.ArgumentParser) -> None:
     req.add_argument("--no-calibration", action="store_true",
                      help="price prefill staging with the analytic model even when `moefit "
                           "calibrate` has measured this model on this device")
+
+
+#: ``--engine`` choices: moefit's runtime, and the engines whose memory moefit models
+ENGINES = ("moefit", "llama.cpp", "vllm", "sglang")
+#: the flags of the multi-GPU engines (``--engine vllm|sglang``)
+PARALLEL_FLAGS = ("gpus", "nodes", "tp", "pp", "dp", "ep")
+
+
+def add_engine_flags(p: argparse.ArgumentParser) -> None:
+    """``--engine`` and the parallelism of ``--engine vllm|sglang`` (``--gpus``, ``--nodes``,
+    ``--tp``, ``--pp``, ``--dp``, ``--ep``; :func:`serve_request_from_args`)."""
+    eng = p.add_argument_group("engine")
+    eng.add_argument("--engine", choices=ENGINES, default="moefit",
+                     help="whose memory to plan: moefit's runtime (default), llama-server's (a "
+                          ".gguf model), or vLLM's / SGLang's across GPUs and nodes (prints "
+                          "their launch commands)")
+    eng.add_argument("--gpus", type=int, default=None, metavar="N",
+                     help="--engine vllm|sglang: GPUs in all (default 1), each a --gpu / --vram card")
+    eng.add_argument("--nodes", type=int, default=None, metavar="M",
+                     help="--engine vllm|sglang: nodes the GPUs are spread over (default 1)")
+    eng.add_argument("--tp", type=int, default=None, help="tensor-parallel size (default: chosen)")
+    eng.add_argument("--pp", type=int, default=None, help="pipeline-parallel size (default: chosen)")
+    eng.add_argument("--dp", type=int, default=None,
+                     help="data-parallel attention replicas, each with its own KV cache (default: chosen)")
+    eng.add_argument("--ep", type=int, default=None,
+                     help="expert-parallel size: experts whole on each of --tp x --dp ranks (1: "
+                          "split; default: chosen)")
 
 
 def add_plan_flags(p: argparse.ArgumentParser) -> None:
@@ -175,7 +206,7 @@ def request_from_args(args: argparse.Namespace) -> Request:
                              "number of expert slots") from None
     return Request(
         max_context=_max_context(args.max_context),
-        slots=args.slots, kv=kv_name(args.kv), prefill_mode=mode, prefill_tokens=tokens,
+        slots=slots_of(args), kv=kv_name(args.kv), prefill_mode=mode, prefill_tokens=tokens,
         prefill_min=args.prefill_min, strict=args.strict, reserve_bytes=_reserve_bytes(args),
         expert_cache=expert_cache, min_expert_cache=args.min_expert_cache,
         rope_scaling=args.rope_scaling, rope_scale=args.rope_scale,
@@ -222,7 +253,7 @@ def llama_request_from_args(geom: ModelGeometry, args: argparse.Namespace) -> Ll
                          "number of tokens (e.g. --max-context 128K)")
     tk, tv = kv_types(args.kv)
     mode, tokens = parse_prefill(args.prefill)
-    req = Request(max_context=_max_context(args.max_context), slots=args.slots,
+    req = Request(max_context=_max_context(args.max_context), slots=slots_of(args),
                   prefill_mode=mode, prefill_tokens=tokens, prefill_min=args.prefill_min,
                   strict=args.strict, reserve_bytes=_reserve_bytes(args),
                   rope_scaling=args.rope_scaling, rope_scale=args.rope_scale,
@@ -239,6 +270,82 @@ def llama_request_from_args(geom: ModelGeometry, args: argparse.Namespace) -> Ll
                         type_k=tk, type_v=tv, margin=req.reserve_bytes,
                         ubatch_min=min(req.prefill_min, ub), strict=req.strict,
                         gguf=str(args.model), extra_flags=extra)
+
+
+def check_engine_flags(args: argparse.Namespace) -> None:
+    """The parallelism flags belong to ``--engine vllm|sglang``. Raises InputError naming
+    the first one given with another engine."""
+    if getattr(args, "engine", "moefit") in ("vllm", "sglang"):
+        return
+    for name in PARALLEL_FLAGS:
+        if getattr(args, name, None) is not None:
+            raise InputError(f"--{name} plans several GPUs, which only --engine vllm or --engine "
+                             f"sglang do (moefit's runtime and llama.cpp plan one); add --engine "
+                             f"vllm, or drop --{name}")
+
+
+def serve_request_from_args(geom: ModelGeometry, args: argparse.Namespace) -> ServeRequest:
+    """Map ``moefit plan --engine vllm|sglang`` flags onto the engine's: ``--max-context`` ->
+    ``--max-model-len`` / ``--context-length`` (the model's limit by default; RoPE limits as
+    for moefit's plans, a YaRN or linear request adds the engine's config override),
+    ``--parallel N`` -> ``--max-num-seqs`` / ``--max-running-requests`` (N sequences of the
+    context must fit; without it the engine's default concurrency and one sequence),
+    ``--prefill`` -> ``--max-num-batched-tokens`` / ``--chunked-prefill-size`` (``auto``: the
+    engine's default; ``N``: clamped on the 256 grid to fit unless ``--strict``),
+    ``--kv`` -> ``--kv-cache-dtype``, ``--vram-reserve-mib`` -> the margin per GPU.
+
+    Raises InputError (exit 2) for a GGUF model, the expert-cache flags, ``--max-context
+    max``, a simulated CPU device, and bad ``--gpus/--nodes/--tp/--pp/--dp/--ep`` values."""
+    engine = args.engine
+    if is_gguf_file(args.model):
+        raise InputError(f"{args.model}: --engine {engine} plans a Hugging Face checkpoint (a "
+                         "preset, a model directory or its config.json), not a GGUF file; use "
+                         "--engine llama.cpp for GGUF")
+    if (args.expert_cache.strip().lower() != "auto" or args.min_expert_cache
+            or args.miss_policy != "cpu" or args.arena_slots is not None):
+        raise InputError(f"--expert-cache / --min-expert-cache / --miss-policy / --arena-slots are "
+                         f"moefit runtime flags; --engine {engine} keeps every expert on the GPUs")
+    if wants_max_context(args):
+        raise InputError(f"--max-context max is not planned with --engine {engine}; give a number "
+                         "of tokens (e.g. --max-context 128K): a plan that does not fit names the "
+                         "largest that does")
+    if getattr(args, "device", None) and args.device.strip().lower() == "cpu":
+        raise InputError(f"--device cpu: --engine {engine} plans CUDA GPUs; use --gpu NAME or "
+                         "--vram SIZE for the card of each rank")
+    for name in PARALLEL_FLAGS:
+        v = getattr(args, name, None)
+        if v is not None and v < 1:
+            raise InputError(f"--{name} {v}: must be at least 1")
+    mode, tokens = parse_prefill(args.prefill)
+    req = Request(max_context=_max_context(args.max_context), slots=slots_of(args),
+                  prefill_mode=mode, prefill_tokens=tokens, prefill_min=args.prefill_min,
+                  strict=args.strict, reserve_bytes=_reserve_bytes(args),
+                  rope_scaling=args.rope_scaling, rope_scale=args.rope_scale,
+                  yarn_orig_ctx=_yarn_orig_ctx(args))
+    validate(req)
+    context = resolve_context(geom, req)
+    batched = None if args.prefill.strip().lower() == "auto" else tokens
+    if batched is not None and batched < BATCH_GRID:
+        raise InputError(f"--prefill {batched}: the engine's batched-token budget needs at least "
+                         f"{BATCH_GRID} tokens")
+    extra: tuple[tuple[str, str], ...] = ()
+    if req.rope_scaling in ("yarn", "linear"):
+        orig = req.yarn_orig_ctx or geom.rope.original_window
+        override = (f'\'{{"rope_scaling": {{"rope_type": "{req.rope_scaling}", "factor": {req.rope_scale:g}, '
+                    f'"original_max_position_embeddings": {orig}}}}}\'')
+        extra = (("--hf-overrides", override), ("--json-model-override-args", override))
+    gpus = args.gpus or 1
+    nodes = args.nodes or 1
+    seqs = args.slots
+    return ServeRequest(context=context, gpus=gpus, nodes=nodes, tp=args.tp, pp=args.pp, dp=args.dp,
+                        ep=args.ep, seqs=seqs, batched=batched, batched_min=args.prefill_min,
+                        strict=args.strict, kv=kv_name(args.kv), margin=req.reserve_bytes,
+                        model_ref=str(args.model), extra_flags=extra)
+
+
+def slots_of(args: argparse.Namespace) -> int:
+    """``--parallel`` (old name ``--slots``): concurrent sequences, 1 when not given."""
+    return 1 if args.slots is None else args.slots
 
 
 def wants_max_context(args: argparse.Namespace) -> bool:

@@ -185,3 +185,71 @@ class Server:
 
     def get(self, path: str, timeout: float = 30.0):
         return self.request("GET", path, None, timeout)
+
+
+# ---- the server in-process ------------------------------------------------------------------
+
+def served_state(d: Path, max_context: int, **plan_kw):
+    """A :class:`~moefit.serve.app.ServerState` with a started engine for a servable
+    checkpoint written into ``d`` (``plan_kw``: the plan's request, e.g. ``slots``;
+    ``chunk``: the engine's prefill chunk)."""
+    from conftest import plan_for
+    from moefit.runtime.engine import Engine, EngineOptions
+    from moefit.serve.app import ServerState
+    from moefit.serve.text import GenerationDefaults, Tokenizer
+
+    chunk = plan_kw.pop("chunk", None)
+    tiny = make_servable(d, max_position_embeddings=1024)
+    plan = plan_for(tiny, max_context=max_context, **plan_kw)
+    tok = Tokenizer.from_dir(d)
+    st = ServerState(plan=plan, model_name="tiny", tokenizer=tok,
+                     defaults=GenerationDefaults.from_dir(d, tok))
+    st.engine = Engine.start(d, plan, EngineOptions(progress=False, chunk=chunk))
+    return st
+
+
+class Running:
+    """``make_server(state)`` (as ``moefit serve`` runs it) on a thread, on a free loopback
+    port; leaving it stops the server and sets ``state.stopping``."""
+
+    def __init__(self, state):
+        import socket
+
+        from moefit.serve.launch import make_server
+
+        self.state = state
+        self.server = make_server(state, log_level="warning")
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
+                                       daemon=True)
+
+    def __enter__(self):
+        self.thread.start()
+        deadline = time.monotonic() + 10
+        while not self.server.started and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return self
+
+    def __exit__(self, *exc):
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+        self.state.stopping.set()
+
+
+class Slow:
+    """The engine with a delay per batched step, counting the steps (``decodes``) and
+    recording their sizes (``steps``: ``[(slot, tokens), ...]`` per step)."""
+
+    def __init__(self, engine, delay: float):
+        self.engine, self.delay, self.steps, self.decodes = engine, delay, [], 0
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    def step(self, parts):
+        self.decodes += 1
+        self.steps.append([(slot, len(ids)) for slot, ids in parts])
+        time.sleep(self.delay)
+        return self.engine.step(parts)

@@ -18,11 +18,8 @@ transformers = pytest.importorskip("transformers")
 
 from fastapi.testclient import TestClient  # noqa: E402
 
-from conftest import plan_for  # noqa: E402
-from moefit.runtime.engine import Engine, EngineOptions  # noqa: E402
-from moefit.serve.app import ServerState, create_app  # noqa: E402
-from moefit.serve.text import GenerationDefaults, Tokenizer  # noqa: E402
-from serving import make_servable  # noqa: E402
+from moefit.serve.app import create_app  # noqa: E402
+from serving import served_state  # noqa: E402
 
 
 
@@ -32,14 +29,7 @@ PROMPT = "tell me story about cat and dog"
 
 @pytest.fixture(scope="module")
 def state(tmp_path_factory):
-    d = tmp_path_factory.mktemp("fields")
-    tiny = make_servable(d, max_position_embeddings=1024)
-    plan = plan_for(tiny, max_context=512)
-    tok = Tokenizer.from_dir(d)
-    st = ServerState(plan=plan, model_name="tiny", tokenizer=tok,
-                     defaults=GenerationDefaults.from_dir(d, tok))
-    st.engine = Engine.start(d, plan, EngineOptions(progress=False))
-    return st
+    return served_state(tmp_path_factory.mktemp("fields"), 512)
 
 
 @pytest.fixture

@@ -31,7 +31,7 @@ from moefit.serve.app import MAX_CHOICES, ServerState, _EventStream, create_app 
 from moefit.serve.generation import Decoding, Params  # noqa: E402
 from moefit.serve.scheduler import Ended, Job, QueueFull, Scheduler  # noqa: E402
 from moefit.serve.text import GenerationDefaults, Tokenizer  # noqa: E402
-from serving import make_servable  # noqa: E402
+from serving import Running, Slow, make_servable  # noqa: E402
 
 SLOTS = 4
 CONTEXT = 256
@@ -53,48 +53,6 @@ def make_state(served, **kw) -> ServerState:
                      defaults=GenerationDefaults.from_dir(d, tok), **kw)
     st.engine = engine
     return st
-
-
-class Running:
-    """``make_server(state)`` on a thread, on a free loopback port."""
-
-    def __init__(self, state):
-        from moefit.serve.launch import make_server
-
-        self.state = state
-        self.server = make_server(state, log_level="warning")
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
-                                       daemon=True)
-
-    def __enter__(self):
-        self.thread.start()
-        deadline = time.monotonic() + 10
-        while not self.server.started and time.monotonic() < deadline:
-            time.sleep(0.02)
-        return self
-
-    def __exit__(self, *exc):
-        self.server.should_exit = True
-        self.thread.join(timeout=10)
-        self.state.stopping.set()
-
-
-class Slow:
-    """The engine with a delay per batched step (and a record of the steps' sizes)."""
-
-    def __init__(self, engine, delay: float):
-        self.engine, self.delay, self.steps = engine, delay, []
-
-    def __getattr__(self, name):
-        return getattr(self.engine, name)
-
-    def step(self, parts):
-        self.steps.append([(slot, len(ids)) for slot, ids in parts])
-        time.sleep(self.delay)
-        return self.engine.step(parts)
 
 
 def _post(url, body, **kw):

@@ -16,8 +16,6 @@ new-user review.
 from __future__ import annotations
 
 import json
-import socket
-import threading
 import time
 
 import pytest
@@ -33,9 +31,8 @@ from fastapi.testclient import TestClient  # noqa: E402
 from conftest import make_tiny, plan_for  # noqa: E402
 from moefit.errors import InputError  # noqa: E402
 from moefit.runtime.engine import Engine, EngineOptions  # noqa: E402
-from moefit.serve.app import ServerState, create_app  # noqa: E402
-from moefit.serve.text import GenerationDefaults, Tokenizer  # noqa: E402
-from serving import make_servable  # noqa: E402
+from moefit.serve.app import create_app  # noqa: E402
+from serving import Running, Slow, served_state  # noqa: E402
 
 
 def test_bf16_checkpoint_with_float32_config_commits_the_plan(tmp_path):
@@ -65,62 +62,15 @@ def test_bf16_checkpoint_with_float32_config_commits_the_plan(tmp_path):
 
 # ---- a served engine, slowed down per token ---------------------------------------------------
 
-class Slow:
-    """The engine, with a delay and a count per batched step."""
-
-    def __init__(self, engine, delay: float):
-        self.engine, self.delay, self.decodes = engine, delay, 0
-
-    def __getattr__(self, name):
-        return getattr(self.engine, name)
-
-    def step(self, parts):
-        self.decodes += 1
-        time.sleep(self.delay)
-        return self.engine.step(parts)
-
-
 @pytest.fixture(scope="module")
 def state(tmp_path_factory):
-    d = tmp_path_factory.mktemp("review")
-    tiny = make_servable(d, max_position_embeddings=1024)
-    plan = plan_for(tiny, max_context=512)
-    tok = Tokenizer.from_dir(d)
-    st = ServerState(plan=plan, model_name="tiny", tokenizer=tok,
-                     defaults=GenerationDefaults.from_dir(d, tok))
-    st.engine = Engine.start(d, plan, EngineOptions(progress=False))
-    return st
+    return served_state(tmp_path_factory.mktemp("review"), 512)
 
 
 @pytest.fixture
 def client(state):
     with TestClient(create_app(state)) as c:
         yield c
-
-
-class Running:
-    """``make_server(state)`` (as ``moefit serve`` runs it) on a thread, on a free port."""
-
-    def __init__(self, state):
-        from moefit.serve.launch import make_server
-
-        self.server = make_server(state, log_level="warning")
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
-                                       daemon=True)
-
-    def __enter__(self):
-        self.thread.start()
-        deadline = time.monotonic() + 10
-        while not self.server.started and time.monotonic() < deadline:
-            time.sleep(0.02)
-        return self
-
-    def __exit__(self, *exc):
-        self.server.should_exit = True
-        self.thread.join(timeout=10)
 
 
 @pytest.fixture
