@@ -1,7 +1,8 @@
 """Load a GGUF model: dense weights dequantized onto the device, experts kept as stored.
 
 Input: a ``.gguf`` file (or the first shard of a split one) of the families the runtime
-runs: ``qwen3moe``, ``qwen2moe``, ``olmoe`` and ``llama`` with experts (Mixtral). The file
+runs: ``qwen3moe``, ``qwen2moe``, ``olmoe``, ``llama`` with experts (Mixtral), the hybrids
+``qwen3next`` / ``qwen35moe`` and ``gpt-oss``. The file
 is memory-mapped (``gguf.GGUFReader``); every tensor is read once, straight from the map
 into its destination, and the maps are closed at the end, so host memory holds the
 expert blobs once (not the file and a copy).
@@ -12,9 +13,15 @@ expert blobs once (not the file and a copy).
   that dtype). ``llama`` files hold q/k rows permuted for llama.cpp's interleaved RoPE
   (``convert_hf_to_gguf.py`` ``LlamaModel.permute``); they are permuted back to the
   rotate-half order the forward pass uses.
+- Hybrids: the Gated DeltaNet tensors as llama.cpp's converter writes them, brought back
+  to the checkpoint's layout (:func:`moefit.runtime.hybrid_layout.gguf_linear_attention_entries`);
+  the gated ``attn_q`` regrouped as ``q_proj``; the ``(1 + w)`` norms stored as ``w + 1``
+  read back as ``w`` (:data:`OFFSET_NORM_SLOTS`).
 - Experts: per MoE layer, ``ffn_{gate,up,down}_exps`` (``[E, I, H]``, ``[E, I, H]``,
   ``[E, H, I]``; or ``ffn_gate_up_exps`` ``[E, 2I, H]``) become one uint8 blob per expert,
-  ``[gate | up | down]`` bytes in the file's types (:class:`~moefit.runtime.quant.StoredExpert`).
+  ``[gate | up | down]`` bytes in the file's types (:class:`~moefit.runtime.quant.StoredExpert`);
+  gpt-oss's with their ``ffn_*_exps.bias`` first
+  (:class:`~moefit.runtime.gpt_oss_experts.BiasedExpert`).
 
 Errors (:class:`~moefit.errors.InputError`): a missing tensor, a tensor whose dims differ
 from the metadata's, a ggml type without a kernel (each named with the file), an
