@@ -322,6 +322,24 @@ class ModelGeometry:
         """Bytes of one expert blob per MoE layer: exact when headers were read, else analytic."""
         return dict(self.exact.expert_blob_bytes) if self.exact else self.analytic_expert_blob_bytes()
 
+    @property
+    def experts_stored(self) -> bool:
+        """The routed experts stay in a stored (quantized) format and are dequantized when
+        they run: as the headers read say (:attr:`ExactWeights.experts_stored`), else, from
+        a config alone, when its quantization is mxfp4 (gpt-oss: the runtime keeps those
+        blocks as stored)."""
+        return self.exact.experts_stored if self.exact else self.quant.method == "mxfp4"
+
+    @property
+    def expert_types(self) -> dict[int, tuple[str, ...]]:
+        """Per MoE layer, the (gate, up, down) ggml types of stored experts (empty when the
+        types are not known): the headers', else MXFP4 for an mxfp4 config."""
+        if self.exact is not None:
+            return dict(self.exact.expert_types)
+        if self.quant.method == "mxfp4":
+            return {l.index: ("MXFP4",) * 3 for l in self.moe_layers}
+        return {}
+
     def attention_layout(self) -> str:
         """Layer count per attention kind in a fixed kind order: ``10 full + 30 linear``."""
         counts = {k: 0 for k in ("full", "sliding", "chunked", "mla", "linear")}

@@ -346,7 +346,7 @@ def expert_dequant_bytes(geom: ModelGeometry, act: int, c_kernels: bool = False)
     :func:`moefit.memory.cpu_kernels.expected`), a type the C kernels read dequantizes
     straight into that matrix and adds no scratch (fp32 / bf16 compute dtype; an fp16
     one still goes through torch). 0 for a model without MoE layers."""
-    types = dict(getattr(geom.exact, "expert_types", ()) or ())
+    types = geom.expert_types
     worst = max(DEQUANT_SCRATCH_BYTES_PER_ELEM.values())
     direct = c_kernels and geom.dtype in ("float32", "bfloat16")
 
@@ -384,7 +384,7 @@ def fixed_region_bytes(geom: ModelGeometry, fmt: KVFormat, q_block: int = ATTN_Q
         if a not in seen:
             seen[a] = _mixer_region(a, fmt, act, q_block, kv_block)
         fixed = max(fixed, seen[a])
-    if geom.exact is not None and geom.exact.experts_stored:
+    if geom.experts_stored:
         fixed = max(fixed, span([_expert_matrix_bytes(geom, act)]))
     return fixed
 
@@ -447,7 +447,7 @@ def staging_model(geom: ModelGeometry, fmt: KVFormat, slots: int = 1,
         steps += [_mixer_step(layer, fmt, act), _mlp_step(layer, geom, act)]
     fixed = fixed_region_bytes(geom, fmt, slots=slots)
     terms_extra: tuple = ()
-    if geom.exact is not None and geom.exact.experts_stored:
+    if geom.experts_stored:
         # quantized experts (GGUF): one matrix dequantized at a time into the fixed region;
         # the kernels' fp32 scratch (bounded tiles) is allocated outside the workspace
         c_kernels = cpu_kernels.expected(device_kind)
