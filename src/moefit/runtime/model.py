@@ -71,11 +71,14 @@ class Model:
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, out: torch.Tensor,
-             offset: float = 0.0, ws: Workspace | None = None) -> torch.Tensor:
+             offset: float = 0.0, ws: Workspace | None = None, *,
+             fp32_weight: bool = False) -> torch.Tensor:
     """``w * (x / sqrt(mean(x^2) + eps))`` over the last dim, statistics in fp32, the
     normalised value cast back to ``x``'s dtype before the weight (``Qwen3MoeRMSNorm``).
 
-    ``offset`` 1: ``(1 + w)`` applied in fp32 before the cast (``Qwen3NextRMSNorm``).
+    ``offset`` 1: ``(1 + w)`` applied in fp32 before the cast (``Qwen3NextRMSNorm``);
+    ``fp32_weight``: ``w`` applied in fp32 before the cast (``GptOssRMSNorm``, whose weight
+    transformers keeps in fp32).
     ``ws``: the fp32 scratch (a copy of ``x`` unless fp32, ``x^2`` then the normalised
     value, ``[..., 1]`` statistics, the ``1 + w`` weight) comes from it.
     """
@@ -87,13 +90,13 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, out: torch.Tensor,
             var = ws.take((*x.shape[:-1], 1), f32)
             torch.mean(torch.mul(xf, xf, out=sq), -1, keepdim=True, out=var).add_(eps).rsqrt_()
             torch.mul(xf, var, out=sq)
-            if offset:
+            if offset or fp32_weight:
                 return out.copy_(sq.mul_(ws.take(w.shape, f32).copy_(w).add_(offset)))
             out.copy_(sq)
             return out.mul_(w)
     xf = x.float()
     var = xf.pow(2).mean(-1, keepdim=True)
-    if offset:
+    if offset or fp32_weight:
         return out.copy_(xf * torch.rsqrt(var + eps) * (offset + w.float()))
     out.copy_(xf * torch.rsqrt(var + eps))
     return out.mul_(w)
@@ -361,7 +364,7 @@ def forward_batch(mdl: Model, ids: torch.Tensor, segs: tuple[Segment, ...]) -> t
     cos, sin = _cos_sin(mdl, segs, t, act, ws)                           # [T, rot]
     off = arch.norm_offset
     for l, lw in zip(g.layers, w.layers):
-        rms_norm(hidden, lw.input_norm, arch.rms_eps, normed, off, ws)
+        rms_norm(hidden, lw.input_norm, arch.rms_eps, normed, off, ws, fp32_weight=arch.norm_fp32)
         if l.attention.kind == "linear":
             for sg in segs:
                 a0, a1 = sg.offset, sg.offset + sg.length
@@ -370,7 +373,7 @@ def forward_batch(mdl: Model, ids: torch.Tensor, segs: tuple[Segment, ...]) -> t
         else:
             _attention(mdl, l, lw, normed, segs, cos, sin, delta)
         hidden.add_(delta)
-        rms_norm(hidden, lw.post_norm, arch.rms_eps, normed, off, ws)
+        rms_norm(hidden, lw.post_norm, arch.rms_eps, normed, off, ws, fp32_weight=arch.norm_fp32)
         if l.moe is not None:
             _moe(mdl, l, lw, normed, delta)
         else:
@@ -382,7 +385,8 @@ def forward_batch(mdl: Model, ids: torch.Tensor, segs: tuple[Segment, ...]) -> t
     else:
         lasts = torch.index_select(hidden, 0, torch.tensor(rows, device=ids.device),
                                    out=delta[:n_seq])
-    last = rms_norm(lasts, w.norm, arch.rms_eps, normed[:n_seq], off, ws)  # [S, H]
+    last = rms_norm(lasts, w.norm, arch.rms_eps, normed[:n_seq], off, ws,
+                    fp32_weight=arch.norm_fp32)                                 # [S, H]
     logits = ws.fixed.take((n_seq, g.vocab_size), torch.float32)         # [S, V]
     if act == torch.float32 or isinstance(w.lm_head, StoredMatrix) or moe_batch.dense_applies(last, w.lm_head):
         linear(last, w.lm_head, None, logits)           # fp32 logits, fp32 accumulation

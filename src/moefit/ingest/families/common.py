@@ -548,7 +548,9 @@ class Switches:
     ``topk_softmax``, softmax over the top-k router logits only (``GptOssTopKRouter``);
     ``clamped_swiglu`` ``(alpha, limit)``: experts with biases and the clamped SwiGLU of
     ``GptOssExperts._apply_gate`` (``(clamp(up, -limit, limit) + 1) * g * sigmoid(alpha g)``,
-    ``g = min(gate, limit)``); ``None`` is the plain SwiGLU without biases.
+    ``g = min(gate, limit)``); ``None`` is the plain SwiGLU without biases;
+    ``norm_fp32``: the RMSNorm weights multiply in fp32 before the cast (``GptOssRMSNorm``,
+    kept in fp32 by ``_keep_in_fp32_modules``).
     """
 
     model_type: str
@@ -567,6 +569,7 @@ class Switches:
     router_bias: bool = False
     topk_softmax: bool = False
     clamped_swiglu: tuple[float, float] | None = None
+    norm_fp32: bool = False
 
 
 # --------------------------------------------------------------------------------------------

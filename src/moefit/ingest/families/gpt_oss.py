@@ -114,13 +114,13 @@ def switches(cfg: dict) -> Switches:
     """Attention sinks and biases on q/k/v/o (``attention_bias``, default True), no q/k
     norm; router with bias, softmax over its top-k logits (``GptOssTopKRouter``); experts
     with biases and the clamped SwiGLU of ``swiglu_alpha`` / ``swiglu_limit``
-    (``GptOssExperts``)."""
+    (``GptOssExperts``); RMSNorm weights applied in fp32 (``GptOssRMSNorm``)."""
     bias = bool(cfg.get("attention_bias", True))
     return Switches(
         model_type="gpt_oss", dtype=dtype_name(cfg), rms_eps=float(cfg.get("rms_norm_eps", 1e-5)),
         qk_norm="", q_bias=bias, o_bias=bias, clip_qkv=None, renormalize=True,
         tie_embeddings=bool(cfg.get("tie_word_embeddings", False)), config=cfg,
-        sinks=True, router_bias=True, topk_softmax=True,
+        sinks=True, router_bias=True, topk_softmax=True, norm_fp32=True,
         clamped_swiglu=(float(cfg.get("swiglu_alpha", SWIGLU_ALPHA)),
                         float(cfg.get("swiglu_limit", SWIGLU_LIMIT))))
 
