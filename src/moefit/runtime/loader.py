@@ -240,7 +240,8 @@ def _expert_plan(l: LayerSpec, geom: ModelGeometry, arch: Arch, index: _Index):
     i = m.expert_intermediate
     if arch.clamped_swiglu is not None:
         prefix = arch.names.hf_experts(p)
-        mxfp4 = index.has(f"{prefix}gate_up_proj_blocks")
+        packed = gpt_oss_experts.checkpoint_experts(m.num_experts, i, h, mxfp4=True)
+        mxfp4 = any(index.has(prefix + n) for n in packed if n.endswith("_blocks"))
         for name, shape in gpt_oss_experts.checkpoint_experts(m.num_experts, i, h, mxfp4).items():
             index.check(prefix + name, shape)
         return "biased", gpt_oss_experts.hf_expert_names(prefix, mxfp4)
