@@ -22,7 +22,8 @@ REQUESTS = [
     ("h100-copy-slots4", ["--gpu", "H100 80GB", "--slots", "4", "--kv", "fp8",
                           "--miss-policy", "copy", "--max-context", "32K"]),
     ("6gib-512k", ["--device", "cpu", "--vram", "6GiB", "--max-context", "512K",
-                   "--rope-scaling", "yarn", "--rope-scale", "2", "--kv", "int4"]),
+                   "--rope-scaling", "yarn", "--rope-scale", "2", "--kv", "int4",
+                   "--host-ram", "256GiB"]),     # a declared host: the same plan on any machine
 ]
 
 

@@ -25,9 +25,14 @@ def test_plan_fits_exit_0_and_prints_lines_in_commit_order():
     assert r.returncode == 0, r.stderr
     labels = ["runtime", "weights", "weight arena", "KV cache", "prefill staging",
               "safety margin", "expert cache", "unassigned"]
-    rows = [l.strip() for l in r.stdout.splitlines() if l.startswith("  ")]
+    device, host = r.stdout.split("host budget")
+    rows = [l.strip() for l in device.splitlines() if l.startswith("  ")]
     assert [next(lab for lab in labels if row.startswith(lab)) for row in rows] == labels
     assert "VRAM budget  cuda:0  RTX 5060 Ti 16GB  15.48 GiB free of 15.93 GiB" in r.stdout
+    host_labels = ["runtime", "weights", "staging", "expert blobs", "simulated devices",
+                   "safety margin"]
+    rows = [l.strip() for l in host.splitlines()[1:] if l.startswith("  ")]
+    assert [next(lab for lab in host_labels if row.startswith(lab)) for row in rows] == host_labels
     assert "524288 tokens x 1 sequence, int8, 10 of 40 layers" in r.stdout
 
 
@@ -42,7 +47,13 @@ def test_plan_json_schema_when_clamped():
     r = moefit("plan", *FIELD, "--gpu", "RTX 3060 12GB", "--json")
     assert r.returncode == 0, r.stderr
     doc = json.loads(r.stdout)
-    assert doc["schema"] == "moefit.plan/1" and doc["fits"] is True
+    assert doc["schema"] == "moefit.plan/2" and doc["fits"] is True
+    assert doc["split"] == "single" and doc["devices"][0]["role"] == "main"
+    host = doc["host"]
+    assert host["checked"] is False and host["capacity_bytes"] is None    # a what-if card
+    assert [l["key"] for l in host["lines"]] == ["host_runtime", "host_weights", "host_staging",
+                                                "host_experts", "host_devices", "host_margin"]
+    assert host["planned_bytes"] == sum(l["bytes"] for l in host["lines"])
     assert {"name", "total_params", "active_params"} <= set(doc["model"])
     dev = doc["devices"][0]
     assert {"name", "capacity_bytes", "free_bytes", "lines", "unassigned_bytes"} <= set(dev)

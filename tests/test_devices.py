@@ -369,8 +369,27 @@ def test_cpu_device_needs_vram():
 def test_vram_alone_is_a_what_if_cuda_card():
     device = resolve_device(None, None, "16GiB", None)
     assert (device.kind, device.simulated, device.runtime_bytes) == ("cuda", True, None)
-    assert device.capacity_bytes == device.free_bytes == 16 * GIB
+    assert device.capacity_bytes == 16 * GIB
     assert resolve_device(None, None, "16GiB", "15GiB").free_bytes == 15 * GIB
+    assert resolve_device(None, None, "16GiB", "15GiB").note == ""
+
+
+def test_vram_alone_takes_the_drivers_idle_share_of_the_catalogue_into_account():
+    # a real 16 GB card (RTX 5060 Ti) reports 16311 MiB and has 15848 MiB free at idle: the
+    # 463 MiB the driver keeps are the most any 16 GB catalogue card keeps, so a what-if
+    # 16 GiB card has 16384 - 463 MiB free, and the plan says what it assumed
+    card = find_gpu("RTX 5060 Ti 16GB")
+    kept = card.capacity_bytes - card.free_bytes
+    assert kept == 463 * MIB
+    device = resolve_device(None, None, "16GiB", None)
+    assert device.free_bytes == 16 * GIB - kept
+    assert "463 MiB" in device.note and "RTX 5060 Ti 16GB" in device.note
+    assert "--vram-free" in device.note
+    # the same with --device cuda:N --vram SIZE where no GPU can be read
+    # a size no measured card has: the catalogue's guess for unseen cards
+    assert resolve_device(None, None, "8GiB", None).free_bytes == 8 * GIB - 450 * MIB
+    # never more than 1/16 of a small what-if card
+    assert resolve_device(None, None, "1GiB", None).free_bytes == GIB - GIB // 16
 
 
 def test_gpu_flag_gives_the_catalogue_card_and_vram_free_overrides_its_free():

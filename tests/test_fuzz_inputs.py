@@ -46,7 +46,7 @@ CONFIG = dict(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], voc
               num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
               intermediate_size=64, norm_topk_prob=True)
 
-PLAN_FLAGS = ["--device", "cpu", "--vram", "8GiB"]
+PLAN_FLAGS = ["--device", "cpu", "--vram", "8GiB", "--host-ram", "64GiB"]   # a declared host: the same on any machine
 
 # JSON fragments that a damaged or hostile file may hold where a number is expected
 NASTY = [

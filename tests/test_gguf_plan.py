@@ -204,7 +204,7 @@ def test_cli_missing_file_exits_2(tmp_path):
 @pytest.mark.process
 def test_cli_verbose_shows_bytes_per_quant_type(tmp_path):
     path, _ = tiny_gguf(tmp_path, "qwen2_moe", expert_types={0: ("Q8_0",) * 3, 2: ("Q4_0", "Q4_0", "MXFP4")})
-    r = moefit("plan", str(path), "--vram", "1GiB", "--device", "cpu", "-v")
+    r = moefit("plan", str(path), "--vram", "1GiB", "--device", "cpu", "-v", "--host-ram", "64GiB")
     assert r.returncode == 0, r.stderr
     rows = {line.split()[0]: line for line in r.stdout.splitlines() if line.startswith("    ")
             and line.split()[0] in ("F32", "Q8_0", "Q4_0", "MXFP4")}

@@ -252,7 +252,7 @@ def test_each_layer_imports_only_the_layers_below():
 #: What a function-local import may be for: a heavy or optional outside package, imported
 #: only by the commands that need it (so that ``moefit plan`` stays torch-free and fast).
 HEAVY = {"torch", "fastapi", "uvicorn", "anyio", "pydantic", "transformers", "tokenizers",
-         "jinja2", "safetensors", "tqdm", "matplotlib", "gguf", "numpy", "pynvml"}
+         "jinja2", "safetensors", "tqdm", "matplotlib", "gguf", "numpy", "pynvml", "psutil"}
 
 
 #: Packages that need an extra (``serve``, ``bench``): the command line imports their

@@ -40,7 +40,7 @@ def test_bench_and_calibrate_with_gpu_name_their_own_command(capsys, demo, comma
 
 def test_generate_with_a_long_prompt_does_not_talk_about_a_server(capsys, demo):
     code, _, err = run(capsys, "generate", str(demo), "--device", "cpu", "--vram", "1GiB",
-                       "--max-context", "16", "--prompt", "the quick brown fox " * 10)
+                       "--host-ram", "64GiB", "--max-context", "16", "--prompt", "the quick brown fox " * 10)
     assert code == 2
     assert "server" not in err
     assert "--max-context 16" in err and "tokens" in err

@@ -27,8 +27,8 @@ from moefit.engines.sglang import ENGINE as SGLANG
 from moefit.engines.vllm import ENGINE as VLLM
 from moefit.flags import (add_engine_flags, add_model_files_flags, add_plan_flags,
                           add_sampling_flags, add_serve_flags, check_engine_flags,
-                          device_from_args, llama_request_from_args, plan_from_args,
-                          serve_request_from_args)
+                          device_from_args, devices_from_args, llama_request_from_args,
+                          normalize_argv, plan_from_args, serve_request_from_args)
 from moefit.ingest.checkpoint import describe_weights
 from moefit.ingest.resolve import format_models_table, list_presets, load_model
 from moefit.memory.kv import kv_bytes, kv_format
@@ -52,8 +52,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.engine in ("vllm", "sglang"):
         return _plan_serving(args)
     geom = load_model(args.model)
-    device = device_from_args(args)
-    plan = plan_from_args(geom, device, args)
+    devices = devices_from_args(args)
+    plan = plan_from_args(geom, devices, args)
     if args.json:
         print(format_json(plan))
     else:
@@ -259,7 +259,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_args(normalize_argv(sys.argv[1:] if argv is None else argv))
     try:
         return args.func(args)
     except InputError as e:

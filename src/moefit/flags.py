@@ -10,9 +10,10 @@ home. The parsed flags become:
   (:func:`llama_request_from_args`), or a vLLM / SGLang
   :class:`~moefit.engines.serving.ServeRequest` for ``plan --engine vllm|sglang``
   (:func:`serve_request_from_args`);
-- a :class:`~moefit.devices.Device`: any device for planning (:func:`device_from_args`),
-  a device that can run the model for ``serve``, ``generate``, ``bench`` and ``calibrate``
-  (:func:`runnable_device`);
+- the :class:`~moefit.devices.Device` s: any devices for planning (:func:`devices_from_args`;
+  one: :func:`device_from_args`), devices that can run the model for ``serve`` and
+  ``generate`` (:func:`runnable_devices`; ``bench`` and ``calibrate`` run one:
+  :func:`runnable_device`), and the host (:func:`host_from_args`);
 - a solved :class:`~moefit.plan.solver.Plan` (:func:`plan_from_args`), with the staging
   this device measured (:func:`calibrated_staging`).
 
@@ -24,10 +25,11 @@ This module sits below :mod:`moefit.cli`, :mod:`moefit.serve.launch` and
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from dataclasses import replace
 
-from moefit.devices import Device, resolve_device
+from moefit.devices import Device, Host, resolve_devices, resolve_host
 from moefit.engines.llamacpp import DEFAULT_BATCH as LLAMA_BATCH
 from moefit.engines.llamacpp import DEFAULT_UBATCH as LLAMA_UBATCH
 from moefit.engines.llamacpp import LlamaRequest, kv_types
@@ -41,6 +43,11 @@ from moefit.memory.staging import StagingModel
 from moefit.plan.request import Request, context_limit, parse_prefill, resolve_context, validate
 from moefit.plan.solver import Plan, largest_context, solve
 from moefit.units import parse_count
+
+
+#: The default of ``--host-ram`` when set (a machine's memory to plan with, where this one
+#: is shared and its free memory changes from one run to the next).
+HOST_RAM_ENV = "MOEFIT_HOST_RAM"
 
 
 def warn(message: str) -> None:
@@ -57,13 +64,26 @@ def add_model_argument(p: argparse.ArgumentParser) -> None:
 
 
 def add_device_flags(p: argparse.ArgumentParser) -> None:
-    """``--device``, ``--gpu``, ``--vram``, ``--vram-free`` (:func:`device_from_args`)."""
-    dev = p.add_argument_group("device")
+    """``--device``, ``--gpu``, ``--vram``, ``--vram-free``, ``--split``
+    (:func:`devices_from_args`) and ``--host-ram`` (:func:`host_from_args`)."""
+    dev = p.add_argument_group("devices and host")
     dev.add_argument("--device", help="cuda[:N] (a real GPU through NVML) or cpu "
-                                      "(simulated device; needs --vram)")
-    dev.add_argument("--gpu", help="a card from the built-in catalogue (see `moefit gpus`)")
-    dev.add_argument("--vram", help="declare the device capacity, e.g. 16GiB, 16384MiB, 16G")
-    dev.add_argument("--vram-free", help="declare the free memory on the device")
+                                      "(simulated device; needs --vram); several: "
+                                      "cuda:0,cuda:1, or cpu with --vram 16GiB,12GiB")
+    dev.add_argument("--gpu", action="append", metavar="NAME",
+                     help="a card from the built-in catalogue (see `moefit gpus`); repeat it, "
+                          "or NAME xN, for several cards")
+    dev.add_argument("--vram", help="declare the device capacity, e.g. 16GiB, 16384MiB, 16G "
+                                    "(one per device: 16GiB,12GiB)")
+    dev.add_argument("--vram-free", help="declare the free memory on the device (one per device)")
+    dev.add_argument("--split", choices=("auto", "experts", "layers"), default="auto",
+                     help="several devices: spread the expert cache over them (experts), "
+                          "place layers on them as llama.cpp -ts does (layers), or whichever "
+                          "holds more experts (auto, default)")
+    dev.add_argument("--host-ram", metavar="SIZE",
+                     help="the host's memory for the host budget (default: $MOEFIT_HOST_RAM, "
+                          "else this machine's MemAvailable when the devices are on it; "
+                          "what-if cards: not checked)")
 
 
 def add_request_flags(p: argparse.ArgumentParser) -> None:
@@ -99,6 +119,12 @@ def add_request_flags(p: argparse.ArgumentParser) -> None:
     req.add_argument("--arena-slots", type=int, default=None,
                      help="weight-arena ring size in expert slots with --miss-policy copy "
                           "(default 2 x experts per token)")
+    req.add_argument("--host-experts", choices=("copy", "mmap"), default="copy",
+                     help="non-resident experts: read into host memory (copy, default; pinned "
+                          "on CUDA) or run from a GGUF file's pages (mmap)")
+    req.add_argument("--host-reserve-mib", type=float, default=None, metavar="MIB",
+                     help="host memory left free (default: 1024 MiB, or 1/32 of the host "
+                          "if smaller)")
     req.add_argument("--rope-scaling", choices=("none", "linear", "yarn"), default=None,
                      help="extend the context beyond the trained window")
     req.add_argument("--rope-scale", type=float, default=None, help="RoPE scaling factor")
@@ -212,17 +238,24 @@ def request_from_args(args: argparse.Namespace) -> Request:
         rope_scaling=args.rope_scaling, rope_scale=args.rope_scale,
         yarn_orig_ctx=_yarn_orig_ctx(args), miss_policy=args.miss_policy,
         arena_slots=args.arena_slots,
+        host_experts=getattr(args, "host_experts", "copy"),
+        host_reserve_bytes=_mib_bytes(getattr(args, "host_reserve_mib", None), "--host-reserve-mib"),
+        split=getattr(args, "split", "auto") or "auto",
     )
 
 
 def _reserve_bytes(args: argparse.Namespace) -> int | None:
     """``--vram-reserve-mib`` in bytes (None: the default margin). Raises InputError."""
-    if args.vram_reserve_mib is None:
+    return _mib_bytes(args.vram_reserve_mib, "--vram-reserve-mib")
+
+
+def _mib_bytes(mib: float | None, flag: str) -> int | None:
+    """A MiB flag in bytes (None stays None). Raises InputError naming ``flag``."""
+    if mib is None:
         return None
-    if not 0 <= args.vram_reserve_mib <= 1 << 30:   # also rejects nan and inf
-        raise InputError(f"--vram-reserve-mib {args.vram_reserve_mib}: expected a "
-                         "non-negative number of MiB (e.g. 512)")
-    return int(args.vram_reserve_mib * (1 << 20))
+    if not 0 <= mib <= 1 << 30:   # also rejects nan and inf
+        raise InputError(f"{flag} {mib}: expected a non-negative number of MiB (e.g. 512)")
+    return int(mib * (1 << 20))
 
 
 def _yarn_orig_ctx(args: argparse.Namespace) -> int | None:
@@ -365,20 +398,57 @@ def _max_context(text: str | None) -> int | None:
         raise InputError(f"{e}; or max (the largest context that fits)") from None
 
 
+def devices_from_args(args: argparse.Namespace) -> tuple[Device, ...]:
+    """The devices the flags describe, real or what-if, main device first
+    (:func:`moefit.devices.resolve_devices`). Raises InputError."""
+    return resolve_devices(args.device, args.gpu, args.vram, args.vram_free)
+
+
 def device_from_args(args: argparse.Namespace) -> Device:
-    """The device the flags describe, real or what-if (:func:`moefit.devices.resolve_device`).
+    """The one device of the commands that plan a single device (``--engine llama.cpp``,
+    ``bench``, ``calibrate``; ``--engine vllm|sglang``: the card of each rank). Raises
+    InputError for several."""
+    devices = devices_from_args(args)
+    if len(devices) > 1:
+        engine = getattr(args, "engine", None)
+        if engine in ("vllm", "sglang"):
+            raise InputError(f"--engine {engine} plans --gpus N cards of one kind: give one "
+                             f"--gpu NAME (or --vram SIZE) and --gpus {len(devices)}")
+        command = getattr(args, "command", None) or "this command"
+        what = "--engine llama.cpp" if engine == "llama.cpp" else command
+        raise InputError(f"{what} plans one device; {len(devices)} were given "
+                         f"({', '.join(d.label for d in devices)}): name one")
+    return devices[0]
+
+
+def host_from_args(args: argparse.Namespace, devices: tuple[Device, ...]) -> Host | None:
+    """The host of the plan (:func:`moefit.devices.resolve_host`): ``--host-ram`` (or
+    ``$MOEFIT_HOST_RAM``), else this machine when any device is on it (a probed GPU, a
+    simulated device), else None (what-if cards: the host table is priced, not checked).
     Raises InputError."""
-    return resolve_device(args.device, args.gpu, args.vram, args.vram_free)
+    here = any(d.kind == "cpu" or not d.simulated for d in devices)
+    declared = getattr(args, "host_ram", None) or os.environ.get(HOST_RAM_ENV) or None
+    return resolve_host(declared, here)
 
 
 def runnable_device(args: argparse.Namespace) -> Device:
-    """The device of ``--device`` for the commands that run the model; a what-if card
+    """The one device of ``bench`` and ``calibrate`` (:func:`runnable_devices`). Raises
+    InputError for several."""
+    devices = runnable_devices(args)
+    if len(devices) > 1:
+        raise InputError(f"{getattr(args, 'command', None) or 'this command'} runs on one "
+                         f"device; {len(devices)} were given: name one")
+    return devices[0]
+
+
+def runnable_devices(args: argparse.Namespace) -> tuple[Device, ...]:
+    """The devices of ``--device`` for the commands that run the model; a what-if card
     (``--gpu``, ``--vram`` alone) cannot run one. Applies ``--threads``
     (:func:`apply_threads`).
 
     Raises:
         InputError: ``--gpu`` or ``--vram`` without ``--device``; a CUDA device that this
-            torch build cannot see; every error of :func:`device_from_args`.
+            torch build cannot see; every error of :func:`devices_from_args`.
     """
     if args.device is None and (args.gpu is not None or args.vram is not None):
         command = getattr(args, "command", None) or "this command"
@@ -386,15 +456,30 @@ def runnable_device(args: argparse.Namespace) -> Device:
                          "cuda[:N] (optionally with --vram to cap it) or --device cpu --vram SIZE "
                          "(a simulated device); --gpu and --vram alone only plan (moefit plan)")
     apply_threads(args)
-    device = device_from_args(args)
-    if device.kind == "cuda":
+    devices = devices_from_args(args)
+    if devices[0].kind == "cuda":
         import torch
 
         if not torch.cuda.is_available():
-            raise InputError(f"--device {device.label}: this torch build sees no CUDA device; "
+            raise InputError(f"--device {args.device}: this torch build sees no CUDA device; "
                              "install a CUDA build of torch, or simulate the card with "
                              "--device cpu --vram SIZE")
-    return device
+        if torch.cuda.device_count() < len(devices):
+            raise InputError(f"--device {args.device}: this torch build sees "
+                             f"{torch.cuda.device_count()} CUDA device(s)")
+    return devices
+
+
+def normalize_argv(argv: list[str]) -> list[str]:
+    """``--gpu NAME xN`` as one value (``--gpu "NAME xN"``): a count after a card's name
+    is not a positional argument."""
+    out = list(argv)
+    i = 0
+    while i < len(out) - 2:
+        if out[i] == "--gpu" and out[i + 2][:1].lower() in ("x", "×") and out[i + 2][1:].isdigit():
+            out[i + 1:i + 3] = [f"{out[i + 1]} {out[i + 2]}"]
+        i += 1
+    return out
 
 
 def apply_threads(args: argparse.Namespace) -> None:
@@ -421,27 +506,31 @@ def calibrated_staging(geom: ModelGeometry, device: Device, kv: str,
     return calibration.load(geom, device, kv, warn)
 
 
-def plan_from_args(geom: ModelGeometry, device: Device, args: argparse.Namespace) -> Plan:
-    """Solve the flags' request for ``geom`` on ``device``, with the staging calibrated for
-    them on this device (:func:`calibrated_staging`). Raises InputError."""
+def plan_from_args(geom: ModelGeometry, device: "Device | tuple[Device, ...]",
+                   args: argparse.Namespace) -> Plan:
+    """Solve the flags' request for ``geom`` on ``device`` (one or several, main first)
+    and the host of the flags (:func:`host_from_args`), with the staging calibrated for
+    them on the main device (:func:`calibrated_staging`). Raises InputError."""
+    devices = (device,) if isinstance(device, Device) else tuple(device)
     req = request_from_args(args)
-    staging = calibrated_staging(geom, device, req.kv, args)
+    host = host_from_args(args, devices)
+    staging = calibrated_staging(geom, devices[0], req.kv, args)
     if not wants_max_context(args):
-        return solve(geom, device, req, staging=staging)
-    return _plan_max_context(geom, device, req, staging)
+        return solve(geom, devices, req, host=host, staging=staging)
+    return _plan_max_context(geom, devices, req, staging, host)
 
 
-def _plan_max_context(geom: ModelGeometry, device: Device, req: Request,
-                      staging: StagingModel | None) -> Plan:
+def _plan_max_context(geom: ModelGeometry, device, req: Request,
+                      staging: StagingModel | None, host: Host | None = None) -> Plan:
     """``--max-context max``: the plan at the largest context that fits
     (:func:`~moefit.plan.solver.largest_context`, to the token, capped at the model's limit
     under the RoPE flags), with a note saying so; when not even one token fits, the failed
     plan at the model's limit (its alternatives say what would fit)."""
     limit, how = context_limit(geom, req)
-    best = largest_context(geom, device, req, staging)
+    best = largest_context(geom, device, req, staging, host)
     if best is None:
-        return solve(geom, device, req.with_(max_context=limit), staging=staging)
-    plan = solve(geom, device, req.with_(max_context=best), staging=staging)
+        return solve(geom, device, req.with_(max_context=limit), host=host, staging=staging)
+    plan = solve(geom, device, req.with_(max_context=best), host=host, staging=staging)
     capped = f" (the model's limit, {how})" if best == limit else ""
     note = f"max-context: max, the largest context that fits: {best} tokens{capped}"
     return replace(plan, notes=(note, *plan.notes))

@@ -9,6 +9,7 @@ transformers 5.x writes them), or, for the ``fused`` layout, with the in-memory 
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -100,6 +101,21 @@ def plan_for(tiny: Tiny, free: int = 64 * MIB, **req):
     plan = solve(tiny.geom, sim_device(free), Request(**kw))
     assert plan.fits, plan
     return plan
+
+
+@pytest.fixture(scope="module", autouse=True)
+def declared_host():
+    """A declared host for every plan and `moefit` process of these tests (module scope:
+    before the modules' servers start; restored after, so the planner tests keep their
+    own): the CI machine is shared and its free memory, the default host, changes from
+    run to run (tests/test_host_budget.py checks this machine's own figures)."""
+    before = os.environ.get("MOEFIT_HOST_RAM")
+    os.environ["MOEFIT_HOST_RAM"] = before or "64GiB"
+    yield
+    if before is None:
+        del os.environ["MOEFIT_HOST_RAM"]
+    else:
+        os.environ["MOEFIT_HOST_RAM"] = before
 
 
 @pytest.fixture(scope="session")

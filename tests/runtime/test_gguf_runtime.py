@@ -29,6 +29,7 @@ from moefit.plan.solver import solve  # noqa: E402
 from moefit.runtime.engine import Engine, EngineOptions  # noqa: E402
 from moefit.runtime import qmatmul, quant  # noqa: E402
 from moefit.runtime.quant import StoredMatrix  # noqa: E402
+from moefit.runtime.gguf_loader import HostEmbedding  # noqa: E402
 from moefit.runtime.ledger import BudgetError  # noqa: E402
 from test_qmatmul import random_matrix  # noqa: E402
 from reference import engine_greedy, max_error, prompt, reference_greedy  # noqa: E402
@@ -118,9 +119,9 @@ def test_every_expert_cache_size_from_zero_to_all(gguf_models, policy):
 
 def test_mixed_types_per_layer_and_quantized_dense_weights(tiny_models, tmp_path):
     """Layer 0 Q8_0 experts, layer 2 Q4_0 gate/up with an MXFP4 down; attention, a dense MLP,
-    a shared expert and the embedding quantized too: the embedding dequantized at load, the
-    matrices kept as stored inside their planned buffers where the C kernels run (the
-    ledger unchanged)."""
+    a shared expert and the embedding quantized too: the embedding kept on the host as
+    stored (a lookup dequantizes its rows; the plan's host line), the matrices kept as
+    stored inside their planned buffers where the C kernels run (the ledger unchanged)."""
     m = GGUFModel(tiny_models[("qwen2_moe", "per_expert")], tmp_path / "mixed.gguf",
                   expert_types={0: ("Q8_0",) * 3, 2: ("Q4_0", "Q4_0", "MXFP4")},
                   dense_types={"token_embd.weight": "Q4_0", "blk.0.attn_q.weight": "Q8_0",
@@ -132,9 +133,13 @@ def test_mixed_types_per_layer_and_quantized_dense_weights(tiny_models, tmp_path
     w = engine.model.weights
     stored = [w.layers[0].q, w.layers[1].dense_up, w.layers[2].shared_up]
     assert all(isinstance(s, StoredMatrix) for s in stored) == qmatmul.available()
-    assert isinstance(w.embed, torch.Tensor) and isinstance(w.layers[0].k, torch.Tensor)
+    assert isinstance(w.embed, HostEmbedding) and isinstance(w.layers[0].k, torch.Tensor)
+    assert w.embed.qtype == "Q4_0"
     weights = engine.ledger.lines["weights"]
     assert weights.allocated == weights.planned
+    on_host = engine.host.lines["host_weights"]
+    assert on_host.allocated == on_host.planned == m.geom.exact.embed_stored_bytes
+    assert weights.planned == m.geom.exact.weight_bytes - m.geom.exact.embed_resident_bytes
 
 
 def test_stored_matrix_products_equal_the_dequantized_ones():
@@ -182,7 +187,12 @@ def test_commit_matches_the_plan_line_by_line(gguf_models):
     for key in ("weights", "weight_arena", "kv", "prefill", "experts"):
         line = engine.ledger.lines[key]
         assert line.allocated == line.planned == plan.devices[0].line(key).bytes, key
-    assert plan.devices[0].line("weights").detail == "exact, from GGUF; dequantized to fp32 at load"
+    assert plan.devices[0].line("weights").detail == ("exact, from GGUF; dequantized to fp32 at "
+                                                      "load, token embeddings on the host")
+    # the host side through its ledger: planned = allocated
+    for key in ("host_weights", "host_experts", "host_devices"):
+        line = engine.host.lines[key]
+        assert line.allocated == line.planned == plan.host.line(key).bytes, key
     assert engine.notes[-1] == "READY"
 
 

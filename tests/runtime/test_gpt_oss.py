@@ -122,12 +122,17 @@ def test_mxfp4_experts_are_kept_as_stored_and_equal_transformers_dequantization(
     blob = 3 * i * h * 17 // 32 + (2 * i + h) * 4        # mxfp4 matrices + fp32 biases
     assert dict(geom.expert_blob_bytes()) == {l: blob for l in range(4)}
     engine = start(tiny.path, chunk=256, q_block=256, kv_block=512, expert_cache=8)
-    host = engine.model.experts.host
-    assert host.blobs[1].dtype == torch.uint8 and host.blobs[1].shape == (e, blob)
+    cache = engine.model.experts
+    host = cache.host
+    # each expert read once, into its device slot (resident) or a host row (the others)
+    held, resident = sorted(host.rows[1]), sorted(cache.resident[1])
+    assert host.blobs[1].dtype == torch.uint8 and host.blobs[1].shape == (len(held), blob)
+    assert sorted(held + resident) == list(range(e)) and 0 in resident and 5 in held
     fmt = host.formats[1]
     ref = tiny.ref.model.layers[1].mlp.experts
     for j in (0, 5):
-        b = host.blobs[1][j]
+        b = host.blob(1, j) if j in held else cache.slots[1][cache.resident[1][j]]
+        assert b.dtype == torch.uint8 and b.shape == (blob,)
         gate = dequantize(b[fmt.gate.offset:fmt.gate.offset + fmt.gate.nbytes], "MXFP4", (i, h))
         down = dequantize(b[fmt.down.offset:fmt.down.offset + fmt.down.nbytes], "MXFP4", (h, i))
         assert torch.equal(gate, ref.gate_up_proj[j].detach()[:, 0::2].t())
@@ -187,8 +192,10 @@ def test_gguf_written_with_llama_cpp_names_runs_like_the_reference(models, tmp_p
     geom = load_model(str(path))
     assert geom.attention_layout() == "2 full + 2 sliding" and geom.exact.experts_stored
     ids, ref_logits, ref_tokens = reference(ref, key=("gguf", source, expert_type))
-    for chunk, policy in ((7, "cpu"), (256, "copy")):
-        engine = start(path, chunk=chunk, expert_cache=12, miss_policy=policy)
+    for chunk, policy, host_experts in ((7, "cpu", "copy"), (256, "copy", "copy"), (7, "cpu", "mmap")):
+        engine = start(path, chunk=chunk, expert_cache=12, miss_policy=policy, host_experts=host_experts)
+        if host_experts == "mmap":      # the misses gathered from the file's pages, biases first
+            assert engine.model.experts.host.mapped and engine.host.lines["host_experts"].allocated == 0
         logits, tokens = engine_greedy(engine, ids)
         assert tokens == ref_tokens
         assert max_error(logits, ref_logits) <= QUANT_TOL

@@ -219,6 +219,7 @@ def test_budget_shows_cells_per_slot_without_paths_and_metrics_count(served):
                    "moefit_slots 4.0", "moefit_queue_length 0.0",
                    'moefit_kv_cells_in_use{slot="0"}', "moefit_expert_hit_rate",
                    'moefit_budget_bytes{kind="planned",line="kv"}',
+                   'moefit_ledger_bytes{kind="allocated",ledger="host",line="host_devices"}',
                    "moefit_time_to_first_token_seconds_count 1.0",
                    "moefit_inter_token_latency_seconds_count 2.0"):
         assert needle in text, needle

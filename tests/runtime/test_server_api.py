@@ -223,7 +223,7 @@ def test_budget_reports_plan_ledger_and_expert_hit_rates(client, served):
     tiny, state = served
     client.post("/v1/completions", json={"prompt": "hello world", "max_tokens": 2})
     doc = client.get("/v1/budget").json()
-    assert doc["ready"] is True and doc["plan"]["schema"] == "moefit.plan/1"
+    assert doc["ready"] is True and doc["plan"]["schema"] == "moefit.plan/2"
     planned = {l["key"]: l["bytes"] for l in doc["plan"]["devices"][0]["lines"]}
     lines = {l["key"]: l for l in doc["ledger"]["lines"]}
     assert list(lines) == list(planned)
@@ -231,6 +231,12 @@ def test_budget_reports_plan_ledger_and_expert_hit_rates(client, served):
         assert lines[key]["planned"] == planned[key] == lines[key]["allocated"]
         assert lines[key]["peak"] >= lines[key]["allocated"]
     assert 0 < lines["prefill"]["used_peak"] <= lines["prefill"]["planned"]
+    assert doc["ledgers"] == [doc["ledger"]]             # one device
+    host_planned = {l["key"]: l["bytes"] for l in doc["plan"]["host"]["lines"]}
+    host = {l["key"]: l for l in doc["host_ledger"]["lines"]}
+    assert list(host) == list(host_planned)
+    for key in ("host_weights", "host_experts", "host_devices"):
+        assert host[key]["planned"] == host_planned[key] == host[key]["allocated"], key
     e = doc["experts"]
     assert e["slots"] == 8 and e["total"] == 16 and e["hits"] + e["misses"] > 0
     assert [l["layer"] for l in e["layers"]] == [0, 1]

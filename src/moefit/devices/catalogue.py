@@ -132,6 +132,44 @@ GPU_CATALOGUE: tuple[GpuSpec, ...] = (
 )
 
 
+#: Without a figure for a card, the driver is assumed to reserve this much at idle
+#: (gpus.md §1 sees 303-763 MiB reserved, 303-464 MiB on consumer cards).
+GUESS_RESERVED_MIB = 450
+#: Cards whose total lies within this fraction of a what-if capacity count as its size class.
+SIZE_CLASS = 0.05
+
+
+def idle_reserved(capacity_bytes: int) -> tuple[int, str]:
+    """Bytes a CUDA driver keeps at idle on a card of ``capacity_bytes`` total, and how
+    that was found, for a what-if card (``--vram SIZE`` without a device to read).
+
+    The catalogue's measured cards (every row whose free figure is not a guess) whose
+    total is within :data:`SIZE_CLASS` (5%) of ``capacity_bytes`` are its size class; the
+    most any of them reserves (total - free at idle) is taken, since newer drivers
+    reserve more (gpus.md §1). A 16 GiB card: the 16 GB cards reserve 305-463 MiB, so
+    463 MiB (the RTX 5060 Ti 16GB: 16311 MiB total, 15848 MiB free). Without a measured
+    card of that size: :data:`GUESS_RESERVED_MIB`, the catalogue's rule for unseen cards.
+    Never more than 1/16 of the capacity (a small what-if device).
+
+    Returns:
+        (reserved bytes, a phrase naming the basis, for the plan's note).
+    """
+    near = [s for s in GPU_CATALOGUE if s.free_basis != _GUESS
+            and abs(s.capacity_mib * MIB - capacity_bytes) <= SIZE_CLASS * capacity_bytes]
+    cap = capacity_bytes // 16
+    if near:
+        worst = max(near, key=lambda s: (s.capacity_mib - s.free_mib, s.name))
+        mib = worst.capacity_mib - worst.free_mib
+        basis = (f"{mib} MiB the driver keeps, the most of the catalogue's cards of that size "
+                 f"({worst.name})")
+    else:
+        mib = GUESS_RESERVED_MIB
+        basis = f"{mib} MiB the driver keeps, the catalogue's rule for cards it has no figure for"
+    if mib * MIB > cap:
+        return cap, f"{cap // MIB} MiB the driver keeps: 1/16 of the total (a small what-if card)"
+    return mib * MIB, basis
+
+
 def _normalize(name: str) -> str:
     """Lower-case, keep letters and digits only, drop a leading ``nvidia`` / ``geforce``."""
     key = "".join(ch for ch in name.lower() if ch.isalnum())

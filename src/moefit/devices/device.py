@@ -43,6 +43,8 @@ class Device:
         runtime_bytes: runtime overhead in bytes when known (0 on the CPU stand-in);
             None means "not measured", and the planner charges an estimate on CUDA.
         source: where the numbers come from, for the printed table and ``--json``.
+        note: what was assumed about the device, printed as a note of the plan (a
+            what-if card's free memory at idle); empty when nothing was.
 
     Raises:
         ValueError: on an inconsistent device (a programming error; user input is
@@ -57,6 +59,7 @@ class Device:
     simulated: bool
     runtime_bytes: int | None = None
     source: str = ""
+    note: str = ""
 
     def __post_init__(self) -> None:
         if self.kind not in ("cuda", "cpu"):

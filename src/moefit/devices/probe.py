@@ -11,8 +11,9 @@ Imports no torch.
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
-from moefit.devices.catalogue import find_gpu
+from moefit.devices.catalogue import find_gpu, idle_reserved
 from moefit.devices.device import Device, DeviceKind
 from moefit.errors import InputError
 from moefit.units import MIB, format_gib, parse_size, size_format
@@ -136,6 +137,24 @@ def _parse_device_flag(device: str) -> tuple[DeviceKind, int]:
                      f"or cpu (a simulated device, with --vram SIZE)")
 
 
+def what_if_card(label: str, vram: str, capacity: int, vram_free: str | None,
+                 free_bytes: int | None, source: str) -> Device:
+    """A what-if CUDA card of ``capacity`` bytes total (``--vram SIZE`` with no card to
+    read). Its free memory is ``--vram-free`` when given; else what a real card of that
+    size has free at idle: the capacity less the driver's reserved memory
+    (:func:`moefit.devices.catalogue.idle_reserved`), and the plan says so in a note."""
+    if free_bytes is not None:
+        return Device(label, f"what-if {format_gib(capacity)} CUDA card", "cuda", capacity,
+                      free_bytes, simulated=True, source=f"{source} --vram-free")
+    reserved, basis = idle_reserved(capacity)
+    note = (f"{label}: --vram {vram.strip()} is the card's total; free at idle assumed "
+            f"{format_gib(capacity - reserved)} = total - {basis}; --vram-free SIZE sets it")
+    return Device(label, f"what-if {format_gib(capacity)} CUDA card", "cuda", capacity,
+                  capacity - reserved, simulated=True,
+                  source=f"{source} (free = total - {reserved // MIB} MiB reserved at idle)",
+                  note=note)
+
+
 def resolve_device(device: str | None, gpu: str | None, vram: str | None,
                    vram_free: str | None) -> Device:
     """The :class:`Device` the flags ``--device``, ``--gpu``, ``--vram``, ``--vram-free`` describe.
@@ -147,8 +166,9 @@ def resolve_device(device: str | None, gpu: str | None, vram: str | None,
        free = ``--vram-free`` or ``--vram``; runtime 0.
     3. ``--gpu NAME``: a what-if catalogue card (:func:`find_gpu`); ``--vram-free`` replaces
        its free memory.
-    4. ``--vram SIZE`` alone: a what-if CUDA card of that capacity; free = ``--vram-free``
-       or the whole capacity.
+    4. ``--vram SIZE`` alone: a what-if CUDA card of that total; free = ``--vram-free``, or
+       the total less what the driver reserves at idle on cards of that size
+       (:func:`what_if_card`).
     5. none of these: the real ``cuda:0`` via NVML (``--vram-free`` lowers its free memory).
 
     Raises:
@@ -195,10 +215,7 @@ def resolve_device(device: str | None, gpu: str | None, vram: str | None,
 
     if kind is None and vram_bytes is not None:
         check_free(vram_bytes, "--vram")
-        return Device("cuda:0", f"what-if {format_gib(vram_bytes)} CUDA card", "cuda",
-                      vram_bytes, free_bytes if free_bytes is not None else vram_bytes,
-                      simulated=True,
-                      source="--vram" + (" --vram-free" if vram_free is not None else " (free = capacity)"))
+        return what_if_card("cuda:0", vram, vram_bytes, vram_free, free_bytes, "--vram")
 
     try:
         real = probe_cuda(index)
@@ -207,9 +224,8 @@ def resolve_device(device: str | None, gpu: str | None, vram: str | None,
             raise
         # no GPU here: --device cuda:N --vram SIZE is a what-if card with that index
         check_free(vram_bytes, "--vram")
-        return Device(f"cuda:{index}", f"what-if {format_gib(vram_bytes)} CUDA card", "cuda",
-                      vram_bytes, free_bytes if free_bytes is not None else vram_bytes,
-                      simulated=True, source="--device --vram (no GPU readable here)")
+        return what_if_card(f"cuda:{index}", vram, vram_bytes, vram_free, free_bytes,
+                            "--device --vram (no GPU readable here)")
     capacity, free = real.capacity_bytes, real.free_bytes
     if vram_bytes is not None:
         if vram_bytes > capacity:
@@ -226,3 +242,96 @@ def resolve_device(device: str | None, gpu: str | None, vram: str | None,
         return real
     return Device(real.label, real.description, "cuda", capacity, free, simulated=False,
                   source=real.source + "; capped by --vram/--vram-free")
+
+
+# --- several devices ---------------------------------------------------------------------
+
+MAX_DEVICES = 16
+
+
+def _list(text: str | None, flag: str) -> list[str] | None:
+    """A comma-separated flag value as its entries (None stays None)."""
+    if text is None:
+        return None
+    items = [t.strip() for t in text.split(",")]
+    if not all(items):
+        raise InputError(f"{flag} {text!r}: an empty entry; separate the values with commas, "
+                         "e.g. 16GiB,12GiB")
+    return items
+
+
+def expand_gpus(names: list[str]) -> list[str]:
+    """``--gpu`` values, each a catalogue name optionally followed by ``xN`` (N cards of
+    that kind: ``"RTX 5060 Ti 16GB x4"``), as one name per card.
+
+    Raises InputError for a count below 1 or more than :data:`MAX_DEVICES` cards."""
+    out: list[str] = []
+    for name in names:
+        head, _, tail = name.strip().rpartition(" ")
+        count = tail.lower().lstrip("x×") if tail[:1].lower() in ("x", "×") else ""
+        if head and count.isdigit():
+            n = int(count)
+            if not 1 <= n <= MAX_DEVICES:
+                raise InputError(f"--gpu {name!r}: {n} cards; give 1 to {MAX_DEVICES}")
+            out += [head.strip()] * n
+        else:
+            out.append(name.strip())
+    return out
+
+
+def resolve_devices(device: str | None, gpus: list[str] | str | None, vram: str | None,
+                    vram_free: str | None) -> tuple[Device, ...]:
+    """The devices the flags describe, main device first (the commit order).
+
+    Several devices come from comma-separated lists or repeated cards:
+    ``--device cuda:0,cuda:1`` (each probed; ``--vram`` / ``--vram-free`` lists cap them one
+    by one, a single value caps all), ``--gpu NAME`` repeated or ``--gpu "NAME x4"``
+    (catalogue cards ``cuda:0`` .. ``cuda:N-1``), ``--device cpu --vram 16GiB,12GiB``
+    (simulated devices ``cpu:0``, ``cpu:1``), ``--vram 16GiB,16GiB`` alone (what-if cards).
+    One device is exactly :func:`resolve_device`.
+
+    Raises:
+        InputError: lists of different lengths, a device named twice, a mix of simulated
+            and CUDA devices, more than :data:`MAX_DEVICES`, and every error of
+            :func:`resolve_device`.
+    """
+    names = expand_gpus([gpus] if isinstance(gpus, str) else list(gpus or []))
+    devs = _list(device, "--device")
+    vrams = _list(vram, "--vram")
+    frees = _list(vram_free, "--vram-free")
+    n = max(len(names), len(devs or []), len(vrams or []), len(frees or []), 1)
+    if n > MAX_DEVICES:
+        raise InputError(f"{n} devices: moefit plans at most {MAX_DEVICES}")
+    if devs is not None and len(devs) == 1 and n > 1 and devs[0].lower() == "cpu":
+        devs = devs * n                  # --device cpu --vram 16GiB,12GiB
+    given = [(flag, len(items)) for flag, items in (("--device", devs), ("--gpu", names or None),
+                                                    ("--vram", vrams), ("--vram-free", frees))
+             if items is not None and len(items) > 1]
+    if len({k for _, k in given}) > 1:
+        listed = " and ".join(f"{flag} lists {k}" for flag, k in given)
+        raise InputError(f"{listed} devices; give one value for all devices or one per device")
+    if n == 1:
+        return (resolve_device(device, names[0] if names else None, vram, vram_free),)
+    pick = lambda items, i: None if items is None else items[i if len(items) > 1 else 0]  # noqa: E731
+    if names and devs is not None:
+        raise InputError(f"--gpu {names[0]} plans for catalogue cards and --device {device} "
+                         f"for real or simulated ones; drop one of them")
+    kinds = {_parse_device_flag(d)[0] for d in devs} if devs else set()
+    if len(kinds) > 1:
+        raise InputError(f"--device {device}: mixes simulated (cpu) and CUDA devices; plan "
+                         "either real / what-if CUDA devices or simulated ones")
+    out = []
+    for i in range(n):
+        d = resolve_device(pick(devs, i), names[i] if len(names) > 1 else (names[0] if names else None),
+                           pick(vrams, i), pick(frees, i))
+        if d.kind == "cpu" or names or devs is None:
+            label = f"cpu:{i}" if d.kind == "cpu" else f"cuda:{i}"
+            note = d.note.replace(f"{d.label}:", f"{label}:", 1) if d.note else ""
+            d = replace(d, label=label, note=note)
+        out.append(d)
+    labels = [d.label for d in out]
+    twice = sorted({l for l in labels if labels.count(l) > 1})
+    if twice:
+        raise InputError(f"--device {device}: {', '.join(twice)} named twice; give each "
+                         "device once")
+    return tuple(out)

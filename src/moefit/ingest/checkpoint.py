@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from moefit.errors import InputError
+from moefit.ingest.families import gpt_oss
 from moefit.ingest.geometry import ExactWeights, ModelGeometry
 from moefit.ingest.inputs import decode_utf8, parse_json, read_bytes, read_json
 
@@ -252,9 +253,16 @@ def exact_weights(geom: ModelGeometry, model_dir: str | Path) -> ExactWeights | 
         return None
     moe = {l.index: l.moe.num_experts for l in geom.moe_layers}
     weight = skipped = params = 0
+    largest_global = largest_expert = 0    # stored bytes: the loader's host staging
+    layer_sum: dict[int, int] = {}
     per_expert: dict[int, dict[int, int]] = {}
     fused: dict[int, int] = {}
     mxfp4: set[int] = set()
+    # gpt-oss (fused experts with biases): read one expert at a time, not a tensor whole
+    biased: set[int] = set()
+    largest_in: dict[int, int] = {}
+    stored_in: dict[int, int] = {}
+    blocks_in: dict[int, int] = {}
     for path in files:
         for t in read_header(path).tensors:
             bucket, layer, is_fused = classify(t.name, geom.num_layers)
@@ -265,7 +273,13 @@ def exact_weights(geom: ModelGeometry, model_dir: str | Path) -> ExactWeights | 
             nbytes = held_bytes(t, geom.dtype_bytes)
             if bucket == "weight":
                 weight += nbytes
+                if layer is None:
+                    largest_global = max(largest_global, t.nbytes)
+                else:
+                    layer_sum[layer] = layer_sum.get(layer, 0) + t.nbytes
                 continue
+            largest_in[layer] = max(largest_in.get(layer, 0), t.nbytes)
+            stored_in[layer] = stored_in.get(layer, 0) + t.nbytes
             if layer not in moe:
                 raise InputError(f"{path}: tensor {t.name!r} is a routed expert, but the config "
                                  f"declares layer {layer} dense; config and checkpoint disagree")
@@ -273,6 +287,9 @@ def exact_weights(geom: ModelGeometry, model_dir: str | Path) -> ExactWeights | 
                 fused[layer] = fused.get(layer, 0) + nbytes
                 if t.name.endswith("_blocks") and t.dtype == "U8":
                     mxfp4.add(layer)
+                    blocks_in[layer] = blocks_in.get(layer, 0) + t.nbytes
+                elif t.name.endswith("_bias"):
+                    biased.add(layer)
             else:
                 j = int(_PER_EXPERT.search(t.name).group(1))
                 per_expert.setdefault(layer, {})
@@ -281,9 +298,17 @@ def exact_weights(geom: ModelGeometry, model_dir: str | Path) -> ExactWeights | 
     for layer, n in sorted(moe.items()):
         blob = max(per_expert.get(layer, {0: 0}).values()) + -(-fused.get(layer, 0) // n)
         blobs.append((layer, blob))
+    for layer, big in largest_in.items():
+        largest_expert = max(largest_expert, big if layer not in biased else
+                             gpt_oss.expert_read_bytes(stored_in[layer], blocks_in.get(layer, 0), moe[layer]))
+    # the loader reads one tensor at a time (gpt-oss's experts: one expert at a time); a projection it rebuilds from several of a
+    # layer's tensors holds its parts and the result at once, which twice the layer's dense
+    # tensors bound (moefit.memory.host.load_staging_bytes)
     return ExactWeights(weight_bytes=weight, expert_blob_bytes=tuple(blobs), skipped_bytes=skipped,
                         total_params=params, files=len(files), experts_stored=bool(mxfp4),
-                        expert_types=tuple((layer, ("MXFP4",) * 3) for layer in sorted(mxfp4)))
+                        expert_types=tuple((layer, ("MXFP4",) * 3) for layer in sorted(mxfp4)),
+                        load_staging_bytes=max(largest_global, 2 * max(layer_sum.values(), default=0),
+                                               largest_expert))
 
 
 # --------------------------------------------------------------------------------------------

@@ -361,6 +361,9 @@ class ExactWeights:
     dequantized when they run; the staging this takes is priced on the ``prefill`` line
     (:func:`moefit.memory.staging.expert_dequant_bytes`). ``expert_types``: per MoE layer,
     the (gate, up, down) ggml types they are stored in (gpt-oss's mxfp4 experts: MXFP4).
+    ``load_staging_bytes``: the most host memory the loader holds at once beside its
+    destinations while reading the files (:func:`moefit.memory.host.load_staging_bytes`);
+    0 when not known (the analytic bound is used).
 
     Other formats (GGUF: :class:`moefit.ingest.gguf_header.GGUFWeights`) subclass this and override
     :meth:`line_detail` / :meth:`describe`.
@@ -373,6 +376,7 @@ class ExactWeights:
     files: int
     experts_stored: bool = False
     expert_types: tuple[tuple[int, tuple[str, ...]], ...] = ()
+    load_staging_bytes: int = 0
 
     def line_detail(self) -> str:
         """Detail of the ``weights`` budget line."""

@@ -429,12 +429,22 @@ class GGUFWeights(ExactWeights):
     of the file (skipped ones count as dense).
     ``data_bytes``: every tensor's bytes (the file's tensor data without padding).
     ``expert_types``: per MoE layer, the (gate, up, down) ggml types.
+    ``embed_resident_bytes`` / ``embed_stored_bytes`` / ``embed_row_bytes``: what
+    ``weight_bytes`` counts for ``token_embd.weight``, its bytes in the file, and one of
+    its rows in the file; ``tied``: the file has no ``output.weight`` (the output reuses
+    the token embeddings). The plan keeps an untied token embedding on the host, as
+    llama.cpp does (:func:`moefit.memory.host.embed_on_host`).
     """
 
     compute_dtype: str = "bfloat16"
     stored_weight_bytes: int = 0
     by_type: tuple[tuple[str, int, int, int], ...] = ()
     data_bytes: int = 0
+    embed_resident_bytes: int = 0
+    embed_stored_bytes: int = 0
+    embed_row_bytes: int = 0
+    embed_type: str = ""
+    tied: bool = False
 
     def line_detail(self) -> str:
         short = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}[self.compute_dtype]
@@ -460,6 +470,15 @@ class GGUFWeights(ExactWeights):
         return lines
 
 
+def packed_staging_bytes(elements: int) -> int:
+    """Host bytes the GGUF loader holds while it rebuilds a resident tensor from
+    ``elements`` stored elements (a hybrid's Gated DeltaNet projections or gated
+    ``attn_q``, ``moefit.runtime.hybrid_layout.gguf_linear_attention_entries`` /
+    ``gated_q``): the parts dequantized to fp32, each regrouped into a copy, and the result
+    they are concatenated into: 3 x 4 bytes per element."""
+    return 3 * 4 * elements
+
+
 def exact_from_gguf(geom: ModelGeometry, h: GGUFHeader) -> GGUFWeights:
     """Exact bytes of ``geom``'s weights from the tensor infos of ``h``.
 
@@ -467,14 +486,21 @@ def exact_from_gguf(geom: ModelGeometry, h: GGUFHeader) -> GGUFWeights:
     ``N < num_layers`` -> the expert blob of layer N (bytes / expert count); ``blk.N.*`` with
     ``N >= num_layers`` (MTP) and vision/audio towers -> skipped; everything else -> weights.
 
+    ``load_staging_bytes``: the largest dense tensor as stored, or, on a layer whose
+    projections the loader rebuilds (Gated DeltaNet, an output-gated ``attn_q``), what
+    rebuilding the layer's dense tensors would hold (:func:`packed_staging_bytes`).
+
     Errors: :class:`InputError` for an expert tensor on a layer the metadata makes dense, an
     expert tensor whose expert dim is not the layer's expert count, or a layer whose expert
     tensors are missing.
     """
     src = str(h.paths[0])
+    rebuilt = {l.index for l in geom.layers if l.attention.kind == "linear" or l.attention.output_gate}
+    layer_elems: dict[int, int] = {}
     moe = {l.index: l.moe.num_experts for l in geom.moe_layers}
     act = DTYPE_BYTES[compute_dtype(h)]
-    weight = stored = skipped = params = 0
+    weight = stored = skipped = params = largest = 0
+    embed = (0, 0, 0, "")
     blob: dict[int, int] = {}
     kinds: dict[int, dict[str, str]] = {}
     by_type: dict[str, list[int]] = {}
@@ -503,9 +529,15 @@ def exact_from_gguf(geom: ModelGeometry, h: GGUFHeader) -> GGUFWeights:
                 part = t.name.split(".")[2].removeprefix("ffn_").removesuffix("_exps")
                 kinds.setdefault(layer, {})[part] = t.ggml_type
             continue
+        before = weight
         weight += t.n_elements * act
         stored += t.nbytes
         row[0] += t.nbytes
+        largest = max(largest, t.nbytes)
+        if layer in rebuilt:
+            layer_elems[layer] = layer_elems.get(layer, 0) + t.n_elements
+        if t.name == "token_embd.weight":
+            embed = (weight - before, t.nbytes, t.nbytes // max(1, t.ne[-1]), t.ggml_type)
     missing = [i for i in moe if i not in blob]
     if missing:
         raise InputError(f"{src}: layer {missing[0]} has a router but no ffn_*_exps expert tensors")
@@ -514,13 +546,16 @@ def exact_from_gguf(geom: ModelGeometry, h: GGUFHeader) -> GGUFWeights:
         k = kinds[layer]
         gate, up = (k["gate_up"], k["gate_up"]) if "gate_up" in k else (k.get("gate", "?"), k.get("up", "?"))
         types.append((layer, (gate, up, k.get("down", "?"))))
+    largest = max(largest, packed_staging_bytes(max(layer_elems.values(), default=0)))
     order = sorted(by_type.items(), key=lambda kv: -(kv[1][0] + kv[1][1]))
     return GGUFWeights(
         weight_bytes=weight, expert_blob_bytes=tuple(sorted(blob.items())), skipped_bytes=skipped,
         total_params=params, files=len(h.paths), experts_stored=True,
         compute_dtype=compute_dtype(h), stored_weight_bytes=stored,
         by_type=tuple((k, v[0], v[1], v[2]) for k, v in order), data_bytes=h.tensor_data_bytes(),
-        expert_types=tuple(types))
+        expert_types=tuple(types), load_staging_bytes=largest,
+        embed_resident_bytes=embed[0], embed_stored_bytes=embed[1], embed_row_bytes=embed[2],
+        embed_type=embed[3], tied="output.weight" not in h.tensors)
 
 
 def model_name(h: GGUFHeader) -> str:

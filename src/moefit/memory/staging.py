@@ -462,3 +462,38 @@ def staging_model(geom: ModelGeometry, fmt: KVFormat, slots: int = 1,
     ) + terms_extra
     return StagingModel(sum(t[1] for t in terms), sum(t[2] for t in terms), terms,
                         fixed_bytes=fixed)
+
+
+def expert_staging_model(geom: ModelGeometry, device_kind: str = "cuda") -> StagingModel:
+    """The ``prefill`` line of a device that holds expert slots only (a secondary device
+    of an expert split): the buffers its experts run in for one chunk, affine in the chunk.
+
+    An expert it holds runs there on the tokens routed to it (up to every token of the
+    chunk): their input rows copied from the main device, the gate/up output and the
+    output (``(2 H + 2 I) x chunk`` in the compute dtype; ``moefit.runtime.experts.ExpertCache``),
+    and for a stored (GGUF) format one dequantized matrix in a fixed region, with its
+    kernel's scratch (:func:`expert_dequant_bytes`). Plus the view alignment and torch's
+    scratch, as on the main device. 0 for a model without MoE layers."""
+    if not geom.moe_layers:
+        return StagingModel(0, 0, ())
+    act = compute_bytes(geom)
+    inter = max(l.moe.expert_intermediate for l in geom.moe_layers)
+    fixed = expert_fixed_region_bytes(geom)
+    terms = [("expert input, gate/up and output rows", 0,
+              (2 * geom.hidden_size + 2 * inter) * act),
+             ("fixed region: one dequantized expert matrix", fixed, 0),
+             ("view alignment and torch's own scratch", ALIGN_SLACK + OP_SCRATCH, 0)]
+    if fixed:
+        c_kernels = cpu_kernels.expected(device_kind)
+        scratch = max(0, expert_dequant_bytes(geom, act, c_kernels) - _expert_matrix_bytes(geom, act))
+        terms.append(("expert dequantization kernel scratch", scratch, 0))
+    return StagingModel(sum(t[1] for t in terms), sum(t[2] for t in terms), tuple(terms),
+                        fixed_bytes=fixed)
+
+
+def expert_fixed_region_bytes(geom: ModelGeometry) -> int:
+    """The fixed region of an expert-only device's workspace: one dequantized expert
+    matrix for a stored (GGUF) format, else 0 (bytes)."""
+    if geom.experts_stored and geom.moe_layers:
+        return span([_expert_matrix_bytes(geom, compute_bytes(geom))])
+    return 0

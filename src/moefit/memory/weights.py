@@ -38,27 +38,55 @@ def weight_arena_bytes(geom: ModelGeometry, miss_policy: str, arena_slots: int |
     return ring * expert_slot_bytes(geom)
 
 
-def spread_slots(geom: ModelGeometry, slots: int) -> tuple[tuple[int, int], ...]:
+def spread_slots(geom: ModelGeometry, slots: int,
+                 caps: dict[int, int] | None = None) -> tuple[tuple[int, int], ...]:
     """Spread ``slots`` expert slots evenly over the MoE layers.
 
-    Each layer gets ``slots // n`` (capped at its expert count); the remainder goes to the
+    Each layer gets ``slots // n`` (capped at its expert count, or at ``caps[layer]`` when
+    given: the experts another device has not taken yet); the remainder goes to the
     earliest layers. Returns ((layer index, slots), ...) in layer order.
     """
     layers = geom.moe_layers
     if not layers:
         return ()
+    cap = {l.index: l.moe.num_experts if caps is None else caps.get(l.index, 0) for l in layers}
     out = {l.index: 0 for l in layers}
     left = slots
     while left > 0:
-        open_layers = [l for l in layers if out[l.index] < l.moe.num_experts]
+        open_layers = [l for l in layers if out[l.index] < cap[l.index]]
         if not open_layers:
             break
         share, extra = divmod(left, len(open_layers))
         for i, l in enumerate(open_layers):
-            give = min(share + (1 if i < extra else 0), l.moe.num_experts - out[l.index])
+            give = min(share + (1 if i < extra else 0), cap[l.index] - out[l.index])
             out[l.index] += give
             left -= give
     return tuple(out.items())
+
+
+def place_slots(geom: ModelGeometry, rooms: list[int], limit: int,
+                ) -> list[tuple[tuple[int, int], ...]]:
+    """Expert slots of several devices: each device in turn (the main one first) takes
+    the most slots its room (bytes) holds, spread evenly over the layers whose experts
+    the devices before it have not all taken, until ``limit`` slots are placed in all.
+    Returns each device's ``((layer, slots), ...)``, in layer order."""
+    blobs = geom.expert_blob_bytes()
+    caps = {l.index: l.moe.num_experts for l in geom.moe_layers}
+    out, placed = [], 0
+    for room in rooms:
+        lo, hi = 0, max(0, min(limit - placed, sum(caps.values())))
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if sum(n * blobs[l] for l, n in spread_slots(geom, mid, caps)) <= room:
+                lo = mid
+            else:
+                hi = mid - 1
+        counts = spread_slots(geom, lo, caps)
+        for l, n in counts:
+            caps[l] -= n
+        placed += lo
+        out.append(counts)
+    return out
 
 
 def expert_cache_bytes(geom: ModelGeometry, slots: int,

@@ -1,21 +1,30 @@
-"""Print a plan: the table of docs/design.md, output, the decisions, and the ``moefit.plan/1`` JSON.
+"""Print a plan: the table of docs/design.md, output, the decisions, and the ``moefit.plan/2`` JSON.
 
 JSON document (sizes are integer bytes, lengths integer tokens)::
 
     {
-      "schema": "moefit.plan/1",
+      "schema": "moefit.plan/2",
       "fits": true,
       "model": {"name", "model_type", "total_params", "active_params", "source"},
       "context": 524288, "slots": 1, "kv": "int8",
-      "devices": [{"name", "kind", "capacity_bytes", "free_bytes",
+      "split": "single",                          # or "experts", "layers" (several devices)
+      "devices": [{"name", "description", "kind", "role", "layers",   # commit order
+                   "capacity_bytes", "free_bytes",
                    "lines": [{"key", "bytes", "detail"}, ...],   # commit order
-                   "unassigned_bytes"}],
+                   "unassigned_bytes", "expert_slots", "experts_per_layer"}],
+      "host": {"checked", "source", "capacity_bytes", "free_bytes", "experts",
+               "mapped_bytes", "embed_on_host",
+               "lines": [{"key", "bytes", "detail"}, ...], "planned_bytes", "unassigned_bytes"},
       "prefill": {"requested", "selected", "clamped", "mode", "strict"},
       "experts": {"slots", "total", "slot_bytes", "per_layer": [{"layer", "slots"}]},
       "notes": [...],
       # only when fits is false:
-      "shortfall_bytes", "limiting": [...], "alternatives": [{"flag", "value"}]
+      "shortfall_bytes", "short_on", "limiting": [...], "alternatives": [{"flag", "value"}]
     }
+
+Version 2 added ``split``, each device's ``role``, ``layers``,
+``expert_slots`` and ``experts_per_layer``, the ``host`` table, and ``short_on``; the
+fields of version 1 keep their meaning.
 """
 
 from __future__ import annotations
@@ -24,29 +33,70 @@ import json
 
 from moefit.memory.weights import expert_slot_bytes
 from moefit.ingest.resolve import format_params
-from moefit.plan.solver import LINE_ORDER, Plan
+from moefit.plan.solver import HOST_LINE_ORDER, LINE_ORDER, DevicePlan, HostPlan, Plan
 from moefit.units import size_format
 
-SCHEMA = "moefit.plan/1"
+SCHEMA = "moefit.plan/2"
 LABELS = dict(LINE_ORDER)
+HOST_LABELS = dict(HOST_LINE_ORDER)
+
+
+def _role(d: DevicePlan, plan: Plan) -> str:
+    if plan.split == "single":
+        return ""
+    if d.role == "experts":
+        return "  expert slots only"
+    if d.role == "layers":
+        a, b = d.layers or (0, 0)
+        span = "no layers" if a >= b else (f"layer {a}" if b - a == 1 else f"layers {a}-{b - 1}")
+        return f"  {span}"
+    return "  main: dense weights, KV cache, staging"
+
+
+def _device_table(d: DevicePlan, plan: Plan) -> list[str]:
+    dev = d.device
+    format_gib = size_format(dev.capacity_bytes)
+    out = [f"VRAM budget  {dev.label}  {dev.description}  "
+           f"{format_gib(dev.free_bytes)} free of {format_gib(dev.capacity_bytes)}{_role(d, plan)}"]
+    for line in d.lines:
+        out.append(f"  {LABELS[line.key]:<18} {format_gib(line.bytes):>10}   {line.detail}".rstrip())
+    unassigned = d.unassigned_bytes
+    if unassigned >= 0:
+        out.append(f"  {'unassigned':<18} {format_gib(unassigned):>10}")
+    return out
+
+
+def format_host_table(hp: HostPlan) -> list[str]:
+    """The host table (docs/design.md, host budget)."""
+    h = hp.host
+    format_gib = size_format(h.capacity_bytes if h else max(hp.planned_bytes, 1 << 30))
+    if h is None:
+        out = [f"host budget  not checked (what-if devices; --host-ram SIZE checks a machine)  "
+               f"needs {format_gib(hp.planned_bytes)}"]
+    else:
+        out = [f"host budget  {h.source}  {format_gib(h.free_bytes)} free of "
+               f"{format_gib(h.capacity_bytes)}"]
+    for line in hp.lines:
+        out.append(f"  {HOST_LABELS[line.key]:<18} {format_gib(line.bytes):>10}   {line.detail}".rstrip())
+    if h is not None and hp.unassigned_bytes >= 0:
+        out.append(f"  {'unassigned':<18} {format_gib(hp.unassigned_bytes):>10}")
+    return out
+
+
+def _label(key: str) -> str:
+    return LABELS[key] if key in LABELS else "host " + HOST_LABELS[key]
 
 
 def format_table(plan: Plan) -> str:
-    """The human report: model line, one budget table per device, decisions."""
+    """The human report: model line, one budget table per device, the host table, decisions."""
     g = plan.geometry
     out = [f"model  {g.name}  {format_params(g.total_params)} total / "
            f"{format_params(g.active_params)} active  {g.num_layers} layers, "
            f"{g.attention_layout()}"]
     for d in plan.devices:
-        dev = d.device
-        format_gib = size_format(dev.capacity_bytes)
-        out.append(f"VRAM budget  {dev.label}  {dev.description}  "
-                   f"{format_gib(dev.free_bytes)} free of {format_gib(dev.capacity_bytes)}")
-        for line in d.lines:
-            out.append(f"  {LABELS[line.key]:<18} {format_gib(line.bytes):>10}   {line.detail}".rstrip())
-        unassigned = d.unassigned_bytes
-        if unassigned >= 0:
-            out.append(f"  {'unassigned':<18} {format_gib(unassigned):>10}")
+        out += _device_table(d, plan)
+    if plan.host is not None:
+        out += format_host_table(plan.host)
     if plan.fits:
         if plan.request.prefill_mode == "auto" and not plan.prefill_clamped:
             out.append(f"prefill: auto, {plan.prefill_selected}-token chunks")
@@ -55,21 +105,43 @@ def format_table(plan: Plan) -> str:
         return "\n".join(out)
     for n in plan.notes:
         out.append(n)
-    short = size_format(plan.devices[0].device.capacity_bytes)(plan.shortfall_bytes)
-    out.append(f"does not fit: short by {short}")
-    out.append("limiting: " + ", ".join(LABELS[k] for k in plan.limiting))
+    if plan.short_on == "host":
+        short = size_format(plan.host.host.capacity_bytes)(plan.shortfall_bytes)
+        out.append(f"does not fit: short by {short} on the host")
+    else:
+        dev = next((d.device for d in plan.devices if d.device.label == plan.short_on),
+                   plan.devices[0].device)
+        where = f" on {dev.label}" if len(plan.devices) > 1 else ""
+        out.append(f"does not fit: short by {size_format(dev.capacity_bytes)(plan.shortfall_bytes)}{where}")
+    out.append("limiting: " + ", ".join(_label(k) for k in plan.limiting))
     if plan.alternatives:
         out.append("fits with:")
         for a in plan.alternatives:
             out.append(f"  {a.flag} {a.value}")
     else:
-        out.append("fits with: nothing short of a larger device "
+        larger = "a larger host" if plan.short_on == "host" else "a larger device"
+        out.append(f"fits with: nothing short of {larger} "
                    "(no single flag change makes it fit)")
     return "\n".join(out)
 
 
+def _lines(lines) -> list[dict]:
+    return [{"key": l.key, "bytes": l.bytes, "detail": l.detail} for l in lines]
+
+
+def host_document(hp: HostPlan) -> dict:
+    """The ``host`` object of the plan document."""
+    h = hp.host
+    return {"checked": h is not None, "source": h.source if h else None,
+            "capacity_bytes": h.capacity_bytes if h else None,
+            "free_bytes": h.free_bytes if h else None,
+            "experts": hp.experts, "mapped_bytes": hp.mapped_bytes,
+            "embed_on_host": hp.embed_on_host, "lines": _lines(hp.lines),
+            "planned_bytes": hp.planned_bytes, "unassigned_bytes": hp.unassigned_bytes}
+
+
 def plan_document(plan: Plan) -> dict:
-    """The plan as a ``moefit.plan/1`` JSON-ready dict."""
+    """The plan as a ``moefit.plan/2`` JSON-ready dict."""
     g, r = plan.geometry, plan.request
     doc = {
         "schema": SCHEMA,
@@ -80,15 +152,22 @@ def plan_document(plan: Plan) -> dict:
         "context": plan.context,
         "slots": r.slots,
         "kv": r.kv.lower(),
+        "split": plan.split,
         "devices": [{
             "name": d.device.label,
             "description": d.device.description,
             "kind": d.device.kind,
+            "role": d.role,
+            "layers": list(d.layers) if d.layers is not None else None,
             "capacity_bytes": d.device.capacity_bytes,
             "free_bytes": d.device.free_bytes,
-            "lines": [{"key": l.key, "bytes": l.bytes, "detail": l.detail} for l in d.lines],
+            "lines": _lines(d.lines),
             "unassigned_bytes": d.unassigned_bytes,
+            "expert_slots": d.expert_slots,
+            "experts_per_layer": ([{"layer": i, "slots": n} for i, n in d.experts_per_layer]
+                                  if len(plan.devices) > 1 else None),
         } for d in plan.devices],
+        "host": host_document(plan.host) if plan.host is not None else None,
         "prefill": {"requested": plan.prefill_requested, "selected": plan.prefill_selected,
                     "clamped": plan.prefill_clamped, "mode": r.prefill_mode,
                     "strict": r.strict},
@@ -99,6 +178,7 @@ def plan_document(plan: Plan) -> dict:
     }
     if not plan.fits:
         doc["shortfall_bytes"] = plan.shortfall_bytes
+        doc["short_on"] = plan.short_on
         doc["limiting"] = list(plan.limiting)
         doc["alternatives"] = [{"flag": a.flag, "value": a.value} for a in plan.alternatives]
     return doc

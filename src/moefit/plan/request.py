@@ -56,6 +56,13 @@ class Request:
     yarn_orig_ctx: int | None = None
     miss_policy: Literal["cpu", "copy"] = "cpu"
     arena_slots: int | None = None
+    #: non-resident experts: ``copy`` (read into host memory, pinned on CUDA) or ``mmap``
+    #: (run from the GGUF file's pages)
+    host_experts: Literal["copy", "mmap"] = "copy"
+    #: the host table's ``host_margin``; None means the default policy
+    host_reserve_bytes: int | None = None
+    #: several devices: ``auto``, ``experts`` or ``layers`` (docs/design.md, several devices)
+    split: Literal["auto", "experts", "layers"] = "auto"
 
     def with_(self, **changes) -> "Request":
         return replace(self, **changes)
@@ -103,6 +110,12 @@ def validate(req: Request) -> None:
                          "--prefill-min or raise --prefill (auto:N sets the auto ceiling)")
     if req.reserve_bytes is not None and req.reserve_bytes < 0:
         raise InputError("--vram-reserve-mib must not be negative")
+    if req.host_reserve_bytes is not None and req.host_reserve_bytes < 0:
+        raise InputError("--host-reserve-mib must not be negative")
+    if req.host_experts not in ("copy", "mmap"):
+        raise InputError(f"--host-experts {req.host_experts!r}: use copy or mmap")
+    if req.split not in ("auto", "experts", "layers"):
+        raise InputError(f"--split {req.split!r}: use auto, experts or layers")
     # the sign of each flag first: a negative value is named as itself, not as an ordering
     if req.min_expert_cache < 0:
         raise InputError(f"--min-expert-cache {req.min_expert_cache}: must not be negative")

@@ -20,6 +20,19 @@ Commit order (docs/design.md, runtime contract), each allocation through the led
 A failed allocation raises :class:`~moefit.runtime.ledger.BudgetError` naming the line,
 with the ledger table; nothing is retried.
 
+Several devices (an expert split; docs/design.md, several devices): each device has its
+own ledger and commits its runtime first; the main one then its weights, arena, KV cache
+and staging; every other one its staging (the workspace its experts run in); then each
+device its expert slots, within what is free above its own margin. A layer split is
+planned, not run.
+
+The host (docs/design.md, host budget): :class:`~moefit.runtime.ledger.HostLedger` holds
+the process (``host_runtime``), a GGUF token embedding (``host_weights``), what loading
+reads before copying it (``host_staging``, held while it lives), the rows of the experts
+that are not resident (``host_experts``, read once the slots are known, so a resident
+expert is never on the host too) and, on simulated devices, their tensors
+(``host_devices``).
+
 Prefill runs in chunks of the plan's ``prefill_selected`` tokens (a smaller ``chunk`` may
 be asked for); decode is a chunk of one token. Slots: the KV cache holds the plan's
 ``--slots`` sequences; :meth:`Engine.step` runs tokens of several slots in one batched
@@ -39,15 +52,14 @@ from moefit.devices import Device
 from moefit.errors import InputError
 from moefit.ingest.inputs import is_gguf_file, read_routing_profile
 from moefit.memory import cpu_kernels
-from moefit.memory.staging import ATTN_KV_BLOCK, ATTN_Q_BLOCK
-from moefit.memory.weights import most_slots, spread_slots
+from moefit.memory.staging import ATTN_KV_BLOCK, ATTN_Q_BLOCK, expert_fixed_region_bytes
 from moefit.plan.solver import Plan
 from moefit.runtime.arch import arch_from_config, read_config
-from moefit.runtime.experts import ExpertCache
+from moefit.runtime.experts import ExpertCache, initial_residents
 from moefit.runtime.gguf_loader import gguf_config, load_gguf
 from moefit.runtime.kv_cache import KVCache
-from moefit.runtime.ledger import FAIL_ENV, BudgetError, Ledger
-from moefit.runtime.loader import load_checkpoint
+from moefit.runtime.ledger import FAIL_ENV, BudgetError, HostLedger, Ledger, resident_bytes
+from moefit.runtime.loader import ExpertSource, load_checkpoint
 from moefit.runtime import qmatmul
 from moefit.runtime.model import Model, forward, forward_batch, segments
 from moefit.runtime.rope import Rotary, rope_from_config
@@ -87,7 +99,7 @@ class EngineOptions:
     routing_profile: str | Path | dict | None = None
     q_block: int = ATTN_Q_BLOCK
     kv_block: int = ATTN_KV_BLOCK
-    free_bytes: int | None = None
+    free_bytes: "int | tuple[int | None, ...] | None" = None
     progress: bool = True
     log: object = None     # callable(str) for progress lines; default: collect in notes
 
@@ -95,9 +107,12 @@ class EngineOptions:
 class Engine:
     """A model committed to a device under a plan. Build with :meth:`start`."""
 
-    def __init__(self, plan: Plan, ledger: Ledger, model: Model, chunk: int, notes: list[str]):
+    def __init__(self, plan: Plan, ledger: Ledger, model: Model, chunk: int, notes: list[str],
+                 ledgers: list[Ledger] | None = None, host: HostLedger | None = None):
         self.plan, self.ledger, self.model, self.chunk = plan, ledger, model, chunk
         self.notes = notes
+        self.ledgers = ledgers or [ledger]     # one per device, the main one first
+        self.host = host
 
     # ---- commit ---------------------------------------------------------------------------
     @classmethod
@@ -127,7 +142,16 @@ class Engine:
         profile = opts.routing_profile
         if isinstance(profile, (str, Path)):      # checked before any weight loads
             profile = read_routing_profile(profile, geom)
-        ledger = Ledger.for_plan(plan, opts.device, opts.free_bytes)
+        if plan.split == "layers":
+            raise InputError("this plan places layers on the devices (a layer split, as llama.cpp's "
+                             "-ts); the runtime runs the expert split: add --split experts, or run "
+                             "the layer split with llama.cpp")
+        host = HostLedger.for_host_plan(plan)
+        frees = opts.free_bytes if isinstance(opts.free_bytes, tuple) else (opts.free_bytes,)
+        frees = frees + (None,) * (len(plan.devices) - len(frees))
+        ledgers = [Ledger.for_plan(plan, opts.device if i == 0 else None, frees[i], index=i, host=host)
+                   for i in range(len(plan.devices))]
+        ledger = ledgers[0]
         if "weight_arena" in ledger.failing and ledger.lines["weight_arena"].planned == 0:
             raise InputError(f"{FAIL_ENV}=weight_arena: this plan has no weight arena "
                              f"(--miss-policy {req.miss_policy}: misses run on the CPU), so "
@@ -142,34 +166,59 @@ class Engine:
         cfg = gguf_config(model_dir) if gguf else read_config(model_dir)
         arch = arch_from_config(cfg, geom)
 
-        # 1. runtime
-        if dev.type == "cuda":
-            _commit_cuda_runtime(ledger, plan.devices[0].device, arch.dtype)
+        # 1. runtime, on every device; the process itself on the host
+        for lg, dp in zip(ledgers, plan.devices):
+            if lg.device.type == "cuda":
+                _commit_cuda_runtime(lg, dp.device, arch.dtype)
+            else:
+                lg.charge("runtime", 0)    # a simulated device has no runtime; fault injection still reaches the line
+        host.charge("host_runtime", resident_bytes())
+        # 2. weights (a GGUF token embedding on the host when the plan keeps it there)
+        weights_alloc = lambda shape, dtype: ledger.alloc("weights", shape, dtype)  # noqa: E731
+        transient = lambda n: host.transient("host_staging", n)  # noqa: E731
+        mapped = req.host_experts == "mmap"
+        if gguf:
+            keep = plan.host is not None and plan.host.embed_on_host and not arch.tie_embeddings
+            host_alloc = (lambda shape, dtype: host.alloc("host_weights", shape, dtype)) if keep else None
+            weights, source = load_gguf(model_dir, geom, arch, weights_alloc, progress=opts.progress,
+                                        host_alloc=host_alloc, mapped=mapped, transient=transient)
         else:
-            ledger.charge("runtime", 0)    # a simulated device has no runtime; fault injection still reaches the line
-        # 2. weights
-        weights, host = (load_gguf if gguf else load_checkpoint)(
-            model_dir, geom, arch, lambda shape, dtype: ledger.alloc("weights", shape, dtype),
-            pin=dev.type == "cuda", progress=opts.progress)
-        # 3. weight arena
-        arena = []
-        if req.miss_policy == "copy" and host.blobs:
-            ring = ledger.lines["weight_arena"].planned // max(1, _slot_bytes(host))
-            elems = max(host.blob_elems(l) for l in host.blobs)
-            blob_dtype = next(iter(host.blobs.values())).dtype   # uint8 for stored formats
-            arena = [ledger.alloc("weight_arena", (elems,), blob_dtype) for _ in range(ring)]
-        # 4. KV cache
-        kv_buf = ledger.alloc("kv", (ledger.lines["kv"].planned,), torch.uint8)
-        kv = KVCache(geom, plan.kv_layout(), kv_buf)
-        # 5. prefill staging, once
-        ws = Workspace(ledger.alloc("prefill", (ledger.lines["prefill"].planned,), torch.uint8), ledger)
-        # 6. expert cache: the plan's slots, within what is free above the margin
-        slots = _commit_experts(ledger, host, plan, say)
-        experts = ExpertCache(host, slots, arena, req.miss_policy, profile) if host.blobs else None
+            if mapped:
+                raise InputError("--host-experts mmap runs the experts of a GGUF file from its pages; "
+                                 "use --host-experts copy for a safetensors checkpoint")
+            weights, source = load_checkpoint(model_dir, geom, arch, weights_alloc,
+                                              progress=opts.progress, transient=transient)
+        try:
+            # 3. weight arena
+            arena = []
+            if req.miss_policy == "copy" and source.experts:
+                ring = ledger.lines["weight_arena"].planned // max(1, _slot_bytes(source))
+                elems = max(source.elems.values())
+                arena = [ledger.alloc("weight_arena", (elems,), source.dtype) for _ in range(ring)]
+            # 4. KV cache
+            kv_buf = ledger.alloc("kv", (ledger.lines["kv"].planned,), torch.uint8)
+            kv = KVCache(geom, plan.kv_layout(), kv_buf)
+            # 5. prefill staging, once (on an expert-only device: the workspace its experts run in)
+            ws = Workspace(ledger.alloc("prefill", (ledger.lines["prefill"].planned,), torch.uint8), ledger)
+            spaces = [None] + [_expert_workspace(lg, geom) for lg in ledgers[1:]]
+            # 6. expert cache: the plan's slots on each device, within what is free above its
+            # margin; then each expert read once, into its slot or a host row
+            experts = None
+            if source.experts:
+                slots, where = _commit_experts(ledgers, source, plan, say)
+                experts = _fill_experts(source, host, slots, where, req, arena, profile,
+                                        spaces, [d.piece for d in plan.devices])
+                experts.ws = ws
+        finally:
+            source.close()
         if experts is not None:
-            experts.ws = ws
-            _shrink_to_margin(ledger, experts, say)
-        ledger.keep_free("margin", ledger.margin)    # the margin is "committed" by staying free
+            experts.host.spill = lambda n, dtype: host.alloc("host_experts", (n,), dtype)
+            for lg in ledgers:           # the free memory read again after the last commit
+                _shrink_to_margin(lg, experts, say)
+        _commit_host_buffers(host, weights, experts, plan, arch.dtype)
+        for lg in ledgers:
+            lg.keep_free("margin", lg.margin)    # the margin is "committed" by staying free
+        host.keep_free("host_margin", host.margin)
         att = next((l.attention for l in geom.layers if l.attention.kind != "linear"),
                    geom.layers[0].attention)   # hybrids: layer 0 may be linear attention
         rope = rope_from_config(arch.config, att.rotary_dim or att.head_dim,
@@ -178,7 +227,7 @@ class Engine:
                       q_block=opts.q_block, kv_block=opts.kv_block,
                       fixed_bytes=plan.fixed_region_bytes(opts.q_block, opts.kv_block))
         say("READY")
-        return cls(plan, ledger, model, chunk, notes)
+        return cls(plan, ledger, model, chunk, notes, ledgers, host)
 
     # ---- run -----------------------------------------------------------------------------
     @torch.inference_mode()
@@ -237,8 +286,12 @@ class Engine:
                                                                        "misses": 0, "hit_rate": 0.0}
 
     def report(self) -> str:
-        """The ledger table (planned / allocated / peak per line)."""
-        return self.ledger.report()
+        """The ledger tables (planned / allocated / peak per line): every device, then the
+        host."""
+        tables = [lg.report() for lg in self.ledgers]
+        if self.host is not None:
+            tables.append(self.host.report())
+        return "\n".join(tables)
 
 
 def min_p_filter(x: torch.Tensor, min_p: float) -> torch.Tensor:
@@ -268,8 +321,16 @@ def sample(logits: torch.Tensor, s: SamplingParams, gen: torch.Generator | None 
     return int(torch.multinomial(torch.softmax(x, -1), 1, generator=gen))
 
 
-def _slot_bytes(host) -> int:
-    return max(host.blob_bytes(l) for l in host.blobs)
+def _slot_bytes(source: ExpertSource) -> int:
+    return max(source.elems[l] for l in source.experts) * source.dtype.itemsize
+
+
+def _expert_workspace(ledger: Ledger, geom) -> Workspace:
+    """The workspace of an expert-only device: its ``prefill`` line, with the fixed region
+    one dequantized expert matrix takes (:func:`moefit.memory.staging.expert_fixed_region_bytes`)."""
+    ws = Workspace(ledger.alloc("prefill", (ledger.lines["prefill"].planned,), torch.uint8), ledger)
+    ws.begin_chunk(expert_fixed_region_bytes(geom))
+    return ws
 
 
 def _commit_cuda_runtime(ledger: Ledger, device: Device, dtype: torch.dtype = torch.float32) -> None:
@@ -284,37 +345,109 @@ def _commit_cuda_runtime(ledger: Ledger, device: Device, dtype: torch.dtype = to
     ledger.charge("runtime", taken)
 
 
-def _commit_experts(ledger: Ledger, host, plan: Plan, say) -> dict[int, list[torch.Tensor]]:
-    """Allocate the plan's expert slots, capped at what is free above the margin."""
-    if not host.blobs:
-        return {}
+def _commit_experts(ledgers: list[Ledger], source: ExpertSource, plan: Plan, say):
+    """Allocate each device's expert slots (the plan's per layer), fewer where its free
+    memory above the margin is smaller than planned (the layers with the most slots give
+    first), then give back slots while less than the margin is free (the expert cache is
+    the last commit of every device). Returns ``({layer: [slot tensors]}, {layer: [device
+    index of each slot]})``, the main device's slots first."""
+    slots: dict[int, list[torch.Tensor]] = {l: [] for l in source.experts}
+    where: dict[int, list[int]] = {l: [] for l in source.experts}
+    for k, (lg, dp) in enumerate(zip(ledgers, plan.devices)):
+        want = dict(dp.experts_per_layer)
+        size = {l: source.elems[l] * source.dtype.itemsize for l in source.experts}
+        room = lg.free_bytes() - lg.margin
+        planned = sum(n * size[l] for l, n in want.items())
+        cut = 0
+        while want and sum(n * size[l] for l, n in want.items()) > max(room, 0):
+            l = max(want, key=lambda i: (want[i], -i))
+            if want[l] == 0:
+                break
+            want[l] -= 1
+            cut += 1
+        if cut:
+            say(f"expert cache: the plan's {sum(want.values()) + cut} expert slots on "
+                f"{dp.device.label} do not fit above the margin ({format_bytes(room)} free, "
+                f"{format_bytes(planned)} planned); committing {sum(want.values())}")
+        mine = {l: [lg.alloc("experts", (source.elems[l],), source.dtype) for _ in range(want.get(l, 0))]
+                for l in source.experts}
+        freed = 0
+        while lg.free_bytes() < lg.margin:
+            l = max(mine, key=lambda i: len(mine[i]))
+            if not mine[l]:
+                break
+            lg.release("experts", mine[l].pop())
+            freed += 1
+        if freed:
+            say(f"expert cache: {freed} expert slot(s) given back on {dp.device.label}, less than "
+                f"the margin of {format_bytes(lg.margin)} was free")
+        for l, ts in mine.items():
+            slots[l] += ts
+            where[l] += [k] * len(ts)
+    return slots, where
 
-    room = ledger.free_bytes() - ledger.margin
-    want = dict(plan.experts_per_layer)
-    total = sum(want.values())
-    can = most_slots(plan.geometry, room, 0, total) if room > 0 else 0
-    if total > can:
-        say(f"expert cache: the plan's {total} expert slots do not fit above the margin "
-            f"({format_bytes(room)} free); committing {can}")
-        want = dict(spread_slots(plan.geometry, can))
-    slots: dict[int, list[torch.Tensor]] = {}
-    for layer in host.blobs:
-        n = want.get(layer, 0)
-        slots[layer] = [ledger.alloc("experts", (host.blob_elems(layer),), host.blobs[layer].dtype)
-                        for _ in range(n)]
-    return slots
+
+def _fill_experts(source: ExpertSource, host: HostLedger, slots, where, req, arena, profile,
+                  spaces, pieces) -> ExpertCache:
+    """Read every expert once: the resident ones (a layer's most used by the routing
+    profile, else its first) into their slots, the others into host rows (every expert with
+    ``--miss-policy copy``, whose cache swaps them; none with ``--host-experts mmap``, whose
+    misses are gathered from the file's pages)."""
+    he = source.host_experts()
+    mapped = req.host_experts == "mmap"
+    resident: dict[int, list[int]] = {}
+    for layer, count in source.experts.items():
+        chosen = initial_residents(count, len(slots[layer]), (profile or {}).get(layer))
+        resident[layer] = chosen
+        held = [] if mapped else [e for e in range(count)
+                                  if req.miss_policy == "copy" or e not in set(chosen)]
+        rows = host.alloc("host_experts", (len(held), source.elems[layer]), source.dtype)
+        he.blobs[layer] = rows
+        he.rows[layer] = {e: r for r, e in enumerate(held)}
+        targets = {e: rows[r] for r, e in enumerate(held)}
+        for s_, e in enumerate(chosen):
+            if e in targets:           # copy policy: resident and on the host
+                continue
+            targets[e] = slots[layer][s_]
+        source.read(layer, targets)
+        for s_, e in enumerate(chosen):
+            if e in he.rows[layer]:
+                slots[layer][s_].copy_(he.blobs[layer][he.rows[layer][e]])
+    if mapped:
+        he.mapped, he.source = True, source
+    return ExpertCache(he, slots, arena, req.miss_policy, profile, resident=resident,
+                       slot_device=where, workspaces=spaces, pieces=pieces)
+
+
+def _commit_host_buffers(host: HostLedger, weights, experts: ExpertCache | None, plan: Plan,
+                         dtype: torch.dtype) -> None:
+    """The host buffers serving uses, on ``host_staging``: the rows a GGUF token embedding
+    kept on the host is looked up into (and their dequantized values on CUDA), the buffer a
+    mapped expert is gathered into."""
+    chunk = plan.prefill_selected
+    emb = weights.embed
+    if hasattr(emb, "lookup"):
+        emb.rows = host.alloc("host_staging", (chunk, emb.raw.shape[1]), torch.uint8)
+        if plan.devices[0].device.kind == "cuda":
+            emb.tmp = host.alloc("host_staging", (chunk, emb.hidden), dtype)
+    if experts is not None and experts.host.mapped:
+        he = experts.host
+        experts.host.gather_buf = host.alloc("host_staging", (max(he.elems.values()),), he.dtype)
 
 
 def _shrink_to_margin(ledger: Ledger, experts: ExpertCache, say) -> None:
-    """After the last commit: while less than the margin is free, give back expert slots
-    (largest layers first), and say how many."""
+    """After the last commit: while less than the margin is free on ``ledger``'s device,
+    give back expert slots there (layers with the most slots on it first; each expert given
+    up keeps a host copy), and say how many."""
+    k = ledger.index or 0
     freed = 0
     while ledger.free_bytes() < ledger.margin:
-        layer = max(experts.slots, key=lambda l: experts.num_slots(l), default=None)
-        if layer is None or experts.num_slots(layer) == 0:
+        layer = max(experts.slots, key=lambda l: experts.slots_on(l, k), default=None)
+        if layer is None or experts.slots_on(layer, k) == 0:
             break
-        ledger.release("experts", experts.release_slot(layer))
+        ledger.release("experts", experts.release_slot(layer, k))
         freed += 1
     if freed:
-        say(f"expert cache: {freed} expert slot(s) given back after commit, less than the margin "
-            f"of {format_bytes(ledger.margin)} was free")
+        where = f" on {ledger.label}" if ledger.named else ""
+        say(f"expert cache: {freed} expert slot(s) given back{where} after commit, less than the "
+            f"margin of {format_bytes(ledger.margin)} was free")

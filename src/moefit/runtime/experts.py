@@ -17,6 +17,12 @@ A routed expert that is resident is a *hit* and runs on the device from its slot
 Hits and misses are counted per layer, once per expert per forward call (an expert that
 serves several tokens of a chunk is one load).
 
+Several devices (docs/design.md, several devices): a layer's slots may lie on several
+devices (``slot_device``). An expert in a slot of another device than the main one runs
+there: its tokens are copied into that device's workspace (``workspaces[k]``, the
+device's ``prefill`` line), in pieces of at most ``pieces[k]`` tokens, and the result is
+copied back into ``out``.
+
 The expert MLP is SwiGLU: ``down(silu(gate(x)) * up(x))`` (transformers
 ``Qwen3MoeExperts.forward``: ``gate, up = linear(x, gate_up_proj[e]).chunk(2)``). Blobs in a
 stored format (``host.formats``: GGUF quant types) run through
@@ -81,7 +87,15 @@ class ExpertCache:
 
     def __init__(self, host: HostExperts, slots: dict[int, list[torch.Tensor]],
                  arena: list[torch.Tensor], miss_policy: str = "cpu",
-                 profile: dict[int, dict[int, int]] | None = None):
+                 profile: dict[int, dict[int, int]] | None = None, *,
+                 resident: dict[int, list[int]] | None = None,
+                 slot_device: dict[int, list[int]] | None = None,
+                 workspaces: list | None = None, pieces: list[int] | None = None):
+        """``resident``: the expert in each slot of each layer when the engine has filled
+        the slots itself (else they are filled here from the host blobs, by the profile).
+        ``slot_device``: the device index of each slot (all 0 without it); ``workspaces``
+        and ``pieces``: per device index, its workspace and the most tokens an expert
+        runs on there at once (index 0, the main device, uses ``ws``)."""
         if miss_policy not in ("cpu", "copy"):
             raise InputError(f"--miss-policy {miss_policy!r}: use cpu or copy")
         if miss_policy == "copy" and not arena:
@@ -89,32 +103,44 @@ class ExpertCache:
         self.host, self.slots, self.arena, self.miss_policy = host, slots, arena, miss_policy
         self.arena_next = 0
         self.ws = None   # staging workspace for dequantizing stored experts on the device
-        self.stats = {l: LayerStats() for l in host.blobs}
+        self.slot_device = slot_device or {l: [0] * len(t) for l, t in slots.items()}
+        self.workspaces = workspaces or [None]
+        self.pieces = pieces or [0]
+        self.stats = {l: LayerStats() for l in host.experts}
         # layer -> OrderedDict(expert -> slot index), least recently used first
         self.resident: dict[int, OrderedDict[int, int]] = {}
-        for layer, blobs in host.blobs.items():
+        for layer, count in host.experts.items():
             n = len(slots.get(layer, []))
-            chosen = initial_residents(blobs.shape[0], n, (profile or {}).get(layer))
-            self.resident[layer] = OrderedDict()
-            for s, e in enumerate(chosen):
-                slots[layer][s].copy_(blobs[e])
-                self.resident[layer][e] = s
+            if resident is not None:
+                chosen = resident.get(layer, [])
+            else:
+                chosen = initial_residents(count, n, (profile or {}).get(layer))
+                for s, e in enumerate(chosen):
+                    slots[layer][s].copy_(host.blob(layer, e))
+            self.resident[layer] = OrderedDict((e, s) for s, e in enumerate(chosen))
 
     def num_slots(self, layer: int) -> int:
         return len(self.slots.get(layer, []))
 
-    def release_slot(self, layer: int) -> torch.Tensor:
-        """Drop the layer's least recently used slot (to shrink the cache); returns it so
-        the engine can give it back to the ledger."""
-        res, tensors = self.resident[layer], self.slots[layer]
-        last = len(tensors) - 1
-        holder = {s: e for e, s in res.items()}.get(last)
-        if res:
-            s = res.pop(next(iter(res)))          # evict the LRU expert
-            if s != last and holder is not None:  # keep the last slot's expert: move it
-                tensors[s].copy_(tensors[last])
-                res[holder] = s
-        return tensors.pop()
+    def release_slot(self, layer: int, device: int = 0) -> torch.Tensor:
+        """Drop the layer's last slot on ``device`` (to shrink the cache); the expert it
+        held keeps a host copy (:meth:`HostExperts.keep`) unless the host has one. Returns
+        the slot so the engine can give it back to that device's ledger."""
+        res, tensors, where = self.resident[layer], self.slots[layer], self.slot_device[layer]
+        s = max(i for i, k in enumerate(where) if k == device)
+        holder = next((e for e, i in res.items() if i == s), None)
+        if holder is not None:
+            self.host.keep(layer, holder, tensors[s])
+            del res[holder]
+        for e, i in list(res.items()):
+            if i > s:
+                res[e] = i - 1
+        where.pop(s)
+        return tensors.pop(s)
+
+    def slots_on(self, layer: int, device: int = 0) -> int:
+        """Slots of ``layer`` on device ``device``."""
+        return sum(1 for k in self.slot_device.get(layer, []) if k == device)
 
     def run(self, layer: int, expert: int, x: torch.Tensor, scratch: torch.Tensor | None = None,
             out: torch.Tensor | None = None) -> torch.Tensor:
@@ -128,9 +154,13 @@ class ExpertCache:
         if expert in res:
             st.hits += 1
             res.move_to_end(expert)
-            return self._apply(layer, x, self.slots[layer][res[expert]], self.ws, scratch, out)
+            s = res[expert]
+            k = self.slot_device[layer][s]
+            if k:
+                return self._run_on(k, layer, x, self.slots[layer][s], out)
+            return self._apply(layer, x, self.slots[layer][s], self.ws, scratch, out)
         st.misses += 1
-        blob = self.host.blobs[layer][expert]
+        blob = self.host.blob(layer, expert)
         if self.miss_policy == "cpu":
             if blob.device == x.device:    # a simulated device: host and device are one
                 return self._apply(layer, x, blob, self.ws, scratch, out)
@@ -145,6 +175,24 @@ class ExpertCache:
             self.slots[layer][s][:blob.numel()].copy_(buf)
             res[expert] = s
         return y
+
+    def _run_on(self, k: int, layer: int, x: torch.Tensor, slot: torch.Tensor,
+                out: torch.Tensor | None) -> torch.Tensor:
+        """The expert in ``slot`` of device ``k`` on ``x`` ``[n, H]``: the rows go to that
+        device's workspace in pieces of at most ``pieces[k]`` tokens, the result comes back
+        into ``out`` (allocated like ``x`` when not given)."""
+        ws, piece = self.workspaces[k], self.pieces[k] or x.shape[0]
+        out = torch.empty_like(x) if out is None else out
+        n, h = x.shape
+        wide = 2 * self.host.inter[layer]
+        for a in range(0, n, piece):
+            m = min(piece, n - a)
+            with ws.scope():
+                xk = ws.take((m, h), x.dtype).copy_(x[a:a + m])
+                gu = ws.take((m * wide,), x.dtype)
+                yk = ws.take((m, h), x.dtype)
+                out[a:a + m].copy_(self._apply(layer, xk, slot, ws, gu, yk))
+        return out
 
     def _apply(self, layer: int, x: torch.Tensor, blob: torch.Tensor, ws, scratch=None,
                out=None) -> torch.Tensor:

@@ -19,9 +19,15 @@ expert blobs once (not the file and a copy).
   read back as ``w`` (:data:`OFFSET_NORM_SLOTS`).
 - Experts: per MoE layer, ``ffn_{gate,up,down}_exps`` (``[E, I, H]``, ``[E, I, H]``,
   ``[E, H, I]``; or ``ffn_gate_up_exps`` ``[E, 2I, H]``) become one uint8 blob per expert,
-  ``[gate | up | down]`` bytes in the file's types (:class:`~moefit.runtime.quant.StoredExpert`);
-  gpt-oss's with their ``ffn_*_exps.bias`` first
-  (:class:`~moefit.runtime.gpt_oss_experts.BiasedExpert`).
+  ``[gate | up | down]`` bytes in the file's types (:class:`~moefit.runtime.quant.StoredExpert`;
+  gpt-oss's with their ``ffn_*_exps.bias`` first,
+  :class:`~moefit.runtime.gpt_oss_experts.BiasedExpert`), read by the engine from the
+  returned :class:`GGUFExperts` once it knows where each expert lives. With
+  ``--host-experts mmap`` the file stays mapped and a non-resident expert's parts are
+  gathered from its pages each time it runs.
+- The token embedding of a file with its own output matrix stays on the host as stored
+  when the plan says so (:class:`HostEmbedding`; llama.cpp does the same): a token's row is
+  dequantized when it is looked up.
 
 Errors (:class:`~moefit.errors.InputError`): a missing tensor, a tensor whose dims differ
 from the metadata's, a ggml type without a kernel (each named with the file), an
@@ -30,6 +36,8 @@ architecture the runtime does not run.
 
 from __future__ import annotations
 
+import contextlib
+import math
 import warnings
 from pathlib import Path
 
@@ -39,11 +47,12 @@ from moefit.errors import InputError
 from moefit.ingest.families import registry
 from moefit.ingest.families.qwen_hybrid import V_TILED_ARCHS
 from moefit.ingest.geometry import LayerSpec, ModelGeometry
-from moefit.ingest.gguf_header import GGUFHeader, GGUFTensor, close_reader, config_from_gguf, open_reader, read_header
+from moefit.ingest.gguf_header import (GGUFHeader, GGUFTensor, close_reader, config_from_gguf, open_reader,
+                                      packed_staging_bytes, read_header)
 from moefit.runtime.arch import Arch
 from moefit.runtime.gpt_oss_experts import BiasedExpert
 from moefit.runtime.hybrid_layout import Packed, gated_q, gguf_linear_attention_entries, sources
-from moefit.runtime.loader import HostExperts, Weights, assemble_weights, progress_bar
+from moefit.runtime.loader import ExpertSource, Weights, assemble_weights, progress_bar
 from moefit.runtime import qmatmul
 from moefit.runtime.quant import StoredExpert, StoredMatrix, dequantize, kernel_for
 
@@ -204,24 +213,107 @@ def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
+class HostEmbedding:
+    """A token embedding table ``[V, H]`` kept on the host in its stored ggml type.
+
+    ``raw``: uint8 ``[V, row bytes]`` (the host ledger's ``host_weights`` line). A lookup
+    gathers the rows of the ids into ``rows`` (uint8 ``[chunk, row bytes]``, the host's
+    staging) and dequantizes them into the output (:func:`moefit.runtime.quant.dequantize`,
+    bit for bit what dequantizing the whole table would give), through ``tmp`` (``[chunk,
+    H]`` of the compute dtype on the host) when the output is on a GPU."""
+
+    def __init__(self, raw: torch.Tensor, qtype: str, hidden: int):
+        self.raw, self.qtype, self.hidden = raw, qtype, hidden
+        self.rows: torch.Tensor | None = None
+        self.tmp: torch.Tensor | None = None
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.raw.shape[0], self.hidden)
+
+    def lookup(self, ids: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """``out[t] = table[ids[t]]``: ``ids`` int64 ``[T]``, ``out`` ``[T, H]``."""
+        t = ids.numel()
+        host_ids = ids if ids.device.type == "cpu" else ids.to("cpu")
+        rows = (self.rows[:t] if self.rows is not None and self.rows.shape[0] >= t
+                else torch.empty((t, self.raw.shape[1]), dtype=torch.uint8))
+        torch.index_select(self.raw, 0, host_ids, out=rows)
+        if out.device.type == "cpu":
+            return dequantize(rows.view(-1), self.qtype, (t, self.hidden), out=out)
+        tmp = (self.tmp[:t] if self.tmp is not None and self.tmp.shape[0] >= t
+               else torch.empty((t, self.hidden), dtype=out.dtype))
+        dequantize(rows.view(-1), self.qtype, (t, self.hidden), out=tmp)
+        return out.copy_(tmp)
+
+
+class GGUFExperts(ExpertSource):
+    """The experts of a GGUF file, read from its memory map (module docstring)."""
+
+    def __init__(self, ts: _Tensors, plans: dict, geom: ModelGeometry, bar, mapped: bool):
+        self.ts, self.plans, self.bar, self.mapped = ts, plans, bar, mapped
+        self.hidden, self.dtype = geom.hidden_size, torch.uint8
+        self.experts = {l.index: l.moe.num_experts for l in geom.moe_layers}
+        self.inter = {l.index: l.moe.expert_intermediate for l in geom.moe_layers}
+        self.formats = {l: fmt for l, (_, fmt) in plans.items()}
+        self.elems = {l: fmt.nbytes for l, fmt in self.formats.items()}
+
+    def read(self, layer: int, targets: dict[int, torch.Tensor]) -> None:
+        """Copy each expert ``e`` of ``targets`` (``{e: uint8 blob}``) from the map: its
+        gate, up and down bytes back to back."""
+        parts, fmt = self.plans[layer]
+        e_count = self.experts[layer]
+        off = 0
+        for name in parts:
+            src = self.ts.raw(name).view(e_count, -1)                          # [E, bytes/E]
+            n = src.shape[1]
+            for e, dst in targets.items():
+                dst[off:off + n].copy_(src[e])
+            off += n
+            if not self.bar_done:
+                self.bar.update(n * len(targets))
+        assert off == fmt.nbytes, (off, fmt)
+
+    bar_done = False
+
+    def close(self) -> None:
+        """End the load: the progress bar, and the file's maps unless the experts run
+        from them (``mapped``; :meth:`release` closes them then)."""
+        self.bar.close()
+        self.bar_done = True
+        if not self.mapped:
+            self.ts.close()
+
+    def release(self) -> None:
+        self.ts.close()
+
+
 def load_gguf(path: str | Path, geom: ModelGeometry, arch: Arch, alloc, *, pin: bool = False,
-              progress: bool = True) -> tuple[Weights, HostExperts]:
+              progress: bool = True, host_alloc=None, mapped: bool = False,
+              transient=None) -> tuple[Weights, GGUFExperts]:
     """Read the GGUF model at ``path``: dense weights into tensors from ``alloc`` (compute
-    dtype ``arch.dtype``), experts into stored blobs. Every name, dims and type is checked
-    before any data is read. Raises InputError (see module docstring)."""
+    dtype ``arch.dtype``); the experts are read later from the returned
+    :class:`GGUFExperts`. Every name, dims and type is checked before any data is read.
+
+    ``host_alloc(shape, dtype)``: where the token embedding goes when it stays on the host
+    (the host ledger's ``host_weights`` line; None: on the device with the others).
+    ``mapped``: the experts run from the file's pages (the map stays open).
+    ``transient(nbytes)``: a context in which the loader holds ``nbytes`` on the host.
+    Raises InputError (see module docstring)."""
     h = read_header(path)
     if h.arch not in registry.runtime_gguf_archs():
         raise InputError(f"{h.paths[0]}: GGUF architecture {h.arch!r}: the runtime runs "
                          f"{', '.join(registry.runtime_gguf_archs())} (`moefit plan` plans it)")
     ts = _Tensors(h)
     try:
-        return _load(h, ts, geom, arch, alloc, pin, progress)
-    finally:
+        return _load(h, ts, geom, arch, alloc, progress, host_alloc, mapped, transient)
+    except BaseException:
         ts.close()
+        raise
 
 
-def _load(h, ts: _Tensors, geom, arch, alloc, pin, progress):
+def _load(h, ts: _Tensors, geom, arch, alloc, progress, host_alloc, mapped, transient):
     hidden, dtype = geom.hidden_size, arch.dtype
+    transient = transient or (lambda n: contextlib.nullcontext())
     g = arch.names.globals
     norm = (g["norm"][1] if not arch.norm_offset
             else _minus(g["norm"][1], (hidden,), arch.norm_offset))
@@ -249,17 +341,29 @@ def _load(h, ts: _Tensors, geom, arch, alloc, pin, progress):
 
     def resident(name, shape: tuple) -> torch.Tensor:
         if isinstance(name, Packed):     # read in fp32, rebuilt, then cast once
-            parts = []
-            for part, part_shape in name.parts:
-                t = h.tensors[part]
-                parts.append(dequantize(ts.raw(part), t.ggml_type, part_shape))
-                bar.update(t.nbytes)
-            return alloc(shape, dtype).copy_(name.build(parts).reshape(shape))
+            with transient(packed_staging_bytes(sum(math.prod(s) for _, s in name.parts))):
+                parts = []
+                for part, part_shape in name.parts:
+                    t = h.tensors[part]
+                    parts.append(dequantize(ts.raw(part), t.ggml_type, part_shape))
+                    bar.update(t.nbytes)
+                return alloc(shape, dtype).copy_(name.build(parts).reshape(shape))
         t = h.tensors[name]
         raw = ts.raw(name)
+        if name == embed and host_alloc is not None:
+            # kept on the host as stored: a lookup dequantizes the rows it reads
+            table = host_alloc((shape[0], t.nbytes // shape[0]), torch.uint8)
+            table.view(-1).copy_(raw)
+            bar.update(t.nbytes)
+            return HostEmbedding(table, t.ggml_type, shape[1])
         if permute and name in qk:
             # whole quantized rows move: un-permute the bytes on the host, then dequantize
-            raw = _unpermute(raw.view(shape[0], -1), qk[name]).reshape(-1)
+            with transient(t.nbytes):
+                raw = _unpermute(raw.view(shape[0], -1), qk[name]).reshape(-1)
+                return _fill(name, t, raw, shape)
+        return _fill(name, t, raw, shape)
+
+    def _fill(name, t, raw, shape):
         dst = alloc(shape, dtype)
         if (name != embed and len(shape) == 2 and dst.device.type == "cpu" and qmatmul.available()
                 and StoredMatrix.fits(t.ggml_type, shape[0], shape[1], dtype)):
@@ -273,23 +377,4 @@ def _load(h, ts: _Tensors, geom, arch, alloc, pin, progress):
         return dst
 
     weights = assemble_weights(glob, layer_plans, resident)
-
-    experts = HostExperts(hidden, torch.uint8)
-    for l in geom.moe_layers:
-        parts, fmt = expert_plans[l.index]
-        e = l.moe.num_experts
-        blobs = torch.empty((e, fmt.nbytes), dtype=torch.uint8, pin_memory=pin)   # [E, bytes]
-        off = 0
-        for name in parts:
-            src = ts.raw(name).view(e, -1)                                          # [E, bytes/E]
-            blobs[:, off:off + src.shape[1]].copy_(src)
-            off += src.shape[1]
-            bar.update(h.tensors[name].nbytes)
-        assert off == fmt.nbytes, (off, fmt)
-        experts.blobs[l.index] = blobs
-        experts.inter[l.index] = l.moe.expert_intermediate
-        experts.formats[l.index] = fmt
-    bar.close()
-    return weights, experts
-
-
+    return weights, GGUFExperts(ts, expert_plans, geom, bar, mapped)

@@ -189,32 +189,35 @@ def hf_expert_names(prefix: str, mxfp4: bool) -> dict[str, str]:
     return {role: prefix + name for role, name in roles.items()}
 
 
-def hf_blobs(get, names: dict[str, str], e: int, i: int, h: int, dtype: torch.dtype,
-             alpha: float, limit: float, pin: bool = False) -> tuple[torch.Tensor, BiasedExpert]:
-    """The blobs ``[E, nbytes]`` (uint8) and layout of one layer from the safetensors
-    tensors ``get(name)`` of :func:`hf_expert_names`: biases and float matrices in
-    ``dtype`` (the config's; the loader converts), mxfp4 matrices repacked as stored."""
-    mxfp4 = "gate_up_blocks" in names
-    wtype = "MXFP4" if mxfp4 else TYPE_OF[dtype]
-    fmt = BiasedExpert.pack(i, h, TYPE_OF[dtype], wtype, wtype, wtype, alpha, limit)
-    blobs = torch.empty((e, fmt.nbytes), dtype=torch.uint8, pin_memory=pin)
-    bias = blobs[:, :fmt.bias_bytes].view(dtype)                       # [E, 2I + H]
-    gub = get(names["gate_up_bias"])                                   # [E, 2I] interleaved
-    bias[:, :i].copy_(gub[:, 0::2])
-    bias[:, i:2 * i].copy_(gub[:, 1::2])
-    bias[:, 2 * i:].copy_(get(names["down_bias"]))
+def hf_layout(names: dict[str, str], i: int, h: int, dtype: torch.dtype, alpha: float,
+              limit: float) -> BiasedExpert:
+    """The blob layout of one layer's experts read from the safetensors tensors of
+    :func:`hf_expert_names`: biases and float matrices in ``dtype`` (the config's; the
+    loader converts), mxfp4 matrices as stored (MXFP4)."""
+    wtype = "MXFP4" if "gate_up_blocks" in names else TYPE_OF[dtype]
+    return BiasedExpert.pack(i, h, TYPE_OF[dtype], wtype, wtype, wtype, alpha, limit)
+
+
+def hf_expert_into(get, names: dict[str, str], fmt: BiasedExpert, dst: torch.Tensor) -> None:
+    """One expert's blob into ``dst`` (uint8 ``[fmt.nbytes]``, its device slot or host row)
+    from ``get(name)``: that expert's slice of the layer's tensor ``name`` (the leading
+    expert dim dropped: ``gate_up_proj`` ``[H, 2I]``, ``gate_up_proj_bias`` ``[2I]``, ...).
+    Biases and float matrices are converted to ``fmt.bias_type``; mxfp4 matrices are
+    repacked as stored (:func:`mxfp4_blocks`). The host bytes this holds at once:
+    :func:`moefit.ingest.families.gpt_oss.expert_read_bytes`."""
+    i, dtype = fmt.inter, FLOAT_TYPES[fmt.bias_type]
+    bias = dst[:fmt.bias_bytes].view(dtype)                            # [2I + H]
+    gub = get(names["gate_up_bias"])                                   # [2I] interleaved
+    bias[:i].copy_(gub[0::2])
+    bias[i:2 * i].copy_(gub[1::2])
+    bias[2 * i:].copy_(get(names["down_bias"]))
     parts = (fmt.gate, fmt.up, fmt.down)
-    if mxfp4:
-        gu = mxfp4_blocks(get(names["gate_up_blocks"]), get(names["gate_up_scales"]))   # [E, 2I, H/32*17]
-        dn = mxfp4_blocks(get(names["down_blocks"]), get(names["down_scales"]))          # [E, H, I/32*17]
-        mats = (gu[:, 0::2], gu[:, 1::2], dn)
-    else:
-        gu = get(names["gate_up"]).transpose(1, 2)                     # [E, 2I, H]
-        mats = (gu[:, 0::2], gu[:, 1::2], get(names["down"]).transpose(1, 2))
-    for p, m in zip(parts, mats):
-        dst = blobs[:, p.offset:p.offset + p.nbytes]
-        if mxfp4:
-            dst.copy_(m.reshape(e, -1))
-        else:
-            dst.view(dtype).view(e, p.rows, p.cols).copy_(m)
-    return blobs, fmt
+    if "gate_up_blocks" in names:
+        gu = mxfp4_blocks(get(names["gate_up_blocks"]), get(names["gate_up_scales"]))   # [2I, H/32*17]
+        dn = mxfp4_blocks(get(names["down_blocks"]), get(names["down_scales"]))          # [H, I/32*17]
+        for p, m in zip(parts, (gu[0::2], gu[1::2], dn)):
+            dst[p.offset:p.offset + p.nbytes].view(p.rows, -1).copy_(m)
+        return
+    gu = get(names["gate_up"]).t()                                     # [2I, H]
+    for p, m in zip(parts, (gu[0::2], gu[1::2], get(names["down"]).t())):
+        dst[p.offset:p.offset + p.nbytes].view(dtype).view(p.rows, p.cols).copy_(m)

@@ -18,8 +18,19 @@ Capacity:
    (plus what the caching allocator holds but does not use) at each allocation; a
    ``torch.OutOfMemoryError`` is turned into a :class:`BudgetError` as well.
 
+Several devices (docs/design.md, several devices): one ledger per device, each with its
+own capacity, labelled with the plan's device (``cuda:1``, ``cpu:1``).
+
+The host (docs/design.md, host budget): :class:`HostLedger` holds the host table's lines
+the same way: the expert blobs (pinned on CUDA), a GGUF token embedding, the runtime's
+host buffers and load transients (:meth:`HostLedger.transient`), the process itself
+(``host_runtime``, its resident memory when the commit starts) and, on simulated
+devices, the devices' own tensors (``host_devices``: every allocation of their ledgers
+counts there too, and must fit the host as well as the device).
+
 Fault injection: ``MOEFIT_FAIL_ALLOC=<line>`` (comma-separated for several) makes every
-allocation on that line fail, so the failure report can be tested without a full device.
+allocation on that line fail, so the failure report can be tested without a full device;
+``<line>@N`` only on device N of several; host lines by their keys (``host_experts``).
 The lines without tensors of their own fail where they are committed: ``runtime`` where
 it is charged (:meth:`Ledger.charge`, also on a simulated device), ``margin`` where it is
 kept free at READY (:meth:`Ledger.keep_free`). A key that is not a budget line is an
@@ -34,25 +45,38 @@ from dataclasses import dataclass, field
 
 import torch
 
+from contextlib import contextmanager
+from pathlib import Path
+
 from moefit.errors import InputError
-from moefit.plan.solver import LINE_ORDER, Plan
+from moefit.plan.solver import HOST_LINE_ORDER, LINE_ORDER, Plan
 from moefit.units import format_bytes, size_format
 
 LABELS = dict(LINE_ORDER)
+HOST_LABELS = dict(HOST_LINE_ORDER)
 FAIL_ENV = "MOEFIT_FAIL_ALLOC"
 
 
-def failing_lines(value: str | None = None) -> set[str]:
-    """The line keys of ``MOEFIT_FAIL_ALLOC`` (``value``, default: the environment).
+def failing_lines(value: str | None = None, device: int | None = None) -> set[str]:
+    """The line keys of ``MOEFIT_FAIL_ALLOC`` (``value``, default: the environment);
+    ``key@N`` entries only for ``device`` N (all of them when ``device`` is None, without
+    the suffix).
 
     Raises InputError for a key that is not a budget line, listing the valid keys."""
     raw = os.environ.get(FAIL_ENV, "") if value is None else value
-    keys = {s.strip() for s in raw.split(",") if s.strip()}
-    bad = sorted(keys - set(LABELS))
+    out, bad = set(), []
+    for entry in (e.strip() for e in raw.split(",")):
+        if not entry:
+            continue
+        key, _, where = entry.partition("@")
+        if key not in LABELS and key not in HOST_LABELS or (where and not where.isdigit()):
+            bad.append(entry)
+        elif not where or device is None or int(where) == device:
+            out.add(key)
     if bad:
         raise InputError(f"{FAIL_ENV}={raw}: unknown budget line {', '.join(map(repr, bad))}; "
-                         f"valid keys: {', '.join(LABELS)}")
-    return keys
+                         f"valid keys: {', '.join([*LABELS, *HOST_LABELS])} (key@N: device N only)")
+    return out
 
 
 class BudgetError(RuntimeError):
@@ -65,11 +89,14 @@ class BudgetError(RuntimeError):
         report: the ledger's table at the time of the failure, failing line marked.
     """
 
-    def __init__(self, line: str, requested: int, free: int, report: str, why: str = ""):
+    def __init__(self, line: str, requested: int, free: int, report: str, why: str = "",
+                 where: str = ""):
         self.line, self.requested, self.free, self.report = line, requested, free, report
-        label = LABELS.get(line, line)
+        self.where = where
+        label = LABELS.get(line) or HOST_LABELS.get(line, line)
         why = why or f"{format_bytes(requested)} requested, {format_bytes(free)} free"
-        super().__init__(f"allocation failed on budget line {label!r} ({line}): {why}\n{report}")
+        on = f" of {where}" if where else ""
+        super().__init__(f"allocation failed on budget line {label!r} ({line}){on}: {why}\n{report}")
 
 
 @dataclass
@@ -104,27 +131,42 @@ class Ledger:
     Errors: :meth:`alloc` raises :class:`BudgetError`.
     """
 
-    def __init__(self, device: torch.device, capacity: int, planned: dict[str, int],
-                 margin: int = 0):
+    order = LINE_ORDER
+    title = "VRAM ledger"
+
+    def __init__(self, device: torch.device, capacity: int | None, planned: dict[str, int],
+                 margin: int = 0, *, label: str | None = None, index: int | None = None,
+                 host: "HostLedger | None" = None):
         self.device = torch.device(device)
-        self.capacity = int(capacity)
+        self.capacity = None if capacity is None else int(capacity)
         self.margin = int(margin)
-        self.lines: dict[str, LineUse] = {k: LineUse(k, planned.get(k, 0)) for k, _ in LINE_ORDER}
-        self.failing = failing_lines()
+        self.named = label is not None   # one of several devices: failures name it
+        self.label = label or str(self.device)
+        self.index = index           # this device's place (fault injection: key@N)
+        self.host = host             # a simulated device's tensors are host memory too
+        self.labels = dict(self.order)
+        self.lines: dict[str, LineUse] = {k: LineUse(k, planned.get(k, 0)) for k, _ in self.order}
+        self.shown = set(planned)    # the lines of this device's table (an expert-only device: four)
+        self.failing = failing_lines(device=index) & set(self.labels)
 
     @classmethod
     def for_plan(cls, plan: Plan, device: torch.device | str | None = None,
-                 free_bytes: int | None = None) -> "Ledger":
-        """The ledger of the plan's (first) device. ``device`` defaults to ``cpu`` for a
-        simulated CPU device and ``cuda:N`` for a CUDA one; ``free_bytes`` (default: the
-        plan's) is the capacity the ledger enforces."""
-        dplan = plan.devices[0]
+                 free_bytes: int | None = None, index: int = 0,
+                 host: "HostLedger | None" = None) -> "Ledger":
+        """The ledger of the plan's device ``index`` (the main one by default). ``device``
+        defaults to ``cpu`` for a simulated CPU device and ``cuda:N`` for a CUDA one;
+        ``free_bytes`` (default: the plan's) is the capacity the ledger enforces; ``host``:
+        the host ledger a simulated device's tensors are counted in as well."""
+        dplan = plan.devices[index]
         dev = dplan.device
         if device is None:
             device = "cpu" if dev.kind == "cpu" else dev.label
         planned = {l.key: l.bytes for l in dplan.lines}
         capacity = dev.free_bytes if free_bytes is None else free_bytes
-        return cls(torch.device(device), capacity, planned, planned.get("margin", 0))
+        several = len(plan.devices) > 1
+        return cls(torch.device(device), capacity, planned, planned.get("margin", 0),
+                   label=dev.label if several else None, index=index,
+                   host=host if dev.kind == "cpu" else None)
 
     # ---- accounting -------------------------------------------------------------------
     @property
@@ -135,7 +177,7 @@ class Ledger:
     def free_bytes(self) -> int:
         """Bytes the device has left for us: capacity - allocated; on CUDA also capped by
         the real free memory (``cudaMemGetInfo`` + cached-but-unused allocator blocks)."""
-        free = self.capacity - self.allocated
+        free = (1 << 62 if self.capacity is None else self.capacity) - self.allocated
         if self.device.type == "cuda":
             real, _ = torch.cuda.mem_get_info(self.device)
             cached = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
@@ -163,22 +205,34 @@ class Ledger:
         self._injected(line, nbytes)
         free = self.free_bytes()
         if nbytes > free:
-            raise BudgetError(line, nbytes, free, self.report(failing=line))
+            raise BudgetError(line, nbytes, free, self.report(failing=line), where=self._where())
+        if self.host is not None:
+            self.host.hold_device(line, nbytes, self)
         try:
-            t = (torch.zeros if zero else torch.empty)(shape, dtype=dtype, device=self.device)
+            t = self._new(shape, dtype, zero)
         except torch.OutOfMemoryError as e:
+            if self.host is not None:
+                self.host.hold_device(line, -nbytes, self)
             raise BudgetError(line, nbytes, self.free_bytes(), self.report(failing=line),
-                              f"CUDA out of memory: {e}") from None
+                              f"CUDA out of memory: {e}", where=self._where()) from None
         use.tensors[id(t)] = nbytes
         use.allocated += nbytes
         use.peak = max(use.peak, use.allocated)
         return t
 
+    def _new(self, shape: tuple[int, ...], dtype: torch.dtype, zero: bool) -> torch.Tensor:
+        return (torch.zeros if zero else torch.empty)(shape, dtype=dtype, device=self.device)
+
+    def _where(self) -> str:
+        """The device a failure names when there are several (``cpu:1``), else empty."""
+        return self.label if self.named else ""
+
     def _injected(self, line: str, nbytes: int) -> None:
         """BudgetError when ``line`` is in ``MOEFIT_FAIL_ALLOC`` (fault injection)."""
         if line in self.failing:
             raise BudgetError(line, nbytes, self.free_bytes(), self.report(failing=line),
-                              f"refused by {FAIL_ENV}={os.environ.get(FAIL_ENV)}")
+                              f"refused by {FAIL_ENV}={os.environ.get(FAIL_ENV)}",
+                              where=self._where())
 
     def charge(self, line: str, nbytes: int) -> None:
         """Record ``nbytes`` held on ``line`` outside any tensor of ours (the CUDA context
@@ -204,7 +258,10 @@ class Ledger:
     def release(self, line: str, t: torch.Tensor) -> None:
         """Give back a tensor of ``line`` (the caller drops its references)."""
         use = self.lines[line]
-        use.allocated -= use.tensors.pop(id(t))
+        nbytes = use.tensors.pop(id(t))
+        use.allocated -= nbytes
+        if self.host is not None:
+            self.host.hold_device(line, -nbytes, self)
 
     def note_used(self, line: str, nbytes: int) -> None:
         """Record that ``nbytes`` of a line's buffer were in use at once (workspace peak)."""
@@ -214,20 +271,27 @@ class Ledger:
     # ---- report -----------------------------------------------------------------------
     def rows(self) -> list[dict]:
         """One dict per line in commit order: key, label, planned, allocated, peak, used."""
-        return [{"key": u.key, "label": LABELS[u.key], "planned": u.planned,
+        return [{"key": u.key, "label": self.labels[u.key], "planned": u.planned,
                  "allocated": u.allocated, "peak": u.peak, "used_peak": u.used_peak}
                 for u in self.lines.values()]
+
+    def _head(self, format_gib) -> str:
+        if self.capacity is None:
+            return f"{self.title}  {self.label}  not checked, {format_gib(self.allocated)} held"
+        return (f"{self.title}  {self.label}  capacity {format_gib(self.capacity)}, "
+                f"free {format_gib(self.free_bytes())}")
 
     def report(self, failing: str | None = None) -> str:
         """The budget table: planned / allocated / peak per line; ``failing`` is marked.
         Sizes in GiB, or in the largest fitting unit on a device below 1 GiB."""
-        format_gib = size_format(self.capacity)
-        out = [f"VRAM ledger  {self.device}  capacity {format_gib(self.capacity)}, "
-               f"free {format_gib(self.free_bytes())}",
+        format_gib = size_format(self.capacity or max(self.allocated, 1 << 30))
+        out = [self._head(format_gib),
                f"  {'line':<18} {'planned':>10} {'allocated':>10} {'peak':>10}"]
         for r in self.rows():
+            if self.named and r["key"] not in self.shown and not r["allocated"]:
+                continue
             mark = "   <-- allocation failed here" if r["key"] == failing else ""
-            if r["key"] == "margin":
+            if r["key"] in ("margin", "host_margin"):
                 out.append(f"  {r['label']:<18} {format_gib(r['planned']):>10} {'(kept free)':>10}{mark}")
                 continue
             extra = ""
@@ -236,3 +300,80 @@ class Ledger:
             out.append(f"  {r['label']:<18} {format_gib(r['planned']):>10} "
                        f"{format_gib(r['allocated']):>10} {format_gib(r['peak']):>10}{extra}{mark}")
         return "\n".join(out)
+
+
+def resident_bytes() -> int:
+    """This process's resident memory (``VmRSS`` of ``/proc/self/status``), in bytes; 0
+    where it cannot be read."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
+class HostLedger(Ledger):
+    """Host bytes by the host table's lines (docs/design.md, host budget).
+
+    The capacity is the plan's free host bytes (None: the host was not checked; the
+    ledger then records without refusing). Tensors are host memory, pinned with
+    ``pin=True`` (:meth:`alloc`); ``host_devices`` is held by the simulated devices'
+    ledgers (:meth:`hold_device`); load transients are charged while they live
+    (:meth:`transient`).
+    """
+
+    order = HOST_LINE_ORDER
+    title = "host ledger"
+
+    def __init__(self, capacity: int | None, planned: dict[str, int], margin: int = 0,
+                 pin: bool = False):
+        super().__init__(torch.device("cpu"), capacity, planned, margin, label="host")
+        self.named = False
+        self.pin = pin
+
+    @classmethod
+    def for_host_plan(cls, plan: Plan, pin: bool | None = None) -> "HostLedger":
+        """The ledger of ``plan``'s host table; pins when the main device is CUDA."""
+        hp = plan.host
+        planned = {l.key: l.bytes for l in hp.lines} if hp is not None else {}
+        free = hp.host.free_bytes if hp is not None and hp.host is not None else None
+        if pin is None:
+            pin = plan.devices[0].device.kind == "cuda"
+        return cls(free, planned, planned.get("host_margin", 0), pin)
+
+    def _new(self, shape: tuple[int, ...], dtype: torch.dtype, zero: bool) -> torch.Tensor:
+        t = torch.empty(shape, dtype=dtype, pin_memory=self.pin)
+        return t.zero_() if zero else t
+
+    def hold_device(self, line: str, nbytes: int, device: Ledger) -> None:
+        """Count ``nbytes`` (negative: given back) of a simulated device's line on
+        ``host_devices``; refuses with BudgetError on that device's line when the host
+        cannot hold them."""
+        use = self.lines["host_devices"]
+        if nbytes > 0:
+            self._injected("host_devices", nbytes)
+            free = self.free_bytes()
+            if nbytes > free:
+                raise BudgetError(line, nbytes, free, self.report(failing="host_devices"),
+                                  f"the host has {format_bytes(free)} left for the simulated "
+                                  f"device's {format_bytes(nbytes)}", where=device.label)
+        use.allocated += nbytes
+        use.peak = max(use.peak, use.allocated)
+
+    @contextmanager
+    def transient(self, line: str, nbytes: int):
+        """Charge ``nbytes`` to ``line`` while the block runs (a tensor the loader reads
+        before copying it where it lives). Raises BudgetError when the host cannot hold it."""
+        self._injected(line, nbytes)
+        free = self.free_bytes()
+        if nbytes > free:
+            raise BudgetError(line, nbytes, free, self.report(failing=line))
+        use = self.lines[line]
+        use.allocated += nbytes
+        use.peak = max(use.peak, use.allocated)
+        try:
+            yield
+        finally:
+            use.allocated -= nbytes

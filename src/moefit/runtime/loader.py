@@ -16,10 +16,16 @@ Routed experts come in two layouts, both accepted:
    ``MixtralExperts``, ...): ``{p}.mlp.experts.gate_up_proj`` ``[E, 2I, H]`` (gate rows
    first, then up) and ``{p}.mlp.experts.down_proj`` ``[E, H, I]``.
 
-Every expert becomes ONE contiguous host blob (docs/design.md, runtime contract; mixtral-offloading's packed
+Every expert becomes ONE contiguous blob (docs/design.md, runtime contract; mixtral-offloading's packed
 expert storage): ``[gate (I*H) | up (I*H) | down (H*I)]`` in the model dtype, so gate and
 up together are the ``[2I, H]`` matrix of the fused layout and a cache miss is one copy.
-Blobs are pinned when the device is CUDA (asynchronous host-to-device copies).
+The loader reads the dense weights at once and returns an :class:`ExpertSource`; the
+engine reads the experts from it once it knows where each one lives (docs/design.md,
+host budget): a resident expert straight into its device slot, the others into host rows
+(pinned when the device is CUDA: asynchronous host-to-device copies), so the host never
+holds a resident expert. gpt-oss's fused experts (with biases; bf16 or mxfp4 kept as
+stored) are read one expert's slice at a time into a uint8 blob of their own layout
+(:mod:`moefit.runtime.gpt_oss_experts`).
 
 Errors (:class:`~moefit.errors.InputError`): a missing tensor (named, with the file the
 index points to or the files searched), a tensor of the wrong shape (named, with its file,
@@ -32,6 +38,7 @@ few projections are regrouped at load (:mod:`moefit.runtime.hybrid_layout`).
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,6 +48,7 @@ import torch
 
 from moefit.ingest.checkpoint import checkpoint_files, read_header
 from moefit.errors import InputError
+from moefit.ingest.families import gpt_oss
 from moefit.ingest.geometry import LayerSpec, ModelGeometry
 from moefit.runtime import gpt_oss_experts
 from moefit.runtime.arch import Arch
@@ -101,12 +109,16 @@ class Weights:
 
 @dataclass
 class HostExperts:
-    """Packed expert blobs in host memory, per MoE layer.
+    """Packed expert blobs in host memory, per MoE layer: the experts that are not
+    resident on a device (every expert with ``--miss-policy copy``).
 
-    ``blobs[layer]``: ``[E, 3 * I * H]`` in the model dtype, one row per expert;
-    ``inter[layer]``: the expert width I; ``hidden``: H.
-    ``formats[layer]``: for experts kept in a stored (quantized) format, the blob layout
-    (:class:`moefit.runtime.quant.StoredExpert`); their blobs are uint8 ``[E, bytes]``.
+    ``blobs[layer]``: ``[rows, 3 * I * H]`` in the model dtype, one row per expert held
+    (``rows[layer]``: expert -> row); ``experts[layer]``: the layer's expert count E;
+    ``elems[layer]``: elements of one blob; ``inter[layer]``: the expert width I;
+    ``hidden``: H. ``formats[layer]``: for experts kept in a stored (quantized) format, the
+    blob layout (:class:`moefit.runtime.quant.StoredExpert`); their blobs are uint8.
+    ``mapped``: the experts without a row are read from the file's pages when they run
+    (``--host-experts mmap``), gathered into ``gather_buf`` by ``source``.
     """
 
     hidden: int
@@ -114,12 +126,48 @@ class HostExperts:
     blobs: dict[int, torch.Tensor] = field(default_factory=dict)
     inter: dict[int, int] = field(default_factory=dict)
     formats: dict[int, object] = field(default_factory=dict)
+    rows: dict[int, dict[int, int]] = field(default_factory=dict)
+    experts: dict[int, int] = field(default_factory=dict)
+    elems: dict[int, int] = field(default_factory=dict)
+    mapped: bool = False
+    source: "ExpertSource | None" = None
+    gather_buf: torch.Tensor | None = None
+    #: rows added after the commit for experts a shrinking cache gave up (:meth:`keep`),
+    #: and where they are allocated (``spill(elems, dtype)``: the host ledger)
+    extra: dict[int, dict[int, torch.Tensor]] = field(default_factory=dict)
+    spill: object = None
+
+    def keep(self, layer: int, expert: int, src: torch.Tensor) -> None:
+        """Give ``expert`` a host copy of ``src`` (its slot, about to be released) unless
+        the host holds or maps it already."""
+        if self.mapped or expert in self.rows.get(layer, {}) or expert in self.extra.get(layer, {}):
+            return
+        alloc = self.spill or (lambda n, dt: torch.empty(n, dtype=dt))
+        t = alloc(self.elems[layer], self.dtype)
+        t.copy_(src)
+        self.extra.setdefault(layer, {})[expert] = t
 
     def blob_elems(self, layer: int) -> int:
-        return self.blobs[layer].shape[1]
+        return self.elems[layer]
 
     def blob_bytes(self, layer: int) -> int:
-        return self.blob_elems(layer) * self.blobs[layer].element_size()
+        return self.elems[layer] * self.dtype.itemsize
+
+    def blob(self, layer: int, expert: int) -> torch.Tensor:
+        """Expert ``expert``'s blob ``[elems]`` in host memory: its row, or (mapped) its
+        bytes gathered from the file into ``gather_buf`` (valid until the next call).
+        Raises KeyError for an expert the host does not hold (a resident one)."""
+        row = self.rows[layer].get(expert)
+        if row is not None:
+            return self.blobs[layer][row]
+        kept = self.extra.get(layer, {}).get(expert)
+        if kept is not None:
+            return kept
+        if not self.mapped:
+            raise KeyError(f"layer {layer} expert {expert} is resident; the host holds no copy")
+        out = self.gather_buf[:self.elems[layer]]
+        self.source.read(layer, {expert: out})
+        return out
 
 
 def split_blob(blob: torch.Tensor, inter: int, hidden: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -139,9 +187,11 @@ class _Index:
             raise InputError(f"{model_dir}: no *.safetensors files; the runtime needs the "
                              "weights (`moefit plan` works from config.json alone)")
         self.where: dict[str, tuple[Path, tuple[int, ...]]] = {}
+        self.nbytes: dict[str, int] = {}
         for f in self.files:
             for t in read_header(f).tensors:
                 self.where[t.name] = (f, t.shape)
+                self.nbytes[t.name] = t.nbytes
         self._handles: dict[Path, object] = {}
 
     def has(self, name: str) -> bool:
@@ -161,13 +211,21 @@ class _Index:
             raise InputError(f"{path}: tensor {name!r} has shape {list(found)}, but config.json "
                              f"implies {list(shape)}")
 
-    def get(self, name: str) -> torch.Tensor:
+    def _handle(self, name: str):
         from safetensors import safe_open
 
         path, _ = self.where[name]
         if path not in self._handles:
             self._handles[path] = safe_open(str(path), framework="pt", device="cpu")
-        return self._handles[path].get_tensor(name)
+        return self._handles[path]
+
+    def get(self, name: str) -> torch.Tensor:
+        return self._handle(name).get_tensor(name)
+
+    def get_slice(self, name: str, index: int) -> torch.Tensor:
+        """``tensor[index]`` of ``name`` (its first dim dropped), reading only those bytes
+        (safetensors ``get_slice``)."""
+        return self._handle(name).get_slice(name)[index:index + 1][0]
 
     def numel(self, name: str) -> int:
         return math.prod(self.where[name][1])
@@ -234,8 +292,8 @@ def _mlp_plan(l: LayerSpec, geom: ModelGeometry, arch: Arch, index: _Index,
 
 def _expert_plan(l: LayerSpec, geom: ModelGeometry, arch: Arch, index: _Index):
     """``("fused", gate_up name, down name)``, ``("per_expert", [(g, u, d) per expert])``
-    or, for experts with biases (gpt-oss), ``("biased", {part: name})``
-    (:func:`moefit.runtime.gpt_oss_experts.hf_expert_names`)."""
+    or, for experts with biases (gpt-oss), ``("biased", {part: name}, layout)``
+    (:func:`moefit.runtime.gpt_oss_experts.hf_expert_names`, :func:`~moefit.runtime.gpt_oss_experts.hf_layout`)."""
     m, h, p = l.moe, geom.hidden_size, f"{arch.prefix}layers.{l.index}."
     i = m.expert_intermediate
     if arch.clamped_swiglu is not None:
@@ -244,7 +302,8 @@ def _expert_plan(l: LayerSpec, geom: ModelGeometry, arch: Arch, index: _Index):
         mxfp4 = any(index.has(prefix + n) for n in packed if n.endswith("_blocks"))
         for name, shape in gpt_oss_experts.checkpoint_experts(m.num_experts, i, h, mxfp4).items():
             index.check(prefix + name, shape)
-        return "biased", gpt_oss_experts.hf_expert_names(prefix, mxfp4)
+        names = gpt_oss_experts.hf_expert_names(prefix, mxfp4)
+        return "biased", names, gpt_oss_experts.hf_layout(names, i, h, arch.dtype, *arch.clamped_swiglu)
     for prefix in arch.names.moe_blocks:
         gu, dn = f"{p}{prefix}.experts.gate_up_proj", f"{p}{prefix}.experts.down_proj"
         if index.has(gu) or index.has(dn):
@@ -277,22 +336,117 @@ def assemble_weights(glob, layer_plans, resident) -> "Weights":
     return Weights(g["embed"], g["norm"], g.get("lm_head", g["embed"]), layers)
 
 
+def _no_transient(nbytes: int):
+    return contextlib.nullcontext()
+
+
+class ExpertSource:
+    """The experts of a checkpoint, read when the engine knows where each one goes.
+
+    ``layers``: the MoE layer indices; ``experts[layer]``, ``elems[layer]``,
+    ``inter[layer]``, ``formats[layer]`` and ``dtype`` describe the blobs (as in
+    :class:`HostExperts`). :meth:`read` copies experts into given blob tensors, :meth:`close`
+    ends the reading (the files' handles or maps, the progress bar).
+    """
+
+    hidden: int
+    dtype: torch.dtype
+    experts: dict[int, int]
+    elems: dict[int, int]
+    inter: dict[int, int]
+    formats: dict[int, object]
+
+    @property
+    def layers(self) -> list[int]:
+        return list(self.experts)
+
+    def read(self, layer: int, targets: dict[int, torch.Tensor]) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+    def host_experts(self) -> HostExperts:
+        """An empty :class:`HostExperts` of this source's layout (rows added by the engine)."""
+        return HostExperts(self.hidden, self.dtype, inter=dict(self.inter), formats=dict(self.formats),
+                           experts=dict(self.experts), elems=dict(self.elems))
+
+
+class _SafetensorsExperts(ExpertSource):
+    """Experts of a safetensors checkpoint (module docstring: both layouts)."""
+
+    def __init__(self, index: "_Index", geom: ModelGeometry, plans: dict, dtype: torch.dtype,
+                 bar, transient):
+        self.index, self.plans, self.bar, self.transient = index, plans, bar, transient
+        self.hidden, self.dtype = geom.hidden_size, dtype
+        self.experts = {l.index: l.moe.num_experts for l in geom.moe_layers}
+        self.inter = {l.index: l.moe.expert_intermediate for l in geom.moe_layers}
+        self.elems = {l: 3 * i * self.hidden for l, i in self.inter.items()}
+        self.formats = {}
+        biased = {l: p[2] for l, p in plans.items() if p[0] == "biased"}
+        if biased:       # gpt-oss: every MoE layer's blob is uint8 bytes of its layout
+            assert len(biased) == len(plans), "gpt-oss checkpoints have biased experts on every MoE layer"
+            self.dtype, self.formats = torch.uint8, biased
+            self.elems = {l: fmt.nbytes for l, fmt in biased.items()}
+
+    def read(self, layer: int, targets: dict[int, torch.Tensor]) -> None:
+        """Copy each expert ``e`` of ``targets`` (``{e: blob [3 I H]}``; gpt-oss: ``{e:
+        uint8 blob}``) from the files. A fused tensor is read whole, one at a time; gpt-oss's
+        fused tensors one expert's slice at a time (their mxfp4 blocks are repacked per
+        expert: :func:`moefit.ingest.families.gpt_oss.expert_read_bytes` bounds what that holds)."""
+        i, h, plan = self.inter[layer], self.hidden, self.plans[layer]
+        if plan[0] == "biased":
+            names, fmt, n = plan[1], plan[2], self.experts[layer]
+            stored = sum(self.index.nbytes[name] for name in names.values())
+            blocks = sum(self.index.nbytes[name] for role, name in names.items() if role.endswith("_blocks"))
+            for e, dst in targets.items():
+                with self.transient(gpt_oss.expert_read_bytes(stored, blocks, n)):
+                    def get(name, e=e):
+                        t = self.index.get_slice(name, e)
+                        self.bar.update(t.numel())
+                        return t
+                    gpt_oss_experts.hf_expert_into(get, names, fmt, dst)
+            return
+        if plan[0] == "fused":
+            for name, lo, hi in ((plan[1], 0, 2 * i * h), (plan[2], 2 * i * h, 3 * i * h)):
+                with self.transient(self.index.nbytes[name]):
+                    t = self.index.get(name)                           # [E, 2I, H] / [E, H, I]
+                    for e, dst in targets.items():
+                        dst[lo:hi].copy_(t[e].reshape(-1))
+                    self.bar.update(t.numel() * len(targets) // t.shape[0])
+            return
+        for e, dst in targets.items():
+            for part, name in enumerate(plan[1][e]):
+                with self.transient(self.index.nbytes[name]):
+                    t = self.index.get(name)
+                    dst[part * i * h:(part + 1) * i * h].copy_(t.reshape(-1))
+                    self.bar.update(t.numel())
+
+    def close(self) -> None:
+        self.bar.close()
+
+
 def load_checkpoint(model_dir: str | Path, geom: ModelGeometry, arch: Arch, alloc: Alloc, *,
-                    pin: bool = False, progress: bool = True) -> tuple[Weights, HostExperts]:
+                    pin: bool = False, progress: bool = True,
+                    transient=None) -> tuple[Weights, ExpertSource]:
     """Read the checkpoint in ``model_dir``: resident weights into tensors from ``alloc``
-    (the ledger's ``weights`` line), experts into packed host blobs.
+    (the ledger's ``weights`` line); the experts are read later, from the returned
+    :class:`ExpertSource`.
 
     Every name and shape is checked against the geometry before any data is read.
 
     Args:
         alloc: ``alloc(shape, dtype) -> tensor`` on the device.
-        pin: pin the host blobs (CUDA devices).
+        pin: unused here (the engine pins the host rows it allocates); kept for callers.
         progress: show a progress bar (tqdm, on stderr).
+        transient: ``transient(nbytes)`` -> a context in which a tensor of ``nbytes`` read
+            from the files is held on the host (the host ledger's ``host_staging`` line).
 
     Raises InputError (see module docstring).
     """
     model_dir = Path(model_dir)
     index = _Index(model_dir)
+    transient = transient or _no_transient
     h, dtype = geom.hidden_size, arch.dtype
     # ---- resolve every name first: errors before any byte is read ------------------------
     g = arch.names.globals
@@ -316,46 +470,21 @@ def load_checkpoint(model_dir: str | Path, geom: ModelGeometry, arch: Arch, allo
 
     def resident(name: str | Packed, shape: tuple) -> torch.Tensor:
         if isinstance(name, Packed):
-            src = name.build([index.get(n) for n, _ in name.parts])
+            held = 2 * sum(index.nbytes[n] for n, _ in name.parts)     # the parts and the result
+            with transient(held):
+                src = name.build([index.get(n) for n, _ in name.parts])
+                dst = alloc(shape, dtype)
+                dst.copy_(src)
         else:
-            src = index.get(name)
-        dst = alloc(shape, dtype)
-        dst.copy_(src)
+            with transient(index.nbytes[name]):
+                src = index.get(name)
+                dst = alloc(shape, dtype)
+                dst.copy_(src)
         bar.update(src.numel())
         return dst
 
     weights = assemble_weights(glob, layer_plans, resident)
-
-    experts = HostExperts(h, dtype)
-    for l in geom.moe_layers:
-        m, i = l.moe, l.moe.expert_intermediate
-        plan = expert_plans[l.index]
-        if plan[0] == "biased":       # gpt-oss: biases, clamped SwiGLU, mxfp4 kept as stored
-            def get(name):
-                t = index.get(name)
-                bar.update(t.numel())
-                return t
-            blobs, fmt = gpt_oss_experts.hf_blobs(get, plan[1], m.num_experts, i, h, dtype,
-                                                  *arch.clamped_swiglu, pin=pin)
-            experts.blobs[l.index], experts.inter[l.index], experts.formats[l.index] = blobs, i, fmt
-            continue
-        blobs = torch.empty((m.num_experts, 3 * i * h), dtype=dtype, pin_memory=pin)  # [E, 3IH]
-        if plan[0] == "fused":
-            gu, dn = index.get(plan[1]), index.get(plan[2])          # [E, 2I, H], [E, H, I]
-            blobs[:, :2 * i * h].copy_(gu.reshape(m.num_experts, -1))
-            blobs[:, 2 * i * h:].copy_(dn.reshape(m.num_experts, -1))
-            bar.update(gu.numel() + dn.numel())
-        else:
-            for j, trio in enumerate(plan[1]):
-                row = blobs[j]
-                for part, name in enumerate(trio):
-                    t = index.get(name)
-                    row[part * i * h:(part + 1) * i * h].copy_(t.reshape(-1))
-                    bar.update(t.numel())
-        experts.blobs[l.index] = blobs
-        experts.inter[l.index] = i
-    bar.close()
-    return weights, experts
+    return weights, _SafetensorsExperts(index, geom, expert_plans, dtype, bar, transient)
 
 
 class _NoBar:

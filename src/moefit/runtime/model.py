@@ -358,7 +358,10 @@ def forward_batch(mdl: Model, ids: torch.Tensor, segs: tuple[Segment, ...]) -> t
         mdl.kv.check_room(sg.slot, sg.start, sg.length)
     ws.begin_chunk(mdl.fixed_bytes)   # the chunk owns the whole workspace
     hidden = ws.take((t, h), act)                                        # [T, H] residual
-    torch.index_select(w.embed, 0, ids, out=hidden)
+    if hasattr(w.embed, "lookup"):   # a GGUF table kept on the host (gguf_loader.HostEmbedding)
+        w.embed.lookup(ids, hidden)
+    else:
+        torch.index_select(w.embed, 0, ids, out=hidden)
     normed = ws.take((t, h), act)                                        # [T, H]
     delta = ws.take((t, h), act)                                         # [T, H] layer output
     cos, sin = _cos_sin(mdl, segs, t, act, ws)                           # [T, rot]

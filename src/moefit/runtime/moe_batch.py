@@ -44,7 +44,7 @@ def layer_format(cache, layer: int) -> StoredExpert | None:
     fmt = cache.host.formats.get(layer)
     if fmt is not None:
         return fmt
-    qtype = _FLOAT_TYPES.get(cache.host.blobs[layer].dtype)
+    qtype = _FLOAT_TYPES.get(cache.host.dtype)
     return _plain_format(cache.host.inter[layer], cache.host.hidden, qtype) if qtype else None
 
 
@@ -65,9 +65,9 @@ def applies(cache, layer: int, x: torch.Tensor, experts_per_token: int) -> bool:
     expert of the layer."""
     if cache is None or x.device.type != "cpu" or cache.miss_policy != "cpu" or not qmatmul.available():
         return False
-    if x.shape[0] * experts_per_token > MAX_TOKENS_PER_EXPERT * cache.host.blobs[layer].shape[0]:
+    if x.shape[0] * experts_per_token > MAX_TOKENS_PER_EXPERT * cache.host.experts[layer]:
         return False
-    if cache.host.blobs[layer].device.type != "cpu":
+    if cache.host.mapped:       # misses gather from the file's pages: expert by expert
         return False
     if any(s.device.type != "cpu" for s in cache.slots.get(layer, [])[:1]):
         return False
@@ -104,7 +104,7 @@ def run_layer(cache, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: to
     used, counts = torch.unique_consecutive(by_expert, return_counts=True)
     used_l = used.tolist()                                       # the one host read
     res, st = cache.resident[layer], cache.stats[layer]
-    slots, blobs = cache.slots.get(layer, []), cache.host.blobs[layer]
+    slots = cache.slots.get(layer, [])
     ptrs = []
     for e in used_l:
         s = res.get(e)
@@ -114,7 +114,7 @@ def run_layer(cache, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: to
             ptrs.append(slots[s].data_ptr())
         else:
             st.misses += 1
-            ptrs.append(blobs[e].data_ptr())
+            ptrs.append(cache.host.blob(layer, e).data_ptr())
     bounds = torch.zeros(len(used_l) + 1, dtype=torch.int64)
     torch.cumsum(counts, 0, out=bounds[1:])
     tok = torch.div(order, k, rounding_mode="floor")

@@ -9,7 +9,7 @@ Routes:
 - ``POST /v1/completions``, ``POST /v1/chat/completions``: OpenAI's bodies
   (:mod:`moefit.serve.protocol`), streamed over server-sent events with ``"stream":
   true`` (``data: {chunk}`` lines, then ``data: [DONE]``), with ``usage`` counts.
-- ``GET /v1/budget``: the plan (``moefit.plan/1``), the ledger's planned / allocated /
+- ``GET /v1/budget``: the plan (``moefit.plan/2``), the ledgers' planned / allocated /
   peak bytes per budget line, the KV cells in use per slot, and the expert cache's hits,
   misses and hit rates.
 - ``GET /metrics``: Prometheus text (:mod:`moefit.serve.metrics`).
@@ -575,10 +575,24 @@ async def _chat_chunks(run: _Run, head, body, prompts) -> AsyncIterator[str]:
 
 # ---- /v1/budget -----------------------------------------------------------------------------
 
+def _ledger_doc(ledger) -> dict:
+    """One ledger as ``/v1/budget`` shows it: capacity, free, margin, and per line its
+    planned / allocated / peak bytes."""
+    return {
+        "device": ledger.label, "capacity_bytes": ledger.capacity,
+        "free_bytes": ledger.free_bytes() if ledger.capacity is not None else None,
+        "margin_bytes": ledger.margin,
+        "lines": [{"key": r["key"], "label": r["label"], "planned": r["planned"],
+                   "allocated": r["allocated"], "peak": r["peak"], "used_peak": r["used_peak"]}
+                  for r in ledger.rows()],
+    }
+
+
 def budget_document(state: ServerState, private: bool = False) -> dict:
-    """The plan, and once READY the ledger per line, the KV cells in use per slot and
-    the expert cache's hit rates. ``private`` false (a server without ``--api-key``):
-    the model's local path (``plan.model.source``) is left out."""
+    """The plan, and once READY the ledger per line of every device (``ledger``: the main
+    one, ``ledgers``: all, in the plan's order), the host ledger (``host_ledger``), the KV
+    cells in use per slot and the expert cache's hit rates. ``private`` false (a server
+    without ``--api-key``): the model's local path (``plan.model.source``) is left out."""
     plan = plan_document(state.plan)
     if not private and isinstance(plan.get("model"), dict) and "source" in plan["model"]:
         plan["model"] = {k: v for k, v in plan["model"].items() if k != "source"}
@@ -586,14 +600,11 @@ def budget_document(state: ServerState, private: bool = False) -> dict:
     eng = state.engine
     if eng is None:
         return doc
-    ledger = eng.ledger
-    doc["ledger"] = {
-        "device": str(ledger.device), "capacity_bytes": ledger.capacity,
-        "free_bytes": ledger.free_bytes(), "margin_bytes": ledger.margin,
-        "lines": [{"key": r["key"], "label": r["label"], "planned": r["planned"],
-                   "allocated": r["allocated"], "peak": r["peak"], "used_peak": r["used_peak"]}
-                  for r in ledger.rows()],
-    }
+    ledgers = [_ledger_doc(lg) for lg in getattr(eng, "ledgers", [eng.ledger])]
+    doc["ledger"] = ledgers[0]
+    doc["ledgers"] = ledgers
+    host = getattr(eng, "host", None)
+    doc["host_ledger"] = _ledger_doc(host) if host is not None else None
     doc["chunk"] = eng.chunk
     sch = state._scheduler
     cells = sch.cells_in_use() if sch is not None else [0] * state.plan.request.slots

@@ -40,7 +40,7 @@ import traceback
 from pathlib import Path
 
 from moefit.errors import EXIT_ALLOC, EXIT_INPUT, EXIT_NOFIT, EXIT_OK, EXIT_OTHER, InputError
-from moefit.flags import plan_from_args, runnable_device
+from moefit.flags import plan_from_args, runnable_devices
 from moefit.ingest.inputs import is_gguf_file, read_routing_profile
 from moefit.ingest.resolve import load_model
 from moefit.plan.report import format_table
@@ -65,10 +65,10 @@ def prepare(args: argparse.Namespace):
     geom = load_model(str(model))
     if not gguf and not geom.exact:
         raise InputError(f"{model}: no *.safetensors files; the runtime needs the weights")
-    device = runnable_device(args)
+    devices = runnable_devices(args)
     if getattr(args, "routing_profile", None):      # checked with the other inputs
         args.routing_counts = read_routing_profile(args.routing_profile, geom)
-    plan = plan_from_args(geom, device, args)
+    plan = plan_from_args(geom, devices, args)
     _say(format_table(plan), args.table_to)
     if not plan.fits:
         return plan, None, None, EXIT_NOFIT
@@ -111,14 +111,23 @@ def commit(args: argparse.Namespace, plan):
 
 
 def ready_line(engine, url: str | None = None) -> str:
-    """``READY  context ...  chunk ...  expert slots ...  free ...`` (one line)."""
-    ledger, plan = engine.ledger, engine.plan
-    size = size_format(ledger.capacity)
+    """``READY  context ...  chunk ...  expert slots ...  free ...`` (one line): the free
+    memory of every device (``free A of B on cpu:0, C of D on cpu:1``) and, when it was
+    checked, of the host."""
+    plan = engine.plan
     slots = sum(s["slots"] for s in engine.expert_stats()["layers"].values())
     n = plan.request.slots
+    free = []
+    for lg in getattr(engine, "ledgers", [engine.ledger]):
+        size = size_format(lg.capacity)
+        free.append(f"{size(lg.free_bytes())} of {size(lg.capacity)} on {lg.label}")
+    host = getattr(engine, "host", None)
+    if host is not None and host.capacity is not None:
+        size = size_format(host.capacity)
+        free.append(f"{size(host.free_bytes())} of {size(host.capacity)} on the host")
     line = (f"READY  context {plan.context} tokens x {n} sequence{'s' if n != 1 else ''}, "
             f"chunk {engine.chunk} tokens, expert slots {slots} of {plan.total_experts}, "
-            f"free {size(ledger.free_bytes())} of {size(ledger.capacity)} on {ledger.device}")
+            f"free {', '.join(free)}")
     return f"{line}, serving {url}" if url else line
 
 

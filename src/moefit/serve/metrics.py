@@ -10,7 +10,9 @@ Every metric is named ``moefit_*``:
 - ``moefit_kv_cells_in_use{slot}``: tokens held in each slot's KV cache;
 - ``moefit_expert_hit_rate``: expert-cache hits / lookups since start;
 - ``moefit_budget_bytes{line, kind}``: each budget line's planned / allocated / peak bytes
-  (the ledger, :mod:`moefit.runtime.ledger`);
+  (the main device's ledger, :mod:`moefit.runtime.ledger`);
+- ``moefit_ledger_bytes{ledger, line, kind}``: the same for every device's ledger
+  (``cuda:1``, ``cpu:1``) and the host ledger (``host``);
 - ``moefit_time_to_first_token_seconds``, ``moefit_inter_token_latency_seconds``:
   histograms, observed by the scheduler's engine thread.
 
@@ -107,3 +109,13 @@ class _StateCollector:
             for kind in ("planned", "allocated", "peak"):
                 lines.add_metric([r["key"], kind], r[kind])
         yield lines
+        every = GaugeMetricFamily("moefit_ledger_bytes", "Budget line bytes of every device's "
+                                  "ledger and of the host ledger", labels=["ledger", "line", "kind"])
+        ledgers = list(getattr(eng, "ledgers", [eng.ledger]))
+        if getattr(eng, "host", None) is not None:
+            ledgers.append(eng.host)
+        for lg in ledgers:
+            for r in lg.rows():
+                for kind in ("planned", "allocated", "peak"):
+                    every.add_metric([lg.label, r["key"], kind], r[kind])
+        yield every

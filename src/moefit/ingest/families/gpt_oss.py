@@ -169,6 +169,18 @@ def mxfp4_to_gguf(blocks, scales):
     return np.ascontiguousarray(out.reshape(*blocks.shape[:-2], -1), dtype=np.uint8)
 
 
+def expert_read_bytes(stored: int, blocks: int, experts: int) -> int:
+    """Host bytes the runtime holds at once while reading one expert of a gpt-oss
+    checkpoint into its slot or host row (``moefit.runtime.gpt_oss_experts.hf_expert_into``,
+    one expert at a time): its slices of the layer's fused expert tensors (``stored``: their
+    bytes as stored, all experts) and, for mxfp4, the repack's arrays (``blocks``: the
+    layer's ``*_blocks`` bytes, all experts; 0 otherwise). :func:`mxfp4_to_gguf` holds
+    about 4.1x the blocks it repacks (the nibbles unpacked 2x, repacked 1x, the rows with
+    their scales 17/16x) and the ``gate_up`` rows stay while ``down`` is repacked: 5x the
+    expert's blocks bound both. Bytes, rounded up; ``experts`` > 0."""
+    return -(-(stored + 5 * blocks) // experts)
+
+
 _EXPERT_KEY = re.compile(r"^(.*layers\.(\d+)\.mlp\.experts\.)(gate_up_proj|down_proj)(_bias|_blocks|_scales)?$")
 
 

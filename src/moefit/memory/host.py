@@ -1,0 +1,155 @@
+"""Bytes of the host budget's lines (docs/design.md, host budget).
+
+The host table sits beside the device tables. Its lines, in commit order:
+
+- ``host_runtime``: the process before any weight: Python, torch and the server stack,
+  and on CUDA the host side of the CUDA context and libraries (:func:`host_runtime_bytes`).
+- ``host_weights``: dense weights kept on the host: a GGUF file's token embedding table
+  when the file has its own output matrix (:func:`embed_on_host`). llama.cpp keeps it on
+  the CPU ("there is very little benefit to offloading the input layer",
+  ``llama_model::load_tensors``; :mod:`moefit.engines.llamacpp`): a token's embedding is
+  one row lookup, so the device needs no copy of the table. With tied embeddings the
+  table is the output matrix too and stays on the device.
+- ``host_staging``: the larger of what loading holds at once beside its destinations
+  (:func:`load_staging_bytes`) and what serving holds on the host per step
+  (:func:`serving_staging_bytes`).
+- ``host_experts``: the packed blobs of the experts that are not resident on a device
+  (with ``--miss-policy copy`` every expert's, since the cache swaps them), in pinned
+  memory on CUDA (page-locked: the kernel can neither swap nor reclaim it, and
+  host-to-device copies run asynchronously), plain memory on a simulated device; 0 with
+  ``--host-experts mmap``, where they are read from the GGUF file's pages each time they
+  run (:func:`host_expert_bytes`).
+- ``host_devices``: on a simulated device (``--device cpu``) the device's tensors are
+  host memory too: every line of its table but the margin.
+- ``host_margin``: left free for the rest of the machine (:func:`default_host_reserve_bytes`).
+
+Imports no torch.
+"""
+
+from __future__ import annotations
+
+from moefit.ingest.geometry import ModelGeometry
+from moefit.memory import cpu_kernels
+from moefit.memory.staging import FP32, compute_bytes, expert_dequant_bytes
+
+MIB = 1 << 20
+GIB = 1 << 30
+
+#: ``host_runtime`` with no CUDA device: 512 MiB. Measured: 246 MiB resident after
+#: importing torch 2.x, FastAPI, uvicorn, tokenizers and moefit's runtime on the CI
+#: machine (``/proc/self/status`` VmRSS), and the ``moefit serve`` process of a 120 MB
+#: model at 516 MiB once its allocator had warmed up (README, the load test), i.e. about
+#: 400 MiB beside the model; rounded up.
+CPU_RUNTIME_BYTES = 512 * MIB
+#: ``host_runtime`` with a CUDA device: 2 GiB. pytorch/pytorch#113326 measures a peak
+#: RSS of 2,056,600 kB after the first CUDA tensor (torch 2.2, CUDA 11.8, RTX 3090) against
+#: 322,040 kB without CUDA; pytorch/pytorch#19397 sees "+2 GB in RAM" when a small model
+#: moves to the GPU. One context; each further CUDA device adds its own host side, which
+#: is not measured here.
+CUDA_RUNTIME_BYTES = 2 * GIB
+#: ``host_margin`` default: 1 GiB, or 1/32 of the host when that is smaller.
+DEFAULT_HOST_RESERVE = GIB
+
+
+def host_runtime_bytes(device_kinds) -> tuple[int, str]:
+    """The ``host_runtime`` line for devices of ``device_kinds`` (bytes, detail)."""
+    if "cuda" in set(device_kinds):
+        return CUDA_RUNTIME_BYTES, "process with the CUDA runtime (estimate)"
+    return CPU_RUNTIME_BYTES, "process: Python and torch (estimate)"
+
+
+def default_host_reserve_bytes(capacity: int | None) -> int:
+    """Default ``host_margin``: ``min(1 GiB, capacity / 32)`` bytes (1 GiB when the host
+    is not known)."""
+    return DEFAULT_HOST_RESERVE if capacity is None else min(DEFAULT_HOST_RESERVE, capacity // 32)
+
+
+def embed_on_host(geom: ModelGeometry) -> tuple[int, int]:
+    """``(device bytes, host bytes)`` of a token embedding table the plan keeps on the
+    host: the bytes the ``weights`` line counts for it (taken off the device) and its
+    bytes as the file stores it (held on the host, rows dequantized when looked up).
+    ``(0, 0)`` when it stays on the device: not a GGUF file, or a tied output."""
+    exact = geom.exact
+    stored = getattr(exact, "embed_stored_bytes", 0)
+    if not stored or getattr(exact, "tied", True):
+        return 0, 0
+    return exact.embed_resident_bytes, stored
+
+
+def load_staging_bytes(geom: ModelGeometry) -> int:
+    """The most host memory the loaders hold at once beside their destinations (bytes).
+
+    Safetensors (``moefit.runtime.loader``): one tensor is read at a time into host
+    memory and copied to where it lives, so the largest tensor bounds it (a fused
+    ``[E, 2I, H]`` expert tensor is read whole); a projection the loader rebuilds from
+    several of a layer's tensors (Qwen3-Next / Qwen3.5, ``moefit.runtime.hybrid_layout``)
+    holds its parts and the result at once, which twice the layer's dense tensors bound;
+    gpt-oss's fused experts are read one expert's slice at a time
+    (``moefit.ingest.families.gpt_oss.expert_read_bytes``). GGUF
+    (``moefit.runtime.gguf_loader``): tensors are read through the file's memory map (page
+    cache, not counted here), except llama's q/k rows, un-permuted in a copy: the largest
+    dense tensor as stored; a hybrid's regrouped projections are rebuilt in fp32
+    (``moefit.ingest.gguf_header.packed_staging_bytes``). From the headers when read
+    (``ExactWeights.load_staging_bytes``), else from the tensor listing."""
+    if geom.exact is not None and geom.exact.load_staging_bytes:
+        return geom.exact.load_staging_bytes
+    glob = [geom.tensor_bytes(t) for t in geom.global_tensors]
+    layer = [sum(geom.tensor_bytes(t) for t in l.tensors) for l in geom.layers]
+    experts = [geom.tensor_bytes(t) for l in geom.layers for t in l.expert_tensors]
+    return max(max(glob, default=0), 2 * max(layer, default=0), max(experts, default=0))
+
+
+def serving_staging_bytes(geom: ModelGeometry, chunk: int, slots: int, main_kind: str,
+                          miss_policy: str, mapped: bool, slot_bytes: int) -> int:
+    """Host bytes one step holds beside the lines, for a chunk of ``chunk`` tokens.
+
+    - the logits of the step's sequences copied to the host: ``slots x V`` fp32
+      (``moefit.runtime.engine.Engine.step``);
+    - a GGUF token embedding kept on the host (:func:`embed_on_host`): the chunk's rows
+      as stored, and on CUDA their dequantized values before the copy to the device;
+    - on CUDA with ``--miss-policy cpu``: a miss computed on the host for up to every
+      token of the chunk: its input, gate/up output, activation and output
+      (``(2 H + 4 I) x chunk`` in the compute dtype) and, for a stored format, one
+      dequantized matrix and its kernel's scratch (:func:`moefit.memory.staging.expert_dequant_bytes`);
+    - with ``--host-experts mmap``: the buffer one expert is gathered into from the
+      file's pages (``slot_bytes``).
+    """
+    act = compute_bytes(geom)
+    out = slots * geom.vocab_size * FP32
+    _, host_embed = embed_on_host(geom)
+    if host_embed:
+        out += chunk * geom.exact.embed_row_bytes
+        if main_kind == "cuda":
+            out += chunk * geom.hidden_size * act
+    if main_kind == "cuda" and miss_policy == "cpu" and geom.moe_layers:
+        inter = max(l.moe.expert_intermediate for l in geom.moe_layers)
+        out += chunk * (2 * geom.hidden_size + 4 * inter) * act
+        if geom.experts_stored:
+            out += expert_dequant_bytes(geom, act, cpu_kernels.expected("cpu"))
+    if mapped:
+        out += slot_bytes
+    return out
+
+
+def host_expert_bytes(geom: ModelGeometry, resident: dict[int, int], miss_policy: str,
+                      mapped: bool) -> tuple[int, int]:
+    """``(bytes, experts)`` the host holds as blobs: every expert not in ``resident``
+    (``{layer: slots on the devices}``), or every expert with ``--miss-policy copy``;
+    ``(0, 0)`` when ``mapped`` (read from the file's pages)."""
+    if mapped:
+        return 0, 0
+    blobs = geom.expert_blob_bytes()
+    n = size = 0
+    for l in geom.moe_layers:
+        held = l.moe.num_experts - (0 if miss_policy == "copy" else resident.get(l.index, 0))
+        n += held
+        size += held * blobs[l.index]
+    return size, n
+
+
+def mapped_expert_bytes(geom: ModelGeometry, resident: dict[int, int]) -> int:
+    """Bytes of the non-resident experts a ``--host-experts mmap`` run reads from the
+    file's pages (they stay in the page cache while memory allows)."""
+    blobs = geom.expert_blob_bytes()
+    return sum((l.moe.num_experts - resident.get(l.index, 0)) * blobs[l.index]
+               for l in geom.moe_layers)
