@@ -59,6 +59,14 @@ def _configs() -> list[tuple[str, dict]]:
         ("olmoe attention_bias", dict(_SMALL, model_type="olmoe", num_experts=8, intermediate_size=32,
                                       attention_bias=True)),
         ("toy_moe", dict(TOY_CONFIG)),
+        ("glm4_moe", dict(_SMALL, model_type="glm4_moe", head_dim=16, n_routed_experts=8,
+                          moe_intermediate_size=32, intermediate_size=80, n_group=2, topk_group=1,
+                          use_qk_norm=True, attention_bias=True)),
+        ("deepseek_v3 attention_bias", _preset("DeepSeek-V3", attention_bias=True)),
+        ("deepseek_v2 without q LoRA", dict(_SMALL, model_type="deepseek_v2", n_routed_experts=8,
+                                            moe_intermediate_size=32, intermediate_size=80,
+                                            q_lora_rank=None, kv_lora_rank=32, qk_rope_head_dim=8,
+                                            qk_nope_head_dim=16, v_head_dim=16)),
     ]
     return out
 
@@ -78,10 +86,15 @@ def _setup(cfg: dict):
     return geom, arch_from_config(cfg, geom)
 
 
-def _listing(geom: ModelGeometry) -> tuple[dict[str, tuple], dict[str, tuple]]:
-    """(non-expert name -> shape, expert-0 name -> shape) of the geometry's listing."""
+def _listing(geom: ModelGeometry, arch=None) -> tuple[dict[str, tuple], dict[str, tuple]]:
+    """(non-expert name -> shape, expert-0 name -> shape) of the geometry's listing, plus
+    (with ``arch``) the routers' ``e_score_correction_bias``: a buffer, which the listing
+    of parameters leaves out, that the loaders read and the exact pricing counts."""
     dense = {t.name: tuple(t.shape) for t in geom.global_tensors}
     dense |= {t.name: tuple(t.shape) for l in geom.layers for t in l.tensors}
+    if arch is not None:
+        dense |= {arch.names.hf("router_bias", f"{arch.prefix}layers.{l.index}."): (l.moe.num_experts,)
+                  for l in geom.moe_layers if l.moe.routing.bias}
     experts = {t.name: tuple(t.shape) for l in geom.layers for t in l.expert_tensors}
     return dense, experts
 
@@ -103,6 +116,9 @@ class _ListingIndex:
 
     def missing(self, name: str) -> Exception:
         return KeyError(name)
+
+    def fp8(self, name: str) -> bool:   # the listing's names, in the model dtype
+        return False
 
     def check(self, name: str, shape: tuple) -> None:
         if self._as_listed(name) == name:   # expert 0 and every non-expert tensor
@@ -126,7 +142,7 @@ def _safetensors_asks(geom, arch, names: set[str]) -> tuple[dict[str, tuple], di
 @pytest.mark.parametrize("label,cfg", CONFIGS, ids=[c[0] for c in CONFIGS])
 def test_safetensors_loader_asks_for_the_listing(label, cfg):
     geom, arch = _setup(cfg)
-    dense, experts = _listing(geom)
+    dense, experts = _listing(geom, arch)
     asked, asked_experts = _safetensors_asks(geom, arch, set(dense) | set(experts))
     assert asked == dense, (set(asked.items()) ^ set(dense.items()))
     if arch.names.fused_experts:
@@ -160,7 +176,7 @@ def test_gguf_loader_asks_for_the_listing(label, cfg):
     (``NameTable.gguf_from_hf``; experts stacked ``[E, ...]`` per part) are the GGUF names
     and torch-order shapes the GGUF loader asks for."""
     geom, arch = _setup(cfg)
-    dense, _ = _listing(geom)
+    dense, _ = _listing(geom, arch)
     fam = TOY if cfg["model_type"] == "toy_moe" else registry.family_for(cfg["model_type"])
     # the writer's own conversions (Qwen3-Next / Qwen3.5 linear attention, offset norms),
     # then the name table for the rest
@@ -174,8 +190,9 @@ def test_gguf_loader_asks_for_the_listing(label, cfg):
     if not arch.tie_embeddings:
         asked[g["lm_head"][1]] = (geom.vocab_size, geom.hidden_size)
     tiled = fam.gguf_arch_of.get(cfg["model_type"]) in V_TILED_ARCHS
+    header = SimpleNamespace(tensors=want)     # MLA: attn_kv_b whole (attn_k_b absent)
     for l in geom.layers:
-        for _, name, shape in gguf_loader._layer_plan(l, geom, arch, lambda n: n in want, tiled):
+        for _, name, shape in gguf_loader._layer_plan(l, geom, arch, header, tiled):
             asked |= {p: tuple(s) for p, s in sources(name, shape)}
     assert asked == want, set(asked.items()) ^ set(want.items())
 

@@ -38,6 +38,7 @@ from pathlib import Path
 
 from moefit.errors import InputError
 from moefit.ingest.families import gpt_oss
+from moefit.ingest.families.common import FP32_TENSORS
 from moefit.ingest.geometry import ExactWeights, ModelGeometry
 from moefit.ingest.inputs import decode_utf8, parse_json, read_bytes, read_json
 
@@ -224,11 +225,13 @@ CONVERTED_DTYPES = frozenset({"F32", "F16", "BF16"})
 
 def held_bytes(t: HeaderTensor, dtype_bytes: int) -> int:
     """Bytes the runtime holds for ``t``: numel x ``dtype_bytes`` (the config's compute
-    dtype) for a floating F32 / F16 / BF16 tensor, which the loader converts; the stored
-    bytes for quantized or integer tensors and for quantization scales."""
+    dtype) for a floating F32 / F16 / BF16 tensor, which the loader converts (numel x 4 for
+    the tensors kept in fp32, :data:`moefit.ingest.families.common.FP32_TENSORS`); the
+    stored bytes for quantized or integer tensors and for quantization scales."""
     if t.dtype not in CONVERTED_DTYPES or t.name.endswith(_SCALE_SUFFIXES):
         return t.nbytes
-    return (t.nbytes // SAFETENSORS_DTYPE_BYTES[t.dtype]) * dtype_bytes
+    numel = t.nbytes // SAFETENSORS_DTYPE_BYTES[t.dtype]
+    return numel * (4 if t.name.endswith(FP32_TENSORS) else dtype_bytes)
 
 
 def exact_weights(geom: ModelGeometry, model_dir: str | Path) -> ExactWeights | None:
@@ -243,7 +246,8 @@ def exact_weights(geom: ModelGeometry, model_dir: str | Path) -> ExactWeights | 
     layout) plus each fused tensor's bytes divided by the layer's ``num_experts``.
     ``total_params`` counts the parameters of every non-skipped tensor (see
     :func:`_param_count`), including buffers the checkpoint stores (e.g. DeepSeek's
-    ``e_score_correction_bias``).
+    ``e_score_correction_bias``). ``experts_stored``: the experts are fp8 (F8_*) or mxfp4
+    (``_blocks``), which the runtime keeps as stored and dequantizes when they run.
 
     Errors: :class:`InputError` for a corrupt header, an incomplete sharded checkpoint, or an
     expert tensor on a layer the config declares dense.
@@ -253,6 +257,7 @@ def exact_weights(geom: ModelGeometry, model_dir: str | Path) -> ExactWeights | 
         return None
     moe = {l.index: l.moe.num_experts for l in geom.moe_layers}
     weight = skipped = params = 0
+    fp8_experts = False
     largest_global = largest_expert = 0    # stored bytes: the loader's host staging
     layer_sum: dict[int, int] = {}
     per_expert: dict[int, dict[int, int]] = {}
@@ -283,6 +288,7 @@ def exact_weights(geom: ModelGeometry, model_dir: str | Path) -> ExactWeights | 
             if layer not in moe:
                 raise InputError(f"{path}: tensor {t.name!r} is a routed expert, but the config "
                                  f"declares layer {layer} dense; config and checkpoint disagree")
+            fp8_experts |= t.dtype.startswith("F8_")
             if is_fused:
                 fused[layer] = fused.get(layer, 0) + nbytes
                 if t.name.endswith("_blocks") and t.dtype == "U8":
@@ -301,11 +307,11 @@ def exact_weights(geom: ModelGeometry, model_dir: str | Path) -> ExactWeights | 
     for layer, big in largest_in.items():
         largest_expert = max(largest_expert, big if layer not in biased else
                              gpt_oss.expert_read_bytes(stored_in[layer], blocks_in.get(layer, 0), moe[layer]))
-    # the loader reads one tensor at a time (gpt-oss's experts: one expert at a time); a projection it rebuilds from several of a
-    # layer's tensors holds its parts and the result at once, which twice the layer's dense
-    # tensors bound (moefit.memory.host.load_staging_bytes)
+    # the loader reads one tensor at a time (gpt-oss's experts: one expert at a time); a
+    # projection it rebuilds from several of a layer's tensors holds its parts and the result
+    # at once, which twice the layer's dense tensors bound (moefit.memory.host.load_staging_bytes)
     return ExactWeights(weight_bytes=weight, expert_blob_bytes=tuple(blobs), skipped_bytes=skipped,
-                        total_params=params, files=len(files), experts_stored=bool(mxfp4),
+                        total_params=params, files=len(files), experts_stored=bool(mxfp4) or fp8_experts,
                         expert_types=tuple((layer, ("MXFP4",) * 3) for layer in sorted(mxfp4)),
                         load_staging_bytes=max(largest_global, 2 * max(layer_sum.values(), default=0),
                                                largest_expert))

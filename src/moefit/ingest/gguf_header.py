@@ -45,7 +45,9 @@ from typing import Any
 
 from moefit.errors import InputError
 from moefit.ingest.families import geometry_from_config, registry
-from moefit.ingest.families.common import GGUF_EXPERT_NAMES, LAYER_NAMES, GGUFFacts, GGUFMeta
+from moefit.ingest.families.common import (
+    FP32_TENSORS, GGUF_EXPERT_NAMES, LAYER_NAMES, GGUFFacts, GGUFMeta,
+)
 from moefit.ingest.geometry import DTYPE_BYTES, ExactWeights, ModelGeometry
 from moefit.ingest.inputs import read_bytes
 from moefit.units import format_bytes
@@ -530,7 +532,7 @@ def exact_from_gguf(geom: ModelGeometry, h: GGUFHeader) -> GGUFWeights:
                 kinds.setdefault(layer, {})[part] = t.ggml_type
             continue
         before = weight
-        weight += t.n_elements * act
+        weight += t.n_elements * (4 if t.name.endswith(FP32_TENSORS) else act)
         stored += t.nbytes
         row[0] += t.nbytes
         largest = max(largest, t.nbytes)

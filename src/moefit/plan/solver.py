@@ -158,11 +158,19 @@ class HostPlan:
 
 @dataclass(frozen=True)
 class Alternative:
-    """A change of one flag that makes the plan fit (verified by re-solving)."""
+    """A change of one flag that makes the plan fit (verified by re-solving). ``also``: the
+    flags that must change with it, as (flag, value) pairs (an engine plan's ``--nodes 2``
+    with ``--gpus 16``); empty for moefit's own plans, which change one flag."""
 
     flag: str
     value: str | int
     note: str = ""
+    also: tuple[tuple[str, str | int], ...] = ()
+
+    @property
+    def flags(self) -> str:
+        """``--flag value`` and the flags that change with it, as typed on the command line."""
+        return " ".join(f"{f} {v}" for f, v in ((self.flag, self.value), *self.also))
 
 
 @dataclass(frozen=True)
@@ -851,9 +859,14 @@ def _lines(geom: ModelGeometry, device: Device, req: Request, context: int, chun
 
 
 def _limiting(dplan: DevicePlan, shortfall: int) -> tuple[str, ...]:
-    """Largest lines first, as many as it takes to cover the shortfall."""
+    return limiting_lines(dplan.lines, shortfall)
+
+
+def limiting_lines(lines, shortfall: int) -> tuple[str, ...]:
+    """The keys of ``lines`` (:class:`Line`) that limit a plan short by ``shortfall`` bytes:
+    the largest first, as many as it takes to cover the shortfall (the runtime never)."""
     out, covered = [], 0
-    for l in sorted(dplan.lines, key=lambda l: l.bytes, reverse=True):
+    for l in sorted(lines, key=lambda l: l.bytes, reverse=True):
         if covered >= shortfall or l.bytes == 0 or l.key == "runtime":
             continue
         out.append(l.key)

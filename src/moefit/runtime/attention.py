@@ -21,7 +21,9 @@ head's block is a plain matrix for ``bmm`` (no copy inside the product).
 Masks (transformers ``masking_utils``): causal ``k_pos <= q_pos``; sliding window
 ``k_pos > q_pos - window``. GQA (Ainslie et al. 2023): query head ``h`` reads KV head
 ``h // (heads / kv_heads)`` (``repeat_kv``), done here by viewing the ``G`` query heads
-of a KV head as extra rows.
+of a KV head as extra rows. MLA's absorbed form is one KV head over the cached latent
+rows (``latent`` layers of the cache): V is the first ``Dv`` values of each dequantized K
+row, so no V is read (:func:`moefit.memory.staging.mla_attention_dims`).
 """
 
 from __future__ import annotations
@@ -66,10 +68,11 @@ def attend(q: torch.Tensor, start: int, cache: KVCache, layer: int, slot: int, s
     act = q.dtype
     f32 = torch.float32
     region = ws.fixed
+    latent = lc.latent
     with region.scope():
         (qt_, m_, l_, acc_, qpos_, kb_, vb_, k_, v_, s_, *rest) = region.take_layout(
             attention_tile_takes(kvh, g, d, dv, lc.k.shape[3], lc.v.shape[3], act == f32,
-                                 window is not None, q_block, kv_block), act)
+                                 window is not None, q_block, kv_block, latent), act)
         p_, pv_, pv32_ = ((rest.pop(0), rest.pop(0), rest.pop(0)) if act != f32
                           else (None, None, None))
         kpos_, mask_ = rest.pop(0), rest.pop(0)
@@ -99,13 +102,18 @@ def attend(q: torch.Tensor, start: int, cache: KVCache, layer: int, slot: int, s
                 vb = vb_[:b * kvh * lc.v.shape[3]].view(b, kvh, lc.v.shape[3])
                 # head-major, so each head's block is one plain matrix for bmm
                 k = k_[:b * kvh * d].view(kvh, b, d)                # [K, B, D]
-                v = v_[:b * kvh * dv].view(kvh, b, dv)              # [K, B, Dv]
-                cache.read(layer, slot, k0, k0 + b, kb, vb, k.transpose(0, 1), v.transpose(0, 1),
-                           region)
+                if latent:      # MLA: the value is the latent, the first Dv of each row
+                    v = k[..., :dv]
+                    cache.read(layer, slot, k0, k0 + b, kb, None, k.transpose(0, 1), None, region)
+                else:
+                    v = v_[:b * kvh * dv].view(kvh, b, dv)          # [K, B, Dv]
+                    cache.read(layer, slot, k0, k0 + b, kb, vb, k.transpose(0, 1),
+                               v.transpose(0, 1), region)
                 s = s_[:kvh * rows * b].view(kvh, rows, b)          # [K, G*tq, B]
                 small = act != f32 and rows <= SMALL_ROWS
                 if small:       # decode: fp32 products (see SMALL_ROWS)
-                    kf, vf = k.float(), v.float()
+                    kf = k.float()
+                    vf = kf[..., :dv] if latent else v.float()
                     torch.bmm(qt.float(), kf.transpose(1, 2), out=s)
                 elif act == f32:
                     torch.bmm(qt, k.transpose(1, 2), out=s)

@@ -59,7 +59,7 @@ from moefit.runtime.experts import ExpertCache, initial_residents
 from moefit.runtime.gguf_loader import gguf_config, load_gguf
 from moefit.runtime.kv_cache import KVCache
 from moefit.runtime.ledger import FAIL_ENV, BudgetError, HostLedger, Ledger, resident_bytes
-from moefit.runtime.loader import ExpertSource, load_checkpoint
+from moefit.runtime.loader import ExpertSource, fp8_matrices, load_checkpoint
 from moefit.runtime import qmatmul
 from moefit.runtime.model import Model, forward, forward_batch, segments
 from moefit.runtime.rope import Rotary, rope_from_config
@@ -200,6 +200,8 @@ class Engine:
             kv = KVCache(geom, plan.kv_layout(), kv_buf)
             # 5. prefill staging, once (on an expert-only device: the workspace its experts run in)
             ws = Workspace(ledger.alloc("prefill", (ledger.lines["prefill"].planned,), torch.uint8), ledger)
+            for m in fp8_matrices(weights):      # block-scaled fp8 weights dequantize in staging
+                m.ws = ws
             spaces = [None] + [_expert_workspace(lg, geom) for lg in ledgers[1:]]
             # 6. expert cache: the plan's slots on each device, within what is free above its
             # margin; then each expert read once, into its slot or a host row

@@ -2,7 +2,8 @@
 
 Input: a ``.gguf`` file (or the first shard of a split one) of the families the runtime
 runs: ``qwen3moe``, ``qwen2moe``, ``olmoe``, ``llama`` with experts (Mixtral), the hybrids
-``qwen3next`` / ``qwen35moe`` and ``gpt-oss``. The file
+``qwen3next`` / ``qwen35moe``, ``gpt-oss``, ``deepseek2`` (MLA: ``attn_kv_b`` or the split
+``attn_k_b`` / ``attn_v_b``) and ``glm4moe``. The file
 is memory-mapped (``gguf.GGUFReader``); every tensor is read once, straight from the map
 into its destination, and the maps are closed at the end, so host memory holds the
 expert blobs once (not the file and a copy).
@@ -52,7 +53,9 @@ from moefit.ingest.gguf_header import (GGUFHeader, GGUFTensor, close_reader, con
 from moefit.runtime.arch import Arch
 from moefit.runtime.gpt_oss_experts import BiasedExpert
 from moefit.runtime.hybrid_layout import Packed, gated_q, gguf_linear_attention_entries, sources
-from moefit.runtime.loader import ExpertSource, Weights, assemble_weights, progress_bar
+from moefit.runtime.loader import (
+    ExpertSource, Weights, assemble_weights, mla_plan, moe_extras_plan, progress_bar, resident_dtype,
+)
 from moefit.runtime import qmatmul
 from moefit.runtime.quant import StoredExpert, StoredMatrix, dequantize, kernel_for
 
@@ -116,21 +119,25 @@ def _minus(name: str, shape: tuple, offset: float) -> Packed:
     return Packed(((name, shape),), lambda ts: ts[0] - offset)
 
 
-def _layer_plan(l: LayerSpec, geom: ModelGeometry, arch: Arch, has=lambda name: True,
+def _layer_plan(l: LayerSpec, geom: ModelGeometry, arch: Arch, header: GGUFHeader,
                 tiled: bool = False) -> list[tuple[str, object, tuple]]:
     """(attribute, GGUF name or :class:`~moefit.runtime.hybrid_layout.Packed`, torch
     shape) of every resident tensor of layer ``l``; names from the family's table
-    (``arch.names``). Gated DeltaNet layers: :func:`gguf_linear_attention_entries` (``has``:
-    whether the file holds a tensor; ``tiled``: its value heads are tiled); a gated
-    ``attn_q`` is regrouped as the checkpoint's ``q_proj``; norms stored with the family's
-    ``norm_offset`` added are read back without it."""
+    (``arch.names``). MLA layers: :func:`moefit.runtime.loader.mla_plan` (``attn_k_b`` /
+    ``attn_v_b`` when the file splits ``attn_kv_b``). Gated DeltaNet layers:
+    :func:`gguf_linear_attention_entries` (``tiled``: the file's value heads are tiled); a
+    gated ``attn_q`` is regrouped as the checkpoint's ``q_proj``; norms stored with the
+    family's ``norm_offset`` added are read back without it."""
     a, h = l.attention, geom.hidden_size
     qd, kd, vd = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim, a.num_kv_heads * a.v_head_dim
     n = lambda slot: arch.names.gguf(slot, l.index)  # noqa: E731
     out = [("input_norm", n("input_norm"), (h,)), ("post_norm", n("post_norm"), (h,))]
+    if a.kind == "mla":
+        return _offset_norms(out + mla_plan(a, h, arch, n, split=n("k_b") in header.tensors)
+                             + _mlp_plan(l, geom, arch, n), arch)
     if a.kind == "linear":
-        out += gguf_linear_attention_entries(l.index, a, h, has, tiled)
-        return _offset_norms(out + _mlp_plan(l, geom, arch), arch)
+        out += gguf_linear_attention_entries(l.index, a, h, lambda name: name in header.tensors, tiled)
+        return _offset_norms(out + _mlp_plan(l, geom, arch, n), arch)
     q, qb = (n("q"), (qd, h)), (n("q_bias"), (qd,))
     if a.output_gate:   # attn_q holds [query | gate] per head, as q_proj: regrouped at load
         q = gated_q(q[0], a.num_heads, a.head_dim, h)
@@ -147,7 +154,7 @@ def _layer_plan(l: LayerSpec, geom: ModelGeometry, arch: Arch, has=lambda name: 
         out += [("q_norm", n("q_norm"), (a.head_dim,)), ("k_norm", n("k_norm"), (a.head_dim,))]
     elif arch.qk_norm == "full":
         out += [("q_norm", n("q_norm"), (qd,)), ("k_norm", n("k_norm"), (kd,))]
-    return _offset_norms(out + _mlp_plan(l, geom, arch), arch)
+    return _offset_norms(out + _mlp_plan(l, geom, arch, n), arch)
 
 
 def _offset_norms(plan: list, arch: Arch) -> list:
@@ -159,24 +166,15 @@ def _offset_norms(plan: list, arch: Arch) -> list:
             for attr, name, shape in plan]
 
 
-def _mlp_plan(l: LayerSpec, geom: ModelGeometry, arch: Arch) -> list[tuple[str, str, tuple]]:
-    """(attribute, GGUF name, torch shape) of the MLP / MoE block of layer ``l``."""
-    h, out = geom.hidden_size, []
-    n = lambda slot: arch.names.gguf(slot, l.index)  # noqa: E731
+def _mlp_plan(l: LayerSpec, geom: ModelGeometry, arch: Arch, n) -> list[tuple[str, str, tuple]]:
+    """(attribute, GGUF name, torch shape) of the dense MLP or the MoE block of ``l``."""
+    h = geom.hidden_size
     if l.moe is None:
         i = l.dense_intermediate
-        return out + [("dense_gate", n("dense_gate"), (i, h)), ("dense_up", n("dense_up"), (i, h)),
-                      ("dense_down", n("dense_down"), (h, i))]
+        return [("dense_gate", n("dense_gate"), (i, h)), ("dense_up", n("dense_up"), (i, h)),
+                ("dense_down", n("dense_down"), (h, i))]
     m = l.moe
-    out.append(("router", n("router"), (m.num_experts, h)))
-    if arch.router_bias:
-        out.append(("router_bias", n("router_bias"), (m.num_experts,)))
-    if m.shared_intermediate:
-        si = m.shared_intermediate
-        out += [("shared_gate", n("shared_gate"), (si, h)), ("shared_up", n("shared_up"), (si, h)),
-                ("shared_down", n("shared_down"), (h, si)),
-                ("shared_expert_gate", n("shared_expert_gate"), (1, h))]
-    return out
+    return [("router", n("router"), (m.num_experts, h))] + moe_extras_plan(m, h, arch, n)
 
 
 def _expert_parts(l: LayerSpec, geom: ModelGeometry, arch: Arch, ts: _Tensors) -> tuple[list[str], StoredExpert]:
@@ -322,8 +320,7 @@ def _load(h, ts: _Tensors, geom, arch, alloc, progress, host_alloc, mapped, tran
     if not arch.tie_embeddings:
         glob.append(("lm_head", g["lm_head"][1], (geom.vocab_size, hidden)))
     family = registry.family_for_gguf(h.arch)
-    tiled = h.arch in V_TILED_ARCHS
-    layer_plans = [_layer_plan(l, geom, arch, lambda n: n in h.tensors, tiled) for l in geom.layers]
+    layer_plans = [_layer_plan(l, geom, arch, h, h.arch in V_TILED_ARCHS) for l in geom.layers]
     for _, name, shape in glob + [t for lp in layer_plans for t in lp]:
         for part, part_shape in sources(name, shape):
             ts.check(part, part_shape)
@@ -338,6 +335,8 @@ def _load(h, ts: _Tensors, geom, arch, alloc, progress, host_alloc, mapped, tran
     permute = family is not None and family.gguf_permute_qk
     qk = {name: heads if attr == "q" else kv_heads for lp in layer_plans for attr, name, _ in lp
           if attr in ("q", "k", "q_bias", "k_bias")}
+    # MLA's kv_b is viewed per head (W_UK / W_UV), so it is never kept in a stored format
+    unstored = {name for lp in layer_plans for attr, name, _ in lp if attr == "kv_b"}
 
     def resident(name, shape: tuple) -> torch.Tensor:
         if isinstance(name, Packed):     # read in fp32, rebuilt, then cast once
@@ -364,8 +363,9 @@ def _load(h, ts: _Tensors, geom, arch, alloc, progress, host_alloc, mapped, tran
         return _fill(name, t, raw, shape)
 
     def _fill(name, t, raw, shape):
-        dst = alloc(shape, dtype)
-        if (name != embed and len(shape) == 2 and dst.device.type == "cpu" and qmatmul.available()
+        dst = alloc(shape, resident_dtype(name, dtype))
+        if (name != embed and name not in unstored and len(shape) == 2 and dst.device.type == "cpu"
+                and qmatmul.available()
                 and StoredMatrix.fits(t.ggml_type, shape[0], shape[1], dtype)):
             # kept as stored inside its planned buffer: decode reads the stored bytes
             stored = StoredMatrix(dst, t.ggml_type, shape[0], shape[1])

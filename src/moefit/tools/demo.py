@@ -37,7 +37,8 @@ from moefit.ingest.families.registry import family_for
 #: Sizes are toy sizes; keys and structure are those of the real checkpoints
 #: (``Qwen/Qwen3-30B-A3B``, ``Qwen/Qwen1.5-MoE-A2.7B``, ``mistralai/Mixtral-8x7B-v0.1``,
 #: ``allenai/OLMoE-1B-7B-0924``, ``Qwen/Qwen3-Next-80B-A3B-Instruct``, ``Qwen/Qwen3.5-35B-A3B``,
-#: ``openai/gpt-oss-20b``).
+#: ``openai/gpt-oss-20b``, DeepSeek and GLM below). Kimi-K2 is DeepSeek-V3's architecture under
+#: its own model type, which transformers does not register: its demo is ``deepseek_v3``.
 _BASE = dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
              max_position_embeddings=8192, rms_norm_eps=1e-6, hidden_act="silu",
              tie_word_embeddings=False, initializer_range=0.02, attention_dropout=0.0,
@@ -47,6 +48,12 @@ _HYBRID_TEXT = dict(_BASE, head_dim=64, full_attention_interval=4, linear_conv_k
                     linear_num_value_heads=8, num_experts=16, num_experts_per_tok=4,
                     moe_intermediate_size=128, shared_expert_intermediate_size=128,
                     partial_rotary_factor=0.25, rope_theta=10000000.0, attention_bias=False)
+#: DeepSeek-V2-Lite / DeepSeek-V3's MLA and MoE keys (``deepseek-ai/DeepSeek-V2-Lite``,
+#: ``deepseek-ai/DeepSeek-V3``); GLM-4.5-Air's (``zai-org/GLM-4.5-Air``).
+_MLA = dict(_BASE, kv_lora_rank=64, qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32,
+            n_routed_experts=16, num_experts_per_tok=4, moe_intermediate_size=128,
+            intermediate_size=512, first_k_dense_replace=1, moe_layer_freq=1, rope_theta=10000.0,
+            attention_bias=False)
 FAMILIES: dict[str, dict] = {
     "qwen3_moe": dict(_BASE, architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe",
                       head_dim=32, num_experts=16, num_experts_per_tok=4, moe_intermediate_size=128,
@@ -81,6 +88,20 @@ FAMILIES: dict[str, dict] = {
                     output_router_logits=False,
                     rope_scaling=dict(rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0,
                                       truncate=False, original_max_position_embeddings=4096)),
+    "deepseek_v2": dict(_MLA, architectures=["DeepseekV2ForCausalLM"], model_type="deepseek_v2",
+                        num_key_value_heads=8, q_lora_rank=None, n_shared_experts=2,
+                        routed_scaling_factor=1.0, topk_method="greedy", n_group=1, topk_group=1,
+                        scoring_func="softmax", norm_topk_prob=False),
+    "deepseek_v3": dict(_MLA, architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3",
+                        num_key_value_heads=8, q_lora_rank=96, n_shared_experts=1,
+                        routed_scaling_factor=2.5, topk_method="noaux_tc", n_group=4, topk_group=2,
+                        scoring_func="sigmoid", norm_topk_prob=True, rope_interleave=True),
+    "glm4_moe": dict(_BASE, architectures=["Glm4MoeForCausalLM"], model_type="glm4_moe",
+                     head_dim=32, n_routed_experts=16, n_shared_experts=1, num_experts_per_tok=4,
+                     moe_intermediate_size=128, intermediate_size=512, first_k_dense_replace=1,
+                     n_group=1, topk_group=1, routed_scaling_factor=1.0, norm_topk_prob=True,
+                     partial_rotary_factor=0.5, use_qk_norm=False, attention_bias=True,
+                     rope_theta=1000000.0),
 }
 
 #: The text the tokenizer is trained on (any text encodes; these words become single tokens).
@@ -225,6 +246,12 @@ def write_demo(out: str | Path, family: str = "qwen3_moe", *, seed: int = 0,
     for layer in geom.layers:
         for t in layer.tensors:
             add(t.name, t.shape)
+        if layer.moe is not None and layer.moe.routing.bias:
+            # the router's e_score_correction_bias: a buffer the listing leaves out, fp32 as
+            # the published checkpoints store it
+            router = next(t.name for t in layer.tensors if t.role == "router")
+            state[router.replace(".weight", ".e_score_correction_bias")] = (
+                0.01 * torch.rand(layer.moe.num_experts, generator=gen))
         if layer.moe is not None and fused:
             # fused over the layer (gpt-oss): each expert drawn as its [out, in] matrix,
             # stored as the checkpoint holds it ([E, in, out]: ``checkpoint_experts``)

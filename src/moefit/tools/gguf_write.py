@@ -6,13 +6,19 @@ quantized-expert file of a checkpoint without llama.cpp. It mirrors llama.cpp's
 ``convert_hf_to_gguf.py`` where that matters to a reader of the file:
 
 - architecture and metadata keys: ``qwen3moe`` / ``qwen2moe`` / ``olmoe``, Mixtral as
-  ``llama`` with experts (``LlamaModel``); ``block_count``, ``embedding_length``,
-  ``attention.head_count(_kv)``, ``attention.key_length``, ``expert_*``, ``rope.*`` ...;
+  ``llama`` with experts (``LlamaModel``), DeepSeek-V2 / V3 / Kimi-K2 as ``deepseek2``
+  (``DeepseekV2Model``: MLA as MQA over the latent), GLM-4.5 as ``glm4moe``
+  (``Glm4MoeModel``); ``block_count``, ``embedding_length``, ``attention.head_count(_kv)``,
+  ``attention.key_length``, ``expert_*``, ``rope.*`` ... (a family's own keys from its
+  ``gguf_write_meta`` / ``gguf_attention_meta``);
 - tensor names (``gguf.TENSOR_NAMES``): ``token_embd``, ``output_norm``, ``output``,
   ``blk.N.attn_{norm,q,k,v,output,q_norm,k_norm}``, ``blk.N.ffn_norm``,
   ``blk.N.ffn_gate_inp`` (router), ``blk.N.ffn_{gate,up,down}_exps`` (experts stacked
   ``[E, out, in]``), ``blk.N.ffn_{gate,up,down}_shexp`` + ``ffn_gate_inp_shexp``;
 - ``llama``: q/k rows permuted for llama.cpp's interleaved RoPE (``LlamaModel.permute``);
+- ``deepseek2``: ``kv_b_proj`` split per head into ``attn_k_b`` (transposed) and
+  ``attn_v_b``, as current llama.cpp writes it (the family's ``gguf_split_tensors``); the
+  router's ``e_score_correction_bias`` as ``exp_probs_b.bias``;
 - routers and 1-D tensors stay F32;
 - ``general.quantization_version`` (``GGML_QUANT_VERSION``, as ``prepare_metadata`` adds it);
 - the vocabulary as ``_set_vocab_gpt2`` writes it: one entry per id up to the config's
@@ -225,7 +231,8 @@ def write_gguf(state: Mapping[str, "object"], config: Mapping, out: str | Path, 
         model. Otherwise None.
 
     Raises KeyError for a tensor name the families do not have, ValueError for a
-    ``model_type`` other than qwen3_moe, qwen2_moe, mixtral, olmoe.
+    ``model_type`` the runtime's GGUF loader does not run (:func:`gguf_arch`) or a
+    DeepSeek-V3 checkpoint with rotate-half RoPE (``rope_interleave`` false).
     """
     import gguf
 
@@ -239,8 +246,15 @@ def write_gguf(state: Mapping[str, "object"], config: Mapping, out: str | Path, 
     heads, kv_heads = text["num_attention_heads"], text.get("num_key_value_heads", text["num_attention_heads"])
     hidden = text["hidden_size"]
     head_dim = text.get("head_dim") or hidden // heads
-    experts = text.get("num_experts") or text.get("num_local_experts")
+    experts = text.get("num_experts") or text.get("num_local_experts") or text.get("n_routed_experts")
     n_layers = text["num_hidden_layers"]
+    attn = {"head_count_kv": kv_heads, "key_length": head_dim, "value_length": head_dim,
+            "rope_dimension_count": int(head_dim * partial_rotary(Cfg(dict(text), "config.json")))}
+    if family.gguf_attention_meta is not None:
+        attn.update(family.gguf_attention_meta(dict(text)))
+    if mt in ("deepseek_v3", "kimi_k2") and text.get("rope_interleave") is False:
+        raise ValueError(f"model_type {mt!r} with rope_interleave false: llama.cpp's deepseek2 "
+                         "rotates interleaved pairs, so the file would not run as this model does")
     # q/k weights and biases (GGUF name under blk.N.) -> heads, for the llama.cpp row permutation
     qk_heads = {expert_names.layer[slot][1]: heads if slot.startswith("q") else kv_heads
                 for slot in ("q", "q_bias", "k", "k_bias")}
@@ -251,10 +265,10 @@ def write_gguf(state: Mapping[str, "object"], config: Mapping, out: str | Path, 
     w.add_context_length(text["max_position_embeddings"])
     w.add_embedding_length(hidden)
     w.add_head_count(heads)
-    w.add_head_count_kv(kv_heads)
-    w.add_key_length(head_dim)
-    w.add_value_length(head_dim)
-    w.add_rope_dimension_count(int(head_dim * partial_rotary(Cfg(dict(text), "config.json"))))
+    w.add_head_count_kv(attn["head_count_kv"])
+    w.add_key_length(attn["key_length"])
+    w.add_value_length(attn["value_length"])
+    w.add_rope_dimension_count(attn["rope_dimension_count"])
     w.add_layer_norm_rms_eps(float(text.get("rms_norm_eps", 1e-6)))
     r = rope_config(dict(text))   # the planner's and the runtime's RoPE reading
     rope, kind = r.block, r.rope_type
@@ -318,9 +332,19 @@ def write_gguf(state: Mapping[str, "object"], config: Mapping, out: str | Path, 
             shape, make = _expert_part(state, kind, names, part, experts)
             plan.append((expert_names.gguf_expert(part, layer), shape, qt, make, False))
     dense = [k for k in keys if not (_FUSED.match(k) or _PER_EXPERT.match(k))]
+    splits: dict[str, tuple] = {}    # HF name -> (its parts' GGUF names, join)
     for k in dense:
-        g = gguf_name(k, mt, prefix)
         shape = _shape(state, k)
+        split = family.gguf_split_tensors(k, shape, dict(text)) if family.gguf_split_tensors else None
+        if split is not None:       # one HF tensor written as several (MLA's kv_b_proj)
+            parts, join = split
+            splits[k] = ([gguf_name(n, mt, prefix) for n, _, _ in parts], join)
+            for n, part_shape, part in parts:
+                g = gguf_name(n, mt, prefix)
+                plan.append((g, part_shape, (dense_types or {}).get(g, dense_type),
+                             lambda k=k, part=part: part(_f32(state[k])), False))
+            continue
+        g = gguf_name(k, mt, prefix)
         n_perm = qk_heads.get(g.split(".", 2)[-1]) if permute else None
 
         def make(k=k, n_perm=n_perm) -> np.ndarray:
@@ -354,6 +378,10 @@ def write_gguf(state: Mapping[str, "object"], config: Mapping, out: str | Path, 
         stored[name] = (np.ascontiguousarray(c.back(arrays), dtype=np.float32) if c.back
                         else arrays[0].reshape(_shape(state, c.sources[0])))
     for k in dense:
+        if k in splits:
+            names, join = splits[k]
+            stored[k] = join(*(deq[n] for n in names))
+            continue
         g = gguf_name(k, mt, prefix)
         n_perm = qk_heads.get(g.split(".", 2)[-1]) if permute else None
         stored[k] = unpermute_qk(deq[g], n_perm) if n_perm else deq[g]
