@@ -120,7 +120,10 @@ def test_gpt_oss(name):
     assert kinds == ["sliding" if t == "sliding_attention" else "full" for t in cfg["layer_types"]]
     assert {l.attention.sliding_window for l in g.layers if l.attention.kind == "sliding"} == {cfg["sliding_window"]}
     assert g.quant.method == cfg["quantization_config"]["quant_method"]
-    assert registry.family_for("gpt_oss").switches is None   # planned, not run
+    sw = registry.family_for("gpt_oss").switches(cfg)         # the published config's switches
+    assert (sw.sinks, sw.router_bias, sw.topk_softmax, sw.q_bias, sw.o_bias) == (True,) * 5
+    assert sw.clamped_swiglu == (1.702, 7.0) and sw.qk_norm == "" and sw.dtype == "bfloat16"
+    assert names(g, 0)["model.layers.0.mlp.router.bias"] == (cfg["num_local_experts"],)
 
 
 @pytest.mark.parametrize("name", presets_of("deepseek"))
@@ -196,8 +199,12 @@ def test_switches_and_name_table_agree_with_the_listing(name):
     l = g.moe_layers[0]
     prefix = f"{sw.prefix}layers.{l.index}."
     assert fam.names.hf("router", prefix) in {t.name for t in l.tensors}
-    assert [t.name for t in l.expert_tensors] == [
-        f"{fam.names.hf_experts(prefix)}0.{part}.weight" for part in fam.names.expert_parts]
+    if fam.names.fused_experts:          # gpt-oss: checkpoints hold fused experts only
+        assert [t.name for t in l.expert_tensors] == [
+            f"{fam.names.hf_experts(prefix)}{n}" for n in fam.names.fused_experts]
+    else:
+        assert [t.name for t in l.expert_tensors] == [
+            f"{fam.names.hf_experts(prefix)}0.{part}.weight" for part in fam.names.expert_parts]
     for slot in ("input_norm", "post_norm"):
         assert fam.names.hf(slot, prefix) in {t.name for t in l.tensors}
 

@@ -157,6 +157,22 @@ def test_a_bf16_checkpoint_short_of_host_memory_points_to_a_quantized_file():
                for n in plan.notes)
 
 
+def test_gpt_oss_mxfp4_experts_are_held_on_the_host_as_stored():
+    """gpt-oss's experts stay mxfp4 (priced as stored): the host holds those blobs, and a
+    host short of them is not told the checkpoint holds them in bf16."""
+    geom = load_model("gpt-oss-120b")
+    assert geom.experts_stored and geom.dtype == "bfloat16"
+    plan = solve(geom, find_gpu("RTX 4090"), Request(max_context=8192), host=host(32))
+    blob = dict(geom.expert_blob_bytes())
+    resident = dict(plan.experts_per_layer)
+    assert plan.host.line("host_experts").bytes == sum(
+        (l.moe.num_experts - resident[l.index]) * blob[l.index] for l in geom.moe_layers)
+    h, i = geom.hidden_size, geom.moe_layers[0].moe.expert_intermediate
+    assert blob[0] == 3 * i * h * 17 // 32 + (2 * i + h) * 2     # MXFP4 matrices + bf16 biases
+    assert not plan.fits and plan.short_on == "host" and "host_experts" in plan.limiting
+    assert not any("held as the checkpoint stores them" in n for n in plan.notes)
+
+
 def test_mmap_needs_a_gguf_file():
     with pytest.raises(InputError, match="--host-experts mmap"):
         solve(load_model("Qwen3-30B-A3B"), find_gpu("RTX 4090"), Request(host_experts="mmap"))

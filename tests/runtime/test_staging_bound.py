@@ -25,6 +25,7 @@ import pytest
 import torch
 
 from conftest import MIB, make_tiny, sim_device
+from gpt_oss import CONFIG, make_gpt_oss
 from hybrid import make_hybrid
 from mla_models import make_mla
 from moefit.memory.kv import kv_format
@@ -35,15 +36,19 @@ from moefit.plan.solver import solve
 from moefit.runtime.engine import Engine, EngineOptions
 from moefit.runtime.measure import measure_step, prefill_measured
 
-FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "qwen3_next", "qwen3_5_moe",
-            "deepseek_v3", "deepseek_v2", "glm4_moe")
+FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "qwen3_next", "qwen3_5_moe", "gpt_oss",
+            "gpt_oss_mxfp4", "deepseek_v3", "deepseek_v2", "glm4_moe")
 MLA = ("deepseek_v3", "deepseek_v2", "glm4_moe")   # tests/runtime/mla_models.py
 FORMATS = ("fp32", "bf16", "fp16", "fp8", "int8", "k8v4", "int4")
 LONGEST = 16384
 #: one attention layer each (two for qwen2_moe, whose second is its dense MLP): the cost of
 #: a 16384-token chunk is its attention
+#: gpt-oss: a sliding and a full layer, YaRN's original window raised so 16384 tokens are in range
+_GPT_OSS = dict(num_hidden_layers=2, rope_parameters=dict(CONFIG["rope_parameters"],
+                                                         original_max_position_embeddings=8192))
 SHAPES = {"qwen3_moe": dict(num_hidden_layers=1), "mixtral": dict(num_hidden_layers=1),
           "olmoe": dict(num_hidden_layers=1), "qwen2_moe": dict(num_hidden_layers=2),
+          "gpt_oss": _GPT_OSS, "gpt_oss_mxfp4": _GPT_OSS,
           # a dense layer, then an MLA (GLM: GQA) layer with grouped routing
           **{f: dict(num_hidden_layers=2) for f in MLA}}
 #: YaRN x4 on the MLA checkpoints, its original window a quarter of the trained one
@@ -66,9 +71,13 @@ def checkpoints(tmp_path_factory):
     out = {}
     for fam in FAMILIES:
         path = tmp_path_factory.mktemp(fam)
-        make = make_hybrid if fam in ("qwen3_next", "qwen3_5_moe") else make_mla if fam in MLA else make_tiny
-        rope = dict(rope_parameters=_YARN) if fam in ("deepseek_v3", "deepseek_v2") else {}
-        make(fam, path, max_position_embeddings=2 * LONGEST, **SHAPES.get(fam, {}), **rope)
+        if fam.startswith("gpt_oss"):
+            make_gpt_oss(path, mxfp4=fam.endswith("mxfp4"), max_position_embeddings=2 * LONGEST,
+                         **SHAPES[fam])
+        else:
+            make = make_hybrid if fam in ("qwen3_next", "qwen3_5_moe") else make_mla if fam in MLA else make_tiny
+            rope = dict(rope_parameters=_YARN) if fam in ("deepseek_v3", "deepseek_v2") else {}
+            make(fam, path, max_position_embeddings=2 * LONGEST, **SHAPES.get(fam, {}), **rope)
         out[(fam, "float32")] = path
         twin = tmp_path_factory.mktemp(fam + "_bf16")
         for f in path.iterdir():
@@ -92,7 +101,7 @@ def test_measured_staging_peak_is_within_the_plan_and_within_15_percent(
         max_context=tokens, kv=kv, prefill_mode="fixed", prefill_tokens=chunk,
         reserve_bytes=MIB, expert_cache=8))
     assert plan.fits and plan.prefill_selected == chunk
-    model = staging_model(geom, kv_format(kv))
+    model = staging_model(geom, kv_format(kv), device_kind="cpu")   # a simulated device
     planned = plan.devices[0].line("prefill").bytes
     assert planned == model.bytes(chunk)
 
@@ -110,6 +119,7 @@ def test_measured_staging_peak_is_within_the_plan_and_within_15_percent(
 
 @pytest.mark.parametrize("family,kv", [("qwen3_moe", "int8"), ("qwen2_moe", "bf16"),
                                        ("qwen3_next", "k8v4"), ("qwen3_5_moe", "fp32"),
+                                       ("gpt_oss", "int4"), ("gpt_oss_mxfp4", "fp8"),
                                        ("deepseek_v3", "int8"), ("glm4_moe", "fp8")])
 def test_a_full_batch_step_is_within_the_plan(checkpoints, family, kv):
     """All slots busy: the decode tokens of three sequences and a prefill piece of the
@@ -124,9 +134,9 @@ def test_a_full_batch_step_is_within_the_plan(checkpoints, family, kv):
         reserve_bytes=MIB, expert_cache=8))
     assert plan.fits and plan.prefill_selected == chunk
     planned = plan.devices[0].line("prefill").bytes
-    assert planned == staging_model(geom, kv_format(kv), slots).bytes(chunk)
+    assert planned == staging_model(geom, kv_format(kv), slots, "cpu").bytes(chunk)
     engine = Engine.start(path, plan, EngineOptions(progress=False))
-    assert engine.model.fixed_bytes == staging_model(geom, kv_format(kv), slots).fixed_bytes
+    assert engine.model.fixed_bytes == staging_model(geom, kv_format(kv), slots, "cpu").fixed_bytes
     gen = torch.Generator().manual_seed(0)
     for s in range(slots - 1):        # three sequences past one KV block, decoding
         engine.prefill(torch.randint(0, geom.vocab_size, (200,), generator=gen).tolist(), s)

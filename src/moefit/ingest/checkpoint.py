@@ -15,6 +15,8 @@ Each tensor goes to one of three buckets (:func:`classify`):
 - ``expert``: routed experts, per-expert (``...experts.{j}.gate_proj.weight``, with fp8
   ``weight_scale_inv``) or fused over experts (``...experts.gate_up_proj``, ``down_proj``, and
   their ``_blocks`` / ``_scales`` / ``_bias``; bytes divided by the layer's expert count).
+  Experts with mxfp4 ``_blocks`` are run as stored (``experts_stored``, type MXFP4: the
+  runtime repacks each block of 32 into a GGUF MXFP4 block of the same 17 bytes).
 - ``weight``: everything else (the ``weights`` budget line).
 
 Bytes are what the runtime holds, not what the file stores: the loader converts every
@@ -35,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from moefit.errors import InputError
+from moefit.ingest.families import gpt_oss
 from moefit.ingest.families.common import FP32_TENSORS
 from moefit.ingest.geometry import ExactWeights, ModelGeometry
 from moefit.ingest.inputs import decode_utf8, parse_json, read_bytes, read_json
@@ -284,8 +287,8 @@ def exact_weights(geom: ModelGeometry, model_dir: str | Path) -> ExactWeights | 
     layout) plus each fused tensor's bytes divided by the layer's ``num_experts``.
     ``total_params`` counts the parameters of every non-skipped tensor (see
     :func:`_param_count`), including buffers the checkpoint stores (e.g. DeepSeek's
-    ``e_score_correction_bias``). ``experts_stored``: the experts are fp8 (F8_*), which the
-    runtime keeps as stored and dequantizes when they run.
+    ``e_score_correction_bias``). ``experts_stored``: the experts are fp8 (F8_*) or mxfp4
+    (``_blocks``), which the runtime keeps as stored and dequantizes when they run.
 
     Errors: :class:`InputError` for a corrupt header, an incomplete sharded checkpoint, or an
     expert tensor on a layer the config declares dense.
@@ -299,6 +302,12 @@ def exact_weights(geom: ModelGeometry, model_dir: str | Path) -> ExactWeights | 
     read: dict[str, int] = {}     # stored bytes of what the loader reads: its host staging
     per_expert: dict[int, dict[int, int]] = {}
     fused: dict[int, int] = {}
+    mxfp4: set[int] = set()
+    # gpt-oss (fused experts with biases): read one expert at a time, not a tensor whole
+    biased: set[int] = set()
+    stored_in: dict[int, int] = {}
+    blocks_in: dict[int, int] = {}
+    expert_names: dict[int, list[str]] = {}
     for path in files:
         for t in read_header(path).tensors:
             bucket, layer, is_fused = classify(t.name, geom.num_layers)
@@ -311,12 +320,19 @@ def exact_weights(geom: ModelGeometry, model_dir: str | Path) -> ExactWeights | 
             if bucket == "weight":
                 weight += nbytes
                 continue
+            stored_in[layer] = stored_in.get(layer, 0) + t.nbytes
+            expert_names.setdefault(layer, []).append(t.name)
             if layer not in moe:
                 raise InputError(f"{path}: tensor {t.name!r} is a routed expert, but the config "
                                  f"declares layer {layer} dense; config and checkpoint disagree")
             fp8_experts |= t.dtype.startswith("F8_")
             if is_fused:
                 fused[layer] = fused.get(layer, 0) + nbytes
+                if t.name.endswith("_blocks") and t.dtype == "U8":
+                    mxfp4.add(layer)
+                    blocks_in[layer] = blocks_in.get(layer, 0) + t.nbytes
+                elif t.name.endswith("_bias"):
+                    biased.add(layer)
             else:
                 j = int(_PER_EXPERT.search(t.name).group(1))
                 per_expert.setdefault(layer, {})
@@ -325,9 +341,17 @@ def exact_weights(geom: ModelGeometry, model_dir: str | Path) -> ExactWeights | 
     for layer, n in sorted(moe.items()):
         blob = max(per_expert.get(layer, {0: 0}).values()) + -(-fused.get(layer, 0) // n)
         blobs.append((layer, blob))
+    # gpt-oss's fused experts are read one expert's slice at a time, not a tensor whole
+    per_expert_read = 0
+    for layer in biased:
+        for name in expert_names.get(layer, ()):
+            read.pop(name, None)
+        per_expert_read = max(per_expert_read, gpt_oss.expert_read_bytes(
+            stored_in[layer], blocks_in.get(layer, 0), moe[layer]))
     return ExactWeights(weight_bytes=weight, expert_blob_bytes=tuple(blobs), skipped_bytes=skipped,
-                        total_params=params, files=len(files), experts_stored=fp8_experts,
-                        load_staging_bytes=load_staging(geom, read))
+                        total_params=params, files=len(files), experts_stored=bool(mxfp4) or fp8_experts,
+                        expert_types=tuple((layer, ("MXFP4",) * 3) for layer in sorted(mxfp4)),
+                        load_staging_bytes=max(load_staging(geom, read), per_expert_read))
 
 
 # --------------------------------------------------------------------------------------------

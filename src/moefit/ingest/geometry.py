@@ -351,6 +351,27 @@ class ModelGeometry:
         """Bytes of one expert blob per MoE layer: exact when headers were read, else analytic."""
         return dict(self.exact.expert_blob_bytes) if self.exact else self.analytic_expert_blob_bytes()
 
+    @property
+    def experts_stored(self) -> bool:
+        """The routed experts stay in a stored (quantized) format and are dequantized when
+        they run: as the headers read say (:attr:`ExactWeights.experts_stored`: GGUF, fp8
+        or mxfp4 safetensors), else, from a config alone, when its quantization covers the
+        experts: mxfp4 (gpt-oss: the runtime keeps those blocks as stored) or block-scaled
+        fp8."""
+        if self.exact is not None:
+            return self.exact.experts_stored
+        return self.quant.method in ("mxfp4", "fp8") and "expert" in self.quant.applies_to
+
+    @property
+    def expert_types(self) -> dict[int, tuple[str, ...]]:
+        """Per MoE layer, the (gate, up, down) ggml types of stored experts (empty when the
+        types are not known): the headers', else MXFP4 for an mxfp4 config."""
+        if self.exact is not None:
+            return dict(self.exact.expert_types)
+        if self.quant.method == "mxfp4":
+            return {l.index: ("MXFP4",) * 3 for l in self.moe_layers}
+        return {}
+
     def attention_layout(self) -> str:
         """Layer count per attention kind in a fixed kind order: ``10 full + 30 linear``."""
         counts = {k: 0 for k in ("full", "sliding", "chunked", "mla", "linear")}
@@ -370,7 +391,8 @@ class ExactWeights:
     ``files``: how many safetensors files were read.
     ``experts_stored``: the routed experts stay in a stored (quantized) format and are
     dequantized when they run; the staging this takes is priced on the ``prefill`` line
-    (:func:`moefit.memory.staging.expert_dequant_bytes`).
+    (:func:`moefit.memory.staging.expert_dequant_bytes`). ``expert_types``: per MoE layer,
+    the (gate, up, down) ggml types they are stored in (gpt-oss's mxfp4 experts: MXFP4).
     ``load_staging_bytes``: the most host memory the loader holds at once beside its
     destinations while reading the files (:func:`moefit.memory.host.load_staging_bytes`);
     0 when not known (the analytic bound is used).
@@ -385,6 +407,7 @@ class ExactWeights:
     total_params: int
     files: int
     experts_stored: bool = False
+    expert_types: tuple[tuple[int, tuple[str, ...]], ...] = ()
     load_staging_bytes: int = 0
 
     def line_detail(self) -> str:

@@ -444,7 +444,6 @@ class GGUFWeights(ExactWeights):
     stored_weight_bytes: int = 0
     by_type: tuple[tuple[str, int, int, int], ...] = ()
     data_bytes: int = 0
-    expert_types: tuple[tuple[int, tuple[str, ...]], ...] = ()
     embed_resident_bytes: int = 0
     embed_stored_bytes: int = 0
     embed_row_bytes: int = 0
@@ -475,6 +474,15 @@ class GGUFWeights(ExactWeights):
         return lines
 
 
+def packed_staging_bytes(elements: int) -> int:
+    """Host bytes the GGUF loader holds while it rebuilds a resident tensor from
+    ``elements`` stored elements (a hybrid's Gated DeltaNet projections or gated
+    ``attn_q``, ``moefit.runtime.hybrid_layout.gguf_linear_attention_entries`` /
+    ``gated_q``): the parts dequantized to fp32, each regrouped into a copy, and the result
+    they are concatenated into: 3 x 4 bytes per element."""
+    return 3 * 4 * elements
+
+
 def exact_from_gguf(geom: ModelGeometry, h: GGUFHeader) -> GGUFWeights:
     """Exact bytes of ``geom``'s weights from the tensor infos of ``h``.
 
@@ -482,11 +490,19 @@ def exact_from_gguf(geom: ModelGeometry, h: GGUFHeader) -> GGUFWeights:
     ``N < num_layers`` -> the expert blob of layer N (bytes / expert count); ``blk.N.*`` with
     ``N >= num_layers`` (MTP) and vision/audio towers -> skipped; everything else -> weights.
 
+    ``load_staging_bytes``: the largest q/k tensor as stored where the family's q/k rows are
+    un-permuted in a host copy (``gguf_permute_qk``; every other tensor is read through the
+    file's map), or, on a layer whose projections the loader rebuilds (Gated DeltaNet, an
+    output-gated ``attn_q``), what rebuilding the layer's dense tensors would hold
+    (:func:`packed_staging_bytes`).
+
     Errors: :class:`InputError` for an expert tensor on a layer the metadata makes dense, an
     expert tensor whose expert dim is not the layer's expert count, or a layer whose expert
     tensors are missing.
     """
     src = str(h.paths[0])
+    rebuilt = {l.index for l in geom.layers if l.attention.kind == "linear" or l.attention.output_gate}
+    layer_elems: dict[int, int] = {}
     moe = {l.index: l.moe.num_experts for l in geom.moe_layers}
     act = DTYPE_BYTES[compute_dtype(h)]
     weight = stored = skipped = params = largest = 0
@@ -525,6 +541,8 @@ def exact_from_gguf(geom: ModelGeometry, h: GGUFHeader) -> GGUFWeights:
         row[0] += t.nbytes
         if _PERMUTED_QK.match(t.name):
             largest = max(largest, t.nbytes)
+        if layer in rebuilt:
+            layer_elems[layer] = layer_elems.get(layer, 0) + t.n_elements
         if t.name == "token_embd.weight":
             embed = (weight - before, t.nbytes, t.nbytes // max(1, t.ne[-1]), t.ggml_type)
     missing = [i for i in moe if i not in blob]
@@ -538,6 +556,7 @@ def exact_from_gguf(geom: ModelGeometry, h: GGUFHeader) -> GGUFWeights:
     family = registry.family_for(geom.model_type)
     if family is None or not family.gguf_permute_qk:
         largest = 0          # read through the file's map: no host copy at load
+    largest = max(largest, packed_staging_bytes(max(layer_elems.values(), default=0)))
     order = sorted(by_type.items(), key=lambda kv: -(kv[1][0] + kv[1][1]))
     return GGUFWeights(
         weight_bytes=weight, expert_blob_bytes=tuple(sorted(blob.items())), skipped_bytes=skipped,

@@ -70,7 +70,7 @@ def geometry_hash(geom: ModelGeometry) -> str:
     layers = [[asdict(l.attention), _moe_doc(l.moe), l.dense_intermediate,
                sorted(t.name.rsplit(".", 2)[-2] for t in l.tensors if "norm" in t.name)]
               for l in geom.layers]
-    stored = geom.exact is not None and geom.exact.experts_stored
+    stored = geom.experts_stored
     dequant = expert_dequant_bytes(geom, compute_bytes(geom)) if stored else 0
     doc = [geom.model_type, geom.hidden_size, geom.vocab_size, geom.dtype, geom.dtype_bytes,
            layers, dequant]

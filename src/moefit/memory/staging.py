@@ -313,15 +313,6 @@ def fp8_dense_scratch(geom: ModelGeometry) -> int:
                default=0)
 
 
-def experts_stored(geom: ModelGeometry) -> bool:
-    """Whether the routed experts stay in a stored (quantized) format and are dequantized
-    when they run: as the checkpoint's headers say when they were read (GGUF, fp8
-    safetensors), else when an fp8 ``quantization_config`` covers them."""
-    if geom.exact is not None:
-        return geom.exact.experts_stored
-    return geom.quant.method == "fp8" and "expert" in geom.quant.applies_to
-
-
 def _mla_step(layer: LayerSpec, fmt: KVFormat, act: int, geom: ModelGeometry | None = None) -> _Step:
     """MLA in the absorbed form (``moefit.runtime.model._mla_attention``), the stack per
     token, in three phases over the absorbed queries ``[heads, L + R]`` (L
@@ -452,13 +443,13 @@ def expert_dequant_bytes(geom: ModelGeometry, act: int, c_kernels: bool = False)
     straight into that matrix and adds no scratch (fp32 / bf16 compute dtype; an fp16
     one still goes through torch). Block-scaled fp8 experts: the matrix plus
     :func:`fp8_scratch_bytes`. 0 for a model without MoE layers."""
-    if geom.quant.method == "fp8" and experts_stored(geom):    # fp8 safetensors experts
+    if geom.quant.method == "fp8" and geom.experts_stored:    # fp8 safetensors experts
         i_h = lambda l: (l.moe.expert_intermediate, geom.hidden_size)  # noqa: E731
         return max((l.moe.expert_intermediate * geom.hidden_size * act
                     + max(fp8_scratch_bytes(*i_h(l), geom.quant.block_size),
                           fp8_scratch_bytes(*reversed(i_h(l)), geom.quant.block_size))
                     for l in geom.moe_layers), default=0)
-    types = dict(getattr(geom.exact, "expert_types", ()) or ())
+    types = geom.expert_types
     worst = max(DEQUANT_SCRATCH_BYTES_PER_ELEM.values())
     direct = c_kernels and geom.dtype in ("float32", "bfloat16")
 
@@ -497,7 +488,7 @@ def fixed_region_bytes(geom: ModelGeometry, fmt: KVFormat, q_block: int = ATTN_Q
         if a not in seen:
             seen[a] = _mixer_region(a, fmt, act, q_block, kv_block)
         fixed = max(fixed, seen[a])
-    if experts_stored(geom):
+    if geom.experts_stored:
         fixed = max(fixed, span([_expert_matrix_bytes(geom, act)]))
     dense = [t.numel for t in fp8_dense_tensors(geom) if not _is_kv_b(t)]
     if dense:       # the largest block-scaled fp8 matrix, dequantized when used
@@ -568,9 +559,9 @@ def staging_model(geom: ModelGeometry, fmt: KVFormat, slots: int = 1,
     fixed = fixed_region_bytes(geom, fmt, slots=slots)
     terms_extra: tuple = ()
     scratch = fp8_dense_scratch(geom)
-    if experts_stored(geom):
-        # quantized experts (GGUF, fp8): one matrix dequantized at a time into the fixed
-        # region; the kernels' fp32 scratch (bounded tiles) is allocated outside the workspace
+    if geom.experts_stored:
+        # quantized experts (GGUF, fp8, gpt-oss's mxfp4): one matrix dequantized at a time into
+        # the fixed region; the kernels' fp32 scratch (bounded tiles) is allocated outside the workspace
         c_kernels = cpu_kernels.expected(device_kind)
         scratch = max(scratch, expert_dequant_bytes(geom, act, c_kernels) - _expert_matrix_bytes(geom, act))
         terms_extra = (("expert dequantization kernel scratch", scratch, 0),)
@@ -616,7 +607,7 @@ def expert_staging_model(geom: ModelGeometry, device_kind: str = "cuda") -> Stag
 
 def expert_fixed_region_bytes(geom: ModelGeometry) -> int:
     """The fixed region of an expert-only device's workspace: one dequantized expert
-    matrix for a stored (GGUF, fp8) format, else 0 (bytes)."""
-    if experts_stored(geom) and geom.moe_layers:
+    matrix for a stored (GGUF, fp8, mxfp4) format, else 0 (bytes)."""
+    if geom.experts_stored and geom.moe_layers:
         return span([_expert_matrix_bytes(geom, compute_bytes(geom))])
     return 0

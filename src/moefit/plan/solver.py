@@ -867,7 +867,8 @@ def _with_host(plan: Plan, host: Host | None) -> Plan:
         out.append(l.key)
         covered += l.bytes
     notes = plan.notes
-    if "host_experts" in out and not _is_gguf(geom := plan.geometry) and geom.dtype_bytes > 1:
+    geom = plan.geometry
+    if "host_experts" in out and not _is_gguf(geom) and geom.dtype_bytes > 1 and not geom.experts_stored:
         notes = (*notes, f"host: the experts are held as the checkpoint stores them ({geom.dtype}); "
                          "a quantized GGUF file of the model holds them at its stored size (plan "
                          "that file)")

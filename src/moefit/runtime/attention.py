@@ -45,7 +45,7 @@ SMALL_ROWS = 64
 
 def attend(q: torch.Tensor, start: int, cache: KVCache, layer: int, slot: int, scale: float,
            out: torch.Tensor, ws: Workspace, *, q_block: int = ATTN_Q_BLOCK,
-           kv_block: int = ATTN_KV_BLOCK) -> None:
+           kv_block: int = ATTN_KV_BLOCK, sinks: torch.Tensor | None = None) -> None:
     """Attention of a chunk's queries over the cache (which already holds the chunk's keys).
 
     Args:
@@ -56,6 +56,8 @@ def attend(q: torch.Tensor, start: int, cache: KVCache, layer: int, slot: int, s
         ws: staging workspace; the tiles and dequantized blocks come from its fixed
             region ``ws.fixed`` (:func:`moefit.memory.staging.attention_tile_takes`, then
             the KV block read's cell indices and codec scratch).
+        sinks: ``[A]`` gpt-oss attention sinks, or None: one more logit per query head
+            in the softmax's denominator, no value (:func:`_fold_sinks`).
     """
     t_len, heads, d = q.shape
     lc = cache.layers[layer]
@@ -145,6 +147,30 @@ def attend(q: torch.Tensor, start: int, cache: KVCache, layer: int, slot: int, s
                     torch.bmm(p_act, v, out=pv)
                     acc.add_(pv32_[:kvh * rows * dv].view(kvh, rows, dv).copy_(pv))
                 m.copy_(m_new)
+            if sinks is not None:
+                _fold_sinks(sinks, kvh, g, tq, m, l, acc, m_new, alpha, rowsum)
             acc.div_(l[..., None])
             # [K, G, tq, Dv] -> [tq, K*G, Dv]
             out[q0:q0 + tq].view(tq, kvh, g, dv).copy_(acc.view(kvh, g, tq, dv).permute(2, 0, 1, 3))
+
+
+def _fold_sinks(sinks: torch.Tensor, kvh: int, g: int, tq: int, m: torch.Tensor, l: torch.Tensor,
+                acc: torch.Tensor, m_new: torch.Tensor, alpha: torch.Tensor, s: torch.Tensor) -> None:
+    """Fold gpt-oss's sinks into a finished tile's running statistics: a logit ``sinks[h]``
+    per query head joins the softmax's denominator and takes no value
+    (``modeling_gpt_oss.py`` ``eager_attention_forward``: ``cat([scores, sinks])``, softmax,
+    the sink column dropped)::
+
+        m' = max(m, sink);  l = l exp(m - m') + exp(sink - m');  acc = acc exp(m - m')
+
+    ``m``, ``l`` ``[K, G*tq]``, ``acc`` ``[K, G*tq, Dv]`` (rows of KV head ``j``: query heads
+    ``j*G .. j*G + G-1``, ``tq`` tokens each); ``m_new``, ``alpha``, ``s`` ``[K, G*tq]``
+    fp32 row buffers of the tile, free at this point (no other workspace is taken).
+    """
+    s.view(kvh, g, tq).copy_(sinks.view(kvh, g, 1))                # the sink of each row
+    torch.maximum(m, s, out=m_new)
+    torch.exp(torch.sub(m, m_new, out=alpha), out=alpha)
+    l.mul_(alpha).add_(s.sub_(m_new).exp_())
+    acc.mul_(alpha[..., None])
+    m.copy_(m_new)
+

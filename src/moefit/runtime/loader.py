@@ -23,7 +23,9 @@ The loader reads the dense weights at once and returns an :class:`ExpertSource`;
 engine reads the experts from it once it knows where each one lives (docs/design.md,
 host budget): a resident expert straight into its device slot, the others into host rows
 (pinned when the device is CUDA: asynchronous host-to-device copies), so the host never
-holds a resident expert.
+holds a resident expert. gpt-oss's fused experts (with biases; bf16 or mxfp4 kept as
+stored) are read one expert's slice at a time into a uint8 blob of their own layout
+(:mod:`moefit.runtime.gpt_oss_experts`).
 
 Block-scaled fp8 checkpoints (``quant_method: fp8``: DeepSeek-V3 / R1, Kimi-K2): each F8_E4M3
 weight with its ``weight_scale_inv`` stays as stored, as priced: a dense one as a
@@ -52,8 +54,10 @@ import torch
 
 from moefit.ingest.checkpoint import checkpoint_files, read_header
 from moefit.errors import InputError
+from moefit.ingest.families import gpt_oss
 from moefit.ingest.families.common import FP32_TENSORS
 from moefit.ingest.geometry import LayerSpec, ModelGeometry
+from moefit.runtime import gpt_oss_experts
 from moefit.runtime.arch import Arch
 from moefit.runtime.hybrid_layout import Packed, gated_q, linear_attention_entries, sources
 from moefit.runtime.quant import FP8, Fp8Matrix, StoredExpert, fp8_scale_shape
@@ -78,9 +82,11 @@ class LayerWeights:
     k_bias: torch.Tensor | None = None
     v_bias: torch.Tensor | None = None
     o_bias: torch.Tensor | None = None
+    sinks: torch.Tensor | None = None        # [A] gpt-oss attention sinks
     q_norm: torch.Tensor | None = None       # [D] (per head) or [A*D] (all heads)
     k_norm: torch.Tensor | None = None
     router: torch.Tensor | None = None       # [E, H]
+    router_bias: torch.Tensor | None = None  # [E] gpt-oss: added to the logits; DeepSeek / GLM: fp32 e_score_correction_bias
     shared_gate: torch.Tensor | None = None  # [Is, H]
     shared_up: torch.Tensor | None = None    # [Is, H]
     shared_down: torch.Tensor | None = None  # [H, Is]
@@ -107,7 +113,6 @@ class LayerWeights:
     kv_b: torch.Tensor | None = None         # [A*(nope+Dv), L]  (or k_b and v_b:)
     k_b: torch.Tensor | None = None          # [A, L, nope]
     v_b: torch.Tensor | None = None          # [A, Dv, L]
-    router_bias: torch.Tensor | None = None  # [E] fp32 e_score_correction_bias
 
 
 @dataclass
@@ -242,13 +247,21 @@ class _Index:
             raise InputError(f"{path}: tensor {name!r} has shape {list(found)}, but config.json "
                              f"implies {list(shape)}")
 
-    def get(self, name: str) -> torch.Tensor:
+    def _handle(self, name: str):
         from safetensors import safe_open
 
         path, _ = self.where[name]
         if path not in self._handles:
             self._handles[path] = safe_open(str(path), framework="pt", device="cpu")
-        return self._handles[path].get_tensor(name)
+        return self._handles[path]
+
+    def get(self, name: str) -> torch.Tensor:
+        return self._handle(name).get_tensor(name)
+
+    def get_slice(self, name: str, index: int) -> torch.Tensor:
+        """``tensor[index]`` of ``name`` (its first dim dropped), reading only those bytes
+        (safetensors ``get_slice``)."""
+        return self._handle(name).get_slice(name)[index:index + 1][0]
 
     def numel(self, name: str) -> int:
         return math.prod(self.where[name][1])
@@ -316,6 +329,8 @@ def _layer_plan(l: LayerSpec, geom: ModelGeometry, arch: Arch, index: _Index) ->
         out += [("q_bias", *qb), ("k_bias", n("k_bias"), (kd,)), ("v_bias", n("v_bias"), (vd,))]
     if arch.o_bias:
         out.append(("o_bias", n("o_bias"), (h,)))
+    if arch.sinks:
+        out.append(("sinks", n("sinks"), (a.num_heads,)))
     if arch.qk_norm == "head":
         out += [("q_norm", n("q_norm"), (a.head_dim,)), ("k_norm", n("k_norm"), (a.head_dim,))]
     elif arch.qk_norm == "full":
@@ -340,13 +355,14 @@ def _mlp_plan(l: LayerSpec, geom: ModelGeometry, arch: Arch, index: _Index,
 
 
 def moe_extras_plan(m, hidden: int, arch: Arch, name) -> list[tuple[str, str, tuple]]:
-    """(attribute, name, shape) of a MoE block's tensors beside the router: the router's
-    ``e_score_correction_bias`` ``[E]`` (held in fp32, :data:`FP32_TENSORS`) when the
+    """(attribute, name, shape) of a MoE block's tensors beside the router: its bias
+    ``[E]``, gpt-oss's router bias (``Arch.router_bias``, added to the logits) or the
+    router's ``e_score_correction_bias`` (held in fp32, :data:`FP32_TENSORS`) when the
     routing has one; the shared expert, with its 1-row sigmoid gate when the family's name
     table has one (Qwen2-MoE / Qwen3-Next; DeepSeek's and GLM's ``shared_experts`` are
     added ungated). ``name(slot)``: the tensor name of a slot. Both loaders use it."""
     out = []
-    if m.routing.bias:
+    if arch.router_bias or m.routing.bias:
         out.append(("router_bias", name("router_bias"), (m.num_experts,)))
     if m.shared_intermediate:
         si = m.shared_intermediate
@@ -358,9 +374,19 @@ def moe_extras_plan(m, hidden: int, arch: Arch, name) -> list[tuple[str, str, tu
 
 
 def _expert_plan(l: LayerSpec, geom: ModelGeometry, arch: Arch, index: _Index):
-    """``("fused", gate_up name, down name)`` or ``("per_expert", [(g, u, d) per expert])``."""
+    """``("fused", gate_up name, down name)``, ``("per_expert", [(g, u, d) per expert])``
+    or, for experts with biases (gpt-oss), ``("biased", {part: name}, layout)``
+    (:func:`moefit.runtime.gpt_oss_experts.hf_expert_names`, :func:`~moefit.runtime.gpt_oss_experts.hf_layout`)."""
     m, h, p = l.moe, geom.hidden_size, f"{arch.prefix}layers.{l.index}."
     i = m.expert_intermediate
+    if arch.clamped_swiglu is not None:
+        prefix = arch.names.hf_experts(p)
+        packed = gpt_oss_experts.checkpoint_experts(m.num_experts, i, h, mxfp4=True)
+        mxfp4 = any(index.has(prefix + n) for n in packed if n.endswith("_blocks"))
+        for name, shape in gpt_oss_experts.checkpoint_experts(m.num_experts, i, h, mxfp4).items():
+            index.check(prefix + name, shape)
+        names = gpt_oss_experts.hf_expert_names(prefix, mxfp4)
+        return "biased", names, gpt_oss_experts.hf_layout(names, i, h, arch.dtype, *arch.clamped_swiglu)
     for prefix in arch.names.moe_blocks:
         gu, dn = f"{p}{prefix}.experts.gate_up_proj", f"{p}{prefix}.experts.down_proj"
         if index.has(gu) or index.has(dn):
@@ -482,11 +508,30 @@ class _SafetensorsExperts(ExpertSource):
             self.dtype = torch.uint8
             self.formats = {l: StoredExpert.pack_fp8(i, self.hidden, block) for l, i in self.inter.items()}
             self.elems = {l: fmt.nbytes for l, fmt in self.formats.items()}
+        biased = {l: p[2] for l, p in plans.items() if p[0] == "biased"}
+        if biased:       # gpt-oss: every MoE layer's blob is uint8 bytes of its layout
+            assert len(biased) == len(plans), "gpt-oss checkpoints have biased experts on every MoE layer"
+            self.dtype, self.formats = torch.uint8, biased
+            self.elems = {l: fmt.nbytes for l, fmt in biased.items()}
 
     def read(self, layer: int, targets: dict[int, torch.Tensor]) -> None:
-        """Copy each expert ``e`` of ``targets`` (``{e: blob [3 I H]}``) from the files.
-        A fused tensor is read whole, one at a time."""
+        """Copy each expert ``e`` of ``targets`` (``{e: blob [3 I H]}``; gpt-oss: ``{e:
+        uint8 blob}``) from the files. A fused tensor is read whole, one at a time; gpt-oss's
+        fused tensors one expert's slice at a time (their mxfp4 blocks are repacked per
+        expert: :func:`moefit.ingest.families.gpt_oss.expert_read_bytes` bounds what that holds)."""
         i, h, plan = self.inter[layer], self.hidden, self.plans[layer]
+        if plan[0] == "biased":
+            names, fmt, n = plan[1], plan[2], self.experts[layer]
+            stored = sum(self.index.nbytes[name] for name in names.values())
+            blocks = sum(self.index.nbytes[name] for role, name in names.items() if role.endswith("_blocks"))
+            for e, dst in targets.items():
+                with self.transient(gpt_oss.expert_read_bytes(stored, blocks, n)):
+                    def get(name, e=e):
+                        t = self.index.get_slice(name, e)
+                        self.bar.update(t.numel())
+                        return t
+                    gpt_oss_experts.hf_expert_into(get, names, fmt, dst)
+            return
         if plan[0] == "fused":
             for name, lo, hi in ((plan[1], 0, 2 * i * h), (plan[2], 2 * i * h, 3 * i * h)):
                 with self.transient(self.index.nbytes[name]):
@@ -553,7 +598,8 @@ def load_checkpoint(model_dir: str | Path, geom: ModelGeometry, arch: Arch, allo
     total = sum(index.numel(n) for _, name, shape in glob + [t for lp in layer_plans for t in lp]
                 for n, _ in sources(name, shape))
     for plan in expert_plans.values():
-        names = [plan[1], plan[2]] if plan[0] == "fused" else [n for trio in plan[1] for n in trio]
+        names = ([plan[1], plan[2]] if plan[0] == "fused" else list(plan[1].values()) if plan[0] == "biased"
+                 else [n for trio in plan[1] for n in trio])
         total += sum(index.numel(n) for n in names)
     bar = progress_bar(total, progress, model_dir.name)
 

@@ -17,6 +17,12 @@ Routing (mixtral-offloading, transformers ``*TopKRouter``): router logits in the
 dtype, softmax in fp32, top-k, renormalised per the family rule, then cast to the compute
 dtype; expert outputs are combined in an fp32 accumulator.
 
+gpt-oss (``modeling_gpt_oss.py``): attention sinks (a per-head logit in each softmax
+denominator, :func:`moefit.runtime.attention.attend`), alternating sliding-window layers
+(the KV cache's ring), a router with a bias and a softmax over its top-k logits
+(:func:`route_topk_softmax`), experts with biases and the clamped SwiGLU
+(:mod:`moefit.runtime.gpt_oss_experts`).
+
 Hybrids (``modeling_qwen3_next.py``, ``modeling_qwen3_5_moe.py``): the token mixer of a
 ``linear`` layer is Gated DeltaNet (:func:`moefit.runtime.deltanet.gated_deltanet`); the
 full-attention layers have an output gate, ``o * sigmoid(gate)`` before ``o_proj``, with
@@ -71,11 +77,14 @@ class Model:
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, out: torch.Tensor,
-             offset: float = 0.0, ws: Workspace | None = None) -> torch.Tensor:
+             offset: float = 0.0, ws: Workspace | None = None, *,
+             fp32_weight: bool = False) -> torch.Tensor:
     """``w * (x / sqrt(mean(x^2) + eps))`` over the last dim, statistics in fp32, the
     normalised value cast back to ``x``'s dtype before the weight (``Qwen3MoeRMSNorm``).
 
-    ``offset`` 1: ``(1 + w)`` applied in fp32 before the cast (``Qwen3NextRMSNorm``).
+    ``offset`` 1: ``(1 + w)`` applied in fp32 before the cast (``Qwen3NextRMSNorm``);
+    ``fp32_weight``: ``w`` applied in fp32 before the cast (``GptOssRMSNorm``, whose weight
+    transformers keeps in fp32).
     ``ws``: the fp32 scratch (a copy of ``x`` unless fp32, ``x^2`` then the normalised
     value, ``[..., 1]`` statistics, the ``1 + w`` weight) comes from it.
     """
@@ -87,13 +96,13 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, out: torch.Tensor,
             var = ws.take((*x.shape[:-1], 1), f32)
             torch.mean(torch.mul(xf, xf, out=sq), -1, keepdim=True, out=var).add_(eps).rsqrt_()
             torch.mul(xf, var, out=sq)
-            if offset:
+            if offset or fp32_weight:
                 return out.copy_(sq.mul_(ws.take(w.shape, f32).copy_(w).add_(offset)))
             out.copy_(sq)
             return out.mul_(w)
     xf = x.float()
     var = xf.pow(2).mean(-1, keepdim=True)
-    if offset:
+    if offset or fp32_weight:
         return out.copy_(xf * torch.rsqrt(var + eps) * (offset + w.float()))
     out.copy_(xf * torch.rsqrt(var + eps))
     return out.mul_(w)
@@ -154,7 +163,7 @@ def _attention(mdl: Model, l: LayerSpec, lw: LayerWeights, x: torch.Tensor,
         for sg in segs:
             a0, a1 = sg.offset, sg.offset + sg.length
             attend(q3[a0:a1], sg.start, mdl.kv, l.index, sg.slot, d ** -0.5, o[a0:a1], ws,
-                   q_block=mdl.q_block, kv_block=mdl.kv_block)
+                   q_block=mdl.q_block, kv_block=mdl.kv_block, sinks=lw.sinks)
         if a.output_gate:
             o.view(t, heads * dv).mul_(gate.sigmoid_())
         linear(o.view(t, heads * dv), lw.o, lw.o_bias, out)
@@ -281,6 +290,20 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool, ws: Workspace | N
     return w, ids
 
 
+def route_topk_softmax(logits: torch.Tensor, top_k: int, ws: Workspace, w: torch.Tensor,
+                       ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """gpt-oss routing (``GptOssTopKRouter``): top-k of the router logits ``[T, E]``, then a
+    softmax over those k values only, into ``w`` ``[T, k]`` fp32 and ``ids`` ``[T, k]``
+    (the same weights as softmax-then-top-k renormalised, computed the reference's way).
+    The fp32 copy of the logits and the softmax's output come from ``ws``."""
+    f32 = torch.float32
+    with ws.scope():
+        x = logits if logits.dtype == f32 else ws.take(logits.shape, f32).copy_(logits)
+        torch.topk(x, top_k, dim=-1, out=(w, ids))
+        w.copy_(torch.ops.aten._softmax.out(w, -1, False, out=ws.take(w.shape, f32)))
+    return w, ids
+
+
 def _moe(mdl: Model, l: LayerSpec, lw: LayerWeights, x: torch.Tensor, out: torch.Tensor) -> None:
     """Routed experts (+ gated shared expert) of layer ``l`` on ``x`` ``[T, H]`` into ``out``.
 
@@ -297,12 +320,17 @@ def _moe(mdl: Model, l: LayerSpec, lw: LayerWeights, x: torch.Tensor, out: torch
         w = ws.take((t, k), f32)                                          # [T, k]
         ids = ws.take((t, k), torch.int64)                               # [T, k]
         with ws.scope():
-            logits = linear(x, lw.router, None, ws.take((t, n_exp), act))   # [T, E]
+            # the router's bias: gpt-oss's is added to the logits; DeepSeek's / GLM's
+            # e_score_correction_bias only chooses (route_grouped)
+            bias = lw.router_bias if mdl.arch.router_bias else None
+            logits = linear(x, lw.router, bias, ws.take((t, n_exp), act))   # [T, E]
             if m.routing.grouped:
                 route_grouped(logits, k, m.routing, mdl.arch.renormalize, lw.router_bias, ws, w, ids)
+            elif mdl.arch.topk_softmax:
+                route_topk_softmax(logits, k, ws, w, ids)
             else:
                 route(logits, k, mdl.arch.renormalize, ws, w, ids)
-        if moe_batch.applies(mdl.experts, l.index, x, k):
+        if mdl.arch.clamped_swiglu is None and moe_batch.applies(mdl.experts, l.index, x, k):
             acc = ws.take((t, h), f32, zero=True)
             scratch = ws.take((moe_batch.scratch_bytes(t, h, m.expert_intermediate, act),), torch.uint8)
             wq = w if act == f32 else ws.take((t, k), act).copy_(w).float()   # rounded as combined
@@ -435,7 +463,7 @@ def forward_batch(mdl: Model, ids: torch.Tensor, segs: tuple[Segment, ...]) -> t
     cos, sin = _cos_sin(mdl, segs, t, act, ws)                           # [T, rot]
     off = arch.norm_offset
     for l, lw in zip(g.layers, w.layers):
-        rms_norm(hidden, lw.input_norm, arch.rms_eps, normed, off, ws)
+        rms_norm(hidden, lw.input_norm, arch.rms_eps, normed, off, ws, fp32_weight=arch.norm_fp32)
         if l.attention.kind == "linear":
             for sg in segs:
                 a0, a1 = sg.offset, sg.offset + sg.length
@@ -446,7 +474,7 @@ def forward_batch(mdl: Model, ids: torch.Tensor, segs: tuple[Segment, ...]) -> t
         else:
             _attention(mdl, l, lw, normed, segs, cos, sin, delta)
         hidden.add_(delta)
-        rms_norm(hidden, lw.post_norm, arch.rms_eps, normed, off, ws)
+        rms_norm(hidden, lw.post_norm, arch.rms_eps, normed, off, ws, fp32_weight=arch.norm_fp32)
         if l.moe is not None:
             _moe(mdl, l, lw, normed, delta)
         else:
@@ -458,7 +486,8 @@ def forward_batch(mdl: Model, ids: torch.Tensor, segs: tuple[Segment, ...]) -> t
     else:
         lasts = torch.index_select(hidden, 0, torch.tensor(rows, device=ids.device),
                                    out=delta[:n_seq])
-    last = rms_norm(lasts, w.norm, arch.rms_eps, normed[:n_seq], off, ws)  # [S, H]
+    last = rms_norm(lasts, w.norm, arch.rms_eps, normed[:n_seq], off, ws,
+                    fp32_weight=arch.norm_fp32)                                 # [S, H]
     logits = ws.fixed.take((n_seq, g.vocab_size), torch.float32)         # [S, V]
     if act == torch.float32 or isinstance(w.lm_head, StoredMatrix) or moe_batch.dense_applies(last, w.lm_head):
         linear(last, w.lm_head, None, logits)           # fp32 logits, fp32 accumulation

@@ -519,7 +519,9 @@ class NameTable:
     checkpoint may use instead (transformers 5.x saves every MoE block as ``mlp``).
     ``moe_blocks``: the MoE block names a checkpoint may use, the family's first.
     ``expert_parts``: the (gate, up, down) module names of one routed expert under
-    ``{moe}.experts.{j}.``. ``shared_gate``: the shared expert is scaled by a 1-row sigmoid
+    ``{moe}.experts.{j}.``; ``fused_experts``: for a family whose checkpoints hold its
+    experts only fused over the layer (gpt-oss), those tensors' names under
+    ``{moe}.experts.``. ``shared_gate``: the shared expert is scaled by a 1-row sigmoid
     gate (``shared_expert_gate``: Qwen2-MoE, Qwen3-Next); DeepSeek's and GLM-4.5's
     ``shared_experts`` are added ungated. The one home of a family's MoE names: its parser lists them
     (:meth:`router_module`, :meth:`hf_experts`), the runtime loads them
@@ -533,6 +535,7 @@ class NameTable:
     moe_blocks: tuple[str, ...] = ("mlp",)
     expert_parts: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
     shared_gate: bool = True
+    fused_experts: tuple[str, ...] = ()
 
     @property
     def moe_prefix(self) -> str:
@@ -590,7 +593,7 @@ def name_table(moe_prefix: str = "mlp", layer: dict[str, tuple[str, str]] | None
     table = {slot: (hf.replace("{moe}", moe_prefix), g) for slot, (hf, g) in {**LAYER_NAMES, **(layer or {})}.items()}
     aliases = {} if moe_prefix == "mlp" else {LAYER_NAMES["router"][0].replace("{moe}", "mlp"): "router"}
     return NameTable(table, dict(GLOBAL_NAMES), dict(GGUF_EXPERT_NAMES), aliases,
-                     tuple(dict.fromkeys((moe_prefix, "mlp"))), tuple(expert_parts), shared_gate)
+                     tuple(dict.fromkeys((moe_prefix, "mlp"))), tuple(expert_parts), shared_gate=shared_gate)
 
 
 # --------------------------------------------------------------------------------------------
@@ -607,6 +610,15 @@ class Switches:
     model; ``norm_offset``: 1.0 for ``(1 + w)`` RMSNorm weights; ``rope_interleave``: RoPE
     rotates interleaved pairs ``(x0, x1), (x2, x3) ...`` (DeepSeek's layout) instead of the
     two halves (``rotate_half``).
+
+    gpt-oss (``modeling_gpt_oss.py``): ``sinks``, a learned per-head logit in every softmax
+    denominator (``GptOssAttention.sinks``); ``router_bias``, the router's bias;
+    ``topk_softmax``, softmax over the top-k router logits only (``GptOssTopKRouter``);
+    ``clamped_swiglu`` ``(alpha, limit)``: experts with biases and the clamped SwiGLU of
+    ``GptOssExperts._apply_gate`` (``(clamp(up, -limit, limit) + 1) * g * sigmoid(alpha g)``,
+    ``g = min(gate, limit)``); ``None`` is the plain SwiGLU without biases;
+    ``norm_fp32``: the RMSNorm weights multiply in fp32 before the cast (``GptOssRMSNorm``,
+    kept in fp32 by ``_keep_in_fp32_modules``).
     """
 
     model_type: str
@@ -622,6 +634,11 @@ class Switches:
     prefix: str = "model."
     norm_offset: float = 0.0
     rope_interleave: bool = False
+    sinks: bool = False
+    router_bias: bool = False
+    topk_softmax: bool = False
+    clamped_swiglu: tuple[float, float] | None = None
+    norm_fp32: bool = False
 
 
 # --------------------------------------------------------------------------------------------
@@ -692,6 +709,39 @@ def gguf_moe_metadata(w: Any, config: dict) -> None:
     w.add_expert_weights_norm(bool(config.get("norm_topk_prob", False)))
 
 
+@dataclass(frozen=True)
+class GGUFTensorOut:
+    """One tensor a family's GGUF conversion writes (:class:`GGUFConversion`).
+
+    ``name``: the GGUF name; ``shape``: its shape in torch order; ``make()``: its values as
+    a float32 array of that shape, or, with ``stored``, the bytes already in that ggml type
+    (uint8 ``[..., row bytes]``: written as they are, not quantized again). ``kind``:
+    ``dense`` (the writer's dense type, F32 when 1-D), ``f32``, or the expert part
+    ``gate`` / ``up`` / ``down`` (the layer's expert type).
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    make: Callable[[], Any]
+    kind: str = "dense"
+    stored: str | None = None
+
+
+@dataclass(frozen=True)
+class GGUFConversion:
+    """How ``moefit.tools.gguf_write`` writes some Hugging Face tensors of a family that
+    llama.cpp's converter transforms (``convert_hf_to_gguf.py``): the state keys
+    ``sources`` become ``outputs``. ``hf_name``: the tensor of the transformers model the
+    outputs hold (default: the only source); ``back(arrays)``: the outputs as the file
+    stores them (float32, torch order, in ``outputs`` order) -> that tensor, for a reference
+    model on the stored weights (default: the only output, reshaped)."""
+
+    sources: tuple[str, ...]
+    outputs: tuple[GGUFTensorOut, ...]
+    hf_name: str | None = None
+    back: Callable[[list], Any] | None = None
+
+
 # --------------------------------------------------------------------------------------------
 # the family record
 # --------------------------------------------------------------------------------------------
@@ -725,6 +775,9 @@ class Family:
     (``head_count_kv``, ``key_length``, ``value_length``, ``rope_dimension_count``; default:
     the KV heads and the head dim). ``gguf_split_tensors(name, shape, config)``: a Hugging
     Face tensor the converter writes as several GGUF tensors (``(parts, join)``), or None.
+    ``gguf_tensors(state, config, prefix, shape_of)``: the :class:`GGUFConversion` of the
+    tensors the family writes its own way (``config`` the text model's, ``prefix`` its
+    checkpoint prefix); the writer maps every other tensor by the name table.
     """
 
     name: str
@@ -745,6 +798,7 @@ class Family:
     active_convention: dict[str, str] = field(default_factory=dict)
     gguf_attention_meta: Callable[[dict], dict] | None = None
     gguf_split_tensors: Callable[[str, tuple, dict], Any] | None = None
+    gguf_tensors: Callable[..., list[GGUFConversion]] | None = None
 
     def kind(self, model_type: str) -> str:
         """The model_type whose parser branch ``model_type`` takes."""
