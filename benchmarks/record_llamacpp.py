@@ -55,6 +55,8 @@ RUNS = [
     (327680, 64, 2048, "q4_0"),     # the KQ mask of the full context outgrows the logits
     (8192, 512, 2048, "q8_0", 2),   # -np 2: one cache stream per sequence
     (4096, 256, 2048, "f16", 3),    # -np 3: n_ctx / 3 is padded per stream
+    (1024, 8192, 8192, "f16"),      # -ub above -c: llama.cpp runs n_ubatch = min(-ub, -b, -c) = 1024
+    (3072, 4096, 4096, "f16", 3),   # the same with three streams: n_ubatch = -c = 3072
 ]
 
 #: lines of llama.cpp's load log that the tests read (llama-model.cpp, llama-kv-cache.cpp,
@@ -296,6 +298,34 @@ def run_one(bin_dir: Path, model: Path, ctx: int, ub: int, b: int, kv: str, np_:
     return shown, keep
 
 
+#: the type mixes of ``llama-quantize FTYPE`` recorded per source model (the tests derive
+#: them from the model's geometry: ``moefit.engines.llamacpp_quant``); 8 experts in qwen3moe-q8
+#: exercise the Mixtral rules, Q2_K / Q3_K the per-layer rules of the K-quant mixes
+QUANTS = {
+    "qwen35moe-hybrid": ("Q4_K_M", "Q5_K_M", "Q6_K", "Q8_0", "Q4_0"),
+    "gptoss-swa": ("MXFP4_MOE", "Q4_K_M"),
+    "qwen3moe-q8": ("Q4_K_M", "Q3_K_M", "Q4_K_S", "Q2_K"),
+    "qwen3moe-wide": ("Q5_K_S", "IQ4_NL", "Q3_K_L"),
+}
+
+
+def record_quants(bin_dir: Path, work: Path, out: Path, version: list[str]) -> None:
+    """``llama-quantize --allow-requantize SRC OUT FTYPE`` for :data:`QUANTS`; writes each result's
+    metadata and tensor infos to ``out/quant/<model>-<ftype>.txt``."""
+    (out / "quant").mkdir(parents=True, exist_ok=True)
+    for name, ftypes in QUANTS.items():
+        src = work / f"{name}.src.gguf"
+        for ftype in ftypes:
+            dst = work / f"quant-{name}-{ftype}.gguf"
+            subprocess.run([str(bin_dir / "llama-quantize"), "--allow-requantize", str(src), str(dst), ftype],
+                           check=True, capture_output=True)
+            lines = [f"# llama-quantize --allow-requantize {name}.src.gguf OUT {ftype} "
+                     "(written by benchmarks/record_llamacpp.py)", *(f"# {v}" for v in version if v),
+                     ".meta", *meta_facts(dst), ".tensors", *tensor_facts(dst)]
+            (out / "quant" / f"{name}-{ftype}.txt").write_text("\n".join(lines) + "\n")
+            print(f"wrote {out / 'quant' / (name + '-' + ftype + '.txt')}", file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--bin", type=Path, required=True)
@@ -303,11 +333,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--work", type=Path, default=Path("/tmp/moefit-llamacpp"))
     ap.add_argument("--out", type=Path, default=ROOT / "tests" / "data" / "llamacpp")
     ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--quant-only", action="store_true",
+                    help="only record the llama-quantize type mixes (QUANTS), no llama-completion runs")
     args = ap.parse_args(argv)
     args.work.mkdir(parents=True, exist_ok=True)
     args.out.mkdir(parents=True, exist_ok=True)
     version = subprocess.run([str(args.bin / "llama-completion"), "--version"], capture_output=True,
                              text=True).stderr.strip().splitlines()
+    for name in QUANTS:
+        if not (args.work / f"{name}.src.gguf").exists():
+            write_model(name, args.work / f"{name}.src.gguf", args.vocab)
+    record_quants(args.bin, args.work, args.out, version)
+    if args.quant_only:
+        return 0
     for name in args.models.split(","):
         src = args.work / f"{name}.src.gguf"
         if not src.exists():

@@ -263,9 +263,10 @@ def test_deepseek_fp8_with_mtp_layer(tmp_path):
         t.update(layer)
     save_sharded(tmp_path / "ds", cfg, t, shards=4)
     mtp_bytes = sum(math.prod(s) * BYTES[dt] for dt, s in mtp.values())
-    # the fp32 buffer is held in the config's dtype (bf16, 2 bytes) as the runtime loads it
-    geom = check_against_analytic(tmp_path / "ds", extra_weight=1 * e * 2, skipped=mtp_bytes,
-                                  converted=-1 * e * 2)
+    # the fp32 buffer (e_score_correction_bias, not in the parameter listing) stays fp32,
+    # as the runtime holds it (FP32_TENSORS)
+    geom = check_against_analytic(tmp_path / "ds", extra_weight=1 * e * 4, skipped=mtp_bytes,
+                                  converted=0)
     blob = 3 * (moe_i * h + 4 * math.ceil(moe_i / 128) * math.ceil(h / 128))
     assert dict(geom.exact.expert_blob_bytes) == {1: blob}
     # the checkpoint stores the router buffer e_score_correction_bias, which transformers does not count

@@ -228,57 +228,22 @@ def test_kv_names_map_to_llamacpp_cache_types():
 
 
 # ---- the Qwen3.5-35B-A3B field case (headers only) ------------------------------------------------
+def _header_writer():
+    """``benchmarks/write_header_gguf.py`` (the one writer of header-only GGUFs)."""
+    import importlib.util
+
+    path = Path(__file__).parent.parent / "benchmarks" / "write_header_gguf.py"
+    spec = importlib.util.spec_from_file_location("write_header_gguf", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def qwen35_q4km(path: Path) -> Path:
-    """A header-only GGUF with Qwen3.5-35B-A3B's tensor shapes and a Q4_K_M type mix
-    (llama-quantize's: Q4_K, with Q6_K for the output, half the ffn_down_exps and attn_v;
-    norms, routers and the SSM's small tensors F32)."""
-    g = load_model("Qwen3.5-35B-A3B")
-    h, v = g.hidden_size, g.vocab_size
-    full = next(l.attention for l in g.layers if l.attention.kind == "full")
-    lin = next(l.attention for l in g.layers if l.attention.kind == "linear")
-    moe = g.moe_layers[0].moe
-    a = "qwen35moe"
-    meta = [("general.architecture", "STRING", a), ("general.name", "STRING", "Qwen3.5-35B-A3B-Q4_K_M"),
-            ("general.file_type", "UINT32", "15")]
-    for key, value in {"block_count": g.num_layers, "context_length": 262144, "embedding_length": h,
-                       "attention.head_count": full.num_heads, "attention.head_count_kv": full.num_kv_heads,
-                       "attention.key_length": full.head_dim, "attention.value_length": full.head_dim,
-                       "expert_count": moe.num_experts, "expert_used_count": moe.experts_per_token,
-                       "expert_feed_forward_length": moe.expert_intermediate,
-                       "expert_shared_feed_forward_length": moe.shared_intermediate,
-                       "ssm.conv_kernel": lin.linear_conv_kernel, "ssm.state_size": lin.linear_key_head_dim,
-                       "ssm.group_count": lin.linear_num_key_heads, "ssm.time_step_rank": lin.linear_num_value_heads,
-                       "ssm.inner_size": lin.linear_num_value_heads * lin.linear_value_head_dim,
-                       "full_attention_interval": 4, "rope.dimension_count": full.rotary_dim}.items():
-        meta.append((f"{a}.{key}", "UINT32", str(value)))
-    meta += [(f"{a}.rope.freq_base", "FLOAT32", "10000000.0"),
-             (f"{a}.attention.layer_norm_rms_epsilon", "FLOAT32", "1e-06")]
-    d_inner = lin.linear_num_value_heads * lin.linear_value_head_dim
-    ts = [("token_embd.weight", "Q4_K", (h, v)), ("output_norm.weight", "F32", (h,)), ("output.weight", "Q6_K", (h, v))]
-    for l in g.layers:
-        b = f"blk.{l.index}."
-        ts += [(b + "attn_norm.weight", "F32", (h,)), (b + "post_attention_norm.weight", "F32", (h,))]
-        if l.attention.kind == "full":
-            q = full.num_heads * full.head_dim
-            kvd = full.num_kv_heads * full.head_dim
-            ts += [(b + "attn_q.weight", "Q4_K", (h, 2 * q)), (b + "attn_k.weight", "Q4_K", (h, kvd)),
-                   (b + "attn_v.weight", "Q6_K", (h, kvd)), (b + "attn_output.weight", "Q4_K", (q, h)),
-                   (b + "attn_q_norm.weight", "F32", (full.head_dim,)), (b + "attn_k_norm.weight", "F32", (full.head_dim,))]
-        else:
-            ts += [(b + "attn_qkv.weight", "Q4_K", (h, lin.linear_conv_dim)), (b + "attn_gate.weight", "Q4_K", (h, d_inner)),
-                   (b + "ssm_conv1d.weight", "F32", (lin.linear_conv_kernel, lin.linear_conv_dim)),
-                   (b + "ssm_dt.bias", "F32", (lin.linear_num_value_heads,)), (b + "ssm_a", "F32", (lin.linear_num_value_heads,)),
-                   (b + "ssm_alpha.weight", "Q8_0", (h, lin.linear_num_value_heads)),
-                   (b + "ssm_beta.weight", "Q8_0", (h, lin.linear_num_value_heads)),
-                   (b + "ssm_norm.weight", "F32", (lin.linear_value_head_dim,)), (b + "ssm_out.weight", "Q4_K", (d_inner, h))]
-        e, i = moe.num_experts, moe.expert_intermediate
-        ts += [(b + "ffn_gate_inp.weight", "F32", (h, e)), (b + "ffn_gate_exps.weight", "Q4_K", (h, i, e)),
-               (b + "ffn_up_exps.weight", "Q4_K", (h, i, e)),
-               (b + "ffn_down_exps.weight", "Q6_K" if l.index % 2 == 0 else "Q4_K", (i, h, e)),
-               (b + "ffn_gate_inp_shexp.weight", "F32", (h,)), (b + "ffn_gate_shexp.weight", "Q4_K", (h, moe.shared_intermediate)),
-               (b + "ffn_up_shexp.weight", "Q4_K", (h, moe.shared_intermediate)),
-               (b + "ffn_down_shexp.weight", "Q6_K", (moe.shared_intermediate, h))]
-    return sparse_gguf(path, meta, ts)
+    """A header-only GGUF with Qwen3.5-35B-A3B's tensor shapes and llama-quantize's Q4_K_M
+    type mix (``benchmarks/write_header_gguf.py``; the mix is checked against the real
+    llama-quantize below)."""
+    return _header_writer().write_header_gguf("Qwen3.5-35B-A3B", "Q4_K_M", path)
 
 
 def moefit(*args):
@@ -286,35 +251,46 @@ def moefit(*args):
                           env={**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent / "src")})
 
 
-def test_qwen35_on_a_16gb_card_at_512k_prints_a_command_that_leaves_the_margin_free(tmp_path):
+@pytest.mark.parametrize("rope", [["--rope-scaling", "yarn", "--rope-scale", "2"], []])
+def test_qwen35_on_a_16gb_card_at_512k_prints_a_command_that_leaves_the_margin_free(tmp_path, rope):
     f = qwen35_q4km(tmp_path / "Qwen3.5-35B-A3B-Q4_K_M.gguf")
-    # 512K is twice the trained window: YaRN x2, as in the README's field scenario
+    # 512K is twice the trained window: YaRN x2, as in the README's field scenario; or, the
+    # issue's command, without it: llama.cpp runs it with a warning, and so does the plan
     r = moefit("plan", str(f), "--engine", "llama.cpp", "--gpu", "RTX 5060 Ti 16GB", "--max-context", "512K",
-               "--kv", "int8", "--rope-scaling", "yarn", "--rope-scale", "2")
+               "--kv", "int8", *rope)
     assert r.returncode == 0, r.stderr
-    assert r.stdout.rstrip().endswith("--rope-scaling yarn --rope-scale 2")
+    assert r.stdout.rstrip().endswith(" ".join(rope) or "-fa on")
+    assert ("possible training context overflow" in r.stdout) == (not rope)
     cmd = next(l for l in r.stdout.splitlines() if l.startswith("command  ")).split()[1:]
     assert cmd[0] == "llama-server" and _flag(cmd, "-m") == str(f)
     assert (_flag(cmd, "-c"), _flag(cmd, "-np"), _flag(cmd, "-ctk"), _flag(cmd, "-ctv"), _flag(cmd, "-fa"), _flag(cmd, "-ngl")) == \
         ("524288", "1", "q8_0", "q8_0", "on", "999")
-    ub, k = int(_flag(cmd, "-ub")), int(_flag(cmd, "--n-cpu-moe"))
-    # re-price the command's settings line by line: everything but the margin fits
-    device = find_gpu("RTX 5060 Ti 16GB")
+    ub = int(_flag(cmd, "-ub"))
+    # the experts kept on the CPU: --n-cpu-moe K (layers 0..K-1) or an -ot pattern of layers
     geom, tensors = load_model(str(f)), lc.tensors_from_header(str(f))
     buffers = lc.model_buffers(tensors, lc.CUDA)
+    if "-ot" in cmd:
+        pattern, buft = _flag(cmd, "-ot").strip("'").rsplit("=", 1)
+        assert buft == "CPU"
+        on_cpu = {layer for layer, _ in buffers.experts
+                  if any(re.search(pattern, t.name) for t in tensors if lc.expert_layer(t.name) == layer)}
+    else:
+        on_cpu = set(range(int(_flag(cmd, "--n-cpu-moe"))))
+    # re-price the command's settings line by line: everything but the margin fits
+    device = find_gpu("RTX 5060 Ti 16GB")
     kv = lc.kv_price(geom, 524288, ub, "q8_0", "q8_0", lc.CUDA)
     # experts on the host: a micro-batch copies the largest expert tensor into the compute buffer
     comp = lc.compute_price(geom, geom.vocab_size, ub, kv, "q8_0", "q8_0", lc.CUDA, buffers.largest_expert_tensor)
     assert comp.weight_copy == buffers.largest_expert_tensor > 0
-    experts = sum(b for layer, b in buffers.experts if layer >= k)
+    experts = sum(b for layer, b in buffers.experts if layer not in on_cpu)
     margin = lc.default_reserve_bytes(device)
     used = lc.runtime_bytes(device) + buffers.device + kv.kv_bytes + kv.recurrent_bytes + comp.bytes + experts
     assert used + margin <= device.free_bytes
-    # and one more layer of experts on the GPU would eat into the margin (K is the smallest)
-    more = sum(b for layer, b in buffers.experts if layer == k - 1)
-    assert used + more + margin > device.free_bytes
+    # and no layer of experts kept on the CPU would fit on the GPU as well (the smallest eats the margin)
+    smallest = min(b for layer, b in buffers.experts if layer in on_cpu)
+    assert used + smallest + margin > device.free_bytes
     assert kv.full_layers == 10 and kv.recurrent_layers == 30 and kv.cells == 524288
-    assert 0 < k < geom.num_layers
+    assert 0 < len(on_cpu) < geom.num_layers
 
 
 def test_the_json_document_carries_the_command_and_the_lines(tmp_path):
@@ -365,16 +341,17 @@ def test_a_plan_that_does_not_fit_offers_checked_alternatives(qwen35, tmp_path):
     geom, tensors = qwen35
     plan = _solve(geom, tensors, 4 * GIB, context=524288, type_k="f16", type_v="f16")
     assert not plan.fits and plan.shortfall_bytes > 0
-    flags = dict(plan.alternatives)
-    assert "--max-context" in flags
+    flags = {a.flag: a.value for a in plan.alternatives}
+    assert "--max-context" in flags and plan.limiting
     assert _solve(geom, tensors, 4 * GIB, context=int(flags["--max-context"]), type_k="f16", type_v="f16").fits
     assert not _solve(geom, tensors, 4 * GIB, context=int(flags["--max-context"]) + 256,
                       type_k="f16", type_v="f16").fits
 
 
-def test_engine_flag_needs_a_gguf_and_a_known_kv_type(tmp_path):
+def test_engine_flag_plans_a_hugging_face_model_and_needs_a_known_kv_type(tmp_path):
+    # a preset is planned in llama-quantize's Q4_K_M mix unless --gguf-type names another
     r = moefit("plan", "Qwen3-30B-A3B", "--engine", "llama.cpp", "--vram", "16GiB")
-    assert r.returncode == 2 and ".gguf" in r.stderr and "Traceback" not in r.stderr
+    assert r.returncode == 0 and "-m Qwen3-30B-A3B-Q4_K_M.gguf" in r.stdout, r.stderr
     f = qwen35_q4km(tmp_path / "q.gguf")
     r = moefit("plan", str(f), "--engine", "llama.cpp", "--vram", "16GiB", "--kv", "int3")
     assert r.returncode == 2 and "--kv" in r.stderr and "Traceback" not in r.stderr
@@ -391,7 +368,7 @@ def test_slots_become_streams_of_the_cache_and_the_command_names_them(qwen35):
 
 
 @pytest.mark.parametrize("flags", [["--parallel", "0"], ["--expert-cache", "8"], ["--miss-policy", "copy"],
-                                   ["--vram-reserve-mib", "-1"], ["--max-context", "1M"],
+                                   ["--vram-reserve-mib", "-1"], ["--max-context", "4096M"],
                                    ["--max-context", "max"], ["--arena-slots", "4"]])
 def test_flags_without_a_llamacpp_meaning_exit_2(tmp_path, flags):
     f = qwen35_q4km(tmp_path / "q.gguf")
@@ -424,3 +401,160 @@ def test_verbose_shows_both_phases_and_every_moe_layer(qwen35):
     text = lc.format_verbose(plan)
     assert "end of graph" in text and "a layer" in text and "recurrent" in text
     assert text.splitlines()[-1].count(":") - 1 == len(geom.moe_layers)     # "layer:bytes" per MoE layer
+
+
+def _recorded_run(rec, ctx: int, ub: int, n_seq: int):
+    return next(lines for argv, lines in rec["runs"] if int(_flag(argv, "-c")) == ctx and
+                int(_flag(argv, "-ub")) == ub and int(_flag(argv, "-np", "1")) == n_seq)
+
+
+@pytest.mark.parametrize("name", [p.stem for p in RECORDS])
+@pytest.mark.parametrize("ctx,ub,n_seq", [(1024, 8192, 1), (3072, 4096, 3)])
+def test_a_micro_batch_above_the_context_is_planned_as_llamacpp_runs_it(recorded, name, ctx, ub, n_seq):
+    # llama.cpp: n_batch = min(n_ctx, -b), n_ubatch = min(n_batch, -ub) (llama-context.cpp): the
+    # recorded runs print n_ubatch = -c, and the compute buffer of that micro-batch
+    rec, geom, tensors = recorded[name]
+    lines = _recorded_run(rec, ctx, ub, n_seq)
+    printed_ub = int(next(m for l in lines if (m := re.search(r"n_ubatch\s+= (\d+)", l))).group(1))
+    cpu = Device("cpu", "simulated", "cpu", 64 * GIB, 64 * GIB, True)
+    plan = lc.solve_llamacpp(geom, tensors, cpu, lc.LlamaRequest(context=ctx // n_seq, slots=n_seq, ubatch=ub,
+                                                                   batch=ub))
+    assert plan.ubatch == printed_ub == ctx
+    measured = float(re.search(r"size is\s+([0-9.]+) MiB",
+                               next(l for l in lines if "compute buffer size is" in l)).group(1)) * MIB
+    assert abs(plan.line("compute").bytes / measured - 1) <= 0.05
+    assert f"-ub {ctx} " in plan.command and any("as llama.cpp runs it" in n for n in plan.notes)
+
+
+def test_huge_micro_batches_are_answered_at_once(qwen35, monkeypatch):
+    # the clamp is a bisection on the 64-token grid, bounded by -c: a few dozen pricings, no
+    # loop over 10^12 tokens
+    calls = []
+    mandatory = lc._mandatory
+    monkeypatch.setattr(lc, "_mandatory", lambda *a, **k: calls.append(1) or mandatory(*a, **k))
+    geom, tensors = qwen35
+    plan = lc.solve_llamacpp(geom, tensors, Device("cuda:0", "what-if", "cuda", 12 * GIB, 12 * GIB, True),
+                             lc.LlamaRequest(context=65536, ubatch=99_999_999_999_999, batch=99_999_999_999_999),
+                             alternatives=False)
+    assert len(calls) < 64
+    assert plan.ubatch <= 65536 and plan.batch <= 65536 and plan.ubatch % lc.UB_GRID == 0
+
+
+@pytest.mark.parametrize("flags,needle", [(["--prefill", "64"], "-ub 64 "),
+                                          (["--prefill", "100", "--prefill-min", "64"], "-ub 100 ")])
+def test_micro_batches_below_256_are_llamacpp_micro_batches(tmp_path, flags, needle):
+    # llama.cpp runs any -ub >= 1 (the recorded runs include -ub 64); the clamp's grid is 64
+    f = qwen35_q4km(tmp_path / "q.gguf")
+    r = moefit("plan", str(f), "--engine", "llama.cpp", "--vram", "24GiB", "--device", "cuda:0",
+               "--max-context", "32K", *flags)
+    assert r.returncode == 0, r.stderr
+    assert needle in r.stdout
+
+
+def test_more_than_256_sequences_is_refused_as_llamacpp_does(tmp_path):
+    f = qwen35_q4km(tmp_path / "q.gguf")
+    r = moefit("plan", str(f), "--engine", "llama.cpp", "--vram", "24GiB", "--parallel", "300")
+    assert r.returncode == 2 and "--parallel 300" in r.stderr and "256" in r.stderr
+
+
+def test_llamacpp_defaults_and_device_selection(tmp_path):
+    # without --kv the cache is llama.cpp's own default, f16; --device cuda:1 selects CUDA1 (-dev);
+    # a context past the trained window runs with llama.cpp's warning, as a note
+    f = qwen35_q4km(tmp_path / "q.gguf")
+    r = moefit("plan", str(f), "--engine", "llama.cpp", "--vram", "24GiB", "--device", "cuda:1",
+               "--max-context", "512K")
+    assert r.returncode == 0, r.stderr
+    cmd = next(l for l in r.stdout.splitlines() if l.startswith("command  ")).split()
+    assert (_flag(cmd, "-ctk"), _flag(cmd, "-ctv"), _flag(cmd, "-dev"), _flag(cmd, "-c")) == ("f16", "f16", "CUDA1", "524288")
+    assert "possible training context overflow" in r.stdout and "--rope-scaling" not in " ".join(cmd)
+
+
+def test_llamacpp_json_is_its_own_schema_and_a_failure_names_the_limiting_lines(tmp_path):
+    f = qwen35_q4km(tmp_path / "q.gguf")
+    r = moefit("plan", str(f), "--engine", "llama.cpp", "--vram", "4GiB", "--device", "cuda:0",
+               "--max-context", "512K", "--json")
+    doc = json.loads(r.stdout)
+    assert r.returncode == 3 and doc["schema"] == "moefit.llamacpp-plan/1"
+    assert doc["kv"] == {"k": "f16", "v": "f16"} and doc["limiting"]
+    assert all(isinstance(a["value"], int) for a in doc["alternatives"] if a["flag"] == "--max-context")
+    text = moefit("plan", str(f), "--engine", "llama.cpp", "--vram", "4GiB", "--device", "cuda:0",
+                  "--max-context", "512K")
+    assert text.returncode == 3 and "\nlimiting: " in text.stdout
+
+
+QUANT_RECORDS = sorted((DATA / "quant").glob("*.txt"))
+
+
+@pytest.mark.parametrize("path", QUANT_RECORDS, ids=lambda p: p.stem)
+def test_the_derived_type_mix_is_llama_quantizes(path, tmp_path):
+    # benchmarks/record_llamacpp.py ran the real llama-quantize (0c1e570) on four source models
+    # for 3-5 file types each; the tensors derived from the model's geometry alone (names,
+    # shapes, types) are exactly the ones it wrote
+    from moefit.engines.llamacpp_quant import llamacpp_tensors
+
+    rec = parse_record(path)
+    ftype = path.stem.rsplit("-", 1)[1]
+    geom = load_model(str(sparse_gguf(tmp_path / "m.gguf", rec["meta"], rec["tensors"])))
+    derived, unknown = llamacpp_tensors(geom, ftype)
+    assert unknown == 0
+    assert sorted((t.name, t.kind, t.ne) for t in derived) == sorted(rec["tensors"])
+
+
+def test_the_records_cover_the_common_mixes():
+    stems = {p.stem.rsplit("-", 1)[1] for p in QUANT_RECORDS}
+    assert {"Q4_K_M", "Q5_K_M", "Q6_K", "Q8_0", "Q4_0", "Q4_K_S", "Q3_K_M", "Q2_K", "IQ4_NL"} <= stems
+    assert len(QUANT_RECORDS) >= 12
+
+
+def test_a_hugging_face_model_plans_as_the_gguf_llama_quantize_would_write(tmp_path):
+    # moefit plan PRESET --engine llama.cpp --gguf-type Q4_K_M == the plan of its header-only GGUF
+    f = qwen35_q4km(tmp_path / "Qwen3.5-35B-A3B-Q4_K_M.gguf")
+    common = ["--engine", "llama.cpp", "--gpu", "RTX 5060 Ti 16GB", "--max-context", "128K", "--json"]
+    a = json.loads(moefit("plan", str(f), *common).stdout)
+    r = moefit("plan", "Qwen3.5-35B-A3B", "--gguf-type", "q4_k_m", *common)
+    assert r.returncode == 0, r.stderr
+    b = json.loads(r.stdout)
+    assert a["devices"][0]["lines"] == b["devices"][0]["lines"] and a["host"] == b["host"]
+    assert b["command"].startswith("llama-server -m Qwen3.5-35B-A3B-Q4_K_M.gguf ")
+    assert any("llama-quantize Q4_K_M" in n for n in b["notes"])
+    # the flag names a mix of a Hugging Face model only
+    for flags in (["Qwen3.5-35B-A3B", "--gguf-type", "Q3_K_XL"], [str(f), "--gguf-type", "Q8_0"],
+                  ["Qwen3.5-35B-A3B", "--gguf-type", "Q8_0", "--engine", "vllm"]):
+        r = moefit("plan", *flags, *(["--engine", "llama.cpp"] if "--engine" not in flags else []), "--vram", "16GiB")
+        assert r.returncode == 2 and "--gguf-type" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_a_per_layer_choice_keeps_more_experts_on_the_device_than_the_prefix(qwen35):
+    # Q4_K_M keeps ffn_down_exps in Q6_K on use_more_bits' layers: two sizes of expert layers;
+    # a per-layer choice (-ot) can hold more expert bytes than --n-cpu-moe's layers >= K
+    geom, tensors = qwen35
+    sizes = dict(lc.model_buffers(tensors, lc.CUDA).experts)
+    assert len(set(sizes.values())) == 2
+    better = 0
+    for vram in range(12, 24):
+        plan = _solve(geom, tensors, vram * GIB, context=131072, type_k="q8_0", type_v="q8_0")
+        assert plan.fits
+        prefix = sum(b for layer, b in sizes.items() if layer >= plan.n_cpu_moe)
+        on_dev = plan.line("experts").bytes
+        assert on_dev >= prefix
+        if plan.cpu_layers:
+            better += 1
+            assert on_dev > prefix and "-ot 'blk" in plan.command and "--n-cpu-moe" not in plan.command
+            assert on_dev == sum(b for layer, b in sizes.items() if layer not in plan.cpu_layers)
+            # the choice is the best subset: no CPU layer fits in what is left
+            assert plan.unassigned_bytes < min(sizes[l] for l in plan.cpu_layers)
+        else:
+            assert "--n-cpu-moe" in plan.command or plan.n_cpu_moe == 0
+    assert better >= 1
+
+
+def test_a_tied_output_is_a_device_copy_of_the_token_embeddings():
+    # llama_model::load_tensors: no output.weight -> token_embd again, TENSOR_DUPLICATED, on the
+    # output layer's device; the GGUF of a tied Hugging Face model has no output.weight
+    emb = lc.Tensor("token_embd.weight", "Q4_K", (2048, 151936), 2048 * 151936 // 256 * 144)
+    norm = lc.Tensor("output_norm.weight", "F32", (2048,), 2048 * 4)
+    tied = lc.model_buffers([emb, norm], lc.CUDA)
+    untied = lc.model_buffers([emb, norm, lc.Tensor("output.weight", "Q6_K", (2048, 151936),
+                                                    2048 * 151936 // 256 * 210)], lc.CUDA)
+    assert tied.host == untied.host == emb.alloc_bytes(lc.CPU)
+    assert tied.device == norm.alloc_bytes(lc.CUDA) + emb.alloc_bytes(lc.CUDA)

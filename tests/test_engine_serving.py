@@ -25,6 +25,7 @@ from moefit.engines import serving
 from moefit.engines.sglang import ENGINE as SGLANG
 from moefit.engines.sglang import default_fraction, memory_defaults, pool_tokens
 from moefit.engines.vllm import ENGINE as VLLM
+from moefit.errors import InputError
 from moefit.engines.serving import NON_TORCH_COLLECTIVES, NON_TORCH_ONE_GPU, NON_TORCH_PIPELINE
 from moefit.engines.vllm import SAMPLER_BYTES_PER_LOGIT, capture_sizes, kv_groups
 from moefit.ingest.resolve import load_model
@@ -260,6 +261,7 @@ def test_experts_whole_or_split_over_the_moe_group():
     ("Qwen3-30B-A3B", ["--max-context", "max"], "--max-context"),
     ("Qwen3-30B-A3B", ["--expert-cache", "8"], "--expert-cache"),
     ("Qwen3-30B-A3B", ["--device", "cpu"], "--device cpu"),
+    ("Qwen3-30B-A3B", ["--device", "cpu:0"], "--device cpu:0"),    # simulated by its table name
     ("Qwen3-30B-A3B", ["--gpus", "0"], "--gpus"),
 ])
 def test_bad_layouts_and_flags_exit_2_naming_the_flag(capsys, model, flags, needle):
@@ -309,7 +311,7 @@ def test_parallel_n_is_the_number_of_sequences_that_must_fit():
     assert one.fits and one.budget.seqs == 1024
     many = serving.solve_serving(g, VLLM, dev, serving.ServeRequest(context=131072, gpus=1, tp=1, seqs=8))
     assert not many.fits and many.shortfall_bytes > 0
-    flags = dict(many.alternatives)
+    flags = {a.flag: a.value for a in many.alternatives}
     assert int(flags["--max-context"]) < 131072
     assert serving.solve_serving(g, VLLM, dev, serving.ServeRequest(
         context=int(flags["--max-context"]), gpus=1, tp=1, seqs=8)).fits
@@ -334,7 +336,7 @@ def test_multi_node_commands_as_each_engine_documents_them():
 def test_deepseek_v3_on_8_h100_does_not_fit_and_two_nodes_do():
     g = load_model("DeepSeek-V3")
     plan = serving.solve_serving(g, VLLM, find_gpu("H100"), serving.ServeRequest(context=32768, gpus=8))
-    assert not plan.fits and ("--nodes", "2 (--gpus 16)") in plan.alternatives
+    assert not plan.fits and "--nodes 2 --gpus 16" in [a.flags for a in plan.alternatives]
     two = serving.solve_serving(g, VLLM, find_gpu("H100"), serving.ServeRequest(context=32768, gpus=16, nodes=2))
     assert two.fits
 
@@ -364,14 +366,35 @@ def test_sglang_pool_is_the_fraction_less_the_weights():
 def test_sglang_splits_hybrid_pools():
     g = load_model("Qwen3.5-397B-A17B")
     s = par.stage_shards(g, par.Layout(tp=8), 2)[0]
-    tokens, slots, slot_bytes = pool_tokens(g, s, 40 * GIB)
+    tokens, swa_tokens, slots, slot_bytes = pool_tokens(g, s, 40 * GIB)
+    assert swa_tokens == 0
     assert abs(slot_bytes / (40 * GIB) - 0.9 / 1.9) < 0.01 and slots == int(40 * GIB * 0.9 / 1.9 // s.state_bytes)
     assert tokens == (40 * GIB - slot_bytes) // s.kv_token_bytes
     gpt = load_model("gpt-oss-120b")
     shard = par.stage_shards(gpt, par.Layout(tp=1), 2)[0]
     full, swa = 18 * 8 * 128 * 2, 18 * 8 * 128 * 2
-    tokens, _, _ = pool_tokens(gpt, shard, 10 * GIB)
+    tokens, swa_tokens, _, _ = pool_tokens(gpt, shard, 10 * GIB)
     assert tokens == int((10 * GIB // (full + swa)) * (full + swa) / (full + 0.8 * swa))
+    assert swa_tokens == int(tokens * 0.8)
+    # the two pools together are the memory the profile found, less the rounding (tokens are whole)
+    assert 10 * GIB - 3 * (full + swa) <= tokens * full + swa_tokens * swa <= 10 * GIB
+
+
+@pytest.mark.parametrize("model,gpus", [("gpt-oss-120b", 1), ("gpt-oss-20b", 1),
+                                        ("Llama-4-Scout-17B-16E-Instruct", 4)])
+def test_sglang_sliding_window_models_fit_in_their_two_pools(model, gpus):
+    # SGLang's SWAKVPool: the full layers hold max_total_num_tokens, the sliding (gpt-oss) or
+    # chunked (Llama 4) layers 0.8 of it; the KV line is both pools, inside rest_memory
+    plan = serving.solve_serving(load_model(model), SGLANG, find_gpu("H200"),
+                                 serving.ServeRequest(context=32768, gpus=gpus))
+    assert plan.fits, plan.alternatives
+    d = plan.budget.details
+    kv = plan.line("kv").bytes
+    assert kv <= d["rest_memory"] and d["swa_max_total_num_tokens"] == int(plan.budget.kv_tokens * 0.8)
+    shard = par.stage_shards(load_model(model), plan.layout, 2)[0]
+    full = sum(b for b, (_, w) in zip(shard.kv_layer_bytes, shard.kv_kinds) if not w)
+    swa = sum(b for b, (_, w) in zip(shard.kv_layer_bytes, shard.kv_kinds) if w)
+    assert kv == plan.budget.kv_tokens * full + d["swa_max_total_num_tokens"] * swa
 
 
 def test_cuda_graph_sizes_match_vllm_defaults():
@@ -387,7 +410,7 @@ def test_cli_prints_the_table_the_json_and_exit_codes(capsys):
     assert rc == 0 and "engine  SGLang" in out and "command  python -m sglang.launch_server --model-path Qwen/Qwen3-30B-A3B" in out
     rc = cli.main(["plan", "Qwen3-30B-A3B", "--engine", "vllm", "--gpu", "H100", "--max-context", "32K", "--json"])
     doc = json.loads(capsys.readouterr().out)
-    assert rc == 0 and doc["engine"] == "vllm" and doc["commands"][0].startswith("vllm serve Qwen3-30B-A3B")
+    assert rc == 0 and doc["engine"] == "vllm" and doc["commands"][0].startswith("vllm serve Qwen/Qwen3-30B-A3B ")
     dev = doc["devices"][0]
     assert sum(l["bytes"] for l in dev["lines"]) + dev["unassigned_bytes"] == dev["free_bytes"]
     rc = cli.main(["plan", "DeepSeek-V3", "--engine", "vllm", "--gpus", "8", "--gpu", "H100", "--max-context", "32K"])
@@ -420,7 +443,7 @@ def readme_plan_row(model: str, hw: str, flags: list[str], engine: str) -> str:
     layout = lay.describe().split(":")[0].replace(" (attention)", "").replace(" (experts whole)", "")
     name = {"vllm": "vLLM", "sglang": "SGLang"}[engine]
     if not doc["fits"]:
-        alt = ", ".join(f"`{a['flag']} {a['value'].split(' (')[0]}`" for a in doc["alternatives"])
+        alt = ", ".join(f"`{a['flag']} {a['value']}`" for a in doc["alternatives"])
         return (f"| {model.split('/')[1]} | {hw} | {name} | {layout} | | short by "
                 f"{doc['shortfall_bytes'] / GIB:.2f} GiB per GPU | fits with {alt} |")
     knob = next(f["value"] for f in doc["flags"] if f["flag"] in ("--gpu-memory-utilization", "--mem-fraction-static"))
@@ -444,3 +467,127 @@ def test_the_readme_plans_are_what_moefit_prints(tmp_path, capsys):
     command, printed = re.findall(r"```[a-z]*\n(.*?)```", rest, re.S)[:2]
     assert cli.main(command.strip().split("moefit ", 1)[1].split()) == 0
     assert capsys.readouterr().out.strip() == printed.strip()
+
+
+def test_vllm_data_parallel_ranks_larger_than_a_node_run_through_ray():
+    # TP 8 x DP 2 on 4 nodes of 4: each DP rank spans two nodes, which the multiprocessing
+    # launcher cannot start (--data-parallel-size-local would be 0); vLLM's Ray launcher with
+    # VLLM_RAY_DP_PACK_STRATEGY=span does (vllm-project/vllm#26367)
+    g = load_model("DeepSeek-V3")
+    req = serving.ServeRequest(context=32768, gpus=16, nodes=4, tp=8, dp=2, model_ref="deepseek-ai/DeepSeek-V3")
+    plan = serving.solve_serving(g, VLLM, find_gpu("H200"), req)
+    cmds = plan.commands
+    assert plan.fits and len(cmds) == 5
+    assert cmds[0] == "ray start --head --port 6379"
+    assert cmds[1:4] == ["ray start --address HEAD_IP:6379"] * 3
+    assert cmds[4].startswith("VLLM_RAY_DP_PACK_STRATEGY=span vllm serve ") and "--data-parallel-backend ray" in cmds[4]
+    assert not any("--data-parallel-size-local" in c for c in cmds)
+    # ranks of whole nodes or whole ranks on a node: 4-GPU ranks on 6-GPU nodes are refused
+    with pytest.raises(InputError, match="--tp 4.*--nodes 2"):
+        serving.solve_serving(g, VLLM, find_gpu("H200"),
+                              serving.ServeRequest(context=32768, gpus=12, nodes=2, tp=4, dp=3, ep=12))
+    # and every multiprocessing DP command starts at least one engine per node, at its own rank
+    two = serving.solve_serving(g, VLLM, find_gpu("H100"), serving.ServeRequest(
+        context=32768, gpus=16, nodes=2, tp=2, dp=8, ep=16))
+    starts = [int(c.split("--data-parallel-start-rank ")[1].split()[0]) if "start-rank" in c else 0
+              for c in two.commands]
+    assert starts == [0, 4] and all("--data-parallel-size-local 4" in c for c in two.commands)
+
+
+@pytest.mark.parametrize("engine", [VLLM, SGLANG])
+def test_a_huge_batched_token_request_is_clamped_at_once_to_the_largest_that_fits(engine, monkeypatch):
+    # the clamp bisects the 256 grid: a few dozen pricings for 10^14 tokens, not 4 x 10^11
+    calls = []
+    price = type(engine).price
+    monkeypatch.setattr(type(engine), "price", lambda self, *a, **k: calls.append(1) or price(self, *a, **k))
+    g, dev = load_model("Qwen3-30B-A3B"), find_gpu("H100")
+    plan = serving.solve_serving(g, engine, dev, serving.ServeRequest(context=40960, batched=99_999_999_999_999),
+                                 alternatives=False)
+    assert len(calls) < 200
+    assert plan.fits and plan.budget.batched % serving.BATCH_GRID == 0
+    assert serving.solve_serving(g, engine, dev, serving.ServeRequest(
+        context=40960, batched=plan.budget.batched, strict=True), alternatives=False).fits
+    assert not serving.solve_serving(g, engine, dev, serving.ServeRequest(
+        context=40960, batched=plan.budget.batched + serving.BATCH_GRID, strict=True), alternatives=False).fits
+
+
+@pytest.mark.parametrize("model,flags,needle", [
+    ("deepseek-ai/DeepSeek-V3", ["--gpus", "1000000000"], "--gpus 1000000000"),
+    ("Qwen3-30B-A3B", ["--gpus", "1000000000"], "--gpus 1000000000"),
+    ("deepseek-ai/DeepSeek-V3", ["--gpus", "512", "--tp", "1", "--dp", "512", "--ep", "512"], "256 experts"),
+])
+def test_more_gpus_than_the_model_splits_over_exit_2(capsys, model, flags, needle):
+    rc = cli.main(["plan", model, "--engine", "vllm", "--gpu", "H200", "--max-context", "32K", *flags])
+    err = capsys.readouterr().err
+    assert rc == 2 and needle in err and "Traceback" not in err
+
+
+def test_a_context_past_any_rope_scale_names_the_reachable_limit(capsys):
+    rc = cli.main(["plan", "Qwen3-30B-A3B", "--gpu", "H200", "--max-context", "99999999999999"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "--rope-scale 1024" in err and "--rope-scale 2441406250" not in err
+    assert f"{40960 * 1024}" in err
+
+
+def test_commands_name_the_hugging_face_id_and_trust_remote_code_from_the_config(capsys, tmp_path):
+    from moefit.ingest.resolve import list_presets, serving_reference
+    # every preset has its repository id; a name as typed becomes it
+    for name in list_presets():
+        ref = serving_reference(name.lower())
+        assert ref.model.count("/") == 1 and ref.model.split("/")[1] == name
+    rc = cli.main(["plan", "qwen3-30b-a3b", "--engine", "vllm", "--gpu", "H100", "--max-context", "32K"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "command  vllm serve Qwen/Qwen3-30B-A3B " in out and "--trust-remote-code" not in out
+    # Kimi-K2's config maps AutoConfig to the repository's code (auto_map): both engines need
+    # --trust-remote-code; a model directory is named by its path, its tokenizer config read too
+    for engine in ("vllm", "sglang"):
+        rc = cli.main(["plan", "Kimi-K2-Instruct", "--engine", engine, "--gpus", "8", "--gpu", "H200",
+                       "--max-context", "32K"])
+        out = capsys.readouterr().out
+        assert rc == 0 and "moonshotai/Kimi-K2-Instruct" in out and out.rstrip().endswith("--trust-remote-code")
+    cfg = json.loads((Path(serving.__file__).parents[1] / "presets" / "Qwen3-30B-A3B" / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    assert serving_reference(str(tmp_path)) == type(serving_reference("Qwen3-8B"))(str(tmp_path), False)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"auto_map": {"AutoTokenizer": ["t.T", None]}}))
+    assert serving_reference(str(tmp_path / "config.json")).trust_remote_code
+
+
+@pytest.mark.parametrize("model,flags", [
+    ("deepseek-ai/DeepSeek-V3", ["--gpu", "H200", "--gpus", "2", "--tp", "2", "--pp", "1", "--dp", "1", "--ep", "2"]),
+    ("Qwen3-30B-A3B", ["--vram", "24GiB"]),
+    ("DeepSeek-V3", ["--gpu", "H100", "--gpus", "8"]),
+    ("Qwen3-30B-A3B", ["--gpu", "H100", "--parallel", "64"]),
+])
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+def test_every_printed_alternative_fits_when_applied_as_printed(capsys, model, flags, engine):
+    # the flags of each "fits with:" line, put on the command line as printed (a flag given
+    # twice takes the later value), make the plan fit
+    base = ["plan", model, "--engine", engine, "--max-context", "32K", *flags]
+    rc = cli.main(base)
+    out = capsys.readouterr().out
+    assert rc == 3
+    alts = out.split("fits with:\n", 1)[1].splitlines()
+    assert alts and "limiting: " in out
+    if model == "Qwen3-30B-A3B" and "--vram" in flags:
+        assert "  --gpus 2" in alts or "  --gpus 4" in alts      # more cards on one machine first
+    for line in alts:
+        rc = cli.main(base + line.split())
+        capsys.readouterr()
+        assert rc == 0, line
+
+
+def test_engine_plans_have_their_own_documented_schema(capsys, tmp_path):
+    # the serving document: its own schema id, counts as ints, limiting and alternatives
+    rc = cli.main(["plan", "DeepSeek-V3", "--engine", "vllm", "--gpus", "8", "--gpu", "H100",
+                   "--max-context", "32K", "--json"])
+    doc = json.loads(capsys.readouterr().out)
+    assert rc == 3 and doc["schema"] == "moefit.serve-plan/1" and doc["limiting"]
+    nodes = next(a for a in doc["alternatives"] if a["flag"] == "--nodes")
+    assert nodes == {"flag": "--nodes", "value": 2, "with": [{"flag": "--gpus", "value": 16}]}
+    rc = cli.main(["plan", "Qwen3-30B-A3B", "--engine", "sglang", "--gpu", "H100", "--parallel", "64",
+                   "--max-context", "32K", "--json"])
+    doc = json.loads(capsys.readouterr().out)
+    ctx = next(a for a in doc["alternatives"] if a["flag"] == "--max-context")
+    assert rc == 3 and isinstance(ctx["value"], int) and "with" not in ctx
+    readme = README.read_text()
+    assert "`moefit.serve-plan/1`" in readme and "`moefit.llamacpp-plan/1`" in readme

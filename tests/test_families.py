@@ -120,7 +120,10 @@ def test_gpt_oss(name):
     assert kinds == ["sliding" if t == "sliding_attention" else "full" for t in cfg["layer_types"]]
     assert {l.attention.sliding_window for l in g.layers if l.attention.kind == "sliding"} == {cfg["sliding_window"]}
     assert g.quant.method == cfg["quantization_config"]["quant_method"]
-    assert registry.family_for("gpt_oss").switches is None   # planned, not run
+    sw = registry.family_for("gpt_oss").switches(cfg)         # the published config's switches
+    assert (sw.sinks, sw.router_bias, sw.topk_softmax, sw.q_bias, sw.o_bias) == (True,) * 5
+    assert sw.clamped_swiglu == (1.702, 7.0) and sw.qk_norm == "" and sw.dtype == "bfloat16"
+    assert names(g, 0)["model.layers.0.mlp.router.bias"] == (cfg["num_local_experts"],)
 
 
 @pytest.mark.parametrize("name", presets_of("deepseek"))
@@ -196,8 +199,12 @@ def test_switches_and_name_table_agree_with_the_listing(name):
     l = g.moe_layers[0]
     prefix = f"{sw.prefix}layers.{l.index}."
     assert fam.names.hf("router", prefix) in {t.name for t in l.tensors}
-    assert [t.name for t in l.expert_tensors] == [
-        f"{fam.names.hf_experts(prefix)}0.{part}.weight" for part in fam.names.expert_parts]
+    if fam.names.fused_experts:          # gpt-oss: checkpoints hold fused experts only
+        assert [t.name for t in l.expert_tensors] == [
+            f"{fam.names.hf_experts(prefix)}{n}" for n in fam.names.fused_experts]
+    else:
+        assert [t.name for t in l.expert_tensors] == [
+            f"{fam.names.hf_experts(prefix)}0.{part}.weight" for part in fam.names.expert_parts]
     for slot in ("input_norm", "post_norm"):
         assert fam.names.hf(slot, prefix) in {t.name for t in l.tensors}
 
@@ -277,3 +284,34 @@ def test_the_toy_family_is_gone_after_unregister():
     with pytest.raises(Exception, match="toy_moe"):
         geometry_from_config(TOY_CONFIG, "toy")
     assert "toymoe" not in registry.gguf_archs()
+
+
+def test_the_readme_family_table_says_what_each_family_runs():
+    """The README's family table (under Commands): every registered model type and GGUF
+    architecture is in a row; "run from HF" is yes exactly where the family's switches run
+    every model type of the row (``runtime_types``), "run from GGUF" exactly where the
+    runtime's GGUF loader runs the row's architectures (``runtime_gguf_archs``), "plan
+    only" where they only plan."""
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    table = readme[readme.index("| family | `model_type` | GGUF |"):]
+    rows = [r for r in table.split("\n\n", 1)[0].splitlines()[2:]]
+    seen_types, seen_archs = set(), set()
+    for row in rows:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        types = re.findall(r"`([^`]+)`", cells[1])
+        archs = re.findall(r"`([^`]+)`", cells[2])
+        fams = {registry.family_for(t) for t in types}
+        assert None not in fams, row
+        assert cells[3] == "yes", row
+        runs = all(t in registry.family_for(t).runtime_types for t in types)
+        assert cells[4].startswith("yes") == runs, row
+        gguf_runs = bool(archs) and all(a in registry.runtime_gguf_archs() for a in archs)
+        assert cells[5] == ("yes" if gguf_runs else "plan only" if archs else "no"), row
+        seen_types |= set(types)
+        seen_archs |= set(archs)
+    aliases = {a for f in map(registry.family_for, registry.model_types()) for a in f.aliases}
+    assert seen_types == set(registry.model_types()) - aliases
+    assert seen_archs == set(registry.gguf_archs())

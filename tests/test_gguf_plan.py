@@ -268,6 +268,11 @@ def _converter_meta(g) -> tuple[str, dict]:
         m.update({"rope.scaling.type": g.rope.scaling_type, "rope.scaling.factor": float(g.rope.factor),
                   "rope.scaling.original_context_length": g.rope.original_window})
     mt = g.model_type
+    r = moe.routing
+    if r.grouped:   # TextModel / DeepseekV2Model / Glm4MoeModel.set_gguf_parameters
+        m.update({"expert_weights_scale": r.scale, "expert_weights_norm": True})
+        if r.method != "greedy":
+            m.update({"expert_group_count": r.n_group, "expert_group_used_count": r.topk_group})
     if mt in ("qwen3_moe", "mixtral", "gpt_oss", "qwen3_next", "qwen3_5_moe", "glm4_moe"):
         m["attention.key_length"] = m["attention.value_length"] = soft.head_dim
     if mt == "qwen3_moe":

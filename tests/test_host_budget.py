@@ -157,6 +157,22 @@ def test_a_bf16_checkpoint_short_of_host_memory_points_to_a_quantized_file():
                for n in plan.notes)
 
 
+def test_gpt_oss_mxfp4_experts_are_held_on_the_host_as_stored():
+    """gpt-oss's experts stay mxfp4 (priced as stored): the host holds those blobs, and a
+    host short of them is not told the checkpoint holds them in bf16."""
+    geom = load_model("gpt-oss-120b")
+    assert geom.experts_stored and geom.dtype == "bfloat16"
+    plan = solve(geom, find_gpu("RTX 4090"), Request(max_context=8192), host=host(32))
+    blob = dict(geom.expert_blob_bytes())
+    resident = dict(plan.experts_per_layer)
+    assert plan.host.line("host_experts").bytes == sum(
+        (l.moe.num_experts - resident[l.index]) * blob[l.index] for l in geom.moe_layers)
+    h, i = geom.hidden_size, geom.moe_layers[0].moe.expert_intermediate
+    assert blob[0] == 3 * i * h * 17 // 32 + (2 * i + h) * 2     # MXFP4 matrices + bf16 biases
+    assert not plan.fits and plan.short_on == "host" and "host_experts" in plan.limiting
+    assert not any("held as the checkpoint stores them" in n for n in plan.notes)
+
+
 def test_mmap_needs_a_gguf_file():
     with pytest.raises(InputError, match="--host-experts mmap"):
         solve(load_model("Qwen3-30B-A3B"), find_gpu("RTX 4090"), Request(host_experts="mmap"))
@@ -199,3 +215,24 @@ def test_gguf_token_embeddings_stay_on_the_host_unless_tied(tmp_path):
     assert p2.devices[0].line("weights").bytes == g2.exact.weight_bytes
     assert p2.host.line("host_weights").bytes == 0
     assert "tied" in p2.host.line("host_weights").detail          # the choice is stated
+
+
+def test_the_host_ram_environment_variable_is_named_as_such(monkeypatch):
+    """$MOEFIT_HOST_RAM is not --host-ram: a bad value names the variable, a good one is the
+    table's source as the variable."""
+    import argparse
+
+    from moefit.devices import resolve_devices
+    from moefit.errors import InputError
+    from moefit.flags import HOST_RAM_ENV, host_from_args
+
+    args = argparse.Namespace(host_ram=None)
+    devices = resolve_devices("cpu", None, "1GiB", None)
+    monkeypatch.setenv(HOST_RAM_ENV, "bogus")
+    with pytest.raises(InputError) as err:
+        host_from_args(args, devices)
+    assert str(err.value).startswith("MOEFIT_HOST_RAM") and "--host-ram" not in str(err.value)
+    monkeypatch.setenv(HOST_RAM_ENV, "8GiB")
+    host = host_from_args(args, devices)
+    assert host.source == "MOEFIT_HOST_RAM=8GiB" and host.free_bytes == 8 << 30
+    assert host_from_args(argparse.Namespace(host_ram="4GiB"), devices).source == "--host-ram 4GiB"

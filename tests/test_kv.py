@@ -140,9 +140,20 @@ def test_kv_layout_tiles_the_kv_line_exactly(fmt, model, context, chunk):
     assert len(layout.layers) + len(layout.linear) == g.num_layers
 
 
-def test_kv_layout_refuses_mla_layers():
-    with pytest.raises(ValueError, match="layer 0: mla attention is not supported"):
-        kv_layout(load_model("DeepSeek-V3"), KV_FORMATS["bf16"], 4096, 1, 256)
+@pytest.mark.parametrize("fmt", list(DEEPSEEK))
+def test_kv_layout_of_mla_is_one_latent_row_per_token(fmt):
+    """DeepSeek-V3 at 4096 tokens x 2 slots: each of the 61 layers holds one row of 576
+    values per token (the hand-worked bytes above) and no V cells; the rows tile the line."""
+    g, f = load_model("DeepSeek-V3"), KV_FORMATS[fmt]
+    layout = kv_layout(g, f, 4096, 2, 256)
+    assert layout.bytes == kv_bytes(g, f, 4096, 2, 256).bytes
+    assert len(layout.layers) == 61
+    end = 0
+    for c in layout.layers:
+        assert (c.kv_heads, c.k_dim, c.v_dim, c.k_row, c.v_row) == (1, 576, 0, DEEPSEEK[fmt], 0)
+        assert c.latent and c.k_offset == end and c.v_offset == c.k_offset + 2 * 4096 * DEEPSEEK[fmt]
+        end = c.v_offset
+    assert layout.bytes == end + (61 * 8 if fmt == "fp8" else 0)
 
 
 def test_kv_help_names_every_format():

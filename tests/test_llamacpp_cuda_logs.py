@@ -86,3 +86,20 @@ def test_cuda_compute_buffer_of_a_newer_build_within_6_percent():
     assert comp.mask == 2 * 1024 * 262144 and comp.fa_f16 == 2 * 2 * 262144 * 512
     ratio = comp.bytes / (mib(text, r"CUDA0 compute buffer size =\s+([\d.]+) MiB") * MIB)
     assert 0.94 < ratio < 1.0
+
+
+def test_the_f16_copies_are_inside_the_printed_compute_buffer():
+    # Since ggml-org/llama.cpp#23907 (May 2026, before the modelled 0c1e570) the F16 copies of
+    # a quantized K/V are the FLASH_ATTN_EXT node's extra data (fattn.cu
+    # ggml_cuda_flash_attn_ext_get_alloc_size), so "CUDA0 compute buffer" includes them; before
+    # it they came from the CUDA pool (ggml_cuda_pool_alloc<half> K_f16(pool)), outside the
+    # printed buffer. The log agrees with the first: without the copies the plan would be 0.79
+    # of the logged buffer, with them 0.95
+    text = log("qwen3.6-35b-a3b-262144-q4_0.log")
+    geom = load_model("Qwen3.6-35B-A3B")
+    kv = lc.kv_price(geom, 262144, 1024, "q4_0", "q4_0", lc.CUDA)
+    comp = lc.compute_price(geom, geom.vocab_size, 1024, kv, "q4_0", "q4_0", lc.CUDA)
+    logged = mib(text, r"CUDA0 compute buffer size =\s+([\d.]+) MiB") * MIB
+    pool_model = max(comp.end_phase, comp.layer_phase - comp.fa_f16)
+    assert abs(comp.bytes / logged - 1) < abs(pool_model / logged - 1)
+    assert pool_model / logged < 0.8 < 0.94 < comp.bytes / logged

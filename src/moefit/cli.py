@@ -14,6 +14,7 @@ only once the extra is known to be installed.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -27,13 +28,15 @@ from moefit.engines.sglang import ENGINE as SGLANG
 from moefit.engines.vllm import ENGINE as VLLM
 from moefit.flags import (add_engine_flags, add_model_files_flags, add_plan_flags,
                           add_sampling_flags, add_serve_flags, check_engine_flags,
-                          device_from_args, devices_from_args, llama_request_from_args,
+                          device_from_args, devices_from_args, llama_ftype, llama_request_from_args,
                           normalize_argv, plan_from_args, serve_request_from_args)
 from moefit.ingest.checkpoint import describe_weights
+from moefit.ingest.inputs import is_gguf_file
 from moefit.ingest.resolve import format_models_table, list_presets, load_model
 from moefit.memory.kv import kv_bytes, kv_format
 from moefit.memory.staging import staging_model
 from moefit.plan.report import format_json, format_table
+from moefit.tools.demo import FAMILIES as DEMO_FAMILIES
 from moefit.units import format_bytes
 
 
@@ -64,11 +67,17 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def _plan_llamacpp(args: argparse.Namespace) -> int:
-    """``moefit plan MODEL.gguf --engine llama.cpp``: llama-server's budget and command."""
+    """``moefit plan MODEL --engine llama.cpp``: llama-server's budget and command, for a GGUF
+    file (its header) or a Hugging Face model (the GGUF of ``--gguf-type``)."""
     geom = load_model(args.model)
     req = llama_request_from_args(geom, args)
     device = device_from_args(args)
-    plan = llamacpp.solve_llamacpp(geom, llamacpp.tensors_from_header(args.model), device, req)
+    if is_gguf_file(args.model):
+        tensors = llamacpp.tensors_from_header(args.model)
+    else:
+        tensors, note = llamacpp.tensors_from_geometry(geom, llama_ftype(args))
+        req = dataclasses.replace(req, notes=(note, *req.notes))
+    plan = llamacpp.solve_llamacpp(geom, tensors, device, req)
     if args.json:
         print(json.dumps(llamacpp.plan_document(plan), indent=2))
     else:
@@ -189,7 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     p = sub.add_parser("plan", help="solve and print the VRAM budget")
     add_plan_flags(p)
-    p.add_argument("--json", action="store_true", help="print the moefit.plan/1 JSON document")
+    p.add_argument("--json", action="store_true", help="print the moefit.plan/2 JSON document")
     p.add_argument("--verbose", "-v", action="store_true",
                    help="also show analytic vs exact weight bytes and the staging terms")
     add_engine_flags(p)
@@ -249,7 +258,7 @@ def build_parser() -> argparse.ArgumentParser:
                                          "that serve / generate run offline")
     p.add_argument("dir", help="the directory to write (new, or empty)")
     p.add_argument("--family", default="qwen3_moe",
-                   help="qwen3_moe (default), qwen2_moe, mixtral, olmoe, qwen3_next or qwen3_5_moe")
+                   help=f"{', '.join(DEMO_FAMILIES)} (default qwen3_moe)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights (default 0)")
     p.add_argument("--force", action="store_true", help="write into a non-empty directory")
     p.set_defaults(func=cmd_make_demo)

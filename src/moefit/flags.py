@@ -32,11 +32,17 @@ from dataclasses import replace
 from moefit.devices import Device, Host, resolve_devices, resolve_host
 from moefit.engines.llamacpp import DEFAULT_BATCH as LLAMA_BATCH
 from moefit.engines.llamacpp import DEFAULT_UBATCH as LLAMA_UBATCH
+from moefit.engines.llamacpp import DEFAULT_KV as LLAMA_KV
+from moefit.engines.llamacpp import MAX_CTX as LLAMA_MAX_CTX
+from moefit.engines.llamacpp import MAX_SEQ as LLAMA_MAX_SEQ
+from moefit.engines.llamacpp import pad_cells as _pad_cells
 from moefit.engines.llamacpp import LlamaRequest, kv_types
+from moefit.engines.llamacpp_quant import DEFAULT_FTYPE, ftype_name
 from moefit.engines.serving import BATCH_GRID, ServeRequest
 from moefit.errors import InputError
 from moefit.ingest.geometry import ModelGeometry
 from moefit.ingest.inputs import is_gguf_file
+from moefit.ingest.resolve import serving_reference
 from moefit.memory import calibration
 from moefit.memory.kv import KV_FORMATS, kv_name
 from moefit.memory.staging import StagingModel
@@ -96,9 +102,10 @@ def add_request_flags(p: argparse.ArgumentParser) -> None:
     req.add_argument("--parallel", "--slots", dest="slots", type=int, default=None, metavar="N",
                      help="concurrent sequences, each with its own KV cache (default 1; "
                           "--slots is the old name)")
-    req.add_argument("--kv", default="bf16",
-                     help=f"KV format: {', '.join(KV_FORMATS)} (default bf16); "
-                          "llama.cpp's q8_0, q4_0, f16 are aliases of int8, int4, fp16")
+    req.add_argument("--kv", default=None,
+                     help=f"KV format: {', '.join(KV_FORMATS)} (default bf16; with --engine "
+                          "llama.cpp its own default, f16); llama.cpp's q8_0, q4_0, f16 are "
+                          "aliases of int8, int4, fp16")
     req.add_argument("--prefill", default="auto",
                      help="auto (largest chunk that fits, up to 16384), auto:N, or N tokens "
                           "(clamped to fit unless --strict)")
@@ -149,6 +156,10 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                      help="whose memory to plan: moefit's runtime (default), llama-server's (a "
                           ".gguf model), or vLLM's / SGLang's across GPUs and nodes (prints "
                           "their launch commands)")
+    eng.add_argument("--gguf-type", default=None, metavar="FTYPE",
+                     help="--engine llama.cpp with a Hugging Face model: plan the GGUF that "
+                          "llama-quantize FTYPE would write (default Q4_K_M; Q8_0, Q6_K, Q5_K_M, "
+                          "Q4_K_S, MXFP4_MOE, ...)")
     eng.add_argument("--gpus", type=int, default=None, metavar="N",
                      help="--engine vllm|sglang: GPUs in all (default 1), each a --gpu / --vram card")
     eng.add_argument("--nodes", type=int, default=None, metavar="M",
@@ -232,7 +243,7 @@ def request_from_args(args: argparse.Namespace) -> Request:
                              "number of expert slots") from None
     return Request(
         max_context=_max_context(args.max_context),
-        slots=slots_of(args), kv=kv_name(args.kv), prefill_mode=mode, prefill_tokens=tokens,
+        slots=slots_of(args), kv=kv_name("bf16" if args.kv is None else args.kv), prefill_mode=mode, prefill_tokens=tokens,
         prefill_min=args.prefill_min, strict=args.strict, reserve_bytes=_reserve_bytes(args),
         expert_cache=expert_cache, min_expert_cache=args.min_expert_cache,
         rope_scaling=args.rope_scaling, rope_scale=args.rope_scale,
@@ -270,12 +281,16 @@ def llama_request_from_args(geom: ModelGeometry, args: argparse.Namespace) -> Ll
     stream per sequence), ``--vram-reserve-mib`` -> the margin, ``--strict`` /
     ``--prefill-min`` as for the prefill chunk.
 
-    Raises InputError (exit 2) for a model that is not a GGUF file and for flags that have
-    no llama.cpp meaning (the expert-cache flags, ``--max-context max``)."""
-    if not is_gguf_file(args.model):
-        raise InputError(f"{args.model}: --engine llama.cpp plans a .gguf file (llama.cpp's own "
-                         "format); convert the checkpoint with llama.cpp's convert_hf_to_gguf.py, "
-                         "or drop --engine")
+    A Hugging Face model is planned as the GGUF ``llama-quantize --gguf-type`` would write
+    (``-m`` names ``<model>-<FTYPE>.gguf``; :func:`llama_ftype`).
+
+    Raises InputError (exit 2) for ``--gguf-type`` with a GGUF file and for flags that have
+    no llama.cpp meaning (the expert-cache flags, ``--max-context max``, ``--parallel`` above
+    256, a ``-c`` past 2^31 - 1)."""
+    gguf_type = getattr(args, "gguf_type", None)
+    if is_gguf_file(args.model) and gguf_type is not None:
+        raise InputError(f"--gguf-type {gguf_type}: {args.model} is a GGUF file, planned with its own "
+                         "tensor types; drop --gguf-type (it names the type mix of a Hugging Face model)")
     if (args.expert_cache.strip().lower() != "auto" or args.min_expert_cache
             or args.miss_policy != "cpu" or args.arena_slots is not None):
         raise InputError("--expert-cache / --min-expert-cache / --miss-policy / --arena-slots are "
@@ -284,31 +299,91 @@ def llama_request_from_args(geom: ModelGeometry, args: argparse.Namespace) -> Ll
     if wants_max_context(args):
         raise InputError("--max-context max is not planned with --engine llama.cpp; give a "
                          "number of tokens (e.g. --max-context 128K)")
-    tk, tv = kv_types(args.kv)
-    mode, tokens = parse_prefill(args.prefill)
-    req = Request(max_context=_max_context(args.max_context), slots=slots_of(args),
-                  prefill_mode=mode, prefill_tokens=tokens, prefill_min=args.prefill_min,
+    tk, tv = kv_types(args.kv) if args.kv is not None else (LLAMA_KV, LLAMA_KV)
+    ub, ub_min = llama_ubatch(args.prefill, args.prefill_min)
+    slots = slots_of(args)
+    if slots > LLAMA_MAX_SEQ:
+        raise InputError(f"--parallel {slots}: llama.cpp runs at most {LLAMA_MAX_SEQ} sequences "
+                         f"(LLAMA_MAX_SEQ; llama-server stops with \"n_seq_max must be <= "
+                         f"{LLAMA_MAX_SEQ}\"); use --parallel {LLAMA_MAX_SEQ} or fewer")
+    req = Request(max_context=_max_context(args.max_context), slots=slots,
                   strict=args.strict, reserve_bytes=_reserve_bytes(args),
                   rope_scaling=args.rope_scaling, rope_scale=args.rope_scale,
                   yarn_orig_ctx=_yarn_orig_ctx(args))
     validate(req)
-    context = resolve_context(geom, req)
-    ub = LLAMA_UBATCH if args.prefill.strip().lower() == "auto" else req.prefill_tokens
+    notes: tuple[str, ...] = ()
+    limit, _ = context_limit(geom, req)
+    if req.max_context is not None and req.max_context > limit and req.rope_scaling in (None, "none"):
+        # llama.cpp runs it and warns (llama-context.cpp): "n_ctx_seq (N) > n_ctx_train (M) --
+        # possible training context overflow"; quality past the trained window is not promised
+        context = req.max_context
+        notes = (f"-c: {context} tokens per sequence is beyond the trained window of {limit}; llama.cpp "
+                 f"runs it with a warning (\"possible training context overflow\"); "
+                 f"--rope-scaling yarn --rope-scale {-(-context // geom.rope.original_window)} extends "
+                 "the window instead",)
+    else:
+        context = resolve_context(geom, req)
+    if _pad_cells(context) * slots > LLAMA_MAX_CTX:
+        raise InputError(f"--max-context {context} x --parallel {slots}: llama.cpp's -c is at most "
+                         f"{LLAMA_MAX_CTX} tokens (a 32-bit int); ask for fewer tokens")
     extra: tuple[str, ...] = ()
     if req.rope_scaling in ("yarn", "linear"):
         extra = ("--rope-scaling", req.rope_scaling, "--rope-scale", f"{req.rope_scale:g}")
         if req.yarn_orig_ctx:
             extra += ("--yarn-orig-ctx", str(req.yarn_orig_ctx))
-    return LlamaRequest(context=context, slots=req.slots, ubatch=ub, batch=max(LLAMA_BATCH, ub),
+    return LlamaRequest(context=context, slots=slots, ubatch=ub, batch=max(LLAMA_BATCH, ub),
                         type_k=tk, type_v=tv, margin=req.reserve_bytes,
-                        ubatch_min=min(req.prefill_min, ub), strict=req.strict,
-                        gguf=str(args.model), extra_flags=extra)
+                        ubatch_min=min(ub_min, ub), strict=req.strict,
+                        gguf=str(args.model) if is_gguf_file(args.model) else f"{geom.name}-{llama_ftype(args)}.gguf",
+                        extra_flags=extra, notes=notes, device=llama_device(args.device))
+
+
+def llama_ftype(args: argparse.Namespace) -> str:
+    """``--gguf-type`` (default ``Q4_K_M``, the most used mix): the ``llama-quantize`` file
+    type a Hugging Face model is planned in with ``--engine llama.cpp``
+    (:func:`moefit.engines.llamacpp_quant.ftype_name`). Raises InputError."""
+    text = getattr(args, "gguf_type", None)
+    return ftype_name(text) if text is not None else DEFAULT_FTYPE
+
+
+def llama_device(device: str | None) -> str:
+    """``--device cuda:N`` -> llama.cpp's device name ``CUDAN`` (``-dev``, the names
+    ``llama-server --list-devices`` prints), so the command runs on the planned card; empty
+    without ``--device`` or for ``cpu``."""
+    text = (device or "").strip().lower()
+    if not text.startswith("cuda"):
+        return ""
+    index = text.partition(":")[2] or "0"
+    return f"CUDA{int(index)}" if index.isdigit() else ""
+
+
+def llama_ubatch(prefill: str, prefill_min: int) -> tuple[int, int]:
+    """``--prefill`` / ``--prefill-min`` with ``--engine llama.cpp`` -> (``-ub``, the smallest
+    ``-ub`` a clamp may choose), in tokens: ``auto`` is llama.cpp's 512 (``auto:N`` asks
+    ``N``), any count of at least 1 is a micro-batch llama.cpp runs (the clamp's grid is
+    64 tokens: :data:`moefit.engines.llamacpp.UB_GRID`). Raises InputError naming the flag."""
+    text = prefill.strip().lower()
+    if text == "auto":
+        ub = LLAMA_UBATCH
+    else:
+        try:
+            ub = parse_count(text.removeprefix("auto:"), "--prefill")
+        except InputError:
+            raise InputError(f"--prefill {prefill!r}: expected auto or a micro-batch of N tokens "
+                             "(llama.cpp's -ub; e.g. --prefill 512)") from None
+    if prefill_min < 1:
+        raise InputError(f"--prefill-min {prefill_min}: the smallest micro-batch is at least 1 token")
+    return ub, prefill_min
 
 
 def check_engine_flags(args: argparse.Namespace) -> None:
     """The parallelism flags belong to ``--engine vllm|sglang``. Raises InputError naming
     the first one given with another engine."""
-    if getattr(args, "engine", "moefit") in ("vllm", "sglang"):
+    engine = getattr(args, "engine", "moefit")
+    if getattr(args, "gguf_type", None) is not None and engine != "llama.cpp":
+        raise InputError(f"--gguf-type {args.gguf_type}: a GGUF type mix is planned with --engine "
+                         "llama.cpp; add it, or drop --gguf-type")
+    if engine in ("vllm", "sglang"):
         return
     for name in PARALLEL_FLAGS:
         if getattr(args, name, None) is not None:
@@ -342,8 +417,8 @@ def serve_request_from_args(geom: ModelGeometry, args: argparse.Namespace) -> Se
         raise InputError(f"--max-context max is not planned with --engine {engine}; give a number "
                          "of tokens (e.g. --max-context 128K): a plan that does not fit names the "
                          "largest that does")
-    if getattr(args, "device", None) and args.device.strip().lower() == "cpu":
-        raise InputError(f"--device cpu: --engine {engine} plans CUDA GPUs; use --gpu NAME or "
+    if getattr(args, "device", None) and args.device.strip().lower().partition(":")[0] == "cpu":
+        raise InputError(f"--device {args.device}: --engine {engine} plans CUDA GPUs; use --gpu NAME or "
                          "--vram SIZE for the card of each rank")
     for name in PARALLEL_FLAGS:
         v = getattr(args, name, None)
@@ -369,11 +444,12 @@ def serve_request_from_args(geom: ModelGeometry, args: argparse.Namespace) -> Se
         extra = (("--hf-overrides", override), ("--json-model-override-args", override))
     gpus = args.gpus or 1
     nodes = args.nodes or 1
+    ref = serving_reference(args.model)
     seqs = args.slots
     return ServeRequest(context=context, gpus=gpus, nodes=nodes, tp=args.tp, pp=args.pp, dp=args.dp,
                         ep=args.ep, seqs=seqs, batched=batched, batched_min=args.prefill_min,
-                        strict=args.strict, kv=kv_name(args.kv), margin=req.reserve_bytes,
-                        model_ref=str(args.model), extra_flags=extra)
+                        strict=args.strict, kv=kv_name("bf16" if args.kv is None else args.kv), margin=req.reserve_bytes,
+                        model_ref=ref.model, trust_remote_code=ref.trust_remote_code, extra_flags=extra)
 
 
 def slots_of(args: argparse.Namespace) -> int:
@@ -427,8 +503,10 @@ def host_from_args(args: argparse.Namespace, devices: tuple[Device, ...]) -> Hos
     simulated device), else None (what-if cards: the host table is priced, not checked).
     Raises InputError."""
     here = any(d.kind == "cpu" or not d.simulated for d in devices)
-    declared = getattr(args, "host_ram", None) or os.environ.get(HOST_RAM_ENV) or None
-    return resolve_host(declared, here)
+    flag = getattr(args, "host_ram", None)
+    if flag:
+        return resolve_host(flag, here)
+    return resolve_host(os.environ.get(HOST_RAM_ENV) or None, here, HOST_RAM_ENV)
 
 
 def runnable_device(args: argparse.Namespace) -> Device:
@@ -472,11 +550,13 @@ def runnable_devices(args: argparse.Namespace) -> tuple[Device, ...]:
 
 def normalize_argv(argv: list[str]) -> list[str]:
     """``--gpu NAME xN`` as one value (``--gpu "NAME xN"``): a count after a card's name
-    is not a positional argument."""
+    is not a positional argument (nor a negative one, which
+    :func:`moefit.devices.probe.expand_gpus` then refuses by name)."""
     out = list(argv)
     i = 0
     while i < len(out) - 2:
-        if out[i] == "--gpu" and out[i + 2][:1].lower() in ("x", "×") and out[i + 2][1:].isdigit():
+        if (out[i] == "--gpu" and out[i + 2][:1].lower() in ("x", "×")
+                and out[i + 2][1:].lstrip("-").isdigit()):
             out[i + 1:i + 3] = [f"{out[i + 1]} {out[i + 2]}"]
         i += 1
     return out

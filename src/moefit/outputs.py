@@ -55,7 +55,7 @@ def replace_files(folder: Path, writers: dict[str, Callable[[Path], None]]) -> l
             fd, tmp = tempfile.mkstemp(prefix=f".{final.stem}.", suffix=f".tmp{final.suffix}",
                                        dir=folder)
             os.close(fd)
-            os.chmod(tmp, 0o666 & ~_umask())     # as open() would create it, not mkstemp's 0600
+            os.chmod(tmp, default_file_mode())   # as open() would create it, not mkstemp's 0600
             done.append((Path(tmp), final))
             write(Path(tmp))
             with open(tmp, "rb") as f:
@@ -69,10 +69,13 @@ def replace_files(folder: Path, writers: dict[str, Callable[[Path], None]]) -> l
     return [final for _, final in done]
 
 
-def _umask() -> int:
+def default_file_mode() -> int:
+    """The mode ``open()`` gives a new file: ``0o666`` less the process's umask (a writer
+    that goes through a private temporary file, as ``mkstemp`` and safetensors'
+    ``save_file`` do, leaves ``0o600``)."""
     mask = os.umask(0o022)
     os.umask(mask)
-    return mask
+    return 0o666 & ~mask
 
 
 def write_text_atomic(path: Path, text: str) -> Path:

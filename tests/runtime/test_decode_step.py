@@ -166,3 +166,22 @@ def test_lean_step_on_gguf_with_stored_dense_matrices(tiny_models, tmp_path, mon
     m = GGUFModel(tiny, tmp_path / "m.gguf", expert_types={i: experts for i in layers}, dense_types=dense)
     engine = m.start(expert_cache=m.geom.total_experts // 2, miss_policy="cpu")
     _compare(engine, m.ref.config.vocab_size, monkeypatch, GGUF_TOL)
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe", "gpt_oss"])
+def test_families_the_lean_step_does_not_know_take_the_torch_path(tmp_path, monkeypatch, family):
+    """MLA attention, grouped routers and gpt-oss (sinks, biased clamped experts) are not
+    implemented in the lean step: it says why, never runs, and decode gives the torch
+    step's greedy tokens."""
+    from gpt_oss import make_gpt_oss
+    from mla_models import make_mla
+
+    tiny = make_gpt_oss(tmp_path / family) if family == "gpt_oss" else make_mla(family, tmp_path / family)
+    engine = Engine.start(tiny.path, plan_for(tiny, expert_cache=2), EngineOptions(progress=False))
+    why = decode_step.lean(engine.model).why
+    assert why is not None and ("mla" in why or "not implemented" in why), why
+    ids = prompt(tiny.geom.vocab_size, n=9)
+    lean, tl, ran = _run(engine, ids, True, monkeypatch)
+    torch_, tt, _ = _run(engine, ids, False, monkeypatch)
+    assert not ran and tl == tt
+    assert all(torch.equal(a, b) for a, b in zip(lean, torch_))

@@ -12,6 +12,7 @@ No checkpoint is read: the loaders see a stand-in index holding exactly the list
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -19,6 +20,7 @@ from types import SimpleNamespace
 import pytest
 
 from moefit.ingest.families import geometry_from_config, registry
+from moefit.ingest.families.qwen_hybrid import V_TILED_ARCHS
 from moefit.ingest.geometry import ModelGeometry
 from moefit.runtime import gguf_loader, loader
 from moefit.runtime.arch import arch_from_config, runtime_model_types
@@ -57,6 +59,14 @@ def _configs() -> list[tuple[str, dict]]:
         ("olmoe attention_bias", dict(_SMALL, model_type="olmoe", num_experts=8, intermediate_size=32,
                                       attention_bias=True)),
         ("toy_moe", dict(TOY_CONFIG)),
+        ("glm4_moe", dict(_SMALL, model_type="glm4_moe", head_dim=16, n_routed_experts=8,
+                          moe_intermediate_size=32, intermediate_size=80, n_group=2, topk_group=1,
+                          use_qk_norm=True, attention_bias=True)),
+        ("deepseek_v3 attention_bias", _preset("DeepSeek-V3", attention_bias=True)),
+        ("deepseek_v2 without q LoRA", dict(_SMALL, model_type="deepseek_v2", n_routed_experts=8,
+                                            moe_intermediate_size=32, intermediate_size=80,
+                                            q_lora_rank=None, kv_lora_rank=32, qk_rope_head_dim=8,
+                                            qk_nope_head_dim=16, v_head_dim=16)),
     ]
     return out
 
@@ -76,10 +86,15 @@ def _setup(cfg: dict):
     return geom, arch_from_config(cfg, geom)
 
 
-def _listing(geom: ModelGeometry) -> tuple[dict[str, tuple], dict[str, tuple]]:
-    """(non-expert name -> shape, expert-0 name -> shape) of the geometry's listing."""
+def _listing(geom: ModelGeometry, arch=None) -> tuple[dict[str, tuple], dict[str, tuple]]:
+    """(non-expert name -> shape, expert-0 name -> shape) of the geometry's listing, plus
+    (with ``arch``) the routers' ``e_score_correction_bias``: a buffer, which the listing
+    of parameters leaves out, that the loaders read and the exact pricing counts."""
     dense = {t.name: tuple(t.shape) for t in geom.global_tensors}
     dense |= {t.name: tuple(t.shape) for l in geom.layers for t in l.tensors}
+    if arch is not None:
+        dense |= {arch.names.hf("router_bias", f"{arch.prefix}layers.{l.index}."): (l.moe.num_experts,)
+                  for l in geom.moe_layers if l.moe.routing.bias}
     experts = {t.name: tuple(t.shape) for l in geom.layers for t in l.expert_tensors}
     return dense, experts
 
@@ -101,6 +116,9 @@ class _ListingIndex:
 
     def missing(self, name: str) -> Exception:
         return KeyError(name)
+
+    def fp8(self, name: str) -> bool:   # the listing's names, in the model dtype
+        return False
 
     def check(self, name: str, shape: tuple) -> None:
         if self._as_listed(name) == name:   # expert 0 and every non-expert tensor
@@ -124,10 +142,19 @@ def _safetensors_asks(geom, arch, names: set[str]) -> tuple[dict[str, tuple], di
 @pytest.mark.parametrize("label,cfg", CONFIGS, ids=[c[0] for c in CONFIGS])
 def test_safetensors_loader_asks_for_the_listing(label, cfg):
     geom, arch = _setup(cfg)
-    dense, experts = _listing(geom)
+    dense, experts = _listing(geom, arch)
     asked, asked_experts = _safetensors_asks(geom, arch, set(dense) | set(experts))
     assert asked == dense, (set(asked.items()) ^ set(dense.items()))
-    assert asked_experts == experts, (set(asked_experts.items()) ^ set(experts.items()))
+    if arch.names.fused_experts:
+        # gpt-oss: the listing prices one expert's [out, in] matrices; the checkpoint holds
+        # the layer's experts fused ([E, in, out]): the same names, E times the elements
+        assert set(asked_experts) == set(experts)
+        e = geom.moe_layers[0].moe.num_experts
+        for name, shape in experts.items():
+            assert math.prod(asked_experts[name]) == e * math.prod(shape), name
+            assert asked_experts[name][0] == e and sorted(asked_experts[name][1:]) == sorted(shape), name
+    else:
+        assert asked_experts == experts, (set(asked_experts.items()) ^ set(experts.items()))
 
 
 def _gguf_configs():
@@ -149,14 +176,24 @@ def test_gguf_loader_asks_for_the_listing(label, cfg):
     (``NameTable.gguf_from_hf``; experts stacked ``[E, ...]`` per part) are the GGUF names
     and torch-order shapes the GGUF loader asks for."""
     geom, arch = _setup(cfg)
-    dense, _ = _listing(geom)
-    want = {arch.names.gguf_from_hf(n, arch.prefix): s for n, s in dense.items()}
+    dense, _ = _listing(geom, arch)
+    fam = TOY if cfg["model_type"] == "toy_moe" else registry.family_for(cfg["model_type"])
+    # the writer's own conversions (Qwen3-Next / Qwen3.5 linear attention, offset norms),
+    # then the name table for the rest
+    convs = fam.gguf_tensors(dict.fromkeys(dense), arch.config, arch.prefix, lambda k: dense[k]) \
+        if fam.gguf_tensors else []
+    converted = {k for c in convs for k in c.sources}
+    want = {o.name: tuple(o.shape) for c in convs for o in c.outputs if set(c.sources) <= set(dense)}
+    want |= {arch.names.gguf_from_hf(n, arch.prefix): s for n, s in dense.items() if n not in converted}
     g = arch.names.globals
     asked = {g["embed"][1]: (geom.vocab_size, geom.hidden_size), g["norm"][1]: (geom.hidden_size,)}
     if not arch.tie_embeddings:
         asked[g["lm_head"][1]] = (geom.vocab_size, geom.hidden_size)
+    tiled = fam.gguf_arch_of.get(cfg["model_type"]) in V_TILED_ARCHS
+    header = SimpleNamespace(tensors=want)     # MLA: attn_kv_b whole (attn_k_b absent)
     for l in geom.layers:
-        asked |= {name: tuple(shape) for _, name, shape in gguf_loader._layer_plan(l, geom, arch)}
+        for _, name, shape in gguf_loader._layer_plan(l, geom, arch, header, tiled):
+            asked |= {p: tuple(s) for p, s in sources(name, shape)}
     assert asked == want, set(asked.items()) ^ set(want.items())
 
     checked = {}
@@ -168,6 +205,16 @@ def test_gguf_loader_asks_for_the_listing(label, cfg):
     ts = SimpleNamespace(h=SimpleNamespace(tensors={}), check=check)
     for l in geom.moe_layers:
         gguf_loader._expert_parts(l, geom, arch, ts)
+        e, i, h = l.moe.num_experts, l.moe.expert_intermediate, geom.hidden_size
+        if arch.names.fused_experts:    # gpt-oss: gate_up [2I, H] split into gate and up, + biases
+            names = {p: arch.names.gguf_expert(p, l.index) for p in
+                     ("gate", "up", "down", "gate_bias", "up_bias", "down_bias")}
+            assert {p: checked[n] for p, n in names.items()} == {
+                "gate": (e, i, h), "up": (e, i, h), "down": (e, h, i),
+                "gate_bias": (e, i), "up_bias": (e, i), "down_bias": (e, h)}
+            listed = sum(math.prod(t.shape) for t in l.expert_tensors)
+            assert sum(math.prod(checked[n]) for n in names.values()) == e * listed
+            continue
         listed = [tuple(t.shape) for t in l.expert_tensors]          # gate, up, down of expert 0
         parts = [arch.names.gguf_expert(p, l.index) for p in ("gate", "up", "down")]
         assert {p: checked[p] for p in parts} == {

@@ -64,6 +64,24 @@ def test_chat_template_sources_and_errors(tmp_path):
         Tokenizer.from_dir(tmp_path).render_chat([{"role": "user", "content": "x"}])
 
 
+def test_chat_template_json_as_gpt_oss_checkpoints_hold_it(tmp_path):
+    """transformers' gpt-oss converter (``convert_gpt_oss_weights_to_hf.py``) writes the
+    harmony template to ``chat_template.json`` (``{"chat_template": ...}``); it wins over
+    ``tokenizer_config.json``'s, and the harmony constructs render: ``namespace``, a macro,
+    ``strftime_now``, a developer message taken off the front."""
+    write_tokenizer(tmp_path)
+    harmony = ("{%- macro sys() -%}Current date: {{ strftime_now('%Y') }}{%- endmacro -%}"
+               "<|start|>system<|message|>{{ sys() }}<|end|>"
+               "{%- set ns = namespace(n=0) %}"
+               "{%- for m in messages %}{%- set ns.n = ns.n + 1 %}"
+               "<|start|>{{ m.role }}<|message|>{{ m.content }}<|end|>{%- endfor %}"
+               "{%- if add_generation_prompt %}<|start|>assistant{%- endif %}")
+    (tmp_path / "chat_template.json").write_text(json.dumps({"chat_template": harmony}))
+    text = Tokenizer.from_dir(tmp_path).render_chat([{"role": "user", "content": "hi"}])
+    assert text.startswith("<|start|>system<|message|>Current date: 20")
+    assert text.endswith("<|end|><|start|>user<|message|>hi<|end|><|start|>assistant")
+
+
 def test_no_tokenizer_json_means_no_tokenizer(tmp_path):
     assert Tokenizer.from_dir(tmp_path) is None
 

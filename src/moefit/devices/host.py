@@ -77,15 +77,19 @@ def probe_host() -> Host | None:
                 "this machine (psutil)")
 
 
-def resolve_host(host_ram: str | None, on_this_machine: bool) -> Host | None:
+def resolve_host(host_ram: str | None, on_this_machine: bool,
+                 name: str = "--host-ram") -> Host | None:
     """The host of the ``--host-ram`` flag, else this machine when ``on_this_machine``
-    (the devices are probed or simulated here), else None (not checked).
+    (the devices are probed or simulated here), else None (not checked). ``name``: where
+    ``host_ram`` came from (``--host-ram``, or the environment variable
+    ``MOEFIT_HOST_RAM``), for the errors and the table's source.
 
-    Raises InputError for a bad ``--host-ram`` size or one below 64 MiB."""
+    Raises InputError for a bad size or one below 64 MiB."""
     if host_ram is not None:
-        size = parse_size(host_ram, "--host-ram")
+        size = parse_size(host_ram, name)
+        shown = f"{name} {host_ram}" if name.startswith("-") else f"{name}={host_ram}"
         if size < 64 * MIB:
-            raise InputError(f"--host-ram {host_ram}: a host needs at least 64 MiB; give its "
-                             "memory, e.g. --host-ram 64GiB")
-        return Host(size, size, f"--host-ram {host_ram}")
+            raise InputError(f"{shown}: a host needs at least 64 MiB; give its "
+                             f"memory, e.g. {name}{' ' if name.startswith('-') else '='}64GiB")
+        return Host(size, size, shown)
     return probe_host() if on_this_machine else None

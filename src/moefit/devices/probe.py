@@ -126,15 +126,18 @@ def probe_cuda(index: int = 0) -> Device:
 # --- command-line resolution ----------------------------------------------------------
 
 def _parse_device_flag(device: str) -> tuple[DeviceKind, int]:
+    """``cpu``, ``cpu:N`` (a simulated device, as tables name them), ``cuda`` or
+    ``cuda:N`` -> (kind, N). Raises InputError for anything else."""
     text = device.strip().lower()
     if text == "cpu":
         return "cpu", 0
     if text == "cuda":
         return "cuda", 0
-    if text.startswith("cuda:") and text[5:].isdigit():
-        return "cuda", int(text[5:])
+    for kind in ("cuda", "cpu"):
+        if text.startswith(f"{kind}:") and text[len(kind) + 1:].isdigit():
+            return kind, int(text[len(kind) + 1:])
     raise InputError(f"--device: {device!r} is not a device; use cuda, cuda:N (N = 0, 1, ...) "
-                     f"or cpu (a simulated device, with --vram SIZE)")
+                     f"or cpu (a simulated device, with --vram SIZE; several: cpu:0,cpu:1)")
 
 
 def what_if_card(label: str, vram: str, capacity: int, vram_free: str | None,
@@ -142,21 +145,23 @@ def what_if_card(label: str, vram: str, capacity: int, vram_free: str | None,
     """A what-if CUDA card of ``capacity`` bytes total (``--vram SIZE`` with no card to
     read). Its free memory is ``--vram-free`` when given; else what a real card of that
     size has free at idle: the capacity less the driver's reserved memory
-    (:func:`moefit.devices.catalogue.idle_reserved`), and the plan says so in a note."""
+    (:func:`moefit.devices.catalogue.idle_reserved`), and the plan says so in a note.
+    Sizes are printed in the unit of the card's tables (:func:`moefit.units.size_format`)."""
+    fmt = size_format(capacity)
     if free_bytes is not None:
-        return Device(label, f"what-if {format_gib(capacity)} CUDA card", "cuda", capacity,
+        return Device(label, f"what-if {fmt(capacity)} CUDA card", "cuda", capacity,
                       free_bytes, simulated=True, source=f"{source} --vram-free")
     reserved, basis = idle_reserved(capacity)
     note = (f"{label}: --vram {vram.strip()} is the card's total; free at idle assumed "
-            f"{format_gib(capacity - reserved)} = total - {basis}; --vram-free SIZE sets it")
-    return Device(label, f"what-if {format_gib(capacity)} CUDA card", "cuda", capacity,
+            f"{fmt(capacity - reserved)} = total - {basis}; --vram-free SIZE sets it")
+    return Device(label, f"what-if {fmt(capacity)} CUDA card", "cuda", capacity,
                   capacity - reserved, simulated=True,
                   source=f"{source} (free = total - {reserved // MIB} MiB reserved at idle)",
                   note=note)
 
 
 def resolve_device(device: str | None, gpu: str | None, vram: str | None,
-                   vram_free: str | None) -> Device:
+                   vram_free: str | None, label: str | None = None) -> Device:
     """The :class:`Device` the flags ``--device``, ``--gpu``, ``--vram``, ``--vram-free`` describe.
 
     1. ``--device cuda[:N]``: the real GPU via NVML; ``--vram`` lowers its capacity and
@@ -171,6 +176,8 @@ def resolve_device(device: str | None, gpu: str | None, vram: str | None,
        (:func:`what_if_card`).
     5. none of these: the real ``cuda:0`` via NVML (``--vram-free`` lowers its free memory).
 
+    ``label``: the device's name in the errors when it is one of several (``cpu:1``).
+
     Raises:
         InputError: a bad size or device string; ``--device cpu`` without ``--vram``;
             ``--gpu`` with ``--device`` or ``--vram``; ``--vram-free`` above the capacity;
@@ -182,10 +189,12 @@ def resolve_device(device: str | None, gpu: str | None, vram: str | None,
     free_bytes = parse_size(vram_free, "--vram-free", min_bare=MIB) if vram_free is not None else None
     kind, index = _parse_device_flag(device) if device is not None else (None, 0)
 
+    on = f" ({label})" if label else ""
+
     def check_free(capacity: int, what: str) -> None:
         if free_bytes is not None and free_bytes > capacity:
-            raise InputError(f"--vram-free {vram_free} is more than {what} "
-                             f"({format_gib(capacity)}); lower --vram-free")
+            raise InputError(f"--vram-free {vram_free}{on} is more than {what} "
+                             f"({size_format(capacity)(capacity)}); lower --vram-free")
 
     if gpu is not None:
         if device is not None:
@@ -268,8 +277,8 @@ def expand_gpus(names: list[str]) -> list[str]:
     out: list[str] = []
     for name in names:
         head, _, tail = name.strip().rpartition(" ")
-        count = tail.lower().lstrip("x×") if tail[:1].lower() in ("x", "×") else ""
-        if head and count.isdigit():
+        count = tail.lower()[1:] if tail[:1].lower() in ("x", "×") else ""
+        if head and count.lstrip("-").isdigit():
             n = int(count)
             if not 1 <= n <= MAX_DEVICES:
                 raise InputError(f"--gpu {name!r}: {n} cards; give 1 to {MAX_DEVICES}")
@@ -302,8 +311,13 @@ def resolve_devices(device: str | None, gpus: list[str] | str | None, vram: str 
     n = max(len(names), len(devs or []), len(vrams or []), len(frees or []), 1)
     if n > MAX_DEVICES:
         raise InputError(f"{n} devices: moefit plans at most {MAX_DEVICES}")
-    if devs is not None and len(devs) == 1 and n > 1 and devs[0].lower() == "cpu":
-        devs = devs * n                  # --device cpu --vram 16GiB,12GiB
+    for i, entry in enumerate(devs or []):
+        kind, index = _parse_device_flag(entry)
+        if kind == "cpu" and ":" in entry and index != i:
+            want = ",".join(f"cpu:{k}" for k in range(max(len(devs), n)))
+            raise InputError(f"--device {device}: simulated devices are numbered in order, "
+                             f"from cpu:0; use --device {want} (or --device cpu with one "
+                             "--vram value per device)")
     given = [(flag, len(items)) for flag, items in (("--device", devs), ("--gpu", names or None),
                                                     ("--vram", vrams), ("--vram-free", frees))
              if items is not None and len(items) > 1]
@@ -316,14 +330,25 @@ def resolve_devices(device: str | None, gpus: list[str] | str | None, vram: str 
     if names and devs is not None:
         raise InputError(f"--gpu {names[0]} plans for catalogue cards and --device {device} "
                          f"for real or simulated ones; drop one of them")
+    if devs is not None and len(devs) == 1 and n > 1:
+        if _parse_device_flag(devs[0])[0] != "cpu":
+            listed = next(f"{flag} lists {k} values" for flag, k in
+                          (("--gpu", len(names)), ("--vram", len(vrams or [])),
+                           ("--vram-free", len(frees or []))) if k > 1)
+            raise InputError(f"--device {device} names one device and {listed}; name one "
+                             f"device per value (--device "
+                             f"{','.join(f'cuda:{k}' for k in range(n))}) or give one value")
+        devs = devs * n                  # --device cpu --vram 16GiB,12GiB
     kinds = {_parse_device_flag(d)[0] for d in devs} if devs else set()
     if len(kinds) > 1:
         raise InputError(f"--device {device}: mixes simulated (cpu) and CUDA devices; plan "
                          "either real / what-if CUDA devices or simulated ones")
     out = []
     for i in range(n):
+        kind, index = _parse_device_flag(pick(devs, i)) if devs else ("cuda", i)
         d = resolve_device(pick(devs, i), names[i] if len(names) > 1 else (names[0] if names else None),
-                           pick(vrams, i), pick(frees, i))
+                           pick(vrams, i), pick(frees, i),
+                           label=f"cpu:{i}" if kind == "cpu" else f"cuda:{index}")
         if d.kind == "cpu" or names or devs is None:
             label = f"cpu:{i}" if d.kind == "cpu" else f"cuda:{i}"
             note = d.note.replace(f"{d.label}:", f"{label}:", 1) if d.note else ""

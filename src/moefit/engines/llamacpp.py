@@ -34,7 +34,10 @@ vendored in the ``llama-cpp-python`` 0.3.36 sdist), file and function named at e
   F16 also holds K and V converted to F16: the tile and MMA kernels a micro-batch uses need
   F16 (``ggml_cuda_flash_attn_ext_get_alloc_size``, ``fattn.cu``), and the copies are part
   of the node's alloc size (``ggml_cuda_flash_attn_ext_get_f16_extra_data``,
-  ``fattn-common.cuh``): ``2 x n_kv x n_embd_{k,v}_gqa`` bytes each. And with experts kept on
+  ``fattn-common.cuh``): ``2 x n_kv x n_embd_{k,v}_gqa`` bytes each, inside the printed
+  ``CUDA0 compute buffer`` since ggml-org/llama.cpp#23907 (May 2026; before it they came from
+  the CUDA pool at the first prefill, ``ggml_cuda_pool_alloc<half> K_f16(pool)``, on top of the
+  printed buffer, which this model does not price). And with experts kept on
   the CPU (``--n-cpu-moe K > 0``) a micro-batch of 32 tokens or more runs their matrix
   products on the GPU anyway (``op_offload``; ``ggml_backend_cuda_device_offload_op``,
   ``GGML_OP_OFFLOAD_MIN_BATCH`` = 32): the scheduler copies each such weight into the
@@ -55,23 +58,33 @@ alignment) and the expert-tensor copy come from the source and are not measured.
 
 from __future__ import annotations
 
+import itertools
+import math
 import re
 from dataclasses import dataclass, field, replace
 
 from moefit.devices import Device
+from moefit.engines.llamacpp_quant import llamacpp_tensors
 from moefit.errors import InputError
 from moefit.ingest.geometry import ModelGeometry
 from moefit.ingest.gguf_header import read_header
 from moefit.ingest.resolve import format_params
 from moefit.memory.runtime import default_reserve_bytes, runtime_bytes
-from moefit.plan.solver import Line
+from moefit.plan.solver import Alternative, Line, limiting_lines
 from moefit.units import format_bytes, size_format
 
 #: ``-ub`` grid when the micro-batch is clamped (tokens)
 UB_GRID = 64
-#: llama.cpp's defaults (``common/common.h``): ``n_batch`` 2048, ``n_ubatch`` 512
+#: llama.cpp's defaults (``common/common.h``): ``n_batch`` 2048, ``n_ubatch`` 512, K and V
+#: caches ``f16`` (``cache_type_k`` / ``cache_type_v``)
 DEFAULT_UBATCH = 512
 DEFAULT_BATCH = 2048
+DEFAULT_KV = "f16"
+#: ``LLAMA_MAX_SEQ`` (``llama-cparams.h``): a context refuses more sequences ("n_seq_max must
+#: be <= 256", ``llama_init_from_model``)
+MAX_SEQ = 256
+#: ``-c`` is read as an ``int`` (``common/arg.cpp``, ``std::stoi``): at most 2^31 - 1 tokens
+MAX_CTX = 2**31 - 1
 #: ``n_ctx`` and SWA cache padding (``llama-context.cpp``, ``llama-kv-cache-iswa.cpp``)
 CTX_PAD = 256
 MATRIX_ROW_PADDING = 512
@@ -109,6 +122,11 @@ def _row(kind: str, n: int) -> int:
 
 def _pad(n: int, to: int) -> int:
     return -(-n // to) * to
+
+
+def pad_cells(context: int) -> int:
+    """A sequence's cells: ``context`` padded to llama.cpp's 256 (``llama-context.cpp``)."""
+    return _pad(context, CTX_PAD)
 
 
 @dataclass(frozen=True)
@@ -164,6 +182,17 @@ def tensors_from_header(path: str) -> list[Tensor]:
     return [Tensor(t.name, t.ggml_type, tuple(t.ne), t.nbytes) for t in h.tensors.values()]
 
 
+def tensors_from_geometry(geom: ModelGeometry, ftype: str) -> tuple[list[Tensor], str]:
+    """The tensors of the GGUF ``llama-quantize FTYPE`` would write for the Hugging Face model
+    ``geom`` (:func:`moefit.engines.llamacpp_quant.llamacpp_tensors`), and a note saying so."""
+    infos, unknown = llamacpp_tensors(geom, ftype)
+    note = (f"model: the GGUF of convert_hf_to_gguf.py + llama-quantize {ftype} (--gguf-type), derived from "
+            f"the config, {format_bytes(sum(t.nbytes for t in infos))}")
+    if unknown:
+        note += f"; {unknown} tensors without a llama.cpp name priced at the mix's default type"
+    return [Tensor(t.name, t.kind, t.ne, t.nbytes) for t in infos], note
+
+
 def expert_layer(name: str) -> int | None:
     """The layer of an expert tensor ``--n-cpu-moe`` moves (its regex), or None."""
     m = _EXPS.match(name)
@@ -199,6 +228,11 @@ def model_buffers(tensors: list[Tensor], backend: Backend) -> ModelBuffers:
             experts_host[layer] = experts_host.get(layer, 0) + t.alloc_bytes(CPU)
         else:
             dev += t.alloc_bytes(backend)
+    emb = next((t for t in tensors if t.name == "token_embd.weight"), None)
+    if emb is not None and not any(t.name == "output.weight" for t in tensors):
+        # tied embeddings: the output layer loads token_embd again, on its own device
+        # (llama_model::load_tensors, TENSOR_DUPLICATED)
+        dev += emb.alloc_bytes(backend)
     return ModelBuffers(dev, tuple(sorted(experts.items())), tuple(sorted(experts_host.items())), host, largest)
 
 
@@ -359,7 +393,8 @@ class LlamaRequest:
     """What to plan: ``context`` tokens per sequence, ``slots`` sequences (``-np``; ``-c`` is
     ``pad(context, 256) x slots``), ``ubatch`` requested (``-ub``; ``strict``: no
     clamp, ``ubatch_min``: the smallest clamp), ``batch`` (``-b``), cache types, ``margin``
-    bytes (None: moefit's default), ``gguf`` path for the command."""
+    bytes (None: moefit's default), ``gguf`` path for the command, ``notes`` of the flags'
+    mapping (carried into the plan), ``device`` (``-dev``, e.g. ``CUDA1``; empty: none)."""
 
     context: int
     slots: int = 1
@@ -372,6 +407,8 @@ class LlamaRequest:
     strict: bool = False
     gguf: str = "model.gguf"
     extra_flags: tuple[str, ...] = ()
+    notes: tuple[str, ...] = ()
+    device: str = ""
 
 
 @dataclass(frozen=True)
@@ -392,7 +429,9 @@ class LlamaPlan:
     compute: ComputePrice | None = None
     expert_bytes: tuple[tuple[int, int], ...] = ()      # (layer, device bytes)
     shortfall_bytes: int = 0
-    alternatives: tuple[tuple[str, str], ...] = ()
+    alternatives: tuple[Alternative, ...] = ()
+    limiting: tuple[str, ...] = ()
+    cpu_layers: tuple[int, ...] | None = None   # layers whose experts stay on the CPU, when not a prefix
 
     @property
     def planned_bytes(self) -> int:
@@ -406,14 +445,33 @@ class LlamaPlan:
         return next(l for l in self.lines if l.key == key)
 
     @property
+    def override(self) -> str:
+        """``-ot PATTERN=CPU`` for :attr:`cpu_layers` (``--override-tensor``: tensors whose name
+        matches the regex go to that buffer type; the regex of ``--n-cpu-moe``'s
+        ``llm_ffn_exps_block_regex``, one alternative per layer), or "" with ``--n-cpu-moe``."""
+        if not self.cpu_layers:
+            return ""
+        layers = "|".join(str(i) for i in self.cpu_layers)
+        return f"'blk\\.({layers})\\.ffn_(up|down|gate|gate_up)_(ch|)exps=CPU'"
+
+    @property
+    def batch(self) -> int:
+        """``-b`` of the command: llama.cpp's 2048, or the micro-batch when larger."""
+        return min(self.request.batch, max(DEFAULT_BATCH, self.ubatch))
+
+    @property
     def command(self) -> str:
         """The ``llama-server`` command line of this plan."""
         r = self.request
         # always -np: llama-server's default (-1, auto) is 4 slots sharing one cache
         # (tools/server/server.cpp), which would multiply the recurrent state and the SWA cache
         parts = ["llama-server", "-m", r.gguf, "-c", str(llama_ctx(r)), "-np", str(r.slots),
-                 "-ub", str(self.ubatch), "-b", str(max(r.batch, self.ubatch)), "-ngl", "999"]
-        if self.n_cpu_moe:
+                 "-ub", str(self.ubatch), "-b", str(self.batch), "-ngl", "999"]
+        if r.device:
+            parts += ["-dev", r.device]
+        if self.cpu_layers:
+            parts += ["-ot", self.override]
+        elif self.n_cpu_moe:
             parts += ["--n-cpu-moe", str(self.n_cpu_moe)]
         parts += ["-ctk", r.type_k, "-ctv", r.type_v, "-fa", "on", *r.extra_flags]
         return " ".join(parts)
@@ -421,7 +479,14 @@ class LlamaPlan:
 
 def llama_ctx(req: LlamaRequest) -> int:
     """llama.cpp's ``-c``: every slot's context, each padded to 256 cells (tokens)."""
-    return _pad(req.context, CTX_PAD) * req.slots
+    return pad_cells(req.context) * req.slots
+
+
+def effective_ubatch(req: LlamaRequest) -> int:
+    """The micro-batch llama.cpp runs for ``req`` (tokens): ``n_batch = min(n_ctx, -b)`` with
+    causal attention, then ``n_ubatch = min(n_batch, -ub)`` (``llama-context.cpp``,
+    ``llama_context::llama_context``; ``n_ctx`` is the command's ``-c``)."""
+    return min(req.ubatch, max(req.batch, req.ubatch), llama_ctx(req))
 
 
 @dataclass(frozen=True)
@@ -477,13 +542,17 @@ def solve_llamacpp(geom: ModelGeometry, tensors: list[Tensor], device: Device, r
     """
     if req.ubatch < 1:
         raise InputError(f"--prefill {req.ubatch}: the micro-batch (-ub) needs at least 1 token")
+    if not 1 <= req.slots <= MAX_SEQ:
+        raise InputError(f"--parallel {req.slots}: llama.cpp runs 1 to {MAX_SEQ} sequences")
     m = _Model(geom, _n_vocab(tensors), model_buffers(tensors, _backend(device)))
     free = device.free_bytes
     n_layers = geom.num_layers
     moe_layers = [layer for layer, _ in m.buffers.experts]
     all_cpu = (max(moe_layers) + 1) if moe_layers else 0
-    notes: list[str] = []
-    ub = min(req.ubatch, max(req.batch, req.ubatch))
+    notes: list[str] = list(req.notes)
+    ub = effective_ubatch(req)
+    if ub < req.ubatch:
+        notes.append(f"-ub: requested {req.ubatch}, {ub} as llama.cpp runs it (n_ubatch = min(-ub, -b, -c))")
     # all experts on the device (no host weight to copy), else the smallest K >= 1 that fits
     total, kv, comp = _mandatory(m, device, req, ub, False)
     fits = True
@@ -494,32 +563,109 @@ def solve_llamacpp(geom: ModelGeometry, tensors: list[Tensor], device: Device, r
         k = next((k for k in range(1, all_cpu + 1) if total + _experts_from(m, k) <= free), None)
     if k is None or total > free:
         k = all_cpu
-        lowest = min(req.ubatch_min, ub)
-        grid = [u for u in range((ub // UB_GRID) * UB_GRID, lowest - 1, -UB_GRID) if u >= max(lowest, 1)]
-        best = None if req.strict else next(
-            (u for u in grid if _mandatory(m, device, req, u, bool(moe_layers))[0] <= free), None)
+        lowest = max(1, min(req.ubatch_min, ub))
+        # the grid below ub: multiples of UB_GRID down to the floor (the floor itself when it is
+        # off the grid); the mandatory lines grow with -ub, so the largest that fits is bisected
+        grid = sorted({u for u in (lowest, *range(-(-lowest // UB_GRID) * UB_GRID, ub + 1, UB_GRID)) if u <= ub})
+
+        def fits_at(u: int) -> bool:
+            return _mandatory(m, device, req, u, bool(moe_layers))[0] <= free
+
+        best = None
+        if not req.strict and grid and fits_at(grid[0]):
+            lo, hi = 0, len(grid) - 1
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                lo, hi = (mid, hi) if fits_at(grid[mid]) else (lo, mid - 1)
+            best = grid[lo]
         if best is not None:
             notes.append(f"-ub: requested {req.ubatch}, clamped to {best} due to VRAM budget")
             ub = best
         else:
             fits = False
-            ub = ub if req.strict else (grid[-1] if grid else ub)
+            ub = ub if req.strict else (grid[0] if grid else ub)
         total, kv, comp = _mandatory(m, device, req, ub, bool(moe_layers))
-    lines = _lines(m, device, req, ub, k, kv, comp)
-    host = {"model": m.buffers.host + sum(b for layer, b in m.buffers.experts_host if layer < k),
+    on_cpu = frozenset(layer for layer in moe_layers if layer < k)
+    per_layer = None
+    if fits and 0 < k < all_cpu + 1 and on_cpu:
+        chosen = _best_layers(dict(m.buffers.experts), free - total)
+        if sum(b for layer, b in m.buffers.experts if layer in chosen) > _experts_from(m, k):
+            on_cpu = frozenset(moe_layers) - chosen
+            per_layer = tuple(sorted(on_cpu))
+    lines = _lines(m, device, req, ub, on_cpu, kv, comp)
+    host = {"model": m.buffers.host + sum(b for layer, b in m.buffers.experts_host if layer in on_cpu),
             "output": 4 * m.n_vocab * req.slots, "compute": 4 * ub * (geom.hidden_size + 1)}
-    if k and n_layers:
+    if per_layer:
+        notes.append(f"experts of layers {_ranges(per_layer)} stay on the CPU (-ot, a per-layer choice: "
+                     f"{format_bytes(lines[-1].bytes - _experts_from(m, k))} more experts on the device than "
+                     f"--n-cpu-moe {k}); {len(moe_layers) - len(per_layer)} of {len(moe_layers)} MoE layers on "
+                     "the device")
+    elif k and n_layers:
         notes.append(f"experts of layers 0-{k - 1} stay on the CPU (--n-cpu-moe {k}); "
                      f"{len([l for l in moe_layers if l >= k])} of {len(moe_layers)} MoE layers on the device")
-    plan = LlamaPlan(fits, geom, device, req, ub, k, lines, host, tuple(notes), kv, comp, m.buffers.experts)
+    plan = LlamaPlan(fits, geom, device, req, ub, k, lines, host, tuple(notes), kv, comp, m.buffers.experts,
+                     cpu_layers=per_layer)
     if fits:
         return plan
     shortfall = plan.planned_bytes - free
     alts = _alternatives(geom, tensors, device, req) if alternatives else ()
-    return replace(plan, shortfall_bytes=shortfall, alternatives=tuple(alts))
+    return replace(plan, shortfall_bytes=shortfall, alternatives=tuple(alts),
+                   limiting=limiting_lines(plan.lines, shortfall))
 
 
-def _lines(m: _Model, device: Device, req: LlamaRequest, ub: int, k: int, kv: KVPrice,
+#: combinations of per-size layer counts :func:`_best_layers` enumerates before it settles
+#: for the largest-first fill
+_SUBSET_COMBOS = 200_000
+
+
+def _best_layers(experts: dict[int, int], budget: int) -> frozenset[int]:
+    """The MoE layers whose experts to keep on the device: the most expert bytes within
+    ``budget`` (a subset-sum over the layers' device bytes). Layers of one size are
+    interchangeable, so this enumerates how many of each size (all but the smallest size, whose
+    count then follows) and keeps the last layers of each size on the device; with too many
+    sizes it fills largest first. Ties: more layers on the device."""
+    by_size: dict[int, list[int]] = {}
+    for layer, b in experts.items():
+        by_size.setdefault(b, []).append(layer)
+    sizes = sorted(by_size, reverse=True)
+    if budget <= 0 or not sizes:
+        return frozenset()
+    combos = math.prod(len(by_size[s]) + 1 for s in sizes[:-1])
+    if combos > _SUBSET_COMBOS:
+        chosen, left = [], budget
+        for s in sizes:
+            n = min(len(by_size[s]), left // s)
+            chosen += sorted(by_size[s])[len(by_size[s]) - n:]
+            left -= n * s
+        return frozenset(chosen)
+    best = (0, 0, ())
+    last = sizes[-1]
+    for counts in itertools.product(*(range(len(by_size[s]) + 1) for s in sizes[:-1])):
+        used = sum(c * s for c, s in zip(counts, sizes))
+        if used > budget:
+            continue
+        n_last = min(len(by_size[last]), (budget - used) // last)
+        key = (used + n_last * last, sum(counts) + n_last, (*counts, n_last))
+        best = max(best, key)
+    chosen = []
+    for s, n in zip(sizes, best[2]):
+        chosen += sorted(by_size[s])[len(by_size[s]) - n:] if n else []
+    return frozenset(chosen)
+
+
+def _ranges(layers: tuple[int, ...]) -> str:
+    """``0-4, 7, 9-11`` of sorted layer indices."""
+    out, start = [], None
+    for i, layer in enumerate(layers):
+        if start is None:
+            start = layer
+        if i + 1 == len(layers) or layers[i + 1] != layer + 1:
+            out.append(f"{start}" if start == layer else f"{start}-{layer}")
+            start = None
+    return ", ".join(out)
+
+
+def _lines(m: _Model, device: Device, req: LlamaRequest, ub: int, on_cpu: frozenset[int], kv: KVPrice,
            comp: ComputePrice) -> tuple[Line, ...]:
     be = _backend(device)
     g = m.geom
@@ -529,7 +675,8 @@ def _lines(m: _Model, device: Device, req: LlamaRequest, ub: int, k: int, kv: KV
         kv_detail += (", " if kv_detail else "") + f"SWA {kv.swa_cells} cells{streams} x {kv.swa_layers} layers"
     kv_detail += f", K {req.type_k} / V {req.type_v}"
     moe = len(m.buffers.experts)
-    on_dev = len([1 for layer, _ in m.buffers.experts if layer >= k])
+    on_dev = len([1 for layer, _ in m.buffers.experts if layer not in on_cpu])
+    k = max(on_cpu) + 1 if on_cpu else 0
     margin = default_reserve_bytes(device) if req.margin is None else req.margin
     values = {
         "runtime": (runtime_bytes(device), "simulated device" if device.kind == "cpu" else
@@ -541,8 +688,10 @@ def _lines(m: _Model, device: Device, req: LlamaRequest, ub: int, k: int, kv: KV
                   if kv.recurrent_layers else "no recurrent layers"),
         "compute": (comp.bytes, _compute_detail(ub, m.n_vocab, comp)),
         "margin": (margin, ""),
-        "experts": (_experts_from(m, k), f"{on_dev} of {moe} MoE layers (--n-cpu-moe {k})" if moe
-                    else "dense model: no experts"),
+        "experts": (sum(b for layer, b in m.buffers.experts if layer not in on_cpu),
+                    (f"{on_dev} of {moe} MoE layers (--n-cpu-moe {k})" if len(on_cpu) == k else
+                     f"{on_dev} of {moe} MoE layers (-ot: layers {_ranges(tuple(sorted(on_cpu)))} on the CPU)")
+                    if moe else "dense model: no experts"),
     }
     return tuple(Line(key, *values[key]) for key, _ in LINES)
 
@@ -555,7 +704,7 @@ def _compute_detail(ub: int, n_vocab: int, comp: ComputePrice) -> str:
     return f"-ub {ub}; peak in a layer: KQ mask {format_bytes(comp.mask)}{fa}{copy} + activations"
 
 
-def _alternatives(geom, tensors, device, req) -> list[tuple[str, str]]:
+def _alternatives(geom, tensors, device, req) -> list[Alternative]:
     out = []
     lo, hi = 1, req.context - 1
     if hi >= lo and solve_llamacpp(geom, tensors, device, replace(req, context=lo), alternatives=False).fits:
@@ -565,13 +714,13 @@ def _alternatives(geom, tensors, device, req) -> list[tuple[str, str]]:
                 lo = mid
             else:
                 hi = mid - 1
-        out.append(("--max-context", str(lo)))
+        out.append(Alternative("--max-context", lo))
     cur = _row(req.type_k, 256) + _row(req.type_v, 256)
     for name in _KV_ORDER:
         tk, tv = kv_types(name)
         if _row(tk, 256) + _row(tv, 256) < cur and solve_llamacpp(
                 geom, tensors, device, replace(req, type_k=tk, type_v=tv), alternatives=False).fits:
-            out.append(("--kv", name))
+            out.append(Alternative("--kv", name))
             break
     return out
 
@@ -593,19 +742,26 @@ def format_plan(plan: LlamaPlan) -> str:
         out.append(f"  {'unassigned':<18} {fmt(plan.unassigned_bytes):>10}")
     h = plan.host
     out.append(f"host  model {format_bytes(h['model'])} (token embeddings"
-               f"{', experts of the first %d layers' % plan.n_cpu_moe if plan.n_cpu_moe else ''}), "
+               f"{_host_experts(plan)}), "
                f"output {format_bytes(h['output'])}, compute {format_bytes(h['compute'])}")
     out += list(plan.notes)
     if plan.fits:
         out.append("command  " + plan.command)
         return "\n".join(out)
     out.append(f"does not fit: short by {fmt(plan.shortfall_bytes)}")
+    out.append("limiting: " + ", ".join(dict(LINES)[k] for k in plan.limiting))
     if plan.alternatives:
         out.append("fits with:")
-        out += [f"  {flag} {value}" for flag, value in plan.alternatives]
+        out += [f"  {a.flags}" for a in plan.alternatives]
     else:
         out.append("fits with: nothing short of a larger device (no single flag change makes it fit)")
     return "\n".join(out)
+
+
+def _host_experts(plan: LlamaPlan) -> str:
+    if plan.cpu_layers:
+        return f", experts of layers {_ranges(plan.cpu_layers)}"
+    return f", experts of the first {plan.n_cpu_moe} layers" if plan.n_cpu_moe else ""
 
 
 def format_verbose(plan: LlamaPlan) -> str:
@@ -624,16 +780,26 @@ def format_verbose(plan: LlamaPlan) -> str:
     return "\n".join(out)
 
 
+#: the JSON document of a llama.cpp plan (README, "JSON (`moefit plan --json`)")
+SCHEMA = "moefit.llamacpp-plan/1"
+
+
 def plan_document(plan: LlamaPlan) -> dict:
-    """The plan as JSON-ready dict (``moefit.plan/1`` fields that apply, plus ``engine``,
-    ``command``, ``ubatch``, ``n_cpu_moe``, ``host``). Sizes in bytes."""
+    """The plan as the JSON-ready ``moefit.llamacpp-plan/1`` dict: ``moefit.plan/1``'s model,
+    devices (the lines of :data:`LINES`), notes, and on failure ``shortfall_bytes``,
+    ``limiting``, ``alternatives`` (``value`` an int for a count); its own ``engine``,
+    ``context`` (cells per sequence), ``slots`` (``-np``), ``kv`` ``{"k", "v"}`` (llama.cpp's
+    cache types), ``ubatch``, ``batch``, ``n_cpu_moe``, ``host`` (bytes) and ``command``.
+    Sizes in bytes."""
     g, dev = plan.geometry, plan.device
-    doc = {"schema": "moefit.plan/1", "engine": "llama.cpp", "fits": plan.fits,
+    doc = {"schema": SCHEMA, "engine": "llama.cpp", "fits": plan.fits,
            "model": {"name": g.name, "model_type": g.model_type, "total_params": g.total_params,
                      "active_params": g.active_params, "source": g.source},
            "context": _pad(plan.request.context, CTX_PAD), "slots": plan.request.slots,
-           "kv": [plan.request.type_k, plan.request.type_v],
-           "ubatch": plan.ubatch, "batch": max(plan.request.batch, plan.ubatch), "n_cpu_moe": plan.n_cpu_moe,
+           "kv": {"k": plan.request.type_k, "v": plan.request.type_v},
+           "ubatch": plan.ubatch, "batch": plan.batch, "n_cpu_moe": 0 if plan.cpu_layers else plan.n_cpu_moe,
+           "cpu_layers": list(plan.cpu_layers) if plan.cpu_layers else
+           [layer for layer, _ in plan.expert_bytes if layer < plan.n_cpu_moe],
            "devices": [{"name": dev.label, "description": dev.description, "kind": dev.kind,
                         "capacity_bytes": dev.capacity_bytes, "free_bytes": dev.free_bytes,
                         "lines": [{"key": l.key, "bytes": l.bytes, "detail": l.detail} for l in plan.lines],
@@ -643,5 +809,6 @@ def plan_document(plan: LlamaPlan) -> dict:
         doc["command"] = plan.command
     else:
         doc["shortfall_bytes"] = plan.shortfall_bytes
-        doc["alternatives"] = [{"flag": f, "value": v} for f, v in plan.alternatives]
+        doc["limiting"] = list(plan.limiting)
+        doc["alternatives"] = [{"flag": a.flag, "value": a.value} for a in plan.alternatives]
     return doc

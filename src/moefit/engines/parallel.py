@@ -157,6 +157,18 @@ def check_layout(geom: ModelGeometry, layout: Layout, *, fp8_block: int | None =
                              f"{a.linear_num_key_heads}")
     if layout.ep and not geom.moe_layers:
         raise InputError(f"--ep: {geom.name} is a dense model (no experts to place); drop --ep")
+    experts = min((l.moe.num_experts for l in geom.moe_layers), default=0)
+    if layout.ep and layout.moe_group > experts:
+        raise InputError(f"--ep {layout.moe_group}: expert parallelism over more ranks than "
+                         f"{geom.name}'s {experts} experts leaves ranks without one "
+                         f"(determine_expert_map); use at most {experts} GPUs per MoE group "
+                         f"(--tp x --dp), or --pp for the others")
+    if geom.moe_layers and not layout.ep:
+        inter = min(l.moe.expert_intermediate for l in geom.moe_layers)
+        if layout.moe_group > inter:
+            raise InputError(f"--tp {layout.tp} x --dp {layout.dp}: {geom.name}'s experts are "
+                             f"{inter} wide, too narrow to split over {layout.moe_group} ranks; "
+                             "use fewer GPUs per MoE group")
     if fp8_block and geom.moe_layers and not layout.ep:
         inter = geom.moe_layers[0].moe.expert_intermediate
         if (inter // layout.moe_group) % fp8_block or inter % layout.moe_group:

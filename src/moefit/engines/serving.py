@@ -33,7 +33,7 @@ from moefit.engines.parallel import (Layout, StageShard, check_layout, fp8_block
 from moefit.errors import InputError
 from moefit.ingest.geometry import ModelGeometry
 from moefit.ingest.resolve import format_params
-from moefit.plan.solver import Line
+from moefit.plan.solver import Alternative, Line, limiting_lines
 from moefit.memory.runtime import runtime_bytes
 from moefit.units import GIB, MIB, format_bytes, size_format
 
@@ -61,7 +61,9 @@ class ServeRequest:
     concurrency, and one sequence of ``context`` must fit); ``batched``: tokens of one
     scheduler step (None: the engine's default); ``kv``: moefit's ``--kv`` name;
     ``margin``: bytes left free per GPU (None: moefit's default); ``gpus``/``nodes`` and the
-    layout flags (None: chosen); ``model_ref``: the model as the command names it."""
+    layout flags (None: chosen); ``model_ref``: the model as the command names it (a
+    preset's Hugging Face id); ``trust_remote_code``: the command adds
+    ``--trust-remote-code`` (the config maps to the repository's own code)."""
 
     context: int
     gpus: int = 1
@@ -77,6 +79,7 @@ class ServeRequest:
     kv: str = "bf16"
     margin: int | None = None
     model_ref: str = "MODEL"
+    trust_remote_code: bool = False
     extra_flags: tuple[tuple[str, str], ...] = ()
     fraction: float | None = None
 
@@ -143,6 +146,9 @@ class EngineModel(Protocol):
     def commands(self, plan: "ServePlan") -> list[str]:
         """One launch command per node."""
 
+    def check_layout(self, layout: Layout) -> None:
+        """Raise InputError (naming the flag) for a layout this engine cannot start."""
+
 
 @dataclass(frozen=True)
 class ServePlan:
@@ -158,7 +164,8 @@ class ServePlan:
     required_tokens: int
     notes: tuple[str, ...] = ()
     shortfall_bytes: int = 0
-    alternatives: tuple[tuple[str, str], ...] = ()
+    alternatives: tuple[Alternative, ...] = ()
+    limiting: tuple[str, ...] = ()
 
     @property
     def lines(self) -> tuple[Line, ...]:
@@ -253,7 +260,11 @@ def candidate_layouts(geom: ModelGeometry, req: ServeRequest) -> list[Layout]:
             if lay not in out:
                 out.append(lay)
     if not out:
-        check_layout(geom, Layout(per_node, m, 1, False, m), fp8_block=fp8_block_of(geom))
+        try:
+            check_layout(geom, Layout(per_node, m, 1, False, m), fp8_block=fp8_block_of(geom))
+        except InputError as e:
+            raise InputError(f"--gpus {g}: no layout moefit tries ({', '.join(f'TP {t} x PP {p} x DP {d}' for t, p, d in shapes)}) "
+                             f"splits {geom.name} over {g} GPUs: {e}; use fewer GPUs or give --tp/--pp/--dp") from None
     return out
 
 
@@ -270,13 +281,24 @@ def _solve_layout(geom, engine: EngineModel, device: Device, req: ServeRequest,
     b = engine.price(geom, shards, layout, device, req, batched, seqs)
     fits = b.concurrency >= need and _outside_fit(b, device)
     if not fits and not req.strict:
+        # the largest grid step below the request that fits: every line grows with the batch
+        # (activations, SGLang's lines outside the fraction), so the grid is bisected
         lowest = max(BATCH_GRID, min(req.batched_min, batched))
-        for cand in range((batched - 1) // BATCH_GRID * BATCH_GRID, lowest - 1, -BATCH_GRID):
-            c = engine.price(geom, shards, layout, device, req, cand, min(seqs, cand))
-            if c.concurrency >= need and _outside_fit(c, device):
-                notes.append(f"batched tokens: requested {batched}, clamped to {cand} due to VRAM budget")
-                b, fits = c, True
-                break
+        lo, hi = -(-lowest // BATCH_GRID), (batched - 1) // BATCH_GRID
+
+        def at(step: int) -> RankBudget:
+            cand = step * BATCH_GRID
+            return engine.price(geom, shards, layout, device, req, cand, min(seqs, cand))
+
+        def ok(c: RankBudget) -> bool:
+            return c.concurrency >= need and _outside_fit(c, device)
+
+        if lo <= hi and ok(at(lo)):
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                lo, hi = (mid, hi) if ok(at(mid)) else (lo, mid - 1)
+            b, fits = at(lo), True
+            notes.append(f"batched tokens: requested {batched}, clamped to {b.batched} due to VRAM budget")
     return ServePlan(fits, engine, geom, device, req, layout, b, need * req.context, tuple(notes))
 
 
@@ -294,7 +316,15 @@ def solve_serving(geom: ModelGeometry, engine: EngineModel, device: Device, req:
     engine.kv_dtype(req.kv)
     if req.context < 1:
         raise InputError(f"--max-context {req.context}: must be a positive token count")
-    layouts = candidate_layouts(geom, req)
+    layouts, refused = [], None
+    for lay in candidate_layouts(geom, req):
+        try:
+            engine.check_layout(lay)
+            layouts.append(lay)
+        except InputError as e:
+            refused = refused or e
+    if not layouts:
+        raise refused
     plans = [_solve_layout(geom, engine, device, req, lay) for lay in layouts]
     fitting = [p for p in plans if p.fits]
     if fitting:
@@ -308,17 +338,31 @@ def solve_serving(geom: ModelGeometry, engine: EngineModel, device: Device, req:
     if b.concurrency < (req.seqs or 1):
         short = max(short, int(((req.seqs or 1) - max(b.concurrency, 0.0)) * per_seq))
     alts = _alternatives(geom, engine, device, req) if alternatives else []
-    return replace(plan, shortfall_bytes=short, alternatives=tuple(alts))
+    limiting = limiting_lines([l for l in plan.lines if l.key != "kv"], short) if short else ()
+    return replace(plan, shortfall_bytes=short, alternatives=tuple(alts), limiting=limiting)
 
 
-def _alternatives(geom, engine, device, req: ServeRequest) -> list[tuple[str, str]]:
-    out: list[tuple[str, str]] = []
+#: GPUs of one node the alternatives grow to before they add nodes
+NODE_GPUS = 8
+
+
+def _alternatives(geom, engine, device, req: ServeRequest) -> list[Alternative]:
+    """Changes that make a failing plan fit, each checked by solving the request that exactly
+    the printed flags give: the largest ``--max-context`` (bisection, to the token), ``--kv
+    fp8``, and more GPUs: ``--gpus`` on the same nodes up to :data:`NODE_GPUS` each, else
+    ``--nodes`` (x2, x4) with its ``--gpus``; when the layout flags were given, the layout
+    that fits is printed with them (``--tp/--pp/--dp/--ep``), so nothing typed contradicts it."""
+    out: list[Alternative] = []
+
+    def solved(r: ServeRequest) -> ServePlan | None:
+        try:
+            return solve_serving(geom, engine, device, r, alternatives=False)
+        except InputError:
+            return None
 
     def fits(r: ServeRequest) -> bool:
-        try:
-            return solve_serving(geom, engine, device, r, alternatives=False).fits
-        except InputError:
-            return False
+        p = solved(r)
+        return p is not None and p.fits
 
     lo, hi = 1, req.context - 1
     if hi >= lo and fits(replace(req, context=lo)):
@@ -328,14 +372,36 @@ def _alternatives(geom, engine, device, req: ServeRequest) -> list[tuple[str, st
                 lo = mid
             else:
                 hi = mid - 1
-        out.append(("--max-context", str(lo)))
+        out.append(Alternative("--max-context", lo))
     if req.kv not in ("fp8",) and fits(replace(req, kv="fp8")):
-        out.append(("--kv", "fp8"))
-    for nodes in (req.nodes * 2, req.nodes * 4):
-        r = replace(req, nodes=nodes, gpus=req.gpus // req.nodes * nodes, tp=None, pp=None, dp=None, ep=None)
-        if fits(r):
-            out.append(("--nodes", f"{nodes} (--gpus {r.gpus})"))
-            break
+        out.append(Alternative("--kv", "fp8"))
+    per_node = req.gpus // req.nodes
+    sizes = []
+    g = per_node
+    while g < NODE_GPUS:
+        g *= 2
+        sizes.append((g * req.nodes, req.nodes))
+    sizes += [(max(per_node, NODE_GPUS if per_node < NODE_GPUS else per_node) * req.nodes * k, req.nodes * k)
+              for k in (2, 4)]
+    given = any(x is not None for x in (req.tp, req.pp, req.dp, req.ep))
+    for gpus, nodes in sizes:
+        p = solved(replace(req, gpus=gpus, nodes=nodes, tp=None, pp=None, dp=None, ep=None))
+        if p is None or not p.fits:
+            continue
+        also: list[tuple[str, int]] = [("--gpus", gpus)] if nodes != req.nodes else []
+        exact = replace(req, gpus=gpus, nodes=nodes)
+        if given:
+            lay = p.layout
+            also += [("--tp", lay.tp), ("--pp", lay.pp), ("--dp", lay.dp)]
+            ep = lay.moe_group if lay.ep else 1
+            if geom.moe_layers:
+                also.append(("--ep", ep))
+            exact = replace(exact, tp=lay.tp, pp=lay.pp, dp=lay.dp, ep=ep if geom.moe_layers else None)
+        if not fits(exact):
+            continue
+        main = ("--nodes", nodes) if nodes != req.nodes else ("--gpus", gpus)
+        out.append(Alternative(*main, also=tuple(also)))
+        break
     return out
 
 
@@ -360,23 +426,35 @@ def format_serve_plan(plan: ServePlan) -> str:
         out.append(f"  {LABELS[line.key]:<18} {fmt(line.bytes):>10}   {line.detail}".rstrip())
     if plan.unassigned_bytes >= 0:
         out.append(f"  {'unassigned':<18} {fmt(plan.unassigned_bytes):>10}")
+    groups = b.details.get("kv_groups", 1)
+    how = (f" (\"GPU KV cache size\": {b.details['num_blocks']:,} blocks / {groups} groups x "
+           f"{b.details['block_size']})" if groups > 1 else "")
+    each = (f" ({b.details['blocks_per_request']} blocks each)" if groups > 1 else "")
     pool = (f"KV cache  {b.kv_tokens:,} tokens" + (" per DP replica" if lay.dp > 1 else "") +
-            (f" x {lay.dp} = {plan.total_kv_tokens:,}" if lay.dp > 1 else "") +
-            f"; {b.concurrency:.2f} sequences of {plan.request.context:,} tokens" +
+            (f" x {lay.dp} = {plan.total_kv_tokens:,}" if lay.dp > 1 else "") + how +
+            f"; {b.concurrency:.2f} sequences of {plan.request.context:,} tokens{each}" +
             (f" per replica ({b.concurrency * lay.dp:.2f} in all)" if lay.dp > 1 else ""))
     out.append(pool)
     out += [n for n in plan.notes if n]
     if plan.fits:
         cmds = plan.commands
         for i, c in enumerate(cmds):
-            head = "command" if len(cmds) == 1 else f"node {i}"
+            head = ("command" if len(cmds) == 1 else f"node {i}" if i < plan.layout.nodes else
+                    "then node 0")
             out.append(f"{head}  {c}")
         return "\n".join(out)
-    out.append(f"does not fit: short by {fmt(plan.shortfall_bytes)} per GPU ({plan.request.seqs or 1} "
-               f"sequence(s) of {plan.request.context:,} tokens asked, {max(b.concurrency, 0):.2f} fit)")
+    asked = plan.request.seqs or 1
+    if b.concurrency >= asked:
+        why = (f"the KV cache holds {b.concurrency:.2f} of the {asked} sequence(s) of "
+               f"{plan.request.context:,} tokens asked, but the lines outside it exceed the free memory")
+    else:
+        why = (f"{asked} sequence(s) of {plan.request.context:,} tokens asked, "
+               f"{max(b.concurrency, 0):.2f} fit in the KV cache")
+    out.append(f"does not fit: short by {fmt(plan.shortfall_bytes)} per GPU ({why})")
+    out.append("limiting: " + ", ".join(LABELS[k] for k in plan.limiting))
     if plan.alternatives:
         out.append("fits with:")
-        out += [f"  {flag} {value}" for flag, value in plan.alternatives]
+        out += [f"  {a.flags}" for a in plan.alternatives]
     else:
         out.append("fits with: nothing short of more GPUs (no single flag change makes it fit)")
     return "\n".join(out)
@@ -387,12 +465,20 @@ def _rng(plan: ServePlan) -> str:
     return f"{r.start}-{r.stop - 1}"
 
 
+#: the JSON document of a vLLM / SGLang plan (README, "JSON (`moefit plan --json`)")
+SCHEMA = "moefit.serve-plan/1"
+
+
 def serve_plan_document(plan: ServePlan) -> dict:
-    """The plan as a JSON-ready dict: the ``moefit.plan/1`` fields that apply (one device:
-    one rank), plus ``engine``, ``layout``, ``kv_tokens`` (per replica) and ``kv_tokens_total``,
-    ``concurrency`` (sequences of ``context`` tokens per replica), ``flags``, ``commands``."""
+    """The plan as the JSON-ready ``moefit.serve-plan/1`` dict: ``moefit.plan/1``'s model,
+    devices (one: a rank of the stage shown), notes, and on failure ``shortfall_bytes`` (per
+    GPU), ``limiting``, ``alternatives`` (``{"flag", "value", "with"}``, counts as ints);
+    its own ``engine``, ``engine_version``, ``context``, ``slots`` (``--max-num-seqs``), ``kv``
+    (the engine's KV dtype), ``layout``, ``kv_tokens`` (per replica) and ``kv_tokens_total``,
+    ``concurrency`` (sequences of ``context`` tokens per replica), ``batched_tokens``,
+    ``memory_fraction``, ``details`` (the engine's numbers), ``flags``, ``commands``."""
     g, dev, lay, b = plan.geometry, plan.device, plan.layout, plan.budget
-    doc = {"schema": "moefit.plan/1", "engine": plan.engine.name, "engine_version": plan.engine.version,
+    doc = {"schema": SCHEMA, "engine": plan.engine.name, "engine_version": plan.engine.version,
            "fits": plan.fits,
            "model": {"name": g.name, "model_type": g.model_type, "total_params": g.total_params,
                      "active_params": g.active_params, "source": g.source},
@@ -411,7 +497,17 @@ def serve_plan_document(plan: ServePlan) -> dict:
         doc["commands"] = plan.commands
     else:
         doc["shortfall_bytes"] = plan.shortfall_bytes
-        doc["alternatives"] = [{"flag": f, "value": v} for f, v in plan.alternatives]
+        doc["limiting"] = list(plan.limiting)
+        doc["alternatives"] = [alternative_document(a) for a in plan.alternatives]
+    return doc
+
+
+def alternative_document(a: Alternative) -> dict:
+    """An alternative in an engine plan's JSON: ``{"flag", "value"}`` (an int for a count), and
+    ``"with"``: the flags that change with it, in the same form."""
+    doc = {"flag": a.flag, "value": a.value}
+    if a.also:
+        doc["with"] = [{"flag": f, "value": v} for f, v in a.also]
     return doc
 
 

@@ -95,25 +95,53 @@ def default_fraction(device: Device, layout: Layout, chunk: int, max_bs: int) ->
     return round((gpu_mem - reserved) / gpu_mem, 3)
 
 
-def pool_tokens(geom: ModelGeometry, shard: StageShard, rest: int) -> tuple[int, int, int]:
-    """(``max_total_num_tokens``, recurrent slots, bytes of the slots) for ``rest`` bytes of
-    pool on one rank of ``shard`` (module docstring)."""
+def pool_tokens(geom: ModelGeometry, shard: StageShard, rest: int) -> tuple[int, int, int, int]:
+    """(``max_total_num_tokens`` of the full-attention layers, tokens of the sliding-window /
+    chunked layers, recurrent slots, bytes of the slots) for ``rest`` bytes of pool on one
+    rank of ``shard`` (module docstring).
+
+    Hybrid sliding-window models (``set_num_tokens_hybrid_swa``): the profile's
+    ``rest // (F + S)`` tokens (``F``, ``S``: the full and sliding layers' bytes per token)
+    are re-split so that ``full x F + swa x S`` is the same memory with ``swa = full x
+    swa_full_tokens_ratio``: ``full = tokens x (F + S) / (F + 0.8 S)``; the SWA pool
+    (``SWAKVPool``) holds ``swa`` tokens of every sliding layer. Without sliding layers the
+    second number is 0."""
     if rest <= 0 or not shard.kv_layer_bytes:
-        return 0, 0, 0
+        return 0, 0, 0, 0
     slots = slot_bytes = 0
     if shard.linear_layers:
         mamba = rest * MAMBA_FULL_MEMORY_RATIO / (1 + MAMBA_FULL_MEMORY_RATIO)
         slots = int(mamba // shard.state_bytes)
         slot_bytes = slots * shard.state_bytes
         rest -= slot_bytes
-    full = [b for b, (kind, w) in zip(shard.kv_layer_bytes, shard.kv_kinds) if not w]
-    swa = [b for b, (kind, w) in zip(shard.kv_layer_bytes, shard.kv_kinds) if w]
-    cell = sum(full) + sum(swa)
-    tokens = int(rest) // cell
-    if swa and full:
-        total = tokens * cell
-        tokens = int(total / (sum(full) + SWA_FULL_TOKENS_RATIO * sum(swa)))
-    return tokens, slots, slot_bytes
+    full = sum(b for b, (kind, w) in zip(shard.kv_layer_bytes, shard.kv_kinds) if not w)
+    swa = sum(b for b, (kind, w) in zip(shard.kv_layer_bytes, shard.kv_kinds) if w)
+    tokens = int(rest) // (full + swa)
+    if not swa:
+        return tokens, 0, slots, slot_bytes
+    if not full:                      # every layer sliding: one pool
+        return tokens, tokens, slots, slot_bytes
+    full_tokens = int(tokens * (full + swa) / (full + SWA_FULL_TOKENS_RATIO * swa))
+    return full_tokens, int(full_tokens * SWA_FULL_TOKENS_RATIO), slots, slot_bytes
+
+
+def pool_bytes(shard: StageShard, full_tokens: int, swa_tokens: int) -> int:
+    """Bytes of the KV pools: ``full_tokens`` cells of every full-attention layer and
+    ``swa_tokens`` of every sliding / chunked layer of the rank (``SWAKVPool``,
+    ``MHATokenToKVPool``)."""
+    full = sum(b for b, (_, w) in zip(shard.kv_layer_bytes, shard.kv_kinds) if not w)
+    swa = sum(b for b, (_, w) in zip(shard.kv_layer_bytes, shard.kv_kinds) if w)
+    return full_tokens * full + swa_tokens * swa
+
+
+def request_tokens(shard: StageShard, context: int, chunk: int) -> tuple[int, int]:
+    """(full-pool, SWA-pool) tokens one request of ``context`` tokens holds at its peak:
+    every token in the full pool; in the SWA pool the window plus one chunked-prefill step
+    (older tokens are evicted, ``SWATokenToKVPoolAllocator``), at most the context."""
+    windows = [w for _, w in shard.kv_kinds if w]
+    swa = min(context, max(windows) + chunk) if windows else 0
+    has_full = any(not w for _, w in shard.kv_kinds)
+    return (context if has_full else 0), swa
 
 
 class SGLangEngine:
@@ -163,16 +191,21 @@ class SGLangEngine:
         best = None
         for s, act in rows:
             rest = int(total * frac) - s.weights
-            tokens, slots, slot_bytes = pool_tokens(geom, s, rest)
+            tokens, swa_tokens, slots, slot_bytes = pool_tokens(geom, s, rest)
             if best is None or tokens < best[1]:
-                best = (s, tokens, slots, slot_bytes, act, rest)
-        s, tokens, slots, slot_bytes, act, rest = best
-        kv_bytes = tokens * s.kv_token_bytes
-        conc = tokens / req.context
+                best = (s, tokens, swa_tokens, slots, slot_bytes, act, rest)
+        s, tokens, swa_tokens, slots, slot_bytes, act, rest = best
+        kv_bytes = pool_bytes(s, tokens, swa_tokens)
+        need_full, need_swa = request_tokens(s, req.context, batched)
+        fits_in = [tokens / need_full] if need_full else []
+        if need_swa:
+            fits_in.append(swa_tokens / need_swa)
+        conc = min(fits_in) if fits_in else 0.0
         if s.linear_layers:
             conc = min(conc, slots / MAMBA_SLOTS_PER_REQUEST)
         default = default_fraction(device, layout, batched, max_bs)
-        kv_detail = f"{tokens:,} tokens, {self.kv_dtype(req.kv)[0]}"
+        kv_detail = (f"{tokens:,} tokens" + (f" + {swa_tokens:,} in the sliding-window pool" if swa_tokens and
+                                             tokens != swa_tokens else "") + f", {self.kv_dtype(req.kv)[0]}")
         lines = [Line("runtime", runtime, "CUDA context + NCCL" if layout.world > 1 else "CUDA context estimate"),
                  Line("weights", s.weights, weight_detail(s)),
                  Line("kv", max(kv_bytes, 0), kv_detail)]
@@ -185,7 +218,12 @@ class SGLangEngine:
         return RankBudget(tuple(lines), tokens, frac, s.stage, batched, seqs, conc,
                           {"mem_fraction_static": frac, "sglang_default_fraction": default,
                            "total_gpu_memory": total, "rest_memory": rest, "cuda_graph_max_bs": max_bs,
-                           "max_mamba_cache_size": slots, "request_bytes": req.context * s.kv_token_bytes})
+                           "max_mamba_cache_size": slots, "swa_max_total_num_tokens": swa_tokens,
+                           "request_bytes": pool_bytes(s, need_full, need_swa)})
+
+    def check_layout(self, layout: Layout) -> None:
+        """SGLang starts every layout :func:`moefit.engines.serving.candidate_layouts` gives
+        (its TP group, data-parallel attention included, spans nodes with ``--nnodes``)."""
 
     # ---- the command line -----------------------------------------------------------------
     def flags(self, plan: ServePlan) -> list[tuple[str, str | None]]:
@@ -204,6 +242,8 @@ class SGLangEngine:
         if r.seqs:
             out.append(("--max-running-requests", str(b.seqs)))
         out += [(f, v) for f, v in r.extra_flags if f == "--json-model-override-args"]
+        if r.trust_remote_code:
+            out.append(("--trust-remote-code", None))
         return out
 
     def commands(self, plan: ServePlan) -> list[str]:

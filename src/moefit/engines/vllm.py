@@ -236,9 +236,10 @@ class VLLMEngine:
         kv_alloc = blocks * g.page * g.group_size
         per_req = g.blocks_per_request(req.context, batched)
         conc = blocks / per_req if per_req else 0.0
-        kinds = sorted({k for k, _ in g.groups if k != "state"})
-        kv_detail = (f"{tokens:,} tokens ({blocks:,} blocks of {g.block}), {' + '.join(kinds) or 'no'} attention"
-                     f", {self.kv_dtype(req.kv)[0]}")
+        kinds = [f"{k} attention" for k in sorted({k for k, _ in g.groups if k != "state"})]
+        if any(k == "state" for k, _ in g.groups):
+            kinds.append("Gated DeltaNet state")
+        kv_detail = (f"{blocks:,} blocks of {g.block} tokens, {' + '.join(kinds)}, {self.kv_dtype(req.kv)[0]}")
         lines = (
             Line("runtime", runtime, "CUDA context + NCCL" if layout.world > 1 else "CUDA context estimate"),
             Line("weights", s.weights, weight_detail(s)),
@@ -251,7 +252,7 @@ class VLLMEngine:
         return RankBudget(lines, tokens, util, s.stage, batched, seqs, conc,
                           {"gpu_memory_utilization": util, "available_kv_bytes": available,
                            "num_blocks": blocks, "block_size": g.block, "kv_groups": len(g.groups),
-                           "request_bytes": per_req * g.page * g.group_size})
+                           "blocks_per_request": per_req, "request_bytes": per_req * g.page * g.group_size})
 
     # ---- the command line -----------------------------------------------------------------
     def flags(self, plan: ServePlan) -> list[tuple[str, str | None]]:
@@ -268,18 +269,42 @@ class VLLMEngine:
                 ("--gpu-memory-utilization", f"{b.knob:.2f}"),
                 ("--kv-cache-dtype", self.kv_dtype(r.kv)[0])]
         out += [(f, v) for f, v in r.extra_flags if f == "--hf-overrides"]
+        if r.trust_remote_code:
+            out.append(("--trust-remote-code", None))
         return out
+
+    def check_layout(self, layout: Layout) -> None:
+        """Reject a layout vLLM cannot start over ``layout.nodes`` nodes. With data parallelism
+        a rank's ``tp x pp`` GPUs either fill whole nodes (a rank spans nodes: only the Ray
+        launcher places it, ``VLLM_RAY_DP_PACK_STRATEGY=span``, vllm-project/vllm#26367) or
+        several ranks fit in one node (``--data-parallel-size-local`` ranks per node,
+        ``docs/serving/data_parallel_deployment.md``). Raises InputError naming ``--tp`` and
+        ``--nodes``."""
+        rank, per_node = layout.tp * layout.pp, layout.gpus_per_node
+        if layout.dp > 1 and layout.nodes > 1 and per_node % rank and rank % per_node:
+            raise InputError(
+                f"--tp {layout.tp} x --pp {layout.pp} = {rank} GPUs per data-parallel rank on nodes of "
+                f"{per_node} GPUs (--gpus {layout.world} over --nodes {layout.nodes}): vLLM needs whole ranks "
+                f"on a node or ranks of whole nodes; use a --tp that divides {per_node}, or a multiple of it")
 
     def commands(self, plan: ServePlan) -> list[str]:
         """``vllm serve``, one per node: multi-node runs as ``docs/serving/parallelism_scaling.md``
         documents it with the multiprocessing backend (``--nnodes N --node-rank i
         --master-addr HEAD``, ``--headless`` on the workers); data parallelism across nodes
         as ``docs/serving/data_parallel_deployment.md`` (``--data-parallel-size-local``,
-        ``--data-parallel-address``, ``--headless --data-parallel-start-rank``)."""
+        ``--data-parallel-address``, ``--headless --data-parallel-start-rank``); a
+        data-parallel rank larger than a node through a Ray cluster (``ray start`` on every
+        node, then one ``vllm serve --data-parallel-backend ray`` with
+        ``VLLM_RAY_DP_PACK_STRATEGY=span`` on the first: vllm-project/vllm#26367): then one
+        entry per node and, last, the first node's ``vllm serve``."""
         lay = plan.layout
         base = f"vllm serve {plan.request.model_ref} " + command_line(self.flags(plan))
         if lay.nodes == 1:
             return [base]
+        if lay.dp > 1 and lay.tp * lay.pp > lay.gpus_per_node:
+            return (["ray start --head --port 6379"] +
+                    ["ray start --address HEAD_IP:6379" for _ in range(1, lay.nodes)] +
+                    [f"VLLM_RAY_DP_PACK_STRATEGY=span {base} --data-parallel-backend ray"])
         if lay.dp > 1:
             local = lay.dp // lay.nodes
             head = (f"{base} --data-parallel-size-local {local} --data-parallel-address HEAD_IP "

@@ -15,6 +15,8 @@ Each tensor goes to one of three buckets (:func:`classify`):
 - ``expert``: routed experts, per-expert (``...experts.{j}.gate_proj.weight``, with fp8
   ``weight_scale_inv``) or fused over experts (``...experts.gate_up_proj``, ``down_proj``, and
   their ``_blocks`` / ``_scales`` / ``_bias``; bytes divided by the layer's expert count).
+  Experts with mxfp4 ``_blocks`` are run as stored (``experts_stored``, type MXFP4: the
+  runtime repacks each block of 32 into a GGUF MXFP4 block of the same 17 bytes).
 - ``weight``: everything else (the ``weights`` budget line).
 
 Bytes are what the runtime holds, not what the file stores: the loader converts every
@@ -35,6 +37,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from moefit.errors import InputError
+from moefit.ingest.families import gpt_oss
+from moefit.ingest.families.common import FP32_TENSORS
 from moefit.ingest.geometry import ExactWeights, ModelGeometry
 from moefit.ingest.inputs import decode_utf8, parse_json, read_bytes, read_json
 
@@ -221,11 +225,54 @@ CONVERTED_DTYPES = frozenset({"F32", "F16", "BF16"})
 
 def held_bytes(t: HeaderTensor, dtype_bytes: int) -> int:
     """Bytes the runtime holds for ``t``: numel x ``dtype_bytes`` (the config's compute
-    dtype) for a floating F32 / F16 / BF16 tensor, which the loader converts; the stored
-    bytes for quantized or integer tensors and for quantization scales."""
+    dtype) for a floating F32 / F16 / BF16 tensor, which the loader converts (numel x 4 for
+    the tensors kept in fp32, :data:`moefit.ingest.families.common.FP32_TENSORS`); the
+    stored bytes for quantized or integer tensors and for quantization scales."""
     if t.dtype not in CONVERTED_DTYPES or t.name.endswith(_SCALE_SUFFIXES):
         return t.nbytes
-    return (t.nbytes // SAFETENSORS_DTYPE_BYTES[t.dtype]) * dtype_bytes
+    numel = t.nbytes // SAFETENSORS_DTYPE_BYTES[t.dtype]
+    return numel * (4 if t.name.endswith(FP32_TENSORS) else dtype_bytes)
+
+
+#: The projections the safetensors loader rebuilds from checkpoint tensors, holding the
+#: parts and the result at once (``moefit.runtime.hybrid_layout``, its ``Packed`` entries):
+#: a linear-attention layer's (Qwen3-Next's fused ones, Qwen3.5's split ones) ...
+LINEAR_ATTENTION_PACKS = (("linear_attn.in_proj_qkvz.weight",), ("linear_attn.in_proj_ba.weight",),
+                          ("linear_attn.in_proj_qkv.weight", "linear_attn.in_proj_z.weight"),
+                          ("linear_attn.in_proj_b.weight", "linear_attn.in_proj_a.weight"))
+#: ... and a gated attention layer's ``q_proj`` (``AttentionSpec.output_gate``), regrouped.
+GATED_Q_PACKS = (("self_attn.q_proj.weight",), ("self_attn.q_proj.bias",))
+FP8_SCALE = "_scale_inv"     # an fp8 ``X.weight``'s block scales: ``X.weight_scale_inv``
+
+
+def load_staging(geom: ModelGeometry, tensors: dict[str, int]) -> int:
+    """The most host memory the safetensors loader holds at once beside its destinations,
+    in bytes, for ``tensors`` (``{name: stored bytes}`` of the tensors it reads, experts
+    included): one tensor at a time (``moefit.runtime.loader``: a fused expert tensor
+    whole; an fp8 tensor with its block scales), and a projection it packs
+    (:data:`LINEAR_ATTENTION_PACKS`, :data:`GATED_Q_PACKS`) as its parts and the result at
+    once, twice the parts' bytes. The same as the loader charges to ``host_staging``."""
+    largest = 0
+    for name, n in tensors.items():
+        if name.endswith(FP8_SCALE):
+            continue
+        largest = max(largest, n + tensors.get(name + FP8_SCALE, 0))
+    for layer in geom.layers:
+        packs = (LINEAR_ATTENTION_PACKS if layer.attention.kind == "linear" else ()) + \
+                (GATED_Q_PACKS if layer.attention.output_gate else ())
+        if not packs:
+            continue
+        mine = {name: n for name, n in tensors.items() if _LAYER_OF(name) == layer.index}
+        for pack in packs:
+            parts = [n for name, n in mine.items() if name.endswith(pack)]
+            if len(parts) == len(pack):
+                largest = max(largest, 2 * sum(parts))
+    return largest
+
+
+def _LAYER_OF(name: str) -> int | None:
+    m = _LAYER.search(name)
+    return int(m.group(1)) if m else None
 
 
 def exact_weights(geom: ModelGeometry, model_dir: str | Path) -> ExactWeights | None:
@@ -240,7 +287,8 @@ def exact_weights(geom: ModelGeometry, model_dir: str | Path) -> ExactWeights | 
     layout) plus each fused tensor's bytes divided by the layer's ``num_experts``.
     ``total_params`` counts the parameters of every non-skipped tensor (see
     :func:`_param_count`), including buffers the checkpoint stores (e.g. DeepSeek's
-    ``e_score_correction_bias``).
+    ``e_score_correction_bias``). ``experts_stored``: the experts are fp8 (F8_*) or mxfp4
+    (``_blocks``), which the runtime keeps as stored and dequantizes when they run.
 
     Errors: :class:`InputError` for a corrupt header, an incomplete sharded checkpoint, or an
     expert tensor on a layer the config declares dense.
@@ -250,10 +298,16 @@ def exact_weights(geom: ModelGeometry, model_dir: str | Path) -> ExactWeights | 
         return None
     moe = {l.index: l.moe.num_experts for l in geom.moe_layers}
     weight = skipped = params = 0
-    largest_global = largest_expert = 0    # stored bytes: the loader's host staging
-    layer_sum: dict[int, int] = {}
+    fp8_experts = False
+    read: dict[str, int] = {}     # stored bytes of what the loader reads: its host staging
     per_expert: dict[int, dict[int, int]] = {}
     fused: dict[int, int] = {}
+    mxfp4: set[int] = set()
+    # gpt-oss (fused experts with biases): read one expert at a time, not a tensor whole
+    biased: set[int] = set()
+    stored_in: dict[int, int] = {}
+    blocks_in: dict[int, int] = {}
+    expert_names: dict[int, list[str]] = {}
     for path in files:
         for t in read_header(path).tensors:
             bucket, layer, is_fused = classify(t.name, geom.num_layers)
@@ -262,19 +316,23 @@ def exact_weights(geom: ModelGeometry, model_dir: str | Path) -> ExactWeights | 
                 continue
             params += _param_count(t)
             nbytes = held_bytes(t, geom.dtype_bytes)
+            read[t.name] = t.nbytes
             if bucket == "weight":
                 weight += nbytes
-                if layer is None:
-                    largest_global = max(largest_global, t.nbytes)
-                else:
-                    layer_sum[layer] = layer_sum.get(layer, 0) + t.nbytes
                 continue
-            largest_expert = max(largest_expert, t.nbytes)
+            stored_in[layer] = stored_in.get(layer, 0) + t.nbytes
+            expert_names.setdefault(layer, []).append(t.name)
             if layer not in moe:
                 raise InputError(f"{path}: tensor {t.name!r} is a routed expert, but the config "
                                  f"declares layer {layer} dense; config and checkpoint disagree")
+            fp8_experts |= t.dtype.startswith("F8_")
             if is_fused:
                 fused[layer] = fused.get(layer, 0) + nbytes
+                if t.name.endswith("_blocks") and t.dtype == "U8":
+                    mxfp4.add(layer)
+                    blocks_in[layer] = blocks_in.get(layer, 0) + t.nbytes
+                elif t.name.endswith("_bias"):
+                    biased.add(layer)
             else:
                 j = int(_PER_EXPERT.search(t.name).group(1))
                 per_expert.setdefault(layer, {})
@@ -283,13 +341,17 @@ def exact_weights(geom: ModelGeometry, model_dir: str | Path) -> ExactWeights | 
     for layer, n in sorted(moe.items()):
         blob = max(per_expert.get(layer, {0: 0}).values()) + -(-fused.get(layer, 0) // n)
         blobs.append((layer, blob))
-    # the loader reads one tensor at a time; a projection it rebuilds from several of a
-    # layer's tensors holds its parts and the result at once, which twice the layer's dense
-    # tensors bound (moefit.memory.host.load_staging_bytes)
+    # gpt-oss's fused experts are read one expert's slice at a time, not a tensor whole
+    per_expert_read = 0
+    for layer in biased:
+        for name in expert_names.get(layer, ()):
+            read.pop(name, None)
+        per_expert_read = max(per_expert_read, gpt_oss.expert_read_bytes(
+            stored_in[layer], blocks_in.get(layer, 0), moe[layer]))
     return ExactWeights(weight_bytes=weight, expert_blob_bytes=tuple(blobs), skipped_bytes=skipped,
-                        total_params=params, files=len(files),
-                        load_staging_bytes=max(largest_global, 2 * max(layer_sum.values(), default=0),
-                                               largest_expert))
+                        total_params=params, files=len(files), experts_stored=bool(mxfp4) or fp8_experts,
+                        expert_types=tuple((layer, ("MXFP4",) * 3) for layer in sorted(mxfp4)),
+                        load_staging_bytes=max(load_staging(geom, read), per_expert_read))
 
 
 # --------------------------------------------------------------------------------------------

@@ -177,14 +177,43 @@ class AttentionSpec:
 
 
 @dataclass(frozen=True)
+class Routing:
+    """How a router chooses a token's experts, beyond softmax top-k.
+
+    ``scoring``: ``softmax`` or ``sigmoid`` of the router logits. ``method``: ``greedy``
+    (top-k of the scores), ``group_limited_greedy`` (DeepSeek-V2: the experts are split
+    into ``n_group`` groups, the ``topk_group`` groups with the highest best score are
+    kept, top-k within them) or ``noaux_tc`` (DeepSeek-V3 / Kimi-K2 / GLM-4.5: groups
+    ranked by the sum of their two best scores plus the per-expert
+    ``e_score_correction_bias``, which chooses but does not weigh). ``scale``:
+    ``routed_scaling_factor``, multiplied into the chosen weights. ``bias``: the router has
+    an ``e_score_correction_bias``. Sources: transformers 5.x ``DeepseekV2TopkRouter`` /
+    ``DeepseekV3TopkRouter`` / ``Glm4MoeTopkRouter``. The default is plain softmax top-k.
+    """
+
+    scoring: Literal["softmax", "sigmoid"] = "softmax"
+    method: Literal["greedy", "group_limited_greedy", "noaux_tc"] = "greedy"
+    n_group: int = 1
+    topk_group: int = 1
+    scale: float = 1.0
+    bias: bool = False
+
+    @property
+    def grouped(self) -> bool:
+        """True when the router is not plain softmax top-k (it needs the grouped router)."""
+        return self != Routing()
+
+
+@dataclass(frozen=True)
 class MoESpec:
-    """Routed-expert block of one layer."""
+    """Routed-expert block of one layer (``routing``: :class:`Routing`)."""
 
     num_experts: int
     experts_per_token: int
     expert_intermediate: int
     num_shared_experts: int = 0
     shared_intermediate: int = 0   # total width of the shared expert(s)
+    routing: Routing = Routing()
 
 
 @dataclass(frozen=True)
@@ -322,6 +351,27 @@ class ModelGeometry:
         """Bytes of one expert blob per MoE layer: exact when headers were read, else analytic."""
         return dict(self.exact.expert_blob_bytes) if self.exact else self.analytic_expert_blob_bytes()
 
+    @property
+    def experts_stored(self) -> bool:
+        """The routed experts stay in a stored (quantized) format and are dequantized when
+        they run: as the headers read say (:attr:`ExactWeights.experts_stored`: GGUF, fp8
+        or mxfp4 safetensors), else, from a config alone, when its quantization covers the
+        experts: mxfp4 (gpt-oss: the runtime keeps those blocks as stored) or block-scaled
+        fp8."""
+        if self.exact is not None:
+            return self.exact.experts_stored
+        return self.quant.method in ("mxfp4", "fp8") and "expert" in self.quant.applies_to
+
+    @property
+    def expert_types(self) -> dict[int, tuple[str, ...]]:
+        """Per MoE layer, the (gate, up, down) ggml types of stored experts (empty when the
+        types are not known): the headers', else MXFP4 for an mxfp4 config."""
+        if self.exact is not None:
+            return dict(self.exact.expert_types)
+        if self.quant.method == "mxfp4":
+            return {l.index: ("MXFP4",) * 3 for l in self.moe_layers}
+        return {}
+
     def attention_layout(self) -> str:
         """Layer count per attention kind in a fixed kind order: ``10 full + 30 linear``."""
         counts = {k: 0 for k in ("full", "sliding", "chunked", "mla", "linear")}
@@ -341,7 +391,8 @@ class ExactWeights:
     ``files``: how many safetensors files were read.
     ``experts_stored``: the routed experts stay in a stored (quantized) format and are
     dequantized when they run; the staging this takes is priced on the ``prefill`` line
-    (:func:`moefit.memory.staging.expert_dequant_bytes`).
+    (:func:`moefit.memory.staging.expert_dequant_bytes`). ``expert_types``: per MoE layer,
+    the (gate, up, down) ggml types they are stored in (gpt-oss's mxfp4 experts: MXFP4).
     ``load_staging_bytes``: the most host memory the loader holds at once beside its
     destinations while reading the files (:func:`moefit.memory.host.load_staging_bytes`);
     0 when not known (the analytic bound is used).
@@ -356,6 +407,7 @@ class ExactWeights:
     total_params: int
     files: int
     experts_stored: bool = False
+    expert_types: tuple[tuple[int, tuple[str, ...]], ...] = ()
     load_staging_bytes: int = 0
 
     def line_detail(self) -> str:

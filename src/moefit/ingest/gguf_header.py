@@ -45,7 +45,10 @@ from typing import Any
 
 from moefit.errors import InputError
 from moefit.ingest.families import geometry_from_config, registry
-from moefit.ingest.families.common import GGUF_EXPERT_NAMES, GLOBAL_NAMES, LAYER_NAMES, GGUFFacts, GGUFMeta
+from moefit.ingest.families.common import (
+    FP32_TENSORS, GGUF_EXPERT_NAMES, GLOBAL_NAMES, LAYER_NAMES, GGUFFacts, GGUFMeta,
+)
+from moefit.ingest.families.qwen_hybrid import GGUF_LINEAR
 from moefit.ingest.geometry import DTYPE_BYTES, ExactWeights, ModelGeometry
 from moefit.ingest.inputs import read_bytes
 from moefit.units import format_bytes
@@ -55,6 +58,8 @@ from moefit.units import format_bytes
 _SHARD = re.compile(r"^(?P<stem>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$", re.IGNORECASE)
 _BLK = re.compile(r"^blk\.(\d+)\.")
 _EXPERT = re.compile(r"^blk\.(\d+)\.ffn_(?:gate|up|down|gate_up)_exps\.(?:weight|bias)$")
+#: the tensors the GGUF loader un-permutes in a host copy for a family with gguf_permute_qk
+_PERMUTED_QK = re.compile(r"^blk\.\d+\.attn_[qk]\.(?:weight|bias)$")
 _SKIP_PREFIX = ("v.", "mm.", "a.", "enc.", "dec.")   # vision / audio towers, encoders
 EMBEDDING = GLOBAL_NAMES["embed"][1]      # looked up by row, never multiplied
 
@@ -431,7 +436,8 @@ class GGUFWeights(ExactWeights):
     ``data_bytes``: every tensor's bytes (the file's tensor data without padding).
     ``expert_types``: per MoE layer, the (gate, up, down) ggml types.
     ``matrices``: ``(name, ggml type, rows, cols, stored bytes)`` of every 2-D non-expert
-    tensor but the token embedding: those a runtime may keep in their stored type
+    tensor but the token embedding and those the loader rebuilds (:func:`_rebuilt_at_load`):
+    those a runtime may keep in their stored type
     (:func:`moefit.memory.weights.stored_matrices` decides which, per device).
     ``embed_resident_bytes`` / ``embed_stored_bytes`` / ``embed_row_bytes``: what
     ``weight_bytes`` counts for ``token_embd.weight``, its bytes in the file, and one of
@@ -444,7 +450,6 @@ class GGUFWeights(ExactWeights):
     stored_weight_bytes: int = 0
     by_type: tuple[tuple[str, int, int, int], ...] = ()
     data_bytes: int = 0
-    expert_types: tuple[tuple[int, tuple[str, ...]], ...] = ()
     matrices: tuple[tuple[str, str, int, int, int], ...] = ()
     embed_resident_bytes: int = 0
     embed_stored_bytes: int = 0
@@ -476,6 +481,29 @@ class GGUFWeights(ExactWeights):
         return lines
 
 
+def packed_staging_bytes(elements: int) -> int:
+    """Host bytes the GGUF loader holds while it rebuilds a resident tensor from
+    ``elements`` stored elements (a hybrid's Gated DeltaNet projections or gated
+    ``attn_q``, ``moefit.runtime.hybrid_layout.gguf_linear_attention_entries`` /
+    ``gated_q``): the parts dequantized to fp32, each regrouped into a copy, and the result
+    they are concatenated into: 3 x 4 bytes per element."""
+    return 3 * 4 * elements
+
+
+def _rebuilt_at_load(name: str, layer: int | None, geom: ModelGeometry) -> bool:
+    """Whether the GGUF loader rebuilds tensor ``name`` of ``layer`` into another layout
+    (so it never runs as stored): MLA's ``attn_kv_b`` (viewed per head as W_UK / W_UV),
+    a Gated DeltaNet layer's projections (:data:`~moefit.ingest.families.qwen_hybrid.GGUF_LINEAR`,
+    regrouped), an output-gated ``attn_q`` (regrouped as ``q_proj``)."""
+    if layer is None:
+        return False
+    a = geom.layers[layer].attention
+    tail = name.removeprefix(f"blk.{layer}.")
+    return ((a.kind == "mla" and tail == "attn_kv_b.weight")
+            or (a.kind == "linear" and tail in GGUF_LINEAR.values())
+            or (a.output_gate and tail == "attn_q.weight"))
+
+
 def exact_from_gguf(geom: ModelGeometry, h: GGUFHeader) -> GGUFWeights:
     """Exact bytes of ``geom``'s weights from the tensor infos of ``h``.
 
@@ -483,11 +511,19 @@ def exact_from_gguf(geom: ModelGeometry, h: GGUFHeader) -> GGUFWeights:
     ``N < num_layers`` -> the expert blob of layer N (bytes / expert count); ``blk.N.*`` with
     ``N >= num_layers`` (MTP) and vision/audio towers -> skipped; everything else -> weights.
 
+    ``load_staging_bytes``: the largest q/k tensor as stored where the family's q/k rows are
+    un-permuted in a host copy (``gguf_permute_qk``; every other tensor is read through the
+    file's map), or, on a layer whose projections the loader rebuilds (Gated DeltaNet, an
+    output-gated ``attn_q``), what rebuilding the layer's dense tensors would hold
+    (:func:`packed_staging_bytes`).
+
     Errors: :class:`InputError` for an expert tensor on a layer the metadata makes dense, an
     expert tensor whose expert dim is not the layer's expert count, or a layer whose expert
     tensors are missing.
     """
     src = str(h.paths[0])
+    rebuilt = {l.index for l in geom.layers if l.attention.kind == "linear" or l.attention.output_gate}
+    layer_elems: dict[int, int] = {}
     moe = {l.index: l.moe.num_experts for l in geom.moe_layers}
     act = DTYPE_BYTES[compute_dtype(h)]
     weight = stored = skipped = params = largest = 0
@@ -522,13 +558,16 @@ def exact_from_gguf(geom: ModelGeometry, h: GGUFHeader) -> GGUFWeights:
                 kinds.setdefault(layer, {})[part] = t.ggml_type
             continue
         before = weight
-        weight += t.n_elements * act
+        weight += t.n_elements * (4 if t.name.endswith(FP32_TENSORS) else act)
         stored += t.nbytes
         row[0] += t.nbytes
-        largest = max(largest, t.nbytes)
+        if _PERMUTED_QK.match(t.name):
+            largest = max(largest, t.nbytes)
+        if layer in rebuilt:
+            layer_elems[layer] = layer_elems.get(layer, 0) + t.n_elements
         if t.name == "token_embd.weight":
             embed = (weight - before, t.nbytes, t.nbytes // max(1, t.ne[-1]), t.ggml_type)
-        if len(t.ne) == 2 and t.name != EMBEDDING:
+        if len(t.ne) == 2 and t.name != EMBEDDING and not _rebuilt_at_load(t.name, layer, geom):
             matrices.append((t.name, t.ggml_type, t.ne[1], t.ne[0], t.nbytes))
     missing = [i for i in moe if i not in blob]
     if missing:
@@ -538,6 +577,10 @@ def exact_from_gguf(geom: ModelGeometry, h: GGUFHeader) -> GGUFWeights:
         k = kinds[layer]
         gate, up = (k["gate_up"], k["gate_up"]) if "gate_up" in k else (k.get("gate", "?"), k.get("up", "?"))
         types.append((layer, (gate, up, k.get("down", "?"))))
+    family = registry.family_for(geom.model_type)
+    if family is None or not family.gguf_permute_qk:
+        largest = 0          # read through the file's map: no host copy at load
+    largest = max(largest, packed_staging_bytes(max(layer_elems.values(), default=0)))
     order = sorted(by_type.items(), key=lambda kv: -(kv[1][0] + kv[1][1]))
     return GGUFWeights(
         weight_bytes=weight, expert_blob_bytes=tuple(sorted(blob.items())), skipped_bytes=skipped,

@@ -144,6 +144,48 @@ def load_model(spec: str) -> ModelGeometry:
     return dataclasses.replace(geom, exact=exact) if exact is not None else geom
 
 
+@dataclasses.dataclass(frozen=True)
+class ServingReference:
+    """How a serving engine's launch command names a model: ``model`` (the Hugging Face
+    repository id of a preset, from ``presets/repos.json``; else the path as given, a
+    config.json's directory) and ``trust_remote_code`` (the config or the tokenizer config
+    beside it maps classes to the repository's own code, ``auto_map``: transformers,
+    and so vLLM and SGLang, load that code only with ``--trust-remote-code``)."""
+
+    model: str
+    trust_remote_code: bool
+
+
+@functools.lru_cache(maxsize=1)
+def _preset_repos() -> dict[str, str]:
+    data = _read_json(PRESETS_DIR / "repos.json")
+    return dict(data) if isinstance(data, dict) else {}
+
+
+def serving_reference(spec: str) -> ServingReference:
+    """The :class:`ServingReference` of the MODEL argument ``spec`` (a preset name, a
+    Hugging Face id naming a preset, a model directory or its config.json).
+
+    Errors: :class:`InputError` as :func:`load_model` for an unknown name or unreadable config."""
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        model_dir, ref = path, str(path)
+    elif path.exists():
+        model_dir, ref = path.parent, str(path.parent)
+    else:
+        name = _preset_name(spec)
+        if name is None:
+            raise _unknown(spec)
+        model_dir, ref = PRESETS_DIR / name, _preset_repos().get(name, spec)
+    remote = False
+    for file in ("config.json", "tokenizer_config.json"):
+        f = model_dir / file
+        if is_regular_file(f):
+            data = _read_json(f)
+            remote = remote or (isinstance(data, dict) and bool(data.get("auto_map")))
+    return ServingReference(ref, remote)
+
+
 # --------------------------------------------------------------------------------------------
 # `moefit models`
 # --------------------------------------------------------------------------------------------

@@ -67,14 +67,25 @@ def cache_dir() -> Path:
 
 def geometry_hash(geom: ModelGeometry) -> str:
     """sha256 of what the staging depends on: family, sizes and every layer's specs."""
-    layers = [[asdict(l.attention), asdict(l.moe) if l.moe else None, l.dense_intermediate,
+    layers = [[asdict(l.attention), _moe_doc(l.moe), l.dense_intermediate,
                sorted(t.name.rsplit(".", 2)[-2] for t in l.tensors if "norm" in t.name)]
               for l in geom.layers]
-    stored = geom.exact is not None and geom.exact.experts_stored
+    stored = geom.experts_stored
     dequant = expert_dequant_bytes(geom, compute_bytes(geom)) if stored else 0
     doc = [geom.model_type, geom.hidden_size, geom.vocab_size, geom.dtype, geom.dtype_bytes,
            layers, dequant]
     return hashlib.sha256(json.dumps(doc, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def _moe_doc(moe) -> dict | None:
+    """A layer's MoE spec for the hash; plain softmax routing is left out, so the hashes
+    of the families from before grouped routing stay the same."""
+    if moe is None:
+        return None
+    doc = asdict(moe)
+    if not moe.routing.grouped:
+        doc.pop("routing")
+    return doc
 
 
 def device_key(device: Device) -> str:

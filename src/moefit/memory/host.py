@@ -28,6 +28,7 @@ Imports no torch.
 
 from __future__ import annotations
 
+from moefit.ingest import checkpoint
 from moefit.ingest.geometry import ModelGeometry
 from moefit.memory import cpu_kernels
 from moefit.memory.staging import FP32, compute_bytes, expert_dequant_bytes
@@ -80,19 +81,23 @@ def load_staging_bytes(geom: ModelGeometry) -> int:
     """The most host memory the loaders hold at once beside their destinations (bytes).
 
     Safetensors (``moefit.runtime.loader``): one tensor is read at a time into host
-    memory and copied to where it lives, so the largest tensor bounds it (a fused
-    ``[E, 2I, H]`` expert tensor is read whole); a projection the loader rebuilds from
-    several of a layer's tensors (Qwen3-Next / Qwen3.5, ``moefit.runtime.hybrid_layout``)
-    holds its parts and the result at once, which twice the layer's dense tensors bound. GGUF (``moefit.runtime.gguf_loader``): tensors are
-    read through the file's memory map (page cache, not counted here), except llama's q/k
-    rows, un-permuted in a copy: the largest dense tensor as stored. From the headers
-    when read (``ExactWeights.load_staging_bytes``), else from the tensor listing."""
-    if geom.exact is not None and geom.exact.load_staging_bytes:
+    memory and copied to where it lives (a fused ``[E, 2I, H]`` expert tensor whole, an fp8
+    tensor with its scales; gpt-oss's fused experts one expert's slice at a time,
+    ``moefit.ingest.families.gpt_oss.expert_read_bytes``); a projection the loader packs
+    from a layer's tensors (Qwen3-Next / Qwen3.5, ``moefit.runtime.hybrid_layout``) holds
+    its parts and the result at once (:func:`moefit.ingest.checkpoint.load_staging`). GGUF
+    (``moefit.runtime.gguf_loader``): tensors are read through the file's memory map (page
+    cache, not counted here), except llama's q/k rows, un-permuted in a copy, and a
+    hybrid's regrouped projections, rebuilt in fp32
+    (``moefit.ingest.gguf_header.packed_staging_bytes``). From the headers when read
+    (``ExactWeights.load_staging_bytes``), else from the tensor listing, priced the same
+    way as a safetensors checkpoint."""
+    if geom.exact is not None:
         return geom.exact.load_staging_bytes
-    glob = [geom.tensor_bytes(t) for t in geom.global_tensors]
-    layer = [sum(geom.tensor_bytes(t) for t in l.tensors) for l in geom.layers]
-    experts = [geom.tensor_bytes(t) for l in geom.layers for t in l.expert_tensors]
-    return max(max(glob, default=0), 2 * max(layer, default=0), max(experts, default=0))
+    listing = {t.name: geom.tensor_bytes(t) for t in geom.global_tensors}
+    for l in geom.layers:
+        listing.update({t.name: geom.tensor_bytes(t) for t in (*l.tensors, *l.expert_tensors)})
+    return checkpoint.load_staging(geom, listing)
 
 
 def serving_staging_bytes(geom: ModelGeometry, chunk: int, slots: int, main_kind: str,
@@ -120,7 +125,7 @@ def serving_staging_bytes(geom: ModelGeometry, chunk: int, slots: int, main_kind
     if main_kind == "cuda" and miss_policy == "cpu" and geom.moe_layers:
         inter = max(l.moe.expert_intermediate for l in geom.moe_layers)
         out += chunk * (2 * geom.hidden_size + 4 * inter) * act
-        if geom.exact is not None and geom.exact.experts_stored:
+        if geom.experts_stored:
             out += expert_dequant_bytes(geom, act, cpu_kernels.expected("cpu"))
     if mapped:
         out += slot_bytes

@@ -172,7 +172,7 @@ def cell_bytes(att: AttentionSpec, fmt: KVFormat) -> int:
     if att.kind in ("full", "sliding", "chunked"):
         return att.num_kv_heads * (fmt.k_bytes(att.head_dim) + fmt.v_bytes(att.v_head_dim))
     if att.kind == "mla":
-        return fmt.k_bytes(att.kv_lora_rank + att.qk_rope_head_dim)
+        return fmt.k_bytes(att.kv_lora_rank + att.qk_rope_head_dim)   # cell_dims: no V
     if att.kind == "linear":
         return 0
     raise ValueError(f"unknown attention kind {att.kind!r}")
@@ -311,6 +311,8 @@ class CellLayout:
     ``[slots, cells, kv_heads, v_row]`` at ``v_offset``; ``scale_offset``: the layer's
     ``layer_scale_bytes`` (fp8: one fp32 K and one fp32 V scale), or None. ``window``: the
     sliding window (tokens) of a sliding layer, else None; ``cells``: :func:`layer_cells`.
+    An MLA layer (``latent``) has one K cell per token, the latent and the RoPE key
+    (:func:`cell_dims`), and no V cells (``v_dim`` and ``v_row`` 0).
     """
 
     index: int
@@ -324,6 +326,12 @@ class CellLayout:
     k_offset: int
     v_offset: int
     scale_offset: int | None
+
+    @property
+    def latent(self) -> bool:
+        """An MLA layer: the latent cell plays the V role too (its first ``kv_lora_rank``
+        values)."""
+        return self.v_dim == 0
 
 
 @dataclass(frozen=True)
@@ -344,22 +352,27 @@ class KVLayout:
     layers: tuple[CellLayout, ...]
 
 
+def cell_dims(att: AttentionSpec) -> tuple[int, int, int]:
+    """(KV heads, K dim, V dim) of one token's cells in a layer: the KV heads with
+    ``head_dim`` / ``v_head_dim``; MLA one latent row of ``kv_lora_rank +
+    qk_rope_head_dim`` and no V (the latent is read as V too: its first ``kv_lora_rank``
+    values). Their bytes are :func:`cell_bytes`."""
+    if att.kind == "mla":
+        return 1, att.kv_lora_rank + att.qk_rope_head_dim, 0
+    return att.num_kv_heads, att.head_dim, att.v_head_dim
+
+
 def kv_layout(geom: ModelGeometry, fmt: KVFormat, context: int, slots: int,
               chunk: int) -> KVLayout:
     """Carve the ``kv`` line for ``context`` tokens x ``slots`` sequences and a prefill
     chunk of ``chunk`` tokens into per-layer views (byte offsets); the runtime
     (``moefit.runtime.kv_cache.KVCache``) allocates ``.bytes`` and views these offsets.
-
-    MLA layers have no layout (the runtime does not run them): raises ValueError naming
-    the layer.
+    MLA layers hold one latent row per token (:func:`cell_dims`).
     """
     off = 0
     recurrent: list[tuple] = []
     for l in geom.layers:
         a = l.attention
-        if a.kind == "mla":
-            raise ValueError(f"layer {l.index}: mla attention is not supported by the "
-                             "runtime yet")
         if a.kind == "linear":
             rec, _ = linear_state_split(a, geom.dtype_bytes)
             recurrent.append((l, off))
@@ -375,21 +388,22 @@ def kv_layout(geom: ModelGeometry, fmt: KVFormat, context: int, slots: int,
             geom.dtype_bytes))
         off += slots * conv
     # chunked layers (Llama 4) are laid out for the bytes only: the runtime does not run them
-    cache = [l for l in geom.layers if l.attention.kind in ("full", "sliding", "chunked")]
+    cache = [l for l in geom.layers if l.attention.kind in ("full", "sliding", "chunked", "mla")]
     scale_off = off + sum(slots * layer_cells(l.attention, context, chunk)
                           * cell_bytes(l.attention, fmt) for l in cache)
     layers = []
     for n, l in enumerate(cache):
         a = l.attention
         cells = layer_cells(a, context, chunk)
-        kb, vb = fmt.k_bytes(a.head_dim), fmt.v_bytes(a.v_head_dim)
+        heads, k_dim, v_dim = cell_dims(a)
+        kb, vb = fmt.k_bytes(k_dim), fmt.v_bytes(v_dim) if v_dim else 0
         k_off = off
-        off += slots * cells * a.num_kv_heads * kb
+        off += slots * cells * heads * kb
         v_off = off
-        off += slots * cells * a.num_kv_heads * vb
+        off += slots * cells * heads * vb
         layers.append(CellLayout(
-            l.index, cells, a.sliding_window if a.kind == "sliding" else None, a.num_kv_heads,
-            a.head_dim, a.v_head_dim, kb, vb, k_off, v_off,
+            l.index, cells, a.sliding_window if a.kind == "sliding" else None, heads,
+            k_dim, v_dim, kb, vb, k_off, v_off,
             scale_off + n * fmt.layer_scale_bytes if fmt.layer_scale_bytes else None))
     return KVLayout(scale_off + fmt.layer_scale_bytes * len(cache), fmt, context, slots, chunk,
                     tuple(linear), tuple(layers))

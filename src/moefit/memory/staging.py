@@ -43,9 +43,9 @@ reserves for every chunk; :data:`WORKSPACE_ALIGN` is the workspace's view alignm
 at most the model and within 2.5% of it from 256 tokens up, 0.2% at 16384
 (tests/runtime/test_staging_bound.py, docs/validation.md).
 
-MLA layers (DeepSeek-V2 §2.1) are priced as their reference would run them (the Q LoRA
-activation, Q heads twice, the latent + RoPE key, the output; a tile of scores and the
-K/V heads of one latent block): the runtime does not run them yet.
+MLA layers (DeepSeek-V2 §2.1) run in the absorbed form, as one KV head over the cached
+latent rows (:func:`mla_attention_dims`): their tile is an attention tile of that head,
+their stack the absorbed queries, the latent output and the value heads (:func:`_mla_step`).
 
 A calibration measured on the device (``moefit calibrate``,
 :mod:`moefit.memory.calibration`) replaces the two numbers when there is one.
@@ -56,7 +56,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from moefit.ingest.geometry import AttentionSpec, LayerSpec, ModelGeometry
+from moefit.ingest.geometry import AttentionSpec, LayerSpec, ModelGeometry, Routing
 from moefit.memory import cpu_kernels
 from moefit.memory.kv import QBLOCK, KVFormat
 
@@ -73,6 +73,10 @@ INT64 = 8
 #: Elements dequantized per kernel call when a stored (GGUF) expert runs
 #: (``moefit.runtime.quant``).
 DEQUANT_TILE_ELEMS = 1 << 20
+#: Block-scaled fp8 weights of Hugging Face checkpoints (``quant_method: fp8``), held as
+#: stored (``moefit.runtime.quant.FP8``): e4m3 values with an fp32 scale per block,
+#: dequantized a tile at a time (:func:`fp8_tile_elems`, its scratch :func:`fp8_scratch_bytes`).
+FP8_TYPE = "F8_E4M3"
 #: Scratch bytes per element of one tile that each kernel of ``moefit.runtime.quant``
 #: allocates beside its output (fp32 values, unpacked integers, scales), by ggml type.
 #: Measured with the PyTorch profiler on a full tile (F16 / BF16 4.00, Q8_0 4.13, Q4_0 4.63,
@@ -173,7 +177,7 @@ def _qk_norm(layer: LayerSpec) -> str:
 
 def attention_tile_takes(kvh: int, g: int, d: int, dv: int, k_row: int, v_row: int,
                          act_fp32: bool, window: bool, q_block: int = ATTN_Q_BLOCK,
-                         kv_block: int = ATTN_KV_BLOCK) -> list[Take]:
+                         kv_block: int = ATTN_KV_BLOCK, latent: bool = False) -> list[Take]:
     """The fixed-region takes of one attention tile (``moefit.runtime.attention.attend``
     takes its buffers by this list, in order), before the KV block read: ``G x q_block``
     query rows per KV head (``kvh`` KV heads, ``g`` query heads each, head dims ``d`` /
@@ -185,7 +189,9 @@ def attention_tile_takes(kvh: int, g: int, d: int, dv: int, k_row: int, v_row: i
     K/V block as stored and dequantized; fp32 scores (then probabilities); unless
     ``act_fp32`` the probabilities, ``p @ v`` in the compute dtype and in fp32; the key
     positions and the causal mask (and the window mask); four fp32 row vectors (new max,
-    safe max, rescale, row sum) and a bool one (all masked).
+    safe max, rescale, row sum) and a bool one (all masked). ``latent`` (MLA, one KV head
+    over the latent rows): V is the first ``dv`` values of the dequantized K block, so the
+    V block takes nothing.
     """
     rows = g * q_block
     tile = kvh * rows * kv_block
@@ -193,7 +199,7 @@ def attention_tile_takes(kvh: int, g: int, d: int, dv: int, k_row: int, v_row: i
              (kvh * rows, "f32"), (kvh * rows, "f32"), (kvh * rows * dv, "f32"),
              (rows, "i64"),
              (kv_block * kvh * k_row, "u8"), (kv_block * kvh * v_row, "u8"),
-             (kv_block * kvh * d, "act"), (kv_block * kvh * dv, "act"),
+             (kv_block * kvh * d, "act"), (0 if latent else kv_block * kvh * dv, "act"),
              (tile, "f32")]
     if not act_fp32:
         takes += [(tile, "act"), (kvh * rows * dv, "act"), (kvh * rows * dv, "f32")]
@@ -206,17 +212,37 @@ def attention_tile_takes(kvh: int, g: int, d: int, dv: int, k_row: int, v_row: i
 
 def attention_region_bytes(att: AttentionSpec, fmt: KVFormat, act: int,
                            q_block: int = ATTN_Q_BLOCK, kv_block: int = ATTN_KV_BLOCK) -> int:
-    """Bytes of the fixed region one full / sliding attention layer uses: a tile
+    """Bytes of the fixed region one full / sliding / MLA attention layer uses: a tile
     (:func:`attention_tile_takes`), then a KV block read (``KVCache.read``: the int64
-    cell indices, then the K codec's decode scratch, freed, then the V one's)."""
-    kvh, d, dv = att.num_kv_heads, att.head_dim, att.v_head_dim
-    tile = attention_tile_takes(kvh, att.num_heads // kvh, d, dv, fmt.k_bytes(d),
-                                fmt.v_bytes(dv), act == FP32, att.kind in ("sliding", "chunked"),
-                                q_block, kv_block)
+    cell indices, then the K codec's decode scratch, freed, then the V one's). MLA
+    attends as one KV head over the latent rows (:func:`mla_attention_dims`), without a
+    V read."""
+    if att.kind == "mla":
+        kvh, g, d, dv = mla_attention_dims(att)
+        sides = (("k", d),)
+        k_row, v_row = fmt.k_bytes(d), 0
+    else:
+        kvh, d, dv = att.num_kv_heads, att.head_dim, att.v_head_dim
+        g, sides = att.num_heads // kvh, (("k", d), ("v", dv))
+        k_row, v_row = fmt.k_bytes(d), fmt.v_bytes(dv)
+    tile = attention_tile_takes(kvh, g, d, dv, k_row, v_row, act == FP32,
+                                att.kind in ("sliding", "chunked"), q_block, kv_block,
+                                latent=att.kind == "mla")
     base = span([kv_block * INT64], span(take_bytes(tile, act)))
     return max(span([n * kv_block * kvh for n in codec_scratch(fmt.codec(side), dim, act, True)],
                     base)
-               for side, dim in (("k", d), ("v", dv)))
+               for side, dim in sides)
+
+
+def mla_attention_dims(att: AttentionSpec) -> tuple[int, int, int, int]:
+    """(KV heads, query heads per KV head, key dim, value dim) of MLA attention in the
+    absorbed form (DeepSeek-V2, arXiv:2405.04434 §2.1.2 and appendix C; DeepSeek-V3
+    ``inference/model.py`` ``MLA.forward`` with ``attn_impl = "absorb"``; vLLM's MLA): the
+    queries are ``q_nope W_UK`` and ``q_pe`` against one shared KV head, the cached latent
+    and RoPE key of ``kv_lora_rank + qk_rope_head_dim`` values, and the value is the latent
+    (``W_UV`` applied after attention): (1, heads, kv_lora_rank + qk_rope_head_dim,
+    kv_lora_rank)."""
+    return 1, att.num_heads, att.kv_lora_rank + att.qk_rope_head_dim, att.kv_lora_rank
 
 
 def _attention_step(layer: LayerSpec, fmt: KVFormat, act: int) -> _Step:
@@ -242,27 +268,99 @@ def _attention_step(layer: LayerSpec, fmt: KVFormat, act: int) -> _Step:
     return _Step("attention", d * FP32, proj + max(norm, rope, write, attend))
 
 
-def _mla_step(layer: LayerSpec, fmt: KVFormat, act: int) -> _Step:
-    """MLA (DeepSeek-V2 §2.1; not run by this runtime, priced as its reference would):
-    the Q LoRA activation, Q heads (nope + rope) twice, the latent + RoPE key of the
-    chunk, the attention output (its fixed region: :func:`mla_region_bytes`)."""
+def fp8_dense_tensors(geom: ModelGeometry) -> list:
+    """The non-expert weights held as block-scaled fp8 (:data:`FP8_TYPE`): the 2-D
+    quantizable tensors of the roles an fp8 ``quantization_config`` covers
+    (:class:`moefit.ingest.geometry.Quantization`); none for another method. A dense one
+    is dequantized whole into the fixed region when used (``moefit.runtime.quant.Fp8Matrix``),
+    MLA's ``kv_b_proj`` into the attention step's stack (it is read before and after the
+    attention tiles)."""
+    q = geom.quant
+    if q.method != "fp8":
+        return []
+    ts = list(geom.global_tensors) + [t for l in geom.layers for t in l.tensors]
+    return [t for t in ts if t.quantizable and t.role in q.applies_to and len(t.shape) == 2]
+
+
+def _is_kv_b(t) -> bool:
+    return t.name.endswith("kv_b_proj.weight")
+
+
+def fp8_tile_elems(rows: int, cols: int, block: tuple[int, int]) -> int:
+    """Elements of one dequantization tile of a ``[rows, cols]`` fp8 matrix
+    (``moefit.runtime.quant.dequantize_fp8``): a row block by at most
+    ``DEQUANT_TILE_ELEMS / b0`` columns, a multiple of ``b1``."""
+    b0, b1 = block
+    width = max(b1, DEQUANT_TILE_ELEMS // b0 // b1 * b1)
+    return min(b0, rows) * min(width, cols)
+
+
+def fp8_scratch_bytes(rows: int, cols: int, block: tuple[int, int]) -> int:
+    """The scratch ``moefit.runtime.quant.dequantize_fp8`` allocates beside its output for
+    a ``[rows, cols]`` matrix: the fp32 copy of one tile (:func:`fp8_tile_elems`) and the
+    tile's row of scales, repeated over its blocks' columns (fp32). Measured with the
+    PyTorch profiler to the byte (tests/runtime/test_mla_and_glm.py)."""
+    b0, b1 = block
+    tile = fp8_tile_elems(rows, cols, block)
+    width = tile // min(b0, rows)
+    return FP32 * tile + FP32 * -(-width // b1) * b1
+
+
+def fp8_dense_scratch(geom: ModelGeometry) -> int:
+    """The dequantization scratch of the largest dense fp8 matrix (allocated beside the
+    workspace while a matrix is dequantized): 0 without fp8 weights."""
+    return max((fp8_scratch_bytes(*t.shape, geom.quant.block_size) for t in fp8_dense_tensors(geom)),
+               default=0)
+
+
+def _mla_step(layer: LayerSpec, fmt: KVFormat, act: int, geom: ModelGeometry | None = None) -> _Step:
+    """MLA in the absorbed form (``moefit.runtime.model._mla_attention``), the stack per
+    token, in three phases over the absorbed queries ``[heads, L + R]`` (L
+    ``kv_lora_rank``, R ``qk_rope_head_dim``): (1) the queries ``[heads, nope + R]``, then
+    the larger of the q LoRA activation with its RMSNorm's fp32 scratch and the latent row
+    ``[L + R]`` with the largest of its RMSNorm scratch, the ``rotate_half`` copy of the
+    query RoPE part, the encoded latent with the cell index and the codec's scratch; (2)
+    the latent attention output ``[heads, L]``; (3) the value heads ``[heads, v_head_dim]``
+    after ``W_UV``, in the spent absorbed queries' room. Its fixed region is
+    :func:`attention_region_bytes` (one KV head over the latent rows)."""
     a = layer.attention
-    q_lora = a.q_lora_rank * act
-    q = a.num_heads * a.head_dim * act
-    latent = (a.kv_lora_rank + a.qk_rope_head_dim) * (act + (FP32 if fmt.quantized else 0))
-    out = a.num_heads * a.v_head_dim * act
-    return _Step("MLA attention", 0, q_lora + 2 * q + latent + out)
+    heads, qk, dv = a.num_heads, a.head_dim, a.v_head_dim
+    lora, rope = a.kv_lora_rank, a.qk_rope_head_dim
+    up = 0 if act == FP32 else 1
+    qabs = heads * (lora + rope) * act
+    q = heads * qk * act
+    q_lora = (a.q_lora_rank * act + (up + 1) * a.q_lora_rank * FP32 + FP32) if a.q_lora_rank else 0
+    norm = (up + 1) * lora * FP32 + FP32
+    rot = heads * rope * act
+    write = fmt.k_bytes(lora + rope) + INT64 + sum(codec_scratch(fmt.codec("k"), lora + rope, act, False))
+    build = q + max(q_lora, (lora + rope) * act + max(norm, rot, write))
+    # a block-scaled fp8 kv_b_proj: dequantized at the bottom of the step's stack
+    fp8_kv_b = [t for t in (fp8_dense_tensors(geom) if geom else []) if t in layer.tensors and _is_kv_b(t)]
+    const = fp8_kv_b[0].numel * act if fp8_kv_b else 0
+    return _Step("MLA attention", const, qabs + max(build, heads * lora * act))
 
 
-def mla_region_bytes(att: AttentionSpec, act: int) -> int:
-    """The fixed region of an MLA layer as its reference would run it: a tile of fp32
-    scores (twice), the fp32 output and statistics, the K/V heads of one latent block."""
-    a = att
-    nope = a.head_dim - a.qk_rope_head_dim
-    tile = a.num_heads * ATTN_Q_BLOCK * ATTN_KV_BLOCK * FP32 * 2
-    acc = a.num_heads * ATTN_Q_BLOCK * (a.v_head_dim + 2) * FP32
-    kv_block = ATTN_KV_BLOCK * a.num_heads * (nope + a.qk_rope_head_dim + a.v_head_dim) * act
-    return tile + acc + kv_block
+def grouped_route_takes(t: int, e: int, k: int, r: Routing, act_fp32: bool) -> list[Take]:
+    """The stack takes of the grouped router for ``t`` tokens of ``e`` experts, top-``k``,
+    routing ``r`` (``moefit.runtime.routing.route_grouped`` takes its buffers by this list,
+    in order): the fp32 copy of the logits (unless ``act_fp32``), the fp32 scores; unless
+    ``greedy``, the choice scores, and when groups are dropped the group scores (with the
+    top-2 values and indices of ``noaux_tc``), the kept groups' indices and scores and the
+    dropped-group mask; the top-k values of the choice (``noaux_tc``); the renormalising
+    sum."""
+    g, tg = r.n_group, r.topk_group
+    takes: list[Take] = [] if act_fp32 else [(t * e, "f32")]
+    takes.append((t * e, "f32"))
+    if r.method != "greedy":
+        takes.append((t * e, "f32"))
+        if tg < g:
+            takes.append((t * g, "f32"))
+            if r.method == "noaux_tc":
+                takes += [(t * g * 2, "f32"), (t * g * 2, "i64")]
+            takes += [(t * tg, "i64"), (t * tg, "f32"), (t * g, "bool")]
+        if r.method == "noaux_tc":
+            takes.append((t * k, "f32"))
+    return takes + [(t, "f32")]
 
 
 def delta_block_takes(nv: int, dk: int, dv: int, block: int = DELTA_CHUNK) -> list[Take]:
@@ -305,12 +403,12 @@ def _deltanet_step(layer: LayerSpec, act: int) -> _Step:
     return _Step("Gated DeltaNet", const, proj + max(conv_step, after))
 
 
-def _mixer_step(layer: LayerSpec, fmt: KVFormat, act: int) -> _Step:
+def _mixer_step(layer: LayerSpec, fmt: KVFormat, act: int, geom: ModelGeometry | None = None) -> _Step:
     kind = layer.attention.kind
     if kind in ("full", "sliding", "chunked"):
         return _attention_step(layer, fmt, act)
     if kind == "mla":
-        return _mla_step(layer, fmt, act)
+        return _mla_step(layer, fmt, act, geom)
     if kind == "linear":
         return _deltanet_step(layer, act)
     raise ValueError(f"unknown attention kind {kind!r}")
@@ -320,10 +418,8 @@ def _mixer_region(att: AttentionSpec, fmt: KVFormat, act: int, q_block: int,
                   kv_block: int) -> int:
     """Fixed-region bytes of one layer's token mixer (0 for an unknown kind: its step
     raises)."""
-    if att.kind in ("full", "sliding", "chunked"):
+    if att.kind in ("full", "sliding", "chunked", "mla"):
         return attention_region_bytes(att, fmt, act, q_block, kv_block)
-    if att.kind == "mla":
-        return mla_region_bytes(att, act)
     if att.kind == "linear":
         return deltanet_region_bytes(att)
     return 0
@@ -332,7 +428,7 @@ def _mixer_region(att: AttentionSpec, fmt: KVFormat, act: int, q_block: int,
 def _mixer_terms(layer: LayerSpec, geom: ModelGeometry, fmt: KVFormat,
                  act: int) -> tuple[int, int]:
     """(const, per_token) bytes of one layer's token mixer (fixed region + stack)."""
-    s = _mixer_step(layer, fmt, act)
+    s = _mixer_step(layer, fmt, act, geom)
     return _mixer_region(layer.attention, fmt, act, ATTN_Q_BLOCK, ATTN_KV_BLOCK) + s.const, s.per_token
 
 
@@ -345,8 +441,15 @@ def expert_dequant_bytes(geom: ModelGeometry, act: int, c_kernels: bool = False)
     when the types are not known). With ``c_kernels`` (a CPU device where
     :func:`moefit.memory.cpu_kernels.expected`), a type the C kernels read dequantizes
     straight into that matrix and adds no scratch (fp32 / bf16 compute dtype; an fp16
-    one still goes through torch). 0 for a model without MoE layers."""
-    types = dict(getattr(geom.exact, "expert_types", ()) or ())
+    one still goes through torch). Block-scaled fp8 experts: the matrix plus
+    :func:`fp8_scratch_bytes`. 0 for a model without MoE layers."""
+    if geom.quant.method == "fp8" and geom.experts_stored:    # fp8 safetensors experts
+        i_h = lambda l: (l.moe.expert_intermediate, geom.hidden_size)  # noqa: E731
+        return max((l.moe.expert_intermediate * geom.hidden_size * act
+                    + max(fp8_scratch_bytes(*i_h(l), geom.quant.block_size),
+                          fp8_scratch_bytes(*reversed(i_h(l)), geom.quant.block_size))
+                    for l in geom.moe_layers), default=0)
+    types = geom.expert_types
     worst = max(DEQUANT_SCRATCH_BYTES_PER_ELEM.values())
     direct = c_kernels and geom.dtype in ("float32", "bfloat16")
 
@@ -369,10 +472,11 @@ def fixed_region_bytes(geom: ModelGeometry, fmt: KVFormat, q_block: int = ATTN_Q
     engine reserves exactly this, ``moefit.runtime.model.Model.fixed_bytes``): the largest
     of one layer's token-mixer region (attention tiles of ``q_block`` x ``kv_block``
     tokens, :func:`attention_region_bytes`; :func:`deltanet_region_bytes`;
-    :func:`mla_region_bytes`), the last-token logits of each of the ``slots`` sequences a
+    :func:`attention_region_bytes` of MLA's latent head), the last-token logits of each of the ``slots`` sequences a
     batched step may hold (``[slots, V]`` fp32, and in the compute dtype first unless
-    fp32: ``moefit.runtime.model.forward_batch``) and, for stored (GGUF) experts, one
-    dequantized expert matrix. The layers use it one after another. ``q_block`` /
+    fp32: ``moefit.runtime.model.forward_batch``) and, for stored (GGUF, fp8) experts, one
+    dequantized expert matrix, and with block-scaled fp8 weights the largest of them
+    dequantized (:func:`fp8_dense_tensors`). The layers use it one after another. ``q_block`` /
     ``kv_block`` below the defaults give the smaller region of smaller tiles (the engine's
     ``EngineOptions``)."""
     act = compute_bytes(geom)
@@ -384,8 +488,11 @@ def fixed_region_bytes(geom: ModelGeometry, fmt: KVFormat, q_block: int = ATTN_Q
         if a not in seen:
             seen[a] = _mixer_region(a, fmt, act, q_block, kv_block)
         fixed = max(fixed, seen[a])
-    if geom.exact is not None and geom.exact.experts_stored:
+    if geom.experts_stored:
         fixed = max(fixed, span([_expert_matrix_bytes(geom, act)]))
+    dense = [t.numel for t in fp8_dense_tensors(geom) if not _is_kv_b(t)]
+    if dense:       # the largest block-scaled fp8 matrix, dequantized when used
+        fixed = max(fixed, span([max(dense) * act]))
     return fixed
 
 
@@ -397,7 +504,8 @@ def _mlp_step(layer: LayerSpec, geom: ModelGeometry, act: int) -> _Step:
     """The MLP (``moefit.runtime.model._moe`` / ``_swiglu_mlp``), stack per token.
 
     MoE: fp32 top-k weights and int64 ids, then the larger of the routing (router logits,
-    their fp32 copy unless fp32, fp32 probabilities and the renormalising sum) and the
+    their fp32 copy unless fp32, fp32 probabilities and the renormalising sum; a grouped
+    router's takes, :func:`grouped_route_takes`) and the
     dispatch: the pairs' order (int64) and weights, then the larger of the sort's int64
     keys and the expert buffers, taken for all ``T`` rows since one expert may get every
     token: the fp32 combine accumulator, the input rows, the gate/up output, the output
@@ -409,7 +517,10 @@ def _mlp_step(layer: LayerSpec, geom: ModelGeometry, act: int) -> _Step:
         return _Step("dense MLP", 0, 2 * layer.dense_intermediate * act)
     m = layer.moe
     k, e = m.experts_per_token, m.num_experts
-    route = e * act + up * e * FP32 + e * FP32 + FP32
+    if m.routing.grouped:   # the router logits, then the grouped router's takes
+        route = e * act + sum(take_bytes(grouped_route_takes(1, e, k, m.routing, act == FP32), act))
+    else:
+        route = e * act + up * e * FP32 + e * FP32 + FP32
     buffers = h * FP32 + h * act + 2 * m.expert_intermediate * act + h * act + up * h * FP32
     dispatch = up * k * act + k * INT64 + k * act + max(k * INT64, buffers)
     shared = h * act + max(2 * m.shared_intermediate * act, act) if m.shared_intermediate else 0
@@ -444,15 +555,18 @@ def staging_model(geom: ModelGeometry, fmt: KVFormat, slots: int = 1,
     steps = [_Step("RMSNorm", h * FP32, up * h * FP32 + h * FP32 + FP32),
              _Step("RoPE tables", 0, FP32 + rot * FP32 + up * rot * FP32)]
     for layer in geom.layers:
-        steps += [_mixer_step(layer, fmt, act), _mlp_step(layer, geom, act)]
+        steps += [_mixer_step(layer, fmt, act, geom), _mlp_step(layer, geom, act)]
     fixed = fixed_region_bytes(geom, fmt, slots=slots)
     terms_extra: tuple = ()
-    if geom.exact is not None and geom.exact.experts_stored:
-        # quantized experts (GGUF): one matrix dequantized at a time into the fixed region;
-        # the kernels' fp32 scratch (bounded tiles) is allocated outside the workspace
+    scratch = fp8_dense_scratch(geom)
+    if geom.experts_stored:
+        # quantized experts (GGUF, fp8, gpt-oss's mxfp4): one matrix dequantized at a time into
+        # the fixed region; the kernels' fp32 scratch (bounded tiles) is allocated outside the workspace
         c_kernels = cpu_kernels.expected(device_kind)
-        scratch = max(0, expert_dequant_bytes(geom, act, c_kernels) - _expert_matrix_bytes(geom, act))
+        scratch = max(scratch, expert_dequant_bytes(geom, act, c_kernels) - _expert_matrix_bytes(geom, act))
         terms_extra = (("expert dequantization kernel scratch", scratch, 0),)
+    elif scratch:    # fp8 dense weights only
+        terms_extra = (("fp8 dequantization kernel scratch", scratch, 0),)
     top = max(steps, key=lambda s: s.per_token)
     terms = (
         ("residual stream and RoPE tables", 0, residual),
@@ -493,7 +607,7 @@ def expert_staging_model(geom: ModelGeometry, device_kind: str = "cuda") -> Stag
 
 def expert_fixed_region_bytes(geom: ModelGeometry) -> int:
     """The fixed region of an expert-only device's workspace: one dequantized expert
-    matrix for a stored (GGUF) format, else 0 (bytes)."""
-    if geom.exact is not None and geom.exact.experts_stored and geom.moe_layers:
+    matrix for a stored (GGUF, fp8, mxfp4) format, else 0 (bytes)."""
+    if geom.experts_stored and geom.moe_layers:
         return span([_expert_matrix_bytes(geom, compute_bytes(geom))])
     return 0

@@ -19,7 +19,8 @@ JSON document (sizes are integer bytes, lengths integer tokens)::
       "experts": {"slots", "total", "slot_bytes", "per_layer": [{"layer", "slots"}]},
       "notes": [...],
       # only when fits is false:
-      "shortfall_bytes", "short_on", "limiting": [...], "alternatives": [{"flag", "value"}]
+      "shortfall_bytes", "short_on", "limiting": [...],
+      "alternatives": [{"flag", "value"[, "drop": [flag, ...]][, "note"]}]
     }
 
 Version 2 added ``split``, each device's ``role``, ``layers``,
@@ -45,7 +46,7 @@ def _role(d: DevicePlan, plan: Plan) -> str:
     if plan.split == "single":
         return ""
     if d.role == "experts":
-        return "  expert slots only"
+        return "  left out" if d.left_out else "  expert slots only"
     if d.role == "layers":
         a, b = d.layers or (0, 0)
         span = "no layers" if a >= b else (f"layer {a}" if b - a == 1 else f"layers {a}-{b - 1}")
@@ -66,10 +67,23 @@ def _device_table(d: DevicePlan, plan: Plan) -> list[str]:
     return out
 
 
+#: The host lines the process and the machine set, whatever the model.
+HOST_FIXED_LINES = ("host_runtime", "host_margin")
+
+
+def host_size_format(lines):
+    """The host table's formatter for ``lines`` (``(key, bytes)`` pairs): GiB (two
+    decimals) when what the model puts on the host, every line but the runtime and the
+    margin, is 1 GiB or more, else the largest fitting unit
+    (:func:`moefit.units.format_bytes`), so a small model's lines do not all read 0.00 GiB
+    (the device tables do the same by the device's size)."""
+    return size_format(sum(n for k, n in lines if k not in HOST_FIXED_LINES))
+
+
 def format_host_table(hp: HostPlan) -> list[str]:
     """The host table (docs/design.md, host budget)."""
     h = hp.host
-    format_gib = size_format(h.capacity_bytes if h else max(hp.planned_bytes, 1 << 30))
+    format_gib = host_size_format((l.key, l.bytes) for l in hp.lines)
     if h is None:
         out = [f"host budget  not checked (what-if devices; --host-ram SIZE checks a machine)  "
                f"needs {format_gib(hp.planned_bytes)}"]
@@ -117,12 +131,28 @@ def format_table(plan: Plan) -> str:
     if plan.alternatives:
         out.append("fits with:")
         for a in plan.alternatives:
-            out.append(f"  {a.flag} {a.value}")
+            out.append(format_alternative(a))
     else:
         larger = "a larger host" if plan.short_on == "host" else "a larger device"
         out.append(f"fits with: nothing short of {larger} "
                    "(no single flag change makes it fit)")
     return "\n".join(out)
+
+
+def format_alternative(a) -> str:
+    """One ``fits with:`` line: ``  FLAG VALUE[ without FLAG...][   note]``; the flags as
+    printed are exactly the change that was solved."""
+    text = f"  {a.flags}" + "".join(f" without {d}" for d in a.drop)
+    return f"{text}   ({a.note})" if a.note else text
+
+
+def _alternative(a) -> dict:
+    doc = {"flag": a.flag, "value": a.value}
+    if a.drop:
+        doc["drop"] = list(a.drop)
+    if a.note:
+        doc["note"] = a.note
+    return doc
 
 
 def _lines(lines) -> list[dict]:
@@ -180,7 +210,7 @@ def plan_document(plan: Plan) -> dict:
         doc["shortfall_bytes"] = plan.shortfall_bytes
         doc["short_on"] = plan.short_on
         doc["limiting"] = list(plan.limiting)
-        doc["alternatives"] = [{"flag": a.flag, "value": a.value} for a in plan.alternatives]
+        doc["alternatives"] = [_alternative(a) for a in plan.alternatives]
     return doc
 
 

@@ -27,6 +27,8 @@ from moefit.units import parse_count
 CHUNK_GRID = 256            #: prefill chunks are multiples of this many tokens
 DEFAULT_PREFILL_CEILING = 16384
 DEFAULT_PREFILL_MIN = 256
+#: the largest ``--rope-scale`` accepted (a factor past it is no model's published setting)
+MAX_ROPE_SCALE = 1024
 
 
 @dataclass(frozen=True)
@@ -135,8 +137,8 @@ def validate(req: Request) -> None:
     if req.rope_scaling in ("linear", "yarn") and req.rope_scale is None:
         raise InputError(f"--rope-scaling {req.rope_scaling} needs --rope-scale F "
                          "(e.g. --rope-scale 2 doubles the original window)")
-    if req.rope_scale is not None and not (math.isfinite(req.rope_scale) and 1 <= req.rope_scale <= 1024):
-        raise InputError(f"--rope-scale {req.rope_scale}: must be a number from 1 to 1024")
+    if req.rope_scale is not None and not (math.isfinite(req.rope_scale) and 1 <= req.rope_scale <= MAX_ROPE_SCALE):
+        raise InputError(f"--rope-scale {req.rope_scale}: must be a number from 1 to {MAX_ROPE_SCALE}")
     if req.yarn_orig_ctx is not None:
         if req.rope_scaling != "yarn":
             raise InputError("--yarn-orig-ctx only applies with --rope-scaling yarn")
@@ -186,8 +188,11 @@ def resolve_context(geom: ModelGeometry, req: Request) -> int:
     if req.max_context is None:
         return limit
     if req.max_context > limit:
-        if req.rope_scaling in (None, "none"):
-            scale = -(-req.max_context // geom.rope.original_window)
+        scale = -(-req.max_context // geom.rope.original_window)
+        if scale > MAX_ROPE_SCALE:
+            hint = (f"RoPE scaling reaches at most {geom.rope.original_window * MAX_ROPE_SCALE} tokens "
+                    f"(--rope-scale {MAX_ROPE_SCALE}); ask for fewer tokens")
+        elif req.rope_scaling in (None, "none"):
             hint = (f"extend it with --rope-scaling yarn --rope-scale {scale} "
                     f"(limit = original window {geom.rope.original_window} x scale)")
         else:

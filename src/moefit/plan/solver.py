@@ -75,6 +75,8 @@ HOST_LINE_ORDER: tuple[tuple[str, str], ...] = (
 #: The lines a device that holds expert slots only has (an expert split's other devices).
 EXPERT_DEVICE_LINES = ("runtime", "prefill", "margin", "experts")
 SPLITS = ("auto", "experts", "layers")
+#: What a ``--split layers`` alternative says: moefit's runtime runs the expert split only.
+LAYER_SPLIT_NOTE = "planned only: moefit serve and generate run the expert split"
 
 
 @dataclass(frozen=True)
@@ -104,6 +106,8 @@ class DevicePlan:
     layers: tuple[int, int] | None = None
     #: an expert-only device: the most tokens one expert runs on at once there
     piece: int = 0
+    #: an expert-only device the expert split leaves out (every line 0): why; empty when used
+    left_out: str = ""
 
     @property
     def planned_bytes(self) -> int:
@@ -158,11 +162,22 @@ class HostPlan:
 
 @dataclass(frozen=True)
 class Alternative:
-    """A change of one flag that makes the plan fit (verified by re-solving)."""
+    """A change of one flag that makes the plan fit (verified by re-solving with exactly
+    this change): ``flag value``, with the flags in ``drop`` removed (``--miss-policy cpu``
+    without ``--arena-slots``) and the flags of ``also`` changed with it, as (flag, value)
+    pairs (an engine plan's ``--nodes 2`` with ``--gpus 16``); ``note``: what the change
+    does not give (``--split layers`` is planned, not run, by moefit's runtime)."""
 
     flag: str
     value: str | int
     note: str = ""
+    also: tuple[tuple[str, str | int], ...] = ()
+    drop: tuple[str, ...] = ()
+
+    @property
+    def flags(self) -> str:
+        """``--flag value`` and the flags that change with it, as typed on the command line."""
+        return " ".join(f"{f} {v}" for f, v in ((self.flag, self.value), *self.also))
 
 
 @dataclass(frozen=True)
@@ -410,8 +425,10 @@ def _solve_several(geom: ModelGeometry, devices: tuple[Device, ...], req: Reques
                    notes: list[str], staging: StagingModel | None) -> Plan:
     """The expert split and the layer split (docs/design.md, several devices), by
     ``--split``; with ``auto`` the one that fits with more expert slots (the expert split
-    on a tie, or when neither fits), and a note saying why."""
-    if req.split == "experts" or not geom.moe_layers:
+    on a tie, or when neither fits), and a note saying why. A dense model has no experts
+    to spread: ``auto`` keeps it on the main device when it fits there (the expert split,
+    the other devices left out), else places its layers."""
+    if req.split == "experts":
         return _expert_split(geom, devices, req, context, list(notes), staging)
     if req.split == "layers":
         return _layer_split(geom, devices, req, context, list(notes))
@@ -419,20 +436,31 @@ def _solve_several(geom: ModelGeometry, devices: tuple[Device, ...], req: Reques
     by_layers = _layer_split(geom, devices, req, context, list(notes))
     ts = "-ts " + ",".join(str(d.device.free_bytes >> 20) for d in by_layers.devices)
     ranges = ", ".join(f"{d.device.label}: {_layer_range(d.layers)}" for d in by_layers.devices)
+    dense = not geom.moe_layers
     if by_layers.fits and (not by_experts.fits or by_layers.expert_slots > by_experts.expert_slots):
         why = (f"the expert split holds {by_experts.expert_slots}" if by_experts.fits else
                f"the expert split does not fit: short by {_gib(by_experts.shortfall_bytes)} on "
                f"{by_experts.short_on}")
-        note = (f"split: layers (llama.cpp {ts}; {ranges}): {by_layers.expert_slots} expert "
-                f"slots, where {why}; --split experts plans the other")
+        if dense:
+            note = (f"split: layers (llama.cpp {ts}; {ranges}): {geom.name} is dense and does not "
+                    f"fit on {devices[0].label} alone (short by {_gib(by_experts.shortfall_bytes)})")
+        else:
+            note = (f"split: layers (llama.cpp {ts}; {ranges}): {by_layers.expert_slots} expert "
+                    f"slots, where {why}"
+                    + ("; --split experts plans the other" if by_experts.fits else ""))
         return replace(by_layers, notes=(*by_layers.notes, note))
     if by_experts.fits:
-        other = (f"a layer split (llama.cpp {ts}) holds {by_layers.expert_slots}"
-                 if by_layers.fits else
-                 f"a layer split (llama.cpp {ts}) does not fit: short by "
-                 f"{_gib(by_layers.shortfall_bytes)} on {by_layers.short_on}")
-        note = (f"split: experts over {len(devices)} devices, {by_experts.expert_slots} expert "
-                f"slots; {other}; --split layers plans it")
+        if dense:
+            other = (f"a layer split (llama.cpp {ts}) fits too; --split layers plans it"
+                     if by_layers.fits else f"a layer split (llama.cpp {ts}) does not fit")
+            note = f"split: {geom.name} is dense: it fits on {devices[0].label} alone; {other}"
+        else:
+            other = (f"a layer split (llama.cpp {ts}) holds {by_layers.expert_slots}; "
+                     "--split layers plans it" if by_layers.fits else
+                     f"a layer split (llama.cpp {ts}) does not fit: short by "
+                     f"{_gib(by_layers.shortfall_bytes)} on {by_layers.short_on}")
+            note = (f"split: experts over {len(devices)} devices, {by_experts.expert_slots} expert "
+                    f"slots; {other}")
     else:
         note = (f"split: neither fits; a layer split (llama.cpp {ts}) is short by "
                 f"{_gib(by_layers.shortfall_bytes)} on {by_layers.short_on}")
@@ -518,7 +546,14 @@ def _pick_chunk(priced: list[_Priced], devices: tuple[Device, ...], target: int,
 def _expert_split(geom: ModelGeometry, devices: tuple[Device, ...], req: Request, context: int,
                   notes: list[str], staging: StagingModel | None) -> Plan:
     """Dense weights, KV cache and staging on the main device; expert slots on every
-    device, the main one first (:func:`moefit.memory.weights.place_slots`)."""
+    device, the main one first (:func:`moefit.memory.weights.place_slots`).
+
+    Only the main device sets the chunk: another device runs its experts in pieces of at
+    most :data:`EXPERT_PIECE` tokens whatever the chunk, and a device that cannot hold its
+    own runtime, staging and margin, or not one expert slot above them, is left out (its
+    lines are 0, a note says why) rather than failing the plan. A clamped chunk leaves the
+    main device's expert cache at its share of the floor, as on one device; the other
+    devices fill their slots all the same."""
     floor, ceiling = _floor_ceiling(geom, req)
     priced = [_price(geom, devices[0], req, context, 0, staging)]
     priced += [_price_expert_device(geom, d, req) for d in devices[1:]]
@@ -527,41 +562,66 @@ def _expert_split(geom: ModelGeometry, devices: tuple[Device, ...], req: Request
     blobs = geom.expert_blob_bytes()
 
     def rooms(c: int) -> list[int]:
+        """Bytes above each device's mandatory lines at chunk ``c`` (negative: short)."""
         return [d.free_bytes - p.cost(c) for p, d in zip(priced, devices)]
+
+    def usable(r: list[int]) -> list[int]:
+        return [r[0]] + [max(0, x) for x in r[1:]]    # a device that is short is left out
+
+    def placed(counts) -> int:
+        return sum(n for per in counts for _, n in per)
 
     def placed_bytes(counts) -> int:
         return sum(n * blobs[l] for per in counts for l, n in per)
 
     def ok(c: int) -> bool:
         r = rooms(c)
-        if min(r) < 0:
+        if r[0] < 0:
             return False
-        return not floor or sum(n for per in place_slots(geom, r, floor) for _, n in per) >= floor
+        return not floor or placed(place_slots(geom, usable(r), floor)) >= floor
 
-    chunk = _pick_chunk(priced, devices, target, lowest, may_shrink, ok)
+    chunk = _pick_chunk(priced[:1], devices[:1], target, lowest, may_shrink, ok)
     fits = chunk >= 0
     shown = chunk if fits else lowest
     clamped = fits and chunk < target
     if clamped:
         _clamp_note(req, requested, chunk, notes)
-    room = rooms(shown)
-    counts = place_slots(geom, [max(0, r) for r in room],
-                         ceiling if fits and not clamped else floor)
+    room = usable(rooms(shown))
+    avail = [max(0, r) for r in room]
+    if not fits:
+        counts = place_slots(geom, avail, floor)
+    elif clamped:
+        # the clamped chunk took the main device's room: it keeps its share of the floor
+        # (as one device does), the others hold what theirs hold
+        first = place_slots(geom, avail, floor)
+        avail[0] = sum(n * blobs[l] for l, n in first[0])
+        counts = place_slots(geom, avail, ceiling)
+        if placed(counts) < floor:      # never fewer than the floor that was checked
+            counts = first
+    else:
+        counts = place_slots(geom, avail, ceiling)
     dplans = []
-    blobs = geom.expert_blob_bytes()
+    total_e = geom.total_experts
     for i, (d, p, per) in enumerate(zip(devices, priced, counts)):
         if i == 0:
             dplans.append(DevicePlan(d, _lines(geom, d, req, context, shown, p, 0, per), "main", per))
             continue
         n = sum(c for _, c in per)
-        total_e = geom.total_experts
+        why = _left_out(geom, d, p, shown, n, fits, placed(counts[:i]), ceiling)
+        if why:
+            notes.append(f"{d.label}: left out, it holds no expert slot ({why})")
+            lines = tuple(Line(k, 0, "left out" if k == "experts" else "")
+                          for k in EXPERT_DEVICE_LINES)
+            dplans.append(DevicePlan(d, lines, "experts", per, left_out=why))
+            continue
         lines = (Line("runtime", p.runtime, "simulated device" if d.kind == "cpu" else
                       ("measured" if d.runtime_bytes is not None else "CUDA context estimate")),
                  Line("prefill", p.staging(shown),
                       f"expert compute, {p.piece(shown)}-token pieces"),
                  Line("margin", p.margin, ""),
                  Line("experts", sum(c * blobs[l] for l, c in per),
-                      f"{n} of {total_e} experts ({100 * n / total_e:.0f}%)"))
+                      f"{n} of {total_e} experts ({100 * n / total_e:.0f}%)" if total_e else
+                      "dense model: no experts"))
         dplans.append(DevicePlan(d, lines, "experts", per, piece=p.piece(shown)))
     total = _sum_counts(geom, counts)
     plan = Plan(fits=fits, geometry=geom, request=req, context=context, devices=tuple(dplans),
@@ -572,6 +632,29 @@ def _expert_split(geom: ModelGeometry, devices: tuple[Device, ...], req: Request
         assert all(d.unassigned_bytes >= 0 for d in dplans), "solver bug: a device is over"
         return plan
     return _several_failed(plan, floor_bytes - placed_bytes(counts), lowest, target, notes)
+
+
+def _left_out(geom: ModelGeometry, device: Device, priced: "_ExpertDevice", chunk: int,
+              slots: int, fits: bool, before: int, ceiling: int) -> str:
+    """Why an expert-only device is left out of the expert split (empty: it is not):
+    its mandatory lines are more than its free memory, or (in a plan that fits) it holds
+    no expert slot."""
+    need = priced.cost(chunk)
+    if need > device.free_bytes:
+        fmt = format_bytes
+        return (f"its runtime, expert staging and margin take {fmt(need)}, more than its "
+                f"{fmt(device.free_bytes)} free")
+    if slots or not fits:
+        return ""
+    if not geom.moe_layers:
+        return f"{geom.name} is dense: the main device holds all of it"
+    if before >= ceiling:
+        return ("the devices before it hold every expert" if ceiling == geom.total_experts else
+                f"the devices before it hold the {ceiling} slots of --expert-cache")
+    fmt = format_bytes
+    room = device.free_bytes - need
+    return (f"{fmt(room)} above its runtime, expert staging and margin, less than one expert "
+            f"slot ({fmt(min(geom.expert_blob_bytes().values()))})")
 
 
 def _several_failed(plan: Plan, unplaced_floor: int, lowest: int, target: int,
@@ -777,13 +860,15 @@ def _with_host(plan: Plan, host: Host | None) -> Plan:
         return plan
     short = -hp.unassigned_bytes
     out, covered = [], 0
+    fixed = {"host_runtime"} | ({"host_margin"} if plan.request.host_reserve_bytes is None else set())
     for l in sorted(hp.lines, key=lambda l: l.bytes, reverse=True):
-        if covered >= short or l.bytes == 0 or l.key == "host_runtime":
+        if covered >= short or l.bytes == 0 or l.key in fixed:
             continue
         out.append(l.key)
         covered += l.bytes
     notes = plan.notes
-    if "host_experts" in out and not _is_gguf(geom := plan.geometry) and geom.dtype_bytes > 1:
+    geom = plan.geometry
+    if "host_experts" in out and not _is_gguf(geom) and geom.dtype_bytes > 1 and not geom.experts_stored:
         notes = (*notes, f"host: the experts are held as the checkpoint stores them ({geom.dtype}); "
                          "a quantized GGUF file of the model holds them at its stored size (plan "
                          "that file)")
@@ -850,9 +935,14 @@ def _lines(geom: ModelGeometry, device: Device, req: Request, context: int, chun
 
 
 def _limiting(dplan: DevicePlan, shortfall: int) -> tuple[str, ...]:
-    """Largest lines first, as many as it takes to cover the shortfall."""
+    return limiting_lines(dplan.lines, shortfall)
+
+
+def limiting_lines(lines, shortfall: int) -> tuple[str, ...]:
+    """The keys of ``lines`` (:class:`Line`) that limit a plan short by ``shortfall`` bytes:
+    the largest first, as many as it takes to cover the shortfall (the runtime never)."""
     out, covered = [], 0
-    for l in sorted(dplan.lines, key=lambda l: l.bytes, reverse=True):
+    for l in sorted(lines, key=lambda l: l.bytes, reverse=True):
         if covered >= shortfall or l.bytes == 0 or l.key == "runtime":
             continue
         out.append(l.key)
@@ -872,8 +962,10 @@ def find_alternatives(geom: ModelGeometry, device: "Device | tuple[Device, ...]"
     - ``--miss-policy cpu`` / a smaller ``--arena-slots`` when the weight arena is in use;
       a smaller ``--vram-reserve-mib`` when the margin was set by hand.
     - ``--parallel``, ``--min-expert-cache`` / ``--expert-cache``: the largest value that fits.
-    - for a host that is short: ``--host-experts mmap`` (a GGUF file); with several
-      devices and a split given: the other ``--split``.
+    - for a host that is short: ``--host-experts mmap`` (a GGUF file), a smaller
+      ``--prefill`` (the devices clamp the chunk, the host does not), a smaller
+      ``--host-reserve-mib`` when it was set by hand; with several devices and a split
+      given: the other ``--split``.
 
     Every alternative fits the devices and the ``host`` alike.
     """
@@ -887,7 +979,7 @@ def find_alternatives(geom: ModelGeometry, device: "Device | tuple[Device, ...]"
     if len(_as_devices(device)) > 1 and req.split != "auto":
         other = "layers" if req.split == "experts" else "experts"
         if _fits(geom, device, req.with_(split=other)):
-            alts.append(Alternative("--split", other))
+            alts.append(Alternative("--split", other, LAYER_SPLIT_NOTE if other == "layers" else ""))
     if (req.host_experts != "mmap" and _is_gguf(geom) and geom.moe_layers
             and _fits(geom, device, req.with_(host_experts="mmap"))):
         alts.append(Alternative("--host-experts", "mmap"))
@@ -907,11 +999,26 @@ def find_alternatives(geom: ModelGeometry, device: "Device | tuple[Device, ...]"
     plan = solve(geom, device, strict_free, host=host, alternatives=False, staging=staging)
     if plan.fits and (req.strict or req.prefill_min > CHUNK_GRID):
         flag = "--prefill" if req.strict else "--prefill-min"
-        alts.append(Alternative(flag, plan.prefill_selected))
+        value = plan.prefill_selected
+        if not _fits(geom, device, req.with_(**{"prefill_mode": "fixed", "prefill_tokens": value}
+                                             if req.strict else {"prefill_min": value})):
+            value = None        # the flag alone does not give that plan (a host that is short)
+        if value:
+            alts.append(Alternative(flag, value))
+    elif not plan.fits:
+        # the devices clamp the chunk themselves; the host does not (its staging grows with
+        # the chunk): the largest smaller --prefill that fits
+        top = (min(req.prefill_tokens, max(CHUNK_GRID, -(-context // CHUNK_GRID) * CHUNK_GRID))
+               // CHUNK_GRID) - 1
+        fixed = lambda n: req.with_(prefill_mode="fixed", prefill_tokens=n * CHUNK_GRID)  # noqa: E731
+        n = _largest_int(lambda n: _fits(geom, device, fixed(n)), 1, top)
+        if n is not None:
+            alts.append(Alternative("--prefill", n * CHUNK_GRID))
 
     if req.miss_policy == "copy":
         if _fits(geom, device, req.with_(miss_policy="cpu", arena_slots=None)):
-            alts.append(Alternative("--miss-policy", "cpu"))
+            alts.append(Alternative("--miss-policy", "cpu",
+                                    drop=("--arena-slots",) if req.arena_slots is not None else ()))
         ring = req.arena_slots or default_arena_slots(geom)
         fit = _largest_int(lambda n: _fits(geom, device, req.with_(arena_slots=n)), 1, ring - 1)
         if fit:
@@ -921,6 +1028,11 @@ def find_alternatives(geom: ModelGeometry, device: "Device | tuple[Device, ...]"
                            0, (req.reserve_bytes >> 20) - 1 if req.reserve_bytes >> 20 else -1)
         if mib is not None:
             alts.append(Alternative("--vram-reserve-mib", mib))
+    if req.host_reserve_bytes:
+        mib = _largest_int(lambda n: _fits(geom, device, req.with_(host_reserve_bytes=n << 20)),
+                           0, (req.host_reserve_bytes >> 20) - 1 if req.host_reserve_bytes >> 20 else -1)
+        if mib is not None:
+            alts.append(Alternative("--host-reserve-mib", mib))
     if req.slots > 1:
         fit = _largest_int(lambda n: _fits(geom, device, req.with_(slots=n)), 1, req.slots - 1)
         if fit:

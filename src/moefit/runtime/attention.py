@@ -21,7 +21,9 @@ head's block is a plain matrix for ``bmm`` (no copy inside the product).
 Masks (transformers ``masking_utils``): causal ``k_pos <= q_pos``; sliding window
 ``k_pos > q_pos - window``. GQA (Ainslie et al. 2023): query head ``h`` reads KV head
 ``h // (heads / kv_heads)`` (``repeat_kv``), done here by viewing the ``G`` query heads
-of a KV head as extra rows.
+of a KV head as extra rows. MLA's absorbed form is one KV head over the cached latent
+rows (``latent`` layers of the cache): V is the first ``Dv`` values of each dequantized K
+row, so no V is read (:func:`moefit.memory.staging.mla_attention_dims`).
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ SMALL_ROWS = 64
 
 def attend(q: torch.Tensor, start: int, cache: KVCache, layer: int, slot: int, scale: float,
            out: torch.Tensor, ws: Workspace, *, q_block: int = ATTN_Q_BLOCK,
-           kv_block: int = ATTN_KV_BLOCK) -> None:
+           kv_block: int = ATTN_KV_BLOCK, sinks: torch.Tensor | None = None) -> None:
     """Attention of a chunk's queries over the cache (which already holds the chunk's keys).
 
     Args:
@@ -54,6 +56,8 @@ def attend(q: torch.Tensor, start: int, cache: KVCache, layer: int, slot: int, s
         ws: staging workspace; the tiles and dequantized blocks come from its fixed
             region ``ws.fixed`` (:func:`moefit.memory.staging.attention_tile_takes`, then
             the KV block read's cell indices and codec scratch).
+        sinks: ``[A]`` gpt-oss attention sinks, or None: one more logit per query head
+            in the softmax's denominator, no value (:func:`_fold_sinks`).
     """
     t_len, heads, d = q.shape
     lc = cache.layers[layer]
@@ -64,10 +68,11 @@ def attend(q: torch.Tensor, start: int, cache: KVCache, layer: int, slot: int, s
     act = q.dtype
     f32 = torch.float32
     region = ws.fixed
+    latent = lc.latent
     with region.scope():
         (qt_, m_, l_, acc_, qpos_, kb_, vb_, k_, v_, s_, *rest) = region.take_layout(
             attention_tile_takes(kvh, g, d, dv, lc.k.shape[3], lc.v.shape[3], act == f32,
-                                 window is not None, q_block, kv_block), act)
+                                 window is not None, q_block, kv_block, latent), act)
         p_, pv_, pv32_ = ((rest.pop(0), rest.pop(0), rest.pop(0)) if act != f32
                           else (None, None, None))
         kpos_, mask_ = rest.pop(0), rest.pop(0)
@@ -97,13 +102,18 @@ def attend(q: torch.Tensor, start: int, cache: KVCache, layer: int, slot: int, s
                 vb = vb_[:b * kvh * lc.v.shape[3]].view(b, kvh, lc.v.shape[3])
                 # head-major, so each head's block is one plain matrix for bmm
                 k = k_[:b * kvh * d].view(kvh, b, d)                # [K, B, D]
-                v = v_[:b * kvh * dv].view(kvh, b, dv)              # [K, B, Dv]
-                cache.read(layer, slot, k0, k0 + b, kb, vb, k.transpose(0, 1), v.transpose(0, 1),
-                           region)
+                if latent:      # MLA: the value is the latent, the first Dv of each row
+                    v = k[..., :dv]
+                    cache.read(layer, slot, k0, k0 + b, kb, None, k.transpose(0, 1), None, region)
+                else:
+                    v = v_[:b * kvh * dv].view(kvh, b, dv)          # [K, B, Dv]
+                    cache.read(layer, slot, k0, k0 + b, kb, vb, k.transpose(0, 1),
+                               v.transpose(0, 1), region)
                 s = s_[:kvh * rows * b].view(kvh, rows, b)          # [K, G*tq, B]
                 small = act != f32 and rows <= SMALL_ROWS
                 if small:       # decode: fp32 products (see SMALL_ROWS)
-                    kf, vf = k.float(), v.float()
+                    kf = k.float()
+                    vf = kf[..., :dv] if latent else v.float()
                     torch.bmm(qt.float(), kf.transpose(1, 2), out=s)
                 elif act == f32:
                     torch.bmm(qt, k.transpose(1, 2), out=s)
@@ -137,6 +147,30 @@ def attend(q: torch.Tensor, start: int, cache: KVCache, layer: int, slot: int, s
                     torch.bmm(p_act, v, out=pv)
                     acc.add_(pv32_[:kvh * rows * dv].view(kvh, rows, dv).copy_(pv))
                 m.copy_(m_new)
+            if sinks is not None:
+                _fold_sinks(sinks, kvh, g, tq, m, l, acc, m_new, alpha, rowsum)
             acc.div_(l[..., None])
             # [K, G, tq, Dv] -> [tq, K*G, Dv]
             out[q0:q0 + tq].view(tq, kvh, g, dv).copy_(acc.view(kvh, g, tq, dv).permute(2, 0, 1, 3))
+
+
+def _fold_sinks(sinks: torch.Tensor, kvh: int, g: int, tq: int, m: torch.Tensor, l: torch.Tensor,
+                acc: torch.Tensor, m_new: torch.Tensor, alpha: torch.Tensor, s: torch.Tensor) -> None:
+    """Fold gpt-oss's sinks into a finished tile's running statistics: a logit ``sinks[h]``
+    per query head joins the softmax's denominator and takes no value
+    (``modeling_gpt_oss.py`` ``eager_attention_forward``: ``cat([scores, sinks])``, softmax,
+    the sink column dropped)::
+
+        m' = max(m, sink);  l = l exp(m - m') + exp(sink - m');  acc = acc exp(m - m')
+
+    ``m``, ``l`` ``[K, G*tq]``, ``acc`` ``[K, G*tq, Dv]`` (rows of KV head ``j``: query heads
+    ``j*G .. j*G + G-1``, ``tq`` tokens each); ``m_new``, ``alpha``, ``s`` ``[K, G*tq]``
+    fp32 row buffers of the tile, free at this point (no other workspace is taken).
+    """
+    s.view(kvh, g, tq).copy_(sinks.view(kvh, g, 1))                # the sink of each row
+    torch.maximum(m, s, out=m_new)
+    torch.exp(torch.sub(m, m_new, out=alpha), out=alpha)
+    l.mul_(alpha).add_(s.sub_(m_new).exp_())
+    acc.mul_(alpha[..., None])
+    m.copy_(m_new)
+

@@ -30,7 +30,8 @@ What the step does not cover stays in torch, layer by layer: Gated DeltaNet laye
 when the whole step runs here: the C kernels are built, the device is the CPU, every
 segment of the step is one token, the KV format has a C codec (plain, int8 / int4 blocks;
 not fp8), the experts run on the CPU (:func:`moefit.runtime.moe_batch.applies`), and the
-model uses no switch, layer kind or weight this module does not know
+model sets no switch or spec field away from its default, and holds no layer kind or
+weight, that this module does not know
 (:data:`KNOWN_SWITCHES`, :data:`KNOWN_WEIGHTS`), so a family added later runs through
 the torch path until it is taught here.
 
@@ -41,7 +42,7 @@ per layer); the attention keeps its scores on the C stack (blocks of 128 positio
 from __future__ import annotations
 
 import ctypes
-from dataclasses import dataclass, fields
+from dataclasses import MISSING, dataclass, fields
 
 import torch
 import torch.nn.functional as F
@@ -74,6 +75,14 @@ KNOWN_SPEC_FIELDS = frozenset({
     "num_experts", "experts_per_token", "expert_intermediate", "num_shared_experts", "shared_intermediate"})
 _KV_CODECS = {"plain": None, "q8": 8, "q4": 9}
 _PLAIN = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+
+
+def _default(f):
+    """The default of dataclass field ``f`` (None when it has none: a value is then always
+    something this module does not implement)."""
+    if f.default is not MISSING:
+        return f.default
+    return f.default_factory() if f.default_factory is not MISSING else None
 
 
 @dataclass
@@ -186,7 +195,8 @@ class LeanStep:
             return "not a CPU device"
         if arch.dtype not in _PLAIN:
             return f"compute dtype {arch.dtype}"
-        unknown = {f.name for f in fields(Switches)} - KNOWN_SWITCHES
+        unknown = {f.name for f in fields(Switches) if f.name not in KNOWN_SWITCHES
+                   and getattr(arch, f.name) != _default(f)}
         if unknown:
             return f"switches {sorted(unknown)} are not implemented here"
         if arch.qk_norm not in ("", "head", "full"):
@@ -206,7 +216,8 @@ class LeanStep:
             extra = {f.name for f in fields(lw) if getattr(lw, f.name) is not None} - KNOWN_WEIGHTS
             for spec in (a, l.moe):
                 if spec is not None:
-                    extra |= {f.name for f in fields(spec) if f.name not in KNOWN_SPEC_FIELDS and getattr(spec, f.name)}
+                    extra |= {f.name for f in fields(spec)
+                              if f.name not in KNOWN_SPEC_FIELDS and getattr(spec, f.name) != _default(f)}
             if extra:
                 return f"layer {l.index}: {sorted(extra)} are not implemented here"
             if l.moe is not None and (l.moe.num_experts > 1024 or l.moe.experts_per_token > 16):

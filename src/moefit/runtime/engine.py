@@ -59,11 +59,11 @@ from moefit.runtime.arch import arch_from_config, read_config
 from moefit.runtime.experts import ExpertCache, initial_residents
 from moefit.runtime.gguf_loader import gguf_config, load_gguf
 from moefit.runtime.kv_cache import KVCache
-from moefit.runtime.ledger import FAIL_ENV, BudgetError, HostLedger, Ledger, resident_bytes
-from moefit.runtime.loader import ExpertSource, load_checkpoint
+from moefit.runtime.ledger import (FAIL_ENV, BudgetError, HostLedger, Ledger, check_fault_injection,
+                                   resident_bytes, unreached)
+from moefit.runtime.loader import ExpertSource, fp8_matrices, load_checkpoint
 from moefit.runtime import qmatmul
 from moefit.runtime.model import Model, forward, forward_batch, segments
-from moefit.runtime.quant import StoredMatrix
 from moefit.runtime.quant import StoredMatrix
 from moefit.runtime.rope import Rotary, rope_from_config
 from moefit.runtime.staging import Workspace
@@ -147,8 +147,8 @@ class Engine:
             profile = read_routing_profile(profile, geom)
         if plan.split == "layers":
             raise InputError("this plan places layers on the devices (a layer split, as llama.cpp's "
-                             "-ts); the runtime runs the expert split: add --split experts, or run "
-                             "the layer split with llama.cpp")
+                             "-ts); the runtime runs the expert split only: solve it with "
+                             "--split experts")
         host = HostLedger.for_host_plan(plan)
         frees = opts.free_bytes if isinstance(opts.free_bytes, tuple) else (opts.free_bytes,)
         frees = frees + (None,) * (len(plan.devices) - len(frees))
@@ -159,6 +159,7 @@ class Engine:
             raise InputError(f"{FAIL_ENV}=weight_arena: this plan has no weight arena "
                              f"(--miss-policy {req.miss_policy}: misses run on the CPU), so "
                              "nothing can fail there; use --miss-policy copy, or another line")
+        check_fault_injection(plan)
         dev = ledger.device
         gguf = is_gguf_file(model_dir)
         if gguf and cpu_kernels.expected(dev.type) and not qmatmul.available():
@@ -171,6 +172,8 @@ class Engine:
 
         # 1. runtime, on every device; the process itself on the host
         for lg, dp in zip(ledgers, plan.devices):
+            if dp.left_out:
+                continue                   # the plan leaves it out: no context is created there
             if lg.device.type == "cuda":
                 _commit_cuda_runtime(lg, dp.device, arch.dtype)
             else:
@@ -204,9 +207,12 @@ class Engine:
             kv = KVCache(geom, plan.kv_layout(), kv_buf)
             # 5. prefill staging, once (on an expert-only device: the workspace its experts run in)
             ws = Workspace(ledger.alloc("prefill", (ledger.lines["prefill"].planned,), torch.uint8), ledger)
-            for m in _stored(weights):      # prefill products dequantize row blocks into its fixed region
+            # stored matrices' prefill products dequantize row blocks into its fixed region,
+            # block-scaled fp8 weights the whole matrix
+            for m in _stored(weights) + fp8_matrices(weights):
                 m.ws = ws
-            spaces = [None] + [_expert_workspace(lg, geom) for lg in ledgers[1:]]
+            spaces = [None] + [None if dp.left_out else _expert_workspace(lg, geom)
+                               for lg, dp in zip(ledgers[1:], plan.devices[1:])]
             # 6. expert cache: the plan's slots on each device, within what is free above its
             # margin; then each expert read once, into its slot or a host row
             experts = None
@@ -222,9 +228,14 @@ class Engine:
             for lg in ledgers:           # the free memory read again after the last commit
                 _shrink_to_margin(lg, experts, say)
         _commit_host_buffers(host, weights, experts, plan, arch.dtype)
-        for lg in ledgers:
-            lg.keep_free("margin", lg.margin)    # the margin is "committed" by staying free
+        for lg, dp in zip(ledgers, plan.devices):
+            if not dp.left_out:
+                lg.keep_free("margin", lg.margin)    # the margin is "committed" by staying free
         host.keep_free("host_margin", host.margin)
+        missed = unreached([*ledgers, host])
+        if missed:          # check_fault_injection's net: a key must never do nothing
+            raise InputError(f"{FAIL_ENV}: {', '.join(sorted(missed))} reached no allocation of "
+                             "this plan's commit; name a line it allocates, or unset it")
         att = next((l.attention for l in geom.layers if l.attention.kind != "linear"),
                    geom.layers[0].attention)   # hybrids: layer 0 may be linear attention
         rope = rope_from_config(arch.config, att.rotary_dim or att.head_dim,
@@ -434,10 +445,14 @@ def _fill_experts(source: ExpertSource, host: HostLedger, slots, where, req, are
 
 def _commit_host_buffers(host: HostLedger, weights, experts: ExpertCache | None, plan: Plan,
                          dtype: torch.dtype) -> None:
-    """The host buffers serving uses, on ``host_staging``: the rows a GGUF token embedding
-    kept on the host is looked up into (and their dequantized values on CUDA), the buffer a
-    mapped expert is gathered into."""
+    """The host buffers serving uses, on ``host_staging``: the logits of a step's sequences
+    (``[slots, V]`` fp32: each step returns them as a new host tensor, so the line is charged,
+    not allocated), the rows a GGUF token embedding kept on the host is looked up into (and
+    their dequantized values on CUDA), the buffer a mapped expert is gathered into
+    (:func:`moefit.memory.host.serving_staging_bytes` prices the same, and on CUDA the host
+    side of misses computed there, which torch allocates as they run)."""
     chunk = plan.prefill_selected
+    host.charge("host_staging", plan.request.slots * plan.geometry.vocab_size * 4)
     emb = weights.embed
     if hasattr(emb, "lookup"):
         emb.rows = host.alloc("host_staging", (chunk, emb.raw.shape[1]), torch.uint8)

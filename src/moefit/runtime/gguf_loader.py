@@ -1,7 +1,9 @@
 """Load a GGUF model: dense weights dequantized onto the device, experts kept as stored.
 
 Input: a ``.gguf`` file (or the first shard of a split one) of the families the runtime
-runs: ``qwen3moe``, ``qwen2moe``, ``olmoe`` and ``llama`` with experts (Mixtral). The file
+runs: ``qwen3moe``, ``qwen2moe``, ``olmoe``, ``llama`` with experts (Mixtral), the hybrids
+``qwen3next`` / ``qwen35moe``, ``gpt-oss``, ``deepseek2`` (MLA: ``attn_kv_b`` or the split
+``attn_k_b`` / ``attn_v_b``) and ``glm4moe``. The file
 is memory-mapped (``gguf.GGUFReader``); every tensor is read once, straight from the map
 into its destination, and the maps are closed at the end, so host memory holds the
 expert blobs once (not the file and a copy).
@@ -15,12 +17,18 @@ expert blobs once (not the file and a copy).
   ``llama`` files hold q/k rows permuted for llama.cpp's interleaved RoPE
   (``convert_hf_to_gguf.py`` ``LlamaModel.permute``); they are permuted back to the
   rotate-half order the forward pass uses.
+- Hybrids: the Gated DeltaNet tensors as llama.cpp's converter writes them, brought back
+  to the checkpoint's layout (:func:`moefit.runtime.hybrid_layout.gguf_linear_attention_entries`);
+  the gated ``attn_q`` regrouped as ``q_proj``; the ``(1 + w)`` norms stored as ``w + 1``
+  read back as ``w`` (:data:`OFFSET_NORM_SLOTS`).
 - Experts: per MoE layer, ``ffn_{gate,up,down}_exps`` (``[E, I, H]``, ``[E, I, H]``,
   ``[E, H, I]``; or ``ffn_gate_up_exps`` ``[E, 2I, H]``) become one uint8 blob per expert,
-  ``[gate | up | down]`` bytes in the file's types (:class:`~moefit.runtime.quant.StoredExpert`),
-  read by the engine from the returned :class:`GGUFExperts` once it knows where each
-  expert lives. With ``--host-experts mmap`` the file stays mapped and a non-resident
-  expert's three parts are gathered from its pages each time it runs.
+  ``[gate | up | down]`` bytes in the file's types (:class:`~moefit.runtime.quant.StoredExpert`;
+  gpt-oss's with their ``ffn_*_exps.bias`` first,
+  :class:`~moefit.runtime.gpt_oss_experts.BiasedExpert`), read by the engine from the
+  returned :class:`GGUFExperts` once it knows where each expert lives. With
+  ``--host-experts mmap`` the file stays mapped and a non-resident expert's parts are
+  gathered from its pages each time it runs.
 - The token embedding of a file with its own output matrix stays on the host as stored
   when the plan says so (:class:`HostEmbedding`; llama.cpp does the same): a token's row is
   dequantized when it is looked up.
@@ -33,6 +41,7 @@ architecture the runtime does not run.
 from __future__ import annotations
 
 import contextlib
+import math
 import warnings
 from pathlib import Path
 
@@ -40,10 +49,16 @@ import torch
 
 from moefit.errors import InputError
 from moefit.ingest.families import registry
+from moefit.ingest.families.qwen_hybrid import V_TILED_ARCHS
 from moefit.ingest.geometry import LayerSpec, ModelGeometry
-from moefit.ingest.gguf_header import GGUFHeader, GGUFTensor, close_reader, config_from_gguf, open_reader, read_header
+from moefit.ingest.gguf_header import (GGUFHeader, GGUFTensor, close_reader, config_from_gguf, open_reader,
+                                      packed_staging_bytes, read_header)
 from moefit.runtime.arch import Arch
-from moefit.runtime.loader import ExpertSource, Weights, assemble_weights, progress_bar
+from moefit.runtime.gpt_oss_experts import BiasedExpert
+from moefit.runtime.hybrid_layout import Packed, gated_q, gguf_linear_attention_entries, sources
+from moefit.runtime.loader import (
+    ExpertSource, Weights, assemble_weights, mla_plan, moe_extras_plan, progress_bar, resident_dtype,
+)
 from moefit.runtime.quant import StoredExpert, StoredMatrix, dequantize, kernel_for
 
 
@@ -96,43 +111,91 @@ class _Tensors:
 
 
 
-def _layer_plan(l: LayerSpec, geom: ModelGeometry, arch: Arch) -> list[tuple[str, str, tuple]]:
-    """(attribute, GGUF name, torch shape) of every resident tensor of layer ``l``; names
-    from the family's table (``arch.names``)."""
+#: the RMSNorm weights a GGUF holds as applied, ``w + norm_offset`` (llama.cpp multiplies by
+#: the stored weight; its converter adds 1 to Qwen3-Next's ``(1 + w)`` norms), by slot
+OFFSET_NORM_SLOTS = ("input_norm", "post_norm", "q_norm", "k_norm")
+
+
+def _minus(name: str, shape: tuple, offset: float) -> Packed:
+    """A norm weight stored as ``w + offset`` (see :data:`OFFSET_NORM_SLOTS`), read as ``w``."""
+    return Packed(((name, shape),), lambda ts: ts[0] - offset)
+
+
+def _layer_plan(l: LayerSpec, geom: ModelGeometry, arch: Arch, header: GGUFHeader,
+                tiled: bool = False) -> list[tuple[str, object, tuple]]:
+    """(attribute, GGUF name or :class:`~moefit.runtime.hybrid_layout.Packed`, torch
+    shape) of every resident tensor of layer ``l``; names from the family's table
+    (``arch.names``). MLA layers: :func:`moefit.runtime.loader.mla_plan` (``attn_k_b`` /
+    ``attn_v_b`` when the file splits ``attn_kv_b``). Gated DeltaNet layers:
+    :func:`gguf_linear_attention_entries` (``tiled``: the file's value heads are tiled); a
+    gated ``attn_q`` is regrouped as the checkpoint's ``q_proj``; norms stored with the
+    family's ``norm_offset`` added are read back without it."""
     a, h = l.attention, geom.hidden_size
     qd, kd, vd = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim, a.num_kv_heads * a.v_head_dim
     n = lambda slot: arch.names.gguf(slot, l.index)  # noqa: E731
-    out = [("input_norm", n("input_norm"), (h,)), ("post_norm", n("post_norm"), (h,)),
-           ("q", n("q"), (qd, h)), ("k", n("k"), (kd, h)),
-           ("v", n("v"), (vd, h)), ("o", n("o"), (h, a.num_heads * a.v_head_dim))]
+    out = [("input_norm", n("input_norm"), (h,)), ("post_norm", n("post_norm"), (h,))]
+    if a.kind == "mla":
+        return _offset_norms(out + mla_plan(a, h, arch, n, split=n("k_b") in header.tensors)
+                             + _mlp_plan(l, geom, arch, n), arch)
+    if a.kind == "linear":
+        out += gguf_linear_attention_entries(l.index, a, h, lambda name: name in header.tensors, tiled)
+        return _offset_norms(out + _mlp_plan(l, geom, arch, n), arch)
+    q, qb = (n("q"), (qd, h)), (n("q_bias"), (qd,))
+    if a.output_gate:   # attn_q holds [query | gate] per head, as q_proj: regrouped at load
+        q = gated_q(q[0], a.num_heads, a.head_dim, h)
+        qb = gated_q(qb[0], a.num_heads, a.head_dim, h, bias=True)
+    out += [("q", *q), ("k", n("k"), (kd, h)),
+            ("v", n("v"), (vd, h)), ("o", n("o"), (h, a.num_heads * a.v_head_dim))]
     if arch.q_bias:
-        out += [("q_bias", n("q_bias"), (qd,)), ("k_bias", n("k_bias"), (kd,)), ("v_bias", n("v_bias"), (vd,))]
+        out += [("q_bias", *qb), ("k_bias", n("k_bias"), (kd,)), ("v_bias", n("v_bias"), (vd,))]
     if arch.o_bias:
         out.append(("o_bias", n("o_bias"), (h,)))
+    if arch.sinks:
+        out.append(("sinks", n("sinks"), (a.num_heads,)))
     if arch.qk_norm == "head":
         out += [("q_norm", n("q_norm"), (a.head_dim,)), ("k_norm", n("k_norm"), (a.head_dim,))]
     elif arch.qk_norm == "full":
         out += [("q_norm", n("q_norm"), (qd,)), ("k_norm", n("k_norm"), (kd,))]
+    return _offset_norms(out + _mlp_plan(l, geom, arch, n), arch)
+
+
+def _offset_norms(plan: list, arch: Arch) -> list:
+    """``plan`` with the norms of :data:`OFFSET_NORM_SLOTS` read back without the family's
+    ``norm_offset`` (unchanged when it is 0)."""
+    if not arch.norm_offset:
+        return plan
+    return [(attr, _minus(name, shape, arch.norm_offset) if attr in OFFSET_NORM_SLOTS else name, shape)
+            for attr, name, shape in plan]
+
+
+def _mlp_plan(l: LayerSpec, geom: ModelGeometry, arch: Arch, n) -> list[tuple[str, str, tuple]]:
+    """(attribute, GGUF name, torch shape) of the dense MLP or the MoE block of ``l``."""
+    h = geom.hidden_size
     if l.moe is None:
         i = l.dense_intermediate
-        return out + [("dense_gate", n("dense_gate"), (i, h)), ("dense_up", n("dense_up"), (i, h)),
-                      ("dense_down", n("dense_down"), (h, i))]
+        return [("dense_gate", n("dense_gate"), (i, h)), ("dense_up", n("dense_up"), (i, h)),
+                ("dense_down", n("dense_down"), (h, i))]
     m = l.moe
-    out.append(("router", n("router"), (m.num_experts, h)))
-    if m.shared_intermediate:
-        si = m.shared_intermediate
-        out += [("shared_gate", n("shared_gate"), (si, h)), ("shared_up", n("shared_up"), (si, h)),
-                ("shared_down", n("shared_down"), (h, si)),
-                ("shared_expert_gate", n("shared_expert_gate"), (1, h))]
-    return out
+    return [("router", n("router"), (m.num_experts, h))] + moe_extras_plan(m, h, arch, n)
 
 
 def _expert_parts(l: LayerSpec, geom: ModelGeometry, arch: Arch, ts: _Tensors) -> tuple[list[str], StoredExpert]:
     """The GGUF expert tensors of layer ``l`` in blob order (gate, up, down; or gate_up,
-    down) and the layer's :class:`StoredExpert` layout."""
+    down; gpt-oss: the three biases first) and the layer's :class:`StoredExpert` (gpt-oss:
+    :class:`~moefit.runtime.gpt_oss_experts.BiasedExpert`) layout."""
     m, h = l.moe, geom.hidden_size
     e, i = m.num_experts, m.expert_intermediate
     n = lambda part: arch.names.gguf_expert(part, l.index)  # noqa: E731
+    if arch.clamped_swiglu is not None:
+        biases = [ts.check(n("gate_bias"), (e, i)), ts.check(n("up_bias"), (e, i)),
+                  ts.check(n("down_bias"), (e, h))]
+        if len({b.ggml_type for b in biases}) != 1:
+            raise InputError(f"{ts.h.paths[0]}: the expert biases of layer {l.index} have types "
+                             f"{[b.ggml_type for b in biases]}; the runtime reads one type per layer")
+        g, u, d = ts.check(n("gate"), (e, i, h)), ts.check(n("up"), (e, i, h)), ts.check(n("down"), (e, h, i))
+        fmt = BiasedExpert.pack(i, h, biases[0].ggml_type, g.ggml_type, u.ggml_type, d.ggml_type,
+                                *arch.clamped_swiglu)
+        return [b.name for b in biases] + [g.name, u.name, d.name], fmt
     fused = n("gate_up")
     if fused in ts.h.tensors:
         t = ts.check(fused, (e, 2 * i, h))
@@ -255,26 +318,40 @@ def _load(h, ts: _Tensors, geom, arch, alloc, progress, host_alloc, mapped, tran
     hidden, dtype = geom.hidden_size, arch.dtype
     transient = transient or (lambda n: contextlib.nullcontext())
     g = arch.names.globals
-    glob = [("embed", g["embed"][1], (geom.vocab_size, hidden)), ("norm", g["norm"][1], (hidden,))]
+    norm = (g["norm"][1] if not arch.norm_offset
+            else _minus(g["norm"][1], (hidden,), arch.norm_offset))
+    glob = [("embed", g["embed"][1], (geom.vocab_size, hidden)), ("norm", norm, (hidden,))]
     embed = g["embed"][1]      # looked up by row: always dequantized
     if not arch.tie_embeddings:
         glob.append(("lm_head", g["lm_head"][1], (geom.vocab_size, hidden)))
-    layer_plans = [_layer_plan(l, geom, arch) for l in geom.layers]
+    family = registry.family_for_gguf(h.arch)
+    layer_plans = [_layer_plan(l, geom, arch, h, h.arch in V_TILED_ARCHS) for l in geom.layers]
     for _, name, shape in glob + [t for lp in layer_plans for t in lp]:
-        ts.check(name, shape)
+        for part, part_shape in sources(name, shape):
+            ts.check(part, part_shape)
     expert_plans = {l.index: _expert_parts(l, geom, arch, ts) for l in geom.moe_layers}
-    names = [n for _, n, _ in glob] + [n for lp in layer_plans for _, n, _ in lp]
+    names = [p for _, n, s in glob for p, _ in sources(n, s)]
+    names += [p for lp in layer_plans for _, n, s in lp for p, _ in sources(n, s)]
     names += [n for parts, _ in expert_plans.values() for n in parts]
     bar = progress_bar(sum(h.tensors[n].nbytes for n in names), progress, h.paths[0].name,
                        unit="B", unit_divisor=1024)
     heads = geom.layers[0].attention.num_heads
     kv_heads = geom.layers[0].attention.num_kv_heads
-    family = registry.family_for_gguf(h.arch)
     permute = family is not None and family.gguf_permute_qk
     qk = {name: heads if attr == "q" else kv_heads for lp in layer_plans for attr, name, _ in lp
           if attr in ("q", "k", "q_bias", "k_bias")}
+    # MLA's kv_b is viewed per head (W_UK / W_UV), so it is never kept in a stored format
+    unstored = {name for lp in layer_plans for attr, name, _ in lp if attr == "kv_b"}
 
-    def resident(name: str, shape: tuple) -> torch.Tensor:
+    def resident(name, shape: tuple) -> torch.Tensor:
+        if isinstance(name, Packed):     # read in fp32, rebuilt, then cast once
+            with transient(packed_staging_bytes(sum(math.prod(s) for _, s in name.parts))):
+                parts = []
+                for part, part_shape in name.parts:
+                    t = h.tensors[part]
+                    parts.append(dequantize(ts.raw(part), t.ggml_type, part_shape))
+                    bar.update(t.nbytes)
+                return alloc(shape, dtype).copy_(name.build(parts).reshape(shape))
         t = h.tensors[name]
         raw = ts.raw(name)
         if name == embed and host_alloc is not None:
@@ -291,13 +368,13 @@ def _load(h, ts: _Tensors, geom, arch, alloc, progress, host_alloc, mapped, tran
         return _fill(name, t, raw, shape)
 
     def _fill(name, t, raw, shape):
-        if name in stored and name != embed:
+        if name in stored and name != embed and name not in unstored:
             # kept as stored, at the size the plan priced it: decode reads the stored bytes
             m = StoredMatrix(alloc((t.nbytes,), torch.uint8), t.ggml_type, shape[0], shape[1])
             m.raw.copy_(raw.reshape(-1))
             bar.update(t.nbytes)
             return m
-        dst = alloc(shape, dtype)
+        dst = alloc(shape, resident_dtype(name, dtype))
         dequantize(raw, t.ggml_type, shape, out=dst)
         bar.update(t.nbytes)
         return dst

@@ -32,6 +32,7 @@ from typing import Callable
 
 import torch
 
+from moefit.ingest.families.qwen_hybrid import GGUF_LINEAR
 from moefit.ingest.geometry import AttentionSpec
 
 
@@ -100,3 +101,59 @@ def linear_attention_entries(p: str, a: AttentionSpec, hidden: int,
             ("la_conv", f"{la}conv1d.weight", (c, 1, a.linear_conv_kernel)),
             ("la_dt_bias", f"{la}dt_bias", (nv,)), ("la_a_log", f"{la}A_log", (nv,)),
             ("la_norm", f"{la}norm.weight", (dv,)), ("la_out", f"{la}out_proj.weight", (hidden, vd))]
+
+
+# ---- GGUF ------------------------------------------------------------------------------------
+def _untile_v(t: torch.Tensor, dim: int, nk: int, r: int, head_dim: int) -> torch.Tensor:
+    """Value heads along ``dim`` from the tiled order of the Qwen3.5 GGUFs back to the
+    checkpoint's order, grouped by key head (the inverse of
+    :func:`moefit.ingest.families.qwen_hybrid.tile_v`)."""
+    shape = list(t.shape)
+    b = t.reshape(shape[:dim] + [r, nk, head_dim] + shape[dim + 1:])
+    return b.transpose(dim, dim + 1).reshape(shape)
+
+
+def gguf_linear_attention_entries(layer: int, a: AttentionSpec, hidden: int, has: Callable[[str], bool],
+                                  tiled: bool) -> list[tuple[str, object, tuple]]:
+    """``(attribute, name or Packed, resident shape)`` of a Gated DeltaNet layer read from a
+    GGUF file (names: :data:`moefit.ingest.families.qwen_hybrid.GGUF_LINEAR`; llama.cpp's
+    converter, ``Qwen3NextModel.modify_tensors``), each brought back to the checkpoint's
+    values in this module's layout: ``attn_qkv`` + ``attn_gate`` stacked into ``la_qkvz``
+    (or a legacy ``ssm_in``, regrouped as ``in_proj_qkvz``); ``ssm_ba`` regrouped as
+    ``in_proj_ba``, or ``ssm_beta`` + ``ssm_alpha`` stacked; ``ssm_conv1d`` ``[C, K]`` viewed
+    ``[C, 1, K]``; ``ssm_a`` -> ``A_log = log(-ssm_a)``; with ``tiled`` (Qwen3.5 files,
+    :data:`~moefit.ingest.families.qwen_hybrid.V_TILED_ARCHS`) the value heads of every
+    tensor put back in grouped order.
+    """
+    nk, nv, dk, dv = (a.linear_num_key_heads, a.linear_num_value_heads,
+                      a.linear_key_head_dim, a.linear_value_head_dim)
+    c, vd, r, kd = a.linear_conv_dim, nv * dv, nv // nk, nk * dk
+    g = lambda n: f"blk.{layer}.{GGUF_LINEAR[n]}"  # noqa: E731
+    tiled = tiled and nk != nv
+
+    def untile(t: torch.Tensor, dim: int, hd: int) -> torch.Tensor:
+        return _untile_v(t, dim, nk, r, hd) if tiled else t
+
+    def qkv(t: torch.Tensor) -> torch.Tensor:      # value rows after q and k
+        return torch.cat([t[:2 * kd], untile(t[2 * kd:], 0, dv)]) if tiled else t
+
+    def one(name: str, shape: tuple, fn) -> Packed:
+        return Packed(((name, shape),), lambda ts: fn(ts[0]))
+
+    if has(g("qkv")):
+        qkvz = Packed(((g("qkv"), (c, hidden)), (g("z"), (vd, hidden))),
+                      lambda ts: torch.cat([qkv(ts[0]), untile(ts[1], 0, dv)]))
+    else:
+        qkvz = Packed(((g("in"), (c + vd, hidden)),), _regroup(nk, (dk, dk, r * dv, r * dv)))
+    if has(g("ba")):
+        ba = Packed(((g("ba"), (2 * nv, hidden)),), _regroup(nk, (r, r)))
+    else:
+        ba = Packed(((g("beta"), (nv, hidden)), (g("alpha"), (nv, hidden))),
+                    lambda ts: torch.cat([untile(ts[0], 0, 1), untile(ts[1], 0, 1)]))
+    k = a.linear_conv_kernel
+    return [("la_qkvz", qkvz, (c + vd, hidden)), ("la_ba", ba, (2 * nv, hidden)),
+            ("la_conv", one(g("conv"), (c, k), lambda t: qkv(t).reshape(c, 1, k)), (c, 1, k)),
+            ("la_dt_bias", one(g("dt_bias"), (nv,), lambda t: untile(t, 0, 1)), (nv,)),
+            ("la_a_log", one(g("a"), (nv,), lambda t: untile(t, 0, 1).neg().log()), (nv,)),
+            ("la_norm", g("norm"), (dv,)),
+            ("la_out", one(g("out"), (hidden, vd), lambda t: untile(t, 1, dv)), (hidden, vd))]

@@ -6,7 +6,9 @@ computes no offset or row size of its own) in layer order into:
 
 - per attention layer: K cells ``[slots, cells, kv_heads, k_bytes(head_dim)]`` then V
   cells ``[slots, cells, kv_heads, v_bytes(v_head_dim)]`` (uint8, docs/design.md, KV formats,
-  :mod:`moefit.runtime.kv_codec`);
+  :mod:`moefit.runtime.kv_codec`); per MLA layer one latent row ``[slots, cells, 1,
+  k_bytes(kv_lora_rank + qk_rope_head_dim)]`` and no V cells (``latent``: attention reads
+  the latent's first ``kv_lora_rank`` values as V);
 - after all layers, for ``fp8``: one fp32 K scale and one fp32 V scale per layer.
 
 On a hybrid model the buffer starts with the recurrent and conv state of the Gated
@@ -56,6 +58,7 @@ class LayerCells:
     k_codec: Codec
     v_codec: Codec
     scales: torch.Tensor | None   # [2] fp32 (fp8 only): K scale, V scale; 0 = unset
+    latent: bool = False          # MLA: one latent row per token, no V cells
 
 
 class KVCache:
@@ -90,7 +93,7 @@ class KVCache:
                 scales.zero_()
             self.layers[c.index] = LayerCells(
                 c.index, c.cells, c.window, k, v, Codec(fmt, "k", c.k_dim),
-                Codec(fmt, "v", c.v_dim), scales)
+                Codec(fmt, "v", c.v_dim), scales, c.latent)
 
     # ---- slots --------------------------------------------------------------------------
     def reset(self, slot: int) -> None:
@@ -117,15 +120,16 @@ class KVCache:
             return torch.arange(lo, hi, device=device) % cells
         return torch.arange(lo, hi, out=ws.take((hi - lo,), torch.int64)).remainder_(cells)
 
-    def write(self, layer: int, slot: int, start: int, k: torch.Tensor, v: torch.Tensor,
-              k_bytes: torch.Tensor, v_bytes: torch.Tensor, ws=None) -> None:
+    def write(self, layer: int, slot: int, start: int, k: torch.Tensor, v: torch.Tensor | None,
+              k_bytes: torch.Tensor, v_bytes: torch.Tensor | None, ws=None) -> None:
         """Store the chunk's keys/values at positions ``[start, start + T)``.
 
         Args:
-            k: ``[T, kv_heads, head_dim]`` keys after RoPE and q/k-norm.
-            v: ``[T, kv_heads, v_head_dim]`` values.
+            k: ``[T, kv_heads, head_dim]`` keys after RoPE and q/k-norm (MLA: ``[T, 1,
+                kv_lora_rank + qk_rope_head_dim]``, the normed latent and the RoPE key).
+            v: ``[T, kv_heads, v_head_dim]`` values; None on an MLA layer.
             k_bytes / v_bytes: uint8 scratch ``[T, kv_heads, k_bytes]`` / ``[..., v_bytes]``
-                (from the staging workspace) for the encoded rows.
+                (from the staging workspace) for the encoded rows (``v_bytes`` None on MLA).
             ws: the staging workspace for the cell indices ``[T]`` int64 and the codecs'
                 scratch; None allocates them.
         """
@@ -133,30 +137,36 @@ class KVCache:
         t, h, _ = k.shape
         if lc.scales is not None and float(lc.scales[0]) == 0.0:
             lc.scales[0] = max(_amax(k), 1e-6) * 2 / FP8_MAX
-            lc.scales[1] = max(_amax(v), 1e-6) * 2 / FP8_MAX
+            lc.scales[1] = max(_amax(v), 1e-6) * 2 / FP8_MAX if v is not None else 1.0
         ks, vs = (float(lc.scales[0]), float(lc.scales[1])) if lc.scales is not None else (1.0, 1.0)
         with (ws.scope() if ws is not None else contextlib.nullcontext()):
             idx = self.cell_index(layer, start, start + t, lc.k.device, ws)
             lc.k_codec.encode(k.reshape(t * h, -1), k_bytes.view(t * h, -1), ks, ws)
-            lc.v_codec.encode(v.reshape(t * h, -1), v_bytes.view(t * h, -1), vs, ws)
             lc.k[slot].index_copy_(0, idx, k_bytes)
-            lc.v[slot].index_copy_(0, idx, v_bytes)
+            if v is not None:
+                lc.v_codec.encode(v.reshape(t * h, -1), v_bytes.view(t * h, -1), vs, ws)
+                lc.v[slot].index_copy_(0, idx, v_bytes)
 
     def read(self, layer: int, slot: int, lo: int, hi: int, k_bytes: torch.Tensor,
-             v_bytes: torch.Tensor, k_out: torch.Tensor, v_out: torch.Tensor, ws=None) -> None:
+             v_bytes: torch.Tensor | None, k_out: torch.Tensor, v_out: torch.Tensor | None,
+             ws=None) -> None:
         """Dequantize positions ``[lo, hi)`` into ``k_out`` ``[B, kv_heads, head_dim]`` and
         ``v_out`` ``[B, kv_heads, v_head_dim]`` (B = hi - lo; any float dtype, any strides:
         attention passes head-major buffers seen token-major), using the
         uint8 scratch ``k_bytes`` / ``v_bytes`` ``[B, kv_heads, *_bytes]``; the cell indices
-        and the codecs' scratch come from ``ws`` (the attention's fixed region) when given."""
+        and the codecs' scratch come from ``ws`` (the attention's fixed region) when given.
+        An MLA layer reads its latent rows into ``k_out`` only (``v_bytes`` / ``v_out``
+        None)."""
         lc = self.layers[layer]
         ks, vs = (float(lc.scales[0]), float(lc.scales[1])) if lc.scales is not None else (1.0, 1.0)
         with (ws.scope() if ws is not None else contextlib.nullcontext()):
             idx = self.cell_index(layer, lo, hi, lc.k.device, ws)
             torch.index_select(lc.k[slot], 0, idx, out=k_bytes)
-            torch.index_select(lc.v[slot], 0, idx, out=v_bytes)
+            if v_out is not None:
+                torch.index_select(lc.v[slot], 0, idx, out=v_bytes)
             lc.k_codec.decode(k_bytes, k_out, ks, ws)
-            lc.v_codec.decode(v_bytes, v_out, vs, ws)
+            if v_out is not None:
+                lc.v_codec.decode(v_bytes, v_out, vs, ws)
 
 
 def _amax(x: torch.Tensor) -> float:

@@ -41,8 +41,10 @@ allocation on that line fail, so the failure report can be tested without a full
 The lines without tensors of their own fail where they are committed: ``runtime`` where
 it is charged (:meth:`Ledger.charge`, also on a simulated device), ``margin`` where it is
 kept free at READY (:meth:`Ledger.keep_free`). A key that is not a budget line is an
-input error (:func:`failing_lines`), and so is ``weight_arena`` when the plan has no
-arena (the engine refuses it before loading), never a key that does nothing.
+input error (:func:`failing_lines`), and so is a key that would reach no allocation of
+the plan (:func:`check_fault_injection`: a device that does not exist, a line that is not
+on that device or is 0 B there, such as ``weight_arena`` when the plan has no arena; the
+engine refuses it before loading), never a key that does nothing.
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from moefit.errors import InputError
+from moefit.plan.report import host_size_format
 from moefit.plan.solver import HOST_LINE_ORDER, LINE_ORDER, Plan
 from moefit.units import format_bytes, size_format
 
@@ -86,6 +89,76 @@ def failing_lines(value: str | None = None, device: int | None = None) -> set[st
         raise InputError(f"{FAIL_ENV}={raw}: unknown budget line {', '.join(map(repr, bad))}; "
                          f"valid keys: {', '.join([*LABELS, *HOST_LABELS])} (key@N: device N only)")
     return out
+
+
+#: The lines charged or kept free at every commit, whatever their bytes: fault injection
+#: always reaches them (on a device the plan uses).
+ALWAYS_REACHED = ("runtime", "margin", "host_runtime", "host_margin")
+#: The main device's lines that are allocated whatever their bytes (one buffer each).
+MAIN_BUFFERS = ("weights", "kv", "prefill")
+
+
+def check_fault_injection(plan: Plan, value: str | None = None) -> None:
+    """Every entry of ``MOEFIT_FAIL_ALLOC`` (``value``, default: the environment) must
+    reach an allocation of ``plan``: a device that exists (``key@N``), a line of that
+    device's table, a line the commit charges (a line of 0 B holds no tensor: the expert
+    cache without slots, no GGUF embedding on the host, no simulated device, a device the
+    plan leaves out). Raises InputError naming the entry and why (exit 2), so a key never
+    silently does nothing."""
+    raw = os.environ.get(FAIL_ENV, "") if value is None else value
+    failing_lines(raw)                     # unknown keys first
+    devices = plan.devices
+    host = {l.key: l.bytes for l in plan.host.lines} if plan.host is not None else {}
+
+    def reached(dp, key: str) -> bool:
+        lines = {l.key: l.bytes for l in dp.lines}
+        if dp.left_out or key not in lines:
+            return False
+        if key in ALWAYS_REACHED or (dp.role == "main" and key in MAIN_BUFFERS):
+            return True
+        if dp.role == "experts" and key == "prefill":
+            return True                    # its workspace
+        return lines[key] > 0
+
+    def why_not(dp, key: str) -> str:
+        if dp.left_out:
+            return f"{dp.device.label} is left out of this plan ({dp.left_out})"
+        lines = {l.key for l in dp.lines}
+        if key not in lines:
+            return (f"{dp.device.label} holds expert slots only (its lines: "
+                    f"{', '.join(LABELS[k] for k in LABELS if k in lines)})")
+        return f"{LABELS[key]} is 0 B on {dp.device.label}: nothing is allocated there"
+
+    for entry in (e.strip() for e in raw.split(",")):
+        if not entry:
+            continue
+        key, _, where = entry.partition("@")
+        bad = ""
+        if key in HOST_LABELS:
+            if where:
+                bad = "the host's lines have no device index; drop @" + where
+            elif key == "host_experts" and not plan.geometry.moe_layers:
+                bad = f"{plan.geometry.name} is dense: no expert blobs are allocated"
+            elif key not in (*ALWAYS_REACHED, "host_experts") and not host.get(key):
+                # (the expert blobs are allocated per MoE layer, 0 rows included)
+                bad = f"host {HOST_LABELS[key]} is 0 B in this plan: nothing is allocated there"
+        elif where and int(where) >= len(devices):
+            bad = (f"this plan has {len(devices)} device(s), "
+                   f"{', '.join(f'{i} ({d.device.label})' for i, d in enumerate(devices))}")
+        else:
+            targets = [devices[int(where)]] if where else list(devices)
+            if not any(reached(dp, key) for dp in targets):
+                bad = why_not(targets[0], key) if len(targets) == 1 else \
+                    f"no device of this plan allocates {LABELS[key]}"
+        if bad:
+            raise InputError(f"{FAIL_ENV}={raw}: {entry!r} would never fail: {bad}; name a line "
+                             "this plan allocates (the tables list them), or unset it")
+
+
+def unreached(ledgers: "list[Ledger]") -> set[str]:
+    """The ``MOEFIT_FAIL_ALLOC`` keys no allocation reached in a commit that succeeded (a
+    key that fires raises, so any key still listed matched nothing)."""
+    return {k for lg in ledgers for k in lg.failing}
 
 
 class BudgetError(RuntimeError):
@@ -162,6 +235,8 @@ class Ledger:
         device: ``torch.device`` the tensors go to (``cpu`` for a simulated device).
         capacity: bytes the engine may use on it (the plan's ``free_bytes``); on CUDA
             the real free memory is checked as well.
+        total: the device's capacity as the plan states it (its ``capacity_bytes``), for
+            the reports; default ``capacity``.
         planned: ``{line key: bytes}`` from the plan.
         margin: the ``margin`` line (bytes to leave free at READY).
 
@@ -173,9 +248,12 @@ class Ledger:
 
     def __init__(self, device: torch.device, capacity: int | None, planned: dict[str, int],
                  margin: int = 0, *, label: str | None = None, index: int | None = None,
-                 host: "HostLedger | None" = None):
+                 host: "HostLedger | None" = None, total: int | None = None):
         self.device = torch.device(device)
         self.capacity = None if capacity is None else int(capacity)
+        #: the device's (or host's) capacity as the plan states it (``capacity_bytes``:
+        #: a card's total, ``MemTotal``); ``capacity`` is the plan's free bytes, enforced
+        self.total = self.capacity if total is None else int(total)
         self.margin = int(margin)
         self.named = label is not None   # one of several devices: failures name it
         self.label = label or str(self.device)
@@ -203,7 +281,8 @@ class Ledger:
         several = len(plan.devices) > 1
         return cls(torch.device(device), capacity, planned, planned.get("margin", 0),
                    label=dev.label if several else None, index=index,
-                   host=host if dev.kind == "cpu" else None)
+                   host=host if dev.kind == "cpu" else None,
+                   total=dev.capacity_bytes if free_bytes is None else None)
 
     # ---- accounting -------------------------------------------------------------------
     @property
@@ -335,13 +414,22 @@ class Ledger:
     def _head(self, format_gib) -> str:
         if self.capacity is None:
             return f"{self.title}  {self.label}  not checked, {format_gib(self.allocated)} held"
-        return (f"{self.title}  {self.label}  capacity {format_gib(self.capacity)}, "
-                f"free {format_gib(self.free_bytes())}")
+        planned = (f", {format_gib(self.capacity)} free when planned"
+                   if self.capacity != self.total else "")
+        return (f"{self.title}  {self.label}  capacity {format_gib(self.total)}, "
+                f"free {format_gib(self.free_bytes())}{planned}")
+
+    def _format(self):
+        """Sizes in GiB, or in the largest fitting unit on a device below 1 GiB."""
+        return size_format(self.total or max(self.allocated, 1 << 30))
+
+    def _row_note(self, key: str) -> str:
+        return ""
 
     def report(self, failing: str | None = None) -> str:
         """The budget table: planned / allocated / peak per line; ``failing`` is marked.
-        Sizes in GiB, or in the largest fitting unit on a device below 1 GiB."""
-        format_gib = size_format(self.capacity or max(self.allocated, 1 << 30))
+        Sizes as :meth:`_format` gives them."""
+        format_gib = self._format()
         out = [self._head(format_gib),
                f"  {'line':<18} {'planned':>10} {'allocated':>10} {'peak':>10}"]
         for r in self.rows():
@@ -351,7 +439,7 @@ class Ledger:
             if r["key"] in ("margin", "host_margin"):
                 out.append(f"  {r['label']:<18} {format_gib(r['planned']):>10} {'(kept free)':>10}{mark}")
                 continue
-            extra = ""
+            extra = self._row_note(r["key"])
             if r["used_peak"]:
                 extra = f"   used at most {format_gib(r['used_peak'])}"
             out.append(f"  {r['label']:<18} {format_gib(r['planned']):>10} "
@@ -392,13 +480,29 @@ class HostLedger(Ledger):
 
     @classmethod
     def for_host_plan(cls, plan: Plan, pin: bool | None = None) -> "HostLedger":
-        """The ledger of ``plan``'s host table; pins when the main device is CUDA."""
+        """The ledger of ``plan``'s host table; pins when the main device is CUDA. It
+        enforces the plan's free host bytes (``MemAvailable``, ``--host-ram``) and reports
+        the plan's capacity (``MemTotal``) beside them."""
         hp = plan.host
         planned = {l.key: l.bytes for l in hp.lines} if hp is not None else {}
-        free = hp.host.free_bytes if hp is not None and hp.host is not None else None
+        known = hp is not None and hp.host is not None
+        free = hp.host.free_bytes if known else None
         if pin is None:
             pin = plan.devices[0].device.kind == "cuda"
-        return cls(free, planned, planned.get("host_margin", 0), pin)
+        ledger = cls(free, planned, planned.get("host_margin", 0), pin)
+        if known:
+            ledger.total = hp.host.capacity_bytes
+        return ledger
+
+    def _format(self):
+        """The host table's unit (``moefit.plan.report.host_size_format``): GiB when what
+        the model puts on the host is 1 GiB or more, else the largest fitting unit."""
+        return host_size_format((k, u.planned) for k, u in self.lines.items())
+
+    def _row_note(self, key: str) -> str:
+        if key == "host_runtime":
+            return "   planned: estimate; allocated: the process's resident memory at commit"
+        return ""
 
     def _new(self, shape: tuple[int, ...], dtype: torch.dtype, zero: bool) -> torch.Tensor:
         t = torch.empty(shape, dtype=dtype, pin_memory=self.pin)

@@ -23,7 +23,15 @@ The loader reads the dense weights at once and returns an :class:`ExpertSource`;
 engine reads the experts from it once it knows where each one lives (docs/design.md,
 host budget): a resident expert straight into its device slot, the others into host rows
 (pinned when the device is CUDA: asynchronous host-to-device copies), so the host never
-holds a resident expert.
+holds a resident expert. gpt-oss's fused experts (with biases; bf16 or mxfp4 kept as
+stored) are read one expert's slice at a time into a uint8 blob of their own layout
+(:mod:`moefit.runtime.gpt_oss_experts`).
+
+Block-scaled fp8 checkpoints (``quant_method: fp8``: DeepSeek-V3 / R1, Kimi-K2): each F8_E4M3
+weight with its ``weight_scale_inv`` stays as stored, as priced: a dense one as a
+:class:`~moefit.runtime.quant.Fp8Matrix` (dequantized into the staging workspace when used),
+the experts as stored blobs of e4m3 bytes and fp32 scales
+(:meth:`~moefit.runtime.quant.StoredExpert.pack_fp8`), dequantized when they run.
 
 Errors (:class:`~moefit.errors.InputError`): a missing tensor (named, with the file the
 index points to or the files searched), a tensor of the wrong shape (named, with its file,
@@ -46,9 +54,13 @@ import torch
 
 from moefit.ingest.checkpoint import checkpoint_files, read_header
 from moefit.errors import InputError
+from moefit.ingest.families import gpt_oss
+from moefit.ingest.families.common import FP32_TENSORS
 from moefit.ingest.geometry import LayerSpec, ModelGeometry
+from moefit.runtime import gpt_oss_experts
 from moefit.runtime.arch import Arch
 from moefit.runtime.hybrid_layout import Packed, gated_q, linear_attention_entries, sources
+from moefit.runtime.quant import FP8, Fp8Matrix, StoredExpert, fp8_scale_shape
 
 Alloc = Callable[[tuple[int, ...], torch.dtype], torch.Tensor]
 
@@ -70,9 +82,11 @@ class LayerWeights:
     k_bias: torch.Tensor | None = None
     v_bias: torch.Tensor | None = None
     o_bias: torch.Tensor | None = None
+    sinks: torch.Tensor | None = None        # [A] gpt-oss attention sinks
     q_norm: torch.Tensor | None = None       # [D] (per head) or [A*D] (all heads)
     k_norm: torch.Tensor | None = None
     router: torch.Tensor | None = None       # [E, H]
+    router_bias: torch.Tensor | None = None  # [E] gpt-oss: added to the logits; DeepSeek / GLM: fp32 e_score_correction_bias
     shared_gate: torch.Tensor | None = None  # [Is, H]
     shared_up: torch.Tensor | None = None    # [Is, H]
     shared_down: torch.Tensor | None = None  # [H, Is]
@@ -88,6 +102,17 @@ class LayerWeights:
     la_a_log: torch.Tensor | None = None     # [Nv]
     la_norm: torch.Tensor | None = None      # [Dv]
     la_out: torch.Tensor | None = None       # [H, Nv*Dv]
+    # MLA (DeepSeek; see mla_plan): L kv_lora_rank, R qk_rope_head_dim, Q q_lora_rank
+    q_a: torch.Tensor | None = None          # [Q, H]
+    q_a_bias: torch.Tensor | None = None     # [Q]
+    q_a_norm: torch.Tensor | None = None     # [Q]
+    q_b: torch.Tensor | None = None          # [A*(nope+R), Q]
+    kv_a: torch.Tensor | None = None         # [L+R, H]
+    kv_a_bias: torch.Tensor | None = None    # [L+R]
+    kv_a_norm: torch.Tensor | None = None    # [L]
+    kv_b: torch.Tensor | None = None         # [A*(nope+Dv), L]  (or k_b and v_b:)
+    k_b: torch.Tensor | None = None          # [A, L, nope]
+    v_b: torch.Tensor | None = None          # [A, Dv, L]
 
 
 @dataclass
@@ -181,12 +206,29 @@ class _Index:
             raise InputError(f"{model_dir}: no *.safetensors files; the runtime needs the "
                              "weights (`moefit plan` works from config.json alone)")
         self.where: dict[str, tuple[Path, tuple[int, ...]]] = {}
+        self.dtypes: dict[str, str] = {}      # safetensors dtype names
         self.nbytes: dict[str, int] = {}
         for f in self.files:
             for t in read_header(f).tensors:
                 self.where[t.name] = (f, t.shape)
+                self.dtypes[t.name] = t.dtype
                 self.nbytes[t.name] = t.nbytes
         self._handles: dict[Path, object] = {}
+
+    def fp8(self, name: str) -> bool:
+        """Whether ``name`` is stored as block-scaled fp8 (an F8_E4M3 weight)."""
+        return self.dtypes.get(name) == FP8
+
+    def check_fp8_scales(self, name: str, shape: tuple[int, ...], block: tuple[int, int]) -> str:
+        """The ``weight_scale_inv`` of fp8 weight ``name`` ``[rows, cols]``, checked for its
+        shape (one fp32 per ``block``); InputError naming it when absent or misshapen, or
+        when the checkpoint's ``quantization_config`` does not make it block-scaled fp8."""
+        scale = name.removesuffix("weight") + "weight_scale_inv"
+        if len(shape) != 2:
+            raise InputError(f"{self.where[name][0]}: tensor {name!r} is {FP8} with shape "
+                             f"{list(shape)}; the runtime runs 2-D block-scaled fp8 weights")
+        self.check(scale, fp8_scale_shape(shape[0], shape[1], block))
+        return scale
 
     def has(self, name: str) -> bool:
         return name in self.where
@@ -205,13 +247,21 @@ class _Index:
             raise InputError(f"{path}: tensor {name!r} has shape {list(found)}, but config.json "
                              f"implies {list(shape)}")
 
-    def get(self, name: str) -> torch.Tensor:
+    def _handle(self, name: str):
         from safetensors import safe_open
 
         path, _ = self.where[name]
         if path not in self._handles:
             self._handles[path] = safe_open(str(path), framework="pt", device="cpu")
-        return self._handles[path].get_tensor(name)
+        return self._handles[path]
+
+    def get(self, name: str) -> torch.Tensor:
+        return self._handle(name).get_tensor(name)
+
+    def get_slice(self, name: str, index: int) -> torch.Tensor:
+        """``tensor[index]`` of ``name`` (its first dim dropped), reading only those bytes
+        (safetensors ``get_slice``)."""
+        return self._handle(name).get_slice(name)[index:index + 1][0]
 
     def numel(self, name: str) -> int:
         return math.prod(self.where[name][1])
@@ -224,6 +274,39 @@ def _first(index: _Index, names: list[str]) -> str:
     raise index.missing(names[0])
 
 
+def mla_plan(a, hidden: int, arch: Arch, name, split: bool = False) -> list[tuple[str, str, tuple]]:
+    """(attribute, name, shape) of an MLA layer's attention tensors (DeepSeek-V2 §2.1;
+    ``DeepseekV3Attention``): the q projection (``q_proj``, or ``q_a_proj`` + its bias when
+    ``attention_bias`` + ``q_a_layernorm`` + ``q_b_proj`` with a q LoRA),
+    ``kv_a_proj_with_mqa`` (+ bias) ``[L + R, H]``, ``kv_a_layernorm`` ``[L]``,
+    ``kv_b_proj`` ``[A (nope + Dv), L]`` -- or, ``split`` (GGUF files of current llama.cpp),
+    ``k_b`` ``[A, L, nope]`` and ``v_b`` ``[A, Dv, L]`` -- and ``o_proj`` (+ bias).
+    ``name(slot)``: the tensor name of a slot. Both loaders use it."""
+    heads, qk, dv = a.num_heads, a.head_dim, a.v_head_dim
+    lora, rope, ql = a.kv_lora_rank, a.qk_rope_head_dim, a.q_lora_rank
+    nope = qk - rope
+    out = []
+    if ql:
+        out.append(("q_a", name("q_a"), (ql, hidden)))
+        if arch.q_bias:
+            out.append(("q_a_bias", name("q_a_bias"), (ql,)))
+        out += [("q_a_norm", name("q_a_norm"), (ql,)), ("q_b", name("q_b"), (heads * qk, ql))]
+    else:
+        out.append(("q", name("q"), (heads * qk, hidden)))
+    out.append(("kv_a", name("kv_a"), (lora + rope, hidden)))
+    if arch.q_bias:
+        out.append(("kv_a_bias", name("kv_a_bias"), (lora + rope,)))
+    out.append(("kv_a_norm", name("kv_a_norm"), (lora,)))
+    if split:
+        out += [("k_b", name("k_b"), (heads, lora, nope)), ("v_b", name("v_b"), (heads, dv, lora))]
+    else:
+        out.append(("kv_b", name("kv_b"), (heads * (nope + dv), lora)))
+    out.append(("o", name("o"), (hidden, heads * dv)))
+    if arch.o_bias:
+        out.append(("o_bias", name("o_bias"), (hidden,)))
+    return out
+
+
 def _layer_plan(l: LayerSpec, geom: ModelGeometry, arch: Arch, index: _Index) -> list[tuple[str, str, tuple]]:
     """(attribute, checkpoint name, shape) of every resident tensor of layer ``l``; names
     from the family's table (``arch.names``)."""
@@ -234,6 +317,8 @@ def _layer_plan(l: LayerSpec, geom: ModelGeometry, arch: Arch, index: _Index) ->
     if a.kind == "linear":
         out += linear_attention_entries(p, a, h, index.has)
         return out + _mlp_plan(l, geom, arch, index, p)
+    if a.kind == "mla":
+        return out + mla_plan(a, h, arch, n) + _mlp_plan(l, geom, arch, index, p)
     q, qb = (n("q"), (qd, h)), (n("q_bias"), (qd,))
     if a.output_gate:   # q_proj holds [query | gate] per head: regrouped at load
         q = gated_q(q[0], a.num_heads, a.head_dim, h)
@@ -244,6 +329,8 @@ def _layer_plan(l: LayerSpec, geom: ModelGeometry, arch: Arch, index: _Index) ->
         out += [("q_bias", *qb), ("k_bias", n("k_bias"), (kd,)), ("v_bias", n("v_bias"), (vd,))]
     if arch.o_bias:
         out.append(("o_bias", n("o_bias"), (h,)))
+    if arch.sinks:
+        out.append(("sinks", n("sinks"), (a.num_heads,)))
     if arch.qk_norm == "head":
         out += [("q_norm", n("q_norm"), (a.head_dim,)), ("k_norm", n("k_norm"), (a.head_dim,))]
     elif arch.qk_norm == "full":
@@ -264,18 +351,42 @@ def _mlp_plan(l: LayerSpec, geom: ModelGeometry, arch: Arch, index: _Index,
     m = l.moe
     router = _first(index, arch.names.hf_candidates("router", p))
     out.append(("router", router, (m.num_experts, h)))
+    return out + moe_extras_plan(m, h, arch, n)
+
+
+def moe_extras_plan(m, hidden: int, arch: Arch, name) -> list[tuple[str, str, tuple]]:
+    """(attribute, name, shape) of a MoE block's tensors beside the router: its bias
+    ``[E]``, gpt-oss's router bias (``Arch.router_bias``, added to the logits) or the
+    router's ``e_score_correction_bias`` (held in fp32, :data:`FP32_TENSORS`) when the
+    routing has one; the shared expert, with its 1-row sigmoid gate when the family's name
+    table has one (Qwen2-MoE / Qwen3-Next; DeepSeek's and GLM's ``shared_experts`` are
+    added ungated). ``name(slot)``: the tensor name of a slot. Both loaders use it."""
+    out = []
+    if arch.router_bias or m.routing.bias:
+        out.append(("router_bias", name("router_bias"), (m.num_experts,)))
     if m.shared_intermediate:
         si = m.shared_intermediate
-        out += [("shared_gate", n("shared_gate"), (si, h)), ("shared_up", n("shared_up"), (si, h)),
-                ("shared_down", n("shared_down"), (h, si)),
-                ("shared_expert_gate", n("shared_expert_gate"), (1, h))]
+        out += [("shared_gate", name("shared_gate"), (si, hidden)), ("shared_up", name("shared_up"), (si, hidden)),
+                ("shared_down", name("shared_down"), (hidden, si))]
+        if arch.names.shared_gate:
+            out.append(("shared_expert_gate", name("shared_expert_gate"), (1, hidden)))
     return out
 
 
 def _expert_plan(l: LayerSpec, geom: ModelGeometry, arch: Arch, index: _Index):
-    """``("fused", gate_up name, down name)`` or ``("per_expert", [(g, u, d) per expert])``."""
+    """``("fused", gate_up name, down name)``, ``("per_expert", [(g, u, d) per expert])``
+    or, for experts with biases (gpt-oss), ``("biased", {part: name}, layout)``
+    (:func:`moefit.runtime.gpt_oss_experts.hf_expert_names`, :func:`~moefit.runtime.gpt_oss_experts.hf_layout`)."""
     m, h, p = l.moe, geom.hidden_size, f"{arch.prefix}layers.{l.index}."
     i = m.expert_intermediate
+    if arch.clamped_swiglu is not None:
+        prefix = arch.names.hf_experts(p)
+        packed = gpt_oss_experts.checkpoint_experts(m.num_experts, i, h, mxfp4=True)
+        mxfp4 = any(index.has(prefix + n) for n in packed if n.endswith("_blocks"))
+        for name, shape in gpt_oss_experts.checkpoint_experts(m.num_experts, i, h, mxfp4).items():
+            index.check(prefix + name, shape)
+        names = gpt_oss_experts.hf_expert_names(prefix, mxfp4)
+        return "biased", names, gpt_oss_experts.hf_layout(names, i, h, arch.dtype, *arch.clamped_swiglu)
     for prefix in arch.names.moe_blocks:
         gu, dn = f"{p}{prefix}.experts.gate_up_proj", f"{p}{prefix}.experts.down_proj"
         if index.has(gu) or index.has(dn):
@@ -289,8 +400,36 @@ def _expert_plan(l: LayerSpec, geom: ModelGeometry, arch: Arch, index: _Index):
         trio = (f"{e}{g}.weight", f"{e}{u}.weight", f"{e}{d}.weight")
         for n, shape in zip(trio, ((i, h), (i, h), (h, i))):
             index.check(n, shape)
+            if index.fp8(n):
+                index.check_fp8_scales(n, shape, _fp8_block(geom, index, n))
         names.append(trio)
     return "per_expert", names
+
+
+def _fp8_block(geom: ModelGeometry, index: _Index, name: str) -> tuple[int, int]:
+    """The block of the checkpoint's fp8 scales (``quantization_config.weight_block_size``).
+    Raises InputError when an fp8 tensor comes without a block-scaled fp8 config."""
+    if geom.quant.method != "fp8":
+        raise InputError(f"{index.where[name][0]}: tensor {name!r} is {FP8}, but config.json has "
+                         "no block-scaled fp8 quantization_config; the checkpoint and its "
+                         "config disagree")
+    return tuple(geom.quant.block_size)
+
+
+def fp8_matrices(weights: "Weights") -> list[Fp8Matrix]:
+    """Every block-scaled fp8 matrix of the resident weights (the engine hands them the
+    staging workspace they dequantize into)."""
+    out = [w for w in (weights.embed, weights.norm, weights.lm_head) if isinstance(w, Fp8Matrix)]
+    for lw in weights.layers:
+        out += [v for v in vars(lw).values() if isinstance(v, Fp8Matrix)]
+    return out
+
+
+def resident_dtype(name, dtype: torch.dtype) -> torch.dtype:
+    """The dtype a resident tensor is held in: ``dtype`` (the compute dtype), or fp32 for
+    the tensors :data:`moefit.ingest.families.common.FP32_TENSORS` names (the weight
+    pricing reads the same table)."""
+    return torch.float32 if isinstance(name, str) and name.endswith(FP32_TENSORS) else dtype
 
 
 def assemble_weights(glob, layer_plans, resident) -> "Weights":
@@ -355,11 +494,44 @@ class _SafetensorsExperts(ExpertSource):
         self.inter = {l.index: l.moe.expert_intermediate for l in geom.moe_layers}
         self.elems = {l: 3 * i * self.hidden for l, i in self.inter.items()}
         self.formats = {}
+        # block-scaled fp8 experts stay as stored: uint8 blobs of e4m3 bytes and fp32 scales
+        fp8 = {l: plan[0] == "per_expert" and index.fp8(plan[1][0][0]) for l, plan in plans.items()}
+        for l, plan in plans.items():
+            if plan[0] == "fused" and (index.fp8(plan[1]) or index.fp8(plan[2])):
+                raise InputError(f"{index.model_dir}: {plan[1]!r} is {FP8}: fp8 experts are read one "
+                                 "tensor per expert, as the published checkpoints store them")
+        if any(fp8.values()):
+            if not all(fp8.values()):
+                raise InputError(f"{index.model_dir}: some MoE layers' experts are {FP8} and some "
+                                 "are not; the runtime holds one expert format per checkpoint")
+            block = _fp8_block(geom, index, next(iter(plans.values()))[1][0][0])
+            self.dtype = torch.uint8
+            self.formats = {l: StoredExpert.pack_fp8(i, self.hidden, block) for l, i in self.inter.items()}
+            self.elems = {l: fmt.nbytes for l, fmt in self.formats.items()}
+        biased = {l: p[2] for l, p in plans.items() if p[0] == "biased"}
+        if biased:       # gpt-oss: every MoE layer's blob is uint8 bytes of its layout
+            assert len(biased) == len(plans), "gpt-oss checkpoints have biased experts on every MoE layer"
+            self.dtype, self.formats = torch.uint8, biased
+            self.elems = {l: fmt.nbytes for l, fmt in biased.items()}
 
     def read(self, layer: int, targets: dict[int, torch.Tensor]) -> None:
-        """Copy each expert ``e`` of ``targets`` (``{e: blob [3 I H]}``) from the files.
-        A fused tensor is read whole, one at a time."""
+        """Copy each expert ``e`` of ``targets`` (``{e: blob [3 I H]}``; gpt-oss: ``{e:
+        uint8 blob}``) from the files. A fused tensor is read whole, one at a time; gpt-oss's
+        fused tensors one expert's slice at a time (their mxfp4 blocks are repacked per
+        expert: :func:`moefit.ingest.families.gpt_oss.expert_read_bytes` bounds what that holds)."""
         i, h, plan = self.inter[layer], self.hidden, self.plans[layer]
+        if plan[0] == "biased":
+            names, fmt, n = plan[1], plan[2], self.experts[layer]
+            stored = sum(self.index.nbytes[name] for name in names.values())
+            blocks = sum(self.index.nbytes[name] for role, name in names.items() if role.endswith("_blocks"))
+            for e, dst in targets.items():
+                with self.transient(gpt_oss.expert_read_bytes(stored, blocks, n)):
+                    def get(name, e=e):
+                        t = self.index.get_slice(name, e)
+                        self.bar.update(t.numel())
+                        return t
+                    gpt_oss_experts.hf_expert_into(get, names, fmt, dst)
+            return
         if plan[0] == "fused":
             for name, lo, hi in ((plan[1], 0, 2 * i * h), (plan[2], 2 * i * h, 3 * i * h)):
                 with self.transient(self.index.nbytes[name]):
@@ -368,8 +540,18 @@ class _SafetensorsExperts(ExpertSource):
                         dst[lo:hi].copy_(t[e].reshape(-1))
                     self.bar.update(t.numel() * len(targets) // t.shape[0])
             return
+        fmt = self.formats.get(layer)
         for e, dst in targets.items():
             for part, name in enumerate(plan[1][e]):
+                if fmt is not None:     # fp8: the e4m3 bytes, then the fp32 block scales
+                    p = (fmt.gate, fmt.up, fmt.down)[part]
+                    n, scale = p.rows * p.cols, name.removesuffix("weight") + "weight_scale_inv"
+                    with self.transient(self.index.nbytes[name] + self.index.nbytes[scale]):
+                        row = dst[p.offset:p.offset + p.nbytes]
+                        row[:n].copy_(self.index.get(name).view(torch.uint8).reshape(-1))
+                        row[n:].copy_(self.index.get(scale).reshape(-1).view(torch.uint8))
+                        self.bar.update(n)
+                    continue
                 with self.transient(self.index.nbytes[name]):
                     t = self.index.get(name)
                     dst[part * i * h:(part + 1) * i * h].copy_(t.reshape(-1))
@@ -416,21 +598,36 @@ def load_checkpoint(model_dir: str | Path, geom: ModelGeometry, arch: Arch, allo
     total = sum(index.numel(n) for _, name, shape in glob + [t for lp in layer_plans for t in lp]
                 for n, _ in sources(name, shape))
     for plan in expert_plans.values():
-        names = [plan[1], plan[2]] if plan[0] == "fused" else [n for trio in plan[1] for n in trio]
+        names = ([plan[1], plan[2]] if plan[0] == "fused" else list(plan[1].values()) if plan[0] == "biased"
+                 else [n for trio in plan[1] for n in trio])
         total += sum(index.numel(n) for n in names)
     bar = progress_bar(total, progress, model_dir.name)
 
     def resident(name: str | Packed, shape: tuple) -> torch.Tensor:
         if isinstance(name, Packed):
+            if any(index.fp8(n) for n, _ in name.parts):
+                raise InputError(f"{model_dir}: {name.parts[0][0]!r} is {FP8}: the runtime runs "
+                                 "fp8 attention and MLP weights, not fp8 linear-attention ones")
             held = 2 * sum(index.nbytes[n] for n, _ in name.parts)     # the parts and the result
             with transient(held):
                 src = name.build([index.get(n) for n, _ in name.parts])
                 dst = alloc(shape, dtype)
                 dst.copy_(src)
+        elif index.fp8(name):     # held as stored: the e4m3 bytes and the block scales
+            block = _fp8_block(geom, index, name)
+            scale = index.check_fp8_scales(name, shape, block)
+            m = Fp8Matrix(alloc((shape[0] * shape[1],), torch.uint8),
+                          alloc(fp8_scale_shape(shape[0], shape[1], block), torch.float32),
+                          shape[0], shape[1], block)
+            with transient(index.nbytes[name] + index.nbytes[scale]):
+                m.w.copy_(index.get(name).view(torch.uint8).reshape(-1))
+                m.scale.copy_(index.get(scale))
+            bar.update(index.numel(name))
+            return m
         else:
             with transient(index.nbytes[name]):
                 src = index.get(name)
-                dst = alloc(shape, dtype)
+                dst = alloc(shape, resident_dtype(name, dtype))
                 dst.copy_(src)
         bar.update(src.numel())
         return dst

@@ -17,12 +17,23 @@ Routing (mixtral-offloading, transformers ``*TopKRouter``): router logits in the
 dtype, softmax in fp32, top-k, renormalised per the family rule, then cast to the compute
 dtype; expert outputs are combined in an fp32 accumulator.
 
+gpt-oss (``modeling_gpt_oss.py``): attention sinks (a per-head logit in each softmax
+denominator, :func:`moefit.runtime.attention.attend`), alternating sliding-window layers
+(the KV cache's ring), a router with a bias and a softmax over its top-k logits
+(:func:`route_topk_softmax`), experts with biases and the clamped SwiGLU
+(:mod:`moefit.runtime.gpt_oss_experts`).
+
 Hybrids (``modeling_qwen3_next.py``, ``modeling_qwen3_5_moe.py``): the token mixer of a
 ``linear`` layer is Gated DeltaNet (:func:`moefit.runtime.deltanet.gated_deltanet`); the
 full-attention layers have an output gate, ``o * sigmoid(gate)`` before ``o_proj``, with
 the gate from the second half of ``q_proj`` (``Qwen3NextAttention``), and rotate only the
 first ``partial_rotary_factor x head_dim`` channels; every RMSNorm but the gated one scales
 by ``1 + w`` (``Qwen3NextRMSNorm``).
+
+DeepSeek-V2 / V3 / Kimi-K2 (``modeling_deepseek_v2.py``, ``modeling_deepseek_v3.py``):
+multi-head latent attention in the absorbed form (:func:`_mla_attention`) over a cache of
+latent rows; DeepSeek and GLM-4.5 (``modeling_glm4_moe.py``) route by the grouped router
+(:func:`moefit.runtime.routing.route_grouped`) and add their shared experts ungated.
 """
 
 from __future__ import annotations
@@ -40,9 +51,10 @@ from moefit.runtime.deltanet import gated_deltanet
 from moefit.runtime.experts import ExpertCache
 from moefit.runtime import decode_step, moe_batch
 from moefit.runtime.kv_cache import KVCache
-from moefit.runtime.quant import StoredMatrix
+from moefit.runtime.quant import Fp8Matrix, StoredMatrix
 from moefit.runtime.loader import LayerWeights, Weights
-from moefit.runtime.rope import Rotary
+from moefit.runtime.rope import Rotary, mla_softmax_scale
+from moefit.runtime.routing import route_grouped
 from moefit.runtime.staging import Workspace
 
 
@@ -67,11 +79,14 @@ class Model:
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, out: torch.Tensor,
-             offset: float = 0.0, ws: Workspace | None = None) -> torch.Tensor:
+             offset: float = 0.0, ws: Workspace | None = None, *,
+             fp32_weight: bool = False) -> torch.Tensor:
     """``w * (x / sqrt(mean(x^2) + eps))`` over the last dim, statistics in fp32, the
     normalised value cast back to ``x``'s dtype before the weight (``Qwen3MoeRMSNorm``).
 
-    ``offset`` 1: ``(1 + w)`` applied in fp32 before the cast (``Qwen3NextRMSNorm``).
+    ``offset`` 1: ``(1 + w)`` applied in fp32 before the cast (``Qwen3NextRMSNorm``);
+    ``fp32_weight``: ``w`` applied in fp32 before the cast (``GptOssRMSNorm``, whose weight
+    transformers keeps in fp32).
     ``ws``: the fp32 scratch (a copy of ``x`` unless fp32, ``x^2`` then the normalised
     value, ``[..., 1]`` statistics, the ``1 + w`` weight) comes from it.
     """
@@ -83,13 +98,13 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, out: torch.Tensor,
             var = ws.take((*x.shape[:-1], 1), f32)
             torch.mean(torch.mul(xf, xf, out=sq), -1, keepdim=True, out=var).add_(eps).rsqrt_()
             torch.mul(xf, var, out=sq)
-            if offset:
+            if offset or fp32_weight:
                 return out.copy_(sq.mul_(ws.take(w.shape, f32).copy_(w).add_(offset)))
             out.copy_(sq)
             return out.mul_(w)
     xf = x.float()
     var = xf.pow(2).mean(-1, keepdim=True)
-    if offset:
+    if offset or fp32_weight:
         return out.copy_(xf * torch.rsqrt(var + eps) * (offset + w.float()))
     out.copy_(xf * torch.rsqrt(var + eps))
     return out.mul_(w)
@@ -99,7 +114,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, out: torch.
     """``out = x @ w^T (+ b)``; ``x`` ``[T, in]``, ``w`` ``[out, in]``, ``out`` ``[T, out]``.
     A few rows against a bf16/fp16 weight on the CPU go through the C kernels
     (:func:`moefit.runtime.moe_batch.dense`)."""
-    if isinstance(w, StoredMatrix):
+    if isinstance(w, (StoredMatrix, Fp8Matrix)):
         w.matmul(x, out)
         return out if b is None else out.add_(b)
     if moe_batch.dense_applies(x, w):
@@ -150,9 +165,91 @@ def _attention(mdl: Model, l: LayerSpec, lw: LayerWeights, x: torch.Tensor,
         for sg in segs:
             a0, a1 = sg.offset, sg.offset + sg.length
             attend(q3[a0:a1], sg.start, mdl.kv, l.index, sg.slot, d ** -0.5, o[a0:a1], ws,
-                   q_block=mdl.q_block, kv_block=mdl.kv_block)
+                   q_block=mdl.q_block, kv_block=mdl.kv_block, sinks=lw.sinks)
         if a.output_gate:
             o.view(t, heads * dv).mul_(gate.sigmoid_())
+        linear(o.view(t, heads * dv), lw.o, lw.o_bias, out)
+
+
+def mla_absorbed(lw: LayerWeights, a, ws: Workspace, act: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """MLA's up-projections per head, as views of the loaded weights: ``W_UK`` ``[A, nope,
+    L]`` (absorbed into the queries) and ``W_UV`` ``[A, Dv, L]`` (applied after attention),
+    from ``kv_b_proj`` ``[A (nope + Dv), L]`` (each head's nope rows, then its Dv rows:
+    ``DeepseekV3Attention.expand_kv``) or from llama.cpp's ``k_b`` ``[A, L, nope]`` and
+    ``v_b`` ``[A, Dv, L]``. A block-scaled fp8 ``kv_b_proj`` is dequantized into ``ws``
+    (the caller's scope; the staging model prices it as the MLA step's constant)."""
+    nope = a.head_dim - a.qk_rope_head_dim
+    if lw.kv_b is not None:
+        kv_b = lw.kv_b
+        if isinstance(kv_b, Fp8Matrix):
+            kv_b = kv_b.dequantize(ws.take(kv_b.shape, act))
+        kvb = kv_b.view(a.num_heads, nope + a.v_head_dim, a.kv_lora_rank)
+        return kvb[:, :nope], kvb[:, nope:]
+    return lw.k_b.transpose(1, 2), lw.v_b
+
+
+def _mla_attention(mdl: Model, l: LayerSpec, lw: LayerWeights, x: torch.Tensor,
+                   segs: "tuple[Segment, ...]", cos: torch.Tensor, sin: torch.Tensor,
+                   out: torch.Tensor) -> None:
+    """Multi-head latent attention of layer ``l`` on normed ``x`` ``[T, H]`` into ``out``
+    ``[T, H]``, in the absorbed form for prefill and decode alike (DeepSeek-V2,
+    arXiv:2405.04434 §2.1 and appendix C; DeepSeek-V3 ``inference/model.py`` ``MLA.forward``
+    with ``attn_impl = "absorb"``; vLLM's MLA decode). With L ``kv_lora_rank`` and R
+    ``qk_rope_head_dim``::
+
+        q        = q_b(rms(q_a(x))) | q_proj(x)               # [T, A, nope + R]
+        c, k_pe  = kv_a_proj_with_mqa(x);  c = rms(c)         # [T, L], [T, R]
+        q_pe, k_pe = RoPE(q_pe), RoPE(k_pe)                   # pairs or halves
+        cache   <- [c | k_pe]                                 # the latent row, L + R
+        q_abs    = [q_nope W_UK | q_pe]                       # [A, T, L + R]
+        o_lat    = softmax(q_abs [c | k_pe]^T * scale) c      # one KV head, V = c
+        out      = o_proj(o_lat W_UV^T)                       # [T, A Dv] -> [T, H]
+
+    which equals transformers' ``DeepseekV3Attention`` (keys and values expanded by
+    ``kv_b_proj``). ``scale``: :func:`moefit.runtime.rope.mla_softmax_scale`. The buffers
+    come from the workspace in the order :func:`moefit.memory.staging._mla_step` prices.
+    """
+    a, arch, ws = l.attention, mdl.arch, mdl.ws
+    t, act = x.shape[0], x.dtype
+    heads, qk, dv = a.num_heads, a.head_dim, a.v_head_dim
+    lora, rope = a.kv_lora_rank, a.qk_rope_head_dim
+    nope = qk - rope
+    rotate = mdl.rotary.apply_pairs if arch.rope_interleave else mdl.rotary.apply
+    with ws.scope():
+        w_uk, w_uv = mla_absorbed(lw, a, ws, act)
+        qabs = ws.take((heads, t, lora + rope), act)                        # [A, T, L+R]
+        with ws.scope():
+            q = ws.take((t, heads * qk), act)                               # [T, A*(nope+R)]
+            if a.q_lora_rank:
+                with ws.scope():
+                    qa = linear(x, lw.q_a, lw.q_a_bias, ws.take((t, a.q_lora_rank), act))
+                    rms_norm(qa, lw.q_a_norm, arch.rms_eps, qa, ws=ws)
+                    linear(qa, lw.q_b, None, q)
+            else:
+                linear(x, lw.q, None, q)
+            kva = linear(x, lw.kv_a, lw.kv_a_bias, ws.take((t, lora + rope), act))   # [T, L+R]
+            rms_norm(kva[:, :lora], lw.kv_a_norm, arch.rms_eps, kva[:, :lora], ws=ws)
+            q3, k3 = q.view(t, heads, qk), kva.view(t, 1, lora + rope)
+            rotate(q3[..., nope:], cos, sin, ws)
+            rotate(k3[..., lora:], cos, sin, ws)
+            k_row = mdl.kv.layers[l.index].k.shape[3]
+            for sg in segs:
+                a0, a1 = sg.offset, sg.offset + sg.length
+                with ws.scope():
+                    mdl.kv.write(l.index, sg.slot, sg.start, k3[a0:a1], None,
+                                 ws.take((sg.length, 1, k_row), torch.uint8), None, ws)
+            torch.bmm(q3[..., :nope].transpose(0, 1), w_uk, out=qabs[..., :lora])
+            qabs[..., lora:].copy_(q3[..., nope:].transpose(0, 1))
+        olat = ws.take((heads, t, lora), act)                               # [A, T, L]
+        qt, ot = qabs.transpose(0, 1), olat.transpose(0, 1)
+        scale = mla_softmax_scale(qk, mdl.rotary.params)
+        for sg in segs:
+            a0, a1 = sg.offset, sg.offset + sg.length
+            attend(qt[a0:a1], sg.start, mdl.kv, l.index, sg.slot, scale, ot[a0:a1], ws,
+                   q_block=mdl.q_block, kv_block=mdl.kv_block)
+        # the absorbed queries are spent: the value heads reuse their room (Dv <= L + R)
+        o = qabs.view(-1)[:t * heads * dv].view(t, heads, dv)               # [T, A, Dv]
+        torch.bmm(olat, w_uv.transpose(1, 2), out=o.transpose(0, 1))
         linear(o.view(t, heads * dv), lw.o, lw.o_bias, out)
 
 
@@ -195,6 +292,20 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool, ws: Workspace | N
     return w, ids
 
 
+def route_topk_softmax(logits: torch.Tensor, top_k: int, ws: Workspace, w: torch.Tensor,
+                       ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """gpt-oss routing (``GptOssTopKRouter``): top-k of the router logits ``[T, E]``, then a
+    softmax over those k values only, into ``w`` ``[T, k]`` fp32 and ``ids`` ``[T, k]``
+    (the same weights as softmax-then-top-k renormalised, computed the reference's way).
+    The fp32 copy of the logits and the softmax's output come from ``ws``."""
+    f32 = torch.float32
+    with ws.scope():
+        x = logits if logits.dtype == f32 else ws.take(logits.shape, f32).copy_(logits)
+        torch.topk(x, top_k, dim=-1, out=(w, ids))
+        w.copy_(torch.ops.aten._softmax.out(w, -1, False, out=ws.take(w.shape, f32)))
+    return w, ids
+
+
 def _moe(mdl: Model, l: LayerSpec, lw: LayerWeights, x: torch.Tensor, out: torch.Tensor) -> None:
     """Routed experts (+ gated shared expert) of layer ``l`` on ``x`` ``[T, H]`` into ``out``.
 
@@ -211,9 +322,17 @@ def _moe(mdl: Model, l: LayerSpec, lw: LayerWeights, x: torch.Tensor, out: torch
         w = ws.take((t, k), f32)                                          # [T, k]
         ids = ws.take((t, k), torch.int64)                               # [T, k]
         with ws.scope():
-            logits = linear(x, lw.router, None, ws.take((t, n_exp), act))   # [T, E]
-            route(logits, k, mdl.arch.renormalize, ws, w, ids)
-        if moe_batch.applies(mdl.experts, l.index, x, k):
+            # the router's bias: gpt-oss's is added to the logits; DeepSeek's / GLM's
+            # e_score_correction_bias only chooses (route_grouped)
+            bias = lw.router_bias if mdl.arch.router_bias else None
+            logits = linear(x, lw.router, bias, ws.take((t, n_exp), act))   # [T, E]
+            if m.routing.grouped:
+                route_grouped(logits, k, m.routing, mdl.arch.renormalize, lw.router_bias, ws, w, ids)
+            elif mdl.arch.topk_softmax:
+                route_topk_softmax(logits, k, ws, w, ids)
+            else:
+                route(logits, k, mdl.arch.renormalize, ws, w, ids)
+        if mdl.arch.clamped_swiglu is None and moe_batch.applies(mdl.experts, l.index, x, k):
             acc = ws.take((t, h), f32, zero=True)
             scratch = ws.take((moe_batch.scratch_bytes(t, h, m.expert_intermediate, act),), torch.uint8)
             wq = w if act == f32 else ws.take((t, k), act).copy_(w).float()   # rounded as combined
@@ -224,8 +343,11 @@ def _moe(mdl: Model, l: LayerSpec, lw: LayerWeights, x: torch.Tensor, out: torch
     if lw.shared_gate is not None:
         with ws.scope():
             sh = _swiglu_mlp(x, lw.shared_gate, lw.shared_up, lw.shared_down, ws, ws.take((t, h), act))
-            gate = linear(x, lw.shared_expert_gate, None, ws.take((t, 1), act)).sigmoid_()
-            out.add_(sh.mul_(gate))
+            if lw.shared_expert_gate is None:    # DeepSeek / GLM-4.5: added ungated
+                out.add_(sh)
+            else:
+                gate = linear(x, lw.shared_expert_gate, None, ws.take((t, 1), act)).sigmoid_()
+                out.add_(sh.mul_(gate))
 
 
 def _moe_one_by_one(mdl: Model, l: LayerSpec, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor,
@@ -345,16 +467,18 @@ def forward_batch(mdl: Model, ids: torch.Tensor, segs: tuple[Segment, ...]) -> t
     cos, sin = _cos_sin(mdl, segs, t, act, ws)                           # [T, rot]
     off = arch.norm_offset
     for l, lw in zip(g.layers, w.layers):
-        rms_norm(hidden, lw.input_norm, arch.rms_eps, normed, off, ws)
+        rms_norm(hidden, lw.input_norm, arch.rms_eps, normed, off, ws, fp32_weight=arch.norm_fp32)
         if l.attention.kind == "linear":
             for sg in segs:
                 a0, a1 = sg.offset, sg.offset + sg.length
                 gated_deltanet(l.attention, lw, normed[a0:a1], mdl.kv.linear.layers[l.index],
                                sg.slot, arch.rms_eps, ws, delta[a0:a1])
+        elif l.attention.kind == "mla":
+            _mla_attention(mdl, l, lw, normed, segs, cos, sin, delta)
         else:
             _attention(mdl, l, lw, normed, segs, cos, sin, delta)
         hidden.add_(delta)
-        rms_norm(hidden, lw.post_norm, arch.rms_eps, normed, off, ws)
+        rms_norm(hidden, lw.post_norm, arch.rms_eps, normed, off, ws, fp32_weight=arch.norm_fp32)
         if l.moe is not None:
             _moe(mdl, l, lw, normed, delta)
         else:
@@ -366,7 +490,8 @@ def forward_batch(mdl: Model, ids: torch.Tensor, segs: tuple[Segment, ...]) -> t
     else:
         lasts = torch.index_select(hidden, 0, torch.tensor(rows, device=ids.device),
                                    out=delta[:n_seq])
-    last = rms_norm(lasts, w.norm, arch.rms_eps, normed[:n_seq], off, ws)  # [S, H]
+    last = rms_norm(lasts, w.norm, arch.rms_eps, normed[:n_seq], off, ws,
+                    fp32_weight=arch.norm_fp32)                                 # [S, H]
     logits = ws.fixed.take((n_seq, g.vocab_size), torch.float32)         # [S, V]
     if act == torch.float32 or isinstance(w.lm_head, StoredMatrix) or moe_batch.dense_applies(last, w.lm_head):
         linear(last, w.lm_head, None, logits)           # fp32 logits, fp32 accumulation

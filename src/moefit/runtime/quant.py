@@ -25,6 +25,11 @@ MXFP4    32     17    e8m0 exponent | 16 bytes of e2m1 nibbles; x = 2^(e-128) * 
 F32/F16/BF16  1  4/2/2  plain floats
 =======  =====  ====  =========================================================================
 
+Block-scaled fp8 (``quant_method: fp8`` of Hugging Face checkpoints, :data:`FP8`): e4m3
+values with one fp32 scale per ``block`` (128 x 128) tile, dequantized by
+:func:`dequantize_fp8`; dense matrices are :class:`Fp8Matrix`, experts :class:`StoredExpert`
+parts of type :data:`FP8`.
+
 Any other type is refused with :class:`~moefit.errors.InputError` naming the tensor.
 
 A stored expert (:class:`StoredExpert`) is one contiguous uint8 blob per expert, docs/design.md, runtime contract:
@@ -34,8 +39,9 @@ file holds for that expert and a cache miss is one copy. When the expert runs, e
 is dequantized in turn into one ``[I, H]`` buffer of the compute dtype -- taken from the
 prefill staging workspace when the blob is on the device -- by tiles of
 :data:`~moefit.memory.staging.DEQUANT_TILE_ELEMS` elements (the kernels' fp32 scratch is
-bounded by one tile), and multiplied. fp8 block-scaled experts of HF checkpoints fit the
-same design: a part whose kernel reads e4m3 weights followed by their fp32 block scales.
+bounded by one tile), and multiplied. fp8 block-scaled experts of HF checkpoints are the
+same design: a part of type :data:`FP8` holds e4m3 weights followed by their fp32 block
+scales (:meth:`StoredExpert.pack_fp8`).
 """
 
 from __future__ import annotations
@@ -248,6 +254,87 @@ def row_bytes(qtype: str, cols: int) -> int:
     return cols // k.block_size * k.type_size
 
 
+# ---- block-scaled fp8 (Hugging Face ``quant_method: fp8``) ------------------------------------
+#: The type name of a block-scaled e4m3 matrix (DeepSeek-V3 / Kimi-K2 / Qwen *-FP8
+#: checkpoints: ``weight`` F8_E4M3 ``[rows, cols]`` plus ``weight_scale_inv`` F32
+#: ``[ceil(rows / b0), ceil(cols / b1)]``), held as stored: the e4m3 bytes, then the fp32
+#: scales.
+FP8 = "F8_E4M3"
+
+
+def fp8_scale_shape(rows: int, cols: int, block: tuple[int, int]) -> tuple[int, int]:
+    """The ``weight_scale_inv`` shape of a ``[rows, cols]`` fp8 matrix of ``block`` blocks."""
+    return -(-rows // block[0]), -(-cols // block[1])
+
+
+def fp8_bytes(rows: int, cols: int, block: tuple[int, int]) -> int:
+    """Bytes of a stored fp8 matrix: one per value plus an fp32 scale per block (the
+    planner's :meth:`moefit.ingest.geometry.Quantization.tensor_bytes`)."""
+    rb, cb = fp8_scale_shape(rows, cols, block)
+    return rows * cols + 4 * rb * cb
+
+
+def dequantize_fp8(w: torch.Tensor, scale: torch.Tensor, rows: int, cols: int,
+                   block: tuple[int, int], out: torch.Tensor,
+                   tile_elems: int = DEQUANT_TILE_ELEMS) -> torch.Tensor:
+    """``out[r, c] = e4m3(w[r, c]) * scale[r // b0, c // b1]`` (DeepSeek-V3
+    ``inference/kernel.py`` ``weight_dequant``; ``fp8_cast_bf16.py``): ``w`` the e4m3 bytes
+    (uint8, ``rows x cols`` elements), ``scale`` fp32 ``[ceil(rows / b0), ceil(cols / b1)]``,
+    ``out`` ``[rows, cols]`` of any float dtype. Tiles of one row block by at most
+    ``tile_elems / b0`` columns (a multiple of ``b1``), so the fp32 scratch is one tile.
+    Returns ``out``."""
+    b0, b1 = block
+    w8 = w.reshape(rows, cols).view(torch.float8_e4m3fn)
+    sc = scale.reshape(-(-rows // b0), -(-cols // b1))
+    width = max(b1, tile_elems // b0 // b1 * b1)
+    for r0 in range(0, rows, b0):
+        r1 = min(rows, r0 + b0)
+        for c0 in range(0, cols, width):
+            c1 = min(cols, c0 + width)
+            row = sc[r0 // b0, c0 // b1:-(-c1 // b1)].repeat_interleave(b1)[:c1 - c0]
+            # the fp32 tile [b0, width] lives for this statement only (one tile of scratch)
+            out[r0:r1, c0:c1].copy_(w8[r0:r1, c0:c1].float().mul_(row))
+            del row
+    return out
+
+
+@dataclass
+class Fp8Matrix:
+    """A dense block-scaled fp8 weight ``[rows, cols]`` held as stored (the ``weights``
+    line prices exactly its bytes: :func:`fp8_bytes`): ``w`` the e4m3 bytes, ``scale`` the
+    fp32 block scales. :meth:`matmul` dequantizes the whole matrix into the staging
+    workspace's fixed region (``ws``, set by the engine at commit; the planner sizes the
+    region for the largest such matrix) and multiplies."""
+
+    w: torch.Tensor
+    scale: torch.Tensor
+    rows: int
+    cols: int
+    block: tuple[int, int]
+    ws: object = None
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.rows, self.cols)
+
+    def __getitem__(self, rows: slice) -> "Fp8Matrix":
+        """A row slice; only the whole matrix. Raises ValueError otherwise."""
+        if range(self.rows)[rows] != range(self.rows):
+            raise ValueError("a stored matrix is used whole")
+        return self
+
+    def dequantize(self, out: torch.Tensor) -> torch.Tensor:
+        """The matrix in ``out``'s dtype (``[rows, cols]``)."""
+        return dequantize_fp8(self.w, self.scale, self.rows, self.cols, self.block, out)
+
+    def matmul(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """``out = x @ W^T`` for ``x`` ``[T, cols]``; returns ``out``."""
+        region = self.ws.fixed
+        with region.scope():
+            w = self.dequantize(region.take((self.rows, self.cols), x.dtype))
+            return torch.mm(x, w.t(), out=out)
+
+
 def dequantize(raw: torch.Tensor, qtype: str, shape: tuple[int, ...], *,
                out: torch.Tensor | None = None, dtype: torch.dtype = torch.float32,
                tile_elems: int = DEQUANT_TILE_ELEMS) -> torch.Tensor:
@@ -307,10 +394,15 @@ class Part:
     cols: int
     offset: int
     nbytes: int
+    block: tuple[int, int] = (128, 128)   # fp8 only: the scales' block
 
     def dequantize_into(self, blob: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        return dequantize(blob[self.offset:self.offset + self.nbytes], self.qtype,
-                          (self.rows, self.cols), out=out)
+        raw = blob[self.offset:self.offset + self.nbytes]
+        if self.qtype == FP8:      # the e4m3 bytes, then the fp32 block scales
+            n = self.rows * self.cols
+            return dequantize_fp8(raw[:n], _as(raw[n:], torch.float32), self.rows, self.cols,
+                                  self.block, out)
+        return dequantize(raw, self.qtype, (self.rows, self.cols), out=out)
 
 
 @dataclass(frozen=True)
@@ -333,6 +425,17 @@ class StoredExpert:
         u = Part(up, inter, hidden, g.nbytes, inter * row_bytes(up, hidden))
         d = Part(down, hidden, inter, g.nbytes + u.nbytes, hidden * row_bytes(down, inter))
         return cls(g, u, d)
+
+    @classmethod
+    def pack_fp8(cls, inter: int, hidden: int, block: tuple[int, int]) -> "StoredExpert":
+        """Layout of a block-scaled fp8 expert: gate, up, down, each its e4m3 bytes then its
+        fp32 scales (:func:`fp8_bytes`), back to back: the checkpoint's bytes of the expert."""
+        parts, off = [], 0
+        for rows, cols in ((inter, hidden), (inter, hidden), (hidden, inter)):
+            n = fp8_bytes(rows, cols, block)
+            parts.append(Part(FP8, rows, cols, off, n, tuple(block)))
+            off += n
+        return cls(*parts)
 
     def swiglu(self, x: torch.Tensor, blob: torch.Tensor, ws=None, scratch=None,
                out=None) -> torch.Tensor:

@@ -12,11 +12,19 @@ Follows transformers ``modeling_rope_utils.py`` (5.x) for the RoPE kinds the run
   arXiv:2309.00071; ``_compute_yarn_parameters``, ``truncate`` default True).
 
 ``dim`` is the rotary dimension (``head_dim x partial_rotary_factor``); the rotation is
-``rotate_half`` on the first ``dim`` channels of each head (``apply_rotary_pos_emb``).
+``rotate_half`` on the first ``dim`` channels of each head (``apply_rotary_pos_emb``), or
+on interleaved pairs ``(x0, x1), (x2, x3), ...`` (:meth:`Rotary.apply_pairs`: DeepSeek's
+layout, ``apply_rotary_emb`` of ``modeling_deepseek_v2.py`` and
+``apply_rotary_pos_emb_interleave`` of ``modeling_deepseek_v3.py``).
+
+MLA's softmax scale (:func:`mla_softmax_scale`): ``qk_head_dim ** -0.5`` times
+``mscale(factor, mscale_all_dim) ** 2`` under scaled RoPE (``yarn_apply_mscale`` of
+``modeling_deepseek_v3.py``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 
@@ -96,6 +104,19 @@ def _default_inv_freq(theta: float, dim: int) -> torch.Tensor:
 
 def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def mla_softmax_scale(head_dim: int, p: RopeParams) -> float:
+    """The attention softmax scale of MLA with a ``head_dim``-wide query/key head
+    (``qk_nope_head_dim + qk_rope_head_dim``) under RoPE ``p``: ``head_dim ** -0.5``, times
+    ``(0.1 mscale_all_dim ln(factor) + 1) ** 2`` when RoPE is scaled (any type but
+    ``default``) and ``mscale_all_dim`` is set (transformers ``yarn_apply_mscale`` /
+    ``yarn_get_mscale`` in ``modeling_deepseek_v3.py``; DeepSeek-V3 ``inference/model.py``
+    ``MLA.__init__``: ``softmax_scale * mscale * mscale``)."""
+    scale = head_dim ** -0.5
+    if p.rope_type != "default" and p.mscale_all_dim:
+        scale *= _yarn_mscale(p.factor, p.mscale_all_dim) ** 2
+    return scale
 
 
 def inv_freq(p: RopeParams) -> tuple[torch.Tensor, float]:
@@ -187,3 +208,19 @@ class Rotary:
             torch.neg(r[..., half:], out=rot[..., :half])
             rot[..., half:].copy_(r[..., :half])
             r.mul_(c).add_(rot.mul_(s))
+
+    def apply_pairs(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ws=None) -> None:
+        """Rotate ``x`` ``[T, heads, dim]`` in place as interleaved pairs: channels ``2i``
+        and ``2i + 1`` by frequency ``i`` (``x_2i cos - x_2i+1 sin``, ``x_2i+1 cos + x_2i
+        sin``), keeping the layout. Queries and keys rotated alike give the dot products of
+        transformers' DeepSeek rotations, whichever layout those return. ``cos`` / ``sin``:
+        :meth:`cos_sin`'s ``[T, dim]`` (the first half is the per-pair angle). The copy of
+        the even channels ``[T, heads, dim / 2]`` is taken from ``ws`` when given."""
+        half = self.params.dim // 2
+        c, s = cos[:, None, :half], sin[:, None, :half]           # [T, 1, dim/2]
+        even, odd = x[..., 0:2 * half:2], x[..., 1:2 * half:2]
+        with (ws.scope() if ws is not None else contextlib.nullcontext()):
+            e0 = (ws.take(even.shape, x.dtype) if ws is not None
+                  else torch.empty(even.shape, dtype=x.dtype, device=x.device)).copy_(even)
+            even.mul_(c).addcmul_(odd, s, value=-1)
+            odd.mul_(c).addcmul_(e0, s)

@@ -656,10 +656,13 @@ async def _chat_chunks(run: _Run, head, body, prompts) -> AsyncIterator[str]:
 # ---- /v1/budget -----------------------------------------------------------------------------
 
 def _ledger_doc(ledger) -> dict:
-    """One ledger as ``/v1/budget`` shows it: capacity, free, margin, and per line its
-    planned / allocated / peak bytes."""
+    """One ledger as ``/v1/budget`` shows it: the capacity the plan states (a card's total,
+    the host's ``MemTotal``: the plan document's ``capacity_bytes``), the free bytes the plan
+    was solved with, which the ledger enforces (``limit_bytes``: the plan's ``free_bytes``),
+    free now, the margin, and per line its planned / allocated / peak bytes."""
     return {
-        "device": ledger.label, "capacity_bytes": ledger.capacity,
+        "device": ledger.label, "capacity_bytes": getattr(ledger, "total", ledger.capacity),
+        "limit_bytes": ledger.capacity,
         "free_bytes": ledger.free_bytes() if ledger.capacity is not None else None,
         "margin_bytes": ledger.margin,
         "lines": [{"key": r["key"], "label": r["label"], "planned": r["planned"],

@@ -72,6 +72,8 @@ def prepare(args: argparse.Namespace):
     _say(format_table(plan), args.table_to)
     if not plan.fits:
         return plan, None, None, EXIT_NOFIT
+    if plan.split == "layers":
+        raise InputError(layer_split_refusal(geom, devices, args, plan, gguf))
     text_dir = model.parent if gguf else model     # tokenizer.json beside a .gguf file
     if getattr(args, "tokenizer", None):
         text_dir = Path(args.tokenizer)
@@ -82,6 +84,25 @@ def prepare(args: argparse.Namespace):
     if gguf and tokenizer is None:                 # else the file's own metadata (llama.cpp keys)
         tokenizer, defaults = text_from_gguf(model)
     return plan, tokenizer, defaults, None
+
+
+def layer_split_refusal(geom, devices, args: argparse.Namespace, plan, gguf: bool) -> str:
+    """Why ``serve`` / ``generate`` do not run a plan that places layers on the devices,
+    and what they run instead: the expert split of the same flags (solved here: it fits,
+    or by how much it does not), and for a GGUF file llama.cpp's own layer split."""
+    experts = plan_from_args(geom, devices, argparse.Namespace(**{**vars(args), "split": "experts"}))
+    if experts.fits:
+        instead = (f"add --split experts (it fits: {experts.expert_slots} expert slots, "
+                   f"where the layer split holds {plan.expert_slots})")
+    else:
+        size = size_format(experts.devices[0].device.capacity_bytes)
+        instead = (f"the expert split does not fit (short by {size(experts.shortfall_bytes)} on "
+                   f"{experts.short_on}: `moefit plan` with --split experts lists what would)")
+    ts = ",".join(str(d.device.free_bytes >> 20) for d in plan.devices)
+    other = f"; llama.cpp's llama-server runs this file's layer split (-ts {ts})" if gguf else ""
+    chose = "--split auto chose it" if args.split == "auto" else "--split layers"
+    return (f"this plan places layers on the devices (a layer split, {chose}); moefit's runtime "
+            f"runs the expert split only: {instead}{other}")
 
 
 def commit(args: argparse.Namespace, plan):
@@ -119,12 +140,13 @@ def ready_line(engine, url: str | None = None) -> str:
     n = plan.request.slots
     free = []
     for lg in getattr(engine, "ledgers", [engine.ledger]):
-        size = size_format(lg.capacity)
-        free.append(f"{size(lg.free_bytes())} of {size(lg.capacity)} on {lg.label}")
+        total = getattr(lg, "total", lg.capacity)
+        size = size_format(total)
+        free.append(f"{size(lg.free_bytes())} of {size(total)} on {lg.label}")
     host = getattr(engine, "host", None)
     if host is not None and host.capacity is not None:
-        size = size_format(host.capacity)
-        free.append(f"{size(host.free_bytes())} of {size(host.capacity)} on the host")
+        size = size_format(host.total)
+        free.append(f"{size(host.free_bytes())} of {size(host.total)} on the host")
     line = (f"READY  context {plan.context} tokens x {n} sequence{'s' if n != 1 else ''}, "
             f"chunk {engine.chunk} tokens, expert slots {slots} of {plan.total_experts}, "
             f"free {', '.join(free)}")

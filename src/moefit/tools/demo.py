@@ -8,7 +8,7 @@ directory made here without any download:
   vocabulary is the tokenizer's, ``bos_token_id`` / ``eos_token_id`` as Qwen's configs set
   them (``<|endoftext|>`` / ``<|im_end|>``);
 - ``model.safetensors``: random weights (seeded), one tensor per expert as the published
-  checkpoints store them. The tensor names and shapes are the planner's own listing of the
+  checkpoints store them (gpt-oss: fused over the layer, as ``save_pretrained`` writes it). The tensor names and shapes are the planner's own listing of the
   family (:func:`moefit.ingest.families.geometry_from_config`, the same listing the
   loader checks a checkpoint against), so a demo can never disagree with what
   ``moefit plan`` prices and ``moefit serve`` loads;
@@ -27,15 +27,20 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
 from moefit.errors import InputError
 from moefit.ingest.families import geometry_from_config
+from moefit.ingest.families.registry import family_for
+from moefit.outputs import default_file_mode
 
 #: Families ``make-demo`` writes (the runtime runs all of them): name -> config.json.
 #: Sizes are toy sizes; keys and structure are those of the real checkpoints
 #: (``Qwen/Qwen3-30B-A3B``, ``Qwen/Qwen1.5-MoE-A2.7B``, ``mistralai/Mixtral-8x7B-v0.1``,
-#: ``allenai/OLMoE-1B-7B-0924``, ``Qwen/Qwen3-Next-80B-A3B-Instruct``, ``Qwen/Qwen3.5-35B-A3B``).
+#: ``allenai/OLMoE-1B-7B-0924``, ``Qwen/Qwen3-Next-80B-A3B-Instruct``, ``Qwen/Qwen3.5-35B-A3B``,
+#: ``openai/gpt-oss-20b``, DeepSeek and GLM below). Kimi-K2 is DeepSeek-V3's architecture under
+#: its own model type, which transformers does not register: its demo is ``deepseek_v3``.
 _BASE = dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
              max_position_embeddings=8192, rms_norm_eps=1e-6, hidden_act="silu",
              tie_word_embeddings=False, initializer_range=0.02, attention_dropout=0.0,
@@ -45,6 +50,12 @@ _HYBRID_TEXT = dict(_BASE, head_dim=64, full_attention_interval=4, linear_conv_k
                     linear_num_value_heads=8, num_experts=16, num_experts_per_tok=4,
                     moe_intermediate_size=128, shared_expert_intermediate_size=128,
                     partial_rotary_factor=0.25, rope_theta=10000000.0, attention_bias=False)
+#: DeepSeek-V2-Lite / DeepSeek-V3's MLA and MoE keys (``deepseek-ai/DeepSeek-V2-Lite``,
+#: ``deepseek-ai/DeepSeek-V3``); GLM-4.5-Air's (``zai-org/GLM-4.5-Air``).
+_MLA = dict(_BASE, kv_lora_rank=64, qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32,
+            n_routed_experts=16, num_experts_per_tok=4, moe_intermediate_size=128,
+            intermediate_size=512, first_k_dense_replace=1, moe_layer_freq=1, rope_theta=10000.0,
+            attention_bias=False)
 FAMILIES: dict[str, dict] = {
     "qwen3_moe": dict(_BASE, architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe",
                       head_dim=32, num_experts=16, num_experts_per_tok=4, moe_intermediate_size=128,
@@ -68,6 +79,31 @@ FAMILIES: dict[str, dict] = {
                         tie_word_embeddings=False,
                         text_config=dict(_HYBRID_TEXT, model_type="qwen3_5_moe_text",
                                          layer_types=["linear_attention"] * 3 + ["full_attention"])),
+    # openai/gpt-oss-20b's keys: alternating sliding (128) / full layers, sinks, biases,
+    # YaRN x32 over 4096 (not truncated); bf16 experts here, not mxfp4
+    "gpt_oss": dict(_BASE, architectures=["GptOssForCausalLM"], model_type="gpt_oss", head_dim=32,
+                    num_local_experts=16, num_experts_per_tok=4, experts_per_token=4,
+                    intermediate_size=128, sliding_window=128, attention_bias=True,
+                    layer_types=["sliding_attention", "full_attention"] * 2, rms_norm_eps=1e-5,
+                    max_position_embeddings=131072, initial_context_length=4096,
+                    rope_theta=150000.0, swiglu_limit=7.0, router_aux_loss_coef=0.9,
+                    output_router_logits=False,
+                    rope_scaling=dict(rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0,
+                                      truncate=False, original_max_position_embeddings=4096)),
+    "deepseek_v2": dict(_MLA, architectures=["DeepseekV2ForCausalLM"], model_type="deepseek_v2",
+                        num_key_value_heads=8, q_lora_rank=None, n_shared_experts=2,
+                        routed_scaling_factor=1.0, topk_method="greedy", n_group=1, topk_group=1,
+                        scoring_func="softmax", norm_topk_prob=False),
+    "deepseek_v3": dict(_MLA, architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3",
+                        num_key_value_heads=8, q_lora_rank=96, n_shared_experts=1,
+                        routed_scaling_factor=2.5, topk_method="noaux_tc", n_group=4, topk_group=2,
+                        scoring_func="sigmoid", norm_topk_prob=True, rope_interleave=True),
+    "glm4_moe": dict(_BASE, architectures=["Glm4MoeForCausalLM"], model_type="glm4_moe",
+                     head_dim=32, n_routed_experts=16, n_shared_experts=1, num_experts_per_tok=4,
+                     moe_intermediate_size=128, intermediate_size=512, first_k_dense_replace=1,
+                     n_group=1, topk_group=1, routed_scaling_factor=1.0, norm_topk_prob=True,
+                     partial_rotary_factor=0.5, use_qk_norm=False, attention_bias=True,
+                     rope_theta=1000000.0),
 }
 
 #: The text the tokenizer is trained on (any text encodes; these words become single tokens).
@@ -152,7 +188,7 @@ def _init(name: str, shape: tuple[int, ...], gen, *, one_plus_norms: bool):
     if name.endswith("norm.weight"):
         base = 1.0 if (not one_plus_norms or name.endswith("linear_attn.norm.weight")) else 0.0
         return base + 0.05 * torch.randn(shape, generator=gen)
-    if name.endswith(".bias"):
+    if name.endswith((".bias", "_bias")):
         return 0.02 * torch.randn(shape, generator=gen)
     fan_in = math.prod(shape[1:]) if len(shape) > 1 else shape[0]
     return torch.randn(shape, generator=gen) / math.sqrt(fan_in)
@@ -201,6 +237,7 @@ def write_demo(out: str | Path, family: str = "qwen3_moe", *, seed: int = 0,
     geom = geometry_from_config(cfg, out.name, str(out / "config.json"))
     gen = torch.Generator().manual_seed(seed)
     hybrid = family in ("qwen3_next", "qwen3_5_moe")
+    fused = bool(family_for(cfg["model_type"]).names.fused_experts)
     state: dict[str, torch.Tensor] = {}
 
     def add(name: str, shape: tuple[int, ...]) -> None:
@@ -211,7 +248,20 @@ def write_demo(out: str | Path, family: str = "qwen3_moe", *, seed: int = 0,
     for layer in geom.layers:
         for t in layer.tensors:
             add(t.name, t.shape)
-        if layer.moe is not None:
+        if layer.moe is not None and layer.moe.routing.bias:
+            # the router's e_score_correction_bias: a buffer the listing leaves out, fp32 as
+            # the published checkpoints store it
+            router = next(t.name for t in layer.tensors if t.role == "router")
+            state[router.replace(".weight", ".e_score_correction_bias")] = (
+                0.01 * torch.rand(layer.moe.num_experts, generator=gen))
+        if layer.moe is not None and fused:
+            # fused over the layer (gpt-oss): each expert drawn as its [out, in] matrix,
+            # stored as the checkpoint holds it ([E, in, out]: ``checkpoint_experts``)
+            for t in layer.expert_tensors:
+                one = [_init(t.name, t.shape, gen, one_plus_norms=False) for _ in range(layer.moe.num_experts)]
+                state[t.name] = torch.stack(one).transpose(1, 2) if len(t.shape) == 2 else torch.stack(one)
+                state[t.name] = state[t.name].to(torch.bfloat16).contiguous()
+        elif layer.moe is not None:
             for j in range(layer.moe.num_experts):
                 for t in layer.expert_tensors:
                     # the listing names expert 0 (``...experts.0.gate_proj.weight``)
@@ -229,6 +279,7 @@ def write_demo(out: str | Path, family: str = "qwen3_moe", *, seed: int = 0,
     }
     try:
         save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+        os.chmod(out / "model.safetensors", default_file_mode())   # save_file leaves 0600
         tok.save(str(out / "tokenizer.json"))
         for name, text in files.items():
             (out / name).write_text(text, encoding="utf-8")

@@ -6,13 +6,19 @@ quantized-expert file of a checkpoint without llama.cpp. It mirrors llama.cpp's
 ``convert_hf_to_gguf.py`` where that matters to a reader of the file:
 
 - architecture and metadata keys: ``qwen3moe`` / ``qwen2moe`` / ``olmoe``, Mixtral as
-  ``llama`` with experts (``LlamaModel``); ``block_count``, ``embedding_length``,
-  ``attention.head_count(_kv)``, ``attention.key_length``, ``expert_*``, ``rope.*`` ...;
+  ``llama`` with experts (``LlamaModel``), DeepSeek-V2 / V3 / Kimi-K2 as ``deepseek2``
+  (``DeepseekV2Model``: MLA as MQA over the latent), GLM-4.5 as ``glm4moe``
+  (``Glm4MoeModel``); ``block_count``, ``embedding_length``, ``attention.head_count(_kv)``,
+  ``attention.key_length``, ``expert_*``, ``rope.*`` ... (a family's own keys from its
+  ``gguf_write_meta`` / ``gguf_attention_meta``);
 - tensor names (``gguf.TENSOR_NAMES``): ``token_embd``, ``output_norm``, ``output``,
   ``blk.N.attn_{norm,q,k,v,output,q_norm,k_norm}``, ``blk.N.ffn_norm``,
   ``blk.N.ffn_gate_inp`` (router), ``blk.N.ffn_{gate,up,down}_exps`` (experts stacked
   ``[E, out, in]``), ``blk.N.ffn_{gate,up,down}_shexp`` + ``ffn_gate_inp_shexp``;
 - ``llama``: q/k rows permuted for llama.cpp's interleaved RoPE (``LlamaModel.permute``);
+- ``deepseek2``: ``kv_b_proj`` split per head into ``attn_k_b`` (transposed) and
+  ``attn_v_b``, as current llama.cpp writes it (the family's ``gguf_split_tensors``); the
+  router's ``e_score_correction_bias`` as ``exp_probs_b.bias``;
 - routers and 1-D tensors stay F32;
 - ``general.quantization_version`` (``GGML_QUANT_VERSION``, as ``prepare_metadata`` adds it);
 - the vocabulary as ``_set_vocab_gpt2`` writes it: one entry per id up to the config's
@@ -46,14 +52,15 @@ from typing import Callable, Iterator, Mapping
 
 import numpy as np
 
-from moefit.ingest.checkpoint import checkpoint_files
+from moefit.ingest.checkpoint import checkpoint_files, classify
 from moefit.ingest.families import registry
-from moefit.ingest.families.common import gguf_moe_metadata, rope_config
+from moefit.ingest.families.common import Cfg, gguf_moe_metadata, partial_rotary, rope_config
 
-# routed experts under any MoE block name (``mlp``, Mixtral's ``block_sparse_moe``, ...)
-_PER_EXPERT = re.compile(r"^model\.layers\.(\d+)\.\w+\.experts\.(\d+)\."
+# routed experts under any MoE block name (``mlp``, Mixtral's ``block_sparse_moe``, ...) and
+# any text-model prefix (``model.``, a multimodal checkpoint's ``model.language_model.``)
+_PER_EXPERT = re.compile(r"^(?:[\w.]+\.)?layers\.(\d+)\.\w+\.experts\.(\d+)\."
                          r"(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
-_FUSED = re.compile(r"^model\.layers\.(\d+)\.\w+\.experts\.(gate_up_proj|down_proj)$")
+_FUSED = re.compile(r"^(?:[\w.]+\.)?layers\.(\d+)\.\w+\.experts\.(gate_up_proj|down_proj)$")
 _PART = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
 
 
@@ -71,14 +78,15 @@ def gguf_arch(model_type: str) -> str:
     return arch
 
 
-def gguf_name(hf_name: str, model_type: str) -> str:
-    """GGUF name of a non-expert HF tensor name, from the name table of ``model_type``'s
-    family (:class:`moefit.ingest.families.common.NameTable`). Raises KeyError for a name
-    the table does not hold."""
+def gguf_name(hf_name: str, model_type: str, text_prefix: str = "model.") -> str:
+    """GGUF name of a non-expert HF tensor name (under the text model's ``text_prefix``),
+    from the name table of ``model_type``'s family
+    (:class:`moefit.ingest.families.common.NameTable`). Raises KeyError for a name the
+    table does not hold."""
     family = registry.family_for(model_type)
     if family is None:
         raise KeyError(hf_name)
-    return family.names.gguf_from_hf(hf_name)
+    return family.names.gguf_from_hf(hf_name, text_prefix)
 
 
 def permute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -130,6 +138,16 @@ def _store(qtype: str, data: np.ndarray):
         return data.astype(np.float16), None
     t = GGMLQuantizationType[qtype]
     return quants.quantize(data, t), t
+
+
+def _stored(qtype: str, data: np.ndarray):
+    """(array to write, raw ggml type or None) of ``data`` already stored as ``qtype``
+    (uint8 bytes of a quantized type, or the values of F32 / F16)."""
+    from gguf import GGMLQuantizationType
+
+    if qtype in ("F32", "F16"):
+        return _store(qtype, data)
+    return np.ascontiguousarray(data, dtype=np.uint8), GGMLQuantizationType[qtype]
 
 
 def _dequantized(raw: np.ndarray, raw_type, shape: tuple[int, ...]) -> np.ndarray:
@@ -213,19 +231,30 @@ def write_gguf(state: Mapping[str, "object"], config: Mapping, out: str | Path, 
         model. Otherwise None.
 
     Raises KeyError for a tensor name the families do not have, ValueError for a
-    ``model_type`` other than qwen3_moe, qwen2_moe, mixtral, olmoe.
+    ``model_type`` the runtime's GGUF loader does not run (:func:`gguf_arch`) or a
+    DeepSeek-V3 checkpoint with rotate-half RoPE (``rope_interleave`` false).
     """
     import gguf
 
     mt = config.get("model_type")
     arch = gguf_arch(mt)
-    expert_names = registry.family_for(mt).names
-    permute = registry.family_for(mt).gguf_permute_qk
-    heads, kv_heads = config["num_attention_heads"], config.get("num_key_value_heads", config["num_attention_heads"])
-    hidden = config["hidden_size"]
-    head_dim = config.get("head_dim") or hidden // heads
-    experts = config.get("num_experts") or config.get("num_local_experts")
-    n_layers = config["num_hidden_layers"]
+    family = registry.family_for(mt)
+    expert_names = family.names
+    permute = family.gguf_permute_qk
+    sw = family.switches(dict(config))     # the text model's config and checkpoint prefix
+    text, prefix = sw.config, sw.prefix
+    heads, kv_heads = text["num_attention_heads"], text.get("num_key_value_heads", text["num_attention_heads"])
+    hidden = text["hidden_size"]
+    head_dim = text.get("head_dim") or hidden // heads
+    experts = text.get("num_experts") or text.get("num_local_experts") or text.get("n_routed_experts")
+    n_layers = text["num_hidden_layers"]
+    attn = {"head_count_kv": kv_heads, "key_length": head_dim, "value_length": head_dim,
+            "rope_dimension_count": int(head_dim * partial_rotary(Cfg(dict(text), "config.json")))}
+    if family.gguf_attention_meta is not None:
+        attn.update(family.gguf_attention_meta(dict(text)))
+    if mt in ("deepseek_v3", "kimi_k2") and text.get("rope_interleave") is False:
+        raise ValueError(f"model_type {mt!r} with rope_interleave false: llama.cpp's deepseek2 "
+                         "rotates interleaved pairs, so the file would not run as this model does")
     # q/k weights and biases (GGUF name under blk.N.) -> heads, for the llama.cpp row permutation
     qk_heads = {expert_names.layer[slot][1]: heads if slot.startswith("q") else kv_heads
                 for slot in ("q", "q_bias", "k", "k_bias")}
@@ -233,15 +262,15 @@ def write_gguf(state: Mapping[str, "object"], config: Mapping, out: str | Path, 
     w = gguf.GGUFWriter(str(out), arch, split_max_tensors=split_max_tensors)
     w.add_name(name or f"moefit-{mt}")
     w.add_block_count(n_layers)
-    w.add_context_length(config["max_position_embeddings"])
+    w.add_context_length(text["max_position_embeddings"])
     w.add_embedding_length(hidden)
     w.add_head_count(heads)
-    w.add_head_count_kv(kv_heads)
-    w.add_key_length(head_dim)
-    w.add_value_length(head_dim)
-    w.add_rope_dimension_count(head_dim)
-    w.add_layer_norm_rms_eps(float(config.get("rms_norm_eps", 1e-6)))
-    r = rope_config(dict(config))   # the planner's and the runtime's RoPE reading
+    w.add_head_count_kv(attn["head_count_kv"])
+    w.add_key_length(attn["key_length"])
+    w.add_value_length(attn["value_length"])
+    w.add_rope_dimension_count(attn["rope_dimension_count"])
+    w.add_layer_norm_rms_eps(float(text.get("rms_norm_eps", 1e-6)))
+    r = rope_config(dict(text))   # the planner's and the runtime's RoPE reading
     rope, kind = r.block, r.rope_type
     w.add_rope_freq_base(r.theta)
     if kind in ("yarn", "linear"):
@@ -249,10 +278,10 @@ def write_gguf(state: Mapping[str, "object"], config: Mapping, out: str | Path, 
         w.add_rope_scaling_factor(float(rope["factor"]))
         if rope.get("original_max_position_embeddings"):
             w.add_rope_scaling_orig_ctx_len(int(rope["original_max_position_embeddings"]))
-    w.add_vocab_size(config["vocab_size"])
+    w.add_vocab_size(text["vocab_size"])
     w.add_expert_count(experts)
-    w.add_expert_used_count(config["num_experts_per_tok"])
-    (registry.family_for(mt).gguf_write_meta or gguf_moe_metadata)(w, config)
+    w.add_expert_used_count(text["num_experts_per_tok"])
+    (family.gguf_write_meta or gguf_moe_metadata)(w, dict(text, model_type=mt))
     if file_type is not None:
         w.add_file_type(file_type)
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
@@ -261,10 +290,10 @@ def write_gguf(state: Mapping[str, "object"], config: Mapping, out: str | Path, 
 
         tokenizer = Tokenizer.from_file(str(Path(tokenizer_dir) / "tokenizer.json"))
     if tokenizer is not None:
-        _add_vocab(w, tokenizer, config["vocab_size"], tokenizer_pre)
+        _add_vocab(w, tokenizer, text["vocab_size"], tokenizer_pre)
         if tokenizer_dir is not None:
             gguf.SpecialVocab(Path(tokenizer_dir), load_merges=True,
-                              n_vocab=config["vocab_size"]).add_to_gguf(w, quiet=True)
+                              n_vocab=text["vocab_size"]).add_to_gguf(w, quiet=True)
         else:
             model = json.loads(tokenizer.to_str())["model"]
             w.add_token_merges([" ".join(m) if isinstance(m, list) else m for m in model["merges"]])
@@ -274,27 +303,55 @@ def write_gguf(state: Mapping[str, "object"], config: Mapping, out: str | Path, 
         w.add_chat_template(chat_template)
 
     # ---- the tensors in file order, declared by shape (no data yet) ----------------------
-    plan: list[tuple[str, tuple[int, ...], str, Callable[[], np.ndarray]]] = []
-    layout = _expert_layout(state.keys())
+    def layer_types(layer: int) -> tuple[str, str, str]:
+        return expert_types if isinstance(expert_types, tuple) else (
+            expert_types.get(layer, ("Q8_0",) * 3) if isinstance(expert_types, Mapping) else (expert_types,) * 3)
+
+    def dense_qtype(g: str, shape: tuple[int, ...]) -> str:
+        qt = "F32" if len(shape) < 2 or "ffn_gate_inp" in g else dense_type
+        return (dense_types or {}).get(g, qt)
+
+    # (GGUF name, shape, type, producer, the producer's bytes are already stored)
+    plan: list[tuple[str, tuple[int, ...], str, Callable[[], np.ndarray], bool]] = []
+    convs = family.gguf_tensors(state, dict(text), prefix, lambda k: _shape(state, k)) if family.gguf_tensors else []
+    consumed = {k for c in convs for k in c.sources}
+    for c in convs:
+        for o in c.outputs:
+            if o.stored:
+                qt, raw = o.stored, True
+            elif o.kind in ("gate", "up", "down"):
+                qt, raw = layer_types(int(o.name.split(".")[1]))[("gate", "up", "down").index(o.kind)], False
+            else:
+                qt, raw = ("F32" if o.kind == "f32" else dense_qtype(o.name, o.shape)), False
+            plan.append((o.name, tuple(o.shape), qt, o.make, raw))
+    keys = [k for k in state.keys() if k not in consumed and classify(k, n_layers)[0] != "skip"]
+    layout = _expert_layout(keys)
     for layer in sorted(layout):
         kind, names = layout[layer]
-        types = expert_types if isinstance(expert_types, tuple) else (
-            expert_types.get(layer, ("Q8_0",) * 3) if isinstance(expert_types, Mapping) else (expert_types,) * 3)
-        for part, qt in zip(("gate", "up", "down"), types):
+        for part, qt in zip(("gate", "up", "down"), layer_types(layer)):
             shape, make = _expert_part(state, kind, names, part, experts)
-            plan.append((expert_names.gguf_expert(part, layer), shape, qt, make))
-    dense = [k for k in state.keys() if not (_FUSED.match(k) or _PER_EXPERT.match(k))]
+            plan.append((expert_names.gguf_expert(part, layer), shape, qt, make, False))
+    dense = [k for k in keys if not (_FUSED.match(k) or _PER_EXPERT.match(k))]
+    splits: dict[str, tuple] = {}    # HF name -> (its parts' GGUF names, join)
     for k in dense:
-        g = gguf_name(k, mt)
         shape = _shape(state, k)
+        split = family.gguf_split_tensors(k, shape, dict(text)) if family.gguf_split_tensors else None
+        if split is not None:       # one HF tensor written as several (MLA's kv_b_proj)
+            parts, join = split
+            splits[k] = ([gguf_name(n, mt, prefix) for n, _, _ in parts], join)
+            for n, part_shape, part in parts:
+                g = gguf_name(n, mt, prefix)
+                plan.append((g, part_shape, (dense_types or {}).get(g, dense_type),
+                             lambda k=k, part=part: part(_f32(state[k])), False))
+            continue
+        g = gguf_name(k, mt, prefix)
         n_perm = qk_heads.get(g.split(".", 2)[-1]) if permute else None
 
         def make(k=k, n_perm=n_perm) -> np.ndarray:
             v = _f32(state[k])
             return np.ascontiguousarray(permute_qk(v, n_perm)) if n_perm else v
-        qt = "F32" if len(shape) < 2 or "ffn_gate_inp" in g else dense_type
-        plan.append((g, shape, (dense_types or {}).get(g, qt), make))
-    for g, shape, qt, _ in plan:
+        plan.append((g, shape, dense_qtype(g, shape), make, False))
+    for g, shape, qt, _, _ in plan:
         arr_shape, dtype, nbytes, raw_type = _declared(qt, shape)
         w.add_tensor_info(g, arr_shape, dtype, nbytes, raw_dtype=raw_type)
     w.write_header_to_file()
@@ -303,8 +360,8 @@ def write_gguf(state: Mapping[str, "object"], config: Mapping, out: str | Path, 
 
     # ---- then the data, one tensor at a time -------------------------------------------
     deq: dict[str, np.ndarray] = {}
-    for g, shape, qt, make in plan:
-        raw, raw_type = _store(qt, make())
+    for g, shape, qt, make, stored_already in plan:
+        raw, raw_type = _stored(qt, make()) if stored_already else _store(qt, make())
         w.write_tensor_data(raw)
         if return_stored:
             deq[g] = _dequantized(raw, raw_type, shape)
@@ -315,8 +372,17 @@ def write_gguf(state: Mapping[str, "object"], config: Mapping, out: str | Path, 
 
     # ---- the stored weights under the input names ---------------------------------------
     stored: dict[str, np.ndarray] = {}
+    for c in convs:
+        arrays = [deq[o.name] for o in c.outputs]
+        name = c.hf_name or c.sources[0]
+        stored[name] = (np.ascontiguousarray(c.back(arrays), dtype=np.float32) if c.back
+                        else arrays[0].reshape(_shape(state, c.sources[0])))
     for k in dense:
-        g = gguf_name(k, mt)
+        if k in splits:
+            names, join = splits[k]
+            stored[k] = join(*(deq[n] for n in names))
+            continue
+        g = gguf_name(k, mt, prefix)
         n_perm = qk_heads.get(g.split(".", 2)[-1]) if permute else None
         stored[k] = unpermute_qk(deq[g], n_perm) if n_perm else deq[g]
     for layer, (kind, names) in layout.items():

@@ -253,14 +253,15 @@ def read_rope(c: Cfg, max_pos: int) -> RopeSpec:
                     trained_window=max_pos, original_window=original)
 
 
-def partial_rotary(c: Cfg) -> float:
+def partial_rotary(c: Cfg, default: float = 1.0) -> float:
     """``partial_rotary_factor``: inside the RoPE dict (:func:`rope_block`), else at top
     level, else 1. The rule of :func:`rope_config` for ``rope_theta``: transformers'
     ``convert_rope_params_to_dict`` sets the top-level value as the dict's default, and the
     models read the dict (``modeling_qwen3_next.py``: ``config.rope_parameters.get(
-    "partial_rotary_factor", 1.0)``). A fraction of the head dimension: 0 to 1."""
+    "partial_rotary_factor", 1.0)``). A fraction of the head dimension: 0 to 1; ``default``
+    when the config has none (the config class's: GLM-4.5's ``Glm4MoeConfig`` sets 0.5)."""
     value = rope_block(c.data).get("partial_rotary_factor")
-    return bounded_float(value if value is not None else c.get("partial_rotary_factor", 1.0),
+    return bounded_float(value if value is not None else c.get("partial_rotary_factor", default),
                          "partial_rotary_factor", c.source, low=0.0, high=1.0)
 
 
@@ -432,6 +433,15 @@ LAYER_NAMES: dict[str, tuple[str, str]] = {
     "dense_down": ("mlp.down_proj.weight", "ffn_down.weight"),
 }
 
+#: Name suffixes (Hugging Face, GGUF) of tensors held in fp32 whatever the compute dtype:
+#: the router's ``e_score_correction_bias`` of DeepSeek-V3 / Kimi-K2 / GLM-4.5 (slot
+#: ``router_bias``; GGUF ``exp_probs_b.bias``), which transformers keeps in fp32
+#: (``_keep_in_fp32_modules_strict`` of ``DeepseekV3PreTrainedModel``) and vLLM too: it
+#: decides which experts run, and bf16 would round it. The weight pricing
+#: (``moefit.ingest.checkpoint.held_bytes``, ``moefit.ingest.gguf_header``) and both loaders
+#: read this.
+FP32_TENSORS: tuple[str, ...] = ("e_score_correction_bias", "exp_probs_b.bias")
+
 #: Model-wide tensors: slot -> (Hugging Face name, under the text model's prefix except
 #: ``lm_head``, GGUF name) (``TENSOR_NAMES``: ``token_embd``, ``output_norm``, ``output``).
 GLOBAL_NAMES: dict[str, tuple[str, str]] = {
@@ -449,6 +459,58 @@ GGUF_EXPERT_NAMES: dict[str, str] = {
 }
 
 
+#: Per-layer Hugging Face tensors outside :data:`LAYER_NAMES` (the families' own attention and
+#: MoE modules) -> their GGUF names, as llama.cpp's ``convert_hf_to_gguf.py`` writes them
+#: (``gguf-py/gguf/tensor_mapping.py``): MLA (DeepSeek-V2/V3, Kimi-K2), Gated DeltaNet (Qwen3.5,
+#: Qwen3-Next), gpt-oss's sinks and router bias, Llama 4's ``feed_forward``, the DeepSeek /
+#: GLM-4.5 ``shared_experts`` and routing bias. Keys are the name under ``layers.N.``.
+GGUF_LAYER_EXTRA: dict[str, str] = {
+    "self_attn.q_a_proj.weight": "attn_q_a.weight",
+    "self_attn.q_a_layernorm.weight": "attn_q_a_norm.weight",
+    "self_attn.q_b_proj.weight": "attn_q_b.weight",
+    "self_attn.kv_a_proj_with_mqa.weight": "attn_kv_a_mqa.weight",
+    "self_attn.kv_a_layernorm.weight": "attn_kv_a_norm.weight",
+    "self_attn.kv_b_proj.weight": "attn_kv_b.weight",
+    "self_attn.sinks": "attn_sinks.weight",
+    "linear_attn.in_proj_qkv.weight": "attn_qkv.weight",
+    "linear_attn.in_proj_z.weight": "attn_gate.weight",
+    "linear_attn.in_proj_b.weight": "ssm_beta.weight",
+    "linear_attn.in_proj_a.weight": "ssm_alpha.weight",
+    "linear_attn.in_proj_qkvz.weight": "ssm_in.weight",
+    "linear_attn.in_proj_ba.weight": "ssm_ba.weight",
+    "linear_attn.conv1d.weight": "ssm_conv1d.weight",
+    "linear_attn.dt_bias": "ssm_dt.bias",
+    "linear_attn.A_log": "ssm_a",
+    "linear_attn.norm.weight": "ssm_norm.weight",
+    "linear_attn.out_proj.weight": "ssm_out.weight",
+    "mlp.router.weight": "ffn_gate_inp.weight",
+    "mlp.router.bias": "ffn_gate_inp.bias",
+    "mlp.gate.e_score_correction_bias": "exp_probs_b.bias",
+    "mlp.shared_experts.gate_proj.weight": "ffn_gate_shexp.weight",
+    "mlp.shared_experts.up_proj.weight": "ffn_up_shexp.weight",
+    "mlp.shared_experts.down_proj.weight": "ffn_down_shexp.weight",
+    "feed_forward.router.weight": "ffn_gate_inp.weight",
+    "feed_forward.shared_expert.gate_proj.weight": "ffn_gate_shexp.weight",
+    "feed_forward.shared_expert.up_proj.weight": "ffn_up_shexp.weight",
+    "feed_forward.shared_expert.down_proj.weight": "ffn_down_shexp.weight",
+    "feed_forward.gate_proj.weight": "ffn_gate.weight",
+    "feed_forward.up_proj.weight": "ffn_up.weight",
+    "feed_forward.down_proj.weight": "ffn_down.weight",
+}
+
+#: One routed expert's Hugging Face tensor (the name after ``experts.[j.]``) -> the GGUF
+#: tensors stacking every expert (:data:`GGUF_EXPERT_NAMES`; a fused ``gate_up`` is written as
+#: gate and up, each half of the rows, as ``convert_hf_to_gguf.py`` does for gpt-oss and Llama 4).
+GGUF_EXPERT_PARTS: dict[str, tuple[str, ...]] = {
+    "gate_proj.weight": ("ffn_gate_exps.weight",), "w1.weight": ("ffn_gate_exps.weight",),
+    "up_proj.weight": ("ffn_up_exps.weight",), "w3.weight": ("ffn_up_exps.weight",),
+    "down_proj.weight": ("ffn_down_exps.weight",), "w2.weight": ("ffn_down_exps.weight",),
+    "down_proj": ("ffn_down_exps.weight",), "down_proj_bias": ("ffn_down_exps.bias",),
+    "gate_up_proj": ("ffn_gate_exps.weight", "ffn_up_exps.weight"),
+    "gate_up_proj_bias": ("ffn_gate_exps.bias", "ffn_up_exps.bias"),
+}
+
+
 @dataclass(frozen=True)
 class NameTable:
     """One family's tensor names (see :data:`LAYER_NAMES`), resolved for its MoE block name.
@@ -457,7 +519,11 @@ class NameTable:
     checkpoint may use instead (transformers 5.x saves every MoE block as ``mlp``).
     ``moe_blocks``: the MoE block names a checkpoint may use, the family's first.
     ``expert_parts``: the (gate, up, down) module names of one routed expert under
-    ``{moe}.experts.{j}.``. The one home of a family's MoE names: its parser lists them
+    ``{moe}.experts.{j}.``; ``fused_experts``: for a family whose checkpoints hold its
+    experts only fused over the layer (gpt-oss), those tensors' names under
+    ``{moe}.experts.``. ``shared_gate``: the shared expert is scaled by a 1-row sigmoid
+    gate (``shared_expert_gate``: Qwen2-MoE, Qwen3-Next); DeepSeek's and GLM-4.5's
+    ``shared_experts`` are added ungated. The one home of a family's MoE names: its parser lists them
     (:meth:`router_module`, :meth:`hf_experts`), the runtime loads them
     (``moefit.runtime.arch.Arch.moe_prefix`` / ``expert_names``).
     """
@@ -468,6 +534,8 @@ class NameTable:
     aliases: dict[str, str] = field(default_factory=dict)
     moe_blocks: tuple[str, ...] = ("mlp",)
     expert_parts: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+    shared_gate: bool = True
+    fused_experts: tuple[str, ...] = ()
 
     @property
     def moe_prefix(self) -> str:
@@ -515,7 +583,8 @@ class NameTable:
 
 
 def name_table(moe_prefix: str = "mlp", layer: dict[str, tuple[str, str]] | None = None,
-               expert_parts: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")) -> NameTable:
+               expert_parts: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"),
+               shared_gate: bool = True) -> NameTable:
     """The :class:`NameTable` of a family whose MoE block is ``{prefix}layers.N.{moe_prefix}``
     with experts' (gate, up, down) modules ``expert_parts``, and ``layer`` overriding or
     adding per-layer entries. A block not named ``mlp`` (Mixtral's
@@ -524,7 +593,7 @@ def name_table(moe_prefix: str = "mlp", layer: dict[str, tuple[str, str]] | None
     table = {slot: (hf.replace("{moe}", moe_prefix), g) for slot, (hf, g) in {**LAYER_NAMES, **(layer or {})}.items()}
     aliases = {} if moe_prefix == "mlp" else {LAYER_NAMES["router"][0].replace("{moe}", "mlp"): "router"}
     return NameTable(table, dict(GLOBAL_NAMES), dict(GGUF_EXPERT_NAMES), aliases,
-                     tuple(dict.fromkeys((moe_prefix, "mlp"))), tuple(expert_parts))
+                     tuple(dict.fromkeys((moe_prefix, "mlp"))), tuple(expert_parts), shared_gate=shared_gate)
 
 
 # --------------------------------------------------------------------------------------------
@@ -538,7 +607,18 @@ class Switches:
     ``dtype``: dtype name (:func:`dtype_name`). ``qk_norm``: ``"head"``, ``"full"`` or ``""``.
     ``renormalize``: divide the top-k routing weights by their sum. (The MoE block and
     expert names are the family's :class:`NameTable`'s.) ``config``: the text model's config dict; ``prefix``: checkpoint prefix of the text
-    model; ``norm_offset``: 1.0 for ``(1 + w)`` RMSNorm weights.
+    model; ``norm_offset``: 1.0 for ``(1 + w)`` RMSNorm weights; ``rope_interleave``: RoPE
+    rotates interleaved pairs ``(x0, x1), (x2, x3) ...`` (DeepSeek's layout) instead of the
+    two halves (``rotate_half``).
+
+    gpt-oss (``modeling_gpt_oss.py``): ``sinks``, a learned per-head logit in every softmax
+    denominator (``GptOssAttention.sinks``); ``router_bias``, the router's bias;
+    ``topk_softmax``, softmax over the top-k router logits only (``GptOssTopKRouter``);
+    ``clamped_swiglu`` ``(alpha, limit)``: experts with biases and the clamped SwiGLU of
+    ``GptOssExperts._apply_gate`` (``(clamp(up, -limit, limit) + 1) * g * sigmoid(alpha g)``,
+    ``g = min(gate, limit)``); ``None`` is the plain SwiGLU without biases;
+    ``norm_fp32``: the RMSNorm weights multiply in fp32 before the cast (``GptOssRMSNorm``,
+    kept in fp32 by ``_keep_in_fp32_modules``).
     """
 
     model_type: str
@@ -553,6 +633,12 @@ class Switches:
     config: dict
     prefix: str = "model."
     norm_offset: float = 0.0
+    rope_interleave: bool = False
+    sinks: bool = False
+    router_bias: bool = False
+    topk_softmax: bool = False
+    clamped_swiglu: tuple[float, float] | None = None
+    norm_fp32: bool = False
 
 
 # --------------------------------------------------------------------------------------------
@@ -623,6 +709,39 @@ def gguf_moe_metadata(w: Any, config: dict) -> None:
     w.add_expert_weights_norm(bool(config.get("norm_topk_prob", False)))
 
 
+@dataclass(frozen=True)
+class GGUFTensorOut:
+    """One tensor a family's GGUF conversion writes (:class:`GGUFConversion`).
+
+    ``name``: the GGUF name; ``shape``: its shape in torch order; ``make()``: its values as
+    a float32 array of that shape, or, with ``stored``, the bytes already in that ggml type
+    (uint8 ``[..., row bytes]``: written as they are, not quantized again). ``kind``:
+    ``dense`` (the writer's dense type, F32 when 1-D), ``f32``, or the expert part
+    ``gate`` / ``up`` / ``down`` (the layer's expert type).
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    make: Callable[[], Any]
+    kind: str = "dense"
+    stored: str | None = None
+
+
+@dataclass(frozen=True)
+class GGUFConversion:
+    """How ``moefit.tools.gguf_write`` writes some Hugging Face tensors of a family that
+    llama.cpp's converter transforms (``convert_hf_to_gguf.py``): the state keys
+    ``sources`` become ``outputs``. ``hf_name``: the tensor of the transformers model the
+    outputs hold (default: the only source); ``back(arrays)``: the outputs as the file
+    stores them (float32, torch order, in ``outputs`` order) -> that tensor, for a reference
+    model on the stored weights (default: the only output, reshaped)."""
+
+    sources: tuple[str, ...]
+    outputs: tuple[GGUFTensorOut, ...]
+    hf_name: str | None = None
+    back: Callable[[list], Any] | None = None
+
+
 # --------------------------------------------------------------------------------------------
 # the family record
 # --------------------------------------------------------------------------------------------
@@ -651,7 +770,14 @@ class Family:
     config)``: the family's own metadata keys for ``moefit.tools.gguf_write`` (default
     :func:`gguf_moe_metadata`). ``active_convention``: per model_type, how its model card
     counts active parameters when not every embedding is counted
-    (:data:`~moefit.ingest.geometry.ACTIVE_CONVENTIONS`).
+    (:data:`~moefit.ingest.geometry.ACTIVE_CONVENTIONS`). ``gguf_attention_meta(config)``:
+    the family's values of the attention keys ``moefit.tools.gguf_write`` writes
+    (``head_count_kv``, ``key_length``, ``value_length``, ``rope_dimension_count``; default:
+    the KV heads and the head dim). ``gguf_split_tensors(name, shape, config)``: a Hugging
+    Face tensor the converter writes as several GGUF tensors (``(parts, join)``), or None.
+    ``gguf_tensors(state, config, prefix, shape_of)``: the :class:`GGUFConversion` of the
+    tensors the family writes its own way (``config`` the text model's, ``prefix`` its
+    checkpoint prefix); the writer maps every other tensor by the name table.
     """
 
     name: str
@@ -670,6 +796,9 @@ class Family:
     gguf_permute_qk: bool = False
     gguf_write_meta: Callable[[Any, dict], None] | None = None
     active_convention: dict[str, str] = field(default_factory=dict)
+    gguf_attention_meta: Callable[[dict], dict] | None = None
+    gguf_split_tensors: Callable[[str, tuple, dict], Any] | None = None
+    gguf_tensors: Callable[..., list[GGUFConversion]] | None = None
 
     def kind(self, model_type: str) -> str:
         """The model_type whose parser branch ``model_type`` takes."""
