@@ -94,6 +94,23 @@ def test_gemm_rows_of_any_block_count(qtype):
         assert rel_err(got, x.double() @ w.T) < bound, cols
 
 
+@pytest.mark.parametrize("qtype", ["BF16", "Q8_0", "Q4_K"])
+def test_rows_of_a_batch_equal_each_row_alone(qtype):
+    """A step of several sequences (BF16 rows: 4 activation rows per weight row read) gives
+    each row exactly what it gives alone, for every remainder of 4 rows and of 64 columns."""
+    for cols, n in ((96, 9), (512, 6), (288, 4)):
+        if not qm.supports(qtype, cols):
+            continue
+        raw = torch.from_numpy(random_matrix(qtype, 40, cols, seed=cols).reshape(-1))
+        x = torch.randn(n, cols, generator=torch.Generator().manual_seed(n)).bfloat16()
+        got = qm.gemm(x, raw, qtype, 40, cols, threads=2)
+        alone = torch.cat([qm.gemm(x[i:i + 1], raw, qtype, 40, cols, threads=1) for i in range(n)])
+        assert torch.equal(got, alone), (cols, n)
+        w = reference_weights(raw.numpy(), qtype, 40, cols)
+        bound = FLOAT_BOUND if qtype == "BF16" else QUANT_BOUND
+        assert rel_err(got, x.double() @ w.T) < bound
+
+
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_K", "Q6_K"])
 def test_quantized_error_is_activation_rounding_not_a_layout_slip(qtype):
     """A wrong block layout (a swapped nibble order, a shifted scale) gives errors of the
