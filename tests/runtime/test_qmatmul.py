@@ -210,3 +210,41 @@ def test_dequantize_is_bit_exact(qtype):
     assert torch.equal(got16.view(torch.int16), ref.bfloat16().view(torch.int16))
     with pytest.raises(ValueError, match="out must be"):
         qm.dequantize(flat, qtype, rows, cols, torch.empty(rows, cols - 1))
+
+
+def test_activation_quantization_is_the_documented_rounding_bit_for_bit():
+    """The activations' int8 form (qmatmul.c, vectorised where AVX-512 runs) is exactly
+    ggml's: per 32 values (and per 256 for the K-quant form) d = max|x| / 127, q =
+    round-half-even(x * (1 / d)) in fp32, with the int sums per 16 values; a block of zeros
+    gives d = 0 and q = 0."""
+    import numpy as np
+
+    k = 512
+    x = torch.randn(k, generator=torch.Generator().manual_seed(7)) * 3
+    x[64:96] = 0.0                       # a block of zeros
+    x[100] = 2.5 * (x[96:128].abs().max() / 127)   # a product near a half
+    out = torch.zeros(qm.qact_bytes(k), dtype=torch.uint8)
+    qm.library().mf_quantize_act(x.data_ptr(), k, out.data_ptr())
+    xs = x.numpy().astype(np.float32)
+
+    def ref(block: int):
+        b = xs.reshape(-1, block)
+        d = (np.abs(b).max(axis=1) / np.float32(127)).astype(np.float32)
+        inv = np.where(d != 0, np.float32(1) / np.where(d != 0, d, 1), 0).astype(np.float32)
+        q = np.rint((b * inv[:, None]).astype(np.float32)).astype(np.int8)
+        return q.reshape(-1), d, q.reshape(-1, 16).astype(np.int32).sum(axis=1)
+
+    raw = out.numpy()
+    q, d, s16 = ref(32)
+    qk, dk, sk16 = ref(256)
+    o = 0
+    got_q = raw[o:o + k].view(np.int8); o += k
+    got_qk = raw[o:o + k].view(np.int8); o += k
+    got_d = raw[o:o + k // 32 * 4].view(np.float32); o += k // 32 * 4
+    o += k // 32 * 4                                            # dsy
+    got_dk = raw[o:o + k // 256 * 4].view(np.float32); o += k // 256 * 4
+    got_s16 = raw[o:o + k // 16 * 2].view(np.int16); o += k // 16 * 2
+    got_sk16 = raw[o:o + k // 16 * 2].view(np.int16)
+    assert np.array_equal(got_q, q) and np.array_equal(got_d, d) and np.array_equal(got_s16, s16)
+    assert np.array_equal(got_qk, qk) and np.array_equal(got_dk, dk) and np.array_equal(got_sk16, sk16)
+    assert not got_q[64:96].any()

@@ -80,7 +80,7 @@ def scratch_bytes(tokens: int, hidden: int, inter: int, act: torch.dtype) -> int
     one-by-one path's buffers for the chunk (``[T, H]`` input rows, ``[T, 2I]`` gate/up,
     ``[T, H]`` output, and its ``[T, H]`` fp32 copy unless ``act`` is fp32), and at least
     the kernel's token rows and one pair (:func:`moefit.runtime.qmatmul.moe_scratch_bytes`)."""
-    e = torch.empty((), dtype=act).element_size()
+    e = act.itemsize
     old = tokens * (2 * hidden * e + 2 * inter * e + (0 if act == torch.float32 else 4 * hidden))
     return max(old, qmatmul.moe_scratch_bytes(tokens, hidden, inter, 1))
 

@@ -60,16 +60,42 @@ static inline float e8m0_half(uint8_t e) {   /* ggml_e8m0_to_fp32_half */
  * blocks of a 4-bit type lie in one vector (dot_b32_512) ------------------------------------ */
 typedef struct { int8_t *q; float *d; float *dsy; int16_t *s16; int8_t *qk; float *dk; int16_t *sk16; int8_t *qn; } qact;
 
+/* max |x[i]| over n values (n a multiple of 16), and round(x[i] * id) of 16 values into q
+ * as int8, returning their sum: the scalar loops below, 16 values per instruction (the same
+ * IEEE products, and vcvtps2dq rounds to nearest even as lrintf does in the default mode, so
+ * the results are the scalar ones bit for bit). A decode step quantizes each activation row
+ * on one thread, so this part does not shrink with threads. */
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define QACT512 1
+static inline float amax_512(const float *x, int n) {
+    __m512 m = _mm512_setzero_ps();
+    for (int i = 0; i < n; i += 16) m = _mm512_max_ps(m, _mm512_abs_ps(_mm512_loadu_ps(x + i)));
+    return _mm512_reduce_max_ps(m);
+}
+static inline int32_t q16_512(const float *x, float id, int8_t *q) {
+    __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x), _mm512_set1_ps(id)));
+    _mm_storeu_si128((__m128i *)q, _mm512_cvtepi32_epi8(v));
+    return _mm512_reduce_add_epi32(v);
+}
+#endif
+
 /* The K-quant form (ggml's Q8_K): one scale per 256 values, so a super-block's sub-block
  * products add up in integers; sums per 16 values. Filled when K is a multiple of 256. */
 static void quantize_act_k(const float *x, int K, qact a) {
     for (int b = 0; b < K / 256; b++) {
         const float *xb = x + 256 * b;
         float amax = 0.f;
+#ifdef QACT512
+        amax = amax_512(xb, 256);
+#else
         for (int i = 0; i < 256; i++) { float v = fabsf(xb[i]); amax = v > amax ? v : amax; }
+#endif
         float d = amax / 127.f, id = d ? 1.f / d : 0.f;
         a.dk[b] = d;
         for (int g = 0; g < 16; g++) {
+#ifdef QACT512
+            a.sk16[16 * b + g] = (int16_t)q16_512(xb + 16 * g, id, a.qk + 256 * b + 16 * g);
+#else
             int32_t sg = 0;
             for (int i = 16 * g; i < 16 * g + 16; i++) {
                 int q = (int)lrintf(xb[i] * id);
@@ -77,6 +103,7 @@ static void quantize_act_k(const float *x, int K, qact a) {
                 sg += q;
             }
             a.sk16[16 * b + g] = (int16_t)sg;
+#endif
         }
     }
 }
@@ -86,6 +113,12 @@ static void quantize_act(const float *x, int K, qact a) {
     for (int b = 0; b < K / 32; b++) {
         const float *xb = x + 32 * b;
         float amax = 0.f;
+#ifdef QACT512
+        amax = amax_512(xb, 32);
+        float d = amax / 127.f, id = d ? 1.f / d : 0.f;
+        a.d[b] = d;
+        int32_t s0 = q16_512(xb, id, a.q + 32 * b), s1 = q16_512(xb + 16, id, a.q + 32 * b + 16);
+#else
         for (int i = 0; i < 32; i++) { float v = fabsf(xb[i]); amax = v > amax ? v : amax; }
         float d = amax / 127.f, id = d ? 1.f / d : 0.f;
         a.d[b] = d;
@@ -95,6 +128,7 @@ static void quantize_act(const float *x, int K, qact a) {
             a.q[32 * b + i] = (int8_t)q;
             if (i < 16) s0 += q; else s1 += q;
         }
+#endif
         a.s16[2 * b] = (int16_t)s0; a.s16[2 * b + 1] = (int16_t)s1;
         a.dsy[b] = d * (float)(s0 + s1);
     }
@@ -839,6 +873,10 @@ static qact qact_at(uint8_t *base, int K) {
     a.qn = (int8_t *)(base + o);
     return a;
 }
+
+/* the quantized form of the fp32 activation x [K] into out (qact_bytes(K) bytes, qact_at's
+ * layout): for tests */
+void mf_quantize_act(const float *x, int K, uint8_t *out) { quantize_act(x, K, qact_at(out, K)); }
 
 /* one-time tables of the vector paths (idempotent: concurrent first callers write the same bytes) */
 static void kernels_init(void) {

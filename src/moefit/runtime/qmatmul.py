@@ -117,6 +117,8 @@ def _build() -> ctypes.CDLL:
     lib.mf_moe.restype = None
     lib.mf_row_bytes.argtypes = [i, i]
     lib.mf_row_bytes.restype = i64
+    lib.mf_quantize_act.argtypes = [p, i, p]
+    lib.mf_quantize_act.restype = None
     lib.mf_qact_bytes.argtypes = [i]
     lib.mf_qact_bytes.restype = i64
     lib.mf_simd.restype = i
