@@ -52,6 +52,7 @@ from moefit.ingest.geometry import AttentionSpec, MoESpec
 from moefit.runtime import moe_batch, qmatmul
 from moefit.runtime.deltanet import gated_deltanet
 from moefit.runtime.quant import StoredMatrix
+from moefit.runtime.staging import ALIGN
 
 #: Most tokens (sequences) one lean step runs; larger steps take the torch path.
 MAX_TOKENS = 64
@@ -303,8 +304,7 @@ class LeanStep:
             bptr, bounds = ws.take((pairs,), torch.int64), ws.take((pairs + 1,), torch.int64)
             tok, wsel = ws.take((pairs,), torch.int64), ws.take((pairs,), f32)
             stats = ws.take((3,), torch.int64)
-            mscratch = ws.take((max(moe_batch.scratch_bytes(t, h, L.moe.expert_intermediate, act) for L in moes),),
-                               torch.uint8)
+            mscratch = ws.take((self._moe_scratch(t, moes, ws),), torch.uint8)
 
         gemm, norm, gp = lib.mf_gemm_ex, lib.mf_rmsnorm, gscratch.data_ptr()
 
@@ -371,6 +371,26 @@ class LeanStep:
         for sg in segs:
             mdl.kv.lengths[sg.slot] = sg.start + 1
         return logits
+
+    def _moe_scratch(self, t: int, moes, ws) -> int:
+        """Bytes of the step's MoE kernel scratch: room for every (token, expert) pair of the
+        step at once when the workspace has it above what the layer loop takes later (so
+        ``mf_moe`` runs a layer as one chunk of pairs: four barriers, not four per expert),
+        else :func:`moefit.runtime.moe_batch.scratch_bytes` (a pair at a time at least).
+        Either way within the ``prefill`` line the plan priced for a whole chunk: the step's
+        other buffers are those of ``t`` tokens, and the workspace raises past its end."""
+        act = self.mdl.arch.dtype
+        h = self.mdl.geom.hidden_size
+        base = max(moe_batch.scratch_bytes(t, h, L.moe.expert_intermediate, act) for L in moes)
+        if any(L.kind == "linear" for L in self.layers):     # the delta rule takes its own blocks
+            return base
+        want = max(qmatmul.moe_scratch_bytes(t, h, L.moe.expert_intermediate, t * L.moe.experts_per_token)
+                   for L in moes)
+        # later, inside a layer's scope: a shared expert's or dense MLP's gate / up / output rows
+        later = max([t * (m[0].rows + m[1].rows + h + 1) * act.itemsize
+                     for L in self.layers for m in (L.shared, L.dense) if m is not None], default=0)
+        room = ws.capacity - (-(-ws.offset // ALIGN) * ALIGN) - later - 8 * ALIGN
+        return max(base, min(want, room))
 
     def _mlp(self, mats, x: torch.Tensor, out: torch.Tensor, mm) -> torch.Tensor:
         """``down(silu(gate(x)) * up(x))`` into ``out`` (:func:`moefit.runtime.model._swiglu_mlp`)."""
