@@ -337,15 +337,14 @@ static inline float dotf(const float *a, const float *b, int n) {
     return d;
 }
 
-void mf_attn_decode(int T, const void *q, int A, int Kh, int D, int Dv, float scale,
-                    const uint8_t *kc, const uint8_t *vc, int kcodec, int vcodec, int krow, int vrow,
-                    const int64_t *pos, const int64_t *slot, int cells, int window, int dt, void *out,
-                    int nthreads) {
+/* the (token, KV head) items of mf_attn_decode taken by the calling thread: an orphaned
+ * worksharing loop, so on one thread it runs outside any parallel region, with no barrier
+ * (see qmatmul.c's gemm_ex_body) */
+static void attn_items(int T, const void *q, int A, int Kh, int D, int Dv, float scale,
+                       const uint8_t *kc, const uint8_t *vc, int kcodec, int vcodec, int krow, int vrow,
+                       const int64_t *pos, const int64_t *slot, int cells, int window, int dt, void *out) {
     int G = A / Kh;
-    int64_t work = 0;
-    for (int t = 0; t < T; t++) work += pos[t] + 1;
-    int nt = work * Kh * (D + Dv) * G < 200000 ? 1 : nthreads;   /* a short context: one thread */
-#pragma omp parallel for schedule(dynamic, 1) num_threads(nt)
+#pragma omp for schedule(dynamic, 1)
     for (int item = 0; item < T * Kh; item++) {
         int t = item / Kh, kh = item % Kh;
         float qv[16][512], acc[16][512], m[16], l[16], s[16][ATT_BLOCK], kb[ATT_BLOCK][512];
@@ -414,6 +413,20 @@ void mf_attn_decode(int T, const void *q, int A, int Kh, int D, int Dv, float sc
             }
         }
     }
+}
+
+void mf_attn_decode(int T, const void *q, int A, int Kh, int D, int Dv, float scale,
+                    const uint8_t *kc, const uint8_t *vc, int kcodec, int vcodec, int krow, int vrow,
+                    const int64_t *pos, const int64_t *slot, int cells, int window, int dt, void *out,
+                    int nthreads) {
+    int G = A / Kh;
+    int64_t work = 0;
+    for (int t = 0; t < T; t++) work += pos[t] + 1;
+    int nt = work * Kh * (D + Dv) * G < 200000 ? 1 : nthreads;   /* a short context: one thread */
+    if (nt > 1) {
+#pragma omp parallel num_threads(nt)
+        attn_items(T, q, A, Kh, D, Dv, scale, kc, vc, kcodec, vcodec, krow, vrow, pos, slot, cells, window, dt, out);
+    } else attn_items(T, q, A, Kh, D, Dv, scale, kc, vc, kcodec, vcodec, krow, vrow, pos, slot, cells, window, dt, out);
 }
 
 /* ---- top-k routing, pairs grouped by expert (moefit.runtime.model.route, moe_batch.run_layer) ----

@@ -967,6 +967,20 @@ static void gemm_rows(int t, const uint8_t *W, int N, int K, int n, const float 
     }
 }
 
+/* The work of one thread of mf_gemm_ex (its worksharing loops are orphaned: on the calling
+ * thread alone, outside a parallel region, they run whole with no barrier. A parallel region
+ * of one thread would still end every loop with a barrier, which this libgomp ends with a
+ * futex wake-up syscall: a tenth of a one-thread decode step went there.) */
+static void gemm_ex_body(int t, const uint8_t *W, int N, int K, const void *x, int xdt, int n, void *y, int ydt,
+                         const void *bias, float *xf, uint8_t *xq, int fl) {
+#pragma omp for schedule(static)
+    for (int i = 0; i < n; i++) {
+        load_row(x, xdt, i, K, xf + (int64_t)i * K);
+        if (!fl) quantize_act(xf + (int64_t)i * K, K, qact_at(xq + i * qact_bytes(K), K));
+    }
+    gemm_rows(t, W, N, K, n, xf, xq, y, ydt, N, bias, xdt == T_BF16 ? (const uint16_t *)x : NULL);
+}
+
 /* y [n, N] (dtype ydt: 0 fp32, 1 fp16, 2 bf16) = x [n, K] (dtype xdt) . W [N, K]^T (+ bias [N],
  * dtype ydt), W rows of type t. scratch: n * (4K + qact_bytes(K)) bytes. */
 void mf_gemm_ex(int t, const uint8_t *W, int N, int K, const void *x, int xdt, int n, void *y, int ydt,
@@ -977,15 +991,10 @@ void mf_gemm_ex(int t, const uint8_t *W, int N, int K, const void *x, int xdt, i
     kernels_init();
     /* a small matrix (a router, a K/V projection of a small model) is not worth a fork */
     int nt = (int64_t)N * row_bytes(t, K) * n < SMALL_WORK ? 1 : nthreads;
+    if (nt > 1) {
 #pragma omp parallel num_threads(nt)
-    {
-#pragma omp for schedule(static)
-        for (int i = 0; i < n; i++) {
-            load_row(x, xdt, i, K, xf + (int64_t)i * K);
-            if (!fl) quantize_act(xf + (int64_t)i * K, K, qact_at(xq + i * qact_bytes(K), K));
-        }
-        gemm_rows(t, W, N, K, n, xf, xq, y, ydt, N, bias, xdt == T_BF16 ? (const uint16_t *)x : NULL);
-    }
+        gemm_ex_body(t, W, N, K, x, xdt, n, y, ydt, bias, xf, xq, fl);
+    } else gemm_ex_body(t, W, N, K, x, xdt, n, y, ydt, bias, xf, xq, fl);
 }
 
 /* y [n, N] fp32 = x [n, K] (fp32, or bf16 when xbf16) . W [N, K]^T, W rows of type t.
@@ -1010,9 +1019,9 @@ static inline float silu(float v) { return v / (1.f + expf(-v)); }
  * (gate and up rows, then down rows); each row is read once and multiplied by every token of its expert in the chunk, so
  * the tokens of a batch routed to one expert share one read of its weights, and a layer costs
  * a few barriers, not a few per expert. */
-void mf_moe(int n_exp, const uint8_t *const *blobs, const int64_t *bounds, const int64_t *tok,
-            const float *wt, const void *x, int xdt, float *acc, int T, int H, int I, int tg, int tu, int td,
-            int64_t off_u, int64_t off_d, uint8_t *scratch, int pchunk, int nthreads) {
+static void moe_body(int n_exp, const uint8_t *const *blobs, const int64_t *bounds, const int64_t *tok,
+                     const float *wt, const void *x, int xdt, float *acc, int T, int H, int I, int tg, int tu,
+                     int td, int64_t off_u, int64_t off_d, uint8_t *scratch, int pchunk) {
     int64_t qh = qact_bytes(H), qi = qact_bytes(I), P = bounds[n_exp];
     int64_t rbg = row_bytes(tg, H), rbu = row_bytes(tu, H), rbd = row_bytes(td, I);
     float *xf = (float *)scratch;                                  /* [T, H] */
@@ -1028,8 +1037,6 @@ void mf_moe(int n_exp, const uint8_t *const *blobs, const int64_t *bounds, const
 #else
     int hb16 = 0;
 #endif
-    kernels_init();
-#pragma omp parallel num_threads(nthreads)
     {
 #pragma omp for schedule(static)
         for (int i = 0; i < T; i++) {
@@ -1101,6 +1108,18 @@ void mf_moe(int n_exp, const uint8_t *const *blobs, const int64_t *bounds, const
             }
         }
     }
+}
+
+/* (see moe_body) the work of one thread; a parallel region only for two threads or more, as
+ * in mf_gemm_ex */
+void mf_moe(int n_exp, const uint8_t *const *blobs, const int64_t *bounds, const int64_t *tok,
+            const float *wt, const void *x, int xdt, float *acc, int T, int H, int I, int tg, int tu, int td,
+            int64_t off_u, int64_t off_d, uint8_t *scratch, int pchunk, int nthreads) {
+    kernels_init();
+    if (nthreads > 1) {
+#pragma omp parallel num_threads(nthreads)
+        moe_body(n_exp, blobs, bounds, tok, wt, x, xdt, acc, T, H, I, tg, tu, td, off_u, off_d, scratch, pchunk);
+    } else moe_body(n_exp, blobs, bounds, tok, wt, x, xdt, acc, T, H, I, tg, tu, td, off_u, off_d, scratch, pchunk);
 }
 
 /* ---- dequantization: rows of W -> fp32 / bf16, bit for bit as ggml's dequantize_row_* -------
