@@ -932,7 +932,8 @@ static inline void dot_rows(int t, const uint8_t *w, int64_t rb, int nr, const f
 }
 
 /* rows of y [n, N] (dtype ydt, row stride ldy, plus bias [N] when not NULL) = x [n, K] . W^T,
- * inside a parallel region: chunks of rows taken as the threads come (a thread whose core is
+ * inside a parallel region whose end is the only barrier after it (nowait: its one caller,
+ * gemm_ex_body, ends there): chunks of rows taken as the threads come (a thread whose core is
  * shared with another process takes fewer, where a static split would wait for it). xb: the bf16 rows of x when x is bf16 (BF16
  * weights then multiply them with vdpbf16ps), else NULL. */
 static void gemm_rows(int t, const uint8_t *W, int N, int K, int n, const float *xf, uint8_t *xq, void *y, int ydt,
@@ -940,7 +941,7 @@ static void gemm_rows(int t, const uint8_t *W, int N, int K, int n, const float 
     int64_t rb = row_bytes(t, K), qb = qact_bytes(K);
 #ifdef HAVE_BF16DOT
     if (t == T_BF16 && xb) {
-#pragma omp for schedule(dynamic, 128)
+#pragma omp for schedule(dynamic, 128) nowait
         for (int r = 0; r < N; r++) {
             int i = 0;
             for (; i + 4 <= n; i += 4) {      /* 4 sequences of a step: the row read once */
@@ -955,7 +956,7 @@ static void gemm_rows(int t, const uint8_t *W, int N, int K, int n, const float 
     }
 #endif
     (void)xb;
-#pragma omp for schedule(dynamic, 32)
+#pragma omp for schedule(dynamic, 32) nowait
     for (int r4 = 0; r4 < (N + 3) / 4; r4++) {
         int r = 4 * r4, nr = N - r < 4 ? N - r : 4;
         const uint8_t *wr = W + r * rb;
@@ -1097,7 +1098,9 @@ static void moe_body(int n_exp, const uint8_t *const *blobs, const int64_t *boun
                     dot_rows(td, w, rbd, 4, hf + i * I, qact_at(hq + i * qi, I), I, yd + i * H + r);
                 }
             }
-#pragma omp for schedule(static)
+            /* no barrier after the combine: the next chunk's gate / up loop writes gu only, and
+             * its barrier comes before yd is written again */
+#pragma omp for schedule(static) nowait
             for (int c = 0; c < H; c += 64) {
                 int c1 = c + 64 < H ? c + 64 : H;
                 for (int i = 0; i < n; i++) {
