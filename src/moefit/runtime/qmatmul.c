@@ -972,12 +972,23 @@ static void gemm_rows(int t, const uint8_t *W, int N, int K, int n, const float 
  * thread alone, outside a parallel region, they run whole with no barrier. A parallel region
  * of one thread would still end every loop with a barrier, which this libgomp ends with a
  * futex wake-up syscall: a tenth of a one-thread decode step went there.) */
-static void gemm_ex_body(int t, const uint8_t *W, int N, int K, const void *x, int xdt, int n, void *y, int ydt,
-                         const void *bias, float *xf, uint8_t *xq, int fl) {
-#pragma omp for schedule(static)
-    for (int i = 0; i < n; i++) {
+static void load_rows(const void *x, int xdt, int i0, int i1, int K, float *xf, uint8_t *xq, int fl) {
+    for (int i = i0; i < i1; i++) {
         load_row(x, xdt, i, K, xf + (int64_t)i * K);
         if (!fl) quantize_act(xf + (int64_t)i * K, K, qact_at(xq + i * qact_bytes(K), K));
+    }
+}
+
+/* rows of a decode step (a few) are converted and quantized by the calling thread before the
+ * parallel region, sparing the region a barrier (a microsecond of work against a barrier's
+ * futex syscall and the other threads' wait) */
+#define SERIAL_ROWS 4
+
+static void gemm_ex_body(int t, const uint8_t *W, int N, int K, const void *x, int xdt, int n, void *y, int ydt,
+                         const void *bias, float *xf, uint8_t *xq, int fl) {
+    if (n > SERIAL_ROWS) {
+#pragma omp for schedule(static)
+        for (int i = 0; i < n; i++) load_rows(x, xdt, i, i + 1, K, xf, xq, fl);
     }
     gemm_rows(t, W, N, K, n, xf, xq, y, ydt, N, bias, xdt == T_BF16 ? (const uint16_t *)x : NULL);
 }
@@ -992,6 +1003,7 @@ void mf_gemm_ex(int t, const uint8_t *W, int N, int K, const void *x, int xdt, i
     kernels_init();
     /* a small matrix (a router, a K/V projection of a small model) is not worth a fork */
     int nt = (int64_t)N * row_bytes(t, K) * n < SMALL_WORK ? 1 : nthreads;
+    if (n <= SERIAL_ROWS) load_rows(x, xdt, 0, n, K, xf, xq, fl);
     if (nt > 1) {
 #pragma omp parallel num_threads(nt)
         gemm_ex_body(t, W, N, K, x, xdt, n, y, ydt, bias, xf, xq, fl);
@@ -1039,10 +1051,9 @@ static void moe_body(int n_exp, const uint8_t *const *blobs, const int64_t *boun
     int hb16 = 0;
 #endif
     {
+        if (T > SERIAL_ROWS) {         /* else done by mf_moe before the region */
 #pragma omp for schedule(static)
-        for (int i = 0; i < T; i++) {
-            load_row(x, xdt, i, H, xf + (int64_t)i * H);
-            if (qx) quantize_act(xf + (int64_t)i * H, H, qact_at(xq + i * qh, H));
+            for (int i = 0; i < T; i++) load_rows(x, xdt, i, i + 1, H, xf, xq, !qx);
         }
         int e = 0;
         for (int64_t p0 = 0; p0 < P; p0 += pchunk) {
@@ -1119,6 +1130,10 @@ void mf_moe(int n_exp, const uint8_t *const *blobs, const int64_t *bounds, const
             const float *wt, const void *x, int xdt, float *acc, int T, int H, int I, int tg, int tu, int td,
             int64_t off_u, int64_t off_d, uint8_t *scratch, int pchunk, int nthreads) {
     kernels_init();
+    if (T <= SERIAL_ROWS) {
+        int qx = !is_float_type(tg) || !is_float_type(tu);
+        load_rows(x, xdt, 0, T, H, (float *)scratch, scratch + (int64_t)T * H * 4, !qx);
+    }
     if (nthreads > 1) {
 #pragma omp parallel num_threads(nthreads)
         moe_body(n_exp, blobs, bounds, tok, wt, x, xdt, acc, T, H, I, tg, tu, td, off_u, off_d, scratch, pchunk);
