@@ -30,6 +30,12 @@ Q6_K 41 GB/s of weights (the machine reads 43 GB/s on one thread); from L2 (no m
 bound) Q8_0 54, Q4_0 36-38, Q4_K 24, Q6_K 37, BF16 110 GB/s, so Q4_K is the one type the
 arithmetic still limits.
 
+Threads: a product splits its rows over OpenMP threads in chunks taken as they come; the
+few rows of a decode step are quantized by the calling thread first, and a product on one
+thread runs outside any parallel region (libgomp ends each worksharing loop of a team, even
+a team of one, with a barrier whose last thread makes a futex syscall: with one thread those
+were a tenth of a decode step), so each product costs one barrier at most.
+
 Build: the C files (this one and ``decode_step.c``) are compiled once per machine with
 ``gcc -O3 -march=native -fopenmp`` into one library (about 2 s) in ``$MOEFIT_CACHE_DIR``
 (default ``~/.cache/moefit``), named by a hash of the sources, the flags and the CPU's
