@@ -34,7 +34,8 @@ Threads: a product splits its rows over OpenMP threads in chunks taken as they c
 few rows of a decode step are quantized by the calling thread first, and a product on one
 thread runs outside any parallel region (libgomp ends each worksharing loop of a team, even
 a team of one, with a barrier whose last thread makes a futex syscall: with one thread those
-were a tenth of a decode step), so each product costs one barrier at most.
+were a tenth of a decode step), so a product of a decode step costs one barrier, the end of
+its region, and none on one thread.
 
 Build: the C files (this one and ``decode_step.c``) are compiled once per machine with
 ``gcc -O3 -march=native -fopenmp`` into one library (about 2 s) in ``$MOEFIT_CACHE_DIR``
