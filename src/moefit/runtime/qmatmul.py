@@ -52,6 +52,16 @@ _SRC = Path(__file__).with_name("qmatmul.c")
 _lib = None
 _reason: str | None = None
 
+#: the activation dtypes the kernels read (``qmatmul.c`` ``load_row``: fp32, or bf16 with
+#: ``xbf16``); the callers keep fp16 activations on their torch path (:func:`reads`)
+ACT_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def reads(x: torch.Tensor) -> bool:
+    """Whether the kernels read activations of ``x``'s dtype (:data:`ACT_DTYPES`): an fp16
+    model's activations would be read as fp32 bytes, so every caller asks this first."""
+    return x.dtype in ACT_DTYPES
+
 
 def _cpu_flags() -> str:
     try:
@@ -181,7 +191,7 @@ def gemm(x: torch.Tensor, raw: torch.Tensor, qtype: str, rows: int, cols: int, *
     """
     lib = _load()
     n = x.shape[0]
-    if x.dim() != 2 or x.shape[1] != cols or x.dtype not in (torch.float32, torch.bfloat16) or not x.is_contiguous():
+    if x.dim() != 2 or x.shape[1] != cols or not reads(x) or not x.is_contiguous():
         raise ValueError(f"x must be a contiguous fp32/bf16 [n, {cols}] tensor, got {x.dtype} {list(x.shape)}")
     if not supports(qtype, cols) or raw.numel() != rows * lib.mf_row_bytes(CTYPES[qtype], cols):
         raise ValueError(f"{qtype}: {raw.numel()} bytes are not a [{rows}, {cols}] matrix the kernels run")
@@ -213,11 +223,14 @@ def moe(x: torch.Tensor, blob_ptrs: torch.Tensor, bounds: torch.Tensor, tok: tor
         scratch: uint8 of at least :func:`moe_scratch_bytes` ``(T, H, I, 1)``; the pairs
             run in groups of as many as it holds.
 
-    Returns ``acc``. Raises ValueError when the scratch cannot hold the rows and one pair.
+    Returns ``acc``. Raises ValueError when ``x`` is not a contiguous fp32 / bf16 ``[T, H]``
+    tensor, or the scratch cannot hold the rows and one pair.
     """
     lib = _load()
     h, inter = fmt.gate.cols, fmt.gate.rows
     t = x.shape[0]
+    if x.dim() != 2 or x.shape[1] != h or not reads(x) or not x.is_contiguous():
+        raise ValueError(f"x must be a contiguous fp32/bf16 [T, {h}] tensor, got {x.dtype} {list(x.shape)}")
     pchunk = (scratch.numel() - moe_scratch_bytes(t, h, inter, 0)) // _pair_bytes(h, inter)
     if pchunk < 1:
         raise ValueError(f"moe scratch of {scratch.numel()} bytes cannot hold the {t} token rows and one "

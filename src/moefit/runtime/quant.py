@@ -529,7 +529,7 @@ class StoredMatrix:
         :mod:`moefit.runtime.qmatmul`); more rows in blocks of weight rows dequantized into
         the buffer's free room (bit for bit the file's values), then ``torch.mm`` into
         ``out``'s columns. Returns ``out``."""
-        if x.shape[0] <= self.SMALL_ROWS and qmatmul.available():
+        if x.shape[0] <= self.SMALL_ROWS and qmatmul.reads(x) and qmatmul.available():
             xc = x.contiguous()
             if out.dtype == torch.float32 and out.is_contiguous():
                 return qmatmul.gemm(xc, self.raw, self.qtype, self.rows, self.cols, out=out)
