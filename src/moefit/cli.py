@@ -119,7 +119,7 @@ def _verbose(plan) -> str:
     out = ["details:"]
     out += [f"  {line}" for line in describe_weights(g)]
     out.append(f"  KV: cells {format_bytes(kv.cell_bytes)}, recurrent/conv state "
-               f"{format_bytes(kv.state_bytes)}, fp8 scales {kv.scale_bytes} B")
+               f"{format_bytes(kv.state_bytes)}")
     out.append(f"  prefill staging = {st.const_bytes} B + {st.per_token_bytes} B/token x chunk")
     for name, const, per_tok in st.terms:
         out.append(f"    {name:<58} {format_bytes(const):>11} + {per_tok} B/token")
