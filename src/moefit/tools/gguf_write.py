@@ -52,9 +52,9 @@ from typing import Callable, Iterator, Mapping
 
 import numpy as np
 
-from moefit.ingest.checkpoint import checkpoint_files, classify
+from moefit.ingest.checkpoint import FP8_SCALE, checkpoint_files, classify
 from moefit.ingest.families import registry
-from moefit.ingest.families.common import Cfg, gguf_moe_metadata, partial_rotary, rope_config
+from moefit.ingest.families.common import Cfg, gguf_moe_metadata, partial_rotary, read_quantization, rope_config
 
 # routed experts under any MoE block name (``mlp``, Mixtral's ``block_sparse_moe``, ...) and
 # any text-model prefix (``model.``, a multimodal checkpoint's ``model.language_model.``)
@@ -158,6 +158,51 @@ def _dequantized(raw: np.ndarray, raw_type, shape: tuple[int, ...]) -> np.ndarra
     return quants.dequantize(raw, raw_type).reshape(shape)
 
 
+class Fp8Dequantized(Mapping):
+    """``state`` of a block-scaled fp8 checkpoint (``quant_method: fp8``: an e4m3
+    ``X.weight`` with an fp32 ``X.weight_scale_inv`` per ``block`` of ``[rows, cols]``,
+    DeepSeek-V3 / R1, Kimi-K2, GLM-4.5-FP8) seen as the float32 weights it stores: every fp8
+    weight dequantized when read (``q x scale`` per block,
+    :func:`moefit.runtime.quant.dequantize_fp8`, as llama.cpp's ``convert_hf_to_gguf.py``
+    ``dequant_model`` / ``dequant_simple`` does before it writes a GGUF), the scales left
+    out. Other tensors pass through; ``shape_of`` reads the shape only.
+
+    Raises KeyError for a name ``state`` does not hold."""
+
+    def __init__(self, state: Mapping, block: tuple[int, int]):
+        self._state, self._block, self._suffix = state, tuple(block), FP8_SCALE
+        self._keys = [k for k in state.keys() if not k.endswith(FP8_SCALE)]
+
+    def __getitem__(self, key: str):
+        import torch
+
+        from moefit.runtime.quant import dequantize_fp8
+
+        v = self._state[key]
+        scale_key = key + self._suffix
+        if key.endswith(self._suffix) or scale_key not in self._state or v.dtype != torch.float8_e4m3fn:
+            return v
+        scale = self._state[scale_key].float()
+        flat = v.reshape(-1, *v.shape[-2:])              # [E, rows, cols] of fused experts too
+        sc = scale.reshape(flat.shape[0], -1)
+        out = torch.empty(flat.shape, dtype=torch.float32)
+        for e in range(flat.shape[0]):
+            dequantize_fp8(flat[e].view(torch.uint8), sc[e], *flat.shape[-2:], self._block, out[e])
+        return out.reshape(v.shape)
+
+    def shape_of(self, key: str) -> tuple[int, ...]:
+        return _shape(self._state, key)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._keys)
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def __contains__(self, key) -> bool:
+        return key in self._state and not str(key).endswith(self._suffix)
+
+
 def _expert_layout(keys) -> dict[int, tuple[str, dict]]:
     """Per MoE layer: ``("fused", {"gate_up_proj" | "down_proj": key})`` or
     ``("per_expert", {(part, j): key})``."""
@@ -239,6 +284,9 @@ def write_gguf(state: Mapping[str, "object"], config: Mapping, out: str | Path, 
     mt = config.get("model_type")
     arch = gguf_arch(mt)
     family = registry.family_for(mt)
+    quant, _ = read_quantization(Cfg(dict(config), "config.json"))
+    if quant.method == "fp8":        # block-scaled fp8: written from its dequantized values
+        state = Fp8Dequantized(state, quant.block_size)
     expert_names = family.names
     permute = family.gguf_permute_qk
     sw = family.switches(dict(config))     # the text model's config and checkpoint prefix
