@@ -47,6 +47,7 @@ from moefit.memory.weights import (
     default_arena_slots, expert_cache_bytes, expert_slot_bytes, most_slots, place_slots,
     spread_slots, weight_arena_bytes,
 )
+from moefit.engines.llamacpp_quant import gguf_geometry
 from moefit.errors import InputError
 from moefit.units import format_bytes
 from moefit.plan.request import (CHUNK_GRID, Request, context_limit, resolve_context,
@@ -1033,6 +1034,13 @@ def find_alternatives(geom: ModelGeometry, device: "Device | tuple[Device, ...]"
                            0, (req.host_reserve_bytes >> 20) - 1 if req.host_reserve_bytes >> 20 else -1)
         if mib is not None:
             alts.append(Alternative("--host-reserve-mib", mib))
+    elif host is not None:
+        # the default host margin is not limiting (not the user's choice), but a smaller one
+        # set by hand is a remedy when it is what the host lacks
+        top = host_memory.default_host_reserve_bytes(host.capacity_bytes) >> 20
+        mib = _largest_int(lambda n: _fits(geom, device, req.with_(host_reserve_bytes=n << 20)), 0, top - 1)
+        if mib is not None:
+            alts.append(Alternative("--host-reserve-mib", mib))
     if req.slots > 1:
         fit = _largest_int(lambda n: _fits(geom, device, req.with_(slots=n)), 1, req.slots - 1)
         if fit:
@@ -1047,7 +1055,45 @@ def find_alternatives(geom: ModelGeometry, device: "Device | tuple[Device, ...]"
                            0, req.min_expert_cache - 1)
         if fit is not None:
             alts.append(Alternative("--min-expert-cache", fit))
+    if not alts and gguf_remedy_applies(geom):
+        alts += _gguf_file(geom, device, req, staging, host)
     return alts
+
+
+#: ``llama-quantize`` mixes offered as a ``fits with:`` GGUF file of a float checkpoint, the
+#: least lossy first (all of them run: :data:`moefit.ingest.gguf_header.RUNTIME_TYPES`)
+GGUF_REMEDY_FTYPES = ("Q8_0", "Q6_K", "Q5_K_M", "Q4_K_M")
+
+
+def gguf_remedy_applies(geom: ModelGeometry) -> bool:
+    """A GGUF file of ``geom`` is a remedy worth solving: a float (16- or 32-bit) checkpoint,
+    not a GGUF file, neither quantized nor holding its experts in a stored format."""
+    return (not _is_gguf(geom) and geom.dtype_bytes > 1 and not geom.experts_stored
+            and geom.quant.method == "none")
+
+
+def _gguf_file(geom: ModelGeometry, device, req: Request, staging: StagingModel | None,
+               host: Host | None) -> list[Alternative]:
+    """The model as the least lossy GGUF file of :data:`GGUF_REMEDY_FTYPES` that fits (its
+    tensors derived from the config, :func:`moefit.engines.llamacpp_quant.gguf_geometry`),
+    as it is or with ``--host-experts mmap``: ``MODEL NAME-FTYPE.gguf`` as the alternative;
+    none when no such file fits (or the family has no GGUF architecture)."""
+    for ftype in GGUF_REMEDY_FTYPES:
+        try:
+            quantized = gguf_geometry(geom, ftype)
+        except InputError:
+            return []
+        for mapped in (False, True) if quantized.moe_layers else (False,):
+            r = req.with_(host_experts="mmap") if mapped else req
+            if solve(quantized, device, r, host=host, alternatives=False, staging=None).fits:
+                return [Alternative("MODEL", quantized.name, GGUF_REMEDY_NOTE.format(ftype=ftype),
+                                    also=(("--host-experts", "mmap"),) if mapped else ())]
+    return []
+
+
+#: what a ``MODEL FILE.gguf`` alternative is
+GGUF_REMEDY_NOTE = ("the model as a GGUF file: convert_hf_to_gguf.py, then llama-quantize {ftype}; "
+                    "planned from the tensors that writes")
 
 
 def largest_context(geom: ModelGeometry, device: "Device | tuple[Device, ...]", req: Request,
