@@ -90,7 +90,22 @@ def _preset_name(spec: str) -> str | None:
     return by_lower.get(key)
 
 
+#: models moefit runs that ship without a preset, as the Hugging Face repository names
+#: them (lower case), and why: a preset is a byte copy of the upstream config.json
+#: (``presets/SOURCES.md``), and none was found for these
+NO_PRESET = {name: "no byte copy of zai-org's upstream config.json was found to ship: src/moefit/presets/SOURCES.md"
+             for name in ("glm-4.5", "glm-4.5-air", "glm-4.5-base", "glm-4.5-air-base", "glm-4.5-fp8",
+                          "glm-4.5-air-fp8")}
+
+
 def _unknown(spec: str) -> InputError:
+    key = spec.strip().lower()
+    if key.count("/") == 1 and key.split("/")[0] == "zai-org":
+        key = key.split("/")[1]
+    if key in NO_PRESET:
+        return InputError(f"MODEL {spec!r}: no built-in preset ({NO_PRESET[key]}); give MODEL as the "
+                          "checkpoint directory or the path of its config.json (its model_type "
+                          "glm4_moe plans and runs from it)")
     if "/" in spec or "\\" in spec or spec.lower().endswith(".json"):
         return InputError(f"MODEL {spec!r}: no such file or directory; give a model directory, "
                           "its config.json, or a preset name (`moefit models` lists them)")
