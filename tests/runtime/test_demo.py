@@ -19,7 +19,7 @@ transformers = pytest.importorskip("transformers")
 
 from conftest import sim_device  # noqa: E402
 from moefit.errors import InputError  # noqa: E402
-from moefit.ingest.resolve import load_model  # noqa: E402
+from moefit.ingest.resolve import PRESETS_DIR, load_model  # noqa: E402
 from moefit.plan.request import Request  # noqa: E402
 from moefit.plan.solver import solve  # noqa: E402
 from moefit.runtime.engine import Engine, EngineOptions  # noqa: E402
@@ -113,6 +113,12 @@ def test_every_demo_file_gets_the_mode_open_gives_a_new_file(demos):
 def test_bad_family_and_non_empty_directory_are_input_errors(tmp_path):
     with pytest.raises(InputError, match="--family 'llama4'.*qwen3_moe"):
         write_demo(tmp_path / "x", "llama4")
+    # Kimi-K2 runs, as DeepSeek-V3's architecture: the error names the demo to write
+    with pytest.raises(InputError, match="--family 'kimi_k2'.*DeepseekV3ForCausalLM.*--family deepseek_v3$"):
+        write_demo(tmp_path / "x", "kimi_k2")
+    assert not (tmp_path / "x").exists()
+    kimi = json.loads((PRESETS_DIR / "Kimi-K2-Instruct" / "config.json").read_text())
+    assert kimi["architectures"] == ["DeepseekV3ForCausalLM"] and kimi["model_type"] == "kimi_k2"
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "keep.txt").write_text("mine")
     with pytest.raises(InputError, match="not empty"):
