@@ -45,6 +45,7 @@ pass must use (this holds every weight in float32: for tests and small models).
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from pathlib import Path
@@ -52,6 +53,7 @@ from typing import Callable, Iterator, Mapping
 
 import numpy as np
 
+from moefit.errors import InputError
 from moefit.ingest.checkpoint import FP8_SCALE, checkpoint_files, classify
 from moefit.ingest.families import registry
 from moefit.ingest.families.common import Cfg, gguf_moe_metadata, partial_rotary, read_quantization, rope_config
@@ -97,6 +99,44 @@ def permute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
 def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
     """Inverse of :func:`permute_qk`."""
     return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+@functools.lru_cache(maxsize=1)
+def writable_types() -> tuple[str, ...]:
+    """The ggml types :func:`write_gguf` can write: F32, F16 and every type the ``gguf``
+    package quantizes (``gguf.quants.quantize`` on one block of zeros; its K-quants and
+    most IQ types only dequantize: llama-quantize writes those)."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
+
+    out = []
+    for t in GGMLQuantizationType:
+        if t not in GGML_QUANT_SIZES:
+            continue
+        try:
+            quants.quantize(np.zeros((1, GGML_QUANT_SIZES[t][0]), dtype=np.float32), t)
+        except Exception:        # NotImplementedError (often without a message), QuantError
+            continue
+        out.append(t.name)
+    return tuple(out)
+
+
+def _check_types(expert_types, dense_type: str, dense_types: Mapping[str, str] | None) -> None:
+    """Every ggml type asked of :func:`write_gguf` must be one it writes (InputError naming
+    the argument, the type and the types it writes, before any byte is written)."""
+    if isinstance(expert_types, str):
+        asked = [("expert_types", expert_types)]
+    elif isinstance(expert_types, tuple):
+        asked = [("expert_types", t) for t in expert_types]
+    else:
+        asked = [(f"expert_types[{layer}]", t) for layer, ts in expert_types.items() for t in ts]
+    asked += [("dense_type", dense_type)]
+    asked += [(f"dense_types[{name!r}]", t) for name, t in (dense_types or {}).items()]
+    ok = writable_types()
+    for what, t in asked:
+        if t not in ok:
+            raise InputError(f"{what} {t!r}: the gguf package has no quantizer for {t}, so write_gguf "
+                             f"cannot write it; it writes {', '.join(ok)}. Write Q8_0 / F16 / F32 and "
+                             f"requantize with llama-quantize for {t}")
 
 
 def _f32(v) -> np.ndarray:
@@ -277,12 +317,15 @@ def write_gguf(state: Mapping[str, "object"], config: Mapping, out: str | Path, 
 
     Raises KeyError for a tensor name the families do not have, ValueError for a
     ``model_type`` the runtime's GGUF loader does not run (:func:`gguf_arch`) or a
-    DeepSeek-V3 checkpoint with rotate-half RoPE (``rope_interleave`` false).
+    DeepSeek-V3 checkpoint with rotate-half RoPE (``rope_interleave`` false), InputError
+    (a ValueError) for a type the ``gguf`` package cannot quantize (:func:`writable_types`:
+    IQ4_NL, the K-quants ...), before anything is written.
     """
     import gguf
 
     mt = config.get("model_type")
     arch = gguf_arch(mt)
+    _check_types(expert_types, dense_type, dense_types)
     family = registry.family_for(mt)
     quant, _ = read_quantization(Cfg(dict(config), "config.json"))
     if quant.method == "fp8":        # block-scaled fp8: written from its dequantized values
