@@ -45,7 +45,6 @@ pass must use (this holds every weight in float32: for tests and small models).
 
 from __future__ import annotations
 
-import functools
 import json
 import re
 from pathlib import Path
@@ -101,23 +100,29 @@ def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-@functools.lru_cache(maxsize=1)
-def writable_types() -> tuple[str, ...]:
-    """The ggml types :func:`write_gguf` can write: F32, F16 and every type the ``gguf``
-    package quantizes (``gguf.quants.quantize`` on one block of zeros; its K-quants and
-    most IQ types only dequantize: llama-quantize writes those)."""
+def writes(qtype: str) -> bool:
+    """Whether :func:`write_gguf` can write ggml type ``qtype``: F32, F16, or a type the
+    ``gguf`` package quantizes (``gguf.quants.quantize`` on one block of zeros succeeds; its
+    K-quants and most IQ types only dequantize: llama-quantize writes those)."""
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
 
-    out = []
-    for t in GGMLQuantizationType:
-        if t not in GGML_QUANT_SIZES:
-            continue
-        try:
-            quants.quantize(np.zeros((1, GGML_QUANT_SIZES[t][0]), dtype=np.float32), t)
-        except Exception:        # NotImplementedError (often without a message), QuantError
-            continue
-        out.append(t.name)
-    return tuple(out)
+    if qtype in ("F32", "F16"):
+        return True
+    t = GGMLQuantizationType.__members__.get(qtype)
+    if t is None or t not in GGML_QUANT_SIZES:
+        return False
+    try:
+        quants.quantize(np.zeros((1, GGML_QUANT_SIZES[t][0]), dtype=np.float32), t)
+    except Exception:        # NotImplementedError (often without a message), QuantError
+        return False
+    return True
+
+
+def writable_types() -> tuple[str, ...]:
+    """Every ggml type :func:`writes` accepts, in the package's order."""
+    from gguf import GGMLQuantizationType
+
+    return tuple(t.name for t in GGMLQuantizationType if writes(t.name))
 
 
 def _check_types(expert_types, dense_type: str, dense_types: Mapping[str, str] | None) -> None:
@@ -131,9 +136,9 @@ def _check_types(expert_types, dense_type: str, dense_types: Mapping[str, str] |
         asked = [(f"expert_types[{layer}]", t) for layer, ts in expert_types.items() for t in ts]
     asked += [("dense_type", dense_type)]
     asked += [(f"dense_types[{name!r}]", t) for name, t in (dense_types or {}).items()]
-    ok = writable_types()
     for what, t in asked:
-        if t not in ok:
+        if not writes(t):
+            ok = writable_types()
             raise InputError(f"{what} {t!r}: the gguf package has no quantizer for {t}, so write_gguf "
                              f"cannot write it; it writes {', '.join(ok)}. Write Q8_0 / F16 / F32 and "
                              f"requantize with llama-quantize for {t}")
