@@ -235,6 +235,10 @@ class Plan:
                                   self.request.slots)
 
 
+def _tokens(n: int) -> str:
+    return f"{n} token" if n == 1 else f"{n} tokens"
+
+
 def _grid_floor(n: int) -> int:
     return (n // CHUNK_GRID) * CHUNK_GRID
 
@@ -358,7 +362,7 @@ def _chunk_target(req: Request, context: int, notes: list[str]) -> tuple[int, in
     target = min(requested, ctx_cap)
     if target < requested:
         asked = f"requested {requested}" if req.prefill_mode == "fixed" else f"auto ceiling {requested}"
-        notes.append(f"prefill: {asked}, capped at {target} (the context is {context} tokens)")
+        notes.append(f"prefill: {asked}, capped at {target} (the context is {_tokens(context)})")
     may_shrink = req.prefill_mode == "auto" or not req.strict
     lowest = min(req.prefill_min, target) if may_shrink else target
     return requested, target, may_shrink, lowest
@@ -906,7 +910,7 @@ def _lines(geom: ModelGeometry, device: Device, req: Request, context: int, chun
         experts_bytes = expert_cache_bytes(geom, slots)
     kv = kv_bytes(geom, fmt, context, req.slots, chunk)
     seq_word = "sequence" if req.slots == 1 else "sequences"
-    kv_detail = (f"{context} tokens x {req.slots} {seq_word}, {fmt.name}, "
+    kv_detail = (f"{_tokens(context)} x {req.slots} {seq_word}, {fmt.name}, "
                  f"{kv.cache_layers} of {kv.total_layers} layers")
     if kv.state_bytes:
         kv_detail += f" (+ recurrent state of {kv.total_layers - kv.cache_layers})"
@@ -1096,10 +1100,16 @@ GGUF_REMEDY_NOTE = ("the model as a GGUF file: convert_hf_to_gguf.py, then llama
                     "planned from the tensors that writes")
 
 
+#: the smallest context (tokens) :func:`largest_context` tries: when it does not fit, no
+#: context does (``--max-context max`` then shows the plan there)
+SMALLEST_CONTEXT = 1
+
+
 def largest_context(geom: ModelGeometry, device: "Device | tuple[Device, ...]", req: Request,
                     staging: StagingModel | None = None, host: Host | None = None) -> int | None:
     """The largest ``--max-context`` (tokens) for which ``req`` fits on ``device``, up to
-    the model's limit under ``req``'s RoPE settings; None when not even one token fits.
+    the model's limit under ``req``'s RoPE settings; None when not even
+    :data:`SMALLEST_CONTEXT` fits.
 
     Solved directly (:func:`_affine_context`): once the context is past the prefill chunk
     and every window, the mandatory lines at the smallest chunk a plan may take are affine
@@ -1117,7 +1127,7 @@ def largest_context(geom: ModelGeometry, device: "Device | tuple[Device, ...]", 
     n = _affine_context(geom, devices[0], req, staging, limit) if len(devices) == 1 else None
     if n is not None and fits(n) and (n == limit or not fits(n + 1)):
         return n
-    return _largest_int(fits, 1, limit)
+    return _largest_int(fits, SMALLEST_CONTEXT, limit)
 
 
 def _affine_context(geom: ModelGeometry, device: Device, req: Request,
