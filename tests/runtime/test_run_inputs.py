@@ -255,3 +255,26 @@ def test_missing_routing_profile_is_refused_before_loading(tiny, tmp_path, capsy
                  "--routing-profile", str(tmp_path / "nope.json")])
     lines = error_lines(capsys.readouterr().err)
     assert code == 2 and no_commit == [] and "nope.json" in lines[0], lines
+
+
+# ---- generate admits a request as the API does ----------------------------------------------
+def test_generate_refuses_max_tokens_past_the_context_before_loading(tiny, capsys, no_commit):
+    """The API answers 400 when prompt + max_tokens exceed the context; generate used to stop
+    silently at the context's end (1022 of 2000 tokens): it refuses the same way (the one
+    admission check, ``check_prompt``), naming the limit and the fix."""
+    code = main(["generate", str(tiny.path), *DEVICE, "--prompt", "hi", "--max-tokens", "2000",
+                 "--max-context", "1024"])
+    lines = error_lines(capsys.readouterr().err)
+    assert code == 2 and no_commit == [] and len(lines) == 1, lines
+    assert "--max-tokens 2000" in lines[0] and "more than the planned context of 1024 tokens" in lines[0]
+    assert "lower --max-tokens or plan a larger --max-context" in lines[0]
+
+
+@pytest.mark.parametrize("stops", [[""], ["ok", ""]])
+def test_generate_refuses_an_empty_stop_string(tiny, capsys, no_commit, stops):
+    argv = [a for s in stops for a in ("--stop", s)]
+    code = main(["generate", str(tiny.path), *DEVICE, "--prompt", "hi", "--max-tokens", "2", *argv])
+    lines = error_lines(capsys.readouterr().err)
+    assert code == 2 and no_commit == [] and len(lines) == 1, lines
+    assert lines[0].startswith('moefit: error: --stop "": an empty stop string'), lines
+

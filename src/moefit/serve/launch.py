@@ -320,13 +320,14 @@ def generate(args: argparse.Namespace) -> int:
     if code is not None:
         return code
     from moefit.runtime.ledger import BudgetError
-    from moefit.serve.generation import Params, check_prompt, check_sampling, stream
+    from moefit.serve.generation import Params, check_prompt, check_sampling, check_stop, stream
 
     if tokenizer is None:
         raise InputError(f"{args.model}: no tokenizer.json; generate takes text prompts")
     check_sampling(args.temperature, args.top_p, args.top_k, flags=True,
                    max_tokens=args.max_tokens, min_p=args.min_p,
                    repetition_penalty=args.repetition_penalty)
+    check_stop(args.stop, flags=True)
     if args.chat:
         ids = tokenizer.encode_chat([{"role": "user", "content": prompt}])
     else:
@@ -335,7 +336,7 @@ def generate(args: argparse.Namespace) -> int:
                             top_k=args.top_k, top_p=args.top_p, seed=args.seed,
                             stop=args.stop or None, ignore_eos=args.ignore_eos,
                             min_p=args.min_p, repetition_penalty=args.repetition_penalty)
-    check_prompt(ids, plan.context, plan.geometry.vocab_size)
+    check_prompt(ids, plan.context, plan.geometry.vocab_size, params.max_tokens, flags=True)
     engine, code = commit(args, plan)
     if engine is None:
         return code
