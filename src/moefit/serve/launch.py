@@ -39,7 +39,7 @@ import time
 import traceback
 from pathlib import Path
 
-from moefit.errors import EXIT_ALLOC, EXIT_INPUT, EXIT_NOFIT, EXIT_OK, EXIT_OTHER, InputError
+from moefit.errors import EXIT_ALLOC, EXIT_INPUT, EXIT_NOFIT, EXIT_OK, EXIT_OTHER, InputError, Terminated
 from moefit.flags import plan_from_args, runnable_devices
 from moefit.ingest.inputs import is_gguf_file, read_routing_profile
 from moefit.ingest.resolve import load_model
@@ -229,8 +229,27 @@ def make_server(state, **config):
         "http": protocol_class(config.pop("header_timeout", HEADER_TIMEOUT_S)), **config}))
 
 
+def _terminated(sig, frame) -> None:
+    raise Terminated()
+
+
 def serve(args: argparse.Namespace) -> int:
-    """``moefit serve``: see the module docstring. Returns the exit code."""
+    """``moefit serve``: see the module docstring. Returns the exit code.
+
+    Until the server's own handlers take over (uvicorn's, :func:`make_server`), SIGTERM
+    raises :class:`~moefit.errors.Terminated` as Ctrl-C raises KeyboardInterrupt, so a stop
+    while the plan is solved or the tokenizer read ends in one line and exit 143 too, not
+    in the silent default death of the signal; the previous handler is restored after."""
+    if threading.current_thread() is not threading.main_thread():
+        return _serve(args)         # signal handlers belong to the main thread
+    previous = signal.signal(signal.SIGTERM, _terminated)
+    try:
+        return _serve(args)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _serve(args: argparse.Namespace) -> int:
     args.table_to = sys.stdout
     _check_port(args.port)
     limits = server_limits(args)
@@ -264,8 +283,8 @@ def serve(args: argparse.Namespace) -> int:
     loader.start()
     try:
         server.run(sockets=[sock])
-    except KeyboardInterrupt:        # a signal outside uvicorn's handlers: still a clean stop
-        pass
+    except KeyboardInterrupt as e:   # a signal outside uvicorn's handlers: still a clean stop
+        server.stop_signal = getattr(e, "signal", signal.SIGINT)
     finally:
         state.stopping.set()         # a worker still running stops at its next token
     if loader.is_alive():            # stopped while committing: do not wait for the load
