@@ -110,3 +110,55 @@ def test_a_host_margin_left_at_its_default_is_not_limiting():
     code, text = plan([*argv[:-2], "--host-ram", "8GiB", "--host-reserve-mib", "7000",
                        "--max-context", "4K"])
     assert code == 3 and "host safety margin" in text.split("limiting:")[1].splitlines()[0]
+
+
+def _header_writer():
+    """``benchmarks/write_header_gguf.py``: header-only GGUFs of llama-quantize's type mixes."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).parent.parent / "benchmarks" / "write_header_gguf.py"
+    spec = importlib.util.spec_from_file_location("write_header_gguf", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_a_host_short_of_its_default_margin_is_offered_a_smaller_one():
+    """The default margin is not limiting, but when the host lacks less than it, a smaller
+    --host-reserve-mib set by hand fits (and is printed so that it does, applied as is)."""
+    argv = ["Qwen3-30B-A3B", "--gpu", "RTX 3060 12GB", "--max-context", "32K", "--host-ram", "53GiB"]
+    code, text = plan(argv)
+    assert code == 3 and "short by" in text and "on the host" in text
+    reserve = [a for a in printed_alternatives(text) if a.startswith("  --host-reserve-mib ")]
+    assert len(reserve) == 1, text
+    assert plan(applied(argv, reserve[0]))[0] == 0
+    mib = int(reserve[0].split()[1])
+    assert plan([*argv, "--host-reserve-mib", str(mib + 1)])[0] == 3      # the largest that fits
+
+
+def test_a_float_checkpoint_whose_host_is_short_is_offered_the_gguf_file_that_fits(tmp_path):
+    """No flag makes bf16 Qwen3-30B-A3B fit a 8 GiB host; the least lossy GGUF file that does
+    is named (with the flags it needs), and the file llama-quantize's mix gives, written
+    (headers only) and planned as any GGUF, fits with exactly those flags; where none does, the
+    report says a larger host, naming what was tried, and the smallest file indeed fails."""
+    argv = ["--gpu", "RTX 3060 12GB", "--max-context", "32K", "--host-ram", "8GiB"]
+    code, text = plan(["Qwen3-30B-A3B", *argv])
+    assert code == 3 and "nothing short" not in text
+    line = text.split("fits with:\n", 1)[1].splitlines()[0]
+    assert line.startswith("  MODEL Qwen3-30B-A3B-Q8_0.gguf --host-experts mmap   (the model as a GGUF file"), text
+    doc = json.loads(plan(["Qwen3-30B-A3B", *argv, "--json"])[1])
+    assert doc["alternatives"][0]["flag"] == "MODEL"
+    assert doc["alternatives"][0]["with"] == [{"flag": "--host-experts", "value": "mmap"}]
+    writer = _header_writer()
+    q8 = str(writer.write_header_gguf("Qwen3-30B-A3B", "Q8_0", tmp_path / "Qwen3-30B-A3B-Q8_0.gguf"))
+    assert plan([q8, *argv, "--host-experts", "mmap"])[0] == 0
+    assert plan([q8, *argv])[0] == 3                    # the flag printed with it is needed
+
+    small = ["--gpu", "RTX 3060 12GB", "--max-context", "4K", "--host-ram", "2GiB"]
+    code, text = plan(["Qwen3-30B-A3B", *small])
+    assert code == 3
+    assert text.rstrip().endswith("fits with: nothing short of a larger host (no single flag change, "
+                                  "nor a GGUF file of the model down to Q4_K_M, makes it fit)"), text
+    q4 = str(writer.write_header_gguf("Qwen3-30B-A3B", "Q4_K_M", tmp_path / "Qwen3-30B-A3B-Q4_K_M.gguf"))
+    assert plan([q4, *small, "--host-experts", "mmap"])[0] == 3

@@ -402,6 +402,31 @@ def test_expert_on_dense_layer_is_rejected(tmp_path):
         load_model(str(tmp_path / "m"))
 
 
+@pytest.mark.parametrize("name,wrong,found,implied", [
+    # an attention projection: the config's head_dim against the checkpoint's
+    ("model.layers.0.self_attn.q_proj.weight", dict(head_dim=2 * HD), [HEADS * HD, H], [HEADS * 2 * HD, H]),
+    # one expert (expert 0's name): moe_intermediate_size against the checkpoint's
+    ("model.layers.0.mlp.experts.0.gate_proj.weight", dict(moe_intermediate_size=2 * I_MOE),
+     [I_MOE, H], [2 * I_MOE, H]),
+])
+def test_plan_refuses_a_checkpoint_its_config_contradicts(tmp_path, capsys, name, wrong, found, implied):
+    """The plan is the one the loader commits: a tensor whose shape the config contradicts is
+    refused by the planner with the loader's message (HeaderIndex.check), exit 2, not
+    priced from the headers as if the config were right."""
+    from moefit.cli import main
+
+    d = tmp_path / "m"
+    save_sharded(d, {**QWEN3_MOE, **wrong}, qwen3_moe_tensors(), index=False)
+    with pytest.raises(InputError) as e:
+        load_model(str(d))
+    assert str(e.value).startswith(f"{d}{os.sep}model-0000")     # the file that holds it
+    assert str(e.value).endswith(f".safetensors: tensor {name!r} has shape {found}, but "
+                                 f"config.json implies {implied}")
+    code = main(["plan", str(d), "--device", "cpu", "--vram", "1GiB", "--max-context", "256"])
+    err = capsys.readouterr().err
+    assert code == 2 and f"tensor {name!r} has shape {found}, but config.json implies {implied}" in err
+
+
 def test_index_naming_missing_shard(tmp_path):
     d = tmp_path / "m"
     save_sharded(d, QWEN3_MOE, qwen3_moe_tensors(), shards=2)

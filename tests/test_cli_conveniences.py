@@ -148,6 +148,47 @@ def test_max_context_max_when_nothing_fits_is_exit_3(capsys):
     assert code == 3 and "does not fit" in out
 
 
+def _glm_air(tmp_path) -> str:
+    from test_active_params import GLM_45_AIR
+
+    (tmp_path / "config.json").write_text(json.dumps(GLM_45_AIR))
+    return str(tmp_path)
+
+
+def test_max_context_max_when_nothing_fits_names_the_host_when_the_host_is_short(capsys, tmp_path):
+    """The card holds GLM-4.5-Air's dense weights (alone, ``max`` gives a context); an
+    8 GiB host cannot hold its 185 GiB of bf16 experts at any context. The failed plan is
+    the one of the smallest context: short on the host, limited by its expert blobs, with
+    the GGUF file that fits (the plan at 1 token shows the same), not the device's KV cache
+    at the model's full 131072 tokens."""
+    model = _glm_air(tmp_path)
+    base = ["--gpu", "RTX 5060 Ti 16GB", "--no-calibration"]
+    code, doc = plan_json(capsys, model, *base, "--max-context", "max")
+    assert code == 0 and doc["context"] > 1                  # the device fits alone
+    code, out, _ = run(capsys, "plan", model, *base, "--max-context", "max", "--host-ram", "8GiB")
+    assert code == 3
+    assert "max-context: max, no context fits: shown at the smallest, 1 token" in out
+    assert "1 token x 1 sequence" in out and "131072 tokens" not in out
+    assert re.search(r"short by [\d.]+ GiB on the host", out)
+    assert "limiting: host expert blobs" in out and "limiting: KV cache" not in out
+    code1, out1, _ = run(capsys, "plan", model, *base, "--max-context", "1", "--host-ram", "8GiB")
+    assert code1 == 3
+    assert out1.split("does not fit:")[1] == out.split("does not fit:")[1]   # same verdict
+    assert "MODEL glm45air-Q8_0.gguf --host-experts mmap".replace("glm45air", tmp_path.name) in out
+
+
+def test_max_context_max_when_nothing_fits_prices_the_smallest_context(capsys):
+    """gpt-oss-20b's weights alone overflow a 4 GiB card: the shortfall is what one token
+    lacks, not that plus 131072 tokens of KV cache (3 GiB more)."""
+    base = ["gpt-oss-20b", "--vram", "4GiB", "--host-ram", "16GiB", "--no-calibration"]
+    _, at_max = plan_json(capsys, *base, "--max-context", "max")
+    _, at_one = plan_json(capsys, *base, "--max-context", "1")
+    assert not at_max["fits"] and at_max["context"] == 1
+    assert at_max["shortfall_bytes"] == at_one["shortfall_bytes"] < 1 << 30
+    assert at_max["limiting"] == at_one["limiting"] and at_max["short_on"] == at_one["short_on"]
+    assert any(n.startswith("max-context: max, no context fits") for n in at_max["notes"])
+
+
 @pytest.mark.parametrize("bad", ["maximum", "MAXX", "-1"])
 def test_bad_max_context_mentions_max(capsys, bad):
     code, _, err = run(capsys, "plan", "Qwen3-30B-A3B", "--gpu", "RTX 4090", "--max-context", bad)

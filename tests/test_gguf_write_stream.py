@@ -158,3 +158,28 @@ def test_a_non_special_added_token_is_user_defined(tmp_path):
     assert types["<think>"] == gguf.TokenType.USER_DEFINED
     assert types["a"] == gguf.TokenType.NORMAL
     assert types["[PAD31]"] == gguf.TokenType.UNUSED
+
+
+@pytest.mark.parametrize("kwargs,named", [
+    (dict(expert_types="IQ4_NL"), "expert_types 'IQ4_NL'"),
+    (dict(expert_types={0: ("Q8_0", "Q4_K", "Q8_0")}), "expert_types[0] 'Q4_K'"),
+    (dict(dense_type="Q6_K"), "dense_type 'Q6_K'"),
+])
+def test_a_type_the_gguf_package_cannot_quantize_is_refused_before_anything_is_written(tmp_path, kwargs, named):
+    """IQ4_NL and the K-quants only dequantize in the gguf package (its quantize raised a bare
+    NotImplementedError mid-file): the writer refuses them first, naming the argument, the
+    type and what it writes, as bad input (InputError: exit 2 from the command line)."""
+    from moefit.errors import InputError
+    from moefit.tools.gguf_write import writable_types, write_gguf
+
+    path = tmp_path / "m.gguf"
+    with pytest.raises(InputError) as e:
+        write_gguf(random_state(CFG), CFG, path, **kwargs)
+    msg = str(e.value)
+    assert msg.startswith(named) and "Q8_0" in msg and "llama-quantize" in msg
+    assert not path.exists()
+    # the list is the package's: each type in it quantizes, the refused ones do not
+    ok = writable_types()
+    assert {"F32", "F16", "Q8_0", "Q4_0", "MXFP4"} <= set(ok) and not {"IQ4_NL", "Q4_K", "Q6_K"} & set(ok)
+    with pytest.raises(NotImplementedError):
+        gguf.quants.quantize(np.zeros((1, 32), np.float32), gguf.GGMLQuantizationType.IQ4_NL)

@@ -16,7 +16,7 @@ GIB = 1 << 30
 # Qwen3-30B-A3B: 48 full-attention layers, 4 KV heads, head_dim 128.
 # per token per layer = 4 heads x (K bytes(128) + V bytes(128))
 #   bf16/fp16: 4 x (256 + 256) = 2048
-#   fp8:       4 x (128 + 128) = 1024, plus 8 B of fp32 scales per layer
+#   fp8:       4 x (128 + 128) = 1024 (e4m3, unscaled: no scale bytes)
 #   int8:      4 x (4 blocks x 34 + 4 x 34) = 1088
 #   k8v4:      4 x (136 + 4 blocks x 18) = 832
 #   int4:      4 x (72 + 72) = 576
@@ -27,8 +27,7 @@ QWEN3_30B = {"bf16": 2048, "fp16": 2048, "fp8": 1024, "int8": 1088, "k8v4": 832,
 def test_qwen3_30b_a3b_kv_bytes(fmt):
     g = load_model("Qwen3-30B-A3B")
     kv = kv_bytes(g, KV_FORMATS[fmt], context=32768, slots=2, chunk=4096)
-    scales = 48 * 8 if fmt == "fp8" else 0
-    assert kv.bytes == 48 * QWEN3_30B[fmt] * 32768 * 2 + scales
+    assert kv.bytes == 48 * QWEN3_30B[fmt] * 32768 * 2
     assert kv.cache_layers == 48 and kv.state_bytes == 0
 
 
@@ -53,8 +52,7 @@ QWEN35_STATE = 30 * (2_097_152 + 49_152)
 def test_qwen35_35b_a3b_hybrid_kv_bytes(fmt):
     g = load_model("Qwen3.5-35B-A3B")
     kv = kv_bytes(g, KV_FORMATS[fmt], context=524288, slots=1, chunk=8192)
-    scales = 10 * 8 if fmt == "fp8" else 0
-    assert kv.bytes == 10 * QWEN35_FULL[fmt] * 524288 + QWEN35_STATE + scales
+    assert kv.bytes == 10 * QWEN35_FULL[fmt] * 524288 + QWEN35_STATE
     assert kv.cache_layers == 10 and kv.total_layers == 40
     assert kv.state_bytes == QWEN35_STATE
 
@@ -79,8 +77,7 @@ def test_gpt_oss_20b_sliding_window_kv_bytes(fmt, context, chunk):
     g = load_model("gpt-oss-20b")
     kv = kv_bytes(g, KV_FORMATS[fmt], context=context, slots=3, chunk=chunk)
     per = GPT_OSS[fmt]
-    scales = 24 * 8 if fmt == "fp8" else 0
-    expect = 12 * per * context * 3 + 12 * per * min(context, 128 + chunk) * 3 + scales
+    expect = 12 * per * context * 3 + 12 * per * min(context, 128 + chunk) * 3
     assert kv.bytes == expect
 
 
@@ -94,7 +91,7 @@ def test_kv_chunk_pieces_match_kv_bytes(fmt):
 
 
 # DeepSeek-V3: 61 MLA layers, latent 512 + RoPE key 64 = 576 elements per token,
-# stored in the K format: bf16 1152; fp8 576 (+8 B scales/layer); int8 18 blocks x 34 = 612;
+# stored in the K format: bf16 1152; fp8 576; int8 18 blocks x 34 = 612;
 # k8v4 612 (the latent is a key); int4 18 x 18 = 324
 DEEPSEEK = {"bf16": 1152, "fp16": 1152, "fp8": 576, "int8": 612, "k8v4": 612, "int4": 324}
 
@@ -103,8 +100,7 @@ DEEPSEEK = {"bf16": 1152, "fp16": 1152, "fp8": 576, "int8": 612, "k8v4": 612, "i
 def test_deepseek_v3_mla_kv_bytes(fmt):
     g = load_model("DeepSeek-V3")
     kv = kv_bytes(g, KV_FORMATS[fmt], context=163840, slots=1, chunk=2048)
-    scales = 61 * 8 if fmt == "fp8" else 0
-    assert kv.bytes == 61 * DEEPSEEK[fmt] * 163840 + scales
+    assert kv.bytes == 61 * DEEPSEEK[fmt] * 163840
     assert kv.cache_layers == 61
 
 
@@ -129,8 +125,6 @@ def test_kv_layout_tiles_the_kv_line_exactly(fmt, model, context, chunk):
         assert (c.k_row, c.v_row) == (f.k_bytes(att.head_dim), f.v_bytes(att.v_head_dim))
         spans += [(c.k_offset, slots * c.cells * c.kv_heads * c.k_row),
                   (c.v_offset, slots * c.cells * c.kv_heads * c.v_row)]
-        if c.scale_offset is not None:
-            spans.append((c.scale_offset, f.layer_scale_bytes))
     spans.sort()
     end = 0
     for off, size in spans:
@@ -153,7 +147,7 @@ def test_kv_layout_of_mla_is_one_latent_row_per_token(fmt):
         assert (c.kv_heads, c.k_dim, c.v_dim, c.k_row, c.v_row) == (1, 576, 0, DEEPSEEK[fmt], 0)
         assert c.latent and c.k_offset == end and c.v_offset == c.k_offset + 2 * 4096 * DEEPSEEK[fmt]
         end = c.v_offset
-    assert layout.bytes == end + (61 * 8 if fmt == "fp8" else 0)
+    assert layout.bytes == end
 
 
 def test_kv_help_names_every_format():

@@ -169,3 +169,16 @@ def test_planning_path_imports_no_torch():
     out = subprocess.run([sys.executable, "-c", NO_TORCH], capture_output=True, text=True, env=env, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().endswith(f"ok {len(EXPECTED_PRESETS)}")
+
+
+@pytest.mark.parametrize("spec", ["GLM-4.5-Air", "zai-org/GLM-4.5", "glm-4.5-air-fp8"])
+def test_a_model_without_a_preset_says_why_and_what_to_give(spec):
+    """GLM-4.5 ships no preset (no byte copy of its upstream config.json was found): the
+    name says so and names the fix, as the README does; it is not one of the presets."""
+    assert not any(p.lower().startswith("glm") for p in list_presets())
+    with pytest.raises(InputError) as e:
+        load_model(spec)
+    msg = str(e.value)
+    assert "no built-in preset" in msg and "config.json" in msg and "checkpoint directory" in msg
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    assert "GLM-4.5 and GLM-4.5-Air have no built-in preset" in readme

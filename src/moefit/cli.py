@@ -22,7 +22,8 @@ from importlib.util import find_spec
 
 from moefit import __version__
 from moefit.devices import format_gpu_table
-from moefit.errors import EXIT_INPUT, EXIT_INTERRUPTED, EXIT_NOFIT, EXIT_OK, EXIT_OTHER, InputError
+from moefit.errors import (EXIT_INPUT, EXIT_NOFIT, EXIT_OK, EXIT_OTHER, InputError, Terminated,
+                           exit_code)
 from moefit.engines import llamacpp, serving
 from moefit.engines.sglang import ENGINE as SGLANG
 from moefit.engines.vllm import ENGINE as VLLM
@@ -119,7 +120,7 @@ def _verbose(plan) -> str:
     out = ["details:"]
     out += [f"  {line}" for line in describe_weights(g)]
     out.append(f"  KV: cells {format_bytes(kv.cell_bytes)}, recurrent/conv state "
-               f"{format_bytes(kv.state_bytes)}, fp8 scales {kv.scale_bytes} B")
+               f"{format_bytes(kv.state_bytes)}")
     out.append(f"  prefill staging = {st.const_bytes} B + {st.per_token_bytes} B/token x chunk")
     for name, const, per_tok in st.terms:
         out.append(f"    {name:<58} {format_bytes(const):>11} + {per_tok} B/token")
@@ -274,10 +275,12 @@ def main(argv: list[str] | None = None) -> int:
     except InputError as e:
         print(f"moefit: error: {e}", file=sys.stderr)
         return EXIT_INPUT
-    except KeyboardInterrupt:
-        # Ctrl-C: one line, no traceback; the commands write their files whole or not at all
-        print("moefit: interrupted", file=sys.stderr)
-        return EXIT_INTERRUPTED
+    except KeyboardInterrupt as e:
+        # Ctrl-C (or SIGTERM before serve is ready: Terminated): one line, no traceback; the
+        # commands write their files whole or not at all
+        print("moefit: interrupted" + (" (SIGTERM)" if isinstance(e, Terminated) else ""),
+              file=sys.stderr)
+        return exit_code(e)
     except BrokenPipeError:
         # the reader went away (`moefit models | head -1`): not an error of ours
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

@@ -47,7 +47,7 @@ from moefit.memory import calibration
 from moefit.memory.kv import KV_FORMATS, kv_name
 from moefit.memory.staging import StagingModel
 from moefit.plan.request import Request, context_limit, parse_prefill, resolve_context, validate
-from moefit.plan.solver import Plan, largest_context, solve
+from moefit.plan.solver import SMALLEST_CONTEXT, Plan, largest_context, solve
 from moefit.units import parse_count
 
 
@@ -604,12 +604,18 @@ def _plan_max_context(geom: ModelGeometry, device, req: Request,
                       staging: StagingModel | None, host: Host | None = None) -> Plan:
     """``--max-context max``: the plan at the largest context that fits
     (:func:`~moefit.plan.solver.largest_context`, to the token, capped at the model's limit
-    under the RoPE flags), with a note saying so; when not even one token fits, the failed
-    plan at the model's limit (its alternatives say what would fit)."""
+    under the RoPE flags), with a note saying so. When not even one token fits, the failed
+    plan at the smallest context (:data:`~moefit.plan.solver.SMALLEST_CONTEXT`), with a note
+    saying no context fits: its shortfall, the side that is short (a device or the host),
+    the limiting lines and the alternatives are those of the least KV cache, not of the
+    model's limit (where the KV cache would hide what is really short)."""
     limit, how = context_limit(geom, req)
     best = largest_context(geom, device, req, staging, host)
     if best is None:
-        return solve(geom, device, req.with_(max_context=limit), host=host, staging=staging)
+        plan = solve(geom, device, req.with_(max_context=SMALLEST_CONTEXT), host=host,
+                     staging=staging)
+        note = f"max-context: max, no context fits: shown at the smallest, {SMALLEST_CONTEXT} token"
+        return replace(plan, notes=(note, *plan.notes))
     plan = solve(geom, device, req.with_(max_context=best), host=host, staging=staging)
     capped = f" (the model's limit, {how})" if best == limit else ""
     note = f"max-context: max, the largest context that fits: {best} tokens{capped}"

@@ -16,6 +16,7 @@ from conftest import make_tiny
 from moefit.bench.ladder import BenchOptions, default_ladder, parse_contexts, prompt_lengths
 from moefit.cli import main
 from moefit.errors import InputError
+from moefit.ingest.resolve import load_model
 
 pytest.importorskip("matplotlib")
 
@@ -131,3 +132,29 @@ def test_calibrate_refuses_chunks_beyond_the_context_before_measuring(tmp_path, 
     err = capsys.readouterr()
     assert code == 2 and "--chunks" in err.err and "context limit of 1024" in err.err
     assert "measured" not in err.out     # nothing was run
+
+
+@pytest.mark.parametrize("preset,method", [("gpt-oss-20b", "mxfp4"), ("DeepSeek-V3", "fp8")])
+def test_vs_transformers_without_accelerate_says_to_install_it(tmp_path, capsys, monkeypatch, preset, method):
+    """transformers loads an mxfp4 / fp8 checkpoint only with accelerate: without it, --vs
+    transformers exits 2 before anything runs, naming the package and the fix; a bf16
+    checkpoint, or the same one without --vs, is not refused."""
+    import shutil
+
+    from moefit.bench import versus
+    from moefit.ingest.resolve import PRESETS_DIR
+
+    ckpt = tmp_path / preset
+    ckpt.mkdir()
+    shutil.copy(PRESETS_DIR / preset / "config.json", ckpt / "config.json")
+    monkeypatch.setattr(versus, "accelerate_installed", lambda: False)
+    out = tmp_path / "bench"
+    code = main(["bench", str(ckpt), "--device", "cpu", "--vram", "1GiB", "--vs", "transformers",
+                 "--out", str(out), "--no-progress", "--no-calibration"])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err
+    assert f"this {method} checkpoint" in err and "pip install accelerate" in err and "drop --vs" in err
+    assert not out.exists()
+    versus.check_reference(load_model("Qwen3-30B-A3B"))          # bf16: transformers needs nothing more
+    monkeypatch.setattr(versus, "accelerate_installed", lambda: True)
+    versus.check_reference(load_model(str(ckpt)))

@@ -19,7 +19,7 @@ transformers = pytest.importorskip("transformers")
 
 from conftest import sim_device  # noqa: E402
 from moefit.errors import InputError  # noqa: E402
-from moefit.ingest.resolve import load_model  # noqa: E402
+from moefit.ingest.resolve import PRESETS_DIR, load_model  # noqa: E402
 from moefit.plan.request import Request  # noqa: E402
 from moefit.plan.solver import solve  # noqa: E402
 from moefit.runtime.engine import Engine, EngineOptions  # noqa: E402
@@ -77,6 +77,33 @@ def test_moefit_plans_and_runs_the_demo(demos, family):
     assert logits.shape == (geom.vocab_size,) and torch.isfinite(logits.float()).all()
 
 
+def test_plan_refuses_the_checkpoint_the_loader_refuses(tmp_path, capsys):
+    """A DeepSeek-V3 demo whose config.json lost ``q_lora_rank`` (DeepseekV3Config's default,
+    1536, then applies): the loader refuses the checkpoint (``q_a_proj`` is ``[96, 256]``),
+    and the planner refuses it with the same message (the same check,
+    ``moefit.ingest.checkpoint.HeaderIndex.check``), exit 2, instead of a plan priced from
+    the headers that ``serve`` could not commit."""
+    from moefit.cli import main
+    from moefit.ingest.families import geometry_from_config
+    from moefit.runtime.arch import arch_from_config
+    from moefit.runtime.loader import load_checkpoint
+
+    d = write_demo(tmp_path / "m", "deepseek_v3")
+    cfg = json.loads((d / "config.json").read_text())
+    del cfg["q_lora_rank"]
+    (d / "config.json").write_text(json.dumps(cfg))
+    geom = geometry_from_config(cfg, "m")      # the config alone, headers unread
+    with pytest.raises(InputError) as loading:
+        load_checkpoint(d, geom, arch_from_config(cfg, geom),
+                        lambda shape, dtype: torch.empty(shape, dtype=dtype), progress=False)
+    assert "q_a_proj" in str(loading.value) and "[96, 256]" in str(loading.value)
+    with pytest.raises(InputError) as planning:
+        load_model(str(d))
+    assert str(planning.value) == str(loading.value)
+    code = main(["plan", str(d), "--device", "cpu", "--vram", "1GiB", "--max-context", "1024"])
+    assert code == 2 and str(loading.value) in capsys.readouterr().err
+
+
 def test_tokenizer_encodes_any_text_and_matches_transformers(demos):
     d = demos["qwen3_moe"]
     ours, ref = Tokenizer.from_dir(d), transformers.AutoTokenizer.from_pretrained(str(d))
@@ -113,6 +140,12 @@ def test_every_demo_file_gets_the_mode_open_gives_a_new_file(demos):
 def test_bad_family_and_non_empty_directory_are_input_errors(tmp_path):
     with pytest.raises(InputError, match="--family 'llama4'.*qwen3_moe"):
         write_demo(tmp_path / "x", "llama4")
+    # Kimi-K2 runs, as DeepSeek-V3's architecture: the error names the demo to write
+    with pytest.raises(InputError, match="--family 'kimi_k2'.*DeepseekV3ForCausalLM.*--family deepseek_v3$"):
+        write_demo(tmp_path / "x", "kimi_k2")
+    assert not (tmp_path / "x").exists()
+    kimi = json.loads((PRESETS_DIR / "Kimi-K2-Instruct" / "config.json").read_text())
+    assert kimi["architectures"] == ["DeepseekV3ForCausalLM"] and kimi["model_type"] == "kimi_k2"
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "keep.txt").write_text("mine")
     with pytest.raises(InputError, match="not empty"):

@@ -164,7 +164,7 @@ def test_kv_line_is_full_attention_cells_plus_linear_state(hybrids, family, fmt)
     linear = [l.attention for l in geom.layers if l.attention.kind == "linear"]
     assert (len(full), len(linear)) == (1, 3)
     cells = sum(3 * 200 * a.num_kv_heads * (f.k_bytes(a.head_dim) + f.v_bytes(a.v_head_dim))
-                + f.layer_scale_bytes for a in full)
+                for a in full)
     # per slot and layer: fp32 state Nv x Dk x Dv, fp32 conv state (kernel - 1) x conv_dim
     a = linear[0]
     dv = 8 if family == "qwen3_next" else 16

@@ -172,12 +172,17 @@ def test_codec_scratch_is_what_the_staging_model_prices(fmt, dim, act):
             ledger.release("prefill", ws.buffer)
 
 
-def test_fp8_scales_live_in_the_kv_buffer(tiny_models):
+def test_fp8_cells_are_the_unscaled_e4m3_values(tiny_models):
+    """An fp8 cell is the e4m3 rounding of the key itself (scale 1, saturated at +-448): no
+    scale depends on what another sequence wrote first."""
     tiny = tiny_models[("olmoe", "per_expert")]
     engine = _engine(tiny, "fp8")
-    buf = engine.model.kv.buffer
-    engine.prefill(prompt(96))
-    scales = buf[-8 * tiny.geom.num_layers:].view(torch.float32)
-    assert torch.all(scales > 0)
-    engine.reset(0)
-    assert torch.all(scales == 0)
+    cache = engine.model.kv
+    lc = cache.layers[0]
+    k = torch.randn(3, lc.k.shape[2], lc.k_codec.dim) * 300
+    v = torch.randn(3, lc.v.shape[2], lc.v_codec.dim)
+    kb, vb = torch.empty(3, *lc.k.shape[2:], dtype=torch.uint8), torch.empty(3, *lc.v.shape[2:], dtype=torch.uint8)
+    cache.write(0, 0, 0, k, v, kb, vb)
+    cells = lc.k[0, :3].view(torch.float8_e4m3fn).float()
+    assert torch.equal(cells, k.clamp(-448, 448).to(torch.float8_e4m3fn).float())
+    assert torch.equal(lc.v[0, :3].view(torch.float8_e4m3fn).float(), v.to(torch.float8_e4m3fn).float())

@@ -8,12 +8,15 @@ to fp32 rounding. Hits and misses are counted the same way (once per expert per 
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
 gguf = pytest.importorskip("gguf")
 
-from conftest import plan_for  # noqa: E402
+from conftest import Tiny, plan_for  # noqa: E402
+from moefit.memory.cpu_kernels import DISABLE_ENV  # noqa: E402
 from moefit.runtime import decode_step, moe_batch, qmatmul  # noqa: E402
 from moefit.runtime.engine import Engine, EngineOptions  # noqa: E402
 from reference import engine_greedy, max_error, prompt  # noqa: E402
@@ -97,3 +100,79 @@ def test_dense_decode_product_and_fp32_logits():
     assert torch.equal(out16, out32.bfloat16())
     assert moe_batch.dense_applies(x, w) and not moe_batch.dense_applies(x.float(), w.float())
     assert not moe_batch.dense_applies(torch.zeros(64, 256), w)          # prefill: torch.mm
+
+
+def _half(tiny, path, dtype) -> Tiny:
+    """``tiny`` saved in ``dtype`` (its config says so: the runtime computes in it). A copy
+    is cast: casting the session's reference model and back would round its fp32 weights
+    for every later test that writes files from it."""
+    copy.deepcopy(tiny.ref).to(dtype).save_pretrained(path)
+    return Tiny(tiny.family, path, tiny.ref)
+
+
+def _c_and_torch(path, plan_of, vocab, monkeypatch):
+    """Logits of ``path`` through the torch kernels (``MOEFIT_NO_CKERNELS=1``, planned so),
+    greedy, and through the C kernels fed the same tokens
+    (so a near-tie that rounds the other way in bf16 compares the same positions), and the
+    greedy tokens of each."""
+    ids = prompt(vocab)
+    with monkeypatch.context() as mp:
+        mp.setenv(DISABLE_ENV, "1")
+        mp.setattr(qmatmul, "available", lambda: False)
+        torch_logits, torch_tokens = engine_greedy(
+            Engine.start(path, plan_of(), EngineOptions(progress=False, chunk=7)), ids, steps=8)
+    engine = Engine.start(path, plan_of(), EngineOptions(progress=False, chunk=7))
+    c_logits = [engine.prefill(ids)] + [engine.decode(t) for t in torch_tokens]
+    c_tokens = [int(x.argmax()) for x in c_logits[:-1]]
+    return max_error(c_logits, torch_logits), c_tokens, torch_tokens
+
+
+#: C path against torch path, per compute dtype: bf16 products accumulate in fp32 in C and
+#: round once (torch.mm rounds per product), measured 2.3e-3 here; fp16 runs the torch path
+#: for its activations (the kernels read fp32 / bf16 only), measured 0 (7.6e-2 when the MoE
+#: kernel read fp16 activations as fp32).
+HALF_TOL = {torch.bfloat16: 1e-2, torch.float16: 1e-3}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_c_kernels_equal_the_torch_path_in_half_precision(tiny_models, tmp_path, monkeypatch, dtype):
+    """A bf16 / fp16 checkpoint decodes the same greedy tokens with and without the C
+    kernels, logits within :data:`HALF_TOL` (an fp16 model's activations were read as fp32
+    bytes by the MoE kernel: garbage text)."""
+    tiny = _half(tiny_models[("qwen3_moe", "per_expert")], tmp_path / "half", dtype)
+    plan = plan_for(tiny, kv="fp16", expert_cache=4, miss_policy="cpu")
+    err, tc, tt = _c_and_torch(tiny.path, lambda: plan, tiny.ref.config.vocab_size, monkeypatch)
+    assert err <= HALF_TOL[dtype], err
+    if dtype == torch.float16:
+        assert tc == tt
+    cache = Engine.start(tiny.path, plan, EngineOptions(progress=False)).model.experts
+    layer = tiny.geom.moe_layers[0].index
+    assert moe_batch.applies(cache, layer, torch.zeros(1, 64, dtype=torch.bfloat16), 2)
+    assert not moe_batch.applies(cache, layer, torch.zeros(1, 64, dtype=torch.float16), 2)
+
+
+def test_c_kernels_equal_the_torch_path_on_an_f16_gguf(tiny_models, tmp_path, monkeypatch):
+    """An F16 GGUF (``MOSTLY_F16``: the runtime computes in fp16) with Q8_0 experts: the same
+    greedy tokens with and without the C kernels."""
+    from test_gguf_runtime import GGUFModel
+
+    m = GGUFModel(tiny_models[("qwen3_moe", "per_expert")], tmp_path / "f16.gguf", expert_types="Q8_0",
+                  dense_type="F16", file_type=1)
+    assert m.geom.dtype == "float16"
+    err, tc, tt = _c_and_torch(m.path, lambda: m.plan(kv="fp16", expert_cache=4, miss_policy="cpu"), m.ref.config.vocab_size, monkeypatch)
+    assert tc == tt
+    assert err <= HALF_TOL[torch.float16], err
+
+
+def test_moe_kernel_refuses_activations_it_does_not_read():
+    """``qmatmul.moe`` and ``qmatmul.gemm`` read fp32 / bf16 only: an fp16 tensor is an
+    error, never bytes read as fp32."""
+    fmt = moe_batch._plain_format(32, 64, "BF16")
+    x = torch.zeros(2, 64, dtype=torch.float16)
+    with pytest.raises(ValueError, match="fp32/bf16"):
+        qmatmul.moe(x, torch.zeros(0, dtype=torch.int64), torch.zeros(1, dtype=torch.int64),
+                    torch.zeros(0, dtype=torch.int64), torch.zeros(0), torch.zeros(2, 64), fmt,
+                    torch.empty(qmatmul.moe_scratch_bytes(2, 64, 32, 1), dtype=torch.uint8))
+    with pytest.raises(ValueError, match="fp32/bf16"):
+        qmatmul.gemm(x, torch.zeros(32 * 64 * 2, dtype=torch.uint8), "BF16", 32, 64)
+    assert not qmatmul.reads(x) and qmatmul.reads(x.bfloat16()) and qmatmul.reads(x.float())

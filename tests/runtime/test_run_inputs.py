@@ -194,6 +194,47 @@ def test_sigint_while_serve_commits_the_plan_exits_130(tiny, tmp_path):
     assert "Traceback" not in text and len([l for l in text.splitlines() if "interrupted" in l]) == 1, text
 
 
+SLOW_PREPARE = """
+import sys, time
+import moefit.serve.launch as launch
+prepare = launch.prepare
+def slow(*a, **k):
+    out = prepare(*a, **k)
+    print("PREPARED", file=sys.stderr, flush=True)
+    time.sleep(60)
+    return out
+launch.prepare = slow
+from moefit.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.process
+def test_sigterm_before_serve_starts_its_server_is_one_line_and_143(tiny, tmp_path):
+    """SIGTERM once the plan is printed, before the server (and its signal handlers) run:
+    one line and 143 (128 + SIGTERM), as Ctrl-C there gives one line and 130; it was the
+    signal's silent default death (143, nothing said)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[2] / "src"),
+                                                        os.environ.get("PYTHONPATH", "")])}
+    err_path = tmp_path / "err.txt"
+    with err_path.open("w") as err:
+        proc = subprocess.Popen([sys.executable, "-c", SLOW_PREPARE, "serve", str(tiny.path), *DEVICE,
+                                 "--port", "0"], stdout=subprocess.DEVNULL, stderr=err, env=env)
+        try:
+            deadline = time.monotonic() + 60
+            while "PREPARED" not in err_path.read_text() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            proc.send_signal(signal.SIGTERM)
+            code = proc.wait(timeout=30)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    text = err_path.read_text()
+    assert code == 128 + signal.SIGTERM, text
+    lines = [l for l in text.splitlines() if "interrupted" in l]
+    assert "Traceback" not in text and lines == ["moefit: interrupted (SIGTERM)"], text
+
+
 # ---- item 6c: MOEFIT_FAIL_ALLOC keys on a simulated device -----------------------------------
 @pytest.mark.parametrize("key", ["runtime", "margin"])
 def test_fail_alloc_of_a_line_without_tensors_fails_where_it_is_committed(tiny, capsys, monkeypatch, key):
@@ -255,3 +296,26 @@ def test_missing_routing_profile_is_refused_before_loading(tiny, tmp_path, capsy
                  "--routing-profile", str(tmp_path / "nope.json")])
     lines = error_lines(capsys.readouterr().err)
     assert code == 2 and no_commit == [] and "nope.json" in lines[0], lines
+
+
+# ---- generate admits a request as the API does ----------------------------------------------
+def test_generate_refuses_max_tokens_past_the_context_before_loading(tiny, capsys, no_commit):
+    """The API answers 400 when prompt + max_tokens exceed the context; generate used to stop
+    silently at the context's end (1022 of 2000 tokens): it refuses the same way (the one
+    admission check, ``check_prompt``), naming the limit and the fix."""
+    code = main(["generate", str(tiny.path), *DEVICE, "--prompt", "hi", "--max-tokens", "2000",
+                 "--max-context", "1024"])
+    lines = error_lines(capsys.readouterr().err)
+    assert code == 2 and no_commit == [] and len(lines) == 1, lines
+    assert "--max-tokens 2000" in lines[0] and "more than the planned context of 1024 tokens" in lines[0]
+    assert "lower --max-tokens or plan a larger --max-context" in lines[0]
+
+
+@pytest.mark.parametrize("stops", [[""], ["ok", ""]])
+def test_generate_refuses_an_empty_stop_string(tiny, capsys, no_commit, stops):
+    argv = [a for s in stops for a in ("--stop", s)]
+    code = main(["generate", str(tiny.path), *DEVICE, "--prompt", "hi", "--max-tokens", "2", *argv])
+    lines = error_lines(capsys.readouterr().err)
+    assert code == 2 and no_commit == [] and len(lines) == 1, lines
+    assert lines[0].startswith('moefit: error: --stop "": an empty stop string'), lines
+

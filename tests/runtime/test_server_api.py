@@ -195,6 +195,8 @@ def test_prompt_plus_max_tokens_past_the_context_is_refused_and_fits_exactly(cli
     ({"prompt": ""}, 400, "empty"),
     ({"prompt": "hello", "logprobs": 2}, 400, "logprobs"),
     ({"prompt": "hello", "presence_penalty": 0.5}, 400, "presence_penalty"),
+    ({"prompt": "hello", "stop": ""}, 400, 'stop "": an empty stop string'),
+    ({"prompt": "hello", "stop": ["ok", ""]}, 400, 'stop "": an empty stop string'),
 ])
 def test_bad_completion_requests_get_400_with_a_message(client, body, status, needle):
     r = client.post("/v1/completions", json=body)

@@ -45,6 +45,8 @@ def bench(args: argparse.Namespace) -> int:
             raise InputError(f"--threads {args.threads}: must be at least 1")
         torch.set_num_threads(args.threads)
     geom = load_model(str(model))
+    if args.vs:
+        versus.check_reference(geom)
     device = runnable_device(args)
     req = request_from_args(args)
     staging = calibrated_staging(geom, device, req.kv, args)

@@ -15,10 +15,34 @@ cache may legitimately make greedy outputs part after a while.
 from __future__ import annotations
 
 import gc
+import importlib.util
 import time
 from pathlib import Path
 
 import torch
+
+from moefit.errors import InputError
+
+#: checkpoint quantizations transformers loads only with ``accelerate`` installed
+#: (``Mxfp4HfQuantizer`` / ``FineGrainedFP8HfQuantizer.validate_environment`` raise
+#: ImportError without it; transformers/quantizers/quantizer_mxfp4.py, quantizer_finegrained_fp8.py)
+NEEDS_ACCELERATE = ("mxfp4", "fp8")
+
+
+def accelerate_installed() -> bool:
+    """Whether the ``accelerate`` package can be imported (found, not imported)."""
+    return importlib.util.find_spec("accelerate") is not None
+
+
+def check_reference(geom) -> None:
+    """Refuse ``--vs transformers`` before anything runs when transformers cannot load
+    ``geom``'s checkpoint here: an mxfp4 or fp8 checkpoint without ``accelerate``
+    (:data:`NEEDS_ACCELERATE`). Raises InputError naming the package and the fix."""
+    method = geom.quant.method
+    if method in NEEDS_ACCELERATE and not accelerate_installed():
+        raise InputError(f"--vs transformers: transformers loads this {method} checkpoint only with "
+                         "the accelerate package, which is not installed; install it (`pip install "
+                         "accelerate`) or drop --vs")
 
 
 class Reference:

@@ -33,12 +33,14 @@ Pure: no I/O, no torch.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from pathlib import Path
+from dataclasses import dataclass, replace
 
 from moefit.errors import InputError
 from moefit.ingest.families import registry
 from moefit.ingest.families.common import GGUF_EXPERT_PARTS, GGUF_LAYER_EXTRA, GLOBAL_NAMES, LAYER_NAMES
 from moefit.ingest.geometry import ModelGeometry
+from moefit.ingest.gguf_header import GGUFHeader, GGUFTensor, exact_from_gguf
 
 #: ``llama-quantize`` file types planned here -> the default ggml type
 #: (``llama_ftype_get_default_type``)
@@ -298,3 +300,25 @@ def llamacpp_tensors(geom: ModelGeometry, ftype: str) -> tuple[list[GGUFTensorIn
         emb = next(t for t in q if t.name == "token_embd.weight")
         return q + [GGUFTensorInfo("output.weight", emb.kind, emb.ne)], unknown
     return quantized_tensors(tensors, ftype, **hp), unknown
+
+
+#: ``general.file_type`` (``llama_ftype``) of the float mixes; every quantized mix computes
+#: in bf16 (:func:`moefit.ingest.gguf_header.compute_dtype`), whichever code it has
+_FLOAT_FILE_TYPES = {"F32": 0, "F16": 1, "BF16": 32}
+#: the ``llama_ftype`` of ``MOSTLY_Q8_0``: stands for any quantized mix here (same compute dtype)
+_QUANTIZED_FILE_TYPE = 7
+
+
+def gguf_geometry(geom: ModelGeometry, ftype: str) -> ModelGeometry:
+    """``geom`` as the GGUF file ``convert_hf_to_gguf.py`` + ``llama-quantize FTYPE`` would
+    write of it: the same geometry with the exact bytes moefit's GGUF loader gives that
+    file (:func:`moefit.ingest.gguf_header.exact_from_gguf` over the tensors of
+    :func:`llamacpp_tensors`), so moefit's own planner prices a file that does not exist
+    yet (a ``fits with:`` remedy of a checkpoint, :func:`moefit.plan.solver.find_alternatives`).
+    Pure: no file is read. Raises InputError for a family without a GGUF architecture."""
+    infos, _ = llamacpp_tensors(geom, ftype)
+    tensors = {t.name: GGUFTensor(t.name, t.kind, t.ne, math.prod(t.ne), t.nbytes, 0, 0) for t in infos}
+    name = f"{geom.name.rstrip('/').rsplit('/', 1)[-1]}-{ftype}.gguf"
+    header = GGUFHeader(paths=[Path(name)], tensors=tensors, data_bytes=[sum(t.nbytes for t in infos)],
+                        meta={"general.file_type": _FLOAT_FILE_TYPES.get(ftype, _QUANTIZED_FILE_TYPE)})
+    return replace(geom, name=name, exact=exact_from_gguf(geom, header))

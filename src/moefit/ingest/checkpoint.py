@@ -189,6 +189,79 @@ def checkpoint_files(model_dir: str | Path) -> list[Path]:
     return hf or files
 
 
+class HeaderIndex:
+    """The tensors of a model directory's safetensors headers (:func:`read_header`, no data
+    read) by name: ``where[name]`` (file, shape), ``dtypes[name]`` (safetensors dtype name),
+    ``nbytes[name]`` (stored bytes); ``files`` the shards (:func:`checkpoint_files`, may be
+    empty), ``headers`` their headers.
+
+    :meth:`check` is the one check of a tensor against the shape its config implies: the
+    safetensors loader (``moefit.runtime.loader``) runs it on every tensor it reads, the
+    planner (:func:`exact_weights`) on the tensors of the geometry's listing that the
+    headers hold, so ``moefit plan`` refuses a checkpoint that contradicts its config as
+    ``serve`` and ``generate`` do, with the same message.
+
+    Raises InputError as :func:`checkpoint_files` and :func:`read_header` do.
+    """
+
+    def __init__(self, model_dir: str | Path):
+        self.model_dir = Path(model_dir)
+        self.files = checkpoint_files(self.model_dir)
+        self.headers = tuple(read_header(f) for f in self.files)
+        self.where: dict[str, tuple[Path, tuple[int, ...]]] = {}
+        self.dtypes: dict[str, str] = {}
+        self.nbytes: dict[str, int] = {}
+        for h in self.headers:
+            for t in h.tensors:
+                self.where[t.name] = (h.path, t.shape)
+                self.dtypes[t.name] = t.dtype
+                self.nbytes[t.name] = t.nbytes
+
+    def has(self, name: str) -> bool:
+        return name in self.where
+
+    def missing(self, name: str) -> InputError:
+        """The error for a tensor the config implies and the checkpoint lacks."""
+        files = ", ".join(f.name for f in self.files[:4]) + (" ..." if len(self.files) > 4 else "")
+        return InputError(f"{self.model_dir}: tensor {name!r} is missing from the checkpoint "
+                          f"(searched {files}); is the checkpoint complete and does "
+                          "config.json match it?")
+
+    def check(self, name: str, shape: tuple[int, ...]) -> None:
+        """Tensor ``name`` is in the checkpoint with ``shape`` (what config.json implies).
+        Raises InputError naming the file, the tensor, the shape found and the shape
+        implied, or :meth:`missing`."""
+        if name not in self.where:
+            raise self.missing(name)
+        path, found = self.where[name]
+        if tuple(found) != tuple(shape):
+            raise InputError(f"{path}: tensor {name!r} has shape {list(found)}, but config.json "
+                             f"implies {list(shape)}")
+
+    def numel(self, name: str) -> int:
+        n = 1
+        for d in self.where[name][1]:
+            n *= d
+        return n
+
+
+def check_listing(geom: ModelGeometry, index: HeaderIndex) -> None:
+    """Every tensor of ``geom``'s listing (global, per layer, expert 0's) that ``index``
+    holds in a :data:`SHAPED_DTYPES` dtype has the listed shape, by :meth:`HeaderIndex.check`
+    (the loader's check; the listing holds the names and shapes the loader asks for:
+    tests/runtime/test_tensor_listing.py). A listed tensor the headers lack is left to the
+    loader, which may read another of its names (a fused expert layout, a router alias).
+    Raises InputError as :meth:`HeaderIndex.check` does."""
+    listed = list(geom.global_tensors)
+    for layer in geom.layers:
+        # one expert's tensors, by expert 0's name when the experts are stored one by one (a
+        # fused name is listed at one expert's shape, not the stored [E, ...])
+        listed += list(layer.tensors) + [t for t in layer.expert_tensors if _PER_EXPERT.search(t.name)]
+    for t in listed:
+        if index.has(t.name) and index.dtypes[t.name] in SHAPED_DTYPES:
+            index.check(t.name, t.shape)
+
+
 def _shard_name(value: object) -> bool:
     """A plain file name in the model folder (no folder part, not ``.`` / ``..``)."""
     return isinstance(value, str) and value not in ("", ".", "..") and "/" not in value \
@@ -221,6 +294,9 @@ def _param_count(t: HeaderTensor) -> int:
 
 #: Floating dtypes the loader converts to the model's compute dtype.
 CONVERTED_DTYPES = frozenset({"F32", "F16", "BF16"})
+#: Dtypes a checkpoint stores a tensor in at its own shape (floating and fp8 ones; packed
+#: quantized tensors, U8 / I32, have the shape of their packing)
+SHAPED_DTYPES = CONVERTED_DTYPES | {"F8_E4M3", "F8_E5M2"}
 
 
 def held_bytes(t: HeaderTensor, dtype_bytes: int) -> int:
@@ -290,12 +366,14 @@ def exact_weights(geom: ModelGeometry, model_dir: str | Path) -> ExactWeights | 
     ``e_score_correction_bias``). ``experts_stored``: the experts are fp8 (F8_*) or mxfp4
     (``_blocks``), which the runtime keeps as stored and dequantizes when they run.
 
-    Errors: :class:`InputError` for a corrupt header, an incomplete sharded checkpoint, or an
-    expert tensor on a layer the config declares dense.
+    Errors: :class:`InputError` for a corrupt header, an incomplete sharded checkpoint, a
+    tensor whose shape contradicts the config (:func:`check_listing`, the loader's check), or
+    an expert tensor on a layer the config declares dense.
     """
-    files = checkpoint_files(model_dir)
-    if not files:
+    index = HeaderIndex(model_dir)
+    if not index.files:
         return None
+    check_listing(geom, index)
     moe = {l.index: l.moe.num_experts for l in geom.moe_layers}
     weight = skipped = params = 0
     fp8_experts = False
@@ -308,8 +386,9 @@ def exact_weights(geom: ModelGeometry, model_dir: str | Path) -> ExactWeights | 
     stored_in: dict[int, int] = {}
     blocks_in: dict[int, int] = {}
     expert_names: dict[int, list[str]] = {}
-    for path in files:
-        for t in read_header(path).tensors:
+    for header in index.headers:
+        path = header.path
+        for t in header.tensors:
             bucket, layer, is_fused = classify(t.name, geom.num_layers)
             if bucket == "skip":
                 skipped += t.nbytes
@@ -349,7 +428,7 @@ def exact_weights(geom: ModelGeometry, model_dir: str | Path) -> ExactWeights | 
         per_expert_read = max(per_expert_read, gpt_oss.expert_read_bytes(
             stored_in[layer], blocks_in.get(layer, 0), moe[layer]))
     return ExactWeights(weight_bytes=weight, expert_blob_bytes=tuple(blobs), skipped_bytes=skipped,
-                        total_params=params, files=len(files), experts_stored=bool(mxfp4) or fp8_experts,
+                        total_params=params, files=len(index.files), experts_stored=bool(mxfp4) or fp8_experts,
                         expert_types=tuple((layer, ("MXFP4",) * 3) for layer in sorted(mxfp4)),
                         load_staging_bytes=max(load_staging(geom, read), per_expert_read))
 

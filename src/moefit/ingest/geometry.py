@@ -28,12 +28,17 @@ from typing import Literal, NamedTuple
 #: ``all`` (Qwen3 / Qwen3.5, Mixtral, Llama 4: "3.3B activated" for Qwen3-30B-A3B is every
 #: non-expert parameter plus 8 experts per layer), ``no_input_embedding`` (OpenAI's gpt-oss
 #: card: 5.13B of 116.83B for gpt-oss-120b; DeepSeek-V2/V3 and Kimi K2: "37B activated"),
-#: ``non_embedding`` (Qwen3-Next's card: "3B activated", the head left out too).
+#: ``non_embedding`` (Qwen3-Next's card: "3B activated", the head left out too; GLM-4.5's:
+#: "32B active" of GLM-4.5 and "12B" of GLM-4.5-Air are 32.08B and 12.18B without either
+#: embedding, 32.86B and 12.80B with the head).
 ACTIVE_CONVENTIONS: dict[str, frozenset[str]] = {
     "all": frozenset(),
     "no_input_embedding": frozenset({"embed"}),
     "non_embedding": frozenset({"embed", "lm_head"}),
 }
+#: What each convention but ``all`` leaves out, in words (``moefit models``' footer).
+ACTIVE_LEFT_OUT: dict[str, str] = {"no_input_embedding": "the input embedding",
+                                   "non_embedding": "both embeddings"}
 
 AttentionKind = Literal["full", "sliding", "chunked", "linear", "mla"]
 TensorRole = Literal[

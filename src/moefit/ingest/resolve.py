@@ -28,7 +28,8 @@ from typing import Iterable
 from moefit.ingest.checkpoint import exact_weights
 from moefit.errors import InputError
 from moefit.ingest.families import geometry_from_config, is_deepseek_inference_config
-from moefit.ingest.geometry import ModelGeometry
+from moefit.ingest.families import registry
+from moefit.ingest.geometry import ACTIVE_LEFT_OUT, ModelGeometry
 from moefit.ingest.gguf_header import load_gguf_model
 from moefit.ingest.inputs import is_regular_file, read_json, sniff
 
@@ -89,7 +90,22 @@ def _preset_name(spec: str) -> str | None:
     return by_lower.get(key)
 
 
+#: models moefit runs that ship without a preset, as the Hugging Face repository names
+#: them (lower case), and why: a preset is a byte copy of the upstream config.json
+#: (``presets/SOURCES.md``), and none was found for these
+NO_PRESET = {name: "no byte copy of zai-org's upstream config.json was found to ship: src/moefit/presets/SOURCES.md"
+             for name in ("glm-4.5", "glm-4.5-air", "glm-4.5-base", "glm-4.5-air-base", "glm-4.5-fp8",
+                          "glm-4.5-air-fp8")}
+
+
 def _unknown(spec: str) -> InputError:
+    key = spec.strip().lower()
+    if key.count("/") == 1 and key.split("/")[0] == "zai-org":
+        key = key.split("/")[1]
+    if key in NO_PRESET:
+        return InputError(f"MODEL {spec!r}: no built-in preset ({NO_PRESET[key]}); give MODEL as the "
+                          "checkpoint directory or the path of its config.json (its model_type "
+                          "glm4_moe plans and runs from it)")
     if "/" in spec or "\\" in spec or spec.lower().endswith(".json"):
         return InputError(f"MODEL {spec!r}: no such file or directory; give a model directory, "
                           "its config.json, or a preset name (`moefit models` lists them)")
@@ -229,6 +245,17 @@ def format_models_table(geoms: Iterable[ModelGeometry]) -> str:
     lines.append("")
     lines.append("active: parameters used per token as each model card counts them: all but the "
                  "routed experts, plus the top-k experts")
-    lines.append("of each MoE layer; the embeddings active too, except the input embedding for "
-                 "gpt-oss, DeepSeek and Kimi, and both for Qwen3-Next.")
+    lines.append("of each MoE layer; the embeddings active too, except " + active_exceptions() + ".")
     return "\n".join(lines)
+
+
+def active_exceptions() -> str:
+    """Which model types' active count leaves embeddings out, from their families'
+    ``active_convention`` (the one rule: :data:`moefit.ingest.geometry.ACTIVE_CONVENTIONS`):
+    ``the input embedding for gpt_oss, ...; both embeddings for glm4_moe, ...``."""
+    left: dict[str, list[str]] = {c: [] for c in ACTIVE_LEFT_OUT}
+    for mt in registry.model_types():
+        conv = registry.family_for(mt).active_convention.get(mt, "all")
+        if conv != "all":
+            left[conv].append(mt)
+    return "; ".join(f"{ACTIVE_LEFT_OUT[c]} for {', '.join(mts)}" for c, mts in left.items() if mts) + " (model_type)"

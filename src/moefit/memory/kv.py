@@ -7,7 +7,7 @@ Byte layouts (docs/design.md, KV formats; the runtime stores exactly these):
 ==========  ==================  ==================  ==========================================
 bf16, fp16  2                   2                   plain
 fp32        4                   4                   plain (fp32 models; exact reference runs)
-fp8         1                   1                   e4m3, one fp32 scale per layer (K and V)
+fp8         1                   1                   e4m3 of the value itself (scale 1)
 int8        34/32               34/32               blocks of 32 values + one fp16 scale
                                                     (GGML ``block_q8_0``: 32 int8 + fp16 d)
 k8v4        34/32               18/32               K as int8 blocks, V as 4-bit blocks
@@ -16,7 +16,12 @@ int4        18/32               18/32               both 4-bit blocks (GGML ``bl
 ==========  ==================  ==================  ==========================================
 
 Blocks run along the head dimension of one token and head, so a head vector of ``d``
-elements takes ``ceil(d / 32)`` blocks.
+elements takes ``ceil(d / 32)`` blocks. Every format encodes a cell from that token's
+values alone, so no sequence's cells depend on another's: fp8 stores the e4m3 value
+unscaled (saturated at +-448), as vLLM does without calibrated scales (its
+``docs/features/quantization/quantized_kvcache.md``, "No calibration (default scales):
+all quantization scales are set to 1.0"); a scale fixed by the first chunk written to a
+layer made every later sequence depend on whichever one wrote it.
 
 Cells per layer kind, for ``context`` tokens, ``slots`` concurrent sequences and a prefill
 chunk of ``chunk`` tokens:
@@ -65,7 +70,7 @@ QBLOCK = 32  #: values per quantization block (q8_0 / q4_0 style)
 BLOCK_BITS: dict[str, int] = {"q8": 8, "q4": 4}
 
 #: The codec kinds of one KV side: ``plain`` (the values in the format's ``plain_dtype``),
-#: ``fp8`` (e4m3, one byte per value, a per-layer scale), and the block codecs of
+#: ``fp8`` (e4m3, one byte per value, unscaled), and the block codecs of
 #: :data:`BLOCK_BITS`.
 CODEC_KINDS: tuple[str, ...] = ("plain", "fp8", *BLOCK_BITS)
 
@@ -76,8 +81,7 @@ class KVFormat:
 
     ``k`` / ``v``: the codec kind of each side (:data:`CODEC_KINDS`), so K and V may differ
     (``k8v4``). ``plain_dtype``: the dtype a ``plain`` side stores (a
-    :data:`moefit.ingest.geometry.DTYPES` name). ``layer_scale_bytes``: per-layer scale
-    storage (fp8: one fp32 scale for K and one for V).
+    :data:`moefit.ingest.geometry.DTYPES` name).
 
     Raises ValueError for an unknown codec kind or plain dtype.
     """
@@ -86,7 +90,6 @@ class KVFormat:
     k: str
     v: str
     plain_dtype: str = "bfloat16"
-    layer_scale_bytes: int = 0
 
     def __post_init__(self) -> None:
         for side in (self.k, self.v):
@@ -133,7 +136,7 @@ KV_FORMATS: dict[str, KVFormat] = {
     "fp16": KVFormat("fp16", "plain", "plain", "float16"),
     # fp32 models (tests, debugging): keeps the cache exact; 4 bytes per element
     "fp32": KVFormat("fp32", "plain", "plain", "float32"),
-    "fp8": KVFormat("fp8", "fp8", "fp8", layer_scale_bytes=8),
+    "fp8": KVFormat("fp8", "fp8", "fp8"),
     "int8": KVFormat("int8", "q8", "q8"),
     "k8v4": KVFormat("k8v4", "q8", "q4"),
     "int4": KVFormat("int4", "q4", "q4"),
@@ -212,7 +215,6 @@ class KVBudget:
     bytes: int
     cell_bytes: int          # full/sliding/MLA cells
     state_bytes: int         # linear-attention recurrent + conv state
-    scale_bytes: int         # per-layer fp8 scales
     cache_layers: int
     total_layers: int
 
@@ -230,7 +232,7 @@ def kv_bytes(geom: ModelGeometry, fmt: KVFormat, context: int, slots: int,
 
     Returns the byte split; ``.bytes`` is the line.
     """
-    cells = state = scales = 0
+    cells = state = 0
     cache_layers = 0
     for layer in geom.layers:
         att = layer.attention
@@ -239,9 +241,7 @@ def kv_bytes(geom: ModelGeometry, fmt: KVFormat, context: int, slots: int,
             continue
         cache_layers += 1
         cells += slots * layer_cells(att, context, chunk) * cell_bytes(att, fmt)
-        scales += fmt.layer_scale_bytes
-    return KVBudget(cells + state + scales, cells, state, scales, cache_layers,
-                    geom.num_layers)
+    return KVBudget(cells + state, cells, state, cache_layers, geom.num_layers)
 
 
 def kv_chunk_pieces(geom: ModelGeometry, fmt: KVFormat, context: int,
@@ -308,8 +308,7 @@ class CellLayout:
     """One attention layer's cells in the ``kv`` buffer (byte offsets, bytes).
 
     K cells ``[slots, cells, kv_heads, k_row]`` uint8 at ``k_offset``, V cells
-    ``[slots, cells, kv_heads, v_row]`` at ``v_offset``; ``scale_offset``: the layer's
-    ``layer_scale_bytes`` (fp8: one fp32 K and one fp32 V scale), or None. ``window``: the
+    ``[slots, cells, kv_heads, v_row]`` at ``v_offset``. ``window``: the
     sliding window (tokens) of a sliding layer, else None; ``cells``: :func:`layer_cells`.
     An MLA layer (``latent``) has one K cell per token, the latent and the RoPE key
     (:func:`cell_dims`), and no V cells (``v_dim`` and ``v_row`` 0).
@@ -325,7 +324,6 @@ class CellLayout:
     v_row: int
     k_offset: int
     v_offset: int
-    scale_offset: int | None
 
     @property
     def latent(self) -> bool:
@@ -338,8 +336,7 @@ class CellLayout:
 class KVLayout:
     """The ``kv`` line as one buffer of ``bytes``: linear-attention states first (all
     recurrent states in layer order, then all conv states: the fp32 states at offset 0
-    keep every view aligned), then each full / sliding layer's K then V cells, then the
-    per-layer scales. ``bytes`` equals :func:`kv_bytes` ``.bytes`` (a test checks it).
+    keep every view aligned), then each full / sliding layer's K then V cells. ``bytes`` equals :func:`kv_bytes` ``.bytes`` (a test checks it).
     ``context``, ``slots``, ``chunk``: what it was carved for (tokens, sequences, tokens).
     """
 
@@ -389,10 +386,8 @@ def kv_layout(geom: ModelGeometry, fmt: KVFormat, context: int, slots: int,
         off += slots * conv
     # chunked layers (Llama 4) are laid out for the bytes only: the runtime does not run them
     cache = [l for l in geom.layers if l.attention.kind in ("full", "sliding", "chunked", "mla")]
-    scale_off = off + sum(slots * layer_cells(l.attention, context, chunk)
-                          * cell_bytes(l.attention, fmt) for l in cache)
     layers = []
-    for n, l in enumerate(cache):
+    for l in cache:
         a = l.attention
         cells = layer_cells(a, context, chunk)
         heads, k_dim, v_dim = cell_dims(a)
@@ -403,7 +398,5 @@ def kv_layout(geom: ModelGeometry, fmt: KVFormat, context: int, slots: int,
         off += slots * cells * heads * vb
         layers.append(CellLayout(
             l.index, cells, a.sliding_window if a.kind == "sliding" else None, heads,
-            k_dim, v_dim, kb, vb, k_off, v_off,
-            scale_off + n * fmt.layer_scale_bytes if fmt.layer_scale_bytes else None))
-    return KVLayout(scale_off + fmt.layer_scale_bytes * len(cache), fmt, context, slots, chunk,
-                    tuple(linear), tuple(layers))
+            k_dim, v_dim, kb, vb, k_off, v_off))
+    return KVLayout(off, fmt, context, slots, chunk, tuple(linear), tuple(layers))

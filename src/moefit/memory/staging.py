@@ -497,7 +497,7 @@ def fixed_region_bytes(geom: ModelGeometry, fmt: KVFormat, q_block: int = ATTN_Q
 
 
 def _expert_matrix_bytes(geom: ModelGeometry, act: int) -> int:
-    return max(l.moe.expert_intermediate * geom.hidden_size for l in geom.moe_layers) * act
+    return max((l.moe.expert_intermediate * geom.hidden_size for l in geom.moe_layers), default=0) * act
 
 
 def _mlp_step(layer: LayerSpec, geom: ModelGeometry, act: int) -> _Step:

@@ -34,7 +34,8 @@ import json
 
 from moefit.memory.weights import expert_slot_bytes
 from moefit.ingest.resolve import format_params
-from moefit.plan.solver import HOST_LINE_ORDER, LINE_ORDER, DevicePlan, HostPlan, Plan
+from moefit.plan.solver import (GGUF_REMEDY_FTYPES, HOST_LINE_ORDER, LINE_ORDER, DevicePlan, HostPlan, Plan,
+                                gguf_remedy_applies)
 from moefit.units import size_format
 
 SCHEMA = "moefit.plan/2"
@@ -134,8 +135,10 @@ def format_table(plan: Plan) -> str:
             out.append(format_alternative(a))
     else:
         larger = "a larger host" if plan.short_on == "host" else "a larger device"
+        files = (f", nor a GGUF file of the model down to {GGUF_REMEDY_FTYPES[-1]},"
+                 if gguf_remedy_applies(plan.geometry) else "")
         out.append(f"fits with: nothing short of {larger} "
-                   "(no single flag change makes it fit)")
+                   f"(no single flag change{files} makes it fit)")
     return "\n".join(out)
 
 
@@ -148,6 +151,8 @@ def format_alternative(a) -> str:
 
 def _alternative(a) -> dict:
     doc = {"flag": a.flag, "value": a.value}
+    if a.also:
+        doc["with"] = [{"flag": f, "value": v} for f, v in a.also]
     if a.drop:
         doc["drop"] = list(a.drop)
     if a.note:

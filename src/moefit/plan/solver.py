@@ -47,6 +47,7 @@ from moefit.memory.weights import (
     default_arena_slots, expert_cache_bytes, expert_slot_bytes, most_slots, place_slots,
     spread_slots, weight_arena_bytes, weights_bytes, weights_detail,
 )
+from moefit.engines.llamacpp_quant import gguf_geometry
 from moefit.errors import InputError
 from moefit.units import format_bytes
 from moefit.plan.request import (CHUNK_GRID, Request, context_limit, resolve_context,
@@ -234,6 +235,10 @@ class Plan:
                                   self.request.slots)
 
 
+def _tokens(n: int) -> str:
+    return f"{n} token" if n == 1 else f"{n} tokens"
+
+
 def _grid_floor(n: int) -> int:
     return (n // CHUNK_GRID) * CHUNK_GRID
 
@@ -357,7 +362,7 @@ def _chunk_target(req: Request, context: int, notes: list[str]) -> tuple[int, in
     target = min(requested, ctx_cap)
     if target < requested:
         asked = f"requested {requested}" if req.prefill_mode == "fixed" else f"auto ceiling {requested}"
-        notes.append(f"prefill: {asked}, capped at {target} (the context is {context} tokens)")
+        notes.append(f"prefill: {asked}, capped at {target} (the context is {_tokens(context)})")
     may_shrink = req.prefill_mode == "auto" or not req.strict
     lowest = min(req.prefill_min, target) if may_shrink else target
     return requested, target, may_shrink, lowest
@@ -905,7 +910,7 @@ def _lines(geom: ModelGeometry, device: Device, req: Request, context: int, chun
         experts_bytes = expert_cache_bytes(geom, slots)
     kv = kv_bytes(geom, fmt, context, req.slots, chunk)
     seq_word = "sequence" if req.slots == 1 else "sequences"
-    kv_detail = (f"{context} tokens x {req.slots} {seq_word}, {fmt.name}, "
+    kv_detail = (f"{_tokens(context)} x {req.slots} {seq_word}, {fmt.name}, "
                  f"{kv.cache_layers} of {kv.total_layers} layers")
     if kv.state_bytes:
         kv_detail += f" (+ recurrent state of {kv.total_layers - kv.cache_layers})"
@@ -1033,6 +1038,13 @@ def find_alternatives(geom: ModelGeometry, device: "Device | tuple[Device, ...]"
                            0, (req.host_reserve_bytes >> 20) - 1 if req.host_reserve_bytes >> 20 else -1)
         if mib is not None:
             alts.append(Alternative("--host-reserve-mib", mib))
+    elif host is not None:
+        # the default host margin is not limiting (not the user's choice), but a smaller one
+        # set by hand is a remedy when it is what the host lacks
+        top = host_memory.default_host_reserve_bytes(host.capacity_bytes) >> 20
+        mib = _largest_int(lambda n: _fits(geom, device, req.with_(host_reserve_bytes=n << 20)), 0, top - 1)
+        if mib is not None:
+            alts.append(Alternative("--host-reserve-mib", mib))
     if req.slots > 1:
         fit = _largest_int(lambda n: _fits(geom, device, req.with_(slots=n)), 1, req.slots - 1)
         if fit:
@@ -1047,13 +1059,57 @@ def find_alternatives(geom: ModelGeometry, device: "Device | tuple[Device, ...]"
                            0, req.min_expert_cache - 1)
         if fit is not None:
             alts.append(Alternative("--min-expert-cache", fit))
+    if not alts and gguf_remedy_applies(geom):
+        alts += _gguf_file(geom, device, req, staging, host)
     return alts
+
+
+#: ``llama-quantize`` mixes offered as a ``fits with:`` GGUF file of a float checkpoint, the
+#: least lossy first (all of them run: :data:`moefit.ingest.gguf_header.RUNTIME_TYPES`)
+GGUF_REMEDY_FTYPES = ("Q8_0", "Q6_K", "Q5_K_M", "Q4_K_M")
+
+
+def gguf_remedy_applies(geom: ModelGeometry) -> bool:
+    """A GGUF file of ``geom`` is a remedy worth solving: a float (16- or 32-bit) checkpoint,
+    not a GGUF file, neither quantized nor holding its experts in a stored format."""
+    return (not _is_gguf(geom) and geom.dtype_bytes > 1 and not geom.experts_stored
+            and geom.quant.method == "none")
+
+
+def _gguf_file(geom: ModelGeometry, device, req: Request, staging: StagingModel | None,
+               host: Host | None) -> list[Alternative]:
+    """The model as the least lossy GGUF file of :data:`GGUF_REMEDY_FTYPES` that fits (its
+    tensors derived from the config, :func:`moefit.engines.llamacpp_quant.gguf_geometry`),
+    as it is or with ``--host-experts mmap``: ``MODEL NAME-FTYPE.gguf`` as the alternative;
+    none when no such file fits (or the family has no GGUF architecture)."""
+    for ftype in GGUF_REMEDY_FTYPES:
+        try:
+            quantized = gguf_geometry(geom, ftype)
+        except InputError:
+            return []
+        for mapped in (False, True) if quantized.moe_layers else (False,):
+            r = req.with_(host_experts="mmap") if mapped else req
+            if solve(quantized, device, r, host=host, alternatives=False, staging=None).fits:
+                return [Alternative("MODEL", quantized.name, GGUF_REMEDY_NOTE.format(ftype=ftype),
+                                    also=(("--host-experts", "mmap"),) if mapped else ())]
+    return []
+
+
+#: what a ``MODEL FILE.gguf`` alternative is
+GGUF_REMEDY_NOTE = ("the model as a GGUF file: convert_hf_to_gguf.py, then llama-quantize {ftype}; "
+                    "planned from the tensors that writes")
+
+
+#: the smallest context (tokens) :func:`largest_context` tries: when it does not fit, no
+#: context does (``--max-context max`` then shows the plan there)
+SMALLEST_CONTEXT = 1
 
 
 def largest_context(geom: ModelGeometry, device: "Device | tuple[Device, ...]", req: Request,
                     staging: StagingModel | None = None, host: Host | None = None) -> int | None:
     """The largest ``--max-context`` (tokens) for which ``req`` fits on ``device``, up to
-    the model's limit under ``req``'s RoPE settings; None when not even one token fits.
+    the model's limit under ``req``'s RoPE settings; None when not even
+    :data:`SMALLEST_CONTEXT` fits.
 
     Solved directly (:func:`_affine_context`): once the context is past the prefill chunk
     and every window, the mandatory lines at the smallest chunk a plan may take are affine
@@ -1071,7 +1127,7 @@ def largest_context(geom: ModelGeometry, device: "Device | tuple[Device, ...]", 
     n = _affine_context(geom, devices[0], req, staging, limit) if len(devices) == 1 else None
     if n is not None and fits(n) and (n == limit or not fits(n + 1)):
         return n
-    return _largest_int(fits, 1, limit)
+    return _largest_int(fits, SMALLEST_CONTEXT, limit)
 
 
 def _affine_context(geom: ModelGeometry, device: Device, req: Request,

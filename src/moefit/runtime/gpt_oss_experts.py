@@ -148,7 +148,7 @@ class BiasedExpert:
             if w.dtype != x.dtype:
                 w = w.to(x.dtype)
             return torch.mm(x, w.t(), out=out)
-        if (n <= StoredMatrix.SMALL_ROWS and x.device.type == "cpu" and qmatmul.available()
+        if (n <= StoredMatrix.SMALL_ROWS and x.device.type == "cpu" and qmatmul.reads(x) and qmatmul.available()
                 and qmatmul.supports(p.qtype, p.cols)):
             xc = x.contiguous()
             if out.dtype == torch.float32 and out.is_contiguous():

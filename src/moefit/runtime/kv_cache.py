@@ -8,8 +8,7 @@ computes no offset or row size of its own) in layer order into:
   cells ``[slots, cells, kv_heads, v_bytes(v_head_dim)]`` (uint8, docs/design.md, KV formats,
   :mod:`moefit.runtime.kv_codec`); per MLA layer one latent row ``[slots, cells, 1,
   k_bytes(kv_lora_rank + qk_rope_head_dim)]`` and no V cells (``latent``: attention reads
-  the latent's first ``kv_lora_rank`` values as V);
-- after all layers, for ``fp8``: one fp32 K scale and one fp32 V scale per layer.
+  the latent's first ``kv_lora_rank`` values as V).
 
 On a hybrid model the buffer starts with the recurrent and conv state of the Gated
 DeltaNet layers (:class:`~moefit.runtime.linear_state.LinearStates`, ``self.linear``),
@@ -21,10 +20,9 @@ position ``p`` lives in cell ``p % cells``; on a full layer that is ``p``, on a 
 layer a ring that always holds the window seen by the first query of a chunk plus the
 chunk's own keys (needs ``cells >= window + chunk - 1``).
 
-fp8 scales: the first write to a layer fixes its scales at ``2 x amax / 448`` of that
-chunk's K (V); later values beyond the range saturate (vLLM's ``calculate_kv_scales``
-likewise derives a static per-layer scale from the first batch). ``reset`` of every slot
-clears them.
+Every cell is encoded from its own token's values (fp8 unscaled: docs/design.md, KV
+formats), so the cache keeps no state shared by the slots and no sequence changes
+another's output.
 
 Errors: :class:`ContextFull` when a write goes past the plan's context.
 """
@@ -38,7 +36,7 @@ import torch
 
 from moefit.ingest.geometry import ModelGeometry
 from moefit.memory.kv import KVLayout
-from moefit.runtime.kv_codec import FP8_MAX, Codec
+from moefit.runtime.kv_codec import Codec
 from moefit.runtime.linear_state import LinearStates
 
 
@@ -57,7 +55,6 @@ class LayerCells:
     v: torch.Tensor          # [slots, cells, kv_heads, v_bytes] uint8
     k_codec: Codec
     v_codec: Codec
-    scales: torch.Tensor | None   # [2] fp32 (fp8 only): K scale, V scale; 0 = unset
     latent: bool = False          # MLA: one latent row per token, no V cells
 
 
@@ -87,23 +84,15 @@ class KVCache:
             v_size = layout.slots * c.cells * c.kv_heads * c.v_row
             v = buffer[c.v_offset:c.v_offset + v_size].view(layout.slots, c.cells, c.kv_heads,
                                                             c.v_row)
-            scales = None
-            if c.scale_offset is not None:
-                scales = buffer[c.scale_offset:c.scale_offset + 8].view(torch.float32)
-                scales.zero_()
             self.layers[c.index] = LayerCells(
                 c.index, c.cells, c.window, k, v, Codec(fmt, "k", c.k_dim),
-                Codec(fmt, "v", c.v_dim), scales, c.latent)
+                Codec(fmt, "v", c.v_dim), c.latent)
 
     # ---- slots --------------------------------------------------------------------------
     def reset(self, slot: int) -> None:
         """Forget sequence ``slot`` (its cells are overwritten by the next one)."""
         self.lengths[slot] = 0
         self.linear.reset(slot)
-        if not any(self.lengths):
-            for lc in self.layers.values():
-                if lc.scales is not None:
-                    lc.scales.zero_()
 
     def check_room(self, slot: int, start: int, n: int) -> None:
         """Raise ContextFull unless positions ``[start, start + n)`` fit the plan."""
@@ -135,16 +124,12 @@ class KVCache:
         """
         lc = self.layers[layer]
         t, h, _ = k.shape
-        if lc.scales is not None and float(lc.scales[0]) == 0.0:
-            lc.scales[0] = max(_amax(k), 1e-6) * 2 / FP8_MAX
-            lc.scales[1] = max(_amax(v), 1e-6) * 2 / FP8_MAX if v is not None else 1.0
-        ks, vs = (float(lc.scales[0]), float(lc.scales[1])) if lc.scales is not None else (1.0, 1.0)
         with (ws.scope() if ws is not None else contextlib.nullcontext()):
             idx = self.cell_index(layer, start, start + t, lc.k.device, ws)
-            lc.k_codec.encode(k.reshape(t * h, -1), k_bytes.view(t * h, -1), ks, ws)
+            lc.k_codec.encode(k.reshape(t * h, -1), k_bytes.view(t * h, -1), ws=ws)
             lc.k[slot].index_copy_(0, idx, k_bytes)
             if v is not None:
-                lc.v_codec.encode(v.reshape(t * h, -1), v_bytes.view(t * h, -1), vs, ws)
+                lc.v_codec.encode(v.reshape(t * h, -1), v_bytes.view(t * h, -1), ws=ws)
                 lc.v[slot].index_copy_(0, idx, v_bytes)
 
     def read(self, layer: int, slot: int, lo: int, hi: int, k_bytes: torch.Tensor,
@@ -158,18 +143,11 @@ class KVCache:
         An MLA layer reads its latent rows into ``k_out`` only (``v_bytes`` / ``v_out``
         None)."""
         lc = self.layers[layer]
-        ks, vs = (float(lc.scales[0]), float(lc.scales[1])) if lc.scales is not None else (1.0, 1.0)
         with (ws.scope() if ws is not None else contextlib.nullcontext()):
             idx = self.cell_index(layer, lo, hi, lc.k.device, ws)
             torch.index_select(lc.k[slot], 0, idx, out=k_bytes)
             if v_out is not None:
                 torch.index_select(lc.v[slot], 0, idx, out=v_bytes)
-            lc.k_codec.decode(k_bytes, k_out, ks, ws)
+            lc.k_codec.decode(k_bytes, k_out, ws=ws)
             if v_out is not None:
-                lc.v_codec.decode(v_bytes, v_out, vs, ws)
-
-
-def _amax(x: torch.Tensor) -> float:
-    """``max |x|`` without an ``|x|`` copy."""
-    lo, hi = torch.aminmax(x)
-    return max(-float(lo), float(hi))
+                lc.v_codec.decode(v_bytes, v_out, ws=ws)

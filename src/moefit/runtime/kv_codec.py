@@ -9,8 +9,8 @@ is zero-padded):
 
 - plain (``bf16``, ``fp16``, ``fp32``): the values in the format's ``plain_dtype``,
   little-endian.
-- ``fp8``: e4m3 (``torch.float8_e4m3fn``) of ``x / scale``, saturated at +-448; the scale
-  is one fp32 per layer for K and one for V (stored by the cache, not here).
+- ``fp8``: e4m3 (``torch.float8_e4m3fn``) of ``x / scale``, saturated at +-448; the cache
+  stores its cells unscaled (``scale`` 1, :mod:`moefit.memory.kv`).
 - 8-bit blocks (GGML ``block_q8_0``, ``ggml-quants.c`` ``quantize_row_q8_0_ref``): per
   block ``fp16 d`` then ``32 x int8 q``, 34 bytes; ``d = amax / 127``,
   ``q = round(x / d)``; ``x ~ q * d``.
@@ -124,7 +124,9 @@ def encode_fp8(x: torch.Tensor, scale: float, out: torch.Tensor, ws=None) -> Non
     """``x / scale`` saturated to +-448 as e4m3 bytes into ``out`` ``[N, d]`` uint8."""
     with _scope(ws):
         y = _take(ws, tuple(x.shape), torch.float32, x).copy_(x)
-        y.div_(scale).clamp_(-FP8_MAX, FP8_MAX)
+        if scale != 1.0:
+            y.div_(scale)
+        y.clamp_(-FP8_MAX, FP8_MAX)
         out.view(torch.float8_e4m3fn).copy_(y)
 
 

@@ -52,7 +52,7 @@ from typing import Callable
 
 import torch
 
-from moefit.ingest.checkpoint import checkpoint_files, read_header
+from moefit.ingest.checkpoint import HeaderIndex
 from moefit.errors import InputError
 from moefit.ingest.families import gpt_oss
 from moefit.ingest.families.common import FP32_TENSORS
@@ -196,23 +196,16 @@ def split_blob(blob: torch.Tensor, inter: int, hidden: int) -> tuple[torch.Tenso
     return gu, down
 
 
-class _Index:
-    """Tensor name -> (file, shape) from the safetensors headers (no data read)."""
+class _Index(HeaderIndex):
+    """The checkpoint's tensors by name (:class:`~moefit.ingest.checkpoint.HeaderIndex`:
+    its headers, and the one name and shape check), and their data, read through
+    ``safetensors``."""
 
     def __init__(self, model_dir: Path):
-        self.model_dir = model_dir
-        self.files = checkpoint_files(model_dir)
+        super().__init__(model_dir)
         if not self.files:
             raise InputError(f"{model_dir}: no *.safetensors files; the runtime needs the "
                              "weights (`moefit plan` works from config.json alone)")
-        self.where: dict[str, tuple[Path, tuple[int, ...]]] = {}
-        self.dtypes: dict[str, str] = {}      # safetensors dtype names
-        self.nbytes: dict[str, int] = {}
-        for f in self.files:
-            for t in read_header(f).tensors:
-                self.where[t.name] = (f, t.shape)
-                self.dtypes[t.name] = t.dtype
-                self.nbytes[t.name] = t.nbytes
         self._handles: dict[Path, object] = {}
 
     def fp8(self, name: str) -> bool:
@@ -230,23 +223,6 @@ class _Index:
         self.check(scale, fp8_scale_shape(shape[0], shape[1], block))
         return scale
 
-    def has(self, name: str) -> bool:
-        return name in self.where
-
-    def missing(self, name: str) -> InputError:
-        files = ", ".join(f.name for f in self.files[:4]) + (" ..." if len(self.files) > 4 else "")
-        return InputError(f"{self.model_dir}: tensor {name!r} is missing from the checkpoint "
-                          f"(searched {files}); is the checkpoint complete and does "
-                          "config.json match it?")
-
-    def check(self, name: str, shape: tuple[int, ...]) -> None:
-        if name not in self.where:
-            raise self.missing(name)
-        path, found = self.where[name]
-        if tuple(found) != tuple(shape):
-            raise InputError(f"{path}: tensor {name!r} has shape {list(found)}, but config.json "
-                             f"implies {list(shape)}")
-
     def _handle(self, name: str):
         from safetensors import safe_open
 
@@ -262,9 +238,6 @@ class _Index:
         """``tensor[index]`` of ``name`` (its first dim dropped), reading only those bytes
         (safetensors ``get_slice``)."""
         return self._handle(name).get_slice(name)[index:index + 1][0]
-
-    def numel(self, name: str) -> int:
-        return math.prod(self.where[name][1])
 
 
 def _first(index: _Index, names: list[str]) -> str:

@@ -59,11 +59,13 @@ MAX_TOKENS_PER_EXPERT = 8
 
 def applies(cache, layer: int, x: torch.Tensor, experts_per_token: int) -> bool:
     """Whether :func:`run_layer` runs ``layer`` for activations ``x`` ``[T, H]``: the C
-    kernels are built, ``x`` and every blob the layer may read are CPU memory (misses
+    kernels are built and read ``x``'s dtype (fp32 / bf16: :func:`moefit.runtime.qmatmul.reads`;
+    an fp16 model runs expert by expert), ``x`` and every blob the layer may read are CPU memory (misses
     computed on the host: ``--miss-policy cpu``), the kernels read the layer's types and
     widths, and ``T x experts_per_token`` is at most :data:`MAX_TOKENS_PER_EXPERT` per
     expert of the layer."""
-    if cache is None or x.device.type != "cpu" or cache.miss_policy != "cpu" or not qmatmul.available():
+    if (cache is None or x.device.type != "cpu" or cache.miss_policy != "cpu" or not qmatmul.reads(x)
+            or not qmatmul.available()):
         return False
     if x.shape[0] * experts_per_token > MAX_TOKENS_PER_EXPERT * cache.host.experts[layer]:
         return False
@@ -130,7 +132,7 @@ def dense_applies(x: torch.Tensor, w: torch.Tensor, max_rows: int = 8) -> bool:
     rows (decode, last-token logits) with a bf16 or fp16 weight (fp32 stays with
     ``torch.mm``, which is as fast there) and the kernels built."""
     return (x.device.type == "cpu" and x.dim() == 2 and x.shape[0] <= max_rows and w.dtype in (torch.bfloat16, torch.float16)
-            and x.dtype in qmatmul.DTYPE_CODES and w.is_contiguous() and x.is_contiguous()
+            and qmatmul.reads(x) and w.is_contiguous() and x.is_contiguous()
             and qmatmul.available())
 
 

@@ -522,7 +522,7 @@ class StoredMatrix:
         region = getattr(self.ws, "fixed", None)
         es = x.element_size()
         room = (region.capacity - region.offset - 64) // (self.cols * es) if region is not None else self.rows
-        if (x.shape[0] <= self.SMALL_ROWS or room < 1) and qmatmul.available():
+        if (x.shape[0] <= self.SMALL_ROWS or room < 1) and qmatmul.reads(x) and qmatmul.available():
             xc = x.contiguous()
             if out.dtype in qmatmul.DTYPE_CODES and out.is_contiguous():
                 return qmatmul.gemm(xc, self.raw, self.qtype, self.rows, self.cols, out=out)

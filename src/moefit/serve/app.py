@@ -56,7 +56,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from moefit.errors import InputError
 from moefit.plan.report import plan_document
-from moefit.serve.generation import Completion, Decoding, Params, Step, check_prompt
+from moefit.serve.generation import Completion, Decoding, Params, Step, check_prompt, check_stop
 from moefit.serve.metrics import Metrics
 from moefit.serve.protocol import ChatRequest, CompletionRequest
 from moefit.serve.scheduler import Ended, Job, QueueFull, Scheduler, Stopping
@@ -360,6 +360,7 @@ async def _encode_prompt(state: ServerState, prompt) -> list[int]:
 
 
 def _params(state: ServerState, body, max_tokens: int | None) -> Params:
+    check_stop(body.stop)
     return Params.resolve(state.defaults, max_tokens=max_tokens, temperature=body.temperature,
                           top_k=body.top_k, top_p=body.top_p, seed=body.seed, stop=body.stop,
                           ignore_eos=body.ignore_eos, min_p=body.min_p,

@@ -119,19 +119,22 @@ class PromptTooLong(InputError):
 
 
 def check_prompt(prompt_ids: Sequence[int], context: int, vocab_size: int,
-                 max_tokens: int | None = None) -> None:
-    """Raise InputError for an empty prompt, a token id outside the vocabulary, or a
-    prompt that leaves no room in the ``context`` (at least one generated token, or
-    ``max_tokens`` of them when given: :class:`PromptTooLong`, naming the limit)."""
+                 max_tokens: int | None = None, flags: bool = False) -> None:
+    """The admission check of a request (the API's and ``moefit generate``'s): raise
+    InputError for an empty prompt, a token id outside the vocabulary, or a prompt that
+    leaves no room in the ``context`` (tokens) for at least one generated token, or
+    ``max_tokens`` of them when given (:class:`PromptTooLong`, naming the limit and the
+    fix). ``flags``: name ``max_tokens`` as the command-line flag (``--max-tokens``)."""
     if not prompt_ids:
         raise InputError("the prompt is empty (0 tokens)")
     need = len(prompt_ids) + (max_tokens or 1)
     if need > context:
+        name = "--max-tokens" if flags else "max_tokens"
         asked = (f"the prompt is {len(prompt_ids)} tokens" +
-                 (f" and max_tokens {max_tokens}" if max_tokens else " plus one generated token"))
+                 (f" and {name} {max_tokens}" if max_tokens else " plus one generated token"))
         raise PromptTooLong(f"{asked} make {need} tokens, more than the planned "
                             f"context of {context} tokens (--max-context {context}); shorten "
-                            "the prompt, lower max_tokens or plan a larger --max-context")
+                            f"the prompt, lower {name} or plan a larger --max-context")
     bad = next((t for t in prompt_ids if not 0 <= int(t) < vocab_size), None)
     if bad is not None:
         raise InputError(f"token id {bad} is outside the vocabulary (0 .. {vocab_size - 1})")
@@ -161,6 +164,17 @@ def check_sampling(temperature: float | None = None, top_p: float | None = None,
         name = "--" + field.replace("_", "-") if flags else field
         rule = " and ".join(f"{_BOUND_WORDS[k]} {v}" for k, v in bounds.items())
         raise InputError(f"{name} {value}: must be {rule}" + (f" ({meaning})" if meaning else ""))
+
+
+def check_stop(stop: Sequence[str] | str | None, flags: bool = False) -> None:
+    """Raise InputError for an empty stop string (it would match before any text; vLLM
+    refuses it too, ``SamplingParams._verify_args``). ``flags``: name it as the
+    command-line flag (``--stop``)."""
+    stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
+    if any(s == "" for s in stops):
+        name = '--stop ""' if flags else 'stop ""'
+        raise InputError(f"{name}: an empty stop string would end the completion before any "
+                         "text; give a non-empty string or leave it out")
 
 
 def repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:

@@ -40,7 +40,7 @@ import time
 import traceback
 from pathlib import Path
 
-from moefit.errors import EXIT_ALLOC, EXIT_INPUT, EXIT_NOFIT, EXIT_OK, EXIT_OTHER, InputError
+from moefit.errors import EXIT_ALLOC, EXIT_INPUT, EXIT_NOFIT, EXIT_OK, EXIT_OTHER, InputError, Terminated
 from moefit.flags import plan_from_args, runnable_devices
 from moefit.ingest.inputs import is_gguf_file, read_routing_profile
 from moefit.ingest.resolve import load_model
@@ -230,8 +230,27 @@ def make_server(state, **config):
         "http": protocol_class(config.pop("header_timeout", HEADER_TIMEOUT_S)), **config}))
 
 
+def _terminated(sig, frame) -> None:
+    raise Terminated()
+
+
 def serve(args: argparse.Namespace) -> int:
-    """``moefit serve``: see the module docstring. Returns the exit code."""
+    """``moefit serve``: see the module docstring. Returns the exit code.
+
+    Until the server's own handlers take over (uvicorn's, :func:`make_server`), SIGTERM
+    raises :class:`~moefit.errors.Terminated` as Ctrl-C raises KeyboardInterrupt, so a stop
+    while the plan is solved or the tokenizer read ends in one line and exit 143 too, not
+    in the silent default death of the signal; the previous handler is restored after."""
+    if threading.current_thread() is not threading.main_thread():
+        return _serve(args)         # signal handlers belong to the main thread
+    previous = signal.signal(signal.SIGTERM, _terminated)
+    try:
+        return _serve(args)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _serve(args: argparse.Namespace) -> int:
     args.table_to = sys.stdout
     _check_port(args.port)
     limits = server_limits(args)
@@ -270,8 +289,8 @@ def serve(args: argparse.Namespace) -> int:
     loader.start()
     try:
         server.run(sockets=[sock])
-    except KeyboardInterrupt:        # a signal outside uvicorn's handlers: still a clean stop
-        pass
+    except KeyboardInterrupt as e:   # a signal outside uvicorn's handlers: still a clean stop
+        server.stop_signal = getattr(e, "signal", signal.SIGINT)
     finally:
         state.stopping.set()         # a worker still running stops at its next token
     if loader.is_alive():            # stopped while committing: do not wait for the load
@@ -326,13 +345,14 @@ def generate(args: argparse.Namespace) -> int:
     if code is not None:
         return code
     from moefit.runtime.ledger import BudgetError
-    from moefit.serve.generation import Params, check_prompt, check_sampling, stream
+    from moefit.serve.generation import Params, check_prompt, check_sampling, check_stop, stream
 
     if tokenizer is None:
         raise InputError(f"{args.model}: no tokenizer.json; generate takes text prompts")
     check_sampling(args.temperature, args.top_p, args.top_k, flags=True,
                    max_tokens=args.max_tokens, min_p=args.min_p,
                    repetition_penalty=args.repetition_penalty)
+    check_stop(args.stop, flags=True)
     if args.chat:
         ids = tokenizer.encode_chat([{"role": "user", "content": prompt}])
     else:
@@ -341,7 +361,7 @@ def generate(args: argparse.Namespace) -> int:
                             top_k=args.top_k, top_p=args.top_p, seed=args.seed,
                             stop=args.stop or None, ignore_eos=args.ignore_eos,
                             min_p=args.min_p, repetition_penalty=args.repetition_penalty)
-    check_prompt(ids, plan.context, plan.geometry.vocab_size)
+    check_prompt(ids, plan.context, plan.geometry.vocab_size, params.max_tokens, flags=True)
     engine, code = commit(args, plan)
     if engine is None:
         return code

@@ -151,6 +151,27 @@ def build_tokenizer(vocab_size: int = TOKENIZER_VOCAB):
     return tok
 
 
+#: model types moefit runs whose architecture is another demo family's: (that family, the
+#: architecture their config.json names)
+SAME_LAYERS = {"kimi_k2": ("deepseek_v3", "DeepseekV3ForCausalLM")}
+
+
+def unknown_family(family: str) -> InputError:
+    """The error for a ``--family`` make-demo does not write, naming the fix: the demo with
+    the same layers for a model type that has one (Kimi-K2 is DeepSeek-V3's architecture,
+    ``DeepseekV3ForCausalLM``; its config only names its own ``model_type``), else the
+    families it writes."""
+    known = ", ".join(FAMILIES)
+    if family in SAME_LAYERS:
+        other, arch = SAME_LAYERS[family]
+        return InputError(f"--family {family!r}: {family} is {other}'s architecture (its config.json "
+                          f"names {arch}); write that demo: --family {other}")
+    if family_for(family) is not None:
+        return InputError(f"--family {family!r}: moefit plans {family}, but make-demo writes no demo "
+                          f"of it; use one of {known}")
+    return InputError(f"--family {family!r}: not a family make-demo writes; use one of {known}")
+
+
 def _text_config(cfg: dict) -> dict:
     return cfg["text_config"] if isinstance(cfg.get("text_config"), dict) else cfg
 
@@ -161,7 +182,7 @@ def demo_config(family: str, vocab_size: int) -> dict:
     Raises InputError for a family not in :data:`FAMILIES`.
     """
     if family not in FAMILIES:
-        raise InputError(f"--family {family!r}: make-demo writes {', '.join(FAMILIES)}")
+        raise unknown_family(family)
     cfg = json.loads(json.dumps(FAMILIES[family]))   # a deep copy
     _text_config(cfg)["vocab_size"] = vocab_size
     cfg["dtype"] = "bfloat16"
@@ -217,7 +238,7 @@ def write_demo(out: str | Path, family: str = "qwen3_moe", *, seed: int = 0,
 
     out = Path(out).expanduser()
     if family not in FAMILIES:
-        raise InputError(f"--family {family!r}: make-demo writes {', '.join(FAMILIES)}")
+        raise unknown_family(family)
     if out.exists() and not out.is_dir():
         raise InputError(f"{out}: exists and is not a directory; give a new directory")
     if out.is_dir() and any(out.iterdir()) and not overwrite:

@@ -52,9 +52,10 @@ from typing import Callable, Iterator, Mapping
 
 import numpy as np
 
-from moefit.ingest.checkpoint import checkpoint_files, classify
+from moefit.errors import InputError
+from moefit.ingest.checkpoint import FP8_SCALE, checkpoint_files, classify
 from moefit.ingest.families import registry
-from moefit.ingest.families.common import Cfg, gguf_moe_metadata, partial_rotary, rope_config
+from moefit.ingest.families.common import Cfg, gguf_moe_metadata, partial_rotary, read_quantization, rope_config
 
 # routed experts under any MoE block name (``mlp``, Mixtral's ``block_sparse_moe``, ...) and
 # any text-model prefix (``model.``, a multimodal checkpoint's ``model.language_model.``)
@@ -97,6 +98,50 @@ def permute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
 def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
     """Inverse of :func:`permute_qk`."""
     return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def writes(qtype: str) -> bool:
+    """Whether :func:`write_gguf` can write ggml type ``qtype``: F32, F16, or a type the
+    ``gguf`` package quantizes (``gguf.quants.quantize`` on one block of zeros succeeds; its
+    K-quants and most IQ types only dequantize: llama-quantize writes those)."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
+
+    if qtype in ("F32", "F16"):
+        return True
+    t = GGMLQuantizationType.__members__.get(qtype)
+    if t is None or t not in GGML_QUANT_SIZES:
+        return False
+    try:
+        quants.quantize(np.zeros((1, GGML_QUANT_SIZES[t][0]), dtype=np.float32), t)
+    except Exception:        # NotImplementedError (often without a message), QuantError
+        return False
+    return True
+
+
+def writable_types() -> tuple[str, ...]:
+    """Every ggml type :func:`writes` accepts, in the package's order."""
+    from gguf import GGMLQuantizationType
+
+    return tuple(t.name for t in GGMLQuantizationType if writes(t.name))
+
+
+def _check_types(expert_types, dense_type: str, dense_types: Mapping[str, str] | None) -> None:
+    """Every ggml type asked of :func:`write_gguf` must be one it writes (InputError naming
+    the argument, the type and the types it writes, before any byte is written)."""
+    if isinstance(expert_types, str):
+        asked = [("expert_types", expert_types)]
+    elif isinstance(expert_types, tuple):
+        asked = [("expert_types", t) for t in expert_types]
+    else:
+        asked = [(f"expert_types[{layer}]", t) for layer, ts in expert_types.items() for t in ts]
+    asked += [("dense_type", dense_type)]
+    asked += [(f"dense_types[{name!r}]", t) for name, t in (dense_types or {}).items()]
+    for what, t in asked:
+        if not writes(t):
+            ok = writable_types()
+            raise InputError(f"{what} {t!r}: the gguf package has no quantizer for {t}, so write_gguf "
+                             f"cannot write it; it writes {', '.join(ok)}. Write Q8_0 / F16 / F32 and "
+                             f"requantize with llama-quantize for {t}")
 
 
 def _f32(v) -> np.ndarray:
@@ -156,6 +201,51 @@ def _dequantized(raw: np.ndarray, raw_type, shape: tuple[int, ...]) -> np.ndarra
     if raw_type is None:
         return raw.astype(np.float32)
     return quants.dequantize(raw, raw_type).reshape(shape)
+
+
+class Fp8Dequantized(Mapping):
+    """``state`` of a block-scaled fp8 checkpoint (``quant_method: fp8``: an e4m3
+    ``X.weight`` with an fp32 ``X.weight_scale_inv`` per ``block`` of ``[rows, cols]``,
+    DeepSeek-V3 / R1, Kimi-K2, GLM-4.5-FP8) seen as the float32 weights it stores: every fp8
+    weight dequantized when read (``q x scale`` per block,
+    :func:`moefit.runtime.quant.dequantize_fp8`, as llama.cpp's ``convert_hf_to_gguf.py``
+    ``dequant_model`` / ``dequant_simple`` does before it writes a GGUF), the scales left
+    out. Other tensors pass through; ``shape_of`` reads the shape only.
+
+    Raises KeyError for a name ``state`` does not hold."""
+
+    def __init__(self, state: Mapping, block: tuple[int, int]):
+        self._state, self._block, self._suffix = state, tuple(block), FP8_SCALE
+        self._keys = [k for k in state.keys() if not k.endswith(FP8_SCALE)]
+
+    def __getitem__(self, key: str):
+        import torch
+
+        from moefit.runtime.quant import dequantize_fp8
+
+        v = self._state[key]
+        scale_key = key + self._suffix
+        if key.endswith(self._suffix) or scale_key not in self._state or v.dtype != torch.float8_e4m3fn:
+            return v
+        scale = self._state[scale_key].float()
+        flat = v.reshape(-1, *v.shape[-2:])              # [E, rows, cols] of fused experts too
+        sc = scale.reshape(flat.shape[0], -1)
+        out = torch.empty(flat.shape, dtype=torch.float32)
+        for e in range(flat.shape[0]):
+            dequantize_fp8(flat[e].view(torch.uint8), sc[e], *flat.shape[-2:], self._block, out[e])
+        return out.reshape(v.shape)
+
+    def shape_of(self, key: str) -> tuple[int, ...]:
+        return _shape(self._state, key)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._keys)
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def __contains__(self, key) -> bool:
+        return key in self._state and not str(key).endswith(self._suffix)
 
 
 def _expert_layout(keys) -> dict[int, tuple[str, dict]]:
@@ -232,13 +322,19 @@ def write_gguf(state: Mapping[str, "object"], config: Mapping, out: str | Path, 
 
     Raises KeyError for a tensor name the families do not have, ValueError for a
     ``model_type`` the runtime's GGUF loader does not run (:func:`gguf_arch`) or a
-    DeepSeek-V3 checkpoint with rotate-half RoPE (``rope_interleave`` false).
+    DeepSeek-V3 checkpoint with rotate-half RoPE (``rope_interleave`` false), InputError
+    (a ValueError) for a type the ``gguf`` package cannot quantize (:func:`writable_types`:
+    IQ4_NL, the K-quants ...), before anything is written.
     """
     import gguf
 
     mt = config.get("model_type")
     arch = gguf_arch(mt)
+    _check_types(expert_types, dense_type, dense_types)
     family = registry.family_for(mt)
+    quant, _ = read_quantization(Cfg(dict(config), "config.json"))
+    if quant.method == "fp8":        # block-scaled fp8: written from its dequantized values
+        state = Fp8Dequantized(state, quant.block_size)
     expert_names = family.names
     permute = family.gguf_permute_qk
     sw = family.switches(dict(config))     # the text model's config and checkpoint prefix

@@ -154,6 +154,8 @@ def switches(cfg: dict) -> Switches:
 
 
 FAMILY = Family(name="glm4_moe", model_types=("glm4_moe",), parse=parse, gguf_archs=("glm4moe",),
+                # the cards' "32B active" (GLM-4.5) / "12B" (Air) leave both embeddings out
+                active_convention={"glm4_moe": "non_embedding"},
                 gguf_config=gguf_config, gguf_arch_of={"glm4_moe": "glm4moe"}, switches=switches,
                 runtime_types=("glm4_moe",), runtime_gguf_archs=("glm4moe",), names=NAMES,
                 gguf_write_meta=gguf_write_meta, gguf_attention_meta=gguf_attention_meta)
