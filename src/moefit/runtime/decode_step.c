@@ -20,59 +20,24 @@
 #ifdef _OPENMP
 #include <omp.h>
 #endif
+#include "mf_floats.h"
 
 enum { D_F32 = 0, D_F16 = 1, D_BF16 = 2, C_Q8 = 8, C_Q4 = 9 };
 
-static inline float h2f(uint16_t h) {
-#if defined(__F16C__)
-    return _cvtsh_ss(h);
-#else
-    uint32_t s = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 0x1f, m = h & 0x3ff, u;
-    if (e == 0) {
-        if (m == 0) u = s;
-        else { float f = ldexpf((float)m, -24); memcpy(&u, &f, 4); u |= s; }
-    } else if (e == 31) u = s | 0x7f800000 | (m << 13);
-    else u = s | ((e + 112) << 23) | (m << 13);
-    float f; memcpy(&f, &u, 4); return f;
-#endif
-}
-static inline uint16_t f2h(float f) {
-#if defined(__F16C__)
-    return _cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-#else
-    /* round to nearest even, as torch's cast */
-    uint32_t u; memcpy(&u, &f, 4);
-    uint32_t s = (u >> 16) & 0x8000, a = u & 0x7fffffff;
-    if (a > 0x7f800000) return (uint16_t)(s | 0x7e00);
-    if (a >= 0x477ff000) return (uint16_t)(s | 0x7c00);
-    if (a < 0x38800000) {            /* subnormal half */
-        float v; memcpy(&v, &a, 4);
-        return (uint16_t)(s | (uint32_t)lrintf(v * 16777216.f));
-    }
-    uint32_t r = a + 0x0fff + ((a >> 13) & 1) - 0x38000000;
-    return (uint16_t)(s | (r >> 13));
-#endif
-}
-static inline float b2f(uint16_t h) { uint32_t u = (uint32_t)h << 16; float f; memcpy(&f, &u, 4); return f; }
-static inline uint16_t f2b(float f) {
-    uint32_t u; memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
-    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
 static inline float ld(const void *p, int dt, int64_t i) {
-    if (dt == D_BF16) return b2f(((const uint16_t *)p)[i]);
-    if (dt == D_F16) return h2f(((const uint16_t *)p)[i]);
+    if (dt == D_BF16) return mf_b2f(((const uint16_t *)p)[i]);
+    if (dt == D_F16) return mf_h2f(((const uint16_t *)p)[i]);
     return ((const float *)p)[i];
 }
 static inline void st(void *p, int dt, int64_t i, float v) {
-    if (dt == D_BF16) ((uint16_t *)p)[i] = f2b(v);
-    else if (dt == D_F16) ((uint16_t *)p)[i] = f2h(v);
+    if (dt == D_BF16) ((uint16_t *)p)[i] = mf_f2b(v);
+    else if (dt == D_F16) ((uint16_t *)p)[i] = mf_f2h(v);
     else ((float *)p)[i] = v;
 }
 /* v rounded to dtype dt (as a value stored in a tensor of that dtype and read back) */
 static inline float rnd(float v, int dt) {
-    if (dt == D_BF16) return b2f(f2b(v));
-    if (dt == D_F16) return h2f(f2h(v));
+    if (dt == D_BF16) return mf_b2f(mf_f2b(v));
+    if (dt == D_F16) return mf_h2f(mf_f2h(v));
     return v;
 }
 
@@ -158,7 +123,7 @@ static void kv_encode(const float *x, int d, int codec, uint8_t *dst) {
             float amax = 0.f;
             for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(xb[i]));
             float dd = amax / 127.f, inv = dd > 0.f ? 1.f / dd : 0.f;
-            uint16_t hd = f2h(dd);
+            uint16_t hd = mf_f2h(dd);
             uint8_t *o = dst + 34 * b;
             memcpy(o, &hd, 2);
             for (int i = 0; i < 32; i++) {
@@ -170,7 +135,7 @@ static void kv_encode(const float *x, int d, int codec, uint8_t *dst) {
             int im = 0;
             for (int i = 1; i < 32; i++) if (fabsf(xb[i]) > fabsf(xb[im])) im = i;
             float dd = xb[im] / -8.f, inv = dd != 0.f ? 1.f / dd : 0.f;
-            uint16_t hd = f2h(dd);
+            uint16_t hd = mf_f2h(dd);
             uint8_t *o = dst + 18 * b, q[32];
             memcpy(o, &hd, 2);
             for (int i = 0; i < 32; i++) {
@@ -207,12 +172,12 @@ static void kv_decode(const uint8_t *src, int d, int codec, int dt, float *y) {
         if (codec == C_Q8) {
             const uint8_t *o = src + 34 * b;
             uint16_t hd; memcpy(&hd, o, 2);
-            y[i] = rnd((float)(int8_t)o[2 + j] * h2f(hd), dt);
+            y[i] = rnd((float)(int8_t)o[2 + j] * mf_h2f(hd), dt);
         } else {
             const uint8_t *o = src + 18 * b;
             uint16_t hd; memcpy(&hd, o, 2);
             int q = j < 16 ? (o[2 + j] & 15) : (o[2 + j - 16] >> 4);
-            y[i] = rnd((float)(q - 8) * h2f(hd), dt);
+            y[i] = rnd((float)(q - 8) * mf_h2f(hd), dt);
         }
     }
 }

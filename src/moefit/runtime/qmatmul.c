@@ -20,6 +20,7 @@
 #ifdef _OPENMP
 #include <omp.h>
 #endif
+#include "mf_floats.h"
 
 #ifndef PREFETCH
 #define PREFETCH 8192
@@ -33,20 +34,6 @@ enum { T_F32 = 0, T_F16 = 1, T_BF16 = 2, T_Q8_0 = 3, T_Q4_0 = 4, T_Q4_K = 5, T_Q
 static const int8_t KV_IQ4NL[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 static const int8_t KV_MXFP4[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
 
-static inline float fp16_to_f32(uint16_t h) {
-#if defined(__F16C__)
-    return _cvtsh_ss(h);
-#else
-    uint32_t s = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 0x1f, m = h & 0x3ff, u;
-    if (e == 0) {
-        if (m == 0) u = s;
-        else { float f = ldexpf((float)m, -24); memcpy(&u, &f, 4); u |= s; }
-    } else if (e == 31) u = s | 0x7f800000 | (m << 13);
-    else u = s | ((e + 112) << 23) | (m << 13);
-    float f; memcpy(&f, &u, 4); return f;
-#endif
-}
-static inline float bf16_to_f32(uint16_t h) { uint32_t u = (uint32_t)h << 16; float f; memcpy(&f, &u, 4); return f; }
 static inline uint16_t rd16(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); return v; }
 static inline float e8m0_half(uint8_t e) {   /* ggml_e8m0_to_fp32_half */
     uint32_t bits = e < 2 ? (0x00200000u << e) : ((uint32_t)(e - 1) << 23);
@@ -311,13 +298,13 @@ static float dot_b32_512(int t, const uint8_t *w, qact a, int nb) {
             }
         }
         __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, _mm512_loadu_si512((const void *)(a.q + 32 * b)));
-        float d0 = t == T_MXFP4 ? e8m0_half(w[0]) : fp16_to_f32(rd16(w));
-        float d1 = t == T_MXFP4 ? e8m0_half(w1[0]) : fp16_to_f32(rd16(w1));
+        float d0 = t == T_MXFP4 ? e8m0_half(w[0]) : mf_h2f(rd16(w));
+        float d1 = t == T_MXFP4 ? e8m0_half(w1[0]) : mf_h2f(rd16(w1));
         __m512 sc = pair_scale(d0 * a.d[b], d1 * a.d[b + 1]);
         if (b & 2) acc1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), sc, acc1);
         else acc0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), sc, acc0);
         corr += d0 * a.dsy[b] + d1 * a.dsy[b + 1];
-        if (mins) mcorr += fp16_to_f32(rd16(w + 2)) * a.dsy[b] + fp16_to_f32(rd16(w1 + 2)) * a.dsy[b + 1];
+        if (mins) mcorr += mf_h2f(rd16(w + 2)) * a.dsy[b] + mf_h2f(rd16(w1 + 2)) * a.dsy[b + 1];
     }
     float sum = hsum16(_mm512_add_ps(acc0, acc1)) - offset * corr + mcorr;
     for (; b < nb; b++, w += bs) {        /* an odd last block */
@@ -325,9 +312,9 @@ static float dot_b32_512(int t, const uint8_t *w, qact a, int nb) {
         block_values(t, w, v);
         int s = 0;
         for (int i = 0; i < 32; i++) s += v[i] * a.q[32 * b + i];
-        float d = (t == T_MXFP4 ? e8m0_half(w[0]) : fp16_to_f32(rd16(w))) * a.d[b];
+        float d = (t == T_MXFP4 ? e8m0_half(w[0]) : mf_h2f(rd16(w))) * a.d[b];
         sum += d * s;
-        if (mins) sum += fp16_to_f32(rd16(w + 2)) * a.dsy[b];
+        if (mins) sum += mf_h2f(rd16(w + 2)) * a.dsy[b];
     }
     return sum;
 }
@@ -451,7 +438,7 @@ static inline __attribute__((always_inline)) void k45_sb(int t, const uint8_t *w
     const __m512i sel0 = _mm512_set_epi16(1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1, 0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0);
     int bs = t == T_Q4_K ? 144 : 176;
     for (int c = 0; c < bs; c += 64) _mm_prefetch((const char *)(w + PREFETCH + c), _MM_HINT_T0);
-    float dy = a.dk[sb], d = fp16_to_f32(rd16(w)) * dy, dmin = fp16_to_f32(rd16(w + 2)) * dy;
+    float dy = a.dk[sb], d = mf_h2f(rd16(w)) * dy, dmin = mf_h2f(rd16(w + 2)) * dy;
     const uint8_t *qh = w + 16, *qs = w + (t == T_Q4_K ? 16 : 48);
     const int8_t *y = a.qk + 256 * sb;
     uint8_t scm[16];
@@ -507,7 +494,7 @@ static inline __attribute__((always_inline)) void q6k_sb(const uint8_t *w, qact 
     const __m512i sel = _mm512_set_epi16(3,3,3,3,3,3,3,3, 2,2,2,2,2,2,2,2, 1,1,1,1,1,1,1,1, 0,0,0,0,0,0,0,0);
     for (int c = 0; c < 210; c += 64) _mm_prefetch((const char *)(w + PREFETCH + c), _MM_HINT_T0);
     const uint8_t *ql = w, *qh = w + 128;
-    float d = fp16_to_f32(rd16(w + 208)) * a.dk[sb];
+    float d = mf_h2f(rd16(w + 208)) * a.dk[sb];
     const int8_t *y = a.qk + 256 * sb;
     __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w + 192)));   /* 16 scales */
     __m256i os = _mm256_madd_epi16(sc16, _mm256_loadu_si256((const __m256i *)(a.sk16 + 16 * sb)));
@@ -560,7 +547,7 @@ static float dot_bf16x_512(const uint8_t *w, const uint16_t *x, int K) {
         a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_loadu_si512((const void *)(w + 2 * i)),
                               (__m512bh)_mm512_loadu_si512((const void *)(x + i)));
     float sum = _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
-    for (; i < K; i++) sum += bf16_to_f32(rd16(w + 2 * i)) * bf16_to_f32(x[i]);
+    for (; i < K; i++) sum += mf_b2f(rd16(w + 2 * i)) * mf_b2f(x[i]);
     return sum;
 }
 
@@ -588,7 +575,7 @@ static void dot_bf16x4_512(const uint8_t *w, const uint16_t *x, int64_t ldx, int
     }
     for (int j = 0; j < 4; j++) {
         float sum = _mm512_reduce_add_ps(_mm512_add_ps(a0[j], a1[j]));
-        for (int k = i; k < K; k++) sum += bf16_to_f32(rd16(w + 2 * k)) * bf16_to_f32(x[j * ldx + k]);
+        for (int k = i; k < K; k++) sum += mf_b2f(rd16(w + 2 * k)) * mf_b2f(x[j * ldx + k]);
         out[j] = sum;
     }
 }
@@ -632,7 +619,7 @@ static float dot_row(int t, const uint8_t *w, const float *xf, qact a, int K) {
         }
         sum = _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
 #endif
-        for (; i < K; i++) sum += (t == T_BF16 ? bf16_to_f32(rd16(w + 2 * i)) : fp16_to_f32(rd16(w + 2 * i))) * xf[i];
+        for (; i < K; i++) sum += (t == T_BF16 ? mf_b2f(rd16(w + 2 * i)) : mf_h2f(rd16(w + 2 * i))) * xf[i];
         return sum; }
     case T_Q8_0: {
 #ifdef __AVX2__
@@ -642,18 +629,18 @@ static float dot_row(int t, const uint8_t *w, const float *xf, qact a, int K) {
             _mm_prefetch((const char *)(w + PREFETCH), _MM_HINT_T0);
             __m256i p0 = dot_ss(_mm256_loadu_si256((const __m256i *)(w + 2)), _mm256_loadu_si256((const __m256i *)(a.q + 32 * b)));
             __m256i p1 = dot_ss(_mm256_loadu_si256((const __m256i *)(w + 36)), _mm256_loadu_si256((const __m256i *)(a.q + 32 * b + 32)));
-            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), _mm256_set1_ps(fp16_to_f32(rd16(w)) * a.d[b]), acc);
-            acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p1), _mm256_set1_ps(fp16_to_f32(rd16(w + 34)) * a.d[b + 1]), acc1);
+            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), _mm256_set1_ps(mf_h2f(rd16(w)) * a.d[b]), acc);
+            acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p1), _mm256_set1_ps(mf_h2f(rd16(w + 34)) * a.d[b + 1]), acc1);
         }
         for (; b < nb; b++, w += 34) {
             __m256i p = dot_ss(_mm256_loadu_si256((const __m256i *)(w + 2)), _mm256_loadu_si256((const __m256i *)(a.q + 32 * b)));
-            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(fp16_to_f32(rd16(w)) * a.d[b]), acc);
+            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(mf_h2f(rd16(w)) * a.d[b]), acc);
         }
         return hsum8(_mm256_add_ps(acc, acc1));
 #else
         for (int b = 0; b < nb; b++, w += 34) {
             int s = 0; for (int i = 0; i < 32; i++) s += (int8_t)w[2 + i] * a.q[32 * b + i];
-            sum += fp16_to_f32(rd16(w)) * a.d[b] * s;
+            sum += mf_h2f(rd16(w)) * a.d[b] * s;
         }
         return sum;
 #endif
@@ -669,13 +656,13 @@ static float dot_row(int t, const uint8_t *w, const float *xf, qact a, int K) {
             int32_t sy = a.s16[2 * b] + a.s16[2 * b + 1];
             if (t == T_Q4_0) {
                 __m256i v = _mm256_sub_epi8(u, _mm256_set1_epi8(8));
-                acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_ss(v, y)), _mm256_set1_ps(fp16_to_f32(rd16(w)) * a.d[b]), acc);
+                acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_ss(v, y)), _mm256_set1_ps(mf_h2f(rd16(w)) * a.d[b]), acc);
             } else if (t == T_Q4_1) {
-                float d = fp16_to_f32(rd16(w)) * a.d[b];
+                float d = mf_h2f(rd16(w)) * a.d[b];
                 acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_us(u, y)), _mm256_set1_ps(d), acc);
-                sum += fp16_to_f32(rd16(w + 2)) * a.d[b] * sy;
+                sum += mf_h2f(rd16(w + 2)) * a.d[b] * sy;
             } else {
-                float d = (t == T_IQ4_NL ? fp16_to_f32(rd16(w)) : e8m0_half(w[0])) * a.d[b];
+                float d = (t == T_IQ4_NL ? mf_h2f(rd16(w)) : e8m0_half(w[0])) * a.d[b];
                 __m256i v = lut16(u, t == T_IQ4_NL ? KV_IQ4NL : KV_MXFP4);
                 acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_ss(v, y)), _mm256_set1_ps(d), acc);
             }
@@ -689,9 +676,9 @@ static float dot_row(int t, const uint8_t *w, const float *xf, qact a, int K) {
                 if (t == T_IQ4_NL) q = KV_IQ4NL[q]; else if (t == T_MXFP4) q = KV_MXFP4[q];
                 s += q * a.q[32 * b + i];
             }
-            if (t == T_Q4_0) sum += fp16_to_f32(rd16(w)) * a.d[b] * (s - 8 * sy);
-            else if (t == T_Q4_1) sum += fp16_to_f32(rd16(w)) * a.d[b] * s + fp16_to_f32(rd16(w + 2)) * a.d[b] * sy;
-            else sum += (t == T_IQ4_NL ? fp16_to_f32(rd16(w)) : e8m0_half(w[0])) * a.d[b] * s;
+            if (t == T_Q4_0) sum += mf_h2f(rd16(w)) * a.d[b] * (s - 8 * sy);
+            else if (t == T_Q4_1) sum += mf_h2f(rd16(w)) * a.d[b] * s + mf_h2f(rd16(w + 2)) * a.d[b] * sy;
+            else sum += (t == T_IQ4_NL ? mf_h2f(rd16(w)) : e8m0_half(w[0])) * a.d[b] * s;
         }
         return sum;
 #endif
@@ -706,8 +693,8 @@ static float dot_row(int t, const uint8_t *w, const float *xf, qact a, int K) {
                 int q = (i < 16 ? (qs[i] & 15) : (qs[i - 16] >> 4)) | (((qh >> i) & 1) << 4);
                 s += q * a.q[32 * b + i];
             }
-            float d = fp16_to_f32(rd16(w)) * a.d[b];
-            sum += t == T_Q5_0 ? d * (s - 16 * sy) : d * s + fp16_to_f32(rd16(w + 2)) * a.d[b] * sy;
+            float d = mf_h2f(rd16(w)) * a.d[b];
+            sum += t == T_Q5_0 ? d * (s - 16 * sy) : d * s + mf_h2f(rd16(w + 2)) * a.d[b] * sy;
         }
         return sum;
     }
@@ -717,7 +704,7 @@ static float dot_row(int t, const uint8_t *w, const float *xf, qact a, int K) {
         __m256 acc = _mm256_setzero_ps();
         for (int sb = 0; sb < K / 256; sb++, w += bs) {
             for (int c = 0; c < bs; c += 64) _mm_prefetch((const char *)(w + PREFETCH + c), _MM_HINT_T0);
-            float dy = a.dk[sb], d = fp16_to_f32(rd16(w)) * dy, dmin = fp16_to_f32(rd16(w + 2)) * dy;
+            float dy = a.dk[sb], d = mf_h2f(rd16(w)) * dy, dmin = mf_h2f(rd16(w + 2)) * dy;
             const uint8_t *sc = w + 4, *qh = w + 16, *qs = w + (t == T_Q4_K ? 16 : 48);
             const int8_t *y = a.qk + 256 * sb;
             const int16_t *bsum = a.sk16 + 16 * sb;
@@ -755,7 +742,7 @@ static float dot_row(int t, const uint8_t *w, const float *xf, qact a, int K) {
         return sum + hsum8(acc);
 #else
         for (int sb = 0; sb < K / 256; sb++, w += bs) {
-            float d = fp16_to_f32(rd16(w)), dmin = fp16_to_f32(rd16(w + 2));
+            float d = mf_h2f(rd16(w)), dmin = mf_h2f(rd16(w + 2));
             const uint8_t *sc = w + 4, *qh = w + 16, *qs = w + (t == T_Q4_K ? 16 : 48);
             for (int j = 0; j < 8; j++) {
                 int scj, mj;
@@ -786,7 +773,7 @@ static float dot_row(int t, const uint8_t *w, const float *xf, qact a, int K) {
             for (int c = 0; c < 210; c += 64) _mm_prefetch((const char *)(w + PREFETCH + c), _MM_HINT_T0);
             const uint8_t *ql = w, *qh = w + 128;
             const int8_t *scales = (const int8_t *)(w + 192);
-            float d = fp16_to_f32(rd16(w + 208)) * a.dk[sb];
+            float d = mf_h2f(rd16(w + 208)) * a.dk[sb];
             const int8_t *y = a.qk + 256 * sb;
             const int16_t *bsum = a.sk16 + 16 * sb;
             __m256i isum = _mm256_setzero_si256();
@@ -811,7 +798,7 @@ static float dot_row(int t, const uint8_t *w, const float *xf, qact a, int K) {
         for (int sb = 0; sb < K / 256; sb++, w += 210) {
             const uint8_t *ql = w, *qh = w + 128;
             const int8_t *scales = (const int8_t *)(w + 192);
-            float d = fp16_to_f32(rd16(w + 208));
+            float d = mf_h2f(rd16(w + 208));
             for (int j = 0; j < 8; j++) {
                 int h = j / 4, r0 = 32 * (j % 4), b = sb * 8 + j;
                 const int8_t *y = a.q + 32 * b;
@@ -888,33 +875,21 @@ static void kernels_init(void) {
 
 /* x row of dtype xdt (0 fp32, 1 fp16, 2 bf16) -> fp32 */
 static void load_row(const void *x, int xdt, int64_t row, int K, float *dst) {
-    if (xdt == T_BF16) { const uint16_t *p = (const uint16_t *)x + row * K; for (int i = 0; i < K; i++) dst[i] = bf16_to_f32(p[i]); }
-    else if (xdt == T_F16) { const uint16_t *p = (const uint16_t *)x + row * K; for (int i = 0; i < K; i++) dst[i] = fp16_to_f32(p[i]); }
+    if (xdt == T_BF16) { const uint16_t *p = (const uint16_t *)x + row * K; for (int i = 0; i < K; i++) dst[i] = mf_b2f(p[i]); }
+    else if (xdt == T_F16) { const uint16_t *p = (const uint16_t *)x + row * K; for (int i = 0; i < K; i++) dst[i] = mf_h2f(p[i]); }
     else memcpy(dst, (const float *)x + row * K, sizeof(float) * K);
 }
 
-static inline uint16_t f32_to_bf16_rne(float f) {
-    uint32_t u; memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
-    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
-static inline uint16_t f32_to_f16_rne(float f) {
-#if defined(__F16C__)
-    return _cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-#else
-    _Float16 h = (_Float16)f; uint16_t u; memcpy(&u, &h, 2); return u;
-#endif
-}
 /* out[i] = v in dtype ydt (0 fp32, 1 fp16, 2 bf16, rounded to nearest even); with a bias b
  * (dtype ydt) the product is rounded first, then the sum (torch: mm into out, out.add_(b)) */
 static inline void store_y(void *y, int ydt, int64_t i, float v, const void *b, int64_t j) {
     if (ydt == T_BF16) {
-        uint16_t r = f32_to_bf16_rne(v);
-        if (b) r = f32_to_bf16_rne(bf16_to_f32(r) + bf16_to_f32(((const uint16_t *)b)[j]));
+        uint16_t r = mf_f2b(v);
+        if (b) r = mf_f2b(mf_b2f(r) + mf_b2f(((const uint16_t *)b)[j]));
         ((uint16_t *)y)[i] = r;
     } else if (ydt == T_F16) {
-        uint16_t r = f32_to_f16_rne(v);
-        if (b) r = f32_to_f16_rne(fp16_to_f32(r) + fp16_to_f32(((const uint16_t *)b)[j]));
+        uint16_t r = mf_f2h(v);
+        if (b) r = mf_f2h(mf_h2f(r) + mf_h2f(((const uint16_t *)b)[j]));
         ((uint16_t *)y)[i] = r;
     } else ((float *)y)[i] = b ? v + ((const float *)b)[j] : v;
 }
@@ -1089,7 +1064,7 @@ static void moe_body(int n_exp, const uint8_t *const *blobs, const int64_t *boun
                 if (qd) quantize_act(h, I, qact_at(hq + i * qi, I));
                 else if (hb16) {     /* bf16 experts, bf16 compute: the product as a bf16 tensor */
                     uint16_t *hb = (uint16_t *)(hq + i * qi);
-                    for (int j = 0; j < I; j++) hb[j] = f32_to_bf16_rne(h[j]);
+                    for (int j = 0; j < I; j++) hb[j] = mf_f2b(h[j]);
                 }
             }
 #pragma omp for schedule(dynamic, 32)
@@ -1142,22 +1117,16 @@ void mf_moe(int n_exp, const uint8_t *const *blobs, const int64_t *bounds, const
 
 /* ---- dequantization: rows of W -> fp32 / bf16, bit for bit as ggml's dequantize_row_* -------
  * (the same fp32 operations in the same order: built with -ffp-contract=off, no FMA) */
-static inline uint16_t f32_to_bf16(float f) {     /* round to nearest even, as torch's cast */
-    uint32_t u; memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);   /* NaN stays NaN */
-    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
-
 /* one block (32 values, or 256 for the K-quants) -> y */
 static void dequant_block(int t, const uint8_t *w, float *y) {
     switch (t) {
-    case T_Q8_0: { float d = fp16_to_f32(rd16(w)); for (int i = 0; i < 32; i++) y[i] = (int8_t)w[2 + i] * d; return; }
-    case T_Q4_0: { float d = fp16_to_f32(rd16(w)); const uint8_t *q = w + 2;
+    case T_Q8_0: { float d = mf_h2f(rd16(w)); for (int i = 0; i < 32; i++) y[i] = (int8_t)w[2 + i] * d; return; }
+    case T_Q4_0: { float d = mf_h2f(rd16(w)); const uint8_t *q = w + 2;
         for (int i = 0; i < 16; i++) { y[i] = ((q[i] & 15) - 8) * d; y[i + 16] = ((q[i] >> 4) - 8) * d; } return; }
-    case T_Q4_1: { float d = fp16_to_f32(rd16(w)), m = fp16_to_f32(rd16(w + 2)); const uint8_t *q = w + 4;
+    case T_Q4_1: { float d = mf_h2f(rd16(w)), m = mf_h2f(rd16(w + 2)); const uint8_t *q = w + 4;
         for (int i = 0; i < 16; i++) { y[i] = (q[i] & 15) * d + m; y[i + 16] = (q[i] >> 4) * d + m; } return; }
     case T_Q5_0: case T_Q5_1: {
-        int off = t == T_Q5_0 ? 2 : 4; float d = fp16_to_f32(rd16(w)), m = t == T_Q5_1 ? fp16_to_f32(rd16(w + 2)) : 0.f;
+        int off = t == T_Q5_0 ? 2 : 4; float d = mf_h2f(rd16(w)), m = t == T_Q5_1 ? mf_h2f(rd16(w + 2)) : 0.f;
         uint32_t qh; memcpy(&qh, w + off, 4); const uint8_t *q = w + off + 4;
         for (int i = 0; i < 16; i++) {
             int x0 = (q[i] & 15) | (((qh >> i) & 1) << 4), x1 = (q[i] >> 4) | (((qh >> (i + 16)) & 1) << 4);
@@ -1165,12 +1134,12 @@ static void dequant_block(int t, const uint8_t *w, float *y) {
             else { y[i] = x0 * d + m; y[i + 16] = x1 * d + m; }
         }
         return; }
-    case T_IQ4_NL: { float d = fp16_to_f32(rd16(w)); const uint8_t *q = w + 2;
+    case T_IQ4_NL: { float d = mf_h2f(rd16(w)); const uint8_t *q = w + 2;
         for (int i = 0; i < 16; i++) { y[i] = d * KV_IQ4NL[q[i] & 15]; y[i + 16] = d * KV_IQ4NL[q[i] >> 4]; } return; }
     case T_MXFP4: { float d = e8m0_half(w[0]); const uint8_t *q = w + 1;
         for (int i = 0; i < 16; i++) { y[i] = KV_MXFP4[q[i] & 15] * d; y[i + 16] = KV_MXFP4[q[i] >> 4] * d; } return; }
     case T_Q4_K: case T_Q5_K: {
-        float d = fp16_to_f32(rd16(w)), dmin = fp16_to_f32(rd16(w + 2));
+        float d = mf_h2f(rd16(w)), dmin = mf_h2f(rd16(w + 2));
         const uint8_t *sc = w + 4, *qh = w + 16, *qs = w + (t == T_Q4_K ? 16 : 48);
         for (int j = 0; j < 8; j++) {
             int scj, mj;
@@ -1188,7 +1157,7 @@ static void dequant_block(int t, const uint8_t *w, float *y) {
         return; }
     case T_Q6_K: {
         const uint8_t *ql = w, *qh = w + 128; const int8_t *sc = (const int8_t *)(w + 192);
-        float d = fp16_to_f32(rd16(w + 208));
+        float d = mf_h2f(rd16(w + 208));
         for (int j = 0; j < 8; j++) {
             int h = j / 4, r0 = 32 * (j % 4), ls = 4 * (r0 / 64), hs = 2 * (r0 / 32);
             const uint8_t *l = ql + 64 * h + (r0 % 64), *hh = qh + 32 * h;
@@ -1219,11 +1188,11 @@ void mf_dequant(int t, const uint8_t *W, int64_t nrows, int K, uint16_t *out16, 
                 if (is_float_type(t)) {
                     for (int i = 0; i < bs; i++) {
                         const uint8_t *p = wr + (int64_t)(b * bs + i) * (t == T_F32 ? 4 : 2);
-                        float v; if (t == T_F32) memcpy(&v, p, 4); else v = t == T_BF16 ? bf16_to_f32(rd16(p)) : fp16_to_f32(rd16(p));
+                        float v; if (t == T_F32) memcpy(&v, p, 4); else v = t == T_BF16 ? mf_b2f(rd16(p)) : mf_h2f(rd16(p));
                         dst[i] = v;
                     }
                 } else dequant_block(t, wr + b * tb, dst);
-                if (out16) { uint16_t *o = out16 + r * K + (int64_t)b * bs; for (int i = 0; i < bs; i++) o[i] = f32_to_bf16(dst[i]); }
+                if (out16) { uint16_t *o = out16 + r * K + (int64_t)b * bs; for (int i = 0; i < bs; i++) o[i] = mf_f2b(dst[i]); }
             }
         }
     }

@@ -67,6 +67,8 @@ FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-f
 #: the library's sources: these products, and the lean decode step's operations
 #: (``decode_step.c``, :mod:`moefit.runtime.decode_step`)
 _SRCS = (Path(__file__).with_name("qmatmul.c"), Path(__file__).with_name("decode_step.c"))
+#: the header both include (fp16 / bf16 conversions): part of the build's cache key
+_HEADERS = (Path(__file__).with_name("mf_floats.h"),)
 #: torch dtype -> the kernels' float type code (0 fp32, 1 fp16, 2 bf16)
 DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
@@ -97,7 +99,7 @@ def _cpu_flags() -> str:
 
 
 def _build() -> ctypes.CDLL:
-    src = b"".join(p.read_bytes() for p in _SRCS)
+    src = b"".join(p.read_bytes() for p in (*_SRCS, *_HEADERS))
     key = hashlib.sha256(src + " ".join(FLAGS).encode() + _cpu_flags().encode()
                          + platform.machine().encode()).hexdigest()[:16]
     cache = Path(os.environ.get("MOEFIT_CACHE_DIR") or Path.home() / ".cache" / "moefit")
