@@ -12,6 +12,7 @@ import json
 import pytest
 
 from moefit.cli import main
+from test_engine_llamacpp import header_writer  # the one writer of header-only GGUFs
 
 FIELD = ["Qwen3.5-35B-A3B", "--max-context", "512K", "--rope-scaling", "yarn", "--rope-scale", "2",
          "--kv", "int8", "--prefill", "24576"]
@@ -112,18 +113,6 @@ def test_a_host_margin_left_at_its_default_is_not_limiting():
     assert code == 3 and "host safety margin" in text.split("limiting:")[1].splitlines()[0]
 
 
-def _header_writer():
-    """``benchmarks/write_header_gguf.py``: header-only GGUFs of llama-quantize's type mixes."""
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).parent.parent / "benchmarks" / "write_header_gguf.py"
-    spec = importlib.util.spec_from_file_location("write_header_gguf", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def test_a_host_short_of_its_default_margin_is_offered_a_smaller_one():
     """The default margin is not limiting, but when the host lacks less than it, a smaller
     --host-reserve-mib set by hand fits (and is printed so that it does, applied as is)."""
@@ -150,7 +139,7 @@ def test_a_float_checkpoint_whose_host_is_short_is_offered_the_gguf_file_that_fi
     doc = json.loads(plan(["Qwen3-30B-A3B", *argv, "--json"])[1])
     assert doc["alternatives"][0]["flag"] == "MODEL"
     assert doc["alternatives"][0]["with"] == [{"flag": "--host-experts", "value": "mmap"}]
-    writer = _header_writer()
+    writer = header_writer()
     q8 = str(writer.write_header_gguf("Qwen3-30B-A3B", "Q8_0", tmp_path / "Qwen3-30B-A3B-Q8_0.gguf"))
     assert plan([q8, *argv, "--host-experts", "mmap"])[0] == 0
     assert plan([q8, *argv])[0] == 3                    # the flag printed with it is needed

@@ -19,7 +19,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 gguf = pytest.importorskip("gguf")
@@ -59,31 +58,21 @@ def parse_record(path: Path) -> dict:
     return out
 
 
+def header_writer():
+    """``benchmarks/write_header_gguf.py`` (the one writer of header-only GGUFs)."""
+    import importlib.util
+
+    path = Path(__file__).parent.parent / "benchmarks" / "write_header_gguf.py"
+    spec = importlib.util.spec_from_file_location("write_header_gguf", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def sparse_gguf(path: Path, meta, tensors) -> Path:
-    """A GGUF with ``meta`` and the infos of ``tensors`` whose data is a hole (``truncate``)."""
-    arch = next(v for k, _, v in meta if k == "general.architecture")
-    w = gguf.GGUFWriter(str(path), arch)
-    for key, kind, value in meta:
-        if key == "general.architecture":
-            continue
-        t = gguf.GGUFValueType[kind]
-        v = value if t == gguf.GGUFValueType.STRING else (
-            float(value) if t in (gguf.GGUFValueType.FLOAT32, gguf.GGUFValueType.FLOAT64) else
-            (value == "True" if t == gguf.GGUFValueType.BOOL else int(value)))
-        w.add_key_value(key, v, t)
-    total = 0
-    for name, kind, ne in tensors:
-        qt = gguf.GGMLQuantizationType[kind]
-        bs, ts = gguf.GGML_QUANT_SIZES[qt]
-        nbytes = int(np.prod(ne)) // bs * ts
-        w.add_tensor_info(name, tuple(reversed(ne)), np.dtype(np.float32), nbytes, raw_dtype=qt)
-        total += -(-nbytes // 32) * 32
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_ti_data_to_file()
-    w.close()
-    os.truncate(path, -(-path.stat().st_size // 32) * 32 + total)
-    return path
+    """A GGUF with ``meta`` and the infos of ``tensors`` whose data is a hole (``truncate``):
+    ``benchmarks/write_header_gguf.py``'s writer."""
+    return header_writer().write_sparse(path, meta, tensors)
 
 
 @pytest.fixture(scope="module")
@@ -228,22 +217,11 @@ def test_kv_names_map_to_llamacpp_cache_types():
 
 
 # ---- the Qwen3.5-35B-A3B field case (headers only) ------------------------------------------------
-def _header_writer():
-    """``benchmarks/write_header_gguf.py`` (the one writer of header-only GGUFs)."""
-    import importlib.util
-
-    path = Path(__file__).parent.parent / "benchmarks" / "write_header_gguf.py"
-    spec = importlib.util.spec_from_file_location("write_header_gguf", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def qwen35_q4km(path: Path) -> Path:
     """A header-only GGUF with Qwen3.5-35B-A3B's tensor shapes and llama-quantize's Q4_K_M
     type mix (``benchmarks/write_header_gguf.py``; the mix is checked against the real
     llama-quantize below)."""
-    return _header_writer().write_header_gguf("Qwen3.5-35B-A3B", "Q4_K_M", path)
+    return header_writer().write_header_gguf("Qwen3.5-35B-A3B", "Q4_K_M", path)
 
 
 def moefit(*args):
