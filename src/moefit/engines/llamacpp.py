@@ -70,6 +70,7 @@ from moefit.ingest.geometry import ModelGeometry
 from moefit.ingest.gguf_header import read_header
 from moefit.ingest.resolve import format_params
 from moefit.memory.runtime import default_reserve_bytes, runtime_bytes
+from moefit.plan.report import format_fits_with
 from moefit.plan.solver import Alternative, Line, limiting_lines
 from moefit.units import format_bytes, size_format
 
@@ -750,11 +751,7 @@ def format_plan(plan: LlamaPlan) -> str:
         return "\n".join(out)
     out.append(f"does not fit: short by {fmt(plan.shortfall_bytes)}")
     out.append("limiting: " + ", ".join(dict(LINES)[k] for k in plan.limiting))
-    if plan.alternatives:
-        out.append("fits with:")
-        out += [f"  {a.flags}" for a in plan.alternatives]
-    else:
-        out.append("fits with: nothing short of a larger device (no single flag change makes it fit)")
+    out += format_fits_with(plan.alternatives, "a larger device (no single flag change makes it fit)")
     return "\n".join(out)
 
 

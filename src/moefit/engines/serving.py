@@ -33,6 +33,7 @@ from moefit.engines.parallel import (Layout, StageShard, check_layout, fp8_block
 from moefit.errors import InputError
 from moefit.ingest.geometry import ModelGeometry
 from moefit.ingest.resolve import format_params
+from moefit.plan.report import format_fits_with
 from moefit.plan.solver import Alternative, Line, limiting_lines
 from moefit.memory.runtime import runtime_bytes
 from moefit.units import GIB, MIB, format_bytes, size_format
@@ -452,11 +453,7 @@ def format_serve_plan(plan: ServePlan) -> str:
                f"{max(b.concurrency, 0):.2f} fit in the KV cache")
     out.append(f"does not fit: short by {fmt(plan.shortfall_bytes)} per GPU ({why})")
     out.append("limiting: " + ", ".join(LABELS[k] for k in plan.limiting))
-    if plan.alternatives:
-        out.append("fits with:")
-        out += [f"  {a.flags}" for a in plan.alternatives]
-    else:
-        out.append("fits with: nothing short of more GPUs (no single flag change makes it fit)")
+    out += format_fits_with(plan.alternatives, "more GPUs (no single flag change makes it fit)")
     return "\n".join(out)
 
 

@@ -129,17 +129,20 @@ def format_table(plan: Plan) -> str:
         where = f" on {dev.label}" if len(plan.devices) > 1 else ""
         out.append(f"does not fit: short by {size_format(dev.capacity_bytes)(plan.shortfall_bytes)}{where}")
     out.append("limiting: " + ", ".join(_label(k) for k in plan.limiting))
-    if plan.alternatives:
-        out.append("fits with:")
-        for a in plan.alternatives:
-            out.append(format_alternative(a))
-    else:
-        larger = "a larger host" if plan.short_on == "host" else "a larger device"
-        files = (f", nor a GGUF file of the model down to {GGUF_REMEDY_FTYPES[-1]},"
-                 if gguf_remedy_applies(plan.geometry) else "")
-        out.append(f"fits with: nothing short of {larger} "
-                   f"(no single flag change{files} makes it fit)")
+    larger = "a larger host" if plan.short_on == "host" else "a larger device"
+    files = (f", nor a GGUF file of the model down to {GGUF_REMEDY_FTYPES[-1]},"
+             if gguf_remedy_applies(plan.geometry) else "")
+    out += format_fits_with(plan.alternatives, f"{larger} (no single flag change{files} makes it fit)")
     return "\n".join(out)
+
+
+def format_fits_with(alternatives, nothing: str) -> list[str]:
+    """The ``fits with:`` lines of a plan that does not fit (moefit's and the engine plans'):
+    ``fits with:`` and one :func:`format_alternative` line per alternative, or, with none,
+    ``fits with: nothing short of NOTHING``."""
+    if alternatives:
+        return ["fits with:", *map(format_alternative, alternatives)]
+    return [f"fits with: nothing short of {nothing}"]
 
 
 def format_alternative(a) -> str:
