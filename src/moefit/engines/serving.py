@@ -520,6 +520,18 @@ def weight_detail(s: StageShard) -> str:
     return "shard: " + ", ".join(bits) + " GiB"
 
 
+def kv_cache_dtype(engine: "Engine", table: dict[str, tuple[str, int]], kv: str) -> tuple[str, int]:
+    """``--kv`` -> the engine's ``--kv-cache-dtype`` value and bytes per element, from its
+    ``table`` (bf16 / fp16 / fp8). Raises InputError naming the engine for the block formats
+    (int8 / int4) it has no cache for."""
+    k = kv.strip().lower()
+    if k not in table:
+        raise InputError(f"--kv {kv!r} with --engine {engine.name}: {engine.label}'s KV cache is bf16 / fp16 "
+                         "(--kv bf16) or fp8 (--kv fp8); int8/int4 blocks are llama.cpp's "
+                         "and moefit's")
+    return table[k]
+
+
 def command_line(parts: list[tuple[str, str | None]]) -> str:
     """``--flag value --switch`` from (flag, value or None) pairs."""
     return " ".join(f if v is None else f"{f} {v}" for f, v in parts)

@@ -42,10 +42,9 @@ from __future__ import annotations
 from moefit.devices import Device
 from moefit.engines.parallel import (Layout, StageShard, floor_to, logits_bytes,
                                      moe_workspace_bytes, token_activation_bytes)
-from moefit.engines.serving import (RankBudget, ServePlan, ServeRequest, command_line, non_torch_bytes,
-                                     runtime_with_comm, weight_detail)
+from moefit.engines.serving import (RankBudget, ServePlan, ServeRequest, command_line, kv_cache_dtype,
+                                     non_torch_bytes, runtime_with_comm, weight_detail)
 from moefit.engines.vllm import GRAPH_FIRST_BYTES, GRAPH_PER_SIZE_BYTES, SAMPLER_BYTES_PER_LOGIT
-from moefit.errors import InputError
 from moefit.ingest.geometry import ModelGeometry
 from moefit.memory.runtime import default_reserve_bytes
 from moefit.plan.solver import Line
@@ -154,12 +153,7 @@ class SGLangEngine:
     def kv_dtype(self, kv: str) -> tuple[str, int]:
         """``--kv`` -> ``--kv-cache-dtype``: bf16/fp16 -> ``auto``, fp8 -> ``fp8_e4m3``.
         Raises InputError for the block formats SGLang has no cache for."""
-        k = kv.strip().lower()
-        if k not in KV_DTYPES:
-            raise InputError(f"--kv {kv!r} with --engine sglang: SGLang's KV cache is bf16 / fp16 "
-                             "(--kv bf16) or fp8 (--kv fp8); int8/int4 blocks are llama.cpp's "
-                             "and moefit's")
-        return KV_DTYPES[k]
+        return kv_cache_dtype(self, KV_DTYPES, kv)
 
     def default_batched(self, device: Device) -> int:
         return memory_defaults(device, 1)[0]

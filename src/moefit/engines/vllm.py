@@ -61,8 +61,8 @@ from dataclasses import dataclass
 from moefit.devices import Device
 from moefit.engines.parallel import (Layout, StageShard, ceil_div, floor_to, logits_bytes,
                                      moe_workspace_bytes, token_activation_bytes)
-from moefit.engines.serving import (RankBudget, ServePlan, ServeRequest, command_line, non_torch_bytes,
-                                     runtime_with_comm, weight_detail)
+from moefit.engines.serving import (RankBudget, ServePlan, ServeRequest, command_line, kv_cache_dtype,
+                                     non_torch_bytes, runtime_with_comm, weight_detail)
 from moefit.errors import InputError
 from moefit.ingest.geometry import ModelGeometry
 from moefit.memory.runtime import default_reserve_bytes
@@ -175,12 +175,7 @@ class VLLMEngine:
     def kv_dtype(self, kv: str) -> tuple[str, int]:
         """``--kv`` -> ``--kv-cache-dtype``: bf16/fp16 -> ``auto`` (the model dtype), fp8 ->
         ``fp8`` (e4m3). Raises InputError for the block formats vLLM has no cache for."""
-        k = kv.strip().lower()
-        if k not in KV_DTYPES:
-            raise InputError(f"--kv {kv!r} with --engine vllm: vLLM's KV cache is bf16 / fp16 "
-                             "(--kv bf16) or fp8 (--kv fp8); int8/int4 blocks are llama.cpp's "
-                             "and moefit's")
-        return KV_DTYPES[k]
+        return kv_cache_dtype(self, KV_DTYPES, kv)
 
     def default_batched(self, device: Device) -> int:
         return 8192 if _big_gpu(device) else 2048
