@@ -79,13 +79,7 @@ def _plan_llamacpp(args: argparse.Namespace) -> int:
         tensors, note = llamacpp.tensors_from_geometry(geom, llama_ftype(args))
         req = dataclasses.replace(req, notes=(note, *req.notes))
     plan = llamacpp.solve_llamacpp(geom, tensors, device, req)
-    if args.json:
-        print(json.dumps(llamacpp.plan_document(plan), indent=2))
-    else:
-        print(llamacpp.format_plan(plan))
-        if args.verbose:
-            print(llamacpp.format_verbose(plan))
-    return EXIT_OK if plan.fits else EXIT_NOFIT
+    return _print_engine_plan(args, plan, llamacpp.plan_document, llamacpp.format_plan, llamacpp.format_verbose)
 
 
 def _plan_serving(args: argparse.Namespace) -> int:
@@ -96,12 +90,19 @@ def _plan_serving(args: argparse.Namespace) -> int:
     device = device_from_args(args)
     engine = VLLM if args.engine == "vllm" else SGLANG
     plan = serving.solve_serving(geom, engine, device, req)
+    return _print_engine_plan(args, plan, serving.serve_plan_document, serving.format_serve_plan,
+                              serving.format_serve_verbose)
+
+
+def _print_engine_plan(args: argparse.Namespace, plan, document, text, verbose) -> int:
+    """Print an engine plan as ``document(plan)`` JSON (``--json``) or ``text(plan)`` and,
+    with ``-v``, ``verbose(plan)``; the exit code of its verdict."""
     if args.json:
-        print(json.dumps(serving.serve_plan_document(plan), indent=2))
+        print(json.dumps(document(plan), indent=2))
     else:
-        print(serving.format_serve_plan(plan))
+        print(text(plan))
         if args.verbose:
-            print(serving.format_serve_verbose(plan))
+            print(verbose(plan))
     return EXIT_OK if plan.fits else EXIT_NOFIT
 
 
