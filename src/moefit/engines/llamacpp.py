@@ -71,7 +71,7 @@ from moefit.ingest.gguf_header import read_header
 from moefit.ingest.resolve import format_params
 from moefit.memory.runtime import default_reserve_bytes, runtime_bytes
 from moefit.plan.report import format_fits_with
-from moefit.plan.solver import Alternative, Line, limiting_lines
+from moefit.plan.solver import Alternative, Line, LineTable, limiting_lines
 from moefit.units import format_bytes, size_format
 
 #: ``-ub`` grid when the micro-batch is clamped (tokens)
@@ -413,7 +413,7 @@ class LlamaRequest:
 
 
 @dataclass(frozen=True)
-class LlamaPlan:
+class LlamaPlan(LineTable):
     """A solved llama.cpp budget on one device. ``n_cpu_moe``: the first layers whose experts
     stay on the CPU; ``lines`` in the order llama.cpp allocates them."""
 
@@ -433,14 +433,6 @@ class LlamaPlan:
     alternatives: tuple[Alternative, ...] = ()
     limiting: tuple[str, ...] = ()
     cpu_layers: tuple[int, ...] | None = None   # layers whose experts stay on the CPU, when not a prefix
-
-    @property
-    def planned_bytes(self) -> int:
-        return sum(l.bytes for l in self.lines)
-
-    @property
-    def unassigned_bytes(self) -> int:
-        return self.device.free_bytes - self.planned_bytes
 
     def line(self, key: str) -> Line:
         return next(l for l in self.lines if l.key == key)

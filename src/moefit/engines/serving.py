@@ -34,7 +34,7 @@ from moefit.errors import InputError
 from moefit.ingest.geometry import ModelGeometry
 from moefit.ingest.resolve import format_params
 from moefit.plan.report import format_fits_with
-from moefit.plan.solver import Alternative, Line, limiting_lines
+from moefit.plan.solver import Alternative, Line, LineTable, limiting_lines
 from moefit.memory.runtime import runtime_bytes
 from moefit.units import GIB, MIB, format_bytes, size_format
 
@@ -152,7 +152,7 @@ class EngineModel(Protocol):
 
 
 @dataclass(frozen=True)
-class ServePlan:
+class ServePlan(LineTable):
     """A solved serving plan: one rank's lines, the layout, the engine's numbers."""
 
     fits: bool
@@ -171,14 +171,6 @@ class ServePlan:
     @property
     def lines(self) -> tuple[Line, ...]:
         return self.budget.lines
-
-    @property
-    def planned_bytes(self) -> int:
-        return sum(l.bytes for l in self.lines)
-
-    @property
-    def unassigned_bytes(self) -> int:
-        return self.device.free_bytes - self.planned_bytes
 
     @property
     def total_kv_tokens(self) -> int:

@@ -89,8 +89,22 @@ class Line:
     detail: str = ""
 
 
+class LineTable:
+    """What every table of budget lines shares (moefit's device and host tables, the engine
+    plans): ``lines`` (:class:`Line`) and the ``device`` whose free bytes they divide."""
+
+    @property
+    def planned_bytes(self) -> int:
+        return sum(l.bytes for l in self.lines)
+
+    @property
+    def unassigned_bytes(self) -> int:
+        """Free bytes no line claims (negative when the plan does not fit)."""
+        return self.device.free_bytes - self.planned_bytes
+
+
 @dataclass(frozen=True)
-class DevicePlan:
+class DevicePlan(LineTable):
     """One device's table: its lines in commit order, and its share of the model.
 
     ``role``: ``main`` (one device, or the expert split's first: dense weights, KV cache,
@@ -111,15 +125,6 @@ class DevicePlan:
     left_out: str = ""
 
     @property
-    def planned_bytes(self) -> int:
-        return sum(l.bytes for l in self.lines)
-
-    @property
-    def unassigned_bytes(self) -> int:
-        """Free bytes no line claims (negative when the plan does not fit)."""
-        return self.device.free_bytes - self.planned_bytes
-
-    @property
     def expert_slots(self) -> int:
         return sum(n for _, n in self.experts_per_layer)
 
@@ -129,7 +134,7 @@ class DevicePlan:
 
 
 @dataclass(frozen=True)
-class HostPlan:
+class HostPlan(LineTable):
     """The host table (docs/design.md, host budget): lines in :data:`HOST_LINE_ORDER`.
 
     ``host``: its memory, or None when it is not checked (what-if cards without
@@ -143,10 +148,6 @@ class HostPlan:
     experts: str = "memory"
     mapped_bytes: int = 0
     embed_on_host: bool = False
-
-    @property
-    def planned_bytes(self) -> int:
-        return sum(l.bytes for l in self.lines)
 
     @property
     def unassigned_bytes(self) -> int | None:
