@@ -327,6 +327,10 @@ def main() -> None:
         print(HEADER)
         for r in rows:
             print(_line(r))
+        for r in rows:
+            if r["failures"]:
+                print(f"{r['server']}, {r['clients']} clients: failed requests by cause: "
+                      + ", ".join(f"{why} x{n}" for why, n in sorted(r["failures"].items())))
         for name in ("moefit", "llama-server"):
             single = next((r for r in rows if r["server"] == name and r["clients"] == 1), None)
             for r in rows:

@@ -213,14 +213,11 @@ class Running:
     port; leaving it stops the server and sets ``state.stopping``."""
 
     def __init__(self, state):
-        import socket
-
-        from moefit.serve.launch import make_server
+        from moefit.serve.launch import _bind, make_server
 
         self.state = state
         self.server = make_server(state, log_level="warning")
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
+        self.sock = _bind("127.0.0.1", 0)            # the listening socket moefit serve makes
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
                                        daemon=True)

@@ -56,7 +56,7 @@ def test_batched_layer_matches_expert_by_expert_on_gguf(tiny_models, tmp_path, m
     assert calls and not calls_o                     # decode steps went through the batched layer
     assert (sb["hits"], sb["misses"]) == (so["hits"], so["misses"]) and sb["hits"] and sb["misses"]
     # decode: one call per MoE layer and step (prefill chunks of 7 tokens x k experts run
-    # expert by expert when they give the experts more than MAX_TOKENS_PER_EXPERT each)
+    # expert by expert when they give the experts more than max_tokens_per_expert each)
     assert len(calls) >= 8 * len(m.geom.moe_layers)
 
 
@@ -82,7 +82,8 @@ def test_applies_only_where_the_kernels_read_the_memory(tiny_models):
     x = torch.zeros(1, tiny.ref.config.hidden_size)
     assert moe_batch.applies(cpu.model.experts, layer, x, k)
     assert not moe_batch.applies(copy.model.experts, layer, x, k)      # misses copy through the arena
-    many = torch.zeros(moe_batch.MAX_TOKENS_PER_EXPERT * e_count // k + 1, x.shape[1])
+    cap = moe_batch.max_tokens_per_expert(moe_batch.layer_format(cpu.model.experts, layer))
+    many = torch.zeros(cap * e_count // k + 1, x.shape[1])
     assert not moe_batch.applies(cpu.model.experts, layer, many, k)    # prefill: expert by expert
     assert not moe_batch.applies(None, layer, x, k)
 

@@ -41,11 +41,12 @@ def devices_for(geom, n: int, main_slots: int = 3, slots: int = 3, **req) -> tup
 
 
 def run(path, plan, **opts):
-    """Greedy tokens after a 48-token prompt in one chunk: the prefill runs expert by
-    expert (each device's experts in its workspace), decode steps batched."""
-    engine = Engine.start(path, plan, EngineOptions(progress=False, chunk=64, q_block=16,
+    """Greedy tokens after a 200-token prompt in one chunk: the prefill gives each expert
+    more tokens than the batched layer takes (moe_batch.max_tokens_per_expert), so it runs
+    expert by expert (each device's experts in its workspace); decode steps batched."""
+    engine = Engine.start(path, plan, EngineOptions(progress=False, chunk=256, q_block=16,
                                                     kv_block=32, **opts))
-    ids = prompt(96, n=48)
+    ids = prompt(96, n=200)
     logits, tokens = engine_greedy(engine, ids, steps=STEPS)
     return engine, tokens, logits
 

@@ -302,6 +302,90 @@ static inline float dotf(const float *a, const float *b, int n) {
     return d;
 }
 
+/* the cache lines of one K or V row (bytes bytes at p) requested ahead of their use: a
+ * (token, KV head) item reads one row per cell, cells Kh rows apart, a stride the hardware
+ * prefetchers do not follow far enough ahead */
+static inline void prefetch_row(const uint8_t *p, int bytes) {
+    for (int c = 0; c < bytes; c += 64) __builtin_prefetch(p + c, 0, 3);
+}
+
+/* s[g][j] = q_g . k_j * scale for the gn query heads and n keys of a block (fp32). Four heads
+ * at a time share each load of a key row; the remainder one by one. */
+static void att_scores(float (*qv)[512], int gn, float (*kb)[512], int n, int D, float scale,
+                       float (*s)[ATT_BLOCK]) {
+    int g = 0;
+#ifdef __AVX512F__
+    if (D % 16 == 0)
+        for (; g + 4 <= gn; g += 4)
+            for (int j = 0; j < n; j++) {
+                __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+                for (int i = 0; i < D; i += 16) {
+                    __m512 k = _mm512_loadu_ps(kb[j] + i);
+                    a0 = _mm512_fmadd_ps(_mm512_loadu_ps(qv[g] + i), k, a0);
+                    a1 = _mm512_fmadd_ps(_mm512_loadu_ps(qv[g + 1] + i), k, a1);
+                    a2 = _mm512_fmadd_ps(_mm512_loadu_ps(qv[g + 2] + i), k, a2);
+                    a3 = _mm512_fmadd_ps(_mm512_loadu_ps(qv[g + 3] + i), k, a3);
+                }
+                s[g][j] = _mm512_reduce_add_ps(a0) * scale;
+                s[g + 1][j] = _mm512_reduce_add_ps(a1) * scale;
+                s[g + 2][j] = _mm512_reduce_add_ps(a2) * scale;
+                s[g + 3][j] = _mm512_reduce_add_ps(a3) * scale;
+            }
+#endif
+    for (; g < gn; g++)
+        for (int j = 0; j < n; j++) s[g][j] = dotf(qv[g], kb[j], D) * scale;
+}
+
+/* acc[g] += sum_j s[g][j] v_j for the gn heads over the n value rows of a block (fp32). Four
+ * heads at a time share each load of a value row, 32 outputs of each in registers. */
+static void att_values(float (*s)[ATT_BLOCK], int gn, float (*kb)[512], int n, int Dv,
+                       float (*acc)[512]) {
+    int g = 0;
+#ifdef __AVX512F__
+    if (Dv % 32 == 0)
+        for (; g + 4 <= gn; g += 4)
+            for (int i = 0; i < Dv; i += 32) {
+                __m512 a[4][2];
+                for (int h = 0; h < 4; h++) {
+                    a[h][0] = _mm512_loadu_ps(acc[g + h] + i);
+                    a[h][1] = _mm512_loadu_ps(acc[g + h] + i + 16);
+                }
+                for (int j = 0; j < n; j++) {
+                    __m512 v0 = _mm512_loadu_ps(kb[j] + i), v1 = _mm512_loadu_ps(kb[j] + i + 16);
+                    for (int h = 0; h < 4; h++) {
+                        __m512 pj = _mm512_set1_ps(s[g + h][j]);
+                        a[h][0] = _mm512_fmadd_ps(pj, v0, a[h][0]);
+                        a[h][1] = _mm512_fmadd_ps(pj, v1, a[h][1]);
+                    }
+                }
+                for (int h = 0; h < 4; h++) {
+                    _mm512_storeu_ps(acc[g + h] + i, a[h][0]);
+                    _mm512_storeu_ps(acc[g + h] + i + 16, a[h][1]);
+                }
+            }
+#endif
+    for (; g < gn; g++) {
+        int i = 0;
+#ifdef __AVX512F__
+        for (; i + 64 <= Dv; i += 64) {     /* 64 outputs in registers over the block */
+            __m512 a0 = _mm512_loadu_ps(acc[g] + i), a1 = _mm512_loadu_ps(acc[g] + i + 16);
+            __m512 a2 = _mm512_loadu_ps(acc[g] + i + 32), a3 = _mm512_loadu_ps(acc[g] + i + 48);
+            for (int j = 0; j < n; j++) {
+                __m512 pj = _mm512_set1_ps(s[g][j]);
+                a0 = _mm512_fmadd_ps(pj, _mm512_loadu_ps(kb[j] + i), a0);
+                a1 = _mm512_fmadd_ps(pj, _mm512_loadu_ps(kb[j] + i + 16), a1);
+                a2 = _mm512_fmadd_ps(pj, _mm512_loadu_ps(kb[j] + i + 32), a2);
+                a3 = _mm512_fmadd_ps(pj, _mm512_loadu_ps(kb[j] + i + 48), a3);
+            }
+            _mm512_storeu_ps(acc[g] + i, a0); _mm512_storeu_ps(acc[g] + i + 16, a1);
+            _mm512_storeu_ps(acc[g] + i + 32, a2); _mm512_storeu_ps(acc[g] + i + 48, a3);
+        }
+#endif
+        for (; i < Dv; i++)
+            for (int j = 0; j < n; j++) acc[g][i] += s[g][j] * kb[j][i];
+    }
+}
+
 /* the (token, KV head) items of mf_attn_decode taken by the calling thread: an orphaned
  * worksharing loop, so on one thread it runs outside any parallel region, with no barrier
  * (see qmatmul.c's gemm_ex_body) */
@@ -324,12 +408,19 @@ static void attn_items(int T, const void *q, int A, int Kh, int D, int Dv, float
             }
             int64_t p = pos[t], lo = window > 0 && p - window + 1 > 0 ? p - window + 1 : 0;
             const int64_t sbase = slot[t] * (int64_t)cells;
+            for (int64_t j = lo; j <= p && j < lo + ATT_BLOCK; j++) {
+                prefetch_row(kc + ((sbase + j % cells) * Kh + kh) * krow, krow);
+                prefetch_row(vc + ((sbase + j % cells) * Kh + kh) * vrow, vrow);
+            }
             for (int64_t b0 = lo; b0 <= p; b0 += ATT_BLOCK) {
                 int n = (int)(p + 1 - b0 < ATT_BLOCK ? p + 1 - b0 : ATT_BLOCK);
-                for (int j = 0; j < n; j++)
+                int64_t b1 = b0 + ATT_BLOCK;        /* the next block, fetched while this one runs */
+                int n1 = b1 > p ? 0 : (int)(p + 1 - b1 < ATT_BLOCK ? p + 1 - b1 : ATT_BLOCK);
+                for (int j = 0; j < n; j++) {
+                    if (j < n1) prefetch_row(kc + ((sbase + (b1 + j) % cells) * Kh + kh) * krow, krow);
                     kv_decode(kc + ((sbase + (b0 + j) % cells) * Kh + kh) * krow, D, kcodec, dt, kb[j]);
-                for (int g = 0; g < gn; g++)
-                    for (int j = 0; j < n; j++) s[g][j] = dotf(qv[g], kb[j], D) * scale;
+                }
+                att_scores(qv, gn, kb, n, D, scale, s);
                 for (int g = 0; g < gn; g++) {
                     float mx = m[g];
                     for (int j = 0; j < n; j++) mx = fmaxf(mx, s[g][j]);
@@ -349,28 +440,11 @@ static void attn_items(int T, const void *q, int A, int Kh, int D, int Dv, float
                     if (alpha != 1.f) for (int i = 0; i < Dv; i++) acc[g][i] *= alpha;
                     m[g] = mx;
                 }
-                for (int j = 0; j < n; j++)         /* the V block, in kb (K is done with) */
+                for (int j = 0; j < n; j++) {       /* the V block, in kb (K is done with) */
+                    if (j < n1) prefetch_row(vc + ((sbase + (b1 + j) % cells) * Kh + kh) * vrow, vrow);
                     kv_decode(vc + ((sbase + (b0 + j) % cells) * Kh + kh) * vrow, Dv, vcodec, dt, kb[j]);
-                for (int g = 0; g < gn; g++) {
-                    int i = 0;
-#ifdef __AVX512F__
-                    for (; i + 64 <= Dv; i += 64) {     /* 64 outputs in registers over the block */
-                        __m512 a0 = _mm512_loadu_ps(acc[g] + i), a1 = _mm512_loadu_ps(acc[g] + i + 16);
-                        __m512 a2 = _mm512_loadu_ps(acc[g] + i + 32), a3 = _mm512_loadu_ps(acc[g] + i + 48);
-                        for (int j = 0; j < n; j++) {
-                            __m512 pj = _mm512_set1_ps(s[g][j]);
-                            a0 = _mm512_fmadd_ps(pj, _mm512_loadu_ps(kb[j] + i), a0);
-                            a1 = _mm512_fmadd_ps(pj, _mm512_loadu_ps(kb[j] + i + 16), a1);
-                            a2 = _mm512_fmadd_ps(pj, _mm512_loadu_ps(kb[j] + i + 32), a2);
-                            a3 = _mm512_fmadd_ps(pj, _mm512_loadu_ps(kb[j] + i + 48), a3);
-                        }
-                        _mm512_storeu_ps(acc[g] + i, a0); _mm512_storeu_ps(acc[g] + i + 16, a1);
-                        _mm512_storeu_ps(acc[g] + i + 32, a2); _mm512_storeu_ps(acc[g] + i + 48, a3);
-                    }
-#endif
-                    for (; i < Dv; i++)
-                        for (int j = 0; j < n; j++) acc[g][i] += s[g][j] * kb[j][i];
                 }
+                att_values(s, gn, kb, n, Dv, acc);
             }
             for (int g = 0; g < gn; g++) {
                 int a = kh * G + g0 + g;

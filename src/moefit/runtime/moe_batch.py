@@ -49,12 +49,26 @@ def layer_format(cache, layer: int) -> StoredExpert | None:
 
 
 #: :func:`run_layer` runs a chunk whose experts get at most this many tokens each on
-#: average; larger chunks (prefill) run expert by expert, each matrix dequantized (C,
-#: :func:`moefit.runtime.qmatmul.dequantize`) and multiplied by ``torch.mm`` (oneDNN's
-#: bf16 / AMX kernels), faster from about 8 tokens per expert on the CI machine (Q8_0 and
-#: Q4_K_M experts of a 1024 x 512 model: 4 tokens 1.5-1.9x faster batched, 32 tokens
-#: 0.9-1.6x, 128 tokens 0.4-0.8x).
-MAX_TOKENS_PER_EXPERT = 8
+#: average (the (token, expert) pairs over the layer's experts), by the ggml type of the
+#: expert's matrices (the smallest over gate, up and down); larger chunks (prefill) run
+#: expert by expert, each matrix dequantized (C, :func:`moefit.runtime.qmatmul.dequantize`)
+#: and multiplied by ``torch.mm`` (oneDNN's bf16 kernels). Measured on the CI machine
+#: (AMD EPYC, one thread) with the 1.37B Qwen3-MoE-shaped files of
+#: ``benchmarks/vs_llamacpp.py`` (hidden 1024, 64 experts of width 512, 8 active), one
+#: chunk of 16 .. 256 tokens both ways: the batched kernel is as fast or faster up to
+#: 4-6 tokens per expert for the K-quants (Q4_K_M: 84 against 124 ms at 2 per expert,
+#: 193 / 191 ms at 6, 274 / 218 ms at 9), 20 for Q8_0 (434 / 492 ms at 20, 541 / 494 ms at
+#: 24) and 32 or more for Q4_0 (570 / 650 ms at 32) and BF16 (639 / 644 ms at 32). Types not
+#: measured keep the 8 of the first measurement.
+TOKENS_PER_EXPERT = {"Q2_K": 6, "Q3_K": 6, "Q4_K": 6, "Q5_K": 6, "Q6_K": 6, "IQ4_XS": 6,
+                     "Q8_0": 20, "Q4_0": 32, "BF16": 32, "F16": 32, "F32": 32}
+DEFAULT_TOKENS_PER_EXPERT = 8
+
+
+def max_tokens_per_expert(fmt: StoredExpert) -> int:
+    """Average tokens per expert up to which :func:`run_layer` runs a layer whose experts
+    are stored as ``fmt`` (:data:`TOKENS_PER_EXPERT`, the smallest over its three matrices)."""
+    return min(TOKENS_PER_EXPERT.get(p.qtype, DEFAULT_TOKENS_PER_EXPERT) for p in (fmt.gate, fmt.up, fmt.down))
 
 
 def applies(cache, layer: int, x: torch.Tensor, experts_per_token: int) -> bool:
@@ -62,19 +76,19 @@ def applies(cache, layer: int, x: torch.Tensor, experts_per_token: int) -> bool:
     kernels are built and read ``x``'s dtype (fp32 / bf16: :func:`moefit.runtime.qmatmul.reads`;
     an fp16 model runs expert by expert), ``x`` and every blob the layer may read are CPU memory (misses
     computed on the host: ``--miss-policy cpu``), the kernels read the layer's types and
-    widths, and ``T x experts_per_token`` is at most :data:`MAX_TOKENS_PER_EXPERT` per
+    widths, and ``T x experts_per_token`` is at most :func:`max_tokens_per_expert` per
     expert of the layer."""
     if (cache is None or x.device.type != "cpu" or cache.miss_policy != "cpu" or not qmatmul.reads(x)
             or not qmatmul.available()):
-        return False
-    if x.shape[0] * experts_per_token > MAX_TOKENS_PER_EXPERT * cache.host.experts[layer]:
         return False
     if cache.host.mapped:       # misses gather from the file's pages: expert by expert
         return False
     if any(s.device.type != "cpu" for s in cache.slots.get(layer, [])[:1]):
         return False
     fmt = layer_format(cache, layer)
-    return fmt is not None and all(qmatmul.supports(p.qtype, p.cols) for p in (fmt.gate, fmt.up, fmt.down))
+    if fmt is None or not all(qmatmul.supports(p.qtype, p.cols) for p in (fmt.gate, fmt.up, fmt.down)):
+        return False
+    return x.shape[0] * experts_per_token <= max_tokens_per_expert(fmt) * cache.host.experts[layer]
 
 
 def scratch_bytes(tokens: int, hidden: int, inter: int, act: torch.dtype) -> int:
