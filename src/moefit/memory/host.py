@@ -36,7 +36,7 @@ from moefit.errors import InputError
 from moefit.ingest import checkpoint
 from moefit.ingest.geometry import ModelGeometry
 from moefit.memory import cpu_kernels
-from moefit.memory.staging import (DEQUANT_SCRATCH_BYTES_PER_ELEM, DEQUANT_TILE_ELEMS, FP32, Take,
+from moefit.memory.staging import (DEQUANT_SCRATCH_BYTES_PER_ELEM, DEQUANT_TILE_ELEMS, FP8_TYPE, FP32, Take,
                                    compute_bytes, expert_dequant_bytes, span, take_bytes)
 
 MIB = 1 << 20
@@ -164,29 +164,37 @@ def miss_host_takes(hidden: int, inter: int, top_k: int, chunk: int, c_kernels: 
 
 
 def _layer_types(geom: ModelGeometry, layer) -> tuple[str, str, str]:
+    """The (gate, up, down) types of ``layer``'s experts: the stored ones, block-scaled fp8
+    for an fp8 checkpoint's, else the plain dtype's."""
     types = geom.expert_types.get(layer.index)
     if types:
         return tuple(types)
+    if geom.experts_stored and geom.quant.method == "fp8":
+        return (FP8_TYPE,) * 3
     return (_PLAIN.get(geom.dtype, geom.dtype),) * 3
 
 
 def miss_host_bytes(geom: ModelGeometry, chunk: int,
                     env: Mapping[str, str] = os.environ) -> tuple[int, int]:
     """``(buffer, scratch)`` bytes of the misses of a device step on the host: the buffer of
-    :func:`miss_host_takes` (the largest over the MoE layers; pinned on CUDA, allocated once
-    on ``host_staging``) and, where a layer's misses dequantize in torch, the kernels' fp32
-    scratch beside one tile (:data:`moefit.memory.staging.DEQUANT_SCRATCH_BYTES_PER_ELEM`;
-    none for a type the C kernels dequantize)."""
+    :func:`miss_host_takes` (the largest over the MoE layers and over the two ways a step's
+    misses run: the C kernels for a step of at most 8 tokens per expert where they read the
+    layer, dequantize-then-multiply expert by expert otherwise, as a CPU device chooses,
+    ``moefit.runtime.moe_batch.MAX_TOKENS_PER_EXPERT``; pinned on CUDA, allocated once on
+    ``host_staging``) and, for stored experts, the torch kernels' fp32 scratch beside one
+    tile (:data:`moefit.memory.staging.DEQUANT_SCRATCH_BYTES_PER_ELEM`; none for a type the
+    C kernels dequantize)."""
     act = compute_bytes(geom)
     buf = scratch = 0
     for l in geom.moe_layers:
         m = l.moe
         types = _layer_types(geom, l)
         c = miss_host_c_kernels(types, geom.hidden_size, m.expert_intermediate, geom.dtype, env)
-        takes = miss_host_takes(geom.hidden_size, m.expert_intermediate, m.experts_per_token, chunk,
-                                c, geom.experts_stored)
-        buf = max(buf, span(take_bytes(takes, act)))
-        if not c and geom.experts_stored:
+        for kernels in ((True, False) if c else (False,)):
+            takes = miss_host_takes(geom.hidden_size, m.expert_intermediate, m.experts_per_token, chunk,
+                                    kernels, geom.experts_stored)
+            buf = max(buf, span(take_bytes(takes, act)))
+        if geom.experts_stored:
             direct = cpu_kernels.expected("cpu", env) and geom.dtype in _C_ACT
             tile = min(m.expert_intermediate * geom.hidden_size, DEQUANT_TILE_ELEMS)
             worst = max(DEQUANT_SCRATCH_BYTES_PER_ELEM.values())

@@ -37,8 +37,9 @@ device the C kernels cannot read (docs/design.md, runtime contract):
    asynchronous; nothing waits on the device per expert.
 4. **Misses on the host while the device works.** After the hit work is enqueued, the host
    waits for the event of step 2 only (the copies, not the hit products), runs the misses
-   with the C kernels (``qmatmul.moe`` on the host blobs, as :mod:`moefit.runtime.moe_batch`
-   does on a CPU device) or, where they do not apply, in torch expert by expert
+   as a CPU device runs its experts: a decode-sized step with the C kernels (``qmatmul.moe``
+   on the host blobs, as :mod:`moefit.runtime.moe_batch` does), a prefill chunk (or where the
+   kernels do not apply) dequantized and multiplied expert by expert
    (:meth:`~moefit.runtime.experts.ExpertCache.apply`), then copies the fp32 result back
    (asynchronous from pinned memory) and adds it. The host buffer is reused by the next
    layer only after that layer's host read, which the stream orders after this copy.
@@ -76,7 +77,7 @@ from moefit.memory.host import device_expert_path, miss_host_takes
 from moefit.memory.staging import DEQUANT_TILE_ELEMS, span
 from moefit.runtime import qmatmul
 from moefit.runtime.loader import split_blob
-from moefit.runtime.moe_batch import layer_format
+from moefit.runtime.moe_batch import MAX_TOKENS_PER_EXPERT, layer_format
 from moefit.runtime.quant import FP8, StoredExpert, dequantize
 
 #: a layer's hit groups run as padded ``torch.bmm`` when no expert gets more tokens than
@@ -354,13 +355,17 @@ def _to_host(host_ws, cache, layer, x, tok, wsel, k) -> dict:
     """Start copying the step's rows ``[T, H]`` and its sorted pairs' tokens and weights
     into the host buffer (asynchronous from pinned memory on CUDA) and mark the stream
     after them. The misses run through the C kernels when they read the layer's blobs and
-    ``x``'s dtype (:func:`moefit.memory.host.miss_host_c_kernels` prices the same choice).
+    ``x``'s dtype and the step gives the experts at most
+    :data:`~moefit.runtime.moe_batch.MAX_TOKENS_PER_EXPERT` tokens each on average (a CPU
+    device's choice, measured there), else dequantized and multiplied expert by expert
+    (:func:`moefit.memory.host.miss_host_bytes` prices both).
     Returns what :func:`_run_misses` needs."""
     t, h = x.shape
     p = tok.numel()
     inter = cache.host.inter[layer]
     lay = layer_format(cache, layer)
-    c_kernels = (lay is not None and qmatmul.available() and qmatmul.reads(x)
+    c_kernels = (lay is not None and p <= MAX_TOKENS_PER_EXPERT * cache.host.experts[layer]
+                 and qmatmul.available() and qmatmul.reads(x)
                  and all(qmatmul.supports(q.qtype, q.cols) for q in (lay.gate, lay.up, lay.down)))
     stored = cache.host.formats.get(layer) is not None
     host_ws.begin_chunk()
