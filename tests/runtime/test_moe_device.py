@@ -320,3 +320,27 @@ def test_gguf_q8_0_experts_match_transformers(tiny_models, tmp_path, device_path
     m = GGUFModel(tiny_models[("olmoe", "per_expert")], tmp_path / "q8.gguf", expert_types="Q8_0")
     check(m.start(chunk=7, expert_cache=3, miss_policy="cpu"), m, steps=8)
     assert device_path.layers and device_path.padded
+
+
+def test_experts_on_another_device_run_there_with_the_tokens_of_one(tiny_models, tmp_path, device_path,
+                                                                     monkeypatch):
+    """An expert split over two simulated devices: the device path runs the experts in the
+    second device's slots there (its workspace), the rest batched; the same greedy tokens
+    and hit / miss counts as one device holding as many slots."""
+    from test_gguf_runtime import GGUFModel
+    from test_several_devices_run import REQ, devices_for, run
+
+    m = GGUFModel(tiny_models[("qwen3_moe", "per_expert")], tmp_path / "q.gguf", expert_types="Q8_0")
+    plan = solve(m.geom, devices_for(m.geom, 2), Request(**REQ, split="experts"))
+    assert plan.fits and plan.devices[1].expert_slots > 0
+    from moefit.runtime.experts import ExpertCache
+
+    remote, real = [], ExpertCache.run_on
+    monkeypatch.setattr(ExpertCache, "run_on", lambda self, k, *a: remote.append(k) or real(self, k, *a))
+    engine, tokens, _ = run(m.path, plan)
+    assert remote and set(remote) == {1}
+    one = solve(m.geom, sim_device(64 * MIB), Request(**REQ, expert_cache=plan.expert_slots))
+    engine1, tokens1, _ = run(m.path, one)
+    assert tokens == tokens1 and device_path.layers
+    s2, s1 = engine.expert_stats(), engine1.expert_stats()
+    assert (s2["hits"], s2["misses"]) == (s1["hits"], s1["misses"]) and s2["misses"]
