@@ -21,7 +21,9 @@ device the C kernels cannot read (docs/design.md, runtime contract):
    logits and the dense matrices use it at other times): each part's quantized bytes of
    the group are gathered into one buffer and dequantized by one call of
    :func:`moefit.runtime.quant.dequantize` (its kernels take any number of blocks: a
-   leading batch of experts is just more blocks), or, when the region holds the matrices
+   leading batch of experts is just more blocks; its tiles stay at most one matrix, the
+   kernels' scratch the plan prices, so the torch kernels still run once per matrix and
+   what the group saves is the calls, the gathers and the products), or, when the region holds the matrices
    but not also their bytes (or for block-scaled fp8, whose scales are per matrix), each
    expert's part straight from its blob. ``G`` is what the region holds
    (:func:`group_size`), so the plan needs no new term. Then, when no expert of the layer
@@ -127,9 +129,10 @@ def _dequant_group(fmt_part, blobs: list[torch.Tensor], buf: torch.Tensor, raw: 
         for j, b in enumerate(blobs):
             fmt_part.dequantize_into(b, out[j])
         return out
-    n = fmt_part.nbytes
-    for j, b in enumerate(blobs):
-        raw[j * n:(j + 1) * n].copy_(b[fmt_part.offset:fmt_part.offset + n], non_blocking=True)
+    n, off = fmt_part.nbytes, fmt_part.offset
+    # one multi-tensor copy (a single launch on CUDA) gathers the group's bytes of this part
+    torch._foreach_copy_([raw[j * n:(j + 1) * n] for j in range(g)], [b[off:off + n] for b in blobs],
+                         non_blocking=True)
     return dequantize(raw[:g * n], fmt_part.qtype, (g, rows, cols), out=out,
                       tile_elems=min(rows * cols, DEQUANT_TILE_ELEMS))
 
