@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import MIB, make_tiny, plan_for, sim_device
+from conftest import MIB, plan_for, sim_device
 from moefit.errors import InputError
 from moefit.memory.cpu_kernels import DISABLE_ENV
 from moefit.memory.host import EXPERT_PATH_ENV, device_expert_path, miss_host_bytes

@@ -92,12 +92,13 @@ def applies(cache, layer: int, x: torch.Tensor, clamped: bool = False) -> bool:
     """Whether :func:`run_layer` runs ``layer`` for activations ``x``: an expert cache with
     misses computed on the host (``--miss-policy cpu``, blobs in host memory, not mapped),
     a plain SwiGLU (``clamped``: gpt-oss's is not), and ``x`` on a device that is not CPU
-    memory, or a CPU device forced onto this path (:func:`moefit.memory.host.device_expert_path`)."""
+    memory, or a CPU device forced onto this path (:func:`moefit.memory.host.device_expert_path`).
+    Every blob layout runs (stored formats dequantize in torch, plain blobs of any float
+    dtype multiply as they are), so ``layer`` (as the other paths' ``applies`` take it) does
+    not decide."""
     if cache is None or clamped or cache.miss_policy != "cpu" or cache.host.mapped:
         return False
-    if not device_expert_path(x.device.type):
-        return False
-    return layer_format(cache, layer) is not None or cache.host.formats.get(layer) is None
+    return device_expert_path(x.device.type)
 
 
 def group_size(room: int, fmt: StoredExpert, act: torch.dtype) -> tuple[int, bool]:
@@ -380,7 +381,7 @@ def _to_host(host_ws, cache, layer, x, tok, wsel, k) -> dict:
     tokh = bufs[2].copy_(tok, non_blocking=True)
     wh = bufs[3].copy_(wsel, non_blocking=True)
     return dict(xh=xh, res=bufs[1].view(t, h), tokh=tokh, wh=wh, tok_m=bufs[4], w_m=bufs[5],
-                rest=bufs[6:], c=c_kernels, fmt=lay, fence=_Fence(x.device), ws=host_ws, p=p)
+                rest=bufs[6:], c=c_kernels, fmt=lay, fence=_Fence(x.device), ws=host_ws)
 
 
 def _run_misses(host, cache, layer, misses, edges, acc, ws) -> None:
