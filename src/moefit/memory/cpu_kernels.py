@@ -65,3 +65,34 @@ def expected(device_kind: str, env: Mapping[str, str] = os.environ) -> bool:
     """Whether stored tensors on a device of ``device_kind`` (``cpu`` / ``cuda``) run
     through the C kernels: only on the CPU, and only when :func:`unexpected_reason` is None."""
     return device_kind == "cpu" and unexpected_reason(env) is None
+
+
+# ---- the kernels' scratch (``qmatmul.c``), priced by the planner and taken by the runtime ----
+def qact_bytes(k: int) -> int:
+    """Scratch bytes of one quantized activation of ``k`` values (``qmatmul.c``
+    ``qact_bytes``): two forms, each ``k`` int8 and ``k/16`` int16 sums, with ``k/32``
+    fp32 scales and ``k/32`` fp32 scaled block sums (the K-quant form: ``k/256`` scales),
+    and the first form's int8 again in the order of 4-bit blocks' nibbles."""
+    return 3 * k + k // 32 * 8 + k // 16 * 4 + k // 256 * 4
+
+
+def gemm_scratch_bytes(n: int, k: int) -> int:
+    """Scratch of ``moefit.runtime.qmatmul.gemm`` for ``n`` rows of ``k`` values: fp32 copies and their
+    quantized form."""
+    return n * (4 * k + qact_bytes(k))
+
+
+def moe_scratch_bytes(tokens: int, hidden: int, inter: int, pairs: int | None = None) -> int:
+    """Scratch of ``moefit.runtime.qmatmul.moe`` for ``tokens`` token rows run ``pairs`` (token, expert) pairs
+    at a time (default: ``tokens``): the rows converted to fp32 and quantized once
+    (``[T, H]`` fp32 + quantized), then per pair the gate/up outputs ``[2I]`` fp32, the
+    SwiGLU product ``[I]`` fp32 and its quantized form, and the down output ``[H]`` fp32."""
+    pairs = tokens if pairs is None else pairs
+    return tokens * (4 * hidden + qact_bytes(hidden)) + pairs * pair_bytes(hidden, inter)
+
+
+def pair_bytes(hidden: int, inter: int) -> int:
+    """Scratch of ``moefit.runtime.qmatmul.moe`` per (token, expert) pair run at once: the gate/up outputs
+    ``[2I]`` fp32, the SwiGLU product ``[I]`` fp32 and its quantized form, the down output
+    ``[H]`` fp32."""
+    return 12 * inter + qact_bytes(inter) + 4 * hidden

@@ -28,10 +28,16 @@ Imports no torch.
 
 from __future__ import annotations
 
+import math
+import os
+from collections.abc import Mapping
+
+from moefit.errors import InputError
 from moefit.ingest import checkpoint
 from moefit.ingest.geometry import ModelGeometry
 from moefit.memory import cpu_kernels
-from moefit.memory.staging import FP32, compute_bytes, expert_dequant_bytes
+from moefit.memory.staging import (DEQUANT_SCRATCH_BYTES_PER_ELEM, DEQUANT_TILE_ELEMS, FP8_TYPE, FP32, Take,
+                                   compute_bytes, expert_dequant_bytes, span, take_bytes)
 
 MIB = 1 << 20
 GIB = 1 << 30
@@ -100,6 +106,104 @@ def load_staging_bytes(geom: ModelGeometry) -> int:
     return checkpoint.load_staging(geom, listing)
 
 
+#: ``MOEFIT_EXPERT_PATH=device``: a CPU (simulated) device runs its MoE layers through the
+#: device expert path a CUDA device runs (``moefit.runtime.moe_device``: batched products in
+#: torch, misses computed on the host while the device works), so tests exercise that code
+#: without a GPU; the plan then prices its host buffer as on CUDA. Unset (or ``auto``): only
+#: CUDA devices take it.
+EXPERT_PATH_ENV = "MOEFIT_EXPERT_PATH"
+#: (token, expert) pairs the C kernels run at once for the misses of one device step
+#: (``qmatmul.moe``'s pair chunk: their scratch is this many pairs, not a pair per token)
+HOST_MISS_PAIRS = 64
+#: torch dtype names of the compute dtypes the C kernels are given (``qmatmul.ACT_DTYPES``)
+_C_ACT = ("float32", "bfloat16")
+_PLAIN = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
+
+
+def device_expert_path(main_kind: str, env: Mapping[str, str] = os.environ) -> bool:
+    """Whether the MoE layers of a main device of ``main_kind`` run the device expert path:
+    always on CUDA, on a CPU device when :data:`EXPERT_PATH_ENV` is ``device``.
+
+    Raises InputError for another value of the variable."""
+    value = env.get(EXPERT_PATH_ENV, "")
+    if value not in ("", "auto", "device"):
+        raise InputError(f"{EXPERT_PATH_ENV}={value!r}: use device (the CUDA expert path on a CPU "
+                         "device too), or auto / unset")
+    return main_kind == "cuda" or value == "device"
+
+
+def miss_host_c_kernels(types: tuple[str, str, str], hidden: int, inter: int, dtype: str,
+                        env: Mapping[str, str] = os.environ) -> bool:
+    """Whether the misses of a device step run on the host through the C kernels
+    (``qmatmul.moe``) for experts of (gate, up, down) ggml ``types`` ``[I, H]``, ``[I, H]``,
+    ``[H, I]`` in a model computing in ``dtype``: the kernels are expected on the CPU, read
+    that dtype's activations and those types at those widths (``moefit.runtime.moe_device``
+    asks the same of the built kernels); else they run in torch, expert by expert."""
+    cols = (hidden, hidden, inter)
+    return (cpu_kernels.expected("cpu", env) and dtype in _C_ACT
+            and all(cpu_kernels.supports(t, c) for t, c in zip(types, cols)))
+
+
+def miss_host_takes(hidden: int, inter: int, top_k: int, chunk: int, c_kernels: bool,
+                    stored: bool) -> list[Take]:
+    """The host buffer of a device step's misses (``moefit.runtime.moe_device`` takes it by
+    this list, in order) for a chunk of ``chunk`` tokens of ``top_k`` experts each: the
+    step's rows copied from the device ``[T, H]``, the fp32 result copied back ``[T, H]``,
+    the sorted pairs' tokens (int64) and routing weights (fp32) ``[T k]`` and those of the
+    misses gathered ``[T k]``; then the compute: the C kernels' scratch for the ``T`` rows
+    and :data:`HOST_MISS_PAIRS` pairs at a time (``qmatmul.moe_scratch_bytes``), or the
+    torch path's buffers for one expert on up to every token (input rows, gate/up output,
+    output and its fp32 copy, and for a ``stored`` format one dequantized matrix)."""
+    t, p = chunk, chunk * top_k
+    takes: list[Take] = [(t * hidden, "act"), (t * hidden, "f32"), (p, "i64"), (p, "f32"),
+                         (p, "i64"), (p, "f32")]
+    if c_kernels:
+        return takes + [(cpu_kernels.moe_scratch_bytes(t, hidden, inter, HOST_MISS_PAIRS), "u8")]
+    takes += [(t * hidden, "act"), (t * 2 * inter, "act"), (t * hidden, "act"), (t * hidden, "f32")]
+    return takes + ([(inter * hidden, "act")] if stored else [])
+
+
+def _layer_types(geom: ModelGeometry, layer) -> tuple[str, str, str]:
+    """The (gate, up, down) types of ``layer``'s experts: the stored ones, block-scaled fp8
+    for an fp8 checkpoint's, else the plain dtype's."""
+    types = geom.expert_types.get(layer.index)
+    if types:
+        return tuple(types)
+    if geom.experts_stored and geom.quant.method == "fp8":
+        return (FP8_TYPE,) * 3
+    return (_PLAIN.get(geom.dtype, geom.dtype),) * 3
+
+
+def miss_host_bytes(geom: ModelGeometry, chunk: int,
+                    env: Mapping[str, str] = os.environ) -> tuple[int, int]:
+    """``(buffer, scratch)`` bytes of the misses of a device step on the host: the buffer of
+    :func:`miss_host_takes` (the largest over the MoE layers and over the two ways a step's
+    misses run: the C kernels for a step of few tokens per expert where they read the
+    layer, dequantize-then-multiply expert by expert otherwise, as a CPU device chooses,
+    ``moefit.runtime.moe_batch.max_tokens_per_expert``; pinned on CUDA, allocated once on
+    ``host_staging``) and, for stored experts, the torch kernels' fp32 scratch beside one
+    tile (:data:`moefit.memory.staging.DEQUANT_SCRATCH_BYTES_PER_ELEM`; none for a type the
+    C kernels dequantize)."""
+    act = compute_bytes(geom)
+    buf = scratch = 0
+    for l in geom.moe_layers:
+        m = l.moe
+        types = _layer_types(geom, l)
+        c = miss_host_c_kernels(types, geom.hidden_size, m.expert_intermediate, geom.dtype, env)
+        for kernels in ((True, False) if c else (False,)):
+            takes = miss_host_takes(geom.hidden_size, m.expert_intermediate, m.experts_per_token, chunk,
+                                    kernels, geom.experts_stored)
+            buf = max(buf, span(take_bytes(takes, act)))
+        if geom.experts_stored:
+            direct = cpu_kernels.expected("cpu", env) and geom.dtype in _C_ACT
+            tile = min(m.expert_intermediate * geom.hidden_size, DEQUANT_TILE_ELEMS)
+            worst = max(DEQUANT_SCRATCH_BYTES_PER_ELEM.values())
+            per = max(0.0 if direct and cpu_kernels.supports(t, cpu_kernels.row_block(t))
+                      else DEQUANT_SCRATCH_BYTES_PER_ELEM.get(t, worst) for t in types)
+            scratch = max(scratch, math.ceil(tile * per))
+    return buf, scratch
+
+
 def serving_staging_bytes(geom: ModelGeometry, chunk: int, slots: int, main_kind: str,
                           miss_policy: str, mapped: bool, slot_bytes: int) -> int:
     """Host bytes one step holds beside the lines, for a chunk of ``chunk`` tokens.
@@ -108,7 +212,10 @@ def serving_staging_bytes(geom: ModelGeometry, chunk: int, slots: int, main_kind
       (``moefit.runtime.engine.Engine.step``);
     - a GGUF token embedding kept on the host (:func:`embed_on_host`): the chunk's rows
       as stored, and on CUDA their dequantized values before the copy to the device;
-    - on CUDA with ``--miss-policy cpu``: a miss computed on the host for up to every
+    - on CUDA with ``--miss-policy cpu`` (and on a CPU device forced onto the device expert
+      path, :func:`device_expert_path`): the host buffer of the misses of a step
+      (:func:`miss_host_bytes`); with ``--host-experts mmap`` (which the device path does not
+      run: its misses go expert by expert) a miss computed on the host for up to every
       token of the chunk: its input, gate/up output, activation and output
       (``(2 H + 4 I) x chunk`` in the compute dtype) and, for a stored format, one
       dequantized matrix and its kernel's scratch (:func:`moefit.memory.staging.expert_dequant_bytes`);
@@ -122,7 +229,9 @@ def serving_staging_bytes(geom: ModelGeometry, chunk: int, slots: int, main_kind
         out += chunk * geom.exact.embed_row_bytes
         if main_kind == "cuda":
             out += chunk * geom.hidden_size * act
-    if main_kind == "cuda" and miss_policy == "cpu" and geom.moe_layers:
+    if device_expert_path(main_kind) and miss_policy == "cpu" and geom.moe_layers and not mapped:
+        out += sum(miss_host_bytes(geom, chunk))
+    elif main_kind == "cuda" and miss_policy == "cpu" and geom.moe_layers:
         inter = max(l.moe.expert_intermediate for l in geom.moe_layers)
         out += chunk * (2 * geom.hidden_size + 4 * inter) * act
         if geom.experts_stored:

@@ -52,6 +52,7 @@ from moefit.devices import Device
 from moefit.errors import InputError
 from moefit.ingest.inputs import is_gguf_file, read_routing_profile
 from moefit.memory import cpu_kernels
+from moefit.memory.host import device_expert_path, miss_host_bytes
 from moefit.memory.staging import ATTN_KV_BLOCK, ATTN_Q_BLOCK, expert_fixed_region_bytes
 from moefit.memory.weights import stored_matrices
 from moefit.plan.solver import Plan
@@ -242,7 +243,8 @@ class Engine:
                                 req.rope_scaling, req.rope_scale, req.yarn_orig_ctx)
         model = Model(geom, arch, weights, kv, experts, Rotary(rope, dev), ws,
                       q_block=opts.q_block, kv_block=opts.kv_block,
-                      fixed_bytes=plan.fixed_region_bytes(opts.q_block, opts.kv_block))
+                      fixed_bytes=plan.fixed_region_bytes(opts.q_block, opts.kv_block),
+                      chunk=plan.prefill_selected)
         say("READY")
         return cls(plan, ledger, model, chunk, notes, ledgers, host)
 
@@ -448,9 +450,11 @@ def _commit_host_buffers(host: HostLedger, weights, experts: ExpertCache | None,
     """The host buffers serving uses, on ``host_staging``: the logits of a step's sequences
     (``[slots, V]`` fp32: each step returns them as a new host tensor, so the line is charged,
     not allocated), the rows a GGUF token embedding kept on the host is looked up into (and
-    their dequantized values on CUDA), the buffer a mapped expert is gathered into
-    (:func:`moefit.memory.host.serving_staging_bytes` prices the same, and on CUDA the host
-    side of misses computed there, which torch allocates as they run)."""
+    their dequantized values on CUDA), the buffer a mapped expert is gathered into, or the
+    host buffer of the device expert path's misses (:mod:`moefit.runtime.moe_device`)
+    (:func:`moefit.memory.host.serving_staging_bytes` prices the same, and on CUDA with
+    ``--host-experts mmap`` the host side of the misses computed there, expert by expert,
+    which torch allocates as they run)."""
     chunk = plan.prefill_selected
     host.charge("host_staging", plan.request.slots * plan.geometry.vocab_size * 4)
     emb = weights.embed
@@ -461,6 +465,13 @@ def _commit_host_buffers(host: HostLedger, weights, experts: ExpertCache | None,
     if experts is not None and experts.host.mapped:
         he = experts.host
         experts.host.gather_buf = host.alloc("host_staging", (max(he.elems.values()),), he.dtype)
+    elif (experts is not None and plan.request.miss_policy == "cpu"
+          and device_expert_path(plan.devices[0].device.kind)):
+        # the misses of the device expert path: one host buffer (pinned on CUDA), and the
+        # torch kernels' tile scratch beside it where they dequantize (charged)
+        nbytes, scratch = miss_host_bytes(plan.geometry, chunk)
+        experts.host_ws = Workspace(host.alloc("host_staging", (nbytes,), torch.uint8), host, "host_staging")
+        host.charge("host_staging", scratch)
 
 
 def _shrink_to_margin(ledger: Ledger, experts: ExpertCache, say) -> None:

@@ -105,6 +105,9 @@ class ExpertCache:
         #: bumped whenever an expert moves in or out of a slot (readers cache slot addresses)
         self.version = 0
         self.ws = None   # staging workspace for dequantizing stored experts on the device
+        #: the host buffer's workspace of the device expert path's misses (the engine sets it;
+        #: :func:`moefit.memory.host.miss_host_bytes`)
+        self.host_ws = None
         self.slot_device = slot_device or {l: [0] * len(t) for l, t in slots.items()}
         self.workspaces = workspaces or [None]
         self.pieces = pieces or [0]
@@ -145,6 +148,24 @@ class ExpertCache:
         """Slots of ``layer`` on device ``device``."""
         return sum(1 for k in self.slot_device.get(layer, []) if k == device)
 
+    def lookup(self, layer: int, experts) -> list[int | None]:
+        """Where each of ``experts`` (the layer's experts used by one call, each once, in
+        the order they run) lives: its slot index, or None for a miss. Counts a hit or a
+        miss for each and refreshes the LRU order of the hits, as :meth:`run` does one
+        expert at a time (the batched paths, :mod:`moefit.runtime.moe_batch` and
+        :mod:`moefit.runtime.moe_device`, count through here)."""
+        res, st = self.resident[layer], self.stats[layer]
+        out: list[int | None] = []
+        for e in experts:
+            s = res.get(e)
+            if s is None:
+                st.misses += 1
+            else:
+                st.hits += 1
+                res.move_to_end(e)
+            out.append(s)
+        return out
+
     def run(self, layer: int, expert: int, x: torch.Tensor, scratch: torch.Tensor | None = None,
             out: torch.Tensor | None = None) -> torch.Tensor:
         """Expert ``expert`` of ``layer`` on ``x`` ``[n, H]`` (device) -> ``[n, H]`` (device).
@@ -160,19 +181,19 @@ class ExpertCache:
             s = res[expert]
             k = self.slot_device[layer][s]
             if k:
-                return self._run_on(k, layer, x, self.slots[layer][s], out)
-            return self._apply(layer, x, self.slots[layer][s], self.ws, scratch, out)
+                return self.run_on(k, layer, x, self.slots[layer][s], out)
+            return self.apply(layer, x, self.slots[layer][s], self.ws, scratch, out)
         st.misses += 1
         blob = self.host.blob(layer, expert)
         if self.miss_policy == "cpu":
             if blob.device == x.device:    # a simulated device: host and device are one
-                return self._apply(layer, x, blob, self.ws, scratch, out)
-            y = self._apply(layer, x.to(blob.device), blob, None)
+                return self.apply(layer, x, blob, self.ws, scratch, out)
+            y = self.apply(layer, x.to(blob.device), blob, None)
             return out.copy_(y) if out is not None else y.to(x.device)
         buf = self.arena[self.arena_next][:blob.numel()]
         self.arena_next = (self.arena_next + 1) % len(self.arena)
         buf.copy_(blob, non_blocking=True)
-        y = self._apply(layer, x, buf, self.ws, scratch, out)
+        y = self.apply(layer, x, buf, self.ws, scratch, out)
         if self.slots.get(layer):
             self.version += 1
             victim, s = res.popitem(last=False)
@@ -180,7 +201,7 @@ class ExpertCache:
             res[expert] = s
         return y
 
-    def _run_on(self, k: int, layer: int, x: torch.Tensor, slot: torch.Tensor,
+    def run_on(self, k: int, layer: int, x: torch.Tensor, slot: torch.Tensor,
                 out: torch.Tensor | None) -> torch.Tensor:
         """The expert in ``slot`` of device ``k`` on ``x`` ``[n, H]``: the rows go to that
         device's workspace in pieces of at most ``pieces[k]`` tokens, the result comes back
@@ -195,10 +216,10 @@ class ExpertCache:
                 xk = ws.take((m, h), x.dtype).copy_(x[a:a + m])
                 gu = ws.take((m * wide,), x.dtype)
                 yk = ws.take((m, h), x.dtype)
-                out[a:a + m].copy_(self._apply(layer, xk, slot, ws, gu, yk))
+                out[a:a + m].copy_(self.apply(layer, xk, slot, ws, gu, yk))
         return out
 
-    def _apply(self, layer: int, x: torch.Tensor, blob: torch.Tensor, ws, scratch=None,
+    def apply(self, layer: int, x: torch.Tensor, blob: torch.Tensor, ws, scratch=None,
                out=None) -> torch.Tensor:
         """The expert in ``blob`` on ``x``: a stored format dequantizes (into ``ws`` on the
         device), a plain blob is viewed as its matrices."""

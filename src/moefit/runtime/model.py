@@ -49,7 +49,7 @@ from moefit.runtime.arch import Arch
 from moefit.runtime.attention import attend
 from moefit.runtime.deltanet import gated_deltanet
 from moefit.runtime.experts import ExpertCache
-from moefit.runtime import decode_step, moe_batch
+from moefit.runtime import decode_step, moe_batch, moe_device
 from moefit.runtime.kv_cache import KVCache
 from moefit.runtime.quant import Fp8Matrix, StoredMatrix
 from moefit.runtime.loader import LayerWeights, Weights
@@ -76,6 +76,9 @@ class Model:
     fixed_bytes: int = 0
     #: the prepared lean decode step (:mod:`moefit.runtime.decode_step`), made on first use
     lean: object = None
+    #: the plan's prefill chunk (tokens): the rows the workspace holds for every step, which
+    #: the device expert path's group buffers may take (:mod:`moefit.runtime.moe_device`)
+    chunk: int = 0
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, out: torch.Tensor,
@@ -311,7 +314,9 @@ def _moe(mdl: Model, l: LayerSpec, lw: LayerWeights, x: torch.Tensor, out: torch
 
     Dispatch: the ``T x k`` (token, expert) pairs are sorted by expert (a stable sort, so
     each expert sees its tokens in order), then each routed expert runs once on its
-    tokens. The buffers an expert runs in (its input rows, the gate/up output, the output
+    tokens: on a device that is not CPU memory (CUDA) batched in torch
+    (:mod:`moefit.runtime.moe_device`), on a CPU device in one C call
+    (:mod:`moefit.runtime.moe_batch`) where the kernels apply, else expert by expert. The buffers an expert runs in (its input rows, the gate/up output, the output
     and its fp32 copy) are taken for ``T`` rows, the most any expert can get, so the
     staging is the same whatever the routing: what the planner prices.
     """
@@ -332,7 +337,13 @@ def _moe(mdl: Model, l: LayerSpec, lw: LayerWeights, x: torch.Tensor, out: torch
                 route_topk_softmax(logits, k, ws, w, ids)
             else:
                 route(logits, k, mdl.arch.renormalize, ws, w, ids)
-        if mdl.arch.clamped_swiglu is None and moe_batch.applies(mdl.experts, l.index, x, k):
+        if moe_device.applies(mdl.experts, l.index, x, mdl.arch.clamped_swiglu is not None):
+            acc = ws.take((t, h), f32, zero=True)
+            wa = w if act == f32 else ws.take((t, k), act).copy_(w)        # cast after fp32 routing
+            moe_device.run_layer(mdl.experts, l.index, x, ids, wa, acc, ws, max(mdl.chunk, t),
+                                 mdl.experts.host_ws)
+            out.copy_(acc)
+        elif mdl.arch.clamped_swiglu is None and moe_batch.applies(mdl.experts, l.index, x, k):
             acc = ws.take((t, h), f32, zero=True)
             scratch = ws.take((moe_batch.scratch_bytes(t, h, m.expert_intermediate, act),), torch.uint8)
             wq = w if act == f32 else ws.take((t, k), act).copy_(w).float()   # rounded as combined

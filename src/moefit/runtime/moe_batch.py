@@ -26,6 +26,7 @@ import functools
 
 import torch
 
+from moefit.memory.host import device_expert_path
 from moefit.runtime import qmatmul
 from moefit.runtime.quant import StoredExpert
 
@@ -74,12 +75,13 @@ def max_tokens_per_expert(fmt: StoredExpert) -> int:
 def applies(cache, layer: int, x: torch.Tensor, experts_per_token: int) -> bool:
     """Whether :func:`run_layer` runs ``layer`` for activations ``x`` ``[T, H]``: the C
     kernels are built and read ``x``'s dtype (fp32 / bf16: :func:`moefit.runtime.qmatmul.reads`;
-    an fp16 model runs expert by expert), ``x`` and every blob the layer may read are CPU memory (misses
+    an fp16 model runs expert by expert), the device expert path is not forced
+    (:data:`moefit.memory.host.EXPERT_PATH_ENV`), ``x`` and every blob the layer may read are CPU memory (misses
     computed on the host: ``--miss-policy cpu``), the kernels read the layer's types and
     widths, and ``T x experts_per_token`` is at most :func:`max_tokens_per_expert` per
     expert of the layer."""
     if (cache is None or x.device.type != "cpu" or cache.miss_policy != "cpu" or not qmatmul.reads(x)
-            or not qmatmul.available()):
+            or device_expert_path(x.device.type) or not qmatmul.available()):
         return False
     if cache.host.mapped:       # misses gather from the file's pages: expert by expert
         return False
@@ -119,18 +121,9 @@ def run_layer(cache, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: to
     by_expert, order = torch.sort(flat, stable=True)
     used, counts = torch.unique_consecutive(by_expert, return_counts=True)
     used_l = used.tolist()                                       # the one host read
-    res, st = cache.resident[layer], cache.stats[layer]
     slots = cache.slots.get(layer, [])
-    ptrs = []
-    for e in used_l:
-        s = res.get(e)
-        if s is not None:
-            st.hits += 1
-            res.move_to_end(e)
-            ptrs.append(slots[s].data_ptr())
-        else:
-            st.misses += 1
-            ptrs.append(cache.host.blob(layer, e).data_ptr())
+    ptrs = [slots[s].data_ptr() if s is not None else cache.host.blob(layer, e).data_ptr()
+            for e, s in zip(used_l, cache.lookup(layer, used_l))]
     bounds = torch.zeros(len(used_l) + 1, dtype=torch.int64)
     torch.cumsum(counts, 0, out=bounds[1:])
     tok = torch.div(order, k, rounding_mode="floor")

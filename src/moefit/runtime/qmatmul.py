@@ -61,7 +61,8 @@ from pathlib import Path
 import torch
 
 from moefit.memory import cpu_kernels
-from moefit.memory.cpu_kernels import CTYPES
+# the scratch formulas live with the planner (it prices them); re-exported for the callers here
+from moefit.memory.cpu_kernels import CTYPES, gemm_scratch_bytes, moe_scratch_bytes, pair_bytes, qact_bytes  # noqa: F401
 
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
 #: the library's sources: these products, and the lean decode step's operations
@@ -186,36 +187,6 @@ def supports(qtype: str, cols: int) -> bool:
     """Whether the kernels multiply rows of ``cols`` values of ggml type ``qtype``
     (:func:`moefit.memory.cpu_kernels.supports`)."""
     return cpu_kernels.supports(qtype, cols)
-
-
-def qact_bytes(k: int) -> int:
-    """Scratch bytes of one quantized activation of ``k`` values (``qmatmul.c``
-    ``qact_bytes``): two forms, each ``k`` int8 and ``k/16`` int16 sums, with ``k/32``
-    fp32 scales and ``k/32`` fp32 scaled block sums (the K-quant form: ``k/256`` scales),
-    and the first form's int8 again in the order of 4-bit blocks' nibbles."""
-    return 3 * k + k // 32 * 8 + k // 16 * 4 + k // 256 * 4
-
-
-def gemm_scratch_bytes(n: int, k: int) -> int:
-    """Scratch of :func:`gemm` for ``n`` rows of ``k`` values: fp32 copies and their
-    quantized form."""
-    return n * (4 * k + qact_bytes(k))
-
-
-def moe_scratch_bytes(tokens: int, hidden: int, inter: int, pairs: int | None = None) -> int:
-    """Scratch of :func:`moe` for ``tokens`` token rows run ``pairs`` (token, expert) pairs
-    at a time (default: ``tokens``): the rows converted to fp32 and quantized once
-    (``[T, H]`` fp32 + quantized), then per pair the gate/up outputs ``[2I]`` fp32, the
-    SwiGLU product ``[I]`` fp32 and its quantized form, and the down output ``[H]`` fp32."""
-    pairs = tokens if pairs is None else pairs
-    return tokens * (4 * hidden + qact_bytes(hidden)) + pairs * pair_bytes(hidden, inter)
-
-
-def pair_bytes(hidden: int, inter: int) -> int:
-    """Scratch of :func:`moe` per (token, expert) pair run at once: the gate/up outputs
-    ``[2I]`` fp32, the SwiGLU product ``[I]`` fp32 and its quantized form, the down output
-    ``[H]`` fp32."""
-    return 12 * inter + qact_bytes(inter) + 4 * hidden
 
 
 def _threads(threads: int | None) -> int:
