@@ -30,6 +30,7 @@ from moefit.runtime import decode_step, moe_batch, moe_device, qmatmul
 from moefit.runtime.engine import Engine, EngineOptions
 from moefit.runtime.moe_device import _Hits, group_size
 from moefit.runtime.quant import StoredExpert
+from random_gguf import write_random_ggufs
 from reference import engine_greedy, max_error, prompt, reference_greedy
 
 TOL = 1e-4          # fp32 checkpoints, as tests/runtime/test_engine_matches_transformers.py
@@ -132,48 +133,10 @@ FORMATS = {"Q8_0": ("Q8_0",) * 3, "Q4_K_M": ("Q4_K", "Q4_K", "Q6_K")}
 MISS_TOL = {"Q8_0": QUANT_TOL, "Q4_K_M": 1e-2 if qmatmul.available() else TOL}
 
 
-def _k_blocks(data: np.ndarray, qtype):
-    """Random K-quant blocks (the gguf package quantizes no K type) with small finite fp16
-    scales: weights of plausible size."""
-    from gguf import quants
-
-    rng = np.random.default_rng(0)
-    raw = rng.integers(0, 256, size=quants.quant_shape_to_byte_shape(data.shape, qtype), dtype=np.uint8)
-    blocks = raw.reshape(-1, gguf.GGML_QUANT_SIZES[qtype][1])
-    fp16 = np.full(blocks.shape[0], 0.002, np.float16).view(np.uint8).reshape(-1, 2)
-    if qtype.name == "Q6_K":
-        blocks[:, -2:] = fp16
-    else:
-        blocks[:, 0:2] = fp16
-        blocks[:, 2:4] = fp16
-    return raw
-
-
 @pytest.fixture(scope="module")
 def gguf_files(tmp_path_factory):
-    from moefit.ingest.families import geometry_from_config
-    from moefit.tools.gguf_write import write_gguf
-
-    rng = np.random.default_rng(0)
-    geom = geometry_from_config(CFG, "tiny")
-    state = {t.name: rng.standard_normal(t.shape, dtype=np.float32) * 0.05 for t in geom.global_tensors}
-    for l in geom.layers:
-        state.update({t.name: rng.standard_normal(t.shape, dtype=np.float32) * 0.05 for t in l.tensors})
-        for j in range(l.moe.num_experts):
-            for t in l.expert_tensors:
-                state[t.name.replace(".experts.0.", f".experts.{j}.")] = \
-                    rng.standard_normal(t.shape, dtype=np.float32) * 0.05
-    real = gguf.quants.quantize
-    out = {}
-    d = tmp_path_factory.mktemp("gguf_device_path")
-    try:
-        gguf.quants.quantize = lambda data, t: _k_blocks(data, t) if t.name.endswith("_K") else real(data, t)
-        for name, types in FORMATS.items():
-            out[name] = d / f"{name}.gguf"
-            write_gguf(state, CFG, out[name], expert_types=types)
-    finally:
-        gguf.quants.quantize = real
-    return out
+    """The tiny config's random weights as one GGUF per entry of FORMATS (random_gguf.py)."""
+    return write_random_ggufs(CFG, FORMATS, tmp_path_factory.mktemp("gguf_device_path"), k_scale=0.002)
 
 
 def _gguf_plan(path, chunk=256, **req):
@@ -326,7 +289,7 @@ def test_experts_on_another_device_run_there_with_the_tokens_of_one(tiny_models,
                                                                      monkeypatch):
     """An expert split over two simulated devices: the device path runs the experts in the
     second device's slots there (its workspace), the rest batched; the same greedy tokens
-    and hit / miss counts as one device holding as many slots."""
+    and expert loads per layer as one device holding as many slots."""
     from test_gguf_runtime import GGUFModel
     from test_several_devices_run import REQ, devices_for, run
 
@@ -343,4 +306,8 @@ def test_experts_on_another_device_run_there_with_the_tokens_of_one(tiny_models,
     engine1, tokens1, _ = run(m.path, one)
     assert tokens == tokens1 and device_path.layers
     s2, s1 = engine.expert_stats(), engine1.expert_stats()
-    assert (s2["hits"], s2["misses"]) == (s1["hits"], s1["misses"]) and s2["misses"]
+    # the same experts run per layer and call (the routing is the same); which of them are
+    # hits depends on how the plans spread the slots over the layers (4 + 2 on two devices,
+    # 3 + 3 on one here), so only the loads per layer must agree
+    loads = lambda s: {l: v["hits"] + v["misses"] for l, v in s["layers"].items()}
+    assert loads(s2) == loads(s1) and s2["misses"] and s2["hits"]

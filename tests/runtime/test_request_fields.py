@@ -138,3 +138,21 @@ def test_chat_roles_are_checked(client):
         r = client.post("/v1/chat/completions", json={"max_tokens": 1, "messages": [
             {"role": role, "content": "hello"}, {"role": "user", "content": "hi"}]})
         assert r.status_code == 200, (role, r.text)
+
+
+def test_greedy_is_torch_argmax_first_of_ties():
+    """engine.greedy (numpy's argmax for fp32 CPU logits) picks what torch.argmax picks: the
+    first of equal maxima, the first NaN, on rows of a batch (views) and in other dtypes."""
+    from moefit.runtime.engine import greedy
+
+    g = torch.Generator().manual_seed(0)
+    batch = torch.randn(4, 151936, generator=g)
+    for row in batch:
+        assert greedy(row) == int(torch.argmax(row))
+    tie = torch.zeros(9)
+    tie[[2, 5]] = 1.0
+    nan = torch.tensor([1.0, float("nan"), 3.0, float("nan")])
+    column = torch.randn(6, 5, generator=g)[:, 3]                   # a strided view
+    for x in (tie, nan, column, torch.full((4,), float("-inf")), batch[0].bfloat16()):
+        assert greedy(x) == int(torch.argmax(x))
+    assert greedy(tie) == 2

@@ -23,6 +23,7 @@ import torch
 gguf = pytest.importorskip("gguf")
 
 from conftest import MIB, sim_device  # noqa: E402
+from random_gguf import write_random_ggufs  # noqa: E402
 from moefit.ingest.families import geometry_from_config  # noqa: E402
 from moefit.memory.staging import DEQUANT_SCRATCH_BYTES_PER_ELEM, DEQUANT_TILE_ELEMS  # noqa: E402
 from moefit.ingest.resolve import load_model  # noqa: E402
@@ -78,50 +79,10 @@ def test_the_c_kernels_dequantize_without_scratch(qtype):
     assert _kernel_scratch(qtype) == 0
 
 
-def _random_blocks(data: np.ndarray, qtype):
-    """K-quants have no Python quantizer: random blocks whose fp16 scales are small
-    finite numbers (the bytes, not the values, matter to the staging)."""
-    from gguf import quants
-
-    rng = np.random.default_rng(0)
-    shape = quants.quant_shape_to_byte_shape(data.shape, qtype)
-    raw = rng.integers(0, 256, size=shape, dtype=np.uint8)
-    block = gguf.GGML_QUANT_SIZES[qtype][1]
-    scales = raw.reshape(-1, block)
-    fp16 = np.full(scales.shape[0], 0.01, np.float16).view(np.uint8).reshape(-1, 2)
-    if qtype.name == "Q6_K":
-        scales[:, -2:] = fp16                                   # d at the end
-    else:
-        scales[:, 0:2] = fp16
-        scales[:, 2:4] = fp16                                   # dmin
-    return raw
-
-
 @pytest.fixture(scope="module")
 def gguf_files(tmp_path_factory):
-    from moefit.tools.gguf_write import write_gguf
-
-    rng = np.random.default_rng(0)
-    geom = geometry_from_config(CFG, "tiny")
-    state = {t.name: rng.standard_normal(t.shape, dtype=np.float32) * 0.05 for t in geom.global_tensors}
-    for l in geom.layers:
-        state.update({t.name: rng.standard_normal(t.shape, dtype=np.float32) * 0.05 for t in l.tensors})
-        for j in range(l.moe.num_experts):
-            for t in l.expert_tensors:
-                state[t.name.replace(".experts.0.", f".experts.{j}.")] = \
-                    rng.standard_normal(t.shape, dtype=np.float32) * 0.05
-    real = gguf.quants.quantize
-    out = {}
-    d = tmp_path_factory.mktemp("gguf_staging")
-    try:
-        gguf.quants.quantize = lambda data, t: (_random_blocks(data, t) if t.name.endswith("_K")
-                                                else real(data, t))
-        for name, types in FORMATS.items():
-            out[name] = d / f"{name}.gguf"
-            write_gguf(state, CFG, out[name], expert_types=types)
-    finally:
-        gguf.quants.quantize = real
-    return out
+    """The tiny config's random weights as one GGUF per entry of FORMATS (random_gguf.py)."""
+    return write_random_ggufs(CFG, FORMATS, tmp_path_factory.mktemp("gguf_staging"), k_scale=0.01)
 
 
 @pytest.mark.parametrize("kernels", ["c", "torch"])

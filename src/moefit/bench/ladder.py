@@ -38,7 +38,7 @@ from moefit.ingest.geometry import ModelGeometry
 from moefit.memory.staging import StagingModel
 from moefit.plan.request import CHUNK_GRID, Request
 from moefit.plan.solver import LINE_ORDER, solve
-from moefit.runtime.engine import Engine, EngineOptions
+from moefit.runtime.engine import Engine, EngineOptions, greedy
 from moefit.runtime.measure import prefill_measured
 from moefit.units import parse_count
 
@@ -152,12 +152,12 @@ def _run(engine: Engine, geom: ModelGeometry, context: int, opts: BenchOptions) 
     decode_s = 0.0
     steps = min(opts.decode_tokens, context - lengths[-1])
     if steps > 0:
-        tok = int(torch.argmax(logits))
+        tok = greedy(logits)
         t0 = time.perf_counter()
         for i in range(steps):
             tokens.append(tok)
             if i < steps - 1:
-                tok = int(torch.argmax(engine.decode(tok)))
+                tok = greedy(engine.decode(tok))
         _sync(dev)
         decode_s = time.perf_counter() - t0
     stats = engine.expert_stats()

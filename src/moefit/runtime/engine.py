@@ -322,11 +322,22 @@ def min_p_filter(x: torch.Tensor, min_p: float) -> torch.Tensor:
     return x
 
 
+def greedy(logits: torch.Tensor) -> int:
+    """The index of the largest of ``logits`` ``[V]`` (the first of ties, as ``torch.argmax``).
+    Fp32 logits in CPU memory go through numpy's vectorised argmax: over a 151936-token
+    vocabulary on one thread 16 us against torch's 170-185 us, which was 1-2% of a decode
+    step of a 1.37B model per sequence and a quarter of a tiny model's."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 1:
+        return int(logits.numpy().argmax())
+    return int(torch.argmax(logits))
+
+
 def sample(logits: torch.Tensor, s: SamplingParams, gen: torch.Generator | None = None) -> int:
-    """One token from ``logits`` ``[V]``: argmax at temperature 0, else softmax sampling
-    after top-k / top-p / min-p filtering (transformers' order of the warpers)."""
+    """One token from ``logits`` ``[V]``: argmax at temperature 0 (:func:`greedy`), else
+    softmax sampling after top-k / top-p / min-p filtering (transformers' order of the
+    warpers)."""
     if s.temperature <= 0:
-        return int(torch.argmax(logits))
+        return greedy(logits)
     x = logits.float() / s.temperature
     if s.top_k:
         kth = torch.topk(x, min(s.top_k, x.numel())).values[-1]

@@ -1,0 +1,66 @@
+"""Random GGUF files of a tiny config in chosen expert formats, for tests that need the bytes
+of real GGUF layouts rather than meaningful weights (the staging bound, the device expert
+path).
+
+Weights are standard normals x 0.05 (numpy, seed 0), written by moefit's own writer
+(:func:`moefit.tools.gguf_write.write_gguf`). The ``gguf`` package has no quantizer for the
+K-quants, so their blocks are random bytes whose fp16 scales (d, and dmin where the type has
+one) are set to a small finite ``scale``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+
+def k_blocks(data: np.ndarray, qtype, scale: float) -> np.ndarray:
+    """Random bytes for ``data`` in K-quant ``qtype`` (a ``gguf.GGMLQuantizationType``),
+    each block's fp16 scales set to ``scale`` (Q6_K keeps d at the end of its block, the
+    others d then dmin at its start)."""
+    import gguf
+    from gguf import quants
+
+    rng = np.random.default_rng(0)
+    raw = rng.integers(0, 256, size=quants.quant_shape_to_byte_shape(data.shape, qtype), dtype=np.uint8)
+    blocks = raw.reshape(-1, gguf.GGML_QUANT_SIZES[qtype][1])
+    fp16 = np.full(blocks.shape[0], scale, np.float16).view(np.uint8).reshape(-1, 2)
+    if qtype.name == "Q6_K":
+        blocks[:, -2:] = fp16
+    else:
+        blocks[:, 0:2] = fp16
+        blocks[:, 2:4] = fp16
+    return raw
+
+
+def write_random_ggufs(cfg: dict, formats: dict[str, tuple[str, str, str]], folder: Path,
+                       k_scale: float) -> dict[str, Path]:
+    """One file ``folder / f"{name}.gguf"`` per entry of ``formats`` (name -> gate, up, down
+    types) of the random weights of ``cfg``; the K-quants as :func:`k_blocks` with
+    ``k_scale``. Returns name -> path."""
+    import gguf
+
+    from moefit.ingest.families import geometry_from_config
+    from moefit.tools.gguf_write import write_gguf
+
+    rng = np.random.default_rng(0)
+    geom = geometry_from_config(cfg, "tiny")
+    state = {t.name: rng.standard_normal(t.shape, dtype=np.float32) * 0.05 for t in geom.global_tensors}
+    for l in geom.layers:
+        state.update({t.name: rng.standard_normal(t.shape, dtype=np.float32) * 0.05 for t in l.tensors})
+        for j in range(l.moe.num_experts):
+            for t in l.expert_tensors:
+                state[t.name.replace(".experts.0.", f".experts.{j}.")] = \
+                    rng.standard_normal(t.shape, dtype=np.float32) * 0.05
+    real = gguf.quants.quantize
+    out = {}
+    try:
+        gguf.quants.quantize = lambda data, t: (k_blocks(data, t, k_scale) if t.name.endswith("_K")
+                                                else real(data, t))
+        for name, types in formats.items():
+            out[name] = folder / f"{name}.gguf"
+            write_gguf(state, cfg, out[name], expert_types=types)
+    finally:
+        gguf.quants.quantize = real
+    return out
