@@ -200,9 +200,9 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
     s.add_argument("--max-queue", type=int, default=None, metavar="N",
                    help="sequences that may wait for a free slot; past it requests get 503 "
                         "with Retry-After (default: 4 x --slots)")
-    s.add_argument("--max-body", type=int, default=None, metavar="BYTES",
-                   help="largest request body; larger ones get 413 before parsing "
-                        "(default 4 MiB)")
+    s.add_argument("--max-body", default=None, metavar="SIZE",
+                   help="largest request body (4MiB, 512KiB, or bytes); larger ones get 413 "
+                        "before parsing (default 4 MiB)")
     s.add_argument("--write-timeout", type=float, default=None, metavar="SECONDS",
                    help="a stream whose client takes no data for this long is dropped and "
                         "its slot freed (default 30)")

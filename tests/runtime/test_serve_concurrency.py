@@ -154,6 +154,7 @@ def test_a_job_cancelled_while_queued_costs_nothing(served):
         sch.stop(timeout=5)
     assert events[len(jobs) - 1] == [Ended()]          # told, never run
     assert jobs[-1].slot is None
+    assert sch.stats.finished.get("abort") == 1         # counted: /metrics' outcome "abort"
     ran = {slot for s in engine.steps for slot, _ in s}
     assert ran == set(range(SLOTS))
     assert all(len(events[i]) == 5 for i in range(len(jobs) - 1))
@@ -196,6 +197,20 @@ def test_api_key_from_the_environment(monkeypatch):
     assert server_limits(Namespace(api_key="flag"))["api_key"] == "flag"
     with pytest.raises(InputError, match="--max-queue 0: must be at least 1"):
         server_limits(Namespace(max_queue=0))
+    with pytest.raises(InputError, match="--api-key: empty"):       # not a silently open server
+        server_limits(Namespace(api_key=" "))
+    monkeypatch.setenv("MOEFIT_API_KEY", "")                         # an empty variable: unset
+    assert "api_key" not in server_limits(Namespace(api_key=None))
+    assert server_limits(Namespace(max_body="4MiB"))["max_body"] == 4 << 20
+    assert server_limits(Namespace(max_body="65536"))["max_body"] == 65536
+
+
+def test_the_bearer_scheme_is_case_insensitive(served):
+    with TestClient(create_app(make_state(served, api_key="s3cret"))) as c:
+        for scheme in ("Bearer", "bearer", "BEARER"):
+            assert c.get("/v1/models", headers={"Authorization": f"{scheme} s3cret"}).status_code == 200
+        for bad in ("Basic s3cret", "Bearer s3cret2", "Bearers3cret", "s3cret"):
+            assert c.get("/v1/models", headers={"Authorization": bad}).status_code == 401
 
 
 def test_budget_shows_cells_per_slot_without_paths_and_metrics_count(served):
@@ -215,6 +230,8 @@ def test_budget_shows_cells_per_slot_without_paths_and_metrics_count(served):
         assert [l for l in budget["ledger"]["lines"] if l["key"] == "prefill"][0]["used_peak"] > 0
         text = c.get("/metrics").text
     for needle in ('moefit_requests_total{outcome="length"} 1.0',
+                   'moefit_requests_total{outcome="abort"} 0.0',           # every outcome from the start
+                   'moefit_requests_total{outcome="stop"} 0.0',
                    "moefit_prompt_tokens_total 100.0", "moefit_generation_tokens_total 3.0",
                    "moefit_slots 4.0", "moefit_queue_length 0.0",
                    'moefit_kv_cells_in_use{slot="0"}', "moefit_expert_hit_rate",
@@ -239,6 +256,65 @@ def test_cells_in_use_while_a_stream_runs(served):
 
 
 # ---- abuse --------------------------------------------------------------------------------------
+
+def test_bodies_are_parsed_off_the_event_loop_and_long_prompts_refused_unvalidated(served, monkeypatch):
+    """The body is parsed and validated on a worker thread (FastAPI did it on the event
+    loop: eight 3.9 MB bodies of token ids held /health for 3 s), and a prompt of more ids
+    than the context is refused before validation, with the context check's message."""
+    from moefit.serve import protocol
+
+    seen = []
+    real = protocol.CompletionRequest.model_validate.__func__
+
+    def validate(cls, data, *a, **kw):
+        try:
+            asyncio.get_running_loop()
+            seen.append("event loop")
+        except RuntimeError:
+            seen.append("worker")
+        return real(cls, data, *a, **kw)
+
+    monkeypatch.setattr(protocol.CompletionRequest, "model_validate", classmethod(validate))
+    with TestClient(create_app(make_state(served))) as c:
+        r = c.post("/v1/completions", json={"prompt": [5, 6], "max_tokens": 1})
+        assert r.status_code == 200 and seen == ["worker"]
+        for prompt in ([5] * 1_300_000, [[5] * (CONTEXT + 1)], [[5]] * 500_000):
+            r = c.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1})
+            assert r.status_code == 400
+            assert ("context of" in r.json()["error"]["message"]
+                    or f"at most {MAX_CHOICES}" in r.json()["error"]["message"])
+        assert seen == ["worker"]                              # never validated
+        # malformed bodies: OpenAI's error shape, 400
+        for raw, needle in ((b"[" * 100_000, "not valid JSON (nested too deep)"),
+                            (b"[1, 2]", "must be a JSON object"), (b"{", "not valid JSON")):
+            r = c.post("/v1/completions", content=raw)
+            assert r.status_code == 400 and needle in r.json()["error"]["message"], r.text
+        r = c.post("/v1/completions", content=b'{"prompt": [5, 6], "max_tokens": 1}')  # no content type
+        assert r.status_code == 200
+        r = c.post("/v1/completions", json={"prompt": [5], "stop_token_ids": [1] * 257})
+        assert r.status_code == 400 and "stop_token_ids" in r.json()["error"]["message"]
+
+
+@pytest.mark.process
+def test_a_body_that_stops_arriving_gets_408_and_its_connection_closes(served, monkeypatch):
+    from moefit.serve import app as app_module
+
+    monkeypatch.setattr(app_module, "BODY_IDLE_S", 0.5)
+    with Running(make_state(served)) as srv:
+        host, port = srv.url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=5) as s:
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: 29\r\n\r\n{\"pro")
+            t0 = time.monotonic()
+            got = b""
+            while True:
+                part = s.recv(65536)
+                if not part:
+                    break                                  # closed by the server
+                got += part
+        assert got.startswith(b"HTTP/1.1 408") and b"--max-body" not in got
+        assert time.monotonic() - t0 < 4
+        assert httpx.get(srv.url + "/health").status_code == 200
 
 @pytest.mark.process
 def test_a_body_past_the_limit_gets_413_before_parsing(served):

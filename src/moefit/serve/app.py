@@ -24,7 +24,8 @@ reading for ``--write-timeout`` seconds) is cancelled: its slot is free for the 
 step, and a job still waiting costs nothing. On shutdown (:attr:`ServerState.stopping`)
 every stream ends with ``finish_reason: "abort"`` and ``data: [DONE]``.
 
-Limits: request bodies over ``--max-body`` bytes get 413 before parsing; prompts are
+Limits: request bodies over ``--max-body`` bytes get 413 before parsing, bodies that
+stall get 408 (:data:`BODY_IDLE_S`, :data:`BODY_TOTAL_S`); bodies are parsed and prompts
 tokenized on worker threads (at most :data:`TOKENIZE_THREADS` at once), never on the
 event loop; a request runs at most :data:`MAX_CHOICES` prompt x ``n`` sequences. With
 ``--api-key`` (or ``MOEFIT_API_KEY``) every ``/v1/*`` route needs ``Authorization: Bearer
@@ -78,6 +79,11 @@ RETRY_AFTER_S = 1
 #: English token is about 4 characters), so it is refused before the tokenizer, whose
 #: memory grows with the text, ever sees it.
 MAX_CHARS_PER_TOKEN = 32
+#: Seconds a request body may pause between two of its pieces, and seconds it may take in
+#: all: a client that sends its headers and then too little of its body gets 408 and its
+#: connection closes (the headers themselves: :data:`moefit.serve.connections.HEADER_TIMEOUT_S`).
+BODY_IDLE_S = 10.0
+BODY_TOTAL_S = 60.0
 
 @dataclass
 class ServerState:
@@ -132,13 +138,19 @@ def _authorized(state: ServerState, headers) -> bool:
     if not state.api_key:
         return True
     got = dict(headers).get(b"authorization", b"").decode("latin-1")
-    return hmac.compare_digest(got.encode(), f"Bearer {state.api_key}".encode())
+    scheme, _, key = got.partition(" ")
+    # the scheme is case-insensitive (RFC 7235, section 2.1); the key is compared in
+    # constant time
+    return scheme.lower() == "bearer" and hmac.compare_digest(key.encode("latin-1"),
+                                                            state.api_key.encode())
 
 
 class _Guard:
-    """ASGI middleware in front of the routes: the API key on ``/v1/*`` (401) and the
-    body limit (413 on ``Content-Length`` before any byte is read, or as soon as a
-    chunked body passes it: such a body is read here, then handed on)."""
+    """ASGI middleware in front of the routes: the API key on ``/v1/*`` (401), the body
+    limit (413 on ``Content-Length`` before any byte is read, or as soon as a chunked body
+    passes it) and the body's timeouts (408 when it pauses :data:`BODY_IDLE_S` seconds or
+    takes :data:`BODY_TOTAL_S` in all; the connection closes). A POST / PUT / PATCH body
+    is read here, then handed on."""
 
     def __init__(self, app, state: ServerState):
         self.app, self.state = app, state
@@ -153,16 +165,22 @@ class _Guard:
                           "authentication_error", headers={"WWW-Authenticate": "Bearer"})
             return await resp(scope, receive, send)
         length = dict(scope["headers"]).get(b"content-length")
-        if length is not None and length.isdigit():
-            if int(length) > st.max_body:
-                return await _too_large(st)(scope, receive, send)
-            return await self.app(scope, receive, send)
+        if length is not None and length.isdigit() and int(length) > st.max_body:
+            return await _too_large(st)(scope, receive, send)
         if scope["method"] not in ("POST", "PUT", "PATCH"):
             return await self.app(scope, receive, send)
-        # no Content-Length (chunked): read the body here, at most --max-body bytes
+        # the body, at most --max-body bytes, within the body timeouts
         body = bytearray()
+        deadline = time.monotonic() + BODY_TOTAL_S
         while True:
-            msg = await receive()
+            try:
+                with anyio.fail_after(max(0.0, min(BODY_IDLE_S, deadline - time.monotonic()))):
+                    msg = await receive()
+            except TimeoutError:
+                return await _error(408, f"the request body did not arrive in time (a pause of "
+                                    f"{BODY_IDLE_S:.0f} s, or {BODY_TOTAL_S:.0f} s in all); send "
+                                    "the whole body at once", headers={"Connection": "close"})(
+                                        scope, receive, send)
             if msg["type"] != "http.request":
                 return
             body += msg.get("body", b"")
@@ -257,8 +275,9 @@ def create_app(state: ServerState) -> FastAPI:
         return state.metrics.response()
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request):
+    async def completions(request: Request):
         engine()
+        body = await _parse(state, request, CompletionRequest)
         check_model(body)
         try:
             body.refuse_unsupported()
@@ -288,8 +307,9 @@ def create_app(state: ServerState) -> FastAPI:
         return {**head, "choices": choices, "usage": _usage(prompts, results)}
 
     @app.post("/v1/chat/completions")
-    async def chat(body: ChatRequest, request: Request):
+    async def chat(request: Request):
         engine()
+        body = await _parse(state, request, ChatRequest)
         check_model(body)
         try:
             body.refuse_unsupported()
@@ -334,6 +354,59 @@ def _check_choices(prompts: int, n: int) -> None:
     if prompts * n > MAX_CHOICES:
         raise InputError(f"{prompts} prompt(s) x n {n} = {prompts * n} sequences; a request "
                          f"runs at most {MAX_CHOICES}: send fewer prompts or a smaller n")
+
+
+def _check_prompt_shape(data: dict, plan) -> None:
+    """Refuse, before the body is validated, a ``prompt`` of token ids that cannot fit:
+    more than :data:`MAX_CHOICES` prompts, or one longer than the context, with the
+    messages the checks after validation give (validating a 3.9 MB list of 1.3 million ids
+    took 0.3 s; a prompt that long is refused anyway). Raises InputError."""
+    p = data.get("prompt")
+    if not isinstance(p, list) or not p:
+        return
+    if isinstance(p[0], (list, str)):
+        _check_choices(len(p), 1)
+        lists = [x for x in p if isinstance(x, list)]
+    else:
+        lists = [p]
+    longest = max(lists, key=len, default=[])
+    if len(longest) > plan.context:
+        m = data.get("max_tokens")
+        # the length check comes first: the ids are not read
+        check_prompt(longest, plan.context, plan.geometry.vocab_size,
+                     m if isinstance(m, int) and m > 0 else None)
+
+
+async def _parse(state: ServerState, request: Request, model):
+    """The request body as ``model`` (a :mod:`moefit.serve.protocol` class), parsed and
+    validated on a worker thread (at most :data:`TOKENIZE_THREADS` at once, shared with
+    the tokenizer), so that a large body does not hold the event loop: FastAPI parsed it
+    there, and eight 3.9 MB bodies of token ids held ``/health`` for 3 s. Raises APIError
+    400 for a body that is not a JSON object, RequestValidationError for one the model
+    refuses."""
+    from pydantic import ValidationError
+
+    raw = await request.body()
+
+    def parse():
+        try:
+            data = json.loads(raw)
+        except (ValueError, RecursionError) as e:       # RecursionError: nested too deep
+            why = "nested too deep" if isinstance(e, RecursionError) else str(e)
+            raise APIError(400, f"invalid request: the body is not valid JSON ({why})") from None
+        if not isinstance(data, dict):
+            raise APIError(400, "invalid request: the body must be a JSON object")
+        try:
+            _check_prompt_shape(data, state.plan)
+            return model.model_validate(data)
+        except InputError as e:
+            raise APIError(400, str(e)) from None
+        except ValidationError as e:
+            raise RequestValidationError(e.errors(include_url=False)) from None
+
+    if state._tokenize is None:
+        state._tokenize = anyio.CapacityLimiter(TOKENIZE_THREADS)
+    return await anyio.to_thread.run_sync(parse, limiter=state._tokenize)
 
 
 async def _tokenize(state: ServerState, fn, chars: int):

@@ -130,7 +130,8 @@ def check_prompt(prompt_ids: Sequence[int], context: int, vocab_size: int,
     need = len(prompt_ids) + (max_tokens or 1)
     if need > context:
         name = "--max-tokens" if flags else "max_tokens"
-        asked = (f"the prompt is {len(prompt_ids)} tokens" +
+        n = len(prompt_ids)
+        asked = (f"the prompt is {n} token{'s' if n != 1 else ''}" +
                  (f" and {name} {max_tokens}" if max_tokens else " plus one generated token"))
         raise PromptTooLong(f"{asked} make {need} tokens, more than the planned "
                             f"context of {context} tokens (--max-context {context}); shorten "

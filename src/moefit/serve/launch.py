@@ -47,7 +47,7 @@ from moefit.ingest.resolve import load_model
 from moefit.plan.report import format_table
 from moefit.serve.gguf_text import text_from_gguf
 from moefit.serve.text import GenerationDefaults, Tokenizer
-from moefit.units import size_format
+from moefit.units import parse_size, size_format
 
 
 def _say(text: str, file=None) -> None:
@@ -197,6 +197,8 @@ def server_limits(args: argparse.Namespace) -> dict:
     unset ones left to the state's defaults; ``--api-key`` else ``MOEFIT_API_KEY``.
     Raises InputError naming a flag out of range."""
     out: dict = {}
+    if isinstance(getattr(args, "max_body", None), str):
+        args.max_body = parse_size(args.max_body, "--max-body", min_bare=1)
     for flag, name, low in (("--max-queue", "max_queue", 1), ("--max-body", "max_body", 1024),
                             ("--write-timeout", "write_timeout", 0.1)):
         value = getattr(args, name, None)
@@ -205,7 +207,11 @@ def server_limits(args: argparse.Namespace) -> dict:
         if not value >= low:
             raise InputError(f"{flag} {value}: must be at least {low}")
         out[name] = value
-    key = getattr(args, "api_key", None) or os.environ.get("MOEFIT_API_KEY") or None
+    flag = getattr(args, "api_key", None)
+    if flag is not None and not flag.strip():
+        raise InputError("--api-key: empty; give the key clients must send, or leave the flag "
+                         "out to serve without one")
+    key = flag or os.environ.get("MOEFIT_API_KEY") or None     # an empty variable: unset
     if key is not None:
         out["api_key"] = key
     return out
@@ -289,6 +295,9 @@ def _serve(args: argparse.Namespace) -> int:
         gc.collect()
         gc.freeze()
         state.engine = engine        # /health answers 200 from here on
+        if state.api_key:
+            _say("API key required: every /v1/* route needs `Authorization: Bearer <key>` "
+                 "(/health and /metrics stay open)")
         _say(ready_line(engine, url))
 
     loader = threading.Thread(target=load, name="moefit-commit", daemon=True)

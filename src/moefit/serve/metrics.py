@@ -2,9 +2,10 @@
 
 Every metric is named ``moefit_*``:
 
-- ``moefit_requests_total{outcome}``: sequences by how they ended (``stop``, ``length``,
-  ``abort``: their finish reason; ``error``: the engine failed) and requests refused with
-  503 (``refused``);
+- ``moefit_requests_total{outcome}``: sequences by how they ended (``stop``, ``length``:
+  their finish reason; ``abort``: cancelled, by a client gone, a stalled stream or the
+  server stopping; ``error``: the engine failed) and requests refused with 503
+  (``refused``);
 - ``moefit_prompt_tokens_total``, ``moefit_generation_tokens_total``: tokens run;
 - ``moefit_queue_length``, ``moefit_slots_busy``, ``moefit_slots``: the scheduler;
 - ``moefit_kv_cells_in_use{slot}``: tokens held in each slot's KV cache;
@@ -26,6 +27,11 @@ from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from starlette.responses import Response
+
+#: The finish reasons ``moefit_requests_total`` shows from the start (0 until one happens):
+#: a sequence's own (``stop``, ``length``) and ``abort`` (cancelled: the client went away,
+#: its stream stalled, or the server stopped).
+OUTCOMES = ("stop", "length", "abort")
 
 #: Histogram buckets (seconds) of the time to first token and the inter-token latency.
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
@@ -77,7 +83,8 @@ class _StateCollector:
         stats = sch.stats if sch is not None else None
         req = CounterMetricFamily("moefit_requests", "Sequences by outcome, and refused requests",
                                   labels=["outcome"])
-        for reason, n in sorted((stats.finished if stats else {}).items()):
+        finished = {**dict.fromkeys(OUTCOMES, 0), **(stats.finished if stats else {})}
+        for reason, n in sorted(finished.items()):      # every outcome from the start
             req.add_metric([reason], n)
         req.add_metric(["error"], stats.errors if stats else 0)
         req.add_metric(["refused"], self.metrics.refused_requests)

@@ -26,6 +26,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from moefit.errors import InputError
 
+#: ``stop_token_ids`` a request may give (``stop`` strings: 16)
+MAX_STOP_TOKEN_IDS = 256
+
 
 #: The bounds of the sampling settings, one home for the request body's fields (below)
 #: and the ``moefit generate`` flags (:func:`moefit.serve.generation.check_sampling`):
@@ -67,7 +70,7 @@ class _Sampling(_Body):
     top_k: int | None = _bounded("top_k")
     min_p: float | None = _bounded("min_p")
     repetition_penalty: float | None = _bounded("repetition_penalty")
-    stop_token_ids: list[int] | None = Field(None, strict=True)
+    stop_token_ids: list[int] | None = Field(None, strict=True, max_length=MAX_STOP_TOKEN_IDS)
     response_format: dict[str, Any] | None = None
     seed: int | None = Field(None, strict=True)
     stop: str | list[str] | None = None

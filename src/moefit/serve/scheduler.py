@@ -146,7 +146,7 @@ class Scheduler:
                     except ValueError:
                         pass
                     job.done = True
-                    job.emit(Ended())
+                    self._ended(job)
             self._cv.notify()
 
     def stop(self, timeout: float | None = None) -> None:
@@ -206,17 +206,23 @@ class Scheduler:
             self.active[job.slot] = None
         job.done = True
 
+    def _ended(self, job: Job) -> None:
+        """``job`` ends without a finish reason of its own: counted as ``abort`` (with the
+        finish reasons: ``/metrics``' requests by outcome), told with :class:`Ended`."""
+        self.stats.finished["abort"] = self.stats.finished.get("abort", 0) + 1
+        job.emit(Ended())
+
     def _retire_cancelled(self) -> None:
         for job in self.active:
             if job is not None and job.cancelled:
                 self._free(job)
-                job.emit(Ended())
+                self._ended(job)
 
     def _end_all(self) -> None:
         for job in [*self.active, *self.waiting]:
             if job is not None and not job.done:
                 self._free(job)
-                job.emit(Ended())
+                self._ended(job)
         self.waiting.clear()
 
     def _plan_step(self) -> tuple[list, list[tuple[Job, bool]]]:
