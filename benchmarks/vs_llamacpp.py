@@ -338,7 +338,8 @@ def main() -> None:
                     help="vocabulary-only GGUF of the Qwen2/Qwen3 tokenizer (llama.cpp models/)")
     ap.add_argument("--types", default="bf16,q8_0,q4_0,q4_k_m", help=f"comma list of {', '.join(TYPES)}")
     ap.add_argument("--threads", default="1,2", help="comma list of thread counts")
-    ap.add_argument("--resident", default="all,quarter", help="all, quarter, or both")
+    ap.add_argument("--resident", default="all,quarter",
+                    help="all, quarter, or both (all,quarter: the default)")
     ap.add_argument("--repeats", type=int, default=5, help="interleaved pairs per set-up (default 5)")
     ap.add_argument("--prompt", type=int, default=512, help="prefill tokens (default 512)")
     ap.add_argument("--gen", type=int, default=64, help="decode tokens (default 64)")
@@ -365,7 +366,9 @@ def main() -> None:
     import torch
 
     threads = [int(t) for t in args.threads.split(",")]
-    residents = args.resident.split(",")
+    residents = ["all", "quarter"] if args.resident == "both" else args.resident.split(",")
+    if not residents or any(r not in ("all", "quarter") for r in residents):
+        sys.exit(f"--resident {args.resident}: use all, quarter, both or all,quarter")
     print(f"random Qwen3-MoE, hidden {config['hidden_size']}, {config['num_hidden_layers']} layers x "
           f"{config['num_experts']} experts of {config['moe_intermediate_size']}, "
           f"{config['num_experts_per_tok']} active; pp {args.prompt}, tg {args.gen}; "

@@ -143,3 +143,23 @@ def test_gguf_metadata_no_model_has_names_the_key(gguf_bytes, tmp_path, key, val
     path = tmp_path / "meta.gguf"
     path.write_bytes(damaged_gguf(gguf_bytes, ("meta", key, value)))
     refused(path, "meta.gguf", key)
+
+
+@pytest.mark.parametrize("value, off", [("", False), ("0", False), ("false", False), ("No", False),
+                                        ("off", False), ("1", True), ("true", True), ("YES", True),
+                                        ("on", True)])
+def test_no_ckernels_reads_yes_and_no(value, off):
+    """MOEFIT_NO_CKERNELS=0 (or false) leaves the C kernels on; any non-empty value turned
+    them off before."""
+    from moefit.memory.cpu_kernels import DISABLE_ENV, disabled
+
+    assert disabled({DISABLE_ENV: value}) is off
+
+
+def test_no_ckernels_with_another_value_is_exit_2(capsys, monkeypatch):
+    from moefit.cli import main
+
+    monkeypatch.setenv("MOEFIT_NO_CKERNELS", "maybe")
+    code = main(["plan", "Qwen3-30B-A3B", "--device", "cpu", "--vram", "16GiB"])
+    err = capsys.readouterr().err
+    assert code == 2 and "MOEFIT_NO_CKERNELS='maybe'" in err and "Traceback" not in err

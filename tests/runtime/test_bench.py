@@ -63,6 +63,7 @@ def test_two_point_ladder_records_every_field(tiny, tmp_path, capsys):
         assert r["prefill_tps"] > 0 and r["decode_tps"] > 0 and r["decode_tokens"] == 6
         assert 0.0 <= r["expert_hit_rate"] <= 1.0
         vs = r["vs_transformers"]
+        assert vs["reference"] == "transformers full forward without a cache"
         assert vs["greedy_agree"] is True and vs["first_divergence"] is None
         assert vs["prompt_tokens"] == 768 and vs["decode_tokens"] == 6
         assert vs["prefill_tps_ratio"] > 0 and vs["decode_tps_ratio"] > 0
@@ -158,3 +159,18 @@ def test_vs_transformers_without_accelerate_says_to_install_it(tmp_path, capsys,
     versus.check_reference(load_model("Qwen3-30B-A3B"))          # bf16: transformers needs nothing more
     monkeypatch.setattr(versus, "accelerate_installed", lambda: True)
     versus.check_reference(load_model(str(ckpt)))
+
+
+def test_vs_transformers_on_a_gguf_file_exits_2_before_running(tiny, tmp_path, capsys):
+    """transformers' comparison loads a checkpoint directory: a GGUF file is refused at
+    once (it used to run the whole ladder and report the comparison 'unavailable')."""
+    from test_gguf_runtime import GGUFModel
+
+    m = GGUFModel(tiny, tmp_path / "q8.gguf", expert_types="Q8_0")
+    out = tmp_path / "bench"
+    code = main(["bench", str(m.path), "--device", "cpu", "--vram", "64MiB", "--vs", "transformers",
+                 "--out", str(out), "--no-progress", "--no-calibration"])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err
+    assert "GGUF file" in err and "drop --vs" in err
+    assert not out.exists()

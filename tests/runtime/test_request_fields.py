@@ -156,3 +156,22 @@ def test_greedy_is_torch_argmax_first_of_ties():
     for x in (tie, nan, column, torch.full((4,), float("-inf")), batch[0].bfloat16()):
         assert greedy(x) == int(torch.argmax(x))
     assert greedy(tie) == 2
+
+
+def test_threads_past_the_cpus_warn(capsys):
+    import os
+    from argparse import Namespace
+
+    from moefit.flags import apply_threads
+
+    before = torch.get_num_threads()
+    cpus = len(os.sched_getaffinity(0))
+    try:
+        apply_threads(Namespace(threads=cpus))
+        assert capsys.readouterr().err == ""
+        apply_threads(Namespace(threads=cpus + 1))
+        err = capsys.readouterr().err
+        assert f"--threads {cpus + 1} is more than the {cpus} CPUs" in err
+        assert torch.get_num_threads() == cpus + 1           # a warning, not a refusal
+    finally:
+        torch.set_num_threads(before)

@@ -22,7 +22,7 @@ from tqdm import tqdm
 
 from moefit.bench import ladder, report, versus
 from moefit.errors import EXIT_NOFIT, EXIT_OK, InputError
-from moefit.flags import calibrated_staging, request_from_args, runnable_device, warn
+from moefit.flags import apply_threads, calibrated_staging, request_from_args, runnable_device, warn
 from moefit.ingest.inputs import is_gguf_file
 from moefit.ingest.resolve import load_model
 from moefit.memory import calibration
@@ -40,13 +40,10 @@ def bench(args: argparse.Namespace) -> int:
                          "directory with config.json and *.safetensors, or a GGUF file")
     if args.decode_tokens < 1:
         raise InputError(f"--decode-tokens {args.decode_tokens}: must be at least 1")
-    if args.threads is not None:
-        if args.threads < 1:
-            raise InputError(f"--threads {args.threads}: must be at least 1")
-        torch.set_num_threads(args.threads)
+    apply_threads(args)
     geom = load_model(str(model))
     if args.vs:
-        versus.check_reference(geom)
+        versus.check_reference(geom, gguf=is_gguf_file(str(model)))
     device = runnable_device(args)
     req = request_from_args(args)
     staging = calibrated_staging(geom, device, req.kv, args)

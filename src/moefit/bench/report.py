@@ -53,7 +53,7 @@ def markdown(doc: dict) -> str:
     head = ["context", "chunk", "KV", "expert slots", "weight arena", "free before READY",
             "staging planned / measured", "prefill tok/s", "decode tok/s", "expert hit rate"]
     if vs:
-        head += ["vs transformers (prefill, decode; greedy)"]
+        head += ["vs transformers (prefill, decode: generate; greedy tokens: full forward, no cache)"]
     out = [f"| {' | '.join(head)} |", "|" + "---|" * len(head)]
     for r in doc["runs"]:
         ctx = tokens_label(r["context"])

@@ -1,15 +1,23 @@
-"""``--vs transformers``: the same prompt through transformers' ``generate``.
+"""``--vs transformers``: the same prompt through transformers.
 
 The checkpoint is loaded with ``AutoModelForCausalLM`` (all of it: transformers has no
 budget) in its own dtype on the same device, with the RoPE scaling the bench asked for
 (``--rope-scaling linear|yarn --rope-scale F`` become the config's ``rope_parameters``, so
-both run the same positions), the bench's longest prompt of a run is
-generated greedily (``max_new_tokens`` = ``min_new_tokens`` = the bench's decode tokens,
-so EOS does not stop it), and timed twice: one new token (the prefill), then all of them;
-the difference is the decode. Reported beside the run: both throughputs, moefit's over
-transformers' (``prefill_tps_ratio``, ``decode_tps_ratio``), and whether the greedy
-tokens agree (``first_divergence``: the first index where they differ). A quantized KV
-cache may legitimately make greedy outputs part after a while.
+both run the same positions). The bench's longest prompt of a run is
+
+- timed through ``generate`` (greedy, ``max_new_tokens`` = ``min_new_tokens`` = the bench's
+  decode tokens, so EOS does not stop it) twice: one new token (the prefill), then all of
+  them; the difference is the decode;
+- continued greedily by the exact reference, transformers' full forward without a cache
+  (``use_cache=False``, the whole sequence again for every token): ``generate``'s cached
+  path is itself not exact (on fp32 checkpoints moefit equals the full forward token for
+  token while ``generate`` drifts after a few tokens), so the tokens are compared with
+  the full forward's (``reference`` in the record names it).
+
+Reported beside the run: both throughputs, moefit's over transformers' (``prefill_tps_ratio``,
+``decode_tps_ratio``), and whether the greedy tokens agree (``first_divergence``: the first
+index where they differ). A quantized KV cache may legitimately make greedy outputs part
+after a while.
 """
 
 from __future__ import annotations
@@ -34,10 +42,19 @@ def accelerate_installed() -> bool:
     return importlib.util.find_spec("accelerate") is not None
 
 
-def check_reference(geom) -> None:
+#: what the greedy tokens are compared with (the record's ``reference``)
+REFERENCE = "transformers full forward without a cache"
+
+
+def check_reference(geom, gguf: bool = False) -> None:
     """Refuse ``--vs transformers`` before anything runs when transformers cannot load
-    ``geom``'s checkpoint here: an mxfp4 or fp8 checkpoint without ``accelerate``
-    (:data:`NEEDS_ACCELERATE`). Raises InputError naming the package and the fix."""
+    ``geom``'s checkpoint here: a GGUF file (``gguf``; the comparison loads a checkpoint
+    directory), an mxfp4 or fp8 checkpoint without ``accelerate``
+    (:data:`NEEDS_ACCELERATE`). Raises InputError naming the fix."""
+    if gguf:
+        raise InputError("--vs transformers compares with a transformers checkpoint directory "
+                         "(config.json + *.safetensors); a GGUF file has none: bench the "
+                         "checkpoint the file was made from, or drop --vs")
     method = geom.quant.method
     if method in NEEDS_ACCELERATE and not accelerate_installed():
         raise InputError(f"--vs transformers: transformers loads this {method} checkpoint only with "
@@ -76,7 +93,9 @@ class Reference:
 
     @torch.inference_mode()
     def generate(self, ids: list[int], new_tokens: int) -> dict:
-        """Time ``ids`` + ``new_tokens`` greedy tokens; cached per (prompt, count)."""
+        """Time ``ids`` + ``new_tokens`` greedy tokens through ``generate``, and take the
+        same number of greedy tokens from the full forward without a cache (the tokens
+        compared); cached per (prompt, count)."""
         key = (len(ids), new_tokens, hash(tuple(ids)))
         if key in self.cache:
             return self.cache[key]
@@ -96,14 +115,27 @@ class Reference:
             out = model.generate(x, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kw)
             self._sync()
             total = time.perf_counter() - t0
+            exact = self.full_forward(ids, new_tokens)
         except Exception as e:
             return {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"}
-        tokens = out[0, len(ids):].tolist()
+        timed = out[0, len(ids):].tolist()
         res = {"prompt_tokens": len(ids), "prefill_s": first, "prefill_tps": len(ids) / first,
-               "decode_s": max(total - first, 1e-9), "tokens": tokens,
-               "decode_tps": (len(tokens) - 1) / max(total - first, 1e-9)}
+               "decode_s": max(total - first, 1e-9), "tokens": exact,
+               "generate_tokens": timed,
+               "decode_tps": (len(timed) - 1) / max(total - first, 1e-9)}
         self.cache[key] = res
         return res
+
+    def full_forward(self, ids: list[int], new_tokens: int) -> list[int]:
+        """``new_tokens`` greedy tokens after ``ids``, each from a full forward pass of the
+        whole sequence without a cache (``use_cache=False``): the exact reference."""
+        model = self._load()
+        seq = list(ids)
+        for _ in range(new_tokens):
+            x = torch.tensor([seq], device=self.device)
+            logits = model(x, use_cache=False).logits[0, -1]
+            seq.append(int(torch.argmax(logits.float())))
+        return seq[len(ids):]
 
     def close(self) -> None:
         self.model = None
@@ -133,7 +165,7 @@ def compare(run: dict, ref: dict) -> dict:
     n = min(len(ours), len(theirs))
     first = next((i for i in range(n) if ours[i] != theirs[i]), None)
     return {
-        "prompt_tokens": ref["prompt_tokens"], "decode_tokens": n,
+        "reference": REFERENCE, "prompt_tokens": ref["prompt_tokens"], "decode_tokens": n,
         "transformers_prefill_tps": ref["prefill_tps"], "transformers_decode_tps": ref["decode_tps"],
         "prefill_tps_ratio": run["prefill_tps"] / ref["prefill_tps"],
         "decode_tps_ratio": run["decode_tps"] / ref["decode_tps"] if ref["decode_tps"] else 0.0,

@@ -20,6 +20,8 @@ import os
 import shutil
 from collections.abc import Mapping
 
+from moefit.errors import InputError
+
 #: ggml type -> the C kernels' type code (``qmatmul.c``).
 CTYPES: dict[str, int] = {"F32": 0, "F16": 1, "BF16": 2, "Q8_0": 3, "Q4_0": 4, "Q4_K": 5, "Q5_K": 6,
                           "Q6_K": 7, "Q4_1": 8, "Q5_0": 9, "Q5_1": 10, "IQ4_NL": 11, "MXFP4": 12}
@@ -51,9 +53,23 @@ def compiler(env: Mapping[str, str] = os.environ) -> str:
     return env.get("CC") or "gcc"
 
 
+def disabled(env: Mapping[str, str] = os.environ) -> bool:
+    """Whether :data:`DISABLE_ENV` turns the C kernels off: ``1``, ``true``, ``yes`` or
+    ``on`` (any case) do; unset, empty, ``0``, ``false``, ``no`` and ``off`` do not.
+    Raises InputError for another value."""
+    value = env.get(DISABLE_ENV, "").strip().lower()
+    if value in ("", "0", "false", "no", "off"):
+        return False
+    if value in ("1", "true", "yes", "on"):
+        return True
+    raise InputError(f"{DISABLE_ENV}={env.get(DISABLE_ENV)!r}: use 1 to run without the C kernels, "
+                     "or 0 / unset to run with them")
+
+
 def unexpected_reason(env: Mapping[str, str] = os.environ) -> str | None:
-    """Why the C kernels will not run on a CPU device (None when they are expected)."""
-    if env.get(DISABLE_ENV):
+    """Why the C kernels will not run on a CPU device (None when they are expected).
+    Raises InputError for a value of :data:`DISABLE_ENV` that is not a yes or a no."""
+    if disabled(env):
         return f"{DISABLE_ENV} is set"
     cc = compiler(env)
     if shutil.which(cc) is None:
