@@ -132,6 +132,17 @@ def device_expert_path(main_kind: str, env: Mapping[str, str] = os.environ) -> b
     return main_kind == "cuda" or value == "device"
 
 
+def miss_host_buffer(geom: ModelGeometry, main_kind: str, miss_policy: str, mapped: bool,
+                     env: Mapping[str, str] = os.environ) -> bool:
+    """Whether serving holds the host buffer of the device expert path's misses
+    (:func:`miss_host_bytes`): the MoE layers take that path (:func:`device_expert_path`),
+    misses are computed on the host (``--miss-policy cpu``) and the experts are not mapped
+    from a GGUF file (mapped misses go expert by expert). Raises InputError as
+    :func:`device_expert_path` does."""
+    return (bool(geom.moe_layers) and miss_policy == "cpu" and not mapped
+            and device_expert_path(main_kind, env))
+
+
 def miss_host_c_kernels(types: tuple[str, str, str], hidden: int, inter: int, dtype: str,
                         env: Mapping[str, str] = os.environ) -> bool:
     """Whether the misses of a device step run on the host through the C kernels
@@ -229,7 +240,7 @@ def serving_staging_bytes(geom: ModelGeometry, chunk: int, slots: int, main_kind
         out += chunk * geom.exact.embed_row_bytes
         if main_kind == "cuda":
             out += chunk * geom.hidden_size * act
-    if device_expert_path(main_kind) and miss_policy == "cpu" and geom.moe_layers and not mapped:
+    if miss_host_buffer(geom, main_kind, miss_policy, mapped):
         out += sum(miss_host_bytes(geom, chunk))
     elif main_kind == "cuda" and miss_policy == "cpu" and geom.moe_layers:
         inter = max(l.moe.expert_intermediate for l in geom.moe_layers)

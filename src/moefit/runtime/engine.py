@@ -52,7 +52,7 @@ from moefit.devices import Device
 from moefit.errors import InputError
 from moefit.ingest.inputs import is_gguf_file, read_routing_profile
 from moefit.memory import cpu_kernels
-from moefit.memory.host import device_expert_path, miss_host_bytes
+from moefit.memory.host import miss_host_buffer, miss_host_bytes
 from moefit.memory.staging import ATTN_KV_BLOCK, ATTN_Q_BLOCK, expert_fixed_region_bytes
 from moefit.memory.weights import stored_matrices
 from moefit.plan.solver import Plan
@@ -476,8 +476,8 @@ def _commit_host_buffers(host: HostLedger, weights, experts: ExpertCache | None,
     if experts is not None and experts.host.mapped:
         he = experts.host
         experts.host.gather_buf = host.alloc("host_staging", (max(he.elems.values()),), he.dtype)
-    elif (experts is not None and plan.request.miss_policy == "cpu"
-          and device_expert_path(plan.devices[0].device.kind)):
+    elif experts is not None and miss_host_buffer(plan.geometry, plan.devices[0].device.kind,
+                                                  plan.request.miss_policy, experts.host.mapped):
         # the misses of the device expert path: one host buffer (pinned on CUDA), and the
         # torch kernels' tile scratch beside it where they dequantize (charged)
         nbytes, scratch = miss_host_bytes(plan.geometry, chunk)

@@ -59,10 +59,11 @@ def layer_format(cache, layer: int) -> StoredExpert | None:
 #: chunk of 16 .. 256 tokens both ways: the batched kernel is as fast or faster up to
 #: 4-6 tokens per expert for the K-quants (Q4_K_M: 84 against 124 ms at 2 per expert,
 #: 193 / 191 ms at 6, 274 / 218 ms at 9), 20 for Q8_0 (434 / 492 ms at 20, 541 / 494 ms at
-#: 24) and 32 or more for Q4_0 (570 / 650 ms at 32) and BF16 (639 / 644 ms at 32). Types not
-#: measured keep the 8 of the first measurement.
-TOKENS_PER_EXPERT = {"Q2_K": 6, "Q3_K": 6, "Q4_K": 6, "Q5_K": 6, "Q6_K": 6, "IQ4_XS": 6,
-                     "Q8_0": 20, "Q4_0": 32, "BF16": 32, "F16": 32, "F32": 32}
+#: 24) and 32 or more for Q4_0 (570 / 650 ms at 32) and BF16 (639 / 644 ms at 32). Q5_K
+#: takes the K-quants' figure and F16 / F32 BF16's (the same kernels, not measured apart);
+#: the other types the kernels read keep the 8 of the first measurement.
+TOKENS_PER_EXPERT = {"Q4_K": 6, "Q5_K": 6, "Q6_K": 6, "Q8_0": 20, "Q4_0": 32,
+                     "BF16": 32, "F16": 32, "F32": 32}
 DEFAULT_TOKENS_PER_EXPERT = 8
 
 

@@ -404,9 +404,7 @@ async def _parse(state: ServerState, request: Request, model):
         except ValidationError as e:
             raise RequestValidationError(e.errors(include_url=False)) from None
 
-    if state._tokenize is None:
-        state._tokenize = anyio.CapacityLimiter(TOKENIZE_THREADS)
-    return await anyio.to_thread.run_sync(parse, limiter=state._tokenize)
+    return await _on_worker(state, parse)
 
 
 async def _tokenize(state: ServerState, fn, chars: int):
@@ -418,6 +416,12 @@ async def _tokenize(state: ServerState, fn, chars: int):
     if chars > limit:
         raise InputError(f"the prompt text is {chars} characters; this server's context of "
                          f"{state.plan.context} tokens (--max-context) takes at most {limit}")
+    return await _on_worker(state, fn)
+
+
+async def _on_worker(state: ServerState, fn):
+    """``fn()`` on a worker thread, at most :data:`TOKENIZE_THREADS` at once (one limiter
+    for the body parser and the tokenizer), so the event loop never waits on it."""
     if state._tokenize is None:
         state._tokenize = anyio.CapacityLimiter(TOKENIZE_THREADS)
     return await anyio.to_thread.run_sync(fn, limiter=state._tokenize)

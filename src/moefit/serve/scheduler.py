@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -83,7 +83,7 @@ class Stats:
     steps: int = 0
     prompt_tokens: int = 0
     generated_tokens: int = 0
-    finished: dict = field(default_factory=dict)    # finish reason -> jobs
+    finished: Counter = field(default_factory=Counter)    # finish reason -> jobs
     errors: int = 0
 
 
@@ -209,7 +209,7 @@ class Scheduler:
     def _ended(self, job: Job) -> None:
         """``job`` ends without a finish reason of its own: counted as ``abort`` (with the
         finish reasons: ``/metrics``' requests by outcome), told with :class:`Ended`."""
-        self.stats.finished["abort"] = self.stats.finished.get("abort", 0) + 1
+        self.stats.finished["abort"] += 1
         job.emit(Ended())
 
     def _retire_cancelled(self) -> None:
@@ -281,7 +281,6 @@ class Scheduler:
                 if step.finish_reason is None:
                     job.next_token = step.token
                 else:
-                    self.stats.finished[step.finish_reason] = \
-                        self.stats.finished.get(step.finish_reason, 0) + 1
+                    self.stats.finished[step.finish_reason] += 1
                     self._free(job)
                 job.emit(step)
