@@ -522,7 +522,7 @@ void mf_route(int T, int E, int k, const void *logits, int dt, int renorm, const
  * A run of layers whose every operation is above: RMSNorm (+ the pending residual), q / k / v
  * (+ biases), q/k norm, RoPE + KV write, attention, the output projection (+ bias), RMSNorm
  * (+ residual), the router, top-k routing and the routed experts. The same calls in the same
- * order as the Python loop makes them, so the result is the same bit for bit; one foreign
+ * order as the Python loop makes them (clip_qkv too), so the result is the same bit for bit; one foreign
  * call per step instead of about a dozen per layer (each a Python-side conversion of its
  * arguments and a release and re-take of the interpreter lock, which a serving thread on the
  * other core may hold). Layout: mf_lean_layer / mf_lean_step, mirrored by ctypes structures
@@ -551,7 +551,7 @@ typedef struct {
 
 typedef struct {
     int32_t t, h, ad, threads, qk_norm, renorm, rot, pdt;   /* qk_norm 0 none, 1 per head, 2 full */
-    float eps, off;
+    float eps, off, clip;                              /* clip: clip_qkv (0: none) */
     void *hidden, *normed, *delta;
     float *acc;
     uint8_t *gscratch;
@@ -565,6 +565,14 @@ typedef struct {
     uint8_t *mscratch;
     const void *pending;                               /* in / out: the sublayer output not yet added */
 } mf_lean_step;
+
+/* x = clamp(x, -c, c) over n values of dtype dt (torch's clamp_: exact in any dtype) */
+static void clamp_vals(void *x, int dt, int64_t n, float c) {
+    for (int64_t i = 0; i < n; i++) {
+        float v = ld(x, dt, i);
+        st(x, dt, i, v < -c ? -c : v > c ? c : v);
+    }
+}
 
 static void mm(const mf_mat *m, const mf_lean_step *s, const void *x, void *out, const void *bias) {
     mf_gemm_ex(m->type, m->p, m->rows, m->cols, x, s->ad, s->t, out, s->ad, bias, s->gscratch, s->threads);
@@ -581,7 +589,13 @@ void mf_lean_layers(int n, mf_lean_layer *layers, mf_lean_step *s) {
         if (s->qk_norm == 2) {
             mf_rmsnorm(t, L->heads * L->d, s->q, NULL, ad, L->qn, ad, s->eps, 0.f, s->q);
             mf_rmsnorm(t, L->kvh * L->d, s->k, NULL, ad, L->kn, ad, s->eps, 0.f, s->k);
-        } else if (s->qk_norm == 1) {
+        }
+        if (s->clip > 0.f) {
+            clamp_vals(s->q, ad, (int64_t)t * L->heads * L->d, s->clip);
+            clamp_vals(s->k, ad, (int64_t)t * L->kvh * L->d, s->clip);
+            clamp_vals(s->v, ad, (int64_t)t * L->kvh * L->dv, s->clip);
+        }
+        if (s->qk_norm == 1) {
             mf_rmsnorm(t * L->heads, L->d, s->q, NULL, ad, L->qn, ad, s->eps, s->off, s->q);
             mf_rmsnorm(t * L->kvh, L->d, s->k, NULL, ad, L->kn, ad, s->eps, s->off, s->k);
         }

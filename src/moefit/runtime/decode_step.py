@@ -19,7 +19,14 @@ same layer is, for the ``T`` tokens of the step (one per sequence, ``T`` = the b
    the routed experts in one call (``mf_moe``: each expert's rows read once for all the
    step's tokens routed to it);
 
-then the final norm and the fp32 logits (``mf_gemm_ex``). The C code (``decode_step.c``)
+then the final norm and the fp32 logits (``mf_gemm_ex``). Consecutive layers whose every
+operation is one of these (attention without an output gate, routed experts without shared
+ones: Qwen3-MoE, Mixtral, OLMoE) run as one call, ``mf_lean_layers``, which makes the same C
+calls in the same order (bit-identical to the loop; tests/runtime/test_decode_step.py): a
+foreign call converts its arguments in Python and releases and re-takes the interpreter
+lock, and at a dozen calls a layer that was a third of a tiny model's step (0.52 -> 0.32 ms
+for one sequence of the serve_load benchmark's model) and, while a server thread held the
+lock, a wait after each call. The C code (``decode_step.c``)
 rounds where the torch code rounds (every tensor the torch path stores in the compute dtype
 is rounded there), so the two paths differ by fp32 summation order only;
 tests/runtime/test_decode_step.py compares them on every family the runtime runs.
@@ -36,7 +43,8 @@ weight, that this module does not know
 the torch path until it is taught here.
 
 Buffers: every per-step tensor comes from the staging workspace (taken once per step, not
-per layer); the attention keeps its scores on the C stack (blocks of 128 positions).
+per layer, and for a step size already seen replayed: same offsets, no new views); the
+attention keeps its scores on the C stack (blocks of 32 positions).
 """
 
 from __future__ import annotations
@@ -146,7 +154,7 @@ class _CStep(ctypes.Structure):
     """``mf_lean_step`` of decode_step.c: the step's sizes, flags and buffer addresses."""
 
     _fields_ = [*((n, ctypes.c_int32) for n in ("t", "h", "ad", "threads", "qk_norm", "renorm", "rot", "pdt")),
-                ("eps", ctypes.c_float), ("off", ctypes.c_float),
+                ("eps", ctypes.c_float), ("off", ctypes.c_float), ("clip", ctypes.c_float),
                 *((n, ctypes.c_void_p) for n in ("hidden", "normed", "delta", "acc", "gscratch", "q", "k", "v", "o",
                                                  "pos", "slot", "cs", "sn", "rlog", "bptr", "bounds", "tok", "wsel",
                                                  "stats", "mscratch", "pending"))]
@@ -194,10 +202,10 @@ class _Layer:
             if lw.shared_gate is not None else None
         self.dense = tuple(_mat(x) for x in (lw.dense_gate, lw.dense_up, lw.dense_down)) \
             if l.moe is None else None
-        #: the layer runs inside ``mf_lean_layers``: attention without an output gate or
-        #: clipping, routed experts without shared ones (the rest stays in this loop)
-        self.fused = a.kind != "linear" and not a.output_gate and arch.clip_qkv is None \
-            and l.moe is not None and self.shared is None
+        #: the layer runs inside ``mf_lean_layers``: attention without an output gate,
+        #: routed experts without shared ones (the rest stays in this loop)
+        self.fused = a.kind != "linear" and not a.output_gate and l.moe is not None and self.shared is None \
+            and (arch.clip_qkv is None or arch.clip_qkv > 0)
 
     def c_layer(self) -> _CLayer:
         """The :class:`_CLayer` of a fused layer (the expert table: :meth:`LeanStep._tables_c`)."""
@@ -513,6 +521,7 @@ class LeanStep:
             c = b.cstep = _CStep()
             c.t, c.h, c.ad, c.renorm, c.rot = t, h, self.act, int(arch.renormalize), self.rot
             c.qk_norm, c.eps, c.off = {"": 0, "head": 1, "full": 2}[arch.qk_norm], arch.rms_eps, arch.norm_offset
+            c.clip = arch.clip_qkv or 0.0
             (c.hidden, c.normed, c.delta, c.acc, c.gscratch, c.q, c.k, c.v, c.o, c.pos, c.slot, c.cs, c.sn) = (
                 b.hp, b.np_, b.dp, b.ap, b.gp, *b.bufs[:4], *b.bufs[5:])
             c.rlog, c.bptr, c.bounds, c.tok, c.wsel, c.stats, c.mscratch = b.moe
