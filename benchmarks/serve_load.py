@@ -39,8 +39,6 @@ import threading
 import time
 from pathlib import Path
 
-import httpx
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_runtime import CONFIG, write_checkpoint  # noqa: E402
 
@@ -152,33 +150,76 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-async def one_request(client: httpx.AsyncClient, url: str, prompt: list[int], tokens: int) -> dict:
-    """One streaming completion: outcome, time to first token, gaps between tokens."""
+async def _body(reader: asyncio.StreamReader, chunked: bool):
+    """The response body's bytes as they arrive (HTTP/1.1 chunked transfer coding, or to
+    the end of the connection)."""
+    if not chunked:
+        while data := await reader.read(65536):
+            yield data
+        return
+    while True:
+        size = int((await reader.readline()).split(b";")[0], 16)
+        if size == 0:
+            while (await reader.readline()).strip():      # trailers
+                pass
+            return
+        yield await reader.readexactly(size)
+        await reader.readexactly(2)
+
+
+async def one_request(url: str, prompt: list[int], tokens: int) -> dict:
+    """One streaming completion on a connection of its own (``Connection: close``): outcome,
+    time to first token (from before the connection is opened), gaps between tokens.
+
+    The client is a few lines of asyncio over one socket, not an HTTP library: on the
+    2-core machines this runs on, the load client shares the CPUs with the server, and
+    httpx's per-chunk cost (~150 us of client CPU per streamed token, against ~25 us here)
+    made the client, not the server, the limit of both servers at four clients on the
+    small model."""
+    host, port = url.split("//", 1)[1].rsplit(":", 1)
     # return_token_ids: a chunk per token even when a model without a tokenizer has no text
-    body = {"prompt": prompt, "max_tokens": tokens, "ignore_eos": True, "stream": True,
-            "temperature": 0, "return_token_ids": True}
+    body = json.dumps({"prompt": prompt, "max_tokens": tokens, "ignore_eos": True, "stream": True,
+                       "temperature": 0, "return_token_ids": True}).encode()
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\nAccept: text/event-stream\r\nConnection: close\r\n\r\n").encode()
     t0 = time.perf_counter()
     times: list[float] = []
     finish = None
+
+    def event(line: bytes) -> None:
+        nonlocal finish
+        line = line.strip()
+        if not line.startswith(b"data: ") or line == b"data: [DONE]":
+            return
+        for c in json.loads(line[6:]).get("choices", []):
+            # a token: a chunk before the end, or a last chunk that carries one
+            # (llama-server ends with an empty chunk of its own)
+            if c.get("finish_reason") is None or c.get("text") or c.get("token_ids"):
+                times.append(time.perf_counter())
+            finish = c.get("finish_reason") or finish
+
     try:
-        async with client.stream("POST", url + "/v1/completions", json=body) as r:
-            if r.status_code == 503:
-                await r.aread()
-                return {"outcome": "refused"}
-            if r.status_code != 200:
-                await r.aread()
-                return {"outcome": "failed", "why": f"HTTP {r.status_code}"}
-            async for line in r.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                for c in chunk.get("choices", []):
-                    # a token: a chunk before the end, or a last chunk that carries one
-                    # (llama-server ends with an empty chunk of its own)
-                    if c.get("finish_reason") is None or c.get("text") or c.get("token_ids"):
-                        times.append(time.perf_counter())
-                    finish = c.get("finish_reason") or finish
-    except httpx.HTTPError as e:
+        reader, writer = await asyncio.open_connection(host, int(port))
+        try:
+            writer.write(head + body)
+            await writer.drain()
+            status = int((await reader.readline()).split()[1])
+            headers = {}
+            while (line := await reader.readline()).strip():
+                k, _, v = line.decode("latin-1").partition(":")
+                headers[k.strip().lower()] = v.strip().lower()
+            if status != 200:
+                await reader.read()
+                return {"outcome": "refused"} if status == 503 else {"outcome": "failed", "why": f"HTTP {status}"}
+            buf = b""
+            async for data in _body(reader, "chunked" in headers.get("transfer-encoding", "")):
+                *lines, buf = (buf + data).split(b"\n")
+                for line in lines:
+                    event(line)
+            event(buf)
+        finally:
+            writer.close()
+    except (OSError, EOFError, ValueError, IndexError) as e:
         return {"outcome": "failed", "why": type(e).__name__}
     if finish is None:
         return {"outcome": "failed", "why": "stream cut without a finish_reason"}
@@ -191,20 +232,19 @@ async def run_round(url: str, n: int, requests: int, prompt_len: int, tokens: in
                     vocab: int, timeout: float, seed: int) -> dict:
     rng = random.Random(seed)
     results: list[dict] = []
-    limits = httpx.Limits(max_connections=n + 4, max_keepalive_connections=n + 4)
 
-    async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
-        async def worker(w: int):
-            for _ in range(requests):
-                prompt = [rng.randrange(vocab) for _ in range(prompt_len)]
-                results.append(await one_request(client, url, prompt, tokens))
+    async def worker(w: int):
+        for _ in range(requests):
+            prompt = [rng.randrange(vocab) for _ in range(prompt_len)]
+            results.append(await one_request(url, prompt, tokens))
 
-        t0 = time.perf_counter()
-        tasks = [asyncio.create_task(worker(w)) for w in range(n)]
-        done, pending = await asyncio.wait(tasks, timeout=timeout)
-        for t in pending:
-            t.cancel()
-        wall = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    tasks = [asyncio.create_task(worker(w)) for w in range(n)]
+    done, pending = await asyncio.wait(tasks, timeout=timeout)
+    for t in pending:
+        t.cancel()
+    await asyncio.gather(*pending, return_exceptions=True)
+    wall = time.perf_counter() - t0
     sent = n * requests
     got = {k: sum(r["outcome"] == k for r in results) for k in ("completed", "refused", "failed")}
     got["failed"] += sent - len(results)          # cut by the round's timeout

@@ -131,6 +131,48 @@ def test_lean_step_batched_over_slots(tiny_models, monkeypatch):
     assert calls and [g for g in got] == [a[1] for a in alone]
 
 
+def _fused_run(tiny, plan, fused: bool, clip: float | None = None):
+    """Logits of two sequences decoded together for STEPS steps, then one alone, through the
+    lean step with its fused runs of layers (``mf_lean_layers``) or layer by layer; and the
+    expert stats. ``clip``: the model's clip_qkv replaced (OLMoE)."""
+    import dataclasses
+
+    engine = Engine.start(tiny.path, plan, EngineOptions(progress=False))
+    if clip is not None:
+        engine.model.arch = dataclasses.replace(engine.model.arch, clip_qkv=clip)
+    step = decode_step.lean(engine.model)
+    assert step.fused and any(not isinstance(i, decode_step._Layer) for i in step.items)
+    if not fused:
+        step.items = list(step.layers)
+    vocab = tiny.geom.vocab_size
+    nxt = [int(torch.argmax(engine.prefill(prompt(vocab, n=n, seed=n), s))) for s, n in ((0, 5), (1, 11))]
+    out = []
+    for _ in range(STEPS):
+        logits = engine.step([(0, [nxt[0]]), (1, [nxt[1]])])
+        out.append(logits.clone())
+        nxt = [int(torch.argmax(row)) for row in logits]
+    out.append(engine.decode(nxt[0], 0))       # a step of another size after those
+    stats = engine.expert_stats()
+    return out, (stats["hits"], stats["misses"])
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "olmoe"])
+def test_fused_layers_equal_the_layer_by_layer_loop(tiny_models, family):
+    """``mf_lean_layers`` runs a layer's C operations in the order the Python loop calls them:
+    two sequences decoded with few experts resident give the same logits bit for bit and the
+    same hits and misses either way; the replayed step buffers change nothing. OLMoE with a
+    clip_qkv that binds (0.05: the tiny model's q / k / v exceed it; 4.0 never binds)."""
+    tiny = tiny_models[(family, "per_expert")]
+    plan = plan_for(tiny, slots=2, expert_cache=2)
+    clip = 0.05 if family == "olmoe" else None
+    (a, sa), (b, sb) = (_fused_run(tiny, plan, fused, clip) for fused in (True, False))
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    assert sa == sb and sa[1] > 0
+    if clip is not None:
+        free, _ = _fused_run(tiny, plan, True)
+        assert not torch.equal(free[0], a[0])      # the clip binds
+
+
 def test_what_the_lean_step_does_not_cover_takes_the_torch_path(tiny_models):
     tiny = tiny_models[("qwen3_moe", "per_expert")]
     fp8 = Engine.start(tiny.path, plan_for(tiny, kv="fp8"), EngineOptions(progress=False))

@@ -517,3 +517,103 @@ void mf_route(int T, int E, int k, const void *logits, int dt, int renorm, const
     bounds[n] = p;
     stats[0] = n; stats[1] = hits; stats[2] = misses;
 }
+
+/* ---- whole layers in one call (moefit.runtime.decode_step.LeanStep.run) --------------------
+ * A run of layers whose every operation is above: RMSNorm (+ the pending residual), q / k / v
+ * (+ biases), q/k norm, RoPE + KV write, attention, the output projection (+ bias), RMSNorm
+ * (+ residual), the router, top-k routing and the routed experts. The same calls in the same
+ * order as the Python loop makes them (clip_qkv too), so the result is the same bit for bit; one foreign
+ * call per step instead of about a dozen per layer (each a Python-side conversion of its
+ * arguments and a release and re-take of the interpreter lock, which a serving thread on the
+ * other core may hold). Layout: mf_lean_layer / mf_lean_step, mirrored by ctypes structures
+ * in decode_step.py (same field order and types). */
+void mf_gemm_ex(int t, const uint8_t *W, int N, int K, const void *x, int xdt, int n, void *y, int ydt,
+                const void *bias, uint8_t *scratch, int nthreads);
+void mf_moe(int n_exp, const uint8_t *const *blobs, const int64_t *bounds, const int64_t *tok,
+            const float *wt, const void *x, int xdt, float *acc, int T, int H, int I, int tg, int tu, int td,
+            int64_t off_u, int64_t off_d, uint8_t *scratch, int pchunk, int nthreads);
+
+typedef struct { const uint8_t *p; int32_t type, rows, cols, pad; } mf_mat;
+
+typedef struct {
+    const void *in_norm, *post_norm;
+    mf_mat q, k, v, o, router;
+    const void *qb, *kb, *vb, *ob, *qn, *kn;           /* biases, q / k norm weights (NULL: none) */
+    uint8_t *kc, *vc;                                  /* the layer's K / V cache */
+    int32_t heads, kvh, d, dv, cells, window, kcode, vcode, knb, vnb;
+    float scale;
+    int32_t e, topk, inter, gt, ut, dt;                /* experts, top-k, width, ggml types */
+    int64_t up_off, down_off, pchunk;
+    const int64_t *table;                              /* blob address per expert */
+    const uint8_t *mask;                               /* resident per expert */
+    int64_t hits, misses;                              /* added to (the caller takes them) */
+} mf_lean_layer;
+
+typedef struct {
+    int32_t t, h, ad, threads, qk_norm, renorm, rot, pdt;   /* qk_norm 0 none, 1 per head, 2 full */
+    float eps, off, clip;                              /* clip: clip_qkv (0: none) */
+    void *hidden, *normed, *delta;
+    float *acc;
+    uint8_t *gscratch;
+    void *q, *k, *v, *o;
+    const int64_t *pos, *slot;
+    const float *cs, *sn;
+    void *rlog;
+    int64_t *bptr, *bounds, *tok;
+    float *wsel;
+    int64_t *stats;
+    uint8_t *mscratch;
+    const void *pending;                               /* in / out: the sublayer output not yet added */
+} mf_lean_step;
+
+/* x = clamp(x, -c, c) over n values of dtype dt (torch's clamp_: exact in any dtype) */
+static void clamp_vals(void *x, int dt, int64_t n, float c) {
+    for (int64_t i = 0; i < n; i++) {
+        float v = ld(x, dt, i);
+        st(x, dt, i, v < -c ? -c : v > c ? c : v);
+    }
+}
+
+static void mm(const mf_mat *m, const mf_lean_step *s, const void *x, void *out, const void *bias) {
+    mf_gemm_ex(m->type, m->p, m->rows, m->cols, x, s->ad, s->t, out, s->ad, bias, s->gscratch, s->threads);
+}
+
+void mf_lean_layers(int n, mf_lean_layer *layers, mf_lean_step *s) {
+    int t = s->t, h = s->h, ad = s->ad;
+    for (int i = 0; i < n; i++) {
+        mf_lean_layer *L = layers + i;
+        mf_rmsnorm(t, h, s->hidden, s->pending, s->pdt, L->in_norm, ad, s->eps, s->off, s->normed);
+        mm(&L->q, s, s->normed, s->q, L->qb);
+        mm(&L->k, s, s->normed, s->k, L->kb);
+        mm(&L->v, s, s->normed, s->v, L->vb);
+        if (s->qk_norm == 2) {
+            mf_rmsnorm(t, L->heads * L->d, s->q, NULL, ad, L->qn, ad, s->eps, 0.f, s->q);
+            mf_rmsnorm(t, L->kvh * L->d, s->k, NULL, ad, L->kn, ad, s->eps, 0.f, s->k);
+        }
+        if (s->clip > 0.f) {
+            clamp_vals(s->q, ad, (int64_t)t * L->heads * L->d, s->clip);
+            clamp_vals(s->k, ad, (int64_t)t * L->kvh * L->d, s->clip);
+            clamp_vals(s->v, ad, (int64_t)t * L->kvh * L->dv, s->clip);
+        }
+        if (s->qk_norm == 1) {
+            mf_rmsnorm(t * L->heads, L->d, s->q, NULL, ad, L->qn, ad, s->eps, s->off, s->q);
+            mf_rmsnorm(t * L->kvh, L->d, s->k, NULL, ad, L->kn, ad, s->eps, s->off, s->k);
+        }
+        mf_rope_kv(t, s->q, L->heads, s->k, L->kvh, s->v, L->d, L->dv, s->rot, s->cs, s->sn, s->pos, s->slot, ad,
+                   L->kc, L->vc, L->cells, L->kcode, L->vcode, L->knb, L->vnb);
+        mf_attn_decode(t, s->q, L->heads, L->kvh, L->d, L->dv, L->scale, L->kc, L->vc, L->kcode, L->vcode,
+                       L->knb, L->vnb, s->pos, s->slot, L->cells, L->window, ad, s->o, s->threads);
+        mm(&L->o, s, s->o, s->delta, L->ob);
+        mf_rmsnorm(t, h, s->hidden, s->delta, ad, L->post_norm, ad, s->eps, s->off, s->normed);
+        mm(&L->router, s, s->normed, s->rlog, NULL);
+        mf_route(t, L->e, L->topk, s->rlog, ad, s->renorm, L->table, L->mask, s->bptr, s->bounds, s->tok, s->wsel,
+                 s->stats);
+        L->hits += s->stats[1];
+        L->misses += s->stats[2];
+        memset(s->acc, 0, (size_t)t * h * sizeof(float));
+        mf_moe((int)s->stats[0], (const uint8_t *const *)s->bptr, s->bounds, s->tok, s->wsel, s->normed, ad, s->acc,
+               t, h, L->inter, L->gt, L->ut, L->dt, L->up_off, L->down_off, s->mscratch, (int)L->pchunk, s->threads);
+        s->pending = s->acc;
+        s->pdt = D_F32;
+    }
+}

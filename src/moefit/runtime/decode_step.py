@@ -19,7 +19,14 @@ same layer is, for the ``T`` tokens of the step (one per sequence, ``T`` = the b
    the routed experts in one call (``mf_moe``: each expert's rows read once for all the
    step's tokens routed to it);
 
-then the final norm and the fp32 logits (``mf_gemm_ex``). The C code (``decode_step.c``)
+then the final norm and the fp32 logits (``mf_gemm_ex``). Consecutive layers whose every
+operation is one of these (attention without an output gate, routed experts without shared
+ones: Qwen3-MoE, Mixtral, OLMoE) run as one call, ``mf_lean_layers``, which makes the same C
+calls in the same order (bit-identical to the loop; tests/runtime/test_decode_step.py): a
+foreign call converts its arguments in Python and releases and re-takes the interpreter
+lock, and at a dozen calls a layer that was a third of a tiny model's step (0.52 -> 0.32 ms
+for one sequence of the serve_load benchmark's model) and, while a server thread held the
+lock, a wait after each call. The C code (``decode_step.c``)
 rounds where the torch code rounds (every tensor the torch path stores in the compute dtype
 is rounded there), so the two paths differ by fp32 summation order only;
 tests/runtime/test_decode_step.py compares them on every family the runtime runs.
@@ -36,7 +43,8 @@ weight, that this module does not know
 the torch path until it is taught here.
 
 Buffers: every per-step tensor comes from the staging workspace (taken once per step, not
-per layer); the attention keeps its scores on the C stack (blocks of 128 positions).
+per layer, and for a step size already seen replayed: same offsets, no new views); the
+attention keeps its scores on the C stack (blocks of 32 positions).
 """
 
 from __future__ import annotations
@@ -120,6 +128,47 @@ def _view(ptr: int, n: int, dtype: torch.dtype) -> torch.Tensor:
     return torch.frombuffer((ctypes.c_char * (n * dtype.itemsize)).from_address(ptr), dtype=dtype)
 
 
+class _CMat(ctypes.Structure):
+    """``mf_mat`` of decode_step.c: a weight's address, ggml type, rows x cols."""
+
+    _fields_ = [("p", ctypes.c_void_p), ("type", ctypes.c_int32), ("rows", ctypes.c_int32),
+                ("cols", ctypes.c_int32), ("pad", ctypes.c_int32)]
+
+
+class _CLayer(ctypes.Structure):
+    """``mf_lean_layer`` of decode_step.c: what ``mf_lean_layers`` reads of one layer."""
+
+    _fields_ = [("in_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p),
+                *((n, _CMat) for n in ("q", "k", "v", "o", "router")),
+                *((n, ctypes.c_void_p) for n in ("qb", "kb", "vb", "ob", "qn", "kn", "kc", "vc")),
+                *((n, ctypes.c_int32) for n in ("heads", "kvh", "d", "dv", "cells", "window", "kcode", "vcode",
+                                                "knb", "vnb")),
+                ("scale", ctypes.c_float),
+                *((n, ctypes.c_int32) for n in ("e", "topk", "inter", "gt", "ut", "dt")),
+                *((n, ctypes.c_int64) for n in ("up_off", "down_off", "pchunk")),
+                ("table", ctypes.c_void_p), ("mask", ctypes.c_void_p),
+                ("hits", ctypes.c_int64), ("misses", ctypes.c_int64)]
+
+
+class _CStep(ctypes.Structure):
+    """``mf_lean_step`` of decode_step.c: the step's sizes, flags and buffer addresses."""
+
+    _fields_ = [*((n, ctypes.c_int32) for n in ("t", "h", "ad", "threads", "qk_norm", "renorm", "rot", "pdt")),
+                ("eps", ctypes.c_float), ("off", ctypes.c_float), ("clip", ctypes.c_float),
+                *((n, ctypes.c_void_p) for n in ("hidden", "normed", "delta", "acc", "gscratch", "q", "k", "v", "o",
+                                                 "pos", "slot", "cs", "sn", "rlog", "bptr", "bounds", "tok", "wsel",
+                                                 "stats", "mscratch", "pending"))]
+
+
+def _cmat(m: _Mat) -> _CMat:
+    return _CMat(m.ptr, m.qtype, m.rows, m.cols, 0)
+
+
+class _Buffers:
+    """One step size's workspace buffers, their addresses and C step structure
+    (:meth:`LeanStep._buffers`)."""
+
+
 class _Layer:
     """What one layer's step reads, resolved once: weight addresses, cache views, flags."""
 
@@ -153,6 +202,22 @@ class _Layer:
             if lw.shared_gate is not None else None
         self.dense = tuple(_mat(x) for x in (lw.dense_gate, lw.dense_up, lw.dense_down)) \
             if l.moe is None else None
+        #: the layer runs inside ``mf_lean_layers``: attention without an output gate,
+        #: routed experts without shared ones (the rest stays in this loop)
+        self.fused = a.kind != "linear" and not a.output_gate and l.moe is not None and self.shared is None \
+            and (arch.clip_qkv is None or arch.clip_qkv > 0)
+
+    def c_layer(self) -> _CLayer:
+        """The :class:`_CLayer` of a fused layer (the expert table: :meth:`LeanStep._tables_c`)."""
+        c = _CLayer()
+        c.in_norm, c.post_norm = self.norms
+        c.q, c.k, c.v, c.o, c.router = (_cmat(m) for m in (self.q, self.k, self.v, self.o, self.router))
+        c.qb, _, c.kb, c.vb, c.ob = self.biases
+        c.qn, c.kn, c.kc, c.vc = self.qn, self.kn, self.kptr, self.vptr
+        c.heads, c.kvh, c.d, c.dv, c.cells, c.window = self.heads, self.kvh, self.d, self.dv, self.cells, self.window
+        c.kcode, c.vcode, c.knb, c.vnb, c.scale = self.kcode, self.vcode, self.knb, self.vnb, self.scale
+        c.e, c.topk = self.moe.num_experts, self.moe.experts_per_token
+        return c
 
 
 class LeanStep:
@@ -185,6 +250,36 @@ class LeanStep:
         self._tables = {}
         self._version = None
         self._applies: dict = {}
+        # what a step takes, whatever its size
+        h, att = mdl.geom.hidden_size, [L for L in self.layers if L.kind != "linear"]
+        self.att, self.moes = att, [L for L in self.layers if L.moe is not None]
+        self.widest = max([h] + [L.heads * L.dv for L in att]
+                          + [m.cols for L in self.layers for m in (L.shared or ()) + (L.dense or ())])
+        self.qw = max([L.heads * L.d for L in att], default=1)
+        self.kw = max([L.kvh * max(L.d, L.dv) for L in att], default=1)
+        self.ow = max([L.heads * L.dv for L in att], default=1)
+        self.gated = any(L.gate is not None for L in att)
+        if self.moes:
+            self.e_max = max(L.moe.num_experts for L in self.moes)
+            self.k_max = max(L.moe.experts_per_token for L in self.moes)
+        # the layer loop: runs of fused layers (one mf_lean_layers call each) and the others
+        self.clayers = (_CLayer * len(self.layers))()
+        self.items: list = []
+        for i, L in enumerate(self.layers):
+            if L.fused:
+                self.clayers[i] = L.c_layer()
+                if self.items and isinstance(self.items[-1], list):
+                    self.items[-1].append(i)
+                else:
+                    self.items.append([i])
+            else:
+                self.items.append(L)
+        self.items = [(ctypes.addressof(self.clayers) + run[0] * ctypes.sizeof(_CLayer), run)
+                      if isinstance(run, list) else run for run in self.items]
+        self.fused = [i for i, L in enumerate(self.layers) if L.fused]
+        self._cversion = None
+        self._pchunk_key = None
+        self._bufs: dict = {}
 
     # ---- when --------------------------------------------------------------------------------
     @staticmethod
@@ -264,6 +359,19 @@ class LeanStep:
             self._tables[layer] = tab
         return tab
 
+    def _tables_c(self) -> None:
+        """Point the fused layers' :class:`_CLayer` at their expert tables (:meth:`_table`),
+        when the cache's residency changed since the last step."""
+        if self._cversion == self.mdl.experts.version:
+            return
+        for i in self.fused:
+            table, mask, fmt, codes = self._table(self.layers[i].l.index)
+            c = self.clayers[i]
+            c.table, c.mask = table.data_ptr(), mask.data_ptr()
+            c.inter, (c.gt, c.ut, c.dt) = fmt.gate.rows, codes
+            c.up_off, c.down_off = fmt.up.offset, fmt.down.offset
+        self._cversion = self.mdl.experts.version
+
     # ---- the step ----------------------------------------------------------------------------
     def run(self, ids: torch.Tensor, segs) -> torch.Tensor:
         """The step (``ids`` ``[T]``, one token per segment); returns the logits ``[T, V]``
@@ -277,54 +385,48 @@ class LeanStep:
         for sg in segs:
             mdl.kv.check_room(sg.slot, sg.start, 1)
         ws.begin_chunk(mdl.fixed_bytes)
-        pos = torch.tensor([sg.start for sg in segs], dtype=torch.int64)
-        slot = torch.tensor([sg.slot for sg in segs], dtype=torch.int64)
-        hidden = ws.take((t, h), act)
+        b = self._buffers(t)
+        b.pos_a[:] = [sg.start for sg in segs]
+        b.slot_a[:] = [sg.slot for sg in segs]
+        hidden, normed, delta, acc = b.hidden, b.normed, b.delta, b.acc
         if hasattr(w.embed, "lookup"):   # a GGUF table kept on the host (gguf_loader.HostEmbedding)
             w.embed.lookup(ids, hidden)
         else:
             torch.index_select(w.embed, 0, ids, out=hidden)
-        normed, delta = ws.take((t, h), act), ws.take((t, h), act)
-        acc = ws.take((t, h), f32)
-        widest = max([h] + [L.heads * L.dv for L in self.layers if L.kind != "linear"]
-                     + [m.cols for L in self.layers for m in (L.shared or ()) + (L.dense or ())])
-        gscratch = ws.take((qmatmul.gemm_scratch_bytes(t, widest),), torch.uint8)
-        att = [L for L in self.layers if L.kind != "linear"]
-        qw = max([L.heads * L.d for L in att], default=1)
-        kw = max([L.kvh * max(L.d, L.dv) for L in att], default=1)
-        ow = max([L.heads * L.dv for L in att], default=1)
-        qbuf, kbuf, vbuf = ws.take((t, qw), act), ws.take((t, kw), act), ws.take((t, kw), act)
-        obuf = ws.take((t, ow), act)
-        gbuf = ws.take((t, ow), act) if any(L.gate is not None for L in att) else None
-        moes = [L for L in self.layers if L.moe is not None]
-        if moes:
-            e_max = max(L.moe.num_experts for L in moes)
-            pairs = t * max(L.moe.experts_per_token for L in moes)
-            rlog = ws.take((t, e_max), act)
-            bptr, bounds = ws.take((pairs,), torch.int64), ws.take((pairs + 1,), torch.int64)
-            tok, wsel = ws.take((pairs,), torch.int64), ws.take((pairs,), f32)
-            stats = ws.take((3,), torch.int64)
-            mscratch = ws.take((self._moe_scratch(t, moes, ws),), torch.uint8)
-
-        gemm, norm, gp = lib.mf_gemm_ex, lib.mf_rmsnorm, gscratch.data_ptr()
+        gemm, norm, gp = lib.mf_gemm_ex, lib.mf_rmsnorm, b.gp
 
         def mm(m: _Mat, x: int, out: int, bias: int | None = None):
             gemm(m.qtype, m.ptr, m.rows, m.cols, x, ad, t, out, ad, bias, gp, threads)
 
-        hp, np_, dp, ap = hidden.data_ptr(), normed.data_ptr(), delta.data_ptr(), acc.data_ptr()
-        half = self.rot // 2
-        cs, sn = ws.take((t, half), f32), ws.take((t, half), f32)     # RoPE of the step's positions
-        lib.mf_rope_table(t, half, self.inv_freq.data_ptr(), self.scaling, pos.data_ptr(), ad, cs.data_ptr(),
-                          sn.data_ptr())
-        bufs = (qbuf.data_ptr(), kbuf.data_ptr(), vbuf.data_ptr(), obuf.data_ptr(),
-                None if gbuf is None else gbuf.data_ptr(), pos.data_ptr(), slot.data_ptr(), cs.data_ptr(),
-                sn.data_ptr())
-        if moes:
-            rp, bp, bnp, tp, wp, sp, msp = (rlog.data_ptr(), bptr.data_ptr(), bounds.data_ptr(), tok.data_ptr(),
-                                             wsel.data_ptr(), stats.data_ptr(), mscratch.data_ptr())
-            counts = (ctypes.c_int64 * 3).from_address(sp)
+        hp, np_, dp, ap, bufs = b.hp, b.np_, b.dp, b.ap, b.bufs
+        lib.mf_rope_table(t, self.rot // 2, self.inv_freq.data_ptr(), self.scaling, bufs[5], ad, bufs[7], bufs[8])
+        if self.moes:
+            rp, bp, bnp, tp, wp, sp, msp = b.moe
+            counts, mbytes = b.counts, b.mscratch.numel()
+        if self.fused:
+            c = b.cstep
+            c.threads = threads
+            self._tables_c()
+            if b.pchunk_of is not self._pchunk_key:    # the chunk of pairs each fused layer runs
+                for i in self.fused:
+                    inter = self.clayers[i].inter
+                    self.clayers[i].pchunk = (mbytes - qmatmul.moe_scratch_bytes(t, h, inter, 0)) \
+                        // qmatmul.pair_bytes(h, inter)
+                self._pchunk_key = b.pchunk_of
         pending, pdt = None, ad        # the last sublayer's output (address), not yet added to hidden
-        for L in self.layers:
+        for item in self.items:
+            if not isinstance(item, _Layer):      # a run of fused layers, in one call
+                addr, run = item
+                c.pending, c.pdt = pending, pdt
+                lib.mf_lean_layers(len(run), addr, ctypes.addressof(c))
+                pending, pdt = c.pending, c.pdt
+                for i in run:
+                    cl, st = self.clayers[i], mdl.experts.stats[self.layers[i].l.index]
+                    st.hits += cl.hits
+                    st.misses += cl.misses
+                    cl.hits = cl.misses = 0
+                continue
+            L = item
             l, lw = L.l, L.lw
             norm(t, h, hp, pending, pdt, L.norms[0], ad, eps, off, np_)
             if L.kind == "linear":
@@ -348,7 +450,7 @@ class LeanStep:
                 st.misses += counts[2]
                 acc.zero_()
                 inter = fmt.gate.rows
-                pchunk = (mscratch.numel() - qmatmul.moe_scratch_bytes(t, h, inter, 0)) // qmatmul.pair_bytes(h, inter)
+                pchunk = (mbytes - qmatmul.moe_scratch_bytes(t, h, inter, 0)) // qmatmul.pair_bytes(h, inter)
                 lib.mf_moe(counts[0], bp, bnp, tp, wp, np_, ad, ap, t, h, inter, *codes, fmt.up.offset,
                            fmt.down.offset, msp, pchunk, threads)
                 if L.shared is not None:      # Qwen2-MoE: + sigmoid(gate(x)) * shared(x)
@@ -371,6 +473,65 @@ class LeanStep:
         for sg in segs:
             mdl.kv.lengths[sg.slot] = sg.start + 1
         return logits
+
+    def _buffers(self, t: int) -> "_Buffers":
+        """The step's buffers for ``t`` tokens, taken from the workspace just after
+        ``begin_chunk``. The takes of a step of ``t`` tokens are the same every step (same
+        sizes from the same offset), so they are made once and replayed: the workspace's
+        offset is moved past them (its peak already counts them) and the tensors, addresses
+        and the C step structure are reused. Not replayed while the workspace is measured
+        (``ws.mirror``: every take is recorded) or after it changed."""
+        ws = self.mdl.ws
+        key = (t, ws.buffer.data_ptr(), ws.capacity, ws.offset)
+        b = self._bufs.get(key) if ws.mirror is None else None
+        if b is not None:
+            ws.offset = b.end
+            ws.chunk_peak = max(ws.chunk_peak, b.end)
+            return b
+        b = _Buffers()
+        mdl, f32, i64 = self.mdl, torch.float32, torch.int64
+        h, act, arch = mdl.geom.hidden_size, mdl.arch.dtype, mdl.arch
+        b.hidden = ws.take((t, h), act)
+        b.normed, b.delta = ws.take((t, h), act), ws.take((t, h), act)
+        b.acc = ws.take((t, h), f32)
+        b.gscratch = ws.take((qmatmul.gemm_scratch_bytes(t, self.widest),), torch.uint8)
+        q, k, v = ws.take((t, self.qw), act), ws.take((t, self.kw), act), ws.take((t, self.kw), act)
+        o = ws.take((t, self.ow), act)
+        gate = ws.take((t, self.ow), act) if self.gated else None
+        if self.moes:
+            pairs = t * self.k_max
+            rlog = ws.take((t, self.e_max), act)
+            bptr, bounds = ws.take((pairs,), i64), ws.take((pairs + 1,), i64)
+            tok, wsel = ws.take((pairs,), i64), ws.take((pairs,), f32)
+            stats = ws.take((3,), i64)
+            b.mscratch = ws.take((self._moe_scratch(t, self.moes, ws),), torch.uint8)
+            b.keep = (rlog, bptr, bounds, tok, wsel, stats)
+            b.moe = tuple(x.data_ptr() for x in (*b.keep, b.mscratch))
+            b.counts = (ctypes.c_int64 * 3).from_address(stats.data_ptr())
+        half = self.rot // 2
+        cs, sn = ws.take((t, half), f32), ws.take((t, half), f32)     # RoPE of the step's positions
+        b.pos, b.slot = torch.zeros(t, dtype=i64), torch.zeros(t, dtype=i64)
+        b.pos_a = (ctypes.c_int64 * t).from_address(b.pos.data_ptr())
+        b.slot_a = (ctypes.c_int64 * t).from_address(b.slot.data_ptr())
+        b.tensors = (q, k, v, o, gate, cs, sn)
+        b.hp, b.np_, b.dp, b.ap, b.gp = (x.data_ptr() for x in (b.hidden, b.normed, b.delta, b.acc, b.gscratch))
+        b.bufs = (q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), None if gate is None else gate.data_ptr(),
+                  b.pos.data_ptr(), b.slot.data_ptr(), cs.data_ptr(), sn.data_ptr())
+        if self.fused:
+            c = b.cstep = _CStep()
+            c.t, c.h, c.ad, c.renorm, c.rot = t, h, self.act, int(arch.renormalize), self.rot
+            c.qk_norm, c.eps, c.off = {"": 0, "head": 1, "full": 2}[arch.qk_norm], arch.rms_eps, arch.norm_offset
+            c.clip = arch.clip_qkv or 0.0
+            (c.hidden, c.normed, c.delta, c.acc, c.gscratch, c.q, c.k, c.v, c.o, c.pos, c.slot, c.cs, c.sn) = (
+                b.hp, b.np_, b.dp, b.ap, b.gp, *b.bufs[:4], *b.bufs[5:])
+            c.rlog, c.bptr, c.bounds, c.tok, c.wsel, c.stats, c.mscratch = b.moe
+        b.pchunk_of = object()
+        b.end = ws.offset
+        if ws.mirror is None:
+            if len(self._bufs) >= 2 * MAX_TOKENS:
+                self._bufs.clear()
+            self._bufs[key] = b
+        return b
 
     def _moe_scratch(self, t: int, moes, ws) -> int:
         """Bytes of the step's MoE kernel scratch: room for every (token, expert) pair of the

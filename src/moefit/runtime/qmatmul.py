@@ -137,6 +137,8 @@ def _build() -> ctypes.CDLL:
     lib.mf_route.restype = None
     lib.mf_moe.argtypes = [i, p, p, p, p, p, i, p, i, i, i, i, i, i, i64, i64, p, i, i]
     lib.mf_moe.restype = None
+    lib.mf_lean_layers.argtypes = [i, p, p]
+    lib.mf_lean_layers.restype = None
     lib.mf_row_bytes.argtypes = [i, i]
     lib.mf_row_bytes.restype = i64
     lib.mf_quantize_act.argtypes = [p, i, p]
