@@ -385,9 +385,19 @@ def test_a_stalled_reader_loses_its_stream_and_its_slot():
         await resp.stream_response(send)
         return time.monotonic() - t0, sent
 
+    from moefit.serve.app import DROPPED_STREAMS
+
+    before = DROPPED_STREAMS.pending
     elapsed, sent = asyncio.run(main())
     assert elapsed < 2 and cancelled == [True]
     assert sent[-1].get("more_body") is True            # no clean end: the connection drops
+    # uvicorn's ERROR line for the incomplete response is expected once, and dropped
+    import logging
+
+    assert DROPPED_STREAMS.pending == before + 1
+    rec = logging.LogRecord("uvicorn.error", logging.ERROR, "", 0, DROPPED_STREAMS.MESSAGE, None, None)
+    assert not DROPPED_STREAMS.filter(rec) and DROPPED_STREAMS.filter(rec)   # once only
+    assert DROPPED_STREAMS.pending == before
 
 
 @pytest.mark.process
@@ -477,6 +487,55 @@ def test_clients_that_leave_mid_stream_or_while_queued_hold_no_slot(served):
         # the queued request's 30-token prompt never ran
         assert sch.stats.prompt_tokens - prompt_before == SLOTS * 20
         assert len(opened) == SLOTS
+
+
+@pytest.mark.process
+def test_a_request_head_past_the_limit_gets_431_and_its_connection_closes(served):
+    """httptools bounds no header (a 64 MiB one was held whole): past HEAD_LIMIT_BYTES of
+    request line and headers the server answers 431 and closes; a head under it is
+    served (h11, without httptools, has its own 16 KiB bound: 400)."""
+    from moefit.serve.connections import _COUNTS_HEAD, HEAD_LIMIT_BYTES
+
+    with Running(make_state(served)) as srv:
+        host, port = srv.url.removeprefix("http://").split(":")
+        r = httpx.get(srv.url + "/health", headers={"X-A": "a" * 8000})
+        assert r.status_code == 200
+        with socket.create_connection((host, int(port)), timeout=5) as s:
+            s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nX-A: " + b"a" * (HEAD_LIMIT_BYTES + 8192))
+            got = b""
+            while part := s.recv(65536):                   # until closed by the server
+                got += part
+        assert got.startswith(b"HTTP/1.1 431" if _COUNTS_HEAD else b"HTTP/1.1 400"), got[:80]
+        # a pipelined second request after a small one: each head counted on its own
+        with socket.create_connection((host, int(port)), timeout=5) as s:
+            small = b"GET /health HTTP/1.1\r\nHost: x\r\nX-A: " + b"a" * 20000 + b"\r\n\r\n"
+            s.sendall(small + small[:-2] + b"Connection: close\r\n\r\n")
+            got = b""
+            while part := s.recv(65536):
+                got += part
+        assert got.count(b"HTTP/1.1 200") == 2, got[:200]
+        assert httpx.get(srv.url + "/health").status_code == 200
+
+
+@pytest.mark.process
+def test_lone_surrogates_and_non_finite_settings_are_400s(served):
+    """JSON's \\ud800 escape without its pair parses to a string the tokenizer cannot take
+    (it answered 500); Infinity is no temperature. Both are 400s naming the field."""
+    with Running(make_state(served)) as srv:
+        def post(path, raw: bytes):
+            return httpx.post(srv.url + path, content=raw, headers={"Content-Type": "application/json"})
+        r = post("/v1/completions", b'{"prompt": "a\\ud800b", "max_tokens": 2}')
+        assert r.status_code == 400 and '"prompt"' in r.json()["error"]["message"], r.text
+        r = post("/v1/completions", b'{"prompt": ["ok", "x\\udfff"], "max_tokens": 2}')
+        assert r.status_code == 400 and '"prompt"[1]' in r.json()["error"]["message"], r.text
+        r = post("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x\\ud800"}]}')
+        assert r.status_code == 400 and '"messages"[0].content' in r.json()["error"]["message"], r.text
+        r = post("/v1/completions", b'{"prompt": "a\\ud83d\\ude00b", "max_tokens": 1}')   # a pair: text
+        assert r.status_code == 200, r.text
+        for field in ("temperature", "top_p", "repetition_penalty"):
+            r = post("/v1/completions", b'{"prompt": "a", "max_tokens": 1, "%s": Infinity}' % field.encode())
+            assert r.status_code == 400 and field in r.text, r.text
+        assert httpx.get(srv.url + "/health").status_code == 200
 
 
 @pytest.mark.process

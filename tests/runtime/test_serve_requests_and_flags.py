@@ -223,8 +223,9 @@ def test_generate_checks_sampling_flags_like_the_api():
 
 
 @pytest.mark.parametrize("field, values", [
-    ("max_tokens", [-1, 0, 1, 2]), ("temperature", [-0.5, 0.0, 0.7, float("nan")]),
-    ("top_p", [-0.1, 0.0, 0.5, 1.0, 1.01, float("nan")]), ("top_k", [-2, -1, 0, 5])])
+    ("max_tokens", [-1, 0, 1, 2]), ("temperature", [-0.5, 0.0, 0.7, float("nan"), float("inf")]),
+    ("top_p", [-0.1, 0.0, 0.5, 1.0, 1.01, float("nan")]), ("top_k", [-2, -1, 0, 5]),
+    ("repetition_penalty", [0.0, 1.0, 1.3, float("inf")])])
 def test_flags_and_request_bodies_share_the_sampling_bounds(field, values):
     from pydantic import ValidationError
 
@@ -244,6 +245,8 @@ def test_flags_and_request_bodies_share_the_sampling_bounds(field, values):
             flag_ok = False
             assert str(e).startswith(f"--{field.replace('_', '-')} {value}: must be ")
         assert body_ok == flag_ok, (field, value)
+        if isinstance(value, float) and not value - value == 0:      # NaN and infinities
+            assert not flag_ok, (field, value)
 
 
 def test_sampling_flag_messages():

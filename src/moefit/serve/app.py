@@ -44,6 +44,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import logging
 import threading
 import time
 import uuid
@@ -396,6 +397,10 @@ async def _parse(state: ServerState, request: Request, model):
             raise APIError(400, f"invalid request: the body is not valid JSON ({why})") from None
         if not isinstance(data, dict):
             raise APIError(400, "invalid request: the body must be a JSON object")
+        where = _lone_surrogate(data) if b"\\u" in raw or b"\\U" in raw else None
+        if where is not None:
+            raise APIError(400, f"invalid request: {where} holds a lone UTF-16 surrogate (a \\ud800-\\udfff "
+                                "escape without its pair), which is not text; send valid UTF-8")
         try:
             _check_prompt_shape(data, state.plan)
             return model.model_validate(data)
@@ -405,6 +410,28 @@ async def _parse(state: ServerState, request: Request, model):
             raise RequestValidationError(e.errors(include_url=False)) from None
 
     return await _on_worker(state, parse)
+
+
+def _lone_surrogate(value, path: str = "the body") -> str | None:
+    """Where in the parsed JSON ``value`` a string holds a lone UTF-16 surrogate (JSON's
+    ``\\ud800`` without its pair parses to one; it cannot be encoded, so the tokenizer
+    failed with a 500 on it), as ``"prompt"`` / ``"messages[0].content"``; None when none
+    does. Only called for bodies with a ``\\u`` escape: raw UTF-8 cannot carry one."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path
+        return None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for k, v in items:
+        if isinstance(v, (str, dict, list)):
+            sub = (f"{path}[{k}]" if isinstance(k, int) else
+                   f'"{k}"' if path == "the body" else f"{path}.{k}")
+            found = _lone_surrogate(v, sub)
+            if found is not None:
+                return found
+    return None
 
 
 async def _tokenize(state: ServerState, fn, chars: int):
@@ -589,6 +616,29 @@ def _usage(prompts: list[list[int]], results: list[Completion]) -> dict:
 
 # ---- streaming ------------------------------------------------------------------------------
 
+class _DroppedStreams(logging.Filter):
+    """uvicorn logs "ASGI callable returned without completing response." at ERROR for a
+    stream :class:`_EventStream` drops on purpose (a stalled reader): one such line is
+    dropped per stream counted in ``pending``, and the stream logs a warning of its own
+    instead. Installed on uvicorn's ``uvicorn.error`` logger."""
+
+    MESSAGE = "ASGI callable returned without completing response."
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pending = 0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if self.pending and record.getMessage() == self.MESSAGE:
+            self.pending -= 1
+            return False
+        return True
+
+
+DROPPED_STREAMS = _DroppedStreams()
+logging.getLogger("uvicorn.error").addFilter(DROPPED_STREAMS)
+
+
 class _EventStream(StreamingResponse):
     """Server-sent events whose every write must be taken by the client within
     ``write_timeout`` seconds: a reader that stops reading loses its stream (the
@@ -610,8 +660,11 @@ class _EventStream(StreamingResponse):
                     await send({"type": "http.response.body", "body": chunk.encode("utf-8"),
                                 "more_body": True})
             await send({"type": "http.response.body", "body": b"", "more_body": False})
-        except TimeoutError:
-            pass        # the stalled reader's connection closes without the last chunk
+        except TimeoutError:   # the stalled reader's connection closes without the last chunk
+            DROPPED_STREAMS.pending += 1
+            logging.getLogger("uvicorn.error").warning(
+                "a client took no data for %g s (--write-timeout): its stream was dropped and its "
+                "slot freed", self.write_timeout)
         finally:
             self.run.cancel()
             await self.body_iterator.aclose()

@@ -27,6 +27,8 @@ arXiv:1904.09751) filtering and a draw from a ``torch.Generator`` seeded by the 
 
 from __future__ import annotations
 
+import math
+
 import operator
 import secrets
 from dataclasses import dataclass, field
@@ -152,7 +154,7 @@ def check_sampling(temperature: float | None = None, top_p: float | None = None,
     """Raise InputError for sampling settings outside the API's bounds
     (:data:`moefit.serve.protocol.SAMPLING_BOUNDS`: ``max_tokens >= 1``,
     ``temperature >= 0``, ``0 < top_p <= 1``, ``top_k >= -1``, ``0 <= min_p <= 1``,
-    ``repetition_penalty > 0``; NaN is outside), checked in that order; None is not
+    ``repetition_penalty > 0``; NaN and infinities are outside), checked in that order; None is not
     checked. ``flags``: name them as command-line flags (``--top-p``)."""
     given = {"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p,
              "top_k": top_k, "min_p": min_p, "repetition_penalty": repetition_penalty}
@@ -160,10 +162,11 @@ def check_sampling(temperature: float | None = None, top_p: float | None = None,
         value = given[field]
         if value is None:
             continue
-        if all(_BOUND_TESTS[k](value, v) for k, v in bounds.items()):
+        if math.isfinite(value) and all(_BOUND_TESTS[k](value, v) for k, v in bounds.items()):
             continue
         name = "--" + field.replace("_", "-") if flags else field
-        rule = " and ".join(f"{_BOUND_WORDS[k]} {v}" for k, v in bounds.items())
+        rule = ("finite and " if not math.isfinite(value) else "") \
+            + " and ".join(f"{_BOUND_WORDS[k]} {v}" for k, v in bounds.items())
         raise InputError(f"{name} {value}: must be {rule}" + (f" ({meaning})" if meaning else ""))
 
 

@@ -49,7 +49,8 @@ def _bounded(name: str):
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # allow_inf_nan: JSON's Infinity / NaN (which Python's json reads) are not settings
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 #: Chat roles the API knows (OpenAI's; ``developer`` is its newer name for ``system``).
