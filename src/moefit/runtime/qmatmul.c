@@ -158,6 +158,18 @@ static inline __m256i lut16(__m256i idx, const int8_t *tab) {
 }
 #endif
 
+/* Q4_K / Q5_K: a super-block's 12 bytes of 6-bit scales and mins -> scm: 8 scales, then 8 mins
+ * (ggml's kmask unpacking); used by the AVX-512 and the AVX2 paths */
+static inline void k4_scales(const uint8_t *sc, uint8_t scm[16]) {
+    uint32_t u4[4];
+    memcpy(u4, sc, 12);
+    u4[3] = ((u4[2] >> 4) & 0x0f0f0f0fu) | (((u4[1] >> 6) & 0x03030303u) << 4);
+    uint32_t aux = u4[1] & 0x3f3f3f3fu;
+    u4[1] = (u4[2] & 0x0f0f0f0fu) | (((u4[0] >> 6) & 0x03030303u) << 4);
+    u4[2] = aux;
+    u4[0] &= 0x3f3f3f3fu;
+    memcpy(scm, u4, 16);
+}
 
 /* ---- AVX-512 (F, BW, VL, DQ, VNNI): 64 bytes of weights per step ------------------------------
  * Unsigned weight values u = stored value + offset (Q4_0: nibble = value + 8; Q8_0: value xor
@@ -426,18 +438,7 @@ static void dot4_q80_512(const uint8_t *w, int64_t rb, qact a, int nb, float *ou
     }
 }
 
-/* Q4_K, Q5_K: 8 sub-blocks of 32 per super-block, 6-bit scales and mins (ggml's kmask unpacking) */
-static inline void k4_scales(const uint8_t *sc, uint8_t scm[16]) {
-    uint32_t u4[4];
-    memcpy(u4, sc, 12);
-    u4[3] = ((u4[2] >> 4) & 0x0f0f0f0fu) | (((u4[1] >> 6) & 0x03030303u) << 4);
-    uint32_t aux = u4[1] & 0x3f3f3f3fu;
-    u4[1] = (u4[2] & 0x0f0f0f0fu) | (((u4[0] >> 6) & 0x03030303u) << 4);
-    u4[2] = aux;
-    u4[0] &= 0x3f3f3f3fu;
-    memcpy(scm, u4, 16);
-}
-
+/* Q4_K, Q5_K: 8 sub-blocks of 32 per super-block (k45_sb) */
 /* one super-block of a Q4_K / Q5_K row (w) against the K-quant activation's super-block sb:
  * adds its sub-block products to *acc and its mins term to *macc */
 static inline __attribute__((always_inline)) void k45_sb(int t, const uint8_t *w, qact a, int sb, __m512 *acc,
@@ -711,17 +712,8 @@ static float dot_row(int t, const uint8_t *w, const float *xf, qact a, int K) {
             const int8_t *y = a.qk + 256 * sb;
             const int16_t *bsum = a.sk16 + 16 * sb;
             __m256i isum = _mm256_setzero_si256();
-            uint8_t scm[16];                       /* 8 scales, then 8 mins (ggml's kmask unpacking) */
-            {
-                uint32_t u4[4];
-                memcpy(u4, sc, 12);
-                u4[3] = ((u4[2] >> 4) & 0x0f0f0f0fu) | (((u4[1] >> 6) & 0x03030303u) << 4);
-                uint32_t aux = u4[1] & 0x3f3f3f3fu;
-                u4[1] = (u4[2] & 0x0f0f0f0fu) | (((u4[0] >> 6) & 0x03030303u) << 4);
-                u4[2] = aux;
-                u4[0] &= 0x3f3f3f3fu;
-                memcpy(scm, u4, 16);
-            }
+            uint8_t scm[16];                       /* 8 scales, then 8 mins */
+            k4_scales(sc, scm);
             int32_t msum = 0;
             for (int j = 0; j < 8; j++) msum += scm[8 + j] * (bsum[2 * j] + bsum[2 * j + 1]);
             __m256i hbits = t == T_Q5_K ? _mm256_loadu_si256((const __m256i *)qh) : _mm256_setzero_si256();
