@@ -31,6 +31,7 @@ from moefit.ingest.gguf_header import read_header  # noqa: E402
 from moefit.memory.staging import compute_bytes, expert_dequant_bytes  # noqa: E402
 from moefit.tools.gguf_write import write_gguf  # noqa: E402
 from moefit.ingest.resolve import load_model  # noqa: E402
+from random_weights import random_state  # noqa: E402
 
 T = gguf.GGMLQuantizationType
 
@@ -50,21 +51,6 @@ TINY = {
     "olmoe": dict(COMMON, model_type="olmoe", num_hidden_layers=2, num_experts=8, num_experts_per_tok=2,
                   intermediate_size=32, clip_qkv=4.0),
 }
-
-
-def random_state(cfg: dict, seed: int = 0) -> dict[str, np.ndarray]:
-    """Random weights under the checkpoint names of the config path's tensor listing
-    (one tensor per expert)."""
-    rng = np.random.default_rng(seed)
-    geom = geometry_from_config(cfg, "tiny")
-    state = {t.name: rng.standard_normal(t.shape, dtype=np.float32) * 0.1 for t in geom.global_tensors}
-    for l in geom.layers:
-        state.update({t.name: rng.standard_normal(t.shape, dtype=np.float32) * 0.1 for t in l.tensors})
-        for j in range(l.moe.num_experts if l.moe else 0):
-            for t in l.expert_tensors:
-                state[t.name.replace(".experts.0.", f".experts.{j}.")] = \
-                    rng.standard_normal(t.shape, dtype=np.float32) * 0.1
-    return state
 
 
 def tiny_gguf(tmp_path, family: str, name: str = "tiny.gguf", **kw):

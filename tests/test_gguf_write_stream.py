@@ -23,8 +23,7 @@ import pytest
 gguf = pytest.importorskip("gguf")
 pytest.importorskip("tokenizers")
 
-from moefit.ingest.families import geometry_from_config  # noqa: E402
-
+from random_weights import random_state  # noqa: E402
 
 
 CFG = dict(model_type="qwen3_moe", vocab_size=520, hidden_size=128, num_attention_heads=4,
@@ -32,19 +31,6 @@ CFG = dict(model_type="qwen3_moe", vocab_size=520, hidden_size=128, num_attentio
            num_experts_per_tok=2, moe_intermediate_size=128, intermediate_size=256,
            max_position_embeddings=512, rms_norm_eps=1e-6, rope_theta=10000.0,
            tie_word_embeddings=False, dtype="float32", norm_topk_prob=True)
-
-
-def random_state(cfg: dict, seed: int = 0) -> dict[str, np.ndarray]:
-    rng = np.random.default_rng(seed)
-    geom = geometry_from_config(cfg, "tiny")
-    state = {t.name: rng.standard_normal(t.shape, dtype=np.float32) * 0.1 for t in geom.global_tensors}
-    for l in geom.layers:
-        state.update({t.name: rng.standard_normal(t.shape, dtype=np.float32) * 0.1 for t in l.tensors})
-        for j in range(l.moe.num_experts):
-            for t in l.expert_tensors:
-                state[t.name.replace(".experts.0.", f".experts.{j}.")] = \
-                    rng.standard_normal(t.shape, dtype=np.float32) * 0.1
-    return state
 
 
 def fields(path) -> dict:

@@ -203,7 +203,8 @@ def test_gguf_token_embeddings_stay_on_the_host_unless_tied(tmp_path):
     assert plan.host.line("host_weights").bytes == ex.embed_stored_bytes
     assert plan.host.embed_on_host and "token embeddings on the host" in plan.devices[0].line("weights").detail
     # a tied output reuses the table: it stays on the device
-    from test_gguf_plan import TINY, random_state
+    from random_weights import random_state
+    from test_gguf_plan import TINY
     from moefit.tools.gguf_write import write_gguf
     cfg = dict(TINY["qwen3_moe"], tie_word_embeddings=True)
     state = {k: v for k, v in random_state(cfg).items() if k != "lm_head.weight"}

@@ -2,7 +2,7 @@
 of real GGUF layouts rather than meaningful weights (the staging bound, the device expert
 path).
 
-Weights are standard normals x 0.05 (numpy, seed 0), written by moefit's own writer
+Weights are standard normals x 0.05 (numpy, seed 0: ``random_weights.random_state``), written by moefit's own writer
 (:func:`moefit.tools.gguf_write.write_gguf`). The ``gguf`` package has no quantizer for the
 K-quants, so their blocks are random bytes whose fp16 scales (d, and dmin where the type has
 one) are set to a small finite ``scale``.
@@ -10,9 +10,13 @@ one) are set to a small finite ``scale``.
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).parents[1]))
+from random_weights import random_state  # noqa: E402
 
 
 def k_blocks(data: np.ndarray, qtype, scale: float) -> np.ndarray:
@@ -41,18 +45,9 @@ def write_random_ggufs(cfg: dict, formats: dict[str, tuple[str, str, str]], fold
     ``k_scale``. Returns name -> path."""
     import gguf
 
-    from moefit.ingest.families import geometry_from_config
     from moefit.tools.gguf_write import write_gguf
 
-    rng = np.random.default_rng(0)
-    geom = geometry_from_config(cfg, "tiny")
-    state = {t.name: rng.standard_normal(t.shape, dtype=np.float32) * 0.05 for t in geom.global_tensors}
-    for l in geom.layers:
-        state.update({t.name: rng.standard_normal(t.shape, dtype=np.float32) * 0.05 for t in l.tensors})
-        for j in range(l.moe.num_experts):
-            for t in l.expert_tensors:
-                state[t.name.replace(".experts.0.", f".experts.{j}.")] = \
-                    rng.standard_normal(t.shape, dtype=np.float32) * 0.05
+    state = random_state(cfg, seed=0, scale=0.05)
     real = gguf.quants.quantize
     out = {}
     try:

@@ -290,18 +290,6 @@ static inline __m512 exp512(__m512 x) {
 }
 #endif
 
-static inline float dotf(const float *a, const float *b, int n) {
-    int i = 0;
-    float d = 0.f;
-#ifdef __AVX512F__
-    __m512 s = _mm512_setzero_ps();
-    for (; i + 16 <= n; i += 16) s = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), s);
-    d = _mm512_reduce_add_ps(s);
-#endif
-    for (; i < n; i++) d += a[i] * b[i];
-    return d;
-}
-
 /* the cache lines of one K or V row (bytes bytes at p) requested ahead of their use: a
  * (token, KV head) item reads one row per cell, cells Kh rows apart, a stride the hardware
  * prefetchers do not follow far enough ahead */
@@ -333,7 +321,7 @@ static void att_scores(float (*qv)[512], int gn, float (*kb)[512], int n, int D,
             }
 #endif
     for (; g < gn; g++)
-        for (int j = 0; j < n; j++) s[g][j] = dotf(qv[g], kb[j], D) * scale;
+        for (int j = 0; j < n; j++) s[g][j] = mf_dot_f32(qv[g], kb[j], D) * scale;
 }
 
 /* acc[g] += sum_j s[g][j] v_j for the gn heads over the n value rows of a block (fp32). Four

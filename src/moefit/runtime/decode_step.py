@@ -50,6 +50,7 @@ attention keeps its scores on the C stack (blocks of 32 positions).
 from __future__ import annotations
 
 import ctypes
+import itertools
 from dataclasses import MISSING, dataclass, fields
 
 import torch
@@ -160,6 +161,13 @@ class _CStep(ctypes.Structure):
                                                  "stats", "mscratch", "pending"))]
 
 
+def _pchunk(t: int, h: int, inter: int, scratch: int) -> int:
+    """(token, expert) pairs ``mf_moe`` runs at once in ``scratch`` bytes for ``t`` token rows
+    of ``h`` values and experts of width ``inter``: what is left after the rows
+    (:func:`moefit.runtime.qmatmul.moe_scratch_bytes` of no pairs), by the bytes of a pair."""
+    return (scratch - qmatmul.moe_scratch_bytes(t, h, inter, 0)) // qmatmul.pair_bytes(h, inter)
+
+
 def _cmat(m: _Mat) -> _CMat:
     return _CMat(m.ptr, m.qtype, m.rows, m.cols, 0)
 
@@ -262,23 +270,21 @@ class LeanStep:
         if self.moes:
             self.e_max = max(L.moe.num_experts for L in self.moes)
             self.k_max = max(L.moe.experts_per_token for L in self.moes)
-        # the layer loop: runs of fused layers (one mf_lean_layers call each) and the others
-        self.clayers = (_CLayer * len(self.layers))()
-        self.items: list = []
-        for i, L in enumerate(self.layers):
-            if L.fused:
-                self.clayers[i] = L.c_layer()
-                if self.items and isinstance(self.items[-1], list):
-                    self.items[-1].append(i)
-                else:
-                    self.items.append([i])
-            else:
-                self.items.append(L)
-        self.items = [(ctypes.addressof(self.clayers) + run[0] * ctypes.sizeof(_CLayer), run)
-                      if isinstance(run, list) else run for run in self.items]
+        # the layer loop: runs of fused layers (one mf_lean_layers call each: the address of
+        # the run's first _CLayer, its layer indices) and the others
         self.fused = [i for i, L in enumerate(self.layers) if L.fused]
+        self.clayers = (_CLayer * len(self.layers))()
+        for i in self.fused:
+            self.clayers[i] = self.layers[i].c_layer()
+        self.items: list = []
+        for fused, group in itertools.groupby(range(len(self.layers)), key=lambda i: self.layers[i].fused):
+            run = list(group)
+            if fused:
+                self.items.append((ctypes.addressof(self.clayers) + run[0] * ctypes.sizeof(_CLayer), run))
+            else:
+                self.items += [self.layers[i] for i in run]
         self._cversion = None
-        self._pchunk_key = None
+        self._pchunk_for = None      # the _Buffers the fused layers' pchunk was set for
         self._bufs: dict = {}
 
     # ---- when --------------------------------------------------------------------------------
@@ -407,12 +413,10 @@ class LeanStep:
             c = b.cstep
             c.threads = threads
             self._tables_c()
-            if b.pchunk_of is not self._pchunk_key:    # the chunk of pairs each fused layer runs
+            if self._pchunk_for is not b:    # the chunk of pairs each fused layer runs
                 for i in self.fused:
-                    inter = self.clayers[i].inter
-                    self.clayers[i].pchunk = (mbytes - qmatmul.moe_scratch_bytes(t, h, inter, 0)) \
-                        // qmatmul.pair_bytes(h, inter)
-                self._pchunk_key = b.pchunk_of
+                    self.clayers[i].pchunk = _pchunk(t, h, self.clayers[i].inter, mbytes)
+                self._pchunk_for = b
         pending, pdt = None, ad        # the last sublayer's output (address), not yet added to hidden
         for item in self.items:
             if not isinstance(item, _Layer):      # a run of fused layers, in one call
@@ -450,9 +454,8 @@ class LeanStep:
                 st.misses += counts[2]
                 acc.zero_()
                 inter = fmt.gate.rows
-                pchunk = (mbytes - qmatmul.moe_scratch_bytes(t, h, inter, 0)) // qmatmul.pair_bytes(h, inter)
                 lib.mf_moe(counts[0], bp, bnp, tp, wp, np_, ad, ap, t, h, inter, *codes, fmt.up.offset,
-                           fmt.down.offset, msp, pchunk, threads)
+                           fmt.down.offset, msp, _pchunk(t, h, inter, mbytes), threads)
                 if L.shared is not None:      # Qwen2-MoE: + sigmoid(gate(x)) * shared(x)
                     delta.copy_(acc)
                     with ws.scope():
@@ -525,7 +528,6 @@ class LeanStep:
             (c.hidden, c.normed, c.delta, c.acc, c.gscratch, c.q, c.k, c.v, c.o, c.pos, c.slot, c.cs, c.sn) = (
                 b.hp, b.np_, b.dp, b.ap, b.gp, *b.bufs[:4], *b.bufs[5:])
             c.rlog, c.bptr, c.bounds, c.tok, c.wsel, c.stats, c.mscratch = b.moe
-        b.pchunk_of = object()
         b.end = ws.offset
         if ws.mirror is None:
             if len(self._bufs) >= 2 * MAX_TOKENS:

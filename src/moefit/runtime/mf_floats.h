@@ -1,4 +1,5 @@
-/* fp16 / bf16 <-> fp32 conversions shared by the C kernels (qmatmul.c, decode_step.c).
+/* fp16 / bf16 <-> fp32 conversions and the fp32 dot product shared by the C kernels
+ * (qmatmul.c, decode_step.c).
  *
  * Rounding is to nearest even, as torch's casts (c10/util/Half.h, c10/util/BFloat16.h
  * round_to_nearest_even); a bf16 NaN stays a NaN. With F16C the fp16 conversions are the
@@ -10,7 +11,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
-#ifdef __F16C__
+#if defined(__F16C__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -53,6 +54,20 @@ static inline uint16_t mf_f2b(float f) {          /* fp32 -> bf16, nearest even;
     uint32_t u; memcpy(&u, &f, 4);
     if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
     return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* sum of a[i] * b[i] over n fp32 values: 16 lanes of fused multiply-adds, their sum, then
+ * the tail one by one */
+static inline float mf_dot_f32(const float *a, const float *b, int n) {
+    int i = 0;
+    float d = 0.f;
+#ifdef __AVX512F__
+    __m512 s = _mm512_setzero_ps();
+    for (; i + 16 <= n; i += 16) s = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), s);
+    d = _mm512_reduce_add_ps(s);
+#endif
+    for (; i < n; i++) d += a[i] * b[i];
+    return d;
 }
 
 #endif

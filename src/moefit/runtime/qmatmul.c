@@ -158,6 +158,18 @@ static inline __m256i lut16(__m256i idx, const int8_t *tab) {
 }
 #endif
 
+/* Q4_K / Q5_K: a super-block's 12 bytes of 6-bit scales and mins -> scm: 8 scales, then 8 mins
+ * (ggml's kmask unpacking); used by the AVX-512 and the AVX2 paths */
+static inline void k4_scales(const uint8_t *sc, uint8_t scm[16]) {
+    uint32_t u4[4];
+    memcpy(u4, sc, 12);
+    u4[3] = ((u4[2] >> 4) & 0x0f0f0f0fu) | (((u4[1] >> 6) & 0x03030303u) << 4);
+    uint32_t aux = u4[1] & 0x3f3f3f3fu;
+    u4[1] = (u4[2] & 0x0f0f0f0fu) | (((u4[0] >> 6) & 0x03030303u) << 4);
+    u4[2] = aux;
+    u4[0] &= 0x3f3f3f3fu;
+    memcpy(scm, u4, 16);
+}
 
 /* ---- AVX-512 (F, BW, VL, DQ, VNNI): 64 bytes of weights per step ------------------------------
  * Unsigned weight values u = stored value + offset (Q4_0: nibble = value + 8; Q8_0: value xor
@@ -222,6 +234,55 @@ static __attribute__((noinline)) void block_values(int t, const uint8_t *w, int8
     }
 }
 
+/* Four blocks of a 4-bit type (not Q8_0) at once, picked out of two 64-byte loads with
+ * vpermi2b (nibbles, the 5th bits of Q5_0 / Q5_1, the scales), so no load straddles a block:
+ * the constants (b32x4_init, once per row) and the unpacking (b32x4_unpack), shared by
+ * dot_b32_512 and dot4_b32_512. */
+typedef struct {
+    __m512i vnib, vsc, vh, m4, tab;
+    __m128i hsplit;              /* the 4 blocks' 5th bits: values 0..15 of each, then 16..31 of each */
+    int base2, lut, q5;          /* base2: the second load covers [4bs - 64, 4bs) */
+} b32x4_k;
+
+static inline __attribute__((always_inline)) b32x4_k b32x4_init(int t, int bs, __m512i tab) {
+    const uint8_t *ix = PERM_IDX[t];
+    b32x4_k k;
+    k.vnib = _mm512_loadu_si512(ix); k.vsc = _mm512_loadu_si512(ix + 64); k.vh = _mm512_loadu_si512(ix + 128);
+    k.m4 = _mm512_set1_epi8(0x0f);
+    k.tab = tab;
+    k.hsplit = _mm_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
+    k.base2 = 4 * bs - 64;
+    k.lut = t == T_IQ4_NL || t == T_MXFP4;
+    k.q5 = t == T_Q5_0 || t == T_Q5_1;
+    return k;
+}
+
+/* the four blocks at w: their values as unsigned bytes (lo: values 0..15 of each block, hi:
+ * 16..31; IQ4_NL / MXFP4 through their table, Q5's 5th bit added), the scale words sq (Q4_1
+ * / Q5_1's mins at bytes 8..15) and the four scales as fp32 (returned) */
+static inline __attribute__((always_inline)) __m128 b32x4_unpack(const b32x4_k *k, int t, const uint8_t *w,
+                                                                __m512i *lo, __m512i *hi, __m128i *sq) {
+    __m512i la = _mm512_loadu_si512((const void *)w), lb = _mm512_loadu_si512((const void *)(w + k->base2));
+    __m512i nib = _mm512_permutex2var_epi8(la, k->vnib, lb);
+    *lo = _mm512_and_si512(nib, k->m4);
+    *hi = _mm512_and_si512(_mm512_srli_epi16(nib, 4), k->m4);
+    if (k->lut) { *lo = _mm512_shuffle_epi8(k->tab, *lo); *hi = _mm512_shuffle_epi8(k->tab, *hi); }
+    if (k->q5) {
+        __m128i hq = _mm_shuffle_epi8(_mm512_castsi512_si128(_mm512_permutex2var_epi8(la, k->vh, lb)), k->hsplit);
+        uint64_t hl = (uint64_t)_mm_cvtsi128_si64(hq), hh = (uint64_t)_mm_extract_epi64(hq, 1);
+        *lo = _mm512_or_si512(*lo, _mm512_maskz_mov_epi8((__mmask64)hl, _mm512_set1_epi8(16)));
+        *hi = _mm512_or_si512(*hi, _mm512_maskz_mov_epi8((__mmask64)hh, _mm512_set1_epi8(16)));
+    }
+    *sq = _mm512_castsi512_si128(_mm512_permutex2var_epi8(la, k->vsc, lb));
+    if (t == T_MXFP4) {
+        __m128i e = _mm_cvtepu8_epi32(_mm_shuffle_epi8(*sq, _mm_setr_epi8(0, 2, 4, 6, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1)));
+        __m128i big = _mm_slli_epi32(_mm_sub_epi32(e, _mm_set1_epi32(1)), 23);
+        __m128i small = _mm_sllv_epi32(_mm_set1_epi32(0x00200000), e);
+        return _mm_castsi128_ps(_mm_blendv_epi8(big, small, _mm_cmpgt_epi32(_mm_set1_epi32(2), e)));
+    }
+    return _mm_cvtph_ps(*sq);
+}
+
 /* blocks of 32: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, MXFP4 */
 static float dot_b32_512(int t, const uint8_t *w, qact a, int nb) {
     int bs = t == T_Q8_0 ? 34 : t == T_Q4_0 || t == T_IQ4_NL ? 18 : t == T_Q4_1 ? 20 : t == T_Q5_0 ? 22
@@ -233,39 +294,18 @@ static float dot_b32_512(int t, const uint8_t *w, qact a, int nb) {
     __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
     float corr = 0.f, mcorr = 0.f;
     int b = 0;
-    /* 4-bit types (not Q8_0): 4 blocks per step, picked out of two 64-byte loads with vpermi2b
-     * (nibbles, the 5th bits of Q5_0 / Q5_1, the scales), so no load straddles a block */
+    /* 4-bit types (not Q8_0): 4 blocks per step (b32x4_unpack) */
     if (t != T_Q8_0) {
-        int base2 = 4 * bs - 64;                   /* the second load covers [4bs - 64, 4bs) */
-        const uint8_t *ix = PERM_IDX[t];
-        const __m512i vnib = _mm512_loadu_si512(ix), vsc = _mm512_loadu_si512(ix + 64), vh = _mm512_loadu_si512(ix + 128);
-        const __m512i m4 = _mm512_set1_epi8(0x0f);
+        const b32x4_k k = b32x4_init(t, bs, tab);
         /* int32 lanes 4k .. 4k+3: block k */
         const __m512i sel = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
-        /* the 4 blocks' 5th bits: values 0..15 of each, then 16..31 of each */
-        const __m128i hsplit = _mm_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
         __m128 cv = _mm_setzero_ps(), mv = _mm_setzero_ps();
         for (; b + 4 <= nb; b += 4, w += 4 * bs) {
             _mm_prefetch((const char *)(w + PREFETCH), _MM_HINT_T0);
             _mm_prefetch((const char *)(w + PREFETCH + 64), _MM_HINT_T0);
-            __m512i la = _mm512_loadu_si512((const void *)w), lb = _mm512_loadu_si512((const void *)(w + base2));
-            __m512i nib = _mm512_permutex2var_epi8(la, vnib, lb);
-            __m512i lo = _mm512_and_si512(nib, m4), hi = _mm512_and_si512(_mm512_srli_epi16(nib, 4), m4);
-            if (lut) { lo = _mm512_shuffle_epi8(tab, lo); hi = _mm512_shuffle_epi8(tab, hi); }
-            if (t == T_Q5_0 || t == T_Q5_1) {
-                __m128i hq = _mm_shuffle_epi8(_mm512_castsi512_si128(_mm512_permutex2var_epi8(la, vh, lb)), hsplit);
-                uint64_t hl = (uint64_t)_mm_cvtsi128_si64(hq), hh = (uint64_t)_mm_extract_epi64(hq, 1);
-                lo = _mm512_or_si512(lo, _mm512_maskz_mov_epi8((__mmask64)hl, _mm512_set1_epi8(16)));
-                hi = _mm512_or_si512(hi, _mm512_maskz_mov_epi8((__mmask64)hh, _mm512_set1_epi8(16)));
-            }
-            __m128i sq = _mm512_castsi512_si128(_mm512_permutex2var_epi8(la, vsc, lb));
-            __m128 dw;
-            if (t == T_MXFP4) {
-                __m128i e = _mm_cvtepu8_epi32(_mm_shuffle_epi8(sq, _mm_setr_epi8(0, 2, 4, 6, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1)));
-                __m128i big = _mm_slli_epi32(_mm_sub_epi32(e, _mm_set1_epi32(1)), 23);
-                __m128i small = _mm_sllv_epi32(_mm_set1_epi32(0x00200000), e);
-                dw = _mm_castsi128_ps(_mm_blendv_epi8(big, small, _mm_cmpgt_epi32(_mm_set1_epi32(2), e)));
-            } else dw = _mm_cvtph_ps(sq);
+            __m512i lo, hi;
+            __m128i sq;
+            __m128 dw = b32x4_unpack(&k, t, w, &lo, &hi, &sq);
             __m128 dsy = _mm_loadu_ps(a.dsy + b);
             cv = _mm_fmadd_ps(dw, dsy, cv);
             if (mins) mv = _mm_fmadd_ps(_mm_cvtph_ps(_mm_srli_si128(sq, 8)), dsy, mv);
@@ -325,14 +365,10 @@ static float dot_b32_512(int t, const uint8_t *w, qact a, int nb) {
 static void dot4_b32_512(int t, const uint8_t *w, int64_t rb, qact a, int nb, float *out) {
     int bs = t == T_Q4_0 || t == T_IQ4_NL ? 18 : t == T_Q4_1 ? 20 : t == T_Q5_0 ? 22 : t == T_Q5_1 ? 24 : 17;
     float offset = t == T_Q4_0 ? 8.f : t == T_Q5_0 ? 16.f : (t == T_Q4_1 || t == T_Q5_1) ? 0.f : 128.f;
-    int lut = t == T_IQ4_NL || t == T_MXFP4, mins = t == T_Q4_1 || t == T_Q5_1, q5 = t == T_Q5_0 || t == T_Q5_1;
-    __m512i tab = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(t == T_IQ4_NL ? KV_IQ4NL_U : KV_MXFP4_U)));
-    int base2 = 4 * bs - 64;
-    const uint8_t *ix = PERM_IDX[t];
-    const __m512i vnib = _mm512_loadu_si512(ix), vsc = _mm512_loadu_si512(ix + 64), vh = _mm512_loadu_si512(ix + 128);
-    const __m512i m4 = _mm512_set1_epi8(0x0f);
+    int mins = t == T_Q4_1 || t == T_Q5_1;
+    const b32x4_k k = b32x4_init(t, bs, _mm512_broadcast_i32x4(
+        _mm_loadu_si128((const __m128i *)(t == T_IQ4_NL ? KV_IQ4NL_U : KV_MXFP4_U))));
     const __m512i sel = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
-    const __m128i hsplit = _mm_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
     __m512 acc[4];
     __m128 cv[4], mv[4];
     for (int r = 0; r < 4; r++) { acc[r] = _mm512_setzero_ps(); cv[r] = mv[r] = _mm_setzero_ps(); }
@@ -344,24 +380,9 @@ static void dot4_b32_512(int t, const uint8_t *w, int64_t rb, qact a, int nb, fl
             const uint8_t *wr = w + r * rb + (int64_t)b / 4 * 4 * bs;
             _mm_prefetch((const char *)(wr + PREFETCH), _MM_HINT_T0);
             _mm_prefetch((const char *)(wr + PREFETCH + 64), _MM_HINT_T0);
-            __m512i la = _mm512_loadu_si512((const void *)wr), lb = _mm512_loadu_si512((const void *)(wr + base2));
-            __m512i nib = _mm512_permutex2var_epi8(la, vnib, lb);
-            __m512i lo = _mm512_and_si512(nib, m4), hi = _mm512_and_si512(_mm512_srli_epi16(nib, 4), m4);
-            if (lut) { lo = _mm512_shuffle_epi8(tab, lo); hi = _mm512_shuffle_epi8(tab, hi); }
-            if (q5) {
-                __m128i hq = _mm_shuffle_epi8(_mm512_castsi512_si128(_mm512_permutex2var_epi8(la, vh, lb)), hsplit);
-                uint64_t hl = (uint64_t)_mm_cvtsi128_si64(hq), hh = (uint64_t)_mm_extract_epi64(hq, 1);
-                lo = _mm512_or_si512(lo, _mm512_maskz_mov_epi8((__mmask64)hl, _mm512_set1_epi8(16)));
-                hi = _mm512_or_si512(hi, _mm512_maskz_mov_epi8((__mmask64)hh, _mm512_set1_epi8(16)));
-            }
-            __m128i sq = _mm512_castsi512_si128(_mm512_permutex2var_epi8(la, vsc, lb));
-            __m128 dw;
-            if (t == T_MXFP4) {
-                __m128i e = _mm_cvtepu8_epi32(_mm_shuffle_epi8(sq, _mm_setr_epi8(0, 2, 4, 6, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1)));
-                __m128i big = _mm_slli_epi32(_mm_sub_epi32(e, _mm_set1_epi32(1)), 23);
-                __m128i small = _mm_sllv_epi32(_mm_set1_epi32(0x00200000), e);
-                dw = _mm_castsi128_ps(_mm_blendv_epi8(big, small, _mm_cmpgt_epi32(_mm_set1_epi32(2), e)));
-            } else dw = _mm_cvtph_ps(sq);
+            __m512i lo, hi;
+            __m128i sq;
+            __m128 dw = b32x4_unpack(&k, t, wr, &lo, &hi, &sq);
             cv[r] = _mm_fmadd_ps(dw, dsy, cv[r]);
             if (mins) mv[r] = _mm_fmadd_ps(_mm_cvtph_ps(_mm_srli_si128(sq, 8)), dsy, mv[r]);
             __m512 s4 = _mm512_castps128_ps512(_mm_mul_ps(dw, d4));
@@ -417,18 +438,7 @@ static void dot4_q80_512(const uint8_t *w, int64_t rb, qact a, int nb, float *ou
     }
 }
 
-/* Q4_K, Q5_K: 8 sub-blocks of 32 per super-block, 6-bit scales and mins (ggml's kmask unpacking) */
-static inline void k4_scales(const uint8_t *sc, uint8_t scm[16]) {
-    uint32_t u4[4];
-    memcpy(u4, sc, 12);
-    u4[3] = ((u4[2] >> 4) & 0x0f0f0f0fu) | (((u4[1] >> 6) & 0x03030303u) << 4);
-    uint32_t aux = u4[1] & 0x3f3f3f3fu;
-    u4[1] = (u4[2] & 0x0f0f0f0fu) | (((u4[0] >> 6) & 0x03030303u) << 4);
-    u4[2] = aux;
-    u4[0] &= 0x3f3f3f3fu;
-    memcpy(scm, u4, 16);
-}
-
+/* Q4_K, Q5_K: 8 sub-blocks of 32 per super-block (k45_sb) */
 /* one super-block of a Q4_K / Q5_K row (w) against the K-quant activation's super-block sb:
  * adds its sub-block products to *acc and its mins term to *macc */
 static inline __attribute__((always_inline)) void k45_sb(int t, const uint8_t *w, qact a, int sb, __m512 *acc,
@@ -594,14 +604,7 @@ static float dot_row(int t, const uint8_t *w, const float *xf, qact a, int K) {
     }
 #endif
     switch (t) {
-    case T_F32: { const float *r = (const float *)w; int i = 0;
-#ifdef __AVX512F__
-        __m512 acc = _mm512_setzero_ps();
-        for (; i + 16 <= K; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(r + i), _mm512_loadu_ps(xf + i), acc);
-        sum = _mm512_reduce_add_ps(acc);
-#endif
-        for (; i < K; i++) sum += r[i] * xf[i];
-        return sum; }
+    case T_F32: return mf_dot_f32((const float *)w, xf, K);
     case T_BF16: case T_F16: { int i = 0;
 #ifdef __AVX512F__
         __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
@@ -709,17 +712,8 @@ static float dot_row(int t, const uint8_t *w, const float *xf, qact a, int K) {
             const int8_t *y = a.qk + 256 * sb;
             const int16_t *bsum = a.sk16 + 16 * sb;
             __m256i isum = _mm256_setzero_si256();
-            uint8_t scm[16];                       /* 8 scales, then 8 mins (ggml's kmask unpacking) */
-            {
-                uint32_t u4[4];
-                memcpy(u4, sc, 12);
-                u4[3] = ((u4[2] >> 4) & 0x0f0f0f0fu) | (((u4[1] >> 6) & 0x03030303u) << 4);
-                uint32_t aux = u4[1] & 0x3f3f3f3fu;
-                u4[1] = (u4[2] & 0x0f0f0f0fu) | (((u4[0] >> 6) & 0x03030303u) << 4);
-                u4[2] = aux;
-                u4[0] &= 0x3f3f3f3fu;
-                memcpy(scm, u4, 16);
-            }
+            uint8_t scm[16];                       /* 8 scales, then 8 mins */
+            k4_scales(sc, scm);
             int32_t msum = 0;
             for (int j = 0; j < 8; j++) msum += scm[8 + j] * (bsum[2 * j] + bsum[2 * j + 1]);
             __m256i hbits = t == T_Q5_K ? _mm256_loadu_si256((const __m256i *)qh) : _mm256_setzero_si256();

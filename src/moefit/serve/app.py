@@ -397,7 +397,7 @@ async def _parse(state: ServerState, request: Request, model):
             raise APIError(400, f"invalid request: the body is not valid JSON ({why})") from None
         if not isinstance(data, dict):
             raise APIError(400, "invalid request: the body must be a JSON object")
-        where = _lone_surrogate(data) if b"\\u" in raw or b"\\U" in raw else None
+        where = _lone_surrogate(data) if b"\\u" in raw else None     # JSON has no \U escape
         if where is not None:
             raise APIError(400, f"invalid request: {where} holds a lone UTF-16 surrogate (a \\ud800-\\udfff "
                                 "escape without its pair), which is not text; send valid UTF-8")
@@ -412,22 +412,21 @@ async def _parse(state: ServerState, request: Request, model):
     return await _on_worker(state, parse)
 
 
-def _lone_surrogate(value, path: str = "the body") -> str | None:
+def _lone_surrogate(value, path: str = "") -> str | None:
     """Where in the parsed JSON ``value`` a string holds a lone UTF-16 surrogate (JSON's
     ``\\ud800`` without its pair parses to one; it cannot be encoded, so the tokenizer
-    failed with a 500 on it), as ``"prompt"`` / ``"messages[0].content"``; None when none
+    failed with a 500 on it), as ``"prompt"`` / ``"messages"[0].content``; None when none
     does. Only called for bodies with a ``\\u`` escape: raw UTF-8 cannot carry one."""
     if isinstance(value, str):
         try:
             value.encode("utf-8")
         except UnicodeEncodeError:
-            return path
+            return path or "the body"
         return None
     items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
     for k, v in items:
         if isinstance(v, (str, dict, list)):
-            sub = (f"{path}[{k}]" if isinstance(k, int) else
-                   f'"{k}"' if path == "the body" else f"{path}.{k}")
+            sub = f"{path}[{k}]" if isinstance(k, int) else f"{path}.{k}" if path else f'"{k}"'
             found = _lone_surrogate(v, sub)
             if found is not None:
                 return found
