@@ -1,0 +1,1 @@
+"""Kernels of the runtime: the GPU kernels of stored (GGUF) formats in :mod:`.triton`."""
