@@ -1,30 +1,18 @@
 """Triton kernels that multiply GGUF blocks as stored, on a CUDA device.
 
 :mod:`.gguf` holds the kernels and their entry points (:func:`~.gguf.matmul`,
-:func:`~.gguf.dequantize`); this module says whether they can run without importing
-Triton's compiler (:func:`available`). Triton ships with the CUDA builds of torch on
-Linux (``pip install torch``), and installs alone as ``pip install 'moefit[cuda]'``;
-with ``TRITON_INTERPRET=1`` the same kernels run in Triton's interpreter on CPU tensors,
-which is how the tests check them on a machine without a GPU.
+:func:`~.gguf.dequantize`); this module says where the runtime uses them without importing
+Triton's compiler (:func:`used_on`), by the rules the planner prices
+(:mod:`moefit.memory.gpu_kernels`): on a CUDA device when ``triton`` is installed (torch's
+CUDA wheels on Linux depend on it; ``pip install 'moefit[cuda]'``), and on a CPU device
+only when asked (``MOEFIT_KERNELS=triton`` with ``TRITON_INTERPRET=1``: Triton's
+interpreter on CPU tensors, the tests' way of running the CUDA path without a GPU).
 """
 
 from __future__ import annotations
 
-import importlib.util
-import os
-
-#: Triton's own switch: kernels run in its numpy interpreter, on CPU tensors
-INTERPRET_ENV = "TRITON_INTERPRET"
-
-
-def installed() -> bool:
-    """Whether the ``triton`` package is importable (without importing it)."""
-    return importlib.util.find_spec("triton") is not None
-
-
-def interpreting() -> bool:
-    """Whether Triton runs its kernels in the interpreter (``TRITON_INTERPRET=1``)."""
-    return os.environ.get(INTERPRET_ENV, "").strip() not in ("", "0")
+from moefit.memory import gpu_kernels
+from moefit.memory.gpu_kernels import installed, interpreting  # noqa: F401  (re-exported)
 
 
 def unavailable_reason(device_type: str) -> str | None:
@@ -34,9 +22,20 @@ def unavailable_reason(device_type: str) -> str | None:
         return "the triton package is not installed (pip install 'moefit[cuda]')"
     if device_type == "cuda" or (device_type == "cpu" and interpreting()):
         return None
-    return f"Triton's kernels run on CUDA devices (or on the CPU with {INTERPRET_ENV}=1), not {device_type}"
+    return (f"Triton's kernels run on CUDA devices (or on the CPU with {gpu_kernels.INTERPRET_ENV}=1), "
+            f"not {device_type}")
 
 
 def available(device_type: str) -> bool:
-    """Whether :mod:`.gguf`'s kernels run on a device of ``device_type``."""
+    """Whether :mod:`.gguf`'s kernels can run on a device of ``device_type``."""
     return unavailable_reason(device_type) is None
+
+
+def used_on(device_type: str) -> bool:
+    """Whether the runtime multiplies stored matrices and experts on a device of
+    ``device_type`` with these kernels: a CUDA device where the plan expects them
+    (:func:`moefit.memory.gpu_kernels.expected`), or a CPU device forced onto them
+    (:func:`moefit.memory.gpu_kernels.forced_on_cpu`)."""
+    if device_type == "cpu":
+        return gpu_kernels.forced_on_cpu()
+    return gpu_kernels.expected(device_type)

@@ -39,18 +39,20 @@ import torch
 import triton
 import triton.language as tl
 
-from moefit.runtime.kernels.triton import interpreting
+from moefit.memory import gpu_kernels
+from moefit.memory.gpu_kernels import interpreting
 
-#: ggml type -> (the kernels' type code, values per block, bytes per block)
-#: (``GGML_QUANT_SIZES`` / ``ggml-common.h``)
-TYPES: dict[str, tuple[int, int, int]] = {
-    "F32": (0, 1, 4), "F16": (1, 1, 2), "BF16": (2, 1, 2), "Q8_0": (3, 32, 34), "Q4_0": (4, 32, 18),
-    "Q4_1": (5, 32, 20), "Q5_0": (6, 32, 22), "Q5_1": (7, 32, 24), "IQ4_NL": (8, 32, 18),
-    "Q4_K": (9, 256, 144), "Q5_K": (10, 256, 176), "Q6_K": (11, 256, 210), "MXFP4": (12, 32, 17),
-}
+#: ggml type -> (the kernels' type code, values per block, bytes per block); the sizes are
+#: :data:`moefit.memory.gpu_kernels.TYPES` (the planner's)
+TYPES: dict[str, tuple[int, int, int]] = {q: (code, *gpu_kernels.TYPES[q]) for code, q in enumerate(
+    ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL", "Q4_K", "Q5_K", "Q6_K", "MXFP4"))}
 _FLOAT_VIEW = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 #: products of at most this many tokens run as register sums, more as ``tl.dot``
 SMALL_T = 8
+#: ``(BLOCK_N, BLOCK_K)`` in the interpreter, which runs each operation on a whole tile in
+#: numpy: a few large tiles cost far less than many small ones (the kernels' tests pass the
+#: GPU's sizes to cover several programs and column steps)
+INTERPRETER_TILES = (256, 512)
 #: ``kvalues_iq4nl`` (ggml-common.h), as in :mod:`moefit.runtime.quant`
 _IQ4NL = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 
@@ -207,7 +209,7 @@ def _operand(raw: torch.Tensor, qtype: str, rows: int, cols: int) -> tuple[torch
 
 
 def matmul(x: torch.Tensor, raw: torch.Tensor, qtype: str, rows: int, cols: int,
-           out: torch.Tensor | None = None) -> torch.Tensor:
+           out: torch.Tensor | None = None, *, tiles: tuple[int, int] | None = None) -> torch.Tensor:
     """``out = x @ W^T`` with ``W`` ``[rows, cols]`` stored as ggml ``qtype`` in ``raw``.
 
     Args:
@@ -216,6 +218,8 @@ def matmul(x: torch.Tensor, raw: torch.Tensor, qtype: str, rows: int, cols: int,
         raw: contiguous uint8, ``rows`` x row bytes (the file's bytes of the matrix).
         out: ``[T, rows]`` (allocated in ``x``'s dtype when not given), rows contiguous;
             holds the fp32 sums rounded to its dtype.
+        tiles: ``(BLOCK_N, BLOCK_K)`` (powers of two); default: the GPU's (32 x 64 for a
+            few tokens, 64 x 64 above), or :data:`INTERPRETER_TILES` in the interpreter.
 
     Returns ``out``. Raises ValueError when the type, sizes or strides disagree.
     """
@@ -230,10 +234,12 @@ def matmul(x: torch.Tensor, raw: torch.Tensor, qtype: str, rows: int, cols: int,
     if t == 0 or rows == 0:
         return out
     if t <= SMALL_T:
-        mode, bt, bn, bk = 0, triton.next_power_of_2(t), 32, 64
+        mode, bt, (bn, bk) = 0, triton.next_power_of_2(t), tiles or (32, 64)
     else:
         mode = 1 if interpreting() or x.dtype == torch.float32 else (2 if x.dtype == torch.bfloat16 else 3)
-        bt, bn, bk = 32 if t <= 32 else 64, 64, 64
+        bt, (bn, bk) = 32 if t <= 32 else 64, tiles or (64, 64)
+    if interpreting() and tiles is None:      # numpy runs a tile per op: fewer, larger ones
+        bt, bn, bk = max(bt, min(64, triton.next_power_of_2(t))), INTERPRETER_TILES[0], INTERPRETER_TILES[1]
     grid = (triton.cdiv(t, bt), triton.cdiv(rows, bn))
     _matmul_kernel[grid](x, w, out, _table(x.device), t, rows, cols, rb, x.stride(0), out.stride(0),
                          Q=code, BT=bt, BN=bn, BK=bk, MODE=mode)
