@@ -29,7 +29,8 @@ def stored_matrices(geom: ModelGeometry, device_kind: str) -> dict[str, int]:
     read (:func:`~moefit.memory.gpu_kernels.keeps_stored`). A decode step then reads the
     file's bytes (a Q6_K output matrix: 0.82 bytes per weight against 2 in bf16), and the
     memory a bf16 copy would take is left to the expert cache (GLM-4.5-Air's Q4_K_M dense
-    weights: 13.4 GiB in bf16, about 4 GiB as stored). Elsewhere none (dequantized to the
+    weights on a CUDA card, token embeddings on the host: 12.25 GiB in bf16, 3.74 GiB as
+    stored, so it plans at 32K on a 16 GB card). Elsewhere none (dequantized to the
     compute dtype at load). A CPU device forced onto the Triton kernels
     (:func:`moefit.memory.gpu_kernels.forced_on_cpu`) keeps what a CUDA device keeps. Empty
     for a model without GGUF headers. The GGUF loader keeps exactly these."""
