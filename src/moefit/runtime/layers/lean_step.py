@@ -32,11 +32,11 @@ is rounded there), so the two paths differ by fp32 summation order only;
 tests/runtime/test_decode_step.py compares them on every family the runtime runs.
 
 What the step does not cover stays in torch, layer by layer: Gated DeltaNet layers
-(:func:`moefit.runtime.deltanet.gated_deltanet`), shared experts and dense MLPs
+(:func:`moefit.runtime.layers.deltanet.gated_deltanet`), shared experts and dense MLPs
 (:func:`moefit.runtime.model.linear`), the output gate, ``clip_qkv``. :func:`applies` says
 when the whole step runs here: the C kernels are built, the device is the CPU, every
 segment of the step is one token, the KV format has a C codec (plain, int8 / int4 blocks;
-not fp8), the experts run on the CPU (:func:`moefit.runtime.moe_batch.applies`), and the
+not fp8), the experts run on the CPU (:func:`moefit.runtime.moe.batch.applies`), and the
 model sets no switch or spec field away from its default, and holds no layer kind or
 weight, that this module does not know
 (:data:`KNOWN_SWITCHES`, :data:`KNOWN_WEIGHTS`), so a family added later runs through
@@ -58,10 +58,11 @@ import torch.nn.functional as F
 
 from moefit.ingest.families.common import Switches
 from moefit.ingest.geometry import AttentionSpec, MoESpec
-from moefit.runtime import moe_batch, qmatmul
-from moefit.runtime.deltanet import gated_deltanet
-from moefit.runtime.quant import StoredMatrix
-from moefit.runtime.staging import ALIGN
+from moefit.runtime.moe import batch as moe_batch
+from moefit.runtime.kernels import qmatmul
+from moefit.runtime.layers.deltanet import gated_deltanet
+from moefit.runtime.kernels.quant import StoredMatrix
+from moefit.runtime.buffers.workspace import ALIGN
 
 #: Most tokens (sequences) one lean step runs; larger steps take the torch path.
 MAX_TOKENS = 64
@@ -69,8 +70,8 @@ MAX_TOKENS = 64
 #: and the values it implements them for.
 KNOWN_SWITCHES = frozenset({"model_type", "dtype", "rms_eps", "qk_norm", "q_bias", "o_bias", "clip_qkv",
                             "renormalize", "tie_embeddings", "config", "prefix", "norm_offset"})
-#: :class:`~moefit.runtime.loader.LayerWeights` fields this module reads (or hands to
-#: :func:`~moefit.runtime.deltanet.gated_deltanet`); a layer holding any other weight
+#: :class:`~moefit.runtime.load.safetensors.LayerWeights` fields this module reads (or hands to
+#: :func:`~moefit.runtime.layers.deltanet.gated_deltanet`); a layer holding any other weight
 #: takes the torch path.
 KNOWN_WEIGHTS = frozenset({
     "input_norm", "post_norm", "q", "k", "v", "o", "q_bias", "k_bias", "v_bias", "o_bias", "q_norm", "k_norm",
@@ -109,7 +110,7 @@ class _Mat:
 
 def _mat(w) -> _Mat | None:
     """``w`` (a contiguous bf16 / fp16 / fp32 tensor on the CPU, or a
-    :class:`~moefit.runtime.quant.StoredMatrix`) as a :class:`_Mat`; None when the kernels
+    :class:`~moefit.runtime.kernels.quant.StoredMatrix`) as a :class:`_Mat`; None when the kernels
     cannot read it."""
     if isinstance(w, StoredMatrix):
         return _Mat(w.raw.data_ptr(), qmatmul.CTYPES[w.qtype], w.rows, w.cols, w) if qmatmul.supports(w.qtype, w.cols) \
@@ -164,7 +165,7 @@ class _CStep(ctypes.Structure):
 def _pchunk(t: int, h: int, inter: int, scratch: int) -> int:
     """(token, expert) pairs ``mf_moe`` runs at once in ``scratch`` bytes for ``t`` token rows
     of ``h`` values and experts of width ``inter``: what is left after the rows
-    (:func:`moefit.runtime.qmatmul.moe_scratch_bytes` of no pairs), by the bytes of a pair."""
+    (:func:`moefit.runtime.kernels.qmatmul.moe_scratch_bytes` of no pairs), by the bytes of a pair."""
     return (scratch - qmatmul.moe_scratch_bytes(t, h, inter, 0)) // qmatmul.pair_bytes(h, inter)
 
 
@@ -333,7 +334,7 @@ class LeanStep:
     def applies(self, segs) -> bool:
         """Whether this step of segments ``segs`` runs here: one token per segment, at most
         :data:`MAX_TOKENS`, and every MoE layer's experts on the CPU
-        (:func:`moefit.runtime.moe_batch.applies`, asked once per token count and residency)."""
+        (:func:`moefit.runtime.moe.batch.applies`, asked once per token count and residency)."""
         if self.why is not None or len(segs) > MAX_TOKENS or any(sg.length != 1 for sg in segs):
             return False
         t, ec = len(segs), self.mdl.experts
@@ -539,7 +540,7 @@ class LeanStep:
         """Bytes of the step's MoE kernel scratch: room for every (token, expert) pair of the
         step at once when the workspace has it above what the layer loop takes later (so
         ``mf_moe`` runs a layer as one chunk of pairs: four barriers, not four per expert),
-        else :func:`moefit.runtime.moe_batch.scratch_bytes` (a pair at a time at least).
+        else :func:`moefit.runtime.moe.batch.scratch_bytes` (a pair at a time at least).
         Either way within the ``prefill`` line the plan priced for a whole chunk: the step's
         other buffers are those of ``t`` tokens, and the workspace raises past its end."""
         act = self.mdl.arch.dtype

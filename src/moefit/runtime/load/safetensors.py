@@ -25,13 +25,13 @@ host budget): a resident expert straight into its device slot, the others into h
 (pinned when the device is CUDA: asynchronous host-to-device copies), so the host never
 holds a resident expert. gpt-oss's fused experts (with biases; bf16 or mxfp4 kept as
 stored) are read one expert's slice at a time into a uint8 blob of their own layout
-(:mod:`moefit.runtime.gpt_oss_experts`).
+(:mod:`moefit.runtime.moe.gpt_oss`).
 
 Block-scaled fp8 checkpoints (``quant_method: fp8``: DeepSeek-V3 / R1, Kimi-K2): each F8_E4M3
 weight with its ``weight_scale_inv`` stays as stored, as priced: a dense one as a
-:class:`~moefit.runtime.quant.Fp8Matrix` (dequantized into the staging workspace when used),
+:class:`~moefit.runtime.kernels.quant.Fp8Matrix` (dequantized into the staging workspace when used),
 the experts as stored blobs of e4m3 bytes and fp32 scales
-(:meth:`~moefit.runtime.quant.StoredExpert.pack_fp8`), dequantized when they run.
+(:meth:`~moefit.runtime.kernels.quant.StoredExpert.pack_fp8`), dequantized when they run.
 
 Errors (:class:`~moefit.errors.InputError`): a missing tensor (named, with the file the
 index points to or the files searched), a tensor of the wrong shape (named, with its file,
@@ -39,7 +39,7 @@ the shape found and the shape the config implies), no safetensors files.
 
 Hybrids (Qwen3-Next / Qwen3.5): the text model's tensors sit under ``Arch.prefix``
 (``model.language_model.`` in a multimodal checkpoint, whose vision tower is not read); a
-few projections are regrouped at load (:mod:`moefit.runtime.hybrid_layout`).
+few projections are regrouped at load (:mod:`moefit.runtime.load.hybrid_layout`).
 """
 
 from __future__ import annotations
@@ -57,10 +57,10 @@ from moefit.errors import InputError
 from moefit.ingest.families import gpt_oss
 from moefit.ingest.families.common import FP32_TENSORS
 from moefit.ingest.geometry import LayerSpec, ModelGeometry
-from moefit.runtime import gpt_oss_experts
+from moefit.runtime.moe import gpt_oss as gpt_oss_experts
 from moefit.runtime.arch import Arch
-from moefit.runtime.hybrid_layout import Packed, gated_q, linear_attention_entries, sources
-from moefit.runtime.quant import FP8, Fp8Matrix, StoredExpert, fp8_scale_shape
+from moefit.runtime.load.hybrid_layout import Packed, gated_q, linear_attention_entries, sources
+from moefit.runtime.kernels.quant import FP8, Fp8Matrix, StoredExpert, fp8_scale_shape
 
 Alloc = Callable[[tuple[int, ...], torch.dtype], torch.Tensor]
 
@@ -94,7 +94,7 @@ class LayerWeights:
     dense_gate: torch.Tensor | None = None   # [Id, H]
     dense_up: torch.Tensor | None = None
     dense_down: torch.Tensor | None = None   # [H, Id]
-    # Gated DeltaNet (linear-attention layers; see moefit.runtime.hybrid_layout)
+    # Gated DeltaNet (linear-attention layers; see moefit.runtime.load.hybrid_layout)
     la_qkvz: torch.Tensor | None = None      # [C + Nv*Dv, H]
     la_ba: torch.Tensor | None = None        # [2*Nv, H]
     la_conv: torch.Tensor | None = None      # [C, 1, K]
@@ -135,7 +135,7 @@ class HostExperts:
     (``rows[layer]``: expert -> row); ``experts[layer]``: the layer's expert count E;
     ``elems[layer]``: elements of one blob; ``inter[layer]``: the expert width I;
     ``hidden``: H. ``formats[layer]``: for experts kept in a stored (quantized) format, the
-    blob layout (:class:`moefit.runtime.quant.StoredExpert`); their blobs are uint8.
+    blob layout (:class:`moefit.runtime.kernels.quant.StoredExpert`); their blobs are uint8.
     ``mapped``: the experts without a row are read from the file's pages when they run
     (``--host-experts mmap``), gathered into ``gather_buf`` by ``source``.
     """
@@ -349,7 +349,7 @@ def moe_extras_plan(m, hidden: int, arch: Arch, name) -> list[tuple[str, str, tu
 def _expert_plan(l: LayerSpec, geom: ModelGeometry, arch: Arch, index: _Index):
     """``("fused", gate_up name, down name)``, ``("per_expert", [(g, u, d) per expert])``
     or, for experts with biases (gpt-oss), ``("biased", {part: name}, layout)``
-    (:func:`moefit.runtime.gpt_oss_experts.hf_expert_names`, :func:`~moefit.runtime.gpt_oss_experts.hf_layout`)."""
+    (:func:`moefit.runtime.moe.gpt_oss.hf_expert_names`, :func:`~moefit.runtime.moe.gpt_oss.hf_layout`)."""
     m, h, p = l.moe, geom.hidden_size, f"{arch.prefix}layers.{l.index}."
     i = m.expert_intermediate
     if arch.clamped_swiglu is not None:
