@@ -1,6 +1,6 @@
 """The geometry's tensor listing and the loaders agree: every tensor name and shape the
-safetensors loader (``runtime.loader._layer_plan`` / ``_mlp_plan`` / ``_expert_plan``) and
-the GGUF loader (``runtime.gguf_loader._layer_plan`` / ``_expert_parts``) ask for is in the
+safetensors loader (``runtime.load.safetensors._layer_plan`` / ``_mlp_plan`` / ``_expert_plan``) and
+the GGUF loader (``runtime.load.gguf._layer_plan`` / ``_expert_parts``) ask for is in the
 listing the plan priced (``ModelGeometry.layers[*].tensors`` / ``expert_tensors`` /
 ``global_tensors``), and every listed tensor is one they load.
 

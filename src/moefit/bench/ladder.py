@@ -38,7 +38,8 @@ from moefit.ingest.geometry import ModelGeometry
 from moefit.memory.staging import StagingModel
 from moefit.plan.request import CHUNK_GRID, Request
 from moefit.plan.solver import LINE_ORDER, solve
-from moefit.runtime.engine import Engine, EngineOptions, greedy
+from moefit.runtime.engine import Engine, EngineOptions
+from moefit.runtime.sampling import greedy
 from moefit.runtime.measure import prefill_measured
 from moefit.units import parse_count
 

@@ -43,7 +43,6 @@ thread); the other calls run one slot.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
 from pathlib import Path
 
 import torch
@@ -62,7 +61,8 @@ from moefit.runtime.load.gguf import gguf_config, load_gguf
 from moefit.runtime.buffers.kv_cache import KVCache
 from moefit.runtime.buffers.ledger import (FAIL_ENV, BudgetError, HostLedger, Ledger, check_fault_injection,
                                    resident_bytes, unreached)
-from moefit.runtime.load.safetensors import ExpertSource, fp8_matrices, load_checkpoint
+from moefit.runtime.load.safetensors import load_checkpoint
+from moefit.runtime.weights import ExpertSource, fp8_matrices
 from moefit.runtime.kernels import qmatmul
 from moefit.runtime.model import Model, forward, forward_batch, segments
 from moefit.runtime.kernels.quant import StoredMatrix
@@ -70,18 +70,7 @@ from moefit.runtime.layers.rope import Rotary, rope_from_config
 from moefit.runtime.buffers.workspace import Workspace
 from moefit.units import format_bytes
 
-__all__ = ["BudgetError", "Engine", "EngineOptions", "SamplingParams", "min_p_filter", "sample"]
-
-
-class SamplingParams(Protocol):
-    """What :func:`sample` reads of a request's settings (``moefit.serve.generation.Params``
-    is the one implementation). ``temperature`` 0 is greedy; ``top_k`` 0, ``top_p`` 1 and
-    ``min_p`` 0 keep every token."""
-
-    temperature: float
-    top_k: int
-    top_p: float
-    min_p: float
+__all__ = ["BudgetError", "Engine", "EngineOptions"]
 
 
 @dataclass
@@ -311,44 +300,6 @@ class Engine:
         if self.host is not None:
             tables.append(self.host.report())
         return "\n".join(tables)
-
-
-def min_p_filter(x: torch.Tensor, min_p: float) -> torch.Tensor:
-    """Set to -inf the logits ``x`` ``[V]`` of tokens whose probability is below ``min_p``
-    x the largest one (transformers' ``MinPLogitsWarper``; Nguyen et al. 2024, "min-p
-    sampling"); the most likely token always stays. Returns ``x`` (changed in place)."""
-    p = torch.softmax(x.float(), -1)
-    x[p < min_p * p.max()] = float("-inf")
-    return x
-
-
-def greedy(logits: torch.Tensor) -> int:
-    """The index of the largest of ``logits`` ``[V]`` (the first of ties, as ``torch.argmax``).
-    Fp32 logits in CPU memory go through numpy's vectorised argmax: over a 151936-token
-    vocabulary on one thread 16 us against torch's 170-185 us, which was 1-2% of a decode
-    step of a 1.37B model per sequence and a quarter of a tiny model's."""
-    if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 1:
-        return int(logits.numpy().argmax())
-    return int(torch.argmax(logits))
-
-
-def sample(logits: torch.Tensor, s: SamplingParams, gen: torch.Generator | None = None) -> int:
-    """One token from ``logits`` ``[V]``: argmax at temperature 0 (:func:`greedy`), else
-    softmax sampling after top-k / top-p / min-p filtering (transformers' order of the
-    warpers)."""
-    if s.temperature <= 0:
-        return greedy(logits)
-    x = logits.float() / s.temperature
-    if s.top_k:
-        kth = torch.topk(x, min(s.top_k, x.numel())).values[-1]
-        x = x.masked_fill(x < kth, float("-inf"))
-    if s.top_p < 1.0:
-        p, idx = torch.sort(torch.softmax(x, -1), descending=True)
-        drop = p.cumsum(-1) - p > s.top_p
-        x[idx[drop]] = float("-inf")
-    if s.min_p > 0:
-        x = min_p_filter(x, s.min_p)
-    return int(torch.multinomial(torch.softmax(x, -1), 1, generator=gen))
 
 
 def _stored(weights) -> list[StoredMatrix]:

@@ -53,7 +53,7 @@ from moefit.runtime.layers import lean_step as decode_step
 from moefit.runtime.moe import batch as moe_batch, device as moe_device
 from moefit.runtime.buffers.kv_cache import KVCache
 from moefit.runtime.kernels.quant import Fp8Matrix, StoredMatrix
-from moefit.runtime.load.safetensors import LayerWeights, Weights
+from moefit.runtime.weights import LayerWeights, Weights
 from moefit.runtime.layers.rope import Rotary, mla_softmax_scale
 from moefit.runtime.moe.routing import route_grouped
 from moefit.runtime.buffers.workspace import Workspace

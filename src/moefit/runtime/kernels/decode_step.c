@@ -514,7 +514,7 @@ void mf_route(int T, int E, int k, const void *logits, int dt, int renorm, const
  * call per step instead of about a dozen per layer (each a Python-side conversion of its
  * arguments and a release and re-take of the interpreter lock, which a serving thread on the
  * other core may hold). Layout: mf_lean_layer / mf_lean_step, mirrored by ctypes structures
- * in decode_step.py (same field order and types). */
+ * in kernels/lean_abi.py (same field order and types). */
 void mf_gemm_ex(int t, const uint8_t *W, int N, int K, const void *x, int xdt, int n, void *y, int ydt,
                 const void *bias, uint8_t *scratch, int nthreads);
 void mf_moe(int n_exp, const uint8_t *const *blobs, const int64_t *bounds, const int64_t *tok,

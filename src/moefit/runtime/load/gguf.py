@@ -56,9 +56,8 @@ from moefit.ingest.gguf_header import (GGUFHeader, GGUFTensor, close_reader, con
 from moefit.runtime.arch import Arch
 from moefit.runtime.moe.gpt_oss import BiasedExpert
 from moefit.runtime.load.hybrid_layout import Packed, gated_q, gguf_linear_attention_entries, sources
-from moefit.runtime.load.safetensors import (
-    ExpertSource, Weights, assemble_weights, mla_plan, moe_extras_plan, progress_bar, resident_dtype,
-)
+from moefit.runtime.load.safetensors import mla_plan, moe_extras_plan, progress_bar, resident_dtype
+from moefit.runtime.weights import ExpertSource, Weights, assemble_weights
 from moefit.runtime.kernels.quant import StoredExpert, StoredMatrix, dequantize, kernel_for
 
 

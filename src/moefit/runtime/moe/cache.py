@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from moefit.errors import InputError
-from moefit.runtime.load.safetensors import HostExperts, split_blob
+from moefit.runtime.weights import HostExperts, split_blob
 
 
 @dataclass

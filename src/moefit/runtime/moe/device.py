@@ -78,7 +78,7 @@ import torch.nn.functional as F
 from moefit.memory.host import device_expert_path, miss_host_takes
 from moefit.memory.staging import DEQUANT_TILE_ELEMS, span
 from moefit.runtime.kernels import qmatmul
-from moefit.runtime.load.safetensors import split_blob
+from moefit.runtime.weights import split_blob
 from moefit.runtime.moe.batch import layer_format, max_tokens_per_expert
 from moefit.runtime.kernels.quant import FP8, StoredExpert, dequantize
 
