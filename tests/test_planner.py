@@ -16,7 +16,8 @@ from moefit.memory.staging import staging_model
 from moefit.memory.weights import expert_slot_bytes, weight_arena_bytes
 from moefit.ingest.resolve import load_model
 from moefit.plan.request import Request
-from moefit.plan.solver import MANDATORY, solve
+from moefit.plan.solver import solve
+from moefit.plan.types import MANDATORY
 
 MIB, GIB = 1 << 20, 1 << 30
 FIELD = Request(max_context=524288, kv="int8", prefill_mode="fixed", prefill_tokens=24576,

@@ -7,7 +7,7 @@ The host table sits beside the device tables. Its lines, in commit order:
 - ``host_weights``: dense weights kept on the host: a GGUF file's token embedding table
   when the file has its own output matrix (:func:`embed_on_host`). llama.cpp keeps it on
   the CPU ("there is very little benefit to offloading the input layer",
-  ``llama_model::load_tensors``; :mod:`moefit.engines.llamacpp`): a token's embedding is
+  ``llama_model::load_tensors``; :mod:`moefit.external.llamacpp`): a token's embedding is
   one row lookup, so the device needs no copy of the table. With tied embeddings the
   table is the output matrix too and stays on the device.
 - ``host_staging``: the larger of what loading holds at once beside its destinations
