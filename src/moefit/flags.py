@@ -28,19 +28,12 @@ import argparse
 import os
 import sys
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 from moefit.devices import Device, Host, resolve_devices, resolve_host
-from moefit.external.llamacpp import DEFAULT_BATCH as LLAMA_BATCH
-from moefit.external.llamacpp import DEFAULT_UBATCH as LLAMA_UBATCH
-from moefit.external.llamacpp import DEFAULT_KV as LLAMA_KV
-from moefit.external.llamacpp import MAX_CTX as LLAMA_MAX_CTX
-from moefit.external.llamacpp import MAX_SEQ as LLAMA_MAX_SEQ
-from moefit.external.llamacpp import pad_cells as _pad_cells
-from moefit.external.llamacpp import LlamaRequest, kv_types
-from moefit.ingest.gguf_mix import DEFAULT_FTYPE, ftype_name
-from moefit.external.multi_gpu import BATCH_GRID, ServeRequest
 from moefit.errors import InputError
 from moefit.ingest.geometry import ModelGeometry
+from moefit.ingest.gguf_mix import DEFAULT_FTYPE, ftype_name
 from moefit.ingest.inputs import is_gguf_file
 from moefit.ingest.resolve import serving_reference
 from moefit.memory import calibration
@@ -51,6 +44,10 @@ from moefit.plan.alternatives import SMALLEST_CONTEXT, largest_context
 from moefit.plan.solver import solve
 from moefit.plan.types import Plan
 from moefit.units import parse_count
+
+if TYPE_CHECKING:       # the engines' modules load only for --engine (moefit plan stays fast)
+    from moefit.external.llamacpp import LlamaRequest
+    from moefit.external.multi_gpu import ServeRequest
 
 
 #: The default of ``--host-ram`` when set (a machine's memory to plan with, where this one
@@ -275,7 +272,7 @@ def _yarn_orig_ctx(args: argparse.Namespace) -> int | None:
     return parse_count(args.yarn_orig_ctx, "--yarn-orig-ctx") if args.yarn_orig_ctx else None
 
 
-def llama_request_from_args(geom: ModelGeometry, args: argparse.Namespace) -> LlamaRequest:
+def llama_request_from_args(geom: ModelGeometry, args: argparse.Namespace) -> "LlamaRequest":
     """Map ``moefit plan --engine llama.cpp`` flags onto llama.cpp's: ``--max-context`` ->
     ``-c`` (RoPE limits checked as for moefit's plans), ``--prefill`` -> ``-ub``
     (``auto``: llama.cpp's 512), ``--kv`` -> ``-ctk/-ctv`` (moefit's or llama.cpp's type
@@ -289,6 +286,12 @@ def llama_request_from_args(geom: ModelGeometry, args: argparse.Namespace) -> Ll
     Raises InputError (exit 2) for ``--gguf-type`` with a GGUF file and for flags that have
     no llama.cpp meaning (the expert-cache flags, ``--max-context max``, ``--parallel`` above
     256, a ``-c`` past 2^31 - 1)."""
+    from moefit.external.llamacpp import DEFAULT_BATCH as LLAMA_BATCH
+    from moefit.external.llamacpp import DEFAULT_KV as LLAMA_KV
+    from moefit.external.llamacpp import MAX_CTX as LLAMA_MAX_CTX
+    from moefit.external.llamacpp import MAX_SEQ as LLAMA_MAX_SEQ
+    from moefit.external.llamacpp import pad_cells as _pad_cells
+    from moefit.external.llamacpp import LlamaRequest, kv_types
     gguf_type = getattr(args, "gguf_type", None)
     if is_gguf_file(args.model) and gguf_type is not None:
         raise InputError(f"--gguf-type {gguf_type}: {args.model} is a GGUF file, planned with its own "
@@ -364,6 +367,7 @@ def llama_ubatch(prefill: str, prefill_min: int) -> tuple[int, int]:
     ``-ub`` a clamp may choose), in tokens: ``auto`` is llama.cpp's 512 (``auto:N`` asks
     ``N``), any count of at least 1 is a micro-batch llama.cpp runs (the clamp's grid is
     64 tokens: :data:`moefit.external.llamacpp.UB_GRID`). Raises InputError naming the flag."""
+    from moefit.external.llamacpp import DEFAULT_UBATCH as LLAMA_UBATCH
     text = prefill.strip().lower()
     if text == "auto":
         ub = LLAMA_UBATCH
@@ -394,7 +398,7 @@ def check_engine_flags(args: argparse.Namespace) -> None:
                              f"vllm, or drop --{name}")
 
 
-def serve_request_from_args(geom: ModelGeometry, args: argparse.Namespace) -> ServeRequest:
+def serve_request_from_args(geom: ModelGeometry, args: argparse.Namespace) -> "ServeRequest":
     """Map ``moefit plan --engine vllm|sglang`` flags onto the engine's: ``--max-context`` ->
     ``--max-model-len`` / ``--context-length`` (the model's limit by default; RoPE limits as
     for moefit's plans, a YaRN or linear request adds the engine's config override),
@@ -406,6 +410,7 @@ def serve_request_from_args(geom: ModelGeometry, args: argparse.Namespace) -> Se
 
     Raises InputError (exit 2) for a GGUF model, the expert-cache flags, ``--max-context
     max``, a simulated CPU device, and bad ``--gpus/--nodes/--tp/--pp/--dp/--ep`` values."""
+    from moefit.external.multi_gpu import BATCH_GRID, ServeRequest
     engine = args.engine
     if is_gguf_file(args.model):
         raise InputError(f"{args.model}: --engine {engine} plans a Hugging Face checkpoint (a "
