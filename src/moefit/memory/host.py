@@ -197,9 +197,13 @@ def miss_host_bytes(geom: ModelGeometry, chunk: int,
     C kernels dequantize)."""
     act = compute_bytes(geom)
     buf = scratch = 0
+    seen = set()        # layers of one shape and types give the same bytes: priced once
     for l in geom.moe_layers:
         m = l.moe
         types = _layer_types(geom, l)
+        if (shape := (types, m.expert_intermediate, m.experts_per_token)) in seen:
+            continue
+        seen.add(shape)
         c = miss_host_c_kernels(types, geom.hidden_size, m.expert_intermediate, geom.dtype, env)
         for kernels in ((True, False) if c else (False,)):
             takes = miss_host_takes(geom.hidden_size, m.expert_intermediate, m.experts_per_token, chunk,
