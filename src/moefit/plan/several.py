@@ -233,15 +233,8 @@ def _expert_split(geom: ModelGeometry, devices: tuple[Device, ...], req: Request
                       f"{n} of {total_e} experts ({100 * n / total_e:.0f}%)" if total_e else
                       "dense model: no experts"))
         dplans.append(DevicePlan(d, lines, "experts", per, piece=p.piece(shown)))
-    total = _sum_counts(geom, counts)
-    plan = Plan(fits=fits, geometry=geom, request=req, context=context, devices=tuple(dplans),
-                prefill_requested=requested, prefill_selected=shown, prefill_clamped=clamped,
-                expert_slots=sum(n for _, n in total), experts_per_layer=total,
-                notes=tuple(notes), split="experts")
-    if fits:
-        assert all(d.unassigned_bytes >= 0 for d in dplans), "solver bug: a device is over"
-        return plan
-    return _several_failed(plan, floor_bytes - placed_bytes(counts), lowest, target, notes)
+    return _split_plan(geom, req, context, "experts", dplans, counts, (requested, target, lowest, shown),
+                       fits, clamped, notes, floor_bytes - placed_bytes(counts))
 
 
 def _left_out(geom: ModelGeometry, device: Device, priced: "_ExpertDevice", chunk: int,
@@ -265,6 +258,24 @@ def _left_out(geom: ModelGeometry, device: Device, priced: "_ExpertDevice", chun
     room = device.free_bytes - need
     return (f"{fmt(room)} above its runtime, expert staging and margin, less than one expert "
             f"slot ({fmt(min(geom.expert_blob_bytes().values()))})")
+
+
+def _split_plan(geom: ModelGeometry, req: Request, context: int, split: str, dplans: list[DevicePlan],
+                counts, chunks: tuple[int, int, int, int], fits: bool, clamped: bool,
+                notes: list[str], unplaced_floor: int) -> Plan:
+    """The plan of a split from its device tables and each device's expert ``counts``;
+    ``chunks``: (requested, target, lowest, shown) tokens. A plan that does not fit gets
+    its failure (:func:`_several_failed`, ``unplaced_floor``: the floor's bytes not placed)."""
+    requested, target, lowest, shown = chunks
+    total = _sum_counts(geom, counts)
+    plan = Plan(fits=fits, geometry=geom, request=req, context=context, devices=tuple(dplans),
+                prefill_requested=requested, prefill_selected=shown, prefill_clamped=clamped,
+                expert_slots=sum(n for _, n in total), experts_per_layer=total,
+                notes=tuple(notes), split=split)
+    if fits:
+        assert all(d.unassigned_bytes >= 0 for d in dplans), "solver bug: a device is over"
+        return plan
+    return _several_failed(plan, unplaced_floor, lowest, target, notes)
 
 
 def _several_failed(plan: Plan, unplaced_floor: int, lowest: int, target: int,
@@ -386,12 +397,5 @@ def _layer_split(geom: ModelGeometry, devices: tuple[Device, ...], req: Request,
                                   if i == 0 else "")
         lines = tuple(replace(l, detail=what) if l.key == "weights" else l for l in lines)
         dplans.append(DevicePlan(d, lines, "layers", per, r))
-    total = _sum_counts(geom, counts)
-    plan = Plan(fits=fits, geometry=geom, request=req, context=context, devices=tuple(dplans),
-                prefill_requested=requested, prefill_selected=shown, prefill_clamped=clamped,
-                expert_slots=sum(n for _, n in total), experts_per_layer=total,
-                notes=tuple(notes), split="layers")
-    if fits:
-        assert all(d.unassigned_bytes >= 0 for d in dplans), "solver bug: a device is over"
-        return plan
-    return _several_failed(plan, 0, lowest, target, notes)
+    return _split_plan(geom, req, context, "layers", dplans, counts, (requested, target, lowest, shown),
+                       fits, clamped, notes, 0)
