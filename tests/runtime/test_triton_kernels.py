@@ -32,7 +32,7 @@ pytestmark = [pytest.mark.triton, pytest.mark.filterwarnings("ignore::RuntimeWar
                                  reason="no CUDA device and the interpreter is off")]
 
 from moefit.runtime.kernels.triton import gguf as tg  # noqa: E402
-from moefit.runtime.quant import KERNELS  # noqa: E402
+from moefit.runtime.kernels.quant import KERNELS  # noqa: E402
 
 DEVICE = "cpu" if interpreting() else "cuda"
 T = gguf.GGMLQuantizationType

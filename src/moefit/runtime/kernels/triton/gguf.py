@@ -1,7 +1,7 @@
 """Products and dequantization of GGUF blocks as stored, in Triton.
 
 Every kernel reads the bytes a GGUF file holds (uint8 ``[rows, row bytes]``, ggml's block
-layouts, :mod:`moefit.runtime.quant`'s table) and rebuilds a ``[BLOCK_N, BLOCK_K]`` tile of
+layouts, :mod:`moefit.runtime.kernels.quant`'s table) and rebuilds a ``[BLOCK_N, BLOCK_K]`` tile of
 fp32 weights in registers with the reference's arithmetic (``gguf/quants.py``, a port of
 ``ggml-quants.c`` ``dequantize_row_*``: the same integer unpacking, then the same fp32
 products in the same order), so a dequantized tile is bit for bit ``gguf.quants.dequantize``.
@@ -20,10 +20,10 @@ overlap within a block, so they come from the L1 cache.
   workspace needs no expert matrix for it.
 
 :func:`dequantize` writes a stored matrix in a float dtype, tile by tile (the GPU's
-counterpart of :func:`moefit.runtime.quant.dequantize`).
+counterpart of :func:`moefit.runtime.kernels.quant.dequantize`).
 
 Types (:data:`TYPES`): F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, Q4_K, Q5_K,
-Q6_K, MXFP4: all that :mod:`moefit.runtime.quant` reads, none by a dequantized copy. Rows
+Q6_K, MXFP4: all that :mod:`moefit.runtime.kernels.quant` reads, none by a dequantized copy. Rows
 are a multiple of the type's block (32; 256 for the K-quants). Block sizes are untuned: no
 GPU has run these kernels yet; the interpreter (``TRITON_INTERPRET=1``) runs them in the
 tests (``tests/runtime/test_triton_kernels.py``) against ``gguf``'s dequantization and an
@@ -53,7 +53,7 @@ SMALL_T = 8
 #: numpy: a few large tiles cost far less than many small ones (the kernels' tests pass the
 #: GPU's sizes to cover several programs and column steps)
 INTERPRETER_TILES = (256, 512)
-#: ``kvalues_iq4nl`` (ggml-common.h), as in :mod:`moefit.runtime.quant`
+#: ``kvalues_iq4nl`` (ggml-common.h), as in :mod:`moefit.runtime.kernels.quant`
 _IQ4NL = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 
 
