@@ -2,8 +2,9 @@
 
 Without a GPU the kernels run in Triton's interpreter (``TRITON_INTERPRET=1``, set here
 unless the caller set it) on CPU tensors; with one, on the GPU. Shapes are small (37 rows,
-several blocks a row, a row length that is not a multiple of the kernels' column tile)
-and the token counts cover both product forms: register sums (1 and 3 tokens) and
+several blocks a row, a row length that is not a multiple of the kernels' column tile),
+multiplied with the GPU's tiles (several programs and column steps) and with the
+interpreter's larger default ones, and the token counts cover both product forms: register sums (1 and 3 tokens) and
 ``tl.dot`` (17). Skipped cleanly without ``triton``.
 
 Weights are random blocks (every quant bit random) with finite scales, so each layout is
@@ -114,10 +115,13 @@ def test_products_match_dequantize_then_fp32_matmul(qtype):
     gen = torch.Generator().manual_seed(1)
     for t in (1, 3, 17):
         x = torch.randn(t, cols, generator=gen)
-        got = tg.matmul(x.to(DEVICE), w, qtype, rows, cols).cpu()
         want = x @ ref_w.t()
-        err = ((got - want).abs().max() / want.abs().max()).item()
-        assert err < FP32_BOUND, (t, err)
+        # the GPU's tiles (several programs and column steps), then the default ones
+        tiles = tg.GPU_TILES[t > tg.SMALL_T]
+        for got in (tg.matmul(x.to(DEVICE), w, qtype, rows, cols, tiles=tiles).cpu(),
+                    tg.matmul(x.to(DEVICE), w, qtype, rows, cols).cpu()):
+            err = ((got - want).abs().max() / want.abs().max()).item()
+            assert err < FP32_BOUND, (t, err)
 
 
 @pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "Q8_0", "MXFP4", "BF16"])
@@ -130,7 +134,7 @@ def test_bf16_activations_into_a_strided_bf16_output(qtype):
     for t in (1, 17):
         x = torch.randn(t, cols, generator=torch.Generator().manual_seed(t)).bfloat16()
         wide = torch.zeros(t, rows + 5, dtype=torch.bfloat16, device=DEVICE)
-        tg.matmul(x.to(DEVICE), w, qtype, rows, cols, out=wide[:, 2:2 + rows])
+        tg.matmul(x.to(DEVICE), w, qtype, rows, cols, out=wide[:, 2:2 + rows], tiles=tg.GPU_TILES[t > tg.SMALL_T])
         got = wide.cpu().float()
         want = x.float() @ ref_w.t()
         err = ((got[:, 2:2 + rows] - want).abs().max() / want.abs().max()).item()

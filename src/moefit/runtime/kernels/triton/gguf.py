@@ -49,6 +49,8 @@ TYPES: dict[str, tuple[int, int, int]] = {q: (code, *gpu_kernels.TYPES[q]) for c
 _FLOAT_VIEW = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 #: products of at most this many tokens run as register sums, more as ``tl.dot``
 SMALL_T = 8
+#: ``(BLOCK_N, BLOCK_K)`` on a GPU: for at most :data:`SMALL_T` tokens, and above (untuned)
+GPU_TILES = ((32, 64), (64, 64))
 #: ``(BLOCK_N, BLOCK_K)`` in the interpreter, which runs each operation on a whole tile in
 #: numpy: a few large tiles cost far less than many small ones (the kernels' tests pass the
 #: GPU's sizes to cover several programs and column steps)
@@ -218,8 +220,8 @@ def matmul(x: torch.Tensor, raw: torch.Tensor, qtype: str, rows: int, cols: int,
         raw: contiguous uint8, ``rows`` x row bytes (the file's bytes of the matrix).
         out: ``[T, rows]`` (allocated in ``x``'s dtype when not given), rows contiguous;
             holds the fp32 sums rounded to its dtype.
-        tiles: ``(BLOCK_N, BLOCK_K)`` (powers of two); default: the GPU's (32 x 64 for a
-            few tokens, 64 x 64 above), or :data:`INTERPRETER_TILES` in the interpreter.
+        tiles: ``(BLOCK_N, BLOCK_K)`` (powers of two); default: :data:`GPU_TILES`, or
+            :data:`INTERPRETER_TILES` in the interpreter.
 
     Returns ``out``. Raises ValueError when the type, sizes or strides disagree.
     """
@@ -234,10 +236,10 @@ def matmul(x: torch.Tensor, raw: torch.Tensor, qtype: str, rows: int, cols: int,
     if t == 0 or rows == 0:
         return out
     if t <= SMALL_T:
-        mode, bt, (bn, bk) = 0, triton.next_power_of_2(t), tiles or (32, 64)
+        mode, bt, (bn, bk) = 0, triton.next_power_of_2(t), tiles or GPU_TILES[0]
     else:
         mode = 1 if interpreting() or x.dtype == torch.float32 else (2 if x.dtype == torch.bfloat16 else 3)
-        bt, (bn, bk) = 32 if t <= 32 else 64, tiles or (64, 64)
+        bt, (bn, bk) = 32 if t <= 32 else 64, tiles or GPU_TILES[1]
     if interpreting() and tiles is None:      # numpy runs a tile per op: fewer, larger ones
         bt, bn, bk = max(bt, min(64, triton.next_power_of_2(t))), INTERPRETER_TILES[0], INTERPRETER_TILES[1]
     grid = (triton.cdiv(t, bt), triton.cdiv(rows, bn))
