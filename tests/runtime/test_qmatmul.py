@@ -21,6 +21,7 @@ gguf = pytest.importorskip("gguf")
 from moefit.memory.cpu_kernels import SUPER_BLOCK_TYPES  # noqa: E402
 from moefit.runtime import qmatmul as qm  # noqa: E402
 from moefit.runtime.quant import StoredExpert, dequantize  # noqa: E402
+from random_gguf import LOWBIT, SCALES, set_iq1m_scale  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not qm.available(), reason=f"C kernels: {qm.unavailable_reason()}")
 
@@ -28,18 +29,12 @@ T = gguf.GGMLQuantizationType
 QUANT_BOUND = 0.022      # 2 x the measured 1.1% (activation quantized to int8 per 32 / 256 values)
 #: Q2_K .. IQ1_M (read by unpacking super-blocks, ``dot_lowbit``): measured up to 2.0% (Q2_K,
 #: whose mins cancel part of the sum; IQ2_S 1.8%, the others 0.5-1.1%), the bound twice that
-LOWBIT = frozenset({"Q2_K", "Q3_K", "IQ4_XS", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ1_S", "IQ1_M"})
 LOWBIT_BOUND = 0.04
 FLOAT_BOUND = 1e-5
 
 
 def bound_of(qtype: str) -> float:
     return FLOAT_BOUND if qtype in ("F32", "F16", "BF16") else LOWBIT_BOUND if qtype in LOWBIT else QUANT_BOUND
-#: byte ranges of each block's scale fields, set to sane values in random blocks
-SCALES = {"Q8_0": [(0, 2)], "Q4_0": [(0, 2)], "Q4_1": [(0, 4)], "Q5_0": [(0, 2)], "Q5_1": [(0, 4)],
-          "IQ4_NL": [(0, 2)], "Q4_K": [(0, 4)], "Q5_K": [(0, 4)], "Q6_K": [(208, 210)],
-          "Q2_K": [(80, 84)], "Q3_K": [(108, 110)], "IQ4_XS": [(0, 2)], "IQ2_XXS": [(0, 2)],
-          "IQ2_XS": [(0, 2)], "IQ2_S": [(0, 2)], "IQ3_XXS": [(0, 2)], "IQ3_S": [(0, 2)], "IQ1_S": [(0, 2)]}
 
 
 def random_matrix(qtype: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
@@ -57,12 +52,8 @@ def random_matrix(qtype: str, rows: int, cols: int, seed: int = 0) -> np.ndarray
         raw[:, :, 0] = rng.integers(118, 124, raw.shape[:2])
     for a, b in SCALES.get(qtype, []):
         raw[:, :, a:b] = (rng.random((rows, cols // bs, (b - a) // 2)) * 0.01 + 1e-4).astype(np.float16).view(np.uint8)
-    if qtype == "IQ1_M":      # its fp16 scale is the top nibbles of the 4 uint16 words at 48..55
-        d = (rng.random((rows, cols // bs)) * 0.01 + 1e-4).astype(np.float16).view(np.uint16)
-        words = raw[:, :, 48:56].copy().view(np.uint16)
-        for i in range(4):
-            words[..., i] = (words[..., i] & 0x0FFF) | (((d >> (4 * i)) & 0xF) << 12)
-        raw[:, :, 48:56] = words.view(np.uint8)
+    if qtype == "IQ1_M":
+        set_iq1m_scale(raw, rng.random((rows, cols // bs)) * 0.01 + 1e-4)
     return raw.reshape(rows, -1)
 
 

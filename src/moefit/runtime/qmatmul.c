@@ -744,20 +744,8 @@ static int lb_unpack(int t, const uint8_t *w, int8_t *v, int32_t *sc, int32_t *m
     return 0;
 }
 
-/* sum over the 16 groups of 16 of sc[g] * sum(v q), in integers */
+/* sum over the 16 groups of 16 of sc[g] * sum(v q), in integers (the scalar reference) */
 static inline int32_t lb_isum(const int8_t *v, const int8_t *y, const int32_t *sc) {
-#ifdef __AVX2__
-    __m256i isum = _mm256_setzero_si256();
-    for (int c = 0; c < 8; c++) {
-        __m256i p = dot_ss(_mm256_loadu_si256((const __m256i *)(v + 32 * c)), _mm256_loadu_si256((const __m256i *)(y + 32 * c)));
-        __m256i s = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_set1_epi32(sc[2 * c])), _mm_set1_epi32(sc[2 * c + 1]), 1);
-        isum = _mm256_add_epi32(isum, _mm256_mullo_epi32(p, s));
-    }
-    __m128i h = _mm_add_epi32(_mm256_castsi256_si128(isum), _mm256_extracti128_si256(isum, 1));
-    h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4e));
-    h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0xb1));
-    return _mm_cvtsi128_si32(h);
-#else
     int32_t isum = 0;
     for (int g = 0; g < 16; g++) {
         int32_t s = 0;
@@ -765,12 +753,195 @@ static inline int32_t lb_isum(const int8_t *v, const int8_t *y, const int32_t *s
         isum += sc[g] * s;
     }
     return isum;
-#endif
 }
+
+#ifdef __AVX2__
+/* The AVX2 form of dot_lowbit: each super-block unpacked into registers, 32 values at a time
+ * (unsigned magnitudes u < 128, the signs moved onto the activations: sign(q, v)), multiplied
+ * with vpmaddubsw into int16 pairs and by the int16 scales of the two 16-value groups with
+ * vpmaddwd (ggml's ggml_vec_dot_*_q8_K plan). Returns the super-block's sum in units of dk:
+ * f * sum_g sc[g] sum(v q) - fmin * sum_g mn[g] sk16[g], the same integers as lb_unpack's. */
+static inline __m256i lb_s16(int a, int b) {   /* int16 lanes 0..7: a, 8..15: b */
+    return _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_set1_epi16((short)a)), _mm_set1_epi16((short)b), 1);
+}
+static inline __m256i lb_mac(__m256i acc, __m256i u, __m256i q, int a, int b) {
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, q), lb_s16(a, b)));
+}
+static inline int32_t hsum_i32(__m256i v) {
+    __m128i h = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4e));
+    h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0xb1));
+    return _mm_cvtsi128_si32(h);
+}
+/* sum_g s[g] * sk16[g] over 16 groups (s as 16 int16) */
+static inline int32_t lb_sdot16(__m256i s, const int16_t *sk16) {
+    return hsum_i32(_mm256_madd_epi16(s, _mm256_loadu_si256((const __m256i *)sk16)));
+}
+#if MF_IQ_TABLES
+/* signs as +-1 bytes from 4 sign bytes (bit j of byte k: value 8k + j negated) */
+static inline __m256i lb_pm(uint8_t s0, uint8_t s1, uint8_t s2, uint8_t s3) {
+    __m256i m = _mm256_set_epi64x((long long)MF_SIGN_MASK[s3], (long long)MF_SIGN_MASK[s2],
+                                  (long long)MF_SIGN_MASK[s1], (long long)MF_SIGN_MASK[s0]);
+    return _mm256_or_si256(m, _mm256_set1_epi8(1));
+}
+#endif
+
+static float sb_dot_avx2(int t, const uint8_t *w, const int8_t *y, const int16_t *sk16) {
+    const __m256i m3 = _mm256_set1_epi8(3);
+    __m256i acc = _mm256_setzero_si256();
+    switch (t) {
+    case T_Q2_K: {
+        const uint8_t *sc = w, *qs = w + 16;
+        for (int n = 0; n < 2; n++) {
+            __m256i q = _mm256_loadu_si256((const __m256i *)(qs + 32 * n));
+            for (int j = 0; j < 4; j++) {
+                int c = 4 * n + j;
+                __m256i u = _mm256_and_si256(_mm256_srli_epi16(q, 2 * j), m3);
+                acc = lb_mac(acc, u, _mm256_loadu_si256((const __m256i *)(y + 32 * c)), sc[2 * c] & 15, sc[2 * c + 1] & 15);
+            }
+        }
+        __m256i mn = _mm256_cvtepu8_epi16(_mm_srli_epi16(_mm_and_si128(_mm_loadu_si128((const __m128i *)sc),
+                                                                          _mm_set1_epi8((char)0xf0)), 4));
+        return mf_h2f(rd16(w + 80)) * (float)hsum_i32(acc) - mf_h2f(rd16(w + 82)) * (float)lb_sdot16(mn, sk16); }
+    case T_Q3_K: {
+        /* u = 2-bit value | (high bit << 2), 0..7: the value is u - 4 */
+        const uint8_t *qs = w + 32, *s = w + 96;
+        int16_t sc[16];
+        for (int k = 0; k < 16; k++) {
+            int lo = k < 8 ? s[k] & 15 : s[k - 8] >> 4, hi = (s[8 + k % 4] >> (2 * (k / 4))) & 3;
+            sc[k] = (int16_t)((lo | (hi << 4)) - 32);
+        }
+        __m256i hm = _mm256_loadu_si256((const __m256i *)w);
+        for (int n = 0; n < 2; n++) {
+            __m256i q = _mm256_loadu_si256((const __m256i *)(qs + 32 * n));
+            for (int j = 0; j < 4; j++) {
+                int c = 4 * n + j;
+                __m256i h = _mm256_and_si256(_mm256_srli_epi16(hm, c), _mm256_set1_epi8(1));
+                __m256i u = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q, 2 * j), m3), _mm256_slli_epi16(h, 2));
+                acc = lb_mac(acc, u, _mm256_loadu_si256((const __m256i *)(y + 32 * c)), sc[2 * c], sc[2 * c + 1]);
+            }
+        }
+        int32_t corr = lb_sdot16(_mm256_loadu_si256((const __m256i *)sc), sk16);
+        return mf_h2f(rd16(w + 108)) * (float)(hsum_i32(acc) - 4 * corr); }
+    case T_IQ4_XS: {
+        uint16_t sh = rd16(w + 2);
+        const uint8_t *sl = w + 4, *qs = w + 8;
+        for (int ib = 0; ib < 8; ib++) {
+            int ls = (((sl[ib / 2] >> (4 * (ib % 2))) & 15) | (((sh >> (2 * ib)) & 3) << 4)) - 32;
+            __m256i v = lut16(nibbles(qs + 16 * ib), KV_IQ4NL);
+            __m256i q = _mm256_loadu_si256((const __m256i *)(y + 32 * ib));
+            acc = lb_mac(acc, _mm256_sign_epi8(v, v), _mm256_sign_epi8(q, v), ls, ls);
+        }
+        return mf_h2f(rd16(w)) * (float)hsum_i32(acc); }
+#if MF_IQ_TABLES
+    case T_IQ2_XXS: {
+        for (int ib = 0; ib < 8; ib++) {
+            uint32_t a0 = rd32(w + 2 + 8 * ib), a1 = rd32(w + 6 + 8 * ib);
+            __m256i u = _mm256_set_epi64x((long long)MF_IQ2XXS_GRID[a0 >> 24], (long long)MF_IQ2XXS_GRID[(a0 >> 16) & 255],
+                                          (long long)MF_IQ2XXS_GRID[(a0 >> 8) & 255], (long long)MF_IQ2XXS_GRID[a0 & 255]);
+            __m256i s = lb_pm(MF_KSIGNS[a1 & 127], MF_KSIGNS[(a1 >> 7) & 127], MF_KSIGNS[(a1 >> 14) & 127], MF_KSIGNS[(a1 >> 21) & 127]);
+            int ls = 2 * (int)(a1 >> 28) + 1;
+            acc = lb_mac(acc, u, _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(y + 32 * ib)), s), ls, ls);
+        }
+        return mf_h2f(rd16(w)) * 0.125f * (float)hsum_i32(acc); }
+    case T_IQ2_XS: {
+        for (int ib = 0; ib < 8; ib++) {
+            uint16_t q[4];
+            memcpy(q, w + 2 + 8 * ib, 8);
+            __m256i u = _mm256_set_epi64x((long long)MF_IQ2XS_GRID[q[3] & 511], (long long)MF_IQ2XS_GRID[q[2] & 511],
+                                          (long long)MF_IQ2XS_GRID[q[1] & 511], (long long)MF_IQ2XS_GRID[q[0] & 511]);
+            __m256i s = lb_pm(MF_KSIGNS[q[0] >> 9], MF_KSIGNS[q[1] >> 9], MF_KSIGNS[q[2] >> 9], MF_KSIGNS[q[3] >> 9]);
+            int sb = w[66 + ib];
+            acc = lb_mac(acc, u, _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(y + 32 * ib)), s),
+                         2 * (sb & 15) + 1, 2 * (sb >> 4) + 1);
+        }
+        return mf_h2f(rd16(w)) * 0.125f * (float)hsum_i32(acc); }
+    case T_IQ2_S: {
+        const uint8_t *qs = w + 2, *sg = w + 34, *qh = w + 66, *sc = w + 74;
+        for (int ib = 0; ib < 8; ib++) {
+            const uint8_t *b = qs + 4 * ib;
+            int h = qh[ib];
+            __m256i u = _mm256_set_epi64x((long long)MF_IQ2S_GRID[b[3] | ((h << 2) & 0x300)], (long long)MF_IQ2S_GRID[b[2] | ((h << 4) & 0x300)],
+                                          (long long)MF_IQ2S_GRID[b[1] | ((h << 6) & 0x300)], (long long)MF_IQ2S_GRID[b[0] | ((h << 8) & 0x300)]);
+            __m256i s = lb_pm(sg[4 * ib], sg[4 * ib + 1], sg[4 * ib + 2], sg[4 * ib + 3]);
+            int sb = sc[ib];
+            acc = lb_mac(acc, u, _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(y + 32 * ib)), s),
+                         2 * (sb & 15) + 1, 2 * (sb >> 4) + 1);
+        }
+        return mf_h2f(rd16(w)) * 0.125f * (float)hsum_i32(acc); }
+    case T_IQ3_XXS: {
+        const uint8_t *qs = w + 2;
+        for (int ib = 0; ib < 8; ib++) {
+            const uint8_t *b = qs + 8 * ib;
+            uint32_t aux = rd32(w + 66 + 4 * ib);
+            __m256i u = _mm256_set_epi32((int)MF_IQ3XXS_GRID[b[7]], (int)MF_IQ3XXS_GRID[b[6]], (int)MF_IQ3XXS_GRID[b[5]],
+                                         (int)MF_IQ3XXS_GRID[b[4]], (int)MF_IQ3XXS_GRID[b[3]], (int)MF_IQ3XXS_GRID[b[2]],
+                                         (int)MF_IQ3XXS_GRID[b[1]], (int)MF_IQ3XXS_GRID[b[0]]);
+            __m256i s = lb_pm(MF_KSIGNS[aux & 127], MF_KSIGNS[(aux >> 7) & 127], MF_KSIGNS[(aux >> 14) & 127], MF_KSIGNS[(aux >> 21) & 127]);
+            int ls = 2 * (int)(aux >> 28) + 1;
+            acc = lb_mac(acc, u, _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(y + 32 * ib)), s), ls, ls);
+        }
+        return mf_h2f(rd16(w)) * 0.25f * (float)hsum_i32(acc); }
+    case T_IQ3_S: {
+        const uint8_t *qs = w + 2, *qh = w + 66, *sg = w + 74, *sc = w + 106;
+        for (int ib = 0; ib < 8; ib++) {
+            const uint8_t *b = qs + 8 * ib;
+            int h = qh[ib];
+            int32_t g[8];
+            for (int k = 0; k < 8; k++) g[k] = (int32_t)MF_IQ3S_GRID[b[k] | (((h >> k) & 1) << 8)];
+            __m256i u = _mm256_loadu_si256((const __m256i *)g);
+            __m256i s = lb_pm(sg[4 * ib], sg[4 * ib + 1], sg[4 * ib + 2], sg[4 * ib + 3]);
+            int ls = 1 + 2 * ((sc[ib / 2] >> (4 * (ib % 2))) & 15);
+            acc = lb_mac(acc, u, _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(y + 32 * ib)), s), ls, ls);
+        }
+        return mf_h2f(rd16(w)) * (float)hsum_i32(acc); }
+    case T_IQ1_S: case T_IQ1_M: {
+        /* v = 8 g + delta (g in -1..1 from the 8 g grid, delta +-1 per 8 values), |v| <= 9 */
+        const uint8_t *qs = t == T_IQ1_S ? w + 2 : w, *qh = w + 32;
+        uint16_t s4[4];
+        float f;
+        if (t == T_IQ1_M) {
+            memcpy(s4, w + 48, 8);
+            f = mf_h2f((uint16_t)((s4[0] >> 12) | ((s4[1] >> 8) & 0xf0) | ((s4[2] >> 4) & 0xf00) | (s4[3] & 0xf000))) * 0.125f;
+        } else f = mf_h2f(rd16(w)) * 0.125f;
+        for (int ib = 0; ib < 8; ib++) {
+            int idx[4], a, b;
+            long long dl[4];
+            if (t == T_IQ1_S) {
+                uint16_t h = rd16(w + 34 + 2 * ib);
+                for (int l = 0; l < 4; l++) { idx[l] = qs[4 * ib + l] | (((h >> (3 * l)) & 7) << 8); dl[l] = h & 0x8000 ? -1 : 0x0101010101010101ll; }
+                a = b = 2 * ((h >> 12) & 7) + 1;
+            } else {
+                for (int l = 0; l < 4; l++) {
+                    int h = (qh[2 * ib + l / 2] >> (4 * (l % 2))) & 15;
+                    idx[l] = qs[4 * ib + l] | ((h & 7) << 8);
+                    dl[l] = h & 8 ? -1 : 0x0101010101010101ll;
+                }
+                a = 2 * ((s4[ib / 2] >> (6 * (ib % 2))) & 7) + 1;
+                b = 2 * ((s4[ib / 2] >> (6 * (ib % 2) + 3)) & 7) + 1;
+            }
+            __m256i v = _mm256_add_epi8(_mm256_set_epi64x((long long)MF_IQ1S_GRID8[idx[3]], (long long)MF_IQ1S_GRID8[idx[2]],
+                                                          (long long)MF_IQ1S_GRID8[idx[1]], (long long)MF_IQ1S_GRID8[idx[0]]),
+                                        _mm256_set_epi64x(dl[3], dl[2], dl[1], dl[0]));
+            __m256i q = _mm256_loadu_si256((const __m256i *)(y + 32 * ib));
+            acc = lb_mac(acc, _mm256_sign_epi8(v, v), _mm256_sign_epi8(q, v), a, b);
+        }
+        return f * (float)hsum_i32(acc); }
+#endif
+    }
+    return 0.f;
+}
+#endif
 
 static float dot_lowbit(int t, const uint8_t *w, qact a, int K) {
     int ts = lb_type_size(t);
     float sum = 0.f;
+#ifdef __AVX2__
+    for (int sb = 0; sb < K / 256; sb++, w += ts) {
+        for (int c = 0; c < ts; c += 64) _mm_prefetch((const char *)(w + PREFETCH + c), _MM_HINT_T0);
+        sum += a.dk[sb] * sb_dot_avx2(t, w, a.qk + 256 * sb, a.sk16 + 16 * sb);
+    }
+#else
     int8_t v[256];
     int32_t sc[16], mn[16];
     for (int sb = 0; sb < K / 256; sb++, w += ts) {
@@ -784,6 +955,7 @@ static float dot_lowbit(int t, const uint8_t *w, qact a, int K) {
             sum -= fmin * dy * (float)m;
         }
     }
+#endif
     return sum;
 }
 

@@ -113,7 +113,7 @@ def iq_tables_header() -> str | None:
     ggml-common.h's ``ksigns_iq2xs``, ``iq2xxs_grid``, ``iq2xs_grid``, ``iq2s_grid``,
     ``iq3xxs_grid``, ``iq3s_grid``, ``iq1s_grid``) rather than retyped: each grid row packed
     little-endian (byte ``j`` = value ``j``: IQ2 rows of 8 bytes, IQ3 rows of 4, IQ1 rows of
-    8 int8 in -1..1), and ``MF_SIGN_MASK[b]``: byte ``j`` 0xff where bit ``j`` of ``b`` is
+    8 int8 in -1..1, and as ``MF_IQ1S_GRID8`` the same rows times 8, packed), and ``MF_SIGN_MASK[b]``: byte ``j`` 0xff where bit ``j`` of ``b`` is
     set. None when ``gguf`` is not installed (the grid types are then not built; no GGUF file
     is read without it)."""
     try:
@@ -143,6 +143,9 @@ def iq_tables_header() -> str | None:
             + _c_array("uint64_t", "MF_IQ2S_GRID[1024]", packed(quants.IQ2_S), 4)
             + _c_array("uint32_t", "MF_IQ3XXS_GRID[256]", packed(quants.IQ3_XXS), 8)
             + _c_array("uint32_t", "MF_IQ3S_GRID[512]", packed(quants.IQ3_S), 8)
+            + _c_array("uint64_t", "MF_IQ1S_GRID8[2048]",
+                       [f"0x{int(w):x}ull" for w in (iq1.astype(np.int64) * 8 & 0xFF).astype(np.uint64)
+                        @ (np.uint64(1) << (np.arange(8, dtype=np.uint64) * np.uint64(8)))], 4)
             + "static const int8_t MF_IQ1S_GRID[2048][8] = {\n"
             + ",\n".join("    {" + ", ".join(map(str, r)) + "}" for r in iq1.tolist()) + "\n};\n")
 
