@@ -805,12 +805,18 @@ static float sb_dot_avx2(int t, const uint8_t *w, const int8_t *y, const int16_t
         return mf_h2f(rd16(w + 80)) * (float)hsum_i32(acc) - mf_h2f(rd16(w + 82)) * (float)lb_sdot16(mn, sk16); }
     case T_Q3_K: {
         /* u = 2-bit value | (high bit << 2), 0..7: the value is u - 4 */
-        const uint8_t *qs = w + 32, *s = w + 96;
-        int16_t sc[16];
-        for (int k = 0; k < 16; k++) {
-            int lo = k < 8 ? s[k] & 15 : s[k - 8] >> 4, hi = (s[8 + k % 4] >> (2 * (k / 4))) & 3;
-            sc[k] = (int16_t)((lo | (hi << 4)) - 32);
-        }
+        const uint8_t *qs = w + 32;
+        /* the 16 6-bit scales, 4 per 32-bit word (ggml's kmask unpacking of lb_unpack's loop) */
+        uint32_t u4[4];
+        memcpy(u4, w + 96, 12);
+        uint32_t hi = u4[2];
+        u4[2] = ((u4[0] >> 4) & 0x0f0f0f0fu) | (((hi >> 4) & 0x03030303u) << 4);
+        u4[3] = ((u4[1] >> 4) & 0x0f0f0f0fu) | (((hi >> 6) & 0x03030303u) << 4);
+        u4[0] = (u4[0] & 0x0f0f0f0fu) | ((hi & 0x03030303u) << 4);
+        u4[1] = (u4[1] & 0x0f0f0f0fu) | (((hi >> 2) & 0x03030303u) << 4);
+        int8_t sc[16];
+        memcpy(sc, u4, 16);
+        for (int k = 0; k < 16; k++) sc[k] -= 32;
         __m256i hm = _mm256_loadu_si256((const __m256i *)w);
         for (int n = 0; n < 2; n++) {
             __m256i q = _mm256_loadu_si256((const __m256i *)(qs + 32 * n));
@@ -821,7 +827,7 @@ static float sb_dot_avx2(int t, const uint8_t *w, const int8_t *y, const int16_t
                 acc = lb_mac(acc, u, _mm256_loadu_si256((const __m256i *)(y + 32 * c)), sc[2 * c], sc[2 * c + 1]);
             }
         }
-        int32_t corr = lb_sdot16(_mm256_loadu_si256((const __m256i *)sc), sk16);
+        int32_t corr = lb_sdot16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)sc)), sk16);
         return mf_h2f(rd16(w + 108)) * (float)(hsum_i32(acc) - 4 * corr); }
     case T_IQ4_XS: {
         uint16_t sh = rd16(w + 2);
@@ -908,8 +914,11 @@ static float sb_dot_avx2(int t, const uint8_t *w, const int8_t *y, const int16_t
             int idx[4], a, b;
             long long dl[4];
             if (t == T_IQ1_S) {
-                uint16_t h = rd16(w + 34 + 2 * ib);
-                for (int l = 0; l < 4; l++) { idx[l] = qs[4 * ib + l] | (((h >> (3 * l)) & 7) << 8); dl[l] = h & 0x8000 ? -1 : 0x0101010101010101ll; }
+                int h = rd16(w + 34 + 2 * ib);
+                const uint8_t *q = qs + 4 * ib;
+                idx[0] = q[0] | ((h << 8) & 0x700); idx[1] = q[1] | ((h << 5) & 0x700);
+                idx[2] = q[2] | ((h << 2) & 0x700); idx[3] = q[3] | ((h >> 1) & 0x700);
+                dl[0] = dl[1] = dl[2] = dl[3] = h & 0x8000 ? -1 : 0x0101010101010101ll;
                 a = b = 2 * ((h >> 12) & 7) + 1;
             } else {
                 for (int l = 0; l < 4; l++) {
