@@ -26,7 +26,7 @@ from moefit.ingest.resolve import load_model  # noqa: E402
 from moefit.memory.weights import stored_matrices  # noqa: E402
 from moefit.plan.request import Request  # noqa: E402
 from moefit.plan.solver import solve  # noqa: E402
-from moefit.runtime import qmatmul  # noqa: E402
+from moefit.runtime import decode_step, moe_batch, qmatmul  # noqa: E402
 from moefit.runtime.engine import Engine, EngineOptions  # noqa: E402
 from moefit.runtime.quant import StoredMatrix  # noqa: E402
 from moefit.tools.gguf_write import write_gguf  # noqa: E402
@@ -105,6 +105,16 @@ def test_lowbit_gguf_plans_exactly_and_decodes_like_the_reference(reference_mode
     assert on_host.allocated == on_host.planned == ex.embed_stored_bytes
     assert isinstance(engine.model.weights.layers[0].q, StoredMatrix) == qmatmul.available()
 
+    ran = {"lean": 0, "batched": 0}
+
+    def counted(key, real):
+        def applies(*a):
+            ok = real(*a)
+            ran[key] += ok
+            return ok
+        return applies
+    monkeypatch.setattr(decode_step, "applies", counted("lean", decode_step.applies))
+    monkeypatch.setattr(moe_batch, "applies", counted("batched", moe_batch.applies))
     ids = prompt(CFG["vocab_size"], PROMPT)
     ref_logits, ref_tokens = reference_greedy(ref, ids, steps=STEPS)
     # fed the reference's greedy tokens, so a near-tie of this random model compares the same positions
@@ -112,6 +122,8 @@ def test_lowbit_gguf_plans_exactly_and_decodes_like_the_reference(reference_mode
     errors = sorted(float((a - b).abs().max()) for a, b in zip(logits, ref_logits))
     assert errors[len(errors) // 2] <= TYPICAL_TOL and errors[-1] <= MAX_TOL, errors
     # greedy tokens equal wherever the reference's top two are further apart than a typical error can flip
+    # the decode steps ran as the lean step, the MoE layers through the batched C layer
+    assert (ran["lean"] >= STEPS and ran["batched"] > 0) == qmatmul.available(), ran
     for got, want in zip(logits, ref_logits):
         top2 = torch.topk(want, 2).values
         if top2[0] - top2[1] > 2 * TYPICAL_TOL:
