@@ -15,6 +15,7 @@
 - Every other unlabelled fenced block (an output without its command) is one that a named
   test checks; a new one fails here until it is ``$ moefit plan`` or has its test.
 - The ``json`` skeleton of ``moefit plan --json`` has the keys the document has.
+- Every file of the repository a page names exists.
 """
 
 import contextlib
@@ -234,3 +235,24 @@ def test_the_json_skeleton_has_the_documents_keys():
     assert set(skeleton["devices"][0]) == set(fits["devices"][0])
     assert set(skeleton["devices"][0]["lines"][0]) == set(fits["devices"][0]["lines"][0])
     assert set(skeleton["alternatives"][0]) <= set().union(*map(set, fails["alternatives"]))
+
+
+#: a file of the repository as the pages name it: from the root (src/, tests/, benchmarks/) or
+#: inside the package (runtime/qmatmul.c is src/moefit/runtime/qmatmul.c)
+FILE_NAMED = re.compile(r"(?<![\w/.-])((?:src/moefit/|runtime/|engines/|external/|memory/|plan/|ingest/|serve/|"
+                        r"devices/|bench/|tools/|tests/|benchmarks/)[\w/.-]*\.(?:py|c|h|md|json|csv))")
+
+
+def test_the_files_the_pages_name_exist():
+    """A moved or renamed file fails here until the pages name it where it is (docs/layout.md
+    is checked the other way round, by tests/test_imports.py)."""
+    named, missing = 0, []
+    for page, text in PAGES.items():
+        if page == "docs/layout.md":
+            continue
+        for path in FILE_NAMED.findall(text):
+            named += 1
+            top = path.split("/", 1)[0]
+            if not (ROOT / path if top in ("src", "tests", "benchmarks") else ROOT / "src" / "moefit" / path).exists():
+                missing.append(f"{page}: {path}")
+    assert named > 50 and missing == []
