@@ -26,9 +26,11 @@ from moefit.ingest.resolve import load_model  # noqa: E402
 from moefit.memory.weights import stored_matrices  # noqa: E402
 from moefit.plan.request import Request  # noqa: E402
 from moefit.plan.solver import solve  # noqa: E402
-from moefit.runtime import decode_step, moe_batch, qmatmul  # noqa: E402
+from moefit.runtime.kernels import qmatmul  # noqa: E402
+from moefit.runtime.layers import lean_step  # noqa: E402
+from moefit.runtime.moe import batch as moe_batch  # noqa: E402
 from moefit.runtime.engine import Engine, EngineOptions  # noqa: E402
-from moefit.runtime.quant import StoredMatrix  # noqa: E402
+from moefit.runtime.kernels.quant import StoredMatrix  # noqa: E402
 from moefit.tools.gguf_write import write_gguf  # noqa: E402
 from random_gguf import LOWBIT, lowbit_quantizer  # noqa: E402
 from reference import prompt, reference_greedy  # noqa: E402
@@ -113,7 +115,7 @@ def test_lowbit_gguf_plans_exactly_and_decodes_like_the_reference(reference_mode
             ran[key] += ok
             return ok
         return applies
-    monkeypatch.setattr(decode_step, "applies", counted("lean", decode_step.applies))
+    monkeypatch.setattr(lean_step, "applies", counted("lean", lean_step.applies))
     monkeypatch.setattr(moe_batch, "applies", counted("batched", moe_batch.applies))
     ids = prompt(CFG["vocab_size"], PROMPT)
     ref_logits, ref_tokens = reference_greedy(ref, ids, steps=STEPS)
