@@ -162,6 +162,16 @@ def test_gemm_rejects_wrong_sizes():
     assert not qm.supports("IQ2_XS", 320) and not qm.supports("TQ1_0", 256)
 
 
+def test_grid_types_need_the_gguf_tables(monkeypatch):
+    """The IQ grid types are read only when the build had the gguf package's tables; the
+    other low-bit types need none."""
+    header = qm.iq_tables_header()
+    assert "MF_IQ2XXS_GRID[256]" in header and "MF_IQ1S_GRID8[2048]" in header
+    monkeypatch.setattr(qm, "iq_tables_header", lambda: None)
+    assert not qm.supports("IQ2_XXS", 256) and not qm.supports("IQ1_M", 256)
+    assert qm.supports("Q2_K", 256) and qm.supports("IQ4_XS", 256)
+
+
 @pytest.mark.parametrize("types", [("Q8_0", "Q8_0", "Q8_0"), ("Q4_K", "Q4_K", "Q6_K"), ("BF16", "BF16", "BF16"),
                                    ("Q4_0", "Q4_0", "MXFP4"), ("Q3_K", "Q3_K", "Q2_K"), ("IQ2_XXS", "IQ2_XXS", "IQ3_S"),
                                    ("IQ1_M", "IQ1_S", "IQ4_XS")])

@@ -65,6 +65,7 @@ IQ grid types are 4-9x Q4_K, held by their table lookups.
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import os
 import platform
@@ -120,6 +121,7 @@ def _c_array(ctype: str, name: str, values, per_line: int = 8) -> str:
     return f"static const {ctype} {name} = {{\n    " + ",\n    ".join(lines) + "\n};\n"
 
 
+@functools.lru_cache(maxsize=1)
 def iq_tables_header() -> str | None:
     """The C header of the IQ types' grids and sign tables (``mf_iq_tables.h``, included by
     ``qmatmul.c`` when ``MF_IQ_TABLES`` is 1), generated from the ``gguf`` package's own
@@ -258,8 +260,16 @@ def simd() -> str:
 
 def supports(qtype: str, cols: int) -> bool:
     """Whether the kernels multiply rows of ``cols`` values of ggml type ``qtype``
-    (:func:`moefit.memory.cpu_kernels.supports`)."""
+    (:func:`moefit.memory.cpu_kernels.supports`; the IQ grid types only when the library was
+    built with their tables, i.e. the ``gguf`` package is installed)."""
+    if qtype in cpu_kernels.GRID_TYPES and not _grid_tables():
+        return False
     return cpu_kernels.supports(qtype, cols)
+
+
+def _grid_tables() -> bool:
+    """Whether :func:`iq_tables_header` has the ``gguf`` package's tables (as the build had)."""
+    return iq_tables_header() is not None
 
 
 def _threads(threads: int | None) -> int:
