@@ -559,9 +559,9 @@ class NameTable:
     experts only fused over the layer (gpt-oss), those tensors' names under
     ``{moe}.experts.``. ``shared_gate``: the shared expert is scaled by a 1-row sigmoid
     gate (``shared_expert_gate``: Qwen2-MoE, Qwen3-Next); DeepSeek's and GLM-4.5's
-    ``shared_experts`` are added ungated. The one home of a family's MoE names: its parser lists them
-    (:meth:`router_module`, :meth:`hf_experts`), the runtime loads them
-    (``moefit.runtime.arch.Arch.moe_prefix`` / ``expert_names``).
+    ``shared_experts`` are added ungated. The one home of a family's names: its parser lists
+    them (:meth:`hf`, :meth:`router_module`, :meth:`hf_experts`), the loaders read that
+    listing by slot (``moefit.runtime.load.listing``), the GGUF one through :meth:`gguf`.
     """
 
     layer: dict[str, tuple[str, str]]
@@ -587,9 +587,9 @@ class NameTable:
         (``model.layers.3.mlp.experts.``; expert ``j`` is ``{this}{j}.{part}.weight``)."""
         return f"{layer_prefix}{self.moe_prefix}.experts."
 
-    def hf_candidates(self, slot: str, layer_prefix: str) -> list[str]:
-        """The checkpoint names ``slot`` may have: the table's, then its aliases."""
-        return [self.hf(slot, layer_prefix)] + [f"{layer_prefix}{a}" for a, s in self.aliases.items() if s == slot]
+    def hf_aliases(self, slot: str, layer_prefix: str) -> list[str]:
+        """The other checkpoint names ``slot`` may have under ``layer_prefix`` (:attr:`aliases`)."""
+        return [f"{layer_prefix}{a}" for a, s in self.aliases.items() if s == slot]
 
     def hf(self, slot: str, layer_prefix: str) -> str:
         """Checkpoint name of ``slot`` under ``layer_prefix`` (``model.layers.3.``)."""
