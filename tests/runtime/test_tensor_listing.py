@@ -254,7 +254,8 @@ def test_every_listed_tensor_has_a_runtime_slot(label, cfg):
 
     geom, arch = _setup(cfg)
     slots = {f.name for f in fields(LayerWeights)}
-    assert [t.slot for t in geom.global_tensors] == ["embed", "norm"] + ([] if arch.tie_embeddings else ["lm_head"])
+    head = [] if arch.tie_embeddings else ["lm_head"]
+    assert [t.slot for t in geom.global_tensors] == ["embed", "norm", *head]
     dense, experts = _listing(geom)
     index = _ListingIndex(set(dense) | set(experts))
     for l in geom.layers:

@@ -85,7 +85,8 @@ def gated_deltanet(p: str, hidden: int, a: AttentionSpec, split_proj: bool) -> l
     key_dim = a.linear_num_key_heads * a.linear_key_head_dim
     value_dim = nv * a.linear_value_head_dim
     role = "linear_attention"
-    ts = [Tensor(f"{la}dt_bias", (nv,), role, slot="la_dt_bias"), Tensor(f"{la}A_log", (nv,), role, slot="la_a_log"),
+    ts = [Tensor(f"{la}dt_bias", (nv,), role, slot="la_dt_bias"),
+          Tensor(f"{la}A_log", (nv,), role, slot="la_a_log"),
           Tensor(f"{la}conv1d.weight", (a.linear_conv_dim, 1, a.linear_conv_kernel), role, slot="la_conv")]
     out = [norm_tensor(f"{la}norm", a.linear_value_head_dim, "la_norm")]
     out += linear(f"{la}out_proj", hidden, value_dim, role, slot="la_out")

@@ -6,7 +6,8 @@ runs: ``qwen3moe``, ``qwen2moe``, ``olmoe``, ``llama`` with experts (Mixtral), t
 ``attn_k_b`` / ``attn_v_b``) and ``glm4moe``. The file
 is memory-mapped (``gguf.GGUFReader``); every tensor is read once, straight from the map
 into its destination, and the maps are closed at the end, so host memory holds the
-expert blobs once (not the file and a copy).
+expert blobs once (not the file and a copy). The tensors read are the planner's listing of
+the model (:mod:`moefit.runtime.load.listing`), under the GGUF names of their slots.
 
 - Dense tensors (attention, norms, routers, shared experts, dense MLPs, embeddings, output)
   are dequantized tile by tile (:func:`moefit.runtime.kernels.quant.dequantize`) into tensors of
@@ -132,7 +133,8 @@ def _layer_plan(l: LayerSpec, geom: ModelGeometry, arch: Arch, header: GGUFHeade
     :func:`gguf_linear_attention_entries` (``tiled``: the file's value heads are tiled); the
     norms stored with the family's ``norm_offset`` added read back without it."""
     a, h = l.attention, geom.hidden_size
-    out = layer_entries(l, lambda t: arch.names.gguf(t.slot, l.index), keep=lambda t: t.slot not in LINEAR_SLOTS)
+    out = layer_entries(l, lambda t: arch.names.gguf(t.slot, l.index),
+                        keep=lambda t: t.slot not in LINEAR_SLOTS)
     if any(t.slot in LINEAR_SLOTS for t in l.tensors):
         out += gguf_linear_attention_entries(l.index, a, h, lambda name: name in header.tensors, tiled)
     if arch.names.layer.get("k_b") and arch.names.gguf("k_b", l.index) in header.tensors:

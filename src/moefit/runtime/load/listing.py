@@ -35,8 +35,8 @@ def layer_entries(layer: LayerSpec, name: Callable[[Tensor], object],
     """The loader entries of every resident tensor of ``layer`` (its ``tensors`` and
     ``buffers`` that ``keep``), one per slot: the part(s) as ``name`` calls them in the file,
     laid out as the forward pass holds them
-    (:func:`moefit.runtime.load.hybrid_layout.checkpoint_layout`). Raises ValueError for a listed tensor without a slot (a family's listing
-    the runtime cannot load)."""
+    (:func:`moefit.runtime.load.hybrid_layout.checkpoint_layout`). Raises ValueError for a
+    listed tensor without a slot (a family's listing the runtime cannot load)."""
     out = []
     for slot, ts in by_slot(t for t in (*layer.tensors, *layer.buffers) if keep(t)).items():
         if not slot:

@@ -3,7 +3,8 @@
 Input: a model directory with ``config.json`` and ``*.safetensors`` (sharded with
 ``model.safetensors.index.json`` or not; :func:`moefit.ingest.checkpoint.checkpoint_files`), of
 the families in :mod:`moefit.runtime.arch`, stored in bf16, fp16 or fp32 (converted to the
-config's dtype on load).
+config's dtype on load). The tensors read are the planner's listing of the model
+(:mod:`moefit.runtime.load.listing`), under their listed names.
 
 Routed experts come in two layouts, both accepted:
 
