@@ -438,3 +438,35 @@ def predict_plan(plan, host: HostSpeed, *, prompt_tokens: int | None = None,
     return predict(plan.geometry, rates, kv_format(r.kv), dict(plan.experts_per_layer),
                    context=plan.context, chunk=plan.prefill_selected, seqs=r.slots,
                    policy=policy or r.miss_policy, prompt_tokens=prompt_tokens, profile=profile)
+
+
+#: A ``fits with:`` alternative's flag -> the request field it sets (as
+#: :func:`moefit.plan.solver.find_alternatives` re-solves it); ``--prefill`` and the drops
+#: are handled in :func:`alternative_request`.
+_ALT_FIELDS = {"--max-context": "max_context", "--kv": "kv", "--prefill-min": "prefill_min",
+               "--miss-policy": "miss_policy", "--arena-slots": "arena_slots",
+               "--parallel": "slots", "--expert-cache": "expert_cache",
+               "--min-expert-cache": "min_expert_cache", "--split": "split",
+               "--host-experts": "host_experts"}
+_MIB_FIELDS = {"--vram-reserve-mib": "reserve_bytes", "--host-reserve-mib": "host_reserve_bytes"}
+_DROP_FIELDS = {"--arena-slots": ("arena_slots", None)}
+
+
+def alternative_request(req, alt):
+    """The request a ``fits with:`` alternative (:class:`~moefit.plan.solver.Alternative`)
+    stands for: ``req`` with the alternative's flags applied; None when a change is not a
+    request flag (``MODEL``: another file)."""
+    changes = {}
+    for flag, value in ((alt.flag, alt.value), *alt.also):
+        if flag == "--prefill":
+            changes |= {"prefill_mode": "fixed", "prefill_tokens": int(value)}
+        elif flag in _ALT_FIELDS:
+            changes[_ALT_FIELDS[flag]] = value
+        elif flag in _MIB_FIELDS:
+            changes[_MIB_FIELDS[flag]] = int(value) << 20
+        else:
+            return None
+    for flag in alt.drop:
+        key, value = _DROP_FIELDS[flag]
+        changes[key] = value
+    return req.with_(**changes)
