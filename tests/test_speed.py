@@ -232,3 +232,19 @@ def test_alternative_request_is_the_change_the_solver_verified():
         r = alternative_request(req, a)
         assert r is not None
         assert solve(geom, find_gpu("RTX 5060 Ti 16GB"), r, alternatives=False).fits, a
+
+
+def test_llamacpp_plan_predicts_its_command_copies_for_prefill_and_runs_decode_on_the_cpu(capsys):
+    args = ["plan", "Qwen3.5-35B-A3B", "--gpu", "RTX 5060 Ti 16GB", "--max-context", "256K",
+            "--engine", "llama.cpp", "--no-calibration"]
+    code, out = run(capsys, *args, "--json")
+    assert code == 0
+    doc = json.loads(out)
+    s = doc["speed"]
+    cpu_layers = len(doc["cpu_layers"])
+    assert 0 < cpu_layers < 40
+    assert s["prefill"]["copied_layers"] == cpu_layers and s["prefill"]["chunk"] == doc["ubatch"]
+    assert s["decode"]["copied_layers"] == 0
+    assert "llama.cpp copies" in s["policy"]
+    code, text = run(capsys, *args)
+    assert "speed  prefill " in text and "micro-batch at position 131072" in text

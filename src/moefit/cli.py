@@ -30,14 +30,15 @@ from moefit.engines.vllm import ENGINE as VLLM
 from moefit.flags import (add_engine_flags, add_model_files_flags, add_plan_flags,
                           add_sampling_flags, add_serve_flags, add_speed_flags, check_engine_flags,
                           device_from_args, devices_from_args, llama_ftype, llama_request_from_args,
-                          normalize_argv, plan_from_args, serve_request_from_args,
-                          speed_from_args)
+                          llamacpp_speed_from_args, normalize_argv, plan_from_args,
+                          serve_request_from_args, speed_from_args)
 from moefit.ingest.checkpoint import describe_weights
 from moefit.ingest.inputs import is_gguf_file
 from moefit.ingest.resolve import format_models_table, list_presets, load_model
 from moefit.memory.kv import kv_bytes, kv_format
 from moefit.memory.staging import staging_model
-from moefit.plan.report import format_json, format_speed_verbose, format_table
+from moefit.plan.report import (format_json, format_speed, format_speed_verbose, format_table,
+                                speed_document)
 from moefit.tools.demo import FAMILIES as DEMO_FAMILIES
 from moefit.units import format_bytes
 
@@ -82,7 +83,18 @@ def _plan_llamacpp(args: argparse.Namespace) -> int:
         tensors, note = llamacpp.tensors_from_geometry(geom, llama_ftype(args))
         req = dataclasses.replace(req, notes=(note, *req.notes))
     plan = llamacpp.solve_llamacpp(geom, tensors, device, req)
-    return _print_engine_plan(args, plan, llamacpp.plan_document, llamacpp.format_plan, llamacpp.format_verbose)
+    speed = llamacpp_speed_from_args(geom, plan, args) if plan.fits else None
+    return _print_engine_plan(
+        args, plan, lambda p: {**llamacpp.plan_document(p), "speed": speed_document(speed)},
+        lambda p: _before_command(llamacpp.format_plan(p), format_speed(speed, "micro-batch")),
+        lambda p: "\n".join([llamacpp.format_verbose(p), *format_speed_verbose(speed, "micro-batch")]))
+
+
+def _before_command(text: str, line: str) -> str:
+    """``text`` (a llama.cpp plan) with ``line`` before its ``command`` line (the last, so
+    that it can be copied from the end of the output), or at its end."""
+    head, sep, cmd = text.rpartition("\ncommand  ")
+    return f"{head}\n{line}{sep}{cmd}" if sep else f"{text}\n{line}"
 
 
 def _plan_serving(args: argparse.Namespace) -> int:

@@ -38,7 +38,7 @@ from moefit.engines.llamacpp import MAX_CTX as LLAMA_MAX_CTX
 from moefit.engines.llamacpp import MAX_SEQ as LLAMA_MAX_SEQ
 from moefit.engines.llamacpp import pad_cells as _pad_cells
 from moefit.engines.llamacpp import LlamaRequest, kv_types
-from moefit.engines.llamacpp_quant import DEFAULT_FTYPE, ftype_name
+from moefit.engines.llamacpp_quant import DEFAULT_FTYPE, ftype_name, gguf_geometry
 from moefit.engines.serving import BATCH_GRID, ServeRequest
 from moefit.errors import InputError
 from moefit.ingest.geometry import ModelGeometry
@@ -49,7 +49,7 @@ from moefit.memory.kv import KV_FORMATS, kv_name
 from moefit.memory.staging import StagingModel
 from moefit.plan.request import Request, context_limit, parse_prefill, resolve_context, validate
 from moefit.plan.solver import SMALLEST_CONTEXT, Plan, largest_context, solve
-from moefit.plan.speed import Speed, alternative_request, predict_plan
+from moefit.plan.speed import Speed, alternative_request, predict_llamacpp, predict_plan
 from moefit.units import parse_count, parse_size
 
 
@@ -259,6 +259,23 @@ def speed_from_args(geom: ModelGeometry, devices: tuple[Device, ...], plan: Plan
             alts.append(predict_plan(solved, host, prompt_tokens=prompt, profile=profile)
                         if solved.fits else None)
     return speed, alts
+
+
+def llamacpp_speed_from_args(geom: ModelGeometry, plan, args: argparse.Namespace) -> "Speed | None":
+    """The predicted speed of a llama.cpp plan's command
+    (:func:`moefit.plan.speed.predict_llamacpp`), for the GGUF file it runs: the file's own
+    geometry, or the one ``--gguf-type`` would write of a Hugging Face model
+    (:func:`moefit.engines.llamacpp_quant.gguf_geometry`)."""
+    prompt = getattr(args, "prompt_tokens", None)
+    if prompt is not None and prompt < 1:
+        raise InputError(f"--prompt-tokens {prompt}: give a prompt of at least one token")
+    file_geom = geom if is_gguf_file(args.model) else gguf_geometry(geom, llama_ftype(args))
+    profile = read_routing_profile(args.routing_profile, geom) if getattr(args, "routing_profile", None) else None
+    cpu = plan.cpu_layers or tuple(l.index for l in geom.moe_layers if l.index < plan.n_cpu_moe)
+    r = plan.request
+    return predict_llamacpp(file_geom, plan.device, host_speed_from_args(args, (plan.device,)),
+                            context=r.context, ubatch=plan.ubatch, seqs=r.slots, cpu_layers=cpu,
+                            type_k=r.type_k, type_v=r.type_v, prompt_tokens=prompt, profile=profile)
 
 
 def add_model_files_flags(p: argparse.ArgumentParser) -> None:

@@ -139,7 +139,8 @@ def format_speed_verbose(speed, context_word: str = "chunk") -> list[str]:
     """``-v``'s speed lines: seconds per step and bound per layer kind, and the figures."""
     if speed is None:
         return []
-    out = [f"speed by layer kind (seconds per step, bound; misses: --miss-policy {speed.policy}):"]
+    policy = f"--miss-policy {speed.policy}" if speed.policy in ("cpu", "copy", "auto") else speed.policy
+    out = [f"speed by layer kind (seconds per step, bound; misses: {policy}):"]
     for what, pred in ((f"prefill ({pred_chunk(speed.prefill, context_word)})", speed.prefill),
                        (f"decode ({speed.decode.tokens} x 1 token)", speed.decode)):
         out.append(f"  {what}" + (f", misses copied in {pred.copied} MoE layers"

@@ -39,7 +39,7 @@ Pure arithmetic, no torch, no I/O.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from moefit.devices import Device
 from moefit.devices.device import GpuSpeed
@@ -226,13 +226,15 @@ def _layers(geom: ModelGeometry) -> tuple[_Layer, ...]:
 
 def layer_time(layer: _Layer, rates: Rates, route: Routing, fmt: KVFormat, dtype_bytes: int, *,
                tokens: int, seqs: int, position: int, chunk: bool, resident: int,
-               policy: str, copy_whole: bool = False) -> LayerTime:
+               policy: str, copy_whole: bool = False, serial: bool = False) -> LayerTime:
     """One layer's time for one step (see the module docstring for the model).
 
     ``resident``: the layer's expert slots. ``policy``: ``cpu`` (misses on the host),
     ``copy`` (copied through the weight arena) or ``auto`` (the faster of the two).
     ``copy_whole``: a copy moves every missing expert of the layer, touched or not
-    (llama.cpp copies whole expert tensors)."""
+    (llama.cpp copies whole expert tensors). ``serial``: the MoE part's branches run one
+    after another instead of overlapping (llama.cpp's scheduler runs a graph's splits in
+    turn: the CPU's experts, the copies and the device's experts)."""
     spec = layer.spec
     a_bytes, a_flops = _attention(spec, fmt, dtype_bytes, tokens, seqs, position, chunk)
     dense, dense_bound = _roof(layer.dense_bytes + a_bytes, rates.device_bytes_per_s,
@@ -262,12 +264,18 @@ def layer_time(layer: _Layer, rates: Rates, route: Routing, fmt: KVFormat, dtype
     miss_frac = miss_p / max(hit_p + miss_p, 1e-30)
     rows = tokens * (1 - (1 - miss_frac) ** spec.moe.experts_per_token)
     rows_t = rows * layer.hidden * ROW_VALUE_BYTES / link      # there and back
-    on_host = max((dev[0], dev[1]), (rows_t + host_t, host_bound if host_t >= rows_t else "PCIe"))
+    host_side = (rows_t + host_t, host_bound if host_t >= rows_t else "PCIe")
     copied_e = (spec.moe.num_experts - resident) if copy_whole else miss_e
     dev_all = _roof((hit_e + miss_e) * blob, rates.device_bytes_per_s,
                     (hit_p + miss_p) * pair_flops, rates.device_flops,
                     "device memory", "device compute")
-    on_dev = max(dev_all, (copied_e * blob / link, "PCIe"))
+    copy_side = (copied_e * blob / link, "PCIe")
+    if serial:
+        on_host = (dev[0] + host_side[0], max(dev, host_side)[1])
+        on_dev = (dev_all[0] + copy_side[0], max(dev_all, copy_side)[1])
+    else:
+        on_host = max(dev, host_side)
+        on_dev = max(dev_all, copy_side)
     if policy == "copy" or (policy == "auto" and on_dev[0] < on_host[0]):
         moe, copied = on_dev, True
     else:
@@ -305,14 +313,14 @@ def _head(geom: ModelGeometry, rates: Rates, rows: int) -> float:
 
 def step_time(geom: ModelGeometry, rates: Rates, route: Routing, fmt: KVFormat,
               resident: dict[int, int], *, tokens: int, seqs: int, position: int, chunk: bool,
-              policy: str, copy_whole: bool = False) -> StepTime:
+              policy: str, copy_whole: bool = False, serial: bool = False) -> StepTime:
     """A step of ``tokens`` tokens (a chunk when ``chunk``, else one token for each of
     ``seqs`` sequences) at ``position``: every layer (:func:`layer_time`) and the head.
     ``resident``: expert slots per MoE layer index."""
     layers = tuple(
         layer_time(l, rates, route, fmt, geom.dtype_bytes, tokens=tokens, seqs=seqs,
                    position=position, chunk=chunk, resident=resident.get(l.spec.index, 0),
-                   policy=policy, copy_whole=copy_whole)
+                   policy=policy, copy_whole=copy_whole, serial=serial)
         for l in _cached_layers(geom))
     return StepTime(tokens, position, layers, _head(geom, rates, 1 if chunk else seqs))
 
@@ -383,7 +391,8 @@ class Speed:
 def predict(geom: ModelGeometry, rates: Rates, fmt: KVFormat, resident: dict[int, int], *,
             context: int, chunk: int, seqs: int, policy: str,
             prompt_tokens: int | None = None, profile: dict[int, dict[int, int]] | None = None,
-            copy_whole: bool = False, decode_policy: str | None = None) -> Speed:
+            copy_whole: bool = False, decode_policy: str | None = None,
+            serial: bool = False) -> Speed:
     """Prefill and decode of ``geom`` with ``resident`` expert slots per MoE layer.
 
     Prefill: ``prompt_tokens`` from position 0 in chunks of ``chunk`` tokens; None: one
@@ -391,13 +400,15 @@ def predict(geom: ModelGeometry, rates: Rates, fmt: KVFormat, resident: dict[int
     position (exact where the time is affine in the position, which it is outside the
     sliding windows), the last partial chunk on its own. Decode: one token for each of
     ``seqs`` sequences at a fill of the prompt's end (half the context by default).
-    ``decode_policy``: the miss policy of decode steps when it is not ``policy``."""
+    ``decode_policy``: the miss policy of decode steps (and of a last partial chunk under
+    :data:`LLAMACPP_OFFLOAD_MIN_BATCH` tokens) when it is not ``policy``; ``copy_whole``,
+    ``serial``: as :func:`layer_time` takes them."""
     route = routing(geom, profile)
     chunk = max(1, min(chunk, context))
     if prompt_tokens is None:
         start, n = context // 2, chunk
         steps = [(step_time(geom, rates, route, fmt, resident, tokens=chunk, seqs=1,
-                            position=start, chunk=True, policy=policy, copy_whole=copy_whole), 1)]
+                            position=start, chunk=True, policy=policy, copy_whole=copy_whole, serial=serial), 1)]
         fill = start
     else:
         start, n = 0, prompt_tokens
@@ -407,18 +418,18 @@ def predict(geom: ModelGeometry, rates: Rates, fmt: KVFormat, resident: dict[int
             mean = chunk * (full - 1) // 2
             steps.append((step_time(geom, rates, route, fmt, resident, tokens=chunk, seqs=1,
                                     position=mean, chunk=True, policy=policy,
-                                    copy_whole=copy_whole), full))
+                                    copy_whole=copy_whole, serial=serial), full))
         if rest:
             small = policy if decode_policy is None or rest >= LLAMACPP_OFFLOAD_MIN_BATCH \
                 else decode_policy
             steps.append((step_time(geom, rates, route, fmt, resident, tokens=rest, seqs=1,
                                     position=full * chunk, chunk=True, policy=small,
-                                    copy_whole=copy_whole), 1))
+                                    copy_whole=copy_whole, serial=serial), 1))
         fill = prompt_tokens
     prefill = _prediction(steps, n, start, chunk)
     dstep = step_time(geom, rates, route, fmt, resident, tokens=seqs, seqs=seqs,
                       position=min(fill, max(context - 1, 0)), chunk=False,
-                      policy=decode_policy or policy, copy_whole=copy_whole)
+                      policy=decode_policy or policy, copy_whole=copy_whole, serial=serial)
     decode = _prediction([(dstep, 1)], seqs, fill, 1)
     return Speed(prefill, decode, policy, rates.sources)
 
@@ -438,6 +449,37 @@ def predict_plan(plan, host: HostSpeed, *, prompt_tokens: int | None = None,
     return predict(plan.geometry, rates, kv_format(r.kv), dict(plan.experts_per_layer),
                    context=plan.context, chunk=plan.prefill_selected, seqs=r.slots,
                    policy=policy or r.miss_policy, prompt_tokens=prompt_tokens, profile=profile)
+
+
+#: llama.cpp's cache types (K, V) as moefit's KV formats of the same bytes per value
+_LLAMA_KV = {("f16", "f16"): "fp16", ("bf16", "bf16"): "bf16", ("f32", "f32"): "fp32",
+             ("q8_0", "q8_0"): "int8", ("q8_0", "q4_0"): "k8v4", ("q4_0", "q4_0"): "int4"}
+
+
+def predict_llamacpp(geom: ModelGeometry, device: Device, host: HostSpeed, *, context: int,
+                     ubatch: int, seqs: int, cpu_layers, type_k: str, type_v: str,
+                     prompt_tokens: int | None = None,
+                     profile: dict[int, dict[int, int]] | None = None) -> Speed | None:
+    """The predicted speed of a ``llama-server`` command (``moefit plan --engine llama.cpp``)
+    for ``geom`` as the GGUF file it runs: the experts of ``cpu_layers`` stay in host memory,
+    every other layer's on the device; prompts are processed in micro-batches of ``ubatch``
+    tokens. For a micro-batch of :data:`LLAMACPP_OFFLOAD_MIN_BATCH` tokens or more the
+    CPU-resident expert tensors are copied whole to the device and multiplied there, below
+    it they are multiplied on the CPU (a decode step of fewer sequences); the graph's
+    splits run one after another (``serial``). KV types without a moefit format of the
+    same size are priced as f16. None when the device has no figures."""
+    rates = rates_for(device, host)
+    if rates is None:
+        return None
+    cpu = set(cpu_layers)
+    resident = {l.index: 0 if l.index in cpu else l.moe.num_experts for l in geom.moe_layers}
+    fmt = kv_format(_LLAMA_KV.get((type_k, type_v), "fp16"))
+    big = lambda n: "copy" if n >= LLAMACPP_OFFLOAD_MIN_BATCH else "cpu"  # noqa: E731
+    speed = predict(geom, rates, fmt, resident, context=context, chunk=ubatch, seqs=seqs,
+                    policy=big(ubatch), decode_policy=big(seqs), prompt_tokens=prompt_tokens,
+                    profile=profile, copy_whole=True, serial=True)
+    return replace(speed, policy=f"llama.cpp copies the CPU's expert tensors for micro-batches "
+                                 f"of {LLAMACPP_OFFLOAD_MIN_BATCH} tokens or more")
 
 
 #: A ``fits with:`` alternative's flag -> the request field it sets (as
