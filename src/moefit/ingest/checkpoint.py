@@ -333,12 +333,15 @@ def load_staging(geom: ModelGeometry, tensors: dict[str, int]) -> int:
         if name.endswith(FP8_SCALE):
             continue
         largest = max(largest, n + tensors.get(name + FP8_SCALE, 0))
+    by_layer: dict[int | None, dict[str, int]] = {}   # one pass over the names, not one per layer
+    for name, n in tensors.items():
+        by_layer.setdefault(_LAYER_OF(name), {})[name] = n
     for layer in geom.layers:
         packs = (LINEAR_ATTENTION_PACKS if layer.attention.kind == "linear" else ()) + \
                 (GATED_Q_PACKS if layer.attention.output_gate else ())
         if not packs:
             continue
-        mine = {name: n for name, n in tensors.items() if _LAYER_OF(name) == layer.index}
+        mine = by_layer.get(layer.index, {})
         for pack in packs:
             parts = [n for name, n in mine.items() if name.endswith(pack)]
             if len(parts) == len(pack):
