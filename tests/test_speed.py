@@ -248,3 +248,44 @@ def test_llamacpp_plan_predicts_its_command_copies_for_prefill_and_runs_decode_o
     assert "llama.cpp copies" in s["policy"]
     code, text = run(capsys, *args)
     assert "speed  prefill " in text and "micro-batch at position 131072" in text
+
+
+# ---- --miss-policy auto (the planner side) ---------------------------------------------------
+
+def test_auto_prices_the_weight_arena_before_the_expert_cache_and_copies_only_large_steps(capsys):
+    base = ["plan", *FIELD, "--gpu", "RTX 5060 Ti 16GB", "--no-calibration", "--json"]
+    cpu = json.loads(run(capsys, *base)[1])
+    auto = json.loads(run(capsys, *base, "--miss-policy", "auto")[1])
+    line = lambda doc, key: next(l for l in doc["devices"][0]["lines"] if l["key"] == key)  # noqa: E731
+    assert line(cpu, "weight_arena")["bytes"] == 0
+    arena = line(auto, "weight_arena")
+    assert arena["bytes"] > 0 and "steps predicted faster copy" in arena["detail"]
+    # the mandatory arena comes out of the expert cache, nothing else moves
+    assert line(auto, "experts")["bytes"] <= line(cpu, "experts")["bytes"] - arena["bytes"] + \
+        auto["experts"]["slot_bytes"]
+    assert line(auto, "kv")["bytes"] == line(cpu, "kv")["bytes"]
+    assert auto["prefill"]["selected"] == cpu["prefill"]["selected"]
+    # the host keeps the experts that are not resident (auto never swaps), as with cpu
+    host = lambda doc: next(l for l in doc["host"]["lines"] if l["key"] == "host_experts")  # noqa: E731
+    assert "not resident" in host(auto)["detail"]
+    s = auto["speed"]
+    assert s["policy"] == "auto" and s["prefill"]["copied_layers"] == 40
+    assert s["decode"]["copied_layers"] == 0
+    assert s["prefill"]["tokens_per_s"] > 2 * cpu["speed"]["prefill"]["tokens_per_s"]
+
+
+def test_auto_is_offered_the_cpu_policy_when_its_arena_does_not_fit(capsys):
+    code, out = run(capsys, "plan", "Qwen3.5-35B-A3B", "--vram", "6GiB", "--max-context", "4K",
+                    "--miss-policy", "auto", "--arena-slots", "400", "--no-calibration")
+    assert code == 3 and "  --miss-policy cpu without --arena-slots" in out
+
+
+def test_the_commands_that_run_the_model_refuse_auto_before_loading_anything():
+    import argparse
+
+    from moefit.errors import InputError
+    from moefit.flags import runnable_devices
+    args = argparse.Namespace(command="serve", miss_policy="auto", device="cpu", gpu=None,
+                              vram="4GiB", vram_free=None, threads=None)
+    with pytest.raises(InputError, match="serve runs --miss-policy cpu or copy; auto is planned only"):
+        runnable_devices(args)

@@ -124,11 +124,14 @@ def add_request_flags(p: argparse.ArgumentParser) -> None:
                      help="auto (what remains) or N expert slots")
     req.add_argument("--min-expert-cache", type=int, default=0,
                      help="expert slots that must fit (default 0: misses run on the CPU)")
-    req.add_argument("--miss-policy", choices=("cpu", "copy"), default="cpu",
-                     help="non-resident experts run on the CPU (default) or are copied "
-                          "through the weight arena")
+    req.add_argument("--miss-policy", choices=("cpu", "copy", "auto"), default="cpu",
+                     help="non-resident experts run on the CPU (default), are copied "
+                          "through the weight arena, or (auto, planned only: serve and "
+                          "generate run cpu or copy) either, per MoE layer and step, "
+                          "whichever the speed model predicts faster; copy and auto price "
+                          "the arena before the expert cache")
     req.add_argument("--arena-slots", type=int, default=None,
-                     help="weight-arena ring size in expert slots with --miss-policy copy "
+                     help="weight-arena ring size in expert slots with --miss-policy copy / auto "
                           "(default 2 x experts per token)")
     req.add_argument("--host-experts", choices=("copy", "mmap"), default="copy",
                      help="non-resident experts: read into host memory (copy, default; pinned "
@@ -624,8 +627,13 @@ def runnable_devices(args: argparse.Namespace) -> tuple[Device, ...]:
 
     Raises:
         InputError: ``--gpu`` or ``--vram`` without ``--device``; a CUDA device that this
-            torch build cannot see; every error of :func:`devices_from_args`.
+            torch build cannot see; ``--miss-policy auto`` (planned only); every error of
+            :func:`devices_from_args`.
     """
+    if getattr(args, "miss_policy", None) == "auto":
+        command = getattr(args, "command", None) or "this command"
+        raise InputError(f"{command} runs --miss-policy cpu or copy; auto is planned only "
+                         "(moefit plan prices its weight arena and predicts its speed)")
     if args.device is None and (args.gpu is not None or args.vram is not None):
         command = getattr(args, "command", None) or "this command"
         raise InputError(f"{command} runs the model on a real device: use --device "

@@ -841,7 +841,7 @@ def host_plan(geom: ModelGeometry, plan: Plan, host: Host | None) -> HostPlan:
               host_memory.default_host_reserve_bytes(host.capacity_bytes if host else None))
     staged = ("largest tensor read at load" if load >= serving else
               f"per step: logits{', embedding rows' if embed else ''}"
-              f"{', CPU misses' if main == 'cuda' and req.miss_policy == 'cpu' and geom.moe_layers else ''}"
+              f"{', CPU misses' if main == 'cuda' and req.miss_policy != 'copy' and geom.moe_layers else ''}"
               f"{', one mapped expert' if mapped else ''}")
     lines = (
         Line("host_runtime", runtime, runtime_detail),
@@ -917,7 +917,8 @@ def _lines(geom: ModelGeometry, device: Device, req: Request, context: int, chun
         kv_detail += f" (+ recurrent state of {kv.total_layers - kv.cache_layers})"
     arena_detail = ("misses computed on the CPU" if req.miss_policy == "cpu" or not priced.arena
                     else f"{priced.arena // max(priced.slot_bytes, 1)} x "
-                         f"{priced.slot_bytes / 2**20:.1f} MiB expert blobs")
+                         f"{priced.slot_bytes / 2**20:.1f} MiB expert blobs"
+                         + (", steps predicted faster copy" if req.miss_policy == "auto" else ""))
     total = geom.total_experts
     pct = f" ({100 * slots / total:.0f}%)" if total else ""
     expert_detail = (f"{slots} of {total} experts{pct}" if total else "dense model: no experts")
@@ -1021,7 +1022,7 @@ def find_alternatives(geom: ModelGeometry, device: "Device | tuple[Device, ...]"
         if n is not None:
             alts.append(Alternative("--prefill", n * CHUNK_GRID))
 
-    if req.miss_policy == "copy":
+    if req.miss_policy in ("copy", "auto"):
         if _fits(geom, device, req.with_(miss_policy="cpu", arena_slots=None)):
             alts.append(Alternative("--miss-policy", "cpu",
                                     drop=("--arena-slots",) if req.arena_slots is not None else ()))
