@@ -124,7 +124,7 @@ def test_the_cache_follows_xdg_when_no_override(monkeypatch, tmp_path):
 def test_calibrate_host_measures_every_kernel_type_and_the_planner_reads_it(tmp_path, monkeypatch, capsys):
     from moefit.memory import calibration as cal
     from moefit.runtime import calibrate as rc
-    from moefit.runtime import qmatmul
+    from moefit.runtime.kernels import qmatmul
     if not qmatmul.available():
         pytest.skip(f"C kernels: {qmatmul.unavailable_reason()}")
     monkeypatch.setenv(cal.CACHE_ENV, str(tmp_path))

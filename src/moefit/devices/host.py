@@ -125,7 +125,7 @@ class HostSpeed:
 
 
 #: Per-thread compute roofs (GB/s of weights, one activation row, matrix in L2) measured on
-#: one core of the project's 2-core AMD EPYC CI machine (moefit.runtime.qmatmul's docstring);
+#: one core of the project's 2-core AMD EPYC CI machine (moefit.runtime.kernels.qmatmul's docstring);
 #: the other types take the measured type of the same block layout (Q4_1 / Q5_0 / Q5_1 /
 #: IQ4_NL / MXFP4: Q4_0's 32-value blocks; Q5_K: Q4_K's super-blocks; F16 / F32: BF16).
 _CI_CORE_GBS = {"BF16": 110, "Q8_0": 54, "Q4_0": 37, "Q4_K": 24, "Q6_K": 37}
@@ -150,5 +150,5 @@ def default_host_speed(bandwidth: float | None = None) -> HostSpeed:
     return HostSpeed(bw, DEFAULT_HOST_THREADS, rates,
                      f"default host: {bw / 1e9:.1f} GB/s ({where}), {DEFAULT_HOST_THREADS} "
                      "threads at the C kernels' per-core rates measured on the CI machine "
-                     "(AMD EPYC; moefit.runtime.qmatmul); `moefit calibrate --host` measures "
+                     "(AMD EPYC; moefit.runtime.kernels.qmatmul); `moefit calibrate --host` measures "
                      "this machine")

@@ -40,8 +40,8 @@ import json
 
 from moefit.memory.weights import expert_slot_bytes
 from moefit.ingest.resolve import format_params
-from moefit.plan.solver import (GGUF_REMEDY_FTYPES, HOST_LINE_ORDER, LINE_ORDER, DevicePlan, HostPlan, Plan,
-                                gguf_remedy_applies)
+from moefit.plan.alternatives import GGUF_REMEDY_FTYPES, gguf_remedy_applies
+from moefit.plan.types import HOST_LINE_ORDER, LINE_ORDER, DevicePlan, HostPlan, Plan, format_fits_with
 from moefit.units import size_format
 
 SCHEMA = "moefit.plan/2"
@@ -204,29 +204,8 @@ def format_table(plan: Plan, speed=None, alt_speeds=()) -> str:
     files = (f", nor a GGUF file of the model down to {GGUF_REMEDY_FTYPES[-1]},"
              if gguf_remedy_applies(plan.geometry) else "")
     out += format_fits_with(plan.alternatives, f"{larger} (no single flag change{files} makes it fit)",
-                            alt_speeds)
+                            [_alt_speed(s) for s in alt_speeds])
     return "\n".join(out)
-
-
-def format_fits_with(alternatives, nothing: str, speeds=()) -> list[str]:
-    """The ``fits with:`` lines of a plan that does not fit (moefit's and the engine plans'):
-    ``fits with:`` and one :func:`format_alternative` line per alternative (with its
-    predicted speed from ``speeds``, in the same order, where given), or, with none,
-    ``fits with: nothing short of NOTHING``."""
-    if alternatives:
-        speeds = list(speeds) + [None] * (len(alternatives) - len(speeds))
-        return ["fits with:", *(format_alternative(a, _alt_speed(s))
-                                for a, s in zip(alternatives, speeds))]
-    return [f"fits with: nothing short of {nothing}"]
-
-
-def format_alternative(a, speed: str = "") -> str:
-    """One ``fits with:`` line: ``  FLAG VALUE[ without FLAG...][   (note[; speed])]``; the
-    flags as printed are exactly the change that was solved; ``speed``: its predicted
-    speed, in words."""
-    text = f"  {a.flags}" + "".join(f" without {d}" for d in a.drop)
-    extra = "; ".join(x for x in (a.note, speed) if x)
-    return f"{text}   ({extra})" if extra else text
 
 
 def _alternative(a, speed=None) -> dict:

@@ -52,7 +52,7 @@ from moefit.memory.staging import ATTN_Q_BLOCK
 RESOURCES = ("device compute", "device memory", "PCIe", "host compute", "host memory")
 #: bytes of one hidden value sent over PCIe when misses run on the host: the step's rows go
 #: to the host in the compute dtype (bf16) and the results come back in fp32
-#: (:mod:`moefit.runtime.moe_device`, steps 2 and 4)
+#: (:mod:`moefit.runtime.moe.device`, steps 2 and 4)
 ROW_VALUE_BYTES = 2 + 4
 #: llama.cpp runs the matrix products of weights kept on the CPU on the GPU, copying the
 #: weights, for micro-batches of at least this many tokens (``GGML_OP_OFFLOAD_MIN_BATCH``,
@@ -437,7 +437,7 @@ def predict(geom: ModelGeometry, rates: Rates, fmt: KVFormat, resident: dict[int
 def predict_plan(plan, host: HostSpeed, *, prompt_tokens: int | None = None,
                  profile: dict[int, dict[int, int]] | None = None,
                  policy: str | None = None) -> Speed | None:
-    """The predicted speed of a solved moefit ``plan`` (:class:`~moefit.plan.solver.Plan`)
+    """The predicted speed of a solved moefit ``plan`` (:class:`~moefit.plan.types.Plan`)
     at its context, chunk, sequences, expert slots and miss policy (or ``policy``), on its
     main device's figures (several devices: the expert slots of all of them count as
     resident; the transfers between devices are not priced). None when the main device
@@ -483,7 +483,7 @@ def predict_llamacpp(geom: ModelGeometry, device: Device, host: HostSpeed, *, co
 
 
 #: A ``fits with:`` alternative's flag -> the request field it sets (as
-#: :func:`moefit.plan.solver.find_alternatives` re-solves it); ``--prefill`` and the drops
+#: :func:`moefit.plan.alternatives.find_alternatives` re-solves it); ``--prefill`` and the drops
 #: are handled in :func:`alternative_request`.
 _ALT_FIELDS = {"--max-context": "max_context", "--kv": "kv", "--prefill-min": "prefill_min",
                "--miss-policy": "miss_policy", "--arena-slots": "arena_slots",
@@ -495,7 +495,7 @@ _DROP_FIELDS = {"--arena-slots": ("arena_slots", None)}
 
 
 def alternative_request(req, alt):
-    """The request a ``fits with:`` alternative (:class:`~moefit.plan.solver.Alternative`)
+    """The request a ``fits with:`` alternative (:class:`~moefit.plan.types.Alternative`)
     stands for: ``req`` with the alternative's flags applied; None when a change is not a
     request flag (``MODEL``: another file)."""
     changes = {}

@@ -28,7 +28,7 @@ from moefit.memory.staging import staging_model
 from moefit.plan.request import Request, context_limit
 from moefit.plan.solver import solve
 from moefit.runtime.engine import Engine, EngineOptions
-from moefit.runtime import qmatmul
+from moefit.runtime.kernels import qmatmul
 from moefit.runtime.measure import prefill_measured
 
 
@@ -96,7 +96,7 @@ def _best_seconds(run, repeats: int) -> float:
 
 def measure_host(threads: list[int], say=print) -> dict[int, tuple[float, dict[str, float]]]:
     """The host's figures at each of ``threads``: (memory bytes/s, {ggml type: weight bytes x
-    rows per second}) from moefit's C kernels (:func:`moefit.runtime.qmatmul.gemm`): one
+    rows per second}) from moefit's C kernels (:func:`moefit.runtime.kernels.qmatmul.gemm`): one
     activation row against a :data:`PROBE_BIG` BF16 matrix (the bytes it reads over the best
     of three runs), and :data:`PROBE_ROWS` rows against a :data:`PROBE_SMALL` matrix of each
     type (random bytes: the kernels' speed does not depend on the values), best of five.
