@@ -99,7 +99,8 @@ def measure_host(threads: list[int], say=print) -> dict[int, tuple[float, dict[s
     rows per second}) from moefit's C kernels (:func:`moefit.runtime.kernels.qmatmul.gemm`): one
     activation row against a :data:`PROBE_BIG` BF16 matrix (the bytes it reads over the best
     of three runs), and :data:`PROBE_ROWS` rows against a :data:`PROBE_SMALL` matrix of each
-    type (random bytes: the kernels' speed does not depend on the values), best of five.
+    type this build multiplies (:func:`moefit.runtime.kernels.qmatmul.supports`; random
+    bytes: the kernels' speed does not depend on the values), best of five.
     Raises InputError when the C kernels are not available."""
     if not qmatmul.available():
         raise InputError(f"calibrate --host measures moefit's C kernels, which are not available "
@@ -115,7 +116,7 @@ def measure_host(threads: list[int], say=print) -> dict[int, tuple[float, dict[s
         rates = {}
         r, c = PROBE_SMALL
         xs = torch.randn(PROBE_ROWS, c)
-        for qtype in qmatmul.CTYPES:
+        for qtype in (t for t in qmatmul.CTYPES if qmatmul.supports(t, c)):
             raw = torch.randint(0, 64, (r * lib.mf_row_bytes(qmatmul.CTYPES[qtype], c),),
                                 dtype=torch.uint8)
             qmatmul.gemm(xs, raw, qtype, r, c, threads=t)          # warm the caches
