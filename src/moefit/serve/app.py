@@ -3,7 +3,9 @@
 Routes:
 
 - ``GET /health``: 503 ``{"status": "loading"}`` until the engine is READY, then 200 (never
-  behind the API key; answered on the event loop, which no request blocks).
+  behind the API key; answered on the event loop, which no request blocks); 503
+  ``{"status": "failed", "error"}`` should the engine thread ever die (every request it
+  held ended with an error; new ones get 503).
 - ``GET /v1/models``, ``GET /v1/models/{id}``: the one model served, with its context
   (``max_model_len``).
 - ``POST /v1/completions``, ``POST /v1/chat/completions``: OpenAI's bodies
@@ -61,7 +63,7 @@ from moefit.plan.report import plan_document
 from moefit.serve.generation import Completion, Decoding, Params, Step, check_prompt, check_stop
 from moefit.serve.metrics import Metrics
 from moefit.serve.protocol import ChatRequest, CompletionRequest
-from moefit.serve.scheduler import Ended, Job, QueueFull, Scheduler, Stopping
+from moefit.serve.scheduler import EngineFailed, Ended, Job, QueueFull, Scheduler, Stopping
 from moefit.serve.text import GenerationDefaults, Tokenizer
 
 #: Default ``--max-body`` (bytes): far above any real prompt within a context.
@@ -109,6 +111,8 @@ class ServerState:
         """The scheduler of the current engine (started on first use, and again when
         the engine was replaced)."""
         sch = self._scheduler
+        if sch is not None and sch.failed is not None:
+            return sch              # dead: it refuses every job (EngineFailed), /health is 503
         if sch is None or sch.engine is not self.engine or not sch.alive:
             if sch is not None:
                 sch.stop()
@@ -250,6 +254,9 @@ def create_app(state: ServerState) -> FastAPI:
     async def health():
         if state.engine is None:
             return JSONResponse({"status": "loading"}, status_code=503)
+        sch = state._scheduler
+        if sch is not None and sch.failed is not None:
+            return JSONResponse({"status": "failed", "error": str(sch.failed)}, status_code=503)
         return {"status": "ready"}
 
     def model_card() -> dict:
@@ -548,7 +555,7 @@ class _Run:
             state.metrics.refused()
             raise APIError(503, f"the server is busy: {e}; retry later", "service_unavailable",
                            headers={"Retry-After": str(RETRY_AFTER_S)}) from None
-        except Stopping as e:
+        except (Stopping, EngineFailed) as e:
             raise APIError(503, str(e), "service_unavailable") from None
 
     def cancel(self) -> None:

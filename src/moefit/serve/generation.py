@@ -42,6 +42,13 @@ from moefit.serve.protocol import SAMPLING_BOUNDS
 from moefit.serve.text import GenerationDefaults, TextStream, Tokenizer
 
 
+#: The smallest temperature that samples (vLLM's ``_MAX_TEMP``, ``vllm/sampling_params.py``):
+#: a temperature above 0 and below it is raised to it, as vLLM does, since dividing the
+#: logits by less overflows fp32 to infinities (``"temperature": 1e-40`` made the sampler
+#: raise); 0 stays greedy.
+MIN_TEMPERATURE = 1e-2
+
+
 @dataclass(frozen=True)
 class Params:
     """What one completion may do.
@@ -73,7 +80,8 @@ class Params:
                 min_p: float | None = None, repetition_penalty: float | None = None,
                 stop_token_ids: Sequence[int] | None = None) -> "Params":
         """Request values where given, else the checkpoint's defaults (greedy unless its
-        ``generation_config.json`` sets ``do_sample``). ``top_k`` -1 means no top-k."""
+        ``generation_config.json`` sets ``do_sample``). ``top_k`` -1 means no top-k; a
+        temperature between 0 and :data:`MIN_TEMPERATURE` is raised to it."""
         sampled = defaults.do_sample
         if temperature is None:
             temperature = defaults.temperature if sampled else 0.0
@@ -82,6 +90,8 @@ class Params:
         if top_p is None:
             top_p = defaults.top_p if sampled else 1.0
         stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
+        if 0 < temperature < MIN_TEMPERATURE:
+            temperature = MIN_TEMPERATURE
         return cls(max_tokens=max_tokens, temperature=float(temperature), top_k=max(0, int(top_k)),
                    top_p=float(top_p), seed=seed, stop=stops, eos_ids=defaults.eos_ids,
                    ignore_eos=ignore_eos, min_p=float(min_p or 0.0),
@@ -154,7 +164,7 @@ def check_sampling(temperature: float | None = None, top_p: float | None = None,
     """Raise InputError for sampling settings outside the API's bounds
     (:data:`moefit.serve.protocol.SAMPLING_BOUNDS`: ``max_tokens >= 1``,
     ``temperature >= 0``, ``0 < top_p <= 1``, ``top_k >= -1``, ``0 <= min_p <= 1``,
-    ``repetition_penalty > 0``; NaN and infinities are outside), checked in that order; None is not
+    ``repetition_penalty >= 0.01``; NaN and infinities are outside), checked in that order; None is not
     checked. ``flags``: name them as command-line flags (``--top-p``)."""
     given = {"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p,
              "top_k": top_k, "min_p": min_p, "repetition_penalty": repetition_penalty}

@@ -11,7 +11,7 @@ Numbers and flags are strict (OpenAI's types): ``"max_tokens": "8"`` or ``true``
 400, not 8 or 1; a number where a float is expected may be written as an integer.
 
 Extensions (vLLM's names and meanings): ``top_k`` (0 or -1: off), ``min_p`` (0..1: drop
-tokens less likely than ``min_p`` x the most likely one), ``repetition_penalty`` (> 0, 1:
+tokens less likely than ``min_p`` x the most likely one), ``repetition_penalty`` (>= 0.01, 1:
 off; transformers' ``RepetitionPenaltyLogitsProcessor`` over the prompt and the output),
 ``stop_token_ids`` (token ids that end the completion, like the EOS ids), ``ignore_eos``,
 ``return_token_ids`` (the prompt and completion token ids in each choice),
@@ -33,13 +33,17 @@ MAX_STOP_TOKEN_IDS = 256
 #: The bounds of the sampling settings, one home for the request body's fields (below)
 #: and the ``moefit generate`` flags (:func:`moefit.serve.generation.check_sampling`):
 #: field -> (pydantic's ``ge`` / ``gt`` / ``le`` constraints, what the edge value means).
-SAMPLING_BOUNDS: dict[str, tuple[dict[str, int], str | None]] = {
+#: ``repetition_penalty`` divides the logits of the tokens seen: below
+#: :data:`MIN_REPETITION_PENALTY` the quotient overflows fp32 (1e-40 made the sampler
+#: raise), so it is refused (vLLM refuses only 0 and below, and overflows the same way).
+MIN_REPETITION_PENALTY = 0.01
+SAMPLING_BOUNDS: dict[str, tuple[dict[str, float], str | None]] = {
     "max_tokens": ({"ge": 1}, None),
     "temperature": ({"ge": 0}, "0: greedy"),
     "top_p": ({"gt": 0, "le": 1}, None),
     "top_k": ({"ge": -1}, "0 or -1: off"),
     "min_p": ({"ge": 0, "le": 1}, "0: off"),
-    "repetition_penalty": ({"gt": 0}, "1: off"),
+    "repetition_penalty": ({"ge": MIN_REPETITION_PENALTY}, "1: off"),
 }
 
 

@@ -22,11 +22,18 @@ callable, which must not block (the server posts them to an asyncio queue with
 ``loop.call_soon_threadsafe``). Events: a :class:`~moefit.serve.generation.Step` per
 token (the last one has a finish reason); :class:`Ended` when the job ends without one
 (cancelled, server stopping: ``"abort"``); an ``Exception`` when the engine failed on its
-step (the job's slot is reset; the server stays up).
+step, or sampling failed on the job's logits (that job ends, its slot is reset; the others
+go on, the server stays up).
+
+Should the engine thread itself ever fail (a bug outside those two), it records why
+(:attr:`Scheduler.failed`), every job it held or queued ends with an :class:`EngineFailed`
+event, and :meth:`Scheduler.submit` refuses new jobs with it: the server's ``/health``
+answers 503 instead of leaving every client waiting for good.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import Counter, deque
@@ -45,6 +52,11 @@ class QueueFull(RuntimeError):
 
 class Stopping(RuntimeError):
     """The scheduler is shutting down and takes no more jobs."""
+
+
+class EngineFailed(RuntimeError):
+    """The engine thread died (a bug): the event of every job it held, and the error of
+    every later :meth:`Scheduler.submit`."""
 
 
 @dataclass(frozen=True)
@@ -113,6 +125,7 @@ class Scheduler:
         self.stats = Stats()
         self._cv = threading.Condition()
         self._stopping = False
+        self.failed: EngineFailed | None = None     # set when the engine thread died
         self._thread = threading.Thread(target=self._run, name="moefit-engine", daemon=True)
         self._thread.start()
 
@@ -123,6 +136,8 @@ class Scheduler:
         with more choices than ``max_queue`` is not refused forever), Stopping once
         :meth:`stop` was called."""
         with self._cv:
+            if self.failed is not None:
+                raise self.failed
             if self.is_stopping():
                 raise Stopping("the server is shutting down")
             free = self.active.count(None)
@@ -180,6 +195,22 @@ class Scheduler:
 
     # ---- engine thread -----------------------------------------------------------------------
     def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as e:     # a bug: end every job rather than leave it waiting
+            failed = EngineFailed(f"the engine thread failed ({type(e).__name__}: {e}); "
+                                  "restart the server")
+            with self._cv:
+                self.failed = failed
+                for job in [*self.active, *self.waiting]:
+                    if job is not None and not job.done:
+                        self._free(job)
+                        self.stats.errors += 1
+                        job.emit(failed)
+                self.waiting.clear()
+            logging.getLogger("uvicorn.error").exception("moefit: %s", failed)
+
+    def _loop(self) -> None:
         while True:
             with self._cv:
                 while not self.is_stopping() and not self.waiting and not any(self.active):
@@ -270,7 +301,13 @@ class Scheduler:
                         continue                   # the prompt is not in yet
                 if job.done or job.cancelled:
                     continue
-                step: Step = job.decoding.step(logits[row])
+                try:
+                    step: Step = job.decoding.step(logits[row])
+                except Exception as e:     # this job's sampling failed: it ends, not the batch
+                    self.stats.errors += 1
+                    self._free(job)
+                    job.emit(e)
+                    continue
                 self.stats.generated_tokens += 1
                 if job.first_token is None:
                     job.first_token = now
