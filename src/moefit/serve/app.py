@@ -57,6 +57,7 @@ import anyio
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from moefit.errors import InputError
 from moefit.plan.report import plan_document
@@ -103,6 +104,7 @@ class ServerState:
     max_body: int = MAX_BODY
     write_timeout: float = WRITE_TIMEOUT_S
     api_key: str | None = None
+    loopback_only: bool = False            # Host and Content-Type checks (_Guard)
     metrics: Any = None                    # moefit.serve.metrics.Metrics, made by create_app
     _scheduler: Scheduler | None = None
     _tokenize: Any = None                  # anyio.CapacityLimiter, made on first use
@@ -150,12 +152,32 @@ def _authorized(state: ServerState, headers) -> bool:
                                                             state.api_key.encode())
 
 
+#: ``Host`` names a loopback server without a key answers (with any port): a page served
+#: from elsewhere that rebinds its own name to 127.0.0.1 (DNS rebinding) sends its own name.
+LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "[::1]")
+
+
+def _host_name(host: str) -> str:
+    """``Host`` header -> the name without its port (``[::1]:8000`` -> ``[::1]``)."""
+    host = host.strip().lower()
+    if host.startswith("["):
+        return host[:host.find("]") + 1] if "]" in host else host
+    return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
+
+
 class _Guard:
-    """ASGI middleware in front of the routes: the API key on ``/v1/*`` (401), the body
-    limit (413 on ``Content-Length`` before any byte is read, or as soon as a chunked body
-    passes it) and the body's timeouts (408 when it pauses :data:`BODY_IDLE_S` seconds or
-    takes :data:`BODY_TOTAL_S` in all; the connection closes). A POST / PUT / PATCH body
-    is read here, then handed on."""
+    """ASGI middleware in front of the routes: the API key on ``/v1/*`` and
+    ``/openapi.json`` (401), the body limit (413 on ``Content-Length`` before any byte is
+    read, or as soon as a chunked body passes it) and the body's timeouts (408 when it
+    pauses :data:`BODY_IDLE_S` seconds or takes :data:`BODY_TOTAL_S` in all). A response
+    sent before the body was read (401, 413, 408, 403, 415) closes the connection
+    (``Connection: close``): else the client's unread upload kept it open for good. A POST /
+    PUT / PATCH body is read here, then handed on.
+
+    ``ServerState.loopback_only`` (a server on a loopback address without a key): a
+    ``Host`` other than :data:`LOOPBACK_HOSTS` is refused with 403 (a DNS-rebinding page)
+    and a body other than ``Content-Type: application/json`` with 415 (a web page's form
+    or ``text/plain`` request, which a browser sends cross-site without asking)."""
 
     def __init__(self, app, state: ServerState):
         self.app, self.state = app, state
@@ -164,14 +186,11 @@ class _Guard:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         st = self.state
-        if scope["path"].startswith("/v1/") and not _authorized(st, scope["headers"]):
-            resp = _error(401, "missing or wrong API key: send the header "
-                          "`Authorization: Bearer <key>` (the server's --api-key)",
-                          "authentication_error", headers={"WWW-Authenticate": "Bearer"})
-            return await resp(scope, receive, send)
-        length = dict(scope["headers"]).get(b"content-length")
-        if length is not None and length.isdigit() and int(length) > st.max_body:
-            return await _too_large(st)(scope, receive, send)
+        headers = dict(scope["headers"])
+        path = scope["path"]
+        early = _early_refusal(st, scope["method"], path, headers)
+        if early is not None:
+            return await early(scope, receive, send)
         if scope["method"] not in ("POST", "PUT", "PATCH"):
             return await self.app(scope, receive, send)
         # the body, at most --max-body bytes, within the body timeouts
@@ -184,8 +203,7 @@ class _Guard:
             except TimeoutError:
                 return await _error(408, f"the request body did not arrive in time (a pause of "
                                     f"{BODY_IDLE_S:.0f} s, or {BODY_TOTAL_S:.0f} s in all); send "
-                                    "the whole body at once", headers={"Connection": "close"})(
-                                        scope, receive, send)
+                                    "the whole body at once", headers=_CLOSE)(scope, receive, send)
             if msg["type"] != "http.request":
                 return
             body += msg.get("body", b"")
@@ -201,22 +219,59 @@ class _Guard:
         await self.app(scope, replayed, send)
 
 
+_CLOSE = {"Connection": "close"}
+
+
+def _early_refusal(st: ServerState, method: str, path: str, headers: dict) -> JSONResponse | None:
+    """The response of :class:`_Guard` before any byte of the body is read, or None."""
+    if st.loopback_only:
+        host = headers.get(b"host", b"").decode("latin-1")
+        if _host_name(host) not in LOOPBACK_HOSTS:
+            return _error(403, f"Host {host!r} is not this loopback server's name: it answers "
+                          f"only {', '.join(LOOPBACK_HOSTS)} (a web page on another name cannot "
+                          "use it); serve with --api-key to take other names", "permission_error",
+                          headers=_CLOSE)
+        if method in ("POST", "PUT", "PATCH"):
+            ctype = headers.get(b"content-type", b"").decode("latin-1")
+            if ctype.split(";")[0].strip().lower() != "application/json":
+                return _error(415, f"the body's Content-Type is {ctype or 'missing'!r}; send it "
+                              "as JSON with the header `Content-Type: application/json`",
+                              headers=_CLOSE)
+    if (path.startswith("/v1/") or path == "/openapi.json") and not _authorized(st, headers.items()):
+        return _error(401, "missing or wrong API key: send the header "
+                      "`Authorization: Bearer <key>` (the server's --api-key)",
+                      "authentication_error", headers={"WWW-Authenticate": "Bearer", **_CLOSE})
+    length = headers.get(b"content-length")
+    if length is not None and length.isdigit() and int(length) > st.max_body:
+        return _too_large(st)
+    return None
+
+
 def _too_large(state: ServerState) -> JSONResponse:
     return _error(413, f"the request body is larger than this server's limit of "
-                  f"{state.max_body} bytes (--max-body)")
+                  f"{state.max_body} bytes (--max-body)", headers=_CLOSE)
+
+
+#: Problems of one body an error message lists at most (a body of 300,000 unknown keys
+#: answered a 19.7 MB message listing them all).
+MAX_LISTED_ERRORS = 8
 
 
 def _validation_message(exc: RequestValidationError) -> str:
     parts = []
-    for err in exc.errors():
+    errors = exc.errors()
+    for err in errors:
         if err.get("type") == "json_invalid":
             return f"invalid request: the body is not valid JSON ({err.get('ctx', {}).get('error', err.get('msg'))})"
-        loc = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
+        if len(parts) == MAX_LISTED_ERRORS:
+            break
+        loc = ".".join(str(x) for x in err.get("loc", ()) if x != "body")[:100]
         if err.get("type") == "extra_forbidden":
             parts.append(f"unknown field {loc!r}: moefit does not implement it; remove it")
             continue
         parts.append(f"{loc}: {err.get('msg')}" if loc else str(err.get("msg")))
-    return "invalid request: " + "; ".join(parts)
+    more = len(errors) - len(parts)
+    return "invalid request: " + "; ".join(parts) + (f"; and {more} more" if more > 0 else "")
 
 
 def create_app(state: ServerState) -> FastAPI:
@@ -230,6 +285,15 @@ def create_app(state: ServerState) -> FastAPI:
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):
         return _error(400, _validation_message(exc))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):   # 404, 405, ...
+        message = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
+        if exc.status_code == 404:
+            message = f"no route {request.url.path!r} on this server ({message})"
+        elif exc.status_code == 405:
+            message = f"{request.method} is not allowed on {request.url.path!r} ({message})"
+        return _error(exc.status_code, message, headers=getattr(exc, "headers", None))
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
@@ -326,9 +390,9 @@ def create_app(state: ServerState) -> FastAPI:
                                  "take chat messages; use /v1/completions with token ids")
             _check_choices(1, body.n)
             messages = [m.for_template() for m in body.messages]
-            ids = await _tokenize(state, lambda: state.tokenizer.encode_chat(
-                messages, add_generation_prompt=body.add_generation_prompt,
-                **(body.chat_template_kwargs or {})), len(json.dumps(messages, default=str)))
+            kwargs = body.template_kwargs()
+            ids = await _tokenize(state, lambda: state.tokenizer.encode_chat(messages, **kwargs),
+                                  len(json.dumps(messages, default=str)))
             check_prompt(ids, state.plan.context, state.plan.geometry.vocab_size,
                          body.token_limit)
             params = _params(state, body, body.token_limit)
@@ -398,7 +462,15 @@ async def _parse(state: ServerState, request: Request, model):
 
     def parse():
         try:
-            data = json.loads(raw)
+            # strictly UTF-8 (RFC 8259, section 8.1): json.loads of bytes decodes with
+            # "surrogatepass", so a lone surrogate as raw bytes (ED A0 80) became a string the
+            # tokenizer could not take (a 500)
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise APIError(400, f"invalid request: the body is not UTF-8 (byte {e.start} is "
+                                f"0x{raw[e.start]:02x}); send JSON as UTF-8") from None
+        try:
+            data = json.loads(text)
         except (ValueError, RecursionError) as e:       # RecursionError: nested too deep
             why = "nested too deep" if isinstance(e, RecursionError) else str(e)
             raise APIError(400, f"invalid request: the body is not valid JSON ({why})") from None

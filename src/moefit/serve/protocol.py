@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 from moefit.errors import InputError
 
@@ -110,7 +110,8 @@ class _Sampling(_Body):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
-Prompt = Union[str, list[str], list[int], list[list[int]]]
+#: strict ids: ``[true, false]`` is not a prompt of token ids 1 and 0
+Prompt = Union[str, list[str], list[StrictInt], list[list[StrictInt]]]
 
 
 class CompletionRequest(_Sampling):
@@ -193,6 +194,21 @@ class ChatRequest(_Sampling):
     tools: list[dict[str, Any]] | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """The chat template's variables: ``chat_template_kwargs`` (vLLM's), with
+        ``add_generation_prompt`` (the field, or the same name in ``chat_template_kwargs``,
+        which wins as in vLLM). Raises InputError for ``messages`` among them (the
+        conversation is the ``messages`` field) or a non-boolean ``add_generation_prompt``."""
+        kwargs = dict(self.chat_template_kwargs or {})
+        if "messages" in kwargs:
+            raise InputError("chat_template_kwargs: 'messages' is the conversation itself; send "
+                             "it as the request's messages field")
+        agp = kwargs.pop("add_generation_prompt", self.add_generation_prompt)
+        if not isinstance(agp, bool):
+            raise InputError(f"chat_template_kwargs.add_generation_prompt: {agp!r} is not a "
+                             "boolean (true or false)")
+        return {**kwargs, "add_generation_prompt": agp}
 
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()

@@ -116,12 +116,14 @@ class Tokenizer:
     def token_id(self, text: str | None) -> int | None:
         return None if text is None else self.tok.token_to_id(text)
 
-    def render_chat(self, messages: list[dict], *, add_generation_prompt: bool = True,
+    def render_chat(self, messages: list[dict], /, *, add_generation_prompt: bool = True,
                     **kwargs) -> str:
         """The chat template applied to ``messages`` (``[{"role", "content"}, ...]``).
 
         Raises InputError when the checkpoint has no template, or the template rejects the
-        conversation (``raise_exception``) or fails to render.
+        conversation (``raise_exception``) or fails to render. ``kwargs`` are the template's
+        variables (any names, ``self`` too); ``messages`` and ``add_generation_prompt`` are
+        the arguments'.
         """
         if self.chat_template is None:
             raise InputError("this model has no chat template (no chat_template in "
@@ -135,8 +137,11 @@ class Tokenizer:
                                           "add_generation_prompt": add_generation_prompt})
         except jinja2.TemplateError as e:
             raise InputError(f"the chat template rejected the conversation: {e}") from e
+        except Exception as e:  # noqa: BLE001 -- the template's own code failed on this input
+            raise InputError(f"the chat template failed on this conversation "
+                             f"({type(e).__name__}: {e})") from e
 
-    def encode_chat(self, messages: list[dict], **kwargs) -> list[int]:
+    def encode_chat(self, messages: list[dict], /, **kwargs) -> list[int]:
         """Token ids of the rendered conversation (no special tokens added on top)."""
         return self.encode(self.render_chat(messages, **kwargs), add_special_tokens=False)
 
