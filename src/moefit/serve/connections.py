@@ -52,19 +52,29 @@ def protocol_class(seconds: float = HEADER_TIMEOUT_S) -> type:
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
             self._moefit_header_timer = self.loop.call_later(seconds, self._moefit_no_request)
-            self._moefit_head = 0          # bytes read of the request head; None once parsed
+            self._moefit_head, self._moefit_idle, self._moefit_began = None, True, False
 
-        if _COUNTS_HEAD:                   # httptools: its parser calls these two
+        if _COUNTS_HEAD:                   # httptools: its parser calls the on_* methods
+            # _moefit_head: bytes of the request head being read, None while none is (a body,
+            # or between requests); _moefit_idle: the next byte begins a head (a new
+            # connection, or the last request complete)
             def data_received(self, data: bytes) -> None:
-                if self._moefit_head is not None:
-                    # the head's bytes in this read: up to its blank line (the whole head may
-                    # come in one read, parsed at once: counted before it is parsed)
+                if self._moefit_head is not None or self._moefit_idle:
+                    # the head's bytes in this read, up to its blank line, counted before the
+                    # parse: a whole head in one read is parsed (and run) at once
                     end = data.find(b"\r\n\r\n")
-                    if self._moefit_head + (len(data) if end < 0 else end + 4) > HEAD_LIMIT_BYTES:
+                    head = (self._moefit_head or 0) + (len(data) if end < 0 else end + 4)
+                    if head > HEAD_LIMIT_BYTES:
                         return self._moefit_too_large()
+                self._moefit_began = False
                 super().data_received(data)
                 if self._moefit_head is not None and not self.transport.is_closing():
-                    self._moefit_head += len(data)
+                    # a head still incomplete at the end of this read: its bytes so far
+                    if self._moefit_began:
+                        last = data.rfind(b"\r\n\r\n")
+                        self._moefit_head = len(data) - (last + 4 if last >= 0 else 0)
+                    else:
+                        self._moefit_head += len(data)
                     if self._moefit_head > HEAD_LIMIT_BYTES:
                         self._moefit_too_large()
 
@@ -76,7 +86,7 @@ def protocol_class(seconds: float = HEADER_TIMEOUT_S) -> type:
 
             def on_message_begin(self) -> None:
                 super().on_message_begin()
-                self._moefit_head = 0
+                self._moefit_head, self._moefit_idle, self._moefit_began = 0, False, True
 
             def on_headers_complete(self) -> None:
                 self._moefit_head = None
@@ -84,7 +94,7 @@ def protocol_class(seconds: float = HEADER_TIMEOUT_S) -> type:
 
             def on_message_complete(self) -> None:
                 super().on_message_complete()
-                self._moefit_head = 0      # the next request on this connection is counted
+                self._moefit_idle = True
 
         def send_400_response(self, msg: str) -> None:
             self.transport.write(error_response(400, "Bad Request", msg))
