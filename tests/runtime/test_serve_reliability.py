@@ -386,3 +386,131 @@ def test_a_signal_before_ready_exits_at_once_even_inside_a_finalizer(served, tmp
                           capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode == 128 + signal.SIGTERM, proc.stderr
     assert "SURVIVED" not in proc.stderr and "moefit: interrupted (SIGTERM)" in proc.stderr
+
+
+# ---- OpenAI's fields: neutral values accepted, logprobs ---------------------------------------
+
+CHAT = {"messages": [{"role": "user", "content": "hello world"}], "max_tokens": 3}
+
+
+@pytest.mark.parametrize("route,fields", [
+    ("/v1/chat/completions", {"store": False, "tool_choice": "none", "parallel_tool_calls": False,
+                              "metadata": {}, "user": "u", "service_tier": "auto", "seed": 1,
+                              "n": 1, "stream_options": None, "modalities": ["text"],
+                              "audio": None, "prediction": None, "functions": [],
+                              "function_call": "none", "safety_identifier": "s",
+                              "prompt_cache_key": "k", "verbosity": "medium",
+                              "reasoning_effort": "low", "web_search_options": None,
+                              "logprobs": False, "tools": [], "logit_bias": {},
+                              "presence_penalty": 0, "frequency_penalty": 0,
+                              "tool_choice": "auto", "max_completion_tokens": 3}),
+    ("/v1/completions", {"best_of": 1, "echo": False, "suffix": None, "logprobs": None,
+                         "user": "u", "seed": 2, "n": 2, "stream_options": {"include_usage": False},
+                         "metadata": {"a": "b"}, "service_tier": "default"}),
+])
+def test_the_neutral_values_of_openais_fields_are_accepted(served, route, fields):
+    base = CHAT if route.endswith("chat/completions") else {"prompt": "hello", "max_tokens": 3}
+    with TestClient(create_app(make_state(served))) as c:
+        r = c.post(route, json={**base, **fields})
+        assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("fields,needle", [
+    ({"store": True}, "store"), ({"tool_choice": "required"}, "tool_choice"),
+    ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
+    ({"modalities": ["text", "audio"]}, "audio"), ({"web_search_options": {}}, "web"),
+    ({"function_call": {"name": "f"}}, "function_call"), ({"verbosity": "low"}, "verbosity"),
+    ({"top_logprobs": 2}, "top_logprobs needs logprobs"), ({"top_logprobs": 21, "logprobs": True}, "top_logprobs"),
+    ({"stream_options": {"include_obfuscation": True}}, "include_obfuscation"),
+    ({"service_tier": "gold"}, "service_tier"),
+])
+def test_values_moefit_cannot_honour_are_400s_that_say_so(served, fields, needle):
+    with TestClient(create_app(make_state(served))) as c:
+        r = c.post("/v1/chat/completions", json={**CHAT, **fields})
+        assert r.status_code == 400 and needle in r.json()["error"]["message"], r.text
+
+
+def _reference_logprobs(served, ids: list[int], tokens: list[int]) -> list:
+    """log_softmax of the engine's fp32 logits at each sampled token (one sequence alone)."""
+    import torch
+
+    engine = served[3]
+    engine.reset(0)
+    out, logits = [], engine.prefill(ids, 0)
+    for t in tokens:
+        out.append(torch.log_softmax(logits.float(), -1))
+        logits = engine.decode(t, 0)
+    return out
+
+
+def test_completion_logprobs_in_openais_shape_match_the_step_logits(served):
+    tok = served[2]
+    with TestClient(create_app(make_state(served))) as c:
+        r = c.post("/v1/completions", json={"prompt": "hello world", "max_tokens": 4,
+                                            "logprobs": 3, "return_token_ids": True})
+        assert r.status_code == 200, r.text
+        ch = r.json()["choices"][0]
+        lp = ch["logprobs"]
+        ref = _reference_logprobs(served, tok.encode("hello world"), ch["token_ids"])
+        assert len(lp["tokens"]) == len(ch["token_ids"]) == 4
+        for i, t in enumerate(ch["token_ids"]):
+            assert lp["tokens"][i] == tok.token_bytes(t).decode()
+            assert lp["token_logprobs"][i] == pytest.approx(float(ref[i][t]), abs=1e-4)
+            best = ref[i].topk(3).indices.tolist()
+            assert set(lp["top_logprobs"][i]) >= {tok.token_bytes(b).decode() for b in best}
+        assert lp["text_offset"] == [sum(len(x) for x in lp["tokens"][:i]) for i in range(4)]
+        # streamed: the same numbers, one token a chunk
+        r = c.post("/v1/completions", json={"prompt": "hello world", "max_tokens": 4,
+                                            "logprobs": 3, "stream": True})
+        import json
+        chunks = [json.loads(l[6:]) for l in r.text.splitlines()
+                  if l.startswith("data: {")]
+        streamed = [x for ch2 in chunks for c2 in ch2["choices"] for x in c2["logprobs"]["token_logprobs"]]
+        assert streamed == pytest.approx(lp["token_logprobs"], abs=1e-6)
+
+
+@pytest.mark.process
+def test_the_openai_client_parses_chat_and_completion_logprobs(served):
+    openai = pytest.importorskip("openai")
+    tok = served[2]
+    with Running(make_state(served)) as srv:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=30)
+        chat = client.chat.completions.create(model="tiny", messages=CHAT["messages"], max_tokens=3,
+                                              logprobs=True, top_logprobs=2, store=False,
+                                              tool_choice="none", parallel_tool_calls=False,
+                                              metadata={}, user="u")
+        content = chat.choices[0].logprobs.content
+        assert len(content) == chat.usage.completion_tokens == 3
+        # the test tokenizer's tokens are whole words (its decoder puts the spaces between)
+        assert [bytes(e.bytes).decode() for e in content] == chat.choices[0].message.content.split()
+        assert all(len(e.top_logprobs) == 2 and e.top_logprobs[0].logprob >= e.top_logprobs[1].logprob
+                   and e.logprob <= 0 for e in content)
+        done = client.completions.create(model="tiny", prompt="hello world", max_tokens=3, logprobs=2)
+        lp = done.choices[0].logprobs
+        assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.text_offset) == 3
+        assert all(len(t) <= 3 for t in lp.top_logprobs)
+        stream = client.chat.completions.create(model="tiny", messages=CHAT["messages"], max_tokens=3,
+                                                logprobs=True, stream=True,
+                                                stream_options={"include_usage": True})
+        got = [e.logprob for ch in stream for choice in ch.choices
+               if choice.logprobs and choice.logprobs.content for e in choice.logprobs.content]
+        assert got == pytest.approx([e.logprob for e in content], abs=1e-6)
+        assert [tok.token_bytes(i) for i in tok.encode("hello world")] == [b"hello", b"world"]
+
+
+def test_token_bytes_of_a_byte_level_vocabulary_are_the_bytes_not_the_text():
+    """A byte-level BPE token may hold part of a UTF-8 character: its ``bytes`` are exact
+    (OpenAI's ``bytes`` field), joined they give the text back."""
+    from tokenizers import Tokenizer as Fast
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    fast = Fast(models.BPE())
+    fast.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    fast.decoder = decoders.ByteLevel()
+    fast.train_from_iterator(["plain words only"] * 4, trainers.BpeTrainer(
+        vocab_size=280, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok = Tokenizer(fast, None, {})
+    ids = fast.encode("é😀").ids                   # bytes the merges never saw: one token a byte
+    parts = [tok.token_bytes(i) for i in ids]
+    assert b"".join(parts) == "é😀".encode() and len(parts) == 6
+    assert parts[0] == b"\xc3"

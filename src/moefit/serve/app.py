@@ -367,12 +367,14 @@ def create_app(state: ServerState) -> FastAPI:
                 "created": int(time.time()), "model": state.model_name}
         run = _Run(state, jobs, params)
         if body.stream:
-            return _sse(state, run, _completion_chunks(run, head, body, prompts))
+            return _sse(state, run, _completion_chunks(run, head, body, prompts, state.tokenizer))
         results = await run.collect(request)
         choices = []
         for (index, ids), res in zip(jobs, results):
             c = {"index": index, "text": res.text, "logprobs": None,
                  "finish_reason": res.finish_reason}
+            if params.logprobs is not None:
+                c["logprobs"] = _completion_logprobs(state.tokenizer, res.steps)[0]
             if body.return_token_ids:
                 c.update(prompt_token_ids=list(ids), token_ids=res.token_ids)
             choices.append(c)
@@ -403,12 +405,14 @@ def create_app(state: ServerState) -> FastAPI:
                 "created": int(time.time()), "model": state.model_name}
         run = _Run(state, jobs, params)
         if body.stream:
-            return _sse(state, run, _chat_chunks(run, head, body, [ids]))
+            return _sse(state, run, _chat_chunks(run, head, body, [ids], state.tokenizer))
         results = await run.collect(request)
         choices = []
         for (index, _), res in zip(jobs, results):
             c = {"index": index, "message": {"role": "assistant", "content": res.text},
                  "logprobs": None, "finish_reason": res.finish_reason}
+            if params.logprobs is not None:
+                c["logprobs"] = _chat_logprobs(state.tokenizer, res.steps)
             if body.return_token_ids:
                 c["token_ids"] = res.token_ids
             choices.append(c)
@@ -547,7 +551,7 @@ def _params(state: ServerState, body, max_tokens: int | None) -> Params:
                           top_k=body.top_k, top_p=body.top_p, seed=body.seed, stop=body.stop,
                           ignore_eos=body.ignore_eos, min_p=body.min_p,
                           repetition_penalty=body.repetition_penalty,
-                          stop_token_ids=body.stop_token_ids)
+                          stop_token_ids=body.stop_token_ids, logprobs=body.top_logprobs_count)
 
 
 #: Seconds between two ``Request.is_disconnected`` polls while a request waits.
@@ -676,6 +680,7 @@ class _Run:
                     res.finish_reason = ev.finish_reason
                     continue
                 res.token_ids.append(ev.token)
+                res.steps.append(ev)
                 parts[i].append(ev.text)
                 if ev.finish_reason is not None:
                     res.finish_reason = ev.finish_reason
@@ -793,9 +798,11 @@ def _usage_chunk(head: dict, prompts: list[list[int]], completion_tokens: int) -
                                                    "total_tokens": p + completion_tokens}})
 
 
-async def _completion_chunks(run: _Run, head, body, prompts) -> AsyncIterator[str]:
+async def _completion_chunks(run: _Run, head, body, prompts, tokenizer) -> AsyncIterator[str]:
     count = 0
     enc = _Chunks(head)
+    logprobs = body.top_logprobs_count is not None
+    offsets = dict.fromkeys(run.indices, 0)      # text_offset of each choice's next token
     async for items in _events(run):
         if isinstance(items, dict):      # an error: report it and end the stream
             yield _data(items)
@@ -807,12 +814,14 @@ async def _completion_chunks(run: _Run, head, body, prompts) -> AsyncIterator[st
                                        "finish_reason": step.finish_reason}))
                 continue
             count += 1
-            if not step.text and step.finish_reason is None and not body.return_token_ids:
+            if not (step.text or step.finish_reason or body.return_token_ids or logprobs):
                 continue        # text held back; with return_token_ids the id still goes out
             c = {"index": index, "text": step.text, "logprobs": None,
                  "finish_reason": step.finish_reason}
             if body.return_token_ids:
                 c["token_ids"] = [step.token]
+            if logprobs:
+                c["logprobs"], offsets[index] = _completion_logprobs(tokenizer, [step], offsets[index])
             out.append(enc.choice(c))
         if out:
             yield "".join(out)
@@ -821,8 +830,10 @@ async def _completion_chunks(run: _Run, head, body, prompts) -> AsyncIterator[st
     yield "data: [DONE]\n\n"
 
 
-async def _chat_chunks(run: _Run, head, body, prompts) -> AsyncIterator[str]:
+async def _chat_chunks(run: _Run, head, body, prompts, tokenizer) -> AsyncIterator[str]:
     head = {**head, "object": "chat.completion.chunk"}
+    logprobs = body.top_logprobs_count is not None
+    per_token = body.return_token_ids or logprobs      # each token's chunk goes out
     enc = _Chunks(head)
     count = 0
     for index in run.indices:
@@ -842,24 +853,86 @@ async def _chat_chunks(run: _Run, head, body, prompts) -> AsyncIterator[str]:
             sent = False
             # text held back (incomplete UTF-8, stop-string lookahead): with return_token_ids
             # the chunk still goes out, with empty content, so that every token id is delivered
-            if step.text or (body.return_token_ids and step.finish_reason is None):
+            if step.text or (per_token and step.finish_reason is None):
                 c = {"index": index, "delta": {"content": step.text}, "logprobs": None,
                      "finish_reason": None}
-                if body.return_token_ids:
-                    c["token_ids"] = [step.token]
+                _token_fields(c, step, body.return_token_ids, logprobs, tokenizer)
                 out.append(enc.choice(c))
                 sent = True
             if step.finish_reason is not None:
                 c = {"index": index, "delta": {}, "logprobs": None,
                      "finish_reason": step.finish_reason}
-                if body.return_token_ids and not sent:
-                    c["token_ids"] = [step.token]
+                if not sent:
+                    _token_fields(c, step, body.return_token_ids, logprobs, tokenizer)
                 out.append(enc.choice(c))
         if out:
             yield "".join(out)
     if body.include_usage:
         yield _usage_chunk(head, prompts, count)
     yield "data: [DONE]\n\n"
+
+
+def _token_fields(c: dict, step: Step, token_ids: bool, logprobs: bool, tokenizer) -> None:
+    """A chat chunk's ``token_ids`` and ``logprobs`` of ``step``, as asked."""
+    if token_ids:
+        c["token_ids"] = [step.token]
+    if logprobs:
+        c["logprobs"] = _chat_logprobs(tokenizer, [step])
+
+
+# ---- logprobs ---------------------------------------------------------------------------------
+
+#: The log probability shown for a token the model rules out (-inf is not JSON; OpenAI's and
+#: vLLM's floor).
+LOGPROB_FLOOR = -9999.0
+
+
+def _token_bytes(tokenizer, token: int) -> bytes:
+    """The bytes of ``token`` (:meth:`Tokenizer.token_bytes`); without a tokenizer, vLLM's
+    ``token_id:N``."""
+    if tokenizer is None:
+        return f"token_id:{token}".encode()
+    return tokenizer.token_bytes(token)
+
+
+def _lp(value: float) -> float:
+    return max(value, LOGPROB_FLOOR)
+
+
+def _completion_logprobs(tokenizer, steps: list[Step], offset: int = 0) -> tuple[dict, int]:
+    """``/v1/completions``' ``logprobs`` of ``steps`` (OpenAI's legacy shape: ``tokens``,
+    ``token_logprobs``, ``top_logprobs`` — the alternatives and the sampled token, so up to
+    ``logprobs + 1`` entries — and ``text_offset``, each token's character offset in the
+    completion's text, from ``offset``), and the offset after them."""
+    tokens, lps, tops, offsets = [], [], [], []
+    for st in steps:
+        text = _token_bytes(tokenizer, st.token).decode("utf-8", "replace")
+        tokens.append(text)
+        lps.append(_lp(st.logprob))
+        offsets.append(offset)
+        offset += len(text)
+        alts = {_token_bytes(tokenizer, t).decode("utf-8", "replace"): _lp(v) for t, v in st.top}
+        alts.setdefault(text, _lp(st.logprob))
+        tops.append(alts)
+    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops,
+            "text_offset": offsets}, offset
+
+
+def _chat_logprobs(tokenizer, steps: list[Step]) -> dict:
+    """``/v1/chat/completions``' ``logprobs`` of ``steps``: ``{"content": [{"token",
+    "logprob", "bytes", "top_logprobs": [{"token", "logprob", "bytes"}]}], "refusal": null}``
+    (OpenAI's shape; ``bytes`` the token's UTF-8 bytes, whole even where ``token`` cannot
+    show a partial character)."""
+    def entry(token: int, logprob: float) -> dict:
+        raw = _token_bytes(tokenizer, token)
+        return {"token": raw.decode("utf-8", "replace"), "logprob": _lp(logprob), "bytes": list(raw)}
+
+    content = []
+    for st in steps:
+        e = entry(st.token, st.logprob)
+        e["top_logprobs"] = [entry(t, v) for t, v in st.top]
+        content.append(e)
+    return {"content": content, "refusal": None}
 
 
 # ---- /v1/budget -----------------------------------------------------------------------------

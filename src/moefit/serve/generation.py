@@ -57,7 +57,8 @@ class Params:
     0 is greedy; ``top_k`` 0 and ``top_p`` 1 keep every token. ``stop``: stop strings.
     ``eos_ids``: token ids that end the completion (ignored with ``ignore_eos``);
     ``stop_ids``: more such ids (``stop_token_ids``; kept with ``ignore_eos``). ``min_p`` 0
-    and ``repetition_penalty`` 1 are off.
+    and ``repetition_penalty`` 1 are off. ``logprobs``: each token's log probability and
+    that many most likely alternatives are returned (None: none).
     """
 
     max_tokens: int | None = 16
@@ -71,6 +72,7 @@ class Params:
     min_p: float = 0.0
     repetition_penalty: float = 1.0
     stop_ids: tuple[int, ...] = ()
+    logprobs: int | None = None
 
     @classmethod
     def resolve(cls, defaults: GenerationDefaults, *, max_tokens: int | None = None,
@@ -78,7 +80,8 @@ class Params:
                 top_p: float | None = None, seed: int | None = None,
                 stop: Sequence[str] | str | None = None, ignore_eos: bool = False,
                 min_p: float | None = None, repetition_penalty: float | None = None,
-                stop_token_ids: Sequence[int] | None = None) -> "Params":
+                stop_token_ids: Sequence[int] | None = None,
+                logprobs: int | None = None) -> "Params":
         """Request values where given, else the checkpoint's defaults (greedy unless its
         ``generation_config.json`` sets ``do_sample``). ``top_k`` -1 means no top-k; a
         temperature between 0 and :data:`MIN_TEMPERATURE` is raised to it."""
@@ -96,7 +99,7 @@ class Params:
                    top_p=float(top_p), seed=seed, stop=stops, eos_ids=defaults.eos_ids,
                    ignore_eos=ignore_eos, min_p=float(min_p or 0.0),
                    repetition_penalty=float(repetition_penalty or 1.0),
-                   stop_ids=tuple(int(t) for t in stop_token_ids or ()))
+                   stop_ids=tuple(int(t) for t in stop_token_ids or ()), logprobs=logprobs)
 
     def generator(self, index: int = 0) -> torch.Generator:
         """The random stream of choice ``index`` of a request: seeded by ``seed`` (mixed
@@ -109,20 +112,39 @@ class Params:
 @dataclass
 class Step:
     """One sampled token: the text that became final with it, and the finish reason
-    (None while the completion goes on)."""
+    (None while the completion goes on). With ``Params.logprobs``: ``logprob``, the token's
+    log probability (natural log), and ``top``, the most likely tokens and theirs, most
+    likely first."""
 
     token: int
     text: str
     finish_reason: str | None = None
+    logprob: float | None = None
+    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass
 class Completion:
-    """A finished completion: text, tokens (EOS included), finish reason."""
+    """A finished completion: text, tokens (EOS included), finish reason, and with
+    ``Params.logprobs`` each token's :class:`Step` (``steps``)."""
 
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str = "length"
+    steps: list[Step] = field(default_factory=list)
+
+
+def log_probs(logits: torch.Tensor, token: int, top: int) -> tuple[float, tuple[tuple[int, float], ...]]:
+    """``token``'s log probability under ``logits`` ``[V]`` (fp32 log-softmax, the model's
+    own distribution: before temperature and penalties, as vLLM's default ``raw_logprobs``)
+    and the ``top`` most likely ``(token, log probability)``, most likely first (ties: the
+    lower id, as :func:`torch.topk` orders them)."""
+    lp = torch.log_softmax(logits.float(), -1)
+    alts = ()
+    if top:
+        vals, ids = torch.topk(lp, min(top, lp.numel()))
+        alts = tuple(zip(ids.tolist(), vals.tolist()))
+    return float(lp[token]), alts
 
 
 class PromptTooLong(InputError):
@@ -232,12 +254,19 @@ class Decoding:
     def step(self, logits: torch.Tensor) -> Step:
         """Sample the next token from ``logits`` ``[V]``; the Step has a finish reason
         when this token ends the sequence."""
+        raw = logits
         if self.seen is not None:
             logits = repetition_penalty(logits, self.seen, self.params.repetition_penalty)
         tok = sample(logits, self.params, self.gen)
         if self.seen is not None:
             self.seen[tok] = True
         self.count += 1
+        step = self._finish(tok)
+        if self.params.logprobs is not None:
+            step.logprob, step.top = log_probs(raw, tok, self.params.logprobs)
+        return step
+
+    def _finish(self, tok: int) -> Step:
         if tok in self.eos:
             return Step(tok, self.text.flush(), "stop")
         delta = self.text.push(tok)

@@ -1,11 +1,22 @@
 """OpenAI-compatible request bodies (``/v1/completions``, ``/v1/chat/completions``).
 
 Field names and meanings are OpenAI's (https://platform.openai.com/docs/api-reference).
-No field is ignored: a field moefit does not know is a 400 naming it, and fields whose
-feature moefit does not have are refused with a 400 when they ask for it (``logprobs``,
-``logit_bias``, ``presence_penalty`` / ``frequency_penalty``, ``tools``, ``echo``,
-``best_of``, ``suffix``, ``response_format`` other than ``{"type": "text"}``). A chat
+A field moefit does not know is a 400 naming it. Every field OpenAI defines for these two
+endpoints is known, and its neutral value accepted (``store: false``, ``tool_choice:
+"none"``, ``parallel_tool_calls``, ``metadata``, ``user``, ``service_tier``, ``n: 1``,
+``best_of`` equal to ``n``, ...); a value is refused with a 400 only when moefit cannot honour
+it (``logit_bias``, ``presence_penalty`` / ``frequency_penalty`` other than 0, ``tools``,
+``tool_choice`` naming a tool, ``echo``, ``suffix``, ``store: true``, audio output,
+``response_format`` other than ``{"type": "text"}``). Fields that change nothing served
+here are accepted as they are: ``metadata``, ``service_tier``, ``user``,
+``safety_identifier``, ``prompt_cache_key``, ``prediction``, ``parallel_tool_calls``.
+``reasoning_effort`` is handed to the chat template (gpt-oss's reads it). A chat
 message's ``role`` is one of :data:`CHAT_ROLES`.
+
+``logprobs`` (completions: the number of alternatives, 0-20) and ``logprobs: true`` with
+``top_logprobs`` (chat, 0-20) return each sampled token's log probability in OpenAI's
+shape, from the fp32 logits of the step before the sampling settings (temperature,
+penalties) act, as vLLM returns them by default.
 
 Numbers and flags are strict (OpenAI's types): ``"max_tokens": "8"`` or ``true`` is a
 400, not 8 or 1; a number where a float is expected may be written as an integer.
@@ -61,8 +72,19 @@ class _Body(BaseModel):
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
+#: Alternatives per token ``logprobs`` (completions) and ``top_logprobs`` (chat) may ask
+#: for (OpenAI's chat bound, and vLLM's default ``--max-logprobs``).
+MAX_LOGPROBS = 20
+
+
 class StreamOptions(_Body):
     include_usage: bool = Field(False, strict=True)
+    include_obfuscation: bool | None = Field(None, strict=True)
+
+    def refuse_unsupported(self) -> None:
+        if self.include_obfuscation:
+            raise InputError("stream_options.include_obfuscation true is not supported by moefit "
+                             "(its streams carry no padding field); leave it out or false")
 
 
 class _Sampling(_Body):
@@ -88,9 +110,17 @@ class _Sampling(_Body):
     user: str | None = None
     ignore_eos: bool = Field(False, strict=True)
     return_token_ids: bool = Field(False, strict=True)
+    # OpenAI's fields whose every value is served alike here (tags, caching hints, billing
+    # tiers): accepted and not acted on
+    metadata: dict[str, Any] | None = None
+    service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
 
     def refuse_unsupported(self) -> None:
         """InputError for a feature moefit does not have (see module docstring)."""
+        if self.stream_options is not None:
+            self.stream_options.refuse_unsupported()
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name):
                 raise InputError(f"{name} is not supported by moefit (leave it 0)")
@@ -119,21 +149,25 @@ class CompletionRequest(_Sampling):
     ids, or a list of token-id lists; each prompt gets ``n`` choices."""
 
     prompt: Prompt
-    echo: bool = False
-    best_of: int | None = None
+    echo: bool = Field(False, strict=True)
+    best_of: int | None = Field(None, ge=1, strict=True)
     suffix: str | None = None
-    logprobs: int | None = None
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, strict=True)
 
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()
         if self.echo:
             raise InputError("echo is not supported by moefit")
-        if self.best_of not in (None, 1):
-            raise InputError("best_of is not supported by moefit (use n)")
+        if self.best_of not in (None, 1, self.n):
+            raise InputError(f"best_of {self.best_of} is not supported by moefit (it returns every "
+                             "sequence it runs: use n, or best_of equal to n)")
         if self.suffix:
             raise InputError("suffix is not supported by moefit")
-        if self.logprobs:
-            raise InputError("logprobs are not supported by moefit")
+
+    @property
+    def top_logprobs_count(self) -> int | None:
+        """Alternatives per token to return (None: no logprobs)."""
+        return self.logprobs
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts, one per entry: text or token ids."""
@@ -189,9 +223,20 @@ class ChatRequest(_Sampling):
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1, strict=True)
-    logprobs: bool | None = None
-    top_logprobs: int | None = None
+    logprobs: bool | None = Field(None, strict=True)
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, strict=True)
     tools: list[dict[str, Any]] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = Field(None, strict=True)
+    functions: list[dict[str, Any]] | None = None               # deprecated names of tools
+    function_call: Literal["none", "auto"] | dict[str, Any] | None = None
+    store: bool | None = Field(None, strict=True)
+    modalities: list[Literal["text", "audio"]] | None = None
+    audio: dict[str, Any] | None = None
+    prediction: dict[str, Any] | None = None      # a hint for speed only: the output is the same
+    reasoning_effort: Literal["minimal", "low", "medium", "high"] | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None
+    web_search_options: dict[str, Any] | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
 
@@ -208,14 +253,39 @@ class ChatRequest(_Sampling):
         if not isinstance(agp, bool):
             raise InputError(f"chat_template_kwargs.add_generation_prompt: {agp!r} is not a "
                              "boolean (true or false)")
+        if self.reasoning_effort is not None:      # gpt-oss's template reads it
+            kwargs.setdefault("reasoning_effort", self.reasoning_effort)
         return {**kwargs, "add_generation_prompt": agp}
 
     def refuse_unsupported(self) -> None:
+        """InputError for a value moefit cannot honour (the neutral values of every field
+        are accepted: ``tool_choice: "none"``, ``store: false``, ``modalities: ["text"]``,
+        ...)."""
         super().refuse_unsupported()
-        if self.logprobs or self.top_logprobs:
-            raise InputError("logprobs are not supported by moefit")
-        if self.tools:
+        if self.top_logprobs and not self.logprobs:
+            raise InputError("top_logprobs needs logprobs: true")
+        if self.tools or self.functions:
             raise InputError("tools (function calling) are not supported by moefit")
+        for name in ("tool_choice", "function_call"):
+            value = getattr(self, name)
+            if value is not None and value not in ("none", "auto"):
+                raise InputError(f"{name} {value!r} asks for a tool call; tools (function calling) "
+                                 "are not supported by moefit (use \"none\" or leave it out)")
+        if self.store:
+            raise InputError("store: true is not supported: moefit keeps no completions (leave "
+                             "it out or false)")
+        if (self.modalities and "audio" in self.modalities) or self.audio is not None:
+            raise InputError("audio output is not supported by moefit (modalities: [\"text\"])")
+        if self.web_search_options is not None:
+            raise InputError("web_search_options: moefit does not search the web")
+        if self.verbosity not in (None, "medium"):
+            raise InputError(f"verbosity {self.verbosity!r} is not supported by moefit (the "
+                             "model answers as it does: leave it out or \"medium\")")
+
+    @property
+    def top_logprobs_count(self) -> int | None:
+        """Alternatives per token to return (None: no logprobs)."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @property
     def token_limit(self) -> int | None:
