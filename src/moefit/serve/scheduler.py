@@ -9,6 +9,9 @@ One engine thread runs steps (:meth:`moefit.runtime.engine.Engine.step`). Each s
 holds at most the plan's prefill chunk of tokens (the per-step token budget, like vLLM's
 ``max_num_batched_tokens``), taken in this order:
 
+A job takes the free slot whose cells already hold the longest prefix of its prompt,
+and runs only the rest (prompt reuse; :meth:`Scheduler._admit`).
+
 1. one decode token of every active sequence that has one (all of them in the same
    forward pass, so the tokens routed to one expert share one read of its weights);
 2. the next piece of the prompts still being read, in admission order, with what is left
@@ -97,6 +100,7 @@ class Stats:
     generated_tokens: int = 0
     finished: Counter = field(default_factory=Counter)    # finish reason -> jobs
     errors: int = 0
+    cached_prompt_tokens: int = 0      # prompt tokens whose cells were reused, not run
 
 
 class Scheduler:
@@ -110,16 +114,23 @@ class Scheduler:
             (seconds to the first token), ``"itl"`` (seconds between tokens).
         stopping: an Event that stops the scheduler as :meth:`stop` does once set (the
             server's shutdown flag), seen within :data:`IDLE_POLL_S`.
+        reuse: a job admitted to a slot keeps the cells of the prefix its prompt shares
+            with what the slot holds (:meth:`_admit`; only where the KV cache can be cut
+            back, ``KVCache.truncatable``).
     """
 
     def __init__(self, engine, max_queue: int, observe: Callable | None = None,
-                 stopping: threading.Event | None = None):
+                 stopping: threading.Event | None = None, reuse: bool = True):
         self.engine = engine
         self.stopping = stopping or threading.Event()
         self.slots = engine.plan.request.slots
         self.max_queue = max(1, int(max_queue))
         self.observe = observe or (lambda *a: None)
         self.active: list[Job | None] = [None] * self.slots
+        # the tokens whose KV each slot holds, for prompt reuse (when the cache can be cut
+        # back: kv.truncatable)
+        self.reuse = reuse and engine.model.kv.truncatable
+        self.held: list[list[int]] = [[] for _ in range(self.slots)]
         self.peak_cells = [0] * self.slots     # most KV cells each slot has held
         self.waiting: deque[Job] = deque()
         self.stats = Stats()
@@ -225,12 +236,32 @@ class Scheduler:
                 self._step(parts, jobs)
 
     def _admit(self) -> None:
-        for s in range(self.slots):
-            if self.active[s] is None and self.waiting:
-                job = self.waiting.popleft()
-                job.slot = s
-                self.engine.reset(s)
-                self.active[s] = job
+        """Give waiting jobs free slots, first come first served; each takes the free slot
+        whose cached tokens share the longest prefix with its prompt, and keeps those
+        cells (prompt reuse: llama-server's ``cache_prompt``), all but the prompt's last
+        token, whose logits the first step needs; without one, the free slot that holds
+        the fewest tokens."""
+        while self.waiting and None in self.active:
+            job = self.waiting.popleft()
+            free = [s for s in range(self.slots) if self.active[s] is None]
+            # without a shared prefix: the slot holding least (an empty one), so that the
+            # cells worth reusing stay
+            best, keep = min(free, key=lambda s: len(self.held[s])), 0
+            if self.reuse:
+                for s in free:
+                    n = _shared(self.held[s], job.prompt, len(job.prompt) - 1)
+                    if n > keep:
+                        best, keep = s, n
+            job.slot = best
+            if keep:
+                self.engine.model.kv.truncate(best, keep)
+                del self.held[best][keep:]
+                job.fed = keep
+                self.stats.cached_prompt_tokens += keep
+            else:
+                self.engine.reset(best)
+                self.held[best] = []
+            self.active[best] = job
 
     def _free(self, job: Job) -> None:
         if job.slot is not None and self.active[job.slot] is job:
@@ -283,14 +314,16 @@ class Scheduler:
                 self.stats.errors += 1
                 for job, _ in jobs:
                     self._free(job)
+                    self.held[job.slot] = []       # what its cells hold is unknown now
                     job.emit(e)
             return
         now = time.monotonic()
         lengths = self.engine.model.kv.lengths
         with self._cv:
             self.stats.steps += 1
-            for slot, _ in parts:
+            for slot, ids in parts:
                 self.peak_cells[slot] = max(self.peak_cells[slot], lengths[slot])
+                self.held[slot].extend(ids)
             for row, ((job, decode), (_, ids)) in enumerate(zip(jobs, parts)):
                 if decode:
                     job.next_token = None          # the decode token is in the cache
@@ -321,3 +354,12 @@ class Scheduler:
                     self.stats.finished[step.finish_reason] += 1
                     self._free(job)
                 job.emit(step)
+
+
+def _shared(held: list[int], prompt: list[int], most: int) -> int:
+    """Length of the common prefix of ``held`` and ``prompt``, at most ``most``."""
+    n = min(len(held), most)
+    for i in range(n):
+        if held[i] != prompt[i]:
+            return i
+    return n
