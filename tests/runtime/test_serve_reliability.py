@@ -514,3 +514,45 @@ def test_token_bytes_of_a_byte_level_vocabulary_are_the_bytes_not_the_text():
     parts = [tok.token_bytes(i) for i in ids]
     assert b"".join(parts) == "é😀".encode() and len(parts) == 6
     assert parts[0] == b"\xc3"
+
+
+def _reference_penalised(served, ids: list[int], steps: int, presence: float, frequency: float,
+                         bias: dict[int, float]) -> list[int]:
+    """Greedy tokens with OpenAI's formula written out (logit + bias - count x frequency -
+    [count > 0] x presence), on the engine's logits of one sequence alone."""
+    import torch
+
+    engine = served[3]
+    engine.reset(0)
+    out, logits = [], engine.prefill(ids, 0)
+    counts = torch.zeros_like(logits, dtype=torch.float32)
+    for _ in range(steps):
+        x = logits.float().clone()
+        for t, b in bias.items():
+            x[t] += b
+        x = x - counts * frequency - (counts > 0).float() * presence
+        tok = int(x.argmax())
+        out.append(tok)
+        counts[tok] += 1
+        logits = engine.decode(tok, 0)
+    return out
+
+
+@pytest.mark.parametrize("presence,frequency,bias", [
+    (0.0, 1.5, {}), (1.0, 0.0, {}), (0.5, 0.5, {7: 3.0}), (0.0, 0.0, {11: 100.0}),
+    (-1.0, -0.5, {})])
+def test_logit_bias_and_openais_penalties_match_the_formula(served, presence, frequency, bias):
+    tok = served[2]
+    ids = tok.encode("hello world")
+    want = _reference_penalised(served, ids, 8, presence, frequency, bias)
+    with TestClient(create_app(make_state(served))) as c:
+        r = c.post("/v1/completions", json={
+            "prompt": ids, "max_tokens": 8, "ignore_eos": True, "presence_penalty": presence,
+            "frequency_penalty": frequency, "logit_bias": {str(k): v for k, v in bias.items()},
+            "return_token_ids": True})
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["token_ids"] == want
+    if bias.get(11) == 100.0:
+        assert want == [11] * 8
+    if frequency == 1.5:          # the penalty changes the greedy tokens of this prompt
+        assert want != _reference_penalised(served, ids, 8, 0.0, 0.0, {})

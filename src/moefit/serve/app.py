@@ -551,7 +551,10 @@ def _params(state: ServerState, body, max_tokens: int | None) -> Params:
                           top_k=body.top_k, top_p=body.top_p, seed=body.seed, stop=body.stop,
                           ignore_eos=body.ignore_eos, min_p=body.min_p,
                           repetition_penalty=body.repetition_penalty,
-                          stop_token_ids=body.stop_token_ids, logprobs=body.top_logprobs_count)
+                          stop_token_ids=body.stop_token_ids, logprobs=body.top_logprobs_count,
+                          logit_bias=body.bias(state.plan.geometry.vocab_size),
+                          presence_penalty=body.presence_penalty,
+                          frequency_penalty=body.frequency_penalty)
 
 
 #: Seconds between two ``Request.is_disconnected`` polls while a request waits.

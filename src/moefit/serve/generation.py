@@ -58,7 +58,9 @@ class Params:
     ``eos_ids``: token ids that end the completion (ignored with ``ignore_eos``);
     ``stop_ids``: more such ids (``stop_token_ids``; kept with ``ignore_eos``). ``min_p`` 0
     and ``repetition_penalty`` 1 are off. ``logprobs``: each token's log probability and
-    that many most likely alternatives are returned (None: none).
+    that many most likely alternatives are returned (None: none). ``logit_bias``: ``(token,
+    bias)`` added to the logits; ``presence_penalty`` / ``frequency_penalty``: OpenAI's
+    (:func:`openai_penalties`), 0 off.
     """
 
     max_tokens: int | None = 16
@@ -73,6 +75,9 @@ class Params:
     repetition_penalty: float = 1.0
     stop_ids: tuple[int, ...] = ()
     logprobs: int | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
 
     @classmethod
     def resolve(cls, defaults: GenerationDefaults, *, max_tokens: int | None = None,
@@ -81,7 +86,9 @@ class Params:
                 stop: Sequence[str] | str | None = None, ignore_eos: bool = False,
                 min_p: float | None = None, repetition_penalty: float | None = None,
                 stop_token_ids: Sequence[int] | None = None,
-                logprobs: int | None = None) -> "Params":
+                logprobs: int | None = None, logit_bias: Sequence[tuple[int, float]] = (),
+                presence_penalty: float | None = None,
+                frequency_penalty: float | None = None) -> "Params":
         """Request values where given, else the checkpoint's defaults (greedy unless its
         ``generation_config.json`` sets ``do_sample``). ``top_k`` -1 means no top-k; a
         temperature between 0 and :data:`MIN_TEMPERATURE` is raised to it."""
@@ -99,7 +106,9 @@ class Params:
                    top_p=float(top_p), seed=seed, stop=stops, eos_ids=defaults.eos_ids,
                    ignore_eos=ignore_eos, min_p=float(min_p or 0.0),
                    repetition_penalty=float(repetition_penalty or 1.0),
-                   stop_ids=tuple(int(t) for t in stop_token_ids or ()), logprobs=logprobs)
+                   stop_ids=tuple(int(t) for t in stop_token_ids or ()), logprobs=logprobs,
+                   logit_bias=tuple(logit_bias), presence_penalty=float(presence_penalty or 0.0),
+                   frequency_penalty=float(frequency_penalty or 0.0))
 
     def generator(self, index: int = 0) -> torch.Generator:
         """The random stream of choice ``index`` of a request: seeded by ``seed`` (mixed
@@ -224,6 +233,15 @@ def repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: float)
     return x
 
 
+def openai_penalties(logits: torch.Tensor, counts: torch.Tensor, presence: float,
+                     frequency: float) -> torch.Tensor:
+    """OpenAI's presence and frequency penalties (API reference, "Parameter details"):
+    ``logit[j] - counts[j] * frequency - (counts[j] > 0) * presence``, where ``counts``
+    ``[V]`` counts each token in the completion so far (vLLM counts the output tokens too).
+    Returns fp32 ``[V]``."""
+    return logits.float() - counts * frequency - (counts > 0).float() * presence
+
+
 class Decoding:
     """What one sequence samples, token after token, from the logits it is given: the
     finish rules of the module docstring (EOS, stop strings, ``max_tokens``, the context)
@@ -250,16 +268,30 @@ class Decoding:
         if params.repetition_penalty != 1.0:
             self.seen = torch.zeros(vocab_size, dtype=torch.bool)
             self.seen[torch.as_tensor(list(prompt_ids), dtype=torch.long)] = True
+        self.counts: torch.Tensor | None = None    # [V] fp32, tokens generated
+        if params.presence_penalty or params.frequency_penalty:
+            self.counts = torch.zeros(vocab_size, dtype=torch.float32)
+        self.bias: tuple[torch.Tensor, torch.Tensor] | None = None
+        if params.logit_bias:
+            ids, values = zip(*params.logit_bias)
+            self.bias = (torch.tensor(ids, dtype=torch.long), torch.tensor(values, dtype=torch.float32))
 
     def step(self, logits: torch.Tensor) -> Step:
         """Sample the next token from ``logits`` ``[V]``; the Step has a finish reason
         when this token ends the sequence."""
         raw = logits
+        if self.bias is not None:          # vLLM's order: the bias, then the penalties
+            logits = logits.float().index_add(0, self.bias[0], self.bias[1])
         if self.seen is not None:
             logits = repetition_penalty(logits, self.seen, self.params.repetition_penalty)
+        if self.counts is not None:
+            logits = openai_penalties(logits, self.counts, self.params.presence_penalty,
+                                      self.params.frequency_penalty)
         tok = sample(logits, self.params, self.gen)
         if self.seen is not None:
             self.seen[tok] = True
+        if self.counts is not None:
+            self.counts[tok] += 1
         self.count += 1
         step = self._finish(tok)
         if self.params.logprobs is not None:

@@ -5,9 +5,11 @@ A field moefit does not know is a 400 naming it. Every field OpenAI defines for 
 endpoints is known, and its neutral value accepted (``store: false``, ``tool_choice:
 "none"``, ``parallel_tool_calls``, ``metadata``, ``user``, ``service_tier``, ``n: 1``,
 ``best_of`` equal to ``n``, ...); a value is refused with a 400 only when moefit cannot honour
-it (``logit_bias``, ``presence_penalty`` / ``frequency_penalty`` other than 0, ``tools``,
-``tool_choice`` naming a tool, ``echo``, ``suffix``, ``store: true``, audio output,
-``response_format`` other than ``{"type": "text"}``). Fields that change nothing served
+it (``tools``, ``tool_choice`` naming a tool, ``echo``, ``suffix``, ``store: true``, audio
+output, ``response_format`` other than ``{"type": "text"}``). ``logit_bias`` (-100..100 added
+to a token's logit), ``presence_penalty`` and ``frequency_penalty`` (-2..2, OpenAI's formula
+over the tokens generated so far: :func:`moefit.serve.generation.openai_penalties`) are
+honoured. Fields that change nothing served
 here are accepted as they are: ``metadata``, ``service_tier``, ``user``,
 ``safety_identifier``, ``prompt_cache_key``, ``prediction``, ``parallel_tool_calls``.
 ``reasoning_effort`` is handed to the chat template (gpt-oss's reads it). A chat
@@ -31,7 +33,7 @@ off; transformers' ``RepetitionPenaltyLogitsProcessor`` over the prompt and the 
 
 from __future__ import annotations
 
-from typing import Any, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
@@ -39,6 +41,9 @@ from moefit.errors import InputError
 
 #: ``stop_token_ids`` a request may give (``stop`` strings: 16)
 MAX_STOP_TOKEN_IDS = 256
+#: ``logit_bias`` entries a request may give (OpenAI's limit is the vocabulary; tokens are
+#: biased one by one on every step, so a bound keeps the step's cost small)
+MAX_LOGIT_BIAS = 1024
 
 
 #: The bounds of the sampling settings, one home for the request body's fields (below)
@@ -104,9 +109,10 @@ class _Sampling(_Body):
     n: int = Field(1, ge=1, le=16, strict=True)
     stream: bool = Field(False, strict=True)
     stream_options: StreamOptions | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = Field(
+        None, max_length=MAX_LOGIT_BIAS)
     user: str | None = None
     ignore_eos: bool = Field(False, strict=True)
     return_token_ids: bool = Field(False, strict=True)
@@ -121,11 +127,6 @@ class _Sampling(_Body):
         """InputError for a feature moefit does not have (see module docstring)."""
         if self.stream_options is not None:
             self.stream_options.refuse_unsupported()
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name):
-                raise InputError(f"{name} is not supported by moefit (leave it 0)")
-        if self.logit_bias:
-            raise InputError("logit_bias is not supported by moefit")
         if self.response_format is not None:
             kind = self.response_format.get("type")
             if kind != "text":
@@ -134,6 +135,17 @@ class _Sampling(_Body):
                                  '{"type": "text"}')
         if isinstance(self.stop, list) and len(self.stop) > 16:
             raise InputError("stop: at most 16 stop strings")
+
+    def bias(self, vocab_size: int) -> tuple[tuple[int, float], ...]:
+        """``logit_bias`` as ``(token id, bias)`` pairs. Raises InputError for a key that
+        is not a token id of the vocabulary (OpenAI's keys are token ids as strings)."""
+        out = []
+        for key, value in (self.logit_bias or {}).items():
+            if not key.isdigit() or not int(key) < vocab_size:
+                raise InputError(f"logit_bias: {key[:40]!r} is not a token id of this model's "
+                                 f"vocabulary (0 .. {vocab_size - 1}, written as a string)")
+            out.append((int(key), float(value)))
+        return tuple(out)
 
     @property
     def include_usage(self) -> bool:
