@@ -1,7 +1,7 @@
 """Write a header-only GGUF of a model in a llama-quantize type mix (metadata and tensor infos, no data).
 
 The tensors are the ones ``moefit plan MODEL --engine llama.cpp --gguf-type FTYPE`` derives from
-the config (``moefit.engines.llamacpp_quant``: ``convert_hf_to_gguf.py``'s names and shapes,
+the config (``moefit.ingest.gguf_mix``: ``convert_hf_to_gguf.py``'s names and shapes,
 ``llama-quantize``'s type rules, checked against the real tool); the data region is a hole of
 the right size (``truncate``), so a 20 GiB model takes a few MB of disk. moefit plans the file
 as any GGUF (``moefit plan F.gguf --engine llama.cpp``); llama.cpp itself cannot run it (no
@@ -89,7 +89,7 @@ def write_sparse(path: Path, meta, tensors) -> Path:
 
 def write_header_gguf(model: str, ftype: str, out: Path) -> Path:
     """Write ``model``'s (a preset or a config) header-only GGUF in ``ftype`` to ``out``."""
-    from moefit.engines.llamacpp_quant import ftype_name, llamacpp_tensors
+    from moefit.ingest.gguf_mix import ftype_name, llamacpp_tensors
     from moefit.ingest.resolve import load_model
 
     geom = load_model(model)

@@ -24,7 +24,7 @@ import pytest
 gguf = pytest.importorskip("gguf")
 
 from moefit.devices import Device, find_gpu  # noqa: E402
-from moefit.engines import llamacpp as lc  # noqa: E402
+from moefit.external import llamacpp as lc  # noqa: E402
 from moefit.errors import InputError  # noqa: E402
 from moefit.ingest.resolve import load_model  # noqa: E402
 
@@ -468,7 +468,7 @@ def test_the_derived_type_mix_is_llama_quantizes(path, tmp_path):
     # benchmarks/record_llamacpp.py ran the real llama-quantize (0c1e570) on four source models
     # for 3-5 file types each; the tensors derived from the model's geometry alone (names,
     # shapes, types) are exactly the ones it wrote
-    from moefit.engines.llamacpp_quant import llamacpp_tensors
+    from moefit.ingest.gguf_mix import llamacpp_tensors
 
     rec = parse_record(path)
     ftype = path.stem.rsplit("-", 1)[1]

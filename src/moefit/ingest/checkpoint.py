@@ -329,7 +329,9 @@ def load_staging(geom: ModelGeometry, tensors: dict[str, int]) -> int:
     (:data:`LINEAR_ATTENTION_PACKS`, :data:`GATED_Q_PACKS`) as its parts and the result at
     once, twice the parts' bytes. The same as the loader charges to ``host_staging``."""
     largest = 0
+    by_layer: dict[int | None, dict[str, int]] = {}
     for name, n in tensors.items():
+        by_layer.setdefault(_LAYER_OF(name), {})[name] = n
         if name.endswith(FP8_SCALE):
             continue
         largest = max(largest, n + tensors.get(name + FP8_SCALE, 0))
@@ -338,7 +340,7 @@ def load_staging(geom: ModelGeometry, tensors: dict[str, int]) -> int:
                 (GATED_Q_PACKS if layer.attention.output_gate else ())
         if not packs:
             continue
-        mine = {name: n for name, n in tensors.items() if _LAYER_OF(name) == layer.index}
+        mine = by_layer.get(layer.index, {})
         for pack in packs:
             parts = [n for name, n in mine.items() if name.endswith(pack)]
             if len(parts) == len(pack):

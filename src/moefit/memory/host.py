@@ -7,7 +7,7 @@ The host table sits beside the device tables. Its lines, in commit order:
 - ``host_weights``: dense weights kept on the host: a GGUF file's token embedding table
   when the file has its own output matrix (:func:`embed_on_host`). llama.cpp keeps it on
   the CPU ("there is very little benefit to offloading the input layer",
-  ``llama_model::load_tensors``; :mod:`moefit.engines.llamacpp`): a token's embedding is
+  ``llama_model::load_tensors``; :mod:`moefit.external.llamacpp`): a token's embedding is
   one row lookup, so the device needs no copy of the table. With tied embeddings the
   table is the output matrix too and stays on the device.
 - ``host_staging``: the larger of what loading holds at once beside its destinations
@@ -197,9 +197,13 @@ def miss_host_bytes(geom: ModelGeometry, chunk: int,
     C kernels dequantize)."""
     act = compute_bytes(geom)
     buf = scratch = 0
+    seen = set()        # layers of one shape and types give the same bytes: priced once
     for l in geom.moe_layers:
         m = l.moe
         types = _layer_types(geom, l)
+        if (shape := (types, m.expert_intermediate, m.experts_per_token)) in seen:
+            continue
+        seen.add(shape)
         c = miss_host_c_kernels(types, geom.hidden_size, m.expert_intermediate, geom.dtype, env)
         for kernels in ((True, False) if c else (False,)):
             takes = miss_host_takes(geom.hidden_size, m.expert_intermediate, m.experts_per_token, chunk,

@@ -275,11 +275,16 @@ def fp8_dense_tensors(geom: ModelGeometry) -> list:
     is dequantized whole into the fixed region when used (``moefit.runtime.quant.Fp8Matrix``),
     MLA's ``kv_b_proj`` into the attention step's stack (it is read before and after the
     attention tiles)."""
-    q = geom.quant
-    if q.method != "fp8":
+    if geom.quant.method != "fp8":
         return []
     ts = list(geom.global_tensors) + [t for l in geom.layers for t in l.tensors]
-    return [t for t in ts if t.quantizable and t.role in q.applies_to and len(t.shape) == 2]
+    return [t for t in ts if is_fp8_dense(geom, t)]
+
+
+def is_fp8_dense(geom: ModelGeometry, t) -> bool:
+    """Tensor ``t`` of ``geom`` is one of :func:`fp8_dense_tensors` (tested on ``t`` alone)."""
+    q = geom.quant
+    return q.method == "fp8" and t.quantizable and t.role in q.applies_to and len(t.shape) == 2
 
 
 def _is_kv_b(t) -> bool:
@@ -334,10 +339,18 @@ def _mla_step(layer: LayerSpec, fmt: KVFormat, act: int, geom: ModelGeometry | N
     rot = heads * rope * act
     write = fmt.k_bytes(lora + rope) + INT64 + sum(codec_scratch(fmt.codec("k"), lora + rope, act, False))
     build = q + max(q_lora, (lora + rope) * act + max(norm, rot, write))
-    # a block-scaled fp8 kv_b_proj: dequantized at the bottom of the step's stack
-    fp8_kv_b = [t for t in (fp8_dense_tensors(geom) if geom else []) if t in layer.tensors and _is_kv_b(t)]
-    const = fp8_kv_b[0].numel * act if fp8_kv_b else 0
+    const = mla_kv_b_bytes(layer, geom, act) if geom else 0
     return _Step("MLA attention", const, qabs + max(build, heads * lora * act))
+
+
+def mla_kv_b_bytes(layer: LayerSpec, geom: ModelGeometry, act: int) -> int:
+    """Bytes of the MLA layer's ``kv_b_proj`` dequantized at the bottom of its attention
+    step's stack (``[heads x (qk_nope_head_dim + v_head_dim), kv_lora_rank]`` in the compute
+    dtype of ``act`` bytes) when the checkpoint holds it as block-scaled fp8
+    (:func:`is_fp8_dense`); 0 otherwise. From the layer's own tensors: a constant of the
+    layer, so the MLA step stays ``const + per_token x chunk`` like the other kinds."""
+    kv_b = next((t for t in layer.tensors if _is_kv_b(t)), None)
+    return kv_b.numel * act if kv_b is not None and is_fp8_dense(geom, kv_b) else 0
 
 
 def grouped_route_takes(t: int, e: int, k: int, r: Routing, act_fp32: bool) -> list[Take]:

@@ -8,10 +8,10 @@ Commit order (docs/design.md, runtime contract), each allocation through the led
    the experts go to packed host blobs.
 3. ``weight_arena``: the ring of expert-blob buffers (``--miss-policy copy``).
 4. ``kv``: ONE buffer of exactly the plan's ``kv`` bytes, carved by the plan's layout
-   (:meth:`moefit.plan.solver.Plan.kv_layout`, :class:`KVCache`).
+   (:meth:`moefit.plan.types.Plan.kv_layout`, :class:`KVCache`).
 5. ``prefill``: ONE staging buffer of the plan's ``prefill`` bytes, reused by every
    chunk and every decode step (:class:`Workspace`), whose fixed region is the plan's
-   (:meth:`moefit.plan.solver.Plan.fixed_region_bytes`).
+   (:meth:`moefit.plan.types.Plan.fixed_region_bytes`).
 6. ``experts``: the plan's slots per MoE layer, but never more than the free memory
    above the margin allows; after the last commit the engine re-reads the free memory
    and, if less than the margin is free, gives back expert slots (never a mandatory
@@ -55,7 +55,7 @@ from moefit.memory import cpu_kernels
 from moefit.memory.host import miss_host_buffer, miss_host_bytes
 from moefit.memory.staging import ATTN_KV_BLOCK, ATTN_Q_BLOCK, expert_fixed_region_bytes
 from moefit.memory.weights import stored_matrices
-from moefit.plan.solver import Plan
+from moefit.plan.types import Plan
 from moefit.runtime.arch import arch_from_config, read_config
 from moefit.runtime.experts import ExpertCache, initial_residents
 from moefit.runtime.gguf_loader import gguf_config, load_gguf

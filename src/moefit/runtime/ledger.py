@@ -4,7 +4,7 @@ One :class:`Ledger` per device. It knows the plan's bytes per line, hands out te
 the device (``alloc(line, shape, dtype)``), refuses an allocation that the device cannot
 hold, and records per line:
 
-- ``planned``: the plan's bytes (``moefit.plan.solver.Line.bytes``);
+- ``planned``: the plan's bytes (``moefit.plan.types.Line.bytes``);
 - ``allocated``: bytes held now by tensors of that line;
 - ``peak``: the largest ``allocated`` seen, plus, for the ``prefill`` line, the largest
   part of the staging workspace actually used (:meth:`note_used`).
@@ -61,7 +61,7 @@ from pathlib import Path
 
 from moefit.errors import InputError
 from moefit.plan.report import host_size_format
-from moefit.plan.solver import HOST_LINE_ORDER, LINE_ORDER, Plan
+from moefit.plan.types import HOST_LINE_ORDER, LINE_ORDER, Plan
 from moefit.units import format_bytes, size_format
 
 LABELS = dict(LINE_ORDER)

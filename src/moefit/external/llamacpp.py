@@ -64,14 +64,13 @@ import re
 from dataclasses import dataclass, field, replace
 
 from moefit.devices import Device
-from moefit.engines.llamacpp_quant import llamacpp_tensors
+from moefit.ingest.gguf_mix import llamacpp_tensors
 from moefit.errors import InputError
 from moefit.ingest.geometry import ModelGeometry
 from moefit.ingest.gguf_header import read_header
 from moefit.ingest.resolve import format_params
 from moefit.memory.runtime import default_reserve_bytes, runtime_bytes
-from moefit.plan.report import format_fits_with
-from moefit.plan.solver import Alternative, Line, LineTable, limiting_lines
+from moefit.plan.types import Alternative, Line, LineTable, format_fits_with, limiting_lines
 from moefit.units import format_bytes, size_format
 
 #: ``-ub`` grid when the micro-batch is clamped (tokens)
@@ -185,7 +184,7 @@ def tensors_from_header(path: str) -> list[Tensor]:
 
 def tensors_from_geometry(geom: ModelGeometry, ftype: str) -> tuple[list[Tensor], str]:
     """The tensors of the GGUF ``llama-quantize FTYPE`` would write for the Hugging Face model
-    ``geom`` (:func:`moefit.engines.llamacpp_quant.llamacpp_tensors`), and a note saying so."""
+    ``geom`` (:func:`moefit.ingest.gguf_mix.llamacpp_tensors`), and a note saying so."""
     infos, unknown = llamacpp_tensors(geom, ftype)
     note = (f"model: the GGUF of convert_hf_to_gguf.py + llama-quantize {ftype} (--gguf-type), derived from "
             f"the config, {format_bytes(sum(t.nbytes for t in infos))}")

@@ -40,14 +40,14 @@ solves from its own lines.
 from __future__ import annotations
 
 from moefit.devices import Device
-from moefit.engines.parallel import (Layout, StageShard, floor_to, logits_bytes,
+from moefit.external.parallel import (Layout, StageShard, floor_to, logits_bytes,
                                      moe_workspace_bytes, token_activation_bytes)
-from moefit.engines.serving import (RankBudget, ServePlan, ServeRequest, command_line, kv_cache_dtype,
+from moefit.external.multi_gpu import (RankBudget, ServePlan, ServeRequest, command_line, kv_cache_dtype,
                                      non_torch_bytes, runtime_with_comm, weight_detail)
-from moefit.engines.vllm import GRAPH_FIRST_BYTES, GRAPH_PER_SIZE_BYTES, SAMPLER_BYTES_PER_LOGIT
+from moefit.external.vllm import GRAPH_FIRST_BYTES, GRAPH_PER_SIZE_BYTES, SAMPLER_BYTES_PER_LOGIT
 from moefit.ingest.geometry import ModelGeometry
 from moefit.memory.runtime import default_reserve_bytes
-from moefit.plan.solver import Line
+from moefit.plan.types import Line
 from moefit.units import MIB
 
 VERSION = "SGLang 0.5; memory model of sgl-project/sglang 001ccef (model_runner_kv_cache_mixin.py)"
@@ -144,7 +144,7 @@ def request_tokens(shard: StageShard, context: int, chunk: int) -> tuple[int, in
 
 
 class SGLangEngine:
-    """SGLang as a :class:`moefit.engines.serving.EngineModel` (module docstring)."""
+    """SGLang as a :class:`moefit.external.multi_gpu.EngineModel` (module docstring)."""
 
     name = "sglang"
     label = "SGLang"
@@ -216,7 +216,7 @@ class SGLangEngine:
                            "request_bytes": pool_bytes(s, need_full, need_swa)})
 
     def check_layout(self, layout: Layout) -> None:
-        """SGLang starts every layout :func:`moefit.engines.serving.candidate_layouts` gives
+        """SGLang starts every layout :func:`moefit.external.multi_gpu.candidate_layouts` gives
         (its TP group, data-parallel attention included, spans nodes with ``--nnodes``)."""
 
     # ---- the command line -----------------------------------------------------------------

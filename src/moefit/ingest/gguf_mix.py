@@ -314,7 +314,7 @@ def gguf_geometry(geom: ModelGeometry, ftype: str) -> ModelGeometry:
     write of it: the same geometry with the exact bytes moefit's GGUF loader gives that
     file (:func:`moefit.ingest.gguf_header.exact_from_gguf` over the tensors of
     :func:`llamacpp_tensors`), so moefit's own planner prices a file that does not exist
-    yet (a ``fits with:`` remedy of a checkpoint, :func:`moefit.plan.solver.find_alternatives`).
+    yet (a ``fits with:`` remedy of a checkpoint, :func:`moefit.plan.alternatives.find_alternatives`).
     Pure: no file is read. Raises InputError for a family without a GGUF architecture."""
     infos, _ = llamacpp_tensors(geom, ftype)
     tensors = {t.name: GGUFTensor(t.name, t.kind, t.ne, math.prod(t.ne), t.nbytes, 0, 0) for t in infos}

@@ -30,7 +30,7 @@ How vLLM sizes the KV cache of one rank (``Worker.init_device`` /
   ``requested_memory``, as are the CUDA context and the NCCL buffers.
 
 So moefit prices, per rank: the runtime (CUDA context + communicators, outside the
-fraction), the weight shard (:mod:`moefit.engines.parallel`), the profile run's activations
+fraction), the weight shard (:mod:`moefit.external.parallel`), the profile run's activations
 and the workspaces (inside), the KV cache (what the fraction leaves), the CUDA graphs and
 the margin (outside), and chooses the largest ``--gpu-memory-utilization`` on a 0.01 grid
 that leaves the outside lines room. Block sizes: 16 tokens, also for MLA (the
@@ -59,14 +59,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from moefit.devices import Device
-from moefit.engines.parallel import (Layout, StageShard, ceil_div, floor_to, logits_bytes,
+from moefit.external.parallel import (Layout, StageShard, ceil_div, floor_to, logits_bytes,
                                      moe_workspace_bytes, token_activation_bytes)
-from moefit.engines.serving import (RankBudget, ServePlan, ServeRequest, command_line, kv_cache_dtype,
+from moefit.external.multi_gpu import (RankBudget, ServePlan, ServeRequest, command_line, kv_cache_dtype,
                                      non_torch_bytes, runtime_with_comm, weight_detail)
 from moefit.errors import InputError
 from moefit.ingest.geometry import ModelGeometry
 from moefit.memory.runtime import default_reserve_bytes
-from moefit.plan.solver import Line
+from moefit.plan.types import Line
 from moefit.units import GIB, MIB
 
 VERSION = "vLLM 0.11-0.20, V1 engine; memory model of vllm-project/vllm 35d5cda"
@@ -77,7 +77,7 @@ UTIL_STEP = 0.01
 BLOCK = 16
 #: Constants measured in vLLM 0.19.0 startup logs on H100 80GB (llm-d-incubation/llm-d-planner
 #: PR #205, ``accuracy/results/v0.19.0/logs``; excerpts in ``tests/data/serving``); the
-#: communicators' and the profile run's non-torch memory are in :mod:`moefit.engines.serving`.
+#: communicators' and the profile run's non-torch memory are in :mod:`moefit.external.multi_gpu`.
 #: bytes per vocabulary entry and sampled row of the profile run's sampler step: the fp32
 #: logits and the sampler's copies (Llama-3.1-8B: a 1.89 GiB peak for 1024 rows of 128256,
 #: less its 64 MiB of hidden states: 14.95 B)
@@ -166,7 +166,7 @@ def kv_groups(shard: StageShard) -> KVGroups:
 
 
 class VLLMEngine:
-    """vLLM as a :class:`moefit.engines.serving.EngineModel` (module docstring)."""
+    """vLLM as a :class:`moefit.external.multi_gpu.EngineModel` (module docstring)."""
 
     name = "vllm"
     label = "vLLM"

@@ -28,13 +28,12 @@ from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from moefit.devices import Device
-from moefit.engines.parallel import (Layout, StageShard, check_layout, fp8_block_of, stage_layers,
+from moefit.external.parallel import (Layout, StageShard, check_layout, fp8_block_of, stage_layers,
                                      stage_shards)
 from moefit.errors import InputError
 from moefit.ingest.geometry import ModelGeometry
 from moefit.ingest.resolve import format_params
-from moefit.plan.report import format_fits_with
-from moefit.plan.solver import Alternative, Line, LineTable, limiting_lines
+from moefit.plan.types import Alternative, Line, LineTable, format_fits_with, limiting_lines
 from moefit.memory.runtime import runtime_bytes
 from moefit.units import GIB, MIB, format_bytes, size_format
 
@@ -119,7 +118,7 @@ def non_torch_bytes(layout: Layout) -> int:
 
 
 class EngineModel(Protocol):
-    """A serving engine's memory model (:mod:`moefit.engines.vllm`, :mod:`moefit.engines.sglang`)."""
+    """A serving engine's memory model (:mod:`moefit.external.vllm`, :mod:`moefit.external.sglang`)."""
 
     name: str            #: ``vllm`` / ``sglang``
     label: str           #: printed name
@@ -194,7 +193,7 @@ def candidate_layouts(geom: ModelGeometry, req: ServeRequest) -> list[Layout]:
     all GPUs, and for MoE models the same with experts whole on each rank (``--ep``); for
     MLA models also data-parallel attention (one KV cache per GPU instead of one latent
     cache replicated on every TP rank) with expert parallelism. Layouts the engine would
-    refuse (:func:`moefit.engines.parallel.check_layout`) are dropped.
+    refuse (:func:`moefit.external.parallel.check_layout`) are dropped.
 
     Raises InputError when the flags describe no valid layout (naming the flag)."""
     g, m = req.gpus, req.nodes

@@ -2,8 +2,8 @@
 holds when a model is split by tensor, pipeline, data and expert parallelism.
 
 Both engines shard a Hugging Face model the same way (SGLang's parallel layers come from
-vLLM's), so one module owns the rules; :mod:`moefit.engines.vllm` and
-:mod:`moefit.engines.sglang` add what is their own (the memory profile, the pool sizing,
+vLLM's), so one module owns the rules; :mod:`moefit.external.vllm` and
+:mod:`moefit.external.sglang` add what is their own (the memory profile, the pool sizing,
 the command line). Sources, per rule:
 
 - **tensor parallelism** (``tp``): Megatron-LM's split (Shoeybi et al. 2019,
