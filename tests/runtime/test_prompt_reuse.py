@@ -32,6 +32,16 @@ def served(tmp_path_factory):
     return d, plan, tok, engine
 
 
+@pytest.fixture(scope="module")
+def served_int4(served):
+    """The same checkpoint with a 4-bit KV cache (GGML q4_0 blocks along each head)."""
+    from conftest import Tiny
+
+    d, _, tok, _ = served
+    plan = plan_for(Tiny("qwen3_moe", d, None), max_context=CONTEXT, slots=2, kv="int4")
+    return d, plan, tok, Engine.start(d, plan, EngineOptions(progress=False, chunk=8))
+
+
 def _state(served, reuse: bool) -> ServerState:
     d, plan, tok, engine = served
     st = ServerState(plan=plan, model_name="tiny", tokenizer=tok,
@@ -84,6 +94,14 @@ def test_a_chat_of_five_turns_runs_only_each_turns_new_tokens_with_the_same_outp
     assert run_plain[-1] == sum(prompts)
     assert run_reused[-1] + cached_reused[-1] == sum(prompts)
     assert run_reused[-1] < sum(prompts) / 2
+
+
+def test_reuse_in_a_quantized_kv_format_gives_the_same_output(served_int4):
+    """Each cell holds one position in every format (blocks run along the head), so the
+    cut is exact: the same tokens with and without reuse in 4-bit cells too."""
+    plain, _, _ = _chat(_state(served_int4, reuse=False))
+    reused, _, cached = _chat(_state(served_int4, reuse=True))
+    assert reused == plain and cached[-1] > 0
 
 
 def test_the_slot_with_the_longest_shared_prefix_is_taken_and_one_token_is_always_run(served):
