@@ -220,11 +220,19 @@ LAYERS: tuple[tuple[int, str, tuple[str, ...]], ...] = (
     (3, "planner", ("moefit.memory", "moefit.plan")),
     (4, "external", ("moefit.external",)),
     (5, "flags", ("moefit.flags",)),
-    (6, "runtime", ("moefit.runtime",)),
-    (7, "tools", ("moefit.tools",)),
-    (7, "serve", ("moefit.serve",)),
-    (7, "bench", ("moefit.bench",)),
-    (8, "command line", ("moefit.cli", "moefit.__main__")),
+    # the runtime's rooms (docs/design.md), lowest first; its top modules rank above them
+    (6, "runtime kernels", ("moefit.runtime.kernels",)),
+    (6, "runtime arch", ("moefit.runtime.arch",)),
+    (7, "runtime buffers", ("moefit.runtime.buffers",)),
+    (7, "runtime weights", ("moefit.runtime.weights",)),
+    (8, "runtime moe", ("moefit.runtime.moe",)),
+    (9, "runtime layers", ("moefit.runtime.layers",)),
+    (9, "runtime load", ("moefit.runtime.load",)),
+    (10, "runtime", ("moefit.runtime",)),
+    (11, "tools", ("moefit.tools",)),
+    (11, "serve", ("moefit.serve",)),
+    (11, "bench", ("moefit.bench",)),
+    (12, "command line", ("moefit.cli", "moefit.__main__")),
 )
 
 
@@ -364,6 +372,34 @@ def test_an_import_upwards_or_sideways_is_a_layer_violation(tmp_path):
     assert layer_violations(read_graph(root)) == [
         "moefit.bench.ladder:1 (bench) imports moefit.serve (serve)",
         "moefit.memory.kv:2 (planner) imports moefit.runtime (runtime)"]
+
+
+def test_every_runtime_room_has_a_rank():
+    """Each sub-package of ``runtime/`` is a room with its own entry in :data:`LAYERS`, so
+    that an import between two rooms is checked (a new room must be given a rank)."""
+    rooms = sorted(f"moefit.runtime.{p.parent.name}" for p in (SRC / "runtime").glob("*/__init__.py"))
+    assert len(rooms) >= 5
+    named = {p for _, _, prefixes in LAYERS for p in prefixes}
+    assert [r for r in rooms if r not in named] == []
+
+
+def test_an_import_up_or_across_the_runtime_rooms_is_a_layer_violation(tmp_path):
+    root = _package(tmp_path, {
+        "runtime/__init__.py": "", "runtime/engine.py": "",
+        "runtime/kernels/__init__.py": "", "runtime/moe/__init__.py": "",
+        "runtime/layers/__init__.py": "", "runtime/load/__init__.py": "",
+        "runtime/kernels/quant.py": "from moefit.runtime.moe import batch\n",
+        "runtime/moe/batch.py": "from moefit.runtime.kernels import quant\n",
+        "runtime/layers/attention.py": "from moefit.runtime.moe import batch\n"
+                                       "from moefit.runtime.load import gguf\n",
+        "runtime/load/gguf.py": "from moefit.runtime import engine\n",
+    })
+    assert layer_violations(read_graph(root)) == [
+        "moefit.runtime.kernels.quant:1 (runtime kernels) imports moefit.runtime.moe (runtime moe)",
+        "moefit.runtime.kernels.quant:1 (runtime kernels) imports moefit.runtime.moe.batch (runtime moe)",
+        "moefit.runtime.layers.attention:2 (runtime layers) imports moefit.runtime.load (runtime load)",
+        "moefit.runtime.layers.attention:2 (runtime layers) imports moefit.runtime.load.gguf (runtime load)",
+        "moefit.runtime.load.gguf:1 (runtime load) imports moefit.runtime.engine (runtime)"]
 
 
 def test_a_local_import_of_something_light_is_found(tmp_path):

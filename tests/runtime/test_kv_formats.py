@@ -26,9 +26,9 @@ from conftest import plan_for
 from moefit.memory.kv import BLOCK_BITS, KV_FORMATS, KVFormat
 from moefit.memory.staging import codec_scratch, span
 from moefit.runtime.engine import Engine, EngineOptions
-from moefit.runtime.kv_codec import Codec
-from moefit.runtime.ledger import Ledger
-from moefit.runtime.staging import Workspace
+from moefit.runtime.buffers.kv_codec import Codec
+from moefit.runtime.buffers.ledger import Ledger
+from moefit.runtime.buffers.workspace import Workspace
 from reference import engine_greedy, max_error, prompt
 
 BOUND = {"bf16": 2e-3, "fp16": 2e-4, "fp8": 2.5e-2, "int8": 6e-3, "k8v4": 6e-2, "int4": 8e-2}

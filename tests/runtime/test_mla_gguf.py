@@ -23,8 +23,8 @@ gguf = pytest.importorskip("gguf")
 from mla_models import make_mla  # noqa: E402
 from moefit.ingest.families import registry  # noqa: E402
 from moefit.memory.cpu_kernels import DISABLE_ENV  # noqa: E402
-from moefit.runtime import qmatmul  # noqa: E402
-from moefit.runtime.quant import StoredMatrix  # noqa: E402
+from moefit.runtime.kernels import qmatmul  # noqa: E402
+from moefit.runtime.kernels.quant import StoredMatrix  # noqa: E402
 from reference import engine_greedy, max_error  # noqa: E402
 from test_gguf_runtime import GGUFModel  # noqa: E402
 

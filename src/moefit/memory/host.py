@@ -86,13 +86,13 @@ def embed_on_host(geom: ModelGeometry) -> tuple[int, int]:
 def load_staging_bytes(geom: ModelGeometry) -> int:
     """The most host memory the loaders hold at once beside their destinations (bytes).
 
-    Safetensors (``moefit.runtime.loader``): one tensor is read at a time into host
+    Safetensors (``moefit.runtime.load.safetensors``): one tensor is read at a time into host
     memory and copied to where it lives (a fused ``[E, 2I, H]`` expert tensor whole, an fp8
     tensor with its scales; gpt-oss's fused experts one expert's slice at a time,
     ``moefit.ingest.families.gpt_oss.expert_read_bytes``); a projection the loader packs
-    from a layer's tensors (Qwen3-Next / Qwen3.5, ``moefit.runtime.hybrid_layout``) holds
+    from a layer's tensors (Qwen3-Next / Qwen3.5, ``moefit.runtime.load.hybrid_layout``) holds
     its parts and the result at once (:func:`moefit.ingest.checkpoint.load_staging`). GGUF
-    (``moefit.runtime.gguf_loader``): tensors are read through the file's memory map (page
+    (``moefit.runtime.load.gguf``): tensors are read through the file's memory map (page
     cache, not counted here), except llama's q/k rows, un-permuted in a copy, and a
     hybrid's regrouped projections, rebuilt in fp32
     (``moefit.ingest.gguf_header.packed_staging_bytes``). From the headers when read
@@ -107,7 +107,7 @@ def load_staging_bytes(geom: ModelGeometry) -> int:
 
 
 #: ``MOEFIT_EXPERT_PATH=device``: a CPU (simulated) device runs its MoE layers through the
-#: device expert path a CUDA device runs (``moefit.runtime.moe_device``: batched products in
+#: device expert path a CUDA device runs (``moefit.runtime.moe.device``: batched products in
 #: torch, misses computed on the host while the device works), so tests exercise that code
 #: without a GPU; the plan then prices its host buffer as on CUDA. Unset (or ``auto``): only
 #: CUDA devices take it.
@@ -148,7 +148,7 @@ def miss_host_c_kernels(types: tuple[str, str, str], hidden: int, inter: int, dt
     """Whether the misses of a device step run on the host through the C kernels
     (``qmatmul.moe``) for experts of (gate, up, down) ggml ``types`` ``[I, H]``, ``[I, H]``,
     ``[H, I]`` in a model computing in ``dtype``: the kernels are expected on the CPU, read
-    that dtype's activations and those types at those widths (``moefit.runtime.moe_device``
+    that dtype's activations and those types at those widths (``moefit.runtime.moe.device``
     asks the same of the built kernels); else they run in torch, expert by expert."""
     cols = (hidden, hidden, inter)
     return (cpu_kernels.expected("cpu", env) and dtype in _C_ACT
@@ -157,7 +157,7 @@ def miss_host_c_kernels(types: tuple[str, str, str], hidden: int, inter: int, dt
 
 def miss_host_takes(hidden: int, inter: int, top_k: int, chunk: int, c_kernels: bool,
                     stored: bool) -> list[Take]:
-    """The host buffer of a device step's misses (``moefit.runtime.moe_device`` takes it by
+    """The host buffer of a device step's misses (``moefit.runtime.moe.device`` takes it by
     this list, in order) for a chunk of ``chunk`` tokens of ``top_k`` experts each: the
     step's rows copied from the device ``[T, H]``, the fp32 result copied back ``[T, H]``,
     the sorted pairs' tokens (int64) and routing weights (fp32) ``[T k]`` and those of the
@@ -191,7 +191,7 @@ def miss_host_bytes(geom: ModelGeometry, chunk: int,
     :func:`miss_host_takes` (the largest over the MoE layers and over the two ways a step's
     misses run: the C kernels for a step of few tokens per expert where they read the
     layer, dequantize-then-multiply expert by expert otherwise, as a CPU device chooses,
-    ``moefit.runtime.moe_batch.max_tokens_per_expert``; pinned on CUDA, allocated once on
+    ``moefit.runtime.moe.batch.max_tokens_per_expert``; pinned on CUDA, allocated once on
     ``host_staging``) and, for stored experts, the torch kernels' fp32 scratch beside one
     tile (:data:`moefit.memory.staging.DEQUANT_SCRATCH_BYTES_PER_ELEM`; none for a type the
     C kernels dequantize)."""

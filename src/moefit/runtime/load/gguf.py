@@ -9,23 +9,23 @@ into its destination, and the maps are closed at the end, so host memory holds t
 expert blobs once (not the file and a copy).
 
 - Dense tensors (attention, norms, routers, shared experts, dense MLPs, embeddings, output)
-  are dequantized tile by tile (:func:`moefit.runtime.quant.dequantize`) into tensors of
+  are dequantized tile by tile (:func:`moefit.runtime.kernels.quant.dequantize`) into tensors of
   the compute dtype from ``alloc`` (the ledger's ``weights`` line; the plan priced them at
   that dtype), except the quantized matrices the plan kept stored (on a CPU device with
   the C kernels, :func:`moefit.memory.weights.stored_matrices`): those are copied as
-  stored into buffers of their stored size (:class:`~moefit.runtime.quant.StoredMatrix`).
+  stored into buffers of their stored size (:class:`~moefit.runtime.kernels.quant.StoredMatrix`).
   ``llama`` files hold q/k rows permuted for llama.cpp's interleaved RoPE
   (``convert_hf_to_gguf.py`` ``LlamaModel.permute``); they are permuted back to the
   rotate-half order the forward pass uses.
 - Hybrids: the Gated DeltaNet tensors as llama.cpp's converter writes them, brought back
-  to the checkpoint's layout (:func:`moefit.runtime.hybrid_layout.gguf_linear_attention_entries`);
+  to the checkpoint's layout (:func:`moefit.runtime.load.hybrid_layout.gguf_linear_attention_entries`);
   the gated ``attn_q`` regrouped as ``q_proj``; the ``(1 + w)`` norms stored as ``w + 1``
   read back as ``w`` (:data:`OFFSET_NORM_SLOTS`).
 - Experts: per MoE layer, ``ffn_{gate,up,down}_exps`` (``[E, I, H]``, ``[E, I, H]``,
   ``[E, H, I]``; or ``ffn_gate_up_exps`` ``[E, 2I, H]``) become one uint8 blob per expert,
-  ``[gate | up | down]`` bytes in the file's types (:class:`~moefit.runtime.quant.StoredExpert`;
+  ``[gate | up | down]`` bytes in the file's types (:class:`~moefit.runtime.kernels.quant.StoredExpert`;
   gpt-oss's with their ``ffn_*_exps.bias`` first,
-  :class:`~moefit.runtime.gpt_oss_experts.BiasedExpert`), read by the engine from the
+  :class:`~moefit.runtime.moe.gpt_oss.BiasedExpert`), read by the engine from the
   returned :class:`GGUFExperts` once it knows where each expert lives. With
   ``--host-experts mmap`` the file stays mapped and a non-resident expert's parts are
   gathered from its pages each time it runs.
@@ -54,12 +54,11 @@ from moefit.ingest.geometry import LayerSpec, ModelGeometry
 from moefit.ingest.gguf_header import (GGUFHeader, GGUFTensor, close_reader, config_from_gguf, open_reader,
                                       packed_staging_bytes, read_header)
 from moefit.runtime.arch import Arch
-from moefit.runtime.gpt_oss_experts import BiasedExpert
-from moefit.runtime.hybrid_layout import Packed, gated_q, gguf_linear_attention_entries, sources
-from moefit.runtime.loader import (
-    ExpertSource, Weights, assemble_weights, mla_plan, moe_extras_plan, progress_bar, resident_dtype,
-)
-from moefit.runtime.quant import StoredExpert, StoredMatrix, dequantize, kernel_for
+from moefit.runtime.moe.gpt_oss import BiasedExpert
+from moefit.runtime.load.hybrid_layout import Packed, gated_q, gguf_linear_attention_entries, sources
+from moefit.runtime.load.safetensors import mla_plan, moe_extras_plan, progress_bar, resident_dtype
+from moefit.runtime.weights import ExpertSource, Weights, assemble_weights
+from moefit.runtime.kernels.quant import StoredExpert, StoredMatrix, dequantize, kernel_for
 
 
 def gguf_config(path: str | Path) -> dict:
@@ -123,9 +122,9 @@ def _minus(name: str, shape: tuple, offset: float) -> Packed:
 
 def _layer_plan(l: LayerSpec, geom: ModelGeometry, arch: Arch, header: GGUFHeader,
                 tiled: bool = False) -> list[tuple[str, object, tuple]]:
-    """(attribute, GGUF name or :class:`~moefit.runtime.hybrid_layout.Packed`, torch
+    """(attribute, GGUF name or :class:`~moefit.runtime.load.hybrid_layout.Packed`, torch
     shape) of every resident tensor of layer ``l``; names from the family's table
-    (``arch.names``). MLA layers: :func:`moefit.runtime.loader.mla_plan` (``attn_k_b`` /
+    (``arch.names``). MLA layers: :func:`moefit.runtime.load.safetensors.mla_plan` (``attn_k_b`` /
     ``attn_v_b`` when the file splits ``attn_kv_b``). Gated DeltaNet layers:
     :func:`gguf_linear_attention_entries` (``tiled``: the file's value heads are tiled); a
     gated ``attn_q`` is regrouped as the checkpoint's ``q_proj``; norms stored with the
@@ -182,7 +181,7 @@ def _mlp_plan(l: LayerSpec, geom: ModelGeometry, arch: Arch, n) -> list[tuple[st
 def _expert_parts(l: LayerSpec, geom: ModelGeometry, arch: Arch, ts: _Tensors) -> tuple[list[str], StoredExpert]:
     """The GGUF expert tensors of layer ``l`` in blob order (gate, up, down; or gate_up,
     down; gpt-oss: the three biases first) and the layer's :class:`StoredExpert` (gpt-oss:
-    :class:`~moefit.runtime.gpt_oss_experts.BiasedExpert`) layout."""
+    :class:`~moefit.runtime.moe.gpt_oss.BiasedExpert`) layout."""
     m, h = l.moe, geom.hidden_size
     e, i = m.num_experts, m.expert_intermediate
     n = lambda part: arch.names.gguf_expert(part, l.index)  # noqa: E731
@@ -218,7 +217,7 @@ class HostEmbedding:
 
     ``raw``: uint8 ``[V, row bytes]`` (the host ledger's ``host_weights`` line). A lookup
     gathers the rows of the ids into ``rows`` (uint8 ``[chunk, row bytes]``, the host's
-    staging) and dequantizes them into the output (:func:`moefit.runtime.quant.dequantize`,
+    staging) and dequantizes them into the output (:func:`moefit.runtime.kernels.quant.dequantize`,
     bit for bit what dequantizing the whole table would give), through ``tmp`` (``[chunk,
     H]`` of the compute dtype on the host) when the output is on a GPU."""
 
@@ -300,7 +299,7 @@ def load_gguf(path: str | Path, geom: ModelGeometry, arch: Arch, alloc, *, pin: 
     ``transient(nbytes)``: a context in which the loader holds ``nbytes`` on the host.
     ``stored``: the GGUF names of the matrices kept in their stored type, in buffers of
     their stored bytes from ``alloc`` (:func:`moefit.memory.weights.stored_matrices` of the
-    plan's device), as :class:`~moefit.runtime.quant.StoredMatrix`.
+    plan's device), as :class:`~moefit.runtime.kernels.quant.StoredMatrix`.
     Raises InputError (see module docstring)."""
     h = read_header(path)
     if h.arch not in registry.runtime_gguf_archs():

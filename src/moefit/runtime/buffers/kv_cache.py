@@ -6,12 +6,12 @@ computes no offset or row size of its own) in layer order into:
 
 - per attention layer: K cells ``[slots, cells, kv_heads, k_bytes(head_dim)]`` then V
   cells ``[slots, cells, kv_heads, v_bytes(v_head_dim)]`` (uint8, docs/design.md, KV formats,
-  :mod:`moefit.runtime.kv_codec`); per MLA layer one latent row ``[slots, cells, 1,
+  :mod:`moefit.runtime.buffers.kv_codec`); per MLA layer one latent row ``[slots, cells, 1,
   k_bytes(kv_lora_rank + qk_rope_head_dim)]`` and no V cells (``latent``: attention reads
   the latent's first ``kv_lora_rank`` values as V).
 
 On a hybrid model the buffer starts with the recurrent and conv state of the Gated
-DeltaNet layers (:class:`~moefit.runtime.linear_state.LinearStates`, ``self.linear``),
+DeltaNet layers (:class:`~moefit.runtime.buffers.linear_state.LinearStates`, ``self.linear``),
 then the cells of the full-attention layers as above.
 
 ``cells`` is the plan's context on full-attention layers and ``min(context, window +
@@ -36,8 +36,8 @@ import torch
 
 from moefit.ingest.geometry import ModelGeometry
 from moefit.memory.kv import KVLayout
-from moefit.runtime.kv_codec import Codec
-from moefit.runtime.linear_state import LinearStates
+from moefit.runtime.buffers.kv_codec import Codec
+from moefit.runtime.buffers.linear_state import LinearStates
 
 
 class ContextFull(RuntimeError):

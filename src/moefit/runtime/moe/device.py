@@ -1,7 +1,7 @@
 """One MoE layer on a device that is not CPU memory (CUDA): every routed expert of a step
 batched, the misses computed on the host while the device works.
 
-:func:`run_layer` is :func:`moefit.runtime.moe_batch.run_layer`'s design in torch, for a
+:func:`run_layer` is :func:`moefit.runtime.moe.batch.run_layer`'s design in torch, for a
 device the C kernels cannot read (docs/design.md, runtime contract):
 
 1. **One sort, one host read.** The step's ``T x k`` (token, expert) pairs are sorted by
@@ -9,8 +9,8 @@ device the C kernels cannot read (docs/design.md, runtime contract):
    boundaries of every expert's pairs are found there (``searchsorted``, a fixed-size
    result: no data-dependent shape, so no hidden synchronisation); ``bounds.tolist()`` is
    the layer's one host read. Hits and misses are counted from it as
-   :meth:`~moefit.runtime.experts.ExpertCache.run` counts them (once per expert per call,
-   the LRU order refreshed: :meth:`~moefit.runtime.experts.ExpertCache.lookup`).
+   :meth:`~moefit.runtime.moe.cache.ExpertCache.run` counts them (once per expert per call,
+   the LRU order refreshed: :meth:`~moefit.runtime.moe.cache.ExpertCache.lookup`).
 2. **Misses first to the host.** When any used expert is not resident, the step's rows
    ``[T, H]`` and the sorted pairs' tokens and weights are copied to the host buffer the
    planner prices (:func:`moefit.memory.host.miss_host_bytes`, pinned on CUDA, so the copies
@@ -20,7 +20,7 @@ device the C kernels cannot read (docs/design.md, runtime contract):
    the staging workspace's fixed region (free while the experts run: attention tiles, the
    logits and the dense matrices use it at other times): each part's quantized bytes of
    the group are gathered into one buffer and dequantized by one call of
-   :func:`moefit.runtime.quant.dequantize` (its kernels take any number of blocks: a
+   :func:`moefit.runtime.kernels.quant.dequantize` (its kernels take any number of blocks: a
    leading batch of experts is just more blocks; its tiles stay at most one matrix, the
    kernels' scratch the plan prices, so the torch kernels still run once per matrix and
    what the group saves is the calls, the gathers and the products), or, when the region holds the matrices
@@ -40,9 +40,9 @@ device the C kernels cannot read (docs/design.md, runtime contract):
 4. **Misses on the host while the device works.** After the hit work is enqueued, the host
    waits for the event of step 2 only (the copies, not the hit products), runs the misses
    as a CPU device runs its experts: a decode-sized step with the C kernels (``qmatmul.moe``
-   on the host blobs, as :mod:`moefit.runtime.moe_batch` does), a prefill chunk (or where the
+   on the host blobs, as :mod:`moefit.runtime.moe.batch` does), a prefill chunk (or where the
    kernels do not apply) dequantized and multiplied expert by expert
-   (:meth:`~moefit.runtime.experts.ExpertCache.apply`), then copies the fp32 result back
+   (:meth:`~moefit.runtime.moe.cache.ExpertCache.apply`), then copies the fp32 result back
    (asynchronous from pinned memory) and adds it. The host buffer is reused by the next
    layer only after that layer's host read, which the stream orders after this copy.
 
@@ -59,7 +59,7 @@ memory copies and the event a no-op), so the tests exercise it; nothing of it is
 on a GPU. Not run here (:func:`applies`): ``--miss-policy copy`` (the weight arena's
 swaps stay expert by expert), ``--host-experts mmap`` (misses gathered from the file one
 expert at a time) and gpt-oss's clamped SwiGLU with biases
-(:mod:`moefit.runtime.gpt_oss_experts`).
+(:mod:`moefit.runtime.moe.gpt_oss`).
 
 CUDA graphs / ``torch.compile``: not built. The host read of step 1 decides what runs
 (which slots, how many groups, whether the host works), so a whole decode step cannot be
@@ -77,10 +77,10 @@ import torch.nn.functional as F
 
 from moefit.memory.host import device_expert_path, miss_host_takes
 from moefit.memory.staging import DEQUANT_TILE_ELEMS, span
-from moefit.runtime import qmatmul
-from moefit.runtime.loader import split_blob
-from moefit.runtime.moe_batch import layer_format, max_tokens_per_expert
-from moefit.runtime.quant import FP8, StoredExpert, dequantize
+from moefit.runtime.kernels import qmatmul
+from moefit.runtime.weights import split_blob
+from moefit.runtime.moe.batch import layer_format, max_tokens_per_expert
+from moefit.runtime.kernels.quant import FP8, StoredExpert, dequantize
 
 #: a layer's hit groups run as padded ``torch.bmm`` when no expert gets more tokens than
 #: this (decode: one per sequence), else expert by expert on contiguous rows (prefill);
@@ -180,7 +180,7 @@ def run_layer(cache, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: to
     docstring).
 
     Args:
-        cache: the :class:`~moefit.runtime.experts.ExpertCache` (hits / misses counted).
+        cache: the :class:`~moefit.runtime.moe.cache.ExpertCache` (hits / misses counted).
         x: ``[T, H]`` in the compute dtype, on the device.
         ids: int64 ``[T, k]``; weights: ``[T, k]`` in the compute dtype (rounded as the
             expert-by-expert path combines them).
@@ -360,7 +360,7 @@ def _to_host(host_ws, cache, layer, x, tok, wsel, k) -> dict:
     into the host buffer (asynchronous from pinned memory on CUDA) and mark the stream
     after them. The misses run through the C kernels when they read the layer's blobs and
     ``x``'s dtype and the step gives the experts at most
-    :func:`~moefit.runtime.moe_batch.max_tokens_per_expert` tokens each on average (a CPU
+    :func:`~moefit.runtime.moe.batch.max_tokens_per_expert` tokens each on average (a CPU
     device's choice, measured there), else dequantized and multiplied expert by expert
     (:func:`moefit.memory.host.miss_host_bytes` prices both).
     Returns what :func:`_run_misses` needs."""

@@ -57,7 +57,7 @@ import torch.nn.functional as F
 from moefit.errors import InputError
 from moefit.memory.cpu_kernels import row_block
 from moefit.memory.staging import DEQUANT_TILE_ELEMS
-from moefit.runtime import qmatmul
+from moefit.runtime.kernels import qmatmul
 
 QK_K = 256
 
@@ -370,7 +370,7 @@ def dequantize(raw: torch.Tensor, qtype: str, shape: tuple[int, ...], *,
 
 
 def _c_dequantize(raw: torch.Tensor, qtype: str, numel: int, out: torch.Tensor) -> bool:
-    """Dequantize with the C kernels (:func:`moefit.runtime.qmatmul.dequantize`, bit for bit
+    """Dequantize with the C kernels (:func:`moefit.runtime.kernels.qmatmul.dequantize`, bit for bit
     the same values, 3-15x faster) when ``raw`` and ``out`` are contiguous CPU tensors of a
     type they read; False when they do not apply."""
     if (raw.device.type != "cpu" or out.device.type != "cpu" or not raw.is_contiguous()
@@ -513,7 +513,7 @@ class StoredMatrix:
     def matmul(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """``out = x @ W^T`` for ``x`` ``[T, cols]`` (CPU): up to :attr:`SMALL_ROWS` rows
         through the C kernels on the stored blocks (activations quantized per 32 values,
-        :mod:`moefit.runtime.qmatmul`); more rows in blocks of weight rows dequantized into
+        :mod:`moefit.runtime.kernels.qmatmul`); more rows in blocks of weight rows dequantized into
         the free room of the workspace's fixed region (bit for bit the file's values; the
         region is free while a projection runs: the attention tiles, the expert matrix and
         the logits are taken around the products, not during them), then ``torch.mm`` into

@@ -17,7 +17,7 @@ One blob per expert (docs/design.md, runtime contract), :class:`BiasedExpert`::
 
 the biases first (in their own type: the compute dtype from safetensors, the file's type
 from GGUF), then the three matrices each in its own ggml type, back to back
-(:class:`~moefit.runtime.quant.StoredExpert` parts). The blob is exactly the bytes the
+(:class:`~moefit.runtime.kernels.quant.StoredExpert` parts). The blob is exactly the bytes the
 checkpoint holds for that expert, which is what the planner prices
 (:func:`moefit.ingest.checkpoint.exact_weights`: the fused tensors' bytes divided by the
 expert count; :func:`moefit.ingest.gguf_header.exact_from_gguf` likewise).
@@ -40,7 +40,7 @@ Sources of the three layouts a loader reads:
   ``ffn_down_exps`` ``[E, H, I]`` in any type, ``ffn_{gate,up,down}_exps.bias``.
 
 Running it: a quantized matrix is multiplied from the stored blocks by the C kernels for
-a few rows (decode, :data:`~moefit.runtime.quant.StoredMatrix.SMALL_ROWS`), else
+a few rows (decode, :data:`~moefit.runtime.kernels.quant.StoredMatrix.SMALL_ROWS`), else
 dequantized into one ``[I, H]`` buffer of the staging workspace's fixed region (priced by
 :func:`moefit.memory.staging.fixed_region_bytes` when ``experts_stored``); a float matrix is
 a view of the blob. The activations use the caller's ``scratch`` (``2 n I``) and ``out``
@@ -56,8 +56,8 @@ import torch
 
 from moefit.errors import InputError
 from moefit.ingest.families.gpt_oss import NAMES, checkpoint_experts, mxfp4_to_gguf
-from moefit.runtime import qmatmul
-from moefit.runtime.quant import Part, StoredMatrix, row_bytes
+from moefit.runtime.kernels import qmatmul
+from moefit.runtime.kernels.quant import Part, StoredMatrix, row_bytes
 
 #: float ggml types a blob part or bias may have, and their torch dtype
 FLOAT_TYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
@@ -68,7 +68,7 @@ TYPE_OF = {v: k for k, v in FLOAT_TYPES.items()}
 class BiasedExpert:
     """The blob layout of one gpt-oss MoE layer's experts (module docstring): biases of
     ``bias_type`` (a float ggml type) at offset 0, then ``gate`` / ``up`` / ``down``
-    (:class:`~moefit.runtime.quant.Part`); ``alpha`` / ``limit`` of the clamped SwiGLU."""
+    (:class:`~moefit.runtime.kernels.quant.Part`); ``alpha`` / ``limit`` of the clamped SwiGLU."""
 
     inter: int
     hidden: int
@@ -167,7 +167,7 @@ def mxfp4_blocks(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """HF mxfp4 ``blocks`` ``[..., nb, 16]`` and ``scales`` ``[..., nb]`` (uint8, CPU) ->
     GGUF MXFP4 rows ``[..., nb * 17]`` (uint8), the same bytes with the nibbles permuted
     (:func:`moefit.ingest.families.gpt_oss.mxfp4_to_gguf`, the one home of the layout), so
-    :func:`moefit.runtime.quant.dequantize` of the result equals transformers'
+    :func:`moefit.runtime.kernels.quant.dequantize` of the result equals transformers'
     ``convert_moe_packed_tensors``."""
     return torch.from_numpy(mxfp4_to_gguf(blocks.contiguous().numpy(), scales.contiguous().numpy()))
 

@@ -14,7 +14,7 @@ bit those of dequantize-then-multiply: the difference is the activation rounding
 Why this and not the alternatives (measured on the 2-core CI machine, one thread, one
 ``[1, 1024] x [512, 1024]^T`` product): ``torch.mm`` in bf16 (the dequantized copy) 150 us
 plus the dequantization itself (0.5-1.3 ms per expert matrix with the torch kernels of
-:mod:`moefit.runtime.quant`); torch's weight-only kernels (``_weight_int8pack_mm``: one
+:mod:`moefit.runtime.kernels.quant`); torch's weight-only kernels (``_weight_int8pack_mm``: one
 scale per row, so a Q8_0 file would be requantized, lossy; ``_weight_int4pack_mm_for_cpu``:
 groups of 32 with bf16 scales and zeros, which only Q4_0 / Q4_1 / Q4_K map onto, and a
 repacked copy of every expert) about 110 us; these kernels 22-46 us on the stored bytes, no
@@ -67,7 +67,7 @@ from moefit.memory.cpu_kernels import CTYPES, gemm_scratch_bytes, moe_scratch_by
 
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
 #: the library's sources: these products, and the lean decode step's operations
-#: (``decode_step.c``, :mod:`moefit.runtime.decode_step`)
+#: (``decode_step.c``, :mod:`moefit.runtime.layers.lean_step`)
 _SRCS = (Path(__file__).with_name("qmatmul.c"), Path(__file__).with_name("decode_step.c"))
 #: the header both include (fp16 / bf16 conversions): part of the build's cache key
 _HEADERS = (Path(__file__).with_name("mf_floats.h"),)
@@ -244,13 +244,13 @@ def moe(x: torch.Tensor, blob_ptrs: torch.Tensor, bounds: torch.Tensor, tok: tor
     Args:
         x: ``[T, H]`` fp32, fp16 or bf16, contiguous (CPU).
         blob_ptrs: int64 ``[n]``: the address of each used expert's blob (a
-            :class:`~moefit.runtime.quant.StoredExpert` layout ``fmt``, or a plain float blob
+            :class:`~moefit.runtime.kernels.quant.StoredExpert` layout ``fmt``, or a plain float blob
             described by one).
         bounds: int64 ``[n + 1]``: expert ``i`` serves pairs ``bounds[i] .. bounds[i+1]-1``.
         tok: int64 ``[P]``: the token of each pair, pairs grouped by expert.
         weights: fp32 ``[P]``: the routing weight of each pair.
         acc: fp32 ``[T, H]``, added to.
-        fmt: the layer's :class:`~moefit.runtime.quant.StoredExpert`.
+        fmt: the layer's :class:`~moefit.runtime.kernels.quant.StoredExpert`.
         scratch: uint8 of at least :func:`moe_scratch_bytes` ``(T, H, I, 1)``; the pairs
             run in groups of as many as it holds.
 
@@ -277,7 +277,7 @@ def dequantize(raw: torch.Tensor, qtype: str, rows: int, cols: int, out: torch.T
                threads: int | None = None) -> torch.Tensor:
     """Dequantize ``[rows, cols]`` of ggml ``qtype`` (``raw``: contiguous uint8 on the CPU)
     into ``out`` (contiguous fp32 or bf16, ``rows x cols`` elements, CPU): bit for bit the
-    values of ``gguf.quants.dequantize`` (and of :mod:`moefit.runtime.quant`'s kernels),
+    values of ``gguf.quants.dequantize`` (and of :mod:`moefit.runtime.kernels.quant`'s kernels),
     rounded to nearest even for bf16. Returns ``out``. Raises ValueError when the sizes or
     dtypes disagree."""
     lib = _load()

@@ -32,11 +32,11 @@ is rounded there), so the two paths differ by fp32 summation order only;
 tests/runtime/test_decode_step.py compares them on every family the runtime runs.
 
 What the step does not cover stays in torch, layer by layer: Gated DeltaNet layers
-(:func:`moefit.runtime.deltanet.gated_deltanet`), shared experts and dense MLPs
+(:func:`moefit.runtime.layers.deltanet.gated_deltanet`), shared experts and dense MLPs
 (:func:`moefit.runtime.model.linear`), the output gate, ``clip_qkv``. :func:`applies` says
 when the whole step runs here: the C kernels are built, the device is the CPU, every
 segment of the step is one token, the KV format has a C codec (plain, int8 / int4 blocks;
-not fp8), the experts run on the CPU (:func:`moefit.runtime.moe_batch.applies`), and the
+not fp8), the experts run on the CPU (:func:`moefit.runtime.moe.batch.applies`), and the
 model sets no switch or spec field away from its default, and holds no layer kind or
 weight, that this module does not know
 (:data:`KNOWN_SWITCHES`, :data:`KNOWN_WEIGHTS`), so a family added later runs through
@@ -58,10 +58,12 @@ import torch.nn.functional as F
 
 from moefit.ingest.families.common import Switches
 from moefit.ingest.geometry import AttentionSpec, MoESpec
-from moefit.runtime import moe_batch, qmatmul
-from moefit.runtime.deltanet import gated_deltanet
-from moefit.runtime.quant import StoredMatrix
-from moefit.runtime.staging import ALIGN
+from moefit.runtime.moe import batch as moe_batch
+from moefit.runtime.kernels import qmatmul
+from moefit.runtime.kernels.lean_abi import CLayer, CMat, CStep, pchunk
+from moefit.runtime.layers.deltanet import gated_deltanet
+from moefit.runtime.kernels.quant import StoredMatrix
+from moefit.runtime.buffers.workspace import ALIGN
 
 #: Most tokens (sequences) one lean step runs; larger steps take the torch path.
 MAX_TOKENS = 64
@@ -69,8 +71,8 @@ MAX_TOKENS = 64
 #: and the values it implements them for.
 KNOWN_SWITCHES = frozenset({"model_type", "dtype", "rms_eps", "qk_norm", "q_bias", "o_bias", "clip_qkv",
                             "renormalize", "tie_embeddings", "config", "prefix", "norm_offset"})
-#: :class:`~moefit.runtime.loader.LayerWeights` fields this module reads (or hands to
-#: :func:`~moefit.runtime.deltanet.gated_deltanet`); a layer holding any other weight
+#: :class:`~moefit.runtime.weights.LayerWeights` fields this module reads (or hands to
+#: :func:`~moefit.runtime.layers.deltanet.gated_deltanet`); a layer holding any other weight
 #: takes the torch path.
 KNOWN_WEIGHTS = frozenset({
     "input_norm", "post_norm", "q", "k", "v", "o", "q_bias", "k_bias", "v_bias", "o_bias", "q_norm", "k_norm",
@@ -109,7 +111,7 @@ class _Mat:
 
 def _mat(w) -> _Mat | None:
     """``w`` (a contiguous bf16 / fp16 / fp32 tensor on the CPU, or a
-    :class:`~moefit.runtime.quant.StoredMatrix`) as a :class:`_Mat`; None when the kernels
+    :class:`~moefit.runtime.kernels.quant.StoredMatrix`) as a :class:`_Mat`; None when the kernels
     cannot read it."""
     if isinstance(w, StoredMatrix):
         return _Mat(w.raw.data_ptr(), qmatmul.CTYPES[w.qtype], w.rows, w.cols, w) if qmatmul.supports(w.qtype, w.cols) \
@@ -129,47 +131,8 @@ def _view(ptr: int, n: int, dtype: torch.dtype) -> torch.Tensor:
     return torch.frombuffer((ctypes.c_char * (n * dtype.itemsize)).from_address(ptr), dtype=dtype)
 
 
-class _CMat(ctypes.Structure):
-    """``mf_mat`` of decode_step.c: a weight's address, ggml type, rows x cols."""
-
-    _fields_ = [("p", ctypes.c_void_p), ("type", ctypes.c_int32), ("rows", ctypes.c_int32),
-                ("cols", ctypes.c_int32), ("pad", ctypes.c_int32)]
-
-
-class _CLayer(ctypes.Structure):
-    """``mf_lean_layer`` of decode_step.c: what ``mf_lean_layers`` reads of one layer."""
-
-    _fields_ = [("in_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p),
-                *((n, _CMat) for n in ("q", "k", "v", "o", "router")),
-                *((n, ctypes.c_void_p) for n in ("qb", "kb", "vb", "ob", "qn", "kn", "kc", "vc")),
-                *((n, ctypes.c_int32) for n in ("heads", "kvh", "d", "dv", "cells", "window", "kcode", "vcode",
-                                                "knb", "vnb")),
-                ("scale", ctypes.c_float),
-                *((n, ctypes.c_int32) for n in ("e", "topk", "inter", "gt", "ut", "dt")),
-                *((n, ctypes.c_int64) for n in ("up_off", "down_off", "pchunk")),
-                ("table", ctypes.c_void_p), ("mask", ctypes.c_void_p),
-                ("hits", ctypes.c_int64), ("misses", ctypes.c_int64)]
-
-
-class _CStep(ctypes.Structure):
-    """``mf_lean_step`` of decode_step.c: the step's sizes, flags and buffer addresses."""
-
-    _fields_ = [*((n, ctypes.c_int32) for n in ("t", "h", "ad", "threads", "qk_norm", "renorm", "rot", "pdt")),
-                ("eps", ctypes.c_float), ("off", ctypes.c_float), ("clip", ctypes.c_float),
-                *((n, ctypes.c_void_p) for n in ("hidden", "normed", "delta", "acc", "gscratch", "q", "k", "v", "o",
-                                                 "pos", "slot", "cs", "sn", "rlog", "bptr", "bounds", "tok", "wsel",
-                                                 "stats", "mscratch", "pending"))]
-
-
-def _pchunk(t: int, h: int, inter: int, scratch: int) -> int:
-    """(token, expert) pairs ``mf_moe`` runs at once in ``scratch`` bytes for ``t`` token rows
-    of ``h`` values and experts of width ``inter``: what is left after the rows
-    (:func:`moefit.runtime.qmatmul.moe_scratch_bytes` of no pairs), by the bytes of a pair."""
-    return (scratch - qmatmul.moe_scratch_bytes(t, h, inter, 0)) // qmatmul.pair_bytes(h, inter)
-
-
-def _cmat(m: _Mat) -> _CMat:
-    return _CMat(m.ptr, m.qtype, m.rows, m.cols, 0)
+def _cmat(m: _Mat) -> CMat:
+    return CMat(m.ptr, m.qtype, m.rows, m.cols, 0)
 
 
 class _Buffers:
@@ -215,9 +178,9 @@ class _Layer:
         self.fused = a.kind != "linear" and not a.output_gate and l.moe is not None and self.shared is None \
             and (arch.clip_qkv is None or arch.clip_qkv > 0)
 
-    def c_layer(self) -> _CLayer:
-        """The :class:`_CLayer` of a fused layer (the expert table: :meth:`LeanStep._tables_c`)."""
-        c = _CLayer()
+    def c_layer(self) -> CLayer:
+        """The :class:`CLayer` of a fused layer (the expert table: :meth:`LeanStep._tables_c`)."""
+        c = CLayer()
         c.in_norm, c.post_norm = self.norms
         c.q, c.k, c.v, c.o, c.router = (_cmat(m) for m in (self.q, self.k, self.v, self.o, self.router))
         c.qb, _, c.kb, c.vb, c.ob = self.biases
@@ -271,16 +234,16 @@ class LeanStep:
             self.e_max = max(L.moe.num_experts for L in self.moes)
             self.k_max = max(L.moe.experts_per_token for L in self.moes)
         # the layer loop: runs of fused layers (one mf_lean_layers call each: the address of
-        # the run's first _CLayer, its layer indices) and the others
+        # the run's first CLayer, its layer indices) and the others
         self.fused = [i for i, L in enumerate(self.layers) if L.fused]
-        self.clayers = (_CLayer * len(self.layers))()
+        self.clayers = (CLayer * len(self.layers))()
         for i in self.fused:
             self.clayers[i] = self.layers[i].c_layer()
         self.items: list = []
         for fused, group in itertools.groupby(range(len(self.layers)), key=lambda i: self.layers[i].fused):
             run = list(group)
             if fused:
-                self.items.append((ctypes.addressof(self.clayers) + run[0] * ctypes.sizeof(_CLayer), run))
+                self.items.append((ctypes.addressof(self.clayers) + run[0] * ctypes.sizeof(CLayer), run))
             else:
                 self.items += [self.layers[i] for i in run]
         self._cversion = None
@@ -333,7 +296,7 @@ class LeanStep:
     def applies(self, segs) -> bool:
         """Whether this step of segments ``segs`` runs here: one token per segment, at most
         :data:`MAX_TOKENS`, and every MoE layer's experts on the CPU
-        (:func:`moefit.runtime.moe_batch.applies`, asked once per token count and residency)."""
+        (:func:`moefit.runtime.moe.batch.applies`, asked once per token count and residency)."""
         if self.why is not None or len(segs) > MAX_TOKENS or any(sg.length != 1 for sg in segs):
             return False
         t, ec = len(segs), self.mdl.experts
@@ -366,7 +329,7 @@ class LeanStep:
         return tab
 
     def _tables_c(self) -> None:
-        """Point the fused layers' :class:`_CLayer` at their expert tables (:meth:`_table`),
+        """Point the fused layers' :class:`CLayer` at their expert tables (:meth:`_table`),
         when the cache's residency changed since the last step."""
         if self._cversion == self.mdl.experts.version:
             return
@@ -415,7 +378,7 @@ class LeanStep:
             self._tables_c()
             if self._pchunk_for is not b:    # the chunk of pairs each fused layer runs
                 for i in self.fused:
-                    self.clayers[i].pchunk = _pchunk(t, h, self.clayers[i].inter, mbytes)
+                    self.clayers[i].pchunk = pchunk(t, h, self.clayers[i].inter, mbytes)
                 self._pchunk_for = b
         pending, pdt = None, ad        # the last sublayer's output (address), not yet added to hidden
         for item in self.items:
@@ -455,7 +418,7 @@ class LeanStep:
                 acc.zero_()
                 inter = fmt.gate.rows
                 lib.mf_moe(counts[0], bp, bnp, tp, wp, np_, ad, ap, t, h, inter, *codes, fmt.up.offset,
-                           fmt.down.offset, msp, _pchunk(t, h, inter, mbytes), threads)
+                           fmt.down.offset, msp, pchunk(t, h, inter, mbytes), threads)
                 if L.shared is not None:      # Qwen2-MoE: + sigmoid(gate(x)) * shared(x)
                     delta.copy_(acc)
                     with ws.scope():
@@ -521,7 +484,7 @@ class LeanStep:
         b.bufs = (q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), None if gate is None else gate.data_ptr(),
                   b.pos.data_ptr(), b.slot.data_ptr(), cs.data_ptr(), sn.data_ptr())
         if self.fused:
-            c = b.cstep = _CStep()
+            c = b.cstep = CStep()
             c.t, c.h, c.ad, c.renorm, c.rot = t, h, self.act, int(arch.renormalize), self.rot
             c.qk_norm, c.eps, c.off = {"": 0, "head": 1, "full": 2}[arch.qk_norm], arch.rms_eps, arch.norm_offset
             c.clip = arch.clip_qkv or 0.0
@@ -539,7 +502,7 @@ class LeanStep:
         """Bytes of the step's MoE kernel scratch: room for every (token, expert) pair of the
         step at once when the workspace has it above what the layer loop takes later (so
         ``mf_moe`` runs a layer as one chunk of pairs: four barriers, not four per expert),
-        else :func:`moefit.runtime.moe_batch.scratch_bytes` (a pair at a time at least).
+        else :func:`moefit.runtime.moe.batch.scratch_bytes` (a pair at a time at least).
         Either way within the ``prefill`` line the plan priced for a whole chunk: the step's
         other buffers are those of ``t`` tokens, and the workspace raises past its end."""
         act = self.mdl.arch.dtype

@@ -1,4 +1,4 @@
-/* Quantized matrix products on the CPU, reading ggml blocks as stored (moefit.runtime.qmatmul).
+/* Quantized matrix products on the CPU, reading ggml blocks as stored (moefit.runtime.kernels.qmatmul).
  *
  * Activations are quantized per 32 values, as ggml's CPU backend quantizes them to Q8_0 /
  * Q8_K before its vec_dot kernels (ggml-cpu/quants.c): int8 q = round(x / d), d = max|x| / 127

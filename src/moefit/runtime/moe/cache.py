@@ -1,7 +1,7 @@
 """The expert cache: owns the device expert slots, and runs an expert wherever it lives.
 
 Per MoE layer, ``n`` device slots (the plan's ``experts_per_layer``), each holding one
-packed expert blob (:mod:`moefit.runtime.loader`). Filled at start with the layer's first
+packed expert blob (:mod:`moefit.runtime.load.safetensors`). Filled at start with the layer's first
 ``n`` experts, or with its ``n`` most used ones from a routing profile (JSON
 ``{"layer": {"expert": count}}``, e.g. counts gathered by a previous run).
 
@@ -26,7 +26,7 @@ copied back into ``out``.
 The expert MLP is SwiGLU: ``down(silu(gate(x)) * up(x))`` (transformers
 ``Qwen3MoeExperts.forward``: ``gate, up = linear(x, gate_up_proj[e]).chunk(2)``). Blobs in a
 stored format (``host.formats``: GGUF quant types) run through
-:meth:`moefit.runtime.quant.StoredExpert.swiglu`, which dequantizes each matrix when used,
+:meth:`moefit.runtime.kernels.quant.StoredExpert.swiglu`, which dequantizes each matrix when used,
 into the staging workspace ``ws`` on the device.
 """
 
@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from moefit.errors import InputError
-from moefit.runtime.loader import HostExperts, split_blob
+from moefit.runtime.weights import HostExperts, split_blob
 
 
 @dataclass
@@ -152,8 +152,8 @@ class ExpertCache:
         """Where each of ``experts`` (the layer's experts used by one call, each once, in
         the order they run) lives: its slot index, or None for a miss. Counts a hit or a
         miss for each and refreshes the LRU order of the hits, as :meth:`run` does one
-        expert at a time (the batched paths, :mod:`moefit.runtime.moe_batch` and
-        :mod:`moefit.runtime.moe_device`, count through here)."""
+        expert at a time (the batched paths, :mod:`moefit.runtime.moe.batch` and
+        :mod:`moefit.runtime.moe.device`, count through here)."""
         res, st = self.resident[layer], self.stats[layer]
         out: list[int | None] = []
         for e in experts:

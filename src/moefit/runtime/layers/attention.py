@@ -31,8 +31,8 @@ from __future__ import annotations
 import torch
 
 from moefit.memory.staging import ATTN_KV_BLOCK, ATTN_Q_BLOCK, attention_tile_takes
-from moefit.runtime.kv_cache import KVCache
-from moefit.runtime.staging import Workspace
+from moefit.runtime.buffers.kv_cache import KVCache
+from moefit.runtime.buffers.workspace import Workspace
 
 
 #: Query rows (heads per KV head x chunk tokens) up to which a bf16/fp16 layer multiplies

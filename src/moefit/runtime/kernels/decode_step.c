@@ -1,7 +1,7 @@
-/* The lean decode step's CPU operations (moefit.runtime.decode_step): RMSNorm, RoPE + KV write,
+/* The lean decode step's CPU operations (moefit.runtime.layers.lean_step): RMSNorm, RoPE + KV write,
  * attention of one query token per sequence over the KV cache, top-k routing grouped by expert.
  *
- * Built into the same library as qmatmul.c (moefit.runtime.qmatmul loads both). Each
+ * Built into the same library as qmatmul.c (moefit.runtime.kernels.qmatmul loads both). Each
  * operation follows the torch code it replaces step by step and rounds where that code
  * rounds: a value stored in the compute dtype (bf16 / fp16) is rounded to nearest even at
  * the same point, the arithmetic between is fp32 (torch's CPU kernels compute bf16 ops in
@@ -9,7 +9,7 @@
  *
  * dtype codes (as qmatmul.c's float types): 0 fp32, 1 fp16, 2 bf16.
  * KV codec codes: 0 / 1 / 2 plain fp32 / fp16 / bf16; 8 q8 (GGML block_q8_0); 9 q4
- * (GGML block_q4_0) -- the layouts of moefit.runtime.kv_codec.
+ * (GGML block_q4_0) -- the layouts of moefit.runtime.buffers.kv_codec.
  */
 #include <math.h>
 #include <stdint.h>
@@ -112,7 +112,7 @@ void mf_rmsnorm(int rows, int dim, void *h, const void *delta, int ddt, const vo
     }
 }
 
-/* ---- KV codecs (moefit.runtime.kv_codec), one head vector ---------------------------------- */
+/* ---- KV codecs (moefit.runtime.buffers.kv_codec), one head vector ---------------------------------- */
 static void kv_encode(const float *x, int d, int codec, uint8_t *dst) {
     if (codec <= D_BF16) { for (int i = 0; i < d; i++) st(dst, codec, i, x[i]); return; }
     int nb = (d + 31) / 32;
@@ -182,7 +182,7 @@ static void kv_decode(const uint8_t *src, int d, int codec, int dt, float *y) {
     }
 }
 
-/* ---- RoPE + KV write (moefit.runtime.rope.Rotary, moefit.runtime.kv_cache.KVCache.write) ----
+/* ---- RoPE + KV write (moefit.runtime.layers.rope.Rotary, moefit.runtime.buffers.kv_cache.KVCache.write) ----
  * mf_rope_table: cos / sin [T, rot/2] (fp32 values of dtype dt) of the T positions pos[t]:
  * (cos|sin)(pos * inv_freq[i]) * scaling rounded to dt, computed in fp32 as transformers'
  * rotary embedding does; once per step, shared by the layers. */
@@ -255,7 +255,7 @@ void mf_rope_kv(int T, void *q, int A, void *k, int Kh, const void *v, int D, in
     }
 }
 
-/* ---- attention of one query token per sequence (moefit.runtime.attention.attend) -----------
+/* ---- attention of one query token per sequence (moefit.runtime.layers.attention.attend) -----------
  * Token t (query q [T, A, D], dtype dt) at position pos[t] of slot slot[t] attends to the
  * cached positions lo .. pos[t] (lo = pos - window + 1 on a sliding layer, window 0: 0);
  * query head a reads KV head a / (A / Kh) (GQA). Scores q . k * scale and the softmax in fp32
@@ -506,7 +506,7 @@ void mf_route(int T, int E, int k, const void *logits, int dt, int renorm, const
     stats[0] = n; stats[1] = hits; stats[2] = misses;
 }
 
-/* ---- whole layers in one call (moefit.runtime.decode_step.LeanStep.run) --------------------
+/* ---- whole layers in one call (moefit.runtime.layers.lean_step.LeanStep.run) --------------------
  * A run of layers whose every operation is above: RMSNorm (+ the pending residual), q / k / v
  * (+ biases), q/k norm, RoPE + KV write, attention, the output projection (+ bias), RMSNorm
  * (+ residual), the router, top-k routing and the routed experts. The same calls in the same
@@ -514,7 +514,7 @@ void mf_route(int T, int E, int k, const void *logits, int dt, int renorm, const
  * call per step instead of about a dozen per layer (each a Python-side conversion of its
  * arguments and a release and re-take of the interpreter lock, which a serving thread on the
  * other core may hold). Layout: mf_lean_layer / mf_lean_step, mirrored by ctypes structures
- * in decode_step.py (same field order and types). */
+ * in kernels/lean_abi.py (same field order and types). */
 void mf_gemm_ex(int t, const uint8_t *W, int N, int K, const void *x, int xdt, int n, void *y, int ydt,
                 const void *bias, uint8_t *scratch, int nthreads);
 void mf_moe(int n_exp, const uint8_t *const *blobs, const int64_t *bounds, const int64_t *tok,

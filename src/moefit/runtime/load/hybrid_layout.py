@@ -1,6 +1,6 @@
 """Checkpoint layout of the Qwen3-Next / Qwen3.5 hybrids, and how the loader packs it.
 
-The forward pass (:mod:`moefit.runtime.deltanet`, the gated attention of
+The forward pass (:mod:`moefit.runtime.layers.deltanet`, the gated attention of
 :mod:`moefit.runtime.model`) wants each projection in one matmul with its outputs in
 contiguous, head-major groups. The checkpoints store them in two other orders, so a few
 tensors are reordered once, at load (:class:`Packed`); the packed tensor has exactly the

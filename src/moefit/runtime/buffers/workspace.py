@@ -22,7 +22,7 @@ chunk by construction, as the planner prices it (:mod:`moefit.memory.staging`).
 
 The most bytes in use at once is reported to the ledger (``used_peak`` of ``prefill``).
 A request beyond the buffer (or beyond the region) raises
-:class:`~moefit.runtime.ledger.BudgetError` on the ``prefill`` line: the staging model
+:class:`~moefit.runtime.buffers.ledger.BudgetError` on the ``prefill`` line: the staging model
 under-priced this chunk, and the run stops the way a GPU would, with the line named.
 
 Every tensor of a chunk comes from here except a few scalars and index vectors that torch
@@ -38,7 +38,7 @@ import torch
 
 from moefit.memory.staging import WORKSPACE_ALIGN as ALIGN
 from moefit.memory.staging import Take
-from moefit.runtime.ledger import BudgetError, Ledger
+from moefit.runtime.buffers.ledger import BudgetError, Ledger
 
 #: the torch dtypes of the planner's layout dtype names (``"act"``: the compute dtype)
 LAYOUT_DTYPES = {"f32": torch.float32, "i64": torch.int64, "u8": torch.uint8, "bool": torch.bool}

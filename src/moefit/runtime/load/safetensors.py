@@ -25,13 +25,13 @@ host budget): a resident expert straight into its device slot, the others into h
 (pinned when the device is CUDA: asynchronous host-to-device copies), so the host never
 holds a resident expert. gpt-oss's fused experts (with biases; bf16 or mxfp4 kept as
 stored) are read one expert's slice at a time into a uint8 blob of their own layout
-(:mod:`moefit.runtime.gpt_oss_experts`).
+(:mod:`moefit.runtime.moe.gpt_oss`).
 
 Block-scaled fp8 checkpoints (``quant_method: fp8``: DeepSeek-V3 / R1, Kimi-K2): each F8_E4M3
 weight with its ``weight_scale_inv`` stays as stored, as priced: a dense one as a
-:class:`~moefit.runtime.quant.Fp8Matrix` (dequantized into the staging workspace when used),
+:class:`~moefit.runtime.kernels.quant.Fp8Matrix` (dequantized into the staging workspace when used),
 the experts as stored blobs of e4m3 bytes and fp32 scales
-(:meth:`~moefit.runtime.quant.StoredExpert.pack_fp8`), dequantized when they run.
+(:meth:`~moefit.runtime.kernels.quant.StoredExpert.pack_fp8`), dequantized when they run.
 
 Errors (:class:`~moefit.errors.InputError`): a missing tensor (named, with the file the
 index points to or the files searched), a tensor of the wrong shape (named, with its file,
@@ -39,14 +39,13 @@ the shape found and the shape the config implies), no safetensors files.
 
 Hybrids (Qwen3-Next / Qwen3.5): the text model's tensors sit under ``Arch.prefix``
 (``model.language_model.`` in a multimodal checkpoint, whose vision tower is not read); a
-few projections are regrouped at load (:mod:`moefit.runtime.hybrid_layout`).
+few projections are regrouped at load (:mod:`moefit.runtime.load.hybrid_layout`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -57,143 +56,13 @@ from moefit.errors import InputError
 from moefit.ingest.families import gpt_oss
 from moefit.ingest.families.common import FP32_TENSORS
 from moefit.ingest.geometry import LayerSpec, ModelGeometry
-from moefit.runtime import gpt_oss_experts
+from moefit.runtime.moe import gpt_oss as gpt_oss_experts
 from moefit.runtime.arch import Arch
-from moefit.runtime.hybrid_layout import Packed, gated_q, linear_attention_entries, sources
-from moefit.runtime.quant import FP8, Fp8Matrix, StoredExpert, fp8_scale_shape
+from moefit.runtime.load.hybrid_layout import Packed, gated_q, linear_attention_entries, sources
+from moefit.runtime.kernels.quant import FP8, Fp8Matrix, StoredExpert, fp8_scale_shape
+from moefit.runtime.weights import ExpertSource, Weights, assemble_weights
 
 Alloc = Callable[[tuple[int, ...], torch.dtype], torch.Tensor]
-
-
-@dataclass
-class LayerWeights:
-    """Resident (device) weights of one decoder layer; ``None`` where the family has none.
-
-    Linear weights are ``[out_features, in_features]`` as ``torch.nn.Linear`` stores them.
-    """
-
-    input_norm: torch.Tensor = None          # [H]
-    post_norm: torch.Tensor = None           # [H]
-    q: torch.Tensor = None                   # [A*D, H]
-    k: torch.Tensor = None                   # [K*D, H]
-    v: torch.Tensor = None                   # [K*Dv, H]
-    o: torch.Tensor = None                   # [H, A*Dv]
-    q_bias: torch.Tensor | None = None
-    k_bias: torch.Tensor | None = None
-    v_bias: torch.Tensor | None = None
-    o_bias: torch.Tensor | None = None
-    sinks: torch.Tensor | None = None        # [A] gpt-oss attention sinks
-    q_norm: torch.Tensor | None = None       # [D] (per head) or [A*D] (all heads)
-    k_norm: torch.Tensor | None = None
-    router: torch.Tensor | None = None       # [E, H]
-    router_bias: torch.Tensor | None = None  # [E] gpt-oss: added to the logits; DeepSeek / GLM: fp32 e_score_correction_bias
-    shared_gate: torch.Tensor | None = None  # [Is, H]
-    shared_up: torch.Tensor | None = None    # [Is, H]
-    shared_down: torch.Tensor | None = None  # [H, Is]
-    shared_expert_gate: torch.Tensor | None = None  # [1, H]
-    dense_gate: torch.Tensor | None = None   # [Id, H]
-    dense_up: torch.Tensor | None = None
-    dense_down: torch.Tensor | None = None   # [H, Id]
-    # Gated DeltaNet (linear-attention layers; see moefit.runtime.hybrid_layout)
-    la_qkvz: torch.Tensor | None = None      # [C + Nv*Dv, H]
-    la_ba: torch.Tensor | None = None        # [2*Nv, H]
-    la_conv: torch.Tensor | None = None      # [C, 1, K]
-    la_dt_bias: torch.Tensor | None = None   # [Nv]
-    la_a_log: torch.Tensor | None = None     # [Nv]
-    la_norm: torch.Tensor | None = None      # [Dv]
-    la_out: torch.Tensor | None = None       # [H, Nv*Dv]
-    # MLA (DeepSeek; see mla_plan): L kv_lora_rank, R qk_rope_head_dim, Q q_lora_rank
-    q_a: torch.Tensor | None = None          # [Q, H]
-    q_a_bias: torch.Tensor | None = None     # [Q]
-    q_a_norm: torch.Tensor | None = None     # [Q]
-    q_b: torch.Tensor | None = None          # [A*(nope+R), Q]
-    kv_a: torch.Tensor | None = None         # [L+R, H]
-    kv_a_bias: torch.Tensor | None = None    # [L+R]
-    kv_a_norm: torch.Tensor | None = None    # [L]
-    kv_b: torch.Tensor | None = None         # [A*(nope+Dv), L]  (or k_b and v_b:)
-    k_b: torch.Tensor | None = None          # [A, L, nope]
-    v_b: torch.Tensor | None = None          # [A, Dv, L]
-
-
-@dataclass
-class Weights:
-    """Resident weights: embeddings ``[V, H]``, final norm ``[H]``, lm_head ``[V, H]``
-    (the embedding itself when tied), and the layers."""
-
-    embed: torch.Tensor
-    norm: torch.Tensor
-    lm_head: torch.Tensor
-    layers: list[LayerWeights]
-
-
-@dataclass
-class HostExperts:
-    """Packed expert blobs in host memory, per MoE layer: the experts that are not
-    resident on a device (every expert with ``--miss-policy copy``).
-
-    ``blobs[layer]``: ``[rows, 3 * I * H]`` in the model dtype, one row per expert held
-    (``rows[layer]``: expert -> row); ``experts[layer]``: the layer's expert count E;
-    ``elems[layer]``: elements of one blob; ``inter[layer]``: the expert width I;
-    ``hidden``: H. ``formats[layer]``: for experts kept in a stored (quantized) format, the
-    blob layout (:class:`moefit.runtime.quant.StoredExpert`); their blobs are uint8.
-    ``mapped``: the experts without a row are read from the file's pages when they run
-    (``--host-experts mmap``), gathered into ``gather_buf`` by ``source``.
-    """
-
-    hidden: int
-    dtype: torch.dtype
-    blobs: dict[int, torch.Tensor] = field(default_factory=dict)
-    inter: dict[int, int] = field(default_factory=dict)
-    formats: dict[int, object] = field(default_factory=dict)
-    rows: dict[int, dict[int, int]] = field(default_factory=dict)
-    experts: dict[int, int] = field(default_factory=dict)
-    elems: dict[int, int] = field(default_factory=dict)
-    mapped: bool = False
-    source: "ExpertSource | None" = None
-    gather_buf: torch.Tensor | None = None
-    #: rows added after the commit for experts a shrinking cache gave up (:meth:`keep`),
-    #: and where they are allocated (``spill(elems, dtype)``: the host ledger)
-    extra: dict[int, dict[int, torch.Tensor]] = field(default_factory=dict)
-    spill: object = None
-
-    def keep(self, layer: int, expert: int, src: torch.Tensor) -> None:
-        """Give ``expert`` a host copy of ``src`` (its slot, about to be released) unless
-        the host holds or maps it already."""
-        if self.mapped or expert in self.rows.get(layer, {}) or expert in self.extra.get(layer, {}):
-            return
-        alloc = self.spill or (lambda n, dt: torch.empty(n, dtype=dt))
-        t = alloc(self.elems[layer], self.dtype)
-        t.copy_(src)
-        self.extra.setdefault(layer, {})[expert] = t
-
-    def blob_elems(self, layer: int) -> int:
-        return self.elems[layer]
-
-    def blob_bytes(self, layer: int) -> int:
-        return self.elems[layer] * self.dtype.itemsize
-
-    def blob(self, layer: int, expert: int) -> torch.Tensor:
-        """Expert ``expert``'s blob ``[elems]`` in host memory: its row, or (mapped) its
-        bytes gathered from the file into ``gather_buf`` (valid until the next call).
-        Raises KeyError for an expert the host does not hold (a resident one)."""
-        row = self.rows[layer].get(expert)
-        if row is not None:
-            return self.blobs[layer][row]
-        kept = self.extra.get(layer, {}).get(expert)
-        if kept is not None:
-            return kept
-        if not self.mapped:
-            raise KeyError(f"layer {layer} expert {expert} is resident; the host holds no copy")
-        out = self.gather_buf[:self.elems[layer]]
-        self.source.read(layer, {expert: out})
-        return out
-
-
-def split_blob(blob: torch.Tensor, inter: int, hidden: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Views of a packed blob ``[3 I H]``: gate+up ``[2I, H]`` and down ``[H, I]``."""
-    gu = blob[:2 * inter * hidden].view(2 * inter, hidden)
-    down = blob[2 * inter * hidden:].view(hidden, inter)
-    return gu, down
 
 
 class _Index(HeaderIndex):
@@ -349,7 +218,7 @@ def moe_extras_plan(m, hidden: int, arch: Arch, name) -> list[tuple[str, str, tu
 def _expert_plan(l: LayerSpec, geom: ModelGeometry, arch: Arch, index: _Index):
     """``("fused", gate_up name, down name)``, ``("per_expert", [(g, u, d) per expert])``
     or, for experts with biases (gpt-oss), ``("biased", {part: name}, layout)``
-    (:func:`moefit.runtime.gpt_oss_experts.hf_expert_names`, :func:`~moefit.runtime.gpt_oss_experts.hf_layout`)."""
+    (:func:`moefit.runtime.moe.gpt_oss.hf_expert_names`, :func:`~moefit.runtime.moe.gpt_oss.hf_layout`)."""
     m, h, p = l.moe, geom.hidden_size, f"{arch.prefix}layers.{l.index}."
     i = m.expert_intermediate
     if arch.clamped_swiglu is not None:
@@ -389,15 +258,6 @@ def _fp8_block(geom: ModelGeometry, index: _Index, name: str) -> tuple[int, int]
     return tuple(geom.quant.block_size)
 
 
-def fp8_matrices(weights: "Weights") -> list[Fp8Matrix]:
-    """Every block-scaled fp8 matrix of the resident weights (the engine hands them the
-    staging workspace they dequantize into)."""
-    out = [w for w in (weights.embed, weights.norm, weights.lm_head) if isinstance(w, Fp8Matrix)]
-    for lw in weights.layers:
-        out += [v for v in vars(lw).values() if isinstance(v, Fp8Matrix)]
-    return out
-
-
 def resident_dtype(name, dtype: torch.dtype) -> torch.dtype:
     """The dtype a resident tensor is held in: ``dtype`` (the compute dtype), or fp32 for
     the tensors :data:`moefit.ingest.families.common.FP32_TENSORS` names (the weight
@@ -405,55 +265,8 @@ def resident_dtype(name, dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if isinstance(name, str) and name.endswith(FP32_TENSORS) else dtype
 
 
-def assemble_weights(glob, layer_plans, resident) -> "Weights":
-    """The resident (non-expert) weights: ``resident(name, shape)`` allocates and fills
-    each tensor of the global plan ``glob`` ``[(attr, name, shape)]`` and of every layer's
-    plan; a tied model reuses the embeddings as ``lm_head``. Shared by the safetensors
-    and GGUF loaders."""
-    g = {attr: resident(name, shape) for attr, name, shape in glob}
-    layers = []
-    for lp in layer_plans:
-        lw = LayerWeights()
-        for attr, name, shape in lp:
-            setattr(lw, attr, resident(name, shape))
-        layers.append(lw)
-    return Weights(g["embed"], g["norm"], g.get("lm_head", g["embed"]), layers)
-
-
 def _no_transient(nbytes: int):
     return contextlib.nullcontext()
-
-
-class ExpertSource:
-    """The experts of a checkpoint, read when the engine knows where each one goes.
-
-    ``layers``: the MoE layer indices; ``experts[layer]``, ``elems[layer]``,
-    ``inter[layer]``, ``formats[layer]`` and ``dtype`` describe the blobs (as in
-    :class:`HostExperts`). :meth:`read` copies experts into given blob tensors, :meth:`close`
-    ends the reading (the files' handles or maps, the progress bar).
-    """
-
-    hidden: int
-    dtype: torch.dtype
-    experts: dict[int, int]
-    elems: dict[int, int]
-    inter: dict[int, int]
-    formats: dict[int, object]
-
-    @property
-    def layers(self) -> list[int]:
-        return list(self.experts)
-
-    def read(self, layer: int, targets: dict[int, torch.Tensor]) -> None:
-        raise NotImplementedError
-
-    def close(self) -> None:
-        pass
-
-    def host_experts(self) -> HostExperts:
-        """An empty :class:`HostExperts` of this source's layout (rows added by the engine)."""
-        return HostExperts(self.hidden, self.dtype, inter=dict(self.inter), formats=dict(self.formats),
-                           experts=dict(self.experts), elems=dict(self.elems))
 
 
 class _SafetensorsExperts(ExpertSource):

@@ -21,7 +21,7 @@ import torch
 
 from moefit.ingest.geometry import Routing
 from moefit.memory.staging import grouped_route_takes
-from moefit.runtime.staging import Workspace
+from moefit.runtime.buffers.workspace import Workspace
 
 
 def route_grouped(logits: torch.Tensor, top_k: int, r: Routing, renormalize: bool,

@@ -33,7 +33,7 @@ which is what the reference's zero padding amounts to (padded tokens have ``k = 
 (decode) runs the recurrent form (``torch_recurrent_gated_delta_rule``).
 
 Every tensor of a chunk comes from the staging workspace; the state lives in the ``kv``
-buffer (:mod:`moefit.runtime.linear_state`) and is updated in place.
+buffer (:mod:`moefit.runtime.buffers.linear_state`) and is updated in place.
 """
 
 from __future__ import annotations
@@ -45,8 +45,8 @@ import torch.nn.functional as F
 
 from moefit.ingest.geometry import AttentionSpec
 from moefit.memory.staging import DELTA_CHUNK, delta_block_takes
-from moefit.runtime.linear_state import LayerState
-from moefit.runtime.staging import Workspace
+from moefit.runtime.buffers.linear_state import LayerState
+from moefit.runtime.buffers.workspace import Workspace
 
 F32 = torch.float32
 L2_EPS = 1e-6   #: ``l2norm``'s eps in the reference (matches the FLA kernels)
@@ -212,7 +212,7 @@ def gated_deltanet(a: AttentionSpec, lw, x: torch.Tensor, st: LayerState, slot: 
 
     ``lw``: the layer's weights (``la_qkvz`` ``[C + Nv Dv, H]``, ``la_ba`` ``[2 Nv, H]``,
     ``la_conv`` ``[C, 1, K]``, ``la_dt_bias`` / ``la_a_log`` ``[Nv]``, ``la_norm``
-    ``[Dv]``, ``la_out`` ``[H, Nv Dv]``; :mod:`moefit.runtime.hybrid_layout` packs the
+    ``[Dv]``, ``la_out`` ``[H, Nv Dv]``; :mod:`moefit.runtime.load.hybrid_layout` packs the
     checkpoint's projections into this order). ``st``: the layer's state, sequence
     ``slot``. ``eps``: ``rms_norm_eps`` of the gated norm.
     """

@@ -3,18 +3,18 @@
 :func:`run_layer` takes the router's top-k choice of a chunk (``ids``, ``weights``
 ``[T, k]``), groups the (token, expert) pairs by expert with one stable sort, reads the
 used experts back once (one host read per layer, none per expert), counts hits and misses
-as :meth:`~moefit.runtime.experts.ExpertCache.run` does (once per expert per call, the LRU
+as :meth:`~moefit.runtime.moe.cache.ExpertCache.run` does (once per expert per call, the LRU
 order refreshed), and hands the addresses of the experts' blobs -- the resident slot, or
-the host blob for a miss -- to :func:`moefit.runtime.qmatmul.moe`, which runs gate, up,
+the host blob for a miss -- to :func:`moefit.runtime.kernels.qmatmul.moe`, which runs gate, up,
 SwiGLU, down and the weighted combine for all of them in C. It applies where the expert
 blobs and the activations are CPU memory (a simulated device, misses computed on the
 host): :func:`applies` says when.
 
 Plain float blobs (bf16 / fp16 / fp32 checkpoints, ``[gate | up | down]`` rows) are
-described by a :class:`~moefit.runtime.quant.StoredExpert` of that float type, so one
+described by a :class:`~moefit.runtime.kernels.quant.StoredExpert` of that float type, so one
 kernel serves both.
 
-Scratch: the kernel's buffers (:func:`moefit.runtime.qmatmul.moe_scratch_bytes` per token)
+Scratch: the kernel's buffers (:func:`moefit.runtime.kernels.qmatmul.moe_scratch_bytes` per token)
 come from the staging workspace, in place of the per-expert buffers of the one-by-one path
 (its input rows ``[T, H]``, gate/up output ``[T, 2I]``, output ``[T, H]`` and fp32 copy),
 so the staging the planner prices for a chunk covers it: :func:`scratch_bytes`.
@@ -27,8 +27,8 @@ import functools
 import torch
 
 from moefit.memory.host import device_expert_path
-from moefit.runtime import qmatmul
-from moefit.runtime.quant import StoredExpert
+from moefit.runtime.kernels import qmatmul
+from moefit.runtime.kernels.quant import StoredExpert
 
 #: torch dtype of a plain blob -> ggml type name
 FLOAT_TYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
@@ -52,7 +52,7 @@ def layer_format(cache, layer: int) -> StoredExpert | None:
 #: :func:`run_layer` runs a chunk whose experts get at most this many tokens each on
 #: average (the (token, expert) pairs over the layer's experts), by the ggml type of the
 #: expert's matrices (the smallest over gate, up and down); larger chunks (prefill) run
-#: expert by expert, each matrix dequantized (C, :func:`moefit.runtime.qmatmul.dequantize`)
+#: expert by expert, each matrix dequantized (C, :func:`moefit.runtime.kernels.qmatmul.dequantize`)
 #: and multiplied by ``torch.mm`` (oneDNN's bf16 kernels). Measured on the CI machine
 #: (AMD EPYC, one thread) with the 1.37B Qwen3-MoE-shaped files of
 #: ``benchmarks/vs_llamacpp.py`` (hidden 1024, 64 experts of width 512, 8 active), one
@@ -75,7 +75,7 @@ def max_tokens_per_expert(fmt: StoredExpert) -> int:
 
 def applies(cache, layer: int, x: torch.Tensor, experts_per_token: int) -> bool:
     """Whether :func:`run_layer` runs ``layer`` for activations ``x`` ``[T, H]``: the C
-    kernels are built and read ``x``'s dtype (fp32 / bf16: :func:`moefit.runtime.qmatmul.reads`;
+    kernels are built and read ``x``'s dtype (fp32 / bf16: :func:`moefit.runtime.kernels.qmatmul.reads`;
     an fp16 model runs expert by expert), the device expert path is not forced
     (:data:`moefit.memory.host.EXPERT_PATH_ENV`), ``x`` and every blob the layer may read are CPU memory (misses
     computed on the host: ``--miss-policy cpu``), the kernels read the layer's types and
@@ -98,7 +98,7 @@ def scratch_bytes(tokens: int, hidden: int, inter: int, act: torch.dtype) -> int
     """Workspace bytes :func:`run_layer` takes for a chunk of ``tokens``: the bytes of the
     one-by-one path's buffers for the chunk (``[T, H]`` input rows, ``[T, 2I]`` gate/up,
     ``[T, H]`` output, and its ``[T, H]`` fp32 copy unless ``act`` is fp32), and at least
-    the kernel's token rows and one pair (:func:`moefit.runtime.qmatmul.moe_scratch_bytes`)."""
+    the kernel's token rows and one pair (:func:`moefit.runtime.kernels.qmatmul.moe_scratch_bytes`)."""
     e = act.itemsize
     old = tokens * (2 * hidden * e + 2 * inter * e + (0 if act == torch.float32 else 4 * hidden))
     return max(old, qmatmul.moe_scratch_bytes(tokens, hidden, inter, 1))
@@ -109,11 +109,11 @@ def run_layer(cache, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: to
     """``acc[t] += sum_j weights[t, j] * expert_{ids[t, j]}(x[t])`` for ``layer``.
 
     Args:
-        cache: the :class:`~moefit.runtime.experts.ExpertCache` (hits / misses counted).
+        cache: the :class:`~moefit.runtime.moe.cache.ExpertCache` (hits / misses counted).
         x: ``[T, H]`` fp32 or bf16 (contiguous, CPU).
         ids: int64 ``[T, k]``; weights: fp32 ``[T, k]``.
         acc: fp32 ``[T, H]``, added to.
-        scratch: uint8, at least :func:`moefit.runtime.qmatmul.moe_scratch_bytes` ``(T, H, I, 1)``.
+        scratch: uint8, at least :func:`moefit.runtime.kernels.qmatmul.moe_scratch_bytes` ``(T, H, I, 1)``.
 
     Returns ``acc``.
     """
