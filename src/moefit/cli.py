@@ -29,7 +29,7 @@ from moefit.engines.sglang import ENGINE as SGLANG
 from moefit.engines.vllm import ENGINE as VLLM
 from moefit.flags import (add_engine_flags, add_model_files_flags, add_plan_flags,
                           add_sampling_flags, add_serve_flags, check_engine_flags,
-                          device_from_args, devices_from_args, llama_ftype, llama_request_from_args,
+                          device_from_args, devices_from_args, host_from_args, llama_ftype, llama_request_from_args,
                           normalize_argv, plan_from_args, serve_request_from_args)
 from moefit.ingest.checkpoint import describe_weights
 from moefit.ingest.inputs import is_gguf_file
@@ -37,6 +37,7 @@ from moefit.ingest.resolve import format_models_table, list_presets, load_model
 from moefit.memory.kv import kv_bytes, kv_format
 from moefit.memory.staging import staging_model
 from moefit.plan.report import format_json, format_table
+from moefit.plan.solver import Alternative
 from moefit.tools.demo import FAMILIES as DEMO_FAMILIES
 from moefit.units import format_bytes
 
@@ -58,6 +59,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     geom = load_model(args.model)
     devices = devices_from_args(args)
     plan = plan_from_args(geom, devices, args)
+    if not plan.fits and len(devices) == 1:
+        plan = dataclasses.replace(plan, alternatives=(*plan.alternatives,
+                                                       *_llamacpp_alternatives(geom, devices[0], args)))
     if args.json:
         print(format_json(plan))
     else:
@@ -76,10 +80,31 @@ def _plan_llamacpp(args: argparse.Namespace) -> int:
     if is_gguf_file(args.model):
         tensors = llamacpp.tensors_from_header(args.model)
     else:
-        tensors, note = llamacpp.tensors_from_geometry(geom, llama_ftype(args))
+        tensors, note = llamacpp.tensors_from_geometry(geom, llama_ftype(args, geom))
         req = dataclasses.replace(req, notes=(note, *req.notes))
-    plan = llamacpp.solve_llamacpp(geom, tensors, device, req)
+    plan = llamacpp.solve_llamacpp(geom, tensors, device, req, host_mem=host_from_args(args, (device,)))
     return _print_engine_plan(args, plan, llamacpp.plan_document, llamacpp.format_plan, llamacpp.format_verbose)
+
+
+def _llamacpp_alternatives(geom, device, args: argparse.Namespace) -> list[Alternative]:
+    """When moefit's plan does not fit one device: ``--engine llama.cpp`` (the GGUF file, or
+    the one of the family's released mix) with the same flags, or with one of that plan's
+    own ``fits with:`` changes, when it fits (the device and the host alike); none when the
+    flags have no llama.cpp meaning or the family has no GGUF architecture."""
+    try:
+        req = llama_request_from_args(geom, args)
+        if is_gguf_file(args.model):
+            tensors, what = llamacpp.tensors_from_header(args.model), "llama-server with this GGUF file"
+        else:
+            ftype = llama_ftype(args, geom)
+            tensors, _ = llamacpp.tensors_from_geometry(geom, ftype)
+            what = f"llama-server with the GGUF of llama-quantize {ftype}"
+        lp = llamacpp.solve_llamacpp(geom, tensors, device, req, host_mem=host_from_args(args, (device,)))
+    except InputError:
+        return []
+    if lp.fits:
+        return [Alternative("--engine", "llama.cpp", what)]
+    return [Alternative("--engine", "llama.cpp", what, also=((a.flag, a.value),)) for a in lp.alternatives]
 
 
 def _plan_serving(args: argparse.Namespace) -> int:

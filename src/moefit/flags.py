@@ -36,8 +36,9 @@ from moefit.engines.llamacpp import DEFAULT_KV as LLAMA_KV
 from moefit.engines.llamacpp import MAX_CTX as LLAMA_MAX_CTX
 from moefit.engines.llamacpp import MAX_SEQ as LLAMA_MAX_SEQ
 from moefit.engines.llamacpp import pad_cells as _pad_cells
+from moefit.engines.llamacpp import LOAD_MODES as LLAMA_LOAD_MODES
 from moefit.engines.llamacpp import LlamaRequest, kv_types
-from moefit.engines.llamacpp_quant import DEFAULT_FTYPE, ftype_name
+from moefit.engines.llamacpp_quant import default_ftype, ftype_name
 from moefit.engines.serving import BATCH_GRID, ServeRequest
 from moefit.errors import InputError
 from moefit.ingest.geometry import ModelGeometry
@@ -160,6 +161,12 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                      help="--engine llama.cpp with a Hugging Face model: plan the GGUF that "
                           "llama-quantize FTYPE would write (default Q4_K_M; Q8_0, Q6_K, Q5_K_M, "
                           "Q4_K_S, MXFP4_MOE, ...)")
+    eng.add_argument("--load-mode", choices=LLAMA_LOAD_MODES, default=None,
+                     help="--engine llama.cpp: how llama-server holds the tensors kept on the CPU "
+                          "(its -lm): mmap (default: the file's pages), none (a copy), mlock, "
+                          "mmap+mlock")
+    eng.add_argument("--no-kv-offload", action="store_true",
+                     help="--engine llama.cpp: the KV cache in host memory (llama-server -nkvo)")
     eng.add_argument("--gpus", type=int, default=None, metavar="N",
                      help="--engine vllm|sglang: GPUs in all (default 1), each a --gpu / --vram card")
     eng.add_argument("--nodes", type=int, default=None, metavar="M",
@@ -299,6 +306,7 @@ def llama_request_from_args(geom: ModelGeometry, args: argparse.Namespace) -> Ll
     if wants_max_context(args):
         raise InputError("--max-context max is not planned with --engine llama.cpp; give a "
                          "number of tokens (e.g. --max-context 128K)")
+    mode = getattr(args, "load_mode", None) or "mmap"
     tk, tv = kv_types(args.kv) if args.kv is not None else (LLAMA_KV, LLAMA_KV)
     ub, ub_min = llama_ubatch(args.prefill, args.prefill_min)
     slots = slots_of(args)
@@ -334,16 +342,20 @@ def llama_request_from_args(geom: ModelGeometry, args: argparse.Namespace) -> Ll
     return LlamaRequest(context=context, slots=slots, ubatch=ub, batch=max(LLAMA_BATCH, ub),
                         type_k=tk, type_v=tv, margin=req.reserve_bytes,
                         ubatch_min=min(ub_min, ub), strict=req.strict,
-                        gguf=str(args.model) if is_gguf_file(args.model) else f"{geom.name}-{llama_ftype(args)}.gguf",
-                        extra_flags=extra, notes=notes, device=llama_device(args.device))
+                        gguf=str(args.model) if is_gguf_file(args.model) else f"{geom.name}-{llama_ftype(args, geom)}.gguf",
+                        extra_flags=extra, notes=notes, device=llama_device(args.device),
+                        mmap=mode.startswith("mmap"), mlock=mode.endswith("mlock"),
+                        kv_offload=not getattr(args, "no_kv_offload", False),
+                        host_margin=_mib_bytes(getattr(args, "host_reserve_mib", None), "--host-reserve-mib"))
 
 
-def llama_ftype(args: argparse.Namespace) -> str:
-    """``--gguf-type`` (default ``Q4_K_M``, the most used mix): the ``llama-quantize`` file
-    type a Hugging Face model is planned in with ``--engine llama.cpp``
-    (:func:`moefit.engines.llamacpp_quant.ftype_name`). Raises InputError."""
+def llama_ftype(args: argparse.Namespace, geom: ModelGeometry) -> str:
+    """``--gguf-type``: the ``llama-quantize`` file type a Hugging Face model ``geom`` is
+    planned in with ``--engine llama.cpp`` (:func:`moefit.engines.llamacpp_quant.ftype_name`);
+    by default the family's released mix (``MXFP4_MOE`` for gpt-oss, else ``Q4_K_M``:
+    :func:`moefit.engines.llamacpp_quant.default_ftype`). Raises InputError."""
     text = getattr(args, "gguf_type", None)
-    return ftype_name(text) if text is not None else DEFAULT_FTYPE
+    return ftype_name(text) if text is not None else default_ftype(geom)
 
 
 def llama_device(device: str | None) -> str:
@@ -383,6 +395,11 @@ def check_engine_flags(args: argparse.Namespace) -> None:
     if getattr(args, "gguf_type", None) is not None and engine != "llama.cpp":
         raise InputError(f"--gguf-type {args.gguf_type}: a GGUF type mix is planned with --engine "
                          "llama.cpp; add it, or drop --gguf-type")
+    for flag, given in (("--load-mode", getattr(args, "load_mode", None) is not None),
+                        ("--no-kv-offload", getattr(args, "no_kv_offload", False))):
+        if given and engine != "llama.cpp":
+            raise InputError(f"{flag} is llama-server's (--engine llama.cpp); add --engine llama.cpp, "
+                             f"or drop {flag}")
     if engine in ("vllm", "sglang"):
         return
     for name in PARALLEL_FLAGS:

@@ -51,6 +51,19 @@ FTYPES = {"F32": "F32", "F16": "F16", "BF16": "BF16", "Q8_0": "Q8_0", "Q4_0": "Q
 _FLOATS = ("F32", "F16", "BF16")
 #: ``--gguf-type`` when it is not given: the mix most GGUF releases and users pick
 DEFAULT_FTYPE = "Q4_K_M"
+#: GGUF architectures whose released files are another mix than :data:`DEFAULT_FTYPE`:
+#: gpt-oss is released with MXFP4 experts (OpenAI's checkpoints store them so, and the
+#: GGUFs converted from them keep them: ``convert_hf_to_gguf.py``'s ``GptOssModel``;
+#: llama-quantize's ``MXFP4_MOE`` is that mix)
+RELEASED_FTYPES = {"gpt-oss": "MXFP4_MOE"}
+
+
+def default_ftype(geom: ModelGeometry) -> str:
+    """The ``--gguf-type`` of ``geom`` when none is given: its family's released mix
+    (:data:`RELEASED_FTYPES`), else :data:`DEFAULT_FTYPE`."""
+    family = registry.family_for(geom.model_type)
+    arch = family.gguf_arch_of.get(geom.model_type) if family else None
+    return RELEASED_FTYPES.get(arch, DEFAULT_FTYPE)
 #: ``tensor_type_fallback``: a row length the type's block does not divide
 _FALLBACK = {"IQ4_XS": "IQ4_NL", "Q2_K": "Q4_0", "Q3_K": "Q4_0", "Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
 _MOE_BLOCKS = ("mlp", "block_sparse_moe", "feed_forward")
