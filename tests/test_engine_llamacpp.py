@@ -347,7 +347,7 @@ def test_slots_become_streams_of_the_cache_and_the_command_names_them(qwen35):
 
 @pytest.mark.parametrize("flags", [["--parallel", "0"], ["--expert-cache", "8"], ["--miss-policy", "copy"],
                                    ["--vram-reserve-mib", "-1"], ["--max-context", "4096M"],
-                                   ["--max-context", "max"], ["--arena-slots", "4"]])
+                                   ["--arena-slots", "4"]])
 def test_flags_without_a_llamacpp_meaning_exit_2(tmp_path, flags):
     f = qwen35_q4km(tmp_path / "q.gguf")
     r = moefit("plan", str(f), "--engine", "llama.cpp", "--vram", "16GiB", *flags)

@@ -30,7 +30,8 @@ from moefit.engines.vllm import ENGINE as VLLM
 from moefit.flags import (add_engine_flags, add_model_files_flags, add_plan_flags,
                           add_sampling_flags, add_serve_flags, check_engine_flags,
                           device_from_args, devices_from_args, host_from_args, llama_ftype, llama_request_from_args,
-                          normalize_argv, plan_from_args, serve_request_from_args)
+                          normalize_argv, plan_from_args, serve_request_from_args,
+                          wants_max_context)
 from moefit.ingest.checkpoint import describe_weights
 from moefit.ingest.inputs import is_gguf_file
 from moefit.ingest.resolve import format_models_table, list_presets, load_model
@@ -82,7 +83,11 @@ def _plan_llamacpp(args: argparse.Namespace) -> int:
     else:
         tensors, note = llamacpp.tensors_from_geometry(geom, llama_ftype(args, geom))
         req = dataclasses.replace(req, notes=(note, *req.notes))
-    plan = llamacpp.solve_llamacpp(geom, tensors, device, req, host_mem=host_from_args(args, (device,)))
+    host = host_from_args(args, (device,))
+    if wants_max_context(args):
+        plan = llamacpp.plan_max_context(geom, tensors, device, req, req.context, host)
+    else:
+        plan = llamacpp.solve_llamacpp(geom, tensors, device, req, host_mem=host)
     return _print_engine_plan(args, plan, llamacpp.plan_document, llamacpp.format_plan, llamacpp.format_verbose)
 
 

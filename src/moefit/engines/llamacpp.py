@@ -860,6 +860,90 @@ def _alternatives(geom, tensors, device, req, host_mem: Host | None = None) -> l
     return out
 
 
+# ---- the largest context ---------------------------------------------------------------------------
+def largest_llama_context(geom: ModelGeometry, tensors: list[Tensor], device: Device, req: LlamaRequest,
+                          limit: int, host_mem: Host | None = None) -> int | None:
+    """The largest context per sequence (tokens, a multiple of the 256-cell block unless it is
+    ``limit``) at which ``req`` fits ``device`` (and ``host_mem``) at its own ``-ub`` (no
+    clamp), or None when not one block does.
+
+    Solved directly: with every expert on the CPU the mandatory lines are affine in the cells
+    once a stream holds more than every sliding window plus ``-ub`` (the sliding caches stop
+    growing): the full-attention K/V rows (``kv_price``), the KQ mask ``2 ub n_kv`` and the
+    F16 copies of a quantized K/V (``compute_price``) grow by a fixed number of bytes per
+    256-cell block, so the answer is one division. It is confirmed with
+    :func:`solve_llamacpp` (it fits, one block more does not, unless it is ``limit``); when
+    it is not (a host that is short, a context below that affine range) a bisection over the
+    blocks with :func:`solve_llamacpp` finds it (the plan is monotone in the context)."""
+    strict = replace(req, strict=True, notes=())
+
+    def fits(context: int) -> bool:
+        return solve_llamacpp(geom, tensors, device, replace(strict, context=context), alternatives=False,
+                              host_mem=host_mem).fits
+
+    top = -(-limit // CTX_PAD)            # blocks of the model's limit
+    m = _Model(geom, _n_vocab(tensors), model_buffers(tensors, _backend(device)))
+    windows = [l.attention.sliding_window or 0 for l in geom.layers]
+    b0 = max(1, -(-(max(windows, default=0) + req.ubatch) // CTX_PAD), -(-req.ubatch // CTX_PAD))
+    ub, free = req.ubatch, device.free_bytes
+
+    def total(b: int) -> int:
+        return _mandatory(m, device, replace(strict, context=b * CTX_PAD), ub, bool(m.buffers.experts))[0]
+
+    # the compute buffer is the larger of two phases, each affine: the lines are a convex
+    # piecewise-affine function of the blocks, so Newton's steps from the limit down reach the
+    # last block that fits in as many steps as there are pieces
+    guess = top if total(top) <= free else None
+    b = top
+    for _ in range(4 if guess is None else 0):
+        slope = total(b + 1) - total(b)
+        if slope <= 0:
+            break
+        nxt = b - -(-(total(b) - free) // slope)
+        if nxt < b0:
+            break
+        b = nxt
+        if total(b) <= free:
+            guess = b
+            break
+    ctx = lambda b: min(b * CTX_PAD, limit)   # noqa: E731
+    if guess is not None and fits(ctx(guess)) and (guess == top or not fits(ctx(guess + 1))):
+        return ctx(guess)
+    if not fits(ctx(1)):
+        return None
+    lo, hi = 1, top
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if fits(ctx(mid)) else (lo, mid - 1)
+    return ctx(lo)
+
+
+def plan_max_context(geom: ModelGeometry, tensors: list[Tensor], device: Device, req: LlamaRequest,
+                     limit: int, host_mem: Host | None = None) -> LlamaPlan:
+    """``--max-context max``: the plan at :func:`largest_llama_context` (``-ub`` as requested),
+    with a note giving the context and ``-c``, and the trade-off when the smallest micro-batch
+    a clamp may take (``--prefill-min``) would fit a longer one; when no block fits, the
+    failed plan at one block (256 cells) with a note saying so."""
+    best = largest_llama_context(geom, tensors, device, req, limit, host_mem)
+    if best is None:
+        plan = solve_llamacpp(geom, tensors, device, replace(req, context=CTX_PAD), host_mem=host_mem)
+        note = f"max-context: max, no context fits at -ub {req.ubatch}: shown at one block, {CTX_PAD} cells"
+        return replace(plan, notes=(note, *plan.notes))
+    r = replace(req, context=best, strict=True)
+    plan = solve_llamacpp(geom, tensors, device, r, host_mem=host_mem)
+    capped = " (the model's limit)" if best == limit else ""
+    note = (f"max-context: max, the largest context that fits at -ub {req.ubatch}: {best} tokens per sequence "
+            f"(-c {llama_ctx(r)}){capped}")
+    notes = [note]
+    small = max(1, min(req.ubatch_min, req.ubatch))
+    if small < req.ubatch and best < limit:
+        more = largest_llama_context(geom, tensors, device, replace(req, ubatch=small), limit, host_mem)
+        if more and more > best:
+            notes.append(f"max-context: at -ub {small} (--prefill {small}) {more} tokens fit "
+                         f"(+{100 * (more - best) / best:.0f}%), with a slower prompt step")
+    return replace(plan, notes=(*notes, *plan.notes))
+
+
 # ---- output ----------------------------------------------------------------------------------------
 def format_plan(plan: LlamaPlan) -> str:
     """The budget table in moefit's form, the host memory, the notes and the command."""
