@@ -158,6 +158,19 @@ def _verbose(plan) -> str:
     return "\n".join(out + out_cal)
 
 
+def cmd_gguf_header(args: argparse.Namespace) -> int:
+    """``moefit gguf-header MODEL OUT [--type FTYPE] [--vocab GGUF]``: a header-only GGUF
+    stand-in (:func:`moefit.tools.stand_in.write_stand_in`); needs the ``gguf`` package."""
+    if find_spec("gguf") is None:
+        raise InputError("gguf-header writes a GGUF file and needs the gguf package: pip install 'moefit[gguf]'")
+    from moefit.tools.stand_in import write_stand_in
+
+    path = write_stand_in(args.model, args.gguf_type, args.out, args.vocab)
+    print(f"wrote {path} ({format_bytes(path.stat().st_size)} apparent, headers only); try:")
+    print(f"  moefit plan {path} --engine llama.cpp --gpu 'RTX 5060 Ti 16GB'")
+    return EXIT_OK
+
+
 def cmd_models(args: argparse.Namespace) -> int:
     print(format_models_table([load_model(n) for n in list_presets()]))
     return EXIT_OK
@@ -294,6 +307,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights (default 0)")
     p.add_argument("--force", action="store_true", help="write into a non-empty directory")
     p.set_defaults(func=cmd_make_demo)
+    p = sub.add_parser("gguf-header", help="write a header-only GGUF stand-in of a model in a "
+                                           "llama-quantize mix (no weights: plans and loads in llama.cpp)")
+    p.add_argument("model", help="preset name (see `moefit models`), a model directory or its config.json")
+    p.add_argument("out", help="the .gguf file to write")
+    p.add_argument("--type", dest="gguf_type", default=None, metavar="FTYPE",
+                   help="llama-quantize's file type (default: the family's released mix: MXFP4_MOE for "
+                        "gpt-oss, else Q4_K_M)")
+    p.add_argument("--vocab", default=None, metavar="GGUF",
+                   help="copy the tokenizer from this vocabulary GGUF (llama.cpp's "
+                        "models/ggml-vocab-qwen2.gguf); default: a stand-in byte-level vocabulary")
+    p.set_defaults(func=cmd_gguf_header)
     sub.add_parser("models", help="list the built-in model presets").set_defaults(func=cmd_models)
     sub.add_parser("gpus", help="list the built-in GPU catalogue").set_defaults(func=cmd_gpus)
     return parser
