@@ -3,7 +3,7 @@
 A decode step of S sequences reads every dense matrix once (attention, router, shared
 experts, output matrix: the plan's ``weights`` line; a GGUF's token embedding stays on the
 host and is read one row per token), every expert that at least one of the S tokens routes
-to once (the batched MoE layer: ``moefit.runtime.moe_batch``), and each sequence's KV
+to once (the batched MoE layer: ``moefit.runtime.moe.batch``), and each sequence's KV
 cells. On a CPU these products are bound by memory bandwidth, so the most S sequences can
 gain over one is the ratio of bytes: ``S x bytes(1) / bytes(S)``; a model whose router
 spreads the tokens over the experts (a random one does, uniformly) reads nearly S times

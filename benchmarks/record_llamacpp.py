@@ -299,7 +299,7 @@ def run_one(bin_dir: Path, model: Path, ctx: int, ub: int, b: int, kv: str, np_:
 
 
 #: the type mixes of ``llama-quantize FTYPE`` recorded per source model (the tests derive
-#: them from the model's geometry: ``moefit.engines.llamacpp_quant``); 8 experts in qwen3moe-q8
+#: them from the model's geometry: ``moefit.ingest.gguf_mix``); 8 experts in qwen3moe-q8
 #: exercise the Mixtral rules, Q2_K / Q3_K the per-layer rules of the K-quant mixes
 QUANTS = {
     "qwen35moe-hybrid": ("Q4_K_M", "Q5_K_M", "Q6_K", "Q8_0", "Q4_0"),

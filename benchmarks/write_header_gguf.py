@@ -2,7 +2,7 @@
 
 ``moefit gguf-header MODEL OUT --type FTYPE`` (:mod:`moefit.tools.stand_in`) as a script, and
 :func:`write_sparse`, which the tests use to rebuild the headers recorded by
-``benchmarks/record_llamacpp.py`` (their metadata as recorded). It reproduces the README's
+``benchmarks/record_llamacpp.py`` (their metadata as recorded). It reproduces the README's and docs/engines.md's
 llama.cpp example without the real download (``Qwen3.5-35B-A3B-Q4_K_M.gguf`` from Hugging
 Face plans the same way):
 

@@ -121,6 +121,20 @@ def test_plan_runs_with_torch_unimportable(tmp_path):
     assert check.returncode != 0   # the trick really hides torch
 
 
+def test_plan_loads_no_engine_module_without_engine(tmp_path):
+    """``moefit plan`` imports the other engines' models (``moefit.external``) only for
+    ``--engine``: with the package made unimportable, moefit's own plans (one that fits, one
+    that fails and lists alternatives) still answer, and an ``--engine`` plan does not."""
+    (tmp_path / "sitecustomize.py").write_text('import sys\nsys.modules["moefit.external"] = None\n')
+    env = {"PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])}
+    fits = moefit("plan", "DeepSeek-V3", "--gpu", "4090", "--max-context", "32K", env=env)
+    assert fits.returncode == 0, fits.stderr
+    short = moefit("plan", "Qwen3-30B-A3B", "--vram", "4G", env=env)
+    assert short.returncode == 3 and "fits with:" in short.stdout, short.stderr
+    engine = moefit("plan", "Qwen3-30B-A3B", "--vram", "24G", "--engine", "llama.cpp", env=env)
+    assert engine.returncode != 0 and "moefit.external" in engine.stderr   # the trick works
+
+
 def test_models_and_gpus_list():
     m = moefit("models")
     assert m.returncode == 0 and "Qwen3-30B-A3B" in m.stdout and "DeepSeek-V3" in m.stdout

@@ -229,7 +229,7 @@ def test_bad_max_context_mentions_max(capsys, bad):
 ])
 def test_largest_context_is_solved_directly_not_searched(monkeypatch, model, gpu, req):
     """The affine form gives the answer; the solver only checks it (no bisection)."""
-    from moefit.plan import solver
+    from moefit.plan import alternatives
     from moefit.plan.request import Request, context_limit
 
     def no_search(*a, **k):
@@ -238,5 +238,5 @@ def test_largest_context_is_solved_directly_not_searched(monkeypatch, model, gpu
     geom, r = load_model(model), Request(**req)
     expected = reference_largest(model, gpu, **req)
     assert expected < context_limit(geom, r)[0]        # a case the memory limits, not RoPE
-    monkeypatch.setattr(solver, "_largest_int", no_search)
-    assert solver.largest_context(geom, find_gpu(gpu), r) == expected
+    monkeypatch.setattr(alternatives, "_largest_int", no_search)
+    assert alternatives.largest_context(geom, find_gpu(gpu), r) == expected

@@ -24,7 +24,7 @@ import pytest
 gguf = pytest.importorskip("gguf")
 
 from moefit.devices import Device, find_gpu  # noqa: E402
-from moefit.engines import llamacpp as lc  # noqa: E402
+from moefit.external import llamacpp as lc  # noqa: E402
 from moefit.errors import InputError  # noqa: E402
 from moefit.ingest.resolve import load_model  # noqa: E402
 
@@ -360,18 +360,6 @@ def test_default_engine_is_moefit_and_its_plan_is_unchanged():
     assert a.returncode == b.returncode == 0 and a.stdout == b.stdout and "expert cache" in a.stdout
 
 
-def test_the_readme_example_is_what_the_plan_prints(tmp_path):
-    readme = (Path(__file__).parent.parent / "README.md").read_text()
-    rest = readme[readme.index("## llama.cpp plans"):]
-    command, printed = re.findall(r"```[a-z]*\n(.*?)```", rest, re.S)[:2]
-    args = shlex.split(command.strip().split("moefit ", 1)[1])
-    qwen35_q4km(tmp_path / args[1])
-    r = subprocess.run([sys.executable, "-m", "moefit", *args], capture_output=True, text=True, cwd=tmp_path,
-                       env={**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent / "src")})
-    assert r.returncode == 0, r.stderr
-    assert r.stdout.strip() == printed.strip()
-
-
 def test_verbose_shows_both_phases_and_every_moe_layer(qwen35):
     geom, tensors = qwen35
     plan = _solve(geom, tensors, 16 * GIB, context=131072)
@@ -468,7 +456,7 @@ def test_the_derived_type_mix_is_llama_quantizes(path, tmp_path):
     # benchmarks/record_llamacpp.py ran the real llama-quantize (0c1e570) on four source models
     # for 3-5 file types each; the tensors derived from the model's geometry alone (names,
     # shapes, types) are exactly the ones it wrote
-    from moefit.engines.llamacpp_quant import llamacpp_tensors
+    from moefit.ingest.gguf_mix import llamacpp_tensors
 
     rec = parse_record(path)
     ftype = path.stem.rsplit("-", 1)[1]

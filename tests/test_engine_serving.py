@@ -5,7 +5,7 @@ The logs are excerpts of vLLM 0.19.0 startup logs on H100 80GB published in
 llm-d-incubation/llm-d-planner pull request #205
 (https://github.com/llm-d-incubation/llm-d-planner/pull/205), ``accuracy/results/v0.19.0/logs``
 at commit d3121e0, copied into ``tests/data/serving`` (each file names its source). The
-Llama-3.1-8B runs calibrate the constants of :mod:`moefit.engines.vllm` (the sampler's bytes
+Llama-3.1-8B runs calibrate the constants of :mod:`moefit.external.vllm` (the sampler's bytes
 per logit, the non-torch growth, the forward pass's hidden-sized tensors); the other models
 are predictions: the KV cache size of each must come within 2% of the logged one.
 """
@@ -20,14 +20,14 @@ import pytest
 
 from moefit import cli
 from moefit.devices import Device, find_gpu
-from moefit.engines import parallel as par
-from moefit.engines import serving
-from moefit.engines.sglang import ENGINE as SGLANG
-from moefit.engines.sglang import default_fraction, memory_defaults, pool_tokens
-from moefit.engines.vllm import ENGINE as VLLM
+from moefit.external import parallel as par
+from moefit.external import multi_gpu
+from moefit.external.sglang import ENGINE as SGLANG
+from moefit.external.sglang import default_fraction, memory_defaults, pool_tokens
+from moefit.external.vllm import ENGINE as VLLM
 from moefit.errors import InputError
-from moefit.engines.serving import NON_TORCH_COLLECTIVES, NON_TORCH_ONE_GPU, NON_TORCH_PIPELINE
-from moefit.engines.vllm import SAMPLER_BYTES_PER_LOGIT, capture_sizes, kv_groups
+from moefit.external.multi_gpu import NON_TORCH_COLLECTIVES, NON_TORCH_ONE_GPU, NON_TORCH_PIPELINE
+from moefit.external.vllm import SAMPLER_BYTES_PER_LOGIT, capture_sizes, kv_groups
 from moefit.ingest.resolve import load_model
 from moefit.units import GIB, MIB
 
@@ -39,7 +39,7 @@ CHECKS = [("vllm-0.19.0-qwen3-8b-h100-tp1.log", "Qwen3-8B"),
           ("vllm-0.19.0-mixtral-8x7b-h100-tp2.log", "Mixtral-8x7B-v0.1"),
           ("vllm-0.19.0-deepseek-v2-lite-h100-tp1.log", "DeepSeek-V2-Lite"),
           ("vllm-0.19.0-gpt-oss-20b-h100-tp2.log", "gpt-oss-20b")]
-#: runs moefit does not reproduce (README, "vLLM and SGLang plans"): Llama 4's vision tower
+#: runs moefit does not reproduce (docs/engines.md, "vLLM and SGLang plans"): Llama 4's vision tower
 #: (vLLM's weights are 2.9 GiB per rank above the text model's)
 GAPS = [("vllm-0.19.0-llama-4-scout-h100-tp4.log", "Llama-4-Scout-17B-16E-Instruct")]
 
@@ -79,11 +79,11 @@ def h100(total_gib: float) -> Device:
     return Device("cuda:0", "H100 80GB", "cuda", 81559 * MIB, int(total_gib * GIB), True)
 
 
-def reproduce(log: dict, preset: str) -> serving.ServePlan:
+def reproduce(log: dict, preset: str) -> multi_gpu.ServePlan:
     """vLLM's plan at the log's settings (its utilization given, not solved)."""
-    req = serving.ServeRequest(context=log["context"], gpus=log["tp"] * log["pp"], tp=log["tp"], pp=log["pp"],
+    req = multi_gpu.ServeRequest(context=log["context"], gpus=log["tp"] * log["pp"], tp=log["tp"], pp=log["pp"],
                                batched=log["batched"], seqs=None, fraction=log["util"])
-    return serving.solve_serving(load_model(preset), VLLM, h100(log["total"]), req, alternatives=False)
+    return multi_gpu.solve_serving(load_model(preset), VLLM, h100(log["total"]), req, alternatives=False)
 
 
 @pytest.mark.parametrize("name,preset", CHECKS)
@@ -125,7 +125,7 @@ def test_llama4_and_gpt_oss_gaps_are_the_weights():
     assert plan.budget.kv_tokens > 1.1 * log["tokens"]
     # gpt-oss-20b: vLLM pads and swizzles the mxfp4 experts (0.6 GiB more per rank), and its
     # mxfp4 kernel has no fused-MoE workspace (0.3 GiB less): the KV size is right for two
-    # reasons that cancel, so the README does not count it among the reproductions
+    # reasons that cancel, so docs/engines.md does not count it among the reproductions
     log = parse_log("vllm-0.19.0-gpt-oss-20b-h100-tp2.log")
     plan = reproduce(log, "gpt-oss-20b")
     assert 0.4 < log["weights"] - plan.line("weights").bytes / GIB < 0.8
@@ -138,7 +138,7 @@ def fp8_release(preset: str, tmp_path: Path):
     """The FP8 release of a Qwen preset (Qwen3-Coder-480B-A35B-Instruct-FP8,
     Qwen3-235B-A22B-FP8): the preset's config with the block-fp8 ``quantization_config`` of
     Qwen's FP8 releases (e4m3, 128 x 128 blocks)."""
-    cfg = json.loads((Path(serving.__file__).parents[1] / "presets" / preset / "config.json").read_text())
+    cfg = json.loads((Path(multi_gpu.__file__).parents[1] / "presets" / preset / "config.json").read_text())
     cfg["quantization_config"] = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
                                   "weight_block_size": [128, 128]}
     (tmp_path / "config.json").write_text(json.dumps(cfg))
@@ -168,9 +168,9 @@ def test_dp_attention_with_ep_is_a_gap_of_the_activations(tmp_path):
     assert abs(total - find_gpu("H200").free_bytes / GIB) < 0.3
     # moefit's vLLM model predicts 4.2 GiB more per rank than logged (+8.6%): with data-parallel
     # attention every MoE layer gathers the tokens of all 8 ranks (8 x 8192 in the profile run),
-    # whose buffers the model does not price (README, "vLLM and SGLang plans")
-    req = serving.ServeRequest(context=262144, gpus=8, tp=1, dp=8, ep=8, batched=8192, fraction=0.9)
-    plan = serving.solve_serving(geom, VLLM, find_gpu("H200"), req, alternatives=False)
+    # whose buffers the model does not price (docs/engines.md, "vLLM and SGLang plans")
+    req = multi_gpu.ServeRequest(context=262144, gpus=8, tp=1, dp=8, ep=8, batched=8192, fraction=0.9)
+    plan = multi_gpu.solve_serving(geom, VLLM, find_gpu("H200"), req, alternatives=False)
     predicted = plan.budget.details["available_kv_bytes"] / GIB
     assert 3.5 < predicted - low < 5.0
 
@@ -187,8 +187,8 @@ def test_sglang_max_total_num_tokens_of_a_published_log(tmp_path):
     assert round(tokens * shard.kv_token_bytes / 2 / GIB, 2) == k_gib
     # the pool, predicted from the catalogue's H100 and moefit's runtime and weight shard (the
     # log prints neither the free memory nor the weights, so only the total is checked)
-    req = serving.ServeRequest(context=40960, gpus=4, tp=4, fraction=0.93)
-    plan = serving.solve_serving(geom, SGLANG, find_gpu("H100"), req, alternatives=False)
+    req = multi_gpu.ServeRequest(context=40960, gpus=4, tp=4, fraction=0.93)
+    plan = multi_gpu.solve_serving(geom, SGLANG, find_gpu("H100"), req, alternatives=False)
     assert abs(plan.budget.kv_tokens / tokens - 1) < 0.02, (plan.budget.kv_tokens, tokens)
 
 
@@ -288,9 +288,9 @@ def test_block_fp8_experts_too_narrow_to_split_need_ep(capsys):
 
 # ---- plans and commands ---------------------------------------------------------------------
 def test_vllm_plan_solves_the_utilization_and_fits_its_own_lines():
-    req = serving.ServeRequest(context=32768, gpus=8)
+    req = multi_gpu.ServeRequest(context=32768, gpus=8)
     dev = find_gpu("H200")
-    plan = serving.solve_serving(load_model("Qwen3.5-397B-A17B"), VLLM, dev, req)
+    plan = multi_gpu.solve_serving(load_model("Qwen3.5-397B-A17B"), VLLM, dev, req)
     assert plan.fits
     total = dev.free_bytes
     util = plan.budget.knob
@@ -307,45 +307,45 @@ def test_vllm_plan_solves_the_utilization_and_fits_its_own_lines():
 def test_parallel_n_is_the_number_of_sequences_that_must_fit():
     dev = find_gpu("H100")
     g = load_model("Qwen3-30B-A3B")
-    one = serving.solve_serving(g, VLLM, dev, serving.ServeRequest(context=131072, gpus=1, tp=1))
+    one = multi_gpu.solve_serving(g, VLLM, dev, multi_gpu.ServeRequest(context=131072, gpus=1, tp=1))
     assert one.fits and one.budget.seqs == 1024
-    many = serving.solve_serving(g, VLLM, dev, serving.ServeRequest(context=131072, gpus=1, tp=1, seqs=8))
+    many = multi_gpu.solve_serving(g, VLLM, dev, multi_gpu.ServeRequest(context=131072, gpus=1, tp=1, seqs=8))
     assert not many.fits and many.shortfall_bytes > 0
     flags = {a.flag: a.value for a in many.alternatives}
     assert int(flags["--max-context"]) < 131072
-    assert serving.solve_serving(g, VLLM, dev, serving.ServeRequest(
+    assert multi_gpu.solve_serving(g, VLLM, dev, multi_gpu.ServeRequest(
         context=int(flags["--max-context"]), gpus=1, tp=1, seqs=8)).fits
 
 
 def test_multi_node_commands_as_each_engine_documents_them():
     g = load_model("Kimi-K2-Instruct")
     dev = find_gpu("H100")
-    req = serving.ServeRequest(context=65536, gpus=16, nodes=2, tp=8, pp=2, model_ref="moonshotai/Kimi-K2-Instruct")
-    v = serving.solve_serving(g, VLLM, dev, req)
+    req = multi_gpu.ServeRequest(context=65536, gpus=16, nodes=2, tp=8, pp=2, model_ref="moonshotai/Kimi-K2-Instruct")
+    v = multi_gpu.solve_serving(g, VLLM, dev, req)
     assert v.fits and len(v.commands) == 2
     assert "--nnodes 2 --node-rank 0 --master-addr HEAD_IP" in v.commands[0] and "--headless" not in v.commands[0]
     assert v.commands[1].endswith("--nnodes 2 --node-rank 1 --master-addr HEAD_IP --headless")
-    s = serving.solve_serving(g, SGLANG, dev, req)
+    s = multi_gpu.solve_serving(g, SGLANG, dev, req)
     assert s.fits and [c.split("--node-rank ")[1].split()[0] for c in s.commands] == ["0", "1"]
     assert all("--tp 8 --pp-size 2" in c and "--dist-init-addr HEAD_IP:5000" in c for c in s.commands)
-    dp = serving.solve_serving(g, VLLM, dev, serving.ServeRequest(context=65536, gpus=16, nodes=2, tp=1, dp=16, ep=16))
+    dp = multi_gpu.solve_serving(g, VLLM, dev, multi_gpu.ServeRequest(context=65536, gpus=16, nodes=2, tp=1, dp=16, ep=16))
     assert "--data-parallel-size 16" in dp.commands[0] and "--data-parallel-size-local 8" in dp.commands[0]
     assert "--headless --data-parallel-start-rank 8" in dp.commands[1]
 
 
 def test_deepseek_v3_on_8_h100_does_not_fit_and_two_nodes_do():
     g = load_model("DeepSeek-V3")
-    plan = serving.solve_serving(g, VLLM, find_gpu("H100"), serving.ServeRequest(context=32768, gpus=8))
+    plan = multi_gpu.solve_serving(g, VLLM, find_gpu("H100"), multi_gpu.ServeRequest(context=32768, gpus=8))
     assert not plan.fits and "--nodes 2 --gpus 16" in [a.flags for a in plan.alternatives]
-    two = serving.solve_serving(g, VLLM, find_gpu("H100"), serving.ServeRequest(context=32768, gpus=16, nodes=2))
+    two = multi_gpu.solve_serving(g, VLLM, find_gpu("H100"), multi_gpu.ServeRequest(context=32768, gpus=16, nodes=2))
     assert two.fits
 
 
 def test_mla_prefers_data_parallel_attention():
     # TP replicates the latent cache on every rank, DP attention gives each rank its own
     g = load_model("DeepSeek-V3")
-    plan = serving.solve_serving(g, VLLM, find_gpu("H200"), serving.ServeRequest(context=32768, gpus=8))
-    tp8 = serving.solve_serving(g, VLLM, find_gpu("H200"), serving.ServeRequest(context=32768, gpus=8, tp=8))
+    plan = multi_gpu.solve_serving(g, VLLM, find_gpu("H200"), multi_gpu.ServeRequest(context=32768, gpus=8))
+    tp8 = multi_gpu.solve_serving(g, VLLM, find_gpu("H200"), multi_gpu.ServeRequest(context=32768, gpus=8, tp=8))
     assert plan.layout.dp == 8 and plan.layout.ep
     assert plan.total_kv_tokens > 3 * tp8.total_kv_tokens
 
@@ -353,7 +353,7 @@ def test_mla_prefers_data_parallel_attention():
 def test_sglang_pool_is_the_fraction_less_the_weights():
     g = load_model("Qwen3-30B-A3B")
     dev = find_gpu("H100")
-    plan = serving.solve_serving(g, SGLANG, dev, serving.ServeRequest(context=32768, gpus=1, fraction=0.85))
+    plan = multi_gpu.solve_serving(g, SGLANG, dev, multi_gpu.ServeRequest(context=32768, gpus=1, fraction=0.85))
     d = plan.budget.details
     assert d["rest_memory"] == int(d["total_gpu_memory"] * 0.85) - plan.line("weights").bytes
     assert plan.budget.kv_tokens == d["rest_memory"] // (48 * 4 * 256 * 2)
@@ -385,8 +385,8 @@ def test_sglang_splits_hybrid_pools():
 def test_sglang_sliding_window_models_fit_in_their_two_pools(model, gpus):
     # SGLang's SWAKVPool: the full layers hold max_total_num_tokens, the sliding (gpt-oss) or
     # chunked (Llama 4) layers 0.8 of it; the KV line is both pools, inside rest_memory
-    plan = serving.solve_serving(load_model(model), SGLANG, find_gpu("H200"),
-                                 serving.ServeRequest(context=32768, gpus=gpus))
+    plan = multi_gpu.solve_serving(load_model(model), SGLANG, find_gpu("H200"),
+                                 multi_gpu.ServeRequest(context=32768, gpus=gpus))
     assert plan.fits, plan.alternatives
     d = plan.budget.details
     kv = plan.line("kv").bytes
@@ -418,20 +418,21 @@ def test_cli_prints_the_table_the_json_and_exit_codes(capsys):
     assert rc == 3 and "does not fit" in out and "--nodes 2" in out
 
 
-# ---- the README's plans ---------------------------------------------------------------------
-README = Path(__file__).parent.parent / "README.md"
-#: (model, GPUs as the README names them, their flags, engine): the large presets of issue 15
-README_HARDWARE = [("8x H100 80GB", ["--gpus", "8", "--gpu", "H100"]),
+# ---- the plans of docs/engines.md ---------------------------------------------------------
+ENGINES_PAGE = Path(__file__).parent.parent / "docs" / "engines.md"
+PLAN_PAGE = Path(__file__).parent.parent / "docs" / "plan.md"
+#: (model, GPUs as the page names them, their flags, engine): the large presets
+PAGE_HARDWARE = [("8x H100 80GB", ["--gpus", "8", "--gpu", "H100"]),
                    ("8x H200", ["--gpus", "8", "--gpu", "H200"]),
                    ("2 nodes x 8 H100", ["--gpus", "16", "--nodes", "2", "--gpu", "H100"])]
-README_PLANS = [(model, hw, flags, engine)
+PAGE_PLANS = [(model, hw, flags, engine)
                 for model in ("deepseek-ai/DeepSeek-V3", "moonshotai/Kimi-K2-Instruct",
                               "Qwen/Qwen3-Coder-480B-A35B-Instruct", "Qwen/Qwen3.5-397B-A17B")
-                for hw, flags in README_HARDWARE for engine in ("vllm", "sglang")]
+                for hw, flags in PAGE_HARDWARE for engine in ("vllm", "sglang")]
 
 
-def readme_plan_row(model: str, hw: str, flags: list[str], engine: str) -> str:
-    """One row of the README's table of plans, from ``moefit plan ... --max-context 32K --json``."""
+def page_plan_row(model: str, hw: str, flags: list[str], engine: str) -> str:
+    """One row of docs/engines.md's table of plans, from ``moefit plan ... --max-context 32K --json``."""
     import contextlib
     import io
     out = io.StringIO()
@@ -452,21 +453,17 @@ def readme_plan_row(model: str, hw: str, flags: list[str], engine: str) -> str:
             f"{doc['concurrency'] * lay.dp:.1f} |")
 
 
-def test_the_readme_plans_are_what_moefit_prints(tmp_path, capsys):
-    text = README.read_text()
-    for args in README_PLANS:
-        row = readme_plan_row(*args)
+def test_the_pages_plans_are_what_moefit_prints(tmp_path, capsys):
+    text = ENGINES_PAGE.read_text()
+    for args in PAGE_PLANS:
+        row = page_plan_row(*args)
         assert row in text, row
     # the FP8 release of Qwen3-Coder-480B on one node of 8 H100
     fp8 = fp8_release("Qwen3-Coder-480B-A35B-Instruct", tmp_path)
-    plan = serving.solve_serving(fp8, VLLM, find_gpu("H100"), serving.ServeRequest(context=32768, gpus=8))
+    plan = multi_gpu.solve_serving(fp8, VLLM, find_gpu("H100"), multi_gpu.ServeRequest(context=32768, gpus=8))
     assert plan.fits and plan.layout.tp == 8 and plan.layout.ep
     assert f"with TP 8 + EP 8, {plan.budget.kv_tokens:,} tokens" in " ".join(text.split())
-    # the example, byte for byte
-    rest = text[text.index("## vLLM and SGLang plans"):]
-    command, printed = re.findall(r"```[a-z]*\n(.*?)```", rest, re.S)[:2]
-    assert cli.main(command.strip().split("moefit ", 1)[1].split()) == 0
-    assert capsys.readouterr().out.strip() == printed.strip()
+    # the example, byte for byte: tests/test_readme.py (every shown `$ moefit plan` block)
 
 
 def test_vllm_data_parallel_ranks_larger_than_a_node_run_through_ray():
@@ -474,8 +471,8 @@ def test_vllm_data_parallel_ranks_larger_than_a_node_run_through_ray():
     # launcher cannot start (--data-parallel-size-local would be 0); vLLM's Ray launcher with
     # VLLM_RAY_DP_PACK_STRATEGY=span does (vllm-project/vllm#26367)
     g = load_model("DeepSeek-V3")
-    req = serving.ServeRequest(context=32768, gpus=16, nodes=4, tp=8, dp=2, model_ref="deepseek-ai/DeepSeek-V3")
-    plan = serving.solve_serving(g, VLLM, find_gpu("H200"), req)
+    req = multi_gpu.ServeRequest(context=32768, gpus=16, nodes=4, tp=8, dp=2, model_ref="deepseek-ai/DeepSeek-V3")
+    plan = multi_gpu.solve_serving(g, VLLM, find_gpu("H200"), req)
     cmds = plan.commands
     assert plan.fits and len(cmds) == 5
     assert cmds[0] == "ray start --head --port 6379"
@@ -484,10 +481,10 @@ def test_vllm_data_parallel_ranks_larger_than_a_node_run_through_ray():
     assert not any("--data-parallel-size-local" in c for c in cmds)
     # ranks of whole nodes or whole ranks on a node: 4-GPU ranks on 6-GPU nodes are refused
     with pytest.raises(InputError, match="--tp 4.*--nodes 2"):
-        serving.solve_serving(g, VLLM, find_gpu("H200"),
-                              serving.ServeRequest(context=32768, gpus=12, nodes=2, tp=4, dp=3, ep=12))
+        multi_gpu.solve_serving(g, VLLM, find_gpu("H200"),
+                              multi_gpu.ServeRequest(context=32768, gpus=12, nodes=2, tp=4, dp=3, ep=12))
     # and every multiprocessing DP command starts at least one engine per node, at its own rank
-    two = serving.solve_serving(g, VLLM, find_gpu("H100"), serving.ServeRequest(
+    two = multi_gpu.solve_serving(g, VLLM, find_gpu("H100"), multi_gpu.ServeRequest(
         context=32768, gpus=16, nodes=2, tp=2, dp=8, ep=16))
     starts = [int(c.split("--data-parallel-start-rank ")[1].split()[0]) if "start-rank" in c else 0
               for c in two.commands]
@@ -501,14 +498,14 @@ def test_a_huge_batched_token_request_is_clamped_at_once_to_the_largest_that_fit
     price = type(engine).price
     monkeypatch.setattr(type(engine), "price", lambda self, *a, **k: calls.append(1) or price(self, *a, **k))
     g, dev = load_model("Qwen3-30B-A3B"), find_gpu("H100")
-    plan = serving.solve_serving(g, engine, dev, serving.ServeRequest(context=40960, batched=99_999_999_999_999),
+    plan = multi_gpu.solve_serving(g, engine, dev, multi_gpu.ServeRequest(context=40960, batched=99_999_999_999_999),
                                  alternatives=False)
     assert len(calls) < 200
-    assert plan.fits and plan.budget.batched % serving.BATCH_GRID == 0
-    assert serving.solve_serving(g, engine, dev, serving.ServeRequest(
+    assert plan.fits and plan.budget.batched % multi_gpu.BATCH_GRID == 0
+    assert multi_gpu.solve_serving(g, engine, dev, multi_gpu.ServeRequest(
         context=40960, batched=plan.budget.batched, strict=True), alternatives=False).fits
-    assert not serving.solve_serving(g, engine, dev, serving.ServeRequest(
-        context=40960, batched=plan.budget.batched + serving.BATCH_GRID, strict=True), alternatives=False).fits
+    assert not multi_gpu.solve_serving(g, engine, dev, multi_gpu.ServeRequest(
+        context=40960, batched=plan.budget.batched + multi_gpu.BATCH_GRID, strict=True), alternatives=False).fits
 
 
 @pytest.mark.parametrize("model,flags,needle", [
@@ -545,7 +542,7 @@ def test_commands_name_the_hugging_face_id_and_trust_remote_code_from_the_config
                        "--max-context", "32K"])
         out = capsys.readouterr().out
         assert rc == 0 and "moonshotai/Kimi-K2-Instruct" in out and out.rstrip().endswith("--trust-remote-code")
-    cfg = json.loads((Path(serving.__file__).parents[1] / "presets" / "Qwen3-30B-A3B" / "config.json").read_text())
+    cfg = json.loads((Path(multi_gpu.__file__).parents[1] / "presets" / "Qwen3-30B-A3B" / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     assert serving_reference(str(tmp_path)) == type(serving_reference("Qwen3-8B"))(str(tmp_path), False)
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"auto_map": {"AutoTokenizer": ["t.T", None]}}))
@@ -589,5 +586,5 @@ def test_engine_plans_have_their_own_documented_schema(capsys, tmp_path):
     doc = json.loads(capsys.readouterr().out)
     ctx = next(a for a in doc["alternatives"] if a["flag"] == "--max-context")
     assert rc == 3 and isinstance(ctx["value"], int) and "with" not in ctx
-    readme = README.read_text()
+    readme = PLAN_PAGE.read_text()
     assert "`moefit.serve-plan/1`" in readme and "`moefit.llamacpp-plan/1`" in readme

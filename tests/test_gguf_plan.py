@@ -396,6 +396,6 @@ def test_types_the_runtime_cannot_run_are_noted_in_the_plan(tmp_path):
 def test_runtime_types_list_the_runtime_kernels():
     pytest.importorskip("torch")
     from moefit.ingest.gguf_header import RUNTIME_TYPES
-    from moefit.runtime.quant import KERNELS
+    from moefit.runtime.kernels.quant import KERNELS
 
     assert set(RUNTIME_TYPES) == set(KERNELS)

@@ -18,8 +18,8 @@ import pytest
 gguf = pytest.importorskip("gguf")
 
 from moefit.cli import main  # noqa: E402
-from moefit.engines import llamacpp as lc  # noqa: E402
-from moefit.engines.llamacpp_quant import default_ftype, llamacpp_tensors  # noqa: E402
+from moefit.external import llamacpp as lc  # noqa: E402
+from moefit.ingest.gguf_mix import default_ftype, llamacpp_tensors  # noqa: E402
 from moefit.errors import InputError  # noqa: E402
 from moefit.ingest.resolve import list_presets, load_model  # noqa: E402
 from moefit.tools.stand_in import byte_tokens, write_stand_in  # noqa: E402

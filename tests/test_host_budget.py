@@ -20,7 +20,8 @@ from moefit.ingest.resolve import load_model
 from moefit.memory import host as host_memory
 from moefit.plan.report import format_table, plan_document
 from moefit.plan.request import Request
-from moefit.plan.solver import HOST_LINE_ORDER, solve
+from moefit.plan.solver import solve
+from moefit.plan.types import HOST_LINE_ORDER
 
 sys.path.insert(0, str(Path(__file__).parent))
 gguf = pytest.importorskip("gguf")

@@ -11,7 +11,8 @@ Two rules over ``src/moefit/**.py``:
 3. The layers of docs/design.md: a module imports only its own group and lower layers
    (:data:`LAYERS`).
 4. A function-local import is for a heavy dependency (:data:`HEAVY`, or a module that
-   imports one) or for a package that needs an extra (:data:`EXTRAS`), nothing else.
+   imports one), for a package that needs an extra (:data:`EXTRAS`) or for the other
+   engines' models, loaded only for `--engine` (:data:`ON_DEMAND`), nothing else.
 
 The first tests run the checks on the real package; the last ones on small made-up
 packages, so that each check is seen to catch what it is for.
@@ -216,13 +217,22 @@ LAYERS: tuple[tuple[int, str, tuple[str, ...]], ...] = (
     (0, "base", ("moefit", "moefit.units", "moefit.errors", "moefit.outputs")),
     (1, "ingest", ("moefit.ingest",)),
     (2, "devices", ("moefit.devices",)),
-    (3, "planner", ("moefit.memory", "moefit.plan", "moefit.engines")),
-    (4, "flags", ("moefit.flags",)),
-    (5, "runtime", ("moefit.runtime",)),
-    (6, "tools", ("moefit.tools",)),
-    (6, "serve", ("moefit.serve",)),
-    (6, "bench", ("moefit.bench",)),
-    (7, "command line", ("moefit.cli", "moefit.__main__")),
+    (3, "planner", ("moefit.memory", "moefit.plan")),
+    (4, "external", ("moefit.external",)),
+    (5, "flags", ("moefit.flags",)),
+    # the runtime's rooms (docs/design.md), lowest first; its top modules rank above them
+    (6, "runtime kernels", ("moefit.runtime.kernels",)),
+    (6, "runtime arch", ("moefit.runtime.arch",)),
+    (7, "runtime buffers", ("moefit.runtime.buffers",)),
+    (7, "runtime weights", ("moefit.runtime.weights",)),
+    (8, "runtime moe", ("moefit.runtime.moe",)),
+    (9, "runtime layers", ("moefit.runtime.layers",)),
+    (9, "runtime load", ("moefit.runtime.load",)),
+    (10, "runtime", ("moefit.runtime",)),
+    (11, "tools", ("moefit.tools",)),
+    (11, "serve", ("moefit.serve",)),
+    (11, "bench", ("moefit.bench",)),
+    (12, "command line", ("moefit.cli", "moefit.__main__")),
 )
 
 
@@ -259,6 +269,10 @@ HEAVY = {"torch", "fastapi", "uvicorn", "anyio", "pydantic", "transformers", "to
 #: modules only once it has checked that the extra is installed.
 EXTRAS = ("moefit.runtime", "moefit.serve", "moefit.bench", "moefit.tools")
 
+#: The other engines' memory models: the command line and its flags import them only for
+#: ``moefit plan --engine``, so that a plan of moefit's own loads none of them.
+ON_DEMAND = ("moefit.external",)
+
 
 def heavy_modules(graph: ImportGraph) -> set[str]:
     """moefit modules whose module-level imports (at any depth) reach a :data:`HEAVY`
@@ -275,11 +289,12 @@ def heavy_modules(graph: ImportGraph) -> set[str]:
 def needless_local_imports(graph: ImportGraph) -> list[tuple[str, int, str]]:
     """Function-local imports of something that is neither heavy nor leads to it
     (:func:`heavy_modules`), nor a module of a package that needs an extra imported from
-    outside that package (:data:`EXTRAS`)."""
+    outside that package (:data:`EXTRAS`, :data:`ON_DEMAND`)."""
     heavy = heavy_modules(graph)
 
     def extra(m: str, what: str) -> bool:
-        return any(what.startswith(p + ".") and not m.startswith(p + ".") for p in EXTRAS)
+        return any((what == p or what.startswith(p + ".")) and not m.startswith(p + ".")
+                   for p in (*EXTRAS, *ON_DEMAND))
 
     return [(m, line, what) for m, line, what in graph.local
             if what not in heavy and what not in HEAVY and not extra(m, what)]
@@ -359,6 +374,34 @@ def test_an_import_upwards_or_sideways_is_a_layer_violation(tmp_path):
         "moefit.memory.kv:2 (planner) imports moefit.runtime (runtime)"]
 
 
+def test_every_runtime_room_has_a_rank():
+    """Each sub-package of ``runtime/`` is a room with its own entry in :data:`LAYERS`, so
+    that an import between two rooms is checked (a new room must be given a rank)."""
+    rooms = sorted(f"moefit.runtime.{p.parent.name}" for p in (SRC / "runtime").glob("*/__init__.py"))
+    assert len(rooms) >= 5
+    named = {p for _, _, prefixes in LAYERS for p in prefixes}
+    assert [r for r in rooms if r not in named] == []
+
+
+def test_an_import_up_or_across_the_runtime_rooms_is_a_layer_violation(tmp_path):
+    root = _package(tmp_path, {
+        "runtime/__init__.py": "", "runtime/engine.py": "",
+        "runtime/kernels/__init__.py": "", "runtime/moe/__init__.py": "",
+        "runtime/layers/__init__.py": "", "runtime/load/__init__.py": "",
+        "runtime/kernels/quant.py": "from moefit.runtime.moe import batch\n",
+        "runtime/moe/batch.py": "from moefit.runtime.kernels import quant\n",
+        "runtime/layers/attention.py": "from moefit.runtime.moe import batch\n"
+                                       "from moefit.runtime.load import gguf\n",
+        "runtime/load/gguf.py": "from moefit.runtime import engine\n",
+    })
+    assert layer_violations(read_graph(root)) == [
+        "moefit.runtime.kernels.quant:1 (runtime kernels) imports moefit.runtime.moe (runtime moe)",
+        "moefit.runtime.kernels.quant:1 (runtime kernels) imports moefit.runtime.moe.batch (runtime moe)",
+        "moefit.runtime.layers.attention:2 (runtime layers) imports moefit.runtime.load (runtime load)",
+        "moefit.runtime.layers.attention:2 (runtime layers) imports moefit.runtime.load.gguf (runtime load)",
+        "moefit.runtime.load.gguf:1 (runtime load) imports moefit.runtime.engine (runtime)"]
+
+
 def test_a_local_import_of_something_light_is_found(tmp_path):
     root = _package(tmp_path, {
         "units.py": "import math\n",
@@ -386,16 +429,15 @@ def test_private_names_of_other_modules_are_found(tmp_path):
                      ("moefit.c", "moefit.a._hidden"), ("moefit.d", "moefit.a._hidden")]
 
 
-def test_the_readme_layout_names_every_module():
-    """The README's Layout block names each module file (``arch.py``) of the package, but
+def test_the_layout_names_every_module():
+    """docs/layout.md's block names each module file (``arch.py``) of the package, but
     the family modules (a new family is one new file: the Layout says "one module per
     family")."""
-    readme = (SRC.parents[1] / "README.md").read_text()
-    layout = readme[readme.index("## Layout"):]
+    layout = (SRC.parents[1] / "docs" / "layout.md").read_text()
     layout = layout[:layout.index("```", layout.index("```") + 3)]
     families = SRC / "ingest" / "families"
     files = {p.name for p in SRC.rglob("*.py") if p.name not in ("__init__.py", "__main__.py")
              and (p.parent != families or p.name in ("common.py", "registry.py"))}
     assert len(files) > 40
     missing = sorted(f for f in files if not re.search(rf"\b{re.escape(f)}", layout))
-    assert missing == [], f"add to the README's Layout: {missing}"
+    assert missing == [], f"add to docs/layout.md: {missing}"

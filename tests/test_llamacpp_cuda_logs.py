@@ -1,6 +1,6 @@
 """llama.cpp's CUDA backend against published CUDA startup logs (issue 15, item 2).
 
-:mod:`moefit.engines.llamacpp` is validated byte for byte on the CPU backend
+:mod:`moefit.external.llamacpp` is validated byte for byte on the CPU backend
 (tests/test_engine_llamacpp.py); these are its checks against field reports of the CUDA
 backend, excerpts in ``tests/data/llamacpp_cuda`` (each names the issue or pull request it
 is copied from). The KV cache and the recurrent state depend on the model's geometry, the
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-import moefit.engines.llamacpp as lc
+import moefit.external.llamacpp as lc
 from moefit.ingest.resolve import load_model
 from moefit.units import MIB
 

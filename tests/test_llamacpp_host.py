@@ -3,7 +3,7 @@
 ``--engine llama.cpp`` remedy of moefit's own plans).
 
 What llama-server keeps in host memory is read from llama.cpp's source
-(:func:`moefit.engines.llamacpp.host_bytes`); the CPU-side compute buffer is checked against
+(:func:`moefit.external.llamacpp.host_bytes`); the CPU-side compute buffer is checked against
 one published CUDA log (``tests/data/llamacpp_cuda``).
 """
 
@@ -19,8 +19,8 @@ pytest.importorskip("gguf")
 
 from moefit.cli import main  # noqa: E402
 from moefit.devices import Device, Host  # noqa: E402
-from moefit.engines import llamacpp as lc  # noqa: E402
-from moefit.engines.llamacpp_quant import default_ftype  # noqa: E402
+from moefit.external import llamacpp as lc  # noqa: E402
+from moefit.ingest.gguf_mix import default_ftype  # noqa: E402
 from moefit.ingest.resolve import load_model  # noqa: E402
 from moefit.units import MIB  # noqa: E402
 

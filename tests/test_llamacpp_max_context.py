@@ -12,7 +12,7 @@ pytest.importorskip("gguf")
 
 from moefit.cli import main  # noqa: E402
 from moefit.devices import Device, Host, find_gpu  # noqa: E402
-from moefit.engines import llamacpp as lc  # noqa: E402
+from moefit.external import llamacpp as lc  # noqa: E402
 from moefit.ingest.resolve import load_model  # noqa: E402
 
 GIB = 1 << 30
@@ -55,7 +55,7 @@ def test_the_printed_c_fits_and_one_cell_block_more_does_not(capsys, model, flag
 
 
 def lc_ftype(geom):
-    from moefit.engines.llamacpp_quant import default_ftype
+    from moefit.ingest.gguf_mix import default_ftype
 
     return default_ftype(geom)
 

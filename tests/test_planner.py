@@ -12,11 +12,13 @@ from moefit.devices import Device, find_gpu
 from moefit.errors import InputError
 from moefit.memory.kv import KV_FORMATS, kv_bytes
 from moefit.memory.runtime import default_reserve_bytes, runtime_bytes
+from moefit.memory import staging
 from moefit.memory.staging import staging_model
 from moefit.memory.weights import expert_slot_bytes, weight_arena_bytes
 from moefit.ingest.resolve import load_model
 from moefit.plan.request import Request
-from moefit.plan.solver import MANDATORY, solve
+from moefit.plan.solver import solve
+from moefit.plan.types import MANDATORY
 
 MIB, GIB = 1 << 20, 1 << 30
 FIELD = Request(max_context=524288, kv="int8", prefill_mode="fixed", prefill_tokens=24576,
@@ -292,3 +294,43 @@ def test_a_calibration_is_priced_with_the_logits_of_every_slot(slots):
     extra = fixed_region_bytes(g, fmt, slots=slots) - fixed_region_bytes(g, fmt)
     assert (extra > 0) == (slots > 1)
     assert plan.devices[0].line("prefill").bytes == calibrated.bytes(1024) + extra
+
+
+# ---- MLA staging: priced from each layer's own tensors ------------------------------------
+
+def _kv_b_bytes_by_scan(layer, geom, act):
+    """The fp8 ``kv_b_proj`` bytes of an MLA layer as they were priced before the closed
+    form: a scan of every fp8 dense tensor of the model for the layer's own (per layer)."""
+    found = [t for t in staging.fp8_dense_tensors(geom)
+             if t in layer.tensors and t.name.endswith("kv_b_proj.weight")]
+    return found[0].numel * act if found else 0
+
+
+MLA_PRESETS = ("DeepSeek-R1", "DeepSeek-V2-Lite", "DeepSeek-V3", "DeepSeek-V3.1", "Kimi-K2-Instruct")
+
+
+def test_the_mla_presets_are_every_preset_with_mla_layers():
+    from moefit.ingest.resolve import list_presets
+    assert MLA_PRESETS == tuple(n for n in list_presets() if any(
+        l.attention.kind == "mla" for l in load_model(n).layers))
+
+
+@pytest.mark.parametrize("name", MLA_PRESETS)
+def test_mla_staging_in_closed_form_equals_the_per_layer_scan(name, monkeypatch):
+    """Each MLA layer's step is ``const + per_token x chunk`` from its own tensors
+    (:func:`moefit.memory.staging.mla_kv_b_bytes`); the staging model equals the one
+    priced by scanning the model's fp8 tensors for every layer, at every KV format and
+    several chunks (fp8 checkpoints: a kv_b_proj is dequantized, so the term is not 0)."""
+    geom = load_model(name)
+    act = staging.compute_bytes(geom)
+    mla = [l for l in geom.layers if l.attention.kind == "mla"]
+    per_layer = [staging.mla_kv_b_bytes(l, geom, act) for l in mla]
+    assert per_layer == [_kv_b_bytes_by_scan(l, geom, act) for l in mla]
+    assert all(per_layer) if geom.quant.method == "fp8" else not any(per_layer)
+    chunks = (1, 256, 4096, 16384, 65536)
+    closed = [staging_model(geom, f, slots).bytes(c) for f in KV_FORMATS.values()
+              for slots in (1, 4) for c in chunks]
+    monkeypatch.setattr(staging, "mla_kv_b_bytes", _kv_b_bytes_by_scan)
+    scanned = [staging_model(geom, f, slots).bytes(c) for f in KV_FORMATS.values()
+               for slots in (1, 4) for c in chunks]
+    assert closed == scanned

@@ -20,7 +20,8 @@ from moefit.ingest.resolve import load_model
 from moefit.memory.kv import kv_bytes, kv_format
 from moefit.plan.report import format_table
 from moefit.plan.request import Request
-from moefit.plan.solver import EXPERT_DEVICE_LINES, layer_ranges, solve
+from moefit.plan.several import EXPERT_DEVICE_LINES, layer_ranges
+from moefit.plan.solver import solve
 
 sys.path.insert(0, str(Path(__file__).parent))
 

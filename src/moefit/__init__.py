@@ -10,6 +10,6 @@ __version__ = "0.1.0"
 
 # OpenMP threads (torch's and the runtime's C kernels, one libgomp) spin 300000 times at a
 # barrier by default before they sleep: on a busy machine a 2-thread decode then ran at 2
-# tokens/s against 23 with a bounded spin (moefit.runtime.qmatmul). Set here, before any
+# tokens/s against 23 with a bounded spin (moefit.runtime.kernels.qmatmul). Set here, before any
 # torch import (libgomp reads it when it loads); a value the user set is kept.
 _os.environ.setdefault("GOMP_SPINCOUNT", "10000")

@@ -24,9 +24,6 @@ from moefit import __version__
 from moefit.devices import format_gpu_table
 from moefit.errors import (EXIT_INPUT, EXIT_NOFIT, EXIT_OK, EXIT_OTHER, InputError, Terminated,
                            exit_code)
-from moefit.engines import llamacpp, serving
-from moefit.engines.sglang import ENGINE as SGLANG
-from moefit.engines.vllm import ENGINE as VLLM
 from moefit.flags import (add_engine_flags, add_model_files_flags, add_plan_flags,
                           add_sampling_flags, add_serve_flags, check_engine_flags,
                           device_from_args, devices_from_args, host_from_args, llama_ftype, llama_request_from_args,
@@ -38,7 +35,7 @@ from moefit.ingest.resolve import format_models_table, list_presets, load_model
 from moefit.memory.kv import kv_bytes, kv_format
 from moefit.memory.staging import staging_model
 from moefit.plan.report import format_json, format_table
-from moefit.plan.solver import Alternative
+from moefit.plan.types import Alternative
 from moefit.tools.demo import FAMILIES as DEMO_FAMILIES
 from moefit.units import format_bytes
 
@@ -75,6 +72,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def _plan_llamacpp(args: argparse.Namespace) -> int:
     """``moefit plan MODEL --engine llama.cpp``: llama-server's budget and command, for a GGUF
     file (its header) or a Hugging Face model (the GGUF of ``--gguf-type``)."""
+    from moefit.external import llamacpp     # an engine's model loads only for its --engine
     geom = load_model(args.model)
     req = llama_request_from_args(geom, args)
     device = device_from_args(args)
@@ -95,7 +93,12 @@ def _llamacpp_alternatives(geom, device, args: argparse.Namespace) -> list[Alter
     """When moefit's plan does not fit one device: ``--engine llama.cpp`` (the GGUF file, or
     the one of the family's released mix) with the same flags, or with one of that plan's
     own ``fits with:`` changes, when it fits (the device and the host alike); none when the
-    flags have no llama.cpp meaning or the family has no GGUF architecture."""
+    flags have no llama.cpp meaning or the family has no GGUF architecture. Loads llama.cpp's
+    model only for a plan that does not fit (none when it cannot be loaded)."""
+    try:
+        from moefit.external import llamacpp
+    except ImportError:
+        return []
     try:
         req = llama_request_from_args(geom, args)
         if is_gguf_file(args.model):
@@ -115,13 +118,16 @@ def _llamacpp_alternatives(geom, device, args: argparse.Namespace) -> list[Alter
 def _plan_serving(args: argparse.Namespace) -> int:
     """``moefit plan MODEL --engine vllm|sglang --gpus N [--nodes M]``: one rank's budget
     under the engine's parallelism and one launch command per node."""
+    from moefit.external import multi_gpu
+    from moefit.external.sglang import ENGINE as SGLANG
+    from moefit.external.vllm import ENGINE as VLLM
     geom = load_model(args.model)
     req = serve_request_from_args(geom, args)
     device = device_from_args(args)
     engine = VLLM if args.engine == "vllm" else SGLANG
-    plan = serving.solve_serving(geom, engine, device, req)
-    return _print_engine_plan(args, plan, serving.serve_plan_document, serving.format_serve_plan,
-                              serving.format_serve_verbose)
+    plan = multi_gpu.solve_serving(geom, engine, device, req)
+    return _print_engine_plan(args, plan, multi_gpu.serve_plan_document, multi_gpu.format_serve_plan,
+                              multi_gpu.format_serve_verbose)
 
 
 def _print_engine_plan(args: argparse.Namespace, plan, document, text, verbose) -> int:

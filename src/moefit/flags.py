@@ -6,15 +6,15 @@ One argparse group per function (:func:`add_model_argument`, :func:`add_device_f
 home. The parsed flags become:
 
 - a :class:`~moefit.plan.request.Request` (:func:`request_from_args`), llama.cpp's
-  :class:`~moefit.engines.llamacpp.LlamaRequest` for ``plan --engine llama.cpp``
+  :class:`~moefit.external.llamacpp.LlamaRequest` for ``plan --engine llama.cpp``
   (:func:`llama_request_from_args`), or a vLLM / SGLang
-  :class:`~moefit.engines.serving.ServeRequest` for ``plan --engine vllm|sglang``
+  :class:`~moefit.external.multi_gpu.ServeRequest` for ``plan --engine vllm|sglang``
   (:func:`serve_request_from_args`);
 - the :class:`~moefit.devices.Device` s: any devices for planning (:func:`devices_from_args`;
   one: :func:`device_from_args`), devices that can run the model for ``serve`` and
   ``generate`` (:func:`runnable_devices`; ``bench`` and ``calibrate`` run one:
   :func:`runnable_device`), and the host (:func:`host_from_args`);
-- a solved :class:`~moefit.plan.solver.Plan` (:func:`plan_from_args`), with the staging
+- a solved :class:`~moefit.plan.types.Plan` (:func:`plan_from_args`), with the staging
   this device measured (:func:`calibrated_staging`).
 
 This module sits below :mod:`moefit.cli`, :mod:`moefit.serve.launch` and
@@ -28,20 +28,12 @@ import argparse
 import os
 import sys
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 from moefit.devices import Device, Host, resolve_devices, resolve_host
-from moefit.engines.llamacpp import DEFAULT_BATCH as LLAMA_BATCH
-from moefit.engines.llamacpp import DEFAULT_UBATCH as LLAMA_UBATCH
-from moefit.engines.llamacpp import DEFAULT_KV as LLAMA_KV
-from moefit.engines.llamacpp import MAX_CTX as LLAMA_MAX_CTX
-from moefit.engines.llamacpp import MAX_SEQ as LLAMA_MAX_SEQ
-from moefit.engines.llamacpp import pad_cells as _pad_cells
-from moefit.engines.llamacpp import LOAD_MODES as LLAMA_LOAD_MODES
-from moefit.engines.llamacpp import LlamaRequest, kv_types
-from moefit.engines.llamacpp_quant import default_ftype, ftype_name
-from moefit.engines.serving import BATCH_GRID, ServeRequest
 from moefit.errors import InputError
 from moefit.ingest.geometry import ModelGeometry
+from moefit.ingest.gguf_mix import default_ftype, ftype_name
 from moefit.ingest.inputs import is_gguf_file
 from moefit.ingest.resolve import serving_reference
 from moefit.memory import calibration
@@ -49,8 +41,14 @@ from moefit.memory.kv import KV_FORMATS, kv_name
 from moefit.memory.staging import StagingModel
 from moefit.plan.request import (CHUNK_GRID, DEFAULT_PREFILL_MIN, Request, context_limit, parse_prefill,
                                  resolve_context, validate)
-from moefit.plan.solver import SMALLEST_CONTEXT, Plan, largest_context, solve
+from moefit.plan.alternatives import SMALLEST_CONTEXT, largest_context
+from moefit.plan.solver import solve
+from moefit.plan.types import Plan
 from moefit.units import parse_count
+
+if TYPE_CHECKING:       # the engines' modules load only for --engine (moefit plan stays fast)
+    from moefit.external.llamacpp import LlamaRequest
+    from moefit.external.multi_gpu import ServeRequest
 
 
 #: The default of ``--host-ram`` when set (a machine's memory to plan with, where this one
@@ -163,7 +161,7 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                      help="--engine llama.cpp with a Hugging Face model: plan the GGUF that "
                           "llama-quantize FTYPE would write (default Q4_K_M; Q8_0, Q6_K, Q5_K_M, "
                           "Q4_K_S, MXFP4_MOE, ...)")
-    eng.add_argument("--load-mode", choices=LLAMA_LOAD_MODES, default=None,
+    eng.add_argument("--load-mode", default=None, metavar="MODE",
                      help="--engine llama.cpp: how llama-server holds the tensors kept on the CPU "
                           "(its -lm): mmap (default: the file's pages), none (a copy), mlock, "
                           "mmap+mlock")
@@ -282,11 +280,11 @@ def _yarn_orig_ctx(args: argparse.Namespace) -> int | None:
     return parse_count(args.yarn_orig_ctx, "--yarn-orig-ctx") if args.yarn_orig_ctx else None
 
 
-def llama_request_from_args(geom: ModelGeometry, args: argparse.Namespace) -> LlamaRequest:
+def llama_request_from_args(geom: ModelGeometry, args: argparse.Namespace) -> "LlamaRequest":
     """Map ``moefit plan --engine llama.cpp`` flags onto llama.cpp's: ``--max-context`` ->
     ``-c`` (RoPE limits checked as for moefit's plans), ``--prefill`` -> ``-ub``
     (``auto``: llama.cpp's 512), ``--kv`` -> ``-ctk/-ctv`` (moefit's or llama.cpp's type
-    names, :func:`moefit.engines.llamacpp.kv_types`), ``--parallel`` -> ``-np`` (one cache
+    names, :func:`moefit.external.llamacpp.kv_types`), ``--parallel`` -> ``-np`` (one cache
     stream per sequence), ``--vram-reserve-mib`` -> the margin, ``--strict`` /
     ``--prefill-min`` as for the prefill chunk.
 
@@ -294,11 +292,18 @@ def llama_request_from_args(geom: ModelGeometry, args: argparse.Namespace) -> Ll
     (``-m`` names ``<model>-<FTYPE>.gguf``; :func:`llama_ftype`).
 
     ``--max-context max`` gives the model's limit here (under the RoPE flags), which
-    :func:`moefit.engines.llamacpp.plan_max_context` lowers to what fits.
+    :func:`moefit.external.llamacpp.plan_max_context` lowers to what fits.
 
     Raises InputError (exit 2) for ``--gguf-type`` with a GGUF file and for flags that have
     no llama.cpp meaning (the expert-cache flags, ``--parallel`` above 256, a ``-c`` past
     2^31 - 1)."""
+    from moefit.external.llamacpp import DEFAULT_BATCH as LLAMA_BATCH
+    from moefit.external.llamacpp import DEFAULT_KV as LLAMA_KV
+    from moefit.external.llamacpp import LOAD_MODES as LLAMA_LOAD_MODES
+    from moefit.external.llamacpp import MAX_CTX as LLAMA_MAX_CTX
+    from moefit.external.llamacpp import MAX_SEQ as LLAMA_MAX_SEQ
+    from moefit.external.llamacpp import pad_cells as _pad_cells
+    from moefit.external.llamacpp import LlamaRequest, kv_types
     gguf_type = getattr(args, "gguf_type", None)
     if is_gguf_file(args.model) and gguf_type is not None:
         raise InputError(f"--gguf-type {gguf_type}: {args.model} is a GGUF file, planned with its own "
@@ -309,6 +314,8 @@ def llama_request_from_args(geom: ModelGeometry, args: argparse.Namespace) -> Ll
                          "moefit runtime flags; with --engine llama.cpp the experts kept on the "
                          "CPU are chosen as --n-cpu-moe")
     mode = getattr(args, "load_mode", None) or "mmap"
+    if mode not in LLAMA_LOAD_MODES:
+        raise InputError(f"--load-mode {mode!r}: use one of {', '.join(LLAMA_LOAD_MODES)} (llama-server's -lm)")
     tk, tv = kv_types(args.kv) if args.kv is not None else (LLAMA_KV, LLAMA_KV)
     ub, ub_min = llama_ubatch(args.prefill, prefill_min_of(args))
     slots = slots_of(args)
@@ -353,9 +360,9 @@ def llama_request_from_args(geom: ModelGeometry, args: argparse.Namespace) -> Ll
 
 def llama_ftype(args: argparse.Namespace, geom: ModelGeometry) -> str:
     """``--gguf-type``: the ``llama-quantize`` file type a Hugging Face model ``geom`` is
-    planned in with ``--engine llama.cpp`` (:func:`moefit.engines.llamacpp_quant.ftype_name`);
+    planned in with ``--engine llama.cpp`` (:func:`moefit.ingest.gguf_mix.ftype_name`);
     by default the family's released mix (``MXFP4_MOE`` for gpt-oss, else ``Q4_K_M``:
-    :func:`moefit.engines.llamacpp_quant.default_ftype`). Raises InputError."""
+    :func:`moefit.ingest.gguf_mix.default_ftype`). Raises InputError."""
     text = getattr(args, "gguf_type", None)
     return ftype_name(text) if text is not None else default_ftype(geom)
 
@@ -375,7 +382,8 @@ def llama_ubatch(prefill: str, prefill_min: int) -> tuple[int, int]:
     """``--prefill`` / ``--prefill-min`` with ``--engine llama.cpp`` -> (``-ub``, the smallest
     ``-ub`` a clamp may choose), in tokens: ``auto`` is llama.cpp's 512 (``auto:N`` asks
     ``N``), any count of at least 1 is a micro-batch llama.cpp runs (the clamp's grid is
-    64 tokens: :data:`moefit.engines.llamacpp.UB_GRID`). Raises InputError naming the flag."""
+    64 tokens: :data:`moefit.external.llamacpp.UB_GRID`). Raises InputError naming the flag."""
+    from moefit.external.llamacpp import DEFAULT_UBATCH as LLAMA_UBATCH
     text = prefill.strip().lower()
     if text == "auto":
         ub = LLAMA_UBATCH
@@ -411,7 +419,7 @@ def check_engine_flags(args: argparse.Namespace) -> None:
                              f"vllm, or drop --{name}")
 
 
-def serve_request_from_args(geom: ModelGeometry, args: argparse.Namespace) -> ServeRequest:
+def serve_request_from_args(geom: ModelGeometry, args: argparse.Namespace) -> "ServeRequest":
     """Map ``moefit plan --engine vllm|sglang`` flags onto the engine's: ``--max-context`` ->
     ``--max-model-len`` / ``--context-length`` (the model's limit by default; RoPE limits as
     for moefit's plans, a YaRN or linear request adds the engine's config override),
@@ -423,6 +431,7 @@ def serve_request_from_args(geom: ModelGeometry, args: argparse.Namespace) -> Se
 
     Raises InputError (exit 2) for a GGUF model, the expert-cache flags, ``--max-context
     max``, a simulated CPU device, and bad ``--gpus/--nodes/--tp/--pp/--dp/--ep`` values."""
+    from moefit.external.multi_gpu import BATCH_GRID, ServeRequest
     engine = args.engine
     if is_gguf_file(args.model):
         raise InputError(f"{args.model}: --engine {engine} plans a Hugging Face checkpoint (a "
@@ -653,13 +662,13 @@ def _plan_max_context(geom: ModelGeometry, device, req: Request,
                       staging: StagingModel | None, host: Host | None = None,
                       keep_chunk: bool = False) -> Plan:
     """``--max-context max``: the plan at the largest context that fits
-    (:func:`~moefit.plan.solver.largest_context`, to the token, capped at the model's limit
+    (:func:`~moefit.plan.alternatives.largest_context`, to the token, capped at the model's limit
     under the RoPE flags), with a note saying so. ``keep_chunk`` (no ``--prefill-min``): the
     context of the requested or default chunk (:func:`max_context_chunk`), and a note with
     the trade-off when the smallest chunk (``--prefill-min``'s) would fit more; when not
     even one token fits at that chunk, the smallest chunk's plan. When not even one token
     fits, the failed plan at the smallest context
-    (:data:`~moefit.plan.solver.SMALLEST_CONTEXT`), with a note saying no context fits: its
+    (:data:`~moefit.plan.alternatives.SMALLEST_CONTEXT`), with a note saying no context fits: its
     shortfall, the side that is short (a device or the host), the limiting lines and the
     alternatives are those of the least KV cache, not of the model's limit (where the KV
     cache would hide what is really short)."""

@@ -112,7 +112,7 @@ def test_batched_steps_match_each_sequence_alone_gpt_oss(gpt_oss, kind, cache):
     when an expert gets at most 8 of its tokens, else are dequantized: a token may take one
     path alone and the other batched, so those logits agree to the kernels' bound (2.5e-3,
     as tests/runtime/test_gguf_runtime.py; 2.4e-4 measured), the tokens exactly."""
-    from moefit.runtime import qmatmul
+    from moefit.runtime.kernels import qmatmul
 
     _check(gpt_oss[kind], cache, 2.5e-3 if kind == "mxfp4" and qmatmul.available() else TOL)
 

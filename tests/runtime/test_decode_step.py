@@ -1,4 +1,4 @@
-"""The lean decode step (:mod:`moefit.runtime.decode_step`) against the torch step it replaces.
+"""The lean decode step (:mod:`moefit.runtime.layers.lean_step`) against the torch step it replaces.
 
 Both run the same engine on the same checkpoint; the lean step rounds where the torch step
 rounds, so on fp32 checkpoints the logits agree to fp32 summation order and the greedy tokens
@@ -16,7 +16,8 @@ import torch
 
 from conftest import plan_for
 from hybrid import HYBRIDS, make_hybrid
-from moefit.runtime import decode_step, qmatmul
+from moefit.runtime.layers import lean_step as decode_step
+from moefit.runtime.kernels import qmatmul
 from moefit.runtime.engine import Engine, EngineOptions
 from reference import prompt
 

@@ -86,7 +86,7 @@ def test_plan_refuses_the_checkpoint_the_loader_refuses(tmp_path, capsys):
     from moefit.cli import main
     from moefit.ingest.families import geometry_from_config
     from moefit.runtime.arch import arch_from_config
-    from moefit.runtime.loader import load_checkpoint
+    from moefit.runtime.load.safetensors import load_checkpoint
 
     d = write_demo(tmp_path / "m", "deepseek_v3")
     cfg = json.loads((d / "config.json").read_text())

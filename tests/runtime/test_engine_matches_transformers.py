@@ -127,7 +127,7 @@ def test_slots_are_independent_sequences(tiny_models):
 
 
 def test_sequence_past_the_planned_context_is_refused(tiny_models):
-    from moefit.runtime.kv_cache import ContextFull
+    from moefit.runtime.buffers.kv_cache import ContextFull
 
     tiny = tiny_models[("mixtral", "per_expert")]
     engine = start(tiny, max_context=48)

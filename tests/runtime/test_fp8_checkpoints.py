@@ -24,7 +24,7 @@ from moefit.plan.request import Request
 from moefit.plan.solver import solve
 from moefit.runtime.engine import Engine, EngineOptions
 from moefit.runtime.measure import _cpu_peaks, prefill_measured
-from moefit.runtime.quant import FP8, Fp8Matrix, dequantize_fp8, fp8_bytes
+from moefit.runtime.kernels.quant import FP8, Fp8Matrix, dequantize_fp8, fp8_bytes
 from reference import engine_greedy, max_error, prompt, reference_greedy
 
 TOL = 1e-4

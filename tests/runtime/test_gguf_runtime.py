@@ -27,15 +27,15 @@ from moefit.ingest.resolve import load_model  # noqa: E402
 from moefit.plan.request import Request  # noqa: E402
 from moefit.plan.solver import solve  # noqa: E402
 from moefit.runtime.engine import Engine, EngineOptions  # noqa: E402
-from moefit.runtime import qmatmul, quant  # noqa: E402
-from moefit.runtime.quant import StoredMatrix  # noqa: E402
-from moefit.runtime.gguf_loader import HostEmbedding  # noqa: E402
-from moefit.runtime.ledger import BudgetError  # noqa: E402
+from moefit.runtime.kernels import qmatmul, quant  # noqa: E402
+from moefit.runtime.kernels.quant import StoredMatrix  # noqa: E402
+from moefit.runtime.load.gguf import HostEmbedding  # noqa: E402
+from moefit.runtime.buffers.ledger import BudgetError  # noqa: E402
 from test_qmatmul import random_matrix  # noqa: E402
 from reference import engine_greedy, max_error, prompt, reference_greedy  # noqa: E402
 
 TOL = 1e-4
-#: With the C kernels (``moefit.runtime.qmatmul``) decode steps multiply quantized experts
+#: With the C kernels (``moefit.runtime.kernels.qmatmul``) decode steps multiply quantized experts
 #: and quantized dense weights with activations quantized per 32 values, as llama.cpp does:
 #: the largest logit error measured on these checkpoints is 5.8e-4 with quantized experts
 #: (mixtral, Q8_0) and 1.23e-3 with a quantized attention matrix too (the Q4_1 / Q5_1 / Q5_0
@@ -156,7 +156,7 @@ def test_mixed_types_per_layer_and_quantized_dense_weights(tiny_models, tmp_path
 def test_stored_matrix_products_equal_the_dequantized_ones():
     """Many rows: blocks of weight rows dequantized into the workspace's fixed region, exact;
     a few rows: the C kernels, within the activation-rounding bound."""
-    from moefit.runtime.staging import Workspace
+    from moefit.runtime.buffers.workspace import Workspace
 
     rows, cols = 300, 256
     raw = torch.from_numpy(random_matrix("Q6_K", rows, cols).reshape(-1))

@@ -27,9 +27,9 @@ from gpt_oss import CONFIG, make_gpt_oss
 from moefit.ingest.resolve import load_model
 from moefit.plan.request import Request
 from moefit.plan.solver import solve
-from moefit.runtime import qmatmul
+from moefit.runtime.kernels import qmatmul
 from moefit.runtime.engine import Engine, EngineOptions
-from moefit.runtime.quant import dequantize
+from moefit.runtime.kernels.quant import dequantize
 from reference import engine_greedy, max_error, prompt, reference_greedy
 
 gguf = pytest.importorskip("gguf")

@@ -27,11 +27,11 @@ from moefit.memory.kv import KV_FORMATS, kv_layout, linear_state_bytes
 from moefit.memory.staging import _mixer_terms, staging_model
 from moefit.plan.request import Request
 from moefit.plan.solver import solve
-from moefit.runtime.deltanet import chunk_delta_rule, gated_deltanet, recurrent_delta_rule
+from moefit.runtime.layers.deltanet import chunk_delta_rule, gated_deltanet, recurrent_delta_rule
 from moefit.runtime.engine import Engine, EngineOptions
-from moefit.runtime.ledger import Ledger
-from moefit.runtime.linear_state import LinearStates
-from moefit.runtime.staging import Workspace
+from moefit.runtime.buffers.ledger import Ledger
+from moefit.runtime.buffers.linear_state import LinearStates
+from moefit.runtime.buffers.workspace import Workspace
 from reference import engine_greedy, max_error, prompt, reference_greedy
 
 TOL = 1e-4

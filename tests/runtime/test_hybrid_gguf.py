@@ -32,7 +32,7 @@ from hybrid import HYBRIDS, TEXT, make_hybrid  # noqa: E402
 from moefit.ingest.resolve import load_model  # noqa: E402
 from moefit.plan.request import Request  # noqa: E402
 from moefit.plan.solver import solve  # noqa: E402
-from moefit.runtime import qmatmul  # noqa: E402
+from moefit.runtime.kernels import qmatmul  # noqa: E402
 from moefit.runtime.engine import Engine, EngineOptions  # noqa: E402
 from moefit.tools.gguf_write import write_gguf  # noqa: E402
 from reference import engine_greedy, max_error, prompt, reference_greedy  # noqa: E402
@@ -187,7 +187,7 @@ def test_a_legacy_ssm_in_is_the_checkpoints_in_proj_qkvz():
     the same resident ``la_qkvz`` as from the checkpoint, and ``attn_qkv`` + ``attn_gate``
     as the writer splits them give it too."""
     from moefit.ingest.families.qwen_hybrid import _regroup
-    from moefit.runtime.hybrid_layout import gguf_linear_attention_entries, linear_attention_entries
+    from moefit.runtime.load.hybrid_layout import gguf_linear_attention_entries, linear_attention_entries
 
     geom = load_model(str(make_config_dir()))
     a, h = geom.layers[0].attention, geom.hidden_size

@@ -26,9 +26,9 @@ from conftest import plan_for
 from moefit.memory.kv import BLOCK_BITS, KV_FORMATS, KVFormat
 from moefit.memory.staging import codec_scratch, span
 from moefit.runtime.engine import Engine, EngineOptions
-from moefit.runtime.kv_codec import Codec
-from moefit.runtime.ledger import Ledger
-from moefit.runtime.staging import Workspace
+from moefit.runtime.buffers.kv_codec import Codec
+from moefit.runtime.buffers.ledger import Ledger
+from moefit.runtime.buffers.workspace import Workspace
 from reference import engine_greedy, max_error, prompt
 
 BOUND = {"bf16": 2e-3, "fp16": 2e-4, "fp8": 2.5e-2, "int8": 6e-3, "k8v4": 6e-2, "int4": 8e-2}
@@ -67,7 +67,7 @@ def test_ledger_kv_allocation_equals_plan_kv_bytes(tiny_models, family, fmt):
 
 
 def test_new_kv_format_of_existing_codecs_is_one_table_entry(tiny_models, monkeypatch):
-    """The README's "A new KV format" list: a format built from existing codecs (here K
+    """The "A new KV format" list of docs/extending.md: a format built from existing codecs (here K
     as 4-bit blocks, V as 8-bit blocks) is one :data:`KV_FORMATS` entry; the plan prices
     it, the engine allocates and runs it, and its error sits between int8's and int4's
     bounds."""

@@ -8,7 +8,7 @@ import torch
 from conftest import MIB, plan_for
 from moefit.memory.weights import expert_slot_bytes
 from moefit.runtime.engine import Engine, EngineOptions
-from moefit.runtime.ledger import BudgetError, Ledger
+from moefit.runtime.buffers.ledger import BudgetError, Ledger
 from reference import prompt
 
 

@@ -161,9 +161,9 @@ def test_grouped_router_equals_the_transformers_router(mla, family):
     ``DeepseekV2TopkRouter``, ``Glm4MoeTopkRouter``): the same experts, the same weights;
     every buffer from the workspace."""
     from moefit.memory.staging import grouped_route_takes, span, take_bytes
-    from moefit.runtime.ledger import Ledger
-    from moefit.runtime.routing import route_grouped
-    from moefit.runtime.staging import Workspace
+    from moefit.runtime.buffers.ledger import Ledger
+    from moefit.runtime.moe.routing import route_grouped
+    from moefit.runtime.buffers.workspace import Workspace
 
     tiny = mla[family]
     layer = tiny.geom.moe_layers[0]

@@ -1,4 +1,4 @@
-"""One C call per MoE layer (:mod:`moefit.runtime.moe_batch`) against the expert-by-expert path.
+"""One C call per MoE layer (:mod:`moefit.runtime.moe.batch`) against the expert-by-expert path.
 
 Both paths run the same engine on the same file; the batched one quantizes activations per
 32 values for quantized experts (``test_qmatmul``), so its logits differ from the exact path
@@ -17,7 +17,9 @@ gguf = pytest.importorskip("gguf")
 
 from conftest import Tiny, plan_for  # noqa: E402
 from moefit.memory.cpu_kernels import DISABLE_ENV  # noqa: E402
-from moefit.runtime import decode_step, moe_batch, qmatmul  # noqa: E402
+from moefit.runtime.layers import lean_step as decode_step
+from moefit.runtime.moe import batch as moe_batch
+from moefit.runtime.kernels import qmatmul  # noqa: E402
 from moefit.runtime.engine import Engine, EngineOptions  # noqa: E402
 from reference import engine_greedy, max_error, prompt  # noqa: E402
 from test_gguf_runtime import QUANT_TOL, GGUFModel  # noqa: E402

@@ -1,4 +1,4 @@
-"""The device expert path (:mod:`moefit.runtime.moe_device`) on the simulated device.
+"""The device expert path (:mod:`moefit.runtime.moe.device`) on the simulated device.
 
 A CUDA device runs its MoE layers through this path; ``MOEFIT_EXPERT_PATH=device`` runs the
 same code on CPU tensors (the host and the "device" are one memory there), so these tests
@@ -8,7 +8,7 @@ Checked: logits equal transformers' full forward without a cache (fp32 tiny chec
 four families: all experts resident, a few, none; prefill chunks and decode), greedy
 tokens identical; GGUF Q8_0 and Q4_K_M experts against the expert-by-expert path; several
 sequences decoded in one step (the padded ``torch.bmm`` groups) and a prefill chunk whose
-experts get more than :data:`~moefit.runtime.moe_device.PAD_MAX_TOKENS` tokens (the
+experts get more than :data:`~moefit.runtime.moe.device.PAD_MAX_TOKENS` tokens (the
 contiguous groups); hits and misses counted as the expert-by-expert path counts them; the
 misses through the C kernels and through torch; the plan's staging: planned = allocated,
 measured peak <= planned, and the host buffer of the misses allocated as planned.
@@ -26,10 +26,12 @@ from moefit.memory.cpu_kernels import DISABLE_ENV
 from moefit.memory.host import EXPERT_PATH_ENV, device_expert_path, miss_host_bytes
 from moefit.plan.request import Request
 from moefit.plan.solver import solve
-from moefit.runtime import decode_step, moe_batch, moe_device, qmatmul
+from moefit.runtime.layers import lean_step as decode_step
+from moefit.runtime.moe import batch as moe_batch, device as moe_device
+from moefit.runtime.kernels import qmatmul
 from moefit.runtime.engine import Engine, EngineOptions
-from moefit.runtime.moe_device import _Hits, group_size
-from moefit.runtime.quant import StoredExpert
+from moefit.runtime.moe.device import _Hits, group_size
+from moefit.runtime.kernels.quant import StoredExpert
 from random_gguf import write_random_ggufs
 from reference import engine_greedy, max_error, prompt, reference_greedy
 
@@ -296,7 +298,7 @@ def test_experts_on_another_device_run_there_with_the_tokens_of_one(tiny_models,
     m = GGUFModel(tiny_models[("qwen3_moe", "per_expert")], tmp_path / "q.gguf", expert_types="Q8_0")
     plan = solve(m.geom, devices_for(m.geom, 2), Request(**REQ, split="experts"))
     assert plan.fits and plan.devices[1].expert_slots > 0
-    from moefit.runtime.experts import ExpertCache
+    from moefit.runtime.moe.cache import ExpertCache
 
     remote, real = [], ExpertCache.run_on
     monkeypatch.setattr(ExpertCache, "run_on", lambda self, k, *a: remote.append(k) or real(self, k, *a))

@@ -18,8 +18,8 @@ import torch
 
 gguf = pytest.importorskip("gguf")
 
-from moefit.runtime import qmatmul as qm  # noqa: E402
-from moefit.runtime.quant import StoredExpert, dequantize  # noqa: E402
+from moefit.runtime.kernels import qmatmul as qm  # noqa: E402
+from moefit.runtime.kernels.quant import StoredExpert, dequantize  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not qm.available(), reason=f"C kernels: {qm.unavailable_reason()}")
 
@@ -179,7 +179,7 @@ def test_moe_matches_per_expert_reference(types):
 def test_no_kernels_without_a_compiler(tmp_path):
     """Without a C compiler the module says so and ``available`` is False (the runtime then
     keeps dequantize-then-multiply)."""
-    code = ("from moefit.runtime import qmatmul as q; print(q.available()); print(q.unavailable_reason())")
+    code = ("from moefit.runtime.kernels import qmatmul as q; print(q.available()); print(q.unavailable_reason())")
     env = {"PATH": "/nonexistent", "CC": "no-such-cc", "MOEFIT_CACHE_DIR": str(tmp_path), "HOME": str(tmp_path),
            "PYTHONPATH": ":".join(sys.path)}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True).stdout
@@ -189,7 +189,7 @@ def test_no_kernels_without_a_compiler(tmp_path):
 def test_a_compiler_that_fails_is_reported(tmp_path):
     """A compiler that is there but fails: ``available`` is False and the reason says the
     build failed (the planner expected the kernels; the engine refuses to start, below)."""
-    code = ("from moefit.runtime import qmatmul as q; print(q.available()); print(q.unavailable_reason())")
+    code = ("from moefit.runtime.kernels import qmatmul as q; print(q.available()); print(q.unavailable_reason())")
     env = {**os.environ, "CC": "false", "MOEFIT_CACHE_DIR": str(tmp_path), "PYTHONPATH": ":".join(sys.path)}
     env.pop("MOEFIT_NO_CKERNELS", None)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True).stdout

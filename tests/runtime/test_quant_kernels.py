@@ -14,7 +14,7 @@ import torch
 gguf = pytest.importorskip("gguf")
 
 from moefit.errors import InputError  # noqa: E402
-from moefit.runtime.quant import KERNELS, StoredExpert, dequantize  # noqa: E402
+from moefit.runtime.kernels.quant import KERNELS, StoredExpert, dequantize  # noqa: E402
 
 T = gguf.GGMLQuantizationType
 REQUIRED = ("Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K", "MXFP4", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL")
@@ -63,7 +63,7 @@ def test_kernel_equals_reference_on_quantized_weights(qtype):
 
 
 def test_unsupported_type_names_the_tensor_and_the_type():
-    from moefit.runtime.quant import kernel_for
+    from moefit.runtime.kernels.quant import kernel_for
 
     with pytest.raises(InputError, match=r"blk\.3\.ffn_down_exps\.weight.*IQ4_XS"):
         kernel_for("IQ4_XS", "blk.3.ffn_down_exps.weight")

@@ -98,7 +98,7 @@ def test_min_p_one_keeps_only_the_most_likely_token(client):
 
 
 def test_min_p_matches_transformers_warper():
-    from moefit.runtime.engine import min_p_filter
+    from moefit.runtime.sampling import min_p_filter
     from moefit.serve.generation import Params
 
     g = torch.Generator().manual_seed(0)
@@ -141,9 +141,9 @@ def test_chat_roles_are_checked(client):
 
 
 def test_greedy_is_torch_argmax_first_of_ties():
-    """engine.greedy (numpy's argmax for fp32 CPU logits) picks what torch.argmax picks: the
+    """sampling.greedy (numpy's argmax for fp32 CPU logits) picks what torch.argmax picks: the
     first of equal maxima, the first NaN, on rows of a batch (views) and in other dtypes."""
-    from moefit.runtime.engine import greedy
+    from moefit.runtime.sampling import greedy
 
     g = torch.Generator().manual_seed(0)
     batch = torch.randn(4, 151936, generator=g)

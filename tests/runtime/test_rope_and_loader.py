@@ -13,7 +13,7 @@ from conftest import make_tiny, plan_for
 from moefit.errors import InputError
 from moefit.ingest.families import geometry_from_config
 from moefit.runtime.engine import Engine, EngineOptions
-from moefit.runtime.rope import inv_freq, rope_from_config
+from moefit.runtime.layers.rope import inv_freq, rope_from_config
 from reference import engine_greedy, max_error, prompt, reference_greedy
 
 YARN_CASES = [

@@ -178,7 +178,7 @@ def test_bad_port_or_host_is_an_input_error(host, port, needle):
 
 
 def test_unknown_fail_alloc_key_is_an_input_error(monkeypatch):
-    from moefit.runtime.ledger import FAIL_ENV, failing_lines
+    from moefit.runtime.buffers.ledger import FAIL_ENV, failing_lines
 
     assert failing_lines("prefill, kv") == {"prefill", "kv"}
     monkeypatch.setenv(FAIL_ENV, "bogus")

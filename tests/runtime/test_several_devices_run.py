@@ -14,7 +14,7 @@ from moefit.memory.weights import expert_slot_bytes
 from moefit.plan.request import Request
 from moefit.plan.solver import solve
 from moefit.runtime.engine import Engine, EngineOptions
-from moefit.runtime.ledger import BudgetError
+from moefit.runtime.buffers.ledger import BudgetError
 from reference import engine_greedy, prompt
 from test_gguf_runtime import GGUFModel
 
@@ -170,7 +170,7 @@ def test_a_host_that_cannot_hold_the_simulated_devices_fails_on_the_host(tiny_mo
     plan = solve(tiny.geom, sim_device(64 * MIB), Request(**REQ))
     # commit against a host with room for the process but not for the device's tensors
     from dataclasses import replace
-    from moefit.runtime.ledger import resident_bytes
+    from moefit.runtime.buffers.ledger import resident_bytes
     kv = plan.devices[0].line("kv").bytes
     rss = resident_bytes()
     tight = Host(rss + (256 << 20), rss + kv // 2, "test")
@@ -309,7 +309,7 @@ def test_fault_injection_on_one_device_and_lines_of_zero_bytes(tiny_models, monk
     tensor; ``runtime@1`` is charged on a simulated device (0 B) and fails there; a device
     the plan leaves out has nothing to fail."""
     from moefit.errors import InputError
-    from moefit.runtime.ledger import check_fault_injection
+    from moefit.runtime.buffers.ledger import check_fault_injection
 
     tiny = tiny_models[("qwen3_moe", "per_expert")]
     one = solve(tiny.geom, sim_device(64 * MIB), Request(**REQ, expert_cache=0))

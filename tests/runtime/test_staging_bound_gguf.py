@@ -11,7 +11,7 @@ under-counted the K-quants. The scratch is now priced per type
    table entry and within 10% of it; the C kernels (a CPU device) allocate nothing;
 2. a model with realistic expert matrices (512 x 512) in each format, at 256 and 512-token
    chunks, through the C kernels and through the torch kernels (``MOEFIT_NO_CKERNELS``):
-   measured <= planned <= 1.15 x measured, the claim the README makes.
+   measured <= planned <= 1.15 x measured, the claim docs/benchmarks.md makes.
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ from moefit.plan.request import Request  # noqa: E402
 from moefit.plan.solver import solve  # noqa: E402
 from moefit.runtime.engine import Engine, EngineOptions  # noqa: E402
 from moefit.runtime.measure import _cpu_peaks, prefill_measured  # noqa: E402
-from moefit.runtime import qmatmul  # noqa: E402
-from moefit.runtime.quant import KERNELS, dequantize  # noqa: E402
+from moefit.runtime.kernels import qmatmul  # noqa: E402
+from moefit.runtime.kernels.quant import KERNELS, dequantize  # noqa: E402
 from moefit.memory.cpu_kernels import CTYPES, DISABLE_ENV  # noqa: E402
 
 
@@ -50,7 +50,7 @@ FORMATS = {"Q8_0": ("Q8_0",) * 3, "Q4_0": ("Q4_0",) * 3, "MXFP4": ("MXFP4",) * 3
 def _kernel_scratch(qtype: str) -> int:
     """Peak bytes torch allocates while dequantizing one full tile of ``qtype`` into a
     preallocated bf16 buffer (the output itself is not counted), by whichever path
-    :func:`moefit.runtime.quant.dequantize` takes."""
+    :func:`moefit.runtime.kernels.quant.dequantize` takes."""
     from torch.profiler import ProfilerActivity, profile
 
     k = KERNELS[qtype]

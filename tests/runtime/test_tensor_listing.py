@@ -1,6 +1,6 @@
 """The geometry's tensor listing and the loaders agree: every tensor name and shape the
-safetensors loader (``runtime.loader._layer_plan`` / ``_mlp_plan`` / ``_expert_plan``) and
-the GGUF loader (``runtime.gguf_loader._layer_plan`` / ``_expert_parts``) ask for is in the
+safetensors loader (``runtime.load.safetensors._layer_plan`` / ``_mlp_plan`` / ``_expert_plan``) and
+the GGUF loader (``runtime.load.gguf._layer_plan`` / ``_expert_parts``) ask for is in the
 listing the plan priced (``ModelGeometry.layers[*].tensors`` / ``expert_tensors`` /
 ``global_tensors``), and every listed tensor is one they load.
 
@@ -19,17 +19,19 @@ from types import SimpleNamespace
 
 import pytest
 
+import moefit
+
 from moefit.ingest.families import geometry_from_config, registry
 from moefit.ingest.families.qwen_hybrid import V_TILED_ARCHS
 from moefit.ingest.geometry import ModelGeometry
-from moefit.runtime import gguf_loader, loader
+from moefit.runtime.load import gguf as gguf_loader, safetensors as loader
 from moefit.runtime.arch import arch_from_config, runtime_model_types
-from moefit.runtime.hybrid_layout import sources
+from moefit.runtime.load.hybrid_layout import sources
 
 sys.path.insert(0, str(Path(__file__).parents[1]))
 from toy_family import TOY, TOY_CONFIG  # noqa: E402
 
-PRESETS = Path(loader.__file__).parents[1] / "presets"
+PRESETS = Path(moefit.__file__).parent / "presets"
 
 _SMALL = dict(vocab_size=96, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
               max_position_embeddings=256, rms_norm_eps=1e-6, num_hidden_layers=3,

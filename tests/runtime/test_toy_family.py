@@ -21,7 +21,7 @@ from conftest import Tiny, make_tiny, plan_for
 from moefit.ingest.families import geometry_from_config, registry
 from moefit.runtime.arch import arch_from_config
 from moefit.runtime.engine import Engine, EngineOptions
-from moefit.runtime.rope import inv_freq, rope_from_config
+from moefit.runtime.layers.rope import inv_freq, rope_from_config
 from reference import engine_greedy, max_error, prompt, reference_greedy
 
 sys.path.insert(0, str(Path(__file__).parents[1]))

@@ -28,7 +28,7 @@ from moefit.ingest.resolve import load_model
 from moefit.memory import calibration
 from moefit.outputs import writable_dir
 from moefit.plan.request import context_limit, resolve_context
-from moefit.plan.solver import largest_context
+from moefit.plan.alternatives import largest_context
 from moefit.runtime.calibrate import measure_point
 from moefit.units import format_bytes, parse_count
 

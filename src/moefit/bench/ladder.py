@@ -37,8 +37,10 @@ from moefit.errors import InputError
 from moefit.ingest.geometry import ModelGeometry
 from moefit.memory.staging import StagingModel
 from moefit.plan.request import CHUNK_GRID, Request
-from moefit.plan.solver import LINE_ORDER, solve
-from moefit.runtime.engine import Engine, EngineOptions, greedy
+from moefit.plan.solver import solve
+from moefit.plan.types import LINE_ORDER
+from moefit.runtime.engine import Engine, EngineOptions
+from moefit.runtime.sampling import greedy
 from moefit.runtime.measure import prefill_measured
 from moefit.units import parse_count
 

@@ -17,7 +17,7 @@ from importlib.util import find_spec
 from pathlib import Path
 
 from moefit.outputs import replace_files
-from moefit.plan.solver import LINE_ORDER
+from moefit.plan.types import LINE_ORDER
 from moefit.units import GIB, MIB, format_bytes
 
 SCHEMA = "moefit.bench/1"

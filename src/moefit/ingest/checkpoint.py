@@ -196,7 +196,7 @@ class HeaderIndex:
     empty), ``headers`` their headers.
 
     :meth:`check` is the one check of a tensor against the shape its config implies: the
-    safetensors loader (``moefit.runtime.loader``) runs it on every tensor it reads, the
+    safetensors loader (``moefit.runtime.load.safetensors``) runs it on every tensor it reads, the
     planner (:func:`exact_weights`) on the tensors of the geometry's listing that the
     headers hold, so ``moefit plan`` refuses a checkpoint that contradicts its config as
     ``serve`` and ``generate`` do, with the same message.
@@ -311,7 +311,7 @@ def held_bytes(t: HeaderTensor, dtype_bytes: int) -> int:
 
 
 #: The projections the safetensors loader rebuilds from checkpoint tensors, holding the
-#: parts and the result at once (``moefit.runtime.hybrid_layout``, its ``Packed`` entries):
+#: parts and the result at once (``moefit.runtime.load.hybrid_layout``, its ``Packed`` entries):
 #: a linear-attention layer's (Qwen3-Next's fused ones, Qwen3.5's split ones) ...
 LINEAR_ATTENTION_PACKS = (("linear_attn.in_proj_qkvz.weight",), ("linear_attn.in_proj_ba.weight",),
                           ("linear_attn.in_proj_qkv.weight", "linear_attn.in_proj_z.weight"),
@@ -324,12 +324,14 @@ FP8_SCALE = "_scale_inv"     # an fp8 ``X.weight``'s block scales: ``X.weight_sc
 def load_staging(geom: ModelGeometry, tensors: dict[str, int]) -> int:
     """The most host memory the safetensors loader holds at once beside its destinations,
     in bytes, for ``tensors`` (``{name: stored bytes}`` of the tensors it reads, experts
-    included): one tensor at a time (``moefit.runtime.loader``: a fused expert tensor
+    included): one tensor at a time (``moefit.runtime.load.safetensors``: a fused expert tensor
     whole; an fp8 tensor with its block scales), and a projection it packs
     (:data:`LINEAR_ATTENTION_PACKS`, :data:`GATED_Q_PACKS`) as its parts and the result at
     once, twice the parts' bytes. The same as the loader charges to ``host_staging``."""
     largest = 0
+    by_layer: dict[int | None, dict[str, int]] = {}
     for name, n in tensors.items():
+        by_layer.setdefault(_LAYER_OF(name), {})[name] = n
         if name.endswith(FP8_SCALE):
             continue
         largest = max(largest, n + tensors.get(name + FP8_SCALE, 0))
@@ -338,7 +340,7 @@ def load_staging(geom: ModelGeometry, tensors: dict[str, int]) -> int:
                 (GATED_Q_PACKS if layer.attention.output_gate else ())
         if not packs:
             continue
-        mine = {name: n for name, n in tensors.items() if _LAYER_OF(name) == layer.index}
+        mine = by_layer.get(layer.index, {})
         for pack in packs:
             parts = [n for name, n in mine.items() if name.endswith(pack)]
             if len(parts) == len(pack):

@@ -1,9 +1,9 @@
 """What the planner knows of the runtime's C kernels without building them.
 
 The runtime multiplies and dequantizes stored (GGUF) tensors on the CPU with C kernels
-(``moefit.runtime.qmatmul``, compiled with a C compiler at first use). They write their
+(``moefit.runtime.kernels.qmatmul``, compiled with a C compiler at first use). They write their
 results straight into the buffers the runtime hands them and allocate nothing else, while
-the torch fallback (``moefit.runtime.quant``) allocates fp32 scratch beside each tile it
+the torch fallback (``moefit.runtime.kernels.quant``) allocates fp32 scratch beside each tile it
 dequantizes. The staging line of a plan therefore depends on which path will run; this
 module answers that before torch is imported:
 
@@ -93,13 +93,13 @@ def qact_bytes(k: int) -> int:
 
 
 def gemm_scratch_bytes(n: int, k: int) -> int:
-    """Scratch of ``moefit.runtime.qmatmul.gemm`` for ``n`` rows of ``k`` values: fp32 copies and their
+    """Scratch of ``moefit.runtime.kernels.qmatmul.gemm`` for ``n`` rows of ``k`` values: fp32 copies and their
     quantized form."""
     return n * (4 * k + qact_bytes(k))
 
 
 def moe_scratch_bytes(tokens: int, hidden: int, inter: int, pairs: int | None = None) -> int:
-    """Scratch of ``moefit.runtime.qmatmul.moe`` for ``tokens`` token rows run ``pairs`` (token, expert) pairs
+    """Scratch of ``moefit.runtime.kernels.qmatmul.moe`` for ``tokens`` token rows run ``pairs`` (token, expert) pairs
     at a time (default: ``tokens``): the rows converted to fp32 and quantized once
     (``[T, H]`` fp32 + quantized), then per pair the gate/up outputs ``[2I]`` fp32, the
     SwiGLU product ``[I]`` fp32 and its quantized form, and the down output ``[H]`` fp32."""
@@ -108,7 +108,7 @@ def moe_scratch_bytes(tokens: int, hidden: int, inter: int, pairs: int | None = 
 
 
 def pair_bytes(hidden: int, inter: int) -> int:
-    """Scratch of ``moefit.runtime.qmatmul.moe`` per (token, expert) pair run at once: the gate/up outputs
+    """Scratch of ``moefit.runtime.kernels.qmatmul.moe`` per (token, expert) pair run at once: the gate/up outputs
     ``[2I]`` fp32, the SwiGLU product ``[I]`` fp32 and its quantized form, the down output
     ``[H]`` fp32."""
     return 12 * inter + qact_bytes(inter) + 4 * hidden

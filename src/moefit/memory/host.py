@@ -7,7 +7,7 @@ The host table sits beside the device tables. Its lines, in commit order:
 - ``host_weights``: dense weights kept on the host: a GGUF file's token embedding table
   when the file has its own output matrix (:func:`embed_on_host`). llama.cpp keeps it on
   the CPU ("there is very little benefit to offloading the input layer",
-  ``llama_model::load_tensors``; :mod:`moefit.engines.llamacpp`): a token's embedding is
+  ``llama_model::load_tensors``; :mod:`moefit.external.llamacpp`): a token's embedding is
   one row lookup, so the device needs no copy of the table. With tied embeddings the
   table is the output matrix too and stays on the device.
 - ``host_staging``: the larger of what loading holds at once beside its destinations
@@ -45,7 +45,7 @@ GIB = 1 << 30
 #: ``host_runtime`` with no CUDA device: 512 MiB. Measured: 246 MiB resident after
 #: importing torch 2.x, FastAPI, uvicorn, tokenizers and moefit's runtime on the CI
 #: machine (``/proc/self/status`` VmRSS), and the ``moefit serve`` process of a 120 MB
-#: model at 516 MiB once its allocator had warmed up (README, the load test), i.e. about
+#: model at 516 MiB once its allocator had warmed up (docs/benchmarks.md, the load test), i.e. about
 #: 400 MiB beside the model; rounded up.
 CPU_RUNTIME_BYTES = 512 * MIB
 #: ``host_runtime`` with a CUDA device: 2 GiB. pytorch/pytorch#113326 measures a peak
@@ -86,13 +86,13 @@ def embed_on_host(geom: ModelGeometry) -> tuple[int, int]:
 def load_staging_bytes(geom: ModelGeometry) -> int:
     """The most host memory the loaders hold at once beside their destinations (bytes).
 
-    Safetensors (``moefit.runtime.loader``): one tensor is read at a time into host
+    Safetensors (``moefit.runtime.load.safetensors``): one tensor is read at a time into host
     memory and copied to where it lives (a fused ``[E, 2I, H]`` expert tensor whole, an fp8
     tensor with its scales; gpt-oss's fused experts one expert's slice at a time,
     ``moefit.ingest.families.gpt_oss.expert_read_bytes``); a projection the loader packs
-    from a layer's tensors (Qwen3-Next / Qwen3.5, ``moefit.runtime.hybrid_layout``) holds
+    from a layer's tensors (Qwen3-Next / Qwen3.5, ``moefit.runtime.load.hybrid_layout``) holds
     its parts and the result at once (:func:`moefit.ingest.checkpoint.load_staging`). GGUF
-    (``moefit.runtime.gguf_loader``): tensors are read through the file's memory map (page
+    (``moefit.runtime.load.gguf``): tensors are read through the file's memory map (page
     cache, not counted here), except llama's q/k rows, un-permuted in a copy, and a
     hybrid's regrouped projections, rebuilt in fp32
     (``moefit.ingest.gguf_header.packed_staging_bytes``). From the headers when read
@@ -107,7 +107,7 @@ def load_staging_bytes(geom: ModelGeometry) -> int:
 
 
 #: ``MOEFIT_EXPERT_PATH=device``: a CPU (simulated) device runs its MoE layers through the
-#: device expert path a CUDA device runs (``moefit.runtime.moe_device``: batched products in
+#: device expert path a CUDA device runs (``moefit.runtime.moe.device``: batched products in
 #: torch, misses computed on the host while the device works), so tests exercise that code
 #: without a GPU; the plan then prices its host buffer as on CUDA. Unset (or ``auto``): only
 #: CUDA devices take it.
@@ -148,7 +148,7 @@ def miss_host_c_kernels(types: tuple[str, str, str], hidden: int, inter: int, dt
     """Whether the misses of a device step run on the host through the C kernels
     (``qmatmul.moe``) for experts of (gate, up, down) ggml ``types`` ``[I, H]``, ``[I, H]``,
     ``[H, I]`` in a model computing in ``dtype``: the kernels are expected on the CPU, read
-    that dtype's activations and those types at those widths (``moefit.runtime.moe_device``
+    that dtype's activations and those types at those widths (``moefit.runtime.moe.device``
     asks the same of the built kernels); else they run in torch, expert by expert."""
     cols = (hidden, hidden, inter)
     return (cpu_kernels.expected("cpu", env) and dtype in _C_ACT
@@ -157,7 +157,7 @@ def miss_host_c_kernels(types: tuple[str, str, str], hidden: int, inter: int, dt
 
 def miss_host_takes(hidden: int, inter: int, top_k: int, chunk: int, c_kernels: bool,
                     stored: bool) -> list[Take]:
-    """The host buffer of a device step's misses (``moefit.runtime.moe_device`` takes it by
+    """The host buffer of a device step's misses (``moefit.runtime.moe.device`` takes it by
     this list, in order) for a chunk of ``chunk`` tokens of ``top_k`` experts each: the
     step's rows copied from the device ``[T, H]``, the fp32 result copied back ``[T, H]``,
     the sorted pairs' tokens (int64) and routing weights (fp32) ``[T k]`` and those of the
@@ -191,15 +191,19 @@ def miss_host_bytes(geom: ModelGeometry, chunk: int,
     :func:`miss_host_takes` (the largest over the MoE layers and over the two ways a step's
     misses run: the C kernels for a step of few tokens per expert where they read the
     layer, dequantize-then-multiply expert by expert otherwise, as a CPU device chooses,
-    ``moefit.runtime.moe_batch.max_tokens_per_expert``; pinned on CUDA, allocated once on
+    ``moefit.runtime.moe.batch.max_tokens_per_expert``; pinned on CUDA, allocated once on
     ``host_staging``) and, for stored experts, the torch kernels' fp32 scratch beside one
     tile (:data:`moefit.memory.staging.DEQUANT_SCRATCH_BYTES_PER_ELEM`; none for a type the
     C kernels dequantize)."""
     act = compute_bytes(geom)
     buf = scratch = 0
+    seen = set()        # layers of one shape and types give the same bytes: priced once
     for l in geom.moe_layers:
         m = l.moe
         types = _layer_types(geom, l)
+        if (shape := (types, m.expert_intermediate, m.experts_per_token)) in seen:
+            continue
+        seen.add(shape)
         c = miss_host_c_kernels(types, geom.hidden_size, m.expert_intermediate, geom.dtype, env)
         for kernels in ((True, False) if c else (False,)):
             takes = miss_host_takes(geom.hidden_size, m.expert_intermediate, m.experts_per_token, chunk,

@@ -51,7 +51,7 @@ and row bytes from the formulas above; the runtime computes none of its own), as
 without recomputing. A new format is a :data:`KV_FORMATS` entry naming each side's codec kind
 (:data:`CODEC_KINDS`) and the plain dtype; a new codec kind also needs its bytes
 (:meth:`KVFormat.row_bytes`), its scratch priced (:func:`moefit.memory.staging.codec_scratch`)
-and its encoder in ``moefit.runtime.kv_codec``.
+and its encoder in ``moefit.runtime.buffers.kv_codec``.
 """
 
 from __future__ import annotations
@@ -114,7 +114,7 @@ class KVFormat:
 
     def codec(self, side: str) -> str:
         """The codec kind of one side (``"k"`` or ``"v"``): ``plain``, ``fp8``, ``q8`` or
-        ``q4`` (:data:`CODEC_KINDS`). The runtime's encoder (``moefit.runtime.kv_codec.Codec``)
+        ``q4`` (:data:`CODEC_KINDS`). The runtime's encoder (``moefit.runtime.buffers.kv_codec.Codec``)
         and the staging model's scratch (:func:`moefit.memory.staging.codec_scratch`) are
         keyed by it."""
         return self.k if side == "k" else self.v
@@ -363,7 +363,7 @@ def kv_layout(geom: ModelGeometry, fmt: KVFormat, context: int, slots: int,
               chunk: int) -> KVLayout:
     """Carve the ``kv`` line for ``context`` tokens x ``slots`` sequences and a prefill
     chunk of ``chunk`` tokens into per-layer views (byte offsets); the runtime
-    (``moefit.runtime.kv_cache.KVCache``) allocates ``.bytes`` and views these offsets.
+    (``moefit.runtime.buffers.kv_cache.KVCache``) allocates ``.bytes`` and views these offsets.
     MLA layers hold one latent row per token (:func:`cell_dims`).
     """
     off = 0

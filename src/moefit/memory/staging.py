@@ -5,7 +5,7 @@ The model is affine in the chunk ``c`` (tokens) and independent of the context l
     staging(c) = const_bytes + per_token_bytes * c
 
 It prices exactly what moefit's forward pass takes from the line's one workspace
-(:mod:`moefit.runtime.staging`), which has two parts:
+(:mod:`moefit.runtime.buffers.workspace`), which has two parts:
 
 1. a *fixed region*, reserved at the bottom for the whole chunk and shared by the layers
    one after another: whatever does not grow with the chunk. Its size is the largest of
@@ -71,13 +71,13 @@ OP_SCRATCH = 64 << 10
 FP32 = 4
 INT64 = 8
 #: Elements dequantized per kernel call when a stored (GGUF) expert runs
-#: (``moefit.runtime.quant``).
+#: (``moefit.runtime.kernels.quant``).
 DEQUANT_TILE_ELEMS = 1 << 20
 #: Block-scaled fp8 weights of Hugging Face checkpoints (``quant_method: fp8``), held as
-#: stored (``moefit.runtime.quant.FP8``): e4m3 values with an fp32 scale per block,
+#: stored (``moefit.runtime.kernels.quant.FP8``): e4m3 values with an fp32 scale per block,
 #: dequantized a tile at a time (:func:`fp8_tile_elems`, its scratch :func:`fp8_scratch_bytes`).
 FP8_TYPE = "F8_E4M3"
-#: Scratch bytes per element of one tile that each kernel of ``moefit.runtime.quant``
+#: Scratch bytes per element of one tile that each kernel of ``moefit.runtime.kernels.quant``
 #: allocates beside its output (fp32 values, unpacked integers, scales), by ggml type.
 #: Measured with the PyTorch profiler on a full tile (F16 / BF16 4.00, Q8_0 4.13, Q4_0 4.63,
 #: Q4_1 8.25, Q5_0 9.13, Q5_1 9.25, IQ4_NL 12.13, Q4_K 13.33, Q5_K 14.33, Q6_K 11.50,
@@ -131,7 +131,7 @@ class _Step:
 def span(sizes, start: int = 0) -> int:
     """Workspace offset (bytes) after takes of ``sizes`` bytes, in order, from offset
     ``start``, each view starting on a :data:`WORKSPACE_ALIGN` boundary: the bytes a
-    sequence of ``moefit.runtime.staging.Workspace.take`` needs."""
+    sequence of ``moefit.runtime.buffers.workspace.Workspace.take`` needs."""
     off = start
     for n in sizes:
         off = -(-off // WORKSPACE_ALIGN) * WORKSPACE_ALIGN + n
@@ -151,7 +151,7 @@ def compute_bytes(geom: ModelGeometry) -> int:
 def codec_scratch(kind: str, dim: int, act: int, decode: bool) -> list[int]:
     """Bytes per head vector of each scratch take of a KV codec of ``kind``
     (:meth:`moefit.memory.kv.KVFormat.codec`) encoding or decoding ``dim``-element
-    vectors, in the order ``moefit.runtime.kv_codec`` takes them (decode into the compute
+    vectors, in the order ``moefit.runtime.buffers.kv_codec`` takes them (decode into the compute
     dtype of ``act`` bytes); tests/runtime/test_kv_formats.py measures the codecs against
     it."""
     nb = math.ceil(dim / QBLOCK)
@@ -178,7 +178,7 @@ def _qk_norm(layer: LayerSpec) -> str:
 def attention_tile_takes(kvh: int, g: int, d: int, dv: int, k_row: int, v_row: int,
                          act_fp32: bool, window: bool, q_block: int = ATTN_Q_BLOCK,
                          kv_block: int = ATTN_KV_BLOCK, latent: bool = False) -> list[Take]:
-    """The fixed-region takes of one attention tile (``moefit.runtime.attention.attend``
+    """The fixed-region takes of one attention tile (``moefit.runtime.layers.attention.attend``
     takes its buffers by this list, in order), before the KV block read: ``G x q_block``
     query rows per KV head (``kvh`` KV heads, ``g`` query heads each, head dims ``d`` /
     ``dv``) against ``kv_block`` cached tokens whose encoded rows are ``k_row`` /
@@ -272,14 +272,19 @@ def fp8_dense_tensors(geom: ModelGeometry) -> list:
     """The non-expert weights held as block-scaled fp8 (:data:`FP8_TYPE`): the 2-D
     quantizable tensors of the roles an fp8 ``quantization_config`` covers
     (:class:`moefit.ingest.geometry.Quantization`); none for another method. A dense one
-    is dequantized whole into the fixed region when used (``moefit.runtime.quant.Fp8Matrix``),
+    is dequantized whole into the fixed region when used (``moefit.runtime.kernels.quant.Fp8Matrix``),
     MLA's ``kv_b_proj`` into the attention step's stack (it is read before and after the
     attention tiles)."""
-    q = geom.quant
-    if q.method != "fp8":
+    if geom.quant.method != "fp8":
         return []
     ts = list(geom.global_tensors) + [t for l in geom.layers for t in l.tensors]
-    return [t for t in ts if t.quantizable and t.role in q.applies_to and len(t.shape) == 2]
+    return [t for t in ts if is_fp8_dense(geom, t)]
+
+
+def is_fp8_dense(geom: ModelGeometry, t) -> bool:
+    """Tensor ``t`` of ``geom`` is one of :func:`fp8_dense_tensors` (tested on ``t`` alone)."""
+    q = geom.quant
+    return q.method == "fp8" and t.quantizable and t.role in q.applies_to and len(t.shape) == 2
 
 
 def _is_kv_b(t) -> bool:
@@ -288,7 +293,7 @@ def _is_kv_b(t) -> bool:
 
 def fp8_tile_elems(rows: int, cols: int, block: tuple[int, int]) -> int:
     """Elements of one dequantization tile of a ``[rows, cols]`` fp8 matrix
-    (``moefit.runtime.quant.dequantize_fp8``): a row block by at most
+    (``moefit.runtime.kernels.quant.dequantize_fp8``): a row block by at most
     ``DEQUANT_TILE_ELEMS / b0`` columns, a multiple of ``b1``."""
     b0, b1 = block
     width = max(b1, DEQUANT_TILE_ELEMS // b0 // b1 * b1)
@@ -296,7 +301,7 @@ def fp8_tile_elems(rows: int, cols: int, block: tuple[int, int]) -> int:
 
 
 def fp8_scratch_bytes(rows: int, cols: int, block: tuple[int, int]) -> int:
-    """The scratch ``moefit.runtime.quant.dequantize_fp8`` allocates beside its output for
+    """The scratch ``moefit.runtime.kernels.quant.dequantize_fp8`` allocates beside its output for
     a ``[rows, cols]`` matrix: the fp32 copy of one tile (:func:`fp8_tile_elems`) and the
     tile's row of scales, repeated over its blocks' columns (fp32). Measured with the
     PyTorch profiler to the byte (tests/runtime/test_mla_and_glm.py)."""
@@ -334,15 +339,23 @@ def _mla_step(layer: LayerSpec, fmt: KVFormat, act: int, geom: ModelGeometry | N
     rot = heads * rope * act
     write = fmt.k_bytes(lora + rope) + INT64 + sum(codec_scratch(fmt.codec("k"), lora + rope, act, False))
     build = q + max(q_lora, (lora + rope) * act + max(norm, rot, write))
-    # a block-scaled fp8 kv_b_proj: dequantized at the bottom of the step's stack
-    fp8_kv_b = [t for t in (fp8_dense_tensors(geom) if geom else []) if t in layer.tensors and _is_kv_b(t)]
-    const = fp8_kv_b[0].numel * act if fp8_kv_b else 0
+    const = mla_kv_b_bytes(layer, geom, act) if geom else 0
     return _Step("MLA attention", const, qabs + max(build, heads * lora * act))
+
+
+def mla_kv_b_bytes(layer: LayerSpec, geom: ModelGeometry, act: int) -> int:
+    """Bytes of the MLA layer's ``kv_b_proj`` dequantized at the bottom of its attention
+    step's stack (``[heads x (qk_nope_head_dim + v_head_dim), kv_lora_rank]`` in the compute
+    dtype of ``act`` bytes) when the checkpoint holds it as block-scaled fp8
+    (:func:`is_fp8_dense`); 0 otherwise. From the layer's own tensors: a constant of the
+    layer, so the MLA step stays ``const + per_token x chunk`` like the other kinds."""
+    kv_b = next((t for t in layer.tensors if _is_kv_b(t)), None)
+    return kv_b.numel * act if kv_b is not None and is_fp8_dense(geom, kv_b) else 0
 
 
 def grouped_route_takes(t: int, e: int, k: int, r: Routing, act_fp32: bool) -> list[Take]:
     """The stack takes of the grouped router for ``t`` tokens of ``e`` experts, top-``k``,
-    routing ``r`` (``moefit.runtime.routing.route_grouped`` takes its buffers by this list,
+    routing ``r`` (``moefit.runtime.moe.routing.route_grouped`` takes its buffers by this list,
     in order): the fp32 copy of the logits (unless ``act_fp32``), the fp32 scores; unless
     ``greedy``, the choice scores, and when groups are dropped the group scores (with the
     top-2 values and indices of ``noaux_tc``), the kept groups' indices and scores and the
@@ -365,7 +378,7 @@ def grouped_route_takes(t: int, e: int, k: int, r: Routing, act_fp32: bool) -> l
 
 def delta_block_takes(nv: int, dk: int, dv: int, block: int = DELTA_CHUNK) -> list[Take]:
     """The fixed-region takes of the chunked delta rule for one block of ``block`` tokens
-    (``moefit.runtime.deltanet.chunk_delta_rule`` takes its buffers by this list, in
+    (``moefit.runtime.layers.deltanet.chunk_delta_rule`` takes its buffers by this list, in
     order), ``nv`` value heads of key / value dims ``dk`` / ``dv``: five fp32 ``[Nv, b,
     Dk]``, six fp32 ``[Nv, b, Dv]``, six fp32 ``[Nv, b]``, three fp32 ``[Nv, b, b]``, the
     ``b x b`` bool mask and one fp32 state-sized product ``[Nv, Dk, Dv]`` (Yang et al.
@@ -384,7 +397,7 @@ def deltanet_region_bytes(att: AttentionSpec, block: int = DELTA_CHUNK) -> int:
 
 
 def _deltanet_step(layer: LayerSpec, act: int) -> _Step:
-    """Gated DeltaNet (``moefit.runtime.deltanet.gated_deltanet``), the stack per token:
+    """Gated DeltaNet (``moefit.runtime.layers.deltanet.gated_deltanet``), the stack per token:
     the fused q/k/v/z and b/a projections and the fp32 conv output, then the largest of
     the fp32 conv input (its ``kernel - 1`` carried rows and the fp32 taps are a
     constant), its rounding to the model dtype, and what follows the conv: fp32 beta and
@@ -436,7 +449,7 @@ def expert_dequant_bytes(geom: ModelGeometry, act: int, c_kernels: bool = False)
     """Staging bytes running one stored (quantized, GGUF) expert takes: its largest matrix
     (``expert_intermediate x hidden``) dequantized into the compute dtype of ``act``
     bytes, plus its kernel's scratch for one tile of at most :data:`DEQUANT_TILE_ELEMS`
-    elements (``moefit.runtime.quant``), by the layer's expert types
+    elements (``moefit.runtime.kernels.quant``), by the layer's expert types
     (:data:`DEQUANT_SCRATCH_BYTES_PER_ELEM`; the largest entry for a type without one, or
     when the types are not known). With ``c_kernels`` (a CPU device where
     :func:`moefit.memory.cpu_kernels.expected`), a type the C kernels read dequantizes
@@ -584,7 +597,7 @@ def expert_staging_model(geom: ModelGeometry, device_kind: str = "cuda") -> Stag
 
     An expert it holds runs there on the tokens routed to it (up to every token of the
     chunk): their input rows copied from the main device, the gate/up output and the
-    output (``(2 H + 2 I) x chunk`` in the compute dtype; ``moefit.runtime.experts.ExpertCache``),
+    output (``(2 H + 2 I) x chunk`` in the compute dtype; ``moefit.runtime.moe.cache.ExpertCache``),
     and for a stored (GGUF) format one dequantized matrix in a fixed region, with its
     kernel's scratch (:func:`expert_dequant_bytes`). Plus the view alignment and torch's
     scratch, as on the main device. 0 for a model without MoE layers."""

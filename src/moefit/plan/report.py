@@ -34,8 +34,8 @@ import json
 
 from moefit.memory.weights import expert_slot_bytes
 from moefit.ingest.resolve import format_params
-from moefit.plan.solver import (GGUF_REMEDY_FTYPES, HOST_LINE_ORDER, LINE_ORDER, DevicePlan, HostPlan, Plan,
-                                gguf_remedy_applies)
+from moefit.plan.alternatives import GGUF_REMEDY_FTYPES, gguf_remedy_applies
+from moefit.plan.types import HOST_LINE_ORDER, LINE_ORDER, DevicePlan, HostPlan, Plan, format_fits_with
 from moefit.units import size_format
 
 SCHEMA = "moefit.plan/2"
@@ -142,22 +142,6 @@ def format_table(plan: Plan) -> str:
              if gguf_remedy_applies(plan.geometry) else "")
     out += format_fits_with(plan.alternatives, f"{larger} (no single flag change{files} makes it fit)")
     return "\n".join(out)
-
-
-def format_fits_with(alternatives, nothing: str) -> list[str]:
-    """The ``fits with:`` lines of a plan that does not fit (moefit's and the engine plans'):
-    ``fits with:`` and one :func:`format_alternative` line per alternative, or, with none,
-    ``fits with: nothing short of NOTHING``."""
-    if alternatives:
-        return ["fits with:", *map(format_alternative, alternatives)]
-    return [f"fits with: nothing short of {nothing}"]
-
-
-def format_alternative(a) -> str:
-    """One ``fits with:`` line: ``  FLAG VALUE[ without FLAG...][   note]``; the flags as
-    printed are exactly the change that was solved."""
-    text = f"  {a.flags}" + "".join(f" without {d}" for d in a.drop)
-    return f"{text}   ({a.note})" if a.note else text
 
 
 def _alternative(a) -> dict:

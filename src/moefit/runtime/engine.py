@@ -4,20 +4,20 @@ Commit order (docs/design.md, runtime contract), each allocation through the led
 
 1. ``runtime``: on CUDA, create the context and the cuBLAS handle and charge what that
    took from the device's free memory; nothing on a simulated device.
-2. ``weights``: every resident tensor (:func:`moefit.runtime.loader.load_checkpoint`);
+2. ``weights``: every resident tensor (:func:`moefit.runtime.load.safetensors.load_checkpoint`);
    the experts go to packed host blobs.
 3. ``weight_arena``: the ring of expert-blob buffers (``--miss-policy copy``).
 4. ``kv``: ONE buffer of exactly the plan's ``kv`` bytes, carved by the plan's layout
-   (:meth:`moefit.plan.solver.Plan.kv_layout`, :class:`KVCache`).
+   (:meth:`moefit.plan.types.Plan.kv_layout`, :class:`KVCache`).
 5. ``prefill``: ONE staging buffer of the plan's ``prefill`` bytes, reused by every
    chunk and every decode step (:class:`Workspace`), whose fixed region is the plan's
-   (:meth:`moefit.plan.solver.Plan.fixed_region_bytes`).
+   (:meth:`moefit.plan.types.Plan.fixed_region_bytes`).
 6. ``experts``: the plan's slots per MoE layer, but never more than the free memory
    above the margin allows; after the last commit the engine re-reads the free memory
    and, if less than the margin is free, gives back expert slots (never a mandatory
    line) and says so in :attr:`Engine.notes`.
 
-A failed allocation raises :class:`~moefit.runtime.ledger.BudgetError` naming the line,
+A failed allocation raises :class:`~moefit.runtime.buffers.ledger.BudgetError` naming the line,
 with the ledger table; nothing is retried.
 
 Several devices (an expert split; docs/design.md, several devices): each device has its
@@ -26,7 +26,7 @@ and staging; every other one its staging (the workspace its experts run in); the
 device its expert slots, within what is free above its own margin. A layer split is
 planned, not run.
 
-The host (docs/design.md, host budget): :class:`~moefit.runtime.ledger.HostLedger` holds
+The host (docs/design.md, host budget): :class:`~moefit.runtime.buffers.ledger.HostLedger` holds
 the process (``host_runtime``), a GGUF token embedding (``host_weights``), what loading
 reads before copying it (``host_staging``, held while it lives), the rows of the experts
 that are not resident (``host_experts``, read once the slots are known, so a resident
@@ -43,7 +43,6 @@ thread); the other calls run one slot.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
 from pathlib import Path
 
 import torch
@@ -55,33 +54,23 @@ from moefit.memory import cpu_kernels
 from moefit.memory.host import miss_host_buffer, miss_host_bytes
 from moefit.memory.staging import ATTN_KV_BLOCK, ATTN_Q_BLOCK, expert_fixed_region_bytes
 from moefit.memory.weights import stored_matrices
-from moefit.plan.solver import Plan
+from moefit.plan.types import Plan
 from moefit.runtime.arch import arch_from_config, read_config
-from moefit.runtime.experts import ExpertCache, initial_residents
-from moefit.runtime.gguf_loader import gguf_config, load_gguf
-from moefit.runtime.kv_cache import KVCache
-from moefit.runtime.ledger import (FAIL_ENV, BudgetError, HostLedger, Ledger, check_fault_injection,
+from moefit.runtime.moe.cache import ExpertCache, initial_residents
+from moefit.runtime.load.gguf import gguf_config, load_gguf
+from moefit.runtime.buffers.kv_cache import KVCache
+from moefit.runtime.buffers.ledger import (FAIL_ENV, BudgetError, HostLedger, Ledger, check_fault_injection,
                                    resident_bytes, unreached)
-from moefit.runtime.loader import ExpertSource, fp8_matrices, load_checkpoint
-from moefit.runtime import qmatmul
+from moefit.runtime.load.safetensors import load_checkpoint
+from moefit.runtime.weights import ExpertSource, fp8_matrices
+from moefit.runtime.kernels import qmatmul
 from moefit.runtime.model import Model, forward, forward_batch, segments
-from moefit.runtime.quant import StoredMatrix
-from moefit.runtime.rope import Rotary, rope_from_config
-from moefit.runtime.staging import Workspace
+from moefit.runtime.kernels.quant import StoredMatrix
+from moefit.runtime.layers.rope import Rotary, rope_from_config
+from moefit.runtime.buffers.workspace import Workspace
 from moefit.units import format_bytes
 
-__all__ = ["BudgetError", "Engine", "EngineOptions", "SamplingParams", "min_p_filter", "sample"]
-
-
-class SamplingParams(Protocol):
-    """What :func:`sample` reads of a request's settings (``moefit.serve.generation.Params``
-    is the one implementation). ``temperature`` 0 is greedy; ``top_k`` 0, ``top_p`` 1 and
-    ``min_p`` 0 keep every token."""
-
-    temperature: float
-    top_k: int
-    top_p: float
-    min_p: float
+__all__ = ["BudgetError", "Engine", "EngineOptions"]
 
 
 @dataclass
@@ -122,7 +111,7 @@ class Engine:
     @classmethod
     def start(cls, model_dir: str | Path, plan: Plan, options: EngineOptions | None = None) -> "Engine":
         """Commit ``plan`` for the checkpoint in ``model_dir`` (see module docstring), or for
-        the ``.gguf`` file it names (:mod:`moefit.runtime.gguf_loader`).
+        the ``.gguf`` file it names (:mod:`moefit.runtime.load.gguf`).
 
         Raises:
             InputError: the plan does not fit, the chunk override exceeds the plan, or
@@ -313,44 +302,6 @@ class Engine:
         return "\n".join(tables)
 
 
-def min_p_filter(x: torch.Tensor, min_p: float) -> torch.Tensor:
-    """Set to -inf the logits ``x`` ``[V]`` of tokens whose probability is below ``min_p``
-    x the largest one (transformers' ``MinPLogitsWarper``; Nguyen et al. 2024, "min-p
-    sampling"); the most likely token always stays. Returns ``x`` (changed in place)."""
-    p = torch.softmax(x.float(), -1)
-    x[p < min_p * p.max()] = float("-inf")
-    return x
-
-
-def greedy(logits: torch.Tensor) -> int:
-    """The index of the largest of ``logits`` ``[V]`` (the first of ties, as ``torch.argmax``).
-    Fp32 logits in CPU memory go through numpy's vectorised argmax: over a 151936-token
-    vocabulary on one thread 16 us against torch's 170-185 us, which was 1-2% of a decode
-    step of a 1.37B model per sequence and a quarter of a tiny model's."""
-    if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 1:
-        return int(logits.numpy().argmax())
-    return int(torch.argmax(logits))
-
-
-def sample(logits: torch.Tensor, s: SamplingParams, gen: torch.Generator | None = None) -> int:
-    """One token from ``logits`` ``[V]``: argmax at temperature 0 (:func:`greedy`), else
-    softmax sampling after top-k / top-p / min-p filtering (transformers' order of the
-    warpers)."""
-    if s.temperature <= 0:
-        return greedy(logits)
-    x = logits.float() / s.temperature
-    if s.top_k:
-        kth = torch.topk(x, min(s.top_k, x.numel())).values[-1]
-        x = x.masked_fill(x < kth, float("-inf"))
-    if s.top_p < 1.0:
-        p, idx = torch.sort(torch.softmax(x, -1), descending=True)
-        drop = p.cumsum(-1) - p > s.top_p
-        x[idx[drop]] = float("-inf")
-    if s.min_p > 0:
-        x = min_p_filter(x, s.min_p)
-    return int(torch.multinomial(torch.softmax(x, -1), 1, generator=gen))
-
-
 def _stored(weights) -> list[StoredMatrix]:
     """The dense matrices kept in their stored type (:class:`StoredMatrix`) among ``weights``."""
     out = [w for w in (weights.embed, weights.lm_head) if isinstance(w, StoredMatrix)]
@@ -462,7 +413,7 @@ def _commit_host_buffers(host: HostLedger, weights, experts: ExpertCache | None,
     (``[slots, V]`` fp32: each step returns them as a new host tensor, so the line is charged,
     not allocated), the rows a GGUF token embedding kept on the host is looked up into (and
     their dequantized values on CUDA), the buffer a mapped expert is gathered into, or the
-    host buffer of the device expert path's misses (:mod:`moefit.runtime.moe_device`)
+    host buffer of the device expert path's misses (:mod:`moefit.runtime.moe.device`)
     (:func:`moefit.memory.host.serving_staging_bytes` prices the same, and on CUDA with
     ``--host-experts mmap`` the host side of the misses computed there, expert by expert,
     which torch allocates as they run)."""

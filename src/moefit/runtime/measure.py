@@ -1,6 +1,6 @@
 """Measure what one prefill chunk really takes beyond the committed lines.
 
-The ``prefill`` line is one workspace (:mod:`moefit.runtime.staging`); its bump offset
+The ``prefill`` line is one workspace (:mod:`moefit.runtime.buffers.workspace`); its bump offset
 says what the engine's own tensors need, but not what torch allocates inside its kernels
 (a sort's scratch, a reduction's result). The measured peak of a chunk counts both:
 

@@ -9,7 +9,7 @@ Follows transformers 5.x ``modeling_qwen3_moe.py``, ``modeling_qwen2_moe.py``,
         h = h + moe(rms(h))   (or the dense MLP)
     logits = lm_head(rms(h[-1]))                         # [V], fp32
 
-The per-chunk tensors come from the staging workspace (:mod:`moefit.runtime.staging`);
+The per-chunk tensors come from the staging workspace (:mod:`moefit.runtime.buffers.workspace`);
 the chunk's keys and values go to the KV cache before attention reads the whole visible
 range back from it (keys quantized after RoPE and q/k-norm, docs/design.md, KV formats).
 
@@ -18,13 +18,13 @@ dtype, softmax in fp32, top-k, renormalised per the family rule, then cast to th
 dtype; expert outputs are combined in an fp32 accumulator.
 
 gpt-oss (``modeling_gpt_oss.py``): attention sinks (a per-head logit in each softmax
-denominator, :func:`moefit.runtime.attention.attend`), alternating sliding-window layers
+denominator, :func:`moefit.runtime.layers.attention.attend`), alternating sliding-window layers
 (the KV cache's ring), a router with a bias and a softmax over its top-k logits
 (:func:`route_topk_softmax`), experts with biases and the clamped SwiGLU
-(:mod:`moefit.runtime.gpt_oss_experts`).
+(:mod:`moefit.runtime.moe.gpt_oss`).
 
 Hybrids (``modeling_qwen3_next.py``, ``modeling_qwen3_5_moe.py``): the token mixer of a
-``linear`` layer is Gated DeltaNet (:func:`moefit.runtime.deltanet.gated_deltanet`); the
+``linear`` layer is Gated DeltaNet (:func:`moefit.runtime.layers.deltanet.gated_deltanet`); the
 full-attention layers have an output gate, ``o * sigmoid(gate)`` before ``o_proj``, with
 the gate from the second half of ``q_proj`` (``Qwen3NextAttention``), and rotate only the
 first ``partial_rotary_factor x head_dim`` channels; every RMSNorm but the gated one scales
@@ -33,7 +33,7 @@ by ``1 + w`` (``Qwen3NextRMSNorm``).
 DeepSeek-V2 / V3 / Kimi-K2 (``modeling_deepseek_v2.py``, ``modeling_deepseek_v3.py``):
 multi-head latent attention in the absorbed form (:func:`_mla_attention`) over a cache of
 latent rows; DeepSeek and GLM-4.5 (``modeling_glm4_moe.py``) route by the grouped router
-(:func:`moefit.runtime.routing.route_grouped`) and add their shared experts ungated.
+(:func:`moefit.runtime.moe.routing.route_grouped`) and add their shared experts ungated.
 """
 
 from __future__ import annotations
@@ -46,16 +46,17 @@ import torch.nn.functional as F
 from moefit.ingest.geometry import LayerSpec, ModelGeometry
 from moefit.memory.staging import ATTN_KV_BLOCK, ATTN_Q_BLOCK
 from moefit.runtime.arch import Arch
-from moefit.runtime.attention import attend
-from moefit.runtime.deltanet import gated_deltanet
-from moefit.runtime.experts import ExpertCache
-from moefit.runtime import decode_step, moe_batch, moe_device
-from moefit.runtime.kv_cache import KVCache
-from moefit.runtime.quant import Fp8Matrix, StoredMatrix
-from moefit.runtime.loader import LayerWeights, Weights
-from moefit.runtime.rope import Rotary, mla_softmax_scale
-from moefit.runtime.routing import route_grouped
-from moefit.runtime.staging import Workspace
+from moefit.runtime.layers.attention import attend
+from moefit.runtime.layers.deltanet import gated_deltanet
+from moefit.runtime.moe.cache import ExpertCache
+from moefit.runtime.layers import lean_step as decode_step
+from moefit.runtime.moe import batch as moe_batch, device as moe_device
+from moefit.runtime.buffers.kv_cache import KVCache
+from moefit.runtime.kernels.quant import Fp8Matrix, StoredMatrix
+from moefit.runtime.weights import LayerWeights, Weights
+from moefit.runtime.layers.rope import Rotary, mla_softmax_scale
+from moefit.runtime.moe.routing import route_grouped
+from moefit.runtime.buffers.workspace import Workspace
 
 
 @dataclass
@@ -74,10 +75,10 @@ class Model:
     #: the workspace's fixed region per chunk (bytes): the planner's
     #: :func:`moefit.memory.staging.fixed_region_bytes` for the tiles above
     fixed_bytes: int = 0
-    #: the prepared lean decode step (:mod:`moefit.runtime.decode_step`), made on first use
+    #: the prepared lean decode step (:mod:`moefit.runtime.layers.lean_step`), made on first use
     lean: object = None
     #: the plan's prefill chunk (tokens): the rows the workspace holds for every step, which
-    #: the device expert path's group buffers may take (:mod:`moefit.runtime.moe_device`)
+    #: the device expert path's group buffers may take (:mod:`moefit.runtime.moe.device`)
     chunk: int = 0
 
 
@@ -116,7 +117,7 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, out: torch.Tensor,
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
     """``out = x @ w^T (+ b)``; ``x`` ``[T, in]``, ``w`` ``[out, in]``, ``out`` ``[T, out]``.
     A few rows against a bf16/fp16 weight on the CPU go through the C kernels
-    (:func:`moefit.runtime.moe_batch.dense`)."""
+    (:func:`moefit.runtime.moe.batch.dense`)."""
     if isinstance(w, (StoredMatrix, Fp8Matrix)):
         w.matmul(x, out)
         return out if b is None else out.add_(b)
@@ -209,7 +210,7 @@ def _mla_attention(mdl: Model, l: LayerSpec, lw: LayerWeights, x: torch.Tensor,
         out      = o_proj(o_lat W_UV^T)                       # [T, A Dv] -> [T, H]
 
     which equals transformers' ``DeepseekV3Attention`` (keys and values expanded by
-    ``kv_b_proj``). ``scale``: :func:`moefit.runtime.rope.mla_softmax_scale`. The buffers
+    ``kv_b_proj``). ``scale``: :func:`moefit.runtime.layers.rope.mla_softmax_scale`. The buffers
     come from the workspace in the order :func:`moefit.memory.staging._mla_step` prices.
     """
     a, arch, ws = l.attention, mdl.arch, mdl.ws
@@ -315,8 +316,8 @@ def _moe(mdl: Model, l: LayerSpec, lw: LayerWeights, x: torch.Tensor, out: torch
     Dispatch: the ``T x k`` (token, expert) pairs are sorted by expert (a stable sort, so
     each expert sees its tokens in order), then each routed expert runs once on its
     tokens: on a device that is not CPU memory (CUDA) batched in torch
-    (:mod:`moefit.runtime.moe_device`), on a CPU device in one C call
-    (:mod:`moefit.runtime.moe_batch`) where the kernels apply, else expert by expert. The buffers an expert runs in (its input rows, the gate/up output, the output
+    (:mod:`moefit.runtime.moe.device`), on a CPU device in one C call
+    (:mod:`moefit.runtime.moe.batch`) where the kernels apply, else expert by expert. The buffers an expert runs in (its input rows, the gate/up output, the output
     and its fp32 copy) are taken for ``T`` rows, the most any expert can get, so the
     staging is the same whatever the routing: what the planner prices.
     """

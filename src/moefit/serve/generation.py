@@ -14,7 +14,7 @@
    checked before the prefill and between tokens, the generation just ends (no more
    steps; :func:`complete` reports ``finish_reason = "abort"``).
 
-Sampling (:func:`moefit.runtime.engine.sample`, given the request's :class:`Params`):
+Sampling (:func:`moefit.runtime.sampling.sample`, given the request's :class:`Params`):
 temperature 0 is greedy; otherwise top-k, then top-p (nucleus, Holtzman et al. 2019,
 arXiv:1904.09751) filtering and a draw from a ``torch.Generator`` seeded by the request's
 ``seed`` (a random seed without one).
@@ -37,7 +37,7 @@ from typing import Callable, Iterator, Sequence
 import torch
 
 from moefit.errors import InputError
-from moefit.runtime.engine import sample
+from moefit.runtime.sampling import sample
 from moefit.serve.protocol import SAMPLING_BOUNDS
 from moefit.serve.text import GenerationDefaults, TextStream, Tokenizer
 

@@ -110,7 +110,7 @@ def commit(args: argparse.Namespace, plan):
     """Step 3-4: start the engine; returns (engine, exit code or None). Prints the
     failure report itself."""
     from moefit.runtime.engine import Engine, EngineOptions      # torch: once the plan fits
-    from moefit.runtime.ledger import FAIL_ENV, BudgetError
+    from moefit.runtime.buffers.ledger import FAIL_ENV, BudgetError
 
     try:
         engine = Engine.start(args.model, plan, EngineOptions(
@@ -359,7 +359,7 @@ def generate(args: argparse.Namespace) -> int:
     plan, tokenizer, defaults, code = prepare(args)
     if code is not None:
         return code
-    from moefit.runtime.ledger import BudgetError
+    from moefit.runtime.buffers.ledger import BudgetError
     from moefit.serve.generation import Params, check_prompt, check_sampling, check_stop, stream
 
     if tokenizer is None:

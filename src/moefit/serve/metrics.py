@@ -11,7 +11,7 @@ Every metric is named ``moefit_*``:
 - ``moefit_kv_cells_in_use{slot}``: tokens held in each slot's KV cache;
 - ``moefit_expert_hit_rate``: expert-cache hits / lookups since start;
 - ``moefit_budget_bytes{line, kind}``: each budget line's planned / allocated / peak bytes
-  (the main device's ledger, :mod:`moefit.runtime.ledger`);
+  (the main device's ledger, :mod:`moefit.runtime.buffers.ledger`);
 - ``moefit_ledger_bytes{ledger, line, kind}``: the same for every device's ledger
   (``cuda:1``, ``cpu:1``) and the host ledger (``host``);
 - ``moefit_time_to_first_token_seconds``, ``moefit_inter_token_latency_seconds``:

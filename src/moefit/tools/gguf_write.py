@@ -208,7 +208,7 @@ class Fp8Dequantized(Mapping):
     ``X.weight`` with an fp32 ``X.weight_scale_inv`` per ``block`` of ``[rows, cols]``,
     DeepSeek-V3 / R1, Kimi-K2, GLM-4.5-FP8) seen as the float32 weights it stores: every fp8
     weight dequantized when read (``q x scale`` per block,
-    :func:`moefit.runtime.quant.dequantize_fp8`, as llama.cpp's ``convert_hf_to_gguf.py``
+    :func:`moefit.runtime.kernels.quant.dequantize_fp8`, as llama.cpp's ``convert_hf_to_gguf.py``
     ``dequant_model`` / ``dequant_simple`` does before it writes a GGUF), the scales left
     out. Other tensors pass through; ``shape_of`` reads the shape only.
 
@@ -221,7 +221,7 @@ class Fp8Dequantized(Mapping):
     def __getitem__(self, key: str):
         import torch
 
-        from moefit.runtime.quant import dequantize_fp8
+        from moefit.runtime.kernels.quant import dequantize_fp8
 
         v = self._state[key]
         scale_key = key + self._suffix

@@ -4,7 +4,7 @@ A stand-in is the GGUF file ``convert_hf_to_gguf.py`` + ``llama-quantize FTYPE``
 for a Hugging Face model, without its weights: the metadata (:func:`moefit.tools.gguf_write.
 add_model_metadata`, the keys llama.cpp's ``llama_model::load_hparams`` reads for the
 family's architecture), a tokenizer, and the tensor infos of the quantizer's per-tensor mix
-(:func:`moefit.engines.llamacpp_quant.llamacpp_tensors`); the data region is a hole of the
+(:func:`moefit.ingest.gguf_mix.llamacpp_tensors`); the data region is a hole of the
 right size (``truncate``: a 20 GiB model takes a few MB of disk, and reads as zeros). moefit
 plans it as any GGUF file (``moefit plan OUT --engine llama.cpp``), and llama.cpp loads it
 far enough to print its buffers (model, KV cache, compute), so a printed command can be
@@ -24,7 +24,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from moefit.engines.llamacpp_quant import default_ftype, ftype_name, llamacpp_tensors
+from moefit.ingest.gguf_mix import default_ftype, ftype_name, llamacpp_tensors
 from moefit.errors import InputError
 from moefit.ingest.families import registry
 from moefit.ingest.resolve import config_of, load_model
@@ -109,7 +109,7 @@ def copy_vocab(w, path: str | Path, n_vocab: int) -> None:
 def write_stand_in(model: str, ftype: str | None, out: str | Path, vocab: str | Path | None = None) -> Path:
     """Write the stand-in of ``model`` (a preset, a model directory or its config.json) in the
     ``llama-quantize`` mix ``ftype`` (None: the family's released mix,
-    :func:`moefit.engines.llamacpp_quant.default_ftype`) to ``out``; ``vocab``: a vocabulary
+    :func:`moefit.ingest.gguf_mix.default_ftype`) to ``out``; ``vocab``: a vocabulary
     GGUF to copy the tokenizer from (module docstring). Returns ``out``.
 
     Raises InputError for a GGUF ``model``, a family without a GGUF architecture, an unknown

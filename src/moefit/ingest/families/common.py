@@ -192,7 +192,7 @@ def rope_block(cfg: dict) -> dict:
 
 def rope_config(cfg: dict) -> RopeConfig:
     """The RoPE of a (text) config dict, torch-free: the one reading of the planner
-    (:func:`read_rope`) and the runtime (``moefit.runtime.rope.rope_from_config``).
+    (:func:`read_rope`) and the runtime (``moefit.runtime.layers.rope.rope_from_config``).
 
     ``block`` per :func:`rope_block`; ``theta``: the block's ``rope_theta``, else the
     top-level ``rope_theta``, else 10000 (transformers' ``convert_rope_params_to_dict``:
@@ -212,7 +212,7 @@ def rope_config(cfg: dict) -> RopeConfig:
 def rope_factor_and_window(r: RopeConfig, max_pos: int) -> tuple[float, int]:
     """(factor, original window in tokens) of RoPE ``r`` in a model trained to ``max_pos``
     tokens: the one interpretation of the planner (:func:`read_rope`) and the runtime
-    (``moefit.runtime.rope.rope_from_config``).
+    (``moefit.runtime.layers.rope.rope_from_config``).
 
     Unscaled RoPE (``default``): (1, ``max_pos``). Scaled: the original window is
     ``original_max_position_embeddings``, else ``max_pos`` (transformers 5.x

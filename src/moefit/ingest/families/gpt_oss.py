@@ -171,7 +171,7 @@ def mxfp4_to_gguf(blocks, scales):
 
 def expert_read_bytes(stored: int, blocks: int, experts: int) -> int:
     """Host bytes the runtime holds at once while reading one expert of a gpt-oss
-    checkpoint into its slot or host row (``moefit.runtime.gpt_oss_experts.hf_expert_into``,
+    checkpoint into its slot or host row (``moefit.runtime.moe.gpt_oss.hf_expert_into``,
     one expert at a time): its slices of the layer's fused expert tensors (``stored``: their
     bytes as stored, all experts) and, for mxfp4, the repack's arrays (``blocks``: the
     layer's ``*_blocks`` bytes, all experts; 0 otherwise). :func:`mxfp4_to_gguf` holds

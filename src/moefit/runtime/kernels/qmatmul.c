@@ -1,0 +1,1205 @@
+/* Quantized matrix products on the CPU, reading ggml blocks as stored (moefit.runtime.kernels.qmatmul).
+ *
+ * Activations are quantized per 32 values, as ggml's CPU backend quantizes them to Q8_0 /
+ * Q8_K before its vec_dot kernels (ggml-cpu/quants.c): int8 q = round(x / d), d = max|x| / 127
+ * (fp32, one per 32 values), with the int32 sums of q per 16 values. A weight row of a quant
+ * type is then multiplied block by block in integers: sum(qw * qx), scaled by the weight's
+ * block scale(s) and the activation's d. Float weights (F32, F16, BF16) multiply fp32
+ * activations in fp32 (no activation quantization).
+ *
+ * Block layouts: see qmatmul.py / quant.py (ggml-common.h). Built by qmatmul.py with
+ * gcc -O3 -march=native -fopenmp; AVX-512 VNNI, AVX-VNNI or AVX2 paths, else plain C.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+#include "mf_floats.h"
+
+#ifndef PREFETCH
+#define PREFETCH 8192
+#endif
+/* bytes of weights below which a product runs on the calling thread alone */
+#define SMALL_WORK (256 << 10)
+
+enum { T_F32 = 0, T_F16 = 1, T_BF16 = 2, T_Q8_0 = 3, T_Q4_0 = 4, T_Q4_K = 5, T_Q5_K = 6, T_Q6_K = 7,
+       T_Q4_1 = 8, T_Q5_0 = 9, T_Q5_1 = 10, T_IQ4_NL = 11, T_MXFP4 = 12 };
+
+static const int8_t KV_IQ4NL[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+static const int8_t KV_MXFP4[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
+static inline uint16_t rd16(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); return v; }
+static inline float e8m0_half(uint8_t e) {   /* ggml_e8m0_to_fp32_half */
+    uint32_t bits = e < 2 ? (0x00200000u << e) : ((uint32_t)(e - 1) << 23);
+    float f; memcpy(&f, &bits, 4); return f;
+}
+
+/* ---- activations: fp32 [K] -> int8 q [K], fp32 d [K/32], fp32 dsy [K/32] (d x the block's
+ * sum of q), int16 s16 [K/16] (sums of q per 16 values); the K-quant form: int8 qk [K], fp32
+ * dk [K/256], int16 sk16 [K/16]; q again in the nibble order qn [K]: per 4 blocks (128 values)
+ * values 0..15 of each block, then values 16..31 of each, as the low and high nibbles of 4
+ * blocks of a 4-bit type lie in one vector (dot_b32_512) ------------------------------------ */
+typedef struct { int8_t *q; float *d; float *dsy; int16_t *s16; int8_t *qk; float *dk; int16_t *sk16; int8_t *qn; } qact;
+
+/* max |x[i]| over n values (n a multiple of 16), and round(x[i] * id) of 16 values into q
+ * as int8, returning their sum: the scalar loops below, 16 values per instruction (the same
+ * IEEE products, and vcvtps2dq rounds to nearest even as lrintf does in the default mode, so
+ * the results are the scalar ones bit for bit). A decode step quantizes each activation row
+ * on one thread, so this part does not shrink with threads. */
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define QACT512 1
+static inline float amax_512(const float *x, int n) {
+    __m512 m = _mm512_setzero_ps();
+    for (int i = 0; i < n; i += 16) m = _mm512_max_ps(m, _mm512_abs_ps(_mm512_loadu_ps(x + i)));
+    return _mm512_reduce_max_ps(m);
+}
+static inline int32_t q16_512(const float *x, float id, int8_t *q) {
+    __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x), _mm512_set1_ps(id)));
+    _mm_storeu_si128((__m128i *)q, _mm512_cvtepi32_epi8(v));
+    return _mm512_reduce_add_epi32(v);
+}
+#endif
+
+/* The K-quant form (ggml's Q8_K): one scale per 256 values, so a super-block's sub-block
+ * products add up in integers; sums per 16 values. Filled when K is a multiple of 256. */
+static void quantize_act_k(const float *x, int K, qact a) {
+    for (int b = 0; b < K / 256; b++) {
+        const float *xb = x + 256 * b;
+        float amax = 0.f;
+#ifdef QACT512
+        amax = amax_512(xb, 256);
+#else
+        for (int i = 0; i < 256; i++) { float v = fabsf(xb[i]); amax = v > amax ? v : amax; }
+#endif
+        float d = amax / 127.f, id = d ? 1.f / d : 0.f;
+        a.dk[b] = d;
+        for (int g = 0; g < 16; g++) {
+#ifdef QACT512
+            a.sk16[16 * b + g] = (int16_t)q16_512(xb + 16 * g, id, a.qk + 256 * b + 16 * g);
+#else
+            int32_t sg = 0;
+            for (int i = 16 * g; i < 16 * g + 16; i++) {
+                int q = (int)lrintf(xb[i] * id);
+                a.qk[256 * b + i] = (int8_t)q;
+                sg += q;
+            }
+            a.sk16[16 * b + g] = (int16_t)sg;
+#endif
+        }
+    }
+}
+
+static void quantize_act(const float *x, int K, qact a) {
+    if (K % 256 == 0) quantize_act_k(x, K, a);
+    for (int b = 0; b < K / 32; b++) {
+        const float *xb = x + 32 * b;
+        float amax = 0.f;
+#ifdef QACT512
+        amax = amax_512(xb, 32);
+        float d = amax / 127.f, id = d ? 1.f / d : 0.f;
+        a.d[b] = d;
+        int32_t s0 = q16_512(xb, id, a.q + 32 * b), s1 = q16_512(xb + 16, id, a.q + 32 * b + 16);
+#else
+        for (int i = 0; i < 32; i++) { float v = fabsf(xb[i]); amax = v > amax ? v : amax; }
+        float d = amax / 127.f, id = d ? 1.f / d : 0.f;
+        a.d[b] = d;
+        int32_t s0 = 0, s1 = 0;
+        for (int i = 0; i < 32; i++) {
+            int q = (int)lrintf(xb[i] * id);
+            a.q[32 * b + i] = (int8_t)q;
+            if (i < 16) s0 += q; else s1 += q;
+        }
+#endif
+        a.s16[2 * b] = (int16_t)s0; a.s16[2 * b + 1] = (int16_t)s1;
+        a.dsy[b] = d * (float)(s0 + s1);
+    }
+    for (int g = 0; g < K / 128; g++)
+        for (int k = 0; k < 4; k++) {
+            memcpy(a.qn + 128 * g + 16 * k, a.q + 128 * g + 32 * k, 16);
+            memcpy(a.qn + 128 * g + 64 + 16 * k, a.q + 128 * g + 32 * k + 16, 16);
+        }
+}
+
+/* ---- 32-byte integer dot products --------------------------------------------------------- */
+#ifdef __AVX2__
+/* u8 [32] x s8 [32] -> 8 int32 lanes (lane i: bytes 4i..4i+3). */
+static inline __m256i dot_us(__m256i u, __m256i s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+#elif defined(__AVXVNNI__)
+    return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s);
+#else
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+#endif
+}
+static inline __m256i dot_ss(__m256i a, __m256i b) {   /* s8 x s8 */
+    return dot_us(_mm256_sign_epi8(a, a), _mm256_sign_epi8(b, a));
+}
+static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+static inline __m256i nibbles(const uint8_t *p) {  /* 16 bytes -> 32 u8: low nibbles, then high */
+    __m128i v = _mm_loadu_si128((const __m128i *)p);
+    __m256i w = _mm256_inserti128_si256(_mm256_castsi128_si256(v), _mm_srli_epi16(v, 4), 1);
+    return _mm256_and_si256(w, _mm256_set1_epi8(0x0f));
+}
+static inline __m256i lut16(__m256i idx, const int8_t *tab) {
+    __m128i t = _mm_loadu_si128((const __m128i *)tab);
+    return _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(t), idx);
+}
+#endif
+
+/* Q4_K / Q5_K: a super-block's 12 bytes of 6-bit scales and mins -> scm: 8 scales, then 8 mins
+ * (ggml's kmask unpacking); used by the AVX-512 and the AVX2 paths */
+static inline void k4_scales(const uint8_t *sc, uint8_t scm[16]) {
+    uint32_t u4[4];
+    memcpy(u4, sc, 12);
+    u4[3] = ((u4[2] >> 4) & 0x0f0f0f0fu) | (((u4[1] >> 6) & 0x03030303u) << 4);
+    uint32_t aux = u4[1] & 0x3f3f3f3fu;
+    u4[1] = (u4[2] & 0x0f0f0f0fu) | (((u4[0] >> 6) & 0x03030303u) << 4);
+    u4[2] = aux;
+    u4[0] &= 0x3f3f3f3fu;
+    memcpy(scm, u4, 16);
+}
+
+/* ---- AVX-512 (F, BW, VL, DQ, VNNI): 64 bytes of weights per step ------------------------------
+ * Unsigned weight values u = stored value + offset (Q4_0: nibble = value + 8; Q8_0: value xor
+ * 0x80 = value + 128; IQ4_NL / MXFP4: table value + 128), multiplied by the signed activation
+ * q with vpdpbusd; the offset comes back out through dsy (d x sum of q of the block):
+ * sum(value * q) * d_w * d = (sum(u * q) - offset * sum(q)) * d_w * d. */
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__) && defined(__AVX512VNNI__)
+#define HAVE512 1
+static const uint8_t KV_IQ4NL_U[16] = {1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241};
+static const uint8_t KV_MXFP4_U[16] = {128, 129, 130, 131, 132, 134, 136, 140, 128, 127, 126, 125, 124, 122, 120, 116};
+
+static inline float hsum16(__m512 v) { return _mm512_reduce_add_ps(v); }
+static inline __m512 pair_scale(float s0, float s1) {
+    return _mm512_insertf32x8(_mm512_set1_ps(s0), _mm256_set1_ps(s1), 1);
+}
+/* nibbles of two 16-byte runs -> 64 u8 [lo(p0) | hi(p0) | lo(p1) | hi(p1)]: values 0..31 of
+ * the block at p0, then those of the block at p1 */
+static inline __m512i nib2(const uint8_t *p0, const uint8_t *p1) {
+    __m256i t = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)p0)),
+                                        _mm_loadu_si128((const __m128i *)p1), 1);
+    __m256i m = _mm256_set1_epi8(0x0f);
+    __m256i lo = _mm256_and_si256(t, m), hi = _mm256_and_si256(_mm256_srli_epi16(t, 4), m);
+    return _mm512_permutex2var_epi64(_mm512_castsi256_si512(lo), _mm512_set_epi64(11, 10, 3, 2, 9, 8, 1, 0),
+                                     _mm512_castsi256_si512(hi));
+}
+
+/* vpermi2b indices of the 4-bit block types (dot_b32_512), per type: the nibbles of 4 blocks,
+ * their scales (d's, then m's) and 5th bits, out of [w, w + 64) and [w + 4bs - 64, w + 4bs) */
+static uint8_t PERM_IDX[16][192];
+static void perm_init(void) {
+    static const int types[] = {T_Q4_0, T_Q4_1, T_Q5_0, T_Q5_1, T_IQ4_NL, T_MXFP4};
+    for (int n = 0; n < 6; n++) {
+        int t = types[n];
+        int bs = t == T_Q4_0 || t == T_IQ4_NL ? 18 : t == T_Q4_1 ? 20 : t == T_Q5_0 ? 22 : t == T_Q5_1 ? 24 : 17;
+        int off = t == T_Q4_1 ? 4 : t == T_MXFP4 ? 1 : t == T_Q5_0 ? 6 : t == T_Q5_1 ? 8 : 2;
+        int base2 = 4 * bs - 64;
+        uint8_t *ix = PERM_IDX[t];
+        for (int j = 0; j < 64; j++) {
+            int o = (j / 16) * bs + off + j % 16;
+            ix[j] = (uint8_t)(o < 64 ? o : 64 + o - base2);
+            int os = ((j / 2) % 4) * bs + (j < 8 ? 0 : 2) + j % 2;   /* d's, then m's */
+            ix[64 + j] = (uint8_t)(os < 64 ? os : 64 + os - base2);
+            int oh = ((j / 4) % 4) * bs + off - 4 + j % 4;
+            ix[128 + j] = (uint8_t)(oh < 64 ? oh : 64 + oh - base2);
+        }
+    }
+}
+
+/* the 32 integer values of one block of a 32-block type (Q4_1 / Q5_1: before the min) */
+static __attribute__((noinline)) void block_values(int t, const uint8_t *w, int8_t v[32]) {
+    int off = t == T_Q4_1 ? 4 : t == T_MXFP4 ? 1 : t == T_Q5_0 ? 6 : t == T_Q5_1 ? 8 : 2;
+    if (t == T_Q8_0) { memcpy(v, w + 2, 32); return; }
+    uint32_t qh = 0;
+    if (t == T_Q5_0 || t == T_Q5_1) memcpy(&qh, w + off - 4, 4);
+    for (int i = 0; i < 16; i++) {
+        int lo = w[off + i] & 15, hi = w[off + i] >> 4;
+        if (t == T_IQ4_NL) { lo = KV_IQ4NL[lo]; hi = KV_IQ4NL[hi]; }
+        else if (t == T_MXFP4) { lo = KV_MXFP4[lo]; hi = KV_MXFP4[hi]; }
+        else if (t == T_Q5_0 || t == T_Q5_1) { lo |= ((qh >> i) & 1) << 4; hi |= ((qh >> (i + 16)) & 1) << 4; }
+        if (t == T_Q4_0) { lo -= 8; hi -= 8; } else if (t == T_Q5_0) { lo -= 16; hi -= 16; }
+        v[i] = (int8_t)lo; v[i + 16] = (int8_t)hi;
+    }
+}
+
+/* Four blocks of a 4-bit type (not Q8_0) at once, picked out of two 64-byte loads with
+ * vpermi2b (nibbles, the 5th bits of Q5_0 / Q5_1, the scales), so no load straddles a block:
+ * the constants (b32x4_init, once per row) and the unpacking (b32x4_unpack), shared by
+ * dot_b32_512 and dot4_b32_512. */
+typedef struct {
+    __m512i vnib, vsc, vh, m4, tab;
+    __m128i hsplit;              /* the 4 blocks' 5th bits: values 0..15 of each, then 16..31 of each */
+    int base2, lut, q5;          /* base2: the second load covers [4bs - 64, 4bs) */
+} b32x4_k;
+
+static inline __attribute__((always_inline)) b32x4_k b32x4_init(int t, int bs, __m512i tab) {
+    const uint8_t *ix = PERM_IDX[t];
+    b32x4_k k;
+    k.vnib = _mm512_loadu_si512(ix); k.vsc = _mm512_loadu_si512(ix + 64); k.vh = _mm512_loadu_si512(ix + 128);
+    k.m4 = _mm512_set1_epi8(0x0f);
+    k.tab = tab;
+    k.hsplit = _mm_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
+    k.base2 = 4 * bs - 64;
+    k.lut = t == T_IQ4_NL || t == T_MXFP4;
+    k.q5 = t == T_Q5_0 || t == T_Q5_1;
+    return k;
+}
+
+/* the four blocks at w: their values as unsigned bytes (lo: values 0..15 of each block, hi:
+ * 16..31; IQ4_NL / MXFP4 through their table, Q5's 5th bit added), the scale words sq (Q4_1
+ * / Q5_1's mins at bytes 8..15) and the four scales as fp32 (returned) */
+static inline __attribute__((always_inline)) __m128 b32x4_unpack(const b32x4_k *k, int t, const uint8_t *w,
+                                                                __m512i *lo, __m512i *hi, __m128i *sq) {
+    __m512i la = _mm512_loadu_si512((const void *)w), lb = _mm512_loadu_si512((const void *)(w + k->base2));
+    __m512i nib = _mm512_permutex2var_epi8(la, k->vnib, lb);
+    *lo = _mm512_and_si512(nib, k->m4);
+    *hi = _mm512_and_si512(_mm512_srli_epi16(nib, 4), k->m4);
+    if (k->lut) { *lo = _mm512_shuffle_epi8(k->tab, *lo); *hi = _mm512_shuffle_epi8(k->tab, *hi); }
+    if (k->q5) {
+        __m128i hq = _mm_shuffle_epi8(_mm512_castsi512_si128(_mm512_permutex2var_epi8(la, k->vh, lb)), k->hsplit);
+        uint64_t hl = (uint64_t)_mm_cvtsi128_si64(hq), hh = (uint64_t)_mm_extract_epi64(hq, 1);
+        *lo = _mm512_or_si512(*lo, _mm512_maskz_mov_epi8((__mmask64)hl, _mm512_set1_epi8(16)));
+        *hi = _mm512_or_si512(*hi, _mm512_maskz_mov_epi8((__mmask64)hh, _mm512_set1_epi8(16)));
+    }
+    *sq = _mm512_castsi512_si128(_mm512_permutex2var_epi8(la, k->vsc, lb));
+    if (t == T_MXFP4) {
+        __m128i e = _mm_cvtepu8_epi32(_mm_shuffle_epi8(*sq, _mm_setr_epi8(0, 2, 4, 6, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1)));
+        __m128i big = _mm_slli_epi32(_mm_sub_epi32(e, _mm_set1_epi32(1)), 23);
+        __m128i small = _mm_sllv_epi32(_mm_set1_epi32(0x00200000), e);
+        return _mm_castsi128_ps(_mm_blendv_epi8(big, small, _mm_cmpgt_epi32(_mm_set1_epi32(2), e)));
+    }
+    return _mm_cvtph_ps(*sq);
+}
+
+/* blocks of 32: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, MXFP4 */
+static float dot_b32_512(int t, const uint8_t *w, qact a, int nb) {
+    int bs = t == T_Q8_0 ? 34 : t == T_Q4_0 || t == T_IQ4_NL ? 18 : t == T_Q4_1 ? 20 : t == T_Q5_0 ? 22
+           : t == T_Q5_1 ? 24 : 17;
+    int off = t == T_Q4_1 ? 4 : t == T_MXFP4 ? 1 : t == T_Q5_0 ? 6 : t == T_Q5_1 ? 8 : 2;
+    float offset = t == T_Q4_0 ? 8.f : t == T_Q5_0 ? 16.f : (t == T_Q4_1 || t == T_Q5_1) ? 0.f : 128.f;
+    int lut = t == T_IQ4_NL || t == T_MXFP4, mins = t == T_Q4_1 || t == T_Q5_1;
+    __m512i tab = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(t == T_IQ4_NL ? KV_IQ4NL_U : KV_MXFP4_U)));
+    __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+    float corr = 0.f, mcorr = 0.f;
+    int b = 0;
+    /* 4-bit types (not Q8_0): 4 blocks per step (b32x4_unpack) */
+    if (t != T_Q8_0) {
+        const b32x4_k k = b32x4_init(t, bs, tab);
+        /* int32 lanes 4k .. 4k+3: block k */
+        const __m512i sel = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+        __m128 cv = _mm_setzero_ps(), mv = _mm_setzero_ps();
+        for (; b + 4 <= nb; b += 4, w += 4 * bs) {
+            _mm_prefetch((const char *)(w + PREFETCH), _MM_HINT_T0);
+            _mm_prefetch((const char *)(w + PREFETCH + 64), _MM_HINT_T0);
+            __m512i lo, hi;
+            __m128i sq;
+            __m128 dw = b32x4_unpack(&k, t, w, &lo, &hi, &sq);
+            __m128 dsy = _mm_loadu_ps(a.dsy + b);
+            cv = _mm_fmadd_ps(dw, dsy, cv);
+            if (mins) mv = _mm_fmadd_ps(_mm_cvtph_ps(_mm_srli_si128(sq, 8)), dsy, mv);
+            __m512 s4 = _mm512_castps128_ps512(_mm_mul_ps(dw, _mm_loadu_ps(a.d + b)));
+            __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512((const void *)(a.qn + 32 * b)));
+            p = _mm512_dpbusd_epi32(p, hi, _mm512_loadu_si512((const void *)(a.qn + 32 * b + 64)));
+            if (b & 4) acc1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_permutexvar_ps(sel, s4), acc1);
+            else acc0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_permutexvar_ps(sel, s4), acc0);
+        }
+        __m128 c2 = _mm_add_ps(cv, _mm_movehl_ps(cv, cv)), m2 = _mm_add_ps(mv, _mm_movehl_ps(mv, mv));
+        corr += _mm_cvtss_f32(_mm_add_ss(c2, _mm_movehdup_ps(c2)));
+        mcorr += _mm_cvtss_f32(_mm_add_ss(m2, _mm_movehdup_ps(m2)));
+    }
+    for (; b + 2 <= nb; b += 2, w += 2 * bs) {
+        _mm_prefetch((const char *)(w + PREFETCH), _MM_HINT_T0);
+        _mm_prefetch((const char *)(w + PREFETCH + 64), _MM_HINT_T0);
+        const uint8_t *w1 = w + bs;
+        __m512i u;
+        if (t == T_Q8_0) {
+            u = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(w + 2))),
+                                   _mm256_loadu_si256((const __m256i *)(w1 + 2)), 1);
+            u = _mm512_xor_si512(u, _mm512_set1_epi8((char)0x80));
+        } else {
+            u = nib2(w + off, w1 + off);
+            if (lut) u = _mm512_shuffle_epi8(tab, u);
+            if (t == T_Q5_0 || t == T_Q5_1) {
+                uint32_t h0, h1; memcpy(&h0, w + off - 4, 4); memcpy(&h1, w1 + off - 4, 4);
+                __mmask64 hm = (__mmask64)h0 | ((__mmask64)h1 << 32);
+                u = _mm512_or_si512(u, _mm512_maskz_mov_epi8(hm, _mm512_set1_epi8(16)));
+            }
+        }
+        __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, _mm512_loadu_si512((const void *)(a.q + 32 * b)));
+        float d0 = t == T_MXFP4 ? e8m0_half(w[0]) : mf_h2f(rd16(w));
+        float d1 = t == T_MXFP4 ? e8m0_half(w1[0]) : mf_h2f(rd16(w1));
+        __m512 sc = pair_scale(d0 * a.d[b], d1 * a.d[b + 1]);
+        if (b & 2) acc1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), sc, acc1);
+        else acc0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), sc, acc0);
+        corr += d0 * a.dsy[b] + d1 * a.dsy[b + 1];
+        if (mins) mcorr += mf_h2f(rd16(w + 2)) * a.dsy[b] + mf_h2f(rd16(w1 + 2)) * a.dsy[b + 1];
+    }
+    float sum = hsum16(_mm512_add_ps(acc0, acc1)) - offset * corr + mcorr;
+    for (; b < nb; b++, w += bs) {        /* an odd last block */
+        int8_t v[32];
+        block_values(t, w, v);
+        int s = 0;
+        for (int i = 0; i < 32; i++) s += v[i] * a.q[32 * b + i];
+        float d = (t == T_MXFP4 ? e8m0_half(w[0]) : mf_h2f(rd16(w))) * a.d[b];
+        sum += d * s;
+        if (mins) sum += mf_h2f(rd16(w + 2)) * a.dsy[b];
+    }
+    return sum;
+}
+
+/* Four rows of a 4-bit block type at once (rows w + r * rb), nb a multiple of 4: the
+ * activation vectors are loaded once per 4 blocks for the four rows, and the four rows'
+ * chains run side by side. out[r] = dot_b32_512(t, w + r * rb, a, nb). */
+static void dot4_b32_512(int t, const uint8_t *w, int64_t rb, qact a, int nb, float *out) {
+    int bs = t == T_Q4_0 || t == T_IQ4_NL ? 18 : t == T_Q4_1 ? 20 : t == T_Q5_0 ? 22 : t == T_Q5_1 ? 24 : 17;
+    float offset = t == T_Q4_0 ? 8.f : t == T_Q5_0 ? 16.f : (t == T_Q4_1 || t == T_Q5_1) ? 0.f : 128.f;
+    int mins = t == T_Q4_1 || t == T_Q5_1;
+    const b32x4_k k = b32x4_init(t, bs, _mm512_broadcast_i32x4(
+        _mm_loadu_si128((const __m128i *)(t == T_IQ4_NL ? KV_IQ4NL_U : KV_MXFP4_U))));
+    const __m512i sel = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+    __m512 acc[4];
+    __m128 cv[4], mv[4];
+    for (int r = 0; r < 4; r++) { acc[r] = _mm512_setzero_ps(); cv[r] = mv[r] = _mm_setzero_ps(); }
+    for (int b = 0; b < nb; b += 4) {
+        __m512i ylo = _mm512_loadu_si512((const void *)(a.qn + 32 * b));
+        __m512i yhi = _mm512_loadu_si512((const void *)(a.qn + 32 * b + 64));
+        __m128 d4 = _mm_loadu_ps(a.d + b), dsy = _mm_loadu_ps(a.dsy + b);
+        for (int r = 0; r < 4; r++) {
+            const uint8_t *wr = w + r * rb + (int64_t)b / 4 * 4 * bs;
+            _mm_prefetch((const char *)(wr + PREFETCH), _MM_HINT_T0);
+            _mm_prefetch((const char *)(wr + PREFETCH + 64), _MM_HINT_T0);
+            __m512i lo, hi;
+            __m128i sq;
+            __m128 dw = b32x4_unpack(&k, t, wr, &lo, &hi, &sq);
+            cv[r] = _mm_fmadd_ps(dw, dsy, cv[r]);
+            if (mins) mv[r] = _mm_fmadd_ps(_mm_cvtph_ps(_mm_srli_si128(sq, 8)), dsy, mv[r]);
+            __m512 s4 = _mm512_castps128_ps512(_mm_mul_ps(dw, d4));
+            __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, ylo);
+            p = _mm512_dpbusd_epi32(p, hi, yhi);
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_permutexvar_ps(sel, s4), acc[r]);
+        }
+    }
+    for (int r = 0; r < 4; r++) {
+        __m128 c2 = _mm_add_ps(cv[r], _mm_movehl_ps(cv[r], cv[r])), m2 = _mm_add_ps(mv[r], _mm_movehl_ps(mv[r], mv[r]));
+        float corr = _mm_cvtss_f32(_mm_add_ss(c2, _mm_movehdup_ps(c2)));
+        float mcorr = _mm_cvtss_f32(_mm_add_ss(m2, _mm_movehdup_ps(m2)));
+        out[r] = hsum16(acc[r]) - offset * corr + mcorr;
+    }
+}
+
+/* Four Q8_0 rows at once (rows w + r * rb), nb a multiple of 4 (dot4_b32_512's plan for the
+ * 8-bit type: the int8 values xor 0x80 are value + 128) */
+static void dot4_q80_512(const uint8_t *w, int64_t rb, qact a, int nb, float *out) {
+    const __m512i sel01 = _mm512_inserti64x4(_mm512_set1_epi32(0), _mm256_set1_epi32(1), 1);
+    const __m512i sel23 = _mm512_inserti64x4(_mm512_set1_epi32(2), _mm256_set1_epi32(3), 1);
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    __m512 acc[4];
+    __m128 cv[4];
+    for (int r = 0; r < 4; r++) { acc[r] = _mm512_setzero_ps(); cv[r] = _mm_setzero_ps(); }
+    for (int b = 0; b < nb; b += 4) {
+        __m512i y0 = _mm512_loadu_si512((const void *)(a.q + 32 * b));
+        __m512i y1 = _mm512_loadu_si512((const void *)(a.q + 32 * b + 64));
+        __m128 d4 = _mm_loadu_ps(a.d + b), dsy = _mm_loadu_ps(a.dsy + b);
+        for (int r = 0; r < 4; r++) {
+            const uint8_t *wr = w + r * rb + (int64_t)b * 34;
+            _mm_prefetch((const char *)(wr + PREFETCH), _MM_HINT_T0);
+            _mm_prefetch((const char *)(wr + PREFETCH + 64), _MM_HINT_T0);
+            _mm_prefetch((const char *)(wr + PREFETCH + 128), _MM_HINT_T0);
+            __m512i u01 = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(wr + 2))),
+                                             _mm256_loadu_si256((const __m256i *)(wr + 36)), 1);
+            __m512i u23 = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(wr + 70))),
+                                             _mm256_loadu_si256((const __m256i *)(wr + 104)), 1);
+            __m128i sq = _mm_setr_epi16((short)rd16(wr), (short)rd16(wr + 34), (short)rd16(wr + 68),
+                                        (short)rd16(wr + 102), 0, 0, 0, 0);
+            __m128 dw = _mm_cvtph_ps(sq);
+            cv[r] = _mm_fmadd_ps(dw, dsy, cv[r]);
+            __m512 s4 = _mm512_castps128_ps512(_mm_mul_ps(dw, d4));
+            __m512i p01 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_xor_si512(u01, flip), y0);
+            __m512i p23 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_xor_si512(u23, flip), y1);
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p01), _mm512_permutexvar_ps(sel01, s4), acc[r]);
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p23), _mm512_permutexvar_ps(sel23, s4), acc[r]);
+        }
+    }
+    for (int r = 0; r < 4; r++) {
+        __m128 c2 = _mm_add_ps(cv[r], _mm_movehl_ps(cv[r], cv[r]));
+        out[r] = hsum16(acc[r]) - 128.f * _mm_cvtss_f32(_mm_add_ss(c2, _mm_movehdup_ps(c2)));
+    }
+}
+
+/* Q4_K, Q5_K: 8 sub-blocks of 32 per super-block (k45_sb) */
+/* one super-block of a Q4_K / Q5_K row (w) against the K-quant activation's super-block sb:
+ * adds its sub-block products to *acc and its mins term to *macc */
+static inline __attribute__((always_inline)) void k45_sb(int t, const uint8_t *w, qact a, int sb, __m512 *acc,
+                                                         __m256 *macc) {
+    const __m512i m4 = _mm512_set1_epi8(0x0f);
+    /* int16 lane i of the scale vector of sub-blocks (2p, 2p+1): scale 2p for lanes 0..15 */
+    const __m512i sel0 = _mm512_set_epi16(1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1, 0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0);
+    int bs = t == T_Q4_K ? 144 : 176;
+    for (int c = 0; c < bs; c += 64) _mm_prefetch((const char *)(w + PREFETCH + c), _MM_HINT_T0);
+    float dy = a.dk[sb], d = mf_h2f(rd16(w)) * dy, dmin = mf_h2f(rd16(w + 2)) * dy;
+    const uint8_t *qh = w + 16, *qs = w + (t == T_Q4_K ? 16 : 48);
+    const int8_t *y = a.qk + 256 * sb;
+    uint8_t scm[16];
+    k4_scales(w + 4, scm);
+    __m128i s8 = _mm_loadu_si128((const __m128i *)scm);
+    __m512i sc16 = _mm512_castsi128_si512(_mm_cvtepu8_epi16(s8));     /* 8 scales as int16 */
+    /* mins: sum_j m_j * (sum of q over sub-block j) = madd(m per 16 values, sums per 16) */
+    __m128i m16 = _mm_cvtepu8_epi16(_mm_srli_si128(s8, 8));
+    __m256i mm = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_unpacklo_epi16(m16, m16)),
+                                         _mm_unpackhi_epi16(m16, m16), 1);
+    __m256i ms = _mm256_madd_epi16(mm, _mm256_loadu_si256((const __m256i *)(a.sk16 + 16 * sb)));
+    *macc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ms), _mm256_set1_ps(dmin), *macc);
+    __m512i isum = _mm512_setzero_si512();
+    __m256i hb = t == T_Q5_K ? _mm256_loadu_si256((const __m256i *)qh) : _mm256_setzero_si256();
+#define K45_STEP(P)                                                                                   \
+    {                                                                                                 \
+        __m512i raw = _mm512_loadu_si512((const void *)(qs + 64 * (P)));                              \
+        __m512i lo = _mm512_and_si512(raw, m4), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), m4); \
+        __m512i va = _mm512_shuffle_i64x2(lo, hi, 0x44), vb = _mm512_shuffle_i64x2(lo, hi, 0xEE);      \
+        if (t == T_Q5_K) {                                                                            \
+            __m512i h = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_srli_epi16(hb, 4 * (P))),      \
+                                           _mm256_srli_epi16(hb, 4 * (P) + 1), 1);                    \
+            __m512i h2 = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_srli_epi16(hb, 4 * (P) + 2)), \
+                                            _mm256_srli_epi16(hb, 4 * (P) + 3), 1);                   \
+            va = _mm512_or_si512(va, _mm512_slli_epi16(_mm512_and_si512(h, _mm512_set1_epi8(1)), 4));  \
+            vb = _mm512_or_si512(vb, _mm512_slli_epi16(_mm512_and_si512(h2, _mm512_set1_epi8(1)), 4)); \
+        }                                                                                             \
+        __m512i pa = _mm512_maddubs_epi16(va, _mm512_loadu_si512((const void *)(y + 128 * (P))));      \
+        __m512i pb = _mm512_maddubs_epi16(vb, _mm512_loadu_si512((const void *)(y + 128 * (P) + 64))); \
+        __m512i sa = _mm512_permutexvar_epi16(_mm512_add_epi16(sel0, _mm512_set1_epi16(4 * (P))), sc16); \
+        __m512i sbv = _mm512_permutexvar_epi16(_mm512_add_epi16(sel0, _mm512_set1_epi16(4 * (P) + 2)), sc16); \
+        isum = _mm512_dpwssd_epi32(isum, pa, sa);                                                     \
+        isum = _mm512_dpwssd_epi32(isum, pb, sbv);                                                    \
+    }
+    K45_STEP(0)
+    K45_STEP(1)
+#undef K45_STEP
+    *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_set1_ps(d), *acc);
+}
+
+static float dot_k45_512(int t, const uint8_t *w, qact a, int K) {
+    int bs = t == T_Q4_K ? 144 : 176;
+    __m512 acc = _mm512_setzero_ps();
+    __m256 macc = _mm256_setzero_ps();
+    for (int sb = 0; sb < K / 256; sb++, w += bs) k45_sb(t, w, a, sb, &acc, &macc);
+    return hsum16(acc) - hsum8(macc);
+}
+
+/* Q6_K: 16 sub-blocks of 16, int8 scales, values q - 32 */
+static inline __attribute__((always_inline)) void q6k_sb(const uint8_t *w, qact a, int sb, __m512 *acc, __m256 *oacc) {
+    const __m512i m4 = _mm512_set1_epi8(0x0f), m2 = _mm512_set1_epi8(3);
+    /* int16 lane i of the scale vector of values 64g .. 64g+63: scale 4g + i / 8 */
+    const __m512i sel = _mm512_set_epi16(3,3,3,3,3,3,3,3, 2,2,2,2,2,2,2,2, 1,1,1,1,1,1,1,1, 0,0,0,0,0,0,0,0);
+    for (int c = 0; c < 210; c += 64) _mm_prefetch((const char *)(w + PREFETCH + c), _MM_HINT_T0);
+    const uint8_t *ql = w, *qh = w + 128;
+    float d = mf_h2f(rd16(w + 208)) * a.dk[sb];
+    const int8_t *y = a.qk + 256 * sb;
+    __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w + 192)));   /* 16 scales */
+    __m256i os = _mm256_madd_epi16(sc16, _mm256_loadu_si256((const __m256i *)(a.sk16 + 16 * sb)));
+    *oacc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(os), _mm256_set1_ps(32.f * d), *oacc);
+    __m512i scw = _mm512_castsi256_si512(sc16);
+    __m512i isum = _mm512_setzero_si512();
+    for (int h = 0; h < 2; h++) {
+        __m512i L = _mm512_loadu_si512((const void *)(ql + 64 * h));
+        __m256i H = _mm256_loadu_si256((const __m256i *)(qh + 32 * h));
+        __m512i ha = _mm512_inserti64x4(_mm512_castsi256_si512(H), _mm256_srli_epi16(H, 2), 1);
+        __m512i hb = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_srli_epi16(H, 4)), _mm256_srli_epi16(H, 6), 1);
+        __m512i va = _mm512_or_si512(_mm512_and_si512(L, m4), _mm512_slli_epi16(_mm512_and_si512(ha, m2), 4));
+        __m512i vb = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(L, 4), m4),
+                                     _mm512_slli_epi16(_mm512_and_si512(hb, m2), 4));
+        __m512i pa = _mm512_maddubs_epi16(va, _mm512_loadu_si512((const void *)(y + 128 * h)));
+        __m512i pb = _mm512_maddubs_epi16(vb, _mm512_loadu_si512((const void *)(y + 128 * h + 64)));
+        __m512i sa = _mm512_permutexvar_epi16(_mm512_add_epi16(sel, _mm512_set1_epi16(8 * h)), scw);
+        __m512i sbv = _mm512_permutexvar_epi16(_mm512_add_epi16(sel, _mm512_set1_epi16(8 * h + 4)), scw);
+        isum = _mm512_dpwssd_epi32(isum, pa, sa);
+        isum = _mm512_dpwssd_epi32(isum, pb, sbv);
+    }
+    *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_set1_ps(d), *acc);
+}
+
+static float dot_q6k_512(const uint8_t *w, qact a, int K) {
+    __m512 acc = _mm512_setzero_ps();
+    __m256 oacc = _mm256_setzero_ps();
+    for (int sb = 0; sb < K / 256; sb++, w += 210) q6k_sb(w, a, sb, &acc, &oacc);
+    return hsum16(acc) - hsum8(oacc);
+}
+
+#endif
+
+
+#if defined(HAVE512) && defined(__AVX512BF16__)
+#define HAVE_BF16DOT 1
+/* BF16 weights . bf16 activations: vdpbf16ps (pairs of exact bf16 products, fp32 sums) */
+static float dot_bf16x_512(const uint8_t *w, const uint16_t *x, int K) {
+    __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+    int i = 0;
+    for (; i + 64 <= K; i += 64) {
+        _mm_prefetch((const char *)(w + 2 * i + PREFETCH), _MM_HINT_T0);
+        _mm_prefetch((const char *)(w + 2 * i + PREFETCH + 64), _MM_HINT_T0);
+        a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_loadu_si512((const void *)(w + 2 * i)),
+                              (__m512bh)_mm512_loadu_si512((const void *)(x + i)));
+        a1 = _mm512_dpbf16_ps(a1, (__m512bh)_mm512_loadu_si512((const void *)(w + 2 * i + 64)),
+                              (__m512bh)_mm512_loadu_si512((const void *)(x + i + 32)));
+    }
+    for (; i + 32 <= K; i += 32)
+        a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_loadu_si512((const void *)(w + 2 * i)),
+                              (__m512bh)_mm512_loadu_si512((const void *)(x + i)));
+    float sum = _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
+    for (; i < K; i++) sum += mf_b2f(rd16(w + 2 * i)) * mf_b2f(x[i]);
+    return sum;
+}
+
+/* dot_bf16x_512 of one weight row against 4 activation rows (x, x + ldx, ...): each row's
+ * weights loaded once for the 4 (a step of 4 sequences reads a dense matrix once and
+ * multiplies it from registers), every output summed in exactly dot_bf16x_512's order */
+static void dot_bf16x4_512(const uint8_t *w, const uint16_t *x, int64_t ldx, int K, float *out) {
+    __m512 a0[4], a1[4];
+    for (int j = 0; j < 4; j++) a0[j] = a1[j] = _mm512_setzero_ps();
+    int i = 0;
+    for (; i + 64 <= K; i += 64) {
+        _mm_prefetch((const char *)(w + 2 * i + PREFETCH), _MM_HINT_T0);
+        _mm_prefetch((const char *)(w + 2 * i + PREFETCH + 64), _MM_HINT_T0);
+        __m512bh w0 = (__m512bh)_mm512_loadu_si512((const void *)(w + 2 * i));
+        __m512bh w1 = (__m512bh)_mm512_loadu_si512((const void *)(w + 2 * i + 64));
+        for (int j = 0; j < 4; j++) {
+            a0[j] = _mm512_dpbf16_ps(a0[j], w0, (__m512bh)_mm512_loadu_si512((const void *)(x + j * ldx + i)));
+            a1[j] = _mm512_dpbf16_ps(a1[j], w1, (__m512bh)_mm512_loadu_si512((const void *)(x + j * ldx + i + 32)));
+        }
+    }
+    for (; i + 32 <= K; i += 32) {
+        __m512bh w0 = (__m512bh)_mm512_loadu_si512((const void *)(w + 2 * i));
+        for (int j = 0; j < 4; j++)
+            a0[j] = _mm512_dpbf16_ps(a0[j], w0, (__m512bh)_mm512_loadu_si512((const void *)(x + j * ldx + i)));
+    }
+    for (int j = 0; j < 4; j++) {
+        float sum = _mm512_reduce_add_ps(_mm512_add_ps(a0[j], a1[j]));
+        for (int k = i; k < K; k++) sum += mf_b2f(rd16(w + 2 * k)) * mf_b2f(x[j * ldx + k]);
+        out[j] = sum;
+    }
+}
+#endif
+
+/* ---- one row . one activation, per type ---------------------------------------------------- */
+static float dot_row(int t, const uint8_t *w, const float *xf, qact a, int K) {
+    float sum = 0.f;
+    int nb = K / 32;
+#ifdef HAVE512
+    switch (t) {
+    case T_Q8_0: case T_Q4_0: case T_Q4_1: case T_Q5_0: case T_Q5_1: case T_IQ4_NL: case T_MXFP4:
+        return dot_b32_512(t, w, a, nb);
+    case T_Q4_K: case T_Q5_K: return dot_k45_512(t, w, a, K);
+    case T_Q6_K: return dot_q6k_512(w, a, K);
+    }
+#endif
+    switch (t) {
+    case T_F32: return mf_dot_f32((const float *)w, xf, K);
+    case T_BF16: case T_F16: { int i = 0;
+#ifdef __AVX512F__
+        __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+        for (; i + 32 <= K; i += 32) {
+            _mm_prefetch((const char *)(w + 2 * i + PREFETCH), _MM_HINT_T0);
+            __m256i h0 = _mm256_loadu_si256((const __m256i *)(w + 2 * i));
+            __m256i h1 = _mm256_loadu_si256((const __m256i *)(w + 2 * i + 32));
+            __m512 f0, f1;
+            if (t == T_BF16) {
+                f0 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h0), 16));
+                f1 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h1), 16));
+            } else { f0 = _mm512_cvtph_ps(h0); f1 = _mm512_cvtph_ps(h1); }
+            acc0 = _mm512_fmadd_ps(f0, _mm512_loadu_ps(xf + i), acc0);
+            acc1 = _mm512_fmadd_ps(f1, _mm512_loadu_ps(xf + i + 16), acc1);
+        }
+        sum = _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
+#endif
+        for (; i < K; i++) sum += (t == T_BF16 ? mf_b2f(rd16(w + 2 * i)) : mf_h2f(rd16(w + 2 * i))) * xf[i];
+        return sum; }
+    case T_Q8_0: {
+#ifdef __AVX2__
+        __m256 acc = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+        int b = 0;
+        for (; b + 2 <= nb; b += 2, w += 68) {
+            _mm_prefetch((const char *)(w + PREFETCH), _MM_HINT_T0);
+            __m256i p0 = dot_ss(_mm256_loadu_si256((const __m256i *)(w + 2)), _mm256_loadu_si256((const __m256i *)(a.q + 32 * b)));
+            __m256i p1 = dot_ss(_mm256_loadu_si256((const __m256i *)(w + 36)), _mm256_loadu_si256((const __m256i *)(a.q + 32 * b + 32)));
+            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), _mm256_set1_ps(mf_h2f(rd16(w)) * a.d[b]), acc);
+            acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p1), _mm256_set1_ps(mf_h2f(rd16(w + 34)) * a.d[b + 1]), acc1);
+        }
+        for (; b < nb; b++, w += 34) {
+            __m256i p = dot_ss(_mm256_loadu_si256((const __m256i *)(w + 2)), _mm256_loadu_si256((const __m256i *)(a.q + 32 * b)));
+            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(mf_h2f(rd16(w)) * a.d[b]), acc);
+        }
+        return hsum8(_mm256_add_ps(acc, acc1));
+#else
+        for (int b = 0; b < nb; b++, w += 34) {
+            int s = 0; for (int i = 0; i < 32; i++) s += (int8_t)w[2 + i] * a.q[32 * b + i];
+            sum += mf_h2f(rd16(w)) * a.d[b] * s;
+        }
+        return sum;
+#endif
+    }
+    case T_Q4_0: case T_Q4_1: case T_IQ4_NL: case T_MXFP4: {
+        int bs = t == T_Q4_0 ? 18 : t == T_Q4_1 ? 20 : t == T_IQ4_NL ? 18 : 17;
+        int off = t == T_Q4_1 ? 4 : t == T_MXFP4 ? 1 : 2;
+#ifdef __AVX2__
+        __m256 acc = _mm256_setzero_ps();
+        for (int b = 0; b < nb; b++, w += bs) {
+            _mm_prefetch((const char *)(w + PREFETCH), _MM_HINT_T0);
+            __m256i u = nibbles(w + off), y = _mm256_loadu_si256((const __m256i *)(a.q + 32 * b));
+            int32_t sy = a.s16[2 * b] + a.s16[2 * b + 1];
+            if (t == T_Q4_0) {
+                __m256i v = _mm256_sub_epi8(u, _mm256_set1_epi8(8));
+                acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_ss(v, y)), _mm256_set1_ps(mf_h2f(rd16(w)) * a.d[b]), acc);
+            } else if (t == T_Q4_1) {
+                float d = mf_h2f(rd16(w)) * a.d[b];
+                acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_us(u, y)), _mm256_set1_ps(d), acc);
+                sum += mf_h2f(rd16(w + 2)) * a.d[b] * sy;
+            } else {
+                float d = (t == T_IQ4_NL ? mf_h2f(rd16(w)) : e8m0_half(w[0])) * a.d[b];
+                __m256i v = lut16(u, t == T_IQ4_NL ? KV_IQ4NL : KV_MXFP4);
+                acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_ss(v, y)), _mm256_set1_ps(d), acc);
+            }
+        }
+        return sum + hsum8(acc);
+#else
+        for (int b = 0; b < nb; b++, w += bs) {
+            int s = 0, sy = a.s16[2 * b] + a.s16[2 * b + 1];
+            for (int i = 0; i < 32; i++) {
+                int q = i < 16 ? (w[off + i] & 15) : (w[off + i - 16] >> 4);
+                if (t == T_IQ4_NL) q = KV_IQ4NL[q]; else if (t == T_MXFP4) q = KV_MXFP4[q];
+                s += q * a.q[32 * b + i];
+            }
+            if (t == T_Q4_0) sum += mf_h2f(rd16(w)) * a.d[b] * (s - 8 * sy);
+            else if (t == T_Q4_1) sum += mf_h2f(rd16(w)) * a.d[b] * s + mf_h2f(rd16(w + 2)) * a.d[b] * sy;
+            else sum += (t == T_IQ4_NL ? mf_h2f(rd16(w)) : e8m0_half(w[0])) * a.d[b] * s;
+        }
+        return sum;
+#endif
+    }
+    case T_Q5_0: case T_Q5_1: {
+        int bs = t == T_Q5_0 ? 22 : 24, off = t == T_Q5_0 ? 2 : 4;
+        for (int b = 0; b < nb; b++, w += bs) {
+            uint32_t qh; memcpy(&qh, w + off, 4);
+            const uint8_t *qs = w + off + 4;
+            int s = 0, sy = a.s16[2 * b] + a.s16[2 * b + 1];
+            for (int i = 0; i < 32; i++) {
+                int q = (i < 16 ? (qs[i] & 15) : (qs[i - 16] >> 4)) | (((qh >> i) & 1) << 4);
+                s += q * a.q[32 * b + i];
+            }
+            float d = mf_h2f(rd16(w)) * a.d[b];
+            sum += t == T_Q5_0 ? d * (s - 16 * sy) : d * s + mf_h2f(rd16(w + 2)) * a.d[b] * sy;
+        }
+        return sum;
+    }
+    case T_Q4_K: case T_Q5_K: {
+        int bs = t == T_Q4_K ? 144 : 176;
+#ifdef __AVX2__
+        __m256 acc = _mm256_setzero_ps();
+        for (int sb = 0; sb < K / 256; sb++, w += bs) {
+            for (int c = 0; c < bs; c += 64) _mm_prefetch((const char *)(w + PREFETCH + c), _MM_HINT_T0);
+            float dy = a.dk[sb], d = mf_h2f(rd16(w)) * dy, dmin = mf_h2f(rd16(w + 2)) * dy;
+            const uint8_t *sc = w + 4, *qh = w + 16, *qs = w + (t == T_Q4_K ? 16 : 48);
+            const int8_t *y = a.qk + 256 * sb;
+            const int16_t *bsum = a.sk16 + 16 * sb;
+            __m256i isum = _mm256_setzero_si256();
+            uint8_t scm[16];                       /* 8 scales, then 8 mins */
+            k4_scales(sc, scm);
+            int32_t msum = 0;
+            for (int j = 0; j < 8; j++) msum += scm[8 + j] * (bsum[2 * j] + bsum[2 * j + 1]);
+            __m256i hbits = t == T_Q5_K ? _mm256_loadu_si256((const __m256i *)qh) : _mm256_setzero_si256();
+            for (int j = 0; j < 8; j += 2) {
+                __m256i raw4 = _mm256_loadu_si256((const __m256i *)(qs + 16 * j));
+                __m256i u0 = _mm256_and_si256(raw4, _mm256_set1_epi8(0x0f));
+                __m256i u1 = _mm256_and_si256(_mm256_srli_epi16(raw4, 4), _mm256_set1_epi8(0x0f));
+                if (t == T_Q5_K) {
+                    u0 = _mm256_or_si256(u0, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hbits, j), _mm256_set1_epi8(1)), 4));
+                    u1 = _mm256_or_si256(u1, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hbits, j + 1), _mm256_set1_epi8(1)), 4));
+                }
+                __m256i p0 = dot_us(u0, _mm256_loadu_si256((const __m256i *)(y + 32 * j)));
+                __m256i p1 = dot_us(u1, _mm256_loadu_si256((const __m256i *)(y + 32 * j + 32)));
+                isum = _mm256_add_epi32(isum, _mm256_mullo_epi32(p0, _mm256_set1_epi32(scm[j])));
+                isum = _mm256_add_epi32(isum, _mm256_mullo_epi32(p1, _mm256_set1_epi32(scm[j + 1])));
+            }
+            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(d), acc);
+            sum -= dmin * (float)msum;
+        }
+        return sum + hsum8(acc);
+#else
+        for (int sb = 0; sb < K / 256; sb++, w += bs) {
+            float d = mf_h2f(rd16(w)), dmin = mf_h2f(rd16(w + 2));
+            const uint8_t *sc = w + 4, *qh = w + 16, *qs = w + (t == T_Q4_K ? 16 : 48);
+            for (int j = 0; j < 8; j++) {
+                int scj, mj;
+                if (j < 4) { scj = sc[j] & 63; mj = sc[j + 4] & 63; }
+                else { scj = (sc[j + 4] & 0xF) | ((sc[j - 4] >> 6) << 4); mj = (sc[j + 4] >> 4) | ((sc[j] >> 6) << 4); }
+                int b = sb * 8 + j;
+                const int8_t *y = a.q + 32 * b;
+                float dy = a.d[b];
+                int32_t sy = a.s16[2 * b] + a.s16[2 * b + 1];
+                sum -= dmin * mj * dy * sy;
+                const uint8_t *q4 = qs + 32 * (j / 2);
+                int s = 0;
+                for (int i = 0; i < 32; i++) {
+                    int q = (j & 1 ? q4[i] >> 4 : q4[i] & 15);
+                    if (t == T_Q5_K) q |= ((qh[i] >> j) & 1) << 4;
+                    s += q * y[i];
+                }
+                sum += d * scj * dy * s;
+            }
+        }
+        return sum;
+#endif
+    }
+    case T_Q6_K: {
+#ifdef __AVX2__
+        __m256 acc = _mm256_setzero_ps();
+        for (int sb = 0; sb < K / 256; sb++, w += 210) {
+            for (int c = 0; c < 210; c += 64) _mm_prefetch((const char *)(w + PREFETCH + c), _MM_HINT_T0);
+            const uint8_t *ql = w, *qh = w + 128;
+            const int8_t *scales = (const int8_t *)(w + 192);
+            float d = mf_h2f(rd16(w + 208)) * a.dk[sb];
+            const int8_t *y = a.qk + 256 * sb;
+            const int16_t *bsum = a.sk16 + 16 * sb;
+            __m256i isum = _mm256_setzero_si256();
+            int32_t osum = 0;
+            for (int g = 0; g < 16; g++) osum += scales[g] * bsum[g];
+            for (int j = 0; j < 8; j++) {
+                int h = j / 4, r0 = 32 * (j % 4), ls = 4 * (r0 / 64), hs = 2 * (r0 / 32);
+                const uint8_t *l = ql + 64 * h + (r0 % 64), *hh = qh + 32 * h;
+                __m256i lo = _mm256_and_si256(_mm256_srli_epi16(_mm256_loadu_si256((const __m256i *)l), ls), _mm256_set1_epi8(0x0f));
+                __m256i hi = _mm256_and_si256(_mm256_srli_epi16(_mm256_loadu_si256((const __m256i *)hh), hs), _mm256_set1_epi8(3));
+                __m256i u = _mm256_or_si256(lo, _mm256_slli_epi16(hi, 4));
+                __m256i p = dot_us(u, _mm256_loadu_si256((const __m256i *)(y + 32 * j)));
+                __m256i scv = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_set1_epi32(scales[2 * j])),
+                                                      _mm_set1_epi32(scales[2 * j + 1]), 1);
+                isum = _mm256_add_epi32(isum, _mm256_mullo_epi32(p, scv));
+            }
+            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(d), acc);
+            sum -= d * 32.f * (float)osum;
+        }
+        return sum + hsum8(acc);
+#else
+        for (int sb = 0; sb < K / 256; sb++, w += 210) {
+            const uint8_t *ql = w, *qh = w + 128;
+            const int8_t *scales = (const int8_t *)(w + 192);
+            float d = mf_h2f(rd16(w + 208));
+            for (int j = 0; j < 8; j++) {
+                int h = j / 4, r0 = 32 * (j % 4), b = sb * 8 + j;
+                const int8_t *y = a.q + 32 * b;
+                float dy = a.d[b];
+                const uint8_t *l = ql + 64 * h + (r0 % 64), *hh = qh + 32 * h;
+                int ls = 4 * (r0 / 64), hs = 2 * (r0 / 32);
+                float s0 = d * scales[2 * j] * dy, s1 = d * scales[2 * j + 1] * dy;
+                sum -= 32.f * (s0 * a.s16[2 * b] + s1 * a.s16[2 * b + 1]);
+                int p0 = 0, p1 = 0;
+                for (int i = 0; i < 32; i++) {
+                    int q = ((l[i] >> ls) & 15) | (((hh[i] >> hs) & 3) << 4);
+                    if (i < 16) p0 += q * y[i]; else p1 += q * y[i];
+                }
+                sum += s0 * p0 + s1 * p1;
+            }
+        }
+        return sum;
+#endif
+    }
+    }
+    return 0.f;
+}
+
+static int is_float_type(int t) { return t == T_F32 || t == T_F16 || t == T_BF16; }
+
+/* bytes of one row of K values */
+static int64_t row_bytes(int t, int K) {
+    switch (t) {
+    case T_F32: return 4 * (int64_t)K;
+    case T_F16: case T_BF16: return 2 * (int64_t)K;
+    case T_Q8_0: return K / 32 * 34;
+    case T_Q4_0: case T_IQ4_NL: return K / 32 * 18;
+    case T_Q4_1: return K / 32 * 20;
+    case T_Q5_0: return K / 32 * 22;
+    case T_Q5_1: return K / 32 * 24;
+    case T_MXFP4: return K / 32 * 17;
+    case T_Q4_K: return K / 256 * 144;
+    case T_Q5_K: return K / 256 * 176;
+    case T_Q6_K: return K / 256 * 210;
+    }
+    return 0;
+}
+
+int64_t mf_row_bytes(int t, int K) { return row_bytes(t, K); }
+
+/* scratch bytes of one quantized activation of K values (qact above) */
+static int64_t qact_bytes(int K) { return 3 * (int64_t)K + K / 32 * 8 + K / 16 * 4 + K / 256 * 4; }
+int64_t mf_qact_bytes(int K) { return qact_bytes(K); }
+
+static qact qact_at(uint8_t *base, int K) {
+    qact a; int64_t o = 0;
+    a.q = (int8_t *)base; o += K;
+    a.qk = (int8_t *)(base + o); o += K;
+    a.d = (float *)(base + o); o += K / 32 * 4;
+    a.dsy = (float *)(base + o); o += K / 32 * 4;
+    a.dk = (float *)(base + o); o += K / 256 * 4;
+    a.s16 = (int16_t *)(base + o); o += K / 16 * 2;
+    a.sk16 = (int16_t *)(base + o); o += K / 16 * 2;
+    a.qn = (int8_t *)(base + o);
+    return a;
+}
+
+/* the quantized form of the fp32 activation x [K] into out (qact_bytes(K) bytes, qact_at's
+ * layout): for tests */
+void mf_quantize_act(const float *x, int K, uint8_t *out) { quantize_act(x, K, qact_at(out, K)); }
+
+/* one-time tables of the vector paths (idempotent: concurrent first callers write the same bytes) */
+static void kernels_init(void) {
+#ifdef HAVE512
+    static int ready;
+    if (!ready) { perm_init(); ready = 1; }
+#endif
+}
+
+/* x row of dtype xdt (0 fp32, 1 fp16, 2 bf16) -> fp32 */
+static void load_row(const void *x, int xdt, int64_t row, int K, float *dst) {
+    if (xdt == T_BF16) { const uint16_t *p = (const uint16_t *)x + row * K; for (int i = 0; i < K; i++) dst[i] = mf_b2f(p[i]); }
+    else if (xdt == T_F16) { const uint16_t *p = (const uint16_t *)x + row * K; for (int i = 0; i < K; i++) dst[i] = mf_h2f(p[i]); }
+    else memcpy(dst, (const float *)x + row * K, sizeof(float) * K);
+}
+
+/* out[i] = v in dtype ydt (0 fp32, 1 fp16, 2 bf16, rounded to nearest even); with a bias b
+ * (dtype ydt) the product is rounded first, then the sum (torch: mm into out, out.add_(b)) */
+static inline void store_y(void *y, int ydt, int64_t i, float v, const void *b, int64_t j) {
+    if (ydt == T_BF16) {
+        uint16_t r = mf_f2b(v);
+        if (b) r = mf_f2b(mf_b2f(r) + mf_b2f(((const uint16_t *)b)[j]));
+        ((uint16_t *)y)[i] = r;
+    } else if (ydt == T_F16) {
+        uint16_t r = mf_f2h(v);
+        if (b) r = mf_f2h(mf_h2f(r) + mf_h2f(((const uint16_t *)b)[j]));
+        ((uint16_t *)y)[i] = r;
+    } else ((float *)y)[i] = b ? v + ((const float *)b)[j] : v;
+}
+
+/* out[r] = dot_row(t, w + r * rb, ...) for the nr rows r < nr (nr <= 4) */
+static inline void dot_rows(int t, const uint8_t *w, int64_t rb, int nr, const float *xf, qact a, int K, float *out) {
+#ifdef HAVE512
+    if (nr == 4 && K % 128 == 0 && (t == T_Q4_0 || t == T_Q4_1 || t == T_Q5_0 || t == T_Q5_1 || t == T_IQ4_NL || t == T_MXFP4)) {
+        dot4_b32_512(t, w, rb, a, K / 32, out);
+        return;
+    }
+    if (nr == 4 && K % 128 == 0 && t == T_Q8_0) { dot4_q80_512(w, rb, a, K / 32, out); return; }
+#endif
+    for (int r = 0; r < nr; r++) out[r] = dot_row(t, w + r * rb, xf, a, K);
+}
+
+/* rows of y [n, N] (dtype ydt, row stride ldy, plus bias [N] when not NULL) = x [n, K] . W^T,
+ * inside a parallel region whose end is the only barrier after it (nowait: its one caller,
+ * gemm_ex_body, ends there): chunks of rows taken as the threads come (a thread whose core is
+ * shared with another process takes fewer, where a static split would wait for it). xb: the bf16 rows of x when x is bf16 (BF16
+ * weights then multiply them with vdpbf16ps), else NULL. */
+static void gemm_rows(int t, const uint8_t *W, int N, int K, int n, const float *xf, uint8_t *xq, void *y, int ydt,
+                      int ldy, const void *bias, const uint16_t *xb) {
+    int64_t rb = row_bytes(t, K), qb = qact_bytes(K);
+#ifdef HAVE_BF16DOT
+    if (t == T_BF16 && xb) {
+#pragma omp for schedule(dynamic, 128) nowait
+        for (int r = 0; r < N; r++) {
+            int i = 0;
+            for (; i + 4 <= n; i += 4) {      /* 4 sequences of a step: the row read once */
+                float v[4];
+                dot_bf16x4_512(W + r * rb, xb + (int64_t)i * K, K, K, v);
+                for (int j = 0; j < 4; j++) store_y(y, ydt, (int64_t)(i + j) * ldy + r, v[j], bias, r);
+            }
+            for (; i < n; i++)
+                store_y(y, ydt, (int64_t)i * ldy + r, dot_bf16x_512(W + r * rb, xb + (int64_t)i * K, K), bias, r);
+        }
+        return;
+    }
+#endif
+    (void)xb;
+#pragma omp for schedule(dynamic, 32) nowait
+    for (int r4 = 0; r4 < (N + 3) / 4; r4++) {
+        int r = 4 * r4, nr = N - r < 4 ? N - r : 4;
+        const uint8_t *wr = W + r * rb;
+        for (int i = 0; i < n; i++) {
+            float v[4];
+            dot_rows(t, wr, rb, nr, xf + (int64_t)i * K, qact_at(xq + i * qb, K), K, v);
+            for (int j = 0; j < nr; j++) store_y(y, ydt, (int64_t)i * ldy + r + j, v[j], bias, r + j);
+        }
+    }
+}
+
+/* The work of one thread of mf_gemm_ex (its worksharing loops are orphaned: on the calling
+ * thread alone, outside a parallel region, they run whole with no barrier. A parallel region
+ * of one thread would still end every loop with a barrier, which this libgomp ends with a
+ * futex wake-up syscall: a tenth of a one-thread decode step went there.) */
+static void load_rows(const void *x, int xdt, int i0, int i1, int K, float *xf, uint8_t *xq, int fl) {
+    for (int i = i0; i < i1; i++) {
+        load_row(x, xdt, i, K, xf + (int64_t)i * K);
+        if (!fl) quantize_act(xf + (int64_t)i * K, K, qact_at(xq + i * qact_bytes(K), K));
+    }
+}
+
+/* rows of a decode step (a few) are converted and quantized by the calling thread before the
+ * parallel region, sparing the region a barrier (a microsecond of work against a barrier's
+ * futex syscall and the other threads' wait) */
+#define SERIAL_ROWS 4
+
+static void gemm_ex_body(int t, const uint8_t *W, int N, int K, const void *x, int xdt, int n, void *y, int ydt,
+                         const void *bias, float *xf, uint8_t *xq, int fl) {
+    if (n > SERIAL_ROWS) {
+#pragma omp for schedule(static)
+        for (int i = 0; i < n; i++) load_rows(x, xdt, i, i + 1, K, xf, xq, fl);
+    }
+    gemm_rows(t, W, N, K, n, xf, xq, y, ydt, N, bias, xdt == T_BF16 ? (const uint16_t *)x : NULL);
+}
+
+/* y [n, N] (dtype ydt: 0 fp32, 1 fp16, 2 bf16) = x [n, K] (dtype xdt) . W [N, K]^T (+ bias [N],
+ * dtype ydt), W rows of type t. scratch: n * (4K + qact_bytes(K)) bytes. */
+void mf_gemm_ex(int t, const uint8_t *W, int N, int K, const void *x, int xdt, int n, void *y, int ydt,
+                const void *bias, uint8_t *scratch, int nthreads) {
+    float *xf = (float *)scratch;
+    uint8_t *xq = scratch + (int64_t)n * K * 4;
+    int fl = is_float_type(t);
+    kernels_init();
+    /* a small matrix (a router, a K/V projection of a small model) is not worth a fork */
+    int nt = (int64_t)N * row_bytes(t, K) * n < SMALL_WORK ? 1 : nthreads;
+    if (n <= SERIAL_ROWS) load_rows(x, xdt, 0, n, K, xf, xq, fl);
+    if (nt > 1) {
+#pragma omp parallel num_threads(nt)
+        gemm_ex_body(t, W, N, K, x, xdt, n, y, ydt, bias, xf, xq, fl);
+    } else gemm_ex_body(t, W, N, K, x, xdt, n, y, ydt, bias, xf, xq, fl);
+}
+
+/* y [n, N] fp32 = x [n, K] (fp32, or bf16 when xbf16) . W [N, K]^T, W rows of type t.
+ * scratch: n * (4K + qact_bytes(K)) bytes. */
+void mf_gemm(int t, const uint8_t *W, int N, int K, const void *x, int xbf16, int n, float *y,
+             uint8_t *scratch, int nthreads) {
+    mf_gemm_ex(t, W, N, K, x, xbf16 ? T_BF16 : T_F32, n, y, T_F32, NULL, scratch, nthreads);
+}
+
+static inline float silu(float v) { return v / (1.f + expf(-v)); }
+
+/* Routed experts of one MoE layer, SwiGLU, combined: acc [T, H] += sum over pairs p of
+ * wt[p] * down(silu(gate(x[tok[p]])) * up(x[tok[p]])), pairs grouped by expert:
+ * expert i (blob blobs[i]) serves pairs bounds[i] .. bounds[i+1]-1.
+ * Blob: gate [I, H] type tg at 0, up [I, H] type tu at off_u, down [H, I] type td at off_d.
+ * x [T, H] of dtype xdt (0 fp32, 1 fp16, 2 bf16).
+ * scratch: T * (4H + qact(H)) bytes for the token rows (converted and quantized once), then
+ * pchunk * (8I + 4I + qact(I) + 4H) for pchunk pairs at a time (gate/up outputs, SwiGLU
+ * product and its quantized form -- for bf16 experts in a bf16 model the product rounded to
+ * bf16, as the torch expert holds it --, down output).
+ * Work is split over the threads by chunks of rows of the chunk's experts, taken as they come
+ * (gate and up rows, then down rows); each row is read once and multiplied by every token of its expert in the chunk, so
+ * the tokens of a batch routed to one expert share one read of its weights, and a layer costs
+ * a few barriers, not a few per expert. */
+static void moe_body(int n_exp, const uint8_t *const *blobs, const int64_t *bounds, const int64_t *tok,
+                     const float *wt, const void *x, int xdt, float *acc, int T, int H, int I, int tg, int tu,
+                     int td, int64_t off_u, int64_t off_d, uint8_t *scratch, int pchunk) {
+    int64_t qh = qact_bytes(H), qi = qact_bytes(I), P = bounds[n_exp];
+    int64_t rbg = row_bytes(tg, H), rbu = row_bytes(tu, H), rbd = row_bytes(td, I);
+    float *xf = (float *)scratch;                                  /* [T, H] */
+    uint8_t *xq = scratch + (int64_t)T * H * 4;                    /* [T] qact(H) */
+    float *gu = (float *)(xq + (int64_t)T * qh);                   /* [pc, 2I] */
+    float *hf = gu + (int64_t)pchunk * 2 * I;                      /* [pc, I] */
+    uint8_t *hq = (uint8_t *)(hf + (int64_t)pchunk * I);           /* [pc] qact(I) */
+    float *yd = (float *)(hq + (int64_t)pchunk * qi);              /* [pc, H] */
+    int qx = !is_float_type(tg) || !is_float_type(tu), qd = !is_float_type(td);
+    const uint16_t *xb = xdt == T_BF16 ? (const uint16_t *)x : NULL;
+#ifdef HAVE_BF16DOT
+    int hb16 = td == T_BF16 && xdt == T_BF16;
+#else
+    int hb16 = 0;
+#endif
+    {
+        if (T > SERIAL_ROWS) {         /* else done by mf_moe before the region */
+#pragma omp for schedule(static)
+            for (int i = 0; i < T; i++) load_rows(x, xdt, i, i + 1, H, xf, xq, !qx);
+        }
+        int e = 0;
+        for (int64_t p0 = 0; p0 < P; p0 += pchunk) {
+            int n = (int)(P - p0 < pchunk ? P - p0 : pchunk);
+            while (bounds[e + 1] <= p0) e++;                       /* expert of pair p0 */
+            int e1 = e;
+            while (bounds[e1 + 1] < p0 + n) e1++;                  /* expert of the chunk's last pair */
+            int ne = e1 - e + 1;
+            /* gate and up rows, 4 at a time (I is a multiple of 32: a group never straddles them) */
+#pragma omp for schedule(dynamic, 32)
+            for (int64_t idx = 0; idx < (int64_t)ne * (2 * I / 4); idx++) {
+                int ee = e + (int)(idx / (2 * I / 4)), r = 4 * (int)(idx % (2 * I / 4));
+                int64_t pa = bounds[ee] > p0 ? bounds[ee] : p0, pb = bounds[ee + 1] < p0 + n ? bounds[ee + 1] : p0 + n;
+                int tt = r < I ? tg : tu;
+                int64_t rbt = r < I ? rbg : rbu;
+                const uint8_t *w = r < I ? blobs[ee] + r * rbg : blobs[ee] + off_u + (r - I) * rbu;
+                for (int64_t p = pa; p < pb; p++) {
+                    int64_t t = tok[p];
+                    float *dst = gu + (p - p0) * 2 * I + r;
+#ifdef HAVE_BF16DOT
+                    if (tt == T_BF16 && xb) {
+                        for (int j = 0; j < 4; j++) dst[j] = dot_bf16x_512(w + j * rbt, xb + t * H, H);
+                        continue;
+                    }
+#endif
+                    dot_rows(tt, w, rbt, 4, xf + t * H, qact_at(xq + t * qh, H), H, dst);
+                }
+            }
+#pragma omp for schedule(static)
+            for (int i = 0; i < n; i++) {
+                float *g = gu + (int64_t)i * 2 * I, *h = hf + (int64_t)i * I;
+                for (int j = 0; j < I; j++) h[j] = silu(g[j]) * g[I + j];
+                if (qd) quantize_act(h, I, qact_at(hq + i * qi, I));
+                else if (hb16) {     /* bf16 experts, bf16 compute: the product as a bf16 tensor */
+                    uint16_t *hb = (uint16_t *)(hq + i * qi);
+                    for (int j = 0; j < I; j++) hb[j] = mf_f2b(h[j]);
+                }
+            }
+#pragma omp for schedule(dynamic, 32)
+            for (int64_t idx = 0; idx < (int64_t)ne * (H / 4); idx++) {
+                int ee = e + (int)(idx / (H / 4)), r = 4 * (int)(idx % (H / 4));
+                int64_t pa = bounds[ee] > p0 ? bounds[ee] : p0, pb = bounds[ee + 1] < p0 + n ? bounds[ee + 1] : p0 + n;
+                const uint8_t *w = blobs[ee] + off_d + r * rbd;
+                for (int64_t p = pa; p < pb; p++) {
+                    int64_t i = p - p0;
+#ifdef HAVE_BF16DOT
+                    if (hb16) {
+                        for (int j = 0; j < 4; j++)
+                            yd[i * H + r + j] = dot_bf16x_512(w + j * rbd, (const uint16_t *)(hq + i * qi), I);
+                        continue;
+                    }
+#endif
+                    dot_rows(td, w, rbd, 4, hf + i * I, qact_at(hq + i * qi, I), I, yd + i * H + r);
+                }
+            }
+            /* no barrier after the combine: the next chunk's gate / up loop writes gu only, and
+             * its barrier comes before yd is written again */
+#pragma omp for schedule(static) nowait
+            for (int c = 0; c < H; c += 64) {
+                int c1 = c + 64 < H ? c + 64 : H;
+                for (int i = 0; i < n; i++) {
+                    float *dst = acc + tok[p0 + i] * (int64_t)H, w = wt[p0 + i];
+                    const float *src = yd + (int64_t)i * H;
+                    for (int k = c; k < c1; k++) dst[k] += w * src[k];
+                }
+            }
+        }
+    }
+}
+
+/* (see moe_body) the work of one thread; a parallel region only for two threads or more, as
+ * in mf_gemm_ex */
+void mf_moe(int n_exp, const uint8_t *const *blobs, const int64_t *bounds, const int64_t *tok,
+            const float *wt, const void *x, int xdt, float *acc, int T, int H, int I, int tg, int tu, int td,
+            int64_t off_u, int64_t off_d, uint8_t *scratch, int pchunk, int nthreads) {
+    kernels_init();
+    if (T <= SERIAL_ROWS) {
+        int qx = !is_float_type(tg) || !is_float_type(tu);
+        load_rows(x, xdt, 0, T, H, (float *)scratch, scratch + (int64_t)T * H * 4, !qx);
+    }
+    if (nthreads > 1) {
+#pragma omp parallel num_threads(nthreads)
+        moe_body(n_exp, blobs, bounds, tok, wt, x, xdt, acc, T, H, I, tg, tu, td, off_u, off_d, scratch, pchunk);
+    } else moe_body(n_exp, blobs, bounds, tok, wt, x, xdt, acc, T, H, I, tg, tu, td, off_u, off_d, scratch, pchunk);
+}
+
+/* ---- dequantization: rows of W -> fp32 / bf16, bit for bit as ggml's dequantize_row_* -------
+ * (the same fp32 operations in the same order: built with -ffp-contract=off, no FMA) */
+/* one block (32 values, or 256 for the K-quants) -> y */
+static void dequant_block(int t, const uint8_t *w, float *y) {
+    switch (t) {
+    case T_Q8_0: { float d = mf_h2f(rd16(w)); for (int i = 0; i < 32; i++) y[i] = (int8_t)w[2 + i] * d; return; }
+    case T_Q4_0: { float d = mf_h2f(rd16(w)); const uint8_t *q = w + 2;
+        for (int i = 0; i < 16; i++) { y[i] = ((q[i] & 15) - 8) * d; y[i + 16] = ((q[i] >> 4) - 8) * d; } return; }
+    case T_Q4_1: { float d = mf_h2f(rd16(w)), m = mf_h2f(rd16(w + 2)); const uint8_t *q = w + 4;
+        for (int i = 0; i < 16; i++) { y[i] = (q[i] & 15) * d + m; y[i + 16] = (q[i] >> 4) * d + m; } return; }
+    case T_Q5_0: case T_Q5_1: {
+        int off = t == T_Q5_0 ? 2 : 4; float d = mf_h2f(rd16(w)), m = t == T_Q5_1 ? mf_h2f(rd16(w + 2)) : 0.f;
+        uint32_t qh; memcpy(&qh, w + off, 4); const uint8_t *q = w + off + 4;
+        for (int i = 0; i < 16; i++) {
+            int x0 = (q[i] & 15) | (((qh >> i) & 1) << 4), x1 = (q[i] >> 4) | (((qh >> (i + 16)) & 1) << 4);
+            if (t == T_Q5_0) { y[i] = (x0 - 16) * d; y[i + 16] = (x1 - 16) * d; }
+            else { y[i] = x0 * d + m; y[i + 16] = x1 * d + m; }
+        }
+        return; }
+    case T_IQ4_NL: { float d = mf_h2f(rd16(w)); const uint8_t *q = w + 2;
+        for (int i = 0; i < 16; i++) { y[i] = d * KV_IQ4NL[q[i] & 15]; y[i + 16] = d * KV_IQ4NL[q[i] >> 4]; } return; }
+    case T_MXFP4: { float d = e8m0_half(w[0]); const uint8_t *q = w + 1;
+        for (int i = 0; i < 16; i++) { y[i] = KV_MXFP4[q[i] & 15] * d; y[i + 16] = KV_MXFP4[q[i] >> 4] * d; } return; }
+    case T_Q4_K: case T_Q5_K: {
+        float d = mf_h2f(rd16(w)), dmin = mf_h2f(rd16(w + 2));
+        const uint8_t *sc = w + 4, *qh = w + 16, *qs = w + (t == T_Q4_K ? 16 : 48);
+        for (int j = 0; j < 8; j++) {
+            int scj, mj;
+            if (j < 4) { scj = sc[j] & 63; mj = sc[j + 4] & 63; }
+            else { scj = (sc[j + 4] & 0xF) | ((sc[j - 4] >> 6) << 4); mj = (sc[j + 4] >> 4) | ((sc[j] >> 6) << 4); }
+            float d1 = d * scj, m1 = dmin * mj;
+            const uint8_t *q4 = qs + 32 * (j / 2);
+            int sh = 4 * (j & 1);
+            for (int i = 0; i < 32; i++) {
+                int q = (q4[i] >> sh) & 15;
+                if (t == T_Q5_K) q |= ((qh[i] >> j) & 1) << 4;
+                y[32 * j + i] = d1 * q - m1;
+            }
+        }
+        return; }
+    case T_Q6_K: {
+        const uint8_t *ql = w, *qh = w + 128; const int8_t *sc = (const int8_t *)(w + 192);
+        float d = mf_h2f(rd16(w + 208));
+        for (int j = 0; j < 8; j++) {
+            int h = j / 4, r0 = 32 * (j % 4), ls = 4 * (r0 / 64), hs = 2 * (r0 / 32);
+            const uint8_t *l = ql + 64 * h + (r0 % 64), *hh = qh + 32 * h;
+            float d0 = d * sc[2 * j], d1 = d * sc[2 * j + 1];
+            for (int i = 0; i < 32; i++) {
+                int q = (((l[i] >> ls) & 15) | (((hh[i] >> hs) & 3) << 4)) - 32;
+                y[32 * j + i] = (i < 16 ? d0 : d1) * q;
+            }
+        }
+        return; }
+    }
+}
+
+/* nrows rows of K values of type t -> out16 (bf16) or out32 (fp32), whichever is not NULL. */
+void mf_dequant(int t, const uint8_t *W, int64_t nrows, int K, uint16_t *out16, float *out32, int nthreads) {
+    int64_t rb = row_bytes(t, K);
+    int bs = (t == T_Q4_K || t == T_Q5_K || t == T_Q6_K) ? 256 : 32;
+    int64_t tb = t == T_Q8_0 ? 34 : t == T_Q4_0 || t == T_IQ4_NL ? 18 : t == T_Q4_1 ? 20 : t == T_Q5_0 ? 22
+               : t == T_Q5_1 ? 24 : t == T_MXFP4 ? 17 : t == T_Q4_K ? 144 : t == T_Q5_K ? 176 : 210;
+#pragma omp parallel num_threads(nthreads)
+    {
+        float y[256];
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < nrows; r++) {
+            const uint8_t *wr = W + r * rb;
+            for (int b = 0; b < K / bs; b++) {
+                float *dst = out32 ? out32 + r * K + (int64_t)b * bs : y;
+                if (is_float_type(t)) {
+                    for (int i = 0; i < bs; i++) {
+                        const uint8_t *p = wr + (int64_t)(b * bs + i) * (t == T_F32 ? 4 : 2);
+                        float v; if (t == T_F32) memcpy(&v, p, 4); else v = t == T_BF16 ? mf_b2f(rd16(p)) : mf_h2f(rd16(p));
+                        dst[i] = v;
+                    }
+                } else dequant_block(t, wr + b * tb, dst);
+                if (out16) { uint16_t *o = out16 + r * K + (int64_t)b * bs; for (int i = 0; i < bs; i++) o[i] = mf_f2b(dst[i]); }
+            }
+        }
+    }
+}
+
+int mf_simd(void) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return 3;
+#elif defined(__AVXVNNI__)
+    return 2;
+#elif defined(__AVX2__)
+    return 1;
+#else
+    return 0;
+#endif
+}

@@ -1,0 +1,290 @@
+"""Quantized matrix products on the CPU, in the stored format (no per-use dequantization).
+
+The kernels (``qmatmul.c``, next to this file) read ggml blocks as the file stores them and
+multiply them as llama.cpp's CPU backend does (``ggml-cpu/quants.c``, ``ggml_vec_dot_*``):
+the activations are quantized to int8 with one fp32 scale per 32 values (``d = max|x| /
+127``, ``q = round(x / d)``, the Q8_0 recipe; for the K-quants one scale per 256 values,
+ggml's Q8_K, so a super-block's sub-block products add up in integers), each weight block
+is multiplied in integers (``sum(qw * qx)``, AVX-512 VNNI / AVX-VNNI / AVX2 where the CPU
+has them) and scaled by the weight block's scale(s) and ``d``; the sums are fp32. Float weights
+(F32, F16, BF16) multiply the fp32 activations in fp32. The results are therefore not bit for
+bit those of dequantize-then-multiply: the difference is the activation rounding, bounded in
+``tests/runtime/test_qmatmul.py`` (about 1% of the output's scale on random data).
+
+Why this and not the alternatives (measured on the 2-core CI machine, one thread, one
+``[1, 1024] x [512, 1024]^T`` product): ``torch.mm`` in bf16 (the dequantized copy) 150 us
+plus the dequantization itself (0.5-1.3 ms per expert matrix with the torch kernels of
+:mod:`moefit.runtime.kernels.quant`); torch's weight-only kernels (``_weight_int8pack_mm``: one
+scale per row, so a Q8_0 file would be requantized, lossy; ``_weight_int4pack_mm_for_cpu``:
+groups of 32 with bf16 scales and zeros, which only Q4_0 / Q4_1 / Q4_K map onto, and a
+repacked copy of every expert) about 110 us; these kernels 22-46 us on the stored bytes, no
+copy (the first, AVX2-width version). ggml through a PyPI binding was not tried: a C file
+built at first use needs only gcc. With AVX-512 (F, BW, VL, DQ, VNNI) each step reads 64
+bytes of weights: the 4-bit block types take 4 blocks at a time out of two 64-byte loads
+(``vpermi2b``) against an activation copy in their nibble order, Q8_0 and those types run
+four rows at once (the activation loads shared), the K-quants add their sub-block
+products in integers (``vpmaddubsw`` + ``vpdpwssd`` with the sub-block scales), BF16 rows
+against bf16 activations use ``vdpbf16ps``. On one thread of the AMD EPYC CI machine, a
+151936 x 1024 matrix (larger than the caches): BF16 39, Q8_0 36, Q4_0 28-31, Q4_K 29,
+Q6_K 41 GB/s of weights (the machine reads 43 GB/s on one thread); from L2 (no memory
+bound) Q8_0 54, Q4_0 36-38, Q4_K 24, Q6_K 37, BF16 110 GB/s, so Q4_K is the one type the
+arithmetic still limits.
+
+Threads: a product splits its rows over OpenMP threads in chunks taken as they come; the
+few rows of a decode step are quantized by the calling thread first, and a product on one
+thread runs outside any parallel region (libgomp ends each worksharing loop of a team, even
+a team of one, with a barrier whose last thread makes a futex syscall: with one thread those
+were a tenth of a decode step), so a product of a decode step costs one barrier, the end of
+its region, and none on one thread.
+
+Build: the C files (this one and ``decode_step.c``) are compiled once per machine with
+``gcc -O3 -march=native -fopenmp`` into one library (about 2 s) in ``$MOEFIT_CACHE_DIR``
+(default ``~/.cache/moefit``), named by a hash of the sources, the flags and the CPU's
+feature flags, and loaded with :mod:`ctypes`. Without a C compiler (or with
+``MOEFIT_NO_CKERNELS=1``) :func:`available` is False and the runtime keeps its torch path
+(dequantize, then ``torch.mm``); :func:`unavailable_reason` says why.
+
+Types: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, MXFP4, Q4_K, Q5_K, Q6_K
+(:data:`CTYPES`). Row lengths: a multiple of 32 (256 for the K-quants).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from moefit.memory import cpu_kernels
+# the scratch formulas live with the planner (it prices them); re-exported for the callers here
+from moefit.memory.cpu_kernels import CTYPES, gemm_scratch_bytes, moe_scratch_bytes, pair_bytes, qact_bytes  # noqa: F401
+
+FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
+#: the library's sources: these products, and the lean decode step's operations
+#: (``decode_step.c``, :mod:`moefit.runtime.layers.lean_step`)
+_SRCS = (Path(__file__).with_name("qmatmul.c"), Path(__file__).with_name("decode_step.c"))
+#: the header both include (fp16 / bf16 conversions): part of the build's cache key
+_HEADERS = (Path(__file__).with_name("mf_floats.h"),)
+#: torch dtype -> the kernels' float type code (0 fp32, 1 fp16, 2 bf16)
+DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+
+_lib = None
+_reason: str | None = None
+
+#: the activation dtypes the runtime hands the kernels (fp32, bf16): ``load_row`` reads
+#: fp16 too, but an fp16 model's products would then round differently from its torch
+#: path (greedy tokens of an fp16 test checkpoint part at token 6), so its activations stay
+#: on the torch path (:func:`reads`)
+ACT_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def reads(x: torch.Tensor) -> bool:
+    """Whether the kernels are given activations of ``x``'s dtype (:data:`ACT_DTYPES`);
+    every caller asks this first."""
+    return x.dtype in ACT_DTYPES
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _build() -> ctypes.CDLL:
+    src = b"".join(p.read_bytes() for p in (*_SRCS, *_HEADERS))
+    key = hashlib.sha256(src + " ".join(FLAGS).encode() + _cpu_flags().encode()
+                         + platform.machine().encode()).hexdigest()[:16]
+    cache = Path(os.environ.get("MOEFIT_CACHE_DIR") or Path.home() / ".cache" / "moefit")
+    so = cache / f"qmatmul-{key}.so"
+    if not so.is_file():
+        cache.mkdir(parents=True, exist_ok=True)
+        cc = cpu_kernels.compiler()
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
+        os.close(fd)
+        try:
+            r = subprocess.run([cc, *FLAGS, "-o", tmp, *map(str, _SRCS), "-lm"], capture_output=True, text=True)
+            if r.returncode:
+                raise OSError(f"{cc} failed: {r.stderr.strip()[-500:]}")
+            os.replace(tmp, so)       # atomic: concurrent builders each write their own temp file
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    lib = ctypes.CDLL(str(so))
+    i, i64, p, f = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
+    lib.mf_gemm.argtypes = [i, p, i, i, p, i, i, p, p, i]
+    lib.mf_gemm.restype = None
+    lib.mf_gemm_ex.argtypes = [i, p, i, i, p, i, i, p, i, p, p, i]
+    lib.mf_gemm_ex.restype = None
+    # the lean decode step (decode_step.c)
+    lib.mf_rmsnorm.argtypes = [i, i, p, p, i, p, i, f, f, p]
+    lib.mf_rmsnorm.restype = None
+    lib.mf_rope_table.argtypes = [i, i, p, f, p, i, p, p]
+    lib.mf_rope_table.restype = None
+    lib.mf_rope_kv.argtypes = [i, p, i, p, i, p, i, i, i, p, p, p, p, i, p, p, i, i, i, i, i]
+    lib.mf_rope_kv.restype = None
+    lib.mf_attn_decode.argtypes = [i, p, i, i, i, i, f, p, p, i, i, i, i, p, p, i, i, i, p, i]
+    lib.mf_attn_decode.restype = None
+    lib.mf_route.argtypes = [i, i, i, p, i, i, p, p, p, p, p, p, p]
+    lib.mf_route.restype = None
+    lib.mf_moe.argtypes = [i, p, p, p, p, p, i, p, i, i, i, i, i, i, i64, i64, p, i, i]
+    lib.mf_moe.restype = None
+    lib.mf_lean_layers.argtypes = [i, p, p]
+    lib.mf_lean_layers.restype = None
+    lib.mf_row_bytes.argtypes = [i, i]
+    lib.mf_row_bytes.restype = i64
+    lib.mf_quantize_act.argtypes = [p, i, p]
+    lib.mf_quantize_act.restype = None
+    lib.mf_qact_bytes.argtypes = [i]
+    lib.mf_qact_bytes.restype = i64
+    lib.mf_simd.restype = i
+    lib.mf_dequant.argtypes = [i, p, i64, i, p, p, i]
+    lib.mf_dequant.restype = None
+    return lib
+
+
+def _load():
+    global _lib, _reason
+    if _lib is None and _reason is None:
+        _reason = cpu_kernels.unexpected_reason()
+        if _reason is None:
+            try:
+                _lib = _build()
+            except (OSError, FileNotFoundError) as e:
+                _reason = f"the C kernels could not be built ({e}); using dequantize-then-multiply"
+    return _lib
+
+
+def library() -> ctypes.CDLL:
+    """The loaded library (builds it on first call); check :func:`available` first."""
+    return _load()
+
+
+def available() -> bool:
+    """Whether the C kernels are built and loaded (builds them on first call)."""
+    return _load() is not None
+
+
+def unavailable_reason() -> str | None:
+    """Why :func:`available` is False (None when it is True)."""
+    _load()
+    return _reason
+
+
+def simd() -> str:
+    """The vector path the kernels were compiled with: ``avx512-vnni``, ``avx-vnni``,
+    ``avx2`` or ``scalar``."""
+    return ("scalar", "avx2", "avx-vnni", "avx512-vnni")[_load().mf_simd()]
+
+
+def supports(qtype: str, cols: int) -> bool:
+    """Whether the kernels multiply rows of ``cols`` values of ggml type ``qtype``
+    (:func:`moefit.memory.cpu_kernels.supports`)."""
+    return cpu_kernels.supports(qtype, cols)
+
+
+def _threads(threads: int | None) -> int:
+    return threads or torch.get_num_threads()
+
+
+def gemm(x: torch.Tensor, raw: torch.Tensor, qtype: str, rows: int, cols: int, *,
+         out: torch.Tensor | None = None, scratch: torch.Tensor | None = None,
+         threads: int | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ W^T (+ bias)`` with ``W`` ``[rows, cols]`` stored as ggml ``qtype`` in ``raw``
+    (contiguous uint8, ``rows`` x row bytes, on the CPU).
+
+    Args:
+        x: ``[n, cols]`` fp32, fp16 or bf16, contiguous, on the CPU.
+        out: ``[n, rows]`` fp32, fp16 or bf16, contiguous (fp32, allocated, when not given);
+            a 16-bit ``out`` holds the fp32 sums rounded to nearest even.
+        scratch: uint8 of at least :func:`gemm_scratch_bytes` ``(n, cols)`` (allocated when
+            not given).
+        threads: OpenMP threads (default: torch's).
+        bias: ``[rows]`` of ``out``'s dtype, added after the rounding to ``out``'s dtype
+            (and rounded again), as ``torch.mm`` into ``out`` then ``out.add_(bias)``.
+
+    Returns ``out``. Raises ValueError when the sizes or dtypes disagree.
+    """
+    lib = _load()
+    n = x.shape[0]
+    if x.dim() != 2 or x.shape[1] != cols or not reads(x) or not x.is_contiguous():
+        raise ValueError(f"x must be a contiguous fp32/bf16 [n, {cols}] tensor, got {x.dtype} {list(x.shape)}")
+    if not supports(qtype, cols) or raw.numel() != rows * lib.mf_row_bytes(CTYPES[qtype], cols):
+        raise ValueError(f"{qtype}: {raw.numel()} bytes are not a [{rows}, {cols}] matrix the kernels run")
+    if out is None:
+        out = torch.empty((n, rows), dtype=torch.float32)
+    if out.shape != (n, rows) or out.dtype not in DTYPE_CODES or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous fp32/fp16/bf16 [{n}, {rows}] tensor")
+    if bias is not None and (bias.numel() != rows or bias.dtype != out.dtype or not bias.is_contiguous()):
+        raise ValueError(f"bias must be {rows} contiguous values of out's dtype {out.dtype}")
+    if scratch is None:
+        scratch = torch.empty(gemm_scratch_bytes(n, cols), dtype=torch.uint8)
+    lib.mf_gemm_ex(CTYPES[qtype], raw.data_ptr(), rows, cols, x.data_ptr(), DTYPE_CODES[x.dtype], n,
+                   out.data_ptr(), DTYPE_CODES[out.dtype], None if bias is None else bias.data_ptr(),
+                   scratch.data_ptr(), _threads(threads))
+    return out
+
+
+def moe(x: torch.Tensor, blob_ptrs: torch.Tensor, bounds: torch.Tensor, tok: torch.Tensor,
+        weights: torch.Tensor, acc: torch.Tensor, fmt, scratch: torch.Tensor,
+        threads: int | None = None) -> torch.Tensor:
+    """Routed SwiGLU experts of one MoE layer, combined: for every (token, expert) pair
+    ``p``, ``acc[tok[p]] += weights[p] * down(silu(gate(x[tok[p]])) * up(x[tok[p]]))``.
+
+    Args:
+        x: ``[T, H]`` fp32, fp16 or bf16, contiguous (CPU).
+        blob_ptrs: int64 ``[n]``: the address of each used expert's blob (a
+            :class:`~moefit.runtime.kernels.quant.StoredExpert` layout ``fmt``, or a plain float blob
+            described by one).
+        bounds: int64 ``[n + 1]``: expert ``i`` serves pairs ``bounds[i] .. bounds[i+1]-1``.
+        tok: int64 ``[P]``: the token of each pair, pairs grouped by expert.
+        weights: fp32 ``[P]``: the routing weight of each pair.
+        acc: fp32 ``[T, H]``, added to.
+        fmt: the layer's :class:`~moefit.runtime.kernels.quant.StoredExpert`.
+        scratch: uint8 of at least :func:`moe_scratch_bytes` ``(T, H, I, 1)``; the pairs
+            run in groups of as many as it holds.
+
+    Returns ``acc``. Raises ValueError when ``x`` is not a contiguous fp32 / bf16 ``[T, H]``
+    tensor, or the scratch cannot hold the rows and one pair.
+    """
+    lib = _load()
+    h, inter = fmt.gate.cols, fmt.gate.rows
+    t = x.shape[0]
+    if x.dim() != 2 or x.shape[1] != h or not reads(x) or not x.is_contiguous():
+        raise ValueError(f"x must be a contiguous fp32/bf16 [T, {h}] tensor, got {x.dtype} {list(x.shape)}")
+    pchunk = (scratch.numel() - moe_scratch_bytes(t, h, inter, 0)) // pair_bytes(h, inter)
+    if pchunk < 1:
+        raise ValueError(f"moe scratch of {scratch.numel()} bytes cannot hold the {t} token rows and one "
+                         f"pair ({moe_scratch_bytes(t, h, inter, 1)} bytes)")
+    lib.mf_moe(blob_ptrs.numel(), blob_ptrs.data_ptr(), bounds.data_ptr(), tok.data_ptr(), weights.data_ptr(),
+               x.data_ptr(), DTYPE_CODES[x.dtype], acc.data_ptr(), t, h, inter,
+               CTYPES[fmt.gate.qtype], CTYPES[fmt.up.qtype], CTYPES[fmt.down.qtype],
+               fmt.up.offset, fmt.down.offset, scratch.data_ptr(), pchunk, _threads(threads))
+    return acc
+
+
+def dequantize(raw: torch.Tensor, qtype: str, rows: int, cols: int, out: torch.Tensor,
+               threads: int | None = None) -> torch.Tensor:
+    """Dequantize ``[rows, cols]`` of ggml ``qtype`` (``raw``: contiguous uint8 on the CPU)
+    into ``out`` (contiguous fp32 or bf16, ``rows x cols`` elements, CPU): bit for bit the
+    values of ``gguf.quants.dequantize`` (and of :mod:`moefit.runtime.kernels.quant`'s kernels),
+    rounded to nearest even for bf16. Returns ``out``. Raises ValueError when the sizes or
+    dtypes disagree."""
+    lib = _load()
+    if (not supports(qtype, cols) or raw.numel() != rows * lib.mf_row_bytes(CTYPES[qtype], cols)
+            or not raw.is_contiguous()):
+        raise ValueError(f"{qtype}: {raw.numel()} bytes are not a [{rows}, {cols}] matrix the kernels read")
+    if out.numel() != rows * cols or out.dtype not in (torch.float32, torch.bfloat16) or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous fp32/bf16 tensor of {rows * cols} elements")
+    bf16 = out.dtype == torch.bfloat16
+    lib.mf_dequant(CTYPES[qtype], raw.data_ptr(), rows, cols, out.data_ptr() if bf16 else None,
+                   None if bf16 else out.data_ptr(), _threads(threads))
+    return out

@@ -1,0 +1,2 @@
+"""Checkpoint readers: safetensors (:mod:`.safetensors`), GGUF (:mod:`.gguf`), and the hybrids'
+regrouped projections (:mod:`.hybrid_layout`)."""

@@ -1,0 +1,2 @@
+"""The routed experts: the expert cache (:mod:`.cache`), the CPU batched layer (:mod:`.batch`), the
+device path (:mod:`.device`), gpt-oss's experts (:mod:`.gpt_oss`), routing (:mod:`.routing`)."""
