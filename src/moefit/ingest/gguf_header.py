@@ -485,7 +485,7 @@ def packed_staging_bytes(elements: int) -> int:
     """Host bytes the GGUF loader holds while it rebuilds a resident tensor from
     ``elements`` stored elements (a hybrid's Gated DeltaNet projections or gated
     ``attn_q``, ``moefit.runtime.load.hybrid_layout.gguf_linear_attention_entries`` /
-    ``gated_q``): the parts dequantized to fp32, each regrouped into a copy, and the result
+    ``checkpoint_layout``): the parts dequantized to fp32, each regrouped into a copy, and the result
     they are concatenated into: 3 x 4 bytes per element."""
     return 3 * 4 * elements
 
@@ -605,7 +605,8 @@ def model_name(h: GGUFHeader) -> str:
 #: ggml types ``moefit serve`` / ``generate`` can run (the kernels of
 #: :mod:`moefit.runtime.kernels.quant`; a test keeps the two lists equal). Planning prices any type.
 RUNTIME_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL", "Q4_K", "Q5_K",
-                 "Q6_K", "MXFP4")
+                 "Q6_K", "MXFP4", "Q2_K", "Q3_K", "IQ4_XS", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S",
+                 "IQ1_S", "IQ1_M")
 
 
 def runtime_notes(h: "GGUFHeader") -> tuple[str, ...]:
