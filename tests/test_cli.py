@@ -78,10 +78,11 @@ def test_plan_does_not_fit_exit_3_with_alternatives_that_fit():
     base = [a for a in FIELD]
     for alt in doc["alternatives"]:
         args = list(base)
-        if alt["flag"] in args:
-            args[args.index(alt["flag"]) + 1] = str(alt["value"])
-        else:
-            args += [alt["flag"], str(alt["value"])]
+        for change in (alt, *alt.get("with", ())):
+            if change["flag"] in args:
+                args[args.index(change["flag"]) + 1] = str(change["value"])
+            else:
+                args += [change["flag"], str(change["value"])]
         assert moefit("plan", *args, "--vram", "6GiB").returncode == 0, alt
     text = moefit("plan", *FIELD, "--vram", "6GiB")
     assert text.returncode == 3 and "short by" in text.stdout and "fits with:" in text.stdout

@@ -160,6 +160,32 @@ def load_model(spec: str) -> ModelGeometry:
     return dataclasses.replace(geom, exact=exact) if exact is not None else geom
 
 
+def config_of(spec: str) -> dict:
+    """The ``config.json`` dict of ``spec`` (a preset name, a model directory or its
+    config.json), as :func:`load_model` reads it. Raises InputError for a GGUF file (its
+    metadata is not a config) and as :func:`load_model` does."""
+    path = Path(spec).expanduser()
+    kind = sniff(path) if path.exists() and not path.is_dir() else None
+    if kind == "gguf" or path.suffix.lower() == ".gguf":
+        raise InputError(f"{spec}: a GGUF file; give the Hugging Face model (a preset, a model directory "
+                         "or its config.json)")
+    if path.is_dir():
+        data = _read_json(_config_in_dir(path))
+    elif kind in ("json", "text"):
+        data = _read_json(path)
+    else:
+        name = _preset_name(spec)
+        if name is None:
+            raise _unknown(spec)
+        data = _read_json(_config_in_dir(PRESETS_DIR / name))
+    if not isinstance(data, dict):
+        raise InputError(f"{spec}: the model config is not a JSON object")
+    if "model_type" not in data:
+        raise InputError(f"{spec}: the config has no model_type (a DeepSeek inference config?); give "
+                         "the Hugging Face config.json of the model")
+    return data
+
+
 @dataclasses.dataclass(frozen=True)
 class ServingReference:
     """How a serving engine's launch command names a model: ``model`` (the Hugging Face
