@@ -7,8 +7,9 @@
  * block scale(s) and the activation's d. Float weights (F32, F16, BF16) multiply fp32
  * activations in fp32 (no activation quantization).
  *
- * Block layouts: see qmatmul.py / quant.py (ggml-common.h). Built by qmatmul.py with
- * gcc -O3 -march=native -fopenmp; AVX-512 VNNI, AVX-VNNI or AVX2 paths, else plain C.
+ * Block layouts: see qmatmul.py / quant.py (ggml-common.h). Exported functions: moefit_kernels.h.
+ * Built by moefit.runtime.kernels.native (per x86-64 variant at install, or -march=native at
+ * first use); AVX-512 VNNI, AVX-VNNI or AVX2 paths, else plain C.
  */
 #include <math.h>
 #include <stdint.h>
@@ -21,6 +22,7 @@
 #include <omp.h>
 #endif
 #include "mf_floats.h"
+#include "moefit_kernels.h"
 
 #ifndef PREFETCH
 #define PREFETCH 8192
@@ -176,7 +178,8 @@ static inline void k4_scales(const uint8_t *sc, uint8_t scm[16]) {
  * 0x80 = value + 128; IQ4_NL / MXFP4: table value + 128), multiplied by the signed activation
  * q with vpdpbusd; the offset comes back out through dsy (d x sum of q of the block):
  * sum(value * q) * d_w * d = (sum(u * q) - offset * sum(q)) * d_w * d. */
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__) && defined(__AVX512VNNI__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__) && defined(__AVX512VNNI__) \
+    && defined(__AVX512VBMI__)   /* vpermi2b */
 #define HAVE512 1
 static const uint8_t KV_IQ4NL_U[16] = {1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241};
 static const uint8_t KV_MXFP4_U[16] = {128, 129, 130, 131, 132, 134, 136, 140, 128, 127, 126, 125, 124, 122, 120, 116};

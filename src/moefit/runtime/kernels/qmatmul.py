@@ -37,12 +37,11 @@ a team of one, with a barrier whose last thread makes a futex syscall: with one 
 were a tenth of a decode step), so a product of a decode step costs one barrier, the end of
 its region, and none on one thread.
 
-Build: the C files (this one and ``decode_step.c``) are compiled once per machine with
-``gcc -O3 -march=native -fopenmp`` into one library (about 2 s) in ``$MOEFIT_CACHE_DIR``
-(default ``~/.cache/moefit``), named by a hash of the sources, the flags and the CPU's
-feature flags, and loaded with :mod:`ctypes`. Without a C compiler (or with
+Build and load: :mod:`moefit.runtime.kernels.native` (a variant built into the wheel for this
+CPU, else compiled at first use, ABI-checked at load). Without either (or with
 ``MOEFIT_NO_CKERNELS=1``) :func:`available` is False and the runtime keeps its torch path
-(dequantize, then ``torch.mm``); :func:`unavailable_reason` says why.
+(dequantize, then ``torch.mm``); :func:`unavailable_reason` says why, :func:`how` how the
+library came.
 
 Types: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, MXFP4, Q4_K, Q5_K, Q6_K
 (:data:`CTYPES`). Row lengths: a multiple of 32 (256 for the K-quants).
@@ -51,30 +50,18 @@ Types: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, MXFP4, Q4_K, Q5_K, 
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import os
-import platform
-import subprocess
-import tempfile
-from pathlib import Path
 
 import torch
 
 from moefit.memory import cpu_kernels
+from moefit.runtime.kernels import native
 # the scratch formulas live with the planner (it prices them); re-exported for the callers here
 from moefit.memory.cpu_kernels import CTYPES, gemm_scratch_bytes, moe_scratch_bytes, pair_bytes, qact_bytes  # noqa: F401
 
-FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
-#: the library's sources: these products, and the lean decode step's operations
-#: (``decode_step.c``, :mod:`moefit.runtime.layers.lean_step`)
-_SRCS = (Path(__file__).with_name("qmatmul.c"), Path(__file__).with_name("decode_step.c"))
-#: the header both include (fp16 / bf16 conversions): part of the build's cache key
-_HEADERS = (Path(__file__).with_name("mf_floats.h"),)
 #: torch dtype -> the kernels' float type code (0 fp32, 1 fp16, 2 bf16)
 DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
-_lib = None
-_reason: str | None = None
+_found: native.Loaded | None = None
 
 #: the activation dtypes the runtime hands the kernels (fp32, bf16): ``load_row`` reads
 #: fp16 too, but an fp16 model's products would then round differently from its torch
@@ -89,78 +76,12 @@ def reads(x: torch.Tensor) -> bool:
     return x.dtype in ACT_DTYPES
 
 
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
-    return platform.processor()
-
-
-def _build() -> ctypes.CDLL:
-    src = b"".join(p.read_bytes() for p in (*_SRCS, *_HEADERS))
-    key = hashlib.sha256(src + " ".join(FLAGS).encode() + _cpu_flags().encode()
-                         + platform.machine().encode()).hexdigest()[:16]
-    cache = Path(os.environ.get("MOEFIT_CACHE_DIR") or Path.home() / ".cache" / "moefit")
-    so = cache / f"qmatmul-{key}.so"
-    if not so.is_file():
-        cache.mkdir(parents=True, exist_ok=True)
-        cc = cpu_kernels.compiler()
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
-        os.close(fd)
-        try:
-            r = subprocess.run([cc, *FLAGS, "-o", tmp, *map(str, _SRCS), "-lm"], capture_output=True, text=True)
-            if r.returncode:
-                raise OSError(f"{cc} failed: {r.stderr.strip()[-500:]}")
-            os.replace(tmp, so)       # atomic: concurrent builders each write their own temp file
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-    lib = ctypes.CDLL(str(so))
-    i, i64, p, f = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
-    lib.mf_gemm.argtypes = [i, p, i, i, p, i, i, p, p, i]
-    lib.mf_gemm.restype = None
-    lib.mf_gemm_ex.argtypes = [i, p, i, i, p, i, i, p, i, p, p, i]
-    lib.mf_gemm_ex.restype = None
-    # the lean decode step (decode_step.c)
-    lib.mf_rmsnorm.argtypes = [i, i, p, p, i, p, i, f, f, p]
-    lib.mf_rmsnorm.restype = None
-    lib.mf_rope_table.argtypes = [i, i, p, f, p, i, p, p]
-    lib.mf_rope_table.restype = None
-    lib.mf_rope_kv.argtypes = [i, p, i, p, i, p, i, i, i, p, p, p, p, i, p, p, i, i, i, i, i]
-    lib.mf_rope_kv.restype = None
-    lib.mf_attn_decode.argtypes = [i, p, i, i, i, i, f, p, p, i, i, i, i, p, p, i, i, i, p, i]
-    lib.mf_attn_decode.restype = None
-    lib.mf_route.argtypes = [i, i, i, p, i, i, p, p, p, p, p, p, p]
-    lib.mf_route.restype = None
-    lib.mf_moe.argtypes = [i, p, p, p, p, p, i, p, i, i, i, i, i, i, i64, i64, p, i, i]
-    lib.mf_moe.restype = None
-    lib.mf_lean_layers.argtypes = [i, p, p]
-    lib.mf_lean_layers.restype = None
-    lib.mf_row_bytes.argtypes = [i, i]
-    lib.mf_row_bytes.restype = i64
-    lib.mf_quantize_act.argtypes = [p, i, p]
-    lib.mf_quantize_act.restype = None
-    lib.mf_qact_bytes.argtypes = [i]
-    lib.mf_qact_bytes.restype = i64
-    lib.mf_simd.restype = i
-    lib.mf_dequant.argtypes = [i, p, i64, i, p, p, i]
-    lib.mf_dequant.restype = None
-    return lib
-
-
 def _load():
-    global _lib, _reason
-    if _lib is None and _reason is None:
-        _reason = cpu_kernels.unexpected_reason()
-        if _reason is None:
-            try:
-                _lib = _build()
-            except (OSError, FileNotFoundError) as e:
-                _reason = f"the C kernels could not be built ({e}); using dequantize-then-multiply"
-    return _lib
+    global _found
+    if _found is None:
+        _found = native.load()
+        native.log(_found)
+    return _found.lib
 
 
 def library() -> ctypes.CDLL:
@@ -175,8 +96,14 @@ def available() -> bool:
 
 def unavailable_reason() -> str | None:
     """Why :func:`available` is False (None when it is True)."""
+    return None if _load() is not None else _found.how
+
+
+def how() -> str:
+    """How the library came (``built variant avx512-bf16``, ``built at first use``), or why
+    there is none."""
     _load()
-    return _reason
+    return _found.how
 
 
 def simd() -> str:
