@@ -1,13 +1,17 @@
 """The kernel library as an artifact (``moefit.runtime.kernels.native``): its ABI check at load,
 the prototypes against ``moefit_kernels.h``, the variant a CPU's flags pick, where the library
-comes from (a built variant, the first-use build).
+comes from (a built variant, the first-use build), and a wheel built and run with no compiler.
 """
 
 from __future__ import annotations
 
 import ctypes
+import os
 import re
 import shutil
+import subprocess
+import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -16,6 +20,8 @@ from moefit.memory import cpu_kernels
 from moefit.runtime.kernels import lean_abi, native, qmatmul
 
 pytestmark = pytest.mark.skipif(not qmatmul.available(), reason=f"C kernels: {qmatmul.unavailable_reason()}")
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _swapped(cls: type[ctypes.Structure], a: str, b: str) -> type[ctypes.Structure]:
@@ -143,3 +149,53 @@ def test_no_compiler_and_no_library_is_the_torch_path_said_so(tmp_path, monkeypa
     assert found.lib is None and found.how.startswith("no C compiler (no-such-cc) on PATH")
     assert cpu_kernels.unexpected_reason() == "no C compiler (no-such-cc) on PATH and no built library for this CPU"
     assert "the C kernels are off (dequantize-then-multiply)" in capsys.readouterr().err
+
+
+# ---- a wheel, installed where no compiler is -----------------------------------------------
+@pytest.mark.slow
+@pytest.mark.process
+def test_a_wheel_runs_the_c_kernels_with_no_compiler(tmp_path):
+    """``pip wheel`` of a copy of the project: a platform wheel with the library variants;
+    unpacked and run with ``cc`` / ``gcc`` off ``PATH`` and an empty cache, ``moefit generate``
+    on a ``make-demo`` model loads the built variant this CPU picks. (Two variants are built,
+    that one and the baseline, to keep the test short; ``pip wheel`` builds them all.)"""
+    pick = cpu_kernels.pick(cpu_kernels.cpu_flags())
+    if pick is None:
+        pytest.skip("not an x86-64 machine")
+    src = tmp_path / "project"
+    src.mkdir()
+    for name in ("setup.py", "pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, src / name)
+    shutil.copytree(ROOT / "src", src / "src", ignore=shutil.ignore_patterns("__pycache__", "*.so", "*.egg-info"))
+    env = {**os.environ, "MOEFIT_KERNEL_VARIANTS": f"{pick.name},x86-64"}
+    r = subprocess.run([sys.executable, "-m", "pip", "wheel", ".", "--no-deps", "--no-build-isolation", "-q",
+                        "-w", str(tmp_path / "dist")], cwd=src, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    (wheel,) = (tmp_path / "dist").glob("*.whl")
+    assert wheel.name.endswith("-py3-none-linux_x86_64.whl"), wheel.name
+    names = zipfile.ZipFile(wheel).namelist()
+    libs = sorted(n for n in names if n.endswith(".so"))
+    assert libs == sorted(f"moefit/runtime/kernels/libmoefit_kernels-{n}.so" for n in {pick.name, "x86-64"})
+    assert "moefit/runtime/kernels/moefit_kernels.h" in names
+    site = tmp_path / "site"
+    zipfile.ZipFile(wheel).extractall(site)
+
+    nocc = tmp_path / "bin"                  # PATH without cc / gcc
+    nocc.mkdir()
+    env = {k: v for k, v in os.environ.items() if k not in ("CC", "MOEFIT_NO_CKERNELS")}
+    env.update(PATH=str(nocc), PYTHONPATH=str(site), MOEFIT_CACHE_DIR=str(tmp_path / "cache"),
+               MOEFIT_KERNELS_LOG="1", OMP_NUM_THREADS="1")
+    assert shutil.which("gcc", path=env["PATH"]) is None and shutil.which("cc", path=env["PATH"]) is None
+
+    def moefit(*args):
+        return subprocess.run([sys.executable, "-m", "moefit", *args], env=env, capture_output=True, text=True,
+                              timeout=300)
+
+    r = moefit("make-demo", str(tmp_path / "demo"), "--family", "qwen3_moe")
+    assert r.returncode == 0, r.stderr
+    r = moefit("generate", str(tmp_path / "demo"), "--device", "cpu", "--vram", "1GiB", "--max-context", "4096",
+               "--prompt", "Hello", "--max-tokens", "4")
+    assert r.returncode == 0, r.stderr
+    lib = site / "moefit" / "runtime" / "kernels" / pick.filename
+    assert f"moefit: C kernels: built variant {pick.name} ({lib})" in r.stderr, r.stderr
+    assert "moefit: note:" not in r.stderr
