@@ -5,7 +5,7 @@ the config (``moefit.ingest.gguf_mix``: ``convert_hf_to_gguf.py``'s names and sh
 ``llama-quantize``'s type rules, checked against the real tool); the data region is a hole of
 the right size (``truncate``), so a 20 GiB model takes a few MB of disk. moefit plans the file
 as any GGUF (``moefit plan F.gguf --engine llama.cpp``); llama.cpp itself cannot run it (no
-tokenizer, no weights). It reproduces the README's llama.cpp example without the real
+tokenizer, no weights). It reproduces the llama.cpp example of README.md and docs/engines.md without the real
 download (``Qwen3.5-35B-A3B-Q4_K_M.gguf`` from Hugging Face plans the same way):
 
     .venv/bin/python benchmarks/write_header_gguf.py Qwen3.5-35B-A3B Q4_K_M Qwen3.5-35B-A3B-Q4_K_M.gguf

@@ -25,7 +25,7 @@ SCENARIOS = {
                    "--miss-policy", "copy", "--arena-slots", "200"],
     # the README's 6 GiB card
     "6gib": [*FIELD, "--vram", "6GiB"],
-    # the README's four cards with a host of 18 GiB: a smaller chunk leaves room on the host
+    # docs/host-and-devices.md's four cards with a host of 18 GiB: a smaller chunk leaves room on the host
     "four-cards-host": [*FIELD, "--gpu", "RTX 5060 Ti 16GB", "x4", "--host-ram", "18GiB"],
     # a host reserve set by hand
     "host-reserve": ["Qwen3-30B-A3B", "--gpu", "RTX 4090", "--max-context", "16K", "--host-ram", "56GiB",

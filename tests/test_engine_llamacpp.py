@@ -360,18 +360,6 @@ def test_default_engine_is_moefit_and_its_plan_is_unchanged():
     assert a.returncode == b.returncode == 0 and a.stdout == b.stdout and "expert cache" in a.stdout
 
 
-def test_the_readme_example_is_what_the_plan_prints(tmp_path):
-    readme = (Path(__file__).parent.parent / "README.md").read_text()
-    rest = readme[readme.index("## llama.cpp plans"):]
-    command, printed = re.findall(r"```[a-z]*\n(.*?)```", rest, re.S)[:2]
-    args = shlex.split(command.strip().split("moefit ", 1)[1])
-    qwen35_q4km(tmp_path / args[1])
-    r = subprocess.run([sys.executable, "-m", "moefit", *args], capture_output=True, text=True, cwd=tmp_path,
-                       env={**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent / "src")})
-    assert r.returncode == 0, r.stderr
-    assert r.stdout.strip() == printed.strip()
-
-
 def test_verbose_shows_both_phases_and_every_moe_layer(qwen35):
     geom, tensors = qwen35
     plan = _solve(geom, tensors, 16 * GIB, context=131072)

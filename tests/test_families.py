@@ -1,7 +1,7 @@
 """One module per model family (:mod:`moefit.ingest.families`): each family's parsing on its
 shipped preset configs, its GGUF mapping and switches, the one RoPE reading, and a toy family
 (``tests/toy_family.py``) registered from the tests alone, no moefit file edited (the
-"A new model family" list of the README).
+"A new model family" list of docs/extending.md).
 
 Torch-free: the runtime half of the toy family is ``tests/runtime/test_toy_family.py``.
 """
@@ -287,7 +287,7 @@ def test_the_toy_family_is_gone_after_unregister():
 
 
 def test_the_readme_family_table_says_what_each_family_runs():
-    """The README's family table (under Commands): every registered model type and GGUF
+    """The README's family table (under Models): every registered model type and GGUF
     architecture is in a row; "run from HF" is yes exactly where the family's switches run
     every model type of the row (``runtime_types``), "run from GGUF" exactly where the
     runtime's GGUF loader runs the row's architectures (``runtime_gguf_archs``), "plan

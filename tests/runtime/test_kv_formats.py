@@ -67,7 +67,7 @@ def test_ledger_kv_allocation_equals_plan_kv_bytes(tiny_models, family, fmt):
 
 
 def test_new_kv_format_of_existing_codecs_is_one_table_entry(tiny_models, monkeypatch):
-    """The README's "A new KV format" list: a format built from existing codecs (here K
+    """The "A new KV format" list of docs/extending.md: a format built from existing codecs (here K
     as 4-bit blocks, V as 8-bit blocks) is one :data:`KV_FORMATS` entry; the plan prices
     it, the engine allocates and runs it, and its error sits between int8's and int4's
     bounds."""

@@ -168,7 +168,7 @@ def test_a_deepseek2_file_without_q_lora_has_no_q_lora_key_as_the_readme_warns(f
     """llama.cpp reads ``deepseek2.attention.q_lora_rank`` unless the file has V2-Lite's 27
     layers (``is_lite``); a V2 checkpoint without a q LoRA writes no such key (as
     ``convert_hf_to_gguf.py`` does), so a small one (the demo's 4 layers, these 3) is not a
-    file llama.cpp loads: the README says so. A V3 file (q LoRA) carries the key."""
+    file llama.cpp loads: docs/gguf.md says so. A V3 file (q LoRA) carries the key."""
     def meta(fam):
         r = gguf.GGUFReader(str(files[(fam, "Q8_0")].path))
         return {f.name: f.contents() for f in r.fields.values() if f.name.startswith("deepseek2.")}
@@ -178,5 +178,5 @@ def test_a_deepseek2_file_without_q_lora_has_no_q_lora_key_as_the_readme_warns(f
     assert v3["deepseek2.attention.q_lora_rank"] == 48
     from pathlib import Path
 
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[2] / "docs" / "gguf.md").read_text()
     assert "key not found in model: deepseek2.attention.q_lora_rank" in readme

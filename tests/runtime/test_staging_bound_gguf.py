@@ -11,7 +11,7 @@ under-counted the K-quants. The scratch is now priced per type
    table entry and within 10% of it; the C kernels (a CPU device) allocate nothing;
 2. a model with realistic expert matrices (512 x 512) in each format, at 256 and 512-token
    chunks, through the C kernels and through the torch kernels (``MOEFIT_NO_CKERNELS``):
-   measured <= planned <= 1.15 x measured, the claim the README makes.
+   measured <= planned <= 1.15 x measured, the claim docs/benchmarks.md makes.
 """
 
 from __future__ import annotations

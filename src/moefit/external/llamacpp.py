@@ -519,7 +519,7 @@ def _experts_from(m: _Model, k: int) -> int:
 
 def solve_llamacpp(geom: ModelGeometry, tensors: list[Tensor], device: Device, req: LlamaRequest, *,
                    alternatives: bool = True) -> LlamaPlan:
-    """Solve llama.cpp's budget with moefit's rules (README, How the plan is solved):
+    """Solve llama.cpp's budget with moefit's rules (docs/plan.md, How the plan is solved):
 
     1. price the mandatory lines at the requested ``-ub`` (runtime, model buffers without the
        routed experts, KV cache, recurrent state, compute buffer, margin);
@@ -768,7 +768,7 @@ def format_verbose(plan: LlamaPlan) -> str:
     return "\n".join(out)
 
 
-#: the JSON document of a llama.cpp plan (README, "JSON (`moefit plan --json`)")
+#: the JSON document of a llama.cpp plan (docs/plan.md, "JSON (`moefit plan --json`)")
 SCHEMA = "moefit.llamacpp-plan/1"
 
 

@@ -1,7 +1,7 @@
 """One solver for the multi-GPU serving engines (vLLM, SGLang): the plan of one rank under a
 parallel layout, the engine's flags, and one launch command per node.
 
-The rules are moefit's (README, "How the plan is solved"), with the KV cache as the elastic
+The rules are moefit's (docs/plan.md, "How the plan is solved"), with the KV cache as the elastic
 line where moefit's runtime has its expert cache:
 
 1. price every mandatory line of one rank at the requested settings (the runtime, the
@@ -453,7 +453,7 @@ def _rng(plan: ServePlan) -> str:
     return f"{r.start}-{r.stop - 1}"
 
 
-#: the JSON document of a vLLM / SGLang plan (README, "JSON (`moefit plan --json`)")
+#: the JSON document of a vLLM / SGLang plan (docs/plan.md, "JSON (`moefit plan --json`)")
 SCHEMA = "moefit.serve-plan/1"
 
 

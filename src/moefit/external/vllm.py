@@ -47,7 +47,7 @@ GPUs of 70 GiB or more other than an A100, ``--max-num-batched-tokens 8192`` and
 (``vllm/config/compilation.py``).
 
 Checked against published startup logs in ``tests/test_engine_serving.py`` (the sources
-are cited there and in the README). Not priced: with data-parallel attention every MoE layer
+are cited there and in docs/engines.md). Not priced: with data-parallel attention every MoE layer
 gathers the tokens of all DP ranks (``FusedMoE`` with ``dp_size > 1``: the all-gather of
 the naive / allgather-reducescatter all2all backends), so the profile run's MoE buffers
 grow with the DP size; one published log (vllm-project/recipes#12, DP 8 + EP) has 4.2 GiB

@@ -45,7 +45,7 @@ GIB = 1 << 30
 #: ``host_runtime`` with no CUDA device: 512 MiB. Measured: 246 MiB resident after
 #: importing torch 2.x, FastAPI, uvicorn, tokenizers and moefit's runtime on the CI
 #: machine (``/proc/self/status`` VmRSS), and the ``moefit serve`` process of a 120 MB
-#: model at 516 MiB once its allocator had warmed up (README, the load test), i.e. about
+#: model at 516 MiB once its allocator had warmed up (docs/benchmarks.md, the load test), i.e. about
 #: 400 MiB beside the model; rounded up.
 CPU_RUNTIME_BYTES = 512 * MIB
 #: ``host_runtime`` with a CUDA device: 2 GiB. pytorch/pytorch#113326 measures a peak

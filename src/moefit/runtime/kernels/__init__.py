@@ -1,2 +1,3 @@
-"""The native kernels: the C library (built at first use, loaded through ctypes), its bindings
-(:mod:`.qmatmul`), and the stored (quantized) formats it and torch read (:mod:`.quant`)."""
+"""The native kernels: the C library (a variant built into the wheel, else built at first use;
+loaded and ABI-checked by :mod:`.native`), its bindings (:mod:`.qmatmul`), and the stored
+(quantized) formats it and torch read (:mod:`.quant`)."""
