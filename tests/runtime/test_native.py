@@ -118,6 +118,14 @@ def test_a_built_variant_is_loaded_before_any_build(tmp_path, monkeypatch):
     assert found.lib is not None and found.how == "built variant x86-64" and found.path.parent == tmp_path / "built"
 
 
+def test_one_variant_can_be_asked_for(tmp_path):
+    lib_dir = _built_dir(tmp_path, "x86-64")
+    assert cpu_kernels.built_library(lib_dir, {})[0].name == "x86-64"
+    assert cpu_kernels.built_library(lib_dir, {cpu_kernels.VARIANT_ENV: "x86-64"})[0].name == "x86-64"
+    assert cpu_kernels.built_library(lib_dir, {cpu_kernels.VARIANT_ENV: "avx2"}) is None
+    assert cpu_kernels.built_library(lib_dir, {cpu_kernels.VARIANT_ENV: "none"}) is None
+
+
 def test_edited_sources_prefer_the_first_use_build(tmp_path, monkeypatch, capsys):
     """A built variant of other sources: rebuilt (here: the first-use build already there)
     with a note saying why, or used as built, with a note, when no compiler can rebuild."""

@@ -181,16 +181,18 @@ def test_no_kernels_without_a_compiler(tmp_path):
     keeps dequantize-then-multiply)."""
     code = ("from moefit.runtime.kernels import qmatmul as q; print(q.available()); print(q.unavailable_reason())")
     env = {"PATH": "/nonexistent", "CC": "no-such-cc", "MOEFIT_CACHE_DIR": str(tmp_path), "HOME": str(tmp_path),
-           "PYTHONPATH": ":".join(sys.path)}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True).stdout
-    assert out.splitlines()[0] == "False" and "no C compiler (no-such-cc) on PATH" in out
+           "PYTHONPATH": ":".join(sys.path), "MOEFIT_KERNEL_VARIANT": "none"}    # no built variant either
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    assert r.stdout.splitlines()[0] == "False" and "no C compiler (no-such-cc) on PATH" in r.stdout
+    assert "moefit: note: no C compiler (no-such-cc) on PATH" in r.stderr and "dequantize-then-multiply" in r.stderr
 
 
 def test_a_compiler_that_fails_is_reported(tmp_path):
     """A compiler that is there but fails: ``available`` is False and the reason says the
     build failed (the planner expected the kernels; the engine refuses to start, below)."""
     code = ("from moefit.runtime.kernels import qmatmul as q; print(q.available()); print(q.unavailable_reason())")
-    env = {**os.environ, "CC": "false", "MOEFIT_CACHE_DIR": str(tmp_path), "PYTHONPATH": ":".join(sys.path)}
+    env = {**os.environ, "CC": "false", "MOEFIT_CACHE_DIR": str(tmp_path), "PYTHONPATH": ":".join(sys.path),
+           "MOEFIT_KERNEL_VARIANT": "none"}
     env.pop("MOEFIT_NO_CKERNELS", None)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True).stdout
     assert out.splitlines()[0] == "False" and "could not be built" in out

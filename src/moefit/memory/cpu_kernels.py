@@ -129,10 +129,16 @@ def pick(flags: Iterable[str], built: Iterable[str] | None = None, machine: str 
     return next((v for v in VARIANTS if set(v.cpu_flags) <= have and (names is None or v.name in names)), None)
 
 
-def built_library(lib_dir: Path = LIB_DIR) -> tuple[Variant, Path] | None:
+#: names the one built variant to load (a test or a check of one variant; its CPU flags still apply)
+VARIANT_ENV = "MOEFIT_KERNEL_VARIANT"
+
+
+def built_library(lib_dir: Path = LIB_DIR, env: Mapping[str, str] = os.environ) -> tuple[Variant, Path] | None:
     """The built variant this CPU runs and its file in ``lib_dir`` (None: none is there, as
-    in a source checkout or an editable install, which compile at first use)."""
-    built = [v.name for v in VARIANTS if (lib_dir / v.filename).is_file()]
+    in a source checkout or an editable install, which compile at first use); only the one
+    :data:`VARIANT_ENV` names when it is set."""
+    only = env.get(VARIANT_ENV)
+    built = [v.name for v in VARIANTS if (lib_dir / v.filename).is_file() and only in (None, "", v.name)]
     v = pick(cpu_flags(), built) if built else None
     return None if v is None else (v, lib_dir / v.filename)
 
