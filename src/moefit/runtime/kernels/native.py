@@ -203,9 +203,8 @@ def load(lib_dir: Path | None = None, structs: dict[str, type[ctypes.Structure]]
 
     Returns a :class:`Loaded`; never raises for a missing or refused library (its ``how`` says
     why). Raises InputError for a bad ``MOEFIT_NO_CKERNELS``."""
-    reason = cpu_kernels.unexpected_reason()
-    if reason is not None and cpu_kernels.disabled():
-        return Loaded(None, reason)
+    if cpu_kernels.disabled():
+        return Loaded(None, f"{cpu_kernels.DISABLE_ENV} is set")
     built = cpu_kernels.built_library(lib_dir or cpu_kernels.LIB_DIR)
     stale = None                         # a built variant of other sources, used when nothing rebuilds it
     if built is None:
