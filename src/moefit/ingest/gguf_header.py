@@ -605,7 +605,8 @@ def model_name(h: GGUFHeader) -> str:
 #: ggml types ``moefit serve`` / ``generate`` can run (the kernels of
 #: :mod:`moefit.runtime.kernels.quant`; a test keeps the two lists equal). Planning prices any type.
 RUNTIME_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL", "Q4_K", "Q5_K",
-                 "Q6_K", "MXFP4")
+                 "Q6_K", "MXFP4", "Q2_K", "Q3_K", "IQ4_XS", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S",
+                 "IQ1_S", "IQ1_M")
 
 
 def runtime_notes(h: "GGUFHeader") -> tuple[str, ...]:

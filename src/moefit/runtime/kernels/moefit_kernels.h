@@ -80,6 +80,8 @@ void mf_moe(int n_exp, const uint8_t *const *blobs, const int64_t *bounds, const
 void mf_dequant(int t, const uint8_t *W, int64_t nrows, int K, uint16_t *out16, float *out32, int nthreads);
 /* the vector path compiled in: 0 scalar, 1 avx2, 2 avx-vnni, 3 avx512-vnni */
 int mf_simd(void);
+/* 1 when built with the IQ grid types' tables (MF_IQ_TABLES: the gguf package was there) */
+int mf_iq_tables(void);
 
 /* ---- decode_step.c: the lean decode step ------------------------------------------------ */
 void mf_rmsnorm(int rows, int dim, void *h, const void *delta, int ddt, const void *w, int dt,

@@ -43,8 +43,22 @@ CPU, else compiled at first use, ABI-checked at load). Without either (or with
 (dequantize, then ``torch.mm``); :func:`unavailable_reason` says why, :func:`how` how the
 library came.
 
-Types: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, MXFP4, Q4_K, Q5_K, Q6_K
-(:data:`CTYPES`). Row lengths: a multiple of 32 (256 for the K-quants).
+Types: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, MXFP4, Q4_K, Q5_K, Q6_K, and
+Q2_K, Q3_K, IQ4_XS, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S, IQ1_M (:data:`CTYPES`).
+Row lengths: a multiple of 32 (256 for the K-quants and those after them).
+
+The types from Q2_K on are read by unpacking each 256-value super-block (``dot_lowbit``):
+AVX2 registers 32 values at a time, the IQ types through ggml's grid and sign tables, which
+the build takes from the ``gguf`` package (:func:`~moefit.runtime.kernels.native.iq_tables_header`) rather than retyping
+them. Their own kernels rather than ggml's through a binding: they build with gcc alone
+like the rest of this library (a binding such as llama-cpp-python compiles ggml with cmake
+at install, or needs its own wheel index), their dequantization is bit for bit gguf's and
+their products differ from it by the activation rounding only (tests/runtime/test_qmatmul.py),
+and a decode step of llama-quantize's files runs at 0.6-1.0x llama.cpp's (benchmarks/
+vs_llamacpp.py, one loaded 2-core machine). One thread, a 2048 x 2048 product of one row
+(CPU time, the machine loaded): Q4_K 0.10 ms, Q2_K 0.23, Q3_K 0.28, IQ4_XS 0.25, IQ2_XXS
+0.38, IQ2_XS / IQ2_S / IQ3_XXS 0.52, IQ1_S 0.66-0.70, IQ3_S 0.8-1.1, IQ1_M 0.85-0.90: the
+IQ grid types are 4-9x Q4_K, held by their table lookups.
 """
 
 from __future__ import annotations
@@ -114,8 +128,18 @@ def simd() -> str:
 
 def supports(qtype: str, cols: int) -> bool:
     """Whether the kernels multiply rows of ``cols`` values of ggml type ``qtype``
-    (:func:`moefit.memory.cpu_kernels.supports`)."""
+    (:func:`moefit.memory.cpu_kernels.supports`; the IQ grid types only when the library was
+    built with their tables, :func:`grid_tables`)."""
+    if qtype in cpu_kernels.GRID_TYPES and not grid_tables():
+        return False
     return cpu_kernels.supports(qtype, cols)
+
+
+def grid_tables() -> bool:
+    """Whether the loaded library was built with the IQ grid types' tables (``mf_iq_tables``:
+    the ``gguf`` package was there at its build, :func:`native.iq_tables_header`)."""
+    lib = _load()
+    return lib is not None and bool(lib.mf_iq_tables())
 
 
 def _threads(threads: int | None) -> int:

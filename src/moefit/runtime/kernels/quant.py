@@ -22,6 +22,11 @@ Q6_K     256    210   128 bytes low nibbles | 64 bytes high 2-bit pairs | 16 int
                       x = d*scale * (q - 32) over 16 sub-blocks of 16
 MXFP4    32     17    e8m0 exponent | 16 bytes of e2m1 nibbles; x = 2^(e-128) * 2*e2m1
                       (OCP MX v1.0; ``ggml_e8m0_to_fp32_half`` x ``kvalues_mxfp4``)
+Q2_K     256    84    16 scale/min bytes | 64 bytes of 2-bit values | d | dmin
+Q3_K     256    110   32 bytes of high bits | 64 bytes of 2-bit values | 12 bytes of 6-bit scales | d
+IQ4_XS   256    136   d | 8 6-bit scales | 128 bytes of nibbles indexing ``kvalues_iq4nl``
+IQ2_XXS  256    66    (IQ2_XS 74, IQ2_S 82, IQ3_XXS 98, IQ3_S 110, IQ1_S 50, IQ1_M 56): d, then
+                      indices into ggml's grids, sign bits, scales (ggml-common.h)
 F32/F16/BF16  1  4/2/2  plain floats
 =======  =====  ====  =========================================================================
 
@@ -29,6 +34,10 @@ Block-scaled fp8 (``quant_method: fp8`` of Hugging Face checkpoints, :data:`FP8`
 values with one fp32 scale per ``block`` (128 x 128) tile, dequantized by
 :func:`dequantize_fp8`; dense matrices are :class:`Fp8Matrix`, experts :class:`StoredExpert`
 parts of type :data:`FP8`.
+
+The types from Q2_K down have no torch kernel here: they dequantize through ``gguf``'s
+reference (:func:`_gguf_reference`, slow) where the C kernels (:mod:`moefit.runtime.kernels.qmatmul`,
+the fast path of these types on the CPU) do not run.
 
 Any other type is refused with :class:`~moefit.errors.InputError` naming the tensor.
 
@@ -211,6 +220,27 @@ def _plain(dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
     return kernel
 
 
+def _gguf_reference(qtype: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A kernel that dequantizes through ``gguf.quants.dequantize`` (numpy, on the host):
+    the torch path of the types the C kernels read by unpacking super-blocks (Q2_K, Q3_K,
+    IQ4_XS, the IQ grid types), which runs without the C kernels or on a CUDA device. Bit for
+    bit the reference, but slow (a host round trip and numpy per tile); the C kernels are
+    the fast path of these types."""
+
+    def kernel(raw: torch.Tensor) -> torch.Tensor:
+        from gguf import GGMLQuantizationType, quants
+
+        host = raw.detach().to("cpu").contiguous().numpy()
+        out = torch.from_numpy(quants.dequantize(host, GGMLQuantizationType[qtype]).astype("float32", copy=False))
+        return out.reshape(raw.shape[0], -1).to(raw.device)
+    return kernel
+
+
+#: the types of :func:`_gguf_reference` (ggml-common.h): block bytes of 256 values
+_REFERENCE_TYPES = {"Q2_K": 84, "Q3_K": 110, "IQ4_XS": 136, "IQ2_XXS": 66, "IQ2_XS": 74, "IQ2_S": 82,
+                    "IQ3_XXS": 98, "IQ3_S": 110, "IQ1_S": 50, "IQ1_M": 56}
+
+
 @dataclass(frozen=True)
 class Kernel:
     """``block_size`` values in ``type_size`` bytes; ``fn`` raw ``[nb, type_size]`` -> fp32."""
@@ -235,6 +265,7 @@ KERNELS: dict[str, Kernel] = {
     "Q5_K": Kernel(256, 176, _q5_k),
     "Q6_K": Kernel(256, 210, _q6_k),
     "MXFP4": Kernel(32, 17, _mxfp4),
+    **{t: Kernel(256, size, _gguf_reference(t)) for t, size in _REFERENCE_TYPES.items()},
 }
 
 
