@@ -43,6 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from moefit.memory import cpu_kernels
+from moefit.outputs import remove_stale_temporaries, temp_prefix
 from moefit.runtime.kernels.lean_abi import CLayer, CMat, CStep
 
 HERE = Path(__file__).resolve().parent
@@ -165,7 +166,8 @@ def compile_library(out: Path, flags: tuple[str, ...], cc: str | None = None) ->
     Raises OSError when the compiler fails or is missing."""
     cc = cc or cpu_kernels.compiler()
     out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    remove_stale_temporaries(out.parent)      # half-built libraries of killed builders
+    fd, tmp = tempfile.mkstemp(prefix=temp_prefix("qmatmul"), suffix=".so", dir=out.parent)
     os.close(fd)
     tables = iq_tables_header()
     inc = tempfile.mkdtemp(dir=out.parent)
