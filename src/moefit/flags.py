@@ -33,7 +33,6 @@ from typing import TYPE_CHECKING
 from moefit.devices import Device, Host, resolve_devices, resolve_host
 from moefit.errors import InputError
 from moefit.ingest.geometry import ModelGeometry
-from moefit.ingest.gguf_mix import DEFAULT_FTYPE, ftype_name
 from moefit.ingest.inputs import is_gguf_file
 from moefit.ingest.resolve import serving_reference
 from moefit.memory import calibration
@@ -347,6 +346,8 @@ def llama_ftype(args: argparse.Namespace) -> str:
     """``--gguf-type`` (default ``Q4_K_M``, the most used mix): the ``llama-quantize`` file
     type a Hugging Face model is planned in with ``--engine llama.cpp``
     (:func:`moefit.ingest.gguf_mix.ftype_name`). Raises InputError."""
+    from moefit.ingest.gguf_mix import DEFAULT_FTYPE, ftype_name   # only for --engine llama.cpp
+
     text = getattr(args, "gguf_type", None)
     return ftype_name(text) if text is not None else DEFAULT_FTYPE
 

@@ -11,7 +11,6 @@ full disk) leaves the previous files, never a truncated file or a mix of old and
 from __future__ import annotations
 
 import os
-import tempfile
 from pathlib import Path
 from typing import Callable
 
@@ -28,6 +27,8 @@ def writable_dir(path: str | Path, what: str) -> Path:
     path = Path(path)
     if path.exists() and not path.is_dir():
         raise InputError(f"{what}: {path} is a file; give a folder (it is created when missing)")
+    import tempfile     # only a command that writes files (not a plan)
+
     try:
         path.mkdir(parents=True, exist_ok=True)
         fd, probe = tempfile.mkstemp(prefix=".moefit-probe-", dir=path)
@@ -47,6 +48,8 @@ def replace_files(folder: Path, writers: dict[str, Callable[[Path], None]]) -> l
     On any exception (KeyboardInterrupt included) the temporary files are removed and the
     previous files stay as they were; the exception propagates. Returns the final paths.
     """
+    import tempfile
+
     done: list[tuple[Path, Path]] = []
     try:
         for name, write in writers.items():
