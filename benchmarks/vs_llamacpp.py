@@ -11,7 +11,9 @@ written once into ``--dir`` (reused when present):
   ``ggml-vocab-qwen2.gguf`` (``--vocab``);
 - ``q8_0.gguf`` / ``q4_0.gguf``: experts Q8_0 / Q4_0, dense weights BF16, by the same
   writer (the ``gguf`` package's quantizers);
-- ``q4_k_m.gguf``, ``q5_k_m.gguf``, ``q6_k.gguf``: ``llama-quantize bf16.gguf OUT TYPE``
+- ``q4_k_m.gguf``, ``q5_k_m.gguf``, ``q6_k.gguf``, ``iq4_xs.gguf``, ``q3_k_m.gguf``,
+  ``q2_k.gguf``: ``llama-quantize bf16.gguf OUT TYPE`` (the IQ2 / IQ3 / IQ1 mixes need an
+  importance matrix, which llama-imatrix writes; not here)
   (llama.cpp's own choice of types per tensor: dense weights quantized too).
 
 For each file, thread count and residency, a moefit worker process loads the file once on a
@@ -67,6 +69,7 @@ QUICK = {**CONFIG, "hidden_size": 512, "num_hidden_layers": 4, "num_attention_he
 TYPES = {
     "bf16": ("writer", "BF16"), "q8_0": ("writer", "Q8_0"), "q4_0": ("writer", "Q4_0"),
     "q4_k_m": ("quantize", "Q4_K_M"), "q5_k_m": ("quantize", "Q5_K_M"), "q6_k": ("quantize", "Q6_K"),
+    "iq4_xs": ("quantize", "IQ4_XS"), "q3_k_m": ("quantize", "Q3_K_M"), "q2_k": ("quantize", "Q2_K"),
 }
 FILE_TYPE = {"BF16": 32, "Q8_0": 7, "Q4_0": 2}     # llama_ftype of general.file_type
 

@@ -154,12 +154,28 @@ def _corrupt(tmp_path, kind):
         bad.write_bytes(b"")
     elif kind == "garbage":
         bad.write_bytes(b"GGUF" + bytes(range(256)) * 8)
+    elif kind in ("tensor_count", "kv_count"):      # bytes 8-16 and 16-24 of the header
+        at = 8 if kind == "tensor_count" else 16
+        bad.write_bytes(data[:at] + (1 << 60).to_bytes(8, "little") + data[at + 8:])
+    elif kind == "array_length":                     # a nested metadata array's length
+        w = gguf.GGUFWriter(str(bad), "qwen3moe")
+        w.add_array("test.nested", [[1, 2], [3]])
+        w.add_tensor("token_embd.weight", np.zeros((4, 32), np.float32))
+        w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
+        data = bad.read_bytes()
+        f = gguf.GGUFReader(bad).fields["test.nested"]
+        at = f.offset + 8 + len(bytes(f.parts[1])) + 8       # key length, key, type, item type
+        bad.write_bytes(data[:at] + (1 << 60).to_bytes(8, "little") + data[at + 8:])
     return bad
 
 
-@pytest.mark.parametrize("kind", ["magic", "truncated_header", "truncated_data", "empty", "garbage"])
+# the counts (2^60 tensors, keys or array elements): checked against the file's size before
+# they are walked (the reader walked a tensor count of 2^60 for minutes and gigabytes)
+@pytest.mark.parametrize("kind", ["magic", "truncated_header", "truncated_data", "empty", "garbage",
+                                  "tensor_count", "kv_count", "array_length"])
 def test_corrupt_file_is_input_error(tmp_path, kind):
-    with pytest.raises(InputError, match="GGUF"):
+    counted = kind in ("tensor_count", "kv_count", "array_length")
+    with pytest.raises(InputError, match="declares .* can hold" if counted else "GGUF"):
         load_model(str(_corrupt(tmp_path, kind)))
 
 
@@ -399,3 +415,37 @@ def test_runtime_types_list_the_runtime_kernels():
     from moefit.runtime.kernels.quant import KERNELS
 
     assert set(RUNTIME_TYPES) == set(KERNELS)
+
+
+def test_glm_4_5_air_q4_k_m_plans_on_a_16_gb_card_at_32k(tmp_path, monkeypatch):
+    """Issue 27: on a CUDA card the dense quantized matrices stay stored (the Triton kernels
+    multiply them), so GLM-4.5-Air's Q4_K_M dense weights cost 3.7 GiB instead of 12.3 GiB
+    in bf16 and the model plans at 32K on a 16 GB card, as llama.cpp runs it. Header-only
+    file (``benchmarks/write_header_gguf.py``); the plan assumes triton installed (a CUDA
+    torch brings it), whatever this machine has."""
+    import json
+
+    from moefit.devices.catalogue import find_gpu
+    from moefit.memory import gpu_kernels
+    from moefit.memory.weights import stored_matrices, weights_bytes
+    from moefit.plan.request import Request
+    from moefit.plan.solver import solve
+    from test_engine_llamacpp import header_writer
+
+    monkeypatch.setattr(gpu_kernels, "installed", lambda: True)
+    (tmp_path / "config.json").write_text(json.dumps(GLM45_AIR))
+    path = header_writer().write_header_gguf(str(tmp_path / "config.json"), "Q4_K_M",
+                                             tmp_path / "GLM-4.5-Air-Q4_K_M.gguf")
+    g = load_model(str(path))
+    card = find_gpu("RTX 5060 Ti 16GB")
+    plan = solve(g, card, Request(max_context=32768))
+    assert plan.fits
+    weights = plan.devices[0].line("weights")
+    kept = stored_matrices(g, "cuda")
+    assert weights.bytes < 4 << 30 and "Triton kernels" in weights.detail   # (the embeddings on the host)
+    assert weights_bytes(g, "cuda") < g.weight_bytes() - (8 << 30)        # every dense tensor in bf16
+    # every quantized dense matrix is kept: attention, shared experts, the dense MLP, output
+    assert {n for n, q, *_ in g.exact.matrices if q not in ("F32", "F16", "BF16")} == set(kept)
+    monkeypatch.setenv(gpu_kernels.DISABLE_ENV, "1")         # widened to bf16: does not fit
+    widened = solve(g, card, Request(max_context=32768))
+    assert not widened.fits and widened.devices[0].line("weights").bytes > 12 << 30

@@ -25,15 +25,17 @@ from moefit.devices import format_gpu_table
 from moefit.errors import (EXIT_INPUT, EXIT_NOFIT, EXIT_OK, EXIT_OTHER, InputError, Terminated,
                            exit_code)
 from moefit.flags import (add_engine_flags, add_model_files_flags, add_plan_flags,
-                          add_sampling_flags, add_serve_flags, check_engine_flags,
+                          add_sampling_flags, add_serve_flags, add_speed_flags, check_engine_flags,
                           device_from_args, devices_from_args, llama_ftype, llama_request_from_args,
-                          normalize_argv, plan_from_args, serve_request_from_args)
+                          llamacpp_speed_from_args, normalize_argv, plan_from_args,
+                          serve_request_from_args, speed_from_args)
 from moefit.ingest.checkpoint import describe_weights
 from moefit.ingest.inputs import is_gguf_file
 from moefit.ingest.resolve import format_models_table, list_presets, load_model
 from moefit.memory.kv import kv_bytes, kv_format
 from moefit.memory.staging import staging_model
-from moefit.plan.report import format_json, format_table
+from moefit.plan.report import (format_json, format_speed, format_speed_verbose, format_table,
+                                speed_document)
 from moefit.tools.demo import FAMILIES as DEMO_FAMILIES
 from moefit.units import format_bytes
 
@@ -55,12 +57,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
     geom = load_model(args.model)
     devices = devices_from_args(args)
     plan = plan_from_args(geom, devices, args)
+    speed, alt_speeds = speed_from_args(geom, devices, plan, args)
     if args.json:
-        print(format_json(plan))
+        print(format_json(plan, speed, alt_speeds))
     else:
-        print(format_table(plan))
+        print(format_table(plan, speed, alt_speeds))
         if args.verbose:
             print(_verbose(plan))
+            print("\n".join(format_speed_verbose(speed)))
     return EXIT_OK if plan.fits else EXIT_NOFIT
 
 
@@ -77,7 +81,18 @@ def _plan_llamacpp(args: argparse.Namespace) -> int:
         tensors, note = llamacpp.tensors_from_geometry(geom, llama_ftype(args))
         req = dataclasses.replace(req, notes=(note, *req.notes))
     plan = llamacpp.solve_llamacpp(geom, tensors, device, req)
-    return _print_engine_plan(args, plan, llamacpp.plan_document, llamacpp.format_plan, llamacpp.format_verbose)
+    speed = llamacpp_speed_from_args(geom, plan, args) if plan.fits else None
+    return _print_engine_plan(
+        args, plan, lambda p: {**llamacpp.plan_document(p), "speed": speed_document(speed)},
+        lambda p: _before_command(llamacpp.format_plan(p), format_speed(speed, "micro-batch")),
+        lambda p: "\n".join([llamacpp.format_verbose(p), *format_speed_verbose(speed, "micro-batch")]))
+
+
+def _before_command(text: str, line: str) -> str:
+    """``text`` (a llama.cpp plan) with ``line`` before its ``command`` line (the last, so
+    that it can be copied from the end of the output), or at its end."""
+    head, sep, cmd = text.rpartition("\ncommand  ")
+    return f"{head}\n{line}{sep}{cmd}" if sep else f"{text}\n{line}"
 
 
 def _plan_serving(args: argparse.Namespace) -> int:
@@ -201,6 +216,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     p = sub.add_parser("plan", help="solve and print the VRAM budget")
     add_plan_flags(p)
+    add_speed_flags(p)
     p.add_argument("--json", action="store_true", help="print the moefit.plan/2 JSON document")
     p.add_argument("--verbose", "-v", action="store_true",
                    help="also show analytic vs exact weight bytes and the staging terms")
@@ -251,8 +267,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="no progress bar")
     p.set_defaults(func=cmd_bench)
     p = sub.add_parser("calibrate", help="measure the prefill staging peak at two chunk sizes "
-                                         "on this device and store the fitted model")
-    add_plan_flags(p)
+                                         "on this device and store the fitted model; --host: "
+                                         "this machine's speed figures")
+    add_plan_flags(p, optional_model=True)
+    p.add_argument("--host", action="store_true",
+                   help="measure this machine's memory bandwidth and the C kernels' rate per "
+                        "GGUF type and thread count (a few seconds; the speed model's host "
+                        "figures), and store them")
     p.add_argument("--chunks", default="512,2048",
                    help="the two chunk sizes to measure (default 512,2048)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompt (default 0)")

@@ -31,9 +31,10 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from moefit.devices import Device, Host, resolve_devices, resolve_host
+from moefit.devices.host import HostSpeed, default_host_speed
 from moefit.errors import InputError
 from moefit.ingest.geometry import ModelGeometry
-from moefit.ingest.inputs import is_gguf_file
+from moefit.ingest.inputs import is_gguf_file, read_routing_profile
 from moefit.ingest.resolve import serving_reference
 from moefit.memory import calibration
 from moefit.memory.kv import KV_FORMATS, kv_name
@@ -41,8 +42,9 @@ from moefit.memory.staging import StagingModel
 from moefit.plan.request import Request, context_limit, parse_prefill, resolve_context, validate
 from moefit.plan.alternatives import SMALLEST_CONTEXT, largest_context
 from moefit.plan.solver import solve
+from moefit.plan.speed import Speed, alternative_request, predict_llamacpp, predict_plan
 from moefit.plan.types import Plan
-from moefit.units import parse_count
+from moefit.units import parse_count, parse_size
 
 if TYPE_CHECKING:       # the engines' modules load only for --engine (moefit plan stays fast)
     from moefit.external.llamacpp import LlamaRequest
@@ -61,10 +63,12 @@ def warn(message: str) -> None:
 
 # ---- argparse groups ------------------------------------------------------------------------
 
-def add_model_argument(p: argparse.ArgumentParser) -> None:
-    """The positional MODEL of every planning and running command."""
-    p.add_argument("model", help="preset name (see `moefit models`), a model directory, "
-                                 "a config.json path, or a .gguf file (first shard of a split)")
+def add_model_argument(p: argparse.ArgumentParser, optional: bool = False) -> None:
+    """The positional MODEL of every planning and running command (``optional``: a
+    command that also runs without one, ``calibrate --host``)."""
+    p.add_argument("model", nargs="?" if optional else None,
+                   help="preset name (see `moefit models`), a model directory, "
+                        "a config.json path, or a .gguf file (first shard of a split)")
 
 
 def add_device_flags(p: argparse.ArgumentParser) -> None:
@@ -118,11 +122,14 @@ def add_request_flags(p: argparse.ArgumentParser) -> None:
                      help="auto (what remains) or N expert slots")
     req.add_argument("--min-expert-cache", type=int, default=0,
                      help="expert slots that must fit (default 0: misses run on the CPU)")
-    req.add_argument("--miss-policy", choices=("cpu", "copy"), default="cpu",
-                     help="non-resident experts run on the CPU (default) or are copied "
-                          "through the weight arena")
+    req.add_argument("--miss-policy", choices=("cpu", "copy", "auto"), default="cpu",
+                     help="non-resident experts run on the CPU (default), are copied "
+                          "through the weight arena, or (auto, planned only: serve and "
+                          "generate run cpu or copy) either, per MoE layer and step, "
+                          "whichever the speed model predicts faster; copy and auto price "
+                          "the arena before the expert cache")
     req.add_argument("--arena-slots", type=int, default=None,
-                     help="weight-arena ring size in expert slots with --miss-policy copy "
+                     help="weight-arena ring size in expert slots with --miss-policy copy / auto "
                           "(default 2 x experts per token)")
     req.add_argument("--host-experts", choices=("copy", "mmap"), default="copy",
                      help="non-resident experts: read into host memory (copy, default; pinned "
@@ -171,11 +178,107 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                           "split; default: chosen)")
 
 
-def add_plan_flags(p: argparse.ArgumentParser) -> None:
+def add_plan_flags(p: argparse.ArgumentParser, optional_model: bool = False) -> None:
     """The flags every planning and running command shares: MODEL, the device, the request."""
-    add_model_argument(p)
+    add_model_argument(p, optional_model)
     add_device_flags(p)
     add_request_flags(p)
+
+
+def add_speed_flags(p: argparse.ArgumentParser) -> None:
+    """``moefit plan``'s workload for the predicted speed (:func:`speed_from_args`):
+    ``--prompt-tokens``, ``--host-bandwidth`` and the ``--routing-profile`` of the run."""
+    s = p.add_argument_group("predicted speed")
+    s.add_argument("--prompt-tokens", type=int, default=None, metavar="N",
+                   help="the prompt the prefill speed is predicted for, from position 0 "
+                        "(default: one full chunk at half the context); decode is predicted "
+                        "at the prompt's end")
+    s.add_argument("--host-bandwidth", default=None, metavar="RATE",
+                   help="the host's memory bandwidth, e.g. 60GB/s (default: what `moefit "
+                        "calibrate --host` measured on this machine, else a stated default)")
+    s.add_argument("--routing-profile", default=None,
+                   help='JSON {"layer": {"expert": count}}: routing counts for the expected '
+                        "hit rate (default: uniform routing)")
+
+
+def host_speed_from_args(args: argparse.Namespace, devices: tuple[Device, ...]) -> HostSpeed:
+    """The host's speed figures: ``moefit calibrate --host``'s measurement of this machine
+    when the plan's host is this machine (a probed GPU or the simulated device, no
+    ``--host-ram``, no ``--no-calibration``), else the default host
+    (:func:`moefit.devices.host.default_host_speed`); ``--host-bandwidth`` replaces the
+    bandwidth. Raises InputError for a bad ``--host-bandwidth``."""
+    text = getattr(args, "host_bandwidth", None)
+    bw = None
+    if text is not None:
+        size = text.strip()
+        if size.lower().endswith("/s"):
+            size = size[:-2]
+        bw = float(parse_size(size, "--host-bandwidth"))
+        if bw < 1e8:
+            raise InputError(f"--host-bandwidth {text}: give the host's memory bandwidth per "
+                             "second with a unit, e.g. 60GB/s")
+    here = any(d.kind == "cpu" or not d.simulated for d in devices)
+    measured = None
+    if here and not getattr(args, "host_ram", None) and not os.environ.get(HOST_RAM_ENV) \
+            and not getattr(args, "no_calibration", False):
+        measured = calibration.load_host(getattr(args, "threads", None), warn)
+    if measured is None:
+        return default_host_speed(bw)
+    if bw is None:
+        return measured
+    return replace(measured, memory_bytes_per_s=bw,
+                   source=measured.source + f"; bandwidth {text} from --host-bandwidth")
+
+
+def speed_from_args(geom: ModelGeometry, devices: tuple[Device, ...], plan: Plan,
+                    args: argparse.Namespace) -> tuple["Speed | None", list["Speed | None"]]:
+    """The predicted speed of ``plan`` (:func:`moefit.plan.speed.predict_plan`; None for a
+    plan that does not fit, or a device without figures) and of each of its ``fits with:``
+    alternatives, each re-solved with its change (:func:`moefit.plan.speed.alternative_request`;
+    None where the change is not one request flag: another model file). Raises InputError
+    for bad speed flags."""
+    prompt = getattr(args, "prompt_tokens", None)
+    if prompt is not None and prompt < 1:
+        raise InputError(f"--prompt-tokens {prompt}: give a prompt of at least one token")
+    host = host_speed_from_args(args, devices)
+    profile = None
+    if getattr(args, "routing_profile", None):
+        profile = read_routing_profile(args.routing_profile, geom)
+    speed = predict_plan(plan, host, prompt_tokens=prompt, profile=profile) if plan.fits else None
+    alts: list[Speed | None] = []
+    if plan.alternatives:
+        host_mem = host_from_args(args, devices)
+        staging = calibrated_staging(geom, devices[0], plan.request.kv, args)
+        for a in plan.alternatives:
+            r = alternative_request(plan.request, a)
+            if r is None:
+                alts.append(None)
+                continue
+            same = r.kv.lower() == plan.request.kv.lower()
+            solved = solve(geom, devices, r, host=host_mem, alternatives=False,
+                           staging=staging if same else None)
+            alts.append(predict_plan(solved, host, prompt_tokens=prompt, profile=profile)
+                        if solved.fits else None)
+    return speed, alts
+
+
+def llamacpp_speed_from_args(geom: ModelGeometry, plan, args: argparse.Namespace) -> "Speed | None":
+    """The predicted speed of a llama.cpp plan's command
+    (:func:`moefit.plan.speed.predict_llamacpp`), for the GGUF file it runs: the file's own
+    geometry, or the one ``--gguf-type`` would write of a Hugging Face model
+    (:func:`moefit.ingest.gguf_mix.gguf_geometry`)."""
+    prompt = getattr(args, "prompt_tokens", None)
+    if prompt is not None and prompt < 1:
+        raise InputError(f"--prompt-tokens {prompt}: give a prompt of at least one token")
+    from moefit.ingest.gguf_mix import gguf_geometry    # only for --engine llama.cpp
+
+    file_geom = geom if is_gguf_file(args.model) else gguf_geometry(geom, llama_ftype(args))
+    profile = read_routing_profile(args.routing_profile, geom) if getattr(args, "routing_profile", None) else None
+    cpu = plan.cpu_layers or tuple(l.index for l in geom.moe_layers if l.index < plan.n_cpu_moe)
+    r = plan.request
+    return predict_llamacpp(file_geom, plan.device, host_speed_from_args(args, (plan.device,)),
+                            context=r.context, ubatch=plan.ubatch, seqs=r.slots, cpu_layers=cpu,
+                            type_k=r.type_k, type_v=r.type_v, prompt_tokens=prompt, profile=profile)
 
 
 def add_model_files_flags(p: argparse.ArgumentParser) -> None:
@@ -534,8 +637,13 @@ def runnable_devices(args: argparse.Namespace) -> tuple[Device, ...]:
 
     Raises:
         InputError: ``--gpu`` or ``--vram`` without ``--device``; a CUDA device that this
-            torch build cannot see; every error of :func:`devices_from_args`.
+            torch build cannot see; ``--miss-policy auto`` (planned only); every error of
+            :func:`devices_from_args`.
     """
+    if getattr(args, "miss_policy", None) == "auto":
+        command = getattr(args, "command", None) or "this command"
+        raise InputError(f"{command} runs --miss-policy cpu or copy; auto is planned only "
+                         "(moefit plan prices its weight arena and predicts its speed)")
     if args.device is None and (args.gpu is not None or args.vram is not None):
         command = getattr(args, "command", None) or "this command"
         raise InputError(f"{command} runs the model on a real device: use --device "

@@ -17,7 +17,8 @@ from moefit.errors import InputError  # noqa: E402
 from moefit.runtime.kernels.quant import KERNELS, StoredExpert, dequantize  # noqa: E402
 
 T = gguf.GGMLQuantizationType
-REQUIRED = ("Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K", "MXFP4", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL")
+REQUIRED = ("Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K", "MXFP4", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL", "Q2_K", "Q3_K",
+            "IQ4_XS", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ1_S", "IQ1_M")
 
 
 def reference(raw: np.ndarray, qtype: str) -> np.ndarray:
@@ -65,8 +66,8 @@ def test_kernel_equals_reference_on_quantized_weights(qtype):
 def test_unsupported_type_names_the_tensor_and_the_type():
     from moefit.runtime.kernels.quant import kernel_for
 
-    with pytest.raises(InputError, match=r"blk\.3\.ffn_down_exps\.weight.*IQ4_XS"):
-        kernel_for("IQ4_XS", "blk.3.ffn_down_exps.weight")
+    with pytest.raises(InputError, match=r"blk\.3\.ffn_down_exps\.weight.*TQ1_0"):
+        kernel_for("TQ1_0", "blk.3.ffn_down_exps.weight")
 
 
 def test_stored_expert_runs_like_the_dequantized_matrices():

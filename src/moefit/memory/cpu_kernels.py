@@ -8,7 +8,7 @@ dequantizes. The staging line of a plan therefore depends on which path will run
 module answers that before torch is imported:
 
 - the C kernels read these ggml types (:data:`CTYPES`, the codes ``qmatmul.c`` uses), rows
-  a multiple of 32 values (256 for the K-quants);
+  a multiple of 32 values (256 for the K-quants and the IQ types but IQ4_NL);
 - they are expected on a CPU device unless ``MOEFIT_NO_CKERNELS`` is set or no C compiler
   (``$CC``, else ``gcc``) is on ``PATH`` (:func:`expected`). A compiler that is present
   but fails to build them is reported by the engine at start (exit 2), never ignored.
@@ -24,9 +24,14 @@ from moefit.errors import InputError
 
 #: ggml type -> the C kernels' type code (``qmatmul.c``).
 CTYPES: dict[str, int] = {"F32": 0, "F16": 1, "BF16": 2, "Q8_0": 3, "Q4_0": 4, "Q4_K": 5, "Q5_K": 6,
-                          "Q6_K": 7, "Q4_1": 8, "Q5_0": 9, "Q5_1": 10, "IQ4_NL": 11, "MXFP4": 12}
+                          "Q6_K": 7, "Q4_1": 8, "Q5_0": 9, "Q5_1": 10, "IQ4_NL": 11, "MXFP4": 12,
+                          "Q2_K": 13, "Q3_K": 14, "IQ4_XS": 15, "IQ2_XXS": 16, "IQ2_XS": 17, "IQ2_S": 18,
+                          "IQ3_XXS": 19, "IQ3_S": 20, "IQ1_S": 21, "IQ1_M": 22}
+#: the IQ types whose grids and sign tables the kernels take from the ``gguf`` package at
+#: build time (``qmatmul.iq_tables_header``): read only when it is installed
+GRID_TYPES = frozenset({"IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ1_S", "IQ1_M"})
 #: ggml types whose rows are made of 256-value super-blocks
-SUPER_BLOCK_TYPES = frozenset({"Q4_K", "Q5_K", "Q6_K"})
+SUPER_BLOCK_TYPES = frozenset({"Q4_K", "Q5_K", "Q6_K", "Q2_K", "Q3_K", "IQ4_XS"}) | GRID_TYPES
 DISABLE_ENV = "MOEFIT_NO_CKERNELS"
 
 

@@ -88,7 +88,7 @@ def find_alternatives(geom: ModelGeometry, device: "Device | tuple[Device, ...]"
         if n is not None:
             alts.append(Alternative("--prefill", n * CHUNK_GRID))
 
-    if req.miss_policy == "copy":
+    if req.miss_policy in ("copy", "auto"):
         if _fits(geom, device, req.with_(miss_policy="cpu", arena_slots=None)):
             alts.append(Alternative("--miss-policy", "cpu",
                                     drop=("--arena-slots",) if req.arena_slots is not None else ()))
