@@ -34,7 +34,6 @@ from moefit.devices import Device, Host, resolve_devices, resolve_host
 from moefit.devices.host import HostSpeed, default_host_speed
 from moefit.errors import InputError
 from moefit.ingest.geometry import ModelGeometry
-from moefit.ingest.gguf_mix import default_ftype, ftype_name, gguf_geometry
 from moefit.ingest.inputs import is_gguf_file, read_routing_profile
 from moefit.ingest.resolve import serving_reference
 from moefit.memory import calibration
@@ -279,6 +278,8 @@ def llamacpp_speed_from_args(geom: ModelGeometry, plan, args: argparse.Namespace
     prompt = getattr(args, "prompt_tokens", None)
     if prompt is not None and prompt < 1:
         raise InputError(f"--prompt-tokens {prompt}: give a prompt of at least one token")
+    from moefit.ingest.gguf_mix import gguf_geometry    # only for --engine llama.cpp
+
     file_geom = geom if is_gguf_file(args.model) else gguf_geometry(geom, llama_ftype(args, geom))
     profile = read_routing_profile(args.routing_profile, geom) if getattr(args, "routing_profile", None) else None
     cpu = plan.cpu_layers or tuple(l.index for l in geom.moe_layers if l.index < plan.n_cpu_moe)
@@ -464,6 +465,8 @@ def llama_ftype(args: argparse.Namespace, geom: ModelGeometry) -> str:
     planned in with ``--engine llama.cpp`` (:func:`moefit.ingest.gguf_mix.ftype_name`);
     by default the family's released mix (``MXFP4_MOE`` for gpt-oss, else ``Q4_K_M``:
     :func:`moefit.ingest.gguf_mix.default_ftype`). Raises InputError."""
+    from moefit.ingest.gguf_mix import default_ftype, ftype_name   # only for --engine llama.cpp
+
     text = getattr(args, "gguf_type", None)
     return ftype_name(text) if text is not None else default_ftype(geom)
 

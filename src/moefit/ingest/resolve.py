@@ -20,7 +20,6 @@ Parsed presets are cached; nothing here imports torch.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import functools
 from pathlib import Path
 from typing import Iterable
@@ -30,7 +29,6 @@ from moefit.errors import InputError
 from moefit.ingest.families import geometry_from_config, is_deepseek_inference_config
 from moefit.ingest.families import registry
 from moefit.ingest.geometry import ACTIVE_LEFT_OUT, ModelGeometry
-from moefit.ingest.gguf_header import load_gguf_model
 from moefit.ingest.inputs import is_regular_file, read_json, sniff
 
 PRESETS_DIR = Path(__file__).resolve().parents[1] / "presets"
@@ -109,6 +107,8 @@ def _unknown(spec: str) -> InputError:
     if "/" in spec or "\\" in spec or spec.lower().endswith(".json"):
         return InputError(f"MODEL {spec!r}: no such file or directory; give a model directory, "
                           "its config.json, or a preset name (`moefit models` lists them)")
+    import difflib      # only the message of an unknown name
+
     names = list_presets()
     lower = {n.lower(): n for n in names}
     key = spec.strip().lower()
@@ -137,6 +137,8 @@ def load_model(spec: str) -> ModelGeometry:
     if kind == "gguf" or (kind is None and path.suffix.lower() == ".gguf"):
         # by its magic bytes, whatever the name: Ollama's blobs are GGUF files without an
         # extension (a missing .gguf path falls through to the GGUF reader's message)
+        from moefit.ingest.gguf_header import load_gguf_model   # only for a GGUF file
+
         return load_gguf_model(path)
     if kind == "safetensors":
         raise InputError(f"{path}: a safetensors weight file; give MODEL as the directory that "
