@@ -263,13 +263,17 @@ def host_key() -> dict:
 
 
 def host_calibration_path(key: dict | None = None) -> Path:
+    """The cache file of this machine's host calibration (``key``: :func:`host_key`, the
+    CPU's name and count), under :func:`cache_dir`."""
     key = host_key() if key is None else key
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
+    digest = _sha256(json.dumps(key, sort_keys=True))[:24]
     return cache_dir() / "host" / f"{digest}.json"
 
 
 def save_host(per_threads: dict[int, tuple[float, dict[str, float]]]) -> Path:
     """Store ``{threads: (memory bytes/s, {ggml type: rate})}`` measured on this machine."""
+    from datetime import datetime, timezone     # the time stamp: only a calibration written
+
     key = host_key()
     doc = {"schema": HOST_SCHEMA, "moefit": __version__, **key,
            "threads": {str(t): {"memory_bytes_per_s": bw, "rates": rates}
