@@ -77,6 +77,7 @@ from pathlib import Path
 import torch
 
 from moefit.memory import cpu_kernels
+from moefit.outputs import remove_stale_temporaries, temp_prefix
 # the scratch formulas live with the planner (it prices them); re-exported for the callers here
 from moefit.memory.cpu_kernels import CTYPES, gemm_scratch_bytes, moe_scratch_bytes, pair_bytes, qact_bytes  # noqa: F401
 
@@ -176,7 +177,8 @@ def _build() -> ctypes.CDLL:
     if not so.is_file():
         cache.mkdir(parents=True, exist_ok=True)
         cc = cpu_kernels.compiler()
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
+        remove_stale_temporaries(cache)      # half-built libraries of killed builders
+        fd, tmp = tempfile.mkstemp(prefix=temp_prefix("qmatmul"), suffix=".so", dir=cache)
         os.close(fd)
         inc = tempfile.mkdtemp(dir=cache)
         defs = [f"-DMF_IQ_TABLES={int(tables is not None)}", f"-I{inc}"]
