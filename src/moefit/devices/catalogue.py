@@ -216,8 +216,8 @@ GPU_SPEEDS: dict[str, GpuSpeed] = {
                             _GF30 + "rtx-3060-3060ti; " + _X3060 + ": 4864 cores = 38 SMs"),
     "RTX 3070": _speed(448, 40.6, 162.6, 4, 16, _AMPERE_WP + ", appendix A 'GeForce RTX 3070' "
                        "(p. 46): FP32-accumulate 40.6 / 81.3 sparse, INT8 162.6 / 325.2 sparse"),
-    "RTX 3080 10GB": _speed(760, 59.5, 238, 4, 16, _AMPERE_WP + ", table 1 (GeForce RTX 3080 "
-                            "column): FP32-accumulate 59.5 / 119 sparse, INT8 238 / 476 sparse"),
+    "RTX 3080 10GB": _speed(760, 59.5, 238, 4, 16, _AMPERE_WP + ", the GeForce RTX 3080 spec "
+                            "table in the body (table number not confirmed): FP32-accumulate 59.5 / 119 sparse, INT8 238 / 476 sparse"),
     "RTX 3090": _speed(936, 71, 284, 4, 16, _AMPERE_WP + ", appendix A 'GeForce RTX 3090' "
                        "(p. 44): FP32-accumulate 71 / 142 sparse, INT8 284 / 568 sparse"),
     "RTX 4060": _geforce(24, 2.46, 272, 4, 8, "Ada",
@@ -227,11 +227,11 @@ GPU_SPEEDS: dict[str, GpuSpeed] = {
     "RTX 4060 Ti 16GB": _geforce(34, 2.535, 288, 4, 8, "Ada", _GF40 + "rtx-4060-4060ti; " + _X3060),
     "RTX 4070": _geforce(46, 2.475, 504, 4, 16, "Ada", _GF40 + "rtx-4070-family; " + _X40),
     "RTX 4070 Ti Super": _geforce(66, 2.61, 672, 4, 16, "Ada", _GF40 + "rtx-4070-family; " + _UNSEEN),
-    "RTX 4080": _speed(716.8, 97.5, 389.9, 4, 16, _ADA_WP + ", appendix A 'GeForce RTX 4080' "
-                       "table: FP32-accumulate 97.5 / 194.9 sparse, INT8 389.9 / 779.8 sparse"),
+    "RTX 4080": _speed(716.8, 97.5, 389.9, 4, 16, _ADA_WP + ", GeForce RTX 4080 spec table "
+                       "(table number not confirmed): FP32-accumulate 97.5 / 194.9 sparse, INT8 389.9 / 779.8 sparse"),
     "RTX 4080 Super": _geforce(80, 2.55, 736, 4, 16, "Ada", _GF40 + "rtx-4080-family; " + _UNSEEN),
     "RTX 4090": _speed(1008, 165.2, 660.6, 4, 16, _ADA_WP + ", GeForce RTX 4090 spec table "
-                       "(table 2): FP32-accumulate 165.2 / 330.4 sparse, INT8 660.6 / 1321.2 "
+                       "(table number not confirmed): FP32-accumulate 165.2 / 330.4 sparse, INT8 660.6 / 1321.2 "
                        "sparse"),
     "RTX 5060 Ti 16GB": _geforce(36, 2.572, 448, 5, 8, "Blackwell GeForce",
                                  _GF50 + "rtx-5060-family; " + _X50),
@@ -240,9 +240,13 @@ GPU_SPEEDS: dict[str, GpuSpeed] = {
     "RTX 5070 Ti": _geforce(70, 2.452, 896, 5, 16, "Blackwell GeForce",
                             _GF50 + "rtx-5070-family; " + _X50),
     "RTX 5080": _geforce(84, 2.617, 960, 5, 16, "Blackwell GeForce", _GF50 + "rtx-5080; " + _X50),
-    "RTX 5090": _speed(1792, 209.5, 838, 5, 16, _BW_WP + ", appendix 'GeForce RTX 5090' table "
-                       "(FP32-accumulate = half the FP16-accumulate 419 dense / 838 sparse that "
-                       "Tom's Hardware quotes; INT8 838 = NVIDIA's 3352 AI TOPS / 4)"),
+    "RTX 5090": _speed(1792, 209.5, 838, 5, 16,
+                       "derived from published figures: Tom's Hardware's spec box (Linux Format "
+                       "May 2025 reprint, pocketmags.com): 170 SMs, 2407 MHz, 1792 GB/s, 838 "
+                       "FP16 TFLOPS (fp16 accumulate, sparse) = 419 dense, so 209.5 with fp32 "
+                       "accumulate at GeForce's half rate; INT8 838 = NVIDIA's 3352 AI TOPS "
+                       "(fp4, sparse) / 4 (tweaktown.com/news/102469); the row of the "
+                       + _BW_WP + " was not seen"),
     "RTX A6000": _speed(768, 154.8, 309.7, 4, 16,
                         _AMPERE_WP + ", appendix C 'RTX A6000 GPU Performance' (p. 50): BF16 "
                         "with FP32 accumulate 154.8 / 309.7 sparse (full rate on a professional "
