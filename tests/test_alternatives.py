@@ -70,10 +70,11 @@ def applied(argv: list[str], line: str) -> list[str]:
     """The command line with the printed change: ``FLAG VALUE[ without FLAG ...][   (note)]``."""
     change = line.strip().split("   (")[0]
     head, *drops = change.split(" without ")
-    flag, value = head.split(" ", 1)
-    for d in [flag, *drops]:
+    words = head.split(" ")     # FLAG VALUE, and the flags that change with it (--engine llama.cpp --kv q8_0)
+    pairs = list(zip(words[::2], words[1::2]))
+    for d in [*(f for f, _ in pairs), *drops]:
         argv = without(argv, d)
-    return [*argv, flag, value]
+    return [*argv, *(w for pair in pairs for w in pair)]
 
 
 @pytest.mark.parametrize("name", sorted(SCENARIOS))

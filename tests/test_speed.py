@@ -265,8 +265,9 @@ def test_every_alternative_gets_the_speed_of_its_own_plan(capsys):
     assert doc["speed"] is None                      # the plan itself does not run
     alts = doc["alternatives"]
     assert {a["flag"] for a in alts} >= {"--kv", "--prefill", "--max-context"}
-    assert all(a["speed"]["prefill_tokens_per_s"] > 0 and a["speed"]["decode_tokens_per_s"] > 0
-               for a in alts)
+    own = [a for a in alts if a["flag"] != "--engine"]     # llama.cpp's remedy: not predicted yet
+    assert own and all(a["speed"]["prefill_tokens_per_s"] > 0 and a["speed"]["decode_tokens_per_s"] > 0
+                       for a in own)
     code, text = run(capsys, "plan", "Qwen3.5-35B-A3B", "--gpu", "RTX 5060 Ti 16GB",
                      "--max-context", "256K", "--strict", "--prefill", "65536", "--no-calibration")
     assert "  --kv int8   (prefill " in text

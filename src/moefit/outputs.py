@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import re
-import tempfile
 from pathlib import Path
 from typing import Callable
 
@@ -29,6 +28,8 @@ def writable_dir(path: str | Path, what: str) -> Path:
     path = Path(path)
     if path.exists() and not path.is_dir():
         raise InputError(f"{what}: {path} is a file; give a folder (it is created when missing)")
+    import tempfile     # only a command that writes files (not a plan)
+
     try:
         path.mkdir(parents=True, exist_ok=True)
         fd, probe = tempfile.mkstemp(prefix=".moefit-probe-", dir=path)
@@ -93,6 +94,8 @@ def replace_files(folder: Path, writers: dict[str, Callable[[Path], None]]) -> l
     killed outright are removed first (:func:`remove_stale_temporaries`). Returns the final
     paths.
     """
+    import tempfile
+
     done: list[tuple[Path, Path]] = []
     remove_stale_temporaries(folder)         # left by a writer killed with SIGKILL
     try:

@@ -32,12 +32,10 @@ This module imports no torch: the planner reads calibrations, ``moefit calibrate
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
 from dataclasses import asdict, replace
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable
 
@@ -78,7 +76,14 @@ def geometry_hash(geom: ModelGeometry) -> str:
     dequant = expert_dequant_bytes(geom, compute_bytes(geom)) if stored else 0
     doc = [geom.model_type, geom.hidden_size, geom.vocab_size, geom.dtype, geom.dtype_bytes,
            layers, dequant]
-    return hashlib.sha256(json.dumps(doc, sort_keys=True, default=str).encode()).hexdigest()
+    return _sha256(json.dumps(doc, sort_keys=True, default=str))
+
+
+def _sha256(text: str) -> str:
+    """The sha256 hex digest of ``text`` (UTF-8)."""
+    import hashlib      # OpenSSL's libcrypto: only a plan that finds calibration files hashes
+
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def _moe_doc(moe) -> dict | None:
@@ -103,7 +108,7 @@ def calibration_key(geom: ModelGeometry, device: Device, kv: str) -> dict:
 
 
 def calibration_path(key: dict) -> Path:
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
+    digest = _sha256(json.dumps(key, sort_keys=True))[:24]
     return cache_dir() / "calibration" / f"{digest}.json"
 
 
@@ -122,6 +127,8 @@ def save(geom: ModelGeometry, device: Device, kv: str,
          points: list[tuple[int, int]]) -> tuple[Path, StagingModel]:
     """Fit ``points`` and store them for ``geom`` on ``device`` with KV format ``kv``.
     Returns (file written, the calibrated model)."""
+    from datetime import datetime, timezone     # the time stamp: only a calibration written
+
     const, per_token = fit(points)
     analytic = staging_model(geom, kv_format(kv), device_kind=device.kind)
     key = calibration_key(geom, device, kv)
@@ -164,10 +171,22 @@ def _short(x: object) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
+def _any_calibration() -> bool:
+    """Whether the calibration folder of :func:`cache_dir` holds a ``.json`` file (one that
+    :func:`calibration_path` may name)."""
+    try:
+        with os.scandir(cache_dir() / "calibration") as entries:
+            return any(e.name.endswith(".json") for e in entries)
+    except OSError:
+        return False
+
+
 def load(geom: ModelGeometry, device: Device, kv: str,
          warn: Warn | None = None) -> StagingModel | None:
     """The calibrated staging model for ``geom`` on ``device`` with KV format ``kv``, or
     None when there is none or it cannot be trusted (``warn`` says why)."""
+    if not _any_calibration():
+        return None         # nothing to look up: the geometry is not hashed
     key = calibration_key(geom, device, kv)
     path = calibration_path(key)
     if not path.is_file():

@@ -198,9 +198,17 @@ def format_table(plan: Plan, speed=None, alt_speeds=()) -> str:
         dev = next((d.device for d in plan.devices if d.device.label == plan.short_on),
                    plan.devices[0].device)
         where = f" on {dev.label}" if len(plan.devices) > 1 else ""
-        out.append(f"does not fit: short by {size_format(dev.capacity_bytes)(plan.shortfall_bytes)}{where}")
+        hp = plan.host
+        # the host table is priced for the plan as shown: a device that is short does not hide
+        # a host that is short too
+        also = (f", and by {size_format(hp.host.capacity_bytes)(-hp.unassigned_bytes)} on the host"
+                if hp is not None and not hp.fits else "")
+        out.append(f"does not fit: short by {size_format(dev.capacity_bytes)(plan.shortfall_bytes)}"
+                   f"{where or (' on the device' if also else '')}{also}")
     out.append("limiting: " + ", ".join(_label(k) for k in plan.limiting))
     larger = "a larger host" if plan.short_on == "host" else "a larger device"
+    if plan.short_on != "host" and plan.host is not None and not plan.host.fits:
+        larger = "a larger device and a larger host"
     files = (f", nor a GGUF file of the model down to {GGUF_REMEDY_FTYPES[-1]},"
              if gguf_remedy_applies(plan.geometry) else "")
     out += format_fits_with(plan.alternatives, f"{larger} (no single flag change{files} makes it fit)",
