@@ -8,7 +8,8 @@ import pytest
 from moefit.cli import main
 from moefit.devices import GPU_CATALOGUE, find_gpu
 from moefit.devices.device import PCIE_LANE_BYTES_PER_S
-from moefit.devices.host import default_host_speed
+from moefit.devices.catalogue import PUBLISHED_AI_TOPS
+from moefit.devices.host import DEFAULT_HOST_BANDWIDTH, default_host_speed
 from moefit.ingest.resolve import load_model
 from moefit.memory import calibration
 from moefit.memory.kv import kv_format
@@ -46,10 +47,59 @@ def test_every_catalogue_card_has_sourced_throughput_figures(spec):
     assert find_gpu(spec.name).speed == g       # the what-if device carries them
 
 
+# The whitepaper rows the catalogue quotes, re-derived from the per-tensor-core rate the derived
+# GeForce cards use (128 bf16 FLOP with fp32 accumulation, 512 int8 OP per core and clock, 4
+# cores per SM): (card, SMs, boost GHz) as the card's spec page gives them. A quoted figure that
+# was a sparse one (2x) or the fp16-accumulate rate (2x on GeForce) fails here.
+WHITEPAPER_ROWS = [("RTX 3070", 46, 1.725), ("RTX 3080 10GB", 68, 1.71), ("RTX 3090", 82, 1.695),
+                   ("RTX 4080", 76, 2.505), ("RTX 4090", 128, 2.52), ("RTX 5090", 170, 2.407)]
+
+
+@pytest.mark.parametrize("card, sms, ghz", WHITEPAPER_ROWS, ids=[r[0] for r in WHITEPAPER_ROWS])
+def test_whitepaper_rows_agree_with_the_per_core_rate_of_the_derived_cards(card, sms, ghz):
+    g = find_gpu(card).speed
+    per_clock = 4 * sms * ghz * 1e9
+    assert g.bf16_flops == pytest.approx(per_clock * 128, rel=5e-3)
+    assert g.int8_ops == pytest.approx(per_clock * 512, rel=5e-3)
+
+
+@pytest.mark.parametrize("card", sorted(PUBLISHED_AI_TOPS))
+def test_derived_geforce_int8_matches_nvidias_ai_tops(card):
+    """NVIDIA's "AI TOPS" (Ada: fp8 with sparsity, 2x dense int8; Blackwell: fp4 with sparsity,
+    4x) checks the SMs x boost x per-core derivation of each card that has one."""
+    tops, per_int8, source = PUBLISHED_AI_TOPS[card]
+    assert source
+    assert find_gpu(card).speed.int8_ops == pytest.approx(tops / per_int8 * 1e12, rel=5e-3)
+
+
+@pytest.mark.parametrize("card, sparse_bf16, sparse_int8, rel", [
+    ("A100 40GB", 624, 1248, 2e-3), ("A100 80GB", 624, 1248, 2e-3),
+    ("H100 80GB", 1513, 3026, 2e-3), ("H200", 1979, 3958, 2e-3), ("RTX A6000", 309.7, 619.4, 2e-3),
+    # the L40S datasheet prints BF16 "362.05 | 733*": its own dense figure (kept) is 1.2% under
+    # half its sparse one (142 SMs x 2.52 GHz x 1024 = 366.4 dense)
+    ("L40S", 733, 1466, 1.5e-2)])
+def test_datasheet_cards_take_the_dense_half_of_the_sparse_figures(card, sparse_bf16, sparse_int8,
+                                                                     rel):
+    """The datasheets print "with sparsity" figures (footnote: 1/2 lower without)."""
+    g = find_gpu(card).speed
+    assert g.bf16_flops == pytest.approx(sparse_bf16 / 2 * 1e12, rel=rel)
+    assert g.int8_ops == pytest.approx(sparse_int8 / 2 * 1e12, rel=2e-3)
+    assert str(sparse_bf16).rstrip("0").rstrip(".") in g.source     # the source quotes it
+
+
 def test_pcie_lane_rates_follow_the_line_code():
-    assert PCIE_LANE_BYTES_PER_S[4] == pytest.approx(1.969e9, rel=1e-3)
-    assert PCIE_LANE_BYTES_PER_S[5] == 2 * PCIE_LANE_BYTES_PER_S[4]
+    """PCI-SIG: 8 / 16 / 32 GT/s per lane with 128b/130b for 3.0 / 4.0 / 5.0."""
+    for gen, gts in ((3, 8), (4, 16), (5, 32)):
+        assert PCIE_LANE_BYTES_PER_S[gen] == pytest.approx(gts * 1e9 * 128 / 130 / 8, rel=1e-12)
+    assert PCIE_LANE_BYTES_PER_S[4] == pytest.approx(1.969e9, rel=1e-3)   # PCI-SIG's ~2 GB/s
+    assert PCIE_LANE_BYTES_PER_S[2] == pytest.approx(5e9 * 8 / 10 / 8)     # 8b/10b: 500 MB/s
     assert find_gpu("RTX 5060 Ti 16GB").speed.pcie_bytes_per_s == pytest.approx(31.5e9, rel=1e-2)
+
+
+def test_default_host_bandwidth_is_dual_channel_ddr5_5600():
+    """2 channels x 8 bytes (64-bit) x 5600 MT/s = 89.6 GB/s."""
+    assert DEFAULT_HOST_BANDWIDTH == 2 * 8 * 5600e6 == 89.6e9
+    assert default_host_speed().memory_bytes_per_s == DEFAULT_HOST_BANDWIDTH
 
 
 def test_a_vram_card_has_no_figures_and_the_plan_says_so(capsys):

@@ -139,24 +139,48 @@ GPU_CATALOGUE: tuple[GpuSpec, ...] = (
 )
 
 
-# Throughput figures. GeForce tensor cores run bf16 with fp32 accumulation at half their
-# fp16-accumulate rate; the whitepapers list it for their flagship cards, and the other cards
-# of an architecture are derived from the same per-tensor-core rate x tensor cores (4 per SM)
-# x boost clock (NVIDIA's spec page of the card): Ampere GA10x 128 bf16 FLOP and 512 int8 OP
-# per tensor core and clock (RTX 3090: 71 TFLOPS / (328 x 1.695 GHz)), Ada and Blackwell
-# GeForce the same (RTX 4090: 165.2 / (512 x 2.52 GHz); RTX 5090: 209.5 / (680 x 2.407 GHz)).
-# Bandwidth = data rate x bus width / 8 as each spec page lists it. PCIe: the card's host link.
+# Throughput figures, each checked against the document its source string names.
+#
+# Which bf16 rate: the speed model prices bf16 matmuls, and bf16 tensor-core math has only fp32
+# accumulation (there is no bf16-accumulate mode; PyTorch's bf16 matmuls accumulate in fp32), so
+# ``bf16_flops`` is the "FP16/BF16 Tensor TFLOPS with FP32 Accumulate" row, dense (without 2:4
+# sparsity; NVIDIA's sparse figures are 2x). GeForce cards run that row at half their
+# fp16-accumulate rate (the Ampere / Ada whitepapers list both rows: RTX 3090 71 vs 142 dense,
+# RTX 4090 165.2 vs 330.3); professional and data-center cards run it at the full rate.
+#
+# Derived GeForce cards: dense bf16 (fp32 accumulate) = 128 FLOP and dense int8 = 512 OP per
+# tensor core and clock, 4 tensor cores per SM, at the card's boost clock. The per-core rates
+# are those of the whitepapers' flagship rows: RTX 3090 71 TFLOPS / 284 TOPS at 82 SMs x
+# 1.695 GHz; RTX 4090 165.2 / 660.6 at 128 SMs x 2.52 GHz; RTX 5090 209.5 / 838 at 170 SMs x
+# 2.407 GHz (tests/test_speed.py re-derives every whitepaper row from these rates). The int8
+# rate is also checked against NVIDIA's "AI TOPS" of each card (:data:`PUBLISHED_AI_TOPS`):
+# Ada's is fp8 with sparsity = 2 x dense int8, Blackwell's fp4 with sparsity = 4 x dense int8.
+# Bandwidth = data rate x bus width / 8 as the spec page lists it. PCIe: the card's host link.
 _AMPERE_WP = ("NVIDIA Ampere GA102 GPU Architecture whitepaper v2.0 (nvidia.com/content/PDF/"
-              "nvidia-ampere-ga-102-gpu-architecture-whitepaper-v2.pdf)")
+              "nvidia-ampere-ga-102-gpu-architecture-whitepaper-v2.pdf; contents seen in the "
+              "copy at docslib.org/doc/759549)")
 _ADA_WP = ("NVIDIA Ada GPU Architecture whitepaper v2.01 (images.nvidia.com/aem-dam/Solutions/"
            "geforce/ada/nvidia-ada-gpu-architecture.pdf)")
 _BW_WP = ("NVIDIA RTX Blackwell GPU Architecture whitepaper (images.nvidia.com/aem-dam/Solutions/"
           "geforce/blackwell/nvidia-rtx-blackwell-gpu-architecture.pdf)")
 
+#: NVIDIA's published "AI TOPS" per derived GeForce card, with the factor to dense int8 (2: Ada,
+#: fp8 with sparsity; 4: Blackwell, fp4 with sparsity) and where the figure was found. A cross-
+#: check of the derivation (tests/test_speed.py), not an input of the speed model.
+PUBLISHED_AI_TOPS: dict[str, tuple[float, int, str]] = {
+    "RTX 4060": (242, 2, "NVIDIA's RTX 4060 launch table, as pangoly.com/en/blog/192 copies it"),
+    "RTX 4060 Ti 8GB": (353, 2, "NVIDIA's RTX 4060 Ti launch table (pangoly.com/en/blog/192)"),
+    "RTX 4060 Ti 16GB": (353, 2, "NVIDIA's RTX 4060 Ti launch table (pangoly.com/en/blog/192)"),
+    "RTX 5070": (988, 4, "NVIDIA's CES 2025 RTX 50 spec table (tweaktown.com/news/102469)"),
+    "RTX 5070 Ti": (1406, 4, "NVIDIA's CES 2025 RTX 50 spec table (tweaktown.com/news/102469)"),
+    "RTX 5080": (1801, 4, "NVIDIA's CES 2025 RTX 50 spec table (tweaktown.com/news/102469)"),
+    "RTX 5090": (3352, 4, "NVIDIA's CES 2025 RTX 50 spec table (tweaktown.com/news/102469)"),
+}
+
 
 def _derived(arch: str, sms: int, boost_ghz: float, page: str) -> str:
     return (f"derived: {sms} SMs x 4 tensor cores x {boost_ghz} GHz boost ({page}) x the per-core "
-            f"rate of {arch}")
+            f"rate of {arch} (128 bf16 FLOP fp32-accumulate, 512 int8 OP, dense)")
 
 
 def _speed(gbs: float, bf16_tflops: float, int8_tops: float, gen: int, lanes: int,
@@ -175,48 +199,90 @@ def _geforce(sms: int, boost_ghz: float, gbs: float, gen: int, lanes: int, arch:
 _GF30 = "nvidia.com/en-us/geforce/graphics-cards/30-series/"
 _GF40 = "nvidia.com/en-us/geforce/graphics-cards/40-series/"
 _GF50 = "nvidia.com/en-us/geforce/graphics-cards/50-series/"
+# Cross-checks of SMs, boost clock, bandwidth and link found for the derived cards:
+_UNSEEN = "SMs and boost not cross-checked in a found page"
+_X3060 = "guru3d.com/story/geforce-rtx-4060-ti-gpu-pictured (NVIDIA's 30/40 table)"
+_X40 = "club386.com (NVIDIA's Ada line-up table)"
+_X50 = "tomshardware.com/pc-components/gpus/nvidia-rtx-5060-ti-final-specs-and-launch-day-allegedly-leaked"
 
 #: Throughput figures per catalogue card (:class:`~moefit.devices.device.GpuSpeed`): peak
-#: spec-sheet figures, no efficiency factor (none was measured on a GPU here). Where one
+#: spec-sheet figures, dense, no efficiency factor (none was measured on a GPU here). Where one
 #: catalogue row stands for several boards (A100 80GB PCIe / SXM, H100 PCIe / SXM) the lower
 #: board's figures are taken.
 GPU_SPEEDS: dict[str, GpuSpeed] = {
-    "RTX 3060 12GB": _geforce(28, 1.777, 360, 4, 16, "Ampere", _GF30 + "rtx-3060-3060ti"),
-    "RTX 3060 Ti": _geforce(38, 1.665, 448, 4, 16, "Ampere", _GF30 + "rtx-3060-3060ti"),
-    "RTX 3070": _speed(448, 40.6, 162.6, 4, 16, _AMPERE_WP + ", appendix A, GeForce RTX 3070"),
-    "RTX 3080 10GB": _speed(760, 59.5, 238, 4, 16, _AMPERE_WP + ", table 1, GeForce RTX 3080"),
-    "RTX 3090": _speed(936, 71, 284, 4, 16, _AMPERE_WP + ", appendix A, GeForce RTX 3090"),
-    "RTX 4060": _geforce(24, 2.46, 272, 4, 8, "Ada", _GF40 + "rtx-4060-4060ti"),
-    "RTX 4060 Ti 8GB": _geforce(34, 2.535, 288, 4, 8, "Ada", _GF40 + "rtx-4060-4060ti"),
-    "RTX 4060 Ti 16GB": _geforce(34, 2.535, 288, 4, 8, "Ada", _GF40 + "rtx-4060-4060ti"),
-    "RTX 4070": _geforce(46, 2.475, 504, 4, 16, "Ada", _GF40 + "rtx-4070-family"),
-    "RTX 4070 Ti Super": _geforce(66, 2.61, 672, 4, 16, "Ada", _GF40 + "rtx-4070-family"),
-    "RTX 4080": _speed(716.8, 97.5, 389.9, 4, 16, _ADA_WP + ", appendix, GeForce RTX 4080"),
-    "RTX 4080 Super": _geforce(80, 2.55, 736, 4, 16, "Ada", _GF40 + "rtx-4080-family"),
-    "RTX 4090": _speed(1008, 165.2, 660.6, 4, 16, _ADA_WP + ", table 2, GeForce RTX 4090"),
-    "RTX 5060 Ti 16GB": _geforce(36, 2.572, 448, 5, 8, "Blackwell GeForce", _GF50 + "rtx-5060-family"),
-    "RTX 5070": _geforce(48, 2.512, 672, 5, 16, "Blackwell GeForce", _GF50 + "rtx-5070-family"),
-    "RTX 5070 Ti": _geforce(70, 2.452, 896, 5, 16, "Blackwell GeForce", _GF50 + "rtx-5070-family"),
-    "RTX 5080": _geforce(84, 2.617, 960, 5, 16, "Blackwell GeForce", _GF50 + "rtx-5080"),
-    "RTX 5090": _speed(1792, 209.5, 838, 5, 16, _BW_WP + ", appendix, GeForce RTX 5090"),
+    "RTX 3060 12GB": _geforce(28, 1.777, 360, 4, 16, "Ampere",
+                              _GF30 + "rtx-3060-3060ti; " + _X3060),
+    "RTX 3060 Ti": _geforce(38, 1.665, 448, 4, 16, "Ampere",
+                            _GF30 + "rtx-3060-3060ti; " + _X3060 + ": 4864 cores = 38 SMs"),
+    "RTX 3070": _speed(448, 40.6, 162.6, 4, 16, _AMPERE_WP + ", appendix A 'GeForce RTX 3070' "
+                       "(p. 46): FP32-accumulate 40.6 / 81.3 sparse, INT8 162.6 / 325.2 sparse"),
+    "RTX 3080 10GB": _speed(760, 59.5, 238, 4, 16, _AMPERE_WP + ", the GeForce RTX 3080 spec "
+                            "table in the body (table number not confirmed): FP32-accumulate 59.5 / 119 sparse, INT8 238 / 476 sparse"),
+    "RTX 3090": _speed(936, 71, 284, 4, 16, _AMPERE_WP + ", appendix A 'GeForce RTX 3090' "
+                       "(p. 44): FP32-accumulate 71 / 142 sparse, INT8 284 / 568 sparse"),
+    "RTX 4060": _geforce(24, 2.46, 272, 4, 8, "Ada",
+                         _GF40 + "rtx-4060-4060ti; 272 GB/s and 242 AI TOPS: NVIDIA's launch "
+                         "table (pangoly.com/en/blog/192)"),
+    "RTX 4060 Ti 8GB": _geforce(34, 2.535, 288, 4, 8, "Ada", _GF40 + "rtx-4060-4060ti; " + _X3060),
+    "RTX 4060 Ti 16GB": _geforce(34, 2.535, 288, 4, 8, "Ada", _GF40 + "rtx-4060-4060ti; " + _X3060),
+    "RTX 4070": _geforce(46, 2.475, 504, 4, 16, "Ada", _GF40 + "rtx-4070-family; " + _X40),
+    "RTX 4070 Ti Super": _geforce(66, 2.61, 672, 4, 16, "Ada", _GF40 + "rtx-4070-family; " + _UNSEEN),
+    "RTX 4080": _speed(716.8, 97.5, 389.9, 4, 16, _ADA_WP + ", GeForce RTX 4080 spec table "
+                       "(table number not confirmed): FP32-accumulate 97.5 / 194.9 sparse, INT8 389.9 / 779.8 sparse"),
+    "RTX 4080 Super": _geforce(80, 2.55, 736, 4, 16, "Ada", _GF40 + "rtx-4080-family; " + _UNSEEN),
+    "RTX 4090": _speed(1008, 165.2, 660.6, 4, 16, _ADA_WP + ", GeForce RTX 4090 spec table "
+                       "(table number not confirmed): FP32-accumulate 165.2 / 330.4 sparse, INT8 660.6 / 1321.2 "
+                       "sparse"),
+    "RTX 5060 Ti 16GB": _geforce(36, 2.572, 448, 5, 8, "Blackwell GeForce",
+                                 _GF50 + "rtx-5060-family; " + _X50),
+    "RTX 5070": _geforce(48, 2.512, 672, 5, 16, "Blackwell GeForce",
+                         _GF50 + "rtx-5070-family; " + _X50),
+    "RTX 5070 Ti": _geforce(70, 2.452, 896, 5, 16, "Blackwell GeForce",
+                            _GF50 + "rtx-5070-family; " + _X50),
+    "RTX 5080": _geforce(84, 2.617, 960, 5, 16, "Blackwell GeForce", _GF50 + "rtx-5080; " + _X50),
+    "RTX 5090": _speed(1792, 209.5, 838, 5, 16,
+                       "derived from published figures: Tom's Hardware's spec box (Linux Format "
+                       "May 2025 reprint, pocketmags.com): 170 SMs, 2407 MHz, 1792 GB/s, 838 "
+                       "FP16 TFLOPS (fp16 accumulate, sparse) = 419 dense, so 209.5 with fp32 "
+                       "accumulate at GeForce's half rate; INT8 838 = NVIDIA's 3352 AI TOPS "
+                       "(fp4, sparse) / 4 (tweaktown.com/news/102469); the row of the "
+                       + _BW_WP + " was not seen"),
     "RTX A6000": _speed(768, 154.8, 309.7, 4, 16,
-                        _AMPERE_WP + ", appendix C; NVIDIA RTX A6000 datasheet"),
-    "L40S": _speed(864, 362.05, 733, 4, 16, "NVIDIA L40S datasheet (resources.nvidia.com/"
-                                           "en-us-l40s/l40s-datasheet-28413)"),
-    "A100 40GB": _speed(1555, 312, 624, 4, 16, "NVIDIA A100 Tensor Core GPU datasheet, "
-                                               "A100 40GB (SXM)"),
-    "A100 80GB": _speed(1935, 312, 624, 4, 16, "NVIDIA A100 Tensor Core GPU datasheet, "
-                                               "A100 80GB PCIe (the SXM board: 2039 GB/s)"),
-    "H100 80GB": _speed(2000, 756, 1513, 5, 16, "NVIDIA H100 Tensor Core GPU datasheet, H100 "
-                                                "PCIe (the SXM board: 3350 GB/s, 989 TFLOPS)"),
-    "H200": _speed(4800, 989, 1979, 5, 16, "NVIDIA H200 Tensor Core GPU datasheet, H200 SXM "
-                                           "(nvidia.com/en-us/data-center/h200)"),
+                        _AMPERE_WP + ", appendix C 'RTX A6000 GPU Performance' (p. 50): BF16 "
+                        "with FP32 accumulate 154.8 / 309.7 sparse (full rate on a professional "
+                        "card: 84 SMs x 1.8 GHz x 1024), INT8 309.7 / 619.4 sparse"),
+    "L40S": _speed(864, 362.05, 733, 4, 16,
+                   "NVIDIA L40S datasheet (resources.nvidia.com/en-us-l40s/l40s-datasheet-28413; "
+                   "its table as mullet.se/product.html?product_id=355414 copies it): BF16 "
+                   "362.05 / 733 sparse, FP8 733 / 1466 sparse (INT8 taken at the FP8 rate, as "
+                   "Ada's whitepaper lists them equal), 864 GB/s, PCIe Gen4 x16"),
+    "A100 40GB": _speed(1555, 312, 624, 4, 16,
+                        "NVIDIA A100 Tensor Core GPU datasheet (nvidia.com/content/dam/en-zz/"
+                        "Solutions/Data-Center/a100/pdf/nvidia-a100-datasheet-us-nvidia-1758950-"
+                        "r4-web.pdf), A100 40GB: BF16 312 / 624 sparse, INT8 624 / 1248 sparse, "
+                        "1555 GB/s (as glennklockwood.com/garden/processors/A100 copies it)"),
+    "A100 80GB": _speed(1935, 312, 624, 4, 16,
+                        "NVIDIA A100 Tensor Core GPU datasheet (see A100 40GB), A100 80GB PCIe: "
+                        "1935 GB/s (the SXM board: 2039 GB/s); BF16 312 / 624 sparse, INT8 624 / "
+                        "1248 sparse"),
+    "H100 80GB": _speed(2000, 756, 1513, 5, 16,
+                        "NVIDIA H100 Tensor Core GPU datasheet, H100 PCIe column (as archive-lib."
+                        "hpctech.co.jp/gpuproduct/nvidia-h100.html copies it): BF16 1513 and INT8 "
+                        "3026 with sparsity, 1/2 without; 2000 GB/s (the SXM board: 3350 GB/s, "
+                        "989 TFLOPS dense)"),
+    "H200": _speed(4800, 989, 1979, 5, 16,
+                   "NVIDIA H200 Tensor Core GPU datasheet, H200 SXM (nvidia.com/en-us/data-center/"
+                   "h200): 4.8 TB/s; BF16 1979 and INT8 3958 with sparsity, 1/2 without (the "
+                   "H100 SXM's compute: glennklockwood.com/garden/processors/h100)"),
     "RTX PRO 6000 Blackwell": _speed(
         1792, 503.8, 1007.6, 5, 16,
-        "NVIDIA RTX PRO 6000 Blackwell Workstation Edition datasheet (1792 GB/s; 4000 AI TOPS "
-        "= fp4 with sparsity, so 1000 dense int8 / fp8 and 500 dense bf16): 188 SMs x 4 tensor "
-        "cores x 2.617 GHz x 256 bf16 FLOP (a professional card runs fp32 accumulation at the "
-        "full rate)"),
+        "derived: 188 SMs x 4 tensor cores x 2.617 GHz x 256 bf16 FLOP (a professional card "
+        "runs fp32 accumulation at the full rate) and x 512 int8 OP; checked against NVIDIA's "
+        "RTX PRO 6000 Blackwell Workstation Edition datasheet: 4000 AI TOPS = fp4 with "
+        "sparsity, so 1000 dense int8 / fp8 and 500 dense bf16; 1792 GB/s (512-bit x 28 Gbps); "
+        "188 SMs as NVIDIA's GTC 2025 figures list them (topcpu.net news coverage); "
+        "the 2.617 GHz boost is not in the found pages (they say 'about "
+        "2.6 GHz')"),
 }
 
 

@@ -23,9 +23,11 @@ from moefit.units import MIB
 DeviceKind = Literal["cuda", "cpu"]
 
 #: Usable bytes per second of one PCIe lane in one direction, by generation: the transfer
-#: rate times the line code (PCI Express Base Specification: 1.0 2.5 GT/s and 2.0 5 GT/s
-#: with 8b/10b; 3.0 8 GT/s, 4.0 16 GT/s and 5.0 32 GT/s with 128b/130b). Packet overheads
-#: (TLP headers) come on top and are not priced: the speed model takes the link's peak.
+#: rate times the line code (PCI-SIG, PCI Express Base Specification: 1.0 2.5 GT/s and 2.0
+#: 5 GT/s with 8b/10b; 3.0 8 GT/s, 4.0 16 GT/s and 5.0 32 GT/s with 128b/130b), i.e. 0.25,
+#: 0.5, 0.985, 1.969 and 3.938 GB/s per lane, 15.75 / 31.5 / 63.0 GB/s at x16 (the table of
+#: hpc-notes.pages.dev/reference/pcie, which quotes the same figures). Packet overheads (TLP
+#: headers) come on top and are not priced: the speed model takes the link's peak.
 PCIE_LANE_BYTES_PER_S: dict[int, float] = {
     1: 2.5e9 * 8 / 10 / 8, 2: 5e9 * 8 / 10 / 8,
     3: 8e9 * 128 / 130 / 8, 4: 16e9 * 128 / 130 / 8, 5: 32e9 * 128 / 130 / 8,

@@ -132,7 +132,11 @@ _CI_CORE_GBS = {"BF16": 110, "Q8_0": 54, "Q4_0": 37, "Q4_K": 24, "Q6_K": 37}
 _LIKE = {"Q4_1": "Q4_0", "Q5_0": "Q4_0", "Q5_1": "Q4_0", "IQ4_NL": "Q4_0", "MXFP4": "Q4_0",
          "Q5_K": "Q4_K", "F16": "BF16", "F32": "BF16"}
 #: The default host's threads and memory: a desktop with 8 cores and dual-channel DDR5-5600,
-#: 5600 MT/s x 8 bytes x 2 channels = 89.6 GB/s peak (JEDEC JESD79-5 DDR5 data rates).
+#: 5600 MT/s x 8 bytes x 2 channels = 89.6 GB/s peak (JEDEC JESD79-5: DDR5-5600 is one of its
+#: speed bins; a DDR5 DIMM carries 64 data bits as two 32-bit subchannels, so a desktop's
+#: two DIMM channels move 2 x 8 bytes per transfer: hardwaretimes.com/ddr5-memory-specifications-
+#: finalized-speeds-up-to-6400mt-s-plus-dual-channel-dimms, "Channel Width 64-bits (2x32)").
+#: A peak: measured copies reach less, which `moefit calibrate --host` measures on the machine.
 DEFAULT_HOST_THREADS = 8
 DEFAULT_HOST_BANDWIDTH = 5600e6 * 8 * 2
 
