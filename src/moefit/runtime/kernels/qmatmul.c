@@ -1389,7 +1389,7 @@ static inline float silu(float v) { return v / (1.f + expf(-v)); }
  * scratch: T * (4H + qact(H)) bytes for the token rows (converted and quantized once), then
  * pchunk * (8I + 4I + qact(I) + 4H) for pchunk pairs at a time (gate/up outputs, SwiGLU
  * product and its quantized form -- for bf16 experts in a bf16 model the product rounded to
- * bf16, as the torch expert holds it --, down output).
+ * bf16, in an fp16 model to fp16, as the torch expert holds it --, down output).
  * Work is split over the threads by chunks of rows of the chunk's experts, taken as they come
  * (gate and up rows, then down rows); each row is read once and multiplied by every token of its expert in the chunk, so
  * the tokens of a batch routed to one expert share one read of its weights, and a layer costs
@@ -1448,6 +1448,8 @@ static void moe_body(int n_exp, const uint8_t *const *blobs, const int64_t *boun
             for (int i = 0; i < n; i++) {
                 float *g = gu + (int64_t)i * 2 * I, *h = hf + (int64_t)i * I;
                 for (int j = 0; j < I; j++) h[j] = silu(g[j]) * g[I + j];
+                if (xdt == T_F16)    /* fp16 compute: the product as the fp16 tensor the torch expert holds */
+                    for (int j = 0; j < I; j++) h[j] = mf_h2f(mf_f2h(h[j]));
                 if (qd) quantize_act(h, I, qact_at(hq + i * qi, I));
                 else if (hb16) {     /* bf16 experts, bf16 compute: the product as a bf16 tensor */
                     uint16_t *hb = (uint16_t *)(hq + i * qi);

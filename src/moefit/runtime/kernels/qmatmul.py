@@ -92,11 +92,11 @@ DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 _lib = None
 _reason: str | None = None
 
-#: the activation dtypes the runtime hands the kernels (fp32, bf16): ``load_row`` reads
-#: fp16 too, but an fp16 model's products would then round differently from its torch
-#: path (greedy tokens of an fp16 test checkpoint part at token 6), so its activations stay
-#: on the torch path (:func:`reads`)
-ACT_DTYPES = (torch.float32, torch.bfloat16)
+#: the activation dtypes the runtime hands the kernels (``load_row`` reads each exactly into
+#: fp32; 16-bit outputs are the fp32 sums rounded once, as ``torch.mm`` rounds on the CPU). An
+#: fp16 model takes the kernels as a bf16 one does: the MoE kernel rounds the SwiGLU product to
+#: the compute dtype where the torch expert holds it (tests/runtime/test_moe_batch.py).
+ACT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def reads(x: torch.Tensor) -> bool:
@@ -297,7 +297,7 @@ def gemm(x: torch.Tensor, raw: torch.Tensor, qtype: str, rows: int, cols: int, *
     lib = _load()
     n = x.shape[0]
     if x.dim() != 2 or x.shape[1] != cols or not reads(x) or not x.is_contiguous():
-        raise ValueError(f"x must be a contiguous fp32/bf16 [n, {cols}] tensor, got {x.dtype} {list(x.shape)}")
+        raise ValueError(f"x must be a contiguous fp32/fp16/bf16 [n, {cols}] tensor, got {x.dtype} {list(x.shape)}")
     if not supports(qtype, cols) or raw.numel() != rows * lib.mf_row_bytes(CTYPES[qtype], cols):
         raise ValueError(f"{qtype}: {raw.numel()} bytes are not a [{rows}, {cols}] matrix the kernels run")
     if out is None:
@@ -333,14 +333,14 @@ def moe(x: torch.Tensor, blob_ptrs: torch.Tensor, bounds: torch.Tensor, tok: tor
         scratch: uint8 of at least :func:`moe_scratch_bytes` ``(T, H, I, 1)``; the pairs
             run in groups of as many as it holds.
 
-    Returns ``acc``. Raises ValueError when ``x`` is not a contiguous fp32 / bf16 ``[T, H]``
+    Returns ``acc``. Raises ValueError when ``x`` is not a contiguous fp32 / fp16 / bf16 ``[T, H]``
     tensor, or the scratch cannot hold the rows and one pair.
     """
     lib = _load()
     h, inter = fmt.gate.cols, fmt.gate.rows
     t = x.shape[0]
     if x.dim() != 2 or x.shape[1] != h or not reads(x) or not x.is_contiguous():
-        raise ValueError(f"x must be a contiguous fp32/bf16 [T, {h}] tensor, got {x.dtype} {list(x.shape)}")
+        raise ValueError(f"x must be a contiguous fp32/fp16/bf16 [T, {h}] tensor, got {x.dtype} {list(x.shape)}")
     pchunk = (scratch.numel() - moe_scratch_bytes(t, h, inter, 0)) // pair_bytes(h, inter)
     if pchunk < 1:
         raise ValueError(f"moe scratch of {scratch.numel()} bytes cannot hold the {t} token rows and one "
