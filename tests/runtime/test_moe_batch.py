@@ -88,17 +88,18 @@ def test_applies_only_where_the_kernels_read_the_memory(tiny_models):
     assert not moe_batch.applies(None, layer, x, k)
 
 
-def test_dense_decode_product_and_fp32_logits():
-    """bf16 weights, a few rows: fp32 accumulation, one rounding (the lm_head writes fp32
-    logits directly)."""
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_dense_decode_product_and_fp32_logits(dtype):
+    """bf16 / fp16 weights and activations, a few rows: fp32 accumulation, one rounding (the
+    lm_head writes fp32 logits directly)."""
     g = torch.Generator().manual_seed(0)
-    w = torch.randn(300, 256, generator=g).bfloat16()
-    x = torch.randn(2, 256, generator=g).bfloat16()
+    w = torch.randn(300, 256, generator=g).to(dtype)
+    x = torch.randn(2, 256, generator=g).to(dtype)
     ref = x.double() @ w.double().T
     out32 = moe_batch.dense(x, w, torch.empty(2, 300))
     assert ((out32.double() - ref).abs().max() / ref.abs().max()) < 1e-6
-    out16 = moe_batch.dense(x, w, torch.empty(2, 300, dtype=torch.bfloat16))
-    assert torch.equal(out16, out32.bfloat16())
+    out16 = moe_batch.dense(x, w, torch.empty(2, 300, dtype=dtype))
+    assert torch.equal(out16, out32.to(dtype))
     assert moe_batch.dense_applies(x, w) and not moe_batch.dense_applies(x.float(), w.float())
     assert not moe_batch.dense_applies(torch.zeros(64, 256), w)          # prefill: torch.mm
 

@@ -24,7 +24,8 @@ bytes of weights: the 4-bit block types take 4 blocks at a time out of two 64-by
 (``vpermi2b``) against an activation copy in their nibble order, Q8_0 and those types run
 four rows at once (the activation loads shared), the K-quants add their sub-block
 products in integers (``vpmaddubsw`` + ``vpdpwssd`` with the sub-block scales), BF16 rows
-against bf16 activations use ``vdpbf16ps``. On one thread of the AMD EPYC CI machine, a
+against bf16 activations use ``vdpbf16ps``, F16 rows run four at once (``vcvtph2ps``, the fp32
+activation loads shared; no fp16 dot instruction on this CPU). On one thread of the AMD EPYC CI machine, a
 151936 x 1024 matrix (larger than the caches): BF16 39, Q8_0 36, Q4_0 28-31, Q4_K 29,
 Q6_K 41 GB/s of weights (the machine reads 43 GB/s on one thread); from L2 (no memory
 bound) Q8_0 54, Q4_0 36-38, Q4_K 24, Q6_K 37, BF16 110 GB/s, so Q4_K is the one type the
