@@ -10,8 +10,9 @@ download (``Qwen3.5-35B-A3B-Q4_K_M.gguf`` from Hugging Face plans the same way):
 
     .venv/bin/python benchmarks/write_header_gguf.py Qwen3.5-35B-A3B Q4_K_M Qwen3.5-35B-A3B-Q4_K_M.gguf
 
-Architectures written: ``qwen35moe`` and ``qwen3moe`` (the metadata keys moefit's GGUF reader
-and llama.cpp's ``llama_model::load_hparams`` read for them).
+Architectures written: ``qwen35moe``, ``qwen3moe`` and ``glm4moe`` (the metadata keys moefit's
+GGUF reader and llama.cpp's ``llama_model::load_hparams`` read for them; GLM's MTP layer is
+not written, as llama.cpp does not run it). GLM-4.5-Air has no preset: give its config.json.
 """
 
 from __future__ import annotations
@@ -30,8 +31,9 @@ def metadata(geom) -> list[tuple[str, str, str]]:
 
     family = registry.family_for(geom.model_type)
     arch = family.gguf_arch_of.get(geom.model_type) if family else None
-    if arch not in ("qwen35moe", "qwen3moe"):
-        raise ValueError(f"{geom.name}: header-only GGUFs are written for qwen35moe and qwen3moe, not {arch}")
+    if arch not in ("qwen35moe", "qwen3moe", "glm4moe"):
+        raise ValueError(f"{geom.name}: header-only GGUFs are written for qwen35moe, qwen3moe and "
+                         f"glm4moe, not {arch}")
     full = next(l.attention for l in geom.layers if l.attention.kind != "linear")
     moe = geom.moe_layers[0].moe
     meta = [("general.architecture", "STRING", arch), ("general.name", "STRING", geom.name),
@@ -50,6 +52,15 @@ def metadata(geom) -> list[tuple[str, str, str]]:
                      "full_attention_interval": next(i for i, l in enumerate(geom.layers, 1)
                                                      if l.attention.kind != "linear"),
                      "rope.dimension_count": full.rotary_dim})
+    if arch == "glm4moe":         # Glm4MoeModel.set_gguf_parameters (no MTP layer written)
+        r = moe.routing
+        keys.update({"feed_forward_length": next(l.dense_intermediate for l in geom.layers if l.moe is None),
+                     "expert_shared_count": moe.num_shared_experts,
+                     "leading_dense_block_count": next(l.index for l in geom.layers if l.moe is not None),
+                     "rope.dimension_count": full.rotary_dim, "expert_gating_func": 2,
+                     "expert_group_count": r.n_group or 1, "expert_group_used_count": r.topk_group or 1})
+        meta += [(f"{arch}.expert_weights_scale", "FLOAT32", str(r.scale)),
+                 (f"{arch}.expert_weights_norm", "BOOL", "True")]   # norm_topk_prob (GLM-4.5: true)
     meta += [(f"{arch}.{k}", "UINT32", str(v)) for k, v in keys.items()]
     meta += [(f"{arch}.rope.freq_base", "FLOAT32", str(geom.rope.theta)),
              (f"{arch}.attention.layer_norm_rms_epsilon", "FLOAT32", "1e-06")]
@@ -99,7 +110,7 @@ def write_header_gguf(model: str, ftype: str, out: Path) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("model", help="a preset name or a config.json (qwen35moe or qwen3moe)")
+    ap.add_argument("model", help="a preset name or a config.json (qwen35moe, qwen3moe or glm4moe)")
     ap.add_argument("ftype", help="llama-quantize's file type, e.g. Q4_K_M")
     ap.add_argument("out", type=Path, help="the .gguf file to write")
     args = ap.parse_args(argv)

@@ -399,3 +399,37 @@ def test_runtime_types_list_the_runtime_kernels():
     from moefit.runtime.kernels.quant import KERNELS
 
     assert set(RUNTIME_TYPES) == set(KERNELS)
+
+
+def test_glm_4_5_air_q4_k_m_plans_on_a_16_gb_card_at_32k(tmp_path, monkeypatch):
+    """Issue 27: on a CUDA card the dense quantized matrices stay stored (the Triton kernels
+    multiply them), so GLM-4.5-Air's Q4_K_M dense weights cost 3.7 GiB instead of 12.3 GiB
+    in bf16 and the model plans at 32K on a 16 GB card, as llama.cpp runs it. Header-only
+    file (``benchmarks/write_header_gguf.py``); the plan assumes triton installed (a CUDA
+    torch brings it), whatever this machine has."""
+    import json
+
+    from moefit.devices.catalogue import find_gpu
+    from moefit.memory import gpu_kernels
+    from moefit.memory.weights import stored_matrices, weights_bytes
+    from moefit.plan.request import Request
+    from moefit.plan.solver import solve
+    from test_engine_llamacpp import header_writer
+
+    monkeypatch.setattr(gpu_kernels, "installed", lambda: True)
+    (tmp_path / "config.json").write_text(json.dumps(GLM45_AIR))
+    path = header_writer().write_header_gguf(str(tmp_path / "config.json"), "Q4_K_M",
+                                             tmp_path / "GLM-4.5-Air-Q4_K_M.gguf")
+    g = load_model(str(path))
+    card = find_gpu("RTX 5060 Ti 16GB")
+    plan = solve(g, card, Request(max_context=32768))
+    assert plan.fits
+    weights = plan.devices[0].line("weights")
+    kept = stored_matrices(g, "cuda")
+    assert weights.bytes < 4 << 30 and "Triton kernels" in weights.detail   # (the embeddings on the host)
+    assert weights_bytes(g, "cuda") < g.weight_bytes() - (8 << 30)        # every dense tensor in bf16
+    # every quantized dense matrix is kept: attention, shared experts, the dense MLP, output
+    assert {n for n, q, *_ in g.exact.matrices if q not in ("F32", "F16", "BF16")} == set(kept)
+    monkeypatch.setenv(gpu_kernels.DISABLE_ENV, "1")         # widened to bf16: does not fit
+    widened = solve(g, card, Request(max_context=32768))
+    assert not widened.fits and widened.devices[0].line("weights").bytes > 12 << 30

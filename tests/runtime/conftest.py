@@ -28,6 +28,10 @@ MIB = 1 << 20
 
 # tiny models: threads only add overhead on the 2-core CI machine
 torch.set_num_threads(1)
+# without a GPU, Triton's kernels run in its interpreter (tests/runtime/test_triton_kernels.py,
+# test_moe_device.py): it reads this at its first import, which any test may trigger
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 COMMON = dict(vocab_size=96, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
               max_position_embeddings=256, rms_norm_eps=1e-6, tie_word_embeddings=False)

@@ -100,10 +100,10 @@ def lowbit_quantizer(std: float):
 
 
 def write_random_ggufs(cfg: dict, formats: dict[str, tuple[str, str, str]], folder: Path,
-                       k_scale: float) -> dict[str, Path]:
+                       k_scale: float, dense_type: str = "F32") -> dict[str, Path]:
     """One file ``folder / f"{name}.gguf"`` per entry of ``formats`` (name -> gate, up, down
-    types) of the random weights of ``cfg``; the K-quants as :func:`k_blocks` with
-    ``k_scale``. Returns name -> path."""
+    types) of the random weights of ``cfg``, the 2-D dense weights in ``dense_type``; the
+    K-quants as :func:`k_blocks` with ``k_scale``. Returns name -> path."""
     import gguf
 
     from moefit.tools.gguf_write import write_gguf
@@ -116,7 +116,7 @@ def write_random_ggufs(cfg: dict, formats: dict[str, tuple[str, str, str]], fold
                                                 else real(data, t))
         for name, types in formats.items():
             out[name] = folder / f"{name}.gguf"
-            write_gguf(state, cfg, out[name], expert_types=types)
+            write_gguf(state, cfg, out[name], expert_types=types, dense_type=dense_type)
     finally:
         gguf.quants.quantize = real
     return out

@@ -187,13 +187,13 @@ def test_a_legacy_ssm_in_is_the_checkpoints_in_proj_qkvz():
     the same resident ``la_qkvz`` as from the checkpoint, and ``attn_qkv`` + ``attn_gate``
     as the writer splits them give it too."""
     from moefit.ingest.families.qwen_hybrid import _regroup
-    from moefit.runtime.load.hybrid_layout import gguf_linear_attention_entries, linear_attention_entries
+    from moefit.runtime.load.hybrid_layout import checkpoint_layout, gguf_linear_attention_entries
 
     geom = load_model(str(make_config_dir()))
     a, h = geom.layers[0].attention, geom.hidden_size
     nk, dk, dv, r = a.linear_num_key_heads, a.linear_key_head_dim, a.linear_value_head_dim, 2
     w = torch.randn(a.linear_conv_dim + a.linear_num_value_heads * dv, h)
-    hf = dict((e[0], e[1]) for e in linear_attention_entries("p.", a, h, lambda n: "qkvz" in n))["la_qkvz"]
+    hf, _ = checkpoint_layout("la_qkvz", [("p.in_proj_qkvz.weight", tuple(w.shape))], a)
     want = hf.build([w])
     legacy = dict((e[0], e[1]) for e in gguf_linear_attention_entries(0, a, h, lambda n: "ssm_in" in n, False))
     assert legacy["la_qkvz"].parts[0][0] == "blk.0.ssm_in.weight"

@@ -313,3 +313,66 @@ def test_experts_on_another_device_run_there_with_the_tokens_of_one(tiny_models,
     # 3 + 3 on one here), so only the loads per layer must agree
     loads = lambda s: {l: v["hits"] + v["misses"] for l, v in s["layers"].items()}
     assert loads(s2) == loads(s1) and s2["misses"] and s2["hits"]
+
+
+# ---- the Triton kernels (the CUDA path's products) in Triton's interpreter -----------------------
+@pytest.fixture
+def triton_on_cpu(monkeypatch):
+    """``MOEFIT_KERNELS=triton`` with ``TRITON_INTERPRET=1``: the stored matrices and the
+    resident experts multiplied by the Triton kernels a CUDA device runs, on CPU tensors."""
+    from moefit.memory.gpu_kernels import INTERPRET_ENV, KERNELS_ENV, installed
+
+    if not installed():
+        pytest.skip("triton is not installed")
+    monkeypatch.setenv(INTERPRET_ENV, "1")      # before triton's first import: its helpers read it then
+    monkeypatch.setenv(KERNELS_ENV, "triton")
+    import triton
+    from triton.runtime.interpreter import InterpretedFunction
+
+    if not isinstance(triton.language.zeros, InterpretedFunction):
+        pytest.skip("triton was imported before TRITON_INTERPRET=1 was set")
+    from moefit.runtime.kernels.triton import gguf as triton_gguf
+
+    calls = []
+    real = triton_gguf.matmul
+
+    def spy(x, raw, qtype, *a, **kw):
+        calls.append(qtype)
+        return real(x, raw, qtype, *a, **kw)
+
+    monkeypatch.setattr(triton_gguf, "matmul", spy)
+    return calls
+
+
+#: one MoE layer of 4 experts: the interpreter takes about 0.1-0.3 s a kernel call
+CFG1 = dict(CFG, num_hidden_layers=1, num_experts=4)
+
+
+@pytest.mark.triton
+def test_triton_kernels_run_the_device_path_like_the_expert_by_expert_path(tmp_path, device_path,
+                                                                           monkeypatch, triton_on_cpu):
+    """Q8_0 dense matrices and Q4_K / Q4_K / Q6_K experts, half of them resident, without the
+    C kernels: every product of the stored weights (attention, output, resident experts and
+    the misses on the host) through the Triton kernels' entry points, as on a CUDA device.
+    The plan keeps the dense matrices stored (planned = allocated) and the logits are
+    within fp32 rounding of the expert-by-expert path, which dequantizes, then multiplies."""
+    monkeypatch.setenv(DISABLE_ENV, "1")
+    monkeypatch.setattr(qmatmul, "available", lambda: False)
+    path = write_random_ggufs(CFG1, {"mix": FORMATS["Q4_K_M"]}, tmp_path, k_scale=0.002, dense_type="Q8_0")["mix"]
+    ids = prompt(CFG1["vocab_size"], 12)
+    opts = dict(progress=False, chunk=12, q_block=8, kv_block=16)
+    with monkeypatch.context() as mp:
+        one_by_one(mp)
+        mp.delenv("MOEFIT_KERNELS")
+        ref_plan = _gguf_plan(path, expert_cache=2, miss_policy="cpu")
+        ref_logits, ref_tokens = engine_greedy(Engine.start(path, ref_plan, EngineOptions(**opts)), ids, steps=1)
+    assert not triton_on_cpu
+    plan = _gguf_plan(path, expert_cache=2, miss_policy="cpu")
+    weights = plan.devices[0].line("weights")
+    assert weights.bytes < ref_plan.devices[0].line("weights").bytes and "Triton" in weights.detail
+    engine = Engine.start(path, plan, EngineOptions(**opts))
+    logits = [engine.prefill(ids)] + [engine.decode(t) for t in ref_tokens]
+    assert engine.ledger.lines["weights"].allocated == engine.ledger.lines["weights"].planned
+    assert device_path.layers and device_path.contiguous and engine.expert_stats()["misses"]
+    assert {"Q8_0", "Q4_K", "Q6_K"} <= set(triton_on_cpu)
+    assert max_error(logits, ref_logits) <= 1e-5

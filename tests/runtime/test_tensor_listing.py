@@ -1,8 +1,10 @@
-"""The geometry's tensor listing and the loaders agree: every tensor name and shape the
-safetensors loader (``runtime.load.safetensors._layer_plan`` / ``_mlp_plan`` / ``_expert_plan``) and
-the GGUF loader (``runtime.load.gguf._layer_plan`` / ``_expert_parts``) ask for is in the
-listing the plan priced (``ModelGeometry.layers[*].tensors`` / ``expert_tensors`` /
-``global_tensors``), and every listed tensor is one they load.
+"""The geometry's tensor listing is what the loaders load: both loaders build their entries
+from it (``runtime.load.listing.layer_entries``, by slot), so every tensor name and shape the
+safetensors loader (``runtime.load.safetensors._layer_plan`` / ``_expert_plan``) and the GGUF
+loader (``runtime.load.gguf._layer_plan`` / ``_expert_parts``) ask for is in the listing the
+plan priced (``ModelGeometry.layers[*].tensors`` / ``buffers`` / ``expert_tensors`` /
+``global_tensors``), every listed tensor is one they load, and every slot is a field the
+runtime's ``LayerWeights`` has.
 
 Checked for every preset whose family the runtime runs, a few variants the presets do not
 cover (attention biases, Qwen2-MoE, OLMoE), and the toy family of ``tests/toy_family.py``.
@@ -89,14 +91,11 @@ def _setup(cfg: dict):
 
 
 def _listing(geom: ModelGeometry, arch=None) -> tuple[dict[str, tuple], dict[str, tuple]]:
-    """(non-expert name -> shape, expert-0 name -> shape) of the geometry's listing, plus
-    (with ``arch``) the routers' ``e_score_correction_bias``: a buffer, which the listing
-    of parameters leaves out, that the loaders read and the exact pricing counts."""
+    """(non-expert name -> shape, expert-0 name -> shape) of the geometry's listing, the
+    layers' buffers (the routers' ``e_score_correction_bias``, which the loaders read and
+    the exact pricing counts) included."""
     dense = {t.name: tuple(t.shape) for t in geom.global_tensors}
-    dense |= {t.name: tuple(t.shape) for l in geom.layers for t in l.tensors}
-    if arch is not None:
-        dense |= {arch.names.hf("router_bias", f"{arch.prefix}layers.{l.index}."): (l.moe.num_experts,)
-                  for l in geom.moe_layers if l.moe.routing.bias}
+    dense |= {t.name: tuple(t.shape) for l in geom.layers for t in (*l.tensors, *l.buffers)}
     experts = {t.name: tuple(t.shape) for l in geom.layers for t in l.expert_tensors}
     return dense, experts
 
@@ -241,3 +240,58 @@ def test_arch_is_the_family_switches_with_the_torch_dtype(label, cfg):
         want = torch_dtype(sw.dtype) if f.name == "dtype" else getattr(sw, f.name)
         assert getattr(arch, f.name) == want, f.name
     assert arch.names is fam.names
+
+
+@pytest.mark.parametrize("label,cfg", CONFIGS, ids=[c[0] for c in CONFIGS])
+def test_every_listed_tensor_has_a_runtime_slot(label, cfg):
+    """The listing is slot-keyed: each layer tensor names a ``LayerWeights`` field, each
+    global ``embed`` / ``norm`` / ``lm_head``, each expert tensor its part; the router's
+    ``e_score_correction_bias`` is listed (as a buffer) exactly where the routing has one;
+    and the safetensors loader makes one entry per listed slot, under that slot."""
+    from dataclasses import fields
+
+    from moefit.runtime.weights import LayerWeights
+
+    geom, arch = _setup(cfg)
+    slots = {f.name for f in fields(LayerWeights)}
+    head = [] if arch.tie_embeddings else ["lm_head"]
+    assert [t.slot for t in geom.global_tensors] == ["embed", "norm", *head]
+    dense, experts = _listing(geom)
+    index = _ListingIndex(set(dense) | set(experts))
+    for l in geom.layers:
+        listed = [t.slot for t in (*l.tensors, *l.buffers)]
+        assert set(listed) <= slots, (l.index, set(listed) - slots)
+        assert [b.slot for b in l.buffers] == (["router_bias"] if l.moe and l.moe.routing.bias else [])
+        assert [e[0] for e in loader._layer_plan(l, geom, arch, index)] == list(dict.fromkeys(listed))
+        assert all(t.slot in ("gate", "up", "down", "gate_up", "gate_up_bias", "down_bias")
+                   for t in l.expert_tensors), l.index
+
+
+def test_a_listed_tensor_without_a_slot_is_refused():
+    """A family listing a tensor with no slot cannot be loaded: the loaders say which."""
+    from dataclasses import replace
+
+    from moefit.runtime.load.listing import layer_entries
+
+    geom, _ = _setup(dict(TOY_CONFIG))
+    l = geom.layers[0]
+    bad = replace(l, tensors=(*l.tensors, replace(l.tensors[0], name="model.layers.0.extra.weight", slot="")))
+    with pytest.raises(ValueError, match="extra.weight is listed without a slot"):
+        layer_entries(bad, lambda t: t.name)
+
+
+def test_gguf_mla_reads_a_split_kv_b():
+    """A GGUF of current llama.cpp splits MLA's ``kv_b_proj`` per head into ``attn_k_b``
+    ``[A, L, nope]`` and ``attn_v_b`` ``[A, Dv, L]``: the GGUF loader asks for those in the
+    listed ``kv_b``'s place, and for every other listed slot as with ``attn_kv_b``."""
+    geom, arch = _setup(_preset("DeepSeek-V3"))
+    l = geom.layers[0]
+    a = l.attention
+    whole = gguf_loader._layer_plan(l, geom, arch, SimpleNamespace(tensors={}))
+    split = gguf_loader._layer_plan(l, geom, arch, SimpleNamespace(tensors={"blk.0.attn_k_b.weight": None}))
+    nope = a.head_dim - a.qk_rope_head_dim
+    assert [e for e in whole if e[0] != "kv_b"] == [e for e in split if e[0] not in ("k_b", "v_b")]
+    assert [e for e in split if e[0] in ("k_b", "v_b")] == [
+        ("k_b", "blk.0.attn_k_b.weight", (a.num_heads, a.kv_lora_rank, nope)),
+        ("v_b", "blk.0.attn_v_b.weight", (a.num_heads, a.v_head_dim, a.kv_lora_rank))]
+    assert ("kv_b", "blk.0.attn_kv_b.weight", (a.num_heads * (nope + a.v_head_dim), a.kv_lora_rank)) in whole

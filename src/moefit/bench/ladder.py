@@ -20,7 +20,10 @@ The record (one dict, JSON-ready; sizes in bytes, rates in tokens/s) holds at le
 ``context``, ``prefill_chunk``, ``clamped``, ``lines`` (``key``, ``planned_bytes``,
 ``allocated_bytes``, ``peak_bytes`` in commit order), ``expert_slots``,
 ``expert_slots_pct``, ``weight_arena_bytes``, ``free_before_ready_bytes``, ``prefill_tps``
-(of the longest prompt), ``decode_tps`` and ``expert_hit_rate``; see :func:`run_context`.
+(of the longest prompt), ``decode_tps``, ``expert_hit_rate`` with the hit and miss
+counts, and on a CUDA device ``cuda``: ``torch.cuda.mem_get_info``'s free bytes before
+READY and the caching allocator's peaks (allocated, reserved) over the run; see
+:func:`run_context`.
 """
 
 from __future__ import annotations
@@ -133,6 +136,10 @@ def run_context(model_dir: str | Path, geom: ModelGeometry, device: Device, req:
 def _run(engine: Engine, geom: ModelGeometry, context: int, opts: BenchOptions) -> dict:
     ledger, plan, dev = engine.ledger, engine.plan, engine.ledger.device
     free_before_ready = _free_now(engine)
+    cuda = {}
+    if dev.type == "cuda":        # the driver's and the caching allocator's view, for the record
+        cuda["mem_get_info_free_before_ready_bytes"] = torch.cuda.mem_get_info(dev)[0]
+        torch.cuda.reset_peak_memory_stats(dev)
     committed = {l: s["slots"] for l, s in engine.expert_stats()["layers"].items()}
     slots = sum(committed.values())
     total = plan.total_experts
@@ -196,5 +203,8 @@ def _run(engine: Engine, geom: ModelGeometry, context: int, opts: BenchOptions) 
         "decode_tps": (len(tokens) - 1) / decode_s if len(tokens) > 1 and decode_s > 0 else 0.0,
         "greedy_tokens": tokens,
         "expert_hit_rate": stats["hit_rate"],
+        "expert_hits": stats["hits"], "expert_misses": stats["misses"],
+        **({"cuda": {**cuda, "max_memory_allocated_bytes": torch.cuda.max_memory_allocated(dev),
+                     "max_memory_reserved_bytes": torch.cuda.max_memory_reserved(dev)}} if cuda else {}),
         "engine_notes": [n for n in engine.notes if n != "READY"],
     }

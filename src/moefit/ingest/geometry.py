@@ -81,12 +81,20 @@ class Tensor:
         quantizable: True for the 2-D linear weights that a checkpoint's
             ``quantization_config`` applies to (not embeddings, norms, biases, routers,
             nor modules the config excludes).
+        slot: what the runtime fills from it: a field of
+            ``moefit.runtime.weights.LayerWeights`` (``q``, ``router``, ``la_qkvz``, ...;
+            tensors sharing a slot are stacked into it in listing order), a global
+            (``embed``, ``norm``, ``lm_head``) or, for an expert's tensors, its part
+            (``gate``, ``up``, ``down``, ...); the family's name table maps a slot to its
+            checkpoint and GGUF names (``moefit.ingest.families.common.NameTable``). Both
+            loaders read the listing by slot. ``""``: none (planning-only families).
     """
 
     name: str
     shape: tuple[int, ...]
     role: TensorRole
     quantizable: bool = False
+    slot: str = ""
 
     @property
     def numel(self) -> int:
@@ -228,7 +236,10 @@ class LayerSpec:
     ``tensors``: every non-expert tensor of the layer (attention, norms, router, shared
     expert, dense MLP). ``expert_tensors``: the tensors of ONE routed expert (empty for a
     dense layer); the layer holds ``moe.num_experts`` copies of them.
-    ``dense_intermediate``: width of the dense MLP (0 on MoE layers).
+    ``dense_intermediate``: width of the dense MLP (0 on MoE layers). ``buffers``: tensors
+    a checkpoint stores that are buffers, not parameters, of the reference implementation
+    (DeepSeek-V3's / GLM-4.5's ``e_score_correction_bias``): the loaders read them, the
+    analytic counts and bytes leave them out (the exact header reading counts them).
     """
 
     index: int
@@ -237,6 +248,7 @@ class LayerSpec:
     tensors: tuple[Tensor, ...]
     expert_tensors: tuple[Tensor, ...] = ()
     dense_intermediate: int = 0
+    buffers: tuple[Tensor, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -485,7 +485,7 @@ def packed_staging_bytes(elements: int) -> int:
     """Host bytes the GGUF loader holds while it rebuilds a resident tensor from
     ``elements`` stored elements (a hybrid's Gated DeltaNet projections or gated
     ``attn_q``, ``moefit.runtime.load.hybrid_layout.gguf_linear_attention_entries`` /
-    ``gated_q``): the parts dequantized to fp32, each regrouped into a copy, and the result
+    ``checkpoint_layout``): the parts dequantized to fp32, each regrouped into a copy, and the result
     they are concatenated into: 3 x 4 bytes per element."""
     return 3 * 4 * elements
 

@@ -61,6 +61,7 @@ from dataclasses import dataclass
 
 from moefit.errors import InputError
 from moefit.ingest.geometry import DTYPES, AttentionSpec, ModelGeometry
+from moefit.memory.layer_kinds import kind_of
 
 QBLOCK = 32  #: values per quantization block (q8_0 / q4_0 style)
 
@@ -168,17 +169,14 @@ def kv_format(name: str) -> KVFormat:
 
 
 def cell_bytes(att: AttentionSpec, fmt: KVFormat) -> int:
-    """Bytes of one token's cache entry in one layer (0 for linear attention).
+    """Bytes of one token's cache entry in one layer: the cell of its kind
+    (:meth:`~moefit.memory.layer_kinds.LayerKind.cell_dims`; 0 for linear attention) in
+    format ``fmt``.
 
     Raises ValueError for an unknown attention kind.
     """
-    if att.kind in ("full", "sliding", "chunked"):
-        return att.num_kv_heads * (fmt.k_bytes(att.head_dim) + fmt.v_bytes(att.v_head_dim))
-    if att.kind == "mla":
-        return fmt.k_bytes(att.kv_lora_rank + att.qk_rope_head_dim)   # cell_dims: no V
-    if att.kind == "linear":
-        return 0
-    raise ValueError(f"unknown attention kind {att.kind!r}")
+    heads, k_dim, v_dim = cell_dims(att)
+    return heads * (fmt.k_bytes(k_dim) + (fmt.v_bytes(v_dim) if v_dim else 0))
 
 
 def linear_state_bytes(att: AttentionSpec, dtype_bytes: int) -> int:
@@ -187,21 +185,16 @@ def linear_state_bytes(att: AttentionSpec, dtype_bytes: int) -> int:
 
 
 def linear_state_split(att: AttentionSpec, dtype_bytes: int) -> tuple[int, int]:
-    """(recurrent, conv) bytes of one Gated DeltaNet layer's state for one sequence; their
-    sum is :func:`linear_state_bytes`."""
-    recurrent = (att.linear_num_value_heads * att.linear_key_head_dim
-                 * att.linear_value_head_dim * att.state_dtype_bytes)
-    conv = att.linear_conv_dim * max(att.linear_conv_kernel - 1, 0) * dtype_bytes
-    return recurrent, conv
+    """(recurrent, conv) bytes of one layer's fixed state for one sequence (its kind's
+    :meth:`~moefit.memory.layer_kinds.LayerKind.state_split`; (0, 0) but for Gated
+    DeltaNet); their sum is :func:`linear_state_bytes`."""
+    return kind_of(att).state_split(att, dtype_bytes)
 
 
 def layer_cells(att: AttentionSpec, context: int, chunk: int) -> int:
-    """Cells (tokens) one sequence keeps in this layer; 0 for linear attention."""
-    if att.kind in ("sliding", "chunked") and att.sliding_window:
-        return min(context, att.sliding_window + chunk)
-    if att.kind == "linear":
-        return 0
-    return context
+    """Cells (tokens) one sequence keeps in this layer (its kind's
+    :meth:`~moefit.memory.layer_kinds.LayerKind.cell_count`); 0 for linear attention."""
+    return kind_of(att).cell_count(att, context, chunk)
 
 
 @dataclass(frozen=True)
@@ -236,11 +229,11 @@ def kv_bytes(geom: ModelGeometry, fmt: KVFormat, context: int, slots: int,
     cache_layers = 0
     for layer in geom.layers:
         att = layer.attention
-        if att.kind == "linear":
-            state += slots * linear_state_bytes(att, geom.dtype_bytes)
-            continue
-        cache_layers += 1
-        cells += slots * layer_cells(att, context, chunk) * cell_bytes(att, fmt)
+        kind = kind_of(att)
+        state += slots * sum(kind.state_split(att, geom.dtype_bytes))
+        if kind.cells:
+            cache_layers += 1
+            cells += slots * kind.cell_count(att, context, chunk) * cell_bytes(att, fmt)
     return KVBudget(cells + state, cells, state, cache_layers, geom.num_layers)
 
 
@@ -255,9 +248,8 @@ def kv_chunk_pieces(geom: ModelGeometry, fmt: KVFormat, context: int,
     different windows are handled exactly by taking one piece per breakpoint order.
     """
     base = kv_bytes(geom, fmt, context, slots, chunk=0).bytes
-    sliding = [(l.attention.sliding_window, slots * cell_bytes(l.attention, fmt))
-               for l in geom.layers
-               if l.attention.kind in ("sliding", "chunked") and l.attention.sliding_window]
+    windows_of = [(kind_of(l.attention).window(l.attention), l.attention) for l in geom.layers]
+    sliding = [(w, slots * cell_bytes(a, fmt)) for w, a in windows_of if w is not None]
     if not sliding:
         return [(base, 0)]
     # base counts min(context, window) cells for each sliding layer; the chunk adds
@@ -354,9 +346,7 @@ def cell_dims(att: AttentionSpec) -> tuple[int, int, int]:
     ``head_dim`` / ``v_head_dim``; MLA one latent row of ``kv_lora_rank +
     qk_rope_head_dim`` and no V (the latent is read as V too: its first ``kv_lora_rank``
     values). Their bytes are :func:`cell_bytes`."""
-    if att.kind == "mla":
-        return 1, att.kv_lora_rank + att.qk_rope_head_dim, 0
-    return att.num_kv_heads, att.head_dim, att.v_head_dim
+    return kind_of(att).cell_dims(att)
 
 
 def kv_layout(geom: ModelGeometry, fmt: KVFormat, context: int, slots: int,
@@ -370,7 +360,7 @@ def kv_layout(geom: ModelGeometry, fmt: KVFormat, context: int, slots: int,
     recurrent: list[tuple] = []
     for l in geom.layers:
         a = l.attention
-        if a.kind == "linear":
+        if kind_of(a).state:
             rec, _ = linear_state_split(a, geom.dtype_bytes)
             recurrent.append((l, off))
             off += slots * rec
@@ -385,7 +375,7 @@ def kv_layout(geom: ModelGeometry, fmt: KVFormat, context: int, slots: int,
             geom.dtype_bytes))
         off += slots * conv
     # chunked layers (Llama 4) are laid out for the bytes only: the runtime does not run them
-    cache = [l for l in geom.layers if l.attention.kind in ("full", "sliding", "chunked", "mla")]
+    cache = [l for l in geom.layers if kind_of(l.attention).cells]
     layers = []
     for l in cache:
         a = l.attention
@@ -397,6 +387,6 @@ def kv_layout(geom: ModelGeometry, fmt: KVFormat, context: int, slots: int,
         v_off = off
         off += slots * cells * heads * vb
         layers.append(CellLayout(
-            l.index, cells, a.sliding_window if a.kind == "sliding" else None, heads,
+            l.index, cells, kind_of(a).masked_window(a), heads,
             k_dim, v_dim, kb, vb, k_off, v_off))
     return KVLayout(off, fmt, context, slots, chunk, tuple(linear), tuple(layers))

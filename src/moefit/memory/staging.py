@@ -59,6 +59,7 @@ from dataclasses import dataclass
 from moefit.ingest.geometry import AttentionSpec, LayerSpec, ModelGeometry, Routing
 from moefit.memory import cpu_kernels
 from moefit.memory.kv import QBLOCK, KVFormat
+from moefit.memory.layer_kinds import kind_of
 
 ATTN_Q_BLOCK = 256      #: queries per attention tile (tokens)
 ATTN_KV_BLOCK = 512     #: cached tokens per attention tile (tokens)
@@ -564,7 +565,7 @@ def staging_model(geom: ModelGeometry, fmt: KVFormat, slots: int = 1,
     act = compute_bytes(geom)
     up = 0 if act == FP32 else 1
     h = geom.hidden_size
-    att = next((l.attention for l in geom.layers if l.attention.kind != "linear"),
+    att = next((l.attention for l in geom.layers if kind_of(l.attention).cells),
                geom.layers[0].attention)
     rot = att.rotary_dim or att.head_dim
     # residual stream (hidden, normed, layer output) and the RoPE cos / sin of the chunk

@@ -17,21 +17,35 @@ compute). With ``--miss-policy cpu`` (default) misses run on the host and the ar
 from __future__ import annotations
 
 from moefit.ingest.geometry import DTYPE_BYTES, ModelGeometry
-from moefit.memory import cpu_kernels
+from moefit.memory import cpu_kernels, gpu_kernels
 
 
 def stored_matrices(geom: ModelGeometry, device_kind: str) -> dict[str, int]:
     """The dense GGUF matrices the runtime keeps in their stored type on a device of
     ``device_kind``, by GGUF name -> stored bytes: on a CPU device where the C kernels run
     (:func:`moefit.memory.cpu_kernels.expected`), every quantized matrix they read
-    (:func:`~moefit.memory.cpu_kernels.keeps_stored`), so a decode step reads the file's
-    bytes (a Q6_K output matrix: 0.82 bytes per weight against 2 in bf16); elsewhere none
-    (they are dequantized to the compute dtype at load). Empty for a model without GGUF
-    headers. The GGUF loader keeps exactly these."""
+    (:func:`~moefit.memory.cpu_kernels.keeps_stored`); on a CUDA device where the Triton
+    kernels run (:func:`moefit.memory.gpu_kernels.expected`), every quantized matrix they
+    read (:func:`~moefit.memory.gpu_kernels.keeps_stored`). A decode step then reads the
+    file's bytes (a Q6_K output matrix: 0.82 bytes per weight against 2 in bf16), and the
+    memory a bf16 copy would take is left to the expert cache (GLM-4.5-Air's Q4_K_M dense
+    weights on a CUDA card, token embeddings on the host: 12.25 GiB in bf16, 3.74 GiB as
+    stored, so it plans at 32K on a 16 GB card). Elsewhere none (dequantized to the
+    compute dtype at load). A CPU device forced onto the Triton kernels
+    (:func:`moefit.memory.gpu_kernels.forced_on_cpu`) keeps what a CUDA device keeps. Empty
+    for a model without GGUF headers. The GGUF loader keeps exactly these."""
     matrices = getattr(geom.exact, "matrices", ())
-    if not matrices or not cpu_kernels.expected(device_kind):
+    if not matrices:
         return {}
-    return {name: nbytes for name, qtype, _, cols, nbytes in matrices if cpu_kernels.keeps_stored(qtype, cols)}
+    if device_kind == "cpu" and gpu_kernels.forced_on_cpu():   # the tests' run of the CUDA path
+        keeps = gpu_kernels.keeps_stored
+    elif cpu_kernels.expected(device_kind):
+        keeps = cpu_kernels.keeps_stored
+    elif gpu_kernels.expected(device_kind):
+        keeps = gpu_kernels.keeps_stored
+    else:
+        return {}
+    return {name: nbytes for name, qtype, _, cols, nbytes in matrices if keeps(qtype, cols)}
 
 
 def weights_bytes(geom: ModelGeometry, device_kind: str) -> int:
@@ -55,7 +69,9 @@ def weights_detail(geom: ModelGeometry, device_kind: str) -> str:
     if not kept:
         return geom.exact.line_detail()
     short = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}[geom.exact.compute_dtype]
-    return (f"exact, from GGUF; {len(kept)} quantized matrices kept as stored (C kernels), "
+    kernels = ("Triton kernels" if gpu_kernels.expected(device_kind) or gpu_kernels.forced_on_cpu()
+               else "C kernels")
+    return (f"exact, from GGUF; {len(kept)} quantized matrices kept as stored ({kernels}), "
             f"the rest dequantized to {short} at load")
 
 

@@ -49,11 +49,6 @@ class Arch(Switches):
         """The MoE block's checkpoint name (:attr:`NameTable.moe_prefix`)."""
         return self.names.moe_prefix
 
-    @property
-    def expert_names(self) -> tuple[str, str, str]:
-        """The (gate, up, down) module names of one expert (:attr:`NameTable.expert_parts`)."""
-        return self.names.expert_parts
-
 
 def read_config(model_dir: str | Path) -> dict:
     """``config.json`` of a model directory. Raises InputError naming the file."""

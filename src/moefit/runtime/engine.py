@@ -50,7 +50,7 @@ import torch
 from moefit.devices import Device
 from moefit.errors import InputError
 from moefit.ingest.inputs import is_gguf_file, read_routing_profile
-from moefit.memory import cpu_kernels
+from moefit.memory import cpu_kernels, gpu_kernels
 from moefit.memory.host import miss_host_buffer, miss_host_bytes
 from moefit.memory.staging import ATTN_KV_BLOCK, ATTN_Q_BLOCK, expert_fixed_region_bytes
 from moefit.memory.weights import stored_matrices
@@ -64,6 +64,7 @@ from moefit.runtime.buffers.ledger import (FAIL_ENV, BudgetError, HostLedger, Le
 from moefit.runtime.load.safetensors import load_checkpoint
 from moefit.runtime.weights import ExpertSource, fp8_matrices
 from moefit.runtime.kernels import qmatmul
+from moefit.runtime.kernels import triton as triton_kernels
 from moefit.runtime.model import Model, forward, forward_batch, segments
 from moefit.runtime.kernels.quant import StoredMatrix
 from moefit.runtime.layers.rope import Rotary, rope_from_config
@@ -157,6 +158,8 @@ class Engine:
             raise InputError(f"the CPU kernels for GGUF tensors failed to build: "
                              f"{qmatmul.unavailable_reason()}; fix the compiler ({cpu_kernels.compiler()}) "
                              f"or set {cpu_kernels.DISABLE_ENV}=1 to plan and run without them")
+        if gguf and triton_kernels.used_on(dev.type):
+            _check_triton(dev.type)
         cfg = gguf_config(model_dir) if gguf else read_config(model_dir)
         arch = arch_from_config(cfg, geom)
 
@@ -300,6 +303,17 @@ class Engine:
         if self.host is not None:
             tables.append(self.host.report())
         return "\n".join(tables)
+
+
+def _check_triton(device_type: str) -> None:
+    """Import the Triton kernels the plan priced GGUF matrices for (stored on the device).
+    Raises InputError naming the fix when they do not import."""
+    try:
+        from moefit.runtime.kernels.triton import gguf  # noqa: F401
+    except Exception as e:       # an ImportError, or Triton's own errors on a broken install
+        raise InputError(f"the Triton kernels for GGUF tensors on {device_type} did not load ({e}); "
+                         f"fix the triton install (pip install 'moefit[cuda]'), or set "
+                         f"{gpu_kernels.DISABLE_ENV}=1 to plan and run with the matrices dequantized") from e
 
 
 def _stored(weights) -> list[StoredMatrix]:

@@ -55,7 +55,7 @@ class LayerWeights:
     la_a_log: torch.Tensor | None = None     # [Nv]
     la_norm: torch.Tensor | None = None      # [Dv]
     la_out: torch.Tensor | None = None       # [H, Nv*Dv]
-    # MLA (DeepSeek; see mla_plan): L kv_lora_rank, R qk_rope_head_dim, Q q_lora_rank
+    # MLA (DeepSeek; the listing of moefit.ingest.families.deepseek): L kv_lora_rank, R qk_rope_head_dim, Q q_lora_rank
     q_a: torch.Tensor | None = None          # [Q, H]
     q_a_bias: torch.Tensor | None = None     # [Q]
     q_a_norm: torch.Tensor | None = None     # [Q]

@@ -265,32 +265,57 @@ def partial_rotary(c: Cfg, default: float = 1.0) -> float:
                          "partial_rotary_factor", c.source, low=0.0, high=1.0)
 
 
-def linear(name: str, out_f: int, in_f: int, role: str, bias: bool = False) -> list[Tensor]:
-    """An ``nn.Linear(in_f, out_f)``: weight ``[out_f, in_f]`` (+ bias ``[out_f]``)."""
-    ts = [Tensor(f"{name}.weight", (out_f, in_f), role, quantizable=True)]
+def linear(name: str, out_f: int, in_f: int, role: str, bias: bool = False, slot: str = "") -> list[Tensor]:
+    """An ``nn.Linear(in_f, out_f)``: weight ``[out_f, in_f]`` (+ bias ``[out_f]``), filling
+    ``slot`` (the bias ``{slot}_bias``; :attr:`~moefit.ingest.geometry.Tensor.slot`)."""
+    ts = [Tensor(f"{name}.weight", (out_f, in_f), role, quantizable=True, slot=slot)]
     if bias:
-        ts.append(Tensor(f"{name}.bias", (out_f,), role))
+        ts.append(Tensor(f"{name}.bias", (out_f,), role, slot=slot and f"{slot}_bias"))
     return ts
 
 
-def norm_tensor(name: str, dim: int) -> Tensor:
-    return Tensor(f"{name}.weight", (dim,), "norm")
+def norm_tensor(name: str, dim: int, slot: str = "") -> Tensor:
+    return Tensor(f"{name}.weight", (dim,), "norm", slot=slot)
+
+
+def slot_linear(names: "NameTable", p: str, slot: str, out_f: int, in_f: int, role: str,
+                bias: bool = False) -> list[Tensor]:
+    """:func:`linear` of ``slot`` in the layer under ``p``, the weight named by the family's
+    table ``names`` (the bias beside it: ``{module}.bias``, slot ``{slot}_bias``)."""
+    return linear(names.hf(slot, p).removesuffix(".weight"), out_f, in_f, role, bias, slot)
+
+
+def slot_norm(names: "NameTable", p: str, slot: str, dim: int) -> Tensor:
+    """An RMSNorm weight ``[dim]`` of ``slot``, named by the family's table ``names``."""
+    return Tensor(names.hf(slot, p), (dim,), "norm", slot=slot)
+
+
+def slot_swiglu(names: "NameTable", p: str, which: str, hidden: int, inter: int, role: str) -> list[Tensor]:
+    """A SwiGLU MLP (``LlamaMLP``) of slots ``{which}_gate`` / ``{which}_up`` ``[inter,
+    hidden]`` and ``{which}_down`` ``[hidden, inter]`` (``which``: ``dense`` for a dense
+    layer's MLP, ``shared`` for the shared expert), named by the family's table ``names``."""
+    return (slot_linear(names, p, f"{which}_gate", inter, hidden, role)
+            + slot_linear(names, p, f"{which}_up", inter, hidden, role)
+            + slot_linear(names, p, f"{which}_down", hidden, inter, role))
 
 
 def swiglu(prefix: str, hidden: int, inter: int, role: str,
             names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")) -> list[Tensor]:
-    """Gate / up ``[inter, hidden]`` and down ``[hidden, inter]`` (``LlamaMLP``)."""
+    """Gate / up ``[inter, hidden]`` and down ``[hidden, inter]`` (``LlamaMLP``) of the modules
+    ``names`` under ``prefix``: a routed expert's parts (slots ``gate``, ``up``, ``down``)."""
     g, u, d = names
-    return (linear(f"{prefix}{g}", inter, hidden, role) + linear(f"{prefix}{u}", inter, hidden, role)
-            + linear(f"{prefix}{d}", hidden, inter, role))
+    return (linear(f"{prefix}{g}", inter, hidden, role, slot="gate")
+            + linear(f"{prefix}{u}", inter, hidden, role, slot="up")
+            + linear(f"{prefix}{d}", hidden, inter, role, slot="down"))
 
 
 def global_tensors(embed_prefix: str, head_name: str, hidden: int, vocab: int, tied: bool) -> tuple[Tensor, ...]:
-    """``embed_tokens`` ``[vocab, hidden]``, final ``norm`` ``[hidden]``, ``lm_head`` unless tied."""
-    ts = [Tensor(f"{embed_prefix}embed_tokens.weight", (vocab, hidden), "embed"),
-          norm_tensor(f"{embed_prefix}norm", hidden)]
+    """``embed_tokens`` ``[vocab, hidden]``, final ``norm`` ``[hidden]``, ``lm_head`` unless
+    tied (slots ``embed``, ``norm``, ``lm_head``; names of :data:`GLOBAL_NAMES`)."""
+    ts = [Tensor(f"{embed_prefix}{GLOBAL_NAMES['embed'][0]}", (vocab, hidden), "embed", slot="embed"),
+          Tensor(f"{embed_prefix}{GLOBAL_NAMES['norm'][0]}", (hidden,), "norm", slot="norm")]
     if not tied:
-        ts.append(Tensor(head_name, (vocab, hidden), "lm_head"))
+        ts.append(Tensor(head_name, (vocab, hidden), "lm_head", slot="lm_head"))
     return tuple(ts)
 
 
@@ -317,23 +342,24 @@ def read_sizes(c: Cfg, head_dim_default: int | None = None) -> Sizes:
 
 
 def gqa(p: str, m: Sizes, *, qkv_bias: bool = False, o_bias: bool = False, q_mult: int = 1,
-         qk_norm: str = "", sinks: bool = False) -> list[Tensor]:
-    """Softmax attention ``self_attn``: q ``[q_mult*heads*hd, hidden]``, k/v
-    ``[kv_heads*hd, hidden]``, o ``[hidden, heads*hd]``; ``qk_norm`` ``"head"`` (Qwen3:
-    ``[hd]``) or ``"full"`` (OLMoE: ``[heads*hd]`` / ``[kv_heads*hd]``); gpt-oss ``sinks``
-    ``[heads]``.
+         qk_norm: str = "", sinks: bool = False, names: "NameTable | None" = None) -> list[Tensor]:
+    """Softmax attention: q ``[q_mult*heads*hd, hidden]``, k/v ``[kv_heads*hd, hidden]``, o
+    ``[hidden, heads*hd]``; ``qk_norm`` ``"head"`` (Qwen3: ``[hd]``) or ``"full"`` (OLMoE:
+    ``[heads*hd]`` / ``[kv_heads*hd]``); gpt-oss ``sinks`` ``[heads]``. Slots ``q``, ``k``,
+    ``v``, ``o`` (+ ``_bias``), ``q_norm``, ``k_norm``, ``sinks``, named by the family's
+    table ``names`` (default :data:`LAYER_NAMES`: ``self_attn.q_proj`` ...).
     """
-    a = f"{p}self_attn."
+    n = names or STANDARD_NAMES
     q_out, kv_out = m.heads * m.head_dim, m.kv_heads * m.head_dim
-    ts: list[Tensor] = [Tensor(f"{a}sinks", (m.heads,), "attention")] if sinks else []
-    ts += linear(f"{a}q_proj", q_mult * q_out, m.hidden, "attention", qkv_bias)
-    ts += linear(f"{a}k_proj", kv_out, m.hidden, "attention", qkv_bias)
-    ts += linear(f"{a}v_proj", kv_out, m.hidden, "attention", qkv_bias)
-    ts += linear(f"{a}o_proj", m.hidden, q_out, "attention", o_bias)
+    ts: list[Tensor] = [Tensor(n.hf("sinks", p), (m.heads,), "attention", slot="sinks")] if sinks else []
+    ts += slot_linear(n, p, "q", q_mult * q_out, m.hidden, "attention", qkv_bias)
+    ts += slot_linear(n, p, "k", kv_out, m.hidden, "attention", qkv_bias)
+    ts += slot_linear(n, p, "v", kv_out, m.hidden, "attention", qkv_bias)
+    ts += slot_linear(n, p, "o", m.hidden, q_out, "attention", o_bias)
     if qk_norm == "head":
-        ts += [norm_tensor(f"{a}q_norm", m.head_dim), norm_tensor(f"{a}k_norm", m.head_dim)]
+        ts += [slot_norm(n, p, "q_norm", m.head_dim), slot_norm(n, p, "k_norm", m.head_dim)]
     elif qk_norm == "full":
-        ts += [norm_tensor(f"{a}q_norm", q_out), norm_tensor(f"{a}k_norm", kv_out)]
+        ts += [slot_norm(n, p, "q_norm", q_out), slot_norm(n, p, "k_norm", kv_out)]
     return ts
 
 
@@ -345,8 +371,10 @@ def attn_spec(m: Sizes, kind: str = "full", rotary: float = 1.0, window: int | N
                          output_gate=output_gate)
 
 
-def layer_norms(p: str, hidden: int) -> list[Tensor]:
-    return [norm_tensor(f"{p}input_layernorm", hidden), norm_tensor(f"{p}post_attention_layernorm", hidden)]
+def layer_norms(p: str, hidden: int, names: "NameTable | None" = None) -> list[Tensor]:
+    """The layer's two RMSNorm weights ``[hidden]`` (slots ``input_norm``, ``post_norm``)."""
+    n = names or STANDARD_NAMES
+    return [slot_norm(n, p, "input_norm", hidden), slot_norm(n, p, "post_norm", hidden)]
 
 
 def expert_tensors(prefix: str, hidden: int, inter: int,
@@ -356,10 +384,18 @@ def expert_tensors(prefix: str, hidden: int, inter: int,
 
 
 def router_tensors(name: str, experts: int, hidden: int, bias: bool = False) -> list[Tensor]:
-    ts = [Tensor(f"{name}.weight", (experts, hidden), "router")]
+    """The router module ``name`` (:meth:`NameTable.router_module`): weight ``[experts,
+    hidden]`` (slot ``router``), bias ``[experts]`` (slot ``router_bias``); never quantized."""
+    ts = [Tensor(f"{name}.weight", (experts, hidden), "router", slot="router")]
     if bias:
-        ts.append(Tensor(f"{name}.bias", (experts,), "router"))
+        ts.append(Tensor(f"{name}.bias", (experts,), "router", slot="router_bias"))
     return ts
+
+
+def score_bias_buffer(names: "NameTable", p: str, experts: int) -> Tensor:
+    """The router's ``e_score_correction_bias`` ``[experts]`` (slot ``router_bias``), a
+    buffer of the reference implementation (``LayerSpec.buffers``)."""
+    return Tensor(names.hf("router_bias", p), (experts,), "router", slot="router_bias")
 
 
 # --------------------------------------------------------------------------------------------
@@ -523,9 +559,9 @@ class NameTable:
     experts only fused over the layer (gpt-oss), those tensors' names under
     ``{moe}.experts.``. ``shared_gate``: the shared expert is scaled by a 1-row sigmoid
     gate (``shared_expert_gate``: Qwen2-MoE, Qwen3-Next); DeepSeek's and GLM-4.5's
-    ``shared_experts`` are added ungated. The one home of a family's MoE names: its parser lists them
-    (:meth:`router_module`, :meth:`hf_experts`), the runtime loads them
-    (``moefit.runtime.arch.Arch.moe_prefix`` / ``expert_names``).
+    ``shared_experts`` are added ungated. The one home of a family's names: its parser lists
+    them (:meth:`hf`, :meth:`router_module`, :meth:`hf_experts`), the loaders read that
+    listing by slot (``moefit.runtime.load.listing``), the GGUF one through :meth:`gguf`.
     """
 
     layer: dict[str, tuple[str, str]]
@@ -551,9 +587,9 @@ class NameTable:
         (``model.layers.3.mlp.experts.``; expert ``j`` is ``{this}{j}.{part}.weight``)."""
         return f"{layer_prefix}{self.moe_prefix}.experts."
 
-    def hf_candidates(self, slot: str, layer_prefix: str) -> list[str]:
-        """The checkpoint names ``slot`` may have: the table's, then its aliases."""
-        return [self.hf(slot, layer_prefix)] + [f"{layer_prefix}{a}" for a, s in self.aliases.items() if s == slot]
+    def hf_aliases(self, slot: str, layer_prefix: str) -> list[str]:
+        """The other checkpoint names ``slot`` may have under ``layer_prefix`` (:attr:`aliases`)."""
+        return [f"{layer_prefix}{a}" for a, s in self.aliases.items() if s == slot]
 
     def hf(self, slot: str, layer_prefix: str) -> str:
         """Checkpoint name of ``slot`` under ``layer_prefix`` (``model.layers.3.``)."""
@@ -594,6 +630,11 @@ def name_table(moe_prefix: str = "mlp", layer: dict[str, tuple[str, str]] | None
     aliases = {} if moe_prefix == "mlp" else {LAYER_NAMES["router"][0].replace("{moe}", "mlp"): "router"}
     return NameTable(table, dict(GLOBAL_NAMES), dict(GGUF_EXPERT_NAMES), aliases,
                      tuple(dict.fromkeys((moe_prefix, "mlp"))), tuple(expert_parts), shared_gate=shared_gate)
+
+
+#: The name table of :data:`LAYER_NAMES` as they stand (MoE block ``mlp``): the builders'
+#: default (:func:`gqa`, :func:`layer_norms`).
+STANDARD_NAMES = name_table()
 
 
 # --------------------------------------------------------------------------------------------

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from moefit.errors import InputError
 from moefit.ingest.families.common import (
     FP8_ROLES, Cfg, Family, GGUFFacts, GGUFMeta, Switches, dtype_name, expert_tensors,
-    global_tensors, layer_norms, linear, name_table, norm_tensor, rope_block, router_tensors,
-    swiglu,
+    global_tensors, layer_norms, name_table, rope_block, router_tensors, score_bias_buffer,
+    slot_linear, slot_norm, slot_swiglu,
 )
 from moefit.ingest.geometry import (
     AttentionSpec, LayerSpec, ModelGeometry, MoESpec, Quantization, RopeSpec, Routing, Tensor,
@@ -110,30 +110,32 @@ def mla_layers(s: MlaSizes) -> list[LayerSpec]:
     layers = []
     for i in range(s.layers):
         p = f"model.layers.{i}."
-        a = f"{p}self_attn."
+        n = NAMES
         if s.q_lora:
-            ts = (linear(f"{a}q_a_proj", s.q_lora, s.hidden, "attention", s.attention_bias)
-                  + [norm_tensor(f"{a}q_a_layernorm", s.q_lora)]
-                  + linear(f"{a}q_b_proj", s.heads * qk_head, s.q_lora, "attention"))
+            ts = (slot_linear(n, p, "q_a", s.q_lora, s.hidden, "attention", s.attention_bias)
+                  + [slot_norm(n, p, "q_a_norm", s.q_lora)]
+                  + slot_linear(n, p, "q_b", s.heads * qk_head, s.q_lora, "attention"))
         else:
-            ts = linear(f"{a}q_proj", s.heads * qk_head, s.hidden, "attention")
-        ts += linear(f"{a}kv_a_proj_with_mqa", s.kv_lora + s.rope, s.hidden, "attention", s.attention_bias)
-        ts += [norm_tensor(f"{a}kv_a_layernorm", s.kv_lora)]
-        ts += linear(f"{a}kv_b_proj", s.heads * (s.nope + s.v_dim), s.kv_lora, "attention")
-        ts += linear(f"{a}o_proj", s.hidden, s.heads * s.v_dim, "attention", s.attention_bias)
-        moe, experts, dense_i = None, (), 0
+            ts = slot_linear(n, p, "q", s.heads * qk_head, s.hidden, "attention")
+        ts += slot_linear(n, p, "kv_a", s.kv_lora + s.rope, s.hidden, "attention", s.attention_bias)
+        ts += [slot_norm(n, p, "kv_a_norm", s.kv_lora)]
+        ts += slot_linear(n, p, "kv_b", s.heads * (s.nope + s.v_dim), s.kv_lora, "attention")
+        ts += slot_linear(n, p, "o", s.hidden, s.heads * s.v_dim, "attention", s.attention_bias)
+        moe, experts, dense_i, buffers = None, (), 0, ()
         if s.experts and i >= s.first_dense and i % s.moe_freq == 0:
-            ts += router_tensors(f"{p}mlp.gate", s.experts, s.hidden)
+            ts += router_tensors(n.router_module(p), s.experts, s.hidden)
+            if s.routing.bias:
+                buffers = (score_bias_buffer(n, p, s.experts),)
             if s.shared:
-                ts += swiglu(f"{p}mlp.shared_experts.", s.hidden, s.moe_inter * s.shared, "shared_expert")
-            experts = expert_tensors(f"{p}mlp.experts.", s.hidden, s.moe_inter)
+                ts += slot_swiglu(n, p, "shared", s.hidden, s.moe_inter * s.shared, "shared_expert")
+            experts = expert_tensors(n.hf_experts(p), s.hidden, s.moe_inter, n.expert_parts)
             moe = MoESpec(s.experts, s.top_k, s.moe_inter, s.shared, s.moe_inter * s.shared,
                           s.routing)
         else:
             dense_i = s.dense_inter
-            ts += swiglu(f"{p}mlp.", s.hidden, dense_i, "dense_mlp")
-        ts += layer_norms(p, s.hidden)
-        layers.append(LayerSpec(i, spec, moe, tuple(ts), experts, dense_i))
+            ts += slot_swiglu(n, p, "dense", s.hidden, dense_i, "dense_mlp")
+        ts += layer_norms(p, s.hidden, n)
+        layers.append(LayerSpec(i, spec, moe, tuple(ts), experts, dense_i, buffers))
     return layers
 
 

@@ -1,4 +1,5 @@
-"""Dense Qwen3 and Llama (``model_type`` ``qwen3``, ``llama``): config and GGUF mapping (planning only).from moefit.ingest.geometry import LayerSpec, Tensor
+"""Dense Qwen3 and Llama (``model_type`` ``qwen3``, ``llama``): config and GGUF mapping (planning only).
+
 Sources: transformers 5.x ``modeling_qwen3.py``, ``modeling_llama.py``; a ``llama`` GGUF
 file without experts (llama.cpp ``convert_hf_to_gguf.py`` ``LlamaModel``) maps here through
 :mod:`moefit.ingest.families.mixtral`, which owns the ``llama`` architecture.
@@ -8,8 +9,8 @@ This module imports no torch.
 from __future__ import annotations
 
 from moefit.ingest.families.common import (
-    Cfg, Family, GGUFFacts, GGUFMeta, attn_spec, global_tensors, gqa, layer_norms, layer_types,
-    linear, partial_rotary, read_sizes, softmax_kind,
+    STANDARD_NAMES, Cfg, Family, GGUFFacts, GGUFMeta, attn_spec, global_tensors, gqa, layer_norms,
+    layer_types, partial_rotary, read_sizes, slot_linear, softmax_kind,
 )
 from moefit.ingest.geometry import LayerSpec, Tensor
 
@@ -33,8 +34,9 @@ def parse(c: Cfg, kind: str) -> tuple[list[LayerSpec], tuple[Tensor, ...], int]:
     for i in range(m.layers):
         p = f"model.layers.{i}."
         ts = gqa(p, m, qkv_bias=bias, o_bias=bias, qk_norm="head" if qwen3 else "")
-        ts += [t for name in ("gate_proj", "up_proj") for t in linear(f"{p}mlp.{name}", inter, m.hidden, "dense_mlp", mlp_bias)]
-        ts += linear(f"{p}mlp.down_proj", m.hidden, inter, "dense_mlp", mlp_bias)
+        ts += [t for slot, n_out, n_in in (("dense_gate", inter, m.hidden), ("dense_up", inter, m.hidden),
+                                           ("dense_down", m.hidden, inter))
+               for t in slot_linear(STANDARD_NAMES, p, slot, n_out, n_in, "dense_mlp", mlp_bias)]
         ts += layer_norms(p, m.hidden)
         spec = attn_spec(m, softmax_kind(c, types[i], window), partial_rotary(c), window)
         layers.append(LayerSpec(i, spec, None, tuple(ts), (), inter))

@@ -15,7 +15,7 @@ from moefit.errors import InputError
 from moefit.ingest.families.common import (
     Cfg, Family, GGUFFacts, GGUFMeta, Switches, attn_spec, dtype_name, expert_tensors,
     global_tensors, gqa, layer_norms, name_table, partial_rotary, read_sizes, router_tensors,
-    swiglu,
+    score_bias_buffer, slot_swiglu,
 )
 from moefit.ingest.families.deepseek import SHARED_EXPERTS_NAMES
 from moefit.ingest.geometry import LayerSpec, MoESpec, Routing, Tensor
@@ -53,7 +53,7 @@ def parse(c: Cfg, kind: str) -> tuple[list[LayerSpec], tuple[Tensor, ...], int]:
     Attention: ``attention_bias`` on q/k/v only (o_proj has none), q_norm/k_norm ``[head_dim]``
     when ``use_qk_norm``, ``partial_rotary_factor`` (default 0.5). Layers ``>=
     first_k_dense_replace`` (default 1) are MoE: router ``mlp.gate`` ``[E, hidden]`` (+ buffer
-    ``e_score_correction_bias``, not listed), experts of width ``moe_intermediate_size``,
+    ``e_score_correction_bias``, in ``LayerSpec.buffers``), experts of width ``moe_intermediate_size``,
     ``mlp.shared_experts`` of width ``moe_intermediate_size * n_shared_experts`` (default 1).
     MTP layers (``num_nextn_predict_layers``) are stored after the last decoder layer and
     not listed.
@@ -69,19 +69,21 @@ def parse(c: Cfg, kind: str) -> tuple[list[LayerSpec], tuple[Tensor, ...], int]:
     layers = []
     for i in range(m.layers):
         p = f"model.layers.{i}."
-        ts = gqa(p, m, qkv_bias=bool(c.get("attention_bias", False)), qk_norm=qk_norm)
-        moe, experts, dense_i = None, (), 0
+        ts = gqa(p, m, qkv_bias=bool(c.get("attention_bias", False)), qk_norm=qk_norm, names=NAMES)
+        moe, experts, dense_i, buffers = None, (), 0, ()
         if i >= first_dense:
             ts += router_tensors(NAMES.router_module(p), e, m.hidden)
+            buffers = (score_bias_buffer(NAMES, p, e),)
             if n_sh:
-                ts += swiglu(f"{p}mlp.shared_experts.", m.hidden, moe_i * n_sh, "shared_expert")
+                ts += slot_swiglu(NAMES, p, "shared", m.hidden, moe_i * n_sh, "shared_expert")
             experts = expert_tensors(NAMES.hf_experts(p), m.hidden, moe_i, NAMES.expert_parts)
             moe = MoESpec(e, k, moe_i, n_sh, moe_i * n_sh, routing)
         else:
             dense_i = c.int("intermediate_size")
-            ts += swiglu(f"{p}mlp.", m.hidden, dense_i, "dense_mlp")
-        ts += layer_norms(p, m.hidden)
-        layers.append(LayerSpec(i, attn_spec(m, "full", rotary), moe, tuple(ts), experts, dense_i))
+            ts += slot_swiglu(NAMES, p, "dense", m.hidden, dense_i, "dense_mlp")
+        ts += layer_norms(p, m.hidden, NAMES)
+        layers.append(LayerSpec(i, attn_spec(m, "full", rotary), moe, tuple(ts), experts, dense_i,
+                                buffers))
     tied = bool(c.get("tie_word_embeddings", False))
     return layers, global_tensors("model.", "lm_head.weight", m.hidden, m.vocab, tied), m.max_pos
 

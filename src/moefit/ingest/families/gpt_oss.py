@@ -75,14 +75,14 @@ def parse(c: Cfg, kind: str) -> tuple[list[LayerSpec], tuple[Tensor, ...], int]:
     layers = []
     for i in range(m.layers):
         p = f"model.layers.{i}."
-        ts = gqa(p, m, qkv_bias=bias, o_bias=bias, sinks=True)
-        ts += router_tensors(NAMES.router_module(p), e, m.hidden, bias=True) + layer_norms(p, m.hidden)
+        ts = gqa(p, m, qkv_bias=bias, o_bias=bias, sinks=True, names=NAMES)
+        ts += router_tensors(NAMES.router_module(p), e, m.hidden, bias=True) + layer_norms(p, m.hidden, NAMES)
         x = NAMES.hf_experts(p)
         gu, gub, dn, dnb = NAMES.fused_experts
-        experts = (Tensor(f"{x}{gu}", (2 * inter, m.hidden), "expert", True),
-                   Tensor(f"{x}{gub}", (2 * inter,), "expert"),
-                   Tensor(f"{x}{dn}", (m.hidden, inter), "expert", True),
-                   Tensor(f"{x}{dnb}", (m.hidden,), "expert"))
+        experts = (Tensor(f"{x}{gu}", (2 * inter, m.hidden), "expert", True, "gate_up"),
+                   Tensor(f"{x}{gub}", (2 * inter,), "expert", slot="gate_up_bias"),
+                   Tensor(f"{x}{dn}", (m.hidden, inter), "expert", True, "down"),
+                   Tensor(f"{x}{dnb}", (m.hidden,), "expert", slot="down_bias"))
         spec = attn_spec(m, softmax_kind(c, types[i], window), partial_rotary(c), window)
         layers.append(LayerSpec(i, spec, MoESpec(e, k, inter), tuple(ts), experts))
     tied = bool(c.get("tie_word_embeddings", False))

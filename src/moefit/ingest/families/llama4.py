@@ -7,10 +7,23 @@ from __future__ import annotations
 
 from moefit.errors import InputError
 from moefit.ingest.families.common import (
-    Cfg, Family, attn_spec, global_tensors, gqa, layer_norms, layer_types, partial_rotary,
-    read_sizes, router_tensors, swiglu,
+    GGUF_LAYER_EXTRA, Cfg, Family, attn_spec, global_tensors, gqa, layer_norms, layer_types, name_table,
+    partial_rotary, read_sizes, router_tensors, slot_swiglu,
 )
 from moefit.ingest.geometry import LayerSpec, MoESpec, Tensor
+
+#: The MLP block ``feed_forward`` (router ``feed_forward.router``, one ``shared_expert``, a
+#: dense layer's ``feed_forward.{gate,up,down}_proj``; GGUF names of
+#: :data:`~moefit.ingest.families.common.GGUF_LAYER_EXTRA`).
+NAMES = name_table("feed_forward", {
+    slot: (hf, GGUF_LAYER_EXTRA[hf]) for slot, hf in (
+        ("router", "feed_forward.router.weight"),
+        ("shared_gate", "feed_forward.shared_expert.gate_proj.weight"),
+        ("shared_up", "feed_forward.shared_expert.up_proj.weight"),
+        ("shared_down", "feed_forward.shared_expert.down_proj.weight"),
+        ("dense_gate", "feed_forward.gate_proj.weight"),
+        ("dense_up", "feed_forward.up_proj.weight"),
+        ("dense_down", "feed_forward.down_proj.weight"))})
 
 
 def parse(c: Cfg, kind: str) -> tuple[list[LayerSpec], tuple[Tensor, ...], int]:
@@ -56,18 +69,19 @@ def parse(c: Cfg, kind: str) -> tuple[list[LayerSpec], tuple[Tensor, ...], int]:
         chunked = types[i] == "chunked_attention" and bool(chunk)
         spec = (attn_spec(m, "chunked", partial_rotary(tc), window=int(chunk)) if chunked
                 else attn_spec(m, "full", partial_rotary(tc)))
-        ts = gqa(p, m, qkv_bias=bias, o_bias=bias)
-        f = f"{p}feed_forward."
+        ts = gqa(p, m, qkv_bias=bias, o_bias=bias, names=NAMES)
         moe, experts, dense_i = None, (), 0
         if i in moe_layers:
-            ts += router_tensors(f"{f}router", e, m.hidden) + swiglu(f"{f}shared_expert.", m.hidden, inter, "shared_expert")
-            experts = (Tensor(f"{f}experts.gate_up_proj", (2 * inter, m.hidden), "expert", True),
-                       Tensor(f"{f}experts.down_proj", (m.hidden, inter), "expert", True))
+            ts += router_tensors(NAMES.router_module(p), e, m.hidden)
+            ts += slot_swiglu(NAMES, p, "shared", m.hidden, inter, "shared_expert")
+            x = NAMES.hf_experts(p)
+            experts = (Tensor(f"{x}gate_up_proj", (2 * inter, m.hidden), "expert", True, "gate_up"),
+                       Tensor(f"{x}down_proj", (m.hidden, inter), "expert", True, "down"))
             moe = MoESpec(e, k, inter, 1, inter)
         else:
             dense_i = tc.int("intermediate_size_mlp")
-            ts += swiglu(f, m.hidden, dense_i, "dense_mlp")
-        ts += layer_norms(p, m.hidden)
+            ts += slot_swiglu(NAMES, p, "dense", m.hidden, dense_i, "dense_mlp")
+        ts += layer_norms(p, m.hidden, NAMES)
         layers.append(LayerSpec(i, spec, moe, tuple(ts), experts, dense_i))
     tied = bool(c.get_any("tie_word_embeddings", False))
     return layers, global_tensors(f"{pre}model.", f"{pre}lm_head.weight", m.hidden, m.vocab, tied), m.max_pos
@@ -76,4 +90,4 @@ def parse(c: Cfg, kind: str) -> tuple[list[LayerSpec], tuple[Tensor, ...], int]:
 
 FAMILY = Family(
     name="llama4", model_types=("llama4", "llama4_text"), parse=parse,
-    aliases={"llama4_text": "llama4"}, text_config=("llama4",))
+    aliases={"llama4_text": "llama4"}, text_config=("llama4",), names=NAMES)

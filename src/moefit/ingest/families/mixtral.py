@@ -30,7 +30,8 @@ def parse(c: Cfg, kind: str) -> tuple[list[LayerSpec], tuple[Tensor, ...], int]:
     layers = []
     for i in range(m.layers):
         p = f"model.layers.{i}."
-        ts = gqa(p, m) + router_tensors(NAMES.router_module(p), e, m.hidden) + layer_norms(p, m.hidden)
+        ts = (gqa(p, m, names=NAMES) + router_tensors(NAMES.router_module(p), e, m.hidden)
+              + layer_norms(p, m.hidden, NAMES))
         experts = expert_tensors(NAMES.hf_experts(p), m.hidden, inter, NAMES.expert_parts)
         spec = attn_spec(m, "sliding" if window else "full", 1.0, window)
         layers.append(LayerSpec(i, spec, MoESpec(e, k, inter), tuple(ts), experts))

@@ -27,8 +27,8 @@ def parse(c: Cfg, kind: str) -> tuple[list[LayerSpec], tuple[Tensor, ...], int]:
     layers = []
     for i in range(m.layers):
         p = f"model.layers.{i}."
-        ts = gqa(p, m, qkv_bias=bias, o_bias=bias, qk_norm="full")
-        ts += router_tensors(NAMES.router_module(p), e, m.hidden) + layer_norms(p, m.hidden)
+        ts = gqa(p, m, qkv_bias=bias, o_bias=bias, qk_norm="full", names=NAMES)
+        ts += router_tensors(NAMES.router_module(p), e, m.hidden) + layer_norms(p, m.hidden, NAMES)
         experts = expert_tensors(NAMES.hf_experts(p), m.hidden, inter, NAMES.expert_parts)
         layers.append(LayerSpec(i, attn_spec(m, "full", partial_rotary(c)), MoESpec(e, k, inter),
                                 tuple(ts), experts))

@@ -85,16 +85,21 @@ def gated_deltanet(p: str, hidden: int, a: AttentionSpec, split_proj: bool) -> l
     key_dim = a.linear_num_key_heads * a.linear_key_head_dim
     value_dim = nv * a.linear_value_head_dim
     role = "linear_attention"
-    ts = [Tensor(f"{la}dt_bias", (nv,), role), Tensor(f"{la}A_log", (nv,), role),
-          Tensor(f"{la}conv1d.weight", (a.linear_conv_dim, 1, a.linear_conv_kernel), role)]
-    if split_proj:
-        ts += [norm_tensor(f"{la}norm", a.linear_value_head_dim)] + linear(f"{la}out_proj", hidden, value_dim, role)
-        ts += (linear(f"{la}in_proj_qkv", a.linear_conv_dim, hidden, role) + linear(f"{la}in_proj_z", value_dim, hidden, role)
-               + linear(f"{la}in_proj_b", nv, hidden, role) + linear(f"{la}in_proj_a", nv, hidden, role))
+    ts = [Tensor(f"{la}dt_bias", (nv,), role, slot="la_dt_bias"),
+          Tensor(f"{la}A_log", (nv,), role, slot="la_a_log"),
+          Tensor(f"{la}conv1d.weight", (a.linear_conv_dim, 1, a.linear_conv_kernel), role, slot="la_conv")]
+    out = [norm_tensor(f"{la}norm", a.linear_value_head_dim, "la_norm")]
+    out += linear(f"{la}out_proj", hidden, value_dim, role, slot="la_out")
+    if split_proj:   # the runtime stacks qkv and z into la_qkvz, b and a into la_ba
+        ts += out
+        ts += (linear(f"{la}in_proj_qkv", a.linear_conv_dim, hidden, role, slot="la_qkvz")
+               + linear(f"{la}in_proj_z", value_dim, hidden, role, slot="la_qkvz")
+               + linear(f"{la}in_proj_b", nv, hidden, role, slot="la_ba")
+               + linear(f"{la}in_proj_a", nv, hidden, role, slot="la_ba"))
     else:
-        ts += (linear(f"{la}in_proj_qkvz", 2 * key_dim + 2 * value_dim, hidden, role)
-               + linear(f"{la}in_proj_ba", 2 * nv, hidden, role))
-        ts += [norm_tensor(f"{la}norm", a.linear_value_head_dim)] + linear(f"{la}out_proj", hidden, value_dim, role)
+        ts += (linear(f"{la}in_proj_qkvz", 2 * key_dim + 2 * value_dim, hidden, role, slot="la_qkvz")
+               + linear(f"{la}in_proj_ba", 2 * nv, hidden, role, slot="la_ba"))
+        ts += out
     return ts
 
 
@@ -130,13 +135,13 @@ def parse(c: Cfg, kind: str) -> tuple[list[LayerSpec], tuple[Tensor, ...], int]:
             spec, ts = linear, gated_deltanet(p, m.hidden, linear, split_proj=qwen35)
         elif types[i] == "full_attention":
             spec = attn_spec(m, "full", partial_rotary(tc), output_gate=True)
-            ts = gqa(p, m, qkv_bias=bias, o_bias=bias, q_mult=2, qk_norm="head")
+            ts = gqa(p, m, qkv_bias=bias, o_bias=bias, q_mult=2, qk_norm="head", names=NAMES)
         else:
             raise InputError(f"{c.source}: unknown layer type {types[i]!r} in {tc.path}layer_types")
         mlp, moe, experts, dense_i = qwen_mlp(tc, p, m.hidden, qwen35 or qwen_is_moe(tc, i, e),
                                                e, k, moe_i, shared_i)
         ts += mlp
-        ts += layer_norms(p, m.hidden)
+        ts += layer_norms(p, m.hidden, NAMES)
         layers.append(LayerSpec(i, spec, moe, tuple(ts), experts, dense_i))
     tied = bool(c.get_any("tie_word_embeddings", False)) if qwen35 else bool(c.get("tie_word_embeddings", False))
     return layers, global_tensors(prefix, "lm_head.weight", m.hidden, m.vocab, tied), m.max_pos

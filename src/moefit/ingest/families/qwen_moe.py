@@ -1,4 +1,5 @@
-"""Qwen2-MoE and Qwen3-MoE (``model_type`` ``qwen2_moe``, ``qwen3_moe``): config, GGUF mapping, switches.from moefit.ingest.geometry import LayerSpec, MoESpec, Tensor
+"""Qwen2-MoE and Qwen3-MoE (``model_type`` ``qwen2_moe``, ``qwen3_moe``): config, GGUF mapping, switches.
+
 Sources: transformers 5.x ``modeling_qwen2_moe.py`` / ``modeling_qwen3_moe.py``; llama.cpp
 ``convert_hf_to_gguf.py`` (``Qwen2MoeModel``, ``Qwen3MoeModel``; architectures ``qwen2moe``,
 ``qwen3moe`` in ``llama-arch.cpp``). This module imports no torch.
@@ -9,7 +10,7 @@ from __future__ import annotations
 from moefit.ingest.families.common import (
     Cfg, Family, GGUFFacts, GGUFMeta, Switches, attn_spec, dtype_name, expert_tensors, global_tensors, gqa,
     gguf_moe_metadata, layer_norms, layer_types, name_table, partial_rotary, read_sizes, router_tensors,
-    softmax_kind, swiglu,
+    slot_swiglu, softmax_kind,
 )
 from moefit.ingest.geometry import LayerSpec, MoESpec, Tensor
 
@@ -31,11 +32,12 @@ def qwen_mlp(c: Cfg, p: str, hidden: int, is_moe: bool, e: int, k: int, moe_i: i
     """
     if not is_moe:
         dense_i = c.int("intermediate_size")
-        return swiglu(f"{p}mlp.", hidden, dense_i, "dense_mlp"), None, (), dense_i
+        return slot_swiglu(NAMES, p, "dense", hidden, dense_i, "dense_mlp"), None, (), dense_i
     ts = router_tensors(NAMES.router_module(p), e, hidden)
     if shared_i:
-        ts += swiglu(f"{p}mlp.shared_expert.", hidden, shared_i, "shared_expert")
-        ts.append(Tensor(f"{p}mlp.shared_expert_gate.weight", (1, hidden), "shared_expert"))
+        ts += slot_swiglu(NAMES, p, "shared", hidden, shared_i, "shared_expert")
+        ts.append(Tensor(NAMES.hf("shared_expert_gate", p), (1, hidden), "shared_expert",
+                         slot="shared_expert_gate"))
     moe = MoESpec(e, k, moe_i, 1 if shared_i else 0, shared_i)
     return ts, moe, expert_tensors(NAMES.hf_experts(p), hidden, moe_i, NAMES.expert_parts), 0
 
@@ -78,11 +80,11 @@ def parse(c: Cfg, kind: str) -> tuple[list[LayerSpec], tuple[Tensor, ...], int]:
     layers = []
     for i in range(m.layers):
         p = f"model.layers.{i}."
-        ts = gqa(p, m, **attn_kw)
+        ts = gqa(p, m, names=NAMES, **attn_kw)
         mlp, moe, experts, dense_i = qwen_mlp(c, p, m.hidden, qwen_is_moe(c, i, e), e, k,
                                                moe_i, shared_i)
         ts += mlp
-        ts += layer_norms(p, m.hidden)
+        ts += layer_norms(p, m.hidden, NAMES)
         spec = attn_spec(m, softmax_kind(c, types[i], window), partial_rotary(c), window)
         layers.append(LayerSpec(i, spec, moe, tuple(ts), experts, dense_i))
     tied = bool(c.get("tie_word_embeddings", False))

@@ -64,9 +64,11 @@ import torch
 import torch.nn.functional as F
 
 from moefit.errors import InputError
+from moefit.memory import gpu_kernels
 from moefit.memory.cpu_kernels import row_block
 from moefit.memory.staging import DEQUANT_TILE_ELEMS
 from moefit.runtime.kernels import qmatmul
+from moefit.runtime.kernels import triton as triton_kernels
 
 QK_K = 256
 
@@ -427,6 +429,15 @@ class Part:
     nbytes: int
     block: tuple[int, int] = (128, 128)   # fp8 only: the scales' block
 
+    def matmul(self, blob: torch.Tensor, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """``out = x @ W^T`` (``x`` ``[n, cols]``, ``out`` ``[n, rows]``) on the part's stored
+        bytes in ``blob``, by the Triton kernels (:func:`moefit.runtime.kernels.triton.gguf.matmul`;
+        only where :func:`stored_kernels_on` and :attr:`StoredExpert.fused` say so)."""
+        from moefit.runtime.kernels.triton import gguf as triton_gguf
+
+        return triton_gguf.matmul(x, blob[self.offset:self.offset + self.nbytes], self.qtype,
+                                  self.rows, self.cols, out=out)
+
     def dequantize_into(self, blob: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         raw = blob[self.offset:self.offset + self.nbytes]
         if self.qtype == FP8:      # the e4m3 bytes, then the fp32 block scales
@@ -448,6 +459,13 @@ class StoredExpert:
     @property
     def nbytes(self) -> int:
         return self.gate.nbytes + self.up.nbytes + self.down.nbytes
+
+    def fused(self, device: torch.device) -> bool:
+        """Whether the experts of this layout run on ``device`` as three fused products on
+        their stored blocks (:meth:`Part.matmul`; nothing dequantized into the workspace):
+        where the Triton kernels run (:func:`stored_kernels_on`) and read every part's type."""
+        return stored_kernels_on(device) and all(gpu_kernels.supports(p.qtype, p.cols)
+                                                 for p in (self.gate, self.up, self.down))
 
     @classmethod
     def pack(cls, inter: int, hidden: int, gate: str, up: str, down: str) -> "StoredExpert":
@@ -476,12 +494,25 @@ class StoredExpert:
         One ``[I, H]`` buffer of ``x``'s dtype holds each matrix in turn; with ``ws`` (the
         staging workspace) it is taken from its fixed region, else allocated. ``scratch``
         (``n x 2I`` elements or more: gate and up outputs) and ``out`` ``[n, H]``, from the
-        workspace too, hold the activations; without them they are allocated.
+        workspace too, hold the activations; without them they are allocated. Where the
+        layout is :meth:`fused` (a CUDA device), the three products read the stored blocks
+        and no matrix buffer is taken.
         """
+        n, inter = x.shape[0], self.gate.rows
+        if self.fused(x.device):
+            gu = (scratch[:2 * n * inter] if scratch is not None
+                  else torch.empty(2 * n * inter, dtype=x.dtype, device=x.device))
+            g, u = gu[:n * inter].view(n, inter), gu[n * inter:].view(n, inter)
+            xc = x if x.stride(-1) == 1 else x.contiguous()
+            self.gate.matmul(blob, xc, g)
+            self.up.matmul(blob, xc, u)
+            F.silu(g, inplace=True).mul_(u)
+            if out is None:
+                out = torch.empty((n, self.down.rows), dtype=x.dtype, device=x.device)
+            return self.down.matmul(blob, g, out)
         region = ws.fixed if ws is not None else None
         scope = region.scope() if region is not None else contextlib.nullcontext()
         n_w = self.gate.rows * self.gate.cols
-        n, inter = x.shape[0], self.gate.rows
         with scope:
             buf = (region.take((n_w,), x.dtype) if region is not None
                    else torch.empty(n_w, dtype=x.dtype, device=x.device))
@@ -498,6 +529,12 @@ class StoredExpert:
             F.silu(g, inplace=True).mul_(u)
             w = self.down.dequantize_into(blob, buf.view(self.down.rows, self.down.cols))
             return torch.mm(g, w.t(), out=out)                           # [n, H]
+
+
+def stored_kernels_on(device: torch.device) -> bool:
+    """Whether stored matrices and experts on ``device`` are multiplied by the Triton
+    kernels (:func:`moefit.runtime.kernels.triton.used_on`)."""
+    return triton_kernels.used_on(device.type)
 
 
 @dataclass(eq=False)
@@ -542,7 +579,11 @@ class StoredMatrix:
         return self
 
     def matmul(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """``out = x @ W^T`` for ``x`` ``[T, cols]`` (CPU): up to :attr:`SMALL_ROWS` rows
+        """``out = x @ W^T`` for ``x`` ``[T, cols]``. On a device where the runtime uses the
+        Triton kernels (a CUDA device: :func:`moefit.runtime.kernels.triton.used_on`), one
+        fused kernel on the stored blocks for any ``T``
+        (:func:`moefit.runtime.kernels.triton.gguf.matmul`: nothing dequantized into the
+        workspace). On the CPU: up to :attr:`SMALL_ROWS` rows
         through the C kernels on the stored blocks (activations quantized per 32 values,
         :mod:`moefit.runtime.kernels.qmatmul`); more rows in blocks of weight rows dequantized into
         the free room of the workspace's fixed region (bit for bit the file's values; the
@@ -550,6 +591,11 @@ class StoredMatrix:
         the logits are taken around the products, not during them), then ``torch.mm`` into
         ``out``'s columns. Without room for one row (the logits of many sequences fill the
         region while the output matrix runs), the C kernels. Returns ``out``."""
+        if stored_kernels_on(self.buf.device):
+            from moefit.runtime.kernels.triton import gguf as triton_gguf
+
+            return triton_gguf.matmul(x if x.stride(-1) == 1 else x.contiguous(), self.raw, self.qtype,
+                                      self.rows, self.cols, out=out)
         region = getattr(self.ws, "fixed", None)
         es = x.element_size()
         room = (region.capacity - region.offset - 64) // (self.cols * es) if region is not None else self.rows

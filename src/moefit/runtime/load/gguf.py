@@ -6,13 +6,15 @@ runs: ``qwen3moe``, ``qwen2moe``, ``olmoe``, ``llama`` with experts (Mixtral), t
 ``attn_k_b`` / ``attn_v_b``) and ``glm4moe``. The file
 is memory-mapped (``gguf.GGUFReader``); every tensor is read once, straight from the map
 into its destination, and the maps are closed at the end, so host memory holds the
-expert blobs once (not the file and a copy).
+expert blobs once (not the file and a copy). The tensors read are the planner's listing of
+the model (:mod:`moefit.runtime.load.listing`), under the GGUF names of their slots.
 
 - Dense tensors (attention, norms, routers, shared experts, dense MLPs, embeddings, output)
   are dequantized tile by tile (:func:`moefit.runtime.kernels.quant.dequantize`) into tensors of
   the compute dtype from ``alloc`` (the ledger's ``weights`` line; the plan priced them at
   that dtype), except the quantized matrices the plan kept stored (on a CPU device with
-  the C kernels, :func:`moefit.memory.weights.stored_matrices`): those are copied as
+  the C kernels, or on a CUDA device with the Triton kernels:
+  :func:`moefit.memory.weights.stored_matrices`): those are copied as
   stored into buffers of their stored size (:class:`~moefit.runtime.kernels.quant.StoredMatrix`).
   ``llama`` files hold q/k rows permuted for llama.cpp's interleaved RoPE
   (``convert_hf_to_gguf.py`` ``LlamaModel.permute``); they are permuted back to the
@@ -55,8 +57,9 @@ from moefit.ingest.gguf_header import (GGUFHeader, GGUFTensor, close_reader, con
                                       packed_staging_bytes, read_header)
 from moefit.runtime.arch import Arch
 from moefit.runtime.moe.gpt_oss import BiasedExpert
-from moefit.runtime.load.hybrid_layout import Packed, gated_q, gguf_linear_attention_entries, sources
-from moefit.runtime.load.safetensors import mla_plan, moe_extras_plan, progress_bar, resident_dtype
+from moefit.runtime.load.hybrid_layout import LINEAR_SLOTS, Packed, gguf_linear_attention_entries, sources
+from moefit.runtime.load.listing import global_entries, layer_entries
+from moefit.runtime.load.safetensors import progress_bar, resident_dtype
 from moefit.runtime.weights import ExpertSource, Weights, assemble_weights
 from moefit.runtime.kernels.quant import StoredExpert, StoredMatrix, dequantize, kernel_for
 
@@ -122,40 +125,25 @@ def _minus(name: str, shape: tuple, offset: float) -> Packed:
 
 def _layer_plan(l: LayerSpec, geom: ModelGeometry, arch: Arch, header: GGUFHeader,
                 tiled: bool = False) -> list[tuple[str, object, tuple]]:
-    """(attribute, GGUF name or :class:`~moefit.runtime.load.hybrid_layout.Packed`, torch
-    shape) of every resident tensor of layer ``l``; names from the family's table
-    (``arch.names``). MLA layers: :func:`moefit.runtime.load.safetensors.mla_plan` (``attn_k_b`` /
-    ``attn_v_b`` when the file splits ``attn_kv_b``). Gated DeltaNet layers:
-    :func:`gguf_linear_attention_entries` (``tiled``: the file's value heads are tiled); a
-    gated ``attn_q`` is regrouped as the checkpoint's ``q_proj``; norms stored with the
-    family's ``norm_offset`` added are read back without it."""
+    """(slot, GGUF name or :class:`~moefit.runtime.load.hybrid_layout.Packed`, torch shape)
+    of every resident tensor of layer ``l``: its listing
+    (:func:`moefit.runtime.load.listing.layer_entries`), each tensor under the GGUF name of
+    its slot (the family's table, ``arch.names``), with what llama.cpp's converter writes
+    differently: MLA's ``kv_b`` as ``attn_k_b`` ``[A, L, nope]`` + ``attn_v_b`` ``[A, Dv,
+    L]`` when the file splits it; the Gated DeltaNet tensors per
+    :func:`gguf_linear_attention_entries` (``tiled``: the file's value heads are tiled); the
+    norms stored with the family's ``norm_offset`` added read back without it."""
     a, h = l.attention, geom.hidden_size
-    qd, kd, vd = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim, a.num_kv_heads * a.v_head_dim
-    n = lambda slot: arch.names.gguf(slot, l.index)  # noqa: E731
-    out = [("input_norm", n("input_norm"), (h,)), ("post_norm", n("post_norm"), (h,))]
-    if a.kind == "mla":
-        return _offset_norms(out + mla_plan(a, h, arch, n, split=n("k_b") in header.tensors)
-                             + _mlp_plan(l, geom, arch, n), arch)
-    if a.kind == "linear":
+    out = layer_entries(l, lambda t: arch.names.gguf(t.slot, l.index),
+                        keep=lambda t: t.slot not in LINEAR_SLOTS)
+    if any(t.slot in LINEAR_SLOTS for t in l.tensors):
         out += gguf_linear_attention_entries(l.index, a, h, lambda name: name in header.tensors, tiled)
-        return _offset_norms(out + _mlp_plan(l, geom, arch, n), arch)
-    q, qb = (n("q"), (qd, h)), (n("q_bias"), (qd,))
-    if a.output_gate:   # attn_q holds [query | gate] per head, as q_proj: regrouped at load
-        q = gated_q(q[0], a.num_heads, a.head_dim, h)
-        qb = gated_q(qb[0], a.num_heads, a.head_dim, h, bias=True)
-    out += [("q", *q), ("k", n("k"), (kd, h)),
-            ("v", n("v"), (vd, h)), ("o", n("o"), (h, a.num_heads * a.v_head_dim))]
-    if arch.q_bias:
-        out += [("q_bias", *qb), ("k_bias", n("k_bias"), (kd,)), ("v_bias", n("v_bias"), (vd,))]
-    if arch.o_bias:
-        out.append(("o_bias", n("o_bias"), (h,)))
-    if arch.sinks:
-        out.append(("sinks", n("sinks"), (a.num_heads,)))
-    if arch.qk_norm == "head":
-        out += [("q_norm", n("q_norm"), (a.head_dim,)), ("k_norm", n("k_norm"), (a.head_dim,))]
-    elif arch.qk_norm == "full":
-        out += [("q_norm", n("q_norm"), (qd,)), ("k_norm", n("k_norm"), (kd,))]
-    return _offset_norms(out + _mlp_plan(l, geom, arch, n), arch)
+    if arch.names.layer.get("k_b") and arch.names.gguf("k_b", l.index) in header.tensors:
+        lora, nope = a.kv_lora_rank, a.head_dim - a.qk_rope_head_dim
+        split = [("k_b", arch.names.gguf("k_b", l.index), (a.num_heads, lora, nope)),
+                 ("v_b", arch.names.gguf("v_b", l.index), (a.num_heads, a.v_head_dim, lora))]
+        out = [e for entry in out for e in (split if entry[0] == "kv_b" else [entry])]
+    return _offset_norms(out, arch)
 
 
 def _offset_norms(plan: list, arch: Arch) -> list:
@@ -165,17 +153,6 @@ def _offset_norms(plan: list, arch: Arch) -> list:
         return plan
     return [(attr, _minus(name, shape, arch.norm_offset) if attr in OFFSET_NORM_SLOTS else name, shape)
             for attr, name, shape in plan]
-
-
-def _mlp_plan(l: LayerSpec, geom: ModelGeometry, arch: Arch, n) -> list[tuple[str, str, tuple]]:
-    """(attribute, GGUF name, torch shape) of the dense MLP or the MoE block of ``l``."""
-    h = geom.hidden_size
-    if l.moe is None:
-        i = l.dense_intermediate
-        return [("dense_gate", n("dense_gate"), (i, h)), ("dense_up", n("dense_up"), (i, h)),
-                ("dense_down", n("dense_down"), (h, i))]
-    m = l.moe
-    return [("router", n("router"), (m.num_experts, h))] + moe_extras_plan(m, h, arch, n)
 
 
 def _expert_parts(l: LayerSpec, geom: ModelGeometry, arch: Arch, ts: _Tensors) -> tuple[list[str], StoredExpert]:
@@ -314,15 +291,12 @@ def load_gguf(path: str | Path, geom: ModelGeometry, arch: Arch, alloc, *, pin: 
 
 
 def _load(h, ts: _Tensors, geom, arch, alloc, progress, host_alloc, mapped, transient, stored=frozenset()):
-    hidden, dtype = geom.hidden_size, arch.dtype
+    dtype = arch.dtype
     transient = transient or (lambda n: contextlib.nullcontext())
     g = arch.names.globals
-    norm = (g["norm"][1] if not arch.norm_offset
-            else _minus(g["norm"][1], (hidden,), arch.norm_offset))
-    glob = [("embed", g["embed"][1], (geom.vocab_size, hidden)), ("norm", norm, (hidden,))]
+    glob = [(slot, _minus(name, shape, arch.norm_offset) if slot == "norm" and arch.norm_offset else name, shape)
+            for slot, name, shape in global_entries(geom, lambda t: g[t.slot][1])]
     embed = g["embed"][1]      # looked up by row: always dequantized
-    if not arch.tie_embeddings:
-        glob.append(("lm_head", g["lm_head"][1], (geom.vocab_size, hidden)))
     family = registry.family_for_gguf(h.arch)
     layer_plans = [_layer_plan(l, geom, arch, h, h.arch in V_TILED_ARCHS) for l in geom.layers]
     for _, name, shape in glob + [t for lp in layer_plans for t in lp]:

@@ -67,40 +67,30 @@ def _regroup(groups: int, widths: tuple[int, ...]) -> Callable[[list[torch.Tenso
     return build
 
 
-def gated_q(name: str, heads: int, head_dim: int, hidden: int, bias: bool = False):
-    """Loader entry for a gated ``q_proj`` weight ``[2 A D, H]`` (or its bias ``[2 A D]``)
-    regrouped from per-head ``[query | gate]`` to ``[queries; gates]``."""
-    shape = (2 * heads * head_dim,) if bias else (2 * heads * head_dim, hidden)
-    return Packed(((name, shape),), _regroup(heads, (head_dim, head_dim))), shape
+def checkpoint_layout(slot: str, parts: list[tuple[str, tuple[int, ...]]],
+                      a: AttentionSpec) -> tuple[object, tuple[int, ...]]:
+    """(name or :class:`Packed`, resident shape) of the resident tensor of ``slot`` built from
+    the checkpoint tensors ``parts`` ``[(name, shape)]`` the listing gives it (module
+    docstring): one part as it is, but a gated ``q_proj`` weight ``[2 A D, H]`` (or bias)
+    regrouped from per-head ``[query | gate]`` to ``[queries; gates]`` and Qwen3-Next's
+    ``in_proj_qkvz`` / ``in_proj_ba`` (the only part of ``la_qkvz`` / ``la_ba``) regrouped
+    per key head; several parts (Qwen3.5's ``in_proj_qkv`` + ``in_proj_z``, ``in_proj_b`` +
+    ``in_proj_a``) stacked in order. ``a``: the layer's attention spec."""
+    if len(parts) > 1:
+        return Packed(tuple(parts), _stack), (sum(s[0] for _, s in parts), *parts[0][1][1:])
+    (name, shape), = parts
+    if a.output_gate and slot in ("q", "q_bias"):
+        return Packed(((name, shape),), _regroup(a.num_heads, (a.head_dim, a.head_dim))), shape
+    if slot in ("la_qkvz", "la_ba"):
+        nk, r, dk, dv = (a.linear_num_key_heads, a.linear_num_value_heads // a.linear_num_key_heads,
+                         a.linear_key_head_dim, a.linear_value_head_dim)
+        widths = (dk, dk, r * dv, r * dv) if slot == "la_qkvz" else (r, r)
+        return Packed(((name, shape),), _regroup(nk, widths)), shape
+    return name, shape
 
 
-def linear_attention_entries(p: str, a: AttentionSpec, hidden: int,
-                             has: Callable[[str], bool]) -> list[tuple[str, object, tuple]]:
-    """``(attribute, name or Packed, resident shape)`` of a Gated DeltaNet layer.
-
-    Args:
-        p: the layer prefix (``model.layers.3.``, ``model.language_model.layers.3.``).
-        a: the layer's linear-attention spec.
-        has: whether the checkpoint holds a tensor name (picks the Qwen3-Next fused or the
-            Qwen3.5 split projections).
-    """
-    la = f"{p}linear_attn."
-    nk, nv, dk, dv = (a.linear_num_key_heads, a.linear_num_value_heads,
-                      a.linear_key_head_dim, a.linear_value_head_dim)
-    c, vd, r = a.linear_conv_dim, nv * dv, nv // nk
-    if has(f"{la}in_proj_qkvz.weight"):
-        qkvz = Packed(((f"{la}in_proj_qkvz.weight", (c + vd, hidden)),),
-                      _regroup(nk, (dk, dk, r * dv, r * dv)))
-        ba = Packed(((f"{la}in_proj_ba.weight", (2 * nv, hidden)),), _regroup(nk, (r, r)))
-    else:
-        qkvz = Packed(((f"{la}in_proj_qkv.weight", (c, hidden)),
-                       (f"{la}in_proj_z.weight", (vd, hidden))), _stack)
-        ba = Packed(((f"{la}in_proj_b.weight", (nv, hidden)),
-                     (f"{la}in_proj_a.weight", (nv, hidden))), _stack)
-    return [("la_qkvz", qkvz, (c + vd, hidden)), ("la_ba", ba, (2 * nv, hidden)),
-            ("la_conv", f"{la}conv1d.weight", (c, 1, a.linear_conv_kernel)),
-            ("la_dt_bias", f"{la}dt_bias", (nv,)), ("la_a_log", f"{la}A_log", (nv,)),
-            ("la_norm", f"{la}norm.weight", (dv,)), ("la_out", f"{la}out_proj.weight", (hidden, vd))]
+#: The :class:`~moefit.runtime.weights.LayerWeights` slots of a Gated DeltaNet layer.
+LINEAR_SLOTS = ("la_qkvz", "la_ba", "la_conv", "la_dt_bias", "la_a_log", "la_norm", "la_out")
 
 
 # ---- GGUF ------------------------------------------------------------------------------------

@@ -3,7 +3,8 @@
 Input: a model directory with ``config.json`` and ``*.safetensors`` (sharded with
 ``model.safetensors.index.json`` or not; :func:`moefit.ingest.checkpoint.checkpoint_files`), of
 the families in :mod:`moefit.runtime.arch`, stored in bf16, fp16 or fp32 (converted to the
-config's dtype on load).
+config's dtype on load). The tensors read are the planner's listing of the model
+(:mod:`moefit.runtime.load.listing`), under their listed names.
 
 Routed experts come in two layouts, both accepted:
 
@@ -58,7 +59,8 @@ from moefit.ingest.families.common import FP32_TENSORS
 from moefit.ingest.geometry import LayerSpec, ModelGeometry
 from moefit.runtime.moe import gpt_oss as gpt_oss_experts
 from moefit.runtime.arch import Arch
-from moefit.runtime.load.hybrid_layout import Packed, gated_q, linear_attention_entries, sources
+from moefit.runtime.load.hybrid_layout import Packed, sources
+from moefit.runtime.load.listing import global_entries, layer_entries
 from moefit.runtime.kernels.quant import FP8, Fp8Matrix, StoredExpert, fp8_scale_shape
 from moefit.runtime.weights import ExpertSource, Weights, assemble_weights
 
@@ -116,103 +118,18 @@ def _first(index: _Index, names: list[str]) -> str:
     raise index.missing(names[0])
 
 
-def mla_plan(a, hidden: int, arch: Arch, name, split: bool = False) -> list[tuple[str, str, tuple]]:
-    """(attribute, name, shape) of an MLA layer's attention tensors (DeepSeek-V2 §2.1;
-    ``DeepseekV3Attention``): the q projection (``q_proj``, or ``q_a_proj`` + its bias when
-    ``attention_bias`` + ``q_a_layernorm`` + ``q_b_proj`` with a q LoRA),
-    ``kv_a_proj_with_mqa`` (+ bias) ``[L + R, H]``, ``kv_a_layernorm`` ``[L]``,
-    ``kv_b_proj`` ``[A (nope + Dv), L]`` -- or, ``split`` (GGUF files of current llama.cpp),
-    ``k_b`` ``[A, L, nope]`` and ``v_b`` ``[A, Dv, L]`` -- and ``o_proj`` (+ bias).
-    ``name(slot)``: the tensor name of a slot. Both loaders use it."""
-    heads, qk, dv = a.num_heads, a.head_dim, a.v_head_dim
-    lora, rope, ql = a.kv_lora_rank, a.qk_rope_head_dim, a.q_lora_rank
-    nope = qk - rope
-    out = []
-    if ql:
-        out.append(("q_a", name("q_a"), (ql, hidden)))
-        if arch.q_bias:
-            out.append(("q_a_bias", name("q_a_bias"), (ql,)))
-        out += [("q_a_norm", name("q_a_norm"), (ql,)), ("q_b", name("q_b"), (heads * qk, ql))]
-    else:
-        out.append(("q", name("q"), (heads * qk, hidden)))
-    out.append(("kv_a", name("kv_a"), (lora + rope, hidden)))
-    if arch.q_bias:
-        out.append(("kv_a_bias", name("kv_a_bias"), (lora + rope,)))
-    out.append(("kv_a_norm", name("kv_a_norm"), (lora,)))
-    if split:
-        out += [("k_b", name("k_b"), (heads, lora, nope)), ("v_b", name("v_b"), (heads, dv, lora))]
-    else:
-        out.append(("kv_b", name("kv_b"), (heads * (nope + dv), lora)))
-    out.append(("o", name("o"), (hidden, heads * dv)))
-    if arch.o_bias:
-        out.append(("o_bias", name("o_bias"), (hidden,)))
-    return out
+def _layer_plan(l: LayerSpec, geom: ModelGeometry, arch: Arch, index: _Index) -> list[tuple[str, object, tuple]]:
+    """(slot, checkpoint name or :class:`~moefit.runtime.load.hybrid_layout.Packed`, shape)
+    of every resident tensor of layer ``l``: its listing
+    (:func:`moefit.runtime.load.listing.layer_entries`), each tensor under its listed name or,
+    where the checkpoint uses another name of its slot (``NameTable.aliases``: Mixtral's
+    router saved as ``mlp.gate``), the one it holds."""
+    p = f"{arch.prefix}layers.{l.index}."
 
-
-def _layer_plan(l: LayerSpec, geom: ModelGeometry, arch: Arch, index: _Index) -> list[tuple[str, str, tuple]]:
-    """(attribute, checkpoint name, shape) of every resident tensor of layer ``l``; names
-    from the family's table (``arch.names``)."""
-    a, h, p = l.attention, geom.hidden_size, f"{arch.prefix}layers.{l.index}."
-    qd, kd, vd = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim, a.num_kv_heads * a.v_head_dim
-    n = lambda slot: arch.names.hf(slot, p)  # noqa: E731
-    out = [("input_norm", n("input_norm"), (h,)), ("post_norm", n("post_norm"), (h,))]
-    if a.kind == "linear":
-        out += linear_attention_entries(p, a, h, index.has)
-        return out + _mlp_plan(l, geom, arch, index, p)
-    if a.kind == "mla":
-        return out + mla_plan(a, h, arch, n) + _mlp_plan(l, geom, arch, index, p)
-    q, qb = (n("q"), (qd, h)), (n("q_bias"), (qd,))
-    if a.output_gate:   # q_proj holds [query | gate] per head: regrouped at load
-        q = gated_q(q[0], a.num_heads, a.head_dim, h)
-        qb = gated_q(qb[0], a.num_heads, a.head_dim, h, bias=True)
-    out += [("q", *q), ("k", n("k"), (kd, h)), ("v", n("v"), (vd, h)),
-            ("o", n("o"), (h, a.num_heads * a.v_head_dim))]
-    if arch.q_bias:
-        out += [("q_bias", *qb), ("k_bias", n("k_bias"), (kd,)), ("v_bias", n("v_bias"), (vd,))]
-    if arch.o_bias:
-        out.append(("o_bias", n("o_bias"), (h,)))
-    if arch.sinks:
-        out.append(("sinks", n("sinks"), (a.num_heads,)))
-    if arch.qk_norm == "head":
-        out += [("q_norm", n("q_norm"), (a.head_dim,)), ("k_norm", n("k_norm"), (a.head_dim,))]
-    elif arch.qk_norm == "full":
-        out += [("q_norm", n("q_norm"), (qd,)), ("k_norm", n("k_norm"), (kd,))]
-    return out + _mlp_plan(l, geom, arch, index, p)
-
-
-def _mlp_plan(l: LayerSpec, geom: ModelGeometry, arch: Arch, index: _Index,
-              p: str) -> list[tuple[str, str, tuple]]:
-    """(attribute, checkpoint name, shape) of the MLP / MoE block of layer ``l``."""
-    h, out = geom.hidden_size, []
-    n = lambda slot: arch.names.hf(slot, p)  # noqa: E731
-    if l.moe is None:
-        i = l.dense_intermediate
-        out += [("dense_gate", n("dense_gate"), (i, h)), ("dense_up", n("dense_up"), (i, h)),
-                ("dense_down", n("dense_down"), (h, i))]
-        return out
-    m = l.moe
-    router = _first(index, arch.names.hf_candidates("router", p))
-    out.append(("router", router, (m.num_experts, h)))
-    return out + moe_extras_plan(m, h, arch, n)
-
-
-def moe_extras_plan(m, hidden: int, arch: Arch, name) -> list[tuple[str, str, tuple]]:
-    """(attribute, name, shape) of a MoE block's tensors beside the router: its bias
-    ``[E]``, gpt-oss's router bias (``Arch.router_bias``, added to the logits) or the
-    router's ``e_score_correction_bias`` (held in fp32, :data:`FP32_TENSORS`) when the
-    routing has one; the shared expert, with its 1-row sigmoid gate when the family's name
-    table has one (Qwen2-MoE / Qwen3-Next; DeepSeek's and GLM's ``shared_experts`` are
-    added ungated). ``name(slot)``: the tensor name of a slot. Both loaders use it."""
-    out = []
-    if arch.router_bias or m.routing.bias:
-        out.append(("router_bias", name("router_bias"), (m.num_experts,)))
-    if m.shared_intermediate:
-        si = m.shared_intermediate
-        out += [("shared_gate", name("shared_gate"), (si, hidden)), ("shared_up", name("shared_up"), (si, hidden)),
-                ("shared_down", name("shared_down"), (hidden, si))]
-        if arch.names.shared_gate:
-            out.append(("shared_expert_gate", name("shared_expert_gate"), (1, hidden)))
-    return out
+    def name(t) -> str:
+        aliases = arch.names.hf_aliases(t.slot, p)
+        return _first(index, [t.name, *aliases]) if aliases else t.name
+    return layer_entries(l, name)
 
 
 def _expert_plan(l: LayerSpec, geom: ModelGeometry, arch: Arch, index: _Index):
@@ -235,15 +152,14 @@ def _expert_plan(l: LayerSpec, geom: ModelGeometry, arch: Arch, index: _Index):
             index.check(gu, (m.num_experts, 2 * i, h))
             index.check(dn, (m.num_experts, h, i))
             return "fused", gu, dn
-    g, u, d = arch.expert_names
+    head = arch.names.hf_experts(p)     # expert j's parts: {head}{j}.{part}; the listing names expert 0's
     names = []
     for j in range(m.num_experts):
-        e = f"{p}{arch.moe_prefix}.experts.{j}."
-        trio = (f"{e}{g}.weight", f"{e}{u}.weight", f"{e}{d}.weight")
-        for n, shape in zip(trio, ((i, h), (i, h), (h, i))):
-            index.check(n, shape)
+        trio = tuple(f"{head}{j}.{t.name.removeprefix(f'{head}0.')}" for t in l.expert_tensors)
+        for n, t in zip(trio, l.expert_tensors):
+            index.check(n, t.shape)
             if index.fp8(n):
-                index.check_fp8_scales(n, shape, _fp8_block(geom, index, n))
+                index.check_fp8_scales(n, t.shape, _fp8_block(geom, index, n))
         names.append(trio)
     return "per_expert", names
 
@@ -368,13 +284,9 @@ def load_checkpoint(model_dir: str | Path, geom: ModelGeometry, arch: Arch, allo
     model_dir = Path(model_dir)
     index = _Index(model_dir)
     transient = transient or _no_transient
-    h, dtype = geom.hidden_size, arch.dtype
+    dtype = arch.dtype
     # ---- resolve every name first: errors before any byte is read ------------------------
-    g = arch.names.globals
-    glob = [("embed", f"{arch.prefix}{g['embed'][0]}", (geom.vocab_size, h)),
-            ("norm", f"{arch.prefix}{g['norm'][0]}", (h,))]
-    if not arch.tie_embeddings:
-        glob.append(("lm_head", g["lm_head"][0], (geom.vocab_size, h)))
+    glob = global_entries(geom, lambda t: t.name)
     layer_plans = [_layer_plan(l, geom, arch, index) for l in geom.layers]
     expert_plans = {l.index: _expert_plan(l, geom, arch, index) for l in geom.moe_layers}
     for attr, name, shape in glob + [t for lp in layer_plans for t in lp]:

@@ -16,7 +16,10 @@ device the C kernels cannot read (docs/design.md, runtime contract):
    planner prices (:func:`moefit.memory.host.miss_host_bytes`, pinned on CUDA, so the copies
    are asynchronous) and an event is recorded after them.
 3. **Hits enqueued.** The resident experts run in groups of consecutive experts (in the
-   sorted order). A stored (GGUF, fp8) format is dequantized ``G`` experts at a time into
+   sorted order). Where the Triton kernels run and read the layer's types (a CUDA device:
+   :meth:`~moefit.runtime.kernels.quant.StoredExpert.fused`), each expert's gate, up and
+   down are three fused products on its slot's stored blocks, on its own contiguous rows,
+   and nothing is dequantized. Otherwise a stored (GGUF, fp8) format is dequantized ``G`` experts at a time into
    the staging workspace's fixed region (free while the experts run: attention tiles, the
    logits and the dense matrices use it at other times): each part's quantized bytes of
    the group are gathered into one buffer and dequantized by one call of
@@ -250,6 +253,8 @@ class _Hits:
             buf = raw = None
             padded = False
             g_max = max(1, len(self.local))
+            if fmt is not None and fmt.fused(self.x.device):
+                fmt = None        # three fused products per expert on its slot's stored blocks
             if fmt is not None:
                 g_max, gather = group_size(region.capacity - region.offset, fmt, act)
                 buf = region.take((g_max * fmt.gate.rows * fmt.gate.cols,), act)
@@ -316,7 +321,15 @@ class _Hits:
         ye = ws.take((n, h), act)
         spans = [(a - s0, a - s0 + c) for _, _, a, c in grp]
         blobs = [self.slots[s] for _, s, _, _ in grp]
-        if fmt is None:                   # plain float: the slots' own matrices
+        if fmt is not None and fmt.fused(self.x.device):
+            g, u = gu[:n * inter].view(n, inter), gu[n * inter:].view(n, inter)
+            for part, src, dst in ((fmt.gate, xg, g), (fmt.up, xg, u)):
+                for (a, b), blob in zip(spans, blobs):
+                    part.matmul(blob, src[a:b], dst[a:b])
+            F.silu(g, inplace=True).mul_(u)
+            for (a, b), blob in zip(spans, blobs):
+                fmt.down.matmul(blob, g[a:b], ye[a:b])
+        elif fmt is None:                   # plain float: the slots' own matrices
             gu2 = gu.view(n, 2 * inter)
             mats = [split_blob(b, inter, h) for b in blobs]
             for (a, b), (gate_up, _) in zip(spans, mats):

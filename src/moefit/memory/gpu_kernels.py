@@ -1,0 +1,92 @@
+"""What the planner knows of the runtime's Triton kernels without importing them.
+
+On a CUDA device the runtime keeps a GGUF file's dense quantized matrices in their stored
+type and multiplies them with the Triton kernels of ``moefit.runtime.kernels.triton.gguf``,
+which read ggml's blocks as stored (:data:`TYPES`). The plan prices those matrices at their
+stored size, so it must know beforehand whether the kernels will run (:func:`expected`):
+when the ``triton`` package is importable (torch's CUDA wheels for Linux depend on it;
+``pip install 'moefit[cuda]'`` names it) and :data:`DISABLE_ENV` does not turn them off.
+Without them the matrices are dequantized to the compute dtype at load and priced so.
+The runtime asks the same question (``moefit.runtime.kernels.triton.used_on``), so
+planned = allocated either way.
+
+A CPU device never plans with them (its C kernels, :mod:`moefit.memory.cpu_kernels`);
+``MOEFIT_KERNELS=triton`` with ``TRITON_INTERPRET=1`` runs the Triton kernels in Triton's
+interpreter on a CPU device's expert path (``MOEFIT_EXPERT_PATH=device``): the tests'
+way of running the CUDA path's products end to end without a GPU.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from collections.abc import Mapping
+
+from moefit.errors import InputError
+
+#: ggml type -> (values per block, bytes per block) of the types the kernels read
+#: (``GGML_QUANT_SIZES`` / ``ggml-common.h``)
+TYPES: dict[str, tuple[int, int]] = {
+    "F32": (1, 4), "F16": (1, 2), "BF16": (1, 2), "Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_1": (32, 20),
+    "Q5_0": (32, 22), "Q5_1": (32, 24), "IQ4_NL": (32, 18), "Q4_K": (256, 144), "Q5_K": (256, 176),
+    "Q6_K": (256, 210), "MXFP4": (32, 17),
+}
+DISABLE_ENV = "MOEFIT_NO_TRITON"
+#: ``triton``: run the Triton kernels on a CPU device too (needs ``TRITON_INTERPRET=1``)
+KERNELS_ENV = "MOEFIT_KERNELS"
+INTERPRET_ENV = "TRITON_INTERPRET"
+
+
+def installed() -> bool:
+    """Whether the ``triton`` package is importable (without importing it)."""
+    return importlib.util.find_spec("triton") is not None
+
+
+def disabled(env: Mapping[str, str] = os.environ) -> bool:
+    """Whether :data:`DISABLE_ENV` turns the kernels off (``1`` / ``true`` / ``yes`` / ``on``).
+    Raises InputError for a value that is not a yes or a no."""
+    value = env.get(DISABLE_ENV, "").strip().lower()
+    if value in ("", "0", "false", "no", "off"):
+        return False
+    if value in ("1", "true", "yes", "on"):
+        return True
+    raise InputError(f"{DISABLE_ENV}={env.get(DISABLE_ENV)!r}: use 1 to run without the Triton kernels, "
+                     "or 0 / unset to run with them")
+
+
+def interpreting(env: Mapping[str, str] = os.environ) -> bool:
+    """Whether Triton runs its kernels in the interpreter (``TRITON_INTERPRET=1``)."""
+    return env.get(INTERPRET_ENV, "").strip() not in ("", "0")
+
+
+def forced_on_cpu(env: Mapping[str, str] = os.environ) -> bool:
+    """Whether ``MOEFIT_KERNELS=triton`` asks for the Triton kernels on a CPU device. Raises
+    InputError for another value, or without ``TRITON_INTERPRET=1`` (no CPU backend)."""
+    value = env.get(KERNELS_ENV, "").strip().lower()
+    if value in ("", "auto"):
+        return False
+    if value != "triton":
+        raise InputError(f"{KERNELS_ENV}={env.get(KERNELS_ENV)!r}: the one choice is 'triton' "
+                         "(or unset for the device's own kernels)")
+    if not interpreting(env):
+        raise InputError(f"{KERNELS_ENV}=triton on a CPU device runs Triton's interpreter: "
+                         f"set {INTERPRET_ENV}=1 too")
+    return installed()
+
+
+def expected(device_kind: str, env: Mapping[str, str] = os.environ) -> bool:
+    """Whether a device of ``device_kind`` keeps GGUF matrices stored for the Triton
+    kernels: a CUDA device with ``triton`` installed and :data:`DISABLE_ENV` unset."""
+    return device_kind == "cuda" and installed() and not disabled(env)
+
+
+def supports(qtype: str, cols: int) -> bool:
+    """Whether the kernels read rows of ``cols`` values of ggml type ``qtype``."""
+    return qtype in TYPES and cols % TYPES[qtype][0] == 0
+
+
+def keeps_stored(qtype: str, cols: int) -> bool:
+    """Whether a dense GGUF matrix of ``qtype`` stays stored on a device where the kernels
+    run: a quantized type they read (float matrices become the compute dtype, at the same
+    size or smaller)."""
+    return qtype not in ("F32", "F16", "BF16") and supports(qtype, cols)
