@@ -78,10 +78,11 @@ def test_plan_does_not_fit_exit_3_with_alternatives_that_fit():
     base = [a for a in FIELD]
     for alt in doc["alternatives"]:
         args = list(base)
-        if alt["flag"] in args:
-            args[args.index(alt["flag"]) + 1] = str(alt["value"])
-        else:
-            args += [alt["flag"], str(alt["value"])]
+        for change in (alt, *alt.get("with", ())):
+            if change["flag"] in args:
+                args[args.index(change["flag"]) + 1] = str(change["value"])
+            else:
+                args += [change["flag"], str(change["value"])]
         assert moefit("plan", *args, "--vram", "6GiB").returncode == 0, alt
     text = moefit("plan", *FIELD, "--vram", "6GiB")
     assert text.returncode == 3 and "short by" in text.stdout and "fits with:" in text.stdout
@@ -132,6 +133,35 @@ def test_plan_loads_no_engine_module_without_engine(tmp_path):
     assert short.returncode == 3 and "fits with:" in short.stdout, short.stderr
     engine = moefit("plan", "Qwen3-30B-A3B", "--vram", "24G", "--engine", "llama.cpp", env=env)
     assert engine.returncode != 0 and "moefit.external" in engine.stderr   # the trick works
+
+
+def test_a_plan_that_fits_loads_none_of_the_on_demand_modules(tmp_path):
+    """A plan of a preset that fits imports none of the modules that tests/test_imports.py
+    lets the package import where their path begins (:data:`ON_DEMAND`,
+    :data:`RARE_STDLIB`): each would slow every plan (issue 24). With a calibration file in
+    the cache the plan hashes its geometry to look it up, and hashlib is seen to load."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_imports import ON_DEMAND, RARE_STDLIB
+
+    watched = sorted({*ON_DEMAND, *RARE_STDLIB, "fractions"})   # units parses without it
+    code = textwrap.dedent(f"""
+        import contextlib, io, sys
+        from moefit.cli import main
+        with contextlib.redirect_stdout(io.StringIO()):
+            code = main(["plan", "DeepSeek-V3", "--gpu", "4090", "--max-context", "32K"])
+        print(code, [m for m in {watched!r} if m in sys.modules])
+    """)
+
+    def loaded() -> str:
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           env={**os.environ, "MOEFIT_CACHE_DIR": str(tmp_path)}, timeout=60)
+        assert r.returncode == 0, r.stderr
+        return r.stdout.strip()
+
+    assert loaded() == "0 []"
+    (tmp_path / "calibration").mkdir()
+    (tmp_path / "calibration" / "0123.json").write_text("{}")   # another key's: not read
+    assert loaded() == "0 ['hashlib']"
 
 
 def test_models_and_gpus_list():

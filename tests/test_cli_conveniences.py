@@ -118,17 +118,40 @@ def reference_largest(model: str, gpu: str, **req) -> int:
      dict(prefill_mode="fixed", prefill_tokens=4096, strict=True)),
     ("Qwen3.5-35B-A3B", "RTX 5060 Ti 16GB", ["--kv", "int4"], dict(kv="int4")),
 ])
-def test_max_context_max_is_the_largest_that_fits(capsys, model, gpu, flags, req):
+@pytest.mark.parametrize("smallest", [False, True])
+def test_max_context_max_is_the_largest_that_fits(capsys, model, gpu, flags, req, smallest):
+    # max keeps the requested or default chunk (its context is priced at that chunk), unless
+    # --prefill-min asks for the smallest
+    from moefit.flags import max_context_chunk
+    from moefit.plan.request import Request
+
+    chunk = 256 if smallest else max_context_chunk(Request(**req))
+    flags = [*flags, *(["--prefill-min", "256"] if smallest else [])]
     code, doc = plan_json(capsys, model, "--gpu", gpu, "--max-context", "max", *flags)
     assert code == 0 and doc["fits"]
-    expected = reference_largest(model, gpu, **req)
+    expected = reference_largest(model, gpu, **req, prefill_min=chunk)
     assert doc["context"] == expected
-    # one token more does not fit, unless the model's limit stopped it (then one more is
-    # beyond the limit: an input error)
+    # one token more does not fit at that chunk, unless the model's limit stopped it (then one
+    # more is beyond the limit: an input error)
     code2, out, err = run(capsys, "plan", model, "--gpu", gpu, "--max-context", str(expected + 1),
-                          *flags, "--json", "--no-calibration")
+                          *flags, "--prefill-min", str(chunk), "--json", "--no-calibration")
     limit_hit = any("model's limit" in n for n in doc["notes"])
     assert code2 == (2 if limit_hit else 3), (code2, err)
+
+
+def test_max_context_max_prints_the_trade_off_of_a_smaller_chunk(capsys):
+    # Qwen3.5-35B-A3B, YaRN x4, int8 KV, a 16 GB card: 928,302 tokens at the default 4096-token
+    # chunks (it used to shrink them to 256 for 967,605 without a word)
+    base = ["Qwen3.5-35B-A3B", "--gpu", "RTX 5060 Ti 16GB", "--max-context", "max", "--rope-scaling", "yarn",
+            "--rope-scale", "4", "--kv", "int8", "--no-calibration"]
+    code, out, _ = run(capsys, "plan", *base)
+    assert code == 0
+    assert "max-context: max, the largest context that fits: 928302 tokens at 4096-token chunks" in out
+    assert "256-token chunks (--prefill-min 256) would fit 967605 tokens (+4%)" in out
+    code, out, _ = run(capsys, "plan", *base, "--prefill-min", "256")
+    assert "the largest context that fits: 967605 tokens" in out and "would fit" not in out
+    code, out, _ = run(capsys, "plan", *base, "--prefill", "8192")
+    assert "at 8192-token chunks" in out
 
 
 def test_max_context_max_says_how_it_was_chosen(capsys):

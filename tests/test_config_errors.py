@@ -37,6 +37,11 @@ def mutated(name: str, path: tuple[str, ...], value) -> dict:
     ("gpt-oss-20b", ("sliding_window",), "x", "malformed"),
     ("DeepSeek-V3", ("quantization_config", "weight_block_size"), 7, "weight_block_size"),
     ("Llama-4-Scout-17B-16E-Instruct", ("text_config", "interleave_moe_layer_step"), 0, "malformed"),
+    # a string is no boolean: "false" planned a tied head (bool("false") is true)
+    ("Qwen3-30B-A3B", ("tie_word_embeddings",), "false", "'tie_word_embeddings' is \"false\", not a boolean"),
+    ("Llama-4-Scout-17B-16E-Instruct", ("text_config", "tie_word_embeddings"), "false",
+     "'text_config.tie_word_embeddings'"),
+    ("gpt-oss-20b", ("attention_bias",), 1, "not a boolean"),
 ])
 def test_malformed_config_is_an_input_error_naming_the_file(name, path, value, needle):
     with pytest.raises(InputError, match=needle) as err:

@@ -303,8 +303,25 @@ def test_probe_reads_name_total_and_free(nvml):
     module = nvml()
     device = probe_cuda(1)
     assert device == Device("cuda:1", RTX3090[0], "cuda", RTX3090[1], RTX3090[2],
-                            simulated=False, runtime_bytes=None, source=device.source)
+                            simulated=False, runtime_bytes=None, source=device.source,
+                            speed=find_gpu("RTX 3090").speed)   # NVML without the link calls
     assert module.calls == ["init", "shutdown"]
+
+
+def test_probe_reads_the_pcie_link_from_nvml_and_the_rest_from_the_catalogue(nvml):
+    module = nvml()
+    module.nvmlDeviceGetMaxPcieLinkGeneration = lambda h: 3
+    module.nvmlDeviceGetMaxPcieLinkWidth = lambda h: 8
+    speed = probe_cuda(0).speed
+    card = find_gpu("RTX 4090").speed
+    assert (speed.pcie_gen, speed.pcie_lanes) == (3, 8) and "read from NVML" in speed.source
+    assert speed.memory_bytes_per_s == card.memory_bytes_per_s and card.pcie_gen == 4
+    assert speed.pcie_bytes_per_s == pytest.approx(8 * 0.985e9, rel=1e-3)
+
+
+def test_probe_of_a_card_the_catalogue_does_not_know_has_no_speed(nvml):
+    nvml([("NVIDIA Tesla T4", 15360 * MIB, 14900 * MIB, "GPU-cccc")])
+    assert probe_cuda(0).speed is None
 
 
 def test_probe_decodes_byte_names_of_old_bindings(nvml):

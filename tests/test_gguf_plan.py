@@ -154,12 +154,28 @@ def _corrupt(tmp_path, kind):
         bad.write_bytes(b"")
     elif kind == "garbage":
         bad.write_bytes(b"GGUF" + bytes(range(256)) * 8)
+    elif kind in ("tensor_count", "kv_count"):      # bytes 8-16 and 16-24 of the header
+        at = 8 if kind == "tensor_count" else 16
+        bad.write_bytes(data[:at] + (1 << 60).to_bytes(8, "little") + data[at + 8:])
+    elif kind == "array_length":                     # a nested metadata array's length
+        w = gguf.GGUFWriter(str(bad), "qwen3moe")
+        w.add_array("test.nested", [[1, 2], [3]])
+        w.add_tensor("token_embd.weight", np.zeros((4, 32), np.float32))
+        w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
+        data = bad.read_bytes()
+        f = gguf.GGUFReader(bad).fields["test.nested"]
+        at = f.offset + 8 + len(bytes(f.parts[1])) + 8       # key length, key, type, item type
+        bad.write_bytes(data[:at] + (1 << 60).to_bytes(8, "little") + data[at + 8:])
     return bad
 
 
-@pytest.mark.parametrize("kind", ["magic", "truncated_header", "truncated_data", "empty", "garbage"])
+# the counts (2^60 tensors, keys or array elements): checked against the file's size before
+# they are walked (the reader walked a tensor count of 2^60 for minutes and gigabytes)
+@pytest.mark.parametrize("kind", ["magic", "truncated_header", "truncated_data", "empty", "garbage",
+                                  "tensor_count", "kv_count", "array_length"])
 def test_corrupt_file_is_input_error(tmp_path, kind):
-    with pytest.raises(InputError, match="GGUF"):
+    counted = kind in ("tensor_count", "kv_count", "array_length")
+    with pytest.raises(InputError, match="declares .* can hold" if counted else "GGUF"):
         load_model(str(_corrupt(tmp_path, kind)))
 
 

@@ -11,8 +11,10 @@ Two rules over ``src/moefit/**.py``:
 3. The layers of docs/design.md: a module imports only its own group and lower layers
    (:data:`LAYERS`).
 4. A function-local import is for a heavy dependency (:data:`HEAVY`, or a module that
-   imports one), for a package that needs an extra (:data:`EXTRAS`) or for the other
-   engines' models, loaded only for `--engine` (:data:`ON_DEMAND`), nothing else.
+   imports one), for a package that needs an extra (:data:`EXTRAS`), for the modules a
+   plan of moefit's own does not need (the other engines' models, the GGUF reader:
+   :data:`ON_DEMAND`) or for a standard-library module that only a rare path uses and that
+   would slow every plan down (:data:`RARE_STDLIB`), nothing else.
 
 The first tests run the checks on the real package; the last ones on small made-up
 packages, so that each check is seen to catch what it is for.
@@ -269,9 +271,20 @@ HEAVY = {"torch", "fastapi", "uvicorn", "anyio", "pydantic", "transformers", "to
 #: modules only once it has checked that the extra is installed.
 EXTRAS = ("moefit.runtime", "moefit.serve", "moefit.bench", "moefit.tools")
 
-#: The other engines' memory models: the command line and its flags import them only for
-#: ``moefit plan --engine``, so that a plan of moefit's own loads none of them.
-ON_DEMAND = ("moefit.external",)
+#: Modules that a plan of a Hugging Face model (a preset) that fits does not use, imported
+#: where their path begins so that ``moefit plan`` answers in under 0.1 s (issue 24): the
+#: other engines' memory models (only ``moefit plan --engine``), the GGUF reader and
+#: llama-quantize's mix (only a .gguf model, ``--engine llama.cpp``, or a plan that fails
+#: and prices a GGUF file as its remedy). tests/test_cli.py checks that a plan loads none.
+ON_DEMAND = ("moefit.external", "moefit.ingest.gguf_header", "moefit.ingest.gguf_mix")
+
+#: Standard-library modules that a plan does not use and that cost it a millisecond or more
+#: of CPU to import (``python -X importtime -m moefit plan ...``, 2026-12-01): imported only
+#: on the path that needs them. hashlib loads OpenSSL's libcrypto (a calibration looked up
+#: by its hash, only when calibration files exist); datetime stamps a calibration written;
+#: tempfile (with random) writes files atomically; difflib finds the close names of an
+#: unknown model. tests/test_cli.py checks that a plan loads none of them.
+RARE_STDLIB = {"hashlib", "datetime", "tempfile", "difflib"}
 
 
 def heavy_modules(graph: ImportGraph) -> set[str]:
@@ -288,7 +301,8 @@ def heavy_modules(graph: ImportGraph) -> set[str]:
 
 def needless_local_imports(graph: ImportGraph) -> list[tuple[str, int, str]]:
     """Function-local imports of something that is neither heavy nor leads to it
-    (:func:`heavy_modules`), nor a module of a package that needs an extra imported from
+    (:func:`heavy_modules`), nor a rarely needed standard-library module
+    (:data:`RARE_STDLIB`), nor a module of a package that needs an extra imported from
     outside that package (:data:`EXTRAS`, :data:`ON_DEMAND`)."""
     heavy = heavy_modules(graph)
 
@@ -297,7 +311,8 @@ def needless_local_imports(graph: ImportGraph) -> list[tuple[str, int, str]]:
                    for p in (*EXTRAS, *ON_DEMAND))
 
     return [(m, line, what) for m, line, what in graph.local
-            if what not in heavy and what not in HEAVY and not extra(m, what)]
+            if what not in heavy and what not in HEAVY and what not in RARE_STDLIB
+            and not extra(m, what)]
 
 
 #: Known ones awaiting their owner's change (module, what); empty now.

@@ -83,6 +83,28 @@ def test_replace_files_leaves_the_old_set_when_a_writer_fails(tmp_path):
     assert mode == 0o666 & ~umask          # as open() creates files, not mkstemp's 0600
 
 
+def test_temporaries_of_a_killed_writer_are_removed_by_the_next(tmp_path):
+    """``kill -9`` during ``bench --out`` (or a kernel build) left hidden temporary files
+    that nothing removed; the next write into the folder removes those whose process is
+    gone, and keeps those of a running one."""
+    import subprocess
+    import sys
+
+    from moefit.outputs import TEMP_MARK, remove_stale_temporaries
+
+    child = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                           capture_output=True, text=True, check=True)
+    dead = tmp_path / f".report.{TEMP_MARK}{int(child.stdout)}-x1.tmp.json"
+    live = tmp_path / f".report.{TEMP_MARK}{os.getpid()}-x2.tmp.json"
+    other = tmp_path / ".notes.tmp.json"          # not ours: never touched
+    for f in (dead, live, other):
+        f.write_text("half")
+    replace_files(tmp_path, {"report.json": lambda p: p.write_text("{}")})
+    assert not dead.exists() and live.exists() and other.exists()
+    assert (tmp_path / "report.json").read_text() == "{}"
+    assert remove_stale_temporaries(tmp_path / "missing") == []
+
+
 def test_writable_dir_creates_the_folder_or_names_why_not(tmp_path):
     assert writable_dir(tmp_path / "x" / "y", "--out x/y").is_dir()
     (tmp_path / "file").write_text("")

@@ -25,15 +25,19 @@ from moefit.devices import format_gpu_table
 from moefit.errors import (EXIT_INPUT, EXIT_NOFIT, EXIT_OK, EXIT_OTHER, InputError, Terminated,
                            exit_code)
 from moefit.flags import (add_engine_flags, add_model_files_flags, add_plan_flags,
-                          add_sampling_flags, add_serve_flags, check_engine_flags,
-                          device_from_args, devices_from_args, llama_ftype, llama_request_from_args,
-                          normalize_argv, plan_from_args, serve_request_from_args)
+                          add_sampling_flags, add_serve_flags, add_speed_flags, check_engine_flags,
+                          device_from_args, devices_from_args, host_from_args, llama_ftype,
+                          llama_request_from_args, llamacpp_speed_from_args, normalize_argv,
+                          plan_from_args, serve_request_from_args, speed_from_args,
+                          wants_max_context)
 from moefit.ingest.checkpoint import describe_weights
 from moefit.ingest.inputs import is_gguf_file
 from moefit.ingest.resolve import format_models_table, list_presets, load_model
 from moefit.memory.kv import kv_bytes, kv_format
 from moefit.memory.staging import staging_model
-from moefit.plan.report import format_json, format_table
+from moefit.plan.report import (format_json, format_speed, format_speed_verbose, format_table,
+                                speed_document)
+from moefit.plan.types import Alternative
 from moefit.tools.demo import FAMILIES as DEMO_FAMILIES
 from moefit.units import format_bytes
 
@@ -55,12 +59,17 @@ def cmd_plan(args: argparse.Namespace) -> int:
     geom = load_model(args.model)
     devices = devices_from_args(args)
     plan = plan_from_args(geom, devices, args)
+    if not plan.fits and len(devices) == 1:
+        plan = dataclasses.replace(plan, alternatives=(*plan.alternatives,
+                                                       *_llamacpp_alternatives(geom, devices[0], args)))
+    speed, alt_speeds = speed_from_args(geom, devices, plan, args)
     if args.json:
-        print(format_json(plan))
+        print(format_json(plan, speed, alt_speeds))
     else:
-        print(format_table(plan))
+        print(format_table(plan, speed, alt_speeds))
         if args.verbose:
             print(_verbose(plan))
+            print("\n".join(format_speed_verbose(speed)))
     return EXIT_OK if plan.fits else EXIT_NOFIT
 
 
@@ -74,10 +83,51 @@ def _plan_llamacpp(args: argparse.Namespace) -> int:
     if is_gguf_file(args.model):
         tensors = llamacpp.tensors_from_header(args.model)
     else:
-        tensors, note = llamacpp.tensors_from_geometry(geom, llama_ftype(args))
+        tensors, note = llamacpp.tensors_from_geometry(geom, llama_ftype(args, geom))
         req = dataclasses.replace(req, notes=(note, *req.notes))
-    plan = llamacpp.solve_llamacpp(geom, tensors, device, req)
-    return _print_engine_plan(args, plan, llamacpp.plan_document, llamacpp.format_plan, llamacpp.format_verbose)
+    host = host_from_args(args, (device,))
+    if wants_max_context(args):
+        plan = llamacpp.plan_max_context(geom, tensors, device, req, req.context, host)
+    else:
+        plan = llamacpp.solve_llamacpp(geom, tensors, device, req, host_mem=host)
+    speed = llamacpp_speed_from_args(geom, plan, args) if plan.fits else None
+    return _print_engine_plan(
+        args, plan, lambda p: {**llamacpp.plan_document(p), "speed": speed_document(speed)},
+        lambda p: _before_command(llamacpp.format_plan(p), format_speed(speed, "micro-batch")),
+        lambda p: "\n".join([llamacpp.format_verbose(p), *format_speed_verbose(speed, "micro-batch")]))
+
+
+def _before_command(text: str, line: str) -> str:
+    """``text`` (a llama.cpp plan) with ``line`` before its ``command`` line (the last, so
+    that it can be copied from the end of the output), or at its end."""
+    head, sep, cmd = text.rpartition("\ncommand  ")
+    return f"{head}\n{line}{sep}{cmd}" if sep else f"{text}\n{line}"
+
+
+def _llamacpp_alternatives(geom, device, args: argparse.Namespace) -> list[Alternative]:
+    """When moefit's plan does not fit one device: ``--engine llama.cpp`` (the GGUF file, or
+    the one of the family's released mix) with the same flags, or with one of that plan's
+    own ``fits with:`` changes, when it fits (the device and the host alike); none when the
+    flags have no llama.cpp meaning or the family has no GGUF architecture. Loads llama.cpp's
+    model only for a plan that does not fit (none when it cannot be loaded)."""
+    try:
+        from moefit.external import llamacpp
+    except ImportError:
+        return []
+    try:
+        req = llama_request_from_args(geom, args)
+        if is_gguf_file(args.model):
+            tensors, what = llamacpp.tensors_from_header(args.model), "llama-server with this GGUF file"
+        else:
+            ftype = llama_ftype(args, geom)
+            tensors, _ = llamacpp.tensors_from_geometry(geom, ftype)
+            what = f"llama-server with the GGUF of llama-quantize {ftype}"
+        lp = llamacpp.solve_llamacpp(geom, tensors, device, req, host_mem=host_from_args(args, (device,)))
+    except InputError:
+        return []
+    if lp.fits:
+        return [Alternative("--engine", "llama.cpp", what)]
+    return [Alternative("--engine", "llama.cpp", what, also=((a.flag, a.value),)) for a in lp.alternatives]
 
 
 def _plan_serving(args: argparse.Namespace) -> int:
@@ -127,6 +177,19 @@ def _verbose(plan) -> str:
     for name, const, per_tok in st.terms:
         out.append(f"    {name:<58} {format_bytes(const):>11} + {per_tok} B/token")
     return "\n".join(out + out_cal)
+
+
+def cmd_gguf_header(args: argparse.Namespace) -> int:
+    """``moefit gguf-header MODEL OUT [--type FTYPE] [--vocab GGUF]``: a header-only GGUF
+    stand-in (:func:`moefit.tools.stand_in.write_stand_in`); needs the ``gguf`` package."""
+    if find_spec("gguf") is None:
+        raise InputError("gguf-header writes a GGUF file and needs the gguf package: pip install 'moefit[gguf]'")
+    from moefit.tools.stand_in import write_stand_in
+
+    path = write_stand_in(args.model, args.gguf_type, args.out, args.vocab)
+    print(f"wrote {path} ({format_bytes(path.stat().st_size)} apparent, headers only); try:")
+    print(f"  moefit plan {path} --engine llama.cpp --gpu 'RTX 5060 Ti 16GB'")
+    return EXIT_OK
 
 
 def cmd_models(args: argparse.Namespace) -> int:
@@ -201,6 +264,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     p = sub.add_parser("plan", help="solve and print the VRAM budget")
     add_plan_flags(p)
+    add_speed_flags(p)
     p.add_argument("--json", action="store_true", help="print the moefit.plan/2 JSON document")
     p.add_argument("--verbose", "-v", action="store_true",
                    help="also show analytic vs exact weight bytes and the staging terms")
@@ -251,8 +315,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="no progress bar")
     p.set_defaults(func=cmd_bench)
     p = sub.add_parser("calibrate", help="measure the prefill staging peak at two chunk sizes "
-                                         "on this device and store the fitted model")
-    add_plan_flags(p)
+                                         "on this device and store the fitted model; --host: "
+                                         "this machine's speed figures")
+    add_plan_flags(p, optional_model=True)
+    p.add_argument("--host", action="store_true",
+                   help="measure this machine's memory bandwidth and the C kernels' rate per "
+                        "GGUF type and thread count (a few seconds; the speed model's host "
+                        "figures), and store them")
     p.add_argument("--chunks", default="512,2048",
                    help="the two chunk sizes to measure (default 512,2048)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompt (default 0)")
@@ -265,6 +334,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights (default 0)")
     p.add_argument("--force", action="store_true", help="write into a non-empty directory")
     p.set_defaults(func=cmd_make_demo)
+    p = sub.add_parser("gguf-header", help="write a header-only GGUF stand-in of a model in a "
+                                           "llama-quantize mix (no weights: plans and loads in llama.cpp)")
+    p.add_argument("model", help="preset name (see `moefit models`), a model directory or its config.json")
+    p.add_argument("out", help="the .gguf file to write")
+    p.add_argument("--type", dest="gguf_type", default=None, metavar="FTYPE",
+                   help="llama-quantize's file type (default: the family's released mix: MXFP4_MOE for "
+                        "gpt-oss, else Q4_K_M)")
+    p.add_argument("--vocab", default=None, metavar="GGUF",
+                   help="copy the tokenizer from this vocabulary GGUF (llama.cpp's "
+                        "models/ggml-vocab-qwen2.gguf); default: a stand-in byte-level vocabulary")
+    p.set_defaults(func=cmd_gguf_header)
     sub.add_parser("models", help="list the built-in model presets").set_defaults(func=cmd_models)
     sub.add_parser("gpus", help="list the built-in GPU catalogue").set_defaults(func=cmd_gpus)
     return parser

@@ -31,19 +31,21 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from moefit.devices import Device, Host, resolve_devices, resolve_host
+from moefit.devices.host import HostSpeed, default_host_speed
 from moefit.errors import InputError
 from moefit.ingest.geometry import ModelGeometry
-from moefit.ingest.gguf_mix import DEFAULT_FTYPE, ftype_name
-from moefit.ingest.inputs import is_gguf_file
+from moefit.ingest.inputs import is_gguf_file, read_routing_profile
 from moefit.ingest.resolve import serving_reference
 from moefit.memory import calibration
 from moefit.memory.kv import KV_FORMATS, kv_name
 from moefit.memory.staging import StagingModel
-from moefit.plan.request import Request, context_limit, parse_prefill, resolve_context, validate
+from moefit.plan.request import (CHUNK_GRID, DEFAULT_PREFILL_MIN, Request, context_limit, parse_prefill,
+                                 resolve_context, validate)
 from moefit.plan.alternatives import SMALLEST_CONTEXT, largest_context
 from moefit.plan.solver import solve
+from moefit.plan.speed import Speed, alternative_request, predict_llamacpp, predict_plan
 from moefit.plan.types import Plan
-from moefit.units import parse_count
+from moefit.units import parse_count, parse_size
 
 if TYPE_CHECKING:       # the engines' modules load only for --engine (moefit plan stays fast)
     from moefit.external.llamacpp import LlamaRequest
@@ -62,10 +64,12 @@ def warn(message: str) -> None:
 
 # ---- argparse groups ------------------------------------------------------------------------
 
-def add_model_argument(p: argparse.ArgumentParser) -> None:
-    """The positional MODEL of every planning and running command."""
-    p.add_argument("model", help="preset name (see `moefit models`), a model directory, "
-                                 "a config.json path, or a .gguf file (first shard of a split)")
+def add_model_argument(p: argparse.ArgumentParser, optional: bool = False) -> None:
+    """The positional MODEL of every planning and running command (``optional``: a
+    command that also runs without one, ``calibrate --host``)."""
+    p.add_argument("model", nargs="?" if optional else None,
+                   help="preset name (see `moefit models`), a model directory, "
+                        "a config.json path, or a .gguf file (first shard of a split)")
 
 
 def add_device_flags(p: argparse.ArgumentParser) -> None:
@@ -108,8 +112,9 @@ def add_request_flags(p: argparse.ArgumentParser) -> None:
     req.add_argument("--prefill", default="auto",
                      help="auto (largest chunk that fits, up to 16384), auto:N, or N tokens "
                           "(clamped to fit unless --strict)")
-    req.add_argument("--prefill-min", type=int, default=256,
-                     help="smallest chunk a clamp may choose (default 256)")
+    req.add_argument("--prefill-min", type=int, default=None,
+                     help="smallest chunk a clamp may choose (default 256); with --max-context "
+                          "max, given: the context of that chunk (else max keeps the chunk)")
     req.add_argument("--strict", action="store_true",
                      help="fail instead of clamping --prefill N")
     req.add_argument("--vram-reserve-mib", type=float, default=None,
@@ -119,11 +124,14 @@ def add_request_flags(p: argparse.ArgumentParser) -> None:
                      help="auto (what remains) or N expert slots")
     req.add_argument("--min-expert-cache", type=int, default=0,
                      help="expert slots that must fit (default 0: misses run on the CPU)")
-    req.add_argument("--miss-policy", choices=("cpu", "copy"), default="cpu",
-                     help="non-resident experts run on the CPU (default) or are copied "
-                          "through the weight arena")
+    req.add_argument("--miss-policy", choices=("cpu", "copy", "auto"), default="cpu",
+                     help="non-resident experts run on the CPU (default), are copied "
+                          "through the weight arena, or (auto, planned only: serve and "
+                          "generate run cpu or copy) either, per MoE layer and step, "
+                          "whichever the speed model predicts faster; copy and auto price "
+                          "the arena before the expert cache")
     req.add_argument("--arena-slots", type=int, default=None,
-                     help="weight-arena ring size in expert slots with --miss-policy copy "
+                     help="weight-arena ring size in expert slots with --miss-policy copy / auto "
                           "(default 2 x experts per token)")
     req.add_argument("--host-experts", choices=("copy", "mmap"), default="copy",
                      help="non-resident experts: read into host memory (copy, default; pinned "
@@ -159,6 +167,12 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                      help="--engine llama.cpp with a Hugging Face model: plan the GGUF that "
                           "llama-quantize FTYPE would write (default Q4_K_M; Q8_0, Q6_K, Q5_K_M, "
                           "Q4_K_S, MXFP4_MOE, ...)")
+    eng.add_argument("--load-mode", default=None, metavar="MODE",
+                     help="--engine llama.cpp: how llama-server holds the tensors kept on the CPU "
+                          "(its -lm): mmap (default: the file's pages), none (a copy), mlock, "
+                          "mmap+mlock")
+    eng.add_argument("--no-kv-offload", action="store_true",
+                     help="--engine llama.cpp: the KV cache in host memory (llama-server -nkvo)")
     eng.add_argument("--gpus", type=int, default=None, metavar="N",
                      help="--engine vllm|sglang: GPUs in all (default 1), each a --gpu / --vram card")
     eng.add_argument("--nodes", type=int, default=None, metavar="M",
@@ -172,11 +186,107 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                           "split; default: chosen)")
 
 
-def add_plan_flags(p: argparse.ArgumentParser) -> None:
+def add_plan_flags(p: argparse.ArgumentParser, optional_model: bool = False) -> None:
     """The flags every planning and running command shares: MODEL, the device, the request."""
-    add_model_argument(p)
+    add_model_argument(p, optional_model)
     add_device_flags(p)
     add_request_flags(p)
+
+
+def add_speed_flags(p: argparse.ArgumentParser) -> None:
+    """``moefit plan``'s workload for the predicted speed (:func:`speed_from_args`):
+    ``--prompt-tokens``, ``--host-bandwidth`` and the ``--routing-profile`` of the run."""
+    s = p.add_argument_group("predicted speed")
+    s.add_argument("--prompt-tokens", type=int, default=None, metavar="N",
+                   help="the prompt the prefill speed is predicted for, from position 0 "
+                        "(default: one full chunk at half the context); decode is predicted "
+                        "at the prompt's end")
+    s.add_argument("--host-bandwidth", default=None, metavar="RATE",
+                   help="the host's memory bandwidth, e.g. 60GB/s (default: what `moefit "
+                        "calibrate --host` measured on this machine, else a stated default)")
+    s.add_argument("--routing-profile", default=None,
+                   help='JSON {"layer": {"expert": count}}: routing counts for the expected '
+                        "hit rate (default: uniform routing)")
+
+
+def host_speed_from_args(args: argparse.Namespace, devices: tuple[Device, ...]) -> HostSpeed:
+    """The host's speed figures: ``moefit calibrate --host``'s measurement of this machine
+    when the plan's host is this machine (a probed GPU or the simulated device, no
+    ``--host-ram``, no ``--no-calibration``), else the default host
+    (:func:`moefit.devices.host.default_host_speed`); ``--host-bandwidth`` replaces the
+    bandwidth. Raises InputError for a bad ``--host-bandwidth``."""
+    text = getattr(args, "host_bandwidth", None)
+    bw = None
+    if text is not None:
+        size = text.strip()
+        if size.lower().endswith("/s"):
+            size = size[:-2]
+        bw = float(parse_size(size, "--host-bandwidth"))
+        if bw < 1e8:
+            raise InputError(f"--host-bandwidth {text}: give the host's memory bandwidth per "
+                             "second with a unit, e.g. 60GB/s")
+    here = any(d.kind == "cpu" or not d.simulated for d in devices)
+    measured = None
+    if here and not getattr(args, "host_ram", None) and not os.environ.get(HOST_RAM_ENV) \
+            and not getattr(args, "no_calibration", False):
+        measured = calibration.load_host(getattr(args, "threads", None), warn)
+    if measured is None:
+        return default_host_speed(bw)
+    if bw is None:
+        return measured
+    return replace(measured, memory_bytes_per_s=bw,
+                   source=measured.source + f"; bandwidth {text} from --host-bandwidth")
+
+
+def speed_from_args(geom: ModelGeometry, devices: tuple[Device, ...], plan: Plan,
+                    args: argparse.Namespace) -> tuple["Speed | None", list["Speed | None"]]:
+    """The predicted speed of ``plan`` (:func:`moefit.plan.speed.predict_plan`; None for a
+    plan that does not fit, or a device without figures) and of each of its ``fits with:``
+    alternatives, each re-solved with its change (:func:`moefit.plan.speed.alternative_request`;
+    None where the change is not one request flag: another model file). Raises InputError
+    for bad speed flags."""
+    prompt = getattr(args, "prompt_tokens", None)
+    if prompt is not None and prompt < 1:
+        raise InputError(f"--prompt-tokens {prompt}: give a prompt of at least one token")
+    host = host_speed_from_args(args, devices)
+    profile = None
+    if getattr(args, "routing_profile", None):
+        profile = read_routing_profile(args.routing_profile, geom)
+    speed = predict_plan(plan, host, prompt_tokens=prompt, profile=profile) if plan.fits else None
+    alts: list[Speed | None] = []
+    if plan.alternatives:
+        host_mem = host_from_args(args, devices)
+        staging = calibrated_staging(geom, devices[0], plan.request.kv, args)
+        for a in plan.alternatives:
+            r = alternative_request(plan.request, a)
+            if r is None:
+                alts.append(None)
+                continue
+            same = r.kv.lower() == plan.request.kv.lower()
+            solved = solve(geom, devices, r, host=host_mem, alternatives=False,
+                           staging=staging if same else None)
+            alts.append(predict_plan(solved, host, prompt_tokens=prompt, profile=profile)
+                        if solved.fits else None)
+    return speed, alts
+
+
+def llamacpp_speed_from_args(geom: ModelGeometry, plan, args: argparse.Namespace) -> "Speed | None":
+    """The predicted speed of a llama.cpp plan's command
+    (:func:`moefit.plan.speed.predict_llamacpp`), for the GGUF file it runs: the file's own
+    geometry, or the one ``--gguf-type`` would write of a Hugging Face model
+    (:func:`moefit.ingest.gguf_mix.gguf_geometry`)."""
+    prompt = getattr(args, "prompt_tokens", None)
+    if prompt is not None and prompt < 1:
+        raise InputError(f"--prompt-tokens {prompt}: give a prompt of at least one token")
+    from moefit.ingest.gguf_mix import gguf_geometry    # only for --engine llama.cpp
+
+    file_geom = geom if is_gguf_file(args.model) else gguf_geometry(geom, llama_ftype(args, geom))
+    profile = read_routing_profile(args.routing_profile, geom) if getattr(args, "routing_profile", None) else None
+    cpu = plan.cpu_layers or tuple(l.index for l in geom.moe_layers if l.index < plan.n_cpu_moe)
+    r = plan.request
+    return predict_llamacpp(file_geom, plan.device, host_speed_from_args(args, (plan.device,)),
+                            context=r.context, ubatch=plan.ubatch, seqs=r.slots, cpu_layers=cpu,
+                            type_k=r.type_k, type_v=r.type_v, prompt_tokens=prompt, profile=profile)
 
 
 def add_model_files_flags(p: argparse.ArgumentParser) -> None:
@@ -243,7 +353,7 @@ def request_from_args(args: argparse.Namespace) -> Request:
     return Request(
         max_context=_max_context(args.max_context),
         slots=slots_of(args), kv=kv_name("bf16" if args.kv is None else args.kv), prefill_mode=mode, prefill_tokens=tokens,
-        prefill_min=args.prefill_min, strict=args.strict, reserve_bytes=_reserve_bytes(args),
+        prefill_min=prefill_min_of(args), strict=args.strict, reserve_bytes=_reserve_bytes(args),
         expert_cache=expert_cache, min_expert_cache=args.min_expert_cache,
         rope_scaling=args.rope_scaling, rope_scale=args.rope_scale,
         yarn_orig_ctx=_yarn_orig_ctx(args), miss_policy=args.miss_policy,
@@ -283,11 +393,15 @@ def llama_request_from_args(geom: ModelGeometry, args: argparse.Namespace) -> "L
     A Hugging Face model is planned as the GGUF ``llama-quantize --gguf-type`` would write
     (``-m`` names ``<model>-<FTYPE>.gguf``; :func:`llama_ftype`).
 
+    ``--max-context max`` gives the model's limit here (under the RoPE flags), which
+    :func:`moefit.external.llamacpp.plan_max_context` lowers to what fits.
+
     Raises InputError (exit 2) for ``--gguf-type`` with a GGUF file and for flags that have
-    no llama.cpp meaning (the expert-cache flags, ``--max-context max``, ``--parallel`` above
-    256, a ``-c`` past 2^31 - 1)."""
+    no llama.cpp meaning (the expert-cache flags, ``--parallel`` above 256, a ``-c`` past
+    2^31 - 1)."""
     from moefit.external.llamacpp import DEFAULT_BATCH as LLAMA_BATCH
     from moefit.external.llamacpp import DEFAULT_KV as LLAMA_KV
+    from moefit.external.llamacpp import LOAD_MODES as LLAMA_LOAD_MODES
     from moefit.external.llamacpp import MAX_CTX as LLAMA_MAX_CTX
     from moefit.external.llamacpp import MAX_SEQ as LLAMA_MAX_SEQ
     from moefit.external.llamacpp import pad_cells as _pad_cells
@@ -301,11 +415,11 @@ def llama_request_from_args(geom: ModelGeometry, args: argparse.Namespace) -> "L
         raise InputError("--expert-cache / --min-expert-cache / --miss-policy / --arena-slots are "
                          "moefit runtime flags; with --engine llama.cpp the experts kept on the "
                          "CPU are chosen as --n-cpu-moe")
-    if wants_max_context(args):
-        raise InputError("--max-context max is not planned with --engine llama.cpp; give a "
-                         "number of tokens (e.g. --max-context 128K)")
+    mode = getattr(args, "load_mode", None) or "mmap"
+    if mode not in LLAMA_LOAD_MODES:
+        raise InputError(f"--load-mode {mode!r}: use one of {', '.join(LLAMA_LOAD_MODES)} (llama-server's -lm)")
     tk, tv = kv_types(args.kv) if args.kv is not None else (LLAMA_KV, LLAMA_KV)
-    ub, ub_min = llama_ubatch(args.prefill, args.prefill_min)
+    ub, ub_min = llama_ubatch(args.prefill, prefill_min_of(args))
     slots = slots_of(args)
     if slots > LLAMA_MAX_SEQ:
         raise InputError(f"--parallel {slots}: llama.cpp runs at most {LLAMA_MAX_SEQ} sequences "
@@ -339,16 +453,22 @@ def llama_request_from_args(geom: ModelGeometry, args: argparse.Namespace) -> "L
     return LlamaRequest(context=context, slots=slots, ubatch=ub, batch=max(LLAMA_BATCH, ub),
                         type_k=tk, type_v=tv, margin=req.reserve_bytes,
                         ubatch_min=min(ub_min, ub), strict=req.strict,
-                        gguf=str(args.model) if is_gguf_file(args.model) else f"{geom.name}-{llama_ftype(args)}.gguf",
-                        extra_flags=extra, notes=notes, device=llama_device(args.device))
+                        gguf=str(args.model) if is_gguf_file(args.model) else f"{geom.name}-{llama_ftype(args, geom)}.gguf",
+                        extra_flags=extra, notes=notes, device=llama_device(args.device),
+                        mmap=mode.startswith("mmap"), mlock=mode.endswith("mlock"),
+                        kv_offload=not getattr(args, "no_kv_offload", False),
+                        host_margin=_mib_bytes(getattr(args, "host_reserve_mib", None), "--host-reserve-mib"))
 
 
-def llama_ftype(args: argparse.Namespace) -> str:
-    """``--gguf-type`` (default ``Q4_K_M``, the most used mix): the ``llama-quantize`` file
-    type a Hugging Face model is planned in with ``--engine llama.cpp``
-    (:func:`moefit.ingest.gguf_mix.ftype_name`). Raises InputError."""
+def llama_ftype(args: argparse.Namespace, geom: ModelGeometry) -> str:
+    """``--gguf-type``: the ``llama-quantize`` file type a Hugging Face model ``geom`` is
+    planned in with ``--engine llama.cpp`` (:func:`moefit.ingest.gguf_mix.ftype_name`);
+    by default the family's released mix (``MXFP4_MOE`` for gpt-oss, else ``Q4_K_M``:
+    :func:`moefit.ingest.gguf_mix.default_ftype`). Raises InputError."""
+    from moefit.ingest.gguf_mix import default_ftype, ftype_name   # only for --engine llama.cpp
+
     text = getattr(args, "gguf_type", None)
-    return ftype_name(text) if text is not None else DEFAULT_FTYPE
+    return ftype_name(text) if text is not None else default_ftype(geom)
 
 
 def llama_device(device: str | None) -> str:
@@ -389,6 +509,11 @@ def check_engine_flags(args: argparse.Namespace) -> None:
     if getattr(args, "gguf_type", None) is not None and engine != "llama.cpp":
         raise InputError(f"--gguf-type {args.gguf_type}: a GGUF type mix is planned with --engine "
                          "llama.cpp; add it, or drop --gguf-type")
+    for flag, given in (("--load-mode", getattr(args, "load_mode", None) is not None),
+                        ("--no-kv-offload", getattr(args, "no_kv_offload", False))):
+        if given and engine != "llama.cpp":
+            raise InputError(f"{flag} is llama-server's (--engine llama.cpp); add --engine llama.cpp, "
+                             f"or drop {flag}")
     if engine in ("vllm", "sglang"):
         return
     for name in PARALLEL_FLAGS:
@@ -433,7 +558,7 @@ def serve_request_from_args(geom: ModelGeometry, args: argparse.Namespace) -> "S
             raise InputError(f"--{name} {v}: must be at least 1")
     mode, tokens = parse_prefill(args.prefill)
     req = Request(max_context=_max_context(args.max_context), slots=slots_of(args),
-                  prefill_mode=mode, prefill_tokens=tokens, prefill_min=args.prefill_min,
+                  prefill_mode=mode, prefill_tokens=tokens, prefill_min=prefill_min_of(args),
                   strict=args.strict, reserve_bytes=_reserve_bytes(args),
                   rope_scaling=args.rope_scaling, rope_scale=args.rope_scale,
                   yarn_orig_ctx=_yarn_orig_ctx(args))
@@ -454,9 +579,23 @@ def serve_request_from_args(geom: ModelGeometry, args: argparse.Namespace) -> "S
     ref = serving_reference(args.model)
     seqs = args.slots
     return ServeRequest(context=context, gpus=gpus, nodes=nodes, tp=args.tp, pp=args.pp, dp=args.dp,
-                        ep=args.ep, seqs=seqs, batched=batched, batched_min=args.prefill_min,
+                        ep=args.ep, seqs=seqs, batched=batched, batched_min=prefill_min_of(args),
                         strict=args.strict, kv=kv_name("bf16" if args.kv is None else args.kv), margin=req.reserve_bytes,
                         model_ref=ref.model, trust_remote_code=ref.trust_remote_code, extra_flags=extra)
+
+
+def prefill_min_of(args: argparse.Namespace) -> int:
+    """``--prefill-min`` (tokens), :data:`~moefit.plan.request.DEFAULT_PREFILL_MIN` when not
+    given."""
+    value = getattr(args, "prefill_min", None)
+    return DEFAULT_PREFILL_MIN if value is None else value
+
+
+#: the prefill chunk ``--max-context max`` keeps with ``--prefill auto`` (tokens): a default,
+#: long enough that a prompt step's weight reads are shared by many tokens, short enough that
+#: its staging stays small beside a long context's KV cache (Qwen3.5-35B-A3B, YaRN x4, int8 KV
+#: on a 16 GB card: 928,302 tokens at 4096-token chunks, 4% fewer than at 256)
+MAX_CONTEXT_CHUNK = 4096
 
 
 def slots_of(args: argparse.Namespace) -> int:
@@ -533,8 +672,13 @@ def runnable_devices(args: argparse.Namespace) -> tuple[Device, ...]:
 
     Raises:
         InputError: ``--gpu`` or ``--vram`` without ``--device``; a CUDA device that this
-            torch build cannot see; every error of :func:`devices_from_args`.
+            torch build cannot see; ``--miss-policy auto`` (planned only); every error of
+            :func:`devices_from_args`.
     """
+    if getattr(args, "miss_policy", None) == "auto":
+        command = getattr(args, "command", None) or "this command"
+        raise InputError(f"{command} runs --miss-policy cpu or copy; auto is planned only "
+                         "(moefit plan prices its weight arena and predicts its speed)")
     if args.device is None and (args.gpu is not None or args.vram is not None):
         command = getattr(args, "command", None) or "this command"
         raise InputError(f"{command} runs the model on a real device: use --device "
@@ -610,20 +754,46 @@ def plan_from_args(geom: ModelGeometry, device: "Device | tuple[Device, ...]",
     staging = calibrated_staging(geom, devices[0], req.kv, args)
     if not wants_max_context(args):
         return solve(geom, devices, req, host=host, staging=staging)
-    return _plan_max_context(geom, devices, req, staging, host)
+    return _plan_max_context(geom, devices, req, staging, host,
+                             keep_chunk=getattr(args, "prefill_min", None) is None)
+
+
+def max_context_chunk(req: Request) -> int:
+    """The chunk ``--max-context max`` keeps (tokens, on the 256 grid): ``--prefill N`` as
+    asked, ``auto:N``'s ceiling, or :data:`MAX_CONTEXT_CHUNK` for ``auto`` (capped at its
+    ceiling)."""
+    if req.prefill_mode == "fixed":
+        return max(CHUNK_GRID, req.prefill_tokens - req.prefill_tokens % CHUNK_GRID)
+    return min(MAX_CONTEXT_CHUNK, req.prefill_tokens)
 
 
 def _plan_max_context(geom: ModelGeometry, device, req: Request,
-                      staging: StagingModel | None, host: Host | None = None) -> Plan:
+                      staging: StagingModel | None, host: Host | None = None,
+                      keep_chunk: bool = False) -> Plan:
     """``--max-context max``: the plan at the largest context that fits
     (:func:`~moefit.plan.alternatives.largest_context`, to the token, capped at the model's limit
-    under the RoPE flags), with a note saying so. When not even one token fits, the failed
-    plan at the smallest context (:data:`~moefit.plan.alternatives.SMALLEST_CONTEXT`), with a note
-    saying no context fits: its shortfall, the side that is short (a device or the host),
-    the limiting lines and the alternatives are those of the least KV cache, not of the
-    model's limit (where the KV cache would hide what is really short)."""
+    under the RoPE flags), with a note saying so. ``keep_chunk`` (no ``--prefill-min``): the
+    context of the requested or default chunk (:func:`max_context_chunk`), and a note with
+    the trade-off when the smallest chunk (``--prefill-min``'s) would fit more; when not
+    even one token fits at that chunk, the smallest chunk's plan. When not even one token
+    fits, the failed plan at the smallest context
+    (:data:`~moefit.plan.alternatives.SMALLEST_CONTEXT`), with a note saying no context fits: its
+    shortfall, the side that is short (a device or the host), the limiting lines and the
+    alternatives are those of the least KV cache, not of the model's limit (where the KV
+    cache would hide what is really short)."""
     limit, how = context_limit(geom, req)
+    trade = ""
     best = largest_context(geom, device, req, staging, host)
+    chunk = max_context_chunk(req)
+    if keep_chunk and chunk > req.prefill_min and best is not None:
+        kept = req.with_(prefill_min=chunk)
+        at_chunk = largest_context(geom, device, kept, staging, host)
+        if at_chunk is not None:
+            if best > at_chunk:
+                trade = (f"max-context: {req.prefill_min}-token chunks (--prefill-min {req.prefill_min}) "
+                         f"would fit {best} tokens (+{100 * (best - at_chunk) / at_chunk:.0f}%), "
+                         "with slower prefill")
+            req, best = kept, at_chunk
     if best is None:
         plan = solve(geom, device, req.with_(max_context=SMALLEST_CONTEXT), host=host,
                      staging=staging)
@@ -632,4 +802,6 @@ def _plan_max_context(geom: ModelGeometry, device, req: Request,
     plan = solve(geom, device, req.with_(max_context=best), host=host, staging=staging)
     capped = f" (the model's limit, {how})" if best == limit else ""
     note = f"max-context: max, the largest context that fits: {best} tokens{capped}"
-    return replace(plan, notes=(note, *plan.notes))
+    if keep_chunk and req.prefill_min == chunk > CHUNK_GRID:
+        note += f" at {chunk}-token chunks"
+    return replace(plan, notes=(note, *((trade,) if trade else ()), *plan.notes))

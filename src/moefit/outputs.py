@@ -11,7 +11,7 @@ full disk) leaves the previous files, never a truncated file or a mix of old and
 from __future__ import annotations
 
 import os
-import tempfile
+import re
 from pathlib import Path
 from typing import Callable
 
@@ -28,6 +28,8 @@ def writable_dir(path: str | Path, what: str) -> Path:
     path = Path(path)
     if path.exists() and not path.is_dir():
         raise InputError(f"{what}: {path} is a file; give a folder (it is created when missing)")
+    import tempfile     # only a command that writes files (not a plan)
+
     try:
         path.mkdir(parents=True, exist_ok=True)
         fd, probe = tempfile.mkstemp(prefix=".moefit-probe-", dir=path)
@@ -40,20 +42,68 @@ def writable_dir(path: str | Path, what: str) -> Path:
     return path
 
 
+#: The mark in the name of every temporary file moefit writes, followed by the writer's
+#: process id: ``.report.moefit-tmp-4242-x1y2.tmp.json``.
+TEMP_MARK = "moefit-tmp-"
+_TEMP_PID = re.compile(re.escape(TEMP_MARK) + r"(\d+)-")
+
+
+def temp_prefix(stem: str) -> str:
+    """The name start of a temporary file of this process (:data:`TEMP_MARK`, the pid)."""
+    return f"{stem}.{TEMP_MARK}{os.getpid()}-"
+
+
+def remove_stale_temporaries(folder: Path) -> list[Path]:
+    """Remove the temporary files in ``folder`` (names with :data:`TEMP_MARK`) whose writing
+    process no longer runs: a writer killed with SIGKILL cannot remove its own, and nothing
+    else would. A file of a running process (or one whose pid was reused) stays. Returns
+    the removed paths; errors (a file gone meanwhile, no permission) are skipped."""
+    removed = []
+    try:
+        names = [n for n in os.listdir(folder) if TEMP_MARK in n]
+    except OSError:
+        return removed
+    for name in names:
+        m = _TEMP_PID.search(name)
+        if m is None or _running(int(m.group(1))):
+            continue
+        try:
+            (folder / name).unlink()
+            removed.append(folder / name)
+        except OSError:
+            pass
+    return removed
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError, ValueError):
+        return True      # another user's process (or an absurd number): leave its file
+    return True
+
+
 def replace_files(folder: Path, writers: dict[str, Callable[[Path], None]]) -> list[Path]:
     """Write the files of ``writers`` (``{name: write(tmp_path)}``) into ``folder`` as one
     set: every writer writes its temporary file, then all are renamed into place.
 
     On any exception (KeyboardInterrupt included) the temporary files are removed and the
-    previous files stay as they were; the exception propagates. Returns the final paths.
+    previous files stay as they were; the exception propagates; those of an earlier writer
+    killed outright are removed first (:func:`remove_stale_temporaries`). Returns the final
+    paths.
     """
+    import tempfile
+
     done: list[tuple[Path, Path]] = []
+    remove_stale_temporaries(folder)         # left by a writer killed with SIGKILL
     try:
         for name, write in writers.items():
             final = folder / name
             # a hidden name that keeps the extension (matplotlib picks the format by it)
-            fd, tmp = tempfile.mkstemp(prefix=f".{final.stem}.", suffix=f".tmp{final.suffix}",
-                                       dir=folder)
+            fd, tmp = tempfile.mkstemp(prefix=temp_prefix(f".{final.stem}"),
+                                       suffix=f".tmp{final.suffix}", dir=folder)
             os.close(fd)
             os.chmod(tmp, default_file_mode())   # as open() would create it, not mkstemp's 0600
             done.append((Path(tmp), final))

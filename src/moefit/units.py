@@ -26,7 +26,6 @@ Every bad input raises :class:`moefit.errors.InputError` naming the flag and the
 from __future__ import annotations
 
 import re
-from fractions import Fraction
 
 from moefit.errors import InputError
 
@@ -56,8 +55,10 @@ MIN_BARE_SIZE = 1024
 _SIZE_EXAMPLES = "e.g. 16GiB, 16G (binary), 16GB (decimal, 10^9), 15.5GiB, 512MiB or a byte count"
 
 
-def _split(text: object, flag: str, what: str, examples: str) -> tuple[Fraction, str]:
-    """Split ``text`` into (number, suffix); InputError on anything that is not one."""
+def _split(text: object, flag: str, what: str, examples: str) -> tuple[int, int, str]:
+    """Split ``text`` into (numerator, denominator, suffix), the number exactly as
+    ``numerator / denominator`` (a power of ten: ``15.5`` -> 155, 10); InputError on
+    anything that is not one."""
     if not isinstance(text, str):
         raise InputError(f"{flag}: expected {what} as text, got {text!r}; {examples}")
     stripped = text.strip()
@@ -71,7 +72,8 @@ def _split(text: object, flag: str, what: str, examples: str) -> tuple[Fraction,
     if len(match["num"]) > 40:       # more digits than any size or count (and than int() takes)
         raise InputError(f"{flag}: {stripped[:20]}... has {len(match['num'])} digits, too many "
                          f"for {what}; {examples}")
-    return Fraction(match["num"]), match["suffix"]
+    whole, _, decimals = match["num"].partition(".")
+    return int(whole + decimals), 10 ** len(decimals), match["suffix"]
 
 
 def parse_size(text: str, flag: str, *, allow_zero: bool = False,
@@ -97,7 +99,7 @@ def parse_size(text: str, flag: str, *, allow_zero: bool = False,
             or zero (also after rounding down) when ``allow_zero`` is False. The message
             names ``flag``.
     """
-    number, suffix = _split(text, flag, "a size", _SIZE_EXAMPLES)
+    numerator, denominator, suffix = _split(text, flag, "a size", _SIZE_EXAMPLES)
     if suffix.endswith("b") and suffix[:-1].upper() in _BIT_PREFIXES:
         prefix = suffix[:-1].upper().rstrip("I")
         fix = (f"{prefix}iB or {prefix} (binary) or {prefix}B (decimal)" if prefix
@@ -112,7 +114,7 @@ def parse_size(text: str, flag: str, *, allow_zero: bool = False,
             f"{flag}: unknown size suffix {suffix!r} in {text!r}; use KiB/MiB/GiB/TiB or "
             f"K/M/G/T (binary), KB/MB/GB/TB (decimal) or none (bytes)"
         )
-    size = int(number * SIZE_SUFFIXES[key])  # int() of a non-negative Fraction rounds down
+    size = numerator * SIZE_SUFFIXES[key] // denominator  # rounds down
     if size > MAX_SIZE:
         raise InputError(f"{flag}: {text!r} is more than 1 EiB; {_SIZE_EXAMPLES}")
     if key == "" and 0 < size < min_bare:
@@ -148,17 +150,16 @@ def parse_count(text: str, flag: str, *, allow_zero: bool = False) -> int:
             The message names ``flag``.
     """
     examples = "e.g. 32768, 128K (= 131072) or 1M (= 1048576)"
-    number, suffix = _split(text, flag, "a token count", examples)
+    numerator, denominator, suffix = _split(text, flag, "a token count", examples)
     key = suffix.upper()
     if key not in COUNT_SUFFIXES:
         raise InputError(
             f"{flag}: {text!r} is not a token count; the only suffixes are K (x1024) and "
             f"M (x1048576), {examples}"
         )
-    value = number * COUNT_SUFFIXES[key]
-    if value.denominator != 1:
+    count, rest = divmod(numerator * COUNT_SUFFIXES[key], denominator)
+    if rest:
         raise InputError(f"{flag}: {text!r} is not a whole number of tokens; {examples}")
-    count = int(value)
     if count == 0 and not allow_zero:
         raise InputError(f"{flag}: token count must be more than 0, got {text!r}; {examples}")
     return count

@@ -117,3 +117,29 @@ def test_the_cache_follows_xdg_when_no_override(monkeypatch, tmp_path):
     monkeypatch.delenv(calibration.CACHE_ENV, raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     assert calibration.cache_dir() == tmp_path / "moefit"
+
+
+# ---- moefit calibrate --host -------------------------------------------------------------------
+
+def test_calibrate_host_measures_every_kernel_type_and_the_planner_reads_it(tmp_path, monkeypatch, capsys):
+    from moefit.memory import calibration as cal
+    from moefit.runtime import calibrate as rc
+    from moefit.runtime.kernels import qmatmul
+    if not qmatmul.available():
+        pytest.skip(f"C kernels: {qmatmul.unavailable_reason()}")
+    monkeypatch.setenv(cal.CACHE_ENV, str(tmp_path))
+    monkeypatch.setattr(rc, "PROBE_BIG", (512, 4096))     # a short probe: 4 MiB
+    monkeypatch.setattr(cal, "host_key", lambda: {"cpu": "test CPU", "cpus": 2})
+    assert main(["calibrate", "--host"]) == 0
+    out = capsys.readouterr().out
+    assert "threads 1: memory " in out and "threads 2: memory " in out and "stored in " in out
+    host = cal.load_host(threads=2)
+    assert host.threads == 2 and host.memory_bytes_per_s > 0
+    assert set(host.kernel_rates) == {t for t in qmatmul.CTYPES if qmatmul.supports(t, 2048)}
+    assert min(host.kernel_rates.values()) > 0
+    assert "calibrate --host" in host.source
+
+
+def test_calibrate_needs_a_model_or_host(capsys):
+    assert main(["calibrate"]) == 2
+    assert "give MODEL" in capsys.readouterr().err

@@ -19,7 +19,7 @@ import torch
 gguf = pytest.importorskip("gguf")
 
 from moefit.memory.cpu_kernels import SUPER_BLOCK_TYPES  # noqa: E402
-from moefit.runtime.kernels import qmatmul as qm  # noqa: E402
+from moefit.runtime.kernels import native, qmatmul as qm  # noqa: E402
 from moefit.runtime.kernels.quant import StoredExpert, dequantize  # noqa: E402
 from random_gguf import LOWBIT, SCALES, set_iq1m_scale  # noqa: E402
 
@@ -165,9 +165,10 @@ def test_gemm_rejects_wrong_sizes():
 def test_grid_types_need_the_gguf_tables(monkeypatch):
     """The IQ grid types are read only when the build had the gguf package's tables; the
     other low-bit types need none."""
-    header = qm.iq_tables_header()
+    header = native.iq_tables_header()
     assert "MF_IQ2XXS_GRID[256]" in header and "MF_IQ1S_GRID8[2048]" in header
-    monkeypatch.setattr(qm, "iq_tables_header", lambda: None)
+    assert qm.grid_tables()
+    monkeypatch.setattr(qm, "grid_tables", lambda: False)
     assert not qm.supports("IQ2_XXS", 256) and not qm.supports("IQ1_M", 256)
     assert qm.supports("Q2_K", 256) and qm.supports("IQ4_XS", 256)
 
@@ -220,16 +221,18 @@ def test_no_kernels_without_a_compiler(tmp_path):
     keeps dequantize-then-multiply)."""
     code = ("from moefit.runtime.kernels import qmatmul as q; print(q.available()); print(q.unavailable_reason())")
     env = {"PATH": "/nonexistent", "CC": "no-such-cc", "MOEFIT_CACHE_DIR": str(tmp_path), "HOME": str(tmp_path),
-           "PYTHONPATH": ":".join(sys.path)}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True).stdout
-    assert out.splitlines()[0] == "False" and "no C compiler (no-such-cc) on PATH" in out
+           "PYTHONPATH": ":".join(sys.path), "MOEFIT_KERNEL_VARIANT": "none"}    # no built variant either
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    assert r.stdout.splitlines()[0] == "False" and "no C compiler (no-such-cc) on PATH" in r.stdout
+    assert "moefit: note: no C compiler (no-such-cc) on PATH" in r.stderr and "dequantize-then-multiply" in r.stderr
 
 
 def test_a_compiler_that_fails_is_reported(tmp_path):
     """A compiler that is there but fails: ``available`` is False and the reason says the
     build failed (the planner expected the kernels; the engine refuses to start, below)."""
     code = ("from moefit.runtime.kernels import qmatmul as q; print(q.available()); print(q.unavailable_reason())")
-    env = {**os.environ, "CC": "false", "MOEFIT_CACHE_DIR": str(tmp_path), "PYTHONPATH": ":".join(sys.path)}
+    env = {**os.environ, "CC": "false", "MOEFIT_CACHE_DIR": str(tmp_path), "PYTHONPATH": ":".join(sys.path),
+           "MOEFIT_KERNEL_VARIANT": "none"}
     env.pop("MOEFIT_NO_CKERNELS", None)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True).stdout
     assert out.splitlines()[0] == "False" and "could not be built" in out

@@ -100,6 +100,7 @@ def test_accepted_connections_send_small_writes_at_once(state):
         for conn in conns:
             sock = conn.transport.get_extra_info("socket")
             assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) != 0
+    state.stopping.clear()       # Running stops the shared state; the next tests serve it
 
 
 @pytest.mark.process

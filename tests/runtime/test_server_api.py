@@ -193,8 +193,9 @@ def test_prompt_plus_max_tokens_past_the_context_is_refused_and_fits_exactly(cli
     ({"max_tokens": 3}, 400, "prompt"),
     ({"prompt": [1, 999]}, 400, "outside the vocabulary"),
     ({"prompt": ""}, 400, "empty"),
-    ({"prompt": "hello", "logprobs": 2}, 400, "logprobs"),
-    ({"prompt": "hello", "presence_penalty": 0.5}, 400, "presence_penalty"),
+    ({"prompt": "hello", "logprobs": 21}, 400, "logprobs"),
+    ({"prompt": "hello", "presence_penalty": 2.5}, 400, "presence_penalty"),
+    ({"prompt": "hello", "logit_bias": {"x": 1}}, 400, "logit_bias"),
     ({"prompt": "hello", "stop": ""}, 400, 'stop "": an empty stop string'),
     ({"prompt": "hello", "stop": ["ok", ""]}, 400, 'stop "": an empty stop string'),
 ])

@@ -34,6 +34,7 @@ pytestmark = [pytest.mark.triton, pytest.mark.filterwarnings("ignore::RuntimeWar
 
 from moefit.runtime.kernels.triton import gguf as tg  # noqa: E402
 from moefit.runtime.kernels.quant import KERNELS  # noqa: E402
+from moefit.memory import gpu_kernels  # noqa: E402
 
 DEVICE = "cpu" if interpreting() else "cuda"
 T = gguf.GGMLQuantizationType
@@ -82,13 +83,17 @@ def reference(raw: np.ndarray, qtype: str, rows: int, cols: int) -> torch.Tensor
     return torch.from_numpy(np.asarray(w, dtype=np.float32).reshape(rows, cols))
 
 
-def test_the_kernels_read_every_type_the_runtime_reads():
-    assert set(tg.TYPES) == set(KERNELS)
+def test_the_kernels_read_the_types_the_planner_keeps_stored():
+    """The planner keeps stored on CUDA exactly the types the Triton kernels read
+    (memory.gpu_kernels.TYPES); the runtime's other types (the low-bit K and IQ types)
+    are widened at load and priced so."""
+    assert set(tg.TYPES) == set(gpu_kernels.TYPES)
+    assert set(tg.TYPES) <= set(KERNELS)
     for name, (_, block, size) in tg.TYPES.items():
         assert (block, size) == (KERNELS[name].block_size, KERNELS[name].type_size), name
 
 
-@pytest.mark.parametrize("qtype", sorted(KERNELS))
+@pytest.mark.parametrize("qtype", sorted(tg.TYPES))
 def test_dequantized_tiles_equal_gguf_bit_for_bit(qtype):
     """Fully random bytes (NaN / infinite scales too): the same fp32 values as gguf's."""
     rows, cols = ROWS, cols_of(qtype)
@@ -105,7 +110,7 @@ def test_dequantized_tiles_equal_gguf_bit_for_bit(qtype):
     assert torch.equal(got[~nan].view(torch.int32), ref[~nan].view(torch.int32))
 
 
-@pytest.mark.parametrize("qtype", sorted(KERNELS))
+@pytest.mark.parametrize("qtype", sorted(tg.TYPES))
 def test_products_match_dequantize_then_fp32_matmul(qtype):
     rows, cols = ROWS, cols_of(qtype)
     raw = random_matrix(qtype, rows, cols)

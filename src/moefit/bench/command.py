@@ -29,7 +29,7 @@ from moefit.memory import calibration
 from moefit.outputs import writable_dir
 from moefit.plan.request import context_limit, resolve_context
 from moefit.plan.alternatives import largest_context
-from moefit.runtime.calibrate import measure_point
+from moefit.runtime.calibrate import measure_host, measure_point
 from moefit.units import format_bytes, parse_count
 
 
@@ -106,7 +106,14 @@ def bench(args: argparse.Namespace) -> int:
 
 
 def calibrate(args: argparse.Namespace) -> int:
-    """``moefit calibrate MODEL --device ...``: measure, fit, store, print."""
+    """``moefit calibrate MODEL --device ...``: measure, fit, store, print; ``moefit
+    calibrate --host``: the host's memory bandwidth and kernel rates (the speed model's
+    figures, :func:`moefit.memory.calibration.save_host`)."""
+    if args.host:
+        return _calibrate_host(args)
+    if args.model is None:
+        raise InputError("calibrate: give MODEL (the staging of a checkpoint on --device), or "
+                         "--host (this machine's memory bandwidth and kernel rates)")
     model = Path(args.model)
     if not (model.is_dir() or is_gguf_file(model)):
         raise InputError(f"{args.model}: not a checkpoint; calibrate runs the model")
@@ -134,5 +141,15 @@ def calibrate(args: argparse.Namespace) -> int:
     path, fitted = calibration.save(geom, device, req.kv, points)
     print(f"prefill staging = {fitted.const_bytes} B + {fitted.per_token_bytes} B/token x chunk "
           f"(calibrated on {calibration.device_key(device)}, {geom.dtype}, KV {req.kv})")
+    print(f"stored in {path}")
+    return EXIT_OK
+
+
+def _calibrate_host(args: argparse.Namespace) -> int:
+    """Measure the host at 1, 2, 4, ... threads up to the CPUs this process may use."""
+    cpus = calibration.host_key()["cpus"]
+    threads = sorted({min(2 ** i, cpus) for i in range(cpus.bit_length() + 1)})
+    calibration.writable_cache()
+    path = calibration.save_host(measure_host(threads))
     print(f"stored in {path}")
     return EXIT_OK

@@ -1,16 +1,17 @@
 """The built-in GPU catalogue: each card's name, framebuffer total and free memory at idle,
-and the ``moefit gpus`` table.
+its throughput figures, and the ``moefit gpus`` table.
 
-Sources: ``gpus.md`` / ``gpus.csv`` in the project's shared data (driver-reported totals
-gathered from public issues and ``nvidia-smi -q`` captures); each catalogue row cites the
-line it comes from. Imports no torch and no NVML.
+Sources: memory: ``gpus.md`` / ``gpus.csv`` in the project's shared data (driver-reported
+totals gathered from public issues and ``nvidia-smi -q`` captures); each catalogue row cites
+the line it comes from. Throughput (:data:`GPU_SPEEDS`): NVIDIA's spec sheets and
+architecture whitepapers, cited per card. Imports no torch and no NVML.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from moefit.devices.device import Device, cuda_runtime_estimate_bytes
+from moefit.devices.device import Device, GpuSpeed, cuda_runtime_estimate_bytes
 from moefit.errors import InputError
 from moefit.units import MIB
 
@@ -38,6 +39,11 @@ class GpuSpec:
     source: str
     aliases: tuple[str, ...] = ()
 
+    @property
+    def speed(self) -> GpuSpeed | None:
+        """The card's throughput figures (:data:`GPU_SPEEDS`)."""
+        return GPU_SPEEDS.get(self.name)
+
     def device(self, label: str = "cuda:0") -> Device:
         """This card as a what-if CUDA :class:`Device` (``simulated=True``)."""
         return Device(
@@ -50,6 +56,7 @@ class GpuSpec:
             runtime_bytes=None,
             source=(f"catalogue (what-if): nvidia-smi total {self.capacity_mib} MiB, free at "
                     f"idle {self.free_mib} MiB = {self.free_basis}; {self.source}"),
+            speed=self.speed,
         )
 
 
@@ -130,6 +137,87 @@ GPU_CATALOGUE: tuple[GpuSpec, ...] = (
             "figure and is not used",
             aliases=("RTX PRO 6000", "PRO 6000", "RTX PRO 6000 Blackwell Workstation Edition")),
 )
+
+
+# Throughput figures. GeForce tensor cores run bf16 with fp32 accumulation at half their
+# fp16-accumulate rate; the whitepapers list it for their flagship cards, and the other cards
+# of an architecture are derived from the same per-tensor-core rate x tensor cores (4 per SM)
+# x boost clock (NVIDIA's spec page of the card): Ampere GA10x 128 bf16 FLOP and 512 int8 OP
+# per tensor core and clock (RTX 3090: 71 TFLOPS / (328 x 1.695 GHz)), Ada and Blackwell
+# GeForce the same (RTX 4090: 165.2 / (512 x 2.52 GHz); RTX 5090: 209.5 / (680 x 2.407 GHz)).
+# Bandwidth = data rate x bus width / 8 as each spec page lists it. PCIe: the card's host link.
+_AMPERE_WP = ("NVIDIA Ampere GA102 GPU Architecture whitepaper v2.0 (nvidia.com/content/PDF/"
+              "nvidia-ampere-ga-102-gpu-architecture-whitepaper-v2.pdf)")
+_ADA_WP = ("NVIDIA Ada GPU Architecture whitepaper v2.01 (images.nvidia.com/aem-dam/Solutions/"
+           "geforce/ada/nvidia-ada-gpu-architecture.pdf)")
+_BW_WP = ("NVIDIA RTX Blackwell GPU Architecture whitepaper (images.nvidia.com/aem-dam/Solutions/"
+          "geforce/blackwell/nvidia-rtx-blackwell-gpu-architecture.pdf)")
+
+
+def _derived(arch: str, sms: int, boost_ghz: float, page: str) -> str:
+    return (f"derived: {sms} SMs x 4 tensor cores x {boost_ghz} GHz boost ({page}) x the per-core "
+            f"rate of {arch}")
+
+
+def _speed(gbs: float, bf16_tflops: float, int8_tops: float, gen: int, lanes: int,
+           source: str) -> GpuSpeed:
+    return GpuSpeed(gbs * 1e9, bf16_tflops * 1e12, int8_tops * 1e12, gen, lanes, source)
+
+
+def _geforce(sms: int, boost_ghz: float, gbs: float, gen: int, lanes: int, arch: str,
+             page: str) -> GpuSpeed:
+    """A GeForce card from the per-tensor-core rate of its architecture (see above)."""
+    cores = 4 * sms * boost_ghz * 1e9
+    return GpuSpeed(gbs * 1e9, cores * 128, cores * 512, gen, lanes,
+                    _derived(arch, sms, boost_ghz, page) + f"; {gbs:g} GB/s, PCIe {gen}.0 x{lanes}")
+
+
+_GF30 = "nvidia.com/en-us/geforce/graphics-cards/30-series/"
+_GF40 = "nvidia.com/en-us/geforce/graphics-cards/40-series/"
+_GF50 = "nvidia.com/en-us/geforce/graphics-cards/50-series/"
+
+#: Throughput figures per catalogue card (:class:`~moefit.devices.device.GpuSpeed`): peak
+#: spec-sheet figures, no efficiency factor (none was measured on a GPU here). Where one
+#: catalogue row stands for several boards (A100 80GB PCIe / SXM, H100 PCIe / SXM) the lower
+#: board's figures are taken.
+GPU_SPEEDS: dict[str, GpuSpeed] = {
+    "RTX 3060 12GB": _geforce(28, 1.777, 360, 4, 16, "Ampere", _GF30 + "rtx-3060-3060ti"),
+    "RTX 3060 Ti": _geforce(38, 1.665, 448, 4, 16, "Ampere", _GF30 + "rtx-3060-3060ti"),
+    "RTX 3070": _speed(448, 40.6, 162.6, 4, 16, _AMPERE_WP + ", appendix A, GeForce RTX 3070"),
+    "RTX 3080 10GB": _speed(760, 59.5, 238, 4, 16, _AMPERE_WP + ", table 1, GeForce RTX 3080"),
+    "RTX 3090": _speed(936, 71, 284, 4, 16, _AMPERE_WP + ", appendix A, GeForce RTX 3090"),
+    "RTX 4060": _geforce(24, 2.46, 272, 4, 8, "Ada", _GF40 + "rtx-4060-4060ti"),
+    "RTX 4060 Ti 8GB": _geforce(34, 2.535, 288, 4, 8, "Ada", _GF40 + "rtx-4060-4060ti"),
+    "RTX 4060 Ti 16GB": _geforce(34, 2.535, 288, 4, 8, "Ada", _GF40 + "rtx-4060-4060ti"),
+    "RTX 4070": _geforce(46, 2.475, 504, 4, 16, "Ada", _GF40 + "rtx-4070-family"),
+    "RTX 4070 Ti Super": _geforce(66, 2.61, 672, 4, 16, "Ada", _GF40 + "rtx-4070-family"),
+    "RTX 4080": _speed(716.8, 97.5, 389.9, 4, 16, _ADA_WP + ", appendix, GeForce RTX 4080"),
+    "RTX 4080 Super": _geforce(80, 2.55, 736, 4, 16, "Ada", _GF40 + "rtx-4080-family"),
+    "RTX 4090": _speed(1008, 165.2, 660.6, 4, 16, _ADA_WP + ", table 2, GeForce RTX 4090"),
+    "RTX 5060 Ti 16GB": _geforce(36, 2.572, 448, 5, 8, "Blackwell GeForce", _GF50 + "rtx-5060-family"),
+    "RTX 5070": _geforce(48, 2.512, 672, 5, 16, "Blackwell GeForce", _GF50 + "rtx-5070-family"),
+    "RTX 5070 Ti": _geforce(70, 2.452, 896, 5, 16, "Blackwell GeForce", _GF50 + "rtx-5070-family"),
+    "RTX 5080": _geforce(84, 2.617, 960, 5, 16, "Blackwell GeForce", _GF50 + "rtx-5080"),
+    "RTX 5090": _speed(1792, 209.5, 838, 5, 16, _BW_WP + ", appendix, GeForce RTX 5090"),
+    "RTX A6000": _speed(768, 154.8, 309.7, 4, 16,
+                        _AMPERE_WP + ", appendix C; NVIDIA RTX A6000 datasheet"),
+    "L40S": _speed(864, 362.05, 733, 4, 16, "NVIDIA L40S datasheet (resources.nvidia.com/"
+                                           "en-us-l40s/l40s-datasheet-28413)"),
+    "A100 40GB": _speed(1555, 312, 624, 4, 16, "NVIDIA A100 Tensor Core GPU datasheet, "
+                                               "A100 40GB (SXM)"),
+    "A100 80GB": _speed(1935, 312, 624, 4, 16, "NVIDIA A100 Tensor Core GPU datasheet, "
+                                               "A100 80GB PCIe (the SXM board: 2039 GB/s)"),
+    "H100 80GB": _speed(2000, 756, 1513, 5, 16, "NVIDIA H100 Tensor Core GPU datasheet, H100 "
+                                                "PCIe (the SXM board: 3350 GB/s, 989 TFLOPS)"),
+    "H200": _speed(4800, 989, 1979, 5, 16, "NVIDIA H200 Tensor Core GPU datasheet, H200 SXM "
+                                           "(nvidia.com/en-us/data-center/h200)"),
+    "RTX PRO 6000 Blackwell": _speed(
+        1792, 503.8, 1007.6, 5, 16,
+        "NVIDIA RTX PRO 6000 Blackwell Workstation Edition datasheet (1792 GB/s; 4000 AI TOPS "
+        "= fp4 with sparsity, so 1000 dense int8 / fp8 and 500 dense bf16): 188 SMs x 4 tensor "
+        "cores x 2.617 GHz x 256 bf16 FLOP (a professional card runs fp32 accumulation at the "
+        "full rate)"),
+}
 
 
 #: Without a figure for a card, the driver is assumed to reserve this much at idle

@@ -22,6 +22,40 @@ from moefit.units import MIB
 
 DeviceKind = Literal["cuda", "cpu"]
 
+#: Usable bytes per second of one PCIe lane in one direction, by generation: the transfer
+#: rate times the line code (PCI Express Base Specification: 1.0 2.5 GT/s and 2.0 5 GT/s
+#: with 8b/10b; 3.0 8 GT/s, 4.0 16 GT/s and 5.0 32 GT/s with 128b/130b). Packet overheads
+#: (TLP headers) come on top and are not priced: the speed model takes the link's peak.
+PCIE_LANE_BYTES_PER_S: dict[int, float] = {
+    1: 2.5e9 * 8 / 10 / 8, 2: 5e9 * 8 / 10 / 8,
+    3: 8e9 * 128 / 130 / 8, 4: 16e9 * 128 / 130 / 8, 5: 32e9 * 128 / 130 / 8,
+}
+
+
+@dataclass(frozen=True)
+class GpuSpeed:
+    """A GPU's throughput figures for the speed model (:mod:`moefit.plan.speed`).
+
+    Attributes:
+        memory_bytes_per_s: device memory bandwidth (the spec sheet's GB/s x 1e9).
+        bf16_flops: dense bf16 tensor-core throughput with fp32 accumulation, FLOP/s.
+        int8_ops: dense int8 tensor-core throughput, OP/s.
+        pcie_gen, pcie_lanes: the host link (generation, lanes).
+        source: where the figures come from (a spec sheet; NVML for a probed link).
+    """
+
+    memory_bytes_per_s: float
+    bf16_flops: float
+    int8_ops: float
+    pcie_gen: int
+    pcie_lanes: int
+    source: str
+
+    @property
+    def pcie_bytes_per_s(self) -> float:
+        """The link's peak in one direction (:data:`PCIE_LANE_BYTES_PER_S` x lanes)."""
+        return PCIE_LANE_BYTES_PER_S.get(self.pcie_gen, PCIE_LANE_BYTES_PER_S[5]) * self.pcie_lanes
+
 
 @dataclass(frozen=True)
 class Device:
@@ -45,6 +79,9 @@ class Device:
         source: where the numbers come from, for the printed table and ``--json``.
         note: what was assumed about the device, printed as a note of the plan (a
             what-if card's free memory at idle); empty when nothing was.
+        speed: its throughput figures (:class:`GpuSpeed`: a catalogue card's spec sheet, a
+            probed card's PCIe link from NVML); None when not known (a ``--vram`` card, the
+            simulated device: the speed model then uses the host's figures).
 
     Raises:
         ValueError: on an inconsistent device (a programming error; user input is
@@ -60,6 +97,7 @@ class Device:
     runtime_bytes: int | None = None
     source: str = ""
     note: str = ""
+    speed: GpuSpeed | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in ("cuda", "cpu"):

@@ -93,3 +93,62 @@ def resolve_host(host_ram: str | None, on_this_machine: bool,
                              f"memory, e.g. {name}{' ' if name.startswith('-') else '='}64GiB")
         return Host(size, size, shown)
     return probe_host() if on_this_machine else None
+
+
+# ---- the host's speed ------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class HostSpeed:
+    """The host's figures for the speed model (:mod:`moefit.plan.speed`).
+
+    Attributes:
+        memory_bytes_per_s: host memory bandwidth with ``threads`` threads (bytes/s).
+        threads: the CPU threads the runtime's C kernels run on.
+        kernel_rates: per ggml type (``Q4_K``, ``BF16``, ...), the C kernels' compute roof
+            with ``threads`` threads: weight bytes x activation rows per second, measured on
+            a matrix that stays in the caches (so it is not the memory bound). A product of
+            ``R`` rows with a matrix of ``B`` stored bytes takes at least ``R x B / rate``
+            and at least ``B / memory_bytes_per_s``.
+        source: where the figures come from (``moefit calibrate --host``, a flag, the
+            default).
+    """
+
+    memory_bytes_per_s: float
+    threads: int
+    kernel_rates: dict[str, float]
+    source: str
+
+    def rate(self, qtype: str) -> float:
+        """The compute roof of ``qtype`` (:attr:`kernel_rates`); a type that was not
+        measured takes the slowest measured rate."""
+        return self.kernel_rates.get(qtype) or min(self.kernel_rates.values())
+
+
+#: Per-thread compute roofs (GB/s of weights, one activation row, matrix in L2) measured on
+#: one core of the project's 2-core AMD EPYC CI machine (moefit.runtime.kernels.qmatmul's docstring);
+#: the other types take the measured type of the same block layout (Q4_1 / Q5_0 / Q5_1 /
+#: IQ4_NL / MXFP4: Q4_0's 32-value blocks; Q5_K: Q4_K's super-blocks; F16 / F32: BF16).
+_CI_CORE_GBS = {"BF16": 110, "Q8_0": 54, "Q4_0": 37, "Q4_K": 24, "Q6_K": 37}
+_LIKE = {"Q4_1": "Q4_0", "Q5_0": "Q4_0", "Q5_1": "Q4_0", "IQ4_NL": "Q4_0", "MXFP4": "Q4_0",
+         "Q5_K": "Q4_K", "F16": "BF16", "F32": "BF16"}
+#: The default host's threads and memory: a desktop with 8 cores and dual-channel DDR5-5600,
+#: 5600 MT/s x 8 bytes x 2 channels = 89.6 GB/s peak (JEDEC JESD79-5 DDR5 data rates).
+DEFAULT_HOST_THREADS = 8
+DEFAULT_HOST_BANDWIDTH = 5600e6 * 8 * 2
+
+
+def default_host_speed(bandwidth: float | None = None) -> HostSpeed:
+    """The what-if host: :data:`DEFAULT_HOST_THREADS` threads at the CI machine's measured
+    per-core rates (scaled by the threads, an assumption: no efficiency is measured for
+    more cores) and :data:`DEFAULT_HOST_BANDWIDTH`, or ``bandwidth`` (bytes/s, from
+    ``--host-bandwidth``)."""
+    rates = {t: g * 1e9 * DEFAULT_HOST_THREADS for t, g in _CI_CORE_GBS.items()}
+    rates |= {t: rates[like] for t, like in _LIKE.items()}
+    bw = DEFAULT_HOST_BANDWIDTH if bandwidth is None else bandwidth
+    where = ("--host-bandwidth" if bandwidth is not None else
+             "dual-channel DDR5-5600 peak (JEDEC JESD79-5)")
+    return HostSpeed(bw, DEFAULT_HOST_THREADS, rates,
+                     f"default host: {bw / 1e9:.1f} GB/s ({where}), {DEFAULT_HOST_THREADS} "
+                     "threads at the C kernels' per-core rates measured on the CI machine "
+                     "(AMD EPYC; moefit.runtime.kernels.qmatmul); `moefit calibrate --host` measures "
+                     "this machine")

@@ -73,7 +73,8 @@ def probe_cuda(index: int = 0) -> Device:
 
     Uses ``nvmlInit``, ``nvmlDeviceGetHandleByIndex`` (or ``...ByUUID`` when
     ``CUDA_VISIBLE_DEVICES`` lists UUIDs), ``nvmlDeviceGetMemoryInfo`` and
-    ``nvmlDeviceGetName``. NVML's ``total`` is the ``nvidia-smi`` total and its ``free``
+    ``nvmlDeviceGetName``; the card's throughput figures come from the catalogue when it
+    knows the name (:func:`_probed_speed`), with the PCIe link NVML reads. NVML's ``total`` is the ``nvidia-smi`` total and its ``free``
     excludes the driver's reserved memory and other processes (gpus.md §1), which is what
     this process can allocate. No CUDA context is created.
 
@@ -104,6 +105,7 @@ def probe_cuda(index: int = 0) -> Device:
         handle, how = _handle(pynvml, index)
         memory = pynvml.nvmlDeviceGetMemoryInfo(handle)
         name = pynvml.nvmlDeviceGetName(handle)
+        link = _pcie_link(pynvml, handle, nvml_error)
     except nvml_error as exc:
         raise InputError(f"--device {label}: NVML could not read this GPU ({exc}); "
                          f"{_NO_GPU_FIX}") from None
@@ -120,7 +122,33 @@ def probe_cuda(index: int = 0) -> Device:
         simulated=False,
         runtime_bytes=None,
         source=f"NVML ({how}), free memory at probe time",
+        speed=_probed_speed(name, link),
     )
+
+
+def _pcie_link(pynvml, handle, nvml_error) -> tuple[int, int] | None:
+    """(generation, lanes) of the card's PCIe link: ``nvmlDeviceGetMaxPcieLinkGeneration`` /
+    ``...Width``, the most the card and the system's slot allow (the current link drops to
+    a lower generation at idle to save power, so it is not read); None when NVML cannot
+    say (an SXM board, an old driver)."""
+    try:
+        return (int(pynvml.nvmlDeviceGetMaxPcieLinkGeneration(handle)),
+                int(pynvml.nvmlDeviceGetMaxPcieLinkWidth(handle)))
+    except (nvml_error, AttributeError):
+        return None
+
+
+def _probed_speed(name: str, link: tuple[int, int] | None):
+    """A probed card's throughput figures: the catalogue card of that name (its spec sheet)
+    with the PCIe link NVML read; None when the catalogue does not know the card."""
+    try:
+        spec = find_gpu(name).speed
+    except InputError:
+        return None
+    if spec is None or link is None or link[0] <= 0 or link[1] <= 0:
+        return spec
+    return replace(spec, pcie_gen=link[0], pcie_lanes=link[1],
+                   source=spec.source + f"; PCIe {link[0]}.0 x{link[1]} read from NVML")
 
 
 # --- command-line resolution ----------------------------------------------------------
@@ -209,7 +237,8 @@ def resolve_device(device: str | None, gpu: str | None, vram: str | None,
         if free_bytes is None:
             return card
         return Device(card.label, card.description, "cuda", card.capacity_bytes, free_bytes,
-                      simulated=True, source=card.source + f"; free set by --vram-free {vram_free}")
+                      simulated=True, source=card.source + f"; free set by --vram-free {vram_free}",
+                      speed=card.speed)
 
     if kind == "cpu":
         if vram_bytes is None:
@@ -250,7 +279,7 @@ def resolve_device(device: str | None, gpu: str | None, vram: str | None,
     if (capacity, free) == (real.capacity_bytes, real.free_bytes):
         return real
     return Device(real.label, real.description, "cuda", capacity, free, simulated=False,
-                  source=real.source + "; capped by --vram/--vram-free")
+                  source=real.source + "; capped by --vram/--vram-free", speed=real.speed)
 
 
 # --- several devices ---------------------------------------------------------------------

@@ -63,14 +63,16 @@ import math
 import re
 from dataclasses import dataclass, field, replace
 
-from moefit.devices import Device
+from moefit.devices import Device, Host
 from moefit.ingest.gguf_mix import llamacpp_tensors
 from moefit.errors import InputError
 from moefit.ingest.geometry import ModelGeometry
 from moefit.ingest.gguf_header import read_header
 from moefit.ingest.resolve import format_params
+from moefit.memory.host import default_host_reserve_bytes
 from moefit.memory.runtime import default_reserve_bytes, runtime_bytes
-from moefit.plan.types import Alternative, Line, LineTable, format_fits_with, limiting_lines
+from moefit.plan.report import host_document
+from moefit.plan.types import Alternative, HostPlan, Line, LineTable, format_fits_with, limiting_lines
 from moefit.units import format_bytes, size_format
 
 #: ``-ub`` grid when the micro-batch is clamped (tokens)
@@ -394,7 +396,10 @@ class LlamaRequest:
     ``pad(context, 256) x slots``), ``ubatch`` requested (``-ub``; ``strict``: no
     clamp, ``ubatch_min``: the smallest clamp), ``batch`` (``-b``), cache types, ``margin``
     bytes (None: moefit's default), ``gguf`` path for the command, ``notes`` of the flags'
-    mapping (carried into the plan), ``device`` (``-dev``, e.g. ``CUDA1``; empty: none)."""
+    mapping (carried into the plan), ``device`` (``-dev``, e.g. ``CUDA1``; empty: none);
+    the host side: ``mmap`` (llama.cpp's default; False: ``--no-mmap``), ``mlock``
+    (``--mlock``), ``kv_offload`` (False: ``-nkvo``, the KV cache and recurrent state in host
+    memory), ``host_margin`` bytes left free on the host (None: moefit's default)."""
 
     context: int
     slots: int = 1
@@ -409,6 +414,10 @@ class LlamaRequest:
     extra_flags: tuple[str, ...] = ()
     notes: tuple[str, ...] = ()
     device: str = ""
+    mmap: bool = True
+    mlock: bool = False
+    kv_offload: bool = True
+    host_margin: int | None = None
 
 
 @dataclass(frozen=True)
@@ -432,6 +441,8 @@ class LlamaPlan(LineTable):
     alternatives: tuple[Alternative, ...] = ()
     limiting: tuple[str, ...] = ()
     cpu_layers: tuple[int, ...] | None = None   # layers whose experts stay on the CPU, when not a prefix
+    host_table: HostPlan | None = None          # what llama-server keeps in host memory
+    short_on: str = ""                          # on failure: the device's label, or "host"
 
     def line(self, key: str) -> Line:
         return next(l for l in self.lines if l.key == key)
@@ -465,7 +476,15 @@ class LlamaPlan(LineTable):
             parts += ["-ot", self.override]
         elif self.n_cpu_moe:
             parts += ["--n-cpu-moe", str(self.n_cpu_moe)]
-        parts += ["-ctk", r.type_k, "-ctv", r.type_v, "-fa", "on", *r.extra_flags]
+        parts += ["-ctk", r.type_k, "-ctv", r.type_v, "-fa", "on"]
+        if not r.kv_offload:
+            parts.append("-nkvo")
+        if load_mode(r) != "mmap":
+            parts += ["-lm", load_mode(r)]
+        # llama.cpp's --fit (on by default) changes unset flags to fit and gives up, with a
+        # warning, once -ngl / -ot / --n-cpu-moe are set by hand (``llama_params_fit``): off, so the
+        # planned placement is the one that runs
+        parts += ["-fit", "off", *r.extra_flags]
         return " ".join(parts)
 
 
@@ -508,7 +527,8 @@ def _mandatory(m: _Model, device: Device, req: LlamaRequest, ub: int,
     comp = compute_price(m.geom, m.n_vocab, ub, kv, req.type_k, req.type_v, be,
                          m.buffers.largest_expert_tensor if experts_on_host else 0)
     margin = default_reserve_bytes(device) if req.margin is None else req.margin
-    total = runtime_bytes(device) + m.buffers.device + kv.kv_bytes + kv.recurrent_bytes + comp.bytes + margin
+    cache = kv.kv_bytes + kv.recurrent_bytes if req.kv_offload else 0     # -nkvo: in host memory
+    total = runtime_bytes(device) + m.buffers.device + cache + comp.bytes + margin
     return total, kv, comp
 
 
@@ -518,7 +538,7 @@ def _experts_from(m: _Model, k: int) -> int:
 
 
 def solve_llamacpp(geom: ModelGeometry, tensors: list[Tensor], device: Device, req: LlamaRequest, *,
-                   alternatives: bool = True) -> LlamaPlan:
+                   alternatives: bool = True, host_mem: Host | None = None) -> LlamaPlan:
     """Solve llama.cpp's budget with moefit's rules (docs/plan.md, How the plan is solved):
 
     1. price the mandatory lines at the requested ``-ub`` (runtime, model buffers without the
@@ -528,7 +548,11 @@ def solve_llamacpp(geom: ModelGeometry, tensors: list[Tensor], device: Device, r
     3. otherwise (all experts on the CPU) the largest ``-ub`` on the 64-token grid, not below
        ``ubatch_min``, that fits (unless ``strict``);
     4. otherwise the plan fails with the shortfall and single-flag alternatives
-       (``--max-context``, ``--kv``), each checked by re-solving.
+       (``--max-context``, ``--kv``), each checked by re-solving;
+    5. the host table (:func:`host_table`) is checked against ``host_mem`` (``--host-ram`` or
+       this machine; None: priced, not checked): a plan whose device fits but whose host
+       does not fails with the host's shortfall (``short_on`` ``host``), and its
+       alternatives fit both.
 
     Pure: no I/O. Raises InputError for a bad request (``-ub`` below 1).
     """
@@ -579,14 +603,15 @@ def solve_llamacpp(geom: ModelGeometry, tensors: list[Tensor], device: Device, r
         total, kv, comp = _mandatory(m, device, req, ub, bool(moe_layers))
     on_cpu = frozenset(layer for layer in moe_layers if layer < k)
     per_layer = None
-    if fits and 0 < k < all_cpu + 1 and on_cpu:
+    # a clamped -ub took everything: the experts stay on the CPU (as moefit's clamped chunk keeps
+    # the expert cache at its floor), so more memory never places fewer expert layers
+    if fits and ub >= effective_ubatch(req) and 0 < k < all_cpu + 1 and on_cpu:
         chosen = _best_layers(dict(m.buffers.experts), free - total)
         if sum(b for layer, b in m.buffers.experts if layer in chosen) > _experts_from(m, k):
             on_cpu = frozenset(moe_layers) - chosen
             per_layer = tuple(sorted(on_cpu))
     lines = _lines(m, device, req, ub, on_cpu, kv, comp)
-    host = {"model": m.buffers.host + sum(b for layer, b in m.buffers.experts_host if layer in on_cpu),
-            "output": 4 * m.n_vocab * req.slots, "compute": 4 * ub * (geom.hidden_size + 1)}
+    host = host_bytes(m, device, req, ub, on_cpu, kv, comp)
     if per_layer:
         notes.append(f"experts of layers {_ranges(per_layer)} stay on the CPU (-ot, a per-layer choice: "
                      f"{format_bytes(lines[-1].bytes - _experts_from(m, k))} more experts on the device than "
@@ -597,12 +622,119 @@ def solve_llamacpp(geom: ModelGeometry, tensors: list[Tensor], device: Device, r
                      f"{len([l for l in moe_layers if l >= k])} of {len(moe_layers)} MoE layers on the device")
     plan = LlamaPlan(fits, geom, device, req, ub, k, lines, host, tuple(notes), kv, comp, m.buffers.experts,
                      cpu_layers=per_layer)
-    if fits:
+    plan = replace(plan, host_table=host_table(plan, host_mem))
+    if fits and plan.host_table.fits:
         return plan
-    shortfall = plan.planned_bytes - free
-    alts = _alternatives(geom, tensors, device, req) if alternatives else ()
-    return replace(plan, shortfall_bytes=shortfall, alternatives=tuple(alts),
-                   limiting=limiting_lines(plan.lines, shortfall))
+    if fits:        # the device fits, the host does not
+        short = -plan.host_table.unassigned_bytes
+        plan = replace(plan, fits=False, short_on="host", shortfall_bytes=short,
+                       limiting=_host_limiting(plan.host_table, short, req.host_margin is not None))
+    else:
+        shortfall = plan.planned_bytes - free
+        plan = replace(plan, short_on=device.label, shortfall_bytes=shortfall,
+                       limiting=limiting_lines(plan.lines, shortfall))
+    alts = _alternatives(geom, tensors, device, req, host_mem) if alternatives else ()
+    return replace(plan, alternatives=tuple(alts))
+
+
+# ---- the host ---------------------------------------------------------------------------------
+#: llama-server's host lines (key, label), in the order it allocates them
+HOST_LINES = (("host_runtime", "runtime"), ("host_weights", "model buffers"), ("host_kv", "KV cache"),
+              ("host_compute", "compute buffer"), ("host_devices", "simulated device"),
+              ("host_margin", "safety margin"))
+#: the host side of llama-server's process before any buffer (bytes): not measured, estimates;
+#: with CUDA the host side of the CUDA context and of ggml-cuda's and cuBLAS's kernels
+HOST_RUNTIME_CPU = 256 << 20
+HOST_RUNTIME_CUDA = 1 << 30
+#: ``-lm`` (``--load-mode``, ``common/arg.cpp``) modes: how the CPU tensors are held
+LOAD_MODES = ("mmap", "none", "mlock", "mmap+mlock")
+
+
+def host_bytes(m: _Model, device: Device, req: LlamaRequest, ub: int, on_cpu: frozenset[int],
+               kv: KVPrice, comp: ComputePrice) -> dict[str, int]:
+    """What llama-server keeps in host memory beside the device (bytes), by part:
+
+    - ``model``: the CPU tensors, the token embeddings and the experts of the ``on_cpu`` layers
+      (``llama_model::load_tensors``). With mmap (``-lm mmap``, the default) they are the
+      file's pages (``CPU_Mapped model buffer``): the buffer type chosen for a CPU tensor on a
+      GPU build is the GPU's host type (``make_cpu_buft_list``: ACCEL, GPU host, CPU extra,
+      CPU), which ``create_tensor`` replaces by the plain CPU type under mmap ("avoid using a
+      host buffer when using mmap"), and only a default CPU buffer is mapped
+      (``is_default_buft``); without mmap they are read into a ``CUDA_Host`` (pinned) or
+      ``CPU`` buffer, with ``mlock`` locked there;
+    - ``output``: the logits and embeddings buffer ``n_vocab x n_seq x 4``
+      (``llama_context::output_reserve``, in the GPU's host buffer type);
+    - ``compute``: the CPU backend's compute buffer (``CUDA_Host compute buffer``): graph
+      inputs go to the last backend, the CPU (``ggml_backend_sched_backend_id_from_cur``,
+      ``GGML_TENSOR_FLAG_INPUT``), so on a GPU it holds the KQ mask as the graph builds it
+      (``[n_kv, n_ubatch]`` f16 with flash attention, one per cache) and the embedding
+      lookup's rows twice (``4 ub n_embd``: the f32 rows and their copy); 528.30 MiB
+      printed against 528.00 planned in one published log (tests/test_llamacpp_cuda_logs.py);
+      on the CPU backend the embedding lookup only (``4 ub (n_embd + 1)``), the rest being
+      the device's compute buffer;
+    - ``kv``: with ``-nkvo`` the KV cache and the recurrent state (``CPU KV buffer``,
+      ``CPU RS buffer``), else 0.
+    """
+    g = m.geom
+    model = m.buffers.host + sum(b for layer, b in m.buffers.experts_host if layer in on_cpu)
+    if device.kind == "cpu":
+        compute = 4 * ub * (g.hidden_size + 1)
+    else:
+        compute = comp.mask + 2 * 4 * ub * g.hidden_size
+    return {"model": model, "output": 4 * m.n_vocab * req.slots, "compute": compute,
+            "kv": 0 if req.kv_offload else kv.kv_bytes + kv.recurrent_bytes}
+
+
+def load_mode(req: LlamaRequest) -> str:
+    """llama.cpp's ``-lm`` of ``req``: ``mmap``, ``none``, ``mlock`` or ``mmap+mlock``."""
+    return ("mmap" if req.mmap else "none") if not req.mlock else ("mmap+mlock" if req.mmap else "mlock")
+
+
+def host_table(plan: LlamaPlan, host_mem: Host | None) -> HostPlan:
+    """The host table of ``plan`` (:data:`HOST_LINES`; bytes of :func:`host_bytes`) against
+    ``host_mem`` (None: priced, not checked). Mapped model pages count as resident: the CPU
+    layers read every expert they route to, and a page the kernel drops is read from the
+    disk again at the next token that needs it (``-lm mmap+mlock`` locks them, ``-lm none``
+    copies them); the pages of the tensors uploaded to the device are read once at load and
+    stay reclaimable page cache (not counted). On a simulated device (``--device cpu``) the
+    device's buffers are host memory too (every line but the margin)."""
+    r, h, dev = plan.request, plan.host, plan.device
+    mode = load_mode(r)
+    where = ("mapped file pages, counted as resident" if mode == "mmap" else
+             "mapped and locked (mlock)" if mode == "mmap+mlock" else
+             ("a pinned CUDA_Host copy" if dev.kind != "cpu" else "a copy in host memory")
+             + (", locked (mlock)" if mode == "mlock" else ""))
+    what = "token embeddings" + (f", experts of layers {_ranges(plan.cpu_layers)}" if plan.cpu_layers else
+                                 f", experts of layers 0-{plan.n_cpu_moe - 1}" if plan.n_cpu_moe else "")
+    sim = dev.kind == "cpu"
+    margin = r.host_margin if r.host_margin is not None else default_host_reserve_bytes(
+        host_mem.capacity_bytes if host_mem else None)
+    lines = (
+        Line("host_runtime", HOST_RUNTIME_CPU if sim else HOST_RUNTIME_CUDA,
+             "llama-server" + ("" if sim else " with the CUDA runtime") + " (estimate)"),
+        Line("host_weights", h["model"], f"{what}: {where} (-lm {mode})"),
+        Line("host_kv", h["kv"], "-nkvo: KV cache and recurrent state" if h["kv"] else "on the device"),
+        Line("host_compute", h["output"] + h["compute"],
+             f"output {format_bytes(h['output'])} + "
+             + ("embedding rows" if sim else "KQ mask and embedding rows (CUDA_Host)")
+             + f" {format_bytes(h['compute'])}"),
+        Line("host_devices", sum(l.bytes for l in plan.lines if l.key != "margin") if sim else 0,
+             "the simulated device's buffers" if sim else ""),
+        Line("host_margin", margin, ""),
+    )
+    return HostPlan(host_mem, lines, "mmap" if mode.startswith("mmap") else
+                    ("memory" if sim else "pinned"), h["model"] if mode.startswith("mmap") else 0, True)
+
+
+#: host lines the process and the machine set (never limiting, as the device's runtime)
+_HOST_FIXED = ("host_runtime",)
+
+
+def _host_limiting(hp: HostPlan, short: int, margin_by_hand: bool) -> tuple[str, ...]:
+    """The host lines that make a host ``short`` bytes short (largest first), the runtime and
+    the default margin never."""
+    fixed = _HOST_FIXED + (() if margin_by_hand else ("host_margin",))
+    return limiting_lines([l for l in hp.lines if l.key not in fixed], short)
 
 
 #: combinations of per-size layer counts :func:`_best_layers` enumerates before it settles
@@ -674,9 +806,10 @@ def _lines(m: _Model, device: Device, req: LlamaRequest, ub: int, on_cpu: frozen
         "runtime": (runtime_bytes(device), "simulated device" if device.kind == "cpu" else
                     ("measured" if device.runtime_bytes is not None else "CUDA context estimate")),
         "weights": (m.buffers.device, f"{be.name}: all but the routed experts and the token embeddings"),
-        "kv": (kv.kv_bytes, kv_detail),
-        "state": (kv.recurrent_bytes, f"{kv.recurrent_layers} layers x {req.slots} "
-                  f"sequence{'s' if req.slots > 1 else ''}, f32"
+        "kv": (kv.kv_bytes, kv_detail) if req.kv_offload else (0, "-nkvo: in host memory, " + kv_detail),
+        "state": (kv.recurrent_bytes if req.kv_offload else 0,
+                  (f"{kv.recurrent_layers} layers x {req.slots} sequence{'s' if req.slots > 1 else ''}, f32"
+                   + ("" if req.kv_offload else ", -nkvo: in host memory"))
                   if kv.recurrent_layers else "no recurrent layers"),
         "compute": (comp.bytes, _compute_detail(ub, m.n_vocab, comp)),
         "margin": (margin, ""),
@@ -696,13 +829,16 @@ def _compute_detail(ub: int, n_vocab: int, comp: ComputePrice) -> str:
     return f"-ub {ub}; peak in a layer: KQ mask {format_bytes(comp.mask)}{fa}{copy} + activations"
 
 
-def _alternatives(geom, tensors, device, req) -> list[Alternative]:
+def _alternatives(geom, tensors, device, req, host_mem: Host | None = None) -> list[Alternative]:
+    def fits(r: LlamaRequest) -> bool:
+        return solve_llamacpp(geom, tensors, device, r, alternatives=False, host_mem=host_mem).fits
+
     out = []
     lo, hi = 1, req.context - 1
-    if hi >= lo and solve_llamacpp(geom, tensors, device, replace(req, context=lo), alternatives=False).fits:
+    if hi >= lo and fits(replace(req, context=lo)):
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            if solve_llamacpp(geom, tensors, device, replace(req, context=mid), alternatives=False).fits:
+            if fits(replace(req, context=mid)):
                 lo = mid
             else:
                 hi = mid - 1
@@ -710,11 +846,102 @@ def _alternatives(geom, tensors, device, req) -> list[Alternative]:
     cur = _row(req.type_k, 256) + _row(req.type_v, 256)
     for name in _KV_ORDER:
         tk, tv = kv_types(name)
-        if _row(tk, 256) + _row(tv, 256) < cur and solve_llamacpp(
-                geom, tensors, device, replace(req, type_k=tk, type_v=tv), alternatives=False).fits:
+        if _row(tk, 256) + _row(tv, 256) < cur and fits(replace(req, type_k=tk, type_v=tv)):
             out.append(Alternative("--kv", name))
             break
+    if req.host_margin and host_mem is not None:
+        top = (req.host_margin >> 20) - 1
+        lo, hi = 0, top
+        if top >= 0 and fits(replace(req, host_margin=0)):
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                lo, hi = (mid, hi) if fits(replace(req, host_margin=mid << 20)) else (lo, mid - 1)
+            out.append(Alternative("--host-reserve-mib", lo))
     return out
+
+
+# ---- the largest context ---------------------------------------------------------------------------
+def largest_llama_context(geom: ModelGeometry, tensors: list[Tensor], device: Device, req: LlamaRequest,
+                          limit: int, host_mem: Host | None = None) -> int | None:
+    """The largest context per sequence (tokens, a multiple of the 256-cell block unless it is
+    ``limit``) at which ``req`` fits ``device`` (and ``host_mem``) at its own ``-ub`` (no
+    clamp), or None when not one block does.
+
+    Solved directly: with every expert on the CPU the mandatory lines are affine in the cells
+    once a stream holds more than every sliding window plus ``-ub`` (the sliding caches stop
+    growing): the full-attention K/V rows (``kv_price``), the KQ mask ``2 ub n_kv`` and the
+    F16 copies of a quantized K/V (``compute_price``) grow by a fixed number of bytes per
+    256-cell block, so the answer is one division. It is confirmed with
+    :func:`solve_llamacpp` (it fits, one block more does not, unless it is ``limit``); when
+    it is not (a host that is short, a context below that affine range) a bisection over the
+    blocks with :func:`solve_llamacpp` finds it (the plan is monotone in the context)."""
+    strict = replace(req, strict=True, notes=())
+
+    def fits(context: int) -> bool:
+        return solve_llamacpp(geom, tensors, device, replace(strict, context=context), alternatives=False,
+                              host_mem=host_mem).fits
+
+    top = -(-limit // CTX_PAD)            # blocks of the model's limit
+    m = _Model(geom, _n_vocab(tensors), model_buffers(tensors, _backend(device)))
+    windows = [l.attention.sliding_window or 0 for l in geom.layers]
+    b0 = max(1, -(-(max(windows, default=0) + req.ubatch) // CTX_PAD), -(-req.ubatch // CTX_PAD))
+    ub, free = req.ubatch, device.free_bytes
+
+    def total(b: int) -> int:
+        return _mandatory(m, device, replace(strict, context=b * CTX_PAD), ub, bool(m.buffers.experts))[0]
+
+    # the compute buffer is the larger of two phases, each affine: the lines are a convex
+    # piecewise-affine function of the blocks, so Newton's steps from the limit down reach the
+    # last block that fits in as many steps as there are pieces
+    guess = top if total(top) <= free else None
+    b = top
+    for _ in range(4 if guess is None else 0):
+        slope = total(b + 1) - total(b)
+        if slope <= 0:
+            break
+        nxt = b - -(-(total(b) - free) // slope)
+        if nxt < b0:
+            break
+        b = nxt
+        if total(b) <= free:
+            guess = b
+            break
+    ctx = lambda b: min(b * CTX_PAD, limit)   # noqa: E731
+    if guess is not None and fits(ctx(guess)) and (guess == top or not fits(ctx(guess + 1))):
+        return ctx(guess)
+    if not fits(ctx(1)):
+        return None
+    lo, hi = 1, top
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if fits(ctx(mid)) else (lo, mid - 1)
+    return ctx(lo)
+
+
+def plan_max_context(geom: ModelGeometry, tensors: list[Tensor], device: Device, req: LlamaRequest,
+                     limit: int, host_mem: Host | None = None) -> LlamaPlan:
+    """``--max-context max``: the plan at :func:`largest_llama_context` (``-ub`` as requested),
+    with a note giving the context and ``-c``, and the trade-off when the smallest micro-batch
+    a clamp may take (``--prefill-min``) would fit a longer one; when no block fits, the
+    failed plan at one block (256 cells) with a note saying so."""
+    best = largest_llama_context(geom, tensors, device, req, limit, host_mem)
+    if best is None:
+        plan = solve_llamacpp(geom, tensors, device, replace(req, context=CTX_PAD), host_mem=host_mem)
+        note = f"max-context: max, no context fits at -ub {req.ubatch}: shown at one block, {CTX_PAD} cells"
+        return replace(plan, notes=(note, *plan.notes))
+    r = replace(req, context=best, strict=True)
+    plan = solve_llamacpp(geom, tensors, device, r, host_mem=host_mem)
+    capped = " (the model's limit)" if best == limit else ""
+    note = (f"max-context: max, the largest context that fits at -ub {req.ubatch}: {best} tokens per sequence "
+            f"(-c {llama_ctx(r)}){capped}")
+    notes = [note]
+    small = max(1, min(req.ubatch_min, req.ubatch))
+    if small < req.ubatch and best < limit:
+        more = largest_llama_context(geom, tensors, device, replace(req, ubatch=small), limit, host_mem)
+        if more and more > best:
+            notes.append(f"max-context: at -ub {small} (--prefill {small}) {more} tokens fit "
+                         f"(+{100 * (more - best) / best:.0f}%), with a slower prompt step")
+    return replace(plan, notes=(*notes, *plan.notes))
 
 
 # ---- output ----------------------------------------------------------------------------------------
@@ -732,24 +959,47 @@ def format_plan(plan: LlamaPlan) -> str:
         out.append(f"  {labels[line.key]:<18} {fmt(line.bytes):>10}   {line.detail}".rstrip())
     if plan.unassigned_bytes >= 0:
         out.append(f"  {'unassigned':<18} {fmt(plan.unassigned_bytes):>10}")
-    h = plan.host
-    out.append(f"host  model {format_bytes(h['model'])} (token embeddings"
-               f"{_host_experts(plan)}), "
-               f"output {format_bytes(h['output'])}, compute {format_bytes(h['compute'])}")
+    if plan.host_table is not None:
+        out += _format_host(plan.host_table)
     out += list(plan.notes)
     if plan.fits:
         out.append("command  " + plan.command)
         return "\n".join(out)
-    out.append(f"does not fit: short by {fmt(plan.shortfall_bytes)}")
-    out.append("limiting: " + ", ".join(dict(LINES)[k] for k in plan.limiting))
-    out += format_fits_with(plan.alternatives, "a larger device (no single flag change makes it fit)")
+    out += short_lines(plan, fmt)
+    labels = {**dict(LINES), **{k: "host " + v for k, v in HOST_LINES}}
+    out.append("limiting: " + ", ".join(labels[k] for k in plan.limiting))
+    larger = "a larger host" if plan.short_on == "host" else "a larger device"
+    out += format_fits_with(plan.alternatives, f"{larger} (no single flag change makes it fit)")
     return "\n".join(out)
 
 
-def _host_experts(plan: LlamaPlan) -> str:
-    if plan.cpu_layers:
-        return f", experts of layers {_ranges(plan.cpu_layers)}"
-    return f", experts of the first {plan.n_cpu_moe} layers" if plan.n_cpu_moe else ""
+def short_lines(plan: LlamaPlan, fmt) -> list[str]:
+    """``does not fit: short by ...`` naming every side that is short: the device (the plan's
+    shortfall) and the host when its table is checked and over (it is priced for the plan as
+    shown, so a device that is short does not hide a host that is short too)."""
+    hp = plan.host_table
+    host_short = -hp.unassigned_bytes if hp is not None and not hp.fits else 0
+    hfmt = size_format(hp.host.capacity_bytes) if host_short else fmt
+    if plan.short_on == "host":
+        return [f"does not fit: short by {hfmt(host_short)} on the host"]
+    line = f"does not fit: short by {fmt(plan.shortfall_bytes)} on {plan.device.label}"
+    if host_short:
+        line += f", and by {hfmt(host_short)} on the host"
+    return [line]
+
+
+def _format_host(hp: HostPlan) -> list[str]:
+    """The host table: its budget line, one line per :data:`HOST_LINES`, unassigned."""
+    fmt = size_format(sum(l.bytes for l in hp.lines if l.key not in ("host_runtime", "host_margin")))
+    h = hp.host
+    head = (f"host budget  {h.source}  {fmt(h.free_bytes)} free of {fmt(h.capacity_bytes)}" if h else
+            f"host budget  not checked (a what-if card; --host-ram SIZE checks a machine)  "
+            f"needs {fmt(hp.planned_bytes)}")
+    labels = dict(HOST_LINES)
+    out = [head] + [f"  {labels[l.key]:<18} {fmt(l.bytes):>10}   {l.detail}".rstrip() for l in hp.lines]
+    if h is not None and hp.unassigned_bytes >= 0:
+        out.append(f"  {'unassigned':<18} {fmt(hp.unassigned_bytes):>10}")
+    return out
 
 
 def format_verbose(plan: LlamaPlan) -> str:
@@ -777,7 +1027,9 @@ def plan_document(plan: LlamaPlan) -> dict:
     devices (the lines of :data:`LINES`), notes, and on failure ``shortfall_bytes``,
     ``limiting``, ``alternatives`` (``value`` an int for a count); its own ``engine``,
     ``context`` (cells per sequence), ``slots`` (``-np``), ``kv`` ``{"k", "v"}`` (llama.cpp's
-    cache types), ``ubatch``, ``batch``, ``n_cpu_moe``, ``host`` (bytes) and ``command``.
+    cache types), ``ubatch``, ``batch``, ``n_cpu_moe``, ``host`` (bytes by part:
+    :func:`host_bytes`), ``host_budget`` (the host table in ``moefit.plan/2``'s ``host`` form),
+    ``short_on`` on failure (the device's label or ``host``) and ``command``.
     Sizes in bytes."""
     g, dev = plan.geometry, plan.device
     doc = {"schema": SCHEMA, "engine": "llama.cpp", "fits": plan.fits,
@@ -793,10 +1045,13 @@ def plan_document(plan: LlamaPlan) -> dict:
                         "lines": [{"key": l.key, "bytes": l.bytes, "detail": l.detail} for l in plan.lines],
                         "unassigned_bytes": plan.unassigned_bytes}],
            "host": dict(plan.host), "notes": list(plan.notes)}
+    if plan.host_table is not None:
+        doc["host_budget"] = host_document(plan.host_table)
     if plan.fits:
         doc["command"] = plan.command
     else:
         doc["shortfall_bytes"] = plan.shortfall_bytes
+        doc["short_on"] = plan.short_on
         doc["limiting"] = list(plan.limiting)
         doc["alternatives"] = [{"flag": a.flag, "value": a.value} for a in plan.alternatives]
     return doc

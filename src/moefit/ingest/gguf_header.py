@@ -138,6 +138,9 @@ def _reader_class():
             if len(raw_itype) < 1 or len(alen) < 1:
                 raise ValueError(f"metadata array at byte {orig_offs} runs past the end of the file")
             itype, n, start = GGUFValueType(int(raw_itype[0])), int(alen[0]), orig_offs + 12
+            if n > len(self.data) - start:       # every element takes a byte at least
+                raise _Corrupt(f"metadata array at byte {orig_offs} declares {n:,} elements, more "
+                               f"than the file's {len(self.data):,} bytes can hold")
             nptype = self.gguf_scalar_to_np.get(itype)
             if nptype is not None:
                 values = self._get(start, nptype, n)
@@ -232,6 +235,7 @@ def open_reader(path: Path):
         raise InputError(f"{path}: not a GGUF file (bad magic bytes)")
     if size < 24:
         raise InputError(f"{path}: truncated GGUF file ({size} bytes, shorter than a GGUF header)")
+    _check_counts(path, size)
     try:
         return _reader_class()(path)
     except _Truncated as e:
@@ -244,6 +248,29 @@ def open_reader(path: Path):
     except Exception as e:  # noqa: BLE001 -- the reader raises ValueError, KeyError, IndexError, ...
         msg = str(e) or type(e).__name__
         raise InputError(f"{path}: corrupt or truncated GGUF header ({msg})") from e
+
+
+#: The fewest bytes one metadata key/value and one tensor info record take (ggml
+#: ``docs/gguf.md``): a key/value is a u64 key length, the key's bytes, a u32 type and a
+#: value (a byte at least); a tensor info a u64 name length, the name's bytes, a u32
+#: dimension count, a u64 per dimension (none for a scalar), a u32 type and a u64 offset.
+MIN_KV_BYTES = 8 + 4 + 1
+MIN_TENSOR_INFO_BYTES = 8 + 4 + 4 + 8
+
+
+def _check_counts(path: Path, size: int) -> None:
+    """InputError when the header's tensor count and key/value count (bytes 8-24) declare
+    more records than the file's ``size`` bytes can hold: the reader walks them one by one
+    first (a count of 2^60 took minutes and gigabytes before failing)."""
+    head = read_bytes(path, "GGUF file", head=24)
+    (version,) = struct.unpack_from("<I", head, 4)
+    order = ">" if version & 0xFFFF == 0 else "<"      # a big-endian file (as the reader tells)
+    tensors, kvs = struct.unpack_from(order + "QQ", head, 8)
+    need = 24 + kvs * MIN_KV_BYTES + tensors * MIN_TENSOR_INFO_BYTES
+    if need > size:
+        raise InputError(f"{path}: truncated GGUF header (or a corrupt one): it declares {tensors:,} "
+                         f"tensors and {kvs:,} metadata keys, more than a file of {size:,} bytes "
+                         "can hold; download it again")
 
 
 def _field_value(f) -> Any:

@@ -51,12 +51,25 @@ FTYPES = {"F32": "F32", "F16": "F16", "BF16": "BF16", "Q8_0": "Q8_0", "Q4_0": "Q
 _FLOATS = ("F32", "F16", "BF16")
 #: ``--gguf-type`` when it is not given: the mix most GGUF releases and users pick
 DEFAULT_FTYPE = "Q4_K_M"
+#: GGUF architectures whose released files are another mix than :data:`DEFAULT_FTYPE`:
+#: gpt-oss is released with MXFP4 experts (OpenAI's checkpoints store them so, and the
+#: GGUFs converted from them keep them: ``convert_hf_to_gguf.py``'s ``GptOssModel``;
+#: llama-quantize's ``MXFP4_MOE`` is that mix)
+RELEASED_FTYPES = {"gpt-oss": "MXFP4_MOE"}
+
+
+def default_ftype(geom: ModelGeometry) -> str:
+    """The ``--gguf-type`` of ``geom`` when none is given: its family's released mix
+    (:data:`RELEASED_FTYPES`), else :data:`DEFAULT_FTYPE`."""
+    family = registry.family_for(geom.model_type)
+    arch = family.gguf_arch_of.get(geom.model_type) if family else None
+    return RELEASED_FTYPES.get(arch, DEFAULT_FTYPE)
 #: ``tensor_type_fallback``: a row length the type's block does not divide
 _FALLBACK = {"IQ4_XS": "IQ4_NL", "Q2_K": "Q4_0", "Q3_K": "Q4_0", "Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
 _MOE_BLOCKS = ("mlp", "block_sparse_moe", "feed_forward")
 #: GGUF architectures whose ``post_attention_layernorm`` is ``LLM_TENSOR_ATTN_POST_NORM``
 #: (``post_attention_norm``; ``llama-arch.cpp``), not ``ffn_norm``
-POST_ATTENTION_NORM_ARCHS = ("gpt-oss", "qwen3next", "qwen35moe")
+POST_ATTENTION_NORM_ARCHS = ("gpt-oss", "qwen3next", "qwen35moe", "glm4moe")
 
 
 @dataclass(frozen=True)
@@ -290,6 +303,13 @@ def llamacpp_tensors(geom: ModelGeometry, ftype: str) -> tuple[list[GGUFTensorIn
     """The GGUF tensors of ``geom`` quantized as ``ftype`` (:func:`converted_tensors`, then
     :func:`quantized_tensors`), and the count of tensors without a llama.cpp name."""
     tensors, unknown = converted_tensors(geom)
+    family = registry.family_for(geom.model_type)
+    if family is not None and family.gguf_arch_of.get(geom.model_type) == "glm4moe":
+        # GLM-4.5's router bias is a buffer (not in the parameter listing), which
+        # convert_hf_to_gguf.py writes as exp_probs_b.bias and llama.cpp requires
+        names = {t.name for t in tensors}
+        tensors = tensors + [GGUFTensorInfo(f"blk.{l.index}.exp_probs_b.bias", "F32", (l.moe.num_experts,))
+                             for l in geom.moe_layers if f"blk.{l.index}.exp_probs_b.bias" not in names]
     tied = not any(t.role == "lm_head" for t in geom.global_tensors)
     attn = next((l.attention for l in geom.layers if l.attention.kind != "linear"), None)
     hp = dict(n_expert=max((l.moe.num_experts for l in geom.moe_layers), default=0), n_layer=geom.num_layers,

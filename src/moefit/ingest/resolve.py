@@ -20,7 +20,6 @@ Parsed presets are cached; nothing here imports torch.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import functools
 from pathlib import Path
 from typing import Iterable
@@ -30,7 +29,6 @@ from moefit.errors import InputError
 from moefit.ingest.families import geometry_from_config, is_deepseek_inference_config
 from moefit.ingest.families import registry
 from moefit.ingest.geometry import ACTIVE_LEFT_OUT, ModelGeometry
-from moefit.ingest.gguf_header import load_gguf_model
 from moefit.ingest.inputs import is_regular_file, read_json, sniff
 
 PRESETS_DIR = Path(__file__).resolve().parents[1] / "presets"
@@ -109,6 +107,8 @@ def _unknown(spec: str) -> InputError:
     if "/" in spec or "\\" in spec or spec.lower().endswith(".json"):
         return InputError(f"MODEL {spec!r}: no such file or directory; give a model directory, "
                           "its config.json, or a preset name (`moefit models` lists them)")
+    import difflib      # only the message of an unknown name
+
     names = list_presets()
     lower = {n.lower(): n for n in names}
     key = spec.strip().lower()
@@ -137,6 +137,8 @@ def load_model(spec: str) -> ModelGeometry:
     if kind == "gguf" or (kind is None and path.suffix.lower() == ".gguf"):
         # by its magic bytes, whatever the name: Ollama's blobs are GGUF files without an
         # extension (a missing .gguf path falls through to the GGUF reader's message)
+        from moefit.ingest.gguf_header import load_gguf_model   # only for a GGUF file
+
         return load_gguf_model(path)
     if kind == "safetensors":
         raise InputError(f"{path}: a safetensors weight file; give MODEL as the directory that "
@@ -158,6 +160,32 @@ def load_model(spec: str) -> ModelGeometry:
         return _load_preset(name)
     exact = exact_weights(geom, model_dir)
     return dataclasses.replace(geom, exact=exact) if exact is not None else geom
+
+
+def config_of(spec: str) -> dict:
+    """The ``config.json`` dict of ``spec`` (a preset name, a model directory or its
+    config.json), as :func:`load_model` reads it. Raises InputError for a GGUF file (its
+    metadata is not a config) and as :func:`load_model` does."""
+    path = Path(spec).expanduser()
+    kind = sniff(path) if path.exists() and not path.is_dir() else None
+    if kind == "gguf" or path.suffix.lower() == ".gguf":
+        raise InputError(f"{spec}: a GGUF file; give the Hugging Face model (a preset, a model directory "
+                         "or its config.json)")
+    if path.is_dir():
+        data = _read_json(_config_in_dir(path))
+    elif kind in ("json", "text"):
+        data = _read_json(path)
+    else:
+        name = _preset_name(spec)
+        if name is None:
+            raise _unknown(spec)
+        data = _read_json(_config_in_dir(PRESETS_DIR / name))
+    if not isinstance(data, dict):
+        raise InputError(f"{spec}: the model config is not a JSON object")
+    if "model_type" not in data:
+        raise InputError(f"{spec}: the config has no model_type (a DeepSeek inference config?); give "
+                         "the Hugging Face config.json of the model")
+    return data
 
 
 @dataclasses.dataclass(frozen=True)

@@ -23,23 +23,25 @@ numbers are implausible (negative, not reproducing its own points, or more than
 :data:`PLAUSIBLE` times away from the analytic model at its points) is ignored with a
 warning, and the plan uses the analytic model.
 
+The host's speed (``moefit calibrate --host``: memory bandwidth and the C kernels' rate per
+GGUF type and thread count) is cached beside them (:func:`save_host`, :func:`load_host`).
+
 This module imports no torch: the planner reads calibrations, ``moefit calibrate``
 (:mod:`moefit.runtime.calibrate`) writes them.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
 from dataclasses import asdict, replace
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable
 
 from moefit import __version__
 from moefit.devices import Device
+from moefit.devices.host import HostSpeed
 from moefit.errors import InputError
 from moefit.ingest.geometry import ModelGeometry
 from moefit.ingest.inputs import read_json
@@ -74,7 +76,14 @@ def geometry_hash(geom: ModelGeometry) -> str:
     dequant = expert_dequant_bytes(geom, compute_bytes(geom)) if stored else 0
     doc = [geom.model_type, geom.hidden_size, geom.vocab_size, geom.dtype, geom.dtype_bytes,
            layers, dequant]
-    return hashlib.sha256(json.dumps(doc, sort_keys=True, default=str).encode()).hexdigest()
+    return _sha256(json.dumps(doc, sort_keys=True, default=str))
+
+
+def _sha256(text: str) -> str:
+    """The sha256 hex digest of ``text`` (UTF-8)."""
+    import hashlib      # OpenSSL's libcrypto: only a plan that finds calibration files hashes
+
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def _moe_doc(moe) -> dict | None:
@@ -99,7 +108,7 @@ def calibration_key(geom: ModelGeometry, device: Device, kv: str) -> dict:
 
 
 def calibration_path(key: dict) -> Path:
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
+    digest = _sha256(json.dumps(key, sort_keys=True))[:24]
     return cache_dir() / "calibration" / f"{digest}.json"
 
 
@@ -118,6 +127,8 @@ def save(geom: ModelGeometry, device: Device, kv: str,
          points: list[tuple[int, int]]) -> tuple[Path, StagingModel]:
     """Fit ``points`` and store them for ``geom`` on ``device`` with KV format ``kv``.
     Returns (file written, the calibrated model)."""
+    from datetime import datetime, timezone     # the time stamp: only a calibration written
+
     const, per_token = fit(points)
     analytic = staging_model(geom, kv_format(kv), device_kind=device.kind)
     key = calibration_key(geom, device, kv)
@@ -160,10 +171,22 @@ def _short(x: object) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
+def _any_calibration() -> bool:
+    """Whether the calibration folder of :func:`cache_dir` holds a ``.json`` file (one that
+    :func:`calibration_path` may name)."""
+    try:
+        with os.scandir(cache_dir() / "calibration") as entries:
+            return any(e.name.endswith(".json") for e in entries)
+    except OSError:
+        return False
+
+
 def load(geom: ModelGeometry, device: Device, kv: str,
          warn: Warn | None = None) -> StagingModel | None:
     """The calibrated staging model for ``geom`` on ``device`` with KV format ``kv``, or
     None when there is none or it cannot be trusted (``warn`` says why)."""
+    if not _any_calibration():
+        return None         # nothing to look up: the geometry is not hashed
     key = calibration_key(geom, device, kv)
     path = calibration_path(key)
     if not path.is_file():
@@ -203,3 +226,108 @@ def load(geom: ModelGeometry, device: Device, kv: str,
         if not 1 / PLAUSIBLE <= ratio <= PLAUSIBLE:
             return ignored(f"{ratio:.2f}x the analytic model at {c} tokens")
     return _model(const, per_token, analytic)
+
+
+# ---- the host's speed (``moefit calibrate --host``) -------------------------------------------
+#
+# One JSON file per machine under the same cache, in ``host/``::
+#
+#     {"schema": "moefit.host/1", "moefit": "0.1.0", "cpu": "AMD EPYC ...", "cpus": 2,
+#      "threads": {"1": {"memory_bytes_per_s": ..., "rates": {"Q4_K": ..., ...}}, "2": ...},
+#      "created": "..."}
+#
+# ``memory_bytes_per_s``: one activation row against a matrix far larger than the caches
+# (what the kernels read from memory); ``rates``: eight rows against a matrix that stays in
+# the caches (weight bytes x rows per second). A file that cannot be trusted is ignored with
+# a warning, as a staging calibration is.
+
+HOST_SCHEMA = "moefit.host/1"
+
+
+def host_key() -> dict:
+    """This machine as the host calibration names it: the CPU model (``/proc/cpuinfo``'s
+    ``model name``) and the CPUs this process may run on."""
+    name = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                name = line.partition(":")[2].strip()
+                break
+    except OSError:
+        pass
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:
+        cpus = os.cpu_count() or 1
+    return {"cpu": name or "unknown", "cpus": cpus}
+
+
+def host_calibration_path(key: dict | None = None) -> Path:
+    key = host_key() if key is None else key
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
+    return cache_dir() / "host" / f"{digest}.json"
+
+
+def save_host(per_threads: dict[int, tuple[float, dict[str, float]]]) -> Path:
+    """Store ``{threads: (memory bytes/s, {ggml type: rate})}`` measured on this machine."""
+    key = host_key()
+    doc = {"schema": HOST_SCHEMA, "moefit": __version__, **key,
+           "threads": {str(t): {"memory_bytes_per_s": bw, "rates": rates}
+                       for t, (bw, rates) in sorted(per_threads.items())},
+           "created": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+    path = host_calibration_path(key)
+    writable_dir(path.parent, f"the calibration cache (set {CACHE_ENV} to move it)")
+    write_text_atomic(path, json.dumps(doc, indent=2) + "\n")
+    return path
+
+
+def load_host(threads: int | None = None, warn: Warn | None = None) -> HostSpeed | None:
+    """This machine's measured :class:`~moefit.devices.host.HostSpeed` at ``threads``
+    threads (default: the most measured, up to the CPUs this process may use: the
+    runtime's default is one thread per CPU; a count that was not measured takes the
+    largest measured below it), or None when there is none or it cannot be trusted
+    (``warn`` says why)."""
+    key = host_key()
+    path = host_calibration_path(key)
+    if not path.is_file():
+        return None
+    say = warn or (lambda _msg: None)
+
+    def ignored(why: str) -> None:
+        say(f"host calibration {path} ignored ({why}); using the default host; run "
+            "`moefit calibrate --host` again or delete the file")
+        return None
+
+    try:
+        doc = read_json(path, "host calibration file", MAX_FILE_BYTES)
+    except InputError as e:
+        return ignored(f"unreadable: {str(e).removeprefix(f'{path}: ')}")
+    if not isinstance(doc, dict) or doc.get("schema") != HOST_SCHEMA:
+        return ignored("not a host calibration document")
+    if doc.get("moefit") != __version__:
+        return ignored(f"written by moefit {_short(doc.get('moefit'))}, this is {__version__}")
+    if doc.get("cpu") != key["cpu"] or doc.get("cpus") != key["cpus"]:
+        return ignored("it was measured on another machine")
+    table = {}
+    for t, entry in (doc.get("threads") or {}).items():
+        ok = (str(t).isdigit() and isinstance(entry, dict)
+              and _positive(entry.get("memory_bytes_per_s"))
+              and isinstance(entry.get("rates"), dict) and entry["rates"]
+              and all(isinstance(k, str) and _positive(v) for k, v in entry["rates"].items()))
+        if not ok:
+            return ignored("implausible numbers")
+        table[int(t)] = entry
+    if not table:
+        return ignored("no measurement")
+    want = key["cpus"] if threads is None else threads
+    pick = max((t for t in table if t <= want), default=min(table))
+    entry = table[pick]
+    return HostSpeed(float(entry["memory_bytes_per_s"]), pick,
+                     {k: float(v) for k, v in entry["rates"].items()},
+                     f"this machine, measured by `moefit calibrate --host` on {doc.get('created', '?')} "
+                     f"({entry['memory_bytes_per_s'] / 1e9:.1f} GB/s, {pick} thread"
+                     f"{'s' if pick != 1 else ''})")
+
+
+def _positive(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and 0 < x < 1e15

@@ -1,7 +1,8 @@
 """What the planner knows of the runtime's C kernels without building them.
 
 The runtime multiplies and dequantizes stored (GGUF) tensors on the CPU with C kernels
-(``moefit.runtime.kernels.qmatmul``, compiled with a C compiler at first use). They write their
+(``moefit.runtime.kernels.qmatmul``: a library built into the wheel per x86-64 variant,
+:data:`VARIANTS`, else compiled with a C compiler at first use). They write their
 results straight into the buffers the runtime hands them and allocate nothing else, while
 the torch fallback (``moefit.runtime.kernels.quant``) allocates fp32 scratch beside each tile it
 dequantizes. The staging line of a plan therefore depends on which path will run; this
@@ -9,16 +10,20 @@ module answers that before torch is imported:
 
 - the C kernels read these ggml types (:data:`CTYPES`, the codes ``qmatmul.c`` uses), rows
   a multiple of 32 values (256 for the K-quants and the IQ types but IQ4_NL);
-- they are expected on a CPU device unless ``MOEFIT_NO_CKERNELS`` is set or no C compiler
-  (``$CC``, else ``gcc``) is on ``PATH`` (:func:`expected`). A compiler that is present
-  but fails to build them is reported by the engine at start (exit 2), never ignored.
+- they are expected on a CPU device unless ``MOEFIT_NO_CKERNELS`` is set, or neither a built
+  variant for this CPU (:func:`built_library`) nor a C compiler (``$CC``, else ``gcc``) on
+  ``PATH`` is there (:func:`expected`). A library that is there but fails to build or load is
+  reported by the engine at start (exit 2), never ignored.
 """
 
 from __future__ import annotations
 
 import os
+import platform
 import shutil
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
 
 from moefit.errors import InputError
 
@@ -28,7 +33,7 @@ CTYPES: dict[str, int] = {"F32": 0, "F16": 1, "BF16": 2, "Q8_0": 3, "Q4_0": 4, "
                           "Q2_K": 13, "Q3_K": 14, "IQ4_XS": 15, "IQ2_XXS": 16, "IQ2_XS": 17, "IQ2_S": 18,
                           "IQ3_XXS": 19, "IQ3_S": 20, "IQ1_S": 21, "IQ1_M": 22}
 #: the IQ types whose grids and sign tables the kernels take from the ``gguf`` package at
-#: build time (``qmatmul.iq_tables_header``): read only when it is installed
+#: build time (``native.iq_tables_header``): read only when it is installed
 GRID_TYPES = frozenset({"IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ1_S", "IQ1_M"})
 #: ggml types whose rows are made of 256-value super-blocks
 SUPER_BLOCK_TYPES = frozenset({"Q4_K", "Q5_K", "Q6_K", "Q2_K", "Q3_K", "IQ4_XS"}) | GRID_TYPES
@@ -71,14 +76,87 @@ def disabled(env: Mapping[str, str] = os.environ) -> bool:
                      "or 0 / unset to run with them")
 
 
+# ---- the built library's x86-64 variants (setup.py builds them into the wheel) ----
+@dataclass(frozen=True)
+class Variant:
+    """One build of the library for a level of x86-64: the CPU flags (``/proc/cpuinfo``
+    names) it needs, and the compiler flags that turn on the kernels' ``#ifdef`` paths for
+    them (``qmatmul.c``: ``__AVX2__``, ``__AVXVNNI__``, the AVX-512 set with VNNI and VBMI,
+    ``__AVX512BF16__``; ``mf_floats.h``: ``__F16C__``)."""
+
+    name: str
+    cpu_flags: tuple[str, ...]
+    cflags: tuple[str, ...]
+
+    @property
+    def filename(self) -> str:
+        """The library's file name in :data:`LIB_DIR`."""
+        return f"libmoefit_kernels-{self.name}.so"
+
+
+_AVX2 = ("avx2", "fma", "f16c", "bmi2")
+_AVX2_FLAGS = ("-mavx2", "-mfma", "-mf16c", "-mbmi2")
+_AVX512 = (*_AVX2, "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx512vbmi")
+_AVX512_FLAGS = (*_AVX2_FLAGS, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni",
+                 "-mavx512vbmi")
+#: the variants, best first (as llama.cpp's CPU backend variants, ``ggml-cpu`` built per
+#: micro-architecture and picked at load by the CPU's features): :func:`pick` takes the first
+#: whose flags the CPU has. ``x86-64`` is the baseline (plain C, any x86-64).
+VARIANTS: tuple[Variant, ...] = (
+    Variant("avx512-bf16", (*_AVX512, "avx512_bf16"), ("-march=x86-64", *_AVX512_FLAGS, "-mavx512bf16")),
+    Variant("avx512-vnni", _AVX512, ("-march=x86-64", *_AVX512_FLAGS)),
+    Variant("avx-vnni", (*_AVX2, "avx_vnni"), ("-march=x86-64", *_AVX2_FLAGS, "-mavxvnni")),
+    Variant("avx2", _AVX2, ("-march=x86-64", *_AVX2_FLAGS)),
+    Variant("x86-64", (), ("-march=x86-64",)),
+)
+#: where the wheel holds the built variants: beside the C sources (``moefit/runtime/kernels/``)
+LIB_DIR = Path(__file__).resolve().parent.parent / "runtime" / "kernels"
+
+
+def cpu_flags() -> frozenset[str]:
+    """This CPU's feature flags (the ``flags`` line of ``/proc/cpuinfo``; empty elsewhere)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return frozenset(line.partition(":")[2].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def pick(flags: Iterable[str], built: Iterable[str] | None = None, machine: str | None = None) -> Variant | None:
+    """The best of :data:`VARIANTS` a CPU with ``flags`` runs, among the names in ``built``
+    (default: every variant); None off x86-64 (``machine``, default this one's) or when none fits."""
+    machine = (machine or platform.machine()).lower()
+    if machine not in ("x86_64", "amd64"):
+        return None
+    have, names = set(flags), None if built is None else set(built)
+    return next((v for v in VARIANTS if set(v.cpu_flags) <= have and (names is None or v.name in names)), None)
+
+
+#: names the one built variant to load (a test or a check of one variant; its CPU flags still apply)
+VARIANT_ENV = "MOEFIT_KERNEL_VARIANT"
+
+
+def built_library(lib_dir: Path = LIB_DIR, env: Mapping[str, str] = os.environ) -> tuple[Variant, Path] | None:
+    """The built variant this CPU runs and its file in ``lib_dir`` (None: none is there, as
+    in a source checkout or an editable install, which compile at first use); only the one
+    :data:`VARIANT_ENV` names when it is set."""
+    only = env.get(VARIANT_ENV)
+    built = [v.name for v in VARIANTS if (lib_dir / v.filename).is_file() and only in (None, "", v.name)]
+    v = pick(cpu_flags(), built) if built else None
+    return None if v is None else (v, lib_dir / v.filename)
+
+
 def unexpected_reason(env: Mapping[str, str] = os.environ) -> str | None:
-    """Why the C kernels will not run on a CPU device (None when they are expected).
-    Raises InputError for a value of :data:`DISABLE_ENV` that is not a yes or a no."""
+    """Why the C kernels will not run on a CPU device (None when they are expected: a built
+    variant for this CPU, or a C compiler to build them). Raises InputError for a value of
+    :data:`DISABLE_ENV` that is not a yes or a no."""
     if disabled(env):
         return f"{DISABLE_ENV} is set"
     cc = compiler(env)
-    if shutil.which(cc) is None:
-        return f"no C compiler ({cc}) on PATH"
+    if shutil.which(cc, path=env.get("PATH")) is None and built_library() is None:
+        return f"no C compiler ({cc}) on PATH and no built library for this CPU"
     return None
 
 

@@ -137,9 +137,10 @@ def miss_host_buffer(geom: ModelGeometry, main_kind: str, miss_policy: str, mapp
     """Whether serving holds the host buffer of the device expert path's misses
     (:func:`miss_host_bytes`): the MoE layers take that path (:func:`device_expert_path`),
     misses are computed on the host (``--miss-policy cpu``) and the experts are not mapped
-    from a GGUF file (mapped misses go expert by expert). Raises InputError as
+    from a GGUF file (mapped misses go expert by expert); ``auto`` runs some steps' misses
+    on the host too. Raises InputError as
     :func:`device_expert_path` does."""
-    return (bool(geom.moe_layers) and miss_policy == "cpu" and not mapped
+    return (bool(geom.moe_layers) and miss_policy in ("cpu", "auto") and not mapped
             and device_expert_path(main_kind, env))
 
 
@@ -246,7 +247,7 @@ def serving_staging_bytes(geom: ModelGeometry, chunk: int, slots: int, main_kind
             out += chunk * geom.hidden_size * act
     if miss_host_buffer(geom, main_kind, miss_policy, mapped):
         out += sum(miss_host_bytes(geom, chunk))
-    elif main_kind == "cuda" and miss_policy == "cpu" and geom.moe_layers:
+    elif main_kind == "cuda" and miss_policy in ("cpu", "auto") and geom.moe_layers:
         inter = max(l.moe.expert_intermediate for l in geom.moe_layers)
         out += chunk * (2 * geom.hidden_size + 4 * inter) * act
         if geom.experts_stored:

@@ -87,7 +87,9 @@ def default_arena_slots(geom: ModelGeometry) -> int:
 
 
 def weight_arena_bytes(geom: ModelGeometry, miss_policy: str, arena_slots: int | None) -> int:
-    """Bytes of the ``weight_arena`` line: 0 for ``cpu``, ring x slot for ``copy``."""
+    """Bytes of the ``weight_arena`` line: 0 for ``cpu``, ring x slot for ``copy`` and for
+    ``auto`` (a step may copy its misses: the arena is mandatory, priced before the expert
+    cache)."""
     if miss_policy == "cpu" or not geom.moe_layers:
         return 0
     ring = default_arena_slots(geom) if arena_slots is None else arena_slots

@@ -12,7 +12,6 @@ from __future__ import annotations
 from moefit.devices import Device, Host
 from moefit.errors import InputError
 from moefit.ingest.geometry import ModelGeometry
-from moefit.ingest.gguf_mix import gguf_geometry
 from moefit.memory import host as host_memory
 from moefit.memory.kv import KV_FORMATS
 from moefit.memory.staging import StagingModel
@@ -89,7 +88,7 @@ def find_alternatives(geom: ModelGeometry, device: "Device | tuple[Device, ...]"
         if n is not None:
             alts.append(Alternative("--prefill", n * CHUNK_GRID))
 
-    if req.miss_policy == "copy":
+    if req.miss_policy in ("copy", "auto"):
         if _fits(geom, device, req.with_(miss_policy="cpu", arena_slots=None)):
             alts.append(Alternative("--miss-policy", "cpu",
                                     drop=("--arena-slots",) if req.arena_slots is not None else ()))
@@ -151,6 +150,8 @@ def _gguf_file(geom: ModelGeometry, device, req: Request, staging: StagingModel 
     tensors derived from the config, :func:`moefit.ingest.gguf_mix.gguf_geometry`),
     as it is or with ``--host-experts mmap``: ``MODEL NAME-FTYPE.gguf`` as the alternative;
     none when no such file fits (or the family has no GGUF architecture)."""
+    from moefit.ingest.gguf_mix import gguf_geometry    # only a plan that fails prices a GGUF
+
     for ftype in GGUF_REMEDY_FTYPES:
         try:
             quantized = gguf_geometry(geom, ftype)

@@ -66,7 +66,7 @@ def host_plan(geom: ModelGeometry, plan: Plan, host: Host | None) -> HostPlan:
               host_memory.default_host_reserve_bytes(host.capacity_bytes if host else None))
     staged = ("largest tensor read at load" if load >= serving else
               f"per step: logits{', embedding rows' if embed else ''}"
-              f"{', CPU misses' if main == 'cuda' and req.miss_policy == 'cpu' and geom.moe_layers else ''}"
+              f"{', CPU misses' if main == 'cuda' and req.miss_policy != 'copy' and geom.moe_layers else ''}"
               f"{', one mapped expert' if mapped else ''}")
     lines = (
         Line("host_runtime", runtime, runtime_detail),

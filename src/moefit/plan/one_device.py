@@ -230,7 +230,8 @@ def device_lines(geom: ModelGeometry, device: Device, req: Request, context: int
         kv_detail += f" (+ recurrent state of {kv.total_layers - kv.cache_layers})"
     arena_detail = ("misses computed on the CPU" if req.miss_policy == "cpu" or not priced.arena
                     else f"{priced.arena // max(priced.slot_bytes, 1)} x "
-                         f"{priced.slot_bytes / 2**20:.1f} MiB expert blobs")
+                         f"{priced.slot_bytes / 2**20:.1f} MiB expert blobs"
+                         + (", steps predicted faster copy" if req.miss_policy == "auto" else ""))
     total = geom.total_experts
     pct = f" ({100 * slots / total:.0f}%)" if total else ""
     expert_detail = (f"{slots} of {total} experts{pct}" if total else "dense model: no experts")

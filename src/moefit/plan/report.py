@@ -18,14 +18,20 @@ JSON document (sizes are integer bytes, lengths integer tokens)::
       "prefill": {"requested", "selected", "clamped", "mode", "strict"},
       "experts": {"slots", "total", "slot_bytes", "per_layer": [{"layer", "slots"}]},
       "notes": [...],
+      "speed": {"policy", "sources": [...],          # null: no figures for the device
+                "prefill": {"tokens_per_s", "bound", "tokens", "position", "chunk",
+                            "copied_layers", "by_kind": [{"kind", "layers", "seconds", "bound"}]},
+                "decode": {... the same}},
       # only when fits is false:
       "shortfall_bytes", "short_on", "limiting": [...],
-      "alternatives": [{"flag", "value"[, "drop": [flag, ...]][, "note"]}]
+      "alternatives": [{"flag", "value", "speed": {"prefill_tokens_per_s",
+                        "decode_tokens_per_s"} | null[, "drop": [flag, ...]][, "note"]}]
     }
 
 Version 2 added ``split``, each device's ``role``, ``layers``,
 ``expert_slots`` and ``experts_per_layer``, the ``host`` table, and ``short_on``; the
-fields of version 1 keep their meaning.
+fields of version 1 keep their meaning. ``speed`` (and each alternative's) was added to
+version 2 later: a reader of the older fields is not affected.
 """
 
 from __future__ import annotations
@@ -102,8 +108,72 @@ def _label(key: str) -> str:
     return LABELS[key] if key in LABELS else "host " + HOST_LABELS[key]
 
 
-def format_table(plan: Plan) -> str:
-    """The human report: model line, one budget table per device, the host table, decisions."""
+def format_rate(tokens_per_s: float) -> str:
+    """Tokens per second as printed: three significant figures, no exponent."""
+    x = tokens_per_s
+    return f"{x:.0f}" if x >= 100 else f"{x:.1f}" if x >= 10 else f"{x:.2f}"
+
+
+def format_speed(speed, context_word: str = "chunk") -> str:
+    """The ``speed`` line of a plan (:class:`~moefit.plan.speed.Speed`, None: no figures)."""
+    if speed is None:
+        return ("speed  not predicted: no throughput figures for this device (--gpu NAME "
+                "plans a catalogue card, `moefit gpus` lists them)")
+    p, d = speed.prefill, speed.decode
+    where = (f"{p.tokens}-token prompt in {p.chunk}-token {context_word}s" if p.position == 0 else
+             f"a {p.chunk}-token {context_word} at position {p.position}")
+    seq = f"{d.tokens} sequences" if d.tokens > 1 else "1 sequence"
+    return (f"speed  prefill {format_rate(p.tokens_per_s)} tokens/s ({where}; bound: {p.bound}), "
+            f"decode {format_rate(d.tokens_per_s)} tokens/s ({seq} at fill {d.position}; bound: "
+            f"{d.bound})")
+
+
+def _alt_speed(speed) -> str:
+    if speed is None:
+        return ""
+    return (f"prefill {format_rate(speed.prefill.tokens_per_s)}, decode "
+            f"{format_rate(speed.decode.tokens_per_s)} tokens/s")
+
+
+def format_speed_verbose(speed, context_word: str = "chunk") -> list[str]:
+    """``-v``'s speed lines: seconds per step and bound per layer kind, and the figures."""
+    if speed is None:
+        return []
+    policy = f"--miss-policy {speed.policy}" if speed.policy in ("cpu", "copy", "auto") else speed.policy
+    out = [f"speed by layer kind (seconds per step, bound; misses: {policy}):"]
+    for what, pred in ((f"prefill ({pred_chunk(speed.prefill, context_word)})", speed.prefill),
+                       (f"decode ({speed.decode.tokens} x 1 token)", speed.decode)):
+        out.append(f"  {what}" + (f", misses copied in {pred.copied} MoE layers"
+                                  if pred.copied else ""))
+        for kind, n, secs, bound in pred.by_kind:
+            shown = f"{secs:.2f} s" if secs >= 1 else f"{secs * 1e3:.2f} ms"
+            out.append(f"    {kind:<16} {n:>3} layers {shown:>11}   {bound}")
+    out += [f"  figures: {s}" for s in speed.sources]
+    return out
+
+
+def pred_chunk(pred, context_word: str = "chunk") -> str:
+    return f"{pred.chunk}-token {context_word}"
+
+
+def speed_document(speed) -> dict | None:
+    """The ``speed`` object of a plan document (None: no figures for the device)."""
+    if speed is None:
+        return None
+
+    def one(p) -> dict:
+        return {"tokens_per_s": p.tokens_per_s, "bound": p.bound, "tokens": p.tokens,
+                "position": p.position, "chunk": p.chunk, "copied_layers": p.copied,
+                "by_kind": [{"kind": k, "layers": n, "seconds": s, "bound": b}
+                            for k, n, s, b in p.by_kind]}
+
+    return {"policy": speed.policy, "prefill": one(speed.prefill), "decode": one(speed.decode),
+            "sources": list(speed.sources)}
+
+
+def format_table(plan: Plan, speed=None, alt_speeds=()) -> str:
+    """The human report: model line, one budget table per device, the host table, decisions,
+    and the predicted ``speed`` (:func:`format_speed`; each alternative's beside it)."""
     g = plan.geometry
     out = [f"model  {g.name}  {format_params(g.total_params)} total / "
            f"{format_params(g.active_params)} active  {g.num_layers} layers, "
@@ -117,6 +187,7 @@ def format_table(plan: Plan) -> str:
             out.append(f"prefill: auto, {plan.prefill_selected}-token chunks")
         for n in plan.notes:
             out.append(n)
+        out.append(format_speed(speed))
         return "\n".join(out)
     for n in plan.notes:
         out.append(n)
@@ -127,17 +198,29 @@ def format_table(plan: Plan) -> str:
         dev = next((d.device for d in plan.devices if d.device.label == plan.short_on),
                    plan.devices[0].device)
         where = f" on {dev.label}" if len(plan.devices) > 1 else ""
-        out.append(f"does not fit: short by {size_format(dev.capacity_bytes)(plan.shortfall_bytes)}{where}")
+        hp = plan.host
+        # the host table is priced for the plan as shown: a device that is short does not hide
+        # a host that is short too
+        also = (f", and by {size_format(hp.host.capacity_bytes)(-hp.unassigned_bytes)} on the host"
+                if hp is not None and not hp.fits else "")
+        out.append(f"does not fit: short by {size_format(dev.capacity_bytes)(plan.shortfall_bytes)}"
+                   f"{where or (' on the device' if also else '')}{also}")
     out.append("limiting: " + ", ".join(_label(k) for k in plan.limiting))
     larger = "a larger host" if plan.short_on == "host" else "a larger device"
+    if plan.short_on != "host" and plan.host is not None and not plan.host.fits:
+        larger = "a larger device and a larger host"
     files = (f", nor a GGUF file of the model down to {GGUF_REMEDY_FTYPES[-1]},"
              if gguf_remedy_applies(plan.geometry) else "")
-    out += format_fits_with(plan.alternatives, f"{larger} (no single flag change{files} makes it fit)")
+    out += format_fits_with(plan.alternatives, f"{larger} (no single flag change{files} makes it fit)",
+                            [_alt_speed(s) for s in alt_speeds])
     return "\n".join(out)
 
 
-def _alternative(a) -> dict:
-    doc = {"flag": a.flag, "value": a.value}
+def _alternative(a, speed=None) -> dict:
+    doc = {"flag": a.flag, "value": a.value,
+           "speed": None if speed is None else {
+               "prefill_tokens_per_s": speed.prefill.tokens_per_s,
+               "decode_tokens_per_s": speed.decode.tokens_per_s}}
     if a.also:
         doc["with"] = [{"flag": f, "value": v} for f, v in a.also]
     if a.drop:
@@ -162,8 +245,9 @@ def host_document(hp: HostPlan) -> dict:
             "planned_bytes": hp.planned_bytes, "unassigned_bytes": hp.unassigned_bytes}
 
 
-def plan_document(plan: Plan) -> dict:
-    """The plan as a ``moefit.plan/2`` JSON-ready dict."""
+def plan_document(plan: Plan, speed=None, alt_speeds=()) -> dict:
+    """The plan as a ``moefit.plan/2`` JSON-ready dict, with its predicted ``speed``
+    (:func:`speed_document`) and each alternative's (``alt_speeds``, in their order)."""
     g, r = plan.geometry, plan.request
     doc = {
         "schema": SCHEMA,
@@ -197,14 +281,16 @@ def plan_document(plan: Plan) -> dict:
                     "slot_bytes": expert_slot_bytes(g),
                     "per_layer": [{"layer": i, "slots": n} for i, n in plan.experts_per_layer]},
         "notes": list(plan.notes),
+        "speed": speed_document(speed),
     }
     if not plan.fits:
         doc["shortfall_bytes"] = plan.shortfall_bytes
         doc["short_on"] = plan.short_on
         doc["limiting"] = list(plan.limiting)
-        doc["alternatives"] = [_alternative(a) for a in plan.alternatives]
+        speeds = list(alt_speeds) + [None] * (len(plan.alternatives) - len(alt_speeds))
+        doc["alternatives"] = [_alternative(a, s) for a, s in zip(plan.alternatives, speeds)]
     return doc
 
 
-def format_json(plan: Plan) -> str:
-    return json.dumps(plan_document(plan), indent=2)
+def format_json(plan: Plan, speed=None, alt_speeds=()) -> str:
+    return json.dumps(plan_document(plan, speed, alt_speeds), indent=2)

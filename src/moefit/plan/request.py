@@ -56,7 +56,7 @@ class Request:
     rope_scaling: Literal["none", "linear", "yarn"] | None = None
     rope_scale: float | None = None
     yarn_orig_ctx: int | None = None
-    miss_policy: Literal["cpu", "copy"] = "cpu"
+    miss_policy: Literal["cpu", "copy", "auto"] = "cpu"
     arena_slots: int | None = None
     #: non-resident experts: ``copy`` (read into host memory, pinned on CUDA) or ``mmap``
     #: (run from the GGUF file's pages)
@@ -129,9 +129,9 @@ def validate(req: Request) -> None:
                          f"{req.expert_cache}; a pinned cache is its own floor: drop one")
     if req.arena_slots is not None and req.arena_slots < 1:
         raise InputError("--arena-slots must be at least 1")
-    if req.arena_slots is not None and req.miss_policy != "copy":
-        raise InputError("--arena-slots sizes the weight arena of --miss-policy copy; add "
-                         "--miss-policy copy or drop --arena-slots")
+    if req.arena_slots is not None and req.miss_policy == "cpu":
+        raise InputError("--arena-slots sizes the weight arena of --miss-policy copy or auto; "
+                         "add --miss-policy copy (or auto) or drop --arena-slots")
     if req.rope_scale is not None and req.rope_scaling in (None, "none"):
         raise InputError(f"--rope-scale {req.rope_scale} needs --rope-scaling yarn or linear")
     if req.rope_scaling in ("linear", "yarn") and req.rope_scale is None:

@@ -209,17 +209,21 @@ def limiting_lines(lines, shortfall: int) -> tuple[str, ...]:
     return tuple(out)
 
 
-def format_fits_with(alternatives, nothing: str) -> list[str]:
+def format_fits_with(alternatives, nothing: str, speeds=()) -> list[str]:
     """The ``fits with:`` lines of a plan that does not fit (moefit's and the engine plans'):
-    ``fits with:`` and one :func:`format_alternative` line per alternative, or, with none,
-    ``fits with: nothing short of NOTHING``."""
+    ``fits with:`` and one :func:`format_alternative` line per alternative (with its
+    predicted speed in words from ``speeds``, in the same order, where given), or, with
+    none, ``fits with: nothing short of NOTHING``."""
     if alternatives:
-        return ["fits with:", *map(format_alternative, alternatives)]
+        speeds = list(speeds) + [""] * (len(alternatives) - len(speeds))
+        return ["fits with:", *(format_alternative(a, s) for a, s in zip(alternatives, speeds))]
     return [f"fits with: nothing short of {nothing}"]
 
 
-def format_alternative(a) -> str:
-    """One ``fits with:`` line: ``  FLAG VALUE[ without FLAG...][   note]``; the flags as
-    printed are exactly the change that was solved."""
+def format_alternative(a, speed: str = "") -> str:
+    """One ``fits with:`` line: ``  FLAG VALUE[ without FLAG...][   (note[; speed])]``; the
+    flags as printed are exactly the change that was solved; ``speed``: its predicted
+    speed, in words."""
     text = f"  {a.flags}" + "".join(f" without {d}" for d in a.drop)
-    return f"{text}   ({a.note})" if a.note else text
+    extra = "; ".join(x for x in (a.note, speed) if x)
+    return f"{text}   ({extra})" if extra else text

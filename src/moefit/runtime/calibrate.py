@@ -13,6 +13,7 @@ so the measurement can mirror the workspace on the device and see the joint peak
 from __future__ import annotations
 
 import gc
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,6 +28,7 @@ from moefit.memory.staging import staging_model
 from moefit.plan.request import Request, context_limit
 from moefit.plan.solver import solve
 from moefit.runtime.engine import Engine, EngineOptions
+from moefit.runtime.kernels import qmatmul
 from moefit.runtime.measure import prefill_measured
 
 
@@ -71,3 +73,58 @@ def measure_point(model_dir: str | Path, geom: ModelGeometry, device: Device, re
         if device.kind == "cuda":
             torch.cuda.empty_cache()
     return Point(chunk, peak, analytic.bytes(chunk))
+
+
+# ---- the host (``moefit calibrate --host``) -----------------------------------------------------
+
+#: The host probe's matrices: a large BF16 one for the memory bandwidth (256 MiB: past any
+#: CPU's caches), and per ggml type a small one (256 x 2048 values: 0.14-1 MiB, so it stays
+#: in L2 and the kernels' arithmetic is what is timed) against :data:`PROBE_ROWS` rows.
+PROBE_BIG = (32768, 4096)
+PROBE_SMALL = (256, 2048)
+PROBE_ROWS = 8
+
+
+def _best_seconds(run, repeats: int) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        run()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def measure_host(threads: list[int], say=print) -> dict[int, tuple[float, dict[str, float]]]:
+    """The host's figures at each of ``threads``: (memory bytes/s, {ggml type: weight bytes x
+    rows per second}) from moefit's C kernels (:func:`moefit.runtime.kernels.qmatmul.gemm`): one
+    activation row against a :data:`PROBE_BIG` BF16 matrix (the bytes it reads over the best
+    of three runs), and :data:`PROBE_ROWS` rows against a :data:`PROBE_SMALL` matrix of each
+    type this build multiplies (:func:`moefit.runtime.kernels.qmatmul.supports`; random
+    bytes: the kernels' speed does not depend on the values), best of five.
+    Raises InputError when the C kernels are not available."""
+    if not qmatmul.available():
+        raise InputError(f"calibrate --host measures moefit's C kernels, which are not available "
+                         f"here ({qmatmul.unavailable_reason()})")
+    lib = qmatmul.library()
+    rows, cols = PROBE_BIG
+    big = torch.full((rows * lib.mf_row_bytes(qmatmul.CTYPES["BF16"], cols),), 17, dtype=torch.uint8)
+    x1 = torch.randn(1, cols)
+    out: dict[int, tuple[float, dict[str, float]]] = {}
+    for t in threads:
+        sec = _best_seconds(lambda: qmatmul.gemm(x1, big, "BF16", rows, cols, threads=t), 3)
+        bw = big.numel() / sec
+        rates = {}
+        r, c = PROBE_SMALL
+        xs = torch.randn(PROBE_ROWS, c)
+        for qtype in (t for t in qmatmul.CTYPES if qmatmul.supports(t, c)):
+            raw = torch.randint(0, 64, (r * lib.mf_row_bytes(qmatmul.CTYPES[qtype], c),),
+                                dtype=torch.uint8)
+            qmatmul.gemm(xs, raw, qtype, r, c, threads=t)          # warm the caches
+            sec = _best_seconds(lambda: qmatmul.gemm(xs, raw, qtype, r, c, threads=t), 5)
+            rates[qtype] = PROBE_ROWS * raw.numel() / sec
+        say(f"threads {t}: memory {bw / 1e9:.1f} GB/s; kernels (GB/s of weights x rows): "
+            + ", ".join(f"{k} {v / 1e9:.0f}" for k, v in rates.items()))
+        out[t] = (bw, rates)
+    del big
+    gc.collect()
+    return out

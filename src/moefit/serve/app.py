@@ -3,7 +3,9 @@
 Routes:
 
 - ``GET /health``: 503 ``{"status": "loading"}`` until the engine is READY, then 200 (never
-  behind the API key; answered on the event loop, which no request blocks).
+  behind the API key; answered on the event loop, which no request blocks); 503
+  ``{"status": "failed", "error"}`` should the engine thread ever die (every request it
+  held ended with an error; new ones get 503).
 - ``GET /v1/models``, ``GET /v1/models/{id}``: the one model served, with its context
   (``max_model_len``).
 - ``POST /v1/completions``, ``POST /v1/chat/completions``: OpenAI's bodies
@@ -55,13 +57,14 @@ import anyio
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from moefit.errors import InputError
 from moefit.plan.report import plan_document
 from moefit.serve.generation import Completion, Decoding, Params, Step, check_prompt, check_stop
 from moefit.serve.metrics import Metrics
 from moefit.serve.protocol import ChatRequest, CompletionRequest
-from moefit.serve.scheduler import Ended, Job, QueueFull, Scheduler, Stopping
+from moefit.serve.scheduler import EngineFailed, Ended, Job, QueueFull, Scheduler, Stopping
 from moefit.serve.text import GenerationDefaults, Tokenizer
 
 #: Default ``--max-body`` (bytes): far above any real prompt within a context.
@@ -101,6 +104,7 @@ class ServerState:
     max_body: int = MAX_BODY
     write_timeout: float = WRITE_TIMEOUT_S
     api_key: str | None = None
+    loopback_only: bool = False            # Host and Content-Type checks (_Guard)
     metrics: Any = None                    # moefit.serve.metrics.Metrics, made by create_app
     _scheduler: Scheduler | None = None
     _tokenize: Any = None                  # anyio.CapacityLimiter, made on first use
@@ -109,6 +113,8 @@ class ServerState:
         """The scheduler of the current engine (started on first use, and again when
         the engine was replaced)."""
         sch = self._scheduler
+        if sch is not None and sch.failed is not None:
+            return sch              # dead: it refuses every job (EngineFailed), /health is 503
         if sch is None or sch.engine is not self.engine or not sch.alive:
             if sch is not None:
                 sch.stop()
@@ -146,12 +152,32 @@ def _authorized(state: ServerState, headers) -> bool:
                                                             state.api_key.encode())
 
 
+#: ``Host`` names a loopback server without a key answers (with any port): a page served
+#: from elsewhere that rebinds its own name to 127.0.0.1 (DNS rebinding) sends its own name.
+LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "[::1]")
+
+
+def _host_name(host: str) -> str:
+    """``Host`` header -> the name without its port (``[::1]:8000`` -> ``[::1]``)."""
+    host = host.strip().lower()
+    if host.startswith("["):
+        return host[:host.find("]") + 1] if "]" in host else host
+    return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
+
+
 class _Guard:
-    """ASGI middleware in front of the routes: the API key on ``/v1/*`` (401), the body
-    limit (413 on ``Content-Length`` before any byte is read, or as soon as a chunked body
-    passes it) and the body's timeouts (408 when it pauses :data:`BODY_IDLE_S` seconds or
-    takes :data:`BODY_TOTAL_S` in all; the connection closes). A POST / PUT / PATCH body
-    is read here, then handed on."""
+    """ASGI middleware in front of the routes: the API key on ``/v1/*`` and
+    ``/openapi.json`` (401), the body limit (413 on ``Content-Length`` before any byte is
+    read, or as soon as a chunked body passes it) and the body's timeouts (408 when it
+    pauses :data:`BODY_IDLE_S` seconds or takes :data:`BODY_TOTAL_S` in all). A response
+    sent before the body was read (401, 413, 408, 403, 415) closes the connection
+    (``Connection: close``): else the client's unread upload kept it open for good. A POST /
+    PUT / PATCH body is read here, then handed on.
+
+    ``ServerState.loopback_only`` (a server on a loopback address without a key): a
+    ``Host`` other than :data:`LOOPBACK_HOSTS` is refused with 403 (a DNS-rebinding page)
+    and a body other than ``Content-Type: application/json`` with 415 (a web page's form
+    or ``text/plain`` request, which a browser sends cross-site without asking)."""
 
     def __init__(self, app, state: ServerState):
         self.app, self.state = app, state
@@ -160,14 +186,11 @@ class _Guard:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         st = self.state
-        if scope["path"].startswith("/v1/") and not _authorized(st, scope["headers"]):
-            resp = _error(401, "missing or wrong API key: send the header "
-                          "`Authorization: Bearer <key>` (the server's --api-key)",
-                          "authentication_error", headers={"WWW-Authenticate": "Bearer"})
-            return await resp(scope, receive, send)
-        length = dict(scope["headers"]).get(b"content-length")
-        if length is not None and length.isdigit() and int(length) > st.max_body:
-            return await _too_large(st)(scope, receive, send)
+        headers = dict(scope["headers"])
+        path = scope["path"]
+        early = _early_refusal(st, scope["method"], path, headers)
+        if early is not None:
+            return await early(scope, receive, send)
         if scope["method"] not in ("POST", "PUT", "PATCH"):
             return await self.app(scope, receive, send)
         # the body, at most --max-body bytes, within the body timeouts
@@ -180,8 +203,7 @@ class _Guard:
             except TimeoutError:
                 return await _error(408, f"the request body did not arrive in time (a pause of "
                                     f"{BODY_IDLE_S:.0f} s, or {BODY_TOTAL_S:.0f} s in all); send "
-                                    "the whole body at once", headers={"Connection": "close"})(
-                                        scope, receive, send)
+                                    "the whole body at once", headers=_CLOSE)(scope, receive, send)
             if msg["type"] != "http.request":
                 return
             body += msg.get("body", b"")
@@ -197,22 +219,59 @@ class _Guard:
         await self.app(scope, replayed, send)
 
 
+_CLOSE = {"Connection": "close"}
+
+
+def _early_refusal(st: ServerState, method: str, path: str, headers: dict) -> JSONResponse | None:
+    """The response of :class:`_Guard` before any byte of the body is read, or None."""
+    if st.loopback_only:
+        host = headers.get(b"host", b"").decode("latin-1")
+        if _host_name(host) not in LOOPBACK_HOSTS:
+            return _error(403, f"Host {host!r} is not this loopback server's name: it answers "
+                          f"only {', '.join(LOOPBACK_HOSTS)} (a web page on another name cannot "
+                          "use it); serve with --api-key to take other names", "permission_error",
+                          headers=_CLOSE)
+        if method in ("POST", "PUT", "PATCH"):
+            ctype = headers.get(b"content-type", b"").decode("latin-1")
+            if ctype.split(";")[0].strip().lower() != "application/json":
+                return _error(415, f"the body's Content-Type is {ctype or 'missing'!r}; send it "
+                              "as JSON with the header `Content-Type: application/json`",
+                              headers=_CLOSE)
+    if (path.startswith("/v1/") or path == "/openapi.json") and not _authorized(st, headers.items()):
+        return _error(401, "missing or wrong API key: send the header "
+                      "`Authorization: Bearer <key>` (the server's --api-key)",
+                      "authentication_error", headers={"WWW-Authenticate": "Bearer", **_CLOSE})
+    length = headers.get(b"content-length")
+    if length is not None and length.isdigit() and int(length) > st.max_body:
+        return _too_large(st)
+    return None
+
+
 def _too_large(state: ServerState) -> JSONResponse:
     return _error(413, f"the request body is larger than this server's limit of "
-                  f"{state.max_body} bytes (--max-body)")
+                  f"{state.max_body} bytes (--max-body)", headers=_CLOSE)
+
+
+#: Problems of one body an error message lists at most (a body of 300,000 unknown keys
+#: answered a 19.7 MB message listing them all).
+MAX_LISTED_ERRORS = 8
 
 
 def _validation_message(exc: RequestValidationError) -> str:
     parts = []
-    for err in exc.errors():
+    errors = exc.errors()
+    for err in errors:
         if err.get("type") == "json_invalid":
             return f"invalid request: the body is not valid JSON ({err.get('ctx', {}).get('error', err.get('msg'))})"
-        loc = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
+        if len(parts) == MAX_LISTED_ERRORS:
+            break
+        loc = ".".join(str(x) for x in err.get("loc", ()) if x != "body")[:100]
         if err.get("type") == "extra_forbidden":
             parts.append(f"unknown field {loc!r}: moefit does not implement it; remove it")
             continue
         parts.append(f"{loc}: {err.get('msg')}" if loc else str(err.get("msg")))
-    return "invalid request: " + "; ".join(parts)
+    more = len(errors) - len(parts)
+    return "invalid request: " + "; ".join(parts) + (f"; and {more} more" if more > 0 else "")
 
 
 def create_app(state: ServerState) -> FastAPI:
@@ -226,6 +285,15 @@ def create_app(state: ServerState) -> FastAPI:
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):
         return _error(400, _validation_message(exc))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):   # 404, 405, ...
+        message = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
+        if exc.status_code == 404:
+            message = f"no route {request.url.path!r} on this server ({message})"
+        elif exc.status_code == 405:
+            message = f"{request.method} is not allowed on {request.url.path!r} ({message})"
+        return _error(exc.status_code, message, headers=getattr(exc, "headers", None))
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
@@ -250,6 +318,9 @@ def create_app(state: ServerState) -> FastAPI:
     async def health():
         if state.engine is None:
             return JSONResponse({"status": "loading"}, status_code=503)
+        sch = state._scheduler
+        if sch is not None and sch.failed is not None:
+            return JSONResponse({"status": "failed", "error": str(sch.failed)}, status_code=503)
         return {"status": "ready"}
 
     def model_card() -> dict:
@@ -296,12 +367,14 @@ def create_app(state: ServerState) -> FastAPI:
                 "created": int(time.time()), "model": state.model_name}
         run = _Run(state, jobs, params)
         if body.stream:
-            return _sse(state, run, _completion_chunks(run, head, body, prompts))
+            return _sse(state, run, _completion_chunks(run, head, body, prompts, state.tokenizer))
         results = await run.collect(request)
         choices = []
         for (index, ids), res in zip(jobs, results):
             c = {"index": index, "text": res.text, "logprobs": None,
                  "finish_reason": res.finish_reason}
+            if params.logprobs is not None:
+                c["logprobs"] = _completion_logprobs(state.tokenizer, res.steps)[0]
             if body.return_token_ids:
                 c.update(prompt_token_ids=list(ids), token_ids=res.token_ids)
             choices.append(c)
@@ -319,9 +392,9 @@ def create_app(state: ServerState) -> FastAPI:
                                  "take chat messages; use /v1/completions with token ids")
             _check_choices(1, body.n)
             messages = [m.for_template() for m in body.messages]
-            ids = await _tokenize(state, lambda: state.tokenizer.encode_chat(
-                messages, add_generation_prompt=body.add_generation_prompt,
-                **(body.chat_template_kwargs or {})), len(json.dumps(messages, default=str)))
+            kwargs = body.template_kwargs()
+            ids = await _tokenize(state, lambda: state.tokenizer.encode_chat(messages, **kwargs),
+                                  len(json.dumps(messages, default=str)))
             check_prompt(ids, state.plan.context, state.plan.geometry.vocab_size,
                          body.token_limit)
             params = _params(state, body, body.token_limit)
@@ -332,12 +405,14 @@ def create_app(state: ServerState) -> FastAPI:
                 "created": int(time.time()), "model": state.model_name}
         run = _Run(state, jobs, params)
         if body.stream:
-            return _sse(state, run, _chat_chunks(run, head, body, [ids]))
+            return _sse(state, run, _chat_chunks(run, head, body, [ids], state.tokenizer))
         results = await run.collect(request)
         choices = []
         for (index, _), res in zip(jobs, results):
             c = {"index": index, "message": {"role": "assistant", "content": res.text},
                  "logprobs": None, "finish_reason": res.finish_reason}
+            if params.logprobs is not None:
+                c["logprobs"] = _chat_logprobs(state.tokenizer, res.steps)
             if body.return_token_ids:
                 c["token_ids"] = res.token_ids
             choices.append(c)
@@ -391,7 +466,15 @@ async def _parse(state: ServerState, request: Request, model):
 
     def parse():
         try:
-            data = json.loads(raw)
+            # strictly UTF-8 (RFC 8259, section 8.1): json.loads of bytes decodes with
+            # "surrogatepass", so a lone surrogate as raw bytes (ED A0 80) became a string the
+            # tokenizer could not take (a 500)
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise APIError(400, f"invalid request: the body is not UTF-8 (byte {e.start} is "
+                                f"0x{raw[e.start]:02x}); send JSON as UTF-8") from None
+        try:
+            data = json.loads(text)
         except (ValueError, RecursionError) as e:       # RecursionError: nested too deep
             why = "nested too deep" if isinstance(e, RecursionError) else str(e)
             raise APIError(400, f"invalid request: the body is not valid JSON ({why})") from None
@@ -468,7 +551,10 @@ def _params(state: ServerState, body, max_tokens: int | None) -> Params:
                           top_k=body.top_k, top_p=body.top_p, seed=body.seed, stop=body.stop,
                           ignore_eos=body.ignore_eos, min_p=body.min_p,
                           repetition_penalty=body.repetition_penalty,
-                          stop_token_ids=body.stop_token_ids)
+                          stop_token_ids=body.stop_token_ids, logprobs=body.top_logprobs_count,
+                          logit_bias=body.bias(state.plan.geometry.vocab_size),
+                          presence_penalty=body.presence_penalty,
+                          frequency_penalty=body.frequency_penalty)
 
 
 #: Seconds between two ``Request.is_disconnected`` polls while a request waits.
@@ -548,7 +634,7 @@ class _Run:
             state.metrics.refused()
             raise APIError(503, f"the server is busy: {e}; retry later", "service_unavailable",
                            headers={"Retry-After": str(RETRY_AFTER_S)}) from None
-        except Stopping as e:
+        except (Stopping, EngineFailed) as e:
             raise APIError(503, str(e), "service_unavailable") from None
 
     def cancel(self) -> None:
@@ -597,6 +683,7 @@ class _Run:
                     res.finish_reason = ev.finish_reason
                     continue
                 res.token_ids.append(ev.token)
+                res.steps.append(ev)
                 parts[i].append(ev.text)
                 if ev.finish_reason is not None:
                     res.finish_reason = ev.finish_reason
@@ -714,9 +801,11 @@ def _usage_chunk(head: dict, prompts: list[list[int]], completion_tokens: int) -
                                                    "total_tokens": p + completion_tokens}})
 
 
-async def _completion_chunks(run: _Run, head, body, prompts) -> AsyncIterator[str]:
+async def _completion_chunks(run: _Run, head, body, prompts, tokenizer) -> AsyncIterator[str]:
     count = 0
     enc = _Chunks(head)
+    logprobs = body.top_logprobs_count is not None
+    offsets = dict.fromkeys(run.indices, 0)      # text_offset of each choice's next token
     async for items in _events(run):
         if isinstance(items, dict):      # an error: report it and end the stream
             yield _data(items)
@@ -728,12 +817,14 @@ async def _completion_chunks(run: _Run, head, body, prompts) -> AsyncIterator[st
                                        "finish_reason": step.finish_reason}))
                 continue
             count += 1
-            if not step.text and step.finish_reason is None and not body.return_token_ids:
+            if not (step.text or step.finish_reason or body.return_token_ids or logprobs):
                 continue        # text held back; with return_token_ids the id still goes out
             c = {"index": index, "text": step.text, "logprobs": None,
                  "finish_reason": step.finish_reason}
             if body.return_token_ids:
                 c["token_ids"] = [step.token]
+            if logprobs:
+                c["logprobs"], offsets[index] = _completion_logprobs(tokenizer, [step], offsets[index])
             out.append(enc.choice(c))
         if out:
             yield "".join(out)
@@ -742,8 +833,10 @@ async def _completion_chunks(run: _Run, head, body, prompts) -> AsyncIterator[st
     yield "data: [DONE]\n\n"
 
 
-async def _chat_chunks(run: _Run, head, body, prompts) -> AsyncIterator[str]:
+async def _chat_chunks(run: _Run, head, body, prompts, tokenizer) -> AsyncIterator[str]:
     head = {**head, "object": "chat.completion.chunk"}
+    logprobs = body.top_logprobs_count is not None
+    per_token = body.return_token_ids or logprobs      # each token's chunk goes out
     enc = _Chunks(head)
     count = 0
     for index in run.indices:
@@ -763,24 +856,86 @@ async def _chat_chunks(run: _Run, head, body, prompts) -> AsyncIterator[str]:
             sent = False
             # text held back (incomplete UTF-8, stop-string lookahead): with return_token_ids
             # the chunk still goes out, with empty content, so that every token id is delivered
-            if step.text or (body.return_token_ids and step.finish_reason is None):
+            if step.text or (per_token and step.finish_reason is None):
                 c = {"index": index, "delta": {"content": step.text}, "logprobs": None,
                      "finish_reason": None}
-                if body.return_token_ids:
-                    c["token_ids"] = [step.token]
+                _token_fields(c, step, body.return_token_ids, logprobs, tokenizer)
                 out.append(enc.choice(c))
                 sent = True
             if step.finish_reason is not None:
                 c = {"index": index, "delta": {}, "logprobs": None,
                      "finish_reason": step.finish_reason}
-                if body.return_token_ids and not sent:
-                    c["token_ids"] = [step.token]
+                if not sent:
+                    _token_fields(c, step, body.return_token_ids, logprobs, tokenizer)
                 out.append(enc.choice(c))
         if out:
             yield "".join(out)
     if body.include_usage:
         yield _usage_chunk(head, prompts, count)
     yield "data: [DONE]\n\n"
+
+
+def _token_fields(c: dict, step: Step, token_ids: bool, logprobs: bool, tokenizer) -> None:
+    """A chat chunk's ``token_ids`` and ``logprobs`` of ``step``, as asked."""
+    if token_ids:
+        c["token_ids"] = [step.token]
+    if logprobs:
+        c["logprobs"] = _chat_logprobs(tokenizer, [step])
+
+
+# ---- logprobs ---------------------------------------------------------------------------------
+
+#: The log probability shown for a token the model rules out (-inf is not JSON; OpenAI's and
+#: vLLM's floor).
+LOGPROB_FLOOR = -9999.0
+
+
+def _token_bytes(tokenizer, token: int) -> bytes:
+    """The bytes of ``token`` (:meth:`Tokenizer.token_bytes`); without a tokenizer, vLLM's
+    ``token_id:N``."""
+    if tokenizer is None:
+        return f"token_id:{token}".encode()
+    return tokenizer.token_bytes(token)
+
+
+def _lp(value: float) -> float:
+    return max(value, LOGPROB_FLOOR)
+
+
+def _completion_logprobs(tokenizer, steps: list[Step], offset: int = 0) -> tuple[dict, int]:
+    """``/v1/completions``' ``logprobs`` of ``steps`` (OpenAI's legacy shape: ``tokens``,
+    ``token_logprobs``, ``top_logprobs`` — the alternatives and the sampled token, so up to
+    ``logprobs + 1`` entries — and ``text_offset``, each token's character offset in the
+    completion's text, from ``offset``), and the offset after them."""
+    tokens, lps, tops, offsets = [], [], [], []
+    for st in steps:
+        text = _token_bytes(tokenizer, st.token).decode("utf-8", "replace")
+        tokens.append(text)
+        lps.append(_lp(st.logprob))
+        offsets.append(offset)
+        offset += len(text)
+        alts = {_token_bytes(tokenizer, t).decode("utf-8", "replace"): _lp(v) for t, v in st.top}
+        alts.setdefault(text, _lp(st.logprob))
+        tops.append(alts)
+    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops,
+            "text_offset": offsets}, offset
+
+
+def _chat_logprobs(tokenizer, steps: list[Step]) -> dict:
+    """``/v1/chat/completions``' ``logprobs`` of ``steps``: ``{"content": [{"token",
+    "logprob", "bytes", "top_logprobs": [{"token", "logprob", "bytes"}]}], "refusal": null}``
+    (OpenAI's shape; ``bytes`` the token's UTF-8 bytes, whole even where ``token`` cannot
+    show a partial character)."""
+    def entry(token: int, logprob: float) -> dict:
+        raw = _token_bytes(tokenizer, token)
+        return {"token": raw.decode("utf-8", "replace"), "logprob": _lp(logprob), "bytes": list(raw)}
+
+    content = []
+    for st in steps:
+        e = entry(st.token, st.logprob)
+        e["top_logprobs"] = [entry(t, v) for t, v in st.top]
+        content.append(e)
+    return {"content": content, "refusal": None}
 
 
 # ---- /v1/budget -----------------------------------------------------------------------------

@@ -42,6 +42,13 @@ from moefit.serve.protocol import SAMPLING_BOUNDS
 from moefit.serve.text import GenerationDefaults, TextStream, Tokenizer
 
 
+#: The smallest temperature that samples (vLLM's ``_MAX_TEMP``, ``vllm/sampling_params.py``):
+#: a temperature above 0 and below it is raised to it, as vLLM does, since dividing the
+#: logits by less overflows fp32 to infinities (``"temperature": 1e-40`` made the sampler
+#: raise); 0 stays greedy.
+MIN_TEMPERATURE = 1e-2
+
+
 @dataclass(frozen=True)
 class Params:
     """What one completion may do.
@@ -50,7 +57,10 @@ class Params:
     0 is greedy; ``top_k`` 0 and ``top_p`` 1 keep every token. ``stop``: stop strings.
     ``eos_ids``: token ids that end the completion (ignored with ``ignore_eos``);
     ``stop_ids``: more such ids (``stop_token_ids``; kept with ``ignore_eos``). ``min_p`` 0
-    and ``repetition_penalty`` 1 are off.
+    and ``repetition_penalty`` 1 are off. ``logprobs``: each token's log probability and
+    that many most likely alternatives are returned (None: none). ``logit_bias``: ``(token,
+    bias)`` added to the logits; ``presence_penalty`` / ``frequency_penalty``: OpenAI's
+    (:func:`openai_penalties`), 0 off.
     """
 
     max_tokens: int | None = 16
@@ -64,6 +74,10 @@ class Params:
     min_p: float = 0.0
     repetition_penalty: float = 1.0
     stop_ids: tuple[int, ...] = ()
+    logprobs: int | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
 
     @classmethod
     def resolve(cls, defaults: GenerationDefaults, *, max_tokens: int | None = None,
@@ -71,9 +85,13 @@ class Params:
                 top_p: float | None = None, seed: int | None = None,
                 stop: Sequence[str] | str | None = None, ignore_eos: bool = False,
                 min_p: float | None = None, repetition_penalty: float | None = None,
-                stop_token_ids: Sequence[int] | None = None) -> "Params":
+                stop_token_ids: Sequence[int] | None = None,
+                logprobs: int | None = None, logit_bias: Sequence[tuple[int, float]] = (),
+                presence_penalty: float | None = None,
+                frequency_penalty: float | None = None) -> "Params":
         """Request values where given, else the checkpoint's defaults (greedy unless its
-        ``generation_config.json`` sets ``do_sample``). ``top_k`` -1 means no top-k."""
+        ``generation_config.json`` sets ``do_sample``). ``top_k`` -1 means no top-k; a
+        temperature between 0 and :data:`MIN_TEMPERATURE` is raised to it."""
         sampled = defaults.do_sample
         if temperature is None:
             temperature = defaults.temperature if sampled else 0.0
@@ -82,11 +100,15 @@ class Params:
         if top_p is None:
             top_p = defaults.top_p if sampled else 1.0
         stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
+        if 0 < temperature < MIN_TEMPERATURE:
+            temperature = MIN_TEMPERATURE
         return cls(max_tokens=max_tokens, temperature=float(temperature), top_k=max(0, int(top_k)),
                    top_p=float(top_p), seed=seed, stop=stops, eos_ids=defaults.eos_ids,
                    ignore_eos=ignore_eos, min_p=float(min_p or 0.0),
                    repetition_penalty=float(repetition_penalty or 1.0),
-                   stop_ids=tuple(int(t) for t in stop_token_ids or ()))
+                   stop_ids=tuple(int(t) for t in stop_token_ids or ()), logprobs=logprobs,
+                   logit_bias=tuple(logit_bias), presence_penalty=float(presence_penalty or 0.0),
+                   frequency_penalty=float(frequency_penalty or 0.0))
 
     def generator(self, index: int = 0) -> torch.Generator:
         """The random stream of choice ``index`` of a request: seeded by ``seed`` (mixed
@@ -99,20 +121,39 @@ class Params:
 @dataclass
 class Step:
     """One sampled token: the text that became final with it, and the finish reason
-    (None while the completion goes on)."""
+    (None while the completion goes on). With ``Params.logprobs``: ``logprob``, the token's
+    log probability (natural log), and ``top``, the most likely tokens and theirs, most
+    likely first."""
 
     token: int
     text: str
     finish_reason: str | None = None
+    logprob: float | None = None
+    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass
 class Completion:
-    """A finished completion: text, tokens (EOS included), finish reason."""
+    """A finished completion: text, tokens (EOS included), finish reason, and with
+    ``Params.logprobs`` each token's :class:`Step` (``steps``)."""
 
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str = "length"
+    steps: list[Step] = field(default_factory=list)
+
+
+def log_probs(logits: torch.Tensor, token: int, top: int) -> tuple[float, tuple[tuple[int, float], ...]]:
+    """``token``'s log probability under ``logits`` ``[V]`` (fp32 log-softmax, the model's
+    own distribution: before temperature and penalties, as vLLM's default ``raw_logprobs``)
+    and the ``top`` most likely ``(token, log probability)``, most likely first (ties: the
+    lower id, as :func:`torch.topk` orders them)."""
+    lp = torch.log_softmax(logits.float(), -1)
+    alts = ()
+    if top:
+        vals, ids = torch.topk(lp, min(top, lp.numel()))
+        alts = tuple(zip(ids.tolist(), vals.tolist()))
+    return float(lp[token]), alts
 
 
 class PromptTooLong(InputError):
@@ -154,7 +195,7 @@ def check_sampling(temperature: float | None = None, top_p: float | None = None,
     """Raise InputError for sampling settings outside the API's bounds
     (:data:`moefit.serve.protocol.SAMPLING_BOUNDS`: ``max_tokens >= 1``,
     ``temperature >= 0``, ``0 < top_p <= 1``, ``top_k >= -1``, ``0 <= min_p <= 1``,
-    ``repetition_penalty > 0``; NaN and infinities are outside), checked in that order; None is not
+    ``repetition_penalty >= 0.01``; NaN and infinities are outside), checked in that order; None is not
     checked. ``flags``: name them as command-line flags (``--top-p``)."""
     given = {"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p,
              "top_k": top_k, "min_p": min_p, "repetition_penalty": repetition_penalty}
@@ -192,6 +233,15 @@ def repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: float)
     return x
 
 
+def openai_penalties(logits: torch.Tensor, counts: torch.Tensor, presence: float,
+                     frequency: float) -> torch.Tensor:
+    """OpenAI's presence and frequency penalties (API reference, "Parameter details"):
+    ``logit[j] - counts[j] * frequency - (counts[j] > 0) * presence``, where ``counts``
+    ``[V]`` counts each token in the completion so far (vLLM counts the output tokens too).
+    Returns fp32 ``[V]``."""
+    return logits.float() - counts * frequency - (counts > 0).float() * presence
+
+
 class Decoding:
     """What one sequence samples, token after token, from the logits it is given: the
     finish rules of the module docstring (EOS, stop strings, ``max_tokens``, the context)
@@ -218,16 +268,37 @@ class Decoding:
         if params.repetition_penalty != 1.0:
             self.seen = torch.zeros(vocab_size, dtype=torch.bool)
             self.seen[torch.as_tensor(list(prompt_ids), dtype=torch.long)] = True
+        self.counts: torch.Tensor | None = None    # [V] fp32, tokens generated
+        if params.presence_penalty or params.frequency_penalty:
+            self.counts = torch.zeros(vocab_size, dtype=torch.float32)
+        self.bias: tuple[torch.Tensor, torch.Tensor] | None = None
+        if params.logit_bias:
+            ids, values = zip(*params.logit_bias)
+            self.bias = (torch.tensor(ids, dtype=torch.long), torch.tensor(values, dtype=torch.float32))
 
     def step(self, logits: torch.Tensor) -> Step:
         """Sample the next token from ``logits`` ``[V]``; the Step has a finish reason
         when this token ends the sequence."""
+        raw = logits
+        if self.bias is not None:          # vLLM's order: the bias, then the penalties
+            logits = logits.float().index_add(0, self.bias[0], self.bias[1])
         if self.seen is not None:
             logits = repetition_penalty(logits, self.seen, self.params.repetition_penalty)
+        if self.counts is not None:
+            logits = openai_penalties(logits, self.counts, self.params.presence_penalty,
+                                      self.params.frequency_penalty)
         tok = sample(logits, self.params, self.gen)
         if self.seen is not None:
             self.seen[tok] = True
+        if self.counts is not None:
+            self.counts[tok] += 1
         self.count += 1
+        step = self._finish(tok)
+        if self.params.logprobs is not None:
+            step.logprob, step.top = log_probs(raw, tok, self.params.logprobs)
+        return step
+
+    def _finish(self, tok: int) -> Step:
         if tok in self.eos:
             return Step(tok, self.text.flush(), "stop")
         delta = self.text.push(tok)

@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import errno
 import gc
+import ipaddress
 import os
 import signal
 import socket
@@ -40,7 +41,7 @@ import time
 import traceback
 from pathlib import Path
 
-from moefit.errors import EXIT_ALLOC, EXIT_INPUT, EXIT_NOFIT, EXIT_OK, EXIT_OTHER, InputError, Terminated
+from moefit.errors import EXIT_ALLOC, EXIT_INPUT, EXIT_NOFIT, EXIT_OK, EXIT_OTHER, InputError
 from moefit.flags import plan_from_args, runnable_devices
 from moefit.ingest.inputs import is_gguf_file, read_routing_profile
 from moefit.ingest.resolve import load_model
@@ -166,6 +167,27 @@ def _check_port(port: int) -> None:
         raise InputError(f"--port {port}: must be 0-65535 (0: any free port)")
 
 
+def _is_loopback(host: str) -> bool:
+    """``--host`` is a loopback address (127.0.0.0/8, ::1) or ``localhost``: only this
+    machine can connect, so without a key the server guards against web pages instead
+    (``ServerState.loopback_only``)."""
+    if host.strip().lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def open_access_warning(host: str, keyed: bool) -> str | None:
+    """The warning ``serve`` prints when it listens beyond this machine (``--host
+    0.0.0.0``, an interface's address) without an API key; None otherwise."""
+    if keyed or _is_loopback(host):
+        return None
+    return (f"moefit: warning: serving on {host} without --api-key: anyone who can reach this "
+            "port can run generations; give --api-key (or MOEFIT_API_KEY), or serve on 127.0.0.1")
+
+
 def _bind(host: str, port: int) -> socket.socket:
     _check_port(port)
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -242,24 +264,35 @@ def make_server(state, **config):
         "http": protocol_class(config.pop("header_timeout", HEADER_TIMEOUT_S)), **config}))
 
 
-def _terminated(sig, frame) -> None:
-    raise Terminated()
+def _exit_now(sig, frame) -> None:
+    """SIGINT / SIGTERM before the server's own handlers run: one line and exit at once
+    (130 / 143). Raising an exception from the handler (as before) was lost when the signal
+    came while a finalizer ran (``import torch`` runs many): Python prints "Exception
+    ignored" and goes on, and the server went on to READY."""
+    try:
+        sys.stdout.flush()
+    except Exception:  # noqa: BLE001 -- a write in progress: what it held is lost anyway
+        pass
+    line = "moefit: interrupted" + (" (SIGTERM)" if sig == signal.SIGTERM else "")
+    os.write(2, (line + "\n").encode())
+    os._exit(128 + sig)
 
 
 def serve(args: argparse.Namespace) -> int:
     """``moefit serve``: see the module docstring. Returns the exit code.
 
-    Until the server's own handlers take over (uvicorn's, :func:`make_server`), SIGTERM
-    raises :class:`~moefit.errors.Terminated` as Ctrl-C raises KeyboardInterrupt, so a stop
-    while the plan is solved or the tokenizer read ends in one line and exit 143 too, not
-    in the silent default death of the signal; the previous handler is restored after."""
+    Until the server's own handlers take over (uvicorn's, :func:`make_server`), SIGINT
+    and SIGTERM end the process at once with one line and exit 130 / 143
+    (:func:`_exit_now`), while the plan is solved, the tokenizer read or torch imported;
+    the previous handlers are restored after."""
     if threading.current_thread() is not threading.main_thread():
         return _serve(args)         # signal handlers belong to the main thread
-    previous = signal.signal(signal.SIGTERM, _terminated)
+    previous = {sig: signal.signal(sig, _exit_now) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         return _serve(args)
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -274,8 +307,13 @@ def _serve(args: argparse.Namespace) -> int:
     sock = _bind(args.host, args.port)
     host, port = sock.getsockname()[:2]
     url = f"http://{'[' + host + ']' if ':' in host else host}:{port}"
+    loopback = _is_loopback(args.host)
+    warning = open_access_warning(args.host, "api_key" in limits)
+    if warning:
+        _say(warning, sys.stderr)
     state = ServerState(plan=plan, model_name=args.served_model_name or _model_name(args.model),
-                        tokenizer=tokenizer, defaults=defaults, **limits)
+                        tokenizer=tokenizer, defaults=defaults,
+                        loopback_only=loopback and "api_key" not in limits, **limits)
     server = make_server(state, log_level=args.log_level)
     exit_code = [EXIT_OK]
 

@@ -7,6 +7,8 @@ Every metric is named ``moefit_*``:
   server stopping; ``error``: the engine failed) and requests refused with 503
   (``refused``);
 - ``moefit_prompt_tokens_total``, ``moefit_generation_tokens_total``: tokens run;
+- ``moefit_prompt_tokens_cached_total``: prompt tokens a slot's cells already held (prompt
+  reuse), not run (nor counted in ``moefit_prompt_tokens_total``);
 - ``moefit_queue_length``, ``moefit_slots_busy``, ``moefit_slots``: the scheduler;
 - ``moefit_kv_cells_in_use{slot}``: tokens held in each slot's KV cache;
 - ``moefit_expert_hit_rate``: expert-cache hits / lookups since start;
@@ -91,6 +93,9 @@ class _StateCollector:
         yield req
         yield CounterMetricFamily("moefit_prompt_tokens", "Prompt tokens run",
                                   value=stats.prompt_tokens if stats else 0)
+        yield CounterMetricFamily("moefit_prompt_tokens_cached", "Prompt tokens whose KV cells "
+                                  "a slot already held (reused, not run)",
+                                  value=stats.cached_prompt_tokens if stats else 0)
         yield CounterMetricFamily("moefit_generation_tokens", "Tokens generated",
                                   value=stats.generated_tokens if stats else 0)
         slots = state.plan.request.slots

@@ -9,6 +9,9 @@ One engine thread runs steps (:meth:`moefit.runtime.engine.Engine.step`). Each s
 holds at most the plan's prefill chunk of tokens (the per-step token budget, like vLLM's
 ``max_num_batched_tokens``), taken in this order:
 
+A job takes the free slot whose cells already hold the longest prefix of its prompt,
+and runs only the rest (prompt reuse; :meth:`Scheduler._admit`).
+
 1. one decode token of every active sequence that has one (all of them in the same
    forward pass, so the tokens routed to one expert share one read of its weights);
 2. the next piece of the prompts still being read, in admission order, with what is left
@@ -22,11 +25,18 @@ callable, which must not block (the server posts them to an asyncio queue with
 ``loop.call_soon_threadsafe``). Events: a :class:`~moefit.serve.generation.Step` per
 token (the last one has a finish reason); :class:`Ended` when the job ends without one
 (cancelled, server stopping: ``"abort"``); an ``Exception`` when the engine failed on its
-step (the job's slot is reset; the server stays up).
+step, or sampling failed on the job's logits (that job ends, its slot is reset; the others
+go on, the server stays up).
+
+Should the engine thread itself ever fail (a bug outside those two), it records why
+(:attr:`Scheduler.failed`), every job it held or queued ends with an :class:`EngineFailed`
+event, and :meth:`Scheduler.submit` refuses new jobs with it: the server's ``/health``
+answers 503 instead of leaving every client waiting for good.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import Counter, deque
@@ -45,6 +55,11 @@ class QueueFull(RuntimeError):
 
 class Stopping(RuntimeError):
     """The scheduler is shutting down and takes no more jobs."""
+
+
+class EngineFailed(RuntimeError):
+    """The engine thread died (a bug): the event of every job it held, and the error of
+    every later :meth:`Scheduler.submit`."""
 
 
 @dataclass(frozen=True)
@@ -85,6 +100,7 @@ class Stats:
     generated_tokens: int = 0
     finished: Counter = field(default_factory=Counter)    # finish reason -> jobs
     errors: int = 0
+    cached_prompt_tokens: int = 0      # prompt tokens whose cells were reused, not run
 
 
 class Scheduler:
@@ -98,21 +114,29 @@ class Scheduler:
             (seconds to the first token), ``"itl"`` (seconds between tokens).
         stopping: an Event that stops the scheduler as :meth:`stop` does once set (the
             server's shutdown flag), seen within :data:`IDLE_POLL_S`.
+        reuse: a job admitted to a slot keeps the cells of the prefix its prompt shares
+            with what the slot holds (:meth:`_admit`; only where the KV cache can be cut
+            back, ``KVCache.truncatable``).
     """
 
     def __init__(self, engine, max_queue: int, observe: Callable | None = None,
-                 stopping: threading.Event | None = None):
+                 stopping: threading.Event | None = None, reuse: bool = True):
         self.engine = engine
         self.stopping = stopping or threading.Event()
         self.slots = engine.plan.request.slots
         self.max_queue = max(1, int(max_queue))
         self.observe = observe or (lambda *a: None)
         self.active: list[Job | None] = [None] * self.slots
+        # the tokens whose KV each slot holds, for prompt reuse (when the cache can be cut
+        # back: kv.truncatable)
+        self.reuse = reuse and engine.model.kv.truncatable
+        self.held: list[list[int]] = [[] for _ in range(self.slots)]
         self.peak_cells = [0] * self.slots     # most KV cells each slot has held
         self.waiting: deque[Job] = deque()
         self.stats = Stats()
         self._cv = threading.Condition()
         self._stopping = False
+        self.failed: EngineFailed | None = None     # set when the engine thread died
         self._thread = threading.Thread(target=self._run, name="moefit-engine", daemon=True)
         self._thread.start()
 
@@ -123,6 +147,8 @@ class Scheduler:
         with more choices than ``max_queue`` is not refused forever), Stopping once
         :meth:`stop` was called."""
         with self._cv:
+            if self.failed is not None:
+                raise self.failed
             if self.is_stopping():
                 raise Stopping("the server is shutting down")
             free = self.active.count(None)
@@ -180,6 +206,22 @@ class Scheduler:
 
     # ---- engine thread -----------------------------------------------------------------------
     def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as e:     # a bug: end every job rather than leave it waiting
+            failed = EngineFailed(f"the engine thread failed ({type(e).__name__}: {e}); "
+                                  "restart the server")
+            with self._cv:
+                self.failed = failed
+                for job in [*self.active, *self.waiting]:
+                    if job is not None and not job.done:
+                        self._free(job)
+                        self.stats.errors += 1
+                        job.emit(failed)
+                self.waiting.clear()
+            logging.getLogger("uvicorn.error").exception("moefit: %s", failed)
+
+    def _loop(self) -> None:
         while True:
             with self._cv:
                 while not self.is_stopping() and not self.waiting and not any(self.active):
@@ -194,12 +236,32 @@ class Scheduler:
                 self._step(parts, jobs)
 
     def _admit(self) -> None:
-        for s in range(self.slots):
-            if self.active[s] is None and self.waiting:
-                job = self.waiting.popleft()
-                job.slot = s
-                self.engine.reset(s)
-                self.active[s] = job
+        """Give waiting jobs free slots, first come first served; each takes the free slot
+        whose cached tokens share the longest prefix with its prompt, and keeps those
+        cells (prompt reuse: llama-server's ``cache_prompt``), all but the prompt's last
+        token, whose logits the first step needs; without one, the free slot that holds
+        the fewest tokens."""
+        while self.waiting and None in self.active:
+            job = self.waiting.popleft()
+            free = [s for s in range(self.slots) if self.active[s] is None]
+            # without a shared prefix: the slot holding least (an empty one), so that the
+            # cells worth reusing stay
+            best, keep = min(free, key=lambda s: len(self.held[s])), 0
+            if self.reuse:
+                for s in free:
+                    n = _shared(self.held[s], job.prompt, len(job.prompt) - 1)
+                    if n > keep:
+                        best, keep = s, n
+            job.slot = best
+            if keep:
+                self.engine.model.kv.truncate(best, keep)
+                del self.held[best][keep:]
+                job.fed = keep
+                self.stats.cached_prompt_tokens += keep
+            else:
+                self.engine.reset(best)
+                self.held[best] = []
+            self.active[best] = job
 
     def _free(self, job: Job) -> None:
         if job.slot is not None and self.active[job.slot] is job:
@@ -252,14 +314,16 @@ class Scheduler:
                 self.stats.errors += 1
                 for job, _ in jobs:
                     self._free(job)
+                    self.held[job.slot] = []       # what its cells hold is unknown now
                     job.emit(e)
             return
         now = time.monotonic()
         lengths = self.engine.model.kv.lengths
         with self._cv:
             self.stats.steps += 1
-            for slot, _ in parts:
+            for slot, ids in parts:
                 self.peak_cells[slot] = max(self.peak_cells[slot], lengths[slot])
+                self.held[slot].extend(ids)
             for row, ((job, decode), (_, ids)) in enumerate(zip(jobs, parts)):
                 if decode:
                     job.next_token = None          # the decode token is in the cache
@@ -270,7 +334,13 @@ class Scheduler:
                         continue                   # the prompt is not in yet
                 if job.done or job.cancelled:
                     continue
-                step: Step = job.decoding.step(logits[row])
+                try:
+                    step: Step = job.decoding.step(logits[row])
+                except Exception as e:     # this job's sampling failed: it ends, not the batch
+                    self.stats.errors += 1
+                    self._free(job)
+                    job.emit(e)
+                    continue
                 self.stats.generated_tokens += 1
                 if job.first_token is None:
                     job.first_token = now
@@ -284,3 +354,12 @@ class Scheduler:
                     self.stats.finished[step.finish_reason] += 1
                     self._free(job)
                 job.emit(step)
+
+
+def _shared(held: list[int], prompt: list[int], most: int) -> int:
+    """Length of the common prefix of ``held`` and ``prompt``, at most ``most``."""
+    n = min(len(held), most)
+    for i in range(n):
+        if held[i] != prompt[i]:
+            return i
+    return n

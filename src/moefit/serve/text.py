@@ -27,7 +27,9 @@ the window starts in the prompt so that a first token's leading space survives.
 
 from __future__ import annotations
 
+import functools
 import json
+import re
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -113,15 +115,49 @@ class Tokenizer:
         """Text of ``ids`` without special tokens."""
         return self.tok.decode(list(ids), skip_special_tokens=True)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes token ``token_id`` stands for (part of a UTF-8 character, for some):
+        through GPT-2's byte-to-character table for a byte-level BPE vocabulary (Qwen,
+        Llama 3, gpt-oss), the byte of a ``<0xNN>`` byte-fallback piece (SentencePiece),
+        else the UTF-8 of the token's text (special tokens included). Cached per id."""
+        cache = self.__dict__.setdefault("_bytes_of", {})
+        out = cache.get(token_id)
+        if out is None:
+            out = cache[token_id] = self._token_bytes(token_id)
+        return out
+
+    def _token_bytes(self, token_id: int) -> bytes:
+        piece = self.tok.id_to_token(int(token_id))
+        if piece is None:
+            return b""
+        if type(self.tok.decoder).__name__ == "ByteLevel" and int(token_id) not in self._added:
+            table = _byte_decoder()
+            if all(c in table for c in piece):
+                return bytes(table[c] for c in piece)
+        m = re.fullmatch(r"<0x([0-9A-Fa-f]{2})>", piece)
+        if m:
+            return bytes([int(m.group(1), 16)])
+        text = self.tok.decode([int(token_id)], skip_special_tokens=False)
+        return (text or piece).encode("utf-8", "surrogatepass")
+
+    @property
+    def _added(self) -> set[int]:
+        added = self.__dict__.get("_added_ids")
+        if added is None:
+            added = self.__dict__["_added_ids"] = set(self.tok.get_added_tokens_decoder())
+        return added
+
     def token_id(self, text: str | None) -> int | None:
         return None if text is None else self.tok.token_to_id(text)
 
-    def render_chat(self, messages: list[dict], *, add_generation_prompt: bool = True,
+    def render_chat(self, messages: list[dict], /, *, add_generation_prompt: bool = True,
                     **kwargs) -> str:
         """The chat template applied to ``messages`` (``[{"role", "content"}, ...]``).
 
         Raises InputError when the checkpoint has no template, or the template rejects the
-        conversation (``raise_exception``) or fails to render.
+        conversation (``raise_exception``) or fails to render. ``kwargs`` are the template's
+        variables (any names, ``self`` too); ``messages`` and ``add_generation_prompt`` are
+        the arguments'.
         """
         if self.chat_template is None:
             raise InputError("this model has no chat template (no chat_template in "
@@ -135,10 +171,30 @@ class Tokenizer:
                                           "add_generation_prompt": add_generation_prompt})
         except jinja2.TemplateError as e:
             raise InputError(f"the chat template rejected the conversation: {e}") from e
+        except Exception as e:  # noqa: BLE001 -- the template's own code failed on this input
+            raise InputError(f"the chat template failed on this conversation "
+                             f"({type(e).__name__}: {e})") from e
 
-    def encode_chat(self, messages: list[dict], **kwargs) -> list[int]:
+    def encode_chat(self, messages: list[dict], /, **kwargs) -> list[int]:
         """Token ids of the rendered conversation (no special tokens added on top)."""
         return self.encode(self.render_chat(messages, **kwargs), add_special_tokens=False)
+
+
+@functools.lru_cache(maxsize=1)
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's table from the characters of a byte-level BPE vocabulary to the bytes they
+    stand for (``bytes_to_unicode`` of openai/gpt-2 ``encoder.py``, which the ``tokenizers``
+    ByteLevel pre-tokenizer uses): printable Latin-1 bytes stand for themselves, the other
+    68 bytes for the characters from U+0100 on, in order."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    table, n = {}, 0
+    for b in range(256):
+        if b in keep:
+            table[chr(b)] = b
+        else:
+            table[chr(256 + n)] = b
+            n += 1
+    return table
 
 
 def _jinja_env():

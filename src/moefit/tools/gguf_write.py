@@ -284,6 +284,64 @@ def _expert_part(state: Mapping, kind: str, names: dict, part: str,
     return (experts, *one), stacked
 
 
+def add_model_metadata(w, config: Mapping, name: str = "", file_type: int | None = 0) -> dict:
+    """The model's metadata keys on the ``gguf.GGUFWriter`` ``w`` (created for the model's
+    GGUF architecture), as ``convert_hf_to_gguf.py`` writes them (module docstring): name,
+    ``block_count``, ``context_length``, ``embedding_length``, the attention keys (a
+    family's ``gguf_attention_meta``), RoPE (base, YaRN / linear scaling), ``vocab_size``,
+    the expert counts and the family's own keys (``gguf_write_meta``, else
+    :func:`moefit.ingest.families.common.gguf_moe_metadata`), ``general.file_type`` (None
+    leaves it out) and ``general.quantization_version``. Returns the text model's config.
+
+    Raises ValueError for a DeepSeek-V3 config with rotate-half RoPE (``rope_interleave``
+    false: llama.cpp's deepseek2 rotates interleaved pairs)."""
+    import gguf
+
+    mt = config.get("model_type")
+    family = registry.family_for(mt)
+    text = family.switches(dict(config)).config if family.switches else dict(config)
+    heads, kv_heads = text["num_attention_heads"], text.get("num_key_value_heads", text["num_attention_heads"])
+    hidden = text["hidden_size"]
+    head_dim = text.get("head_dim") or hidden // heads
+    experts = text.get("num_experts") or text.get("num_local_experts") or text.get("n_routed_experts")
+    attn = {"head_count_kv": kv_heads, "key_length": head_dim, "value_length": head_dim,
+            "rope_dimension_count": int(head_dim * partial_rotary(Cfg(dict(text), "config.json")))}
+    if family.gguf_attention_meta is not None:
+        attn.update(family.gguf_attention_meta(dict(text)))
+    if mt in ("deepseek_v3", "kimi_k2") and text.get("rope_interleave") is False:
+        raise ValueError(f"model_type {mt!r} with rope_interleave false: llama.cpp's deepseek2 "
+                         "rotates interleaved pairs, so the file would not run as this model does")
+    w.add_name(name or f"moefit-{mt}")
+    w.add_block_count(text["num_hidden_layers"])
+    w.add_context_length(text["max_position_embeddings"])
+    w.add_embedding_length(hidden)
+    w.add_head_count(heads)
+    w.add_head_count_kv(attn["head_count_kv"])
+    w.add_key_length(attn["key_length"])
+    w.add_value_length(attn["value_length"])
+    w.add_rope_dimension_count(attn["rope_dimension_count"])
+    w.add_layer_norm_rms_eps(float(text.get("rms_norm_eps", 1e-6)))
+    r = rope_config(dict(text))   # the planner's and the runtime's RoPE reading
+    rope, kind = r.block, r.rope_type
+    w.add_rope_freq_base(r.theta)
+    if kind in ("yarn", "linear"):
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN if kind == "yarn" else gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(float(rope["factor"]))
+        if rope.get("original_max_position_embeddings"):
+            w.add_rope_scaling_orig_ctx_len(int(rope["original_max_position_embeddings"]))
+    w.add_vocab_size(text["vocab_size"])
+    if experts:
+        w.add_expert_count(experts)
+        w.add_expert_used_count(text["num_experts_per_tok"])
+        (family.gguf_write_meta or gguf_moe_metadata)(w, dict(text, model_type=mt))
+    else:      # a dense model: the FFN width only
+        w.add_feed_forward_length(text["intermediate_size"])
+    if file_type is not None:
+        w.add_file_type(file_type)
+    w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    return text
+
+
 def write_gguf(state: Mapping[str, "object"], config: Mapping, out: str | Path, *,
                expert_types: str | Mapping[int, tuple[str, str, str]] = "Q8_0",
                dense_type: str = "F32", dense_types: Mapping[str, str] | None = None,
@@ -340,47 +398,14 @@ def write_gguf(state: Mapping[str, "object"], config: Mapping, out: str | Path, 
     sw = family.switches(dict(config))     # the text model's config and checkpoint prefix
     text, prefix = sw.config, sw.prefix
     heads, kv_heads = text["num_attention_heads"], text.get("num_key_value_heads", text["num_attention_heads"])
-    hidden = text["hidden_size"]
-    head_dim = text.get("head_dim") or hidden // heads
     experts = text.get("num_experts") or text.get("num_local_experts") or text.get("n_routed_experts")
     n_layers = text["num_hidden_layers"]
-    attn = {"head_count_kv": kv_heads, "key_length": head_dim, "value_length": head_dim,
-            "rope_dimension_count": int(head_dim * partial_rotary(Cfg(dict(text), "config.json")))}
-    if family.gguf_attention_meta is not None:
-        attn.update(family.gguf_attention_meta(dict(text)))
-    if mt in ("deepseek_v3", "kimi_k2") and text.get("rope_interleave") is False:
-        raise ValueError(f"model_type {mt!r} with rope_interleave false: llama.cpp's deepseek2 "
-                         "rotates interleaved pairs, so the file would not run as this model does")
     # q/k weights and biases (GGUF name under blk.N.) -> heads, for the llama.cpp row permutation
     qk_heads = {expert_names.layer[slot][1]: heads if slot.startswith("q") else kv_heads
                 for slot in ("q", "q_bias", "k", "k_bias")}
 
     w = gguf.GGUFWriter(str(out), arch, split_max_tensors=split_max_tensors)
-    w.add_name(name or f"moefit-{mt}")
-    w.add_block_count(n_layers)
-    w.add_context_length(text["max_position_embeddings"])
-    w.add_embedding_length(hidden)
-    w.add_head_count(heads)
-    w.add_head_count_kv(attn["head_count_kv"])
-    w.add_key_length(attn["key_length"])
-    w.add_value_length(attn["value_length"])
-    w.add_rope_dimension_count(attn["rope_dimension_count"])
-    w.add_layer_norm_rms_eps(float(text.get("rms_norm_eps", 1e-6)))
-    r = rope_config(dict(text))   # the planner's and the runtime's RoPE reading
-    rope, kind = r.block, r.rope_type
-    w.add_rope_freq_base(r.theta)
-    if kind in ("yarn", "linear"):
-        w.add_rope_scaling_type(gguf.RopeScalingType.YARN if kind == "yarn" else gguf.RopeScalingType.LINEAR)
-        w.add_rope_scaling_factor(float(rope["factor"]))
-        if rope.get("original_max_position_embeddings"):
-            w.add_rope_scaling_orig_ctx_len(int(rope["original_max_position_embeddings"]))
-    w.add_vocab_size(text["vocab_size"])
-    w.add_expert_count(experts)
-    w.add_expert_used_count(text["num_experts_per_tok"])
-    (family.gguf_write_meta or gguf_moe_metadata)(w, dict(text, model_type=mt))
-    if file_type is not None:
-        w.add_file_type(file_type)
-    w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    add_model_metadata(w, config, name, file_type)
     if tokenizer is None and tokenizer_dir is not None:
         from tokenizers import Tokenizer
 

@@ -24,6 +24,8 @@ This package imports no torch.
 
 from __future__ import annotations
 
+import json
+
 from dataclasses import replace
 
 from moefit.errors import InputError
@@ -37,6 +39,24 @@ __all__ = ["SUPPORTED_MODEL_TYPES", "check_geometry", "geometry_from_config", "i
 #: model_type values :func:`geometry_from_config` accepts with the built-in families
 #: (:func:`moefit.ingest.families.registry.model_types` adds any registered later).
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = registry.model_types()
+
+
+#: Keys of a config that are booleans, read as such by the families (``bool(value)``: the
+#: string ``"false"`` is true, so ``"tie_word_embeddings": "false"`` planned a tied head).
+BOOLEAN_KEYS = ("tie_word_embeddings", "attention_bias", "mlp_bias", "qkv_bias")
+
+
+def _check_flags(cfg: dict, source: str) -> None:
+    """InputError for a :data:`BOOLEAN_KEYS` key (at the top or in ``text_config``) that is
+    neither a JSON boolean nor null."""
+    for where, block in (("", cfg), ("text_config.", cfg.get("text_config"))):
+        if not isinstance(block, dict):
+            continue
+        for key in BOOLEAN_KEYS:
+            value = block.get(key)
+            if value is not None and not isinstance(value, bool):
+                raise InputError(f"{source or '<config>'}: '{where}{key}' is {json.dumps(value)}, not "
+                                 f"a boolean; write true or false (without quotes)")
 
 
 def geometry_from_config(cfg: dict, name: str, source: str = "") -> ModelGeometry:
@@ -57,6 +77,7 @@ def geometry_from_config(cfg: dict, name: str, source: str = "") -> ModelGeometr
     """
     if not isinstance(cfg, dict):
         raise InputError(f"{source or '<config>'}: expected a JSON object, got {type(cfg).__name__}")
+    _check_flags(cfg, source)
     try:
         geom = _parse(cfg, name, source)
         check_geometry(geom)

@@ -94,6 +94,23 @@ class KVCache:
         self.lengths[slot] = 0
         self.linear.reset(slot)
 
+    @property
+    def truncatable(self) -> bool:
+        """A sequence can be cut back to any of its first positions (:meth:`truncate`):
+        every layer keeps all positions in its own cells (no sliding-window ring, which has
+        overwritten older ones) and no layer is recurrent (a DeltaNet state cannot be
+        rolled back). Each cell holds one position, in every format (a codec encodes one
+        token's row), so any position will do."""
+        return not self.linear.layers and all(lc.cells >= self.context for lc in self.layers.values())
+
+    def truncate(self, slot: int, n: int) -> None:
+        """Keep only the first ``n`` positions of sequence ``slot`` (the next token goes to
+        position ``n``). Raises ValueError when the cache is not :attr:`truncatable` or
+        ``n`` is past the sequence."""
+        if not self.truncatable or not 0 <= n <= self.lengths[slot]:
+            raise ValueError(f"slot {slot}: cannot cut {self.lengths[slot]} positions to {n}")
+        self.lengths[slot] = n
+
     def check_room(self, slot: int, start: int, n: int) -> None:
         """Raise ContextFull unless positions ``[start, start + n)`` fit the plan."""
         if start + n > self.context:

@@ -21,6 +21,7 @@
 #include <omp.h>
 #endif
 #include "mf_floats.h"
+#include "moefit_kernels.h"
 
 enum { D_F32 = 0, D_F16 = 1, D_BF16 = 2, C_Q8 = 8, C_Q4 = 9 };
 
@@ -535,45 +536,7 @@ void mf_route(int T, int E, int k, const void *logits, int dt, int renorm, const
  * call per step instead of about a dozen per layer (each a Python-side conversion of its
  * arguments and a release and re-take of the interpreter lock, which a serving thread on the
  * other core may hold). Layout: mf_lean_layer / mf_lean_step, mirrored by ctypes structures
- * in kernels/lean_abi.py (same field order and types). */
-void mf_gemm_ex(int t, const uint8_t *W, int N, int K, const void *x, int xdt, int n, void *y, int ydt,
-                const void *bias, uint8_t *scratch, int nthreads);
-void mf_moe(int n_exp, const uint8_t *const *blobs, const int64_t *bounds, const int64_t *tok,
-            const float *wt, const void *x, int xdt, float *acc, int T, int H, int I, int tg, int tu, int td,
-            int64_t off_u, int64_t off_d, uint8_t *scratch, int pchunk, int nthreads);
-
-typedef struct { const uint8_t *p; int32_t type, rows, cols, pad; } mf_mat;
-
-typedef struct {
-    const void *in_norm, *post_norm;
-    mf_mat q, k, v, o, router;
-    const void *qb, *kb, *vb, *ob, *qn, *kn;           /* biases, q / k norm weights (NULL: none) */
-    uint8_t *kc, *vc;                                  /* the layer's K / V cache */
-    int32_t heads, kvh, d, dv, cells, window, kcode, vcode, knb, vnb;
-    float scale;
-    int32_t e, topk, inter, gt, ut, dt;                /* experts, top-k, width, ggml types */
-    int64_t up_off, down_off, pchunk;
-    const int64_t *table;                              /* blob address per expert */
-    const uint8_t *mask;                               /* resident per expert */
-    int64_t hits, misses;                              /* added to (the caller takes them) */
-} mf_lean_layer;
-
-typedef struct {
-    int32_t t, h, ad, threads, qk_norm, renorm, rot, pdt;   /* qk_norm 0 none, 1 per head, 2 full */
-    float eps, off, clip;                              /* clip: clip_qkv (0: none) */
-    void *hidden, *normed, *delta;
-    float *acc;
-    uint8_t *gscratch;
-    void *q, *k, *v, *o;
-    const int64_t *pos, *slot;
-    const float *cs, *sn;
-    void *rlog;
-    int64_t *bptr, *bounds, *tok;
-    float *wsel;
-    int64_t *stats;
-    uint8_t *mscratch;
-    const void *pending;                               /* in / out: the sublayer output not yet added */
-} mf_lean_step;
+ * in kernels/lean_abi.py (same field order and types); both are declared in moefit_kernels.h. */
 
 /* x = clamp(x, -c, c) over n values of dtype dt (torch's clamp_: exact in any dtype) */
 static void clamp_vals(void *x, int dt, int64_t n, float c) {

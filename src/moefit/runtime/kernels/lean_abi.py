@@ -1,24 +1,26 @@
-"""The lean decode step's C structures (``decode_step.c``), mirrored for ctypes: a weight
+"""The lean decode step's C structures (``moefit_kernels.h``), mirrored for ctypes: a weight
 (``mf_mat``), one layer of a run (``mf_lean_layer``), the step (``mf_lean_step``), and the
 chunk of (token, expert) pairs ``mf_moe`` runs at once. The field order and types are the
-C declarations'; :mod:`moefit.runtime.layers.lean_step` fills them."""
+C declarations'; the loader checks them against the library's (``mf_abi_fields``,
+:func:`moefit.runtime.kernels.native.abi_mismatches`) and refuses one that differs;
+:mod:`moefit.runtime.layers.lean_step` fills them."""
 
 from __future__ import annotations
 
 import ctypes
 
-from moefit.runtime.kernels import qmatmul
+from moefit.memory import cpu_kernels
 
 
 class CMat(ctypes.Structure):
-    """``mf_mat`` of decode_step.c: a weight's address, ggml type, rows x cols."""
+    """``mf_mat``: a weight's address, ggml type, rows x cols."""
 
     _fields_ = [("p", ctypes.c_void_p), ("type", ctypes.c_int32), ("rows", ctypes.c_int32),
                 ("cols", ctypes.c_int32), ("pad", ctypes.c_int32)]
 
 
 class CLayer(ctypes.Structure):
-    """``mf_lean_layer`` of decode_step.c: what ``mf_lean_layers`` reads of one layer."""
+    """``mf_lean_layer``: what ``mf_lean_layers`` reads of one layer."""
 
     _fields_ = [("in_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p),
                 *((n, CMat) for n in ("q", "k", "v", "o", "router")),
@@ -33,7 +35,7 @@ class CLayer(ctypes.Structure):
 
 
 class CStep(ctypes.Structure):
-    """``mf_lean_step`` of decode_step.c: the step's sizes, flags and buffer addresses."""
+    """``mf_lean_step``: the step's sizes, flags and buffer addresses."""
 
     _fields_ = [*((n, ctypes.c_int32) for n in ("t", "h", "ad", "threads", "qk_norm", "renorm", "rot", "pdt")),
                 ("eps", ctypes.c_float), ("off", ctypes.c_float), ("clip", ctypes.c_float),
@@ -45,5 +47,5 @@ class CStep(ctypes.Structure):
 def pchunk(t: int, h: int, inter: int, scratch: int) -> int:
     """(token, expert) pairs ``mf_moe`` runs at once in ``scratch`` bytes for ``t`` token rows
     of ``h`` values and experts of width ``inter``: what is left after the rows
-    (:func:`moefit.runtime.kernels.qmatmul.moe_scratch_bytes` of no pairs), by the bytes of a pair."""
-    return (scratch - qmatmul.moe_scratch_bytes(t, h, inter, 0)) // qmatmul.pair_bytes(h, inter)
+    (:func:`moefit.memory.cpu_kernels.moe_scratch_bytes` of no pairs), by the bytes of a pair."""
+    return (scratch - cpu_kernels.moe_scratch_bytes(t, h, inter, 0)) // cpu_kernels.pair_bytes(h, inter)

@@ -38,12 +38,11 @@ a team of one, with a barrier whose last thread makes a futex syscall: with one 
 were a tenth of a decode step), so a product of a decode step costs one barrier, the end of
 its region, and none on one thread.
 
-Build: the C files (this one and ``decode_step.c``) are compiled once per machine with
-``gcc -O3 -march=native -fopenmp`` into one library (about 2 s) in ``$MOEFIT_CACHE_DIR``
-(default ``~/.cache/moefit``), named by a hash of the sources, the flags and the CPU's
-feature flags, and loaded with :mod:`ctypes`. Without a C compiler (or with
+Build and load: :mod:`moefit.runtime.kernels.native` (a variant built into the wheel for this
+CPU, else compiled at first use, ABI-checked at load). Without either (or with
 ``MOEFIT_NO_CKERNELS=1``) :func:`available` is False and the runtime keeps its torch path
-(dequantize, then ``torch.mm``); :func:`unavailable_reason` says why.
+(dequantize, then ``torch.mm``); :func:`unavailable_reason` says why, :func:`how` how the
+library came.
 
 Types: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, MXFP4, Q4_K, Q5_K, Q6_K, and
 Q2_K, Q3_K, IQ4_XS, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S, IQ1_M (:data:`CTYPES`).
@@ -51,7 +50,7 @@ Row lengths: a multiple of 32 (256 for the K-quants and those after them).
 
 The types from Q2_K on are read by unpacking each 256-value super-block (``dot_lowbit``):
 AVX2 registers 32 values at a time, the IQ types through ggml's grid and sign tables, which
-the build takes from the ``gguf`` package (:func:`iq_tables_header`) rather than retyping
+the build takes from the ``gguf`` package (:func:`~moefit.runtime.kernels.native.iq_tables_header`) rather than retyping
 them. Their own kernels rather than ggml's through a binding: they build with gcc alone
 like the rest of this library (a binding such as llama-cpp-python compiles ggml with cmake
 at install, or needs its own wheel index), their dequantization is bit for bit gguf's and
@@ -66,32 +65,18 @@ IQ grid types are 4-9x Q4_K, held by their table lookups.
 from __future__ import annotations
 
 import ctypes
-import functools
-import hashlib
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
-from pathlib import Path
 
 import torch
 
 from moefit.memory import cpu_kernels
+from moefit.runtime.kernels import native
 # the scratch formulas live with the planner (it prices them); re-exported for the callers here
 from moefit.memory.cpu_kernels import CTYPES, gemm_scratch_bytes, moe_scratch_bytes, pair_bytes, qact_bytes  # noqa: F401
 
-FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
-#: the library's sources: these products, and the lean decode step's operations
-#: (``decode_step.c``, :mod:`moefit.runtime.layers.lean_step`)
-_SRCS = (Path(__file__).with_name("qmatmul.c"), Path(__file__).with_name("decode_step.c"))
-#: the header both include (fp16 / bf16 conversions): part of the build's cache key
-_HEADERS = (Path(__file__).with_name("mf_floats.h"),)
 #: torch dtype -> the kernels' float type code (0 fp32, 1 fp16, 2 bf16)
 DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
-_lib = None
-_reason: str | None = None
+_found: native.Loaded | None = None
 
 #: the activation dtypes the runtime hands the kernels (``load_row`` reads each exactly into
 #: fp32; 16-bit outputs are the fp32 sums rounded once, as ``torch.mm`` rounds on the CPU). An
@@ -106,135 +91,12 @@ def reads(x: torch.Tensor) -> bool:
     return x.dtype in ACT_DTYPES
 
 
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
-    return platform.processor()
-
-
-def _c_array(ctype: str, name: str, values, per_line: int = 8) -> str:
-    vals = [str(v) for v in values]
-    lines = [", ".join(vals[i:i + per_line]) for i in range(0, len(vals), per_line)]
-    return f"static const {ctype} {name} = {{\n    " + ",\n    ".join(lines) + "\n};\n"
-
-
-@functools.lru_cache(maxsize=1)
-def iq_tables_header() -> str | None:
-    """The C header of the IQ types' grids and sign tables (``mf_iq_tables.h``, included by
-    ``qmatmul.c`` when ``MF_IQ_TABLES`` is 1), generated from the ``gguf`` package's own
-    tables (``gguf/quants.py``: ``IQ2_XXS.ksigns`` and each type's ``grid``, ports of
-    ggml-common.h's ``ksigns_iq2xs``, ``iq2xxs_grid``, ``iq2xs_grid``, ``iq2s_grid``,
-    ``iq3xxs_grid``, ``iq3s_grid``, ``iq1s_grid``) rather than retyped: each grid row packed
-    little-endian (byte ``j`` = value ``j``: IQ2 rows of 8 bytes, IQ3 rows of 4, IQ1 rows of
-    8 int8 in -1..1, and as ``MF_IQ1S_GRID8`` the same rows times 8, packed), and ``MF_SIGN_MASK[b]``: byte ``j`` 0xff where bit ``j`` of ``b`` is
-    set. None when ``gguf`` is not installed (the grid types are then not built; no GGUF file
-    is read without it)."""
-    try:
-        import numpy as np
-        from gguf import quants
-    except ImportError:
-        return None
-
-    def rows(cls) -> "np.ndarray":
-        cls.init_grid()
-        return np.asarray(cls.grid, dtype=np.float32).reshape(cls.grid_shape)
-
-    def packed(cls) -> list[str]:
-        g = rows(cls).astype(np.uint64)
-        word = sum(g[:, j] << np.uint64(8 * j) for j in range(g.shape[1]))
-        suffix = "ull" if g.shape[1] == 8 else "u"
-        return [f"0x{int(w):x}{suffix}" for w in word]
-
-    ksigns = np.frombuffer(quants.IQ2_XXS.ksigns, dtype=np.uint8)
-    masks = [sum((0xFF << (8 * j)) for j in range(8) if b >> j & 1) for b in range(256)]
-    iq1 = rows(quants.IQ1_S).astype(np.int8)
-    return ("/* generated by moefit.runtime.kernels.qmatmul.iq_tables_header from the gguf package's tables */\n"
-            + _c_array("uint8_t", "MF_KSIGNS[128]", ksigns.tolist(), 16)
-            + _c_array("uint64_t", "MF_SIGN_MASK[256]", [f"0x{m:x}ull" for m in masks], 4)
-            + _c_array("uint64_t", "MF_IQ2XXS_GRID[256]", packed(quants.IQ2_XXS), 4)
-            + _c_array("uint64_t", "MF_IQ2XS_GRID[512]", packed(quants.IQ2_XS), 4)
-            + _c_array("uint64_t", "MF_IQ2S_GRID[1024]", packed(quants.IQ2_S), 4)
-            + _c_array("uint32_t", "MF_IQ3XXS_GRID[256]", packed(quants.IQ3_XXS), 8)
-            + _c_array("uint32_t", "MF_IQ3S_GRID[512]", packed(quants.IQ3_S), 8)
-            + _c_array("uint64_t", "MF_IQ1S_GRID8[2048]",
-                       [f"0x{int(w):x}ull" for w in (iq1.astype(np.int64) * 8 & 0xFF).astype(np.uint64)
-                        @ (np.uint64(1) << (np.arange(8, dtype=np.uint64) * np.uint64(8)))], 4)
-            + "static const int8_t MF_IQ1S_GRID[2048][8] = {\n"
-            + ",\n".join("    {" + ", ".join(map(str, r)) + "}" for r in iq1.tolist()) + "\n};\n")
-
-
-def _build() -> ctypes.CDLL:
-    tables = iq_tables_header()
-    src = b"".join(p.read_bytes() for p in (*_SRCS, *_HEADERS)) + (tables or "").encode()
-    key = hashlib.sha256(src + " ".join(FLAGS).encode() + _cpu_flags().encode()
-                         + platform.machine().encode()).hexdigest()[:16]
-    cache = Path(os.environ.get("MOEFIT_CACHE_DIR") or Path.home() / ".cache" / "moefit")
-    so = cache / f"qmatmul-{key}.so"
-    if not so.is_file():
-        cache.mkdir(parents=True, exist_ok=True)
-        cc = cpu_kernels.compiler()
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
-        os.close(fd)
-        inc = tempfile.mkdtemp(dir=cache)
-        defs = [f"-DMF_IQ_TABLES={int(tables is not None)}", f"-I{inc}"]
-        if tables is not None:
-            Path(inc, "mf_iq_tables.h").write_text(tables)
-        try:
-            r = subprocess.run([cc, *FLAGS, *defs, "-o", tmp, *map(str, _SRCS), "-lm"], capture_output=True, text=True)
-            if r.returncode:
-                raise OSError(f"{cc} failed: {r.stderr.strip()[-500:]}")
-            os.replace(tmp, so)       # atomic: concurrent builders each write their own temp file
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            shutil.rmtree(inc, ignore_errors=True)
-    lib = ctypes.CDLL(str(so))
-    i, i64, p, f = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
-    lib.mf_gemm.argtypes = [i, p, i, i, p, i, i, p, p, i]
-    lib.mf_gemm.restype = None
-    lib.mf_gemm_ex.argtypes = [i, p, i, i, p, i, i, p, i, p, p, i]
-    lib.mf_gemm_ex.restype = None
-    # the lean decode step (decode_step.c)
-    lib.mf_rmsnorm.argtypes = [i, i, p, p, i, p, i, f, f, p]
-    lib.mf_rmsnorm.restype = None
-    lib.mf_rope_table.argtypes = [i, i, p, f, p, i, p, p]
-    lib.mf_rope_table.restype = None
-    lib.mf_rope_kv.argtypes = [i, p, i, p, i, p, i, i, i, p, p, p, p, i, p, p, i, i, i, i, i]
-    lib.mf_rope_kv.restype = None
-    lib.mf_attn_decode.argtypes = [i, p, i, i, i, i, f, p, p, i, i, i, i, p, p, i, i, i, p, i]
-    lib.mf_attn_decode.restype = None
-    lib.mf_route.argtypes = [i, i, i, p, i, i, p, p, p, p, p, p, p]
-    lib.mf_route.restype = None
-    lib.mf_moe.argtypes = [i, p, p, p, p, p, i, p, i, i, i, i, i, i, i64, i64, p, i, i]
-    lib.mf_moe.restype = None
-    lib.mf_lean_layers.argtypes = [i, p, p]
-    lib.mf_lean_layers.restype = None
-    lib.mf_row_bytes.argtypes = [i, i]
-    lib.mf_row_bytes.restype = i64
-    lib.mf_quantize_act.argtypes = [p, i, p]
-    lib.mf_quantize_act.restype = None
-    lib.mf_qact_bytes.argtypes = [i]
-    lib.mf_qact_bytes.restype = i64
-    lib.mf_simd.restype = i
-    lib.mf_dequant.argtypes = [i, p, i64, i, p, p, i]
-    lib.mf_dequant.restype = None
-    return lib
-
-
 def _load():
-    global _lib, _reason
-    if _lib is None and _reason is None:
-        _reason = cpu_kernels.unexpected_reason()
-        if _reason is None:
-            try:
-                _lib = _build()
-            except (OSError, FileNotFoundError) as e:
-                _reason = f"the C kernels could not be built ({e}); using dequantize-then-multiply"
-    return _lib
+    global _found
+    if _found is None:
+        _found = native.load()
+        native.log(_found)
+    return _found.lib
 
 
 def library() -> ctypes.CDLL:
@@ -249,8 +111,14 @@ def available() -> bool:
 
 def unavailable_reason() -> str | None:
     """Why :func:`available` is False (None when it is True)."""
+    return None if _load() is not None else _found.how
+
+
+def how() -> str:
+    """How the library came (``built variant avx512-bf16``, ``built at first use``), or why
+    there is none."""
     _load()
-    return _reason
+    return _found.how
 
 
 def simd() -> str:
@@ -262,15 +130,17 @@ def simd() -> str:
 def supports(qtype: str, cols: int) -> bool:
     """Whether the kernels multiply rows of ``cols`` values of ggml type ``qtype``
     (:func:`moefit.memory.cpu_kernels.supports`; the IQ grid types only when the library was
-    built with their tables, i.e. the ``gguf`` package is installed)."""
-    if qtype in cpu_kernels.GRID_TYPES and not _grid_tables():
+    built with their tables, :func:`grid_tables`)."""
+    if qtype in cpu_kernels.GRID_TYPES and not grid_tables():
         return False
     return cpu_kernels.supports(qtype, cols)
 
 
-def _grid_tables() -> bool:
-    """Whether :func:`iq_tables_header` has the ``gguf`` package's tables (as the build had)."""
-    return iq_tables_header() is not None
+def grid_tables() -> bool:
+    """Whether the loaded library was built with the IQ grid types' tables (``mf_iq_tables``:
+    the ``gguf`` package was there at its build, :func:`native.iq_tables_header`)."""
+    lib = _load()
+    return lib is not None and bool(lib.mf_iq_tables())
 
 
 def _threads(threads: int | None) -> int:

@@ -97,7 +97,9 @@ class ExpertCache:
         and ``pieces``: per device index, its workspace and the most tokens an expert
         runs on there at once (index 0, the main device, uses ``ws``)."""
         if miss_policy not in ("cpu", "copy"):
-            raise InputError(f"--miss-policy {miss_policy!r}: use cpu or copy")
+            raise InputError(f"--miss-policy {miss_policy!r}: moefit serve and generate run cpu "
+                             "or copy (auto is planned only: `moefit plan` prices it and "
+                             "predicts its speed)")
         if miss_policy == "copy" and not arena:
             raise InputError("--miss-policy copy needs a weight arena (--arena-slots >= 1)")
         self.host, self.slots, self.arena, self.miss_policy = host, slots, arena, miss_policy

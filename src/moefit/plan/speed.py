@@ -1,0 +1,514 @@
+"""Predicted speed of a plan: prefill and decode tokens/s, and what bounds each.
+
+A roofline per layer and step (Williams, Waterman, Patterson, "Roofline", CACM 2009): each
+part of a layer takes the longer of its bytes over the bandwidth and its arithmetic over
+the peak rate of the place it runs, from what the plan puts where:
+
+- **device**: the layer's dense weights (attention or DeltaNet projections, router, shared
+  experts, dense MLP), the resident experts the step's tokens touch, the KV cells it reads
+  at its position and the attention arithmetic there; bandwidth and dense bf16 tensor
+  throughput from the card's spec sheet (:class:`~moefit.devices.device.GpuSpeed`);
+- **PCIe**: the blobs of missing experts copied through the weight arena, or, when misses
+  run on the host, the step's hidden rows to the host (bf16) and the results back (fp32);
+  the link's peak
+  (:data:`~moefit.devices.device.PCIE_LANE_BYTES_PER_S`);
+- **host**: the missing experts the step touches, read once in their stored format at the
+  host's memory bandwidth, and their products at the C kernels' rate for that type
+  (:class:`~moefit.devices.host.HostSpeed`: ``moefit calibrate --host``, or a default).
+
+A step of ``T`` tokens (a prefill chunk of ``C`` tokens at position ``P``; a decode step of
+``S`` sequences at fill ``P``) routes each token to ``k`` of a layer's ``E`` experts. With
+``q_e`` the chance that a token picks expert ``e`` (uniform: ``k / E``; from
+``--routing-profile`` counts: ``k x count_e / sum(counts)``), the step touches expert ``e``
+with probability ``1 - (1 - q_e)^T`` and sends it ``T x q_e`` tokens on average; the
+resident experts are the most used ones (the runtime's initial fill). So a decode step
+(``T`` small) touches about ``T x k`` experts, a large chunk all of them.
+
+Within a layer the dense part runs first; then the resident experts on the device, the
+transfers and the host work overlap (separate engines), so the MoE part takes the longest
+of its branches. Misses run on the host (``--miss-policy cpu``), are copied
+(``copy``), or whichever the model predicts faster per layer (``auto``). On the simulated
+device (``--device cpu``) the device is the host: its parts add up, and nothing crosses a
+link. Not modelled: kernel launches and synchronisation (no GPU was measured here), the
+embedding lookup, sampling. Every figure is a peak: the prediction is an upper bound
+wherever no efficiency factor is measured, and none is for GPUs.
+
+Pure arithmetic, no torch, no I/O.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+from moefit.devices import Device
+from moefit.devices.device import GpuSpeed
+from moefit.devices.host import HostSpeed
+from moefit.ingest.geometry import LayerSpec, ModelGeometry
+from moefit.memory.kv import KVFormat, cell_bytes, kv_format, linear_state_bytes
+from moefit.memory.staging import ATTN_Q_BLOCK
+
+#: The resources a step's time is charged to, as printed (the "bound").
+RESOURCES = ("device compute", "device memory", "PCIe", "host compute", "host memory")
+#: bytes of one hidden value sent over PCIe when misses run on the host: the step's rows go
+#: to the host in the compute dtype (bf16) and the results come back in fp32
+#: (:mod:`moefit.runtime.moe.device`, steps 2 and 4)
+ROW_VALUE_BYTES = 2 + 4
+#: llama.cpp runs the matrix products of weights kept on the CPU on the GPU, copying the
+#: weights, for micro-batches of at least this many tokens (``GGML_OP_OFFLOAD_MIN_BATCH``,
+#: ``ggml_backend_cuda_device_offload_op``), and on the CPU below
+LLAMACPP_OFFLOAD_MIN_BATCH = 32
+
+
+@dataclass(frozen=True)
+class Rates:
+    """The figures a prediction runs on. Bandwidths in bytes/s, rates in FLOP/s.
+
+    ``link_bytes_per_s``: None when the device is the host (no transfer).
+    ``sources``: one line per figure set, for ``-v`` and ``--json``."""
+
+    device_bytes_per_s: float
+    device_flops: float
+    link_bytes_per_s: float | None
+    host: HostSpeed
+    sources: tuple[str, ...]
+
+    @property
+    def shared(self) -> bool:
+        """The device is the host (the simulated device): its parts run one after another."""
+        return self.link_bytes_per_s is None
+
+
+def rates_for(device: Device, host: HostSpeed) -> Rates | None:
+    """The figures of ``device`` with ``host``: a card's :class:`GpuSpeed`; the simulated
+    device computes with the host's BF16 rate and memory (a BF16 weight is 2 bytes and 2
+    FLOP per row, so its byte rate is its FLOP rate); None for a CUDA card without figures
+    (a ``--vram`` what-if card: ``--gpu NAME`` names one the catalogue knows)."""
+    if device.kind == "cpu":
+        return Rates(host.memory_bytes_per_s, host.rate("BF16"), None, host,
+                     (f"device: the host ({device.description})", f"host: {host.source}"))
+    g: GpuSpeed | None = device.speed
+    if g is None:
+        return None
+    return Rates(g.memory_bytes_per_s, g.bf16_flops, g.pcie_bytes_per_s, host,
+                 (f"device: {device.description}: {g.memory_bytes_per_s / 1e9:g} GB/s, "
+                  f"{g.bf16_flops / 1e12:.1f} TFLOPS bf16, PCIe {g.pcie_gen}.0 x{g.pcie_lanes} "
+                  f"= {g.pcie_bytes_per_s / 1e9:.1f} GB/s; {g.source}",
+                  f"host: {host.source}"))
+
+
+# ---- routing ----------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Routing:
+    """Per MoE layer, the chance ``q_e`` that a token picks each expert, most used first
+    (so the first ``r`` are the resident ones)."""
+
+    chances: dict[int, tuple[float, ...]]
+
+    def expected(self, layer: int, resident: int, tokens: int) -> tuple[float, float, float, float]:
+        """(resident experts touched, missing experts touched, token pairs on resident
+        experts, token pairs on missing ones) for a step of ``tokens`` tokens."""
+        q = self.chances[layer]
+        r = min(resident, len(q))
+        if len(set(q)) == 1:                    # uniform: closed form
+            touched = 1 - (1 - min(q[0], 1.0)) ** tokens
+            return r * touched, (len(q) - r) * touched, tokens * q[0] * r, tokens * q[0] * (len(q) - r)
+        touch = [1 - (1 - min(x, 1.0)) ** tokens for x in q]
+        return (sum(touch[:r]), sum(touch[r:]), tokens * sum(q[:r]), tokens * sum(q[r:]))
+
+
+def routing(geom: ModelGeometry, profile: dict[int, dict[int, int]] | None = None) -> Routing:
+    """Uniform routing (``k / E`` per expert), or per layer the counts of a routing
+    profile (:func:`moefit.ingest.inputs.read_routing_profile`), ``k x count / total``,
+    sorted most used first; a layer the profile leaves out (or counts nothing in) is
+    uniform."""
+    out = {}
+    for l in geom.moe_layers:
+        e, k = l.moe.num_experts, l.moe.experts_per_token
+        counts = (profile or {}).get(l.index) or {}
+        total = sum(counts.values())
+        if total:
+            q = sorted((k * counts.get(i, 0) / total for i in range(e)), reverse=True)
+        else:
+            q = [k / e] * e
+        out[l.index] = tuple(q)
+    return Routing(out)
+
+
+# ---- one layer, one step ---------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class LayerTime:
+    """One layer's predicted time for one step (seconds) and the resource that bounds it;
+    ``copied``: its misses were copied to the device (False: run on the host, or none)."""
+
+    index: int
+    kind: str
+    seconds: float
+    bound: str
+    copied: bool = False
+
+
+def _roof(nbytes: float, bw: float, flops: float, peak: float, mem: str, comp: str
+          ) -> tuple[float, str]:
+    t_mem, t_comp = nbytes / bw, flops / peak
+    return (t_mem, mem) if t_mem >= t_comp else (t_comp, comp)
+
+
+def layer_kind(layer: LayerSpec) -> str:
+    """``full + MoE``, ``linear + dense``: the attention kind and the MLP kind."""
+    return f"{layer.attention.kind} + {'MoE' if layer.moe else 'dense'}"
+
+
+def _attention(layer: LayerSpec, fmt: KVFormat, dtype_bytes: int, tokens: int, seqs: int,
+               position: int, chunk: bool) -> tuple[float, float]:
+    """(bytes, FLOP) of one layer's token mixer beyond its weights for a step of ``tokens``
+    tokens over ``seqs`` sequences at ``position``.
+
+    Softmax attention: each query attends to ``ctx`` cached tokens (``position`` plus half
+    the chunk on average, within the window); QK^T and PV take ``2 x ctx x heads x (d_k +
+    d_v)`` FLOP per query (FlashAttention-2, Dao 2023, section 3: 4 N^2 d per head); a
+    chunk reads the cells once per tile of :data:`~moefit.memory.staging.ATTN_Q_BLOCK`
+    queries (the runtime's tiling) and writes its own; a decode step reads each sequence's
+    cells once. MLA attends over the latent (``kv_lora_rank + qk_rope_head_dim`` per
+    head, the absorbed form of DeepSeek-V2 section 2.1). Gated DeltaNet reads and writes
+    each sequence's state once per step and updates it per token: ``4 x d_k x d_v`` FLOP
+    per value head (Yang et al., Gated Delta Networks, 2024: a rank-1 update and a
+    read-out)."""
+    att = layer.attention
+    if att.kind == "linear":
+        state = linear_state_bytes(att, dtype_bytes)
+        flops = 4 * tokens * att.linear_num_value_heads * att.linear_key_head_dim * att.linear_value_head_dim
+        return 2 * seqs * state, flops
+    ctx = position + (tokens + 1) / 2 if chunk else position + 1
+    if att.kind in ("sliding", "chunked") and att.sliding_window:
+        ctx = min(ctx, att.sliding_window)
+    cell = cell_bytes(att, fmt)
+    if att.kind == "mla":
+        dims = 2 * (att.kv_lora_rank + att.qk_rope_head_dim)
+    else:
+        dims = att.head_dim + (att.v_head_dim or att.head_dim)
+    flops = 2 * tokens * ctx * att.num_heads * dims
+    if chunk:
+        tiles = math.ceil(tokens / ATTN_Q_BLOCK)
+        nbytes = tiles * ctx * cell + tokens * cell
+    else:
+        nbytes = seqs * ctx * cell + seqs * cell
+    return nbytes, flops
+
+
+@dataclass(frozen=True)
+class _Layer:
+    """What a layer holds, computed once per geometry."""
+
+    spec: LayerSpec
+    dense_bytes: int
+    dense_params: int
+    blob_bytes: int
+    expert_params: int
+    expert_types: tuple[str, ...]
+    hidden: int
+
+
+def _layers(geom: ModelGeometry) -> tuple[_Layer, ...]:
+    blobs = geom.expert_blob_bytes()
+    types = geom.expert_types
+    floats = ("F32",) if geom.dtype_bytes == 4 else ("BF16",)
+    out = []
+    for l in geom.layers:
+        out.append(_Layer(l, sum(geom.tensor_bytes(t) for t in l.tensors),
+                          sum(t.numel for t in l.tensors), blobs.get(l.index, 0),
+                          sum(t.numel for t in l.expert_tensors),
+                          tuple(types.get(l.index, ())) or floats, geom.hidden_size))
+    return tuple(out)
+
+
+def layer_time(layer: _Layer, rates: Rates, route: Routing, fmt: KVFormat, dtype_bytes: int, *,
+               tokens: int, seqs: int, position: int, chunk: bool, resident: int,
+               policy: str, copy_whole: bool = False, serial: bool = False) -> LayerTime:
+    """One layer's time for one step (see the module docstring for the model).
+
+    ``resident``: the layer's expert slots. ``policy``: ``cpu`` (misses on the host),
+    ``copy`` (copied through the weight arena) or ``auto`` (the faster of the two).
+    ``copy_whole``: a copy moves every missing expert of the layer, touched or not
+    (llama.cpp copies whole expert tensors). ``serial``: the MoE part's branches run one
+    after another instead of overlapping (llama.cpp's scheduler runs a graph's splits in
+    turn: the CPU's experts, the copies and the device's experts)."""
+    spec = layer.spec
+    a_bytes, a_flops = _attention(spec, fmt, dtype_bytes, tokens, seqs, position, chunk)
+    dense, dense_bound = _roof(layer.dense_bytes + a_bytes, rates.device_bytes_per_s,
+                               2 * tokens * layer.dense_params + a_flops, rates.device_flops,
+                               "device memory", "device compute")
+    kind = layer_kind(spec)
+    if spec.moe is None:
+        return LayerTime(spec.index, kind, dense, dense_bound)
+    hit_e, miss_e, hit_p, miss_p = route.expected(spec.index, resident, tokens)
+    pair_flops = 2 * layer.expert_params
+    blob = layer.blob_bytes
+    dev = _roof(hit_e * blob, rates.device_bytes_per_s, hit_p * pair_flops, rates.device_flops,
+                "device memory", "device compute")
+    if miss_p <= 0:
+        return LayerTime(spec.index, kind, dense + dev[0], dense_bound if dense >= dev[0] else dev[1])
+    host = rates.host
+    # the blob's matrices (gate, up, down) are taken as thirds of it, each at its type's rate
+    rate = len(layer.expert_types) / sum(1 / host.rate(t) for t in layer.expert_types)
+    h_mem, h_comp = miss_e * blob / host.memory_bytes_per_s, miss_p * blob / rate
+    host_t, host_bound = (h_mem, "host memory") if h_mem >= h_comp else (h_comp, "host compute")
+    if rates.shared:
+        # the simulated device: one machine, one memory; misses run where the rest does
+        moe = dev[0] + host_t
+        parts = [(dense, dense_bound), dev, (host_t, host_bound)]
+        return LayerTime(spec.index, kind, dense + moe, max(parts)[1])
+    link = rates.link_bytes_per_s
+    miss_frac = miss_p / max(hit_p + miss_p, 1e-30)
+    rows = tokens * (1 - (1 - miss_frac) ** spec.moe.experts_per_token)
+    rows_t = rows * layer.hidden * ROW_VALUE_BYTES / link      # there and back
+    host_side = (rows_t + host_t, host_bound if host_t >= rows_t else "PCIe")
+    copied_e = (spec.moe.num_experts - resident) if copy_whole else miss_e
+    dev_all = _roof((hit_e + miss_e) * blob, rates.device_bytes_per_s,
+                    (hit_p + miss_p) * pair_flops, rates.device_flops,
+                    "device memory", "device compute")
+    copy_side = (copied_e * blob / link, "PCIe")
+    if serial:
+        on_host = (dev[0] + host_side[0], max(dev, host_side)[1])
+        on_dev = (dev_all[0] + copy_side[0], max(dev_all, copy_side)[1])
+    else:
+        on_host = max(dev, host_side)
+        on_dev = max(dev_all, copy_side)
+    if policy == "copy" or (policy == "auto" and on_dev[0] < on_host[0]):
+        moe, copied = on_dev, True
+    else:
+        moe, copied = on_host, False
+    bound = dense_bound if dense >= moe[0] else moe[1]
+    return LayerTime(spec.index, kind, dense + moe[0], bound, copied)
+
+
+
+# ---- steps and predictions -------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class StepTime:
+    """One step's predicted time: its layers (:class:`LayerTime`) and the output head."""
+
+    tokens: int
+    position: int
+    layers: tuple[LayerTime, ...]
+    head_seconds: float
+
+    @property
+    def seconds(self) -> float:
+        return sum(l.seconds for l in self.layers) + self.head_seconds
+
+
+def _head(geom: ModelGeometry, rates: Rates, rows: int) -> float:
+    """The output head for ``rows`` rows: the lm_head matrix (the embedding when tied) read
+    once, ``2 x rows x vocab x hidden`` FLOP."""
+    head = [t for t in geom.global_tensors if t.role == "lm_head"] or \
+        [t for t in geom.global_tensors if t.role == "embed"][:1]
+    nbytes = sum(geom.tensor_bytes(t) for t in head)
+    return max(nbytes / rates.device_bytes_per_s,
+               2 * rows * geom.vocab_size * geom.hidden_size / rates.device_flops)
+
+
+def step_time(geom: ModelGeometry, rates: Rates, route: Routing, fmt: KVFormat,
+              resident: dict[int, int], *, tokens: int, seqs: int, position: int, chunk: bool,
+              policy: str, copy_whole: bool = False, serial: bool = False) -> StepTime:
+    """A step of ``tokens`` tokens (a chunk when ``chunk``, else one token for each of
+    ``seqs`` sequences) at ``position``: every layer (:func:`layer_time`) and the head.
+    ``resident``: expert slots per MoE layer index."""
+    layers = tuple(
+        layer_time(l, rates, route, fmt, geom.dtype_bytes, tokens=tokens, seqs=seqs,
+                   position=position, chunk=chunk, resident=resident.get(l.spec.index, 0),
+                   policy=policy, copy_whole=copy_whole, serial=serial)
+        for l in _cached_layers(geom))
+    return StepTime(tokens, position, layers, _head(geom, rates, 1 if chunk else seqs))
+
+
+_LAYER_CACHE: dict[int, tuple[ModelGeometry, tuple[_Layer, ...]]] = {}
+
+
+def _cached_layers(geom: ModelGeometry) -> tuple[_Layer, ...]:
+    """:func:`_layers` of ``geom``, computed once per geometry object."""
+    hit = _LAYER_CACHE.get(id(geom))
+    if hit is None or hit[0] is not geom:
+        hit = _LAYER_CACHE[id(geom)] = (geom, _layers(geom))
+    return hit[1]
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """Predicted throughput of one workload.
+
+    ``tokens_per_s``; ``bound``: the resource (:data:`RESOURCES`) the most layer seconds
+    are bound by; ``tokens``: the prompt's tokens (prefill) or the sequences (decode);
+    ``position``: where the prompt starts, or the decode fill; ``chunk``: tokens per step;
+    ``by_kind``: per layer kind (:func:`layer_kind`), (kind, layers, seconds per step,
+    bound); ``copied``: the MoE layers whose misses are copied to the device on a full
+    step (the rest run on the host)."""
+
+    tokens_per_s: float
+    bound: str
+    tokens: int
+    position: int
+    chunk: int
+    by_kind: tuple[tuple[str, int, float, str], ...]
+    copied: int = 0
+
+
+def _prediction(steps: list[tuple[StepTime, int]], tokens: int, position: int, chunk: int,
+                ) -> Prediction:
+    """``steps``: (step, how many times it runs); throughput = tokens / total seconds."""
+    total = sum(s.seconds * n for s, n in steps)
+    by_bound: dict[str, float] = {}
+    kinds: dict[str, list] = {}
+    for step, n in steps:
+        for l in step.layers:
+            by_bound[l.bound] = by_bound.get(l.bound, 0.0) + l.seconds * n
+            k = kinds.setdefault(l.kind, [set(), 0.0, {}])
+            k[0].add(l.index)
+            k[1] += l.seconds * n
+            k[2][l.bound] = k[2].get(l.bound, 0.0) + l.seconds * n
+    runs = sum(n for _, n in steps) or 1
+    by_kind = tuple((kind, len(idx), secs / runs, max(b, key=b.get))
+                    for kind, (idx, secs, b) in kinds.items())
+    main = max(steps, key=lambda sn: sn[0].tokens)[0]
+    return Prediction(tokens / total if total else math.inf, max(by_bound, key=by_bound.get),
+                      tokens, position, chunk, by_kind, sum(l.copied for l in main.layers))
+
+
+@dataclass(frozen=True)
+class Speed:
+    """A plan's predicted prefill and decode (:class:`Prediction`), the miss policy they
+    ran under and the figures' sources (:attr:`Rates.sources`)."""
+
+    prefill: Prediction
+    decode: Prediction
+    policy: str
+    sources: tuple[str, ...] = field(default_factory=tuple)
+
+
+def predict(geom: ModelGeometry, rates: Rates, fmt: KVFormat, resident: dict[int, int], *,
+            context: int, chunk: int, seqs: int, policy: str,
+            prompt_tokens: int | None = None, profile: dict[int, dict[int, int]] | None = None,
+            copy_whole: bool = False, decode_policy: str | None = None,
+            serial: bool = False) -> Speed:
+    """Prefill and decode of ``geom`` with ``resident`` expert slots per MoE layer.
+
+    Prefill: ``prompt_tokens`` from position 0 in chunks of ``chunk`` tokens; None: one
+    full chunk at half the ``context``. The full chunks are priced once, at their mean
+    position (exact where the time is affine in the position, which it is outside the
+    sliding windows), the last partial chunk on its own. Decode: one token for each of
+    ``seqs`` sequences at a fill of the prompt's end (half the context by default).
+    ``decode_policy``: the miss policy of decode steps (and of a last partial chunk under
+    :data:`LLAMACPP_OFFLOAD_MIN_BATCH` tokens) when it is not ``policy``; ``copy_whole``,
+    ``serial``: as :func:`layer_time` takes them."""
+    route = routing(geom, profile)
+    chunk = max(1, min(chunk, context))
+    if prompt_tokens is None:
+        start, n = context // 2, chunk
+        steps = [(step_time(geom, rates, route, fmt, resident, tokens=chunk, seqs=1,
+                            position=start, chunk=True, policy=policy, copy_whole=copy_whole, serial=serial), 1)]
+        fill = start
+    else:
+        start, n = 0, prompt_tokens
+        full, rest = divmod(prompt_tokens, chunk)
+        steps = []
+        if full:
+            mean = chunk * (full - 1) // 2
+            steps.append((step_time(geom, rates, route, fmt, resident, tokens=chunk, seqs=1,
+                                    position=mean, chunk=True, policy=policy,
+                                    copy_whole=copy_whole, serial=serial), full))
+        if rest:
+            small = policy if decode_policy is None or rest >= LLAMACPP_OFFLOAD_MIN_BATCH \
+                else decode_policy
+            steps.append((step_time(geom, rates, route, fmt, resident, tokens=rest, seqs=1,
+                                    position=full * chunk, chunk=True, policy=small,
+                                    copy_whole=copy_whole, serial=serial), 1))
+        fill = prompt_tokens
+    prefill = _prediction(steps, n, start, chunk)
+    dstep = step_time(geom, rates, route, fmt, resident, tokens=seqs, seqs=seqs,
+                      position=min(fill, max(context - 1, 0)), chunk=False,
+                      policy=decode_policy or policy, copy_whole=copy_whole, serial=serial)
+    decode = _prediction([(dstep, 1)], seqs, fill, 1)
+    return Speed(prefill, decode, policy, rates.sources)
+
+
+def predict_plan(plan, host: HostSpeed, *, prompt_tokens: int | None = None,
+                 profile: dict[int, dict[int, int]] | None = None,
+                 policy: str | None = None) -> Speed | None:
+    """The predicted speed of a solved moefit ``plan`` (:class:`~moefit.plan.types.Plan`)
+    at its context, chunk, sequences, expert slots and miss policy (or ``policy``), on its
+    main device's figures (several devices: the expert slots of all of them count as
+    resident; the transfers between devices are not priced). None when the main device
+    has no figures (:func:`rates_for`)."""
+    rates = rates_for(plan.devices[0].device, host)
+    if rates is None:
+        return None
+    r = plan.request
+    return predict(plan.geometry, rates, kv_format(r.kv), dict(plan.experts_per_layer),
+                   context=plan.context, chunk=plan.prefill_selected, seqs=r.slots,
+                   policy=policy or r.miss_policy, prompt_tokens=prompt_tokens, profile=profile)
+
+
+#: llama.cpp's cache types (K, V) as moefit's KV formats of the same bytes per value
+_LLAMA_KV = {("f16", "f16"): "fp16", ("bf16", "bf16"): "bf16", ("f32", "f32"): "fp32",
+             ("q8_0", "q8_0"): "int8", ("q8_0", "q4_0"): "k8v4", ("q4_0", "q4_0"): "int4"}
+
+
+def predict_llamacpp(geom: ModelGeometry, device: Device, host: HostSpeed, *, context: int,
+                     ubatch: int, seqs: int, cpu_layers, type_k: str, type_v: str,
+                     prompt_tokens: int | None = None,
+                     profile: dict[int, dict[int, int]] | None = None) -> Speed | None:
+    """The predicted speed of a ``llama-server`` command (``moefit plan --engine llama.cpp``)
+    for ``geom`` as the GGUF file it runs: the experts of ``cpu_layers`` stay in host memory,
+    every other layer's on the device; prompts are processed in micro-batches of ``ubatch``
+    tokens. For a micro-batch of :data:`LLAMACPP_OFFLOAD_MIN_BATCH` tokens or more the
+    CPU-resident expert tensors are copied whole to the device and multiplied there, below
+    it they are multiplied on the CPU (a decode step of fewer sequences); the graph's
+    splits run one after another (``serial``). KV types without a moefit format of the
+    same size are priced as f16. None when the device has no figures."""
+    rates = rates_for(device, host)
+    if rates is None:
+        return None
+    cpu = set(cpu_layers)
+    resident = {l.index: 0 if l.index in cpu else l.moe.num_experts for l in geom.moe_layers}
+    fmt = kv_format(_LLAMA_KV.get((type_k, type_v), "fp16"))
+    big = lambda n: "copy" if n >= LLAMACPP_OFFLOAD_MIN_BATCH else "cpu"  # noqa: E731
+    speed = predict(geom, rates, fmt, resident, context=context, chunk=ubatch, seqs=seqs,
+                    policy=big(ubatch), decode_policy=big(seqs), prompt_tokens=prompt_tokens,
+                    profile=profile, copy_whole=True, serial=True)
+    return replace(speed, policy=f"llama.cpp copies the CPU's expert tensors for micro-batches "
+                                 f"of {LLAMACPP_OFFLOAD_MIN_BATCH} tokens or more")
+
+
+#: A ``fits with:`` alternative's flag -> the request field it sets (as
+#: :func:`moefit.plan.alternatives.find_alternatives` re-solves it); ``--prefill`` and the drops
+#: are handled in :func:`alternative_request`.
+_ALT_FIELDS = {"--max-context": "max_context", "--kv": "kv", "--prefill-min": "prefill_min",
+               "--miss-policy": "miss_policy", "--arena-slots": "arena_slots",
+               "--parallel": "slots", "--expert-cache": "expert_cache",
+               "--min-expert-cache": "min_expert_cache", "--split": "split",
+               "--host-experts": "host_experts"}
+_MIB_FIELDS = {"--vram-reserve-mib": "reserve_bytes", "--host-reserve-mib": "host_reserve_bytes"}
+_DROP_FIELDS = {"--arena-slots": ("arena_slots", None)}
+
+
+def alternative_request(req, alt):
+    """The request a ``fits with:`` alternative (:class:`~moefit.plan.types.Alternative`)
+    stands for: ``req`` with the alternative's flags applied; None when a change is not a
+    request flag (``MODEL``: another file)."""
+    changes = {}
+    for flag, value in ((alt.flag, alt.value), *alt.also):
+        if flag == "--prefill":
+            changes |= {"prefill_mode": "fixed", "prefill_tokens": int(value)}
+        elif flag in _ALT_FIELDS:
+            changes[_ALT_FIELDS[flag]] = value
+        elif flag in _MIB_FIELDS:
+            changes[_MIB_FIELDS[flag]] = int(value) << 20
+        else:
+            return None
+    for flag in alt.drop:
+        key, value = _DROP_FIELDS[flag]
+        changes[key] = value
+    return req.with_(**changes)
