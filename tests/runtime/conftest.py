@@ -9,6 +9,7 @@ transformers 5.x writes them), or, for the ``fused`` layout, with the in-memory 
 
 from __future__ import annotations
 
+import copy
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -95,6 +96,15 @@ def sim_device(free: int = 64 * MIB) -> Device:
     """A simulated device on the CPU with ``free`` bytes."""
     return Device(label="cpu", description=f"simulated {free} B device on the CPU", kind="cpu",
                   capacity_bytes=free, free_bytes=free, simulated=True)
+
+
+def half_tiny(tiny: Tiny, path: Path, dtype: torch.dtype) -> Tiny:
+    """``tiny`` saved in ``dtype`` (bf16 / fp16; its config says so, and the runtime computes
+    in it), with the fp32 reference on the weights the file holds (``tiny.ref`` rounded to
+    ``dtype``, run in fp32). Copies are cast: casting the session's reference model and back
+    would round its fp32 weights for every later test that writes files from it."""
+    copy.deepcopy(tiny.ref).to(dtype).save_pretrained(path)
+    return Tiny(tiny.family, path, copy.deepcopy(tiny.ref).to(dtype).float())
 
 
 def plan_for(tiny: Tiny, free: int = 64 * MIB, **req):

@@ -165,3 +165,20 @@ def test_a_step_refuses_more_than_the_chunk_and_a_slot_twice(tiny_models):
         engine.step([(0, list(range(10))), (1, list(range(7)))])
     with pytest.raises(ValueError, match="each slot once"):
         engine.step([(0, [1]), (0, [2])])
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_batched_steps_match_each_sequence_alone_in_fp16(tiny_models, tmp_path, monkeypatch, family):
+    """An fp16 checkpoint (fp16 KV): its decode steps, alone and batched, run the lean step
+    (before the kernels read fp16, the torch step), with the same tokens and logits within
+    the fp16 bound of :data:`KV_TOL` (a value summed in another order when the prompts'
+    pieces share a step rounds the other way in fp16: measured 2.2e-4)."""
+    from conftest import half_tiny
+    from moefit.runtime.layers import lean_step
+
+    calls = []
+    real = lean_step.forward
+    monkeypatch.setattr(lean_step, "forward", lambda *a, **kw: calls.append(a[1].numel()) or real(*a, **kw))
+    _check(half_tiny(tiny_models[(family, "per_expert")], tmp_path / "fp16", torch.float16), "few",
+           tol=KV_TOL["fp16"], kv="fp16")
+    assert calls and max(calls) > 1

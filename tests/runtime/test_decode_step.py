@@ -86,25 +86,28 @@ def test_lean_step_on_hybrids(tmp_path, monkeypatch, family):
     _compare(engine, tiny.geom.vocab_size, monkeypatch, HYBRID_TOL)
 
 
-#: bf16 compute, the KV formats with a C codec: the logits measured equal (every bf16 value
-#: rounded at the same point from sums that agree to fp32 order); the bound allows one bf16
-#: rounding flipped by a different fp32 summation order (a few bf16 steps of the logits' scale)
-BF16_TOL = 1e-2
+#: 16-bit compute (bf16, fp16), the KV formats with a C codec: the logits measured equal
+#: (every 16-bit value rounded at the same point from sums that agree to fp32 order); the
+#: bound allows one rounding flipped by a different fp32 summation order (a few bf16 steps of
+#: the logits' scale). An fp16 model took the torch step until the kernels read fp16.
+HALF_TOL = 1e-2
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("kv", ["bf16", "fp16", "int8", "int4", "k8v4"])
-def test_lean_step_in_bf16_for_each_kv_format(tmp_path, monkeypatch, kv):
+def test_lean_step_in_half_precision_for_each_kv_format(tmp_path, monkeypatch, kv, dtype):
     from conftest import make_tiny
 
     tiny = make_tiny("qwen3_moe", tmp_path / "m")
     import json
 
     cfg = json.loads((tiny.path / "config.json").read_text())
-    cfg["dtype"] = cfg["torch_dtype"] = "bfloat16"
+    cfg["dtype"] = cfg["torch_dtype"] = dtype
     (tiny.path / "config.json").write_text(json.dumps(cfg))
     plan = plan_for(tiny, kv=kv, expert_cache=4)
     engine = Engine.start(tiny.path, plan, EngineOptions(progress=False, q_block=4, kv_block=8))
-    _compare(engine, tiny.geom.vocab_size, monkeypatch, BF16_TOL)
+    assert engine.model.arch.dtype == getattr(torch, dtype)
+    _compare(engine, tiny.geom.vocab_size, monkeypatch, HALF_TOL)
 
 
 def test_lean_step_batched_over_slots(tiny_models, monkeypatch):

@@ -8,14 +8,12 @@ to fp32 rounding. Hits and misses are counted the same way (once per expert per 
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 
 gguf = pytest.importorskip("gguf")
 
-from conftest import Tiny, plan_for  # noqa: E402
+from conftest import half_tiny, plan_for  # noqa: E402
 from moefit.memory.cpu_kernels import DISABLE_ENV  # noqa: E402
 from moefit.runtime.layers import lean_step as decode_step
 from moefit.runtime.moe import batch as moe_batch
@@ -90,27 +88,20 @@ def test_applies_only_where_the_kernels_read_the_memory(tiny_models):
     assert not moe_batch.applies(None, layer, x, k)
 
 
-def test_dense_decode_product_and_fp32_logits():
-    """bf16 weights, a few rows: fp32 accumulation, one rounding (the lm_head writes fp32
-    logits directly)."""
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_dense_decode_product_and_fp32_logits(dtype):
+    """bf16 / fp16 weights and activations, a few rows: fp32 accumulation, one rounding (the
+    lm_head writes fp32 logits directly)."""
     g = torch.Generator().manual_seed(0)
-    w = torch.randn(300, 256, generator=g).bfloat16()
-    x = torch.randn(2, 256, generator=g).bfloat16()
+    w = torch.randn(300, 256, generator=g).to(dtype)
+    x = torch.randn(2, 256, generator=g).to(dtype)
     ref = x.double() @ w.double().T
     out32 = moe_batch.dense(x, w, torch.empty(2, 300))
     assert ((out32.double() - ref).abs().max() / ref.abs().max()) < 1e-6
-    out16 = moe_batch.dense(x, w, torch.empty(2, 300, dtype=torch.bfloat16))
-    assert torch.equal(out16, out32.bfloat16())
+    out16 = moe_batch.dense(x, w, torch.empty(2, 300, dtype=dtype))
+    assert torch.equal(out16, out32.to(dtype))
     assert moe_batch.dense_applies(x, w) and not moe_batch.dense_applies(x.float(), w.float())
     assert not moe_batch.dense_applies(torch.zeros(64, 256), w)          # prefill: torch.mm
-
-
-def _half(tiny, path, dtype) -> Tiny:
-    """``tiny`` saved in ``dtype`` (its config says so: the runtime computes in it). A copy
-    is cast: casting the session's reference model and back would round its fp32 weights
-    for every later test that writes files from it."""
-    copy.deepcopy(tiny.ref).to(dtype).save_pretrained(path)
-    return Tiny(tiny.family, path, tiny.ref)
 
 
 def _c_and_torch(path, plan_of, vocab, monkeypatch):
@@ -130,10 +121,11 @@ def _c_and_torch(path, plan_of, vocab, monkeypatch):
     return max_error(c_logits, torch_logits), c_tokens, torch_tokens
 
 
-#: C path against torch path, per compute dtype: bf16 products accumulate in fp32 in C and
-#: round once (torch.mm rounds per product), measured 2.3e-3 here; fp16 runs the torch path
-#: for its activations (the kernels read fp32 / bf16 only), measured 0 (7.6e-2 when the MoE
-#: kernel read fp16 activations as fp32).
+#: C path against torch path, per compute dtype: 16-bit products accumulate in fp32 and
+#: round once on both paths; the MoE kernel rounds the SwiGLU product where the torch expert
+#: holds it but not its gate / up outputs, measured 2.3e-3 in bf16 and 2.1e-4 in fp16 (the
+#: fp16 model's greedy tokens the same; before the kernels read fp16 activations they ran
+#: the torch path: 0).
 HALF_TOL = {torch.bfloat16: 1e-2, torch.float16: 1e-3}
 
 
@@ -142,7 +134,7 @@ def test_c_kernels_equal_the_torch_path_in_half_precision(tiny_models, tmp_path,
     """A bf16 / fp16 checkpoint decodes the same greedy tokens with and without the C
     kernels, logits within :data:`HALF_TOL` (an fp16 model's activations were read as fp32
     bytes by the MoE kernel: garbage text)."""
-    tiny = _half(tiny_models[("qwen3_moe", "per_expert")], tmp_path / "half", dtype)
+    tiny = half_tiny(tiny_models[("qwen3_moe", "per_expert")], tmp_path / "half", dtype)
     plan = plan_for(tiny, kv="fp16", expert_cache=4, miss_policy="cpu")
     err, tc, tt = _c_and_torch(tiny.path, lambda: plan, tiny.ref.config.vocab_size, monkeypatch)
     assert err <= HALF_TOL[dtype], err
@@ -150,8 +142,7 @@ def test_c_kernels_equal_the_torch_path_in_half_precision(tiny_models, tmp_path,
         assert tc == tt
     cache = Engine.start(tiny.path, plan, EngineOptions(progress=False)).model.experts
     layer = tiny.geom.moe_layers[0].index
-    assert moe_batch.applies(cache, layer, torch.zeros(1, 64, dtype=torch.bfloat16), 2)
-    assert not moe_batch.applies(cache, layer, torch.zeros(1, 64, dtype=torch.float16), 2)
+    assert moe_batch.applies(cache, layer, torch.zeros(1, 64, dtype=dtype), 2)
 
 
 def test_c_kernels_equal_the_torch_path_on_an_f16_gguf(tiny_models, tmp_path, monkeypatch):
@@ -168,14 +159,14 @@ def test_c_kernels_equal_the_torch_path_on_an_f16_gguf(tiny_models, tmp_path, mo
 
 
 def test_moe_kernel_refuses_activations_it_does_not_read():
-    """``qmatmul.moe`` and ``qmatmul.gemm`` read fp32 / bf16 only: an fp16 tensor is an
-    error, never bytes read as fp32."""
+    """``qmatmul.moe`` and ``qmatmul.gemm`` read fp32 / fp16 / bf16 only: an fp64 tensor is
+    an error, never bytes read as fp32 (as an fp16 one was before the kernels read it)."""
     fmt = moe_batch._plain_format(32, 64, "BF16")
-    x = torch.zeros(2, 64, dtype=torch.float16)
-    with pytest.raises(ValueError, match="fp32/bf16"):
+    x = torch.zeros(2, 64, dtype=torch.float64)
+    with pytest.raises(ValueError, match="fp32/fp16/bf16"):
         qmatmul.moe(x, torch.zeros(0, dtype=torch.int64), torch.zeros(1, dtype=torch.int64),
                     torch.zeros(0, dtype=torch.int64), torch.zeros(0), torch.zeros(2, 64), fmt,
                     torch.empty(qmatmul.moe_scratch_bytes(2, 64, 32, 1), dtype=torch.uint8))
-    with pytest.raises(ValueError, match="fp32/bf16"):
+    with pytest.raises(ValueError, match="fp32/fp16/bf16"):
         qmatmul.gemm(x, torch.zeros(32 * 64 * 2, dtype=torch.uint8), "BF16", 32, 64)
-    assert not qmatmul.reads(x) and qmatmul.reads(x.bfloat16()) and qmatmul.reads(x.float())
+    assert not qmatmul.reads(x) and all(qmatmul.reads(x.to(d)) for d in (torch.float32, torch.float16, torch.bfloat16))

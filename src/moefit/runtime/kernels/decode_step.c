@@ -49,37 +49,58 @@ static inline float rnd(float v, int dt) {
  * the statistics in fp32, the normalised value rounded to dt, then times w (rounded again);
  * offset 1: times (1 + w) in fp32 before one rounding (Qwen3NextRMSNorm). out may be h.
  * w: dim values of dtype dt. */
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#ifdef __AVX512F__
+#ifdef __AVX512BF16__
+#define HAVE_V16_BF16 1
+#else
+#define HAVE_V16_BF16 0
+#endif
+/* 16 values of a 16-bit dtype (bf16 or fp16) at a time: whether dtype dt has a vector path */
+static inline int v16(int dt) { return dt == D_F16 || (dt == D_BF16 && HAVE_V16_BF16); }
 static inline __m512 ldb16(const uint16_t *p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
 }
-static inline __m512 rndb16(__m512 v) {      /* round to bf16 (nearest even) and back */
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
+static inline __m512 ld16(const uint16_t *p, int dt) {     /* 16 values of dt -> fp32 (exact) */
+    if (dt == D_F16) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+    return ldb16(p);
 }
-static inline void stb16(uint16_t *p, __m512 v) { _mm256_storeu_si256((__m256i *)p, (__m256i)_mm512_cvtneps_pbh(v)); }
+static inline __m256i cvt16(__m512 v, int dt) {            /* fp32 -> dt, nearest even */
+    if (dt == D_F16) return _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+#if HAVE_V16_BF16
+    return (__m256i)_mm512_cvtneps_pbh(v);
+#else
+    return _mm256_setzero_si256();                         /* not reached: v16(D_BF16) is 0 */
+#endif
+}
+static inline __m512 rnd16(__m512 v, int dt) {             /* round to dt and back */
+    if (dt == D_F16) return _mm512_cvtph_ps(cvt16(v, dt));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(cvt16(v, dt)), 16));
+}
+static inline void st16(uint16_t *p, __m512 v, int dt) { _mm256_storeu_si256((__m256i *)p, cvt16(v, dt)); }
 
-/* mf_rmsnorm for bf16 rows (dim a multiple of 16), 16 values per step */
-static void rmsnorm_bf16(int rows, int dim, uint16_t *h, const void *delta, int ddt, const uint16_t *w,
-                         float eps, float offset, uint16_t *out) {
+/* mf_rmsnorm for bf16 / fp16 rows (dim a multiple of 16), 16 values per step: the scalar
+ * loop's roundings (the same conversions), the sum of squares in 16 lanes */
+static void rmsnorm_v16(int rows, int dim, uint16_t *h, const void *delta, int ddt, const uint16_t *w,
+                        int dt, float eps, float offset, uint16_t *out) {
     for (int r = 0; r < rows; r++) {
         int64_t o = (int64_t)r * dim;
         __m512 ss = _mm512_setzero_ps();
         for (int i = 0; i < dim; i += 16) {
-            __m512 x = ldb16(h + o + i);
+            __m512 x = ld16(h + o + i, dt);
             if (delta) {
-                __m512 d = ddt == D_BF16 ? ldb16((const uint16_t *)delta + o + i)
-                                         : rndb16(_mm512_loadu_ps((const float *)delta + o + i));
-                x = rndb16(_mm512_add_ps(x, d));
-                stb16(h + o + i, x);
+                __m512 d = ddt == dt ? ld16((const uint16_t *)delta + o + i, dt)
+                                     : rnd16(_mm512_loadu_ps((const float *)delta + o + i), dt);
+                x = rnd16(_mm512_add_ps(x, d), dt);
+                st16(h + o + i, x, dt);
             }
             ss = _mm512_fmadd_ps(x, x, ss);
         }
         float inv = 1.f / sqrtf(_mm512_reduce_add_ps(ss) / (float)dim + eps);
         __m512 vi = _mm512_set1_ps(inv), off = _mm512_set1_ps(offset);
         for (int i = 0; i < dim; i += 16) {
-            __m512 x = _mm512_mul_ps(ldb16(h + o + i), vi), wv = ldb16(w + i);
-            stb16(out + o + i, offset != 0.f ? _mm512_mul_ps(x, _mm512_add_ps(wv, off))
-                                             : _mm512_mul_ps(rndb16(x), wv));
+            __m512 x = _mm512_mul_ps(ld16(h + o + i, dt), vi), wv = ld16(w + i, dt);
+            st16(out + o + i, offset != 0.f ? _mm512_mul_ps(x, _mm512_add_ps(wv, off))
+                                            : _mm512_mul_ps(rnd16(x, dt), wv), dt);
         }
     }
 }
@@ -87,9 +108,9 @@ static void rmsnorm_bf16(int rows, int dim, uint16_t *h, const void *delta, int 
 
 void mf_rmsnorm(int rows, int dim, void *h, const void *delta, int ddt, const void *w, int dt,
                 float eps, float offset, void *out) {
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
-    if (dt == D_BF16 && dim % 16 == 0 && (!delta || ddt == D_BF16 || ddt == D_F32)) {
-        rmsnorm_bf16(rows, dim, (uint16_t *)h, delta, ddt, (const uint16_t *)w, eps, offset, (uint16_t *)out);
+#ifdef __AVX512F__
+    if (v16(dt) && dim % 16 == 0 && (!delta || ddt == dt || ddt == D_F32)) {
+        rmsnorm_v16(rows, dim, (uint16_t *)h, delta, ddt, (const uint16_t *)w, dt, eps, offset, (uint16_t *)out);
         return;
     }
 #endif
@@ -214,18 +235,18 @@ void mf_rope_kv(int T, void *q, int A, void *k, int Kh, const void *v, int D, in
             int heads = pass ? Kh : A;
             for (int hh = 0; hh < heads; hh++) {
                 int64_t o = ((int64_t)t * heads + hh) * D;
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
-                if (dt == D_BF16 && half % 16 == 0) {
+#ifdef __AVX512F__
+                if (v16(dt) && half % 16 == 0) {
                     uint16_t *r = (uint16_t *)base + o;
                     for (int i = 0; i < half; i += 16) {
-                        __m512 lo = ldb16(r + i), hi = ldb16(r + half + i);
+                        __m512 lo = ld16(r + i, dt), hi = ld16(r + half + i, dt);
                         __m512 cv = _mm512_loadu_ps(c + i), sw = _mm512_loadu_ps(sv + i);
                         /* first half: lo c - hi s; second half: hi c + lo s (rotate_half) */
-                        __m512 nlo = _mm512_add_ps(rndb16(_mm512_mul_ps(lo, cv)),
-                                                   rndb16(_mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), hi), sw)));
-                        __m512 nhi = _mm512_add_ps(rndb16(_mm512_mul_ps(hi, cv)), rndb16(_mm512_mul_ps(lo, sw)));
-                        stb16(r + i, nlo);
-                        stb16(r + half + i, nhi);
+                        __m512 nlo = _mm512_add_ps(rnd16(_mm512_mul_ps(lo, cv), dt),
+                                                   rnd16(_mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), hi), sw), dt));
+                        __m512 nhi = _mm512_add_ps(rnd16(_mm512_mul_ps(hi, cv), dt), rnd16(_mm512_mul_ps(lo, sw), dt));
+                        st16(r + i, nlo, dt);
+                        st16(r + half + i, nhi, dt);
                     }
                     continue;
                 }

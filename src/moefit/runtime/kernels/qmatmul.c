@@ -602,6 +602,31 @@ static void dot_bf16x4_512(const uint8_t *w, const uint16_t *x, int64_t ldx, int
 }
 #endif
 
+#ifdef HAVE512
+/* F16 weights, 4 rows (rb bytes apart) . one fp32 activation row: each 16 activations loaded
+ * once for the 4 rows (the weights converted with vcvtph2ps: exact), two accumulators per
+ * row, fp32 sums; out[j] as dot_row's F16 product up to fp32 summation order */
+static void dot4_f16_512(const uint8_t *w, int64_t rb, const float *x, int K, float *out) {
+    __m512 a0[4], a1[4];
+    for (int j = 0; j < 4; j++) a0[j] = a1[j] = _mm512_setzero_ps();
+    int i = 0;
+    for (; i + 32 <= K; i += 32) {
+        __m512 x0 = _mm512_loadu_ps(x + i), x1 = _mm512_loadu_ps(x + i + 16);
+        for (int j = 0; j < 4; j++) {
+            const uint8_t *r = w + j * rb + 2 * i;
+            _mm_prefetch((const char *)(r + PREFETCH), _MM_HINT_T0);
+            a0[j] = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)r)), x0, a0[j]);
+            a1[j] = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(r + 32))), x1, a1[j]);
+        }
+    }
+    for (int j = 0; j < 4; j++) {
+        float sum = _mm512_reduce_add_ps(_mm512_add_ps(a0[j], a1[j]));
+        for (int k = i; k < K; k++) sum += mf_h2f(rd16(w + j * rb + 2 * k)) * x[k];
+        out[j] = sum;
+    }
+}
+#endif
+
 /* ---- Q2_K, Q3_K, IQ4_XS and the IQ grid types (IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S,
  * IQ1_M): 256-value super-blocks, unpacked one at a time ----------------------------------------
  * Each super-block is unpacked (lb_unpack) into signed int8 values v [256], an integer scale per
@@ -1266,7 +1291,14 @@ static void kernels_init(void) {
 /* x row of dtype xdt (0 fp32, 1 fp16, 2 bf16) -> fp32 */
 static void load_row(const void *x, int xdt, int64_t row, int K, float *dst) {
     if (xdt == T_BF16) { const uint16_t *p = (const uint16_t *)x + row * K; for (int i = 0; i < K; i++) dst[i] = mf_b2f(p[i]); }
-    else if (xdt == T_F16) { const uint16_t *p = (const uint16_t *)x + row * K; for (int i = 0; i < K; i++) dst[i] = mf_h2f(p[i]); }
+    else if (xdt == T_F16) {
+        const uint16_t *p = (const uint16_t *)x + row * K;
+        int i = 0;
+#ifdef __AVX512F__
+        for (; i + 16 <= K; i += 16) _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + i))));
+#endif
+        for (; i < K; i++) dst[i] = mf_h2f(p[i]);
+    }
     else memcpy(dst, (const float *)x + row * K, sizeof(float) * K);
 }
 
@@ -1292,6 +1324,7 @@ static inline void dot_rows(int t, const uint8_t *w, int64_t rb, int nr, const f
         return;
     }
     if (nr == 4 && K % 128 == 0 && t == T_Q8_0) { dot4_q80_512(w, rb, a, K / 32, out); return; }
+    if (nr == 4 && t == T_F16) { dot4_f16_512(w, rb, xf, K, out); return; }
 #endif
     for (int r = 0; r < nr; r++) out[r] = dot_row(t, w + r * rb, xf, a, K);
 }
@@ -1392,7 +1425,7 @@ static inline float silu(float v) { return v / (1.f + expf(-v)); }
  * scratch: T * (4H + qact(H)) bytes for the token rows (converted and quantized once), then
  * pchunk * (8I + 4I + qact(I) + 4H) for pchunk pairs at a time (gate/up outputs, SwiGLU
  * product and its quantized form -- for bf16 experts in a bf16 model the product rounded to
- * bf16, as the torch expert holds it --, down output).
+ * bf16, in an fp16 model to fp16, as the torch expert holds it --, down output).
  * Work is split over the threads by chunks of rows of the chunk's experts, taken as they come
  * (gate and up rows, then down rows); each row is read once and multiplied by every token of its expert in the chunk, so
  * the tokens of a batch routed to one expert share one read of its weights, and a layer costs
@@ -1451,6 +1484,8 @@ static void moe_body(int n_exp, const uint8_t *const *blobs, const int64_t *boun
             for (int i = 0; i < n; i++) {
                 float *g = gu + (int64_t)i * 2 * I, *h = hf + (int64_t)i * I;
                 for (int j = 0; j < I; j++) h[j] = silu(g[j]) * g[I + j];
+                if (xdt == T_F16)    /* fp16 compute: the product as the fp16 tensor the torch expert holds */
+                    for (int j = 0; j < I; j++) h[j] = mf_h2f(mf_f2h(h[j]));
                 if (qd) quantize_act(h, I, qact_at(hq + i * qi, I));
                 else if (hb16) {     /* bf16 experts, bf16 compute: the product as a bf16 tensor */
                     uint16_t *hb = (uint16_t *)(hq + i * qi);

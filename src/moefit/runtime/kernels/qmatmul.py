@@ -24,7 +24,8 @@ bytes of weights: the 4-bit block types take 4 blocks at a time out of two 64-by
 (``vpermi2b``) against an activation copy in their nibble order, Q8_0 and those types run
 four rows at once (the activation loads shared), the K-quants add their sub-block
 products in integers (``vpmaddubsw`` + ``vpdpwssd`` with the sub-block scales), BF16 rows
-against bf16 activations use ``vdpbf16ps``. On one thread of the AMD EPYC CI machine, a
+against bf16 activations use ``vdpbf16ps``, F16 rows run four at once (``vcvtph2ps``, the fp32
+activation loads shared; no fp16 dot instruction on this CPU). On one thread of the AMD EPYC CI machine, a
 151936 x 1024 matrix (larger than the caches): BF16 39, Q8_0 36, Q4_0 28-31, Q4_K 29,
 Q6_K 41 GB/s of weights (the machine reads 43 GB/s on one thread); from L2 (no memory
 bound) Q8_0 54, Q4_0 36-38, Q4_K 24, Q6_K 37, BF16 110 GB/s, so Q4_K is the one type the
@@ -77,11 +78,11 @@ DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
 _found: native.Loaded | None = None
 
-#: the activation dtypes the runtime hands the kernels (fp32, bf16): ``load_row`` reads
-#: fp16 too, but an fp16 model's products would then round differently from its torch
-#: path (greedy tokens of an fp16 test checkpoint part at token 6), so its activations stay
-#: on the torch path (:func:`reads`)
-ACT_DTYPES = (torch.float32, torch.bfloat16)
+#: the activation dtypes the runtime hands the kernels (``load_row`` reads each exactly into
+#: fp32; 16-bit outputs are the fp32 sums rounded once, as ``torch.mm`` rounds on the CPU). An
+#: fp16 model takes the kernels as a bf16 one does: the MoE kernel rounds the SwiGLU product to
+#: the compute dtype where the torch expert holds it (tests/runtime/test_moe_batch.py).
+ACT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def reads(x: torch.Tensor) -> bool:
@@ -167,7 +168,7 @@ def gemm(x: torch.Tensor, raw: torch.Tensor, qtype: str, rows: int, cols: int, *
     lib = _load()
     n = x.shape[0]
     if x.dim() != 2 or x.shape[1] != cols or not reads(x) or not x.is_contiguous():
-        raise ValueError(f"x must be a contiguous fp32/bf16 [n, {cols}] tensor, got {x.dtype} {list(x.shape)}")
+        raise ValueError(f"x must be a contiguous fp32/fp16/bf16 [n, {cols}] tensor, got {x.dtype} {list(x.shape)}")
     if not supports(qtype, cols) or raw.numel() != rows * lib.mf_row_bytes(CTYPES[qtype], cols):
         raise ValueError(f"{qtype}: {raw.numel()} bytes are not a [{rows}, {cols}] matrix the kernels run")
     if out is None:
@@ -203,14 +204,14 @@ def moe(x: torch.Tensor, blob_ptrs: torch.Tensor, bounds: torch.Tensor, tok: tor
         scratch: uint8 of at least :func:`moe_scratch_bytes` ``(T, H, I, 1)``; the pairs
             run in groups of as many as it holds.
 
-    Returns ``acc``. Raises ValueError when ``x`` is not a contiguous fp32 / bf16 ``[T, H]``
+    Returns ``acc``. Raises ValueError when ``x`` is not a contiguous fp32 / fp16 / bf16 ``[T, H]``
     tensor, or the scratch cannot hold the rows and one pair.
     """
     lib = _load()
     h, inter = fmt.gate.cols, fmt.gate.rows
     t = x.shape[0]
     if x.dim() != 2 or x.shape[1] != h or not reads(x) or not x.is_contiguous():
-        raise ValueError(f"x must be a contiguous fp32/bf16 [T, {h}] tensor, got {x.dtype} {list(x.shape)}")
+        raise ValueError(f"x must be a contiguous fp32/fp16/bf16 [T, {h}] tensor, got {x.dtype} {list(x.shape)}")
     pchunk = (scratch.numel() - moe_scratch_bytes(t, h, inter, 0)) // pair_bytes(h, inter)
     if pchunk < 1:
         raise ValueError(f"moe scratch of {scratch.numel()} bytes cannot hold the {t} token rows and one "

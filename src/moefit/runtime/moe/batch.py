@@ -75,8 +75,8 @@ def max_tokens_per_expert(fmt: StoredExpert) -> int:
 
 def applies(cache, layer: int, x: torch.Tensor, experts_per_token: int) -> bool:
     """Whether :func:`run_layer` runs ``layer`` for activations ``x`` ``[T, H]``: the C
-    kernels are built and read ``x``'s dtype (fp32 / bf16: :func:`moefit.runtime.kernels.qmatmul.reads`;
-    an fp16 model runs expert by expert), the device expert path is not forced
+    kernels are built and read ``x``'s dtype (fp32 / fp16 / bf16:
+    :func:`moefit.runtime.kernels.qmatmul.reads`), the device expert path is not forced
     (:data:`moefit.memory.host.EXPERT_PATH_ENV`), ``x`` and every blob the layer may read are CPU memory (misses
     computed on the host: ``--miss-policy cpu``), the kernels read the layer's types and
     widths, and ``T x experts_per_token`` is at most :func:`max_tokens_per_expert` per
@@ -110,7 +110,7 @@ def run_layer(cache, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: to
 
     Args:
         cache: the :class:`~moefit.runtime.moe.cache.ExpertCache` (hits / misses counted).
-        x: ``[T, H]`` fp32 or bf16 (contiguous, CPU).
+        x: ``[T, H]`` fp32, fp16 or bf16 (contiguous, CPU).
         ids: int64 ``[T, k]``; weights: fp32 ``[T, k]``.
         acc: fp32 ``[T, H]``, added to.
         scratch: uint8, at least :func:`moefit.runtime.kernels.qmatmul.moe_scratch_bytes` ``(T, H, I, 1)``.
@@ -137,11 +137,12 @@ def run_layer(cache, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: to
 
 def dense_applies(x: torch.Tensor, w: torch.Tensor, max_rows: int = 8) -> bool:
     """Whether :func:`dense` computes ``x @ w^T``: a CPU product of at most ``max_rows``
-    rows (decode, last-token logits) with a bf16 or fp16 weight (fp32 stays with
-    ``torch.mm``, which is as fast there) and the kernels built."""
+    rows (decode, last-token logits) with a bf16 or fp16 weight whose rows the kernels read
+    (:func:`moefit.runtime.kernels.qmatmul.supports`; fp32 stays with ``torch.mm``, which is
+    as fast there) and the kernels built."""
     return (x.device.type == "cpu" and x.dim() == 2 and x.shape[0] <= max_rows and w.dtype in (torch.bfloat16, torch.float16)
             and qmatmul.reads(x) and w.is_contiguous() and x.is_contiguous()
-            and qmatmul.available())
+            and qmatmul.available() and qmatmul.supports(FLOAT_TYPES[w.dtype], w.shape[1]))
 
 
 def dense(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
