@@ -128,8 +128,9 @@ def test_device_fits_but_host_does_not_fails_with_the_host_table(q30_gguf):
     # every alternative fits the device and the host
     assert doc["alternatives"]
     for alt in doc["alternatives"]:
+        also = [str(x) for w in alt.get("with", ()) for x in (w["flag"], w["value"])]
         r = moefit("plan", str(q30_gguf), "--gpu", "RTX 3060 12GB", "--max-context", "32K",
-                   "--host-ram", "8GiB", alt["flag"], str(alt["value"]))
+                   "--host-ram", "8GiB", alt["flag"], str(alt["value"]), *also)
         assert r.returncode == 0, (alt, r.stdout)
 
 
