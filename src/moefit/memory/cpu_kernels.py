@@ -63,17 +63,23 @@ def compiler(env: Mapping[str, str] = os.environ) -> str:
     return env.get("CC") or "gcc"
 
 
-def disabled(env: Mapping[str, str] = os.environ) -> bool:
-    """Whether :data:`DISABLE_ENV` turns the C kernels off: ``1``, ``true``, ``yes`` or
-    ``on`` (any case) do; unset, empty, ``0``, ``false``, ``no`` and ``off`` do not.
-    Raises InputError for another value."""
-    value = env.get(DISABLE_ENV, "").strip().lower()
+def switched_off(env: Mapping[str, str], name: str, what: str) -> bool:
+    """Whether the variable ``name`` of ``env`` turns ``what`` (e.g. "the C kernels") off:
+    ``1``, ``true``, ``yes`` or ``on`` (any case) do; unset, empty, ``0``, ``false``, ``no``
+    and ``off`` do not. Raises InputError for another value."""
+    value = env.get(name, "").strip().lower()
     if value in ("", "0", "false", "no", "off"):
         return False
     if value in ("1", "true", "yes", "on"):
         return True
-    raise InputError(f"{DISABLE_ENV}={env.get(DISABLE_ENV)!r}: use 1 to run without the C kernels, "
+    raise InputError(f"{name}={env.get(name)!r}: use 1 to run without {what}, "
                      "or 0 / unset to run with them")
+
+
+def disabled(env: Mapping[str, str] = os.environ) -> bool:
+    """Whether :data:`DISABLE_ENV` turns the C kernels off (:func:`switched_off`).
+    Raises InputError for a value that is not a yes or a no."""
+    return switched_off(env, DISABLE_ENV, "the C kernels")
 
 
 # ---- the built library's x86-64 variants (setup.py builds them into the wheel) ----

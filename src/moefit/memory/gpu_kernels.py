@@ -23,6 +23,7 @@ import os
 from collections.abc import Mapping
 
 from moefit.errors import InputError
+from moefit.memory.cpu_kernels import switched_off
 
 #: ggml type -> (values per block, bytes per block) of the types the kernels read
 #: (``GGML_QUANT_SIZES`` / ``ggml-common.h``)
@@ -44,14 +45,8 @@ def installed() -> bool:
 
 def disabled(env: Mapping[str, str] = os.environ) -> bool:
     """Whether :data:`DISABLE_ENV` turns the kernels off (``1`` / ``true`` / ``yes`` / ``on``).
-    Raises InputError for a value that is not a yes or a no."""
-    value = env.get(DISABLE_ENV, "").strip().lower()
-    if value in ("", "0", "false", "no", "off"):
-        return False
-    if value in ("1", "true", "yes", "on"):
-        return True
-    raise InputError(f"{DISABLE_ENV}={env.get(DISABLE_ENV)!r}: use 1 to run without the Triton kernels, "
-                     "or 0 / unset to run with them")
+    Raises InputError for a value that is not a yes or a no (:func:`~moefit.memory.cpu_kernels.switched_off`)."""
+    return switched_off(env, DISABLE_ENV, "the Triton kernels")
 
 
 def interpreting(env: Mapping[str, str] = os.environ) -> bool:
