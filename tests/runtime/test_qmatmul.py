@@ -137,6 +137,32 @@ def test_rows_of_a_batch_equal_each_row_alone(qtype):
         assert rel_err(got, x.double() @ w.T) < bound
 
 
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "IQ4_NL", "Q4_K", "Q5_K", "Q6_K", "F16"])
+def test_four_rows_at_once_equal_each_row_alone(qtype):
+    """The kernels that read four weight rows against one activation give each row what that
+    row gives as a one-row matrix (the one-row kernel), for 4, 5, 7 and 11 rows (the rest of
+    4 on the one-row kernel), one and three activation rows: bit for bit for Q4_K / Q5_K /
+    Q6_K / F16 (the same sums in the same order), within fp32 rounding for Q8_0 and the
+    4-bit block types (whose four-row kernels add the blocks in another order); and agree
+    with gguf's dequantize."""
+    cols = 512
+    for rows in (4, 5, 7, 11):
+        raw = random_matrix(qtype, rows, cols, seed=rows)
+        x = torch.randn(3, cols, generator=torch.Generator().manual_seed(rows))
+        flat = torch.from_numpy(raw.reshape(-1))
+        rb = flat.numel() // rows
+        for n in (1, 3):
+            got = qm.gemm(x[:n], flat, qtype, rows, cols, threads=1)
+            alone = torch.cat([qm.gemm(x[:n], flat[r * rb:(r + 1) * rb], qtype, 1, cols, threads=1)
+                               for r in range(rows)], dim=1)
+            if qtype in ("Q4_K", "Q5_K", "Q6_K", "F16"):
+                assert torch.equal(got, alone), (rows, n)
+            else:
+                assert rel_err(got, alone.double()) < 1e-6, (rows, n)
+        w = reference_weights(raw, qtype, rows, cols)
+        assert rel_err(got, x.double() @ w.T) < bound_of(qtype)
+
+
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_K", "Q6_K", "Q2_K", "Q3_K", "IQ4_XS", "IQ2_XXS",
                                    "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ1_S", "IQ1_M"])
 def test_quantized_error_is_activation_rounding_not_a_layout_slip(qtype):

@@ -168,18 +168,19 @@ static inline __m256i lut16(__m256i idx, const int8_t *tab) {
 }
 #endif
 
-/* Q4_K / Q5_K: a super-block's 12 bytes of 6-bit scales and mins -> scm: 8 scales, then 8 mins
- * (ggml's kmask unpacking); used by the AVX-512 and the AVX2 paths */
-static inline void k4_scales(const uint8_t *sc, uint8_t scm[16]) {
-    uint32_t u4[4];
-    memcpy(u4, sc, 12);
-    u4[3] = ((u4[2] >> 4) & 0x0f0f0f0fu) | (((u4[1] >> 6) & 0x03030303u) << 4);
-    uint32_t aux = u4[1] & 0x3f3f3f3fu;
-    u4[1] = (u4[2] & 0x0f0f0f0fu) | (((u4[0] >> 6) & 0x03030303u) << 4);
-    u4[2] = aux;
-    u4[0] &= 0x3f3f3f3fu;
-    memcpy(scm, u4, 16);
+#ifdef __AVX2__
+/* Q4_K / Q5_K: a super-block's 12 bytes of 6-bit scales and mins -> 8 scales in bytes 0..7, 8
+ * mins in bytes 8..15 (ggml's kmask unpacking), built in a register: four 4-byte stores read
+ * back as one 16-byte load miss the store forwarding (6% of a Q4_K product in the caches);
+ * used by the AVX-512 and the AVX2 paths */
+static inline __m128i k4_scales(const uint8_t *sc) {
+    uint32_t u0, u1, u2;
+    memcpy(&u0, sc, 4); memcpy(&u1, sc + 4, 4); memcpy(&u2, sc + 8, 4);
+    uint32_t r3 = ((u2 >> 4) & 0x0f0f0f0fu) | (((u1 >> 6) & 0x03030303u) << 4);
+    uint32_t r1 = (u2 & 0x0f0f0f0fu) | (((u0 >> 6) & 0x03030303u) << 4);
+    return _mm_setr_epi32((int)(u0 & 0x3f3f3f3fu), (int)r1, (int)(u1 & 0x3f3f3f3fu), (int)r3);
 }
+#endif
 
 /* ---- AVX-512 (F, BW, VL, DQ, VNNI): 64 bytes of weights per step ------------------------------
  * Unsigned weight values u = stored value + offset (Q4_0: nibble = value + 8; Q8_0: value xor
@@ -462,9 +463,7 @@ static inline __attribute__((always_inline)) void k45_sb(int t, const uint8_t *w
     float dy = a.dk[sb], d = mf_h2f(rd16(w)) * dy, dmin = mf_h2f(rd16(w + 2)) * dy;
     const uint8_t *qh = w + 16, *qs = w + (t == T_Q4_K ? 16 : 48);
     const int8_t *y = a.qk + 256 * sb;
-    uint8_t scm[16];
-    k4_scales(w + 4, scm);
-    __m128i s8 = _mm_loadu_si128((const __m128i *)scm);
+    __m128i s8 = k4_scales(w + 4);
     __m512i sc16 = _mm512_castsi128_si512(_mm_cvtepu8_epi16(s8));     /* 8 scales as int16 */
     /* mins: sum_j m_j * (sum of q over sub-block j) = madd(m per 16 values, sums per 16) */
     __m128i m16 = _mm_cvtepu8_epi16(_mm_srli_si128(s8, 8));
@@ -508,6 +507,18 @@ static float dot_k45_512(int t, const uint8_t *w, qact a, int K) {
     return hsum16(acc) - hsum8(macc);
 }
 
+/* four Q4_K / Q5_K rows at once (rows w + r * rb): the super-blocks of the four rows in turn,
+ * four independent chains of sums against one activation super-block */
+static void dot4_k45_512(int t, const uint8_t *w, int64_t rb, qact a, int K, float *out) {
+    int bs = t == T_Q4_K ? 144 : 176;
+    __m512 acc[4];
+    __m256 macc[4];
+    for (int r = 0; r < 4; r++) { acc[r] = _mm512_setzero_ps(); macc[r] = _mm256_setzero_ps(); }
+    for (int sb = 0; sb < K / 256; sb++)
+        for (int r = 0; r < 4; r++) k45_sb(t, w + r * rb + (int64_t)sb * bs, a, sb, &acc[r], &macc[r]);
+    for (int r = 0; r < 4; r++) out[r] = hsum16(acc[r]) - hsum8(macc[r]);
+}
+
 /* Q6_K: 16 sub-blocks of 16, int8 scales, values q - 32 */
 static inline __attribute__((always_inline)) void q6k_sb(const uint8_t *w, qact a, int sb, __m512 *acc, __m256 *oacc) {
     const __m512i m4 = _mm512_set1_epi8(0x0f), m2 = _mm512_set1_epi8(3);
@@ -545,6 +556,16 @@ static float dot_q6k_512(const uint8_t *w, qact a, int K) {
     __m256 oacc = _mm256_setzero_ps();
     for (int sb = 0; sb < K / 256; sb++, w += 210) q6k_sb(w, a, sb, &acc, &oacc);
     return hsum16(acc) - hsum8(oacc);
+}
+
+/* four Q6_K rows at once (rows w + r * rb), as dot4_k45_512 */
+static void dot4_q6k_512(const uint8_t *w, int64_t rb, qact a, int K, float *out) {
+    __m512 acc[4];
+    __m256 oacc[4];
+    for (int r = 0; r < 4; r++) { acc[r] = _mm512_setzero_ps(); oacc[r] = _mm256_setzero_ps(); }
+    for (int sb = 0; sb < K / 256; sb++)
+        for (int r = 0; r < 4; r++) q6k_sb(w + r * rb + (int64_t)sb * 210, a, sb, &acc[r], &oacc[r]);
+    for (int r = 0; r < 4; r++) out[r] = hsum16(acc[r]) - hsum8(oacc[r]);
 }
 
 #endif
@@ -1133,7 +1154,7 @@ static float dot_row(int t, const uint8_t *w, const float *xf, qact a, int K) {
             const int16_t *bsum = a.sk16 + 16 * sb;
             __m256i isum = _mm256_setzero_si256();
             uint8_t scm[16];                       /* 8 scales, then 8 mins */
-            k4_scales(sc, scm);
+            _mm_storeu_si128((__m128i *)scm, k4_scales(sc));
             int32_t msum = 0;
             for (int j = 0; j < 8; j++) msum += scm[8 + j] * (bsum[2 * j] + bsum[2 * j + 1]);
             __m256i hbits = t == T_Q5_K ? _mm256_loadu_si256((const __m256i *)qh) : _mm256_setzero_si256();
@@ -1324,6 +1345,8 @@ static inline void dot_rows(int t, const uint8_t *w, int64_t rb, int nr, const f
         return;
     }
     if (nr == 4 && K % 128 == 0 && t == T_Q8_0) { dot4_q80_512(w, rb, a, K / 32, out); return; }
+    if (nr == 4 && (t == T_Q4_K || t == T_Q5_K)) { dot4_k45_512(t, w, rb, a, K, out); return; }
+    if (nr == 4 && t == T_Q6_K) { dot4_q6k_512(w, rb, a, K, out); return; }
     if (nr == 4 && t == T_F16) { dot4_f16_512(w, rb, xf, K, out); return; }
 #endif
     for (int r = 0; r < nr; r++) out[r] = dot_row(t, w + r * rb, xf, a, K);
