@@ -16,6 +16,14 @@ written once into ``--dir`` (reused when present):
   importance matrix, which llama-imatrix writes; not here)
   (llama.cpp's own choice of types per tensor: dense weights quantized too).
 
+``--mixes`` runs instead the files users download: ``llama-quantize bf16.gguf mix-TYPE.gguf
+TYPE`` for Q8_0, Q6_K, Q5_K_M, Q4_K_M, IQ4_XS, Q3_K_M and Q2_K (every tensor in llama.cpp's
+choice of types: a Q8_0 file has Q8_0 attention, embeddings and output; Q4_K_M a Q6_K
+output), for two shapes: the one above and ``--shape 2048`` (Qwen3-30B-A3B's widths: hidden
+2048, 32 query / 4 KV heads of 128, experts of width 768, 8 of 32 active, 4 layers, the same
+vocabulary; 1.30B parameters, the output matrix more than half of a decoded token's reads),
+kept in ``/tmp/moefit-vs-llamacpp-2048``.
+
 For each file, thread count and residency, a moefit worker process loads the file once on a
 simulated CPU device (``--device cpu``; the expert cache holds all experts, or a quarter
 with the misses computed on the CPU: llama.cpp's equivalent placement is its normal CPU
@@ -32,6 +40,7 @@ llama.cpp's tools are found in ``--llama-bin DIR``, else ``$LLAMA_CPP_BIN``, els
 
     .venv/bin/python benchmarks/vs_llamacpp.py --llama-bin ../shared/tools/llama.cpp-cpu/bin
     .venv/bin/python benchmarks/vs_llamacpp.py --quick      # a 0.2B model, 3 repeats
+    .venv/bin/python benchmarks/vs_llamacpp.py --mixes --threads 1,2 --resident all,quarter
 """
 
 from __future__ import annotations
@@ -60,6 +69,13 @@ CONFIG = {
     "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "attention_bias": False,
     "hidden_act": "silu",
 }
+#: ``--shape 2048``: Qwen3-30B-A3B's widths (hidden 2048, 32 query / 4 KV heads of 128, experts
+#: of width 768, 8 active), 4 layers of 32 experts, the real vocabulary: 1.30B parameters, of
+#: which the output matrix (151936 x 2048) is more than half of what a decoded token reads.
+WIDE = {**CONFIG, "hidden_size": 2048, "num_hidden_layers": 4, "num_attention_heads": 32,
+        "num_key_value_heads": 4, "num_experts": 32, "moe_intermediate_size": 768,
+        "intermediate_size": 6144}
+SHAPES = {"1024": CONFIG, "2048": WIDE}
 #: ``--quick``: the same shape, smaller (0.2B parameters, most of them the vocabulary).
 QUICK = {**CONFIG, "hidden_size": 512, "num_hidden_layers": 4, "num_attention_heads": 8,
          "num_key_value_heads": 2, "head_dim": 64, "num_experts": 32, "moe_intermediate_size": 256}
@@ -72,6 +88,10 @@ TYPES = {
     "iq4_xs": ("quantize", "IQ4_XS"), "q3_k_m": ("quantize", "Q3_K_M"), "q2_k": ("quantize", "Q2_K"),
 }
 FILE_TYPE = {"BF16": 32, "Q8_0": 7, "Q4_0": 2}     # llama_ftype of general.file_type
+#: ``--mixes``: the files users download, every one ``llama-quantize bf16.gguf OUT TYPE`` (dense
+#: weights, output and embeddings quantized by llama.cpp's rules too), named ``mix-TYPE.gguf``.
+MIXES = {"q8_0": "Q8_0", "q6_k": "Q6_K", "q5_k_m": "Q5_K_M", "q4_k_m": "Q4_K_M", "iq4_xs": "IQ4_XS",
+         "q3_k_m": "Q3_K_M", "q2_k": "Q2_K"}
 
 
 def find_tool(name: str, bin_dir: str | None) -> Path:
@@ -184,11 +204,29 @@ def fp32_maps(root: Path) -> dict:
     return {p.name[:-4]: np.load(p, mmap_mode="r") for p in out.glob("*.npy")}
 
 
-def build(root: Path, config: dict, types: list[str], vocab: Path, quantize: Path | None) -> None:
-    """Write the checkpoint and the GGUF files of ``types`` that are missing in ``root``."""
+def file_of(root: Path, t: str, mixes: bool) -> Path:
+    """The GGUF file of type ``t``: ``mix-t.gguf`` (``--mixes``), else ``t.gguf``."""
+    return root / (f"mix-{t}.gguf" if mixes else f"{t}.gguf")
+
+
+def build(root: Path, config: dict, types: list[str], vocab: Path, quantize: Path | None,
+          mixes: bool = False) -> None:
+    """Write the checkpoint and the GGUF files of ``types`` that are missing in ``root``
+    (``mixes``: each one ``llama-quantize bf16.gguf mix-t.gguf``)."""
     from bench_runtime import write_checkpoint
 
     write_checkpoint(root / "hf", seed=0, config=config)
+    if mixes:
+        if not (root / "bf16.gguf").exists():
+            build(root, config, ["bf16"], vocab, None)
+        for t in types:
+            if not file_of(root, t, True).exists():
+                t0 = time.perf_counter()
+                subprocess.run([str(quantize), str(root / "bf16.gguf"), str(file_of(root, t, True)), MIXES[t]],
+                               check=True, capture_output=True)
+                print(f"wrote mix-{t}.gguf (llama-quantize) in {time.perf_counter() - t0:.0f} s",
+                      file=sys.stderr, flush=True)
+        return
     need = [t for t in types if not (root / f"{t}.gguf").exists()]
     if any(TYPES[t][0] == "quantize" for t in need) and "bf16" not in need and not (root / "bf16.gguf").exists():
         need.insert(0, "bf16")
@@ -339,7 +377,15 @@ def main() -> None:
     ap.add_argument("--vocab", type=Path,
                     default=Path(__file__).resolve().parents[2] / "shared/data/vocab/ggml-vocab-qwen2.gguf",
                     help="vocabulary-only GGUF of the Qwen2/Qwen3 tokenizer (llama.cpp models/)")
-    ap.add_argument("--types", default="bf16,q8_0,q4_0,q4_k_m", help=f"comma list of {', '.join(TYPES)}")
+    ap.add_argument("--types", default=None,
+                    help=f"comma list of {', '.join(TYPES)} (default bf16,q8_0,q4_0,q4_k_m); with --mixes "
+                         f"of {', '.join(MIXES)} (default all)")
+    ap.add_argument("--mixes", action="store_true",
+                    help="the files llama-quantize writes (every tensor in the mix's types, output and "
+                         "attention included), for both shapes unless --shape names one")
+    ap.add_argument("--shape", default=None, choices=sorted(SHAPES),
+                    help="hidden width of the model: 1024 (10 layers of 64 experts of 512; the default) "
+                         "or 2048 (4 layers of 32 experts of 768, 32 query / 4 KV heads)")
     ap.add_argument("--threads", default="1,2", help="comma list of thread counts")
     ap.add_argument("--resident", default="all,quarter",
                     help="all, quarter, or both (all,quarter: the default)")
@@ -352,20 +398,34 @@ def main() -> None:
     if args.worker:
         worker(args.worker, int(args.threads), args.resident, args.prompt, args.gen)
         return
-    types = args.types.split(",")
-    bad = [t for t in types if t not in TYPES]
+    known = MIXES if args.mixes else TYPES
+    types = (args.types or (",".join(MIXES) if args.mixes else "bf16,q8_0,q4_0,q4_k_m")).split(",")
+    bad = [t for t in types if t not in known]
     if bad:
-        ap.error(f"--types {','.join(bad)}: use {', '.join(TYPES)}")
+        ap.error(f"--types {','.join(bad)}: use {', '.join(known)}")
     if not args.vocab.is_file():
         ap.error(f"--vocab {args.vocab}: not a file (ggml-vocab-qwen2.gguf from llama.cpp's models/)")
-    config = QUICK if args.quick else CONFIG
-    repeats = 3 if args.quick and args.repeats == 5 else args.repeats
-    root = args.dir or Path("/tmp/moefit-vs-llamacpp" + ("-quick" if args.quick else ""))
+    if args.quick and args.shape:
+        ap.error("--quick and --shape: choose one (--quick is the 1024 shape, smaller)")
+    shapes = [args.shape] if args.shape else (["1024", "2048"] if args.mixes else ["1024"])
+    if args.dir and len(shapes) > 1:
+        ap.error("--dir with both shapes: name one with --shape (each shape has its own folder)")
     bench = find_tool("llama-bench", args.llama_bin)
-    quantize = find_tool("llama-quantize", args.llama_bin) if any(TYPES[t][0] == "quantize" for t in types) else None
-    build(root, config, types, args.vocab, quantize)
+    quantize = (find_tool("llama-quantize", args.llama_bin)
+                if args.mixes or any(TYPES[t][0] == "quantize" for t in types) else None)
+    for shape in shapes:
+        config = QUICK if args.quick else SHAPES[shape]
+        root = args.dir or Path("/tmp/moefit-vs-llamacpp" + ("-quick" if args.quick else "")
+                                + ("-2048" if shape == "2048" else ""))
+        compare(args, config, root, types, bench, quantize)
 
-    bench = usable_bench(bench, [root / f"{t}.gguf" for t in types])
+
+def compare(args, config: dict, root: Path, types: list[str], bench: Path, quantize: Path | None) -> None:
+    """Build the files of ``types`` for ``config`` in ``root`` and print the interleaved
+    side-by-side table (``root/results.json`` keeps its rows)."""
+    repeats = 3 if args.quick and args.repeats == 5 else args.repeats
+    build(root, config, types, args.vocab, quantize, args.mixes)
+    bench = usable_bench(bench, [file_of(root, t, args.mixes) for t in types])
     import torch
 
     threads = [int(t) for t in args.threads.split(",")]
@@ -374,7 +434,9 @@ def main() -> None:
         sys.exit(f"--resident {args.resident}: use all, quarter, both or all,quarter")
     print(f"random Qwen3-MoE, hidden {config['hidden_size']}, {config['num_hidden_layers']} layers x "
           f"{config['num_experts']} experts of {config['moe_intermediate_size']}, "
-          f"{config['num_experts_per_tok']} active; pp {args.prompt}, tg {args.gen}; "
+          f"{config['num_experts_per_tok']} active, {config['num_attention_heads']} query / "
+          f"{config['num_key_value_heads']} KV heads; {'llama-quantize mixes' if args.mixes else 'files'}; "
+          f"pp {args.prompt}, tg {args.gen}; "
           f"{os.cpu_count()} CPUs, torch {torch.__version__}, llama.cpp {bench.parent}; "
           f"medians of {repeats} interleaved pairs", flush=True)
     head = (f"{'file':<8} {'thr':>3} {'resident':<9} {'llama pp':>14} {'moefit pp':>14} {'ratio':>6} "
@@ -382,7 +444,7 @@ def main() -> None:
     print(head)
     rows = []
     for t in types:
-        path = root / f"{t}.gguf"
+        path = file_of(root, t, args.mixes)
         for n in threads:
             workers = {r: Worker(path, n, r, args.prompt, args.gen) for r in residents}
             lres, mres = [], {r: [] for r in residents}
@@ -401,7 +463,7 @@ def main() -> None:
                 f = lambda m: f"{m[0]:8.1f} ±{m[1]:3.0%}"  # noqa: E731
                 print(f"{t:<8} {n:>3} {r:<9} {f(lpp):>14} {f(mpp):>14} {row['pp_ratio']:5.2f}x "
                       f"{f(ltg):>13} {f(mtg):>13} {row['tg_ratio']:5.2f}x", flush=True)
-    (root / "results.json").write_text(json.dumps(rows, indent=1))
+    (root / ("results-mixes.json" if args.mixes else "results.json")).write_text(json.dumps(rows, indent=1))
 
 
 if __name__ == "__main__":
