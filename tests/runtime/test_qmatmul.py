@@ -120,7 +120,7 @@ def test_lowbit_types_on_small_odd_shapes(qtype):
         assert torch.equal(qm.gemm(x, flat, qtype, rows, cols, threads=2), got)
 
 
-@pytest.mark.parametrize("qtype", ["BF16", "Q8_0", "Q4_K"])
+@pytest.mark.parametrize("qtype", ["BF16", "Q8_0", "Q4_K", "Q5_K", "Q6_K"])
 def test_rows_of_a_batch_equal_each_row_alone(qtype):
     """A step of several sequences (BF16 rows: 4 activation rows per weight row read) gives
     each row exactly what it gives alone, for every remainder of 4 rows and of 64 columns."""
@@ -141,10 +141,11 @@ def test_rows_of_a_batch_equal_each_row_alone(qtype):
 def test_four_rows_at_once_equal_each_row_alone(qtype):
     """The kernels that read four weight rows against one activation give each row what that
     row gives as a one-row matrix (the one-row kernel), for 4, 5, 7 and 11 rows (the rest of
-    4 on the one-row kernel), one and three activation rows: bit for bit for Q4_K / Q5_K /
-    Q6_K / F16 (the same sums in the same order), within fp32 rounding for Q8_0 and the
-    4-bit block types (whose four-row kernels add the blocks in another order); and agree
-    with gguf's dequantize."""
+    4 on the one-row kernel), one and three activation rows: bit for bit for Q8_0 / Q4_K /
+    Q5_K / Q6_K / F16 (the same sums in the same order: a decode step reads these types one
+    row at a time, a batch four rows at once), within fp32 rounding for the 4-bit block
+    types (whose four-row kernel adds the blocks in another order); and agree with gguf's
+    dequantize."""
     cols = 512
     for rows in (4, 5, 7, 11):
         raw = random_matrix(qtype, rows, cols, seed=rows)
@@ -155,7 +156,7 @@ def test_four_rows_at_once_equal_each_row_alone(qtype):
             got = qm.gemm(x[:n], flat, qtype, rows, cols, threads=1)
             alone = torch.cat([qm.gemm(x[:n], flat[r * rb:(r + 1) * rb], qtype, 1, cols, threads=1)
                                for r in range(rows)], dim=1)
-            if qtype in ("Q4_K", "Q5_K", "Q6_K", "F16"):
+            if qtype in ("Q8_0", "Q4_K", "Q5_K", "Q6_K", "F16"):
                 assert torch.equal(got, alone), (rows, n)
             else:
                 assert rel_err(got, alone.double()) < 1e-6, (rows, n)
