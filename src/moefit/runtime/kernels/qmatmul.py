@@ -22,7 +22,10 @@ copy (the first, AVX2-width version). ggml through a PyPI binding was not tried:
 built at first use needs only gcc. With AVX-512 (F, BW, VL, DQ, VNNI) each step reads 64
 bytes of weights: the 4-bit block types take 4 blocks at a time out of two 64-byte loads
 (``vpermi2b``) against an activation copy in their nibble order, Q8_0 and those types run
-four rows at once (the activation loads shared), the K-quants add their sub-block
+four rows at once (the activation loads shared; Q8_0 and the K-quants only for several
+activation rows: a decode step reads their rows one after the other, one sequential run
+through memory, faster than four interleaved ones when the matrix streams from DRAM, with
+the same sums bit for bit: ``dot_rows`` in ``qmatmul.c``), the K-quants add their sub-block
 products in integers (``vpmaddubsw`` + ``vpdpwssd`` with the sub-block scales), BF16 rows
 against bf16 activations use ``vdpbf16ps``, F16 rows run four at once (``vcvtph2ps``, the fp32
 activation loads shared; no fp16 dot instruction on this CPU). On one thread of the AMD EPYC CI machine, a
