@@ -33,7 +33,8 @@ same thread count), so that both see the same load on a shared machine. Measured
 llama-bench does: ``pp``: a ``--prompt``-token prompt in one chunk on an empty sequence;
 ``tg``: ``--gen`` tokens decoded one at a time from an empty sequence (moefit: after one
 untimed first token). Printed: medians, the spread ((max - min) / 2 / median) and the
-moefit / llama.cpp ratio of the medians.
+median of the pairs' moefit / llama.cpp ratios (``results.json`` also keeps the ratio of
+the medians).
 
 llama.cpp's tools are found in ``--llama-bin DIR``, else ``$LLAMA_CPP_BIN``, else on
 ``PATH`` (``llama-bench``; ``llama-quantize`` for the K-quant files).
@@ -457,8 +458,12 @@ def compare(args, config: dict, root: Path, types: list[str], bench: Path, quant
             lpp, ltg = summary([x["pp"] for x in lres]), summary([x["tg"] for x in lres])
             for r in residents:
                 mpp, mtg = summary([x["pp"] for x in mres[r]]), summary([x["tg"] for x in mres[r]])
+                # the ratio of each interleaved pair, then their median: on a shared machine a
+                # pair sees one load, so its ratio moves less than either side's figures
+                pair = {k: statistics.median(m[k] / x[k] for m, x in zip(mres[r], lres)) for k in ("pp", "tg")}
                 row = dict(file=t, threads=n, resident=r, llama_pp=lpp, moefit_pp=mpp, llama_tg=ltg,
-                           moefit_tg=mtg, pp_ratio=mpp[0] / lpp[0], tg_ratio=mtg[0] / ltg[0])
+                           moefit_tg=mtg, pp_ratio=pair["pp"], tg_ratio=pair["tg"],
+                           pp_ratio_of_medians=mpp[0] / lpp[0], tg_ratio_of_medians=mtg[0] / ltg[0])
                 rows.append(row)
                 f = lambda m: f"{m[0]:8.1f} ±{m[1]:3.0%}"  # noqa: E731
                 print(f"{t:<8} {n:>3} {r:<9} {f(lpp):>14} {f(mpp):>14} {row['pp_ratio']:5.2f}x "
