@@ -131,7 +131,7 @@ def _serve_llamacpp(args: argparse.Namespace) -> int:
         argv += ["--alias", args.served_model_name]
     if args.api_key or os.environ.get("MOEFIT_API_KEY"):
         argv += ["--api-key", args.api_key or os.environ["MOEFIT_API_KEY"]]
-    return llama_server.run(plan, argv, args.host, port)
+    return llama_server.run(plan, argv, args.host, port, log=args.llama_log)
 
 
 def _before_command(text: str, line: str) -> str:
@@ -273,8 +273,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.engine != "moefit":
         raise InputError(f"--engine {args.engine}: serve runs moefit's engine or llama.cpp's llama-server "
                          f"(--engine llama.cpp); `moefit plan --engine {args.engine}` prints its launch commands")
-    if args.llama_bin is not None:
-        raise InputError("--llama-bin names llama-server's folder for --engine llama.cpp; add --engine llama.cpp")
+    for flag, value in (("--llama-bin", args.llama_bin), ("--llama-log", args.llama_log)):
+        if value is not None:
+            raise InputError(f"{flag} is for llama-server (--engine llama.cpp); add --engine llama.cpp")
     check_engine_flags(args)
     return _runtime("serve")(args)
 
@@ -330,6 +331,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--llama-bin", default=None, metavar="DIR",
                    help="--engine llama.cpp: the folder holding llama-server (default: $LLAMA_CPP_BIN, "
                         "else PATH)")
+    p.add_argument("--llama-log", default=None, metavar="FILE",
+                   help="--engine llama.cpp: write llama-server's whole log to FILE (moefit prints its "
+                        "buffer lines and, if it dies, its last lines)")
     p.set_defaults(func=cmd_serve)
     p = sub.add_parser("generate", help="commit the plan and complete one prompt")
     add_plan_flags(p)

@@ -266,10 +266,12 @@ def _poll_host(host: str) -> str:
     return f"[{host}]" if ":" in host else host
 
 
-def run(plan, argv: list[str], host: str, port: int, out=None, err=None, poll: float = 0.2) -> int:
+def run(plan, argv: list[str], host: str, port: int, out=None, err=None, poll: float = 0.2,
+        log: str | None = None) -> int:
     """Run llama-server ``argv`` (:func:`server_argv`) for ``plan`` and watch it (see the
-    module docstring). Returns the exit code: 0 after a SIGINT / SIGTERM passed on once READY,
-    130 / 143 when it came before READY, 4 when llama-server exited by itself.
+    module docstring); ``log``: a file that gets llama-server's whole log (``--llama-log``).
+    Returns the exit code: 0 after a SIGINT / SIGTERM passed on once READY, 130 / 143 when it
+    came before READY, 4 when llama-server exited by itself.
 
     Signals: the first SIGINT / SIGTERM is sent on to llama-server (started in its own
     session, so a terminal's Ctrl-C reaches it once, through here); a second one kills it."""
@@ -280,32 +282,44 @@ def run(plan, argv: list[str], host: str, port: int, out=None, err=None, poll: f
     tail: deque[str] = deque(maxlen=TAIL)
     say("command  " + shlex.join(argv))
     try:
-        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True, errors="replace", bufsize=1, start_new_session=True)
+        keep = open(log, "w", encoding="utf-8") if log else None
     except OSError as e:
-        raise InputError(f"{argv[0]}: cannot run it ({e.strerror}); check the llama.cpp build") from None
-
-    def read() -> None:
-        for text in proc.stdout:
-            text = text.rstrip("\n")
-            tail.append(text)
-            b = parse_buffer_line(text)
-            if b is not None:
-                say(row_line(b, ledger.add(b)))
-
-    reader = threading.Thread(target=read, name="llama-server log", daemon=True)
-    reader.start()
+        raise InputError(f"--llama-log {log}: cannot write it ({e.strerror})") from None
     got: list[int] = []
+    proc: subprocess.Popen | None = None
 
     def on_signal(signum, frame) -> None:
         got.append(signum)
-        if proc.poll() is None:
+        if proc is not None and proc.poll() is None:
             (proc.kill() if len(got) > 1 else proc.send_signal(signum))
 
+    # the handlers first: a signal between the start and them would leave llama-server running
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     url = f"http://{_poll_host(host)}:{port}"
     ready = False
     try:
+        try:
+            proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                    stderr=subprocess.STDOUT, text=True, errors="replace", bufsize=1,
+                                    start_new_session=True)
+        except OSError as e:
+            raise InputError(f"{argv[0]}: cannot run it ({e.strerror}); check the llama.cpp build") from None
+        if got:                      # a signal came while it started
+            proc.send_signal(got[0])
+
+        def read() -> None:
+            for text in proc.stdout:
+                if keep is not None:
+                    keep.write(text)
+                    keep.flush()
+                text = text.rstrip("\n")
+                tail.append(text)
+                b = parse_buffer_line(text)
+                if b is not None:
+                    say(row_line(b, ledger.add(b)))
+
+        reader = threading.Thread(target=read, name="llama-server log", daemon=True)
+        reader.start()
         while proc.poll() is None and not got:
             if health(url + "/health") == 200:
                 ready = True
@@ -322,8 +336,12 @@ def run(plan, argv: list[str], host: str, port: int, out=None, err=None, poll: f
         rc = proc.wait()
         reader.join(timeout=5)
     finally:
+        if proc is not None and proc.poll() is None:     # an error of ours: llama-server goes too
+            proc.kill()
         for s, h in old.items():
             signal.signal(s, h)
+        if keep is not None:
+            keep.close()
     if got:
         name = signal.Signals(got[0]).name
         say(f"llama-server stopped on {name} (exit {rc})", err)
