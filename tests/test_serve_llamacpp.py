@@ -251,6 +251,12 @@ def test_ready_planned_against_allocated_and_sigterm_passed_on(models, fake):
         assert re.search(r"^  model buffers +94\.66 +94\.66 +exact +CPU_Mapped$", text, re.M)
         assert re.search(r"^  KV cache +4\.00 +4\.00 +exact", text, re.M)
         assert re.search(r"^  compute buffer +8\.75 +9\.05 +\+3\.4%", text, re.M)
+        # docs/engines.md shows this table (its READY line with the benchmark's port)
+        doc = (Path(__file__).parents[1] / "docs" / "engines.md").read_text()
+        shown = doc[doc.index("llama-server budget  cpu"):].split("```")[0].strip().split("\n")
+        table = text[text.index("llama-server budget"):].split("\n")
+        assert table[:len(shown) - 1] == shown[:-1]
+        assert re.sub(r":\d+", ":P", table[len(shown) - 1]) == re.sub(r":\d+", ":P", shown[-1])
         argv = files["argv"].read_text().split("\n")
         assert argv[:4] == ["-m", str(models["qwen35moe-hybrid"]), "-c", "4096"]
         assert ["--host", "127.0.0.1", "--port", str(port)] == argv[argv.index("--host"):argv.index("--host") + 4]
