@@ -173,7 +173,7 @@ class LoadLedger:
     device (``compute``) and of the host (``host["compute"]``, the CPU backend's graph
     inputs beside a GPU). On a simulated device (``--device cpu``) llama-server runs on the
     CPU backend alone: one model row (all of it) and one compute row (the plan's
-    ``compute`` line: ``moefit.external.llamacpp.compute_price``)."""
+    ``compute`` line: ``moefit.external.llamacpp.buffers.compute_price``)."""
 
     def __init__(self, plan) -> None:
         line = {l.key: l.bytes for l in plan.lines}
