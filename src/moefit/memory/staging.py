@@ -519,7 +519,7 @@ def _expert_matrix_bytes(geom: ModelGeometry, act: int) -> int:
 
 
 def _mlp_step(layer: LayerSpec, geom: ModelGeometry, act: int) -> _Step:
-    """The MLP (``moefit.runtime.model._moe`` / ``_swiglu_mlp``), stack per token.
+    """The MLP (``moefit.runtime.moe.layer.moe_layer`` / ``swiglu_mlp``), stack per token.
 
     MoE: fp32 top-k weights and int64 ids, then the larger of the routing (router logits,
     their fp32 copy unless fp32, fp32 probabilities and the renormalising sum; a grouped

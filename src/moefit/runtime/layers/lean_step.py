@@ -33,7 +33,7 @@ tests/runtime/test_decode_step.py compares them on every family the runtime runs
 
 What the step does not cover stays in torch, layer by layer: Gated DeltaNet layers
 (:func:`moefit.runtime.layers.deltanet.gated_deltanet`), shared experts and dense MLPs
-(:func:`moefit.runtime.model.linear`), the output gate, ``clip_qkv``. :func:`applies` says
+(:func:`moefit.runtime.kernels.linear.linear`), the output gate, ``clip_qkv``. :func:`applies` says
 when the whole step runs here: the C kernels are built, the device is the CPU, every
 segment of the step is one token, the KV format has a C codec (plain, int8 / int4 blocks;
 not fp8), the experts run on the CPU (:func:`moefit.runtime.moe.batch.applies`), and the
@@ -61,6 +61,7 @@ from moefit.ingest.geometry import AttentionSpec, MoESpec
 from moefit.runtime.moe import batch as moe_batch
 from moefit.runtime.kernels import qmatmul
 from moefit.runtime.kernels.lean_abi import CLayer, CMat, CStep, pchunk
+from moefit.runtime.kernels.linear import FLOAT_TYPES
 from moefit.runtime.layers.deltanet import gated_deltanet
 from moefit.runtime.kernels.quant import StoredMatrix
 from moefit.runtime.buffers.workspace import ALIGN
@@ -118,7 +119,7 @@ def _mat(w) -> _Mat | None:
             else None
     if not isinstance(w, torch.Tensor) or w.dim() != 2 or w.device.type != "cpu" or not w.is_contiguous():
         return None
-    name = moe_batch.FLOAT_TYPES.get(w.dtype)
+    name = FLOAT_TYPES.get(w.dtype)
     return _Mat(w.data_ptr(), qmatmul.CTYPES[name], w.shape[0], w.shape[1], w) if name else None
 
 
@@ -519,7 +520,7 @@ class LeanStep:
         return max(base, min(want, room))
 
     def _mlp(self, mats, x: torch.Tensor, out: torch.Tensor, mm) -> torch.Tensor:
-        """``down(silu(gate(x)) * up(x))`` into ``out`` (:func:`moefit.runtime.model._swiglu_mlp`)."""
+        """``down(silu(gate(x)) * up(x))`` into ``out`` (:func:`moefit.runtime.moe.layer.swiglu_mlp`)."""
         ws, t, act = self.mdl.ws, x.shape[0], x.dtype
         gm, um, dm = mats
         with ws.scope():
