@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import sys
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
@@ -25,6 +25,7 @@ from moefit.ingest.families import registry
 from moefit.memory import layer_kinds
 from moefit.memory.kv import kv_bytes, kv_format, kv_layout
 from moefit.memory.staging import staging_model
+from moefit.runtime import model
 from moefit.runtime.engine import Engine, EngineOptions
 from reference import engine_greedy, max_error, prompt, reference_greedy
 
@@ -99,3 +100,37 @@ def test_the_registered_kind_runs_like_the_reference_window(local):
     # the window matters: the same checkpoint as full attention parts from the reference
     plain = Engine.start(full.path, _plan(full), EngineOptions(progress=False))
     assert max_error(engine_greedy(plain, ids, steps=0)[0], want[:1]) > 1e-2
+
+
+@dataclass(frozen=True)
+class _Traced(layer_kinds.LayerKind):
+    """A test-only kind with a token mixer of its own (full attention, counted)."""
+
+
+def test_a_kind_with_its_own_mixer_runs_through_it(local, tmp_path, monkeypatch):
+    """``MIXERS[cls] = mixer`` from outside moefit: every step of its layers, decode too (the
+    lean step leaves them), runs that mixer; here full attention, so the tokens are those of
+    the built-in kind."""
+    _, _, full = local
+    calls = []
+
+    def traced(mdl, l, *rest):
+        calls.append(l.index)
+        return model._attention(mdl, l, *rest)
+
+    monkeypatch.setitem(model.MIXERS, _Traced, traced)
+    layer_kinds.register(_Traced("toy_traced"))
+    try:
+        cfg = json.loads((full.path / "config.json").read_text())
+        (tmp_path / "config.json").write_text(json.dumps(dict(cfg, toy_layer_kind="toy_traced")))
+        (tmp_path / "model.safetensors").symlink_to(full.path / "model.safetensors")
+        mine = Tiny("toy_moe", tmp_path, full.ref)
+        ids = prompt(96, 40)
+        got, got_tokens = engine_greedy(Engine.start(tmp_path, _plan(mine), EngineOptions(progress=False)),
+                                        ids, steps=3)
+    finally:
+        layer_kinds.unregister("toy_traced")
+    want, want_tokens = engine_greedy(Engine.start(full.path, _plan(full), EngineOptions(progress=False)),
+                                      ids, steps=3)
+    assert calls == [0, 1] * 4          # the prompt's chunk and three decode steps
+    assert got_tokens == want_tokens and max_error(got, want) < 1e-4

@@ -83,6 +83,8 @@ class Model:
     #: the plan's prefill chunk (tokens): the rows the workspace holds for every step, which
     #: the device expert path's group buffers may take (:mod:`moefit.runtime.moe.device`)
     chunk: int = 0
+    #: each layer's token mixer (:func:`mixer_of`), resolved on the first step
+    mixers: tuple = ()
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, out: torch.Tensor,
@@ -277,8 +279,11 @@ def _deltanet(mdl: Model, l: LayerSpec, lw: LayerWeights, x: torch.Tensor,
 #: runs the mixer of the first of its class's bases listed here (:func:`mixer_of`): a kind
 #: that specialises a shipped class (its window, its cells) runs that class's mixer, which
 #: takes the window, cells and row sizes from the plan's ``kv`` layout and so from the
-#: kind. A kind that needs new forward code adds its class here.
+#: kind. A kind that needs new forward code adds its class here (``MIXERS[cls] = mixer``;
+#: its layers then leave the lean decode step).
 MIXERS: dict[type, Callable] = {LayerKind: _attention, Latent: _mla_attention, Recurrent: _deltanet}
+#: the mixers the lean decode step (:mod:`moefit.runtime.layers.lean_step`) implements in C
+_LEAN_MIXERS = frozenset((_attention, _deltanet))
 
 
 def mixer_of(att: AttentionSpec) -> Callable:
@@ -500,7 +505,11 @@ def forward_batch(mdl: Model, ids: torch.Tensor, segs: tuple[Segment, ...]) -> t
     n_seq = len(segs)
     if sum(sg.length for sg in segs) != t:
         raise ValueError(f"segments cover {sum(sg.length for sg in segs)} tokens, ids {t}")
-    if decode_step.applies(mdl, segs):      # one token per sequence: a few C calls per layer
+    if not mdl.mixers:
+        mdl.mixers = tuple(mixer_of(l.attention) for l in g.layers)
+    # one token per sequence: a few C calls per layer, where every layer's mixer is one the
+    # lean step implements (softmax attention, Gated DeltaNet; it checks the rest itself)
+    if _LEAN_MIXERS.issuperset(mdl.mixers) and decode_step.applies(mdl, segs):
         return decode_step.forward(mdl, ids, segs)
     for sg in segs:
         mdl.kv.check_room(sg.slot, sg.start, sg.length)
@@ -514,9 +523,9 @@ def forward_batch(mdl: Model, ids: torch.Tensor, segs: tuple[Segment, ...]) -> t
     delta = ws.take((t, h), act)                                         # [T, H] layer output
     cos, sin = _cos_sin(mdl, segs, t, act, ws)                           # [T, rot]
     off = arch.norm_offset
-    for l, lw in zip(g.layers, w.layers):
+    for l, lw, mixer in zip(g.layers, w.layers, mdl.mixers):
         rms_norm(hidden, lw.input_norm, arch.rms_eps, normed, off, ws, fp32_weight=arch.norm_fp32)
-        mixer_of(l.attention)(mdl, l, lw, normed, segs, cos, sin, delta)
+        mixer(mdl, l, lw, normed, segs, cos, sin, delta)
         hidden.add_(delta)
         rms_norm(hidden, lw.post_norm, arch.rms_eps, normed, off, ws, fp32_weight=arch.norm_fp32)
         if l.moe is not None:
