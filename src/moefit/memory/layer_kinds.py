@@ -31,7 +31,8 @@ token above the residual stream. The runtime's forward pass picks a layer's toke
 the class of its kind (``moefit.runtime.model.MIXERS``, along the class's bases), and
 takes its window, cells and state from the kind through the ``kv`` layout, so a kind
 registered outside moefit that specialises a shipped class is planned and runs with no
-other file edited (tests/test_layer_kinds.py).
+other file edited (tests/runtime/test_toy_kind.py; tests/test_layer_kinds.py prices and
+carves another).
 
 This module imports no torch.
 """
