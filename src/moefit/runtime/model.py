@@ -22,7 +22,8 @@ denominator, :func:`moefit.runtime.layers.attention.attend`), alternating slidin
 (:func:`moefit.runtime.moe.routing.route_topk_softmax`), experts with biases and the
 clamped SwiGLU (:mod:`moefit.runtime.moe.gpt_oss`).
 
-Hybrids (``modeling_qwen3_next.py``, ``modeling_qwen3_5_moe.py``): the token mixer of a
+Each layer's token mixer is the one of its kind's class (:data:`MIXERS`). Hybrids
+(``modeling_qwen3_next.py``, ``modeling_qwen3_5_moe.py``): the token mixer of a
 ``linear`` layer is Gated DeltaNet (:func:`moefit.runtime.layers.deltanet.gated_deltanet`); the
 full-attention layers have an output gate, ``o * sigmoid(gate)`` before ``o_proj``, with
 the gate from the second half of ``q_proj`` (``Qwen3NextAttention``), and rotate only the
@@ -38,11 +39,13 @@ latent rows; DeepSeek and GLM-4.5 (``modeling_glm4_moe.py``) route by the groupe
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
-from moefit.ingest.geometry import LayerSpec, ModelGeometry
-from moefit.memory.staging import ATTN_KV_BLOCK, ATTN_Q_BLOCK
+from moefit.ingest.geometry import AttentionSpec, LayerSpec, ModelGeometry
+from moefit.memory.layer_kinds import LayerKind, Latent, Recurrent, kind_of
+from moefit.memory.takes import ATTN_KV_BLOCK, ATTN_Q_BLOCK
 from moefit.runtime.arch import Arch
 from moefit.runtime.layers.attention import attend
 from moefit.runtime.layers.deltanet import gated_deltanet
@@ -78,6 +81,8 @@ class Model:
     #: the plan's prefill chunk (tokens): the rows the workspace holds for every step, which
     #: the device expert path's group buffers may take (:mod:`moefit.runtime.moe.device`)
     chunk: int = 0
+    #: each layer's token mixer (:func:`mixer_of`), resolved on the first step
+    mixers: tuple = ()
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, out: torch.Tensor,
@@ -194,7 +199,7 @@ def _mla_attention(mdl: Model, l: LayerSpec, lw: LayerWeights, x: torch.Tensor,
 
     which equals transformers' ``DeepseekV3Attention`` (keys and values expanded by
     ``kv_b_proj``). ``scale``: :func:`moefit.runtime.layers.rope.mla_softmax_scale`. The buffers
-    come from the workspace in the order :func:`moefit.memory.staging._mla_step` prices.
+    come from the workspace in the order :meth:`moefit.memory.layer_kinds.Latent.step` prices.
     """
     a, arch, ws = l.attention, mdl.arch, mdl.ws
     t, act = x.shape[0], x.dtype
@@ -238,6 +243,42 @@ def _mla_attention(mdl: Model, l: LayerSpec, lw: LayerWeights, x: torch.Tensor,
         o = qabs.view(-1)[:t * heads * dv].view(t, heads, dv)               # [T, A, Dv]
         torch.bmm(olat, w_uv.transpose(1, 2), out=o.transpose(0, 1))
         linear(o.view(t, heads * dv), lw.o, lw.o_bias, out)
+
+
+def _deltanet(mdl: Model, l: LayerSpec, lw: LayerWeights, x: torch.Tensor,
+              segs: "tuple[Segment, ...]", cos: torch.Tensor, sin: torch.Tensor,
+              out: torch.Tensor) -> None:
+    """Gated DeltaNet of layer ``l`` on normed ``x`` ``[T, H]`` into ``out`` ``[T, H]``
+    (:func:`moefit.runtime.layers.deltanet.gated_deltanet`), each segment over its own
+    slot's state (no RoPE)."""
+    for sg in segs:
+        a0, a1 = sg.offset, sg.offset + sg.length
+        gated_deltanet(l.attention, lw, x[a0:a1], mdl.kv.linear.layers[l.index], sg.slot,
+                       mdl.arch.rms_eps, mdl.ws, out[a0:a1])
+
+
+#: The token mixer of each layer kind's class (:mod:`moefit.memory.layer_kinds`), called as
+#: ``mixer(mdl, layer, weights, normed x [T, H], segments, cos, sin, out [T, H])``. A kind
+#: runs the mixer of the first of its class's bases listed here (:func:`mixer_of`): a kind
+#: that specialises a shipped class (its window, its cells) runs that class's mixer, which
+#: takes the window, cells and row sizes from the plan's ``kv`` layout and so from the
+#: kind. A kind that needs new forward code adds its class here (``MIXERS[cls] = mixer``;
+#: its layers then leave the lean decode step).
+MIXERS: dict[type, Callable] = {LayerKind: _attention, Latent: _mla_attention, Recurrent: _deltanet}
+#: the mixers the lean decode step (:mod:`moefit.runtime.layers.lean_step`) implements in C
+_LEAN_MIXERS = frozenset((_attention, _deltanet))
+
+
+def mixer_of(att: AttentionSpec) -> Callable:
+    """The token mixer of a layer whose attention is ``att`` (:data:`MIXERS`, along the
+    bases of its kind's class). Raises ValueError for a kind no class is registered for
+    (:func:`moefit.memory.layer_kinds.kind_of`) or none of whose bases has a mixer."""
+    kind = kind_of(att)
+    for cls in type(kind).__mro__:
+        if cls in MIXERS:
+            return MIXERS[cls]
+    raise ValueError(f"layer kind {kind.name!r}: no token mixer for {type(kind).__name__} "
+                     "or its bases (moefit.runtime.model.MIXERS)")
 
 
 def _rows(b: torch.Tensor | None, n: int, tail: bool = False) -> torch.Tensor | None:
@@ -313,7 +354,11 @@ def forward_batch(mdl: Model, ids: torch.Tensor, segs: tuple[Segment, ...]) -> t
     n_seq = len(segs)
     if sum(sg.length for sg in segs) != t:
         raise ValueError(f"segments cover {sum(sg.length for sg in segs)} tokens, ids {t}")
-    if decode_step.applies(mdl, segs):      # one token per sequence: a few C calls per layer
+    if not mdl.mixers:
+        mdl.mixers = tuple(mixer_of(l.attention) for l in g.layers)
+    # one token per sequence: a few C calls per layer, where every layer's mixer is one the
+    # lean step implements (softmax attention, Gated DeltaNet; it checks the rest itself)
+    if _LEAN_MIXERS.issuperset(mdl.mixers) and decode_step.applies(mdl, segs):
         return decode_step.forward(mdl, ids, segs)
     for sg in segs:
         mdl.kv.check_room(sg.slot, sg.start, sg.length)
@@ -327,17 +372,9 @@ def forward_batch(mdl: Model, ids: torch.Tensor, segs: tuple[Segment, ...]) -> t
     delta = ws.take((t, h), act)                                         # [T, H] layer output
     cos, sin = _cos_sin(mdl, segs, t, act, ws)                           # [T, rot]
     off = arch.norm_offset
-    for l, lw in zip(g.layers, w.layers):
+    for l, lw, mixer in zip(g.layers, w.layers, mdl.mixers):
         rms_norm(hidden, lw.input_norm, arch.rms_eps, normed, off, ws, fp32_weight=arch.norm_fp32)
-        if l.attention.kind == "linear":
-            for sg in segs:
-                a0, a1 = sg.offset, sg.offset + sg.length
-                gated_deltanet(l.attention, lw, normed[a0:a1], mdl.kv.linear.layers[l.index],
-                               sg.slot, arch.rms_eps, ws, delta[a0:a1])
-        elif l.attention.kind == "mla":
-            _mla_attention(mdl, l, lw, normed, segs, cos, sin, delta)
-        else:
-            _attention(mdl, l, lw, normed, segs, cos, sin, delta)
+        mixer(mdl, l, lw, normed, segs, cos, sin, delta)
         hidden.add_(delta)
         rms_norm(hidden, lw.post_norm, arch.rms_eps, normed, off, ws, fp32_weight=arch.norm_fp32)
         if l.moe is not None:
