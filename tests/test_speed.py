@@ -2,6 +2,7 @@
 bound named for each, the figures it runs on, and how it reaches the plan's outputs."""
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -331,12 +332,28 @@ def test_auto_is_offered_the_cpu_policy_when_its_arena_does_not_fit(capsys):
     assert code == 3 and "  --miss-policy cpu without --arena-slots" in out
 
 
-def test_the_commands_that_run_the_model_refuse_auto_before_loading_anything():
-    import argparse
+def test_the_runtime_gets_the_crossovers_the_model_decides_by():
+    """`moefit serve --miss-policy auto` solves the plan with the crossovers of the speed
+    model (one home: the prediction's auto copies exactly the layers whose tokens per
+    missing expert reach them); decode-sized steps stay below, a full chunk is above."""
+    from moefit.cli import build_parser
+    from moefit.flags import plan_from_args, runnable_devices
+    from moefit.plan import speed
 
-    from moefit.errors import InputError
-    from moefit.flags import runnable_devices
-    args = argparse.Namespace(command="serve", miss_policy="auto", device="cpu", gpu=None,
-                              vram="4GiB", vram_free=None, threads=None)
-    with pytest.raises(InputError, match="serve runs --miss-policy cpu or copy; auto is planned only"):
-        runnable_devices(args)
+    args = build_parser().parse_args(["serve", "Qwen3-30B-A3B", "--device", "cpu", "--vram", "16GiB",
+                                      "--miss-policy", "auto", "--max-context", "8K",
+                                      "--host-ram", "256GiB"])
+    devices = runnable_devices(args)           # auto runs: no refusal
+    geom = load_model("Qwen3-30B-A3B")
+    plan = plan_from_args(geom, devices, args)
+    assert plan.fits and {l for l, _ in plan.miss_crossover} == {l.index for l in geom.moe_layers}
+    assert {c for _, c in plan.miss_crossover} == {float("inf")}     # the simulated device: one memory
+    cuda = solve(geom, find_gpu("RTX 4090"), Request(max_context=8192, miss_policy="auto"))
+    cross = speed.plan_crossovers(cuda, default_host_speed())
+    assert all(4 < c < 64 for c in cross.values()), cross       # llama.cpp copies from 32
+    host = default_host_speed()
+    for chunk in (16, 4096):
+        s = predict_plan(replace(cuda, prefill_selected=chunk), host, policy="auto")
+        expect = 0 if chunk * 8 / 128 < min(cross.values()) else len(geom.moe_layers)
+        assert s.prefill.copied == expect
+    assert predict_plan(cuda, host, policy="auto").decode.copied == 0

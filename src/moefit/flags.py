@@ -43,7 +43,8 @@ from moefit.plan.request import (CHUNK_GRID, DEFAULT_PREFILL_MIN, Request, conte
                                  resolve_context, validate)
 from moefit.plan.alternatives import SMALLEST_CONTEXT, largest_context
 from moefit.plan.solver import solve
-from moefit.plan.speed import Speed, alternative_request, predict_llamacpp, predict_plan
+from moefit.plan.speed import (Speed, alternative_request, plan_crossovers, predict_llamacpp,
+                               predict_plan)
 from moefit.plan.types import Plan
 from moefit.units import parse_count, parse_size
 
@@ -126,10 +127,9 @@ def add_request_flags(p: argparse.ArgumentParser) -> None:
                      help="expert slots that must fit (default 0: misses run on the CPU)")
     req.add_argument("--miss-policy", choices=("cpu", "copy", "auto"), default="cpu",
                      help="non-resident experts run on the CPU (default), are copied "
-                          "through the weight arena, or (auto, planned only: serve and "
-                          "generate run cpu or copy) either, per MoE layer and step, "
-                          "whichever the speed model predicts faster; copy and auto price "
-                          "the arena before the expert cache")
+                          "through the weight arena, or (auto) either, per MoE layer and "
+                          "step, whichever the speed model predicts faster; copy and auto "
+                          "price the arena before the expert cache")
     req.add_argument("--arena-slots", type=int, default=None,
                      help="weight-arena ring size in expert slots with --miss-policy copy / auto "
                           "(default 2 x experts per token)")
@@ -672,13 +672,9 @@ def runnable_devices(args: argparse.Namespace) -> tuple[Device, ...]:
 
     Raises:
         InputError: ``--gpu`` or ``--vram`` without ``--device``; a CUDA device that this
-            torch build cannot see; ``--miss-policy auto`` (planned only); every error of
+            torch build cannot see; every error of
             :func:`devices_from_args`.
     """
-    if getattr(args, "miss_policy", None) == "auto":
-        command = getattr(args, "command", None) or "this command"
-        raise InputError(f"{command} runs --miss-policy cpu or copy; auto is planned only "
-                         "(moefit plan prices its weight arena and predicts its speed)")
     if args.device is None and (args.gpu is not None or args.vram is not None):
         command = getattr(args, "command", None) or "this command"
         raise InputError(f"{command} runs the model on a real device: use --device "
@@ -753,9 +749,15 @@ def plan_from_args(geom: ModelGeometry, device: "Device | tuple[Device, ...]",
     host = host_from_args(args, devices)
     staging = calibrated_staging(geom, devices[0], req.kv, args)
     if not wants_max_context(args):
-        return solve(geom, devices, req, host=host, staging=staging)
-    return _plan_max_context(geom, devices, req, staging, host,
-                             keep_chunk=getattr(args, "prefill_min", None) is None)
+        plan = solve(geom, devices, req, host=host, staging=staging)
+    else:
+        plan = _plan_max_context(geom, devices, req, staging, host,
+                                 keep_chunk=getattr(args, "prefill_min", None) is None)
+    if plan.fits and plan.request.miss_policy == "auto":
+        # the runtime's per-step choice, from the speed model with this host's figures
+        cross = plan_crossovers(plan, host_speed_from_args(args, devices))
+        plan = replace(plan, miss_crossover=tuple(sorted(cross.items())))
+    return plan
 
 
 def max_context_chunk(req: Request) -> int:

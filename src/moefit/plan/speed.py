@@ -27,7 +27,8 @@ resident experts are the most used ones (the runtime's initial fill). So a decod
 Within a layer the dense part runs first; then the resident experts on the device, the
 transfers and the host work overlap (separate engines), so the MoE part takes the longest
 of its branches. Misses run on the host (``--miss-policy cpu``), are copied
-(``copy``), or whichever the model predicts faster per layer (``auto``). On the simulated
+(``copy``), or, per layer and step, copied when the step's tokens per missing expert reach
+the layer's :func:`crossover` (``auto``: the rule the runtime follows). On the simulated
 device (``--device cpu``) the device is the host: its parts add up, and nothing crosses a
 link. Not modelled: kernel launches and synchronisation (no GPU was measured here), the
 embedding lookup, sampling. Every figure is a peak: the prediction is an upper bound
@@ -230,7 +231,8 @@ def layer_time(layer: _Layer, rates: Rates, route: Routing, fmt: KVFormat, dtype
     """One layer's time for one step (see the module docstring for the model).
 
     ``resident``: the layer's expert slots. ``policy``: ``cpu`` (misses on the host),
-    ``copy`` (copied through the weight arena) or ``auto`` (the faster of the two).
+    ``copy`` (copied through the weight arena) or ``auto`` (copied when the step's tokens
+    per missing expert reach :func:`crossover`, else on the host).
     ``copy_whole``: a copy moves every missing expert of the layer, touched or not
     (llama.cpp copies whole expert tensors). ``serial``: the MoE part's branches run one
     after another instead of overlapping (llama.cpp's scheduler runs a graph's splits in
@@ -251,8 +253,7 @@ def layer_time(layer: _Layer, rates: Rates, route: Routing, fmt: KVFormat, dtype
     if miss_p <= 0:
         return LayerTime(spec.index, kind, dense + dev[0], dense_bound if dense >= dev[0] else dev[1])
     host = rates.host
-    # the blob's matrices (gate, up, down) are taken as thirds of it, each at its type's rate
-    rate = len(layer.expert_types) / sum(1 / host.rate(t) for t in layer.expert_types)
+    rate = _expert_rate(layer, host)
     h_mem, h_comp = miss_e * blob / host.memory_bytes_per_s, miss_p * blob / rate
     host_t, host_bound = (h_mem, "host memory") if h_mem >= h_comp else (h_comp, "host compute")
     if rates.shared:
@@ -276,12 +277,78 @@ def layer_time(layer: _Layer, rates: Rates, route: Routing, fmt: KVFormat, dtype
     else:
         on_host = max(dev, host_side)
         on_dev = max(dev_all, copy_side)
-    if policy == "copy" or (policy == "auto" and on_dev[0] < on_host[0]):
+    if policy == "copy" or (policy == "auto" and miss_p / max(miss_e, 1e-30) >= crossover(layer, rates)):
         moe, copied = on_dev, True
     else:
         moe, copied = on_host, False
     bound = dense_bound if dense >= moe[0] else moe[1]
     return LayerTime(spec.index, kind, dense + moe[0], bound, copied)
+
+
+def _expert_rate(layer: _Layer, host: HostSpeed) -> float:
+    """The host's compute roof for one of ``layer``'s experts (weight bytes x rows per s):
+    the blob's matrices (gate, up, down) taken as thirds of it, each at its type's rate."""
+    return len(layer.expert_types) / sum(1 / host.rate(t) for t in layer.expert_types)
+
+
+def crossover(layer: _Layer, rates: Rates) -> float:
+    """Tokens per missing expert from which ``--miss-policy auto`` copies a layer's misses
+    through the weight arena instead of computing them on the host: the smallest ``n`` at
+    which one missing expert with ``n`` tokens takes longer on the host than copied, in the
+    terms of :func:`layer_time`:
+
+    - host: ``max(B / host bandwidth, n x B / kernel rate) + n x H x`` :data:`ROW_VALUE_BYTES`
+      ``/ link`` (its blob read once, its products, and its tokens' rows there and back: one
+      row per token and expert, an upper bound where a token has several missing experts);
+    - copied: ``max(B / link, B / device bandwidth, n x 2 x params / device FLOP/s)``.
+
+    Both are piecewise linear in ``n``; the first ``n >= 0`` where the host side is not
+    faster is found segment by segment (a real number: a step's tokens per missing expert
+    is an average). The resident experts' branch is left out (it is the same either way up
+    to the order of the branches). ``math.inf``: copying never pays (the simulated device,
+    where host and device are one memory; a layer without experts). ``0.0``: always copy."""
+    if layer.spec.moe is None or rates.shared or not layer.blob_bytes:
+        return math.inf
+    blob, host, link = layer.blob_bytes, rates.host, rates.link_bytes_per_s
+    m, s = blob / host.memory_bytes_per_s, blob / _expert_rate(layer, host)
+    r = layer.hidden * ROW_VALUE_BYTES / link
+    a = max(blob / link, blob / rates.device_bytes_per_s)
+    c = 2 * layer.expert_params / rates.device_flops
+
+    def gap(n: float) -> float:            # host - copied
+        return max(m, n * s) + n * r - max(a, n * c)
+
+    lo = 0.0
+    for hi in sorted({m / s, a / c if c else math.inf, math.inf}):
+        if hi <= lo:
+            continue
+        g_lo = gap(lo)
+        if g_lo >= 0:
+            return lo
+        if math.isinf(hi):
+            slope = s + r - c
+            return lo - g_lo / slope if slope > 0 else math.inf
+        g_hi = gap(hi)
+        if g_hi >= 0:
+            return lo + (hi - lo) * -g_lo / (g_hi - g_lo)
+        lo = hi
+    return math.inf
+
+
+def miss_crossovers(geom: ModelGeometry, rates: Rates | None) -> dict[int, float]:
+    """:func:`crossover` of every MoE layer of ``geom`` (``{layer index: tokens per missing
+    expert}``), what the runtime's ``--miss-policy auto`` compares each layer's step against
+    (:class:`moefit.runtime.moe.cache.ExpertCache`). ``rates`` None (a device without
+    figures): :data:`LLAMACPP_OFFLOAD_MIN_BATCH` for every layer, llama.cpp's rule."""
+    if rates is None:
+        return {l.index: float(LLAMACPP_OFFLOAD_MIN_BATCH) for l in geom.moe_layers}
+    return {l.spec.index: crossover(l, rates) for l in _cached_layers(geom) if l.spec.moe is not None}
+
+
+def plan_crossovers(plan, host: HostSpeed) -> dict[int, float]:
+    """:func:`miss_crossovers` of a solved ``plan`` on its main device's figures with
+    ``host`` (:func:`rates_for`)."""
+    return miss_crossovers(plan.geometry, rates_for(plan.devices[0].device, host))
 
 
 

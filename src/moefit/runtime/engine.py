@@ -6,7 +6,8 @@ Commit order (docs/design.md, runtime contract), each allocation through the led
    took from the device's free memory; nothing on a simulated device.
 2. ``weights``: every resident tensor (:func:`moefit.runtime.load.safetensors.load_checkpoint`);
    the experts go to packed host blobs.
-3. ``weight_arena``: the ring of expert-blob buffers (``--miss-policy copy``).
+3. ``weight_arena``: the ring of expert-blob buffers (``--miss-policy copy`` or ``auto``),
+   as many as the plan's line holds (planned = allocated).
 4. ``kv``: ONE buffer of exactly the plan's ``kv`` bytes, carved by the plan's layout
    (:meth:`moefit.plan.types.Plan.kv_layout`, :class:`KVCache`).
 5. ``prefill``: ONE staging buffer of the plan's ``prefill`` bytes, reused by every
@@ -191,7 +192,7 @@ class Engine:
         try:
             # 3. weight arena
             arena = []
-            if req.miss_policy == "copy" and source.experts:
+            if req.miss_policy in ("copy", "auto") and source.experts:
                 ring = ledger.lines["weight_arena"].planned // max(1, _slot_bytes(source))
                 elems = max(source.elems.values())
                 arena = [ledger.alloc("weight_arena", (elems,), source.dtype) for _ in range(ring)]
@@ -212,7 +213,8 @@ class Engine:
             if source.experts:
                 slots, where = _commit_experts(ledgers, source, plan, say)
                 experts = _fill_experts(source, host, slots, where, req, arena, profile,
-                                        spaces, [d.piece for d in plan.devices])
+                                        spaces, [d.piece for d in plan.devices],
+                                        _crossovers(plan) if req.miss_policy == "auto" else None)
                 experts.ws = ws
         finally:
             source.close()
@@ -292,9 +294,10 @@ class Engine:
 
     # ---- reports -------------------------------------------------------------------------
     def expert_stats(self) -> dict:
-        """Hits / misses per MoE layer and the resident experts (see ExpertCache.report)."""
-        return self.model.experts.report() if self.model.experts else {"layers": {}, "hits": 0,
-                                                                       "misses": 0, "hit_rate": 0.0}
+        """Hits / misses per MoE layer, the resident experts and ``--miss-policy auto``'s
+        layer steps on the host / copied (see ExpertCache.report)."""
+        return self.model.experts.report() if self.model.experts else {
+            "layers": {}, "hits": 0, "misses": 0, "hit_rate": 0.0, "host_steps": 0, "copied_steps": 0}
 
     def report(self) -> str:
         """The ledger tables (planned / allocated / peak per line): every device, then the
@@ -390,7 +393,7 @@ def _commit_experts(ledgers: list[Ledger], source: ExpertSource, plan: Plan, say
 
 
 def _fill_experts(source: ExpertSource, host: HostLedger, slots, where, req, arena, profile,
-                  spaces, pieces) -> ExpertCache:
+                  spaces, pieces, crossover=None) -> ExpertCache:
     """Read every expert once: the resident ones (a layer's most used by the routing
     profile, else its first) into their slots, the others into host rows (every expert with
     ``--miss-policy copy``, whose cache swaps them; none with ``--host-experts mmap``, whose
@@ -418,7 +421,20 @@ def _fill_experts(source: ExpertSource, host: HostLedger, slots, where, req, are
     if mapped:
         he.mapped, he.source = True, source
     return ExpertCache(he, slots, arena, req.miss_policy, profile, resident=resident,
-                       slot_device=where, workspaces=spaces, pieces=pieces)
+                       slot_device=where, workspaces=spaces, pieces=pieces,
+                       crossover=crossover)
+
+
+def _crossovers(plan: Plan) -> dict[int, float]:
+    """``--miss-policy auto``'s crossover per MoE layer: the plan's
+    (:attr:`~moefit.plan.types.Plan.miss_crossover`), else the speed model's with the
+    default host (:func:`moefit.plan.speed.plan_crossovers`)."""
+    if plan.miss_crossover:
+        return dict(plan.miss_crossover)
+    from moefit.devices.host import default_host_speed
+    from moefit.plan.speed import plan_crossovers
+
+    return plan_crossovers(plan, default_host_speed())
 
 
 def _commit_host_buffers(host: HostLedger, weights, experts: ExpertCache | None, plan: Plan,
