@@ -16,7 +16,8 @@ from moefit.memory import calibration
 from moefit.memory.kv import kv_format
 from moefit.plan.request import Request
 from moefit.plan.solver import solve
-from moefit.plan.speed import RESOURCES, alternative_request, predict, predict_plan, rates_for, routing
+from moefit.plan.speed import RESOURCES, predict, predict_plan, rates_for, routing
+from moefit.plan.throughput import alternative_request
 
 FIELD = ["Qwen3.5-35B-A3B", "--max-context", "512K", "--rope-scaling", "yarn",
          "--rope-scale", "2", "--kv", "k8v4", "--prefill", "24576"]
@@ -224,11 +225,14 @@ def resolve_cpu():
 # ---- the plan's outputs ----------------------------------------------------------------------
 
 def test_field_plan_prints_predicted_prefill_and_decode(capsys):
-    code, out = run(capsys, "plan", *FIELD, "--gpu", "RTX 5060 Ti 16GB", "--no-calibration")
-    assert code == 0
-    line = next(l for l in out.splitlines() if l.startswith("speed  "))
-    assert "prefill " in line and "decode " in line and "bound: host compute" in line
-    assert "a 24576-token chunk at position 262144" in line
+    """On CUDA the default policy is auto: the chunk's misses are copied (the device's
+    compute bounds it); with cpu the host's compute does."""
+    for policy, bound in ((), "device compute"), (("--miss-policy", "cpu"), "host compute"):
+        code, out = run(capsys, "plan", *FIELD, "--gpu", "RTX 5060 Ti 16GB", "--no-calibration", *policy)
+        assert code == 0
+        line = next(l for l in out.splitlines() if l.startswith("speed  "))
+        assert "prefill " in line and "decode " in line and f"bound: {bound}" in line
+        assert "a 24576-token chunk at position 262144" in line
 
 
 def test_verbose_shows_each_layer_kind_and_the_figures(capsys):
@@ -245,7 +249,7 @@ def test_json_speed_schema(capsys):
                     "--json", "--prompt-tokens", "30000")
     assert code == 0
     s = json.loads(out)["speed"]
-    assert set(s) == {"policy", "prefill", "decode", "sources"} and s["policy"] == "cpu"
+    assert set(s) == {"policy", "prefill", "decode", "sources"} and s["policy"] == "auto"   # CUDA's default
     for key in ("prefill", "decode"):
         p = s[key]
         assert set(p) == {"tokens_per_s", "bound", "tokens", "position", "chunk",
@@ -306,8 +310,9 @@ def test_llamacpp_plan_predicts_its_command_copies_for_prefill_and_runs_decode_o
 
 def test_auto_prices_the_weight_arena_before_the_expert_cache_and_copies_only_large_steps(capsys):
     base = ["plan", *FIELD, "--gpu", "RTX 5060 Ti 16GB", "--no-calibration", "--json"]
-    cpu = json.loads(run(capsys, *base)[1])
+    cpu = json.loads(run(capsys, *base, "--miss-policy", "cpu")[1])
     auto = json.loads(run(capsys, *base, "--miss-policy", "auto")[1])
+    assert json.loads(run(capsys, *base)[1])["devices"] == auto["devices"]    # CUDA's default
     line = lambda doc, key: next(l for l in doc["devices"][0]["lines"] if l["key"] == key)  # noqa: E731
     assert line(cpu, "weight_arena")["bytes"] == 0
     arena = line(auto, "weight_arena")

@@ -39,12 +39,13 @@ from moefit.ingest.resolve import serving_reference
 from moefit.memory import calibration
 from moefit.memory.kv import KV_FORMATS, kv_name
 from moefit.memory.staging import StagingModel
-from moefit.plan.request import (CHUNK_GRID, DEFAULT_PREFILL_MIN, Request, context_limit, parse_prefill,
-                                 resolve_context, validate)
+from moefit.plan.request import (CHUNK_GRID, DEFAULT_PREFILL_MIN, Request, context_limit,
+                                 default_miss_policy, parse_prefill, resolve_context, validate)
 from moefit.plan.alternatives import SMALLEST_CONTEXT, largest_context
 from moefit.plan.solver import solve
-from moefit.plan.speed import (Speed, alternative_request, plan_crossovers, predict_llamacpp,
-                               predict_plan)
+from moefit.plan.speed import Speed, plan_crossovers, predict_llamacpp, predict_plan
+from moefit.plan.throughput import (DEFAULT_DECODE_TOKENS, OBJECTIVES, Workload, alternative_request,
+                                    rank_alternatives)
 from moefit.plan.types import Plan
 from moefit.units import parse_count, parse_size
 
@@ -125,11 +126,12 @@ def add_request_flags(p: argparse.ArgumentParser) -> None:
                      help="auto (what remains) or N expert slots")
     req.add_argument("--min-expert-cache", type=int, default=0,
                      help="expert slots that must fit (default 0: misses run on the CPU)")
-    req.add_argument("--miss-policy", choices=("cpu", "copy", "auto"), default="cpu",
-                     help="non-resident experts run on the CPU (default), are copied "
-                          "through the weight arena, or (auto) either, per MoE layer and "
-                          "step, whichever the speed model predicts faster; copy and auto "
-                          "price the arena before the expert cache")
+    req.add_argument("--miss-policy", choices=("cpu", "copy", "auto"), default=None,
+                     help="non-resident experts run on the CPU, are copied through the "
+                          "weight arena, or (auto) either, per MoE layer and step, whichever "
+                          "the speed model predicts faster; copy and auto price the arena "
+                          "before the expert cache (default: auto on CUDA, cpu on the "
+                          "simulated device)")
     req.add_argument("--arena-slots", type=int, default=None,
                      help="weight-arena ring size in expert slots with --miss-policy copy / auto "
                           "(default 2 x experts per token)")
@@ -207,6 +209,13 @@ def add_speed_flags(p: argparse.ArgumentParser) -> None:
     s.add_argument("--routing-profile", default=None,
                    help='JSON {"layer": {"expert": count}}: routing counts for the expected '
                         "hit rate (default: uniform routing)")
+    s.add_argument("--objective", choices=OBJECTIVES, default="balanced",
+                   help="what --prefill auto's chunk and the order of the alternatives "
+                        "maximise: predicted prefill or decode tokens/s, or (balanced, "
+                        "default) a request's prompt and --decode-tokens over its time")
+    s.add_argument("--decode-tokens", type=int, default=DEFAULT_DECODE_TOKENS, metavar="N",
+                   help=f"tokens decoded per request for --objective balanced (default "
+                        f"{DEFAULT_DECODE_TOKENS})")
 
 
 def host_speed_from_args(args: argparse.Namespace, devices: tuple[Device, ...]) -> HostSpeed:
@@ -238,20 +247,38 @@ def host_speed_from_args(args: argparse.Namespace, devices: tuple[Device, ...]) 
                    source=measured.source + f"; bandwidth {text} from --host-bandwidth")
 
 
-def speed_from_args(geom: ModelGeometry, devices: tuple[Device, ...], plan: Plan,
-                    args: argparse.Namespace) -> tuple["Speed | None", list["Speed | None"]]:
-    """The predicted speed of ``plan`` (:func:`moefit.plan.speed.predict_plan`; None for a
-    plan that does not fit, or a device without figures) and of each of its ``fits with:``
-    alternatives, each re-solved with its change (:func:`moefit.plan.speed.alternative_request`;
-    None where the change is not one request flag: another model file). Raises InputError
-    for bad speed flags."""
+def workload_from_args(args: argparse.Namespace, geom: ModelGeometry,
+                       devices: tuple[Device, ...]) -> Workload:
+    """The workload the plan's choices are predicted for
+    (:class:`moefit.plan.throughput.Workload`): the host's figures
+    (:func:`host_speed_from_args`), ``--objective``, ``--prompt-tokens``,
+    ``--decode-tokens`` and ``--routing-profile`` (the commands without them: balanced, a
+    full chunk, :data:`~moefit.plan.throughput.DEFAULT_DECODE_TOKENS`, uniform). Raises
+    InputError for bad values."""
     prompt = getattr(args, "prompt_tokens", None)
     if prompt is not None and prompt < 1:
         raise InputError(f"--prompt-tokens {prompt}: give a prompt of at least one token")
-    host = host_speed_from_args(args, devices)
-    profile = None
-    if getattr(args, "routing_profile", None):
+    decode = getattr(args, "decode_tokens", None)
+    if decode is not None and decode < 1:
+        raise InputError(f"--decode-tokens {decode}: give at least one token")
+    profile = getattr(args, "routing_counts", None)
+    if profile is None and getattr(args, "routing_profile", None):
         profile = read_routing_profile(args.routing_profile, geom)
+    return Workload(host_speed_from_args(args, devices), getattr(args, "objective", None) or "balanced",
+                    prompt, decode or DEFAULT_DECODE_TOKENS, profile)
+
+
+def speed_from_args(geom: ModelGeometry, devices: tuple[Device, ...], plan: Plan,
+                    args: argparse.Namespace) -> tuple[Plan, "Speed | None", list["Speed | None"]]:
+    """The predicted speed of ``plan`` (:func:`moefit.plan.speed.predict_plan`; None for a
+    plan that does not fit, or a device without figures) and of each of its ``fits with:``
+    alternatives, each re-solved with its change (:func:`moefit.plan.throughput.alternative_request`;
+    None where the change is not one request flag: another model file); the plan is
+    returned with its alternatives ranked by the workload's predicted throughput
+    (:func:`moefit.plan.throughput.rank_alternatives`, ``--objective``). Raises InputError
+    for bad speed flags."""
+    work = workload_from_args(args, geom, devices)
+    host, prompt, profile = work.host, work.prompt_tokens, work.profile
     speed = predict_plan(plan, host, prompt_tokens=prompt, profile=profile) if plan.fits else None
     alts: list[Speed | None] = []
     if plan.alternatives:
@@ -267,7 +294,9 @@ def speed_from_args(geom: ModelGeometry, devices: tuple[Device, ...], plan: Plan
                            staging=staging if same else None)
             alts.append(predict_plan(solved, host, prompt_tokens=prompt, profile=profile)
                         if solved.fits else None)
-    return speed, alts
+        ranked, alts = rank_alternatives(plan.alternatives, alts, work, plan.prefill_requested)
+        plan = replace(plan, alternatives=ranked)
+    return plan, speed, alts
 
 
 def llamacpp_speed_from_args(geom: ModelGeometry, plan, args: argparse.Namespace) -> "Speed | None":
@@ -339,8 +368,10 @@ def add_sampling_flags(p: argparse.ArgumentParser) -> None:
 
 # ---- flags -> request, device, plan ---------------------------------------------------------
 
-def request_from_args(args: argparse.Namespace) -> Request:
-    """Build a :class:`moefit.plan.request.Request` from parsed flags. Raises InputError."""
+def request_from_args(args: argparse.Namespace, device: Device | None = None) -> Request:
+    """Build a :class:`moefit.plan.request.Request` from parsed flags for ``device`` (the
+    main one: without ``--miss-policy``, :func:`moefit.plan.request.default_miss_policy` of
+    its kind; none given: ``cpu``). Raises InputError."""
     mode, tokens = parse_prefill(args.prefill)
     if args.expert_cache.strip().lower() == "auto":
         expert_cache = None
@@ -356,7 +387,8 @@ def request_from_args(args: argparse.Namespace) -> Request:
         prefill_min=prefill_min_of(args), strict=args.strict, reserve_bytes=_reserve_bytes(args),
         expert_cache=expert_cache, min_expert_cache=args.min_expert_cache,
         rope_scaling=args.rope_scaling, rope_scale=args.rope_scale,
-        yarn_orig_ctx=_yarn_orig_ctx(args), miss_policy=args.miss_policy,
+        yarn_orig_ctx=_yarn_orig_ctx(args),
+        miss_policy=args.miss_policy or default_miss_policy(device.kind if device else "cpu"),
         arena_slots=args.arena_slots,
         host_experts=getattr(args, "host_experts", "copy"),
         host_reserve_bytes=_mib_bytes(getattr(args, "host_reserve_mib", None), "--host-reserve-mib"),
@@ -411,7 +443,7 @@ def llama_request_from_args(geom: ModelGeometry, args: argparse.Namespace) -> "L
         raise InputError(f"--gguf-type {gguf_type}: {args.model} is a GGUF file, planned with its own "
                          "tensor types; drop --gguf-type (it names the type mix of a Hugging Face model)")
     if (args.expert_cache.strip().lower() != "auto" or args.min_expert_cache
-            or args.miss_policy != "cpu" or args.arena_slots is not None):
+            or args.miss_policy not in (None, "cpu") or args.arena_slots is not None):
         raise InputError("--expert-cache / --min-expert-cache / --miss-policy / --arena-slots are "
                          "moefit runtime flags; with --engine llama.cpp the experts kept on the "
                          "CPU are chosen as --n-cpu-moe")
@@ -542,7 +574,7 @@ def serve_request_from_args(geom: ModelGeometry, args: argparse.Namespace) -> "S
                          "preset, a model directory or its config.json), not a GGUF file; use "
                          "--engine llama.cpp for GGUF")
     if (args.expert_cache.strip().lower() != "auto" or args.min_expert_cache
-            or args.miss_policy != "cpu" or args.arena_slots is not None):
+            or args.miss_policy not in (None, "cpu") or args.arena_slots is not None):
         raise InputError(f"--expert-cache / --min-expert-cache / --miss-policy / --arena-slots are "
                          f"moefit runtime flags; --engine {engine} keeps every expert on the GPUs")
     if wants_max_context(args):
@@ -743,16 +775,32 @@ def plan_from_args(geom: ModelGeometry, device: "Device | tuple[Device, ...]",
                    args: argparse.Namespace) -> Plan:
     """Solve the flags' request for ``geom`` on ``device`` (one or several, main first)
     and the host of the flags (:func:`host_from_args`), with the staging calibrated for
-    them on the main device (:func:`calibrated_staging`). Raises InputError."""
+    them on the main device (:func:`calibrated_staging`); ``--prefill auto`` by the
+    workload's predicted throughput (:func:`workload_from_args`; not with ``--max-context
+    max``, which keeps its chunk). Without ``--miss-policy`` on CUDA (``auto``), a plan
+    whose weight arena does not fit where ``cpu``'s plan does is that plan, with a note.
+    An ``auto`` plan carries the runtime's crossovers
+    (:func:`moefit.plan.speed.plan_crossovers`). Raises InputError."""
     devices = (device,) if isinstance(device, Device) else tuple(device)
-    req = request_from_args(args)
+    req = request_from_args(args, devices[0])
     host = host_from_args(args, devices)
     staging = calibrated_staging(geom, devices[0], req.kv, args)
-    if not wants_max_context(args):
-        plan = solve(geom, devices, req, host=host, staging=staging)
-    else:
-        plan = _plan_max_context(geom, devices, req, staging, host,
+
+    def solved(r: Request) -> Plan:
+        if not wants_max_context(args):
+            return solve(geom, devices, r, host=host, staging=staging,
+                         workload=workload_from_args(args, geom, devices))
+        return _plan_max_context(geom, devices, r, staging, host,
                                  keep_chunk=getattr(args, "prefill_min", None) is None)
+
+    plan = solved(req)
+    if not plan.fits and args.miss_policy is None and req.miss_policy == "auto" \
+            and req.arena_slots is None:
+        cpu = solved(req.with_(miss_policy="cpu"))
+        if cpu.fits:
+            arena = next(l.bytes for l in plan.devices[0].lines if l.key == "weight_arena")
+            plan = replace(cpu, notes=(*cpu.notes, f"miss policy: cpu, misses computed on the CPU "
+                                       f"(auto's weight arena of {arena / 2**30:.2f} GiB does not fit)"))
     if plan.fits and plan.request.miss_policy == "auto":
         # the runtime's per-step choice, from the speed model with this host's figures
         cross = plan_crossovers(plan, host_speed_from_args(args, devices))

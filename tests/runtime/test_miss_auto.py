@@ -116,3 +116,26 @@ def test_without_the_plans_crossovers_the_simulated_device_keeps_misses_on_the_h
     assert marks[1] == (3 * len(tiny.geom.moe_layers), 0)
     x = torch.zeros(1, tiny.ref.config.hidden_size)
     assert moe_batch.applies(engine.model.experts, tiny.geom.moe_layers[0].index, x, 2)   # the C kernels run it
+
+
+def test_on_the_device_expert_path_host_steps_batch_and_copied_steps_stream(tiny_models, monkeypatch):
+    """The path a CUDA device runs (forced on the CPU): a step that keeps its misses on the
+    host runs the batched device layer (moefit.runtime.moe.device), one that copies runs
+    expert by expert through the arena; the same tokens as ``cpu``."""
+    from moefit.memory.host import EXPERT_PATH_ENV
+    from moefit.runtime.moe import device as moe_device
+
+    monkeypatch.setenv(EXPERT_PATH_ENV, "device")
+    tiny = tiny_models[("qwen3_moe", "per_expert")]
+    vocab, n_moe = tiny.ref.config.vocab_size, len(tiny.geom.moe_layers)
+    calls = []
+    real = moe_device.run_layer
+    monkeypatch.setattr(moe_device, "run_layer", lambda *a, **k: calls.append(a[1]) or real(*a, **k))
+    got, marks = run(Engine.start(tiny.path, auto_plan(tiny, card_crossovers(tiny.geom)),
+                                  EngineOptions(**OPTS)), vocab)
+    assert marks == [(0, n_moe), (4 * n_moe, n_moe)]
+    assert len(calls) == 4 * n_moe            # the decode steps only
+    ref, _ = run(Engine.start(tiny.path, plan_for(tiny, expert_cache=2, miss_policy="cpu"),
+                              EngineOptions(**OPTS)), vocab)
+    assert [int(x.argmax()) for x in got] == [int(x.argmax()) for x in ref]
+    assert max_error(got, ref) <= 1e-4

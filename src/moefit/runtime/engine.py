@@ -49,12 +49,14 @@ from pathlib import Path
 import torch
 
 from moefit.devices import Device
+from moefit.devices.host import default_host_speed
 from moefit.errors import InputError
 from moefit.ingest.inputs import is_gguf_file, read_routing_profile
 from moefit.memory import cpu_kernels, gpu_kernels
 from moefit.memory.host import miss_host_buffer, miss_host_bytes
 from moefit.memory.staging import ATTN_KV_BLOCK, ATTN_Q_BLOCK, expert_fixed_region_bytes
 from moefit.memory.weights import stored_matrices
+from moefit.plan.speed import plan_crossovers
 from moefit.plan.types import Plan
 from moefit.runtime.arch import arch_from_config, read_config
 from moefit.runtime.moe.cache import ExpertCache, initial_residents
@@ -431,9 +433,6 @@ def _crossovers(plan: Plan) -> dict[int, float]:
     default host (:func:`moefit.plan.speed.plan_crossovers`)."""
     if plan.miss_crossover:
         return dict(plan.miss_crossover)
-    from moefit.devices.host import default_host_speed
-    from moefit.plan.speed import plan_crossovers
-
     return plan_crossovers(plan, default_host_speed())
 
 
