@@ -777,30 +777,18 @@ def plan_from_args(geom: ModelGeometry, device: "Device | tuple[Device, ...]",
     and the host of the flags (:func:`host_from_args`), with the staging calibrated for
     them on the main device (:func:`calibrated_staging`); ``--prefill auto`` by the
     workload's predicted throughput (:func:`workload_from_args`; not with ``--max-context
-    max``, which keeps its chunk). Without ``--miss-policy`` on CUDA (``auto``), a plan
-    whose weight arena does not fit where ``cpu``'s plan does is that plan, with a note.
-    An ``auto`` plan carries the runtime's crossovers
+    max``, which keeps its chunk). An ``auto`` plan carries the runtime's crossovers
     (:func:`moefit.plan.speed.plan_crossovers`). Raises InputError."""
     devices = (device,) if isinstance(device, Device) else tuple(device)
     req = request_from_args(args, devices[0])
     host = host_from_args(args, devices)
     staging = calibrated_staging(geom, devices[0], req.kv, args)
-
-    def solved(r: Request) -> Plan:
-        if not wants_max_context(args):
-            return solve(geom, devices, r, host=host, staging=staging,
-                         workload=workload_from_args(args, geom, devices))
-        return _plan_max_context(geom, devices, r, staging, host,
+    if not wants_max_context(args):
+        plan = solve(geom, devices, req, host=host, staging=staging,
+                     workload=workload_from_args(args, geom, devices))
+    else:
+        plan = _plan_max_context(geom, devices, req, staging, host,
                                  keep_chunk=getattr(args, "prefill_min", None) is None)
-
-    plan = solved(req)
-    if not plan.fits and args.miss_policy is None and req.miss_policy == "auto" \
-            and req.arena_slots is None:
-        cpu = solved(req.with_(miss_policy="cpu"))
-        if cpu.fits:
-            arena = next(l.bytes for l in plan.devices[0].lines if l.key == "weight_arena")
-            plan = replace(cpu, notes=(*cpu.notes, f"miss policy: cpu, misses computed on the CPU "
-                                       f"(auto's weight arena of {arena / 2**30:.2f} GiB does not fit)"))
     if plan.fits and plan.request.miss_policy == "auto":
         # the runtime's per-step choice, from the speed model with this host's figures
         cross = plan_crossovers(plan, host_speed_from_args(args, devices))
