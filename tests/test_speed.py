@@ -128,7 +128,7 @@ def test_host_calibration_round_trip_and_a_file_from_another_machine_is_ignored(
 
 
 def test_host_bandwidth_flag_sets_the_host_figure(capsys):
-    args = ["plan", "Qwen3-30B-A3B", "--gpu", "RTX 4060", "--no-calibration", "--json"]
+    args = ["plan", "Qwen3-30B-A3B", "--gpu", "RTX 4060", "--max-context", "16K", "--no-calibration", "--json"]
     slow = json.loads(run(capsys, *args, "--host-bandwidth", "20GB/s")[1])["speed"]
     fast = json.loads(run(capsys, *args, "--host-bandwidth", "200GB/s")[1])["speed"]
     assert "20.0 GB/s (--host-bandwidth)" in slow["sources"][1]
