@@ -23,6 +23,7 @@ from moefit.plan import speed  # noqa: E402
 from moefit.runtime.engine import Engine, EngineOptions  # noqa: E402
 from moefit.runtime.moe import batch as moe_batch  # noqa: E402
 from reference import max_error, prompt  # noqa: E402
+from test_moe_device import CFG, MISS_TOL, _gguf_plan, gguf_files  # noqa: E402,F401 (a fixture)
 
 OPTS = dict(progress=False, chunk=128, q_block=16, kv_block=32)
 
@@ -139,3 +140,22 @@ def test_on_the_device_expert_path_host_steps_batch_and_copied_steps_stream(tiny
                               EngineOptions(**OPTS)), vocab)
     assert [int(x.argmax()) for x in got] == [int(x.argmax()) for x in ref]
     assert max_error(got, ref) <= 1e-4
+
+
+@pytest.mark.parametrize("fmt", ["Q8_0", "Q4_K_M"])
+def test_gguf_experts_in_their_stored_format_take_both_paths(gguf_files, fmt):
+    """GGUF experts: a host step runs the C kernels on the stored blocks, a copied one
+    dequantizes the arena's copy; the same tokens as ``cpu`` (logits within the C kernels'
+    tolerance on these random blocks, MISS_TOL)."""
+    path = gguf_files[fmt]
+    vocab = CFG["vocab_size"]
+    plan = _gguf_plan(path, expert_cache=5, miss_policy="auto")
+    cross = card_crossovers(plan.geometry)
+    plan = replace(plan, miss_crossover=tuple(sorted(cross.items())))
+    n_moe = len(plan.geometry.moe_layers)
+    got, marks = run(Engine.start(path, plan, EngineOptions(**OPTS)), vocab)
+    assert marks == [(0, n_moe), (4 * n_moe, n_moe)]
+    ref, _ = run(Engine.start(path, _gguf_plan(path, expert_cache=5, miss_policy="cpu"),
+                              EngineOptions(**OPTS)), vocab)
+    assert [int(x.argmax()) for x in got] == [int(x.argmax()) for x in ref]
+    assert max_error(got, ref) <= MISS_TOL[fmt]
