@@ -400,6 +400,19 @@ def test_every_runtime_room_has_a_rank():
     assert [r for r in rooms if r not in named] == []
 
 
+def test_the_moe_layer_and_the_linear_product_sit_below_the_forward_pass():
+    """The forward pass (``runtime/model.py``) takes its MoE layer from the moe room
+    (``runtime/moe/layer.py``) and its linear products from the kernels room
+    (``runtime/kernels/linear.py``), which the MoE layer multiplies through too: neither
+    lives in ``model.py`` again, and the MoE layer ranks below the forward pass."""
+    edges = package_graph().edges
+    assert {"moefit.runtime.moe.layer", "moefit.runtime.kernels.linear"} <= set(edges["moefit.runtime.model"])
+    assert "moefit.runtime.kernels.linear" in edges["moefit.runtime.moe.layer"]
+    ranks = [layer_of(m)[0] for m in ("moefit.runtime.kernels.linear", "moefit.runtime.moe.layer",
+                                      "moefit.runtime.model")]
+    assert ranks == sorted(set(ranks)), ranks
+
+
 def test_an_import_up_or_across_the_runtime_rooms_is_a_layer_violation(tmp_path):
     root = _package(tmp_path, {
         "runtime/__init__.py": "", "runtime/engine.py": "",

@@ -66,6 +66,7 @@ from moefit.errors import InputError
 from moefit.ingest.geometry import ModelGeometry
 from moefit.ingest.gguf_header import read_header
 from moefit.ingest.gguf_mix import llamacpp_tensors
+from moefit.memory.layer_kinds import Latent, Recurrent, kind_of
 from moefit.units import format_bytes
 
 
@@ -264,7 +265,7 @@ class KVPrice:
 
 def _layer_kv_dims(spec) -> tuple[int, int]:
     """(n_embd_k_gqa, n_embd_v_gqa) of an attention layer (V 0 for MLA)."""
-    if spec.kind == "mla":
+    if isinstance(kind_of(spec), Latent):
         return spec.kv_lora_rank + spec.qk_rope_head_dim, 0
     return spec.num_kv_heads * spec.head_dim, spec.num_kv_heads * (spec.v_head_dim or spec.head_dim)
 
@@ -289,7 +290,8 @@ def kv_price(geom: ModelGeometry, context: int, ubatch: int, type_k: str, type_v
     kd, vd = [], []
     for layer in geom.layers:
         a = layer.attention
-        if a.kind == "linear":
+        kind = kind_of(a)
+        if isinstance(kind, Recurrent):
             d_inner = a.linear_num_value_heads * a.linear_value_head_dim
             r = (a.linear_conv_kernel - 1) * (d_inner + 2 * a.linear_num_key_heads * a.linear_key_head_dim)
             s = a.linear_key_head_dim * d_inner
@@ -299,8 +301,9 @@ def kv_price(geom: ModelGeometry, context: int, ubatch: int, type_k: str, type_v
         k, v = _layer_kv_dims(a)
         kd.append(k)
         vd.append(v)
-        if a.kind == "sliding" and a.sliding_window:
-            cells = pad_to(min(n_ctx_seq, a.sliding_window + ubatch), CTX_PAD)
+        window = kind.masked_window(a)     # a sliding window (chunked layers: priced full)
+        if window:
+            cells = pad_to(min(n_ctx_seq, window + ubatch), CTX_PAD)
             swa_cells = cells
             swa += pad_to(kv_row_bytes(type_k, k * cells) * n_seq, backend.alignment) + (
                 pad_to(kv_row_bytes(type_v, v * cells) * n_seq, backend.alignment) if v else 0)
@@ -356,7 +359,7 @@ def compute_price(geom: ModelGeometry, n_vocab: int, ubatch: int, kv: KVPrice, t
     act = 0
     for layer in geom.layers:
         a = layer.attention
-        if a.kind == "linear":      # conv in/out, q/k/v, gate, the delta rule's 64-token blocks
+        if isinstance(kind_of(a), Recurrent):      # conv in/out, q/k/v, gate, the delta rule's 64-token blocks
             d_inner = a.linear_num_value_heads * a.linear_value_head_dim
             mix = 2 * h + 2 * a.linear_conv_dim + 3 * d_inner + 4 * 64 * a.linear_num_value_heads
         else:                       # Q (twice: projected, roped), K, V (twice), the output
