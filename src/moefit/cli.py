@@ -62,7 +62,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if not plan.fits and len(devices) == 1:
         plan = dataclasses.replace(plan, alternatives=(*plan.alternatives,
                                                        *_llamacpp_alternatives(geom, devices[0], args)))
-    speed, alt_speeds = speed_from_args(geom, devices, plan, args)
+    plan, speed, alt_speeds = speed_from_args(geom, devices, plan, args)
     if args.json:
         print(format_json(plan, speed, alt_speeds))
     else:

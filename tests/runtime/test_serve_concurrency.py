@@ -239,6 +239,7 @@ def test_budget_shows_cells_per_slot_without_paths_and_metrics_count(served):
                    "moefit_prompt_tokens_total 100.0", "moefit_generation_tokens_total 3.0",
                    "moefit_slots 4.0", "moefit_queue_length 0.0",
                    'moefit_kv_cells_in_use{slot="0"}', "moefit_expert_hit_rate",
+                   'moefit_miss_layer_steps_total{path="copy"} 0.0',
                    'moefit_budget_bytes{kind="planned",line="kv"}',
                    'moefit_ledger_bytes{kind="allocated",ledger="host",line="host_devices"}',
                    "moefit_time_to_first_token_seconds_count 1.0",

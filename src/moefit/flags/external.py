@@ -82,7 +82,7 @@ def llama_request_from_args(geom: ModelGeometry, args: argparse.Namespace) -> "L
         raise InputError(f"--gguf-type {gguf_type}: {args.model} is a GGUF file, planned with its own "
                          "tensor types; drop --gguf-type (it names the type mix of a Hugging Face model)")
     if (args.expert_cache.strip().lower() != "auto" or args.min_expert_cache
-            or args.miss_policy != "cpu" or args.arena_slots is not None):
+            or args.miss_policy not in (None, "cpu") or args.arena_slots is not None):
         raise InputError("--expert-cache / --min-expert-cache / --miss-policy / --arena-slots are "
                          "moefit runtime flags; with --engine llama.cpp the experts kept on the "
                          "CPU are chosen as --n-cpu-moe")
@@ -213,7 +213,7 @@ def serve_request_from_args(geom: ModelGeometry, args: argparse.Namespace) -> "S
                          "preset, a model directory or its config.json), not a GGUF file; use "
                          "--engine llama.cpp for GGUF")
     if (args.expert_cache.strip().lower() != "auto" or args.min_expert_cache
-            or args.miss_policy != "cpu" or args.arena_slots is not None):
+            or args.miss_policy not in (None, "cpu") or args.arena_slots is not None):
         raise InputError(f"--expert-cache / --min-expert-cache / --miss-policy / --arena-slots are "
                          f"moefit runtime flags; --engine {engine} keeps every expert on the GPUs")
     if wants_max_context(args):
