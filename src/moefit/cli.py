@@ -79,13 +79,16 @@ def _plan_llamacpp(args: argparse.Namespace) -> int:
     from moefit.external import llamacpp     # an engine's model loads only for its --engine
     geom = load_model(args.model)
     req = llama_request_from_args(geom, args)
-    device = device_from_args(args)
+    devices = devices_from_args(args)
     if is_gguf_file(args.model):
         tensors = llamacpp.tensors_from_header(args.model)
     else:
         tensors, note = llamacpp.tensors_from_geometry(geom, llama_ftype(args, geom))
         req = dataclasses.replace(req, notes=(note, *req.notes))
-    host = host_from_args(args, (device,))
+    host = host_from_args(args, devices)
+    if len(devices) > 1:
+        return _plan_llamacpp_split(args, llamacpp, geom, tensors, devices, req, host)
+    device = devices[0]
     if wants_max_context(args):
         plan = llamacpp.plan_max_context(geom, tensors, device, req, req.context, host)
     else:
@@ -95,6 +98,20 @@ def _plan_llamacpp(args: argparse.Namespace) -> int:
         args, plan, lambda p: {**llamacpp.plan_document(p), "speed": speed_document(speed)},
         lambda p: _before_command(llamacpp.format_plan(p), format_speed(speed, "micro-batch")),
         lambda p: "\n".join([llamacpp.format_verbose(p), *format_speed_verbose(speed, "micro-batch")]))
+
+
+def _plan_llamacpp_split(args, llamacpp, geom, tensors, devices, req, host) -> int:
+    """``--engine llama.cpp`` on several CUDA devices: ``-sm layer -ts``, one table per
+    device (``--max-context max``: the largest context that fits them all)."""
+    if wants_max_context(args):
+        best = llamacpp.largest_split_context(geom, tensors, devices, req, req.context, host)
+        if best is not None:
+            req = dataclasses.replace(req, context=best, notes=(
+                f"max-context: max, the largest context that fits at -ub {req.ubatch}: {best} tokens per "
+                f"sequence (-c {llamacpp.llama_ctx(dataclasses.replace(req, context=best))})", *req.notes))
+    plan = llamacpp.solve_split(geom, tensors, devices, req, host_mem=host)
+    return _print_engine_plan(args, plan, llamacpp.split_document, llamacpp.format_split_plan,
+                              lambda p: "")
 
 
 def _before_command(text: str, line: str) -> str:
