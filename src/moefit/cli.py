@@ -111,7 +111,7 @@ def _plan_llamacpp_split(args, llamacpp, geom, tensors, devices, req, host) -> i
                 f"sequence (-c {llamacpp.llama_ctx(dataclasses.replace(req, context=best))})", *req.notes))
     plan = llamacpp.solve_split(geom, tensors, devices, req, host_mem=host)
     return _print_engine_plan(args, plan, llamacpp.split_document, llamacpp.format_split_plan,
-                              lambda p: "")
+                              llamacpp.format_split_verbose)
 
 
 def _before_command(text: str, line: str) -> str:

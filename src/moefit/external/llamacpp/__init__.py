@@ -25,7 +25,7 @@ from moefit.external.llamacpp.command import (
     LINES, LOAD_MODES, LlamaPlan, LlamaRequest, effective_ubatch, llama_ctx, load_mode)
 from moefit.external.llamacpp.host import HOST_LINES, host_bytes, host_table
 from moefit.external.llamacpp.report import (
-    SCHEMA, format_plan, format_split_plan, format_verbose, plan_document, short_lines, split_document)
+    SCHEMA, format_plan, format_split_plan, format_split_verbose, format_verbose, plan_document, short_lines, split_document)
 from moefit.external.llamacpp.solver import (
     largest_llama_context, mandatory_bytes, plan_max_context, solve_llamacpp)
 from moefit.external.llamacpp.split import (
@@ -38,7 +38,7 @@ __all__ = [
     "model_buffers", "pad_cells", "tensors_from_geometry", "tensors_from_header",
     "LINES", "LOAD_MODES", "LlamaPlan", "LlamaRequest", "effective_ubatch", "llama_ctx", "load_mode",
     "HOST_LINES", "host_bytes", "host_table",
-    "SCHEMA", "format_plan", "format_split_plan", "format_verbose", "plan_document", "short_lines",
+    "SCHEMA", "format_plan", "format_split_plan", "format_split_verbose", "format_verbose", "plan_document", "short_lines",
     "split_document",
     "largest_llama_context", "mandatory_bytes", "plan_max_context", "solve_llamacpp",
     "PIPELINE_COPIES", "LlamaSplitPlan", "largest_split_context", "layer_devices", "solve_split", "split_model",

@@ -100,6 +100,21 @@ def format_verbose(plan: LlamaPlan) -> str:
     return "\n".join(out)
 
 
+def format_split_verbose(plan: LlamaSplitPlan) -> str:
+    """``-v`` on several devices: each device's layers, its compute buffer's two phases and
+    its KV caches."""
+    out = []
+    for s in plan.shares:
+        c, kv = s.compute, s.kv
+        out.append(f"{s.device.label}  layers {s.layers.start}-{s.layers.stop - 1}"
+                   + (" + output" if s.output else "")
+                   + f"; compute: end of graph {format_bytes(c.end_phase)}, a layer {format_bytes(c.layer_phase)} "
+                   f"(KQ mask {format_bytes(c.mask)}, F16 K/V {format_bytes(c.fa_f16)}, expert copy "
+                   f"{format_bytes(c.weight_copy)}); KV full {format_bytes(kv.bytes_full)} x {kv.full_layers} layers, "
+                   f"SWA {format_bytes(kv.bytes_swa)} x {kv.swa_layers}, recurrent {format_bytes(kv.recurrent_bytes)}")
+    return "\n".join(out)
+
+
 #: the JSON document of a llama.cpp plan (docs/plan.md, "JSON (`moefit plan --json`)")
 SCHEMA = "moefit.llamacpp-plan/1"
 

@@ -47,11 +47,11 @@ from dataclasses import dataclass, replace
 from moefit.devices import Device, Host
 from moefit.errors import InputError
 from moefit.external.llamacpp.buffers import (
-    CPU, CTX_PAD, CUDA, KV_ORDER, MAX_SEQ, ComputePrice, KVPrice, Tensor, compute_price, expert_layer, kv_price,
-    kv_row_bytes, kv_types, vocab_size)
+    CPU, CTX_PAD, CUDA, MAX_SEQ, ComputePrice, KVPrice, Tensor, compute_price, expert_layer, kv_price, vocab_size)
 from moefit.external.llamacpp.command import (
     LlamaPlan, LlamaRequest, effective_ubatch, llama_batch, llama_ctx, server_command)
 from moefit.external.llamacpp.host import host_limiting, host_table
+from moefit.external.llamacpp.solver import flag_alternatives
 from moefit.ingest.geometry import ModelGeometry
 from moefit.memory.runtime import default_reserve_bytes, runtime_bytes
 from moefit.plan.types import Alternative, HostPlan, Line, largest_int, limiting_lines
@@ -374,17 +374,7 @@ def _alternatives(geom, tensors, devices, req: LlamaRequest, host_mem) -> list[A
     def fits(r: LlamaRequest) -> bool:
         return solve_split(geom, tensors, devices, r, alternatives=False, host_mem=host_mem).fits
 
-    out = []
-    ctx = largest_int(lambda n: fits(replace(req, context=n)), 1, req.context - 1)
-    if ctx is not None:
-        out.append(Alternative("--max-context", ctx))
-    cur = kv_row_bytes(req.type_k, 256) + kv_row_bytes(req.type_v, 256)
-    for name in KV_ORDER:
-        tk, tv = kv_types(name)
-        if kv_row_bytes(tk, 256) + kv_row_bytes(tv, 256) < cur and fits(replace(req, type_k=tk, type_v=tv)):
-            out.append(Alternative("--kv", name))
-            break
-    return out
+    return flag_alternatives(req, fits, host_mem is not None)
 
 
 def largest_split_context(geom, tensors, devices, req: LlamaRequest, limit: int,
