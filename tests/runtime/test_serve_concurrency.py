@@ -27,7 +27,9 @@ from fastapi.testclient import TestClient  # noqa: E402
 
 from conftest import plan_for  # noqa: E402
 from moefit.runtime.engine import Engine, EngineOptions  # noqa: E402
-from moefit.serve.app import MAX_CHOICES, ServerState, _EventStream, create_app  # noqa: E402
+from moefit.serve.app import ServerState, create_app  # noqa: E402
+from moefit.serve.bodies import MAX_CHARS_PER_TOKEN, MAX_CHOICES  # noqa: E402
+from moefit.serve.responses import DROPPED_STREAMS, EventStream  # noqa: E402
 from moefit.serve.generation import Decoding, Params  # noqa: E402
 from moefit.serve.scheduler import Ended, Job, QueueFull, Scheduler  # noqa: E402
 from moefit.serve.text import GenerationDefaults, Tokenizer  # noqa: E402
@@ -299,9 +301,9 @@ def test_bodies_are_parsed_off_the_event_loop_and_long_prompts_refused_unvalidat
 
 @pytest.mark.process
 def test_a_body_that_stops_arriving_gets_408_and_its_connection_closes(served, monkeypatch):
-    from moefit.serve import app as app_module
+    from moefit.serve import guard
 
-    monkeypatch.setattr(app_module, "BODY_IDLE_S", 0.5)
+    monkeypatch.setattr(guard, "BODY_IDLE_S", 0.5)
     with Running(make_state(served)) as srv:
         host, port = srv.url.removeprefix("http://").split(":")
         with socket.create_connection((host, int(port)), timeout=5) as s:
@@ -376,7 +378,7 @@ def test_a_stalled_reader_loses_its_stream_and_its_slot():
             yield "data: {}\n\n"
 
     async def main():
-        resp = _EventStream(events(), Run(), write_timeout=0.2)
+        resp = EventStream(events(), Run(), write_timeout=0.2)
         sent = []
 
         async def send(msg):             # the client took two writes, then stopped reading
@@ -386,8 +388,6 @@ def test_a_stalled_reader_loses_its_stream_and_its_slot():
         t0 = time.monotonic()
         await resp.stream_response(send)
         return time.monotonic() - t0, sent
-
-    from moefit.serve.app import DROPPED_STREAMS
 
     before = DROPPED_STREAMS.pending
     elapsed, sent = asyncio.run(main())
@@ -426,8 +426,6 @@ def test_shutdown_ends_every_stream_with_a_finish_reason(served):
 
 
 def test_prompt_text_that_cannot_fit_is_refused_before_the_tokenizer(served):
-    from moefit.serve.app import MAX_CHARS_PER_TOKEN
-
     state = make_state(served)
     calls = []
     real = state.tokenizer

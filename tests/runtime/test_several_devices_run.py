@@ -370,7 +370,7 @@ def test_the_ledgers_state_the_capacity_the_plan_states(tiny_models):
     document; a small model's host tables read in MiB, not 0.00 GiB; the runtime row says
     it is an estimate."""
     from moefit.plan.report import format_host_table, plan_document
-    from moefit.serve.app import _ledger_doc
+    from moefit.serve.budget import ledger_doc
     from moefit.serve.launch import ready_line
 
     tiny = tiny_models[("olmoe", "per_expert")]
@@ -378,10 +378,10 @@ def test_the_ledgers_state_the_capacity_the_plan_states(tiny_models):
     plan = solve(tiny.geom, devices_for(tiny.geom, 2), Request(**REQ, split="experts"), host=host)
     engine, _, _ = run(tiny.path, plan)
     doc = plan_document(plan)["host"]
-    ledger = _ledger_doc(engine.host)
+    ledger = ledger_doc(engine.host)
     assert ledger["capacity_bytes"] == doc["capacity_bytes"] == 16 << 30
     assert ledger["limit_bytes"] == doc["free_bytes"] == 8 << 30
-    assert _ledger_doc(engine.ledgers[1])["capacity_bytes"] == plan.devices[1].device.capacity_bytes
+    assert ledger_doc(engine.ledgers[1])["capacity_bytes"] == plan.devices[1].device.capacity_bytes
     report = engine.host.report()
     assert report.startswith("host ledger  host  capacity 16.00 GiB, free ")
     assert report.splitlines()[0].endswith(", 8.00 GiB free when planned")

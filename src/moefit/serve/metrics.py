@@ -41,7 +41,7 @@ ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 
 
 class Metrics:
-    """The registry of one server state (``moefit.serve.app.ServerState``)."""
+    """The registry of one server state (``moefit.serve.state.ServerState``)."""
 
     def __init__(self, state):
         self.state = state

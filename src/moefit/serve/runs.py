@@ -1,0 +1,161 @@
+"""One request's jobs in the scheduler (:class:`Run`) and the way their events come back
+from the engine thread to the event loop (:class:`Mailbox`)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+from fastapi import Request
+
+from moefit.errors import InputError
+from moefit.serve.generation import Completion, Decoding, Params, Step
+from moefit.serve.guard import APIError
+from moefit.serve.scheduler import EngineFailed, Ended, Job, QueueFull, Stopping
+
+from moefit.serve.state import ServerState
+
+#: Seconds a full queue asks a client to wait (``Retry-After``).
+RETRY_AFTER_S = 1
+
+#: Seconds between two ``Request.is_disconnected`` polls while a request waits.
+DISCONNECT_POLL_S = 0.05
+
+
+class Mailbox:
+    """Events from the engine thread to the event loop. The engine thread appends under a
+    lock and never blocks; the first event after a delivery wakes the loop once
+    (``loop.call_soon_threadsafe``), so the tokens of every busy slot of one step cost one
+    wake-up, not one each (each wake-up is a write to the loop's self-pipe and a GIL
+    hand-over between the two threads: a third of the engine thread's time went there
+    with one wake-up per token)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.items: list = []
+        self.lock = threading.Lock()
+        self.armed = False
+
+    def post(self, queue: asyncio.Queue, item) -> None:
+        """Queue ``item`` for ``queue`` (engine thread)."""
+        with self.lock:
+            self.items.append((queue, item))
+            if self.armed:
+                return
+            self.armed = True
+        try:
+            self.loop.call_soon_threadsafe(self._deliver)
+        except RuntimeError:     # the loop is closed: nobody is listening
+            pass
+
+    def _deliver(self) -> None:
+        with self.lock:
+            items, self.items, self.armed = self.items, [], False
+        for queue, item in items:
+            queue.put_nowait(item)
+
+
+_MAILBOXES: "dict[asyncio.AbstractEventLoop, Mailbox]" = {}
+
+
+def _mailbox(loop: asyncio.AbstractEventLoop) -> Mailbox:
+    box = _MAILBOXES.get(loop)
+    if box is None:
+        for old in [k for k in _MAILBOXES if k.is_closed()]:
+            del _MAILBOXES[old]
+        box = _MAILBOXES[loop] = Mailbox(loop)
+    return box
+
+
+class Run:
+    """The jobs of one request in the scheduler, and the asyncio queue their events come
+    back on: ``(index, Step | Ended | Exception)``, through the loop's :class:`Mailbox`.
+    Submitting raises APIError 503 when the wait queue is full or the server is
+    stopping."""
+
+    def __init__(self, state: ServerState, jobs, params: Params):
+        box = _mailbox(asyncio.get_running_loop())
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.scheduler = state.scheduler()
+        context, vocab = state.plan.context, state.plan.geometry.vocab_size
+
+        def emitter(index: int):
+            def emit(event) -> None:     # engine thread: never blocks
+                box.post(self.queue, (index, event))
+            return emit
+
+        self.jobs = [Job(list(ids), Decoding(ids, params, state.tokenizer, context, vocab,
+                                             params.generator(index)), emitter(index))
+                     for index, ids in jobs]
+        self.indices = [index for index, _ in jobs]
+        self.pending = len(self.jobs)
+        try:
+            self.scheduler.submit(self.jobs)
+        except QueueFull as e:
+            state.metrics.refused()
+            raise APIError(503, f"the server is busy: {e}; retry later", "service_unavailable",
+                           headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+        except (Stopping, EngineFailed) as e:
+            raise APIError(503, str(e), "service_unavailable") from None
+
+    def cancel(self) -> None:
+        self.scheduler.cancel(self.jobs)
+
+    async def next(self):
+        """The next event; ``pending`` counts the jobs not yet ended."""
+        return self._count(await self.queue.get())
+
+    async def batch(self) -> list:
+        """The next event and every one already queued behind it (a stream writes them
+        in one go)."""
+        out = [await self.next()]
+        while self.pending and not self.queue.empty():
+            out.append(self._count(self.queue.get_nowait()))
+        return out
+
+    def _count(self, item):
+        index, ev = item
+        if not isinstance(ev, Step) or ev.finish_reason is not None:
+            self.pending -= 1
+        return index, ev
+
+    async def collect(self, request: Request) -> list[Completion]:
+        """Every job's completion, in job order; cancels them when the client goes away.
+        Engine errors become APIError 500 (400 for an InputError)."""
+        out = {i: Completion() for i in range(len(self.jobs))}
+        order = {index: i for i, index in enumerate(self.indices)}
+        parts: dict[int, list[str]] = {i: [] for i in out}
+        async def watch():      # a client gone: its jobs end (Ended) and free their slots
+            while not await request.is_disconnected():
+                await asyncio.sleep(DISCONNECT_POLL_S)
+            self.cancel()
+
+        watcher = asyncio.create_task(watch())
+        try:
+            while self.pending:
+                index, ev = await self.next()
+                res, i = out[order[index]], order[index]
+                if isinstance(ev, Exception):
+                    if isinstance(ev, InputError):
+                        raise APIError(400, str(ev)) from None
+                    raise APIError(500, f"generation failed: {type(ev).__name__}: {ev}",
+                                   "server_error") from None
+                if isinstance(ev, Ended):
+                    res.finish_reason = ev.finish_reason
+                    continue
+                res.token_ids.append(ev.token)
+                res.steps.append(ev)
+                parts[i].append(ev.text)
+                if ev.finish_reason is not None:
+                    res.finish_reason = ev.finish_reason
+        finally:
+            watcher.cancel()
+            self.cancel()
+        for i, res in out.items():
+            res.text = "".join(parts[i])
+        return [out[i] for i in range(len(self.jobs))]
+
+def usage(prompts: list[list[int]], results: list[Completion]) -> dict:
+    p = sum(len(ids) for ids in prompts)
+    c = sum(len(r.token_ids) for r in results)
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
