@@ -163,8 +163,9 @@ def price_share(m: SplitModel, device: Device, layers: range, output: bool, firs
     only = frozenset(layers)
     kv = kv_price(m.geom, llama_ctx(req), ub, req.type_k, req.type_v, CUDA, req.slots, only=only)
     host_weight = m.largest_expert if first and k > 0 else 0
+    # llama-server reserves the graph of -np outputs (as on one device, solver.mandatory_bytes)
     comp = compute_price(m.geom, m.n_vocab, ub, kv, req.type_k, req.type_v, CUDA, host_weight,
-                         only=only, output=output)
+                         n_outputs=req.slots, only=only, output=output)
     if _pipeline(n_devices, req, k):
         extra = (PIPELINE_COPIES - 1) * (comp.mask + 4 * ub * m.geom.hidden_size + 4 * ub)
         comp = replace(comp, bytes=comp.bytes + extra, layer_phase=comp.layer_phase + extra)
