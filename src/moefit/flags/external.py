@@ -144,13 +144,18 @@ def llama_ftype(args: argparse.Namespace, geom: ModelGeometry) -> str:
 
 def llama_device(device: str | None) -> str:
     """``--device cuda:N`` -> llama.cpp's device name ``CUDAN`` (``-dev``, the names
-    ``llama-server --list-devices`` prints), so the command runs on the planned card; empty
-    without ``--device`` or for ``cpu``."""
-    text = (device or "").strip().lower()
-    if not text.startswith("cuda"):
-        return ""
-    index = text.partition(":")[2] or "0"
-    return f"CUDA{int(index)}" if index.isdigit() else ""
+    ``llama-server --list-devices`` prints), so the command runs on the planned card
+    (``cuda:0,cuda:1`` -> ``CUDA0,CUDA1``); empty without ``--device`` or for ``cpu``."""
+    names = []
+    for part in (device or "").strip().lower().split(","):
+        part = part.strip()
+        if not part.startswith("cuda"):
+            return ""
+        index = part.partition(":")[2] or "0"
+        if not index.isdigit():
+            return ""
+        names.append(f"CUDA{int(index)}")
+    return ",".join(names)
 
 
 def llama_ubatch(prefill: str, prefill_min: int) -> tuple[int, int]:
