@@ -27,6 +27,7 @@ from moefit.devices import Device, find_gpu  # noqa: E402
 from moefit.external import llamacpp as lc  # noqa: E402
 from moefit.errors import InputError  # noqa: E402
 from moefit.ingest.resolve import load_model  # noqa: E402
+from moefit.memory.runtime import default_reserve_bytes, runtime_bytes  # noqa: E402
 
 DATA = Path(__file__).parent / "data" / "llamacpp"
 RECORDS = sorted(DATA.glob("*.txt"))
@@ -261,8 +262,8 @@ def test_qwen35_on_a_16gb_card_at_512k_prints_a_command_that_leaves_the_margin_f
     comp = lc.compute_price(geom, geom.vocab_size, ub, kv, "q8_0", "q8_0", lc.CUDA, buffers.largest_expert_tensor)
     assert comp.weight_copy == buffers.largest_expert_tensor > 0
     experts = sum(b for layer, b in buffers.experts if layer not in on_cpu)
-    margin = lc.default_reserve_bytes(device)
-    used = lc.runtime_bytes(device) + buffers.device + kv.kv_bytes + kv.recurrent_bytes + comp.bytes + experts
+    margin = default_reserve_bytes(device)
+    used = runtime_bytes(device) + buffers.device + kv.kv_bytes + kv.recurrent_bytes + comp.bytes + experts
     assert used + margin <= device.free_bytes
     # and no layer of experts kept on the CPU would fit on the GPU as well (the smallest eats the margin)
     smallest = min(b for layer, b in buffers.experts if layer in on_cpu)
@@ -396,8 +397,10 @@ def test_huge_micro_batches_are_answered_at_once(qwen35, monkeypatch):
     # the clamp is a bisection on the 64-token grid, bounded by -c: a few dozen pricings, no
     # loop over 10^12 tokens
     calls = []
-    mandatory = lc._mandatory
-    monkeypatch.setattr(lc, "_mandatory", lambda *a, **k: calls.append(1) or mandatory(*a, **k))
+    from moefit.external.llamacpp import solver
+
+    mandatory = solver.mandatory_bytes
+    monkeypatch.setattr(solver, "mandatory_bytes", lambda *a, **k: calls.append(1) or mandatory(*a, **k))
     geom, tensors = qwen35
     plan = lc.solve_llamacpp(geom, tensors, Device("cuda:0", "what-if", "cuda", 12 * GIB, 12 * GIB, True),
                              lc.LlamaRequest(context=65536, ubatch=99_999_999_999_999, batch=99_999_999_999_999),

@@ -18,6 +18,7 @@ import pytest
 gguf = pytest.importorskip("gguf")
 
 from moefit.cli import main  # noqa: E402
+from moefit.devices import Device  # noqa: E402
 from moefit.external import llamacpp as lc  # noqa: E402
 from moefit.ingest.gguf_mix import default_ftype, llamacpp_tensors  # noqa: E402
 from moefit.errors import InputError  # noqa: E402
@@ -67,7 +68,7 @@ def test_every_family_that_plans_writes_a_stand_in_that_plans_the_same(tmp_path,
             load_model(str(out))
         return
     stand_in = load_model(str(out))
-    dev = lc.Device(label="cuda:0", description="what-if", kind="cuda", capacity_bytes=16 << 30,
+    dev = Device(label="cuda:0", description="what-if", kind="cuda", capacity_bytes=16 << 30,
                     free_bytes=16 << 30, simulated=True)
     req = lc.LlamaRequest(context=8192)
     a = lc.solve_llamacpp(stand_in, header, dev, req, alternatives=False)

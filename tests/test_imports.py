@@ -273,10 +273,12 @@ EXTRAS = ("moefit.runtime", "moefit.serve", "moefit.bench", "moefit.tools")
 
 #: Modules that a plan of a Hugging Face model (a preset) that fits does not use, imported
 #: where their path begins so that ``moefit plan`` answers in under 0.1 s (issue 24): the
-#: other engines' memory models (only ``moefit plan --engine``), the GGUF reader and
-#: llama-quantize's mix (only a .gguf model, ``--engine llama.cpp``, or a plan that fails
-#: and prices a GGUF file as its remedy). tests/test_cli.py checks that a plan loads none.
-ON_DEMAND = ("moefit.external", "moefit.ingest.gguf_header", "moefit.ingest.gguf_mix")
+#: other engines' memory models (only ``moefit plan --engine``), the GGUF reader (headers and
+#: their geometry) and llama-quantize's mix (only a .gguf model, ``--engine llama.cpp``, or a
+#: plan that fails and prices a GGUF file as its remedy). tests/test_cli.py checks that a plan
+#: loads none.
+ON_DEMAND = ("moefit.external", "moefit.ingest.gguf_header", "moefit.ingest.gguf_reader",
+             "moefit.ingest.gguf_mix")
 
 #: Standard-library modules that a plan does not use and that cost it a millisecond or more
 #: of CPU to import (``python -X importtime -m moefit plan ...``, 2026-12-01): imported only

@@ -113,7 +113,7 @@ def test_the_cpu_side_compute_buffer_of_a_published_cuda_log():
     geom = load_model("Qwen3.6-35B-A3B")
     kv = lc.kv_price(geom, 262144, 1024, "q4_0", "q4_0", lc.CUDA)
     comp = lc.compute_price(geom, geom.vocab_size, 1024, kv, "q4_0", "q4_0", lc.CUDA)
-    m = lc._Model(geom, geom.vocab_size, lc.ModelBuffers(0, (), (), 0))
+    m = lc.PricedModel(geom, geom.vocab_size, lc.ModelBuffers(0, (), (), 0))
     host = lc.host_bytes(m, _card(16 << 10), lc.LlamaRequest(context=262144), 1024, frozenset(), kv, comp)
     assert abs(host["compute"] / (logged * MIB) - 1) < 0.001
 

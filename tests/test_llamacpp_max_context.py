@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import replace
 
 import pytest
 
@@ -51,7 +52,7 @@ def test_the_printed_c_fits_and_one_cell_block_more_does_not(capsys, model, flag
     req = lc.LlamaRequest(context=per_seq, slots=slots, ubatch=ub, batch=max(2048, ub), type_k=_flag(cmd, "-ctk"),
                           type_v=_flag(cmd, "-ctv"), strict=True)
     assert lc.solve_llamacpp(geom, tensors, dev, req).fits
-    assert not lc.solve_llamacpp(geom, tensors, dev, lc.replace(req, context=per_seq + lc.CTX_PAD)).fits
+    assert not lc.solve_llamacpp(geom, tensors, dev, replace(req, context=per_seq + lc.CTX_PAD)).fits
 
 
 def lc_ftype(geom):
@@ -64,8 +65,10 @@ def test_the_direct_solution_needs_no_bisection(monkeypatch):
     geom = load_model("Qwen3.5-35B-A3B")
     tensors, _ = lc.tensors_from_geometry(geom, "Q4_K_M")
     calls = []
-    real = lc.solve_llamacpp
-    monkeypatch.setattr(lc, "solve_llamacpp", lambda *a, **k: calls.append(a[3].context) or real(*a, **k))
+    from moefit.external.llamacpp import solver
+
+    real = solver.solve_llamacpp
+    monkeypatch.setattr(solver, "solve_llamacpp", lambda *a, **k: calls.append(a[3].context) or real(*a, **k))
     req = lc.LlamaRequest(context=1 << 20, type_k="q8_0", type_v="q8_0")
     best = lc.largest_llama_context(geom, tensors, find_gpu(CARD), req, limit=1 << 20)
     assert calls == [best, best + lc.CTX_PAD]       # the division, confirmed: it fits, one block more does not
@@ -81,8 +84,8 @@ def test_a_short_host_is_found_by_bisection_and_fits():
     free = lc.largest_llama_context(geom, tensors, dev, req, limit=163840)
     best = lc.largest_llama_context(geom, tensors, dev, req, limit=163840, host_mem=host)
     assert best < free
-    assert lc.solve_llamacpp(geom, tensors, dev, lc.replace(req, context=best, strict=True), host_mem=host).fits
-    assert not lc.solve_llamacpp(geom, tensors, dev, lc.replace(req, context=best + lc.CTX_PAD, strict=True),
+    assert lc.solve_llamacpp(geom, tensors, dev, replace(req, context=best, strict=True), host_mem=host).fits
+    assert not lc.solve_llamacpp(geom, tensors, dev, replace(req, context=best + lc.CTX_PAD, strict=True),
                                  host_mem=host).fits
 
 

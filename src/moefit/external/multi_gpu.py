@@ -33,7 +33,7 @@ from moefit.external.parallel import (Layout, StageShard, check_layout, fp8_bloc
 from moefit.errors import InputError
 from moefit.ingest.geometry import ModelGeometry
 from moefit.ingest.resolve import format_params
-from moefit.plan.types import Alternative, Line, LineTable, format_fits_with, limiting_lines
+from moefit.plan.types import Alternative, Line, LineTable, format_fits_with, largest_int, limiting_lines
 from moefit.memory.runtime import runtime_bytes
 from moefit.units import GIB, MIB, format_bytes, size_format
 
@@ -285,11 +285,9 @@ def _solve_layout(geom, engine: EngineModel, device: Device, req: ServeRequest,
         def ok(c: RankBudget) -> bool:
             return c.concurrency >= need and _outside_fit(c, device)
 
-        if lo <= hi and ok(at(lo)):
-            while lo < hi:
-                mid = (lo + hi + 1) // 2
-                lo, hi = (mid, hi) if ok(at(mid)) else (lo, mid - 1)
-            b, fits = at(lo), True
+        step = largest_int(lambda n: ok(at(n)), lo, hi)
+        if step is not None:
+            b, fits = at(step), True
             notes.append(f"batched tokens: requested {batched}, clamped to {b.batched} due to VRAM budget")
     return ServePlan(fits, engine, geom, device, req, layout, b, need * req.context, tuple(notes))
 
@@ -356,15 +354,9 @@ def _alternatives(geom, engine, device, req: ServeRequest) -> list[Alternative]:
         p = solved(r)
         return p is not None and p.fits
 
-    lo, hi = 1, req.context - 1
-    if hi >= lo and fits(replace(req, context=lo)):
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if fits(replace(req, context=mid)):
-                lo = mid
-            else:
-                hi = mid - 1
-        out.append(Alternative("--max-context", lo))
+    ctx = largest_int(lambda n: fits(replace(req, context=n)), 1, req.context - 1)
+    if ctx is not None:
+        out.append(Alternative("--max-context", ctx))
     if req.kv not in ("fp8",) and fits(replace(req, kv="fp8")):
         out.append(Alternative("--kv", "fp8"))
     per_node = req.gpus // req.nodes

@@ -4,6 +4,7 @@
 - ``families``: config.json -> ModelGeometry, one module per model family (its config keys,
   GGUF mapping, tensor names and forward-pass switches), a shared module and a registry;
 - ``checkpoint``: safetensors headers -> exact weight and expert-blob bytes;
+- ``gguf_reader``: GGUF headers read (metadata, tensor infos, every shard);
 - ``gguf_header``: GGUF headers -> the same geometry, exact bytes per ggml type;
 - ``resolve``: presets and paths -> ModelGeometry, and the ``moefit models`` table.
 

@@ -21,7 +21,7 @@ from moefit.plan.host import is_gguf
 from moefit.plan.one_device import price
 from moefit.plan.request import CHUNK_GRID, Request, context_limit, validate
 from moefit.plan.several import LAYER_SPLIT_NOTE
-from moefit.plan.types import Alternative
+from moefit.plan.types import Alternative, largest_int
 
 
 def find_alternatives(geom: ModelGeometry, device: "Device | tuple[Device, ...]", req: Request,
@@ -84,7 +84,7 @@ def find_alternatives(geom: ModelGeometry, device: "Device | tuple[Device, ...]"
         top = (min(req.prefill_tokens, max(CHUNK_GRID, -(-context // CHUNK_GRID) * CHUNK_GRID))
                // CHUNK_GRID) - 1
         fixed = lambda n: req.with_(prefill_mode="fixed", prefill_tokens=n * CHUNK_GRID)  # noqa: E731
-        n = _largest_int(lambda n: _fits(geom, device, fixed(n)), 1, top)
+        n = largest_int(lambda n: _fits(geom, device, fixed(n)), 1, top)
         if n is not None:
             alts.append(Alternative("--prefill", n * CHUNK_GRID))
 
@@ -93,16 +93,16 @@ def find_alternatives(geom: ModelGeometry, device: "Device | tuple[Device, ...]"
             alts.append(Alternative("--miss-policy", "cpu",
                                     drop=("--arena-slots",) if req.arena_slots is not None else ()))
         ring = req.arena_slots or default_arena_slots(geom)
-        fit = _largest_int(lambda n: _fits(geom, device, req.with_(arena_slots=n)), 1, ring - 1)
+        fit = largest_int(lambda n: _fits(geom, device, req.with_(arena_slots=n)), 1, ring - 1)
         if fit:
             alts.append(Alternative("--arena-slots", fit))
     if req.reserve_bytes:
-        mib = _largest_int(lambda n: _fits(geom, device, req.with_(reserve_bytes=n << 20)),
+        mib = largest_int(lambda n: _fits(geom, device, req.with_(reserve_bytes=n << 20)),
                            0, (req.reserve_bytes >> 20) - 1 if req.reserve_bytes >> 20 else -1)
         if mib is not None:
             alts.append(Alternative("--vram-reserve-mib", mib))
     if req.host_reserve_bytes:
-        mib = _largest_int(lambda n: _fits(geom, device, req.with_(host_reserve_bytes=n << 20)),
+        mib = largest_int(lambda n: _fits(geom, device, req.with_(host_reserve_bytes=n << 20)),
                            0, (req.host_reserve_bytes >> 20) - 1 if req.host_reserve_bytes >> 20 else -1)
         if mib is not None:
             alts.append(Alternative("--host-reserve-mib", mib))
@@ -110,20 +110,20 @@ def find_alternatives(geom: ModelGeometry, device: "Device | tuple[Device, ...]"
         # the default host margin is not limiting (not the user's choice), but a smaller one
         # set by hand is a remedy when it is what the host lacks
         top = host_memory.default_host_reserve_bytes(host.capacity_bytes) >> 20
-        mib = _largest_int(lambda n: _fits(geom, device, req.with_(host_reserve_bytes=n << 20)), 0, top - 1)
+        mib = largest_int(lambda n: _fits(geom, device, req.with_(host_reserve_bytes=n << 20)), 0, top - 1)
         if mib is not None:
             alts.append(Alternative("--host-reserve-mib", mib))
     if req.slots > 1:
-        fit = _largest_int(lambda n: _fits(geom, device, req.with_(slots=n)), 1, req.slots - 1)
+        fit = largest_int(lambda n: _fits(geom, device, req.with_(slots=n)), 1, req.slots - 1)
         if fit:
             alts.append(Alternative("--parallel", fit))
     if req.expert_cache:
-        fit = _largest_int(lambda n: _fits(geom, device, req.with_(expert_cache=n)),
+        fit = largest_int(lambda n: _fits(geom, device, req.with_(expert_cache=n)),
                            0, req.expert_cache - 1)
         if fit is not None:
             alts.append(Alternative("--expert-cache", fit))
     elif req.min_expert_cache:
-        fit = _largest_int(lambda n: _fits(geom, device, req.with_(min_expert_cache=n)),
+        fit = largest_int(lambda n: _fits(geom, device, req.with_(min_expert_cache=n)),
                            0, req.min_expert_cache - 1)
         if fit is not None:
             alts.append(Alternative("--min-expert-cache", fit))
@@ -196,7 +196,7 @@ def largest_context(geom: ModelGeometry, device: "Device | tuple[Device, ...]", 
     n = _affine_context(geom, devices[0], req, staging, limit) if len(devices) == 1 else None
     if n is not None and fits(n) and (n == limit or not fits(n + 1)):
         return n
-    return _largest_int(fits, SMALLEST_CONTEXT, limit)
+    return largest_int(fits, SMALLEST_CONTEXT, limit)
 
 
 def _affine_context(geom: ModelGeometry, device: Device, req: Request,
@@ -222,16 +222,3 @@ def _affine_context(geom: ModelGeometry, device: Device, req: Request,
     if per_token == 0:
         return limit
     return min(start + room // per_token, limit)
-
-
-def _largest_int(ok, lo: int, hi: int) -> int | None:
-    """Largest n in [lo, hi] with ok(n) (ok monotone decreasing), or None."""
-    if hi < lo or not ok(lo):
-        return None
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if ok(mid):
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo

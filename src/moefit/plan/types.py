@@ -197,6 +197,22 @@ class Plan:
                                   self.request.slots)
 
 
+def largest_int(ok, lo: int, hi: int) -> int | None:
+    """The largest ``n`` in ``[lo, hi]`` with ``ok(n)`` (``ok`` true up to some ``n``, false
+    above it: a plan that fits at ``n`` fits below), by bisection; None when ``ok(lo)`` is
+    false or the range is empty. Every "the largest value that fits" of a plan's alternatives
+    (moefit's and the engines') is this search."""
+    if hi < lo or not ok(lo):
+        return None
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if ok(mid):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
 def limiting_lines(lines, shortfall: int) -> tuple[str, ...]:
     """The keys of ``lines`` (:class:`Line`) that limit a plan short by ``shortfall`` bytes:
     the largest first, as many as it takes to cover the shortfall (the runtime never)."""

@@ -9,8 +9,9 @@ layer (the tensors of expert 0, or the per-expert slice of a fused ``experts.gat
 layer's routed-expert weight. A family module also owns its GGUF metadata mapping, its tensor
 name table and the forward pass's switches (:class:`~moefit.ingest.families.common.Family`).
 
-Modules: :mod:`.common` (config access, dtype, RoPE, quantization, tensor builders, the name
-table, :class:`Family`), :mod:`.registry` (model_type / GGUF architecture -> family), and the
+Modules: :mod:`.common` (:class:`Family`, and the shared pieces of :mod:`.config`: config
+access, dtype, RoPE, quantization; :mod:`.names`: the name tables; :mod:`.tensors`: the tensor
+builders; :mod:`.gguf_meta`: GGUF metadata), :mod:`.registry` (model_type / GGUF architecture -> family), and the
 families :mod:`.qwen_moe` (``qwen3_moe``, ``qwen2_moe``), :mod:`.mixtral`, :mod:`.olmoe`,
 :mod:`.qwen_hybrid` (``qwen3_next``, ``qwen3_5_moe`` and its text-only ``qwen3_5_moe_text``),
 :mod:`.gpt_oss`, :mod:`.deepseek` (``deepseek_v2``, ``deepseek_v3``, ``kimi_k2``),

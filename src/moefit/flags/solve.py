@@ -1,0 +1,170 @@
+"""The flags turned into a solved :class:`~moefit.plan.types.Plan` of moefit's runtime
+(:func:`plan_from_args`, with ``--max-context max`` and the staging this device measured:
+:func:`calibrated_staging`) and into its predicted speed (:func:`speed_from_args`, the host's
+figures: :func:`host_speed_from_args`). Imports no torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import replace
+
+from moefit.devices import Device, Host
+from moefit.devices.host import HostSpeed, default_host_speed
+from moefit.errors import InputError
+from moefit.flags.devices import HOST_RAM_ENV, host_from_args, warn
+from moefit.flags.request import request_from_args, wants_max_context
+from moefit.ingest.geometry import ModelGeometry
+from moefit.ingest.inputs import read_routing_profile
+from moefit.memory import calibration
+from moefit.memory.staging import StagingModel
+from moefit.plan.alternatives import SMALLEST_CONTEXT, largest_context
+from moefit.plan.request import CHUNK_GRID, Request, context_limit
+from moefit.plan.solver import solve
+from moefit.plan.speed import Speed, alternative_request, predict_plan
+from moefit.plan.types import Plan
+from moefit.units import parse_size
+
+
+def calibrated_staging(geom: ModelGeometry, device: Device, kv: str,
+                       args: argparse.Namespace) -> StagingModel | None:
+    """The prefill staging ``moefit calibrate`` measured for ``geom`` on ``device`` with
+    KV format ``kv`` (:func:`moefit.memory.calibration.load`), or None with
+    ``--no-calibration`` or when there is none; a stale or corrupt calibration is ignored
+    with a warning on stderr."""
+    if getattr(args, "no_calibration", False):
+        return None
+    return calibration.load(geom, device, kv, warn)
+
+
+def plan_from_args(geom: ModelGeometry, device: "Device | tuple[Device, ...]",
+                   args: argparse.Namespace) -> Plan:
+    """Solve the flags' request for ``geom`` on ``device`` (one or several, main first)
+    and the host of the flags (:func:`host_from_args`), with the staging calibrated for
+    them on the main device (:func:`calibrated_staging`). Raises InputError."""
+    devices = (device,) if isinstance(device, Device) else tuple(device)
+    req = request_from_args(args)
+    host = host_from_args(args, devices)
+    staging = calibrated_staging(geom, devices[0], req.kv, args)
+    if not wants_max_context(args):
+        return solve(geom, devices, req, host=host, staging=staging)
+    return _plan_max_context(geom, devices, req, staging, host,
+                             keep_chunk=getattr(args, "prefill_min", None) is None)
+
+
+#: the prefill chunk ``--max-context max`` keeps with ``--prefill auto`` (tokens): a default,
+#: long enough that a prompt step's weight reads are shared by many tokens, short enough that
+#: its staging stays small beside a long context's KV cache (Qwen3.5-35B-A3B, YaRN x4, int8 KV
+#: on a 16 GB card: 928,302 tokens at 4096-token chunks, 4% fewer than at 256)
+MAX_CONTEXT_CHUNK = 4096
+
+
+def max_context_chunk(req: Request) -> int:
+    """The chunk ``--max-context max`` keeps (tokens, on the 256 grid): ``--prefill N`` as
+    asked, ``auto:N``'s ceiling, or :data:`MAX_CONTEXT_CHUNK` for ``auto`` (capped at its
+    ceiling)."""
+    if req.prefill_mode == "fixed":
+        return max(CHUNK_GRID, req.prefill_tokens - req.prefill_tokens % CHUNK_GRID)
+    return min(MAX_CONTEXT_CHUNK, req.prefill_tokens)
+
+
+def _plan_max_context(geom: ModelGeometry, device, req: Request,
+                      staging: StagingModel | None, host: Host | None = None,
+                      keep_chunk: bool = False) -> Plan:
+    """``--max-context max``: the plan at the largest context that fits
+    (:func:`~moefit.plan.alternatives.largest_context`, to the token, capped at the model's limit
+    under the RoPE flags), with a note saying so. ``keep_chunk`` (no ``--prefill-min``): the
+    context of the requested or default chunk (:func:`max_context_chunk`), and a note with
+    the trade-off when the smallest chunk (``--prefill-min``'s) would fit more; when not
+    even one token fits at that chunk, the smallest chunk's plan. When not even one token
+    fits, the failed plan at the smallest context
+    (:data:`~moefit.plan.alternatives.SMALLEST_CONTEXT`), with a note saying no context fits: its
+    shortfall, the side that is short (a device or the host), the limiting lines and the
+    alternatives are those of the least KV cache, not of the model's limit (where the KV
+    cache would hide what is really short)."""
+    limit, how = context_limit(geom, req)
+    trade = ""
+    best = largest_context(geom, device, req, staging, host)
+    chunk = max_context_chunk(req)
+    if keep_chunk and chunk > req.prefill_min and best is not None:
+        kept = req.with_(prefill_min=chunk)
+        at_chunk = largest_context(geom, device, kept, staging, host)
+        if at_chunk is not None:
+            if best > at_chunk:
+                trade = (f"max-context: {req.prefill_min}-token chunks (--prefill-min {req.prefill_min}) "
+                         f"would fit {best} tokens (+{100 * (best - at_chunk) / at_chunk:.0f}%), "
+                         "with slower prefill")
+            req, best = kept, at_chunk
+    if best is None:
+        plan = solve(geom, device, req.with_(max_context=SMALLEST_CONTEXT), host=host,
+                     staging=staging)
+        note = f"max-context: max, no context fits: shown at the smallest, {SMALLEST_CONTEXT} token"
+        return replace(plan, notes=(note, *plan.notes))
+    plan = solve(geom, device, req.with_(max_context=best), host=host, staging=staging)
+    capped = f" (the model's limit, {how})" if best == limit else ""
+    note = f"max-context: max, the largest context that fits: {best} tokens{capped}"
+    if keep_chunk and req.prefill_min == chunk > CHUNK_GRID:
+        note += f" at {chunk}-token chunks"
+    return replace(plan, notes=(note, *((trade,) if trade else ()), *plan.notes))
+
+
+def host_speed_from_args(args: argparse.Namespace, devices: tuple[Device, ...]) -> HostSpeed:
+    """The host's speed figures: ``moefit calibrate --host``'s measurement of this machine
+    when the plan's host is this machine (a probed GPU or the simulated device, no
+    ``--host-ram``, no ``--no-calibration``), else the default host
+    (:func:`moefit.devices.host.default_host_speed`); ``--host-bandwidth`` replaces the
+    bandwidth. Raises InputError for a bad ``--host-bandwidth``."""
+    text = getattr(args, "host_bandwidth", None)
+    bw = None
+    if text is not None:
+        size = text.strip()
+        if size.lower().endswith("/s"):
+            size = size[:-2]
+        bw = float(parse_size(size, "--host-bandwidth"))
+        if bw < 1e8:
+            raise InputError(f"--host-bandwidth {text}: give the host's memory bandwidth per "
+                             "second with a unit, e.g. 60GB/s")
+    here = any(d.kind == "cpu" or not d.simulated for d in devices)
+    measured = None
+    if here and not getattr(args, "host_ram", None) and not os.environ.get(HOST_RAM_ENV) \
+            and not getattr(args, "no_calibration", False):
+        measured = calibration.load_host(getattr(args, "threads", None), warn)
+    if measured is None:
+        return default_host_speed(bw)
+    if bw is None:
+        return measured
+    return replace(measured, memory_bytes_per_s=bw,
+                   source=measured.source + f"; bandwidth {text} from --host-bandwidth")
+
+
+def speed_from_args(geom: ModelGeometry, devices: tuple[Device, ...], plan: Plan,
+                    args: argparse.Namespace) -> tuple["Speed | None", list["Speed | None"]]:
+    """The predicted speed of ``plan`` (:func:`moefit.plan.speed.predict_plan`; None for a
+    plan that does not fit, or a device without figures) and of each of its ``fits with:``
+    alternatives, each re-solved with its change (:func:`moefit.plan.speed.alternative_request`;
+    None where the change is not one request flag: another model file). Raises InputError
+    for bad speed flags."""
+    prompt = getattr(args, "prompt_tokens", None)
+    if prompt is not None and prompt < 1:
+        raise InputError(f"--prompt-tokens {prompt}: give a prompt of at least one token")
+    host = host_speed_from_args(args, devices)
+    profile = None
+    if getattr(args, "routing_profile", None):
+        profile = read_routing_profile(args.routing_profile, geom)
+    speed = predict_plan(plan, host, prompt_tokens=prompt, profile=profile) if plan.fits else None
+    alts: list[Speed | None] = []
+    if plan.alternatives:
+        host_mem = host_from_args(args, devices)
+        staging = calibrated_staging(geom, devices[0], plan.request.kv, args)
+        for a in plan.alternatives:
+            r = alternative_request(plan.request, a)
+            if r is None:
+                alts.append(None)
+                continue
+            same = r.kv.lower() == plan.request.kv.lower()
+            solved = solve(geom, devices, r, host=host_mem, alternatives=False,
+                           staging=staging if same else None)
+            alts.append(predict_plan(solved, host, prompt_tokens=prompt, profile=profile)
+                        if solved.fits else None)
+    return speed, alts
