@@ -2,7 +2,8 @@
 output read back as ``tool_calls`` by the official ``openai`` client. ``"auto"``: a scripted
 engine (:class:`Scripted`) writes a hermes-style reply as Qwen3 does; a named function and
 ``"required"``: a random tiny model constrained to the call; ``"none"``: the tools are not
-shown; refusals only where the calls could not be returned."""
+shown; gpt-oss's harmony calls read from the tokens; refusals only where the calls could not
+be returned."""
 
 from __future__ import annotations
 
@@ -197,12 +198,50 @@ def _body(**kw) -> ChatRequest:
     return ChatRequest.model_validate({"messages": MESSAGES, **kw})
 
 
+HARMONY_TEMPLATE = "{% for m in messages %}<|start|>{{ m.role }}{% endfor %}{{ tools }}<|call|>"
+HARMONY_SPECIALS = ["<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>",
+                    "<|call|>", "<|return|>"]
+HARMONY_REPLY = ("<|channel|>analysis<|message|>The user wants the weather.<|end|><|start|>assistant"
+                 "<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>"
+                 '{"city": "Paris", "days": 2}<|call|>')
+
+
+def _harmony_tokenizer(tmp_path):
+    """The byte-level test tokenizer with gpt-oss's harmony special tokens added."""
+    from serving import write_byte_tokenizer
+    from moefit.serve.text import Tokenizer
+
+    write_byte_tokenizer(tmp_path)
+    tok = Tokenizer.from_dir(tmp_path)
+    tok.tok.add_special_tokens(HARMONY_SPECIALS)
+    return tok
+
+
+def test_harmony_calls_are_read_from_the_tokens_with_their_special_tokens(tmp_path):
+    tok = _harmony_tokenizer(tmp_path)
+    ids = tok.encode(HARMONY_REPLY, add_special_tokens=False)
+    text = tok.decode(ids)                           # what the completion's text holds
+    assert "<|call|>" not in text and "to=functions" in text
+    use = tool_use(_body(tools=[WEATHER]), HARMONY_TEMPLATE)
+    assert use.mode == "auto" and use.fmt == "harmony"
+    content, calls = use.calls(text, ids, tok)
+    assert content is None and [c["function"]["name"] for c in calls] == ["get_weather"]
+    assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Paris", "days": 2}
+    # streamed: everything is held to the end, then the same call
+    ts = ToolStream(use, tok)
+    assert "".join(ts.push(tok.decode([t]), t) for t in ids) == ""
+    assert [c["function"]["name"] for c in ts.finish()[1]] == ["get_weather"]
+    # a final answer without calls is the content as the text has it
+    ids = tok.encode("<|channel|>final<|message|>Sunny.<|return|>", add_special_tokens=False)
+    assert use.calls(tok.decode(ids), ids, tok) == (tok.decode(ids), [])
+
+
 def test_auto_is_refused_only_where_the_calls_could_not_be_returned():
-    harmony = "{% for m in messages %}<|start|>{{ m.role }}{% endfor %}{{ tools }}<|call|>"
+    harmony = HARMONY_TEMPLATE
     with pytest.raises(Exception, match="takes no tools"):
         tool_use(_body(tools=[WEATHER]), CHAT_TEMPLATE)
-    with pytest.raises(Exception, match="harmony"):
-        tool_use(_body(tools=[WEATHER]), harmony)
+    with pytest.raises(Exception, match="no tool-call format"):
+        tool_use(_body(tools=[WEATHER]), "{{ tools }}{% for m in messages %}{{ m.content }}{% endfor %}")
     # forced calls are honoured on any template: the output is constrained to the call
     assert tool_use(_body(tools=[WEATHER], tool_choice="required"), harmony).mode == "required"
     assert tool_use(_body(tools=[WEATHER], tool_choice="required"), CHAT_TEMPLATE).mode == "required"

@@ -217,7 +217,7 @@ def create_app(state: ServerState) -> FastAPI:
         for (index, _), res in zip(jobs, results):
             message, finish = {"role": "assistant", "content": res.text}, res.finish_reason
             if use is not None:
-                content, calls = use.calls(res.text)
+                content, calls = use.calls(res.text, res.token_ids, state.tokenizer)
                 if calls:
                     message = {"role": "assistant", "content": content, "tool_calls": calls}
                     if finish == "stop" and use.mode != "named":

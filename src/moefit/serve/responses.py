@@ -173,7 +173,7 @@ async def chat_chunks(run: Run, head, body, prompts, tokenizer, tools=None) -> A
     (its calls are held back from the content and sent as one ``tool_calls`` delta at the
     end of each choice)."""
     head = {**head, "object": "chat.completion.chunk"}
-    held = {i: ToolStream(tools) for i in run.indices} if tools is not None else None
+    held = {i: ToolStream(tools, tokenizer) for i in run.indices} if tools is not None else None
     logprobs = body.top_logprobs_count is not None
     per_token = body.return_token_ids or logprobs      # each token's chunk goes out
     enc = _Chunks(head)
@@ -185,7 +185,7 @@ async def chat_chunks(run: Run, head, body, prompts, tokenizer, tools=None) -> A
         out, sent = [], False
         text, finish, calls = step.text, step.finish_reason, []
         if held is not None:
-            text = held[index].push(text)
+            text = held[index].push(text, step.token)
             if finish is not None:
                 rest, calls = held[index].finish()
                 text += rest

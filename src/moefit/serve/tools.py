@@ -10,10 +10,13 @@ template, and the output read back as OpenAI's ``tool_calls``.
   the model's own format (:func:`call_format`): Qwen3 / Qwen3.5's hermes-style
   ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks, also with the XML body
   ``<function=NAME><parameter=KEY>VALUE</parameter></function>`` of Qwen3-Coder / Qwen3.5
-  (vLLM's ``hermes`` and ``qwen3_coder`` parsers read the same). The text outside the blocks
-  is the message's ``content``; ``finish_reason`` is ``"tool_calls"`` when there are calls.
-  A template that takes no tools, or whose format moefit does not parse (gpt-oss's harmony
-  ``<|call|>``), is a 400: the calls could not be returned.
+  (vLLM's ``hermes`` and ``qwen3_coder`` parsers read the same), or gpt-oss's harmony
+  messages (https://cookbook.openai.com/articles/openai-harmony): a message whose header
+  names ``to=functions.NAME`` is a call with its body as the arguments, ``final`` messages
+  are the content (read from the tokens with their special tokens, which the text leaves
+  out). The text outside the calls is the message's ``content``; ``finish_reason`` is
+  ``"tool_calls"`` when there are calls. A template that takes no tools, or shows no call
+  format moefit knows, is a 400: the calls could not be returned.
 - a named function (``{"type": "function", "function": {"name": ...}}``) or ``"required"``:
   as vLLM does, the output is constrained (:mod:`moefit.serve.structured`) to the function's
   ``parameters`` schema (named), or to a JSON array of ``{"name", "parameters"}`` objects
@@ -91,8 +94,9 @@ class ToolUse:
                     **({} if self.parallel else {"maxItems": 1})}
         return None
 
-    def calls(self, text: str) -> tuple[str | None, list[dict]]:
-        """``(content, tool_calls)`` of a finished output ``text`` (module docstring)."""
+    def calls(self, text: str, token_ids=(), tokenizer=None) -> tuple[str | None, list[dict]]:
+        """``(content, tool_calls)`` of a finished output ``text`` (module docstring; harmony
+        reads ``token_ids`` through ``tokenizer`` with the special tokens)."""
         if self.mode == "named":
             return None, [_call(self.name, text)]
         if self.mode == "required":
@@ -102,6 +106,10 @@ class ToolUse:
                 return text, []
             return None, [_call(c["name"], c.get("parameters", {})) for c in items
                           if isinstance(c, dict) and isinstance(c.get("name"), str)]
+        if self.fmt == HARMONY:
+            content, calls = parse_harmony(tokenizer.tok.decode(list(token_ids),
+                                                                skip_special_tokens=False))
+            return (content, calls) if calls else (text, [])
         return parse_hermes(text)
 
 
@@ -151,6 +159,30 @@ def parse_hermes(text: str) -> tuple[str | None, list[dict]]:
     return (content or None), calls
 
 
+_HARMONY_MESSAGE = re.compile(r"(?:<\|start\|>)?(.*?)<\|message\|>(.*?)"
+                              r"(?:<\|end\|>|<\|call\|>|<\|return\|>|\Z)", re.S)
+_RECIPIENT = re.compile(r"to=functions\.([A-Za-z0-9_.-]+)")
+_CHANNEL = re.compile(r"<\|channel\|>\s*(\w+)")
+
+
+def parse_harmony(raw: str) -> tuple[str | None, list[dict]]:
+    """``(content, tool_calls)`` of gpt-oss output ``raw`` (decoded with its special tokens):
+    each ``...<|message|>BODY<|call|>`` message whose header names ``to=functions.NAME`` is a
+    call of NAME with BODY as its arguments; the ``final`` channel's bodies are the content
+    (None when there are none); ``analysis`` (reasoning) is left out."""
+    calls, finals = [], []
+    for m in _HARMONY_MESSAGE.finditer(raw):
+        header, body = m.group(1), m.group(2)
+        to = _RECIPIENT.search(header)
+        if to:
+            calls.append(_call(to.group(1), body.strip()))
+            continue
+        channel = _CHANNEL.search(header)
+        if channel is None or channel.group(1) == "final":
+            finals.append(body)
+    return ("".join(finals).strip() or None), calls
+
+
 def tool_use(body, template: str | None) -> ToolUse | None:
     """The :class:`ToolUse` of a chat request ``body`` (:class:`moefit.serve.protocol.ChatRequest`)
     over the model's chat ``template``; None when no tool is offered or ``tool_choice`` is
@@ -193,11 +225,10 @@ def tool_use(body, template: str | None) -> ToolUse | None:
             raise InputError("tools: this model's chat template takes no tools, so the model "
                              "cannot be shown them; use tool_choice \"required\" or a named "
                              "function (the output is then constrained to the call)")
-        if use.fmt != HERMES:
-            what = "gpt-oss's harmony" if use.fmt == HARMONY else "its"
-            raise InputError(f"tools: moefit does not parse {what} tool-call format from this "
-                             "model's output (hermes-style <tool_call> only); use tool_choice "
-                             "\"required\" or a named function")
+        if use.fmt is None:
+            raise InputError("tools: this model's chat template shows no tool-call format moefit "
+                             "parses (hermes-style <tool_call>, gpt-oss's harmony <|call|>); use "
+                             "tool_choice \"required\" or a named function")
     return use
 
 
@@ -220,12 +251,14 @@ class ToolStream:
     that may go out now (in ``"auto"`` mode: up to a ``<tool_call>`` or a possible start of
     one; nothing in the constrained modes), :meth:`finish` the rest and the calls."""
 
-    def __init__(self, use: ToolUse):
-        self.use, self.text, self.sent = use, "", 0
+    def __init__(self, use: ToolUse, tokenizer=None):
+        self.use, self.tokenizer, self.text, self.sent, self.tokens = use, tokenizer, "", 0, []
 
-    def push(self, delta: str) -> str:
+    def push(self, delta: str, token: int | None = None) -> str:
         self.text += delta
-        if self.use.mode != "auto":
+        if token is not None:
+            self.tokens.append(token)
+        if self.use.mode != "auto" or self.use.fmt == HARMONY:     # harmony: read at the end
             return ""
         start = self.text.find(OPEN, self.sent)
         if start < 0:
@@ -239,7 +272,7 @@ class ToolStream:
 
     def finish(self) -> tuple[str, list[dict]]:
         """The content not sent yet and the tool calls of the whole output."""
-        content, calls = self.use.calls(self.text)
+        content, calls = self.use.calls(self.text, self.tokens, self.tokenizer)
         if not calls:
             return self.text[self.sent:], []
         rest = (content or "")
