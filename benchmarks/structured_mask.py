@@ -1,4 +1,4 @@
-"""Per-token cost of a JSON-schema token mask: llguidance, xgrammar, outlines-core side by side.
+"""The per-token cost of a JSON Schema token mask in three libraries, side by side.
 
 The server constrains ``response_format`` by masking each step's logits per sequence
 (docs/serve.md, "Structured output"); the library doing it was chosen with this script. For
