@@ -238,5 +238,5 @@ def test_largest_context_is_solved_directly_not_searched(monkeypatch, model, gpu
     geom, r = load_model(model), Request(**req)
     expected = reference_largest(model, gpu, **req)
     assert expected < context_limit(geom, r)[0]        # a case the memory limits, not RoPE
-    monkeypatch.setattr(alternatives, "_largest_int", no_search)
+    monkeypatch.setattr(alternatives, "largest_int", no_search)
     assert alternatives.largest_context(geom, find_gpu(gpu), r) == expected

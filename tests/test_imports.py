@@ -213,6 +213,20 @@ def test_nothing_in_the_package_imports_the_command_line():
     assert importers == ["moefit.__main__"]
 
 
+#: Modules that start other programs (``moefit serve --engine llama.cpp`` runs llama-server):
+#: only the command line imports them, so no plan or runtime path can start a process.
+LAUNCHERS = ("moefit.external.llama_server",)
+
+
+def test_only_the_command_line_imports_the_launchers():
+    graph = package_graph()
+    for launcher in LAUNCHERS:
+        assert launcher in graph.modules
+        importers = sorted(m for m, out in graph.edges.items() if launcher in out)
+        assert importers == ["moefit.cli"], f"{launcher} imported by {importers}"
+        assert launcher not in heavy_modules(graph)        # no torch: it runs without the serve extra
+
+
 #: The layers of docs/design.md ("Layering"), lowest first: a module imports modules of its
 #: own group or of a lower rank, never of a higher rank or of another group of its rank.
 LAYERS: tuple[tuple[int, str, tuple[str, ...]], ...] = (
@@ -398,6 +412,19 @@ def test_every_runtime_room_has_a_rank():
     assert len(rooms) >= 5
     named = {p for _, _, prefixes in LAYERS for p in prefixes}
     assert [r for r in rooms if r not in named] == []
+
+
+def test_the_moe_layer_and_the_linear_product_sit_below_the_forward_pass():
+    """The forward pass (``runtime/model.py``) takes its MoE layer from the moe room
+    (``runtime/moe/layer.py``) and its linear products from the kernels room
+    (``runtime/kernels/linear.py``), which the MoE layer multiplies through too: neither
+    lives in ``model.py`` again, and the MoE layer ranks below the forward pass."""
+    edges = package_graph().edges
+    assert {"moefit.runtime.moe.layer", "moefit.runtime.kernels.linear"} <= set(edges["moefit.runtime.model"])
+    assert "moefit.runtime.kernels.linear" in edges["moefit.runtime.moe.layer"]
+    ranks = [layer_of(m)[0] for m in ("moefit.runtime.kernels.linear", "moefit.runtime.moe.layer",
+                                      "moefit.runtime.model")]
+    assert ranks == sorted(set(ranks)), ranks
 
 
 def test_an_import_up_or_across_the_runtime_rooms_is_a_layer_violation(tmp_path):

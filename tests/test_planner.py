@@ -12,7 +12,7 @@ from moefit.devices import Device, find_gpu
 from moefit.errors import InputError
 from moefit.memory.kv import KV_FORMATS, kv_bytes
 from moefit.memory.runtime import default_reserve_bytes, runtime_bytes
-from moefit.memory import staging
+from moefit.memory import layer_kinds, staging
 from moefit.memory.staging import staging_model
 from moefit.memory.weights import expert_slot_bytes, weight_arena_bytes
 from moefit.ingest.resolve import load_model
@@ -318,19 +318,19 @@ def test_the_mla_presets_are_every_preset_with_mla_layers():
 @pytest.mark.parametrize("name", MLA_PRESETS)
 def test_mla_staging_in_closed_form_equals_the_per_layer_scan(name, monkeypatch):
     """Each MLA layer's step is ``const + per_token x chunk`` from its own tensors
-    (:func:`moefit.memory.staging.mla_kv_b_bytes`); the staging model equals the one
+    (:func:`moefit.memory.layer_kinds.mla_kv_b_bytes`); the staging model equals the one
     priced by scanning the model's fp8 tensors for every layer, at every KV format and
     several chunks (fp8 checkpoints: a kv_b_proj is dequantized, so the term is not 0)."""
     geom = load_model(name)
     act = staging.compute_bytes(geom)
     mla = [l for l in geom.layers if l.attention.kind == "mla"]
-    per_layer = [staging.mla_kv_b_bytes(l, geom, act) for l in mla]
+    per_layer = [layer_kinds.mla_kv_b_bytes(l, geom, act) for l in mla]
     assert per_layer == [_kv_b_bytes_by_scan(l, geom, act) for l in mla]
     assert all(per_layer) if geom.quant.method == "fp8" else not any(per_layer)
     chunks = (1, 256, 4096, 16384, 65536)
     closed = [staging_model(geom, f, slots).bytes(c) for f in KV_FORMATS.values()
               for slots in (1, 4) for c in chunks]
-    monkeypatch.setattr(staging, "mla_kv_b_bytes", _kv_b_bytes_by_scan)
+    monkeypatch.setattr(layer_kinds, "mla_kv_b_bytes", _kv_b_bytes_by_scan)
     scanned = [staging_model(geom, f, slots).bytes(c) for f in KV_FORMATS.values()
                for slots in (1, 4) for c in chunks]
     assert closed == scanned

@@ -5,19 +5,43 @@ MoE whose MoE block is named ``moe`` (checkpoint ``model.layers.N.moe.gate`` /
 ``moe.experts.J.*``) and whose GGUF architecture is ``toymoe``. Used by
 ``tests/test_families.py`` (config, GGUF mapping, name table) and
 ``tests/runtime/test_toy_family.py`` (switches, safetensors and GGUF loaders, GGUF writer).
+
+``LOCAL`` is a test-only layer kind (``layer_kinds.register``), softmax attention over the
+last ``span`` tokens whatever the config says; the toy family gives its layers that kind
+when its config says ``"toy_layer_kind": "toy_local"`` (tests/runtime/test_toy_kind.py
+plans and runs it).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from moefit.ingest.families.common import (
     Family, GGUFFacts, GGUFMeta, Switches, attn_spec, dtype_name, expert_tensors, global_tensors, gqa,
     layer_norms, name_table, read_sizes, router_tensors,
 )
 from moefit.ingest.geometry import LayerSpec, MoESpec
+from moefit.memory import layer_kinds
 
 
 #: MoE block ``moe`` (router ``moe.gate``, experts ``moe.experts.J.{gate,up,down}_proj``).
 NAMES = name_table("moe")
+
+
+@dataclass(frozen=True)
+class LocalWindow(layer_kinds.Windowed):
+    """A test-only layer kind: softmax attention over the last ``span`` tokens (its own
+    window, not the config's); its cells, prefill workspace and forward pass are those of
+    the sliding window it specialises."""
+
+    span: int = 24
+
+    def window(self, att):
+        return self.span
+
+
+#: the test-only kind ``toy_local``: register with ``layer_kinds.register(LOCAL)``
+LOCAL = LocalWindow("toy_local", span=24)
 
 
 def toy_parse(c, kind):
@@ -25,10 +49,11 @@ def toy_parse(c, kind):
     m = read_sizes(c)
     e, k, i = c.num_experts(), c.int("num_experts_per_tok"), c.int("moe_intermediate_size")
     layers = []
+    layer_kind = c.get("toy_layer_kind", "full")    # "toy_local": the test-only kind LOCAL
     for n in range(m.layers):
         p = f"model.layers.{n}."
         ts = gqa(p, m, qk_norm="head") + router_tensors(NAMES.router_module(p), e, m.hidden) + layer_norms(p, m.hidden)
-        layers.append(LayerSpec(n, attn_spec(m), MoESpec(e, k, i), tuple(ts),
+        layers.append(LayerSpec(n, attn_spec(m, layer_kind), MoESpec(e, k, i), tuple(ts),
                                 expert_tensors(NAMES.hf_experts(p), m.hidden, i, NAMES.expert_parts)))
     tied = bool(c.get("tie_word_embeddings", False))
     return layers, global_tensors("model.", "lm_head.weight", m.hidden, m.vocab, tied), m.max_pos

@@ -24,7 +24,7 @@ import torch
 
 from conftest import plan_for
 from moefit.memory.kv import BLOCK_BITS, KV_FORMATS, KVFormat
-from moefit.memory.staging import codec_scratch, span
+from moefit.memory.takes import span
 from moefit.runtime.engine import Engine, EngineOptions
 from moefit.runtime.buffers.kv_codec import Codec
 from moefit.runtime.buffers.ledger import Ledger
@@ -166,7 +166,7 @@ def test_codec_scratch_is_what_the_staging_model_prices(fmt, dim, act):
                 codec.decode(enc, torch.empty(n, dim, dtype=act), 0.5, ws)
             else:
                 codec.encode(x, enc, 0.5, ws)
-            priced = span([n * b for b in codec_scratch(f.codec(side), dim, act.itemsize, decode)])
+            priced = span([n * b for b in f.codec_scratch(side, dim, act.itemsize, decode)])
             assert ws.peak == priced, (side, decode, ws.peak, priced)
             assert ws.offset == 0    # every take is given back
             ledger.release("prefill", ws.buffer)

@@ -160,7 +160,8 @@ def test_grouped_router_equals_the_transformers_router(mla, family):
     through the reference's own router module (``DeepseekV3TopkRouter``,
     ``DeepseekV2TopkRouter``, ``Glm4MoeTopkRouter``): the same experts, the same weights;
     every buffer from the workspace."""
-    from moefit.memory.staging import grouped_route_takes, span, take_bytes
+    from moefit.memory.staging import grouped_route_takes
+    from moefit.memory.takes import span, take_bytes
     from moefit.runtime.buffers.ledger import Ledger
     from moefit.runtime.moe.routing import route_grouped
     from moefit.runtime.buffers.workspace import Workspace

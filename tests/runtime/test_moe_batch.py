@@ -18,6 +18,7 @@ from moefit.memory.cpu_kernels import DISABLE_ENV  # noqa: E402
 from moefit.runtime.layers import lean_step as decode_step
 from moefit.runtime.moe import batch as moe_batch
 from moefit.runtime.kernels import qmatmul  # noqa: E402
+from moefit.runtime.kernels.linear import dense, dense_applies  # noqa: E402
 from moefit.runtime.engine import Engine, EngineOptions  # noqa: E402
 from reference import engine_greedy, max_error, prompt  # noqa: E402
 from test_gguf_runtime import QUANT_TOL, GGUFModel  # noqa: E402
@@ -96,12 +97,12 @@ def test_dense_decode_product_and_fp32_logits(dtype):
     w = torch.randn(300, 256, generator=g).to(dtype)
     x = torch.randn(2, 256, generator=g).to(dtype)
     ref = x.double() @ w.double().T
-    out32 = moe_batch.dense(x, w, torch.empty(2, 300))
+    out32 = dense(x, w, torch.empty(2, 300))
     assert ((out32.double() - ref).abs().max() / ref.abs().max()) < 1e-6
-    out16 = moe_batch.dense(x, w, torch.empty(2, 300, dtype=dtype))
+    out16 = dense(x, w, torch.empty(2, 300, dtype=dtype))
     assert torch.equal(out16, out32.to(dtype))
-    assert moe_batch.dense_applies(x, w) and not moe_batch.dense_applies(x.float(), w.float())
-    assert not moe_batch.dense_applies(torch.zeros(64, 256), w)          # prefill: torch.mm
+    assert dense_applies(x, w) and not dense_applies(x.float(), w.float())
+    assert not dense_applies(torch.zeros(64, 256), w)          # prefill: torch.mm
 
 
 def _c_and_torch(path, plan_of, vocab, monkeypatch):

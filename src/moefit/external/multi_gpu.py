@@ -34,6 +34,7 @@ from moefit.errors import InputError
 from moefit.ingest.geometry import ModelGeometry
 from moefit.ingest.resolve import format_params
 from moefit.plan.types import Alternative, Line, LineTable, format_fits_with, largest_int, limiting_lines
+from moefit.memory.layer_kinds import Latent, kind_of
 from moefit.memory.runtime import runtime_bytes
 from moefit.units import GIB, MIB, format_bytes, size_format
 
@@ -204,7 +205,7 @@ def candidate_layouts(geom: ModelGeometry, req: ServeRequest) -> list[Layout]:
                          "of GPUs on every node)")
     per_node = g // m
     moe = bool(geom.moe_layers)
-    mla = any(l.attention.kind == "mla" for l in geom.layers)
+    mla = any(isinstance(kind_of(l.attention), Latent) for l in geom.layers)
     if req.ep is not None and not moe:
         raise InputError(f"--ep {req.ep}: {geom.name} is a dense model (no experts to place); drop --ep")
     given = [x is not None for x in (req.tp, req.pp, req.dp)]

@@ -50,6 +50,7 @@ from dataclasses import dataclass
 
 from moefit.errors import InputError
 from moefit.ingest.geometry import DTYPES, LayerSpec, ModelGeometry, Tensor
+from moefit.memory.layer_kinds import Latent, Recurrent, kind_of
 
 #: ``DEFAULT_VOCAB_PADDING_SIZE`` of ``vocab_parallel_embedding.py`` (rows)
 VOCAB_PADDING = 64
@@ -136,7 +137,7 @@ def check_layout(geom: ModelGeometry, layout: Layout, *, fp8_block: int | None =
         if v < 1:
             raise InputError(f"{flag} {v}: must be at least 1")
     stage_layers(geom.num_layers, layout.pp)
-    heads = sorted({l.attention.num_heads for l in geom.layers if l.attention.kind != "linear"})
+    heads = sorted({l.attention.num_heads for l in geom.layers if kind_of(l.attention).cells})
     for h in heads:
         if h % layout.tp:
             ok = [t for t in (1, 2, 4, 8, 16, 32) if h % t == 0 and layout.world % t == 0]
@@ -144,14 +145,15 @@ def check_layout(geom: ModelGeometry, layout: Layout, *, fp8_block: int | None =
                              f"use --tp {' or '.join(map(str, ok[-3:]))} (and --pp or --dp for the "
                              "other GPUs)")
     for kv in sorted({l.attention.num_kv_heads for l in geom.layers
-                      if l.attention.kind not in ("linear", "mla") and l.attention.num_kv_heads}):
+                      if kind_of(l.attention).cells and not isinstance(kind_of(l.attention), Latent)
+                      and l.attention.num_kv_heads}):
         if kv % layout.tp and layout.tp % kv:
             raise InputError(f"--tp {layout.tp} and {geom.name}'s {kv} K/V heads: one must divide "
                              "the other (vLLM/SGLang QKVParallelLinear); use a power of two "
                              "--tp")
     for l in geom.layers:
         a = l.attention
-        if a.kind == "linear" and (a.linear_num_key_heads % layout.tp or a.linear_num_value_heads % layout.tp):
+        if isinstance(kind_of(a), Recurrent) and (a.linear_num_key_heads % layout.tp or a.linear_num_value_heads % layout.tp):
             raise InputError(f"--tp {layout.tp} does not divide the {a.linear_num_key_heads} key heads of "
                              f"{geom.name}'s linear-attention layers; use a --tp that divides "
                              f"{a.linear_num_key_heads}")
@@ -203,7 +205,7 @@ def tensor_rank_bytes(geom: ModelGeometry, t: Tensor, layer: LayerSpec | None, t
     name = t.name
     if t.role == "attention" and layer is not None:
         a = layer.attention
-        if a.kind == "mla":
+        if isinstance(kind_of(a), Latent):
             if ".q_a_proj." in name or ".kv_a_proj_with_mqa." in name:
                 return b
             return -(-b // tp)
@@ -240,8 +242,8 @@ class StageShard:
     ``mlp`` (dense MLPs, shared experts), ``experts``, ``embeddings`` (token embedding,
     ``lm_head``), ``other`` (norms, routers)); ``kv_layer_bytes``: K+V (or latent) bytes per
     token of each attention layer of the stage, on this rank, at ``kv_bytes`` per element;
-    ``kv_kinds``: ``(kind, window)`` of each of those layers (``full`` / ``mla`` with window
-    None, ``sliding`` / ``chunked`` with their window);
+    ``kv_kinds``: ``(kind, window)`` of each of those layers, the kind as vLLM's spec type
+    (``full``, MLA too, with window None; ``sliding`` / ``chunked`` with their window);
     ``state_bytes``: recurrent state per sequence of the stage's linear-attention layers.
     """
 
@@ -267,9 +269,10 @@ def layer_kv_bytes(layer: LayerSpec, tp: int, kv_bytes: int) -> int:
     ``kv_lora_rank + qk_rope_head_dim`` (replicated); GQA ``max(1, kv_heads // tp) x
     (head_dim + v_head_dim)``. 0 for a linear-attention layer."""
     a = layer.attention
-    if a.kind == "linear":
+    kind = kind_of(a)
+    if isinstance(kind, Recurrent):
         return 0
-    if a.kind == "mla":
+    if isinstance(kind, Latent):
         return (a.kv_lora_rank + a.qk_rope_head_dim) * kv_bytes
     return max(1, a.num_kv_heads // tp) * (a.head_dim + (a.v_head_dim or a.head_dim)) * kv_bytes
 
@@ -279,7 +282,7 @@ def layer_state_bytes(geom: ModelGeometry, layer: LayerSpec, tp: int) -> int:
     conv ``(kernel - 1) x conv_dim / tp`` in the model dtype + SSM ``value_heads / tp x
     key_dim x value_dim`` in ``state_dtype``. 0 for other layers."""
     a = layer.attention
-    if a.kind != "linear":
+    if not isinstance(kind_of(a), Recurrent):
         return 0
     conv = (a.linear_conv_kernel - 1) * (a.linear_conv_dim // tp) * geom.dtype_bytes
     ssm = (a.linear_num_value_heads // tp) * a.linear_key_head_dim * a.linear_value_head_dim * a.state_dtype_bytes
@@ -309,14 +312,15 @@ def stage_shards(geom: ModelGeometry, layout: Layout, kv_bytes: int,
                 parts[kind] += tensor_rank_bytes(geom, t, layer, layout.tp)
             blob = None if expert_blob is None or layer.moe is None else expert_blob(layer)
             parts["experts"] += expert_rank_bytes(geom, layer, layout, blob)
-            if layer.attention.kind == "linear":
+            a = layer.attention
+            kind = kind_of(a)
+            if isinstance(kind, Recurrent):
                 state += layer_state_bytes(geom, layer, layout.tp)
                 lin += 1
             else:
                 kv.append(layer_kv_bytes(layer, layout.tp, kv_bytes))
-                a = layer.attention
-                win.append((a.kind, a.sliding_window) if a.kind in ("sliding", "chunked") and a.sliding_window
-                           else (a.kind, None))
+                w = kind.window(a)      # vLLM's spec type: a masked window slides, else chunks
+                win.append((("sliding" if kind.masked_window(a) else "chunked"), w) if w else ("full", None))
         out.append(StageShard(s, rng, sum(parts.values()), parts, tuple(kv), tuple(win), state, lin,
                               first, last))
     return tuple(out)
@@ -346,10 +350,11 @@ def token_activation_bytes(geom: ModelGeometry, layers: range, tp: int) -> int:
     for i in layers:
         layer = geom.layers[i]
         a = layer.attention
-        if a.kind == "linear":
+        kind = kind_of(a)
+        if isinstance(kind, Recurrent):
             d_inner = a.linear_num_value_heads * a.linear_value_head_dim
             mix = (2 * a.linear_conv_dim + 3 * d_inner) // tp + h
-        elif a.kind == "mla":
+        elif isinstance(kind, Latent):
             heads = a.num_heads // tp
             nope = a.head_dim - a.qk_rope_head_dim
             v = a.v_head_dim or nope

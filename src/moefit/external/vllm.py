@@ -146,8 +146,7 @@ def kv_groups(shard: StageShard) -> KVGroups:
     per_token = max(shard.kv_layer_bytes) if shard.kv_layer_bytes else 0
     kinds: dict[tuple[str, int | None], int] = {}
     for kind, window in shard.kv_kinds:
-        key = ("full", None) if kind in ("full", "mla") or not window else (kind, window)
-        kinds[key] = kinds.get(key, 0) + 1
+        kinds[(kind, window)] = kinds.get((kind, window), 0) + 1
     block = BLOCK
     page = per_token * block
     if shard.linear_layers:

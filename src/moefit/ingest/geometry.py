@@ -120,6 +120,11 @@ class Quantization:
     block_size: tuple[int, int] = (128, 128)
     applies_to: frozenset[str] = frozenset()
 
+    def dense_fp8(self, t: Tensor) -> bool:
+        """Tensor ``t`` is held as block-scaled fp8 (method ``fp8``): a quantizable 2-D
+        tensor of a role the method covers."""
+        return self.method == "fp8" and t.quantizable and t.role in self.applies_to and len(t.shape) == 2
+
     def tensor_bytes(self, t: Tensor, dtype_bytes: int) -> int:
         """Bytes that tensor ``t`` occupies in a checkpoint/device buffer of this format.
 

@@ -36,8 +36,9 @@ from moefit.errors import InputError
 from moefit.ingest import checkpoint
 from moefit.ingest.geometry import ModelGeometry
 from moefit.memory import cpu_kernels
-from moefit.memory.staging import (DEQUANT_SCRATCH_BYTES_PER_ELEM, DEQUANT_TILE_ELEMS, FP8_TYPE, FP32, Take,
-                                   compute_bytes, expert_dequant_bytes, span, take_bytes)
+from moefit.memory.staging import (DEQUANT_SCRATCH_BYTES_PER_ELEM, DEQUANT_TILE_ELEMS, FP8_TYPE,
+                                   compute_bytes, expert_dequant_bytes)
+from moefit.memory.takes import FP32, Take, span, take_bytes
 
 MIB = 1 << 20
 GIB = 1 << 30

@@ -50,7 +50,7 @@ and row bytes from the formulas above; the runtime computes none of its own), as
 ``kv_cache_interface.py`` puts the page size on its spec classes and the worker allocates
 without recomputing. A new format is a :data:`KV_FORMATS` entry naming each side's codec kind
 (:data:`CODEC_KINDS`) and the plain dtype; a new codec kind also needs its bytes
-(:meth:`KVFormat.row_bytes`), its scratch priced (:func:`moefit.memory.staging.codec_scratch`)
+(:meth:`KVFormat.row_bytes`), its scratch priced (:meth:`KVFormat.codec_scratch`)
 and its encoder in ``moefit.runtime.buffers.kv_codec``.
 """
 
@@ -62,6 +62,7 @@ from dataclasses import dataclass
 from moefit.errors import InputError
 from moefit.ingest.geometry import DTYPES, AttentionSpec, ModelGeometry
 from moefit.memory.layer_kinds import kind_of
+from moefit.memory.takes import FP32, INT64
 
 QBLOCK = 32  #: values per quantization block (q8_0 / q4_0 style)
 
@@ -116,8 +117,7 @@ class KVFormat:
     def codec(self, side: str) -> str:
         """The codec kind of one side (``"k"`` or ``"v"``): ``plain``, ``fp8``, ``q8`` or
         ``q4`` (:data:`CODEC_KINDS`). The runtime's encoder (``moefit.runtime.buffers.kv_codec.Codec``)
-        and the staging model's scratch (:func:`moefit.memory.staging.codec_scratch`) are
-        keyed by it."""
+        and its workspace scratch (:meth:`codec_scratch`) are keyed by it."""
         return self.k if side == "k" else self.v
 
     def row_bytes(self, side: str, dim: int) -> int:
@@ -130,6 +130,26 @@ class KVFormat:
         if kind == "fp8":
             return dim
         return math.ceil(dim / QBLOCK) * (QBLOCK * BLOCK_BITS[kind] // 8 + 2)
+
+    def codec_scratch(self, side: str, dim: int, act: int, decode: bool) -> list[int]:
+        """Bytes per head vector of each workspace take of the ``side`` (``"k"`` / ``"v"``)
+        codec encoding or decoding ``dim``-element vectors, in the order
+        ``moefit.runtime.buffers.kv_codec`` takes them (decode into the compute dtype of
+        ``act`` bytes): none for plain; an fp32 copy for fp8 (none decoding into fp32);
+        the block codecs' fp32 values, scales and packed bytes.
+        tests/runtime/test_kv_formats.py measures the codecs against it."""
+        kind = self.codec(side)
+        nb = math.ceil(dim / QBLOCK)
+        if kind == "plain":
+            return []
+        if kind == "fp8":
+            return [] if decode and act == FP32 else [dim * FP32]
+        if decode:
+            return ([nb * FP32, nb * QBLOCK * FP32] if kind == "q8"
+                    else [nb * FP32, nb * QBLOCK, nb * QBLOCK * FP32])
+        if kind == "q8":
+            return [nb * QBLOCK * FP32] * 2 + [nb * FP32, nb * FP32, nb]
+        return [nb * QBLOCK * FP32] * 2 + [nb * INT64, nb * FP32, nb * FP32, nb, nb * QBLOCK]
 
 
 KV_FORMATS: dict[str, KVFormat] = {

@@ -23,7 +23,7 @@ It prices exactly what moefit's forward pass takes from the line's one workspace
    it is kept in another dtype. Tiles are sized in full even for a chunk at position 0.
 2. a *stack* of ``[c, ...]`` tensors above it: the residual stream (hidden state, normed
    input, layer output) and the chunk's RoPE cos / sin, always; on top, at each step of a
-   layer, what that step takes (:class:`_Step`): the RMSNorm's fp32 scratch; attention's
+   layer, what that step takes (:class:`~moefit.memory.takes.Step`): the RMSNorm's fp32 scratch; attention's
    q / k / v, then the largest of the q/k-norm scratch, ``rotate_half``, the KV codec's
    encoding scratch, the attention output; Gated DeltaNet's projections, fp32 conv input
    and output, gates and gated norm; the MoE routing (fp32 softmax, top-k) and dispatch
@@ -35,17 +35,15 @@ stack's few constants, view alignment and an allowance for torch's scalars
 (:data:`OP_SCRATCH`); ``per_token_bytes`` is the residual stream plus the largest step's
 bytes per token, the maximum over all steps of all layers (steps never overlap).
 
-The fixed region's layouts have their one home here and the runtime takes its buffers by
-them: :func:`attention_tile_takes` (an attention tile), :func:`delta_block_takes` (a
-delta-rule block), and the region's size :func:`fixed_region_bytes`, which the engine
-reserves for every chunk; :data:`WORKSPACE_ALIGN` is the workspace's view alignment and
-:func:`span` its offset arithmetic. The measured peak of a chunk, every tensor counted, is
-at most the model and within 2.5% of it from 256 tokens up, 0.2% at 16384
+Each layer's token mixer is priced by its kind (:mod:`moefit.memory.layer_kinds`:
+``LayerKind.region_bytes``, its fixed-region part, and ``LayerKind.step``, its stack), the
+region's layouts the runtime takes by are :func:`moefit.memory.takes.attention_tile_takes`
+and :func:`~moefit.memory.takes.delta_block_takes`, and the region's size
+:func:`fixed_region_bytes` is what the engine reserves for every chunk. MLA layers
+(DeepSeek-V2 §2.1) run in the absorbed form, as one KV head over the cached latent rows
+(``Latent.attention_dims``). The measured peak of a chunk, every tensor counted, is at
+most the model and within 2.5% of it from 256 tokens up, 0.2% at 16384
 (tests/runtime/test_staging_bound.py, docs/validation.md).
-
-MLA layers (DeepSeek-V2 §2.1) run in the absorbed form, as one KV head over the cached
-latent rows (:func:`mla_attention_dims`): their tile is an attention tile of that head,
-their stack the absorbed queries, the latent output and the value heads (:func:`_mla_step`).
 
 A calibration measured on the device (``moefit calibrate``,
 :mod:`moefit.memory.calibration`) replaces the two numbers when there is one.
@@ -56,21 +54,18 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from moefit.ingest.geometry import AttentionSpec, LayerSpec, ModelGeometry, Routing
+from moefit.ingest.geometry import LayerSpec, ModelGeometry, Routing
 from moefit.memory import cpu_kernels
-from moefit.memory.kv import QBLOCK, KVFormat
-from moefit.memory.layer_kinds import kind_of
+from moefit.memory.kv import KVFormat
+from moefit.memory.layer_kinds import is_kv_b, kind_of
+from moefit.memory.takes import (
+    ATTN_KV_BLOCK, ATTN_Q_BLOCK, FP32, INT64, WORKSPACE_ALIGN, Step, Take, span, take_bytes,
+)
 
-ATTN_Q_BLOCK = 256      #: queries per attention tile (tokens)
-ATTN_KV_BLOCK = 512     #: cached tokens per attention tile (tokens)
-DELTA_CHUNK = 64        #: chunk of the chunked delta rule (transformers' default)
-WORKSPACE_ALIGN = 64    #: bytes; the runtime workspace starts every view on this boundary
 ALIGN_SLACK = 32 * WORKSPACE_ALIGN   #: alignment of the stack's views (at most ~25 live)
 #: torch's own scalars and small results outside the workspace, and on CUDA the caching
 #: allocator's 512-byte rounding of what the measurement mirrors
 OP_SCRATCH = 64 << 10
-FP32 = 4
-INT64 = 8
 #: Elements dequantized per kernel call when a stored (GGUF) expert runs
 #: (``moefit.runtime.kernels.quant``).
 DEQUANT_TILE_ELEMS = 1 << 20
@@ -95,13 +90,6 @@ DEQUANT_SCRATCH_BYTES_PER_ELEM: dict[str, float] = {
     **{t: 8.25 for t in ("Q2_K", "Q3_K", "IQ4_XS", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S",
                          "IQ1_S", "IQ1_M")},
 }
-#: bytes per element of the dtypes a workspace layout names; ``"act"`` is the compute
-#: dtype, whose size the caller gives
-ELEM_BYTES = {"f32": FP32, "i64": INT64, "u8": 1, "bool": 1}
-#: one workspace take: (elements, dtype name: ``act``, ``f32``, ``i64``, ``u8``, ``bool``)
-Take = tuple[int, str]
-
-
 @dataclass(frozen=True)
 class StagingModel:
     """``bytes(c) = const_bytes + per_token_bytes * c`` for a chunk of ``c`` tokens.
@@ -123,154 +111,9 @@ class StagingModel:
         return self.const_bytes + self.per_token_bytes * chunk
 
 
-@dataclass(frozen=True)
-class _Step:
-    """One step of a layer: its stack above the residual stream (``const`` +
-    ``per_token`` x T)."""
-
-    name: str
-    const: int
-    per_token: int
-
-
-def span(sizes, start: int = 0) -> int:
-    """Workspace offset (bytes) after takes of ``sizes`` bytes, in order, from offset
-    ``start``, each view starting on a :data:`WORKSPACE_ALIGN` boundary: the bytes a
-    sequence of ``moefit.runtime.buffers.workspace.Workspace.take`` needs."""
-    off = start
-    for n in sizes:
-        off = -(-off // WORKSPACE_ALIGN) * WORKSPACE_ALIGN + n
-    return off
-
-
-def take_bytes(takes: list[Take], act: int) -> list[int]:
-    """Bytes of each take of a layout, the compute dtype being ``act`` bytes."""
-    return [n * (act if dt == "act" else ELEM_BYTES[dt]) for n, dt in takes]
-
-
 def compute_bytes(geom: ModelGeometry) -> int:
     """Bytes per element of the compute dtype: the model's 16/32-bit dtype, else 2 (bf16)."""
     return geom.dtype_bytes if geom.dtype_bytes in (2, 4) else 2
-
-
-def codec_scratch(kind: str, dim: int, act: int, decode: bool) -> list[int]:
-    """Bytes per head vector of each scratch take of a KV codec of ``kind``
-    (:meth:`moefit.memory.kv.KVFormat.codec`) encoding or decoding ``dim``-element
-    vectors, in the order ``moefit.runtime.buffers.kv_codec`` takes them (decode into the compute
-    dtype of ``act`` bytes); tests/runtime/test_kv_formats.py measures the codecs against
-    it."""
-    nb = math.ceil(dim / QBLOCK)
-    if kind == "plain":
-        return []
-    if kind == "fp8":
-        return [] if decode and act == FP32 else [dim * FP32]
-    if decode:
-        return ([nb * FP32, nb * QBLOCK * FP32] if kind == "q8"
-                else [nb * FP32, nb * QBLOCK, nb * QBLOCK * FP32])
-    if kind == "q8":
-        return [nb * QBLOCK * FP32] * 2 + [nb * FP32, nb * FP32, nb]
-    return [nb * QBLOCK * FP32] * 2 + [nb * INT64, nb * FP32, nb * FP32, nb, nb * QBLOCK]
-
-
-def _qk_norm(layer: LayerSpec) -> str:
-    """``head`` / ``full`` / ``""``: the layer's q/k RMSNorm, from its weight listing."""
-    for t in layer.tensors:
-        if t.name.endswith("q_norm.weight"):
-            return "head" if t.shape[-1] == layer.attention.head_dim else "full"
-    return ""
-
-
-def attention_tile_takes(kvh: int, g: int, d: int, dv: int, k_row: int, v_row: int,
-                         act_fp32: bool, window: bool, q_block: int = ATTN_Q_BLOCK,
-                         kv_block: int = ATTN_KV_BLOCK, latent: bool = False) -> list[Take]:
-    """The fixed-region takes of one attention tile (``moefit.runtime.layers.attention.attend``
-    takes its buffers by this list, in order), before the KV block read: ``G x q_block``
-    query rows per KV head (``kvh`` KV heads, ``g`` query heads each, head dims ``d`` /
-    ``dv``) against ``kv_block`` cached tokens whose encoded rows are ``k_row`` /
-    ``v_row`` bytes. Sized for full tiles whatever the chunk and the position, so the
-    region never depends on the context.
-
-    In order: the query tile; fp32 running max, sum and output; the query positions; the
-    K/V block as stored and dequantized; fp32 scores (then probabilities); unless
-    ``act_fp32`` the probabilities, ``p @ v`` in the compute dtype and in fp32; the key
-    positions and the causal mask (and the window mask); four fp32 row vectors (new max,
-    safe max, rescale, row sum) and a bool one (all masked). ``latent`` (MLA, one KV head
-    over the latent rows): V is the first ``dv`` values of the dequantized K block, so the
-    V block takes nothing.
-    """
-    rows = g * q_block
-    tile = kvh * rows * kv_block
-    takes = [(kvh * rows * d, "act"),
-             (kvh * rows, "f32"), (kvh * rows, "f32"), (kvh * rows * dv, "f32"),
-             (rows, "i64"),
-             (kv_block * kvh * k_row, "u8"), (kv_block * kvh * v_row, "u8"),
-             (kv_block * kvh * d, "act"), (0 if latent else kv_block * kvh * dv, "act"),
-             (tile, "f32")]
-    if not act_fp32:
-        takes += [(tile, "act"), (kvh * rows * dv, "act"), (kvh * rows * dv, "f32")]
-    takes += [(kv_block, "i64"), (rows * kv_block, "bool")]
-    if window:
-        takes += [(rows * kv_block, "bool")]
-    takes += [(kvh * rows, "f32")] * 4 + [(kvh * rows, "bool")]
-    return takes
-
-
-def attention_region_bytes(att: AttentionSpec, fmt: KVFormat, act: int,
-                           q_block: int = ATTN_Q_BLOCK, kv_block: int = ATTN_KV_BLOCK) -> int:
-    """Bytes of the fixed region one full / sliding / MLA attention layer uses: a tile
-    (:func:`attention_tile_takes`), then a KV block read (``KVCache.read``: the int64
-    cell indices, then the K codec's decode scratch, freed, then the V one's). MLA
-    attends as one KV head over the latent rows (:func:`mla_attention_dims`), without a
-    V read."""
-    if att.kind == "mla":
-        kvh, g, d, dv = mla_attention_dims(att)
-        sides = (("k", d),)
-        k_row, v_row = fmt.k_bytes(d), 0
-    else:
-        kvh, d, dv = att.num_kv_heads, att.head_dim, att.v_head_dim
-        g, sides = att.num_heads // kvh, (("k", d), ("v", dv))
-        k_row, v_row = fmt.k_bytes(d), fmt.v_bytes(dv)
-    tile = attention_tile_takes(kvh, g, d, dv, k_row, v_row, act == FP32,
-                                att.kind in ("sliding", "chunked"), q_block, kv_block,
-                                latent=att.kind == "mla")
-    base = span([kv_block * INT64], span(take_bytes(tile, act)))
-    return max(span([n * kv_block * kvh for n in codec_scratch(fmt.codec(side), dim, act, True)],
-                    base)
-               for side, dim in sides)
-
-
-def mla_attention_dims(att: AttentionSpec) -> tuple[int, int, int, int]:
-    """(KV heads, query heads per KV head, key dim, value dim) of MLA attention in the
-    absorbed form (DeepSeek-V2, arXiv:2405.04434 §2.1.2 and appendix C; DeepSeek-V3
-    ``inference/model.py`` ``MLA.forward`` with ``attn_impl = "absorb"``; vLLM's MLA): the
-    queries are ``q_nope W_UK`` and ``q_pe`` against one shared KV head, the cached latent
-    and RoPE key of ``kv_lora_rank + qk_rope_head_dim`` values, and the value is the latent
-    (``W_UV`` applied after attention): (1, heads, kv_lora_rank + qk_rope_head_dim,
-    kv_lora_rank)."""
-    return 1, att.num_heads, att.kv_lora_rank + att.qk_rope_head_dim, att.kv_lora_rank
-
-
-def _attention_step(layer: LayerSpec, fmt: KVFormat, act: int) -> _Step:
-    """Softmax attention (``moefit.runtime.model._attention``, ``attention.attend``), the
-    stack per token: q (+ the output gate), k, v; then the largest of the q/k RMSNorm's
-    fp32 scratch, the RoPE ``rotate_half`` copy, the encoded K/V rows with the cell
-    indices and the codec's scratch, and the encoded rows with the attention output.
-    Its fixed region is :func:`attention_region_bytes`.
-    """
-    a = layer.attention
-    heads, kvh, d, dv = a.num_heads, a.num_kv_heads, a.head_dim, a.v_head_dim
-    rot = a.rotary_dim or a.head_dim
-    kb, vb = fmt.k_bytes(d), fmt.v_bytes(dv)
-    up = 0 if act == FP32 else 1
-    proj = (heads * d + (heads * dv if a.output_gate else 0) + kvh * (d + dv)) * act
-    norm = {"head": (up + 1) * heads * d * FP32 + heads * FP32,
-            "full": (up + 1) * heads * d * FP32 + FP32}.get(_qk_norm(layer), 0)
-    rope = heads * rot * act
-    enc = max(sum(codec_scratch(fmt.codec("k"), d, act, False)),
-              sum(codec_scratch(fmt.codec("v"), dv, act, False)))
-    write = kvh * (kb + vb) + INT64 + kvh * enc
-    attend = kvh * (kb + vb) + heads * dv * act
-    return _Step("attention", d * FP32, proj + max(norm, rope, write, attend))
 
 
 def fp8_dense_tensors(geom: ModelGeometry) -> list:
@@ -283,17 +126,7 @@ def fp8_dense_tensors(geom: ModelGeometry) -> list:
     if geom.quant.method != "fp8":
         return []
     ts = list(geom.global_tensors) + [t for l in geom.layers for t in l.tensors]
-    return [t for t in ts if is_fp8_dense(geom, t)]
-
-
-def is_fp8_dense(geom: ModelGeometry, t) -> bool:
-    """Tensor ``t`` of ``geom`` is one of :func:`fp8_dense_tensors` (tested on ``t`` alone)."""
-    q = geom.quant
-    return q.method == "fp8" and t.quantizable and t.role in q.applies_to and len(t.shape) == 2
-
-
-def _is_kv_b(t) -> bool:
-    return t.name.endswith("kv_b_proj.weight")
+    return [t for t in ts if geom.quant.dense_fp8(t)]
 
 
 def fp8_tile_elems(rows: int, cols: int, block: tuple[int, int]) -> int:
@@ -323,41 +156,6 @@ def fp8_dense_scratch(geom: ModelGeometry) -> int:
                default=0)
 
 
-def _mla_step(layer: LayerSpec, fmt: KVFormat, act: int, geom: ModelGeometry | None = None) -> _Step:
-    """MLA in the absorbed form (``moefit.runtime.model._mla_attention``), the stack per
-    token, in three phases over the absorbed queries ``[heads, L + R]`` (L
-    ``kv_lora_rank``, R ``qk_rope_head_dim``): (1) the queries ``[heads, nope + R]``, then
-    the larger of the q LoRA activation with its RMSNorm's fp32 scratch and the latent row
-    ``[L + R]`` with the largest of its RMSNorm scratch, the ``rotate_half`` copy of the
-    query RoPE part, the encoded latent with the cell index and the codec's scratch; (2)
-    the latent attention output ``[heads, L]``; (3) the value heads ``[heads, v_head_dim]``
-    after ``W_UV``, in the spent absorbed queries' room. Its fixed region is
-    :func:`attention_region_bytes` (one KV head over the latent rows)."""
-    a = layer.attention
-    heads, qk, dv = a.num_heads, a.head_dim, a.v_head_dim
-    lora, rope = a.kv_lora_rank, a.qk_rope_head_dim
-    up = 0 if act == FP32 else 1
-    qabs = heads * (lora + rope) * act
-    q = heads * qk * act
-    q_lora = (a.q_lora_rank * act + (up + 1) * a.q_lora_rank * FP32 + FP32) if a.q_lora_rank else 0
-    norm = (up + 1) * lora * FP32 + FP32
-    rot = heads * rope * act
-    write = fmt.k_bytes(lora + rope) + INT64 + sum(codec_scratch(fmt.codec("k"), lora + rope, act, False))
-    build = q + max(q_lora, (lora + rope) * act + max(norm, rot, write))
-    const = mla_kv_b_bytes(layer, geom, act) if geom else 0
-    return _Step("MLA attention", const, qabs + max(build, heads * lora * act))
-
-
-def mla_kv_b_bytes(layer: LayerSpec, geom: ModelGeometry, act: int) -> int:
-    """Bytes of the MLA layer's ``kv_b_proj`` dequantized at the bottom of its attention
-    step's stack (``[heads x (qk_nope_head_dim + v_head_dim), kv_lora_rank]`` in the compute
-    dtype of ``act`` bytes) when the checkpoint holds it as block-scaled fp8
-    (:func:`is_fp8_dense`); 0 otherwise. From the layer's own tensors: a constant of the
-    layer, so the MLA step stays ``const + per_token x chunk`` like the other kinds."""
-    kv_b = next((t for t in layer.tensors if _is_kv_b(t)), None)
-    return kv_b.numel * act if kv_b is not None and is_fp8_dense(geom, kv_b) else 0
-
-
 def grouped_route_takes(t: int, e: int, k: int, r: Routing, act_fp32: bool) -> list[Take]:
     """The stack takes of the grouped router for ``t`` tokens of ``e`` experts, top-``k``,
     routing ``r`` (``moefit.runtime.moe.routing.route_grouped`` takes its buffers by this list,
@@ -381,73 +179,13 @@ def grouped_route_takes(t: int, e: int, k: int, r: Routing, act_fp32: bool) -> l
     return takes + [(t, "f32")]
 
 
-def delta_block_takes(nv: int, dk: int, dv: int, block: int = DELTA_CHUNK) -> list[Take]:
-    """The fixed-region takes of the chunked delta rule for one block of ``block`` tokens
-    (``moefit.runtime.layers.deltanet.chunk_delta_rule`` takes its buffers by this list, in
-    order), ``nv`` value heads of key / value dims ``dk`` / ``dv``: five fp32 ``[Nv, b,
-    Dk]``, six fp32 ``[Nv, b, Dv]``, six fp32 ``[Nv, b]``, three fp32 ``[Nv, b, b]``, the
-    ``b x b`` bool mask and one fp32 state-sized product ``[Nv, Dk, Dv]`` (Yang et al.
-    2024, chunkwise form, one block at a time)."""
-    b = block
-    return ([(nv * b * dk, "f32")] * 5 + [(nv * b * dv, "f32")] * 6 + [(nv * b, "f32")] * 6
-            + [(nv * b * b, "f32")] * 3 + [(b * b, "bool"), (nv * dk * dv, "f32")])
-
-
-def deltanet_region_bytes(att: AttentionSpec, block: int = DELTA_CHUNK) -> int:
-    """Bytes of the fixed region one Gated DeltaNet layer uses: an fp32 working copy of
-    the state when it is kept in another dtype, then :func:`delta_block_takes`."""
-    nv, dk, dv = att.linear_num_value_heads, att.linear_key_head_dim, att.linear_value_head_dim
-    state = [nv * dk * dv * FP32] if att.state_dtype_bytes != FP32 else []
-    return span(state + take_bytes(delta_block_takes(nv, dk, dv, block), FP32))
-
-
-def _deltanet_step(layer: LayerSpec, act: int) -> _Step:
-    """Gated DeltaNet (``moefit.runtime.layers.deltanet.gated_deltanet``), the stack per token:
-    the fused q/k/v/z and b/a projections and the fp32 conv output, then the largest of
-    the fp32 conv input (its ``kernel - 1`` carried rows and the fp32 taps are a
-    constant), its rounding to the model dtype, and what follows the conv: fp32 beta and
-    g, the fp32 delta-rule output, the gated-norm output and its fp32 ``o * o`` and mean.
-    Its fixed region is :func:`deltanet_region_bytes`.
-    """
-    a = layer.attention
-    conv = a.linear_conv_dim
-    nv, dv = a.linear_num_value_heads, a.linear_value_head_dim
-    vd = nv * dv
-    proj = (conv + vd + 2 * nv) * act + conv * FP32
-    after = 2 * nv * FP32 + vd * FP32 + vd * act + vd * FP32 + nv * FP32
-    kernel = a.linear_conv_kernel
-    const = max(max(kernel - 1, 0) * conv * FP32 + conv * kernel * FP32, nv * FP32)
-    conv_step = max(conv * FP32, conv * act if act != FP32 else 0)
-    return _Step("Gated DeltaNet", const, proj + max(conv_step, after))
-
-
-def _mixer_step(layer: LayerSpec, fmt: KVFormat, act: int, geom: ModelGeometry | None = None) -> _Step:
-    kind = layer.attention.kind
-    if kind in ("full", "sliding", "chunked"):
-        return _attention_step(layer, fmt, act)
-    if kind == "mla":
-        return _mla_step(layer, fmt, act, geom)
-    if kind == "linear":
-        return _deltanet_step(layer, act)
-    raise ValueError(f"unknown attention kind {kind!r}")
-
-
-def _mixer_region(att: AttentionSpec, fmt: KVFormat, act: int, q_block: int,
-                  kv_block: int) -> int:
-    """Fixed-region bytes of one layer's token mixer (0 for an unknown kind: its step
-    raises)."""
-    if att.kind in ("full", "sliding", "chunked", "mla"):
-        return attention_region_bytes(att, fmt, act, q_block, kv_block)
-    if att.kind == "linear":
-        return deltanet_region_bytes(att)
-    return 0
-
-
 def _mixer_terms(layer: LayerSpec, geom: ModelGeometry, fmt: KVFormat,
                  act: int) -> tuple[int, int]:
-    """(const, per_token) bytes of one layer's token mixer (fixed region + stack)."""
-    s = _mixer_step(layer, fmt, act, geom)
-    return _mixer_region(layer.attention, fmt, act, ATTN_Q_BLOCK, ATTN_KV_BLOCK) + s.const, s.per_token
+    """(const, per_token) bytes of one layer's token mixer (fixed region + stack), from
+    its kind (:meth:`moefit.memory.layer_kinds.LayerKind.region_bytes`, ``.step``)."""
+    kind = kind_of(layer.attention)
+    s = kind.step(layer, fmt, act, geom)
+    return kind.region_bytes(layer.attention, fmt, act) + s.const, s.per_token
 
 
 def expert_dequant_bytes(geom: ModelGeometry, act: int, c_kernels: bool = False) -> int:
@@ -488,9 +226,9 @@ def fixed_region_bytes(geom: ModelGeometry, fmt: KVFormat, q_block: int = ATTN_Q
                        kv_block: int = ATTN_KV_BLOCK, slots: int = 1) -> int:
     """Bytes of the fixed region every chunk reserves at the bottom of the workspace (the
     engine reserves exactly this, ``moefit.runtime.model.Model.fixed_bytes``): the largest
-    of one layer's token-mixer region (attention tiles of ``q_block`` x ``kv_block``
-    tokens, :func:`attention_region_bytes`; :func:`deltanet_region_bytes`;
-    :func:`attention_region_bytes` of MLA's latent head), the last-token logits of each of the ``slots`` sequences a
+    of one layer's token-mixer region (its kind's ``region_bytes``: attention tiles of
+    ``q_block`` x ``kv_block`` tokens, MLA's over its latent head, a delta-rule block),
+    the last-token logits of each of the ``slots`` sequences a
     batched step may hold (``[slots, V]`` fp32, and in the compute dtype first unless
     fp32: ``moefit.runtime.model.forward_batch``) and, for stored (GGUF, fp8) experts, one
     dequantized expert matrix, and with block-scaled fp8 weights the largest of them
@@ -504,11 +242,11 @@ def fixed_region_bytes(geom: ModelGeometry, fmt: KVFormat, q_block: int = ATTN_Q
     for layer in geom.layers:
         a = layer.attention
         if a not in seen:
-            seen[a] = _mixer_region(a, fmt, act, q_block, kv_block)
+            seen[a] = kind_of(a).region_bytes(a, fmt, act, q_block, kv_block)
         fixed = max(fixed, seen[a])
     if geom.experts_stored:
         fixed = max(fixed, span([_expert_matrix_bytes(geom, act)]))
-    dense = [t.numel for t in fp8_dense_tensors(geom) if not _is_kv_b(t)]
+    dense = [t.numel for t in fp8_dense_tensors(geom) if not is_kv_b(t)]
     if dense:       # the largest block-scaled fp8 matrix, dequantized when used
         fixed = max(fixed, span([max(dense) * act]))
     return fixed
@@ -518,8 +256,8 @@ def _expert_matrix_bytes(geom: ModelGeometry, act: int) -> int:
     return max((l.moe.expert_intermediate * geom.hidden_size for l in geom.moe_layers), default=0) * act
 
 
-def _mlp_step(layer: LayerSpec, geom: ModelGeometry, act: int) -> _Step:
-    """The MLP (``moefit.runtime.model._moe`` / ``_swiglu_mlp``), stack per token.
+def _mlp_step(layer: LayerSpec, geom: ModelGeometry, act: int) -> Step:
+    """The MLP (``moefit.runtime.moe.layer.moe_layer`` / ``swiglu_mlp``), stack per token.
 
     MoE: fp32 top-k weights and int64 ids, then the larger of the routing (router logits,
     their fp32 copy unless fp32, fp32 probabilities and the renormalising sum; a grouped
@@ -532,7 +270,7 @@ def _mlp_step(layer: LayerSpec, geom: ModelGeometry, act: int) -> _Step:
     """
     h, up = geom.hidden_size, 0 if act == FP32 else 1
     if layer.moe is None:
-        return _Step("dense MLP", 0, 2 * layer.dense_intermediate * act)
+        return Step("dense MLP", 0, 2 * layer.dense_intermediate * act)
     m = layer.moe
     k, e = m.experts_per_token, m.num_experts
     if m.routing.grouped:   # the router logits, then the grouped router's takes
@@ -542,7 +280,7 @@ def _mlp_step(layer: LayerSpec, geom: ModelGeometry, act: int) -> _Step:
     buffers = h * FP32 + h * act + 2 * m.expert_intermediate * act + h * act + up * h * FP32
     dispatch = up * k * act + k * INT64 + k * act + max(k * INT64, buffers)
     shared = h * act + max(2 * m.shared_intermediate * act, act) if m.shared_intermediate else 0
-    return _Step("MoE dispatch", 2 * (e + 1) * INT64,
+    return Step("MoE dispatch", 2 * (e + 1) * INT64,
                  max(k * (FP32 + INT64) + max(route, dispatch), shared))
 
 
@@ -570,10 +308,10 @@ def staging_model(geom: ModelGeometry, fmt: KVFormat, slots: int = 1,
     rot = att.rotary_dim or att.head_dim
     # residual stream (hidden, normed, layer output) and the RoPE cos / sin of the chunk
     residual = 3 * h * act + 2 * rot * act
-    steps = [_Step("RMSNorm", h * FP32, up * h * FP32 + h * FP32 + FP32),
-             _Step("RoPE tables", 0, FP32 + rot * FP32 + up * rot * FP32)]
+    steps = [Step("RMSNorm", h * FP32, up * h * FP32 + h * FP32 + FP32),
+             Step("RoPE tables", 0, FP32 + rot * FP32 + up * rot * FP32)]
     for layer in geom.layers:
-        steps += [_mixer_step(layer, fmt, act, geom), _mlp_step(layer, geom, act)]
+        steps += [kind_of(layer.attention).step(layer, fmt, act, geom), _mlp_step(layer, geom, act)]
     fixed = fixed_region_bytes(geom, fmt, slots=slots)
     terms_extra: tuple = ()
     scratch = fp8_dense_scratch(geom)

@@ -46,7 +46,8 @@ from moefit.devices.device import GpuSpeed
 from moefit.devices.host import HostSpeed
 from moefit.ingest.geometry import LayerSpec, ModelGeometry
 from moefit.memory.kv import KVFormat, cell_bytes, kv_format, linear_state_bytes
-from moefit.memory.staging import ATTN_Q_BLOCK
+from moefit.memory.layer_kinds import kind_of
+from moefit.memory.takes import ATTN_Q_BLOCK
 
 #: The resources a step's time is charged to, as printed (the "bound").
 RESOURCES = ("device compute", "device memory", "PCIe", "host compute", "host memory")
@@ -177,18 +178,18 @@ def _attention(layer: LayerSpec, fmt: KVFormat, dtype_bytes: int, tokens: int, s
     per value head (Yang et al., Gated Delta Networks, 2024: a rank-1 update and a
     read-out)."""
     att = layer.attention
-    if att.kind == "linear":
+    kind = kind_of(att)
+    if not kind.cells:      # Gated DeltaNet: its state
         state = linear_state_bytes(att, dtype_bytes)
         flops = 4 * tokens * att.linear_num_value_heads * att.linear_key_head_dim * att.linear_value_head_dim
         return 2 * seqs * state, flops
     ctx = position + (tokens + 1) / 2 if chunk else position + 1
-    if att.kind in ("sliding", "chunked") and att.sliding_window:
-        ctx = min(ctx, att.sliding_window)
+    window = kind.window(att)
+    if window:
+        ctx = min(ctx, window)
     cell = cell_bytes(att, fmt)
-    if att.kind == "mla":
-        dims = 2 * (att.kv_lora_rank + att.qk_rope_head_dim)
-    else:
-        dims = att.head_dim + (att.v_head_dim or att.head_dim)
+    _, k_dim, v_dim = kind.cell_dims(att)     # MLA: the latent as K and as V
+    dims = k_dim + (v_dim or k_dim)
     flops = 2 * tokens * ctx * att.num_heads * dims
     if chunk:
         tiles = math.ceil(tokens / ATTN_Q_BLOCK)

@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 from moefit.devices import Device, Host
 from moefit.ingest.geometry import ModelGeometry
 from moefit.memory.kv import KVLayout, kv_format, kv_layout
-from moefit.memory.staging import ATTN_KV_BLOCK, ATTN_Q_BLOCK, fixed_region_bytes
+from moefit.memory.staging import fixed_region_bytes
+from moefit.memory.takes import ATTN_KV_BLOCK, ATTN_Q_BLOCK
 from moefit.plan.request import Request
 
 #: Budget lines in commit order (docs/design.md, budget lines): key, label as printed.

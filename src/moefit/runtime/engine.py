@@ -52,7 +52,9 @@ from moefit.errors import InputError
 from moefit.ingest.inputs import is_gguf_file, read_routing_profile
 from moefit.memory import cpu_kernels, gpu_kernels
 from moefit.memory.host import miss_host_buffer, miss_host_bytes
-from moefit.memory.staging import ATTN_KV_BLOCK, ATTN_Q_BLOCK, expert_fixed_region_bytes
+from moefit.memory.layer_kinds import kind_of
+from moefit.memory.staging import expert_fixed_region_bytes
+from moefit.memory.takes import ATTN_KV_BLOCK, ATTN_Q_BLOCK
 from moefit.memory.weights import stored_matrices
 from moefit.plan.types import Plan
 from moefit.runtime.arch import arch_from_config, read_config
@@ -229,7 +231,7 @@ class Engine:
         if missed:          # check_fault_injection's net: a key must never do nothing
             raise InputError(f"{FAIL_ENV}: {', '.join(sorted(missed))} reached no allocation of "
                              "this plan's commit; name a line it allocates, or unset it")
-        att = next((l.attention for l in geom.layers if l.attention.kind != "linear"),
+        att = next((l.attention for l in geom.layers if kind_of(l.attention).cells),
                    geom.layers[0].attention)   # hybrids: layer 0 may be linear attention
         rope = rope_from_config(arch.config, att.rotary_dim or att.head_dim,
                                 req.rope_scaling, req.rope_scale, req.yarn_orig_ctx)

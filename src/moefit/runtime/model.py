@@ -13,17 +13,17 @@ The per-chunk tensors come from the staging workspace (:mod:`moefit.runtime.buff
 the chunk's keys and values go to the KV cache before attention reads the whole visible
 range back from it (keys quantized after RoPE and q/k-norm, docs/design.md, KV formats).
 
-Routing (mixtral-offloading, transformers ``*TopKRouter``): router logits in the compute
-dtype, softmax in fp32, top-k, renormalised per the family rule, then cast to the compute
-dtype; expert outputs are combined in an fp32 accumulator.
+The MoE block (router, routed and shared experts) and the SwiGLU MLP of dense layers:
+:mod:`moefit.runtime.moe.layer`; every linear product: :func:`moefit.runtime.kernels.linear.linear`.
 
 gpt-oss (``modeling_gpt_oss.py``): attention sinks (a per-head logit in each softmax
 denominator, :func:`moefit.runtime.layers.attention.attend`), alternating sliding-window layers
 (the KV cache's ring), a router with a bias and a softmax over its top-k logits
-(:func:`route_topk_softmax`), experts with biases and the clamped SwiGLU
-(:mod:`moefit.runtime.moe.gpt_oss`).
+(:func:`moefit.runtime.moe.routing.route_topk_softmax`), experts with biases and the
+clamped SwiGLU (:mod:`moefit.runtime.moe.gpt_oss`).
 
-Hybrids (``modeling_qwen3_next.py``, ``modeling_qwen3_5_moe.py``): the token mixer of a
+Each layer's token mixer is the one of its kind's class (:data:`MIXERS`). Hybrids
+(``modeling_qwen3_next.py``, ``modeling_qwen3_5_moe.py``): the token mixer of a
 ``linear`` layer is Gated DeltaNet (:func:`moefit.runtime.layers.deltanet.gated_deltanet`); the
 full-attention layers have an output gate, ``o * sigmoid(gate)`` before ``o_proj``, with
 the gate from the second half of ``q_proj`` (``Qwen3NextAttention``), and rotate only the
@@ -39,23 +39,24 @@ latent rows; DeepSeek and GLM-4.5 (``modeling_glm4_moe.py``) route by the groupe
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
-import torch.nn.functional as F
 
-from moefit.ingest.geometry import LayerSpec, ModelGeometry
-from moefit.memory.staging import ATTN_KV_BLOCK, ATTN_Q_BLOCK
+from moefit.ingest.geometry import AttentionSpec, LayerSpec, ModelGeometry
+from moefit.memory.layer_kinds import LayerKind, Latent, Recurrent, kind_of
+from moefit.memory.takes import ATTN_KV_BLOCK, ATTN_Q_BLOCK
 from moefit.runtime.arch import Arch
 from moefit.runtime.layers.attention import attend
 from moefit.runtime.layers.deltanet import gated_deltanet
 from moefit.runtime.moe.cache import ExpertCache
 from moefit.runtime.layers import lean_step as decode_step
-from moefit.runtime.moe import batch as moe_batch, device as moe_device
+from moefit.runtime.moe.layer import moe_layer, swiglu_mlp
 from moefit.runtime.buffers.kv_cache import KVCache
+from moefit.runtime.kernels.linear import dense_applies, linear
 from moefit.runtime.kernels.quant import Fp8Matrix, StoredMatrix
 from moefit.runtime.weights import LayerWeights, Weights
 from moefit.runtime.layers.rope import Rotary, mla_softmax_scale
-from moefit.runtime.moe.routing import route_grouped
 from moefit.runtime.buffers.workspace import Workspace
 
 
@@ -80,6 +81,8 @@ class Model:
     #: the plan's prefill chunk (tokens): the rows the workspace holds for every step, which
     #: the device expert path's group buffers may take (:mod:`moefit.runtime.moe.device`)
     chunk: int = 0
+    #: each layer's token mixer (:func:`mixer_of`), resolved on the first step
+    mixers: tuple = ()
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, out: torch.Tensor,
@@ -112,21 +115,6 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, out: torch.Tensor,
         return out.copy_(xf * torch.rsqrt(var + eps) * (offset + w.float()))
     out.copy_(xf * torch.rsqrt(var + eps))
     return out.mul_(w)
-
-
-def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
-    """``out = x @ w^T (+ b)``; ``x`` ``[T, in]``, ``w`` ``[out, in]``, ``out`` ``[T, out]``.
-    A few rows against a bf16/fp16 weight on the CPU go through the C kernels
-    (:func:`moefit.runtime.moe.batch.dense`)."""
-    if isinstance(w, (StoredMatrix, Fp8Matrix)):
-        w.matmul(x, out)
-        return out if b is None else out.add_(b)
-    if moe_batch.dense_applies(x, w):
-        moe_batch.dense(x, w, out)
-        return out if b is None else out.add_(b)
-    if b is None:
-        return torch.mm(x, w.t(), out=out)
-    return torch.addmm(b, x, w.t(), out=out)
 
 
 def _attention(mdl: Model, l: LayerSpec, lw: LayerWeights, x: torch.Tensor,
@@ -211,7 +199,7 @@ def _mla_attention(mdl: Model, l: LayerSpec, lw: LayerWeights, x: torch.Tensor,
 
     which equals transformers' ``DeepseekV3Attention`` (keys and values expanded by
     ``kv_b_proj``). ``scale``: :func:`moefit.runtime.layers.rope.mla_softmax_scale`. The buffers
-    come from the workspace in the order :func:`moefit.memory.staging._mla_step` prices.
+    come from the workspace in the order :meth:`moefit.memory.layer_kinds.Latent.step` prices.
     """
     a, arch, ws = l.attention, mdl.arch, mdl.ws
     t, act = x.shape[0], x.dtype
@@ -257,145 +245,47 @@ def _mla_attention(mdl: Model, l: LayerSpec, lw: LayerWeights, x: torch.Tensor,
         linear(o.view(t, heads * dv), lw.o, lw.o_bias, out)
 
 
+def _deltanet(mdl: Model, l: LayerSpec, lw: LayerWeights, x: torch.Tensor,
+              segs: "tuple[Segment, ...]", cos: torch.Tensor, sin: torch.Tensor,
+              out: torch.Tensor) -> None:
+    """Gated DeltaNet of layer ``l`` on normed ``x`` ``[T, H]`` into ``out`` ``[T, H]``
+    (:func:`moefit.runtime.layers.deltanet.gated_deltanet`), each segment over its own
+    slot's state (no RoPE)."""
+    for sg in segs:
+        a0, a1 = sg.offset, sg.offset + sg.length
+        gated_deltanet(l.attention, lw, x[a0:a1], mdl.kv.linear.layers[l.index], sg.slot,
+                       mdl.arch.rms_eps, mdl.ws, out[a0:a1])
+
+
+#: The token mixer of each layer kind's class (:mod:`moefit.memory.layer_kinds`), called as
+#: ``mixer(mdl, layer, weights, normed x [T, H], segments, cos, sin, out [T, H])``. A kind
+#: runs the mixer of the first of its class's bases listed here (:func:`mixer_of`): a kind
+#: that specialises a shipped class (its window, its cells) runs that class's mixer, which
+#: takes the window, cells and row sizes from the plan's ``kv`` layout and so from the
+#: kind. A kind that needs new forward code adds its class here (``MIXERS[cls] = mixer``;
+#: its layers then leave the lean decode step).
+MIXERS: dict[type, Callable] = {LayerKind: _attention, Latent: _mla_attention, Recurrent: _deltanet}
+#: the mixers the lean decode step (:mod:`moefit.runtime.layers.lean_step`) implements in C
+_LEAN_MIXERS = frozenset((_attention, _deltanet))
+
+
+def mixer_of(att: AttentionSpec) -> Callable:
+    """The token mixer of a layer whose attention is ``att`` (:data:`MIXERS`, along the
+    bases of its kind's class). Raises ValueError for a kind no class is registered for
+    (:func:`moefit.memory.layer_kinds.kind_of`) or none of whose bases has a mixer."""
+    kind = kind_of(att)
+    for cls in type(kind).__mro__:
+        if cls in MIXERS:
+            return MIXERS[cls]
+    raise ValueError(f"layer kind {kind.name!r}: no token mixer for {type(kind).__name__} "
+                     "or its bases (moefit.runtime.model.MIXERS)")
+
+
 def _rows(b: torch.Tensor | None, n: int, tail: bool = False) -> torch.Tensor | None:
     """The first ``n`` entries of an optional bias (the rest with ``tail``)."""
     if b is None:
         return None
     return b[n:] if tail else b[:n]
-
-
-def _swiglu_mlp(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
-                ws: Workspace, out: torch.Tensor) -> torch.Tensor:
-    """``down(silu(gate(x)) * up(x))`` into ``out`` (``Qwen3MoeMLP``)."""
-    with ws.scope():
-        g = linear(x, gate, None, ws.take((x.shape[0], gate.shape[0]), x.dtype))
-        u = linear(x, up, None, ws.take((x.shape[0], up.shape[0]), x.dtype))
-        return linear(F.silu(g, inplace=True).mul_(u), down, None, out)
-
-
-def route(logits: torch.Tensor, top_k: int, renormalize: bool, ws: Workspace | None = None,
-          w: torch.Tensor | None = None,
-          ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-k routing: ``logits`` ``[T, E]`` -> (weights ``[T, k]`` fp32, ids ``[T, k]``);
-    softmax in fp32 then top-k, renormalised to sum 1 when ``renormalize``. With ``ws``
-    the results go to ``w`` / ``ids`` and the fp32 probabilities (and the fp32 copy of
-    the logits) are taken from it."""
-    if ws is None:
-        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)      # [T, E]
-        w, ids = torch.topk(probs, top_k, dim=-1)                      # [T, k]
-        if renormalize:
-            w = w / w.sum(-1, keepdim=True)
-        return w, ids
-    f32 = torch.float32
-    with ws.scope():
-        x = logits if logits.dtype == f32 else ws.take(logits.shape, f32).copy_(logits)
-        probs = torch.ops.aten._softmax.out(x, -1, False, out=ws.take(logits.shape, f32))
-        torch.topk(probs, top_k, dim=-1, out=(w, ids))
-        if renormalize:
-            w.div_(torch.sum(w, -1, keepdim=True, out=ws.take((w.shape[0], 1), f32)))
-    return w, ids
-
-
-def route_topk_softmax(logits: torch.Tensor, top_k: int, ws: Workspace, w: torch.Tensor,
-                       ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """gpt-oss routing (``GptOssTopKRouter``): top-k of the router logits ``[T, E]``, then a
-    softmax over those k values only, into ``w`` ``[T, k]`` fp32 and ``ids`` ``[T, k]``
-    (the same weights as softmax-then-top-k renormalised, computed the reference's way).
-    The fp32 copy of the logits and the softmax's output come from ``ws``."""
-    f32 = torch.float32
-    with ws.scope():
-        x = logits if logits.dtype == f32 else ws.take(logits.shape, f32).copy_(logits)
-        torch.topk(x, top_k, dim=-1, out=(w, ids))
-        w.copy_(torch.ops.aten._softmax.out(w, -1, False, out=ws.take(w.shape, f32)))
-    return w, ids
-
-
-def _moe(mdl: Model, l: LayerSpec, lw: LayerWeights, x: torch.Tensor, out: torch.Tensor) -> None:
-    """Routed experts (+ gated shared expert) of layer ``l`` on ``x`` ``[T, H]`` into ``out``.
-
-    Dispatch: the ``T x k`` (token, expert) pairs are sorted by expert (a stable sort, so
-    each expert sees its tokens in order), then each routed expert runs once on its
-    tokens: on a device that is not CPU memory (CUDA) batched in torch
-    (:mod:`moefit.runtime.moe.device`), on a CPU device in one C call
-    (:mod:`moefit.runtime.moe.batch`) where the kernels apply, else expert by expert. The buffers an expert runs in (its input rows, the gate/up output, the output
-    and its fp32 copy) are taken for ``T`` rows, the most any expert can get, so the
-    staging is the same whatever the routing: what the planner prices.
-    """
-    ws, m = mdl.ws, l.moe
-    t, h, act, f32 = x.shape[0], x.shape[1], x.dtype, torch.float32
-    k, n_exp = m.experts_per_token, m.num_experts
-    with ws.scope():
-        w = ws.take((t, k), f32)                                          # [T, k]
-        ids = ws.take((t, k), torch.int64)                               # [T, k]
-        with ws.scope():
-            # the router's bias: gpt-oss's is added to the logits; DeepSeek's / GLM's
-            # e_score_correction_bias only chooses (route_grouped)
-            bias = lw.router_bias if mdl.arch.router_bias else None
-            logits = linear(x, lw.router, bias, ws.take((t, n_exp), act))   # [T, E]
-            if m.routing.grouped:
-                route_grouped(logits, k, m.routing, mdl.arch.renormalize, lw.router_bias, ws, w, ids)
-            elif mdl.arch.topk_softmax:
-                route_topk_softmax(logits, k, ws, w, ids)
-            else:
-                route(logits, k, mdl.arch.renormalize, ws, w, ids)
-        if moe_device.applies(mdl.experts, l.index, x, mdl.arch.clamped_swiglu is not None):
-            acc = ws.take((t, h), f32, zero=True)
-            wa = w if act == f32 else ws.take((t, k), act).copy_(w)        # cast after fp32 routing
-            moe_device.run_layer(mdl.experts, l.index, x, ids, wa, acc, ws, max(mdl.chunk, t),
-                                 mdl.experts.host_ws)
-            out.copy_(acc)
-        elif mdl.arch.clamped_swiglu is None and moe_batch.applies(mdl.experts, l.index, x, k):
-            acc = ws.take((t, h), f32, zero=True)
-            scratch = ws.take((moe_batch.scratch_bytes(t, h, m.expert_intermediate, act),), torch.uint8)
-            wq = w if act == f32 else ws.take((t, k), act).copy_(w).float()   # rounded as combined
-            moe_batch.run_layer(mdl.experts, l.index, x, ids, wq, acc, scratch)
-            out.copy_(acc)
-        else:
-            _moe_one_by_one(mdl, l, x, w, ids, out)
-    if lw.shared_gate is not None:
-        with ws.scope():
-            sh = _swiglu_mlp(x, lw.shared_gate, lw.shared_up, lw.shared_down, ws, ws.take((t, h), act))
-            if lw.shared_expert_gate is None:    # DeepSeek / GLM-4.5: added ungated
-                out.add_(sh)
-            else:
-                gate = linear(x, lw.shared_expert_gate, None, ws.take((t, 1), act)).sigmoid_()
-                out.add_(sh.mul_(gate))
-
-
-def _moe_one_by_one(mdl: Model, l: LayerSpec, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor,
-                    out: torch.Tensor) -> None:
-    """The routed experts of ``l``, each expert on its tokens in turn (see :func:`_moe`)."""
-    ws, m = mdl.ws, l.moe
-    t, h, act, f32 = x.shape[0], x.shape[1], x.dtype, torch.float32
-    k, n_exp = m.experts_per_token, m.num_experts
-    with ws.scope():
-        wa = w if act == f32 else ws.take((t, k), act).copy_(w)         # cast after fp32 routing
-        order = ws.take((t * k,), torch.int64)                           # pairs by expert
-        wsel = ws.take((t * k,), act)                                    # their weights
-        bounds = ws.take((n_exp + 1,), torch.int64)                      # expert e: [b[e], b[e+1])
-        with ws.scope():
-            by_expert = ws.take((t * k,), torch.int64)
-            torch.sort(ids.view(-1), stable=True, out=(by_expert, order))
-            torch.searchsorted(by_expert, torch.arange(n_exp + 1, out=ws.take((n_exp + 1,), torch.int64)),
-                               out=bounds)
-        torch.index_select(wa.view(-1), 0, order, out=wsel)
-        tok = order.div_(k, rounding_mode="floor")                       # token of each pair
-        acc = ws.take((t, h), f32, zero=True)                            # [T, H] combine
-        xe = ws.take((t, h), act)                                        # expert input rows
-        gu = ws.take((t * 2 * m.expert_intermediate,), act)              # gate/up output
-        ye = ws.take((t, h), act)                                        # expert output
-        yf = ye if act == f32 else ws.take((t, h), f32)
-        edges = bounds.tolist()
-        for e in range(n_exp):
-            s0, s1 = edges[e], edges[e + 1]
-            if s0 == s1:
-                continue
-            n, te = s1 - s0, tok[s0:s1]
-            torch.index_select(x, 0, te, out=xe[:n])
-            y = mdl.experts.run(l.index, e, xe[:n], gu, ye[:n])         # [n, H]
-            y.mul_(wsel[s0:s1, None])
-            acc.index_add_(0, te, y if yf is ye else yf[:n].copy_(y))
-        out.copy_(acc)
 
 
 @dataclass(frozen=True)
@@ -464,7 +354,11 @@ def forward_batch(mdl: Model, ids: torch.Tensor, segs: tuple[Segment, ...]) -> t
     n_seq = len(segs)
     if sum(sg.length for sg in segs) != t:
         raise ValueError(f"segments cover {sum(sg.length for sg in segs)} tokens, ids {t}")
-    if decode_step.applies(mdl, segs):      # one token per sequence: a few C calls per layer
+    if not mdl.mixers:
+        mdl.mixers = tuple(mixer_of(l.attention) for l in g.layers)
+    # one token per sequence: a few C calls per layer, where every layer's mixer is one the
+    # lean step implements (softmax attention, Gated DeltaNet; it checks the rest itself)
+    if _LEAN_MIXERS.issuperset(mdl.mixers) and decode_step.applies(mdl, segs):
         return decode_step.forward(mdl, ids, segs)
     for sg in segs:
         mdl.kv.check_room(sg.slot, sg.start, sg.length)
@@ -478,23 +372,15 @@ def forward_batch(mdl: Model, ids: torch.Tensor, segs: tuple[Segment, ...]) -> t
     delta = ws.take((t, h), act)                                         # [T, H] layer output
     cos, sin = _cos_sin(mdl, segs, t, act, ws)                           # [T, rot]
     off = arch.norm_offset
-    for l, lw in zip(g.layers, w.layers):
+    for l, lw, mixer in zip(g.layers, w.layers, mdl.mixers):
         rms_norm(hidden, lw.input_norm, arch.rms_eps, normed, off, ws, fp32_weight=arch.norm_fp32)
-        if l.attention.kind == "linear":
-            for sg in segs:
-                a0, a1 = sg.offset, sg.offset + sg.length
-                gated_deltanet(l.attention, lw, normed[a0:a1], mdl.kv.linear.layers[l.index],
-                               sg.slot, arch.rms_eps, ws, delta[a0:a1])
-        elif l.attention.kind == "mla":
-            _mla_attention(mdl, l, lw, normed, segs, cos, sin, delta)
-        else:
-            _attention(mdl, l, lw, normed, segs, cos, sin, delta)
+        mixer(mdl, l, lw, normed, segs, cos, sin, delta)
         hidden.add_(delta)
         rms_norm(hidden, lw.post_norm, arch.rms_eps, normed, off, ws, fp32_weight=arch.norm_fp32)
         if l.moe is not None:
-            _moe(mdl, l, lw, normed, delta)
+            moe_layer(mdl, l, lw, normed, delta)
         else:
-            _swiglu_mlp(normed, lw.dense_gate, lw.dense_up, lw.dense_down, ws, delta)
+            swiglu_mlp(normed, lw.dense_gate, lw.dense_up, lw.dense_down, ws, delta)
         hidden.add_(delta)
     rows = [sg.offset + sg.length - 1 for sg in segs]
     if n_seq == 1:
@@ -505,7 +391,7 @@ def forward_batch(mdl: Model, ids: torch.Tensor, segs: tuple[Segment, ...]) -> t
     last = rms_norm(lasts, w.norm, arch.rms_eps, normed[:n_seq], off, ws,
                     fp32_weight=arch.norm_fp32)                                 # [S, H]
     logits = ws.fixed.take((n_seq, g.vocab_size), torch.float32)         # [S, V]
-    if act == torch.float32 or isinstance(w.lm_head, StoredMatrix) or moe_batch.dense_applies(last, w.lm_head):
+    if act == torch.float32 or isinstance(w.lm_head, StoredMatrix) or dense_applies(last, w.lm_head):
         linear(last, w.lm_head, None, logits)           # fp32 logits, fp32 accumulation
     else:
         logits.copy_(torch.mm(last, w.lm_head.t(),

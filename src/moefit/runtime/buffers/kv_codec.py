@@ -55,7 +55,7 @@ def _blocks(x: torch.Tensor, xb: torch.Tensor) -> torch.Tensor:
 
 def encode_q8(x: torch.Tensor, out: torch.Tensor, ws=None) -> None:
     """Quantize ``x`` ``[N, d]`` into ``out`` ``[N, nb * 34]`` uint8 (q8_0 blocks); scratch
-    (priced by :func:`moefit.memory.staging.codec_scratch`) from ``ws``."""
+    (priced by :meth:`moefit.memory.kv.KVFormat.codec_scratch`) from ``ws``."""
     n, dim = x.shape
     nb = math.ceil(dim / QBLOCK)
     with _scope(ws):
@@ -149,7 +149,7 @@ class Codec:
 
     The scratch of :meth:`encode` / :meth:`decode` (fp32 blocks, scales) is taken from the
     staging workspace ``ws`` when given; the planner prices it
-    (:func:`moefit.memory.staging.codec_scratch`, checked against these codecs in
+    (:meth:`moefit.memory.kv.KVFormat.codec_scratch`, checked against these codecs in
     tests/runtime/test_kv_formats.py). Raises ValueError for a format side with no codec.
     """
 

@@ -36,8 +36,8 @@ from contextlib import contextmanager
 
 import torch
 
-from moefit.memory.staging import WORKSPACE_ALIGN as ALIGN
-from moefit.memory.staging import Take
+from moefit.memory.takes import WORKSPACE_ALIGN as ALIGN
+from moefit.memory.takes import Take
 from moefit.runtime.buffers.ledger import BudgetError, Ledger
 
 #: the torch dtypes of the planner's layout dtype names (``"act"``: the compute dtype)

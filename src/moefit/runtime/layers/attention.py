@@ -14,8 +14,8 @@ normalizer calculation for softmax"; FlashAttention, Dao et al. 2022, Algorithm 
 
 so the temporary memory is one tile (``heads x q_block x kv_block`` scores), whatever the
 context: every buffer of it comes from the workspace's fixed region, taken by the
-planner's layout (:func:`moefit.memory.staging.attention_tile_takes`; the region's size
-:func:`moefit.memory.staging.attention_region_bytes`). K and V blocks are kept head-major (``[K, B, D]``), so each
+planner's layout (:func:`moefit.memory.takes.attention_tile_takes`; the region's size
+:meth:`moefit.memory.layer_kinds.LayerKind.region_bytes`). K and V blocks are kept head-major (``[K, B, D]``), so each
 head's block is a plain matrix for ``bmm`` (no copy inside the product).
 
 Masks (transformers ``masking_utils``): causal ``k_pos <= q_pos``; sliding window
@@ -23,14 +23,14 @@ Masks (transformers ``masking_utils``): causal ``k_pos <= q_pos``; sliding windo
 ``h // (heads / kv_heads)`` (``repeat_kv``), done here by viewing the ``G`` query heads
 of a KV head as extra rows. MLA's absorbed form is one KV head over the cached latent
 rows (``latent`` layers of the cache): V is the first ``Dv`` values of each dequantized K
-row, so no V is read (:func:`moefit.memory.staging.mla_attention_dims`).
+row, so no V is read (:meth:`moefit.memory.layer_kinds.Latent.attention_dims`).
 """
 
 from __future__ import annotations
 
 import torch
 
-from moefit.memory.staging import ATTN_KV_BLOCK, ATTN_Q_BLOCK, attention_tile_takes
+from moefit.memory.takes import ATTN_KV_BLOCK, ATTN_Q_BLOCK, attention_tile_takes
 from moefit.runtime.buffers.kv_cache import KVCache
 from moefit.runtime.buffers.workspace import Workspace
 
@@ -54,7 +54,7 @@ def attend(q: torch.Tensor, start: int, cache: KVCache, layer: int, slot: int, s
         scale: softmax scale (``head_dim ** -0.5``).
         out: ``[T, A, Dv]`` output (compute dtype).
         ws: staging workspace; the tiles and dequantized blocks come from its fixed
-            region ``ws.fixed`` (:func:`moefit.memory.staging.attention_tile_takes`, then
+            region ``ws.fixed`` (:func:`moefit.memory.takes.attention_tile_takes`, then
             the KV block read's cell indices and codec scratch).
         sinks: ``[A]`` gpt-oss attention sinks, or None: one more logit per query head
             in the softmax's denominator, no value (:func:`_fold_sinks`).

@@ -44,7 +44,7 @@ import torch
 import torch.nn.functional as F
 
 from moefit.ingest.geometry import AttentionSpec
-from moefit.memory.staging import DELTA_CHUNK, delta_block_takes
+from moefit.memory.takes import DELTA_CHUNK, delta_block_takes
 from moefit.runtime.buffers.linear_state import LayerState
 from moefit.runtime.buffers.workspace import Workspace
 

@@ -33,7 +33,7 @@ tests/runtime/test_decode_step.py compares them on every family the runtime runs
 
 What the step does not cover stays in torch, layer by layer: Gated DeltaNet layers
 (:func:`moefit.runtime.layers.deltanet.gated_deltanet`), shared experts and dense MLPs
-(:func:`moefit.runtime.model.linear`), the output gate, ``clip_qkv``. :func:`applies` says
+(:func:`moefit.runtime.kernels.linear.linear`), the output gate, ``clip_qkv``. :func:`applies` says
 when the whole step runs here: the C kernels are built, the device is the CPU, every
 segment of the step is one token, the KV format has a C codec (plain, int8 / int4 blocks;
 not fp8), the experts run on the CPU (:func:`moefit.runtime.moe.batch.applies`), and the
@@ -58,9 +58,11 @@ import torch.nn.functional as F
 
 from moefit.ingest.families.common import Switches
 from moefit.ingest.geometry import AttentionSpec, MoESpec
+from moefit.memory.layer_kinds import Latent, Recurrent, kind_of
 from moefit.runtime.moe import batch as moe_batch
 from moefit.runtime.kernels import qmatmul
 from moefit.runtime.kernels.lean_abi import CLayer, CMat, CStep, pchunk
+from moefit.runtime.kernels.linear import FLOAT_TYPES
 from moefit.runtime.layers.deltanet import gated_deltanet
 from moefit.runtime.kernels.quant import StoredMatrix
 from moefit.runtime.buffers.workspace import ALIGN
@@ -118,7 +120,7 @@ def _mat(w) -> _Mat | None:
             else None
     if not isinstance(w, torch.Tensor) or w.dim() != 2 or w.device.type != "cpu" or not w.is_contiguous():
         return None
-    name = moe_batch.FLOAT_TYPES.get(w.dtype)
+    name = FLOAT_TYPES.get(w.dtype)
     return _Mat(w.data_ptr(), qmatmul.CTYPES[name], w.shape[0], w.shape[1], w) if name else None
 
 
@@ -145,9 +147,11 @@ class _Layer:
 
     def __init__(self, mdl, l, lw):
         a, arch = l.attention, mdl.arch
-        self.l, self.lw, self.kind = l, lw, a.kind
+        self.l, self.lw = l, lw
+        #: Gated DeltaNet (its kind's class is Recurrent); else softmax attention over cells
+        self.recurrent = isinstance(kind_of(a), Recurrent)
         self.moe = l.moe
-        if a.kind != "linear":
+        if not self.recurrent:
             heads, d, dv = a.num_heads, a.head_dim, a.v_head_dim
             self.heads, self.kvh, self.d, self.dv = heads, a.num_kv_heads, d, dv
             self.q = _mat(lw.q[:heads * d])
@@ -175,7 +179,7 @@ class _Layer:
             if l.moe is None else None
         #: the layer runs inside ``mf_lean_layers``: attention without an output gate,
         #: routed experts without shared ones (the rest stays in this loop)
-        self.fused = a.kind != "linear" and not a.output_gate and l.moe is not None and self.shared is None \
+        self.fused = not self.recurrent and not a.output_gate and l.moe is not None and self.shared is None \
             and (arch.clip_qkv is None or arch.clip_qkv > 0)
 
     def c_layer(self) -> CLayer:
@@ -203,7 +207,7 @@ class LeanStep:
         self.lib = qmatmul.library()
         self.layers = [_Layer(mdl, l, lw) for l, lw in zip(mdl.geom.layers, mdl.weights.layers)]
         for L in self.layers:
-            mats = [L.q, L.k, L.v, L.o] + ([L.gate] if L.l.attention.output_gate else []) if L.kind != "linear" else []
+            mats = [L.q, L.k, L.v, L.o] + ([L.gate] if L.l.attention.output_gate else []) if not L.recurrent else []
             if L.moe is not None:
                 mats.append(L.router)
             mats += list(L.shared or ()) + list(L.dense or ())
@@ -222,7 +226,7 @@ class LeanStep:
         self._version = None
         self._applies: dict = {}
         # what a step takes, whatever its size
-        h, att = mdl.geom.hidden_size, [L for L in self.layers if L.kind != "linear"]
+        h, att = mdl.geom.hidden_size, [L for L in self.layers if not L.recurrent]
         self.att, self.moes = att, [L for L in self.layers if L.moe is not None]
         self.widest = max([h] + [L.heads * L.dv for L in att]
                           + [m.cols for L in self.layers for m in (L.shared or ()) + (L.dense or ())])
@@ -269,14 +273,17 @@ class LeanStep:
         codecs = set()
         for l, lw in zip(g.layers, mdl.weights.layers):
             a = l.attention
-            if a.kind not in ("full", "sliding", "linear"):
+            kind = kind_of(a)
+            # softmax attention over its own cells (not MLA's latent rows, not a window it
+            # keeps but does not mask: chunked), or Gated DeltaNet
+            if isinstance(kind, Latent) or kind.masked_window(a) != kind.window(a):
                 return f"layer {l.index}: {a.kind} attention"
-            if a.kind != "linear":
+            if not isinstance(kind, Recurrent):
                 if max(a.head_dim, a.v_head_dim) > 512 or a.num_heads % max(1, a.num_kv_heads):
                     return f"layer {l.index}: head dims"
                 lc = mdl.kv.layers[l.index]
                 codecs |= {lc.k_codec.kind, lc.v_codec.kind}
-                if (lc.window or None) != (a.sliding_window if a.kind == "sliding" else None):
+                if (lc.window or None) != kind.masked_window(a):
                     return f"layer {l.index}: the window"
             extra = {f.name for f in fields(lw) if getattr(lw, f.name) is not None} - KNOWN_WEIGHTS
             for spec in (a, l.moe):
@@ -396,7 +403,7 @@ class LeanStep:
             L = item
             l, lw = L.l, L.lw
             norm(t, h, hp, pending, pdt, L.norms[0], ad, eps, off, np_)
-            if L.kind == "linear":
+            if L.recurrent:
                 for sg in segs:
                     with ws.scope():
                         gated_deltanet(l.attention, lw, normed[sg.offset:sg.offset + 1],
@@ -508,7 +515,7 @@ class LeanStep:
         act = self.mdl.arch.dtype
         h = self.mdl.geom.hidden_size
         base = max(moe_batch.scratch_bytes(t, h, L.moe.expert_intermediate, act) for L in moes)
-        if any(L.kind == "linear" for L in self.layers):     # the delta rule takes its own blocks
+        if any(L.recurrent for L in self.layers):     # the delta rule takes its own blocks
             return base
         want = max(qmatmul.moe_scratch_bytes(t, h, L.moe.expert_intermediate, t * L.moe.experts_per_token)
                    for L in moes)
@@ -519,7 +526,7 @@ class LeanStep:
         return max(base, min(want, room))
 
     def _mlp(self, mats, x: torch.Tensor, out: torch.Tensor, mm) -> torch.Tensor:
-        """``down(silu(gate(x)) * up(x))`` into ``out`` (:func:`moefit.runtime.model._swiglu_mlp`)."""
+        """``down(silu(gate(x)) * up(x))`` into ``out`` (:func:`moefit.runtime.moe.layer.swiglu_mlp`)."""
         ws, t, act = self.mdl.ws, x.shape[0], x.dtype
         gm, um, dm = mats
         with ws.scope():

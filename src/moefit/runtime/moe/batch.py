@@ -28,10 +28,8 @@ import torch
 
 from moefit.memory.host import device_expert_path
 from moefit.runtime.kernels import qmatmul
+from moefit.runtime.kernels.linear import FLOAT_TYPES
 from moefit.runtime.kernels.quant import StoredExpert
-
-#: torch dtype of a plain blob -> ggml type name
-FLOAT_TYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
 
 
 @functools.lru_cache(maxsize=None)
@@ -133,23 +131,3 @@ def run_layer(cache, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: to
         wsel = wsel.float()
     return qmatmul.moe(x.contiguous(), torch.tensor(ptrs, dtype=torch.int64), bounds, tok, wsel, acc,
                        layer_format(cache, layer), scratch, threads)
-
-
-def dense_applies(x: torch.Tensor, w: torch.Tensor, max_rows: int = 8) -> bool:
-    """Whether :func:`dense` computes ``x @ w^T``: a CPU product of at most ``max_rows``
-    rows (decode, last-token logits) with a bf16 or fp16 weight whose rows the kernels read
-    (:func:`moefit.runtime.kernels.qmatmul.supports`; fp32 stays with ``torch.mm``, which is
-    as fast there) and the kernels built."""
-    return (x.device.type == "cpu" and x.dim() == 2 and x.shape[0] <= max_rows and w.dtype in (torch.bfloat16, torch.float16)
-            and qmatmul.reads(x) and w.is_contiguous() and x.is_contiguous()
-            and qmatmul.available() and qmatmul.supports(FLOAT_TYPES[w.dtype], w.shape[1]))
-
-
-def dense(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """``out = x @ w^T`` through the C kernels (fp32 accumulation, one rounding to
-    ``out``'s dtype); ``x`` ``[T, in]``, ``w`` ``[out, in]`` bf16/fp16, ``out`` ``[T, out]``."""
-    rows, cols = w.shape
-    raw = w.view(-1).view(torch.uint8)
-    if out.dtype in qmatmul.DTYPE_CODES and out.is_contiguous():
-        return qmatmul.gemm(x, raw, FLOAT_TYPES[w.dtype], rows, cols, out=out)
-    return out.copy_(qmatmul.gemm(x, raw, FLOAT_TYPES[w.dtype], rows, cols))

@@ -1,6 +1,9 @@
-"""Grouped routing: DeepSeek-V2 / V3, Kimi-K2 and GLM-4.5 routers, one implementation.
+"""The routers of the MoE layer (:mod:`moefit.runtime.moe.layer`): top-k over the softmax
+(:func:`route`: Qwen, Mixtral, OLMoE; mixtral-offloading, transformers ``*TopKRouter``),
+gpt-oss's softmax over its top-k logits (:func:`route_topk_softmax`), and grouped routing
+(:func:`route_grouped`): DeepSeek-V2 / V3, Kimi-K2 and GLM-4.5 routers, one implementation.
 
-Follows transformers 5.x ``DeepseekV3TopkRouter`` (= ``Glm4MoeTopkRouter``) and
+Grouped routing follows transformers 5.x ``DeepseekV3TopkRouter`` (= ``Glm4MoeTopkRouter``) and
 ``DeepseekV2TopkRouter``, for router logits ``[T, E]`` (:class:`moefit.ingest.geometry.Routing`)::
 
     scores = sigmoid(logits) | softmax(logits)                 # fp32
@@ -75,3 +78,40 @@ def route_grouped(logits: torch.Tensor, top_k: int, r: Routing, renormalize: boo
             w.div_(torch.sum(w, -1, keepdim=True, out=den).add_(1e-20))
         if r.scale != 1.0:
             w.mul_(r.scale)
+
+
+def route(logits: torch.Tensor, top_k: int, renormalize: bool, ws: Workspace | None = None,
+          w: torch.Tensor | None = None,
+          ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k routing: ``logits`` ``[T, E]`` -> (weights ``[T, k]`` fp32, ids ``[T, k]``);
+    softmax in fp32 then top-k, renormalised to sum 1 when ``renormalize``. With ``ws``
+    the results go to ``w`` / ``ids`` and the fp32 probabilities (and the fp32 copy of
+    the logits) are taken from it."""
+    if ws is None:
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)      # [T, E]
+        w, ids = torch.topk(probs, top_k, dim=-1)                      # [T, k]
+        if renormalize:
+            w = w / w.sum(-1, keepdim=True)
+        return w, ids
+    f32 = torch.float32
+    with ws.scope():
+        x = logits if logits.dtype == f32 else ws.take(logits.shape, f32).copy_(logits)
+        probs = torch.ops.aten._softmax.out(x, -1, False, out=ws.take(logits.shape, f32))
+        torch.topk(probs, top_k, dim=-1, out=(w, ids))
+        if renormalize:
+            w.div_(torch.sum(w, -1, keepdim=True, out=ws.take((w.shape[0], 1), f32)))
+    return w, ids
+
+
+def route_topk_softmax(logits: torch.Tensor, top_k: int, ws: Workspace, w: torch.Tensor,
+                       ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """gpt-oss routing (``GptOssTopKRouter``): top-k of the router logits ``[T, E]``, then a
+    softmax over those k values only, into ``w`` ``[T, k]`` fp32 and ``ids`` ``[T, k]``
+    (the same weights as softmax-then-top-k renormalised, computed the reference's way).
+    The fp32 copy of the logits and the softmax's output come from ``ws``."""
+    f32 = torch.float32
+    with ws.scope():
+        x = logits if logits.dtype == f32 else ws.take(logits.shape, f32).copy_(logits)
+        torch.topk(x, top_k, dim=-1, out=(w, ids))
+        w.copy_(torch.ops.aten._softmax.out(w, -1, False, out=ws.take(w.shape, f32)))
+    return w, ids
