@@ -117,8 +117,12 @@ def test_a_host_margin_left_at_its_default_is_not_limiting():
 
 def test_a_host_short_of_its_default_margin_is_offered_a_smaller_one():
     """The default margin is not limiting, but when the host lacks less than it, a smaller
-    --host-reserve-mib set by hand fits (and is printed so that it does, applied as is)."""
-    argv = ["Qwen3-30B-A3B", "--gpu", "RTX 3060 12GB", "--max-context", "32K", "--host-ram", "53GiB"]
+    --host-reserve-mib set by hand fits (and is printed so that it does, applied as is).
+    The chunk is pinned: the alternatives are solved at the largest chunk that fits, where
+    --prefill auto weighs smaller ones too (which may hold more experts on the device and
+    so fit a larger margin)."""
+    argv = ["Qwen3-30B-A3B", "--gpu", "RTX 3060 12GB", "--max-context", "32K", "--host-ram", "53GiB",
+            "--prefill", "16384"]
     code, text = plan(argv)
     assert code == 3 and "short by" in text and "on the host" in text
     reserve = [a for a in printed_alternatives(text) if a.startswith("  --host-reserve-mib ")]

@@ -485,3 +485,20 @@ def test_the_layout_names_every_module():
     assert len(files) > 40
     missing = sorted(f for f in files if not re.search(rf"\b{re.escape(f)}", layout))
     assert missing == [], f"add to docs/layout.md: {missing}"
+
+
+#: the longest a module may grow (lines): past it, split it by job (docs/layout.md)
+MAX_MODULE_LINES = 640
+#: the most Python files at the top of runtime/: the rest lives in its rooms
+MAX_RUNTIME_TOP_FILES = 8
+
+
+def test_no_module_is_longer_than_a_job():
+    long = {str(p.relative_to(SRC)): n for p in SRC.rglob("*.py")
+            if (n := len(p.read_text(encoding="utf-8").splitlines())) > MAX_MODULE_LINES}
+    assert not long, f"split these by job (over {MAX_MODULE_LINES} lines): {long}"
+
+
+def test_the_top_of_runtime_holds_at_most_eight_files():
+    top = sorted(p.name for p in (SRC / "runtime").glob("*.py"))
+    assert len(top) <= MAX_RUNTIME_TOP_FILES, top

@@ -2,6 +2,7 @@
 bound named for each, the figures it runs on, and how it reaches the plan's outputs."""
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -15,7 +16,8 @@ from moefit.memory import calibration
 from moefit.memory.kv import kv_format
 from moefit.plan.request import Request
 from moefit.plan.solver import solve
-from moefit.plan.speed import RESOURCES, alternative_request, predict, predict_plan, rates_for, routing
+from moefit.plan.speed import RESOURCES, predict, predict_plan, rates_for, routing
+from moefit.plan.throughput import alternative_request
 
 FIELD = ["Qwen3.5-35B-A3B", "--max-context", "512K", "--rope-scaling", "yarn",
          "--rope-scale", "2", "--kv", "k8v4", "--prefill", "24576"]
@@ -126,7 +128,7 @@ def test_host_calibration_round_trip_and_a_file_from_another_machine_is_ignored(
 
 
 def test_host_bandwidth_flag_sets_the_host_figure(capsys):
-    args = ["plan", "Qwen3-30B-A3B", "--gpu", "RTX 4060", "--no-calibration", "--json"]
+    args = ["plan", "Qwen3-30B-A3B", "--gpu", "RTX 4060", "--max-context", "16K", "--no-calibration", "--json"]
     slow = json.loads(run(capsys, *args, "--host-bandwidth", "20GB/s")[1])["speed"]
     fast = json.loads(run(capsys, *args, "--host-bandwidth", "200GB/s")[1])["speed"]
     assert "20.0 GB/s (--host-bandwidth)" in slow["sources"][1]
@@ -223,11 +225,14 @@ def resolve_cpu():
 # ---- the plan's outputs ----------------------------------------------------------------------
 
 def test_field_plan_prints_predicted_prefill_and_decode(capsys):
-    code, out = run(capsys, "plan", *FIELD, "--gpu", "RTX 5060 Ti 16GB", "--no-calibration")
-    assert code == 0
-    line = next(l for l in out.splitlines() if l.startswith("speed  "))
-    assert "prefill " in line and "decode " in line and "bound: host compute" in line
-    assert "a 24576-token chunk at position 262144" in line
+    """On CUDA the default policy is auto: the chunk's misses are copied (the device's
+    compute bounds it); with cpu the host's compute does."""
+    for policy, bound in ((), "device compute"), (("--miss-policy", "cpu"), "host compute"):
+        code, out = run(capsys, "plan", *FIELD, "--gpu", "RTX 5060 Ti 16GB", "--no-calibration", *policy)
+        assert code == 0
+        line = next(l for l in out.splitlines() if l.startswith("speed  "))
+        assert "prefill " in line and "decode " in line and f"bound: {bound}" in line
+        assert "a 24576-token chunk at position 262144" in line
 
 
 def test_verbose_shows_each_layer_kind_and_the_figures(capsys):
@@ -244,7 +249,7 @@ def test_json_speed_schema(capsys):
                     "--json", "--prompt-tokens", "30000")
     assert code == 0
     s = json.loads(out)["speed"]
-    assert set(s) == {"policy", "prefill", "decode", "sources"} and s["policy"] == "cpu"
+    assert set(s) == {"policy", "prefill", "decode", "sources"} and s["policy"] == "auto"   # CUDA's default
     for key in ("prefill", "decode"):
         p = s[key]
         assert set(p) == {"tokens_per_s", "bound", "tokens", "position", "chunk",
@@ -305,8 +310,9 @@ def test_llamacpp_plan_predicts_its_command_copies_for_prefill_and_runs_decode_o
 
 def test_auto_prices_the_weight_arena_before_the_expert_cache_and_copies_only_large_steps(capsys):
     base = ["plan", *FIELD, "--gpu", "RTX 5060 Ti 16GB", "--no-calibration", "--json"]
-    cpu = json.loads(run(capsys, *base)[1])
+    cpu = json.loads(run(capsys, *base, "--miss-policy", "cpu")[1])
     auto = json.loads(run(capsys, *base, "--miss-policy", "auto")[1])
+    assert json.loads(run(capsys, *base)[1])["devices"] == auto["devices"]    # CUDA's default
     line = lambda doc, key: next(l for l in doc["devices"][0]["lines"] if l["key"] == key)  # noqa: E731
     assert line(cpu, "weight_arena")["bytes"] == 0
     arena = line(auto, "weight_arena")
@@ -331,12 +337,28 @@ def test_auto_is_offered_the_cpu_policy_when_its_arena_does_not_fit(capsys):
     assert code == 3 and "  --miss-policy cpu without --arena-slots" in out
 
 
-def test_the_commands_that_run_the_model_refuse_auto_before_loading_anything():
-    import argparse
+def test_the_runtime_gets_the_crossovers_the_model_decides_by():
+    """`moefit serve --miss-policy auto` solves the plan with the crossovers of the speed
+    model (one home: the prediction's auto copies exactly the layers whose tokens per
+    missing expert reach them); decode-sized steps stay below, a full chunk is above."""
+    from moefit.cli import build_parser
+    from moefit.flags import plan_from_args, runnable_devices
+    from moefit.plan import speed
 
-    from moefit.errors import InputError
-    from moefit.flags import runnable_devices
-    args = argparse.Namespace(command="serve", miss_policy="auto", device="cpu", gpu=None,
-                              vram="4GiB", vram_free=None, threads=None)
-    with pytest.raises(InputError, match="serve runs --miss-policy cpu or copy; auto is planned only"):
-        runnable_devices(args)
+    args = build_parser().parse_args(["serve", "Qwen3-30B-A3B", "--device", "cpu", "--vram", "16GiB",
+                                      "--miss-policy", "auto", "--max-context", "8K",
+                                      "--host-ram", "256GiB"])
+    devices = runnable_devices(args)           # auto runs: no refusal
+    geom = load_model("Qwen3-30B-A3B")
+    plan = plan_from_args(geom, devices, args)
+    assert plan.fits and {l for l, _ in plan.miss_crossover} == {l.index for l in geom.moe_layers}
+    assert {c for _, c in plan.miss_crossover} == {float("inf")}     # the simulated device: one memory
+    cuda = solve(geom, find_gpu("RTX 4090"), Request(max_context=8192, miss_policy="auto"))
+    cross = speed.plan_crossovers(cuda, default_host_speed())
+    assert all(4 < c < 64 for c in cross.values()), cross       # llama.cpp copies from 32
+    host = default_host_speed()
+    for chunk in (16, 4096):
+        s = predict_plan(replace(cuda, prefill_selected=chunk), host, policy="auto")
+        expect = 0 if chunk * 8 / 128 < min(cross.values()) else len(geom.moe_layers)
+        assert s.prefill.copied == expect
+    assert predict_plan(cuda, host, policy="auto").decode.copied == 0

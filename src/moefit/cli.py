@@ -62,7 +62,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if not plan.fits and len(devices) == 1:
         plan = dataclasses.replace(plan, alternatives=(*plan.alternatives,
                                                        *_llamacpp_alternatives(geom, devices[0], args)))
-    speed, alt_speeds = speed_from_args(geom, devices, plan, args)
+    plan, speed, alt_speeds = speed_from_args(geom, devices, plan, args)
     if args.json:
         print(format_json(plan, speed, alt_speeds))
     else:
@@ -78,6 +78,9 @@ def _plan_llamacpp(args: argparse.Namespace) -> int:
     file (its header) or a Hugging Face model (the GGUF of ``--gguf-type``)."""
     from moefit.external import llamacpp     # an engine's model loads only for its --engine
     plan = _llamacpp_plan(args)
+    if isinstance(plan, llamacpp.LlamaSplitPlan):
+        return _print_engine_plan(args, plan, llamacpp.split_document, llamacpp.format_split_plan,
+                                  llamacpp.format_split_verbose)
     speed = llamacpp_speed_from_args(plan.geometry, plan, args) if plan.fits else None
     return _print_engine_plan(
         args, plan, lambda p: {**llamacpp.plan_document(p), "speed": speed_document(speed)},
@@ -87,17 +90,21 @@ def _plan_llamacpp(args: argparse.Namespace) -> int:
 
 def _llamacpp_plan(args: argparse.Namespace):
     """The llama.cpp plan of the flags (``plan --engine llama.cpp`` and ``serve --engine
-    llama.cpp`` solve the same): ``--max-context max`` solved for the largest context."""
+    llama.cpp`` solve the same): ``--max-context max`` solved for the largest context; several
+    devices: the layer split (a :class:`~moefit.external.llamacpp.LlamaSplitPlan`)."""
     from moefit.external import llamacpp     # an engine's model loads only for its --engine
     geom = load_model(args.model)
     req = llama_request_from_args(geom, args)
-    device = device_from_args(args)
+    devices = devices_from_args(args)
     if is_gguf_file(args.model):
         tensors = llamacpp.tensors_from_header(args.model)
     else:
         tensors, note = llamacpp.tensors_from_geometry(geom, llama_ftype(args, geom))
         req = dataclasses.replace(req, notes=(note, *req.notes))
-    host = host_from_args(args, (device,))
+    host = host_from_args(args, devices)
+    if len(devices) > 1:
+        return _llamacpp_split_plan(args, llamacpp, geom, tensors, devices, req, host)
+    device = devices[0]
     if wants_max_context(args):
         plan = llamacpp.plan_max_context(geom, tensors, device, req, req.context, host)
     else:
@@ -122,6 +129,9 @@ def _serve_llamacpp(args: argparse.Namespace) -> int:
     binary = llama_server.find_llama_server(args.llama_bin)
     check_engine_flags(args)
     plan = _llamacpp_plan(args)
+    if isinstance(plan, llamacpp.LlamaSplitPlan):
+        raise InputError("serve --engine llama.cpp runs one device (its buffer check reads one card's "
+                         "lines); `moefit plan --engine llama.cpp` plans several and prints the command")
     print(llamacpp.format_plan(plan), flush=True)
     if not plan.fits:
         return EXIT_NOFIT
@@ -132,6 +142,18 @@ def _serve_llamacpp(args: argparse.Namespace) -> int:
     if args.api_key or os.environ.get("MOEFIT_API_KEY"):
         argv += ["--api-key", args.api_key or os.environ["MOEFIT_API_KEY"]]
     return llama_server.run(plan, argv, args.host, port, log=args.llama_log)
+
+
+def _llamacpp_split_plan(args, llamacpp, geom, tensors, devices, req, host):
+    """``--engine llama.cpp`` on several CUDA devices: ``-sm layer -ts``, one table per
+    device (``--max-context max``: the largest context that fits them all)."""
+    if wants_max_context(args):
+        best = llamacpp.largest_split_context(geom, tensors, devices, req, req.context, host)
+        if best is not None:
+            req = dataclasses.replace(req, context=best, notes=(
+                f"max-context: max, the largest context that fits at -ub {req.ubatch}: {best} tokens per "
+                f"sequence (-c {llamacpp.llama_ctx(dataclasses.replace(req, context=best))})", *req.notes))
+    return llamacpp.solve_split(geom, tensors, devices, req, host_mem=host)
 
 
 def _before_command(text: str, line: str) -> str:

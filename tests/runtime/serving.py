@@ -64,10 +64,50 @@ def write_tokenizer(path: Path, vocab: int = 96) -> None:
         "eos_token_id": EOS, "do_sample": False}))
 
 
-def make_servable(path: Path, family: str = "qwen3_moe", **over):
-    """A tiny checkpoint of ``family`` with tokenizer files; returns conftest's Tiny."""
+def _byte_table() -> dict[int, str]:
+    """GPT-2's byte -> printable character table (the ByteLevel pre-tokenizer's)."""
+    bs = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+          *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    cs, n = bs[:], 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, map(chr, cs)))
+
+
+#: The byte-level vocabulary: the 4 special tokens, then one token per byte (no merges).
+BYTE_VOCAB = len(SPECIALS) + 256
+
+
+def write_byte_tokenizer(path: Path) -> None:
+    """A byte-level BPE tokenizer (as Qwen's, without merges: one token per byte), which can
+    write any text (JSON included: the words of :func:`write_tokenizer` cannot), with the
+    same specials, chat template and greedy generation config."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    table = {t: i for i, t in enumerate(SPECIALS)}
+    for _, ch in sorted(_byte_table().items()):
+        table[ch] = len(table)
+    tok = Tokenizer(models.BPE(vocab=table, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(SPECIALS)
+    write_tokenizer(path)                  # the config files; tokenizer.json replaced below
+    tok.save(str(path / "tokenizer.json"))
+
+
+def make_servable(path: Path, family: str = "qwen3_moe", byte_level: bool = False, **over):
+    """A tiny checkpoint of ``family`` with tokenizer files (``byte_level``: the
+    :func:`write_byte_tokenizer` vocabulary of :data:`BYTE_VOCAB` tokens); returns conftest's
+    Tiny."""
     from conftest import make_tiny
 
+    if byte_level:
+        tiny = make_tiny(family, path, vocab_size=BYTE_VOCAB, **over)
+        write_byte_tokenizer(path)
+        return tiny
     tiny = make_tiny(family, path, **over)
     write_tokenizer(path, tiny.ref.config.vocab_size)
     return tiny
@@ -189,23 +229,39 @@ class Server:
 
 # ---- the server in-process ------------------------------------------------------------------
 
+def served_parts(d: Path, max_context: int, chunk: int | None = None, byte_level: bool = False,
+                 **plan_kw):
+    """``(d, plan, tokenizer, engine)``: a servable checkpoint written into ``d`` (``byte_level``:
+    :func:`make_servable`'s), its plan (``plan_kw``: the plan's request, e.g. ``slots``) and a
+    started engine (``chunk``: its prefill chunk); :func:`state_of` makes server states of it."""
+    from conftest import plan_for
+    from moefit.runtime.engine import Engine, EngineOptions
+    from moefit.serve.text import Tokenizer
+
+    tiny = make_servable(d, byte_level=byte_level, max_position_embeddings=1024)
+    plan = plan_for(tiny, max_context=max_context, **plan_kw)
+    engine = Engine.start(d, plan, EngineOptions(progress=False, chunk=chunk))
+    return d, plan, Tokenizer.from_dir(d), engine
+
+
+def state_of(parts, engine=None, **kw):
+    """A :class:`~moefit.serve.app.ServerState` over :func:`served_parts`' ``parts``
+    (``engine``: another engine, e.g. a :class:`Slow` one; ``kw``: the state's fields)."""
+    from moefit.serve.app import ServerState
+    from moefit.serve.text import GenerationDefaults
+
+    d, plan, tok, eng = parts
+    st = ServerState(plan=plan, model_name="tiny", tokenizer=tok,
+                     defaults=GenerationDefaults.from_dir(d, tok), **kw)
+    st.engine = engine or eng
+    return st
+
+
 def served_state(d: Path, max_context: int, **plan_kw):
     """A :class:`~moefit.serve.app.ServerState` with a started engine for a servable
     checkpoint written into ``d`` (``plan_kw``: the plan's request, e.g. ``slots``;
     ``chunk``: the engine's prefill chunk)."""
-    from conftest import plan_for
-    from moefit.runtime.engine import Engine, EngineOptions
-    from moefit.serve.app import ServerState
-    from moefit.serve.text import GenerationDefaults, Tokenizer
-
-    chunk = plan_kw.pop("chunk", None)
-    tiny = make_servable(d, max_position_embeddings=1024)
-    plan = plan_for(tiny, max_context=max_context, **plan_kw)
-    tok = Tokenizer.from_dir(d)
-    st = ServerState(plan=plan, model_name="tiny", tokenizer=tok,
-                     defaults=GenerationDefaults.from_dir(d, tok))
-    st.engine = Engine.start(d, plan, EngineOptions(progress=False, chunk=chunk))
-    return st
+    return state_of(served_parts(d, max_context, **plan_kw))
 
 
 class Running:

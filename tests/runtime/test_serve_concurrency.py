@@ -25,15 +25,12 @@ pytest.importorskip("prometheus_client")
 import httpx  # noqa: E402
 from fastapi.testclient import TestClient  # noqa: E402
 
-from conftest import plan_for  # noqa: E402
-from moefit.runtime.engine import Engine, EngineOptions  # noqa: E402
-from moefit.serve.app import ServerState, create_app  # noqa: E402
+from moefit.serve.app import create_app  # noqa: E402
 from moefit.serve.bodies import MAX_CHARS_PER_TOKEN, MAX_CHOICES  # noqa: E402
 from moefit.serve.responses import DROPPED_STREAMS, EventStream  # noqa: E402
 from moefit.serve.generation import Decoding, Params  # noqa: E402
 from moefit.serve.scheduler import Ended, Job, QueueFull, Scheduler  # noqa: E402
-from moefit.serve.text import GenerationDefaults, Tokenizer  # noqa: E402
-from serving import Running, Slow, make_servable  # noqa: E402
+from serving import Running, Slow, served_parts, state_of  # noqa: E402
 
 SLOTS = 4
 CONTEXT = 256
@@ -41,20 +38,10 @@ CONTEXT = 256
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    d = tmp_path_factory.mktemp("concurrent")
-    tiny = make_servable(d, max_position_embeddings=1024)
-    plan = plan_for(tiny, max_context=CONTEXT, slots=SLOTS)
-    tok = Tokenizer.from_dir(d)
-    engine = Engine.start(d, plan, EngineOptions(progress=False, chunk=32))
-    return d, plan, tok, engine
+    return served_parts(tmp_path_factory.mktemp("concurrent"), CONTEXT, chunk=32, slots=SLOTS)
 
 
-def make_state(served, **kw) -> ServerState:
-    d, plan, tok, engine = served
-    st = ServerState(plan=plan, model_name="tiny", tokenizer=tok,
-                     defaults=GenerationDefaults.from_dir(d, tok), **kw)
-    st.engine = engine
-    return st
+make_state = state_of
 
 
 def _post(url, body, **kw):
@@ -239,6 +226,7 @@ def test_budget_shows_cells_per_slot_without_paths_and_metrics_count(served):
                    "moefit_prompt_tokens_total 100.0", "moefit_generation_tokens_total 3.0",
                    "moefit_slots 4.0", "moefit_queue_length 0.0",
                    'moefit_kv_cells_in_use{slot="0"}', "moefit_expert_hit_rate",
+                   'moefit_miss_layer_steps_total{path="copy"} 0.0',
                    'moefit_budget_bytes{kind="planned",line="kv"}',
                    'moefit_ledger_bytes{kind="allocated",ledger="host",line="host_devices"}',
                    "moefit_time_to_first_token_seconds_count 1.0",
@@ -567,7 +555,7 @@ def test_the_moefit_serve_process_batches_its_slots_behind_the_flags(tmp_path, m
     """``moefit serve --slots 2`` with the admission flags and the key from the
     environment: 401 / 413 at the door, two concurrent greedy streams each giving what
     it gives alone, the counts in /metrics."""
-    from serving import Server, reference_tokens
+    from serving import Server, make_servable, reference_tokens
 
     tiny = make_servable(tmp_path / "ckpt", max_position_embeddings=1024)
     key = {"Authorization": "Bearer k3y"}

@@ -19,13 +19,11 @@ pytest.importorskip("uvicorn")
 import httpx  # noqa: E402
 from fastapi.testclient import TestClient  # noqa: E402
 
-from conftest import plan_for  # noqa: E402
-from moefit.runtime.engine import Engine, EngineOptions  # noqa: E402
-from moefit.serve.app import ServerState, create_app  # noqa: E402
+from moefit.serve.app import create_app  # noqa: E402
 from moefit.serve.generation import MIN_TEMPERATURE, Decoding, Params  # noqa: E402
 from moefit.serve.scheduler import EngineFailed, Job, Scheduler  # noqa: E402
-from moefit.serve.text import GenerationDefaults, Tokenizer  # noqa: E402
-from serving import Running, make_servable  # noqa: E402
+from moefit.serve.text import Tokenizer  # noqa: E402
+from serving import Running, served_parts, state_of  # noqa: E402
 
 SLOTS = 2
 CONTEXT = 128
@@ -33,20 +31,10 @@ CONTEXT = 128
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    d = tmp_path_factory.mktemp("reliability")
-    tiny = make_servable(d, max_position_embeddings=1024)
-    plan = plan_for(tiny, max_context=CONTEXT, slots=SLOTS)
-    tok = Tokenizer.from_dir(d)
-    engine = Engine.start(d, plan, EngineOptions(progress=False, chunk=32))
-    return d, plan, tok, engine
+    return served_parts(tmp_path_factory.mktemp("reliability"), CONTEXT, chunk=32, slots=SLOTS)
 
 
-def make_state(served, engine=None, **kw) -> ServerState:
-    d, plan, tok, eng = served
-    st = ServerState(plan=plan, model_name="tiny", tokenizer=tok,
-                     defaults=GenerationDefaults.from_dir(d, tok), **kw)
-    st.engine = engine or eng
-    return st
+make_state = state_of
 
 
 def wait_for(cond, seconds: float = 20.0) -> bool:

@@ -45,7 +45,7 @@ def bench(args: argparse.Namespace) -> int:
     if args.vs:
         versus.check_reference(geom, gguf=is_gguf_file(str(model)))
     device = runnable_device(args)
-    req = request_from_args(args)
+    req = request_from_args(args, device)
     staging = calibrated_staging(geom, device, req.kv, args)
     if args.contexts:
         contexts = ladder.parse_contexts(args.contexts)
@@ -119,7 +119,7 @@ def calibrate(args: argparse.Namespace) -> int:
         raise InputError(f"{args.model}: not a checkpoint; calibrate runs the model")
     geom = load_model(str(model))
     device = runnable_device(args)
-    req = request_from_args(args)
+    req = request_from_args(args, device)
     chunks = sorted({parse_count(c.strip(), "--chunks") for c in args.chunks.split(",") if c.strip()})
     if len(chunks) != 2 or chunks[0] < 256:
         raise InputError(f"--chunks {args.chunks}: expected two different chunk sizes of at "

@@ -80,13 +80,9 @@ def runnable_devices(args: argparse.Namespace) -> tuple[Device, ...]:
 
     Raises:
         InputError: ``--gpu`` or ``--vram`` without ``--device``; a CUDA device that this
-            torch build cannot see; ``--miss-policy auto`` (planned only); every error of
+            torch build cannot see; every error of
             :func:`devices_from_args`.
     """
-    if getattr(args, "miss_policy", None) == "auto":
-        command = getattr(args, "command", None) or "this command"
-        raise InputError(f"{command} runs --miss-policy cpu or copy; auto is planned only "
-                         "(moefit plan prices its weight arena and predicts its speed)")
     if args.device is None and (args.gpu is not None or args.vram is not None):
         command = getattr(args, "command", None) or "this command"
         raise InputError(f"{command} runs the model on a real device: use --device "

@@ -82,7 +82,7 @@ def llama_request_from_args(geom: ModelGeometry, args: argparse.Namespace) -> "L
         raise InputError(f"--gguf-type {gguf_type}: {args.model} is a GGUF file, planned with its own "
                          "tensor types; drop --gguf-type (it names the type mix of a Hugging Face model)")
     if (args.expert_cache.strip().lower() != "auto" or args.min_expert_cache
-            or args.miss_policy != "cpu" or args.arena_slots is not None):
+            or args.miss_policy not in (None, "cpu") or args.arena_slots is not None):
         raise InputError("--expert-cache / --min-expert-cache / --miss-policy / --arena-slots are "
                          "moefit runtime flags; with --engine llama.cpp the experts kept on the "
                          "CPU are chosen as --n-cpu-moe")
@@ -144,13 +144,18 @@ def llama_ftype(args: argparse.Namespace, geom: ModelGeometry) -> str:
 
 def llama_device(device: str | None) -> str:
     """``--device cuda:N`` -> llama.cpp's device name ``CUDAN`` (``-dev``, the names
-    ``llama-server --list-devices`` prints), so the command runs on the planned card; empty
-    without ``--device`` or for ``cpu``."""
-    text = (device or "").strip().lower()
-    if not text.startswith("cuda"):
-        return ""
-    index = text.partition(":")[2] or "0"
-    return f"CUDA{int(index)}" if index.isdigit() else ""
+    ``llama-server --list-devices`` prints), so the command runs on the planned card
+    (``cuda:0,cuda:1`` -> ``CUDA0,CUDA1``); empty without ``--device`` or for ``cpu``."""
+    names = []
+    for part in (device or "").strip().lower().split(","):
+        part = part.strip()
+        if not part.startswith("cuda"):
+            return ""
+        index = part.partition(":")[2] or "0"
+        if not index.isdigit():
+            return ""
+        names.append(f"CUDA{int(index)}")
+    return ",".join(names)
 
 
 def llama_ubatch(prefill: str, prefill_min: int) -> tuple[int, int]:
@@ -213,7 +218,7 @@ def serve_request_from_args(geom: ModelGeometry, args: argparse.Namespace) -> "S
                          "preset, a model directory or its config.json), not a GGUF file; use "
                          "--engine llama.cpp for GGUF")
     if (args.expert_cache.strip().lower() != "auto" or args.min_expert_cache
-            or args.miss_policy != "cpu" or args.arena_slots is not None):
+            or args.miss_policy not in (None, "cpu") or args.arena_slots is not None):
         raise InputError(f"--expert-cache / --min-expert-cache / --miss-policy / --arena-slots are "
                          f"moefit runtime flags; --engine {engine} keeps every expert on the GPUs")
     if wants_max_context(args):

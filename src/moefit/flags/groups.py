@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 
 from moefit.memory.kv import KV_FORMATS
+from moefit.plan.throughput import DEFAULT_DECODE_TOKENS, OBJECTIVES
 
 
 def add_model_argument(p: argparse.ArgumentParser, optional: bool = False) -> None:
@@ -74,12 +75,12 @@ def add_request_flags(p: argparse.ArgumentParser) -> None:
                      help="auto (what remains) or N expert slots")
     req.add_argument("--min-expert-cache", type=int, default=0,
                      help="expert slots that must fit (default 0: misses run on the CPU)")
-    req.add_argument("--miss-policy", choices=("cpu", "copy", "auto"), default="cpu",
-                     help="non-resident experts run on the CPU (default), are copied "
-                          "through the weight arena, or (auto, planned only: serve and "
-                          "generate run cpu or copy) either, per MoE layer and step, "
-                          "whichever the speed model predicts faster; copy and auto price "
-                          "the arena before the expert cache")
+    req.add_argument("--miss-policy", choices=("cpu", "copy", "auto"), default=None,
+                     help="non-resident experts run on the CPU, are copied through the "
+                          "weight arena, or (auto) either, per MoE layer and step, whichever "
+                          "the speed model predicts faster; copy and auto price the arena "
+                          "before the expert cache (default: auto on CUDA, cpu on the "
+                          "simulated device)")
     req.add_argument("--arena-slots", type=int, default=None,
                      help="weight-arena ring size in expert slots with --miss-policy copy / auto "
                           "(default 2 x experts per token)")
@@ -145,7 +146,8 @@ def add_plan_flags(p: argparse.ArgumentParser, optional_model: bool = False) -> 
 
 def add_speed_flags(p: argparse.ArgumentParser) -> None:
     """``moefit plan``'s workload for the predicted speed (:func:`speed_from_args`):
-    ``--prompt-tokens``, ``--host-bandwidth`` and the ``--routing-profile`` of the run."""
+    ``--prompt-tokens``, ``--host-bandwidth``, the ``--routing-profile`` of the run, and
+    what the plan's choices maximise: ``--objective``, ``--decode-tokens``."""
     s = p.add_argument_group("predicted speed")
     s.add_argument("--prompt-tokens", type=int, default=None, metavar="N",
                    help="the prompt the prefill speed is predicted for, from position 0 "
@@ -157,6 +159,13 @@ def add_speed_flags(p: argparse.ArgumentParser) -> None:
     s.add_argument("--routing-profile", default=None,
                    help='JSON {"layer": {"expert": count}}: routing counts for the expected '
                         "hit rate (default: uniform routing)")
+    s.add_argument("--objective", choices=OBJECTIVES, default="balanced",
+                   help="what --prefill auto's chunk and the order of the alternatives "
+                        "maximise: predicted prefill or decode tokens/s, or (balanced, "
+                        "default) a request's prompt and --decode-tokens over its time")
+    s.add_argument("--decode-tokens", type=int, default=DEFAULT_DECODE_TOKENS, metavar="N",
+                   help=f"tokens decoded per request for --objective balanced (default "
+                        f"{DEFAULT_DECODE_TOKENS})")
 
 
 def add_model_files_flags(p: argparse.ArgumentParser) -> None:

@@ -12,12 +12,15 @@ import argparse
 
 from moefit.errors import InputError
 from moefit.memory.kv import kv_name
-from moefit.plan.request import DEFAULT_PREFILL_MIN, Request, parse_prefill
+from moefit.devices import Device
+from moefit.plan.request import DEFAULT_PREFILL_MIN, Request, default_miss_policy, parse_prefill
 from moefit.units import parse_count
 
 
-def request_from_args(args: argparse.Namespace) -> Request:
-    """Build a :class:`moefit.plan.request.Request` from parsed flags. Raises InputError."""
+def request_from_args(args: argparse.Namespace, device: Device | None = None) -> Request:
+    """Build a :class:`moefit.plan.request.Request` from parsed flags for ``device`` (the
+    main one: without ``--miss-policy``, :func:`moefit.plan.request.default_miss_policy` of
+    its kind; none given: ``cpu``). Raises InputError."""
     mode, tokens = parse_prefill(args.prefill)
     if args.expert_cache.strip().lower() == "auto":
         expert_cache = None
@@ -33,7 +36,8 @@ def request_from_args(args: argparse.Namespace) -> Request:
         prefill_min=prefill_min_of(args), strict=args.strict, reserve_bytes=reserve_bytes_of(args),
         expert_cache=expert_cache, min_expert_cache=args.min_expert_cache,
         rope_scaling=args.rope_scaling, rope_scale=args.rope_scale,
-        yarn_orig_ctx=yarn_orig_ctx_of(args), miss_policy=args.miss_policy,
+        yarn_orig_ctx=yarn_orig_ctx_of(args),
+        miss_policy=args.miss_policy or default_miss_policy(device.kind if device else "cpu"),
         arena_slots=args.arena_slots,
         host_experts=getattr(args, "host_experts", "copy"),
         host_reserve_bytes=mib_bytes(getattr(args, "host_reserve_mib", None), "--host-reserve-mib"),

@@ -22,7 +22,8 @@ from moefit.memory.staging import StagingModel
 from moefit.plan.alternatives import SMALLEST_CONTEXT, largest_context
 from moefit.plan.request import CHUNK_GRID, Request, context_limit
 from moefit.plan.solver import solve
-from moefit.plan.speed import Speed, alternative_request, predict_plan
+from moefit.plan.speed import Speed, plan_crossovers, predict_plan
+from moefit.plan.throughput import DEFAULT_DECODE_TOKENS, Workload, alternative_request, rank_alternatives
 from moefit.plan.types import Plan
 from moefit.units import parse_size
 
@@ -42,21 +43,31 @@ def plan_from_args(geom: ModelGeometry, device: "Device | tuple[Device, ...]",
                    args: argparse.Namespace) -> Plan:
     """Solve the flags' request for ``geom`` on ``device`` (one or several, main first)
     and the host of the flags (:func:`host_from_args`), with the staging calibrated for
-    them on the main device (:func:`calibrated_staging`). Raises InputError."""
+    them on the main device (:func:`calibrated_staging`); ``--prefill auto`` by the
+    workload's predicted throughput (:func:`workload_from_args`; not with ``--max-context
+    max``, which keeps its chunk). An ``auto`` plan carries the runtime's crossovers
+    (:func:`moefit.plan.speed.plan_crossovers`). Raises InputError."""
     devices = (device,) if isinstance(device, Device) else tuple(device)
-    req = request_from_args(args)
+    req = request_from_args(args, devices[0])
     host = host_from_args(args, devices)
     staging = calibrated_staging(geom, devices[0], req.kv, args)
     if not wants_max_context(args):
-        return solve(geom, devices, req, host=host, staging=staging)
-    return _plan_max_context(geom, devices, req, staging, host,
-                             keep_chunk=getattr(args, "prefill_min", None) is None)
+        plan = solve(geom, devices, req, host=host, staging=staging,
+                     workload=workload_from_args(args, geom, devices))
+    else:
+        plan = _plan_max_context(geom, devices, req, staging, host,
+                                 keep_chunk=getattr(args, "prefill_min", None) is None)
+    if plan.fits and plan.request.miss_policy == "auto":
+        # the runtime's per-step choice, from the speed model with this host's figures
+        cross = plan_crossovers(plan, host_speed_from_args(args, devices))
+        plan = replace(plan, miss_crossover=tuple(sorted(cross.items())))
+    return plan
 
 
 #: the prefill chunk ``--max-context max`` keeps with ``--prefill auto`` (tokens): a default,
 #: long enough that a prompt step's weight reads are shared by many tokens, short enough that
 #: its staging stays small beside a long context's KV cache (Qwen3.5-35B-A3B, YaRN x4, int8 KV
-#: on a 16 GB card: 928,302 tokens at 4096-token chunks, 4% fewer than at 256)
+#: on a 16 GB card: 919,049 tokens at 4096-token chunks, 4% fewer than at 256)
 MAX_CONTEXT_CHUNK = 4096
 
 
@@ -138,20 +149,38 @@ def host_speed_from_args(args: argparse.Namespace, devices: tuple[Device, ...]) 
                    source=measured.source + f"; bandwidth {text} from --host-bandwidth")
 
 
-def speed_from_args(geom: ModelGeometry, devices: tuple[Device, ...], plan: Plan,
-                    args: argparse.Namespace) -> tuple["Speed | None", list["Speed | None"]]:
-    """The predicted speed of ``plan`` (:func:`moefit.plan.speed.predict_plan`; None for a
-    plan that does not fit, or a device without figures) and of each of its ``fits with:``
-    alternatives, each re-solved with its change (:func:`moefit.plan.speed.alternative_request`;
-    None where the change is not one request flag: another model file). Raises InputError
-    for bad speed flags."""
+def workload_from_args(args: argparse.Namespace, geom: ModelGeometry,
+                       devices: tuple[Device, ...]) -> Workload:
+    """The workload the plan's choices are predicted for
+    (:class:`moefit.plan.throughput.Workload`): the host's figures
+    (:func:`host_speed_from_args`), ``--objective``, ``--prompt-tokens``,
+    ``--decode-tokens`` and ``--routing-profile`` (the commands without them: balanced, a
+    full chunk, :data:`~moefit.plan.throughput.DEFAULT_DECODE_TOKENS`, uniform). Raises
+    InputError for bad values."""
     prompt = getattr(args, "prompt_tokens", None)
     if prompt is not None and prompt < 1:
         raise InputError(f"--prompt-tokens {prompt}: give a prompt of at least one token")
-    host = host_speed_from_args(args, devices)
-    profile = None
-    if getattr(args, "routing_profile", None):
+    decode = getattr(args, "decode_tokens", None)
+    if decode is not None and decode < 1:
+        raise InputError(f"--decode-tokens {decode}: give at least one token")
+    profile = getattr(args, "routing_counts", None)
+    if profile is None and getattr(args, "routing_profile", None):
         profile = read_routing_profile(args.routing_profile, geom)
+    return Workload(host_speed_from_args(args, devices), getattr(args, "objective", None) or "balanced",
+                    prompt, decode or DEFAULT_DECODE_TOKENS, profile)
+
+
+def speed_from_args(geom: ModelGeometry, devices: tuple[Device, ...], plan: Plan,
+                    args: argparse.Namespace) -> tuple[Plan, "Speed | None", list["Speed | None"]]:
+    """The predicted speed of ``plan`` (:func:`moefit.plan.speed.predict_plan`; None for a
+    plan that does not fit, or a device without figures) and of each of its ``fits with:``
+    alternatives, each re-solved with its change (:func:`moefit.plan.throughput.alternative_request`;
+    None where the change is not one request flag: another model file); the plan is
+    returned with its alternatives ranked by the workload's predicted throughput
+    (:func:`moefit.plan.throughput.rank_alternatives`, ``--objective``). Raises InputError
+    for bad speed flags."""
+    work = workload_from_args(args, geom, devices)
+    host, prompt, profile = work.host, work.prompt_tokens, work.profile
     speed = predict_plan(plan, host, prompt_tokens=prompt, profile=profile) if plan.fits else None
     alts: list[Speed | None] = []
     if plan.alternatives:
@@ -167,4 +196,6 @@ def speed_from_args(geom: ModelGeometry, devices: tuple[Device, ...], plan: Plan
                            staging=staging if same else None)
             alts.append(predict_plan(solved, host, prompt_tokens=prompt, profile=profile)
                         if solved.fits else None)
-    return speed, alts
+        ranked, alts = rank_alternatives(plan.alternatives, alts, work, plan.prefill_requested)
+        plan = replace(plan, alternatives=ranked)
+    return plan, speed, alts

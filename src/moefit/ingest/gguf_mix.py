@@ -40,6 +40,7 @@ from moefit.errors import InputError
 from moefit.ingest.families import registry
 from moefit.ingest.families.common import GGUF_EXPERT_PARTS, GGUF_LAYER_EXTRA, GLOBAL_NAMES, LAYER_NAMES
 from moefit.ingest.geometry import ModelGeometry
+from moefit.ingest.ggml_types import block_values, tensor_bytes
 from moefit.ingest.gguf_header import GGUFHeader, GGUFTensor, exact_from_gguf
 
 #: ``llama-quantize`` file types planned here -> the default ggml type
@@ -82,11 +83,8 @@ class GGUFTensorInfo:
 
     @property
     def nbytes(self) -> int:
-        """``ggml_row_size(kind, ne[0]) x rows`` (the ``gguf`` package's block sizes)."""
-        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-
-        bs, ts = GGML_QUANT_SIZES[GGMLQuantizationType[self.kind]]
-        return ts * self.ne[0] // bs * math.prod(self.ne[1:])
+        """``ggml_row_size(kind, ne[0]) x rows`` (:func:`moefit.ingest.ggml_types.tensor_bytes`)."""
+        return tensor_bytes(self.kind, self.ne)
 
 
 def _layer_table() -> dict[str, str]:
@@ -206,9 +204,7 @@ def _use_more_bits(i: int, n: int) -> bool:
 
 
 def _block(kind: str) -> int:
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-
-    return GGML_QUANT_SIZES[GGMLQuantizationType[kind]][0]
+    return block_values(kind)
 
 
 def _rule(t: GGUFTensorInfo, ftype: str, new: str, c: _Counters, n_expert: int, tied: bool,

@@ -23,15 +23,14 @@ import os
 from collections.abc import Mapping
 
 from moefit.errors import InputError
+from moefit.ingest.ggml_types import BLOCKS
 from moefit.memory.cpu_kernels import switched_off
 
 #: ggml type -> (values per block, bytes per block) of the types the kernels read
-#: (``GGML_QUANT_SIZES`` / ``ggml-common.h``)
-TYPES: dict[str, tuple[int, int]] = {
-    "F32": (1, 4), "F16": (1, 2), "BF16": (1, 2), "Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_1": (32, 20),
-    "Q5_0": (32, 22), "Q5_1": (32, 24), "IQ4_NL": (32, 18), "Q4_K": (256, 144), "Q5_K": (256, 176),
-    "Q6_K": (256, 210), "MXFP4": (32, 17),
-}
+#: (:data:`moefit.ingest.ggml_types.BLOCKS`)
+TYPES: dict[str, tuple[int, int]] = {k: BLOCKS[k] for k in (
+    "F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL", "Q4_K", "Q5_K", "Q6_K",
+    "MXFP4")}
 DISABLE_ENV = "MOEFIT_NO_TRITON"
 #: ``triton``: run the Triton kernels on a CPU device too (needs ``TRITON_INTERPRET=1``)
 KERNELS_ENV = "MOEFIT_KERNELS"

@@ -158,9 +158,12 @@ def expert_cache_bytes(geom: ModelGeometry, slots: int,
 
 def most_slots(geom: ModelGeometry, budget: int, floor: int, ceiling: int) -> int:
     """The most slots in ``[floor, ceiling]`` whose :func:`expert_cache_bytes` fit in
-    ``budget`` bytes (``floor`` when none above it do). Bisection: the bytes grow with
-    the slot count."""
+    ``budget`` bytes (``floor`` when none above it do). One blob size for every layer: a
+    division; else a bisection (the bytes grow with the slot count)."""
     blobs = geom.expert_blob_bytes()
+    sizes = set(blobs[l.index] for l in geom.moe_layers)
+    if len(sizes) == 1:            # one blob size: the bytes are slots x blob, directly
+        return max(floor, min(ceiling, budget // sizes.pop()))
     lo, hi = floor, ceiling
     while lo < hi:
         mid = (lo + hi + 1) // 2

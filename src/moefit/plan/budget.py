@@ -19,10 +19,11 @@ from moefit.plan.types import Plan
 
 
 def solve_budget(geom: ModelGeometry, devices: tuple[Device, ...], req: Request,
-                 host: Host | None = None, staging: StagingModel | None = None) -> Plan:
+                 host: Host | None = None, staging: StagingModel | None = None,
+                 workload=None) -> Plan:
     """The plan of ``geom`` on ``devices`` (the main one first) for ``req``, with its host
     table (``host`` None: priced, not checked), and no alternatives: the arguments and
-    errors of :func:`moefit.plan.solver.solve`."""
+    errors of :func:`moefit.plan.solver.solve` (``workload``: one device only)."""
     validate(req)
     context = resolve_context(geom, req)
     notes: list[str] = [*geom.notes, *rope_notes(geom, req)]
@@ -30,7 +31,7 @@ def solve_budget(geom: ModelGeometry, devices: tuple[Device, ...], req: Request,
     check_expert_flags(geom, req)
     check_host_flags(geom, req)
     if len(devices) == 1:
-        plan = solve_one(geom, devices[0], req, context, notes, staging)
+        plan = solve_one(geom, devices[0], req, context, notes, staging, workload)
     else:
         plan = solve_several(geom, devices, req, context, notes, staging)
     plan = with_host(plan, host)

@@ -33,6 +33,7 @@ from moefit.memory.runtime import default_reserve_bytes, runtime_bytes
 from moefit.memory.staging import StagingModel, fixed_region_bytes, staging_model
 from moefit.memory.weights import (expert_cache_bytes, expert_slot_bytes, most_slots, spread_slots,
                                    weight_arena_bytes, weights_bytes, weights_detail)
+from moefit.plan import throughput
 from moefit.plan.request import CHUNK_GRID, Request
 from moefit.plan.types import LINE_ORDER, DevicePlan, Line, Plan, limiting_lines
 
@@ -137,17 +138,56 @@ def chunk_target(req: Request, context: int, notes: list[str]) -> tuple[int, int
     return requested, target, may_shrink, lowest
 
 
-def clamp_note(req: Request, requested: int, chunk: int, notes: list[str]) -> None:
-    """Append to ``notes`` why the chunk is ``chunk`` tokens, not the ``requested`` ones."""
+def clamp_note(req: Request, requested: int, chunk: int, notes: list[str], cost: str = "") -> None:
+    """Append to ``notes`` why the chunk is ``chunk`` tokens, not the ``requested`` ones
+    (``cost``: the predicted prefill of both, :func:`moefit.plan.throughput.clamp_cost`)."""
     if req.prefill_mode == "auto":
         notes.append(f"prefill: auto, largest chunk that fits up to {requested}: {chunk}")
     else:
-        notes.append(f"prefill: requested {requested}, clamped to {chunk} due to VRAM budget")
+        notes.append(f"prefill: requested {requested}, clamped to {chunk} due to VRAM budget{cost}")
+
+
+def _slots_at(geom: ModelGeometry, priced: Priced, free: int, chunk: int, floor: int,
+              ceiling: int) -> int:
+    """The expert slots beside a ``chunk``-token chunk that fits: what the mandatory lines
+    leave, in whole slots within ``[floor, ceiling]``."""
+    if not priced.slot_bytes:
+        return floor
+    return most_slots(geom, priced.floor_bytes + free - priced.cost(chunk), floor, ceiling)
+
+
+def _by_throughput(geom: ModelGeometry, device: Device, req: Request, context: int,
+                   priced: Priced, free: int, lowest: int, top: int, top_slots: int,
+                   floor: int, ceiling: int, workload) -> tuple[int, int, str] | None:
+    """``--prefill auto`` with a workload (:mod:`moefit.plan.throughput`): the (chunk,
+    slots, note) of the best predicted throughput among the chunks from ``lowest`` to
+    ``top`` (the largest that fits, with ``top_slots``), each with the slots it leaves;
+    None when ``top`` is best or nothing is predicted (a device without figures)."""
+    chunks = throughput.candidate_chunks(lowest, top, CHUNK_GRID)
+    cands = [(c, top_slots if c == top else _slots_at(geom, priced, free, c, floor, ceiling))
+             for c in chunks]
+    rates = throughput.throughputs(geom, device, req, context, workload, cands)
+    if rates is None:
+        return None
+    scores = [workload.score(p, d, top) for p, d in rates]
+    i = throughput.best(scores)
+    if cands[i][0] == top:
+        return None
+    chunk, slots = cands[i]
+    j = max(range(len(scores)), key=scores.__getitem__)
+    best = "the best" if i == j else \
+        f"within {throughput.TIE:.0%} of the best ({scores[j]:.0f} at {cands[j][0]})"
+    return chunk, slots, (f"prefill: auto, {chunk} of the chunks that fit up to {top}: predicted "
+                          f"{workload.objective} {scores[i]:.0f} tokens/s with {slots} expert slots, "
+                          f"{best}; {top}: {scores[-1]:.0f} with {top_slots}")
 
 
 def solve_one(geom: ModelGeometry, device: Device, req: Request, context: int,
-               notes: list[str], staging: StagingModel | None) -> Plan:
-    """One device: the rules of the module docstring."""
+               notes: list[str], staging: StagingModel | None, workload=None) -> Plan:
+    """One device: the rules of the module docstring; with a ``workload``
+    (:class:`moefit.plan.throughput.Workload`), ``--prefill auto`` takes the chunk of the
+    best predicted throughput among those that fit, and a clamp of ``--prefill N`` notes
+    its predicted cost."""
     floor, ceiling = floor_ceiling(geom, req)
     priced = price(geom, device, req, context, floor, staging)
     free = device.free_bytes
@@ -162,15 +202,28 @@ def solve_one(geom: ModelGeometry, device: Device, req: Request, context: int,
     fits = chunk >= 0
     shown_chunk = chunk if fits else lowest
     clamped = fits and chunk < target
-    if clamped:
-        clamp_note(req, requested, chunk, notes)
 
     slots = floor
     # step 3 only: a clamped chunk took everything, the expert cache stays at its floor
     # (this also keeps "more VRAM never gives fewer slots" true)
-    if fits and not clamped and priced.slot_bytes:
-        spare = free - priced.cost(chunk)
-        slots = most_slots(geom, priced.floor_bytes + spare, floor, ceiling)
+    if fits and not clamped:
+        slots = _slots_at(geom, priced, free, chunk, floor, ceiling)
+    chosen = None
+    if fits and workload is not None and req.prefill_mode == "auto" and geom.moe_layers:
+        chosen = _by_throughput(geom, device, req, context, priced, free, min(lowest, chunk),
+                                chunk, slots, floor, ceiling, workload)
+    if chosen is not None:
+        shown_chunk, slots, note = chosen
+        chunk = shown_chunk
+        notes.append(note)
+        clamped = chunk < target
+    elif clamped:
+        cost = ""
+        if workload is not None and req.prefill_mode == "fixed":
+            rates = throughput.throughputs(geom, device, req, context, workload,
+                                           [(target, slots), (chunk, slots)])
+            cost = throughput.clamp_cost((rates[0][0], rates[1][0])) if rates else ""
+        clamp_note(req, requested, chunk, notes, cost)
     lines = device_lines(geom, device, req, context, shown_chunk, priced, slots)
     per_layer = spread_slots(geom, slots)
     dplan = DevicePlan(device, lines, experts_per_layer=per_layer)

@@ -70,6 +70,14 @@ class Request:
         return replace(self, **changes)
 
 
+def default_miss_policy(device_kind: str) -> str:
+    """The ``--miss-policy`` of a plan that names none: ``auto`` on a CUDA device (a step
+    copies its misses when the speed model predicts that faster, :mod:`moefit.plan.speed`,
+    so the weight arena is priced before the expert cache), ``cpu`` on the simulated device
+    (one memory: copying never pays there). :class:`Request`'s own default stays ``cpu``."""
+    return "auto" if device_kind == "cuda" else "cpu"
+
+
 def parse_prefill(text: str) -> tuple[str, int]:
     """Parse ``--prefill auto|auto:N|N`` into (mode, tokens); N accepts K (x1024).
 

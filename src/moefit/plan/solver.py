@@ -26,7 +26,7 @@ from moefit.plan.types import Plan
 
 def solve(geom: ModelGeometry, device: "Device | tuple[Device, ...]", req: Request, *,
           host: Host | None = None, alternatives: bool = True,
-          staging: StagingModel | None = None) -> Plan:
+          staging: StagingModel | None = None, workload=None) -> Plan:
     """Solve the budget of ``geom`` on ``device`` for ``req`` (docs/design.md, solving).
 
     ``device``: one :class:`Device`, or several (the main one first; docs/design.md,
@@ -34,13 +34,17 @@ def solve(geom: ModelGeometry, device: "Device | tuple[Device, ...]", req: Reque
     prices the host table without checking it. ``staging``: the ``prefill`` line's model
     when it is not the analytic one (a calibration measured on the main device,
     :mod:`moefit.memory.calibration`; the caller reads it, this function does no I/O).
+    ``workload``: a :class:`moefit.plan.throughput.Workload` (the host's speed figures and
+    ``--objective``): on one device ``--prefill auto`` then takes the chunk of the best
+    predicted throughput among those that fit, and a clamp of ``--prefill N`` notes its
+    predicted cost; None: the largest chunk that fits (the alternatives are solved so).
 
     Raises InputError for an invalid request (bad flag values, a context beyond the RoPE
     limit, ``--host-experts mmap`` for a model that is not a GGUF file). A plan that does
     not fit is returned with ``fits=False``, not raised.
     """
     devices = as_devices(device)
-    plan = solve_budget(geom, devices, req, host, staging)
+    plan = solve_budget(geom, devices, req, host, staging, workload)
     if plan.fits or not alternatives:
         return plan
     alts = tuple(find_alternatives(geom, devices, req, plan.context, staging, host))

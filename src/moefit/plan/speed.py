@@ -27,7 +27,8 @@ resident experts are the most used ones (the runtime's initial fill). So a decod
 Within a layer the dense part runs first; then the resident experts on the device, the
 transfers and the host work overlap (separate engines), so the MoE part takes the longest
 of its branches. Misses run on the host (``--miss-policy cpu``), are copied
-(``copy``), or whichever the model predicts faster per layer (``auto``). On the simulated
+(``copy``), or, per layer and step, copied when the step's tokens per missing expert reach
+the layer's :func:`crossover` (``auto``: the rule the runtime follows). On the simulated
 device (``--device cpu``) the device is the host: its parts add up, and nothing crosses a
 link. Not modelled: kernel launches and synchronisation (no GPU was measured here), the
 embedding lookup, sampling. Every figure is a peak: the prediction is an upper bound
@@ -73,6 +74,8 @@ class Rates:
     link_bytes_per_s: float | None
     host: HostSpeed
     sources: tuple[str, ...]
+    #: :func:`crossover` per expert shape (what it depends on), filled as asked
+    crossovers: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def shared(self) -> bool:
@@ -112,7 +115,7 @@ class Routing:
         experts, token pairs on missing ones) for a step of ``tokens`` tokens."""
         q = self.chances[layer]
         r = min(resident, len(q))
-        if len(set(q)) == 1:                    # uniform: closed form
+        if q[0] == q[-1]:                       # uniform (sorted, most used first): closed form
             touched = 1 - (1 - min(q[0], 1.0)) ** tokens
             return r * touched, (len(q) - r) * touched, tokens * q[0] * r, tokens * q[0] * (len(q) - r)
         touch = [1 - (1 - min(x, 1.0)) ** tokens for x in q]
@@ -124,16 +127,16 @@ def routing(geom: ModelGeometry, profile: dict[int, dict[int, int]] | None = Non
     profile (:func:`moefit.ingest.inputs.read_routing_profile`), ``k x count / total``,
     sorted most used first; a layer the profile leaves out (or counts nothing in) is
     uniform."""
-    out = {}
+    out: dict[int, tuple[float, ...]] = {}
+    uniform: dict[tuple[int, int], tuple[float, ...]] = {}
     for l in geom.moe_layers:
         e, k = l.moe.num_experts, l.moe.experts_per_token
         counts = (profile or {}).get(l.index) or {}
         total = sum(counts.values())
         if total:
-            q = sorted((k * counts.get(i, 0) / total for i in range(e)), reverse=True)
-        else:
-            q = [k / e] * e
-        out[l.index] = tuple(q)
+            out[l.index] = tuple(sorted((k * counts.get(i, 0) / total for i in range(e)), reverse=True))
+        else:       # one tuple for every uniform layer of a shape (step_time prices it once)
+            out[l.index] = uniform.setdefault((e, k), (k / e,) * e)
     return Routing(out)
 
 
@@ -210,18 +213,22 @@ class _Layer:
     expert_params: int
     expert_types: tuple[str, ...]
     hidden: int
+    #: layers of the same shape (everything above but the index) share it: their times
+    #: are equal at equal residency and routing
+    shape: int = 0
 
 
 def _layers(geom: ModelGeometry) -> tuple[_Layer, ...]:
     blobs = geom.expert_blob_bytes()
     types = geom.expert_types
     floats = ("F32",) if geom.dtype_bytes == 4 else ("BF16",)
-    out = []
+    out, shapes = [], {}
     for l in geom.layers:
-        out.append(_Layer(l, sum(geom.tensor_bytes(t) for t in l.tensors),
-                          sum(t.numel for t in l.tensors), blobs.get(l.index, 0),
-                          sum(t.numel for t in l.expert_tensors),
-                          tuple(types.get(l.index, ())) or floats, geom.hidden_size))
+        fields = (sum(geom.tensor_bytes(t) for t in l.tensors), sum(t.numel for t in l.tensors),
+                  blobs.get(l.index, 0), sum(t.numel for t in l.expert_tensors),
+                  tuple(types.get(l.index, ())) or floats, geom.hidden_size)
+        shape = shapes.setdefault((l.attention, l.moe, *fields), len(shapes))
+        out.append(_Layer(l, *fields, shape))
     return tuple(out)
 
 
@@ -231,7 +238,8 @@ def layer_time(layer: _Layer, rates: Rates, route: Routing, fmt: KVFormat, dtype
     """One layer's time for one step (see the module docstring for the model).
 
     ``resident``: the layer's expert slots. ``policy``: ``cpu`` (misses on the host),
-    ``copy`` (copied through the weight arena) or ``auto`` (the faster of the two).
+    ``copy`` (copied through the weight arena) or ``auto`` (copied when the step's tokens
+    per missing expert reach :func:`crossover`, else on the host).
     ``copy_whole``: a copy moves every missing expert of the layer, touched or not
     (llama.cpp copies whole expert tensors). ``serial``: the MoE part's branches run one
     after another instead of overlapping (llama.cpp's scheduler runs a graph's splits in
@@ -252,8 +260,7 @@ def layer_time(layer: _Layer, rates: Rates, route: Routing, fmt: KVFormat, dtype
     if miss_p <= 0:
         return LayerTime(spec.index, kind, dense + dev[0], dense_bound if dense >= dev[0] else dev[1])
     host = rates.host
-    # the blob's matrices (gate, up, down) are taken as thirds of it, each at its type's rate
-    rate = len(layer.expert_types) / sum(1 / host.rate(t) for t in layer.expert_types)
+    rate = _expert_rate(layer, host)
     h_mem, h_comp = miss_e * blob / host.memory_bytes_per_s, miss_p * blob / rate
     host_t, host_bound = (h_mem, "host memory") if h_mem >= h_comp else (h_comp, "host compute")
     if rates.shared:
@@ -277,12 +284,87 @@ def layer_time(layer: _Layer, rates: Rates, route: Routing, fmt: KVFormat, dtype
     else:
         on_host = max(dev, host_side)
         on_dev = max(dev_all, copy_side)
-    if policy == "copy" or (policy == "auto" and on_dev[0] < on_host[0]):
+    if policy == "copy" or (policy == "auto" and miss_p / max(miss_e, 1e-30) >= crossover(layer, rates)):
         moe, copied = on_dev, True
     else:
         moe, copied = on_host, False
     bound = dense_bound if dense >= moe[0] else moe[1]
     return LayerTime(spec.index, kind, dense + moe[0], bound, copied)
+
+
+def _expert_rate(layer: _Layer, host: HostSpeed) -> float:
+    """The host's compute roof for one of ``layer``'s experts (weight bytes x rows per s):
+    the blob's matrices (gate, up, down) taken as thirds of it, each at its type's rate."""
+    return len(layer.expert_types) / sum(1 / host.rate(t) for t in layer.expert_types)
+
+
+def crossover(layer: _Layer, rates: Rates) -> float:
+    """Tokens per missing expert from which ``--miss-policy auto`` copies a layer's misses
+    through the weight arena instead of computing them on the host: the smallest ``n`` at
+    which one missing expert with ``n`` tokens takes longer on the host than copied, in the
+    terms of :func:`layer_time`:
+
+    - host: ``max(B / host bandwidth, n x B / kernel rate) + n x H x`` :data:`ROW_VALUE_BYTES`
+      ``/ link`` (its blob read once, its products, and its tokens' rows there and back: one
+      row per token and expert, an upper bound where a token has several missing experts);
+    - copied: ``max(B / link, B / device bandwidth, n x 2 x params / device FLOP/s)``.
+
+    Both are piecewise linear in ``n``; the first ``n >= 0`` where the host side is not
+    faster is found segment by segment (a real number: a step's tokens per missing expert
+    is an average). The resident experts' branch is left out (it is the same either way up
+    to the order of the branches). ``math.inf``: copying never pays (the simulated device,
+    where host and device are one memory; a layer without experts). ``0.0``: always copy."""
+    if layer.spec.moe is None or rates.shared or not layer.blob_bytes:
+        return math.inf
+    key = (layer.blob_bytes, layer.expert_params, layer.expert_types, layer.hidden)
+    hit = rates.crossovers.get(key)
+    if hit is None:
+        hit = rates.crossovers[key] = _crossover(layer, rates)
+    return hit
+
+
+def _crossover(layer: _Layer, rates: Rates) -> float:
+    """:func:`crossover`, computed."""
+    blob, host, link = layer.blob_bytes, rates.host, rates.link_bytes_per_s
+    m, s = blob / host.memory_bytes_per_s, blob / _expert_rate(layer, host)
+    r = layer.hidden * ROW_VALUE_BYTES / link
+    a = max(blob / link, blob / rates.device_bytes_per_s)
+    c = 2 * layer.expert_params / rates.device_flops
+
+    def gap(n: float) -> float:            # host - copied
+        return max(m, n * s) + n * r - max(a, n * c)
+
+    lo = 0.0
+    for hi in sorted({m / s, a / c if c else math.inf, math.inf}):
+        if hi <= lo:
+            continue
+        g_lo = gap(lo)
+        if g_lo >= 0:
+            return lo
+        if math.isinf(hi):
+            slope = s + r - c
+            return lo - g_lo / slope if slope > 0 else math.inf
+        g_hi = gap(hi)
+        if g_hi >= 0:
+            return lo + (hi - lo) * -g_lo / (g_hi - g_lo)
+        lo = hi
+    return math.inf
+
+
+def miss_crossovers(geom: ModelGeometry, rates: Rates | None) -> dict[int, float]:
+    """:func:`crossover` of every MoE layer of ``geom`` (``{layer index: tokens per missing
+    expert}``), what the runtime's ``--miss-policy auto`` compares each layer's step against
+    (:class:`moefit.runtime.moe.cache.ExpertCache`). ``rates`` None (a device without
+    figures): :data:`LLAMACPP_OFFLOAD_MIN_BATCH` for every layer, llama.cpp's rule."""
+    if rates is None:
+        return {l.index: float(LLAMACPP_OFFLOAD_MIN_BATCH) for l in geom.moe_layers}
+    return {l.spec.index: crossover(l, rates) for l in _cached_layers(geom) if l.spec.moe is not None}
+
+
+def plan_crossovers(plan, host: HostSpeed) -> dict[int, float]:
+    """:func:`miss_crossovers` of a solved ``plan`` on its main device's figures with
+    ``host`` (:func:`rates_for`)."""
+    return miss_crossovers(plan.geometry, rates_for(plan.devices[0].device, host))
 
 
 
@@ -318,12 +400,19 @@ def step_time(geom: ModelGeometry, rates: Rates, route: Routing, fmt: KVFormat,
     """A step of ``tokens`` tokens (a chunk when ``chunk``, else one token for each of
     ``seqs`` sequences) at ``position``: every layer (:func:`layer_time`) and the head.
     ``resident``: expert slots per MoE layer index."""
-    layers = tuple(
-        layer_time(l, rates, route, fmt, geom.dtype_bytes, tokens=tokens, seqs=seqs,
-                   position=position, chunk=chunk, resident=resident.get(l.spec.index, 0),
-                   policy=policy, copy_whole=copy_whole, serial=serial)
-        for l in _cached_layers(geom))
-    return StepTime(tokens, position, layers, _head(geom, rates, 1 if chunk else seqs))
+    memo: dict[tuple, LayerTime] = {}
+    layers = []
+    for l in _cached_layers(geom):
+        index = l.spec.index
+        r = resident.get(index, 0)
+        key = (l.shape, r, id(route.chances.get(index)))     # layers of one shape: priced once
+        t = memo.get(key)
+        if t is None:
+            t = memo[key] = layer_time(l, rates, route, fmt, geom.dtype_bytes, tokens=tokens,
+                                       seqs=seqs, position=position, chunk=chunk, resident=r,
+                                       policy=policy, copy_whole=copy_whole, serial=serial)
+        layers.append(t if t.index == index else LayerTime(index, t.kind, t.seconds, t.bound, t.copied))
+    return StepTime(tokens, position, tuple(layers), _head(geom, rates, 1 if chunk else seqs))
 
 
 _LAYER_CACHE: dict[int, tuple[ModelGeometry, tuple[_Layer, ...]]] = {}
@@ -389,6 +478,49 @@ class Speed:
     sources: tuple[str, ...] = field(default_factory=tuple)
 
 
+def prefill_steps(context: int, chunk: int, prompt_tokens: int | None, policy: str,
+                  decode_policy: str | None = None) -> list[tuple[int, int, int, str]]:
+    """The prefill steps :func:`predict` prices, as (tokens, position, times, policy): one
+    full chunk at half the ``context`` (``prompt_tokens`` None), else the prompt's full
+    chunks once at their mean position and its last partial chunk (under
+    :data:`LLAMACPP_OFFLOAD_MIN_BATCH` tokens with ``decode_policy`` when given)."""
+    if prompt_tokens is None:
+        return [(chunk, context // 2, 1, policy)]
+    full, rest = divmod(prompt_tokens, chunk)
+    out = [(chunk, chunk * (full - 1) // 2, full, policy)] if full else []
+    if rest:
+        small = policy if decode_policy is None or rest >= LLAMACPP_OFFLOAD_MIN_BATCH else decode_policy
+        out.append((rest, full * chunk, 1, small))
+    return out
+
+
+def layer_groups(geom: ModelGeometry, route: Routing, resident: dict[int, int]) -> list[tuple]:
+    """The layers of ``geom`` as (a layer, its expert slots, how many layers alike): layers
+    of one shape (:attr:`_Layer.shape`), routing and residency take the same time."""
+    groups: dict[tuple, list] = {}
+    chances = route.chances
+    for l in _cached_layers(geom):
+        index = l.spec.index
+        r = resident.get(index, 0)
+        g = groups.get((l.shape, r, id(chances.get(index))))
+        if g is None:
+            groups[(l.shape, r, id(chances.get(index)))] = [l, r, 1]
+        else:
+            g[2] += 1
+    return [tuple(g) for g in groups.values()]
+
+
+def step_seconds(geom: ModelGeometry, rates: Rates, route: Routing, fmt: KVFormat,
+                 groups: list[tuple], *, tokens: int, seqs: int, position: int,
+                 chunk: bool, policy: str) -> float:
+    """:func:`step_time`'s seconds for the layers of :func:`layer_groups`, each group
+    priced once (what a search over many plans, :mod:`moefit.plan.throughput`, runs on)."""
+    total = sum(n * layer_time(l, rates, route, fmt, geom.dtype_bytes, tokens=tokens, seqs=seqs,
+                               position=position, chunk=chunk, resident=r, policy=policy).seconds
+                for l, r, n in groups)
+    return total + _head(geom, rates, 1 if chunk else seqs)
+
+
 def predict(geom: ModelGeometry, rates: Rates, fmt: KVFormat, resident: dict[int, int], *,
             context: int, chunk: int, seqs: int, policy: str,
             prompt_tokens: int | None = None, profile: dict[int, dict[int, int]] | None = None,
@@ -406,31 +538,16 @@ def predict(geom: ModelGeometry, rates: Rates, fmt: KVFormat, resident: dict[int
     ``serial``: as :func:`layer_time` takes them."""
     route = routing(geom, profile)
     chunk = max(1, min(chunk, context))
-    if prompt_tokens is None:
-        start, n = context // 2, chunk
-        steps = [(step_time(geom, rates, route, fmt, resident, tokens=chunk, seqs=1,
-                            position=start, chunk=True, policy=policy, copy_whole=copy_whole, serial=serial), 1)]
-        fill = start
-    else:
-        start, n = 0, prompt_tokens
-        full, rest = divmod(prompt_tokens, chunk)
-        steps = []
-        if full:
-            mean = chunk * (full - 1) // 2
-            steps.append((step_time(geom, rates, route, fmt, resident, tokens=chunk, seqs=1,
-                                    position=mean, chunk=True, policy=policy,
-                                    copy_whole=copy_whole, serial=serial), full))
-        if rest:
-            small = policy if decode_policy is None or rest >= LLAMACPP_OFFLOAD_MIN_BATCH \
-                else decode_policy
-            steps.append((step_time(geom, rates, route, fmt, resident, tokens=rest, seqs=1,
-                                    position=full * chunk, chunk=True, policy=small,
-                                    copy_whole=copy_whole, serial=serial), 1))
-        fill = prompt_tokens
+    kw = dict(copy_whole=copy_whole, serial=serial)
+    steps = [(step_time(geom, rates, route, fmt, resident, tokens=t, seqs=1, position=pos,
+                        chunk=True, policy=pol, **kw), n)
+             for t, pos, n, pol in prefill_steps(context, chunk, prompt_tokens, policy, decode_policy)]
+    start, n, fill = (context // 2, chunk, context // 2) if prompt_tokens is None else \
+        (0, prompt_tokens, prompt_tokens)
     prefill = _prediction(steps, n, start, chunk)
     dstep = step_time(geom, rates, route, fmt, resident, tokens=seqs, seqs=seqs,
                       position=min(fill, max(context - 1, 0)), chunk=False,
-                      policy=decode_policy or policy, copy_whole=copy_whole, serial=serial)
+                      policy=decode_policy or policy, **kw)
     decode = _prediction([(dstep, 1)], seqs, fill, 1)
     return Speed(prefill, decode, policy, rates.sources)
 
@@ -481,35 +598,3 @@ def predict_llamacpp(geom: ModelGeometry, device: Device, host: HostSpeed, *, co
                     profile=profile, copy_whole=True, serial=True)
     return replace(speed, policy=f"llama.cpp copies the CPU's expert tensors for micro-batches "
                                  f"of {LLAMACPP_OFFLOAD_MIN_BATCH} tokens or more")
-
-
-#: A ``fits with:`` alternative's flag -> the request field it sets (as
-#: :func:`moefit.plan.alternatives.find_alternatives` re-solves it); ``--prefill`` and the drops
-#: are handled in :func:`alternative_request`.
-_ALT_FIELDS = {"--max-context": "max_context", "--kv": "kv", "--prefill-min": "prefill_min",
-               "--miss-policy": "miss_policy", "--arena-slots": "arena_slots",
-               "--parallel": "slots", "--expert-cache": "expert_cache",
-               "--min-expert-cache": "min_expert_cache", "--split": "split",
-               "--host-experts": "host_experts"}
-_MIB_FIELDS = {"--vram-reserve-mib": "reserve_bytes", "--host-reserve-mib": "host_reserve_bytes"}
-_DROP_FIELDS = {"--arena-slots": ("arena_slots", None)}
-
-
-def alternative_request(req, alt):
-    """The request a ``fits with:`` alternative (:class:`~moefit.plan.types.Alternative`)
-    stands for: ``req`` with the alternative's flags applied; None when a change is not a
-    request flag (``MODEL``: another file)."""
-    changes = {}
-    for flag, value in ((alt.flag, alt.value), *alt.also):
-        if flag == "--prefill":
-            changes |= {"prefill_mode": "fixed", "prefill_tokens": int(value)}
-        elif flag in _ALT_FIELDS:
-            changes[_ALT_FIELDS[flag]] = value
-        elif flag in _MIB_FIELDS:
-            changes[_MIB_FIELDS[flag]] = int(value) << 20
-        else:
-            return None
-    for flag in alt.drop:
-        key, value = _DROP_FIELDS[flag]
-        changes[key] = value
-    return req.with_(**changes)

@@ -175,6 +175,10 @@ class Plan:
     host: HostPlan | None = None
     #: on failure: the label of the device that is short, or ``host``
     short_on: str = ""
+    #: ``--miss-policy auto``: per MoE layer, the tokens per missing expert from which a
+    #: step copies the layer's misses ((layer index, tokens), :func:`moefit.plan.speed.miss_crossovers`
+    #: with the plan's host figures); empty: the runtime computes them with the default host's
+    miss_crossover: tuple[tuple[int, float], ...] = ()
 
     @property
     def total_experts(self) -> int:

@@ -6,7 +6,8 @@ Commit order (docs/design.md, runtime contract), each allocation through the led
    took from the device's free memory; nothing on a simulated device.
 2. ``weights``: every resident tensor (:func:`moefit.runtime.load.safetensors.load_checkpoint`);
    the experts go to packed host blobs.
-3. ``weight_arena``: the ring of expert-blob buffers (``--miss-policy copy``).
+3. ``weight_arena``: the ring of expert-blob buffers (``--miss-policy copy`` or ``auto``),
+   as many as the plan's line holds (planned = allocated).
 4. ``kv``: ONE buffer of exactly the plan's ``kv`` bytes, carved by the plan's layout
    (:meth:`moefit.plan.types.Plan.kv_layout`, :class:`KVCache`).
 5. ``prefill``: ONE staging buffer of the plan's ``prefill`` bytes, reused by every
@@ -48,6 +49,7 @@ from pathlib import Path
 import torch
 
 from moefit.devices import Device
+from moefit.devices.host import default_host_speed
 from moefit.errors import InputError
 from moefit.ingest.inputs import is_gguf_file, read_routing_profile
 from moefit.memory import cpu_kernels, gpu_kernels
@@ -56,6 +58,7 @@ from moefit.memory.layer_kinds import kind_of
 from moefit.memory.staging import expert_fixed_region_bytes
 from moefit.memory.takes import ATTN_KV_BLOCK, ATTN_Q_BLOCK
 from moefit.memory.weights import stored_matrices
+from moefit.plan.speed import plan_crossovers
 from moefit.plan.types import Plan
 from moefit.runtime.arch import arch_from_config, read_config
 from moefit.runtime.moe.cache import ExpertCache, initial_residents
@@ -193,7 +196,7 @@ class Engine:
         try:
             # 3. weight arena
             arena = []
-            if req.miss_policy == "copy" and source.experts:
+            if req.miss_policy in ("copy", "auto") and source.experts:
                 ring = ledger.lines["weight_arena"].planned // max(1, _slot_bytes(source))
                 elems = max(source.elems.values())
                 arena = [ledger.alloc("weight_arena", (elems,), source.dtype) for _ in range(ring)]
@@ -214,7 +217,8 @@ class Engine:
             if source.experts:
                 slots, where = _commit_experts(ledgers, source, plan, say)
                 experts = _fill_experts(source, host, slots, where, req, arena, profile,
-                                        spaces, [d.piece for d in plan.devices])
+                                        spaces, [d.piece for d in plan.devices],
+                                        _crossovers(plan) if req.miss_policy == "auto" else None)
                 experts.ws = ws
         finally:
             source.close()
@@ -294,9 +298,10 @@ class Engine:
 
     # ---- reports -------------------------------------------------------------------------
     def expert_stats(self) -> dict:
-        """Hits / misses per MoE layer and the resident experts (see ExpertCache.report)."""
-        return self.model.experts.report() if self.model.experts else {"layers": {}, "hits": 0,
-                                                                       "misses": 0, "hit_rate": 0.0}
+        """Hits / misses per MoE layer, the resident experts and ``--miss-policy auto``'s
+        layer steps on the host / copied (see ExpertCache.report)."""
+        return self.model.experts.report() if self.model.experts else {
+            "layers": {}, "hits": 0, "misses": 0, "hit_rate": 0.0, "host_steps": 0, "copied_steps": 0}
 
     def report(self) -> str:
         """The ledger tables (planned / allocated / peak per line): every device, then the
@@ -392,7 +397,7 @@ def _commit_experts(ledgers: list[Ledger], source: ExpertSource, plan: Plan, say
 
 
 def _fill_experts(source: ExpertSource, host: HostLedger, slots, where, req, arena, profile,
-                  spaces, pieces) -> ExpertCache:
+                  spaces, pieces, crossover=None) -> ExpertCache:
     """Read every expert once: the resident ones (a layer's most used by the routing
     profile, else its first) into their slots, the others into host rows (every expert with
     ``--miss-policy copy``, whose cache swaps them; none with ``--host-experts mmap``, whose
@@ -420,7 +425,17 @@ def _fill_experts(source: ExpertSource, host: HostLedger, slots, where, req, are
     if mapped:
         he.mapped, he.source = True, source
     return ExpertCache(he, slots, arena, req.miss_policy, profile, resident=resident,
-                       slot_device=where, workspaces=spaces, pieces=pieces)
+                       slot_device=where, workspaces=spaces, pieces=pieces,
+                       crossover=crossover)
+
+
+def _crossovers(plan: Plan) -> dict[int, float]:
+    """``--miss-policy auto``'s crossover per MoE layer: the plan's
+    (:attr:`~moefit.plan.types.Plan.miss_crossover`), else the speed model's with the
+    default host (:func:`moefit.plan.speed.plan_crossovers`)."""
+    if plan.miss_crossover:
+        return dict(plan.miss_crossover)
+    return plan_crossovers(plan, default_host_speed())
 
 
 def _commit_host_buffers(host: HostLedger, weights, experts: ExpertCache | None, plan: Plan,

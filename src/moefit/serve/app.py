@@ -60,7 +60,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from moefit.errors import InputError
 from moefit.serve.bodies import (check_choices, encode_prompt, parse_body, request_params,
-                                 tokenize)
+                                 response_grammar, tokenize)
 from moefit.serve.budget import budget_document
 from moefit.serve.generation import check_prompt
 from moefit.serve.guard import APIError, Guard, error_response, validation_message
@@ -70,6 +70,7 @@ from moefit.serve.responses import (chat_chunks, chat_logprobs, completion_chunk
                                     completion_logprobs, sse)
 from moefit.serve.runs import Run, usage
 from moefit.serve.state import MAX_BODY, QUEUE_PER_SLOT, WRITE_TIMEOUT_S, ServerState
+from moefit.serve.tools import takes_tools, tool_use
 
 __all__ = ["ServerState", "create_app", "budget_document", "APIError", "MAX_BODY",
            "QUEUE_PER_SLOT", "WRITE_TIMEOUT_S"]
@@ -159,7 +160,7 @@ def create_app(state: ServerState) -> FastAPI:
             max_tokens = 16 if body.max_tokens is None else body.max_tokens
             for ids in prompts:
                 check_prompt(ids, state.plan.context, state.plan.geometry.vocab_size, max_tokens)
-            params = request_params(state, body, max_tokens)
+            params = request_params(state, body, max_tokens, await response_grammar(state, body))
         except InputError as e:
             raise APIError(400, str(e)) from None
         jobs = [(i * body.n + k, ids) for i, ids in enumerate(prompts) for k in range(body.n)]
@@ -193,11 +194,16 @@ def create_app(state: ServerState) -> FastAPI:
             check_choices(1, body.n)
             messages = [m.for_template() for m in body.messages]
             kwargs = body.template_kwargs()
+            template = state.tokenizer.chat_template
+            use = tool_use(body, template)
+            if use is not None and takes_tools(template):
+                kwargs["tools"] = use.tools
             ids = await tokenize(state, lambda: state.tokenizer.encode_chat(messages, **kwargs),
-                                  len(json.dumps(messages, default=str)))
+                                  len(json.dumps([messages, kwargs.get("tools")], default=str)))
             check_prompt(ids, state.plan.context, state.plan.geometry.vocab_size,
                          body.token_limit)
-            params = request_params(state, body, body.token_limit)
+            params = request_params(state, body, body.token_limit,
+                                    await response_grammar(state, body, use))
         except InputError as e:
             raise APIError(400, str(e)) from None
         jobs = [(k, ids) for k in range(body.n)]
@@ -205,12 +211,18 @@ def create_app(state: ServerState) -> FastAPI:
                 "created": int(time.time()), "model": state.model_name}
         run = Run(state, jobs, params)
         if body.stream:
-            return sse(state, run, chat_chunks(run, head, body, [ids], state.tokenizer))
+            return sse(state, run, chat_chunks(run, head, body, [ids], state.tokenizer, use))
         results = await run.collect(request)
         choices = []
         for (index, _), res in zip(jobs, results):
-            c = {"index": index, "message": {"role": "assistant", "content": res.text},
-                 "logprobs": None, "finish_reason": res.finish_reason}
+            message, finish = {"role": "assistant", "content": res.text}, res.finish_reason
+            if use is not None:
+                content, calls = use.calls(res.text, res.token_ids, state.tokenizer)
+                if calls:
+                    message = {"role": "assistant", "content": content, "tool_calls": calls}
+                    if finish == "stop" and use.mode != "named":
+                        finish = "tool_calls"
+            c = {"index": index, "message": message, "logprobs": None, "finish_reason": finish}
             if params.logprobs is not None:
                 c["logprobs"] = chat_logprobs(state.tokenizer, res.steps)
             if body.return_token_ids:

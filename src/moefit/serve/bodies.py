@@ -14,6 +14,7 @@ from fastapi.exceptions import RequestValidationError
 from moefit.errors import InputError
 from moefit.serve.generation import Params, check_prompt, check_stop
 from moefit.serve.guard import APIError
+from moefit.serve.structured import compile_response_format, compile_schema
 
 from moefit.serve.state import ServerState
 
@@ -93,7 +94,7 @@ async def parse_body(state: ServerState, request: Request, model):
         except ValidationError as e:
             raise RequestValidationError(e.errors(include_url=False)) from None
 
-    return await _on_worker(state, parse)
+    return await on_worker(state, parse)
 
 
 def _lone_surrogate(value, path: str = "") -> str | None:
@@ -126,10 +127,10 @@ async def tokenize(state: ServerState, fn, chars: int):
     if chars > limit:
         raise InputError(f"the prompt text is {chars} characters; this server's context of "
                          f"{state.plan.context} tokens (--max-context) takes at most {limit}")
-    return await _on_worker(state, fn)
+    return await on_worker(state, fn)
 
 
-async def _on_worker(state: ServerState, fn):
+async def on_worker(state: ServerState, fn):
     """``fn()`` on a worker thread, at most :data:`TOKENIZE_THREADS` at once (one limiter
     for the body parser and the tokenizer), so the event loop never waits on it."""
     if state._tokenize is None:
@@ -146,7 +147,28 @@ async def encode_prompt(state: ServerState, prompt) -> list[int]:
     return [int(t) for t in prompt]
 
 
-def request_params(state: ServerState, body, max_tokens: int | None) -> Params:
+async def response_grammar(state: ServerState, body, tools=None):
+    """The :class:`moefit.serve.structured.Grammar` of ``body.response_format``, or of the
+    tool call ``tools`` (a :class:`moefit.serve.tools.ToolUse`) forces (None: unconstrained),
+    compiled on a worker thread. Raises InputError for a format or schema that cannot be
+    honoured (naming the field), and for both at once."""
+    forced = tools.schema() if tools is not None else None
+    text = body.response_format is None or body.response_format.get("type") == "text"
+    vocab, eos = state.plan.geometry.vocab_size, state.defaults.eos_ids
+    if forced is not None:
+        if not text:
+            raise InputError(f"response_format and tool_choice {tools.mode!r} both constrain "
+                             "the output; send one of them")
+        return await on_worker(state, lambda: compile_schema(
+            forced, "tools[].function.parameters", state.tokenizer, vocab, eos))
+    if text:
+        return None
+    return await on_worker(state, lambda: compile_response_format(
+        body.response_format, state.tokenizer, vocab, eos))
+
+
+def request_params(state: ServerState, body, max_tokens: int | None, grammar=None) -> Params:
+    """The request's :class:`Params` (``grammar``: :func:`response_grammar`'s)."""
     check_stop(body.stop)
     return Params.resolve(state.defaults, max_tokens=max_tokens, temperature=body.temperature,
                           top_k=body.top_k, top_p=body.top_p, seed=body.seed, stop=body.stop,
@@ -155,4 +177,4 @@ def request_params(state: ServerState, body, max_tokens: int | None) -> Params:
                           stop_token_ids=body.stop_token_ids, logprobs=body.top_logprobs_count,
                           logit_bias=body.bias(state.plan.geometry.vocab_size),
                           presence_penalty=body.presence_penalty,
-                          frequency_penalty=body.frequency_penalty)
+                          frequency_penalty=body.frequency_penalty, grammar=grammar)

@@ -12,7 +12,9 @@
    sampled, so prompt + completion never exceed the context;
 5. ``cancelled()`` turned true (the client went away, or the server is shutting down):
    checked before the prefill and between tokens, the generation just ends (no more
-   steps; :func:`complete` reports ``finish_reason = "abort"``).
+   steps; :func:`complete` reports ``finish_reason = "abort"``);
+6. the request's ``response_format`` grammar is complete (the JSON value is closed):
+   ``"stop"`` (:mod:`moefit.serve.structured`).
 
 Sampling (:func:`moefit.runtime.sampling.sample`, given the request's :class:`Params`):
 temperature 0 is greedy; otherwise top-k, then top-p (nucleus, Holtzman et al. 2019,
@@ -32,7 +34,7 @@ import math
 import operator
 import secrets
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
@@ -60,7 +62,9 @@ class Params:
     and ``repetition_penalty`` 1 are off. ``logprobs``: each token's log probability and
     that many most likely alternatives are returned (None: none). ``logit_bias``: ``(token,
     bias)`` added to the logits; ``presence_penalty`` / ``frequency_penalty``: OpenAI's
-    (:func:`openai_penalties`), 0 off.
+    (:func:`openai_penalties`), 0 off. ``grammar``: a
+    :class:`moefit.serve.structured.Grammar` every sequence of the request follows (its
+    ``response_format``; None: unconstrained).
     """
 
     max_tokens: int | None = 16
@@ -78,6 +82,7 @@ class Params:
     logit_bias: tuple[tuple[int, float], ...] = ()
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    grammar: Any = None
 
     @classmethod
     def resolve(cls, defaults: GenerationDefaults, *, max_tokens: int | None = None,
@@ -88,7 +93,7 @@ class Params:
                 stop_token_ids: Sequence[int] | None = None,
                 logprobs: int | None = None, logit_bias: Sequence[tuple[int, float]] = (),
                 presence_penalty: float | None = None,
-                frequency_penalty: float | None = None) -> "Params":
+                frequency_penalty: float | None = None, grammar: Any = None) -> "Params":
         """Request values where given, else the checkpoint's defaults (greedy unless its
         ``generation_config.json`` sets ``do_sample``). ``top_k`` -1 means no top-k; a
         temperature between 0 and :data:`MIN_TEMPERATURE` is raised to it."""
@@ -108,7 +113,7 @@ class Params:
                    repetition_penalty=float(repetition_penalty or 1.0),
                    stop_ids=tuple(int(t) for t in stop_token_ids or ()), logprobs=logprobs,
                    logit_bias=tuple(logit_bias), presence_penalty=float(presence_penalty or 0.0),
-                   frequency_penalty=float(frequency_penalty or 0.0))
+                   frequency_penalty=float(frequency_penalty or 0.0), grammar=grammar)
 
     def generator(self, index: int = 0) -> torch.Generator:
         """The random stream of choice ``index`` of a request: seeded by ``seed`` (mixed
@@ -275,11 +280,15 @@ class Decoding:
         if params.logit_bias:
             ids, values = zip(*params.logit_bias)
             self.bias = (torch.tensor(ids, dtype=torch.long), torch.tensor(values, dtype=torch.float32))
+        # its own grammar state: the other sequences of a batch stay unconstrained
+        self.constraint = params.grammar.start() if params.grammar is not None else None
 
     def step(self, logits: torch.Tensor) -> Step:
         """Sample the next token from ``logits`` ``[V]``; the Step has a finish reason
         when this token ends the sequence."""
         raw = logits
+        if self.constraint is not None:    # the grammar's mask first: -inf stays -inf below
+            logits = self.constraint.apply(logits)
         if self.bias is not None:          # vLLM's order: the bias, then the penalties
             logits = logits.float().index_add(0, self.bias[0], self.bias[1])
         if self.seen is not None:
@@ -294,6 +303,8 @@ class Decoding:
             self.counts[tok] += 1
         self.count += 1
         step = self._finish(tok)
+        if self.constraint is not None and step.finish_reason is None and self.constraint.advance(tok):
+            step = Step(tok, step.text + self.text.flush(), "stop")     # the JSON is complete
         if self.params.logprobs is not None:
             step.logprob, step.top = log_probs(raw, tok, self.params.logprobs)
         return step

@@ -12,6 +12,8 @@ Every metric is named ``moefit_*``:
 - ``moefit_queue_length``, ``moefit_slots_busy``, ``moefit_slots``: the scheduler;
 - ``moefit_kv_cells_in_use{slot}``: tokens held in each slot's KV cache;
 - ``moefit_expert_hit_rate``: expert-cache hits / lookups since start;
+- ``moefit_miss_layer_steps_total{path}``: with ``--miss-policy auto``, the MoE layer steps
+  whose misses ran on the host (``host``) or were copied through the weight arena (``copy``);
 - ``moefit_budget_bytes{line, kind}``: each budget line's planned / allocated / peak bytes
   (the main device's ledger, :mod:`moefit.runtime.buffers.ledger`);
 - ``moefit_ledger_bytes{ledger, line, kind}``: the same for every device's ledger
@@ -113,8 +115,14 @@ class _StateCollector:
         eng = state.engine
         if eng is None:
             return
+        experts = eng.expert_stats()
         yield GaugeMetricFamily("moefit_expert_hit_rate", "Expert-cache hits / lookups",
-                                value=eng.expert_stats()["hit_rate"])
+                                value=experts["hit_rate"])
+        paths = CounterMetricFamily("moefit_miss_layer_steps", "MoE layer steps by where "
+                                    "their misses ran (--miss-policy auto)", labels=["path"])
+        paths.add_metric(["host"], experts.get("host_steps", 0))
+        paths.add_metric(["copy"], experts.get("copied_steps", 0))
+        yield paths
         lines = GaugeMetricFamily("moefit_budget_bytes", "Budget line bytes (the ledger)",
                                   labels=["line", "kind"])
         for r in eng.ledger.rows():

@@ -5,8 +5,9 @@ A field moefit does not know is a 400 naming it. Every field OpenAI defines for 
 endpoints is known, and its neutral value accepted (``store: false``, ``tool_choice:
 "none"``, ``parallel_tool_calls``, ``metadata``, ``user``, ``service_tier``, ``n: 1``,
 ``best_of`` equal to ``n``, ...); a value is refused with a 400 only when moefit cannot honour
-it (``tools``, ``tool_choice`` naming a tool, ``echo``, ``suffix``, ``store: true``, audio
-output, ``response_format`` other than ``{"type": "text"}``). ``logit_bias`` (-100..100 added
+it (``echo``, ``suffix``, ``store: true``, audio output). ``tools`` / ``tool_choice``:
+:mod:`moefit.serve.tools`. ``response_format``
+``json_object`` / ``json_schema`` constrains the output (:mod:`moefit.serve.structured`). ``logit_bias`` (-100..100 added
 to a token's logit), ``presence_penalty`` and ``frequency_penalty`` (-2..2, OpenAI's formula
 over the tokens generated so far: :func:`moefit.serve.generation.openai_penalties`) are
 honoured. Fields that change nothing served
@@ -127,12 +128,6 @@ class _Sampling(_Body):
         """InputError for a feature moefit does not have (see module docstring)."""
         if self.stream_options is not None:
             self.stream_options.refuse_unsupported()
-        if self.response_format is not None:
-            kind = self.response_format.get("type")
-            if kind != "text":
-                raise InputError(f"response_format {kind!r} is not supported by moefit (no "
-                                 "constrained decoding); leave response_format out or use "
-                                 '{"type": "text"}')
         if isinstance(self.stop, list) and len(self.stop) > 16:
             raise InputError("stop: at most 16 stop strings")
 
@@ -276,13 +271,6 @@ class ChatRequest(_Sampling):
         super().refuse_unsupported()
         if self.top_logprobs and not self.logprobs:
             raise InputError("top_logprobs needs logprobs: true")
-        if self.tools or self.functions:
-            raise InputError("tools (function calling) are not supported by moefit")
-        for name in ("tool_choice", "function_call"):
-            value = getattr(self, name)
-            if value is not None and value not in ("none", "auto"):
-                raise InputError(f"{name} {value!r} asks for a tool call; tools (function calling) "
-                                 "are not supported by moefit (use \"none\" or leave it out)")
         if self.store:
             raise InputError("store: true is not supported: moefit keeps no completions (leave "
                              "it out or false)")

@@ -15,6 +15,7 @@ from moefit.errors import InputError
 from moefit.serve.generation import Step
 from moefit.serve.runs import Run
 from moefit.serve.scheduler import Ended
+from moefit.serve.tools import ToolStream
 
 
 class _DroppedStreams(logging.Filter):
@@ -96,6 +97,28 @@ async def _events(run: Run):
         yield batch
 
 
+async def _stream(run: Run, enc: "_Chunks", cut: dict, write, end) -> AsyncIterator[str]:
+    """The chunks of a stream's events, one write per batch: a choice cut (shutdown:
+    :class:`Ended`) gets its chunk of ``cut``'s fields and its finish reason, each
+    :class:`Step` the chunks ``write(index, step)`` returns; an engine error is its own last
+    line; then ``end(tokens)`` (the usage and ``[DONE]``: :func:`_end`)."""
+    count = 0
+    async for items in _events(run):
+        if isinstance(items, dict):      # an error: report it and end the stream
+            yield _data(items)
+            break
+        out = []
+        for index, step in items:
+            if isinstance(step, Ended):     # cut (shutdown): the choice still gets its reason
+                out.append(enc.choice({"index": index, **cut, "finish_reason": step.finish_reason}))
+                continue
+            count += 1
+            out.extend(write(index, step))
+        if out:
+            yield "".join(out)
+    yield end(count)
+
+
 class _Chunks:
     """``data: {chunk}`` lines of one stream: the response head encoded once, each chunk
     the same bytes as ``_data({**head, "choices": [choice]})``."""
@@ -109,6 +132,13 @@ class _Chunks:
         return f"{self.pre}{json.dumps(c, ensure_ascii=False)}]}}\n\n"
 
 
+def _end(head: dict, body, prompts: list[list[int]], completion_tokens: int) -> str:
+    """A stream's last lines: the usage chunk where ``stream_options.include_usage``, then
+    ``data: [DONE]``."""
+    usage = _usage_chunk(head, prompts, completion_tokens) if body.include_usage else ""
+    return usage + "data: [DONE]\n\n"
+
+
 def _usage_chunk(head: dict, prompts: list[list[int]], completion_tokens: int) -> str:
     p = sum(len(ids) for ids in prompts)
     return _data({**head, "choices": [], "usage": {"prompt_tokens": p,
@@ -117,77 +147,72 @@ def _usage_chunk(head: dict, prompts: list[list[int]], completion_tokens: int) -
 
 
 async def completion_chunks(run: Run, head, body, prompts, tokenizer) -> AsyncIterator[str]:
-    count = 0
+    """A streamed completion's chunks (``text`` per token, ``logprobs`` as asked)."""
     enc = _Chunks(head)
     logprobs = body.top_logprobs_count is not None
     offsets = dict.fromkeys(run.indices, 0)      # text_offset of each choice's next token
-    async for items in _events(run):
-        if isinstance(items, dict):      # an error: report it and end the stream
-            yield _data(items)
-            break
-        out = []
-        for index, step in items:
-            if isinstance(step, Ended):     # cut (shutdown): the choice still gets its reason
-                out.append(enc.choice({"index": index, "text": "", "logprobs": None,
-                                       "finish_reason": step.finish_reason}))
-                continue
-            count += 1
-            if not (step.text or step.finish_reason or body.return_token_ids or logprobs):
-                continue        # text held back; with return_token_ids the id still goes out
-            c = {"index": index, "text": step.text, "logprobs": None,
-                 "finish_reason": step.finish_reason}
-            if body.return_token_ids:
-                c["token_ids"] = [step.token]
-            if logprobs:
-                c["logprobs"], offsets[index] = completion_logprobs(tokenizer, [step], offsets[index])
-            out.append(enc.choice(c))
-        if out:
-            yield "".join(out)
-    if body.include_usage:
-        yield _usage_chunk(head, prompts, count)
-    yield "data: [DONE]\n\n"
+
+    def write(index: int, step: Step) -> list[str]:
+        if not (step.text or step.finish_reason or body.return_token_ids or logprobs):
+            return []       # text held back; with return_token_ids the id still goes out
+        c = {"index": index, "text": step.text, "logprobs": None,
+             "finish_reason": step.finish_reason}
+        if body.return_token_ids:
+            c["token_ids"] = [step.token]
+        if logprobs:
+            c["logprobs"], offsets[index] = completion_logprobs(tokenizer, [step], offsets[index])
+        return [enc.choice(c)]
+
+    async for chunk in _stream(run, enc, {"text": "", "logprobs": None}, write,
+                               lambda n: _end(head, body, prompts, n)):
+        yield chunk
 
 
-async def chat_chunks(run: Run, head, body, prompts, tokenizer) -> AsyncIterator[str]:
+async def chat_chunks(run: Run, head, body, prompts, tokenizer, tools=None) -> AsyncIterator[str]:
+    """A streamed chat's chunks; ``tools``: the request's :class:`moefit.serve.tools.ToolUse`
+    (its calls are held back from the content and sent as one ``tool_calls`` delta at the
+    end of each choice)."""
     head = {**head, "object": "chat.completion.chunk"}
+    held = {i: ToolStream(tools, tokenizer) for i in run.indices} if tools is not None else None
     logprobs = body.top_logprobs_count is not None
     per_token = body.return_token_ids or logprobs      # each token's chunk goes out
     enc = _Chunks(head)
-    count = 0
     for index in run.indices:
         yield enc.choice({"index": index, "delta": {"role": "assistant", "content": ""},
                           "logprobs": None, "finish_reason": None})
-    async for items in _events(run):
-        if isinstance(items, dict):      # an error: report it and end the stream
-            yield _data(items)
-            break
-        out = []
-        for index, step in items:
-            if isinstance(step, Ended):     # cut (shutdown): the choice still gets its reason
-                out.append(enc.choice({"index": index, "delta": {}, "logprobs": None,
-                                       "finish_reason": step.finish_reason}))
-                continue
-            count += 1
-            sent = False
-            # text held back (incomplete UTF-8, stop-string lookahead): with return_token_ids
-            # the chunk still goes out, with empty content, so that every token id is delivered
-            if step.text or (per_token and step.finish_reason is None):
-                c = {"index": index, "delta": {"content": step.text}, "logprobs": None,
-                     "finish_reason": None}
+
+    def write(index: int, step: Step) -> list[str]:
+        out, sent = [], False
+        text, finish, calls = step.text, step.finish_reason, []
+        if held is not None:
+            text = held[index].push(text, step.token)
+            if finish is not None:
+                rest, calls = held[index].finish()
+                text += rest
+                if calls and finish == "stop" and tools.mode != "named":
+                    finish = "tool_calls"
+        # text held back (incomplete UTF-8, stop-string lookahead): with return_token_ids
+        # the chunk still goes out, with empty content, so that every token id is delivered
+        if text or (per_token and finish is None):
+            c = {"index": index, "delta": {"content": text}, "logprobs": None,
+                 "finish_reason": None}
+            _token_fields(c, step, body.return_token_ids, logprobs, tokenizer)
+            out.append(enc.choice(c))
+            sent = True
+        if calls:
+            out.append(enc.choice({"index": index, "delta": {"tool_calls": [
+                {"index": k, **call} for k, call in enumerate(calls)]},
+                "logprobs": None, "finish_reason": None}))
+        if finish is not None:
+            c = {"index": index, "delta": {}, "logprobs": None, "finish_reason": finish}
+            if not sent:
                 _token_fields(c, step, body.return_token_ids, logprobs, tokenizer)
-                out.append(enc.choice(c))
-                sent = True
-            if step.finish_reason is not None:
-                c = {"index": index, "delta": {}, "logprobs": None,
-                     "finish_reason": step.finish_reason}
-                if not sent:
-                    _token_fields(c, step, body.return_token_ids, logprobs, tokenizer)
-                out.append(enc.choice(c))
-        if out:
-            yield "".join(out)
-    if body.include_usage:
-        yield _usage_chunk(head, prompts, count)
-    yield "data: [DONE]\n\n"
+            out.append(enc.choice(c))
+        return out
+
+    async for chunk in _stream(run, enc, {"delta": {}, "logprobs": None}, write,
+                               lambda n: _end(head, body, prompts, n)):
+        yield chunk
 
 
 def _token_fields(c: dict, step: Step, token_ids: bool, logprobs: bool, tokenizer) -> None:

@@ -88,6 +88,10 @@ MAX_SEQ = 256
 MAX_CTX = 2**31 - 1
 #: ``n_ctx`` and SWA cache padding (``llama-context.cpp``, ``llama-kv-cache-iswa.cpp``)
 CTX_PAD = 256
+#: the padding of builds before the 256 cells became unconditional, without flash attention
+#: (``llama_kv_cache_unified::get_padding``: ``flash_attn ? 256u : 32u``); moefit's commands
+#: run ``-fa on``, so plans use :data:`CTX_PAD`; older logs are read with this one
+CTX_PAD_NO_FA = 32
 MATRIX_ROW_PADDING = 512
 _EXPS = re.compile(r"^blk\.(\d+)\.ffn_(up|down|gate|gate_up)_(ch|)exps")
 
@@ -275,7 +279,8 @@ def _layer_kv_dims(spec) -> tuple[int, int]:
 
 
 def kv_price(geom: ModelGeometry, context: int, ubatch: int, type_k: str, type_v: str,
-             backend: Backend, n_seq: int = 1) -> KVPrice:
+             backend: Backend, n_seq: int = 1, only: frozenset[int] | None = None,
+             pad: int = CTX_PAD) -> KVPrice:
     """KV cache and recurrent state of ``geom`` for llama.cpp's ``-c context -ub ubatch -np
     n_seq`` with cache types ``type_k`` / ``type_v`` (see module docstring for the sources).
 
@@ -284,15 +289,21 @@ def kv_price(geom: ModelGeometry, context: int, ubatch: int, type_k: str, type_v
     n_seq, 256)`` cells (``llama_context::llama_context``); a sliding-window stream holds
     ``pad(min(n_ctx_seq, n_swa + ub), 256)`` cells; the recurrent state has one row per
     sequence. Each K / V / state tensor is padded to the backend's alignment. ``cells`` and
-    ``swa_cells`` are per stream, as llama.cpp prints them."""
+    ``swa_cells`` are per stream, as llama.cpp prints them. ``only``: the layers (indices) of
+    one device of a layer split, each layer's cache being on its layer's device
+    (``llama_kv_cache``: ``model.dev_layer(il)``); None: every layer. ``pad``: the cell
+    padding (:data:`CTX_PAD`; :data:`CTX_PAD_NO_FA` for an older build without flash
+    attention)."""
     if n_seq < 1:
         raise InputError(f"-np {n_seq}: need at least one sequence")
-    n_ctx_seq = pad_to(pad_to(context, CTX_PAD) // n_seq, CTX_PAD) if n_seq > 1 else pad_to(context, CTX_PAD)
+    n_ctx_seq = pad_to(pad_to(context, pad) // n_seq, pad) if n_seq > 1 else pad_to(context, pad)
     full = swa = rec = 0
     nf = ns = nr = 0
     swa_cells = 0
     kd, vd = [], []
-    for layer in geom.layers:
+    for il, layer in enumerate(geom.layers):
+        if only is not None and il not in only:
+            continue
         a = layer.attention
         kind = kind_of(a)
         if isinstance(kind, Recurrent):
@@ -341,7 +352,8 @@ OP_OFFLOAD_MIN_BATCH = 32
 
 def compute_price(geom: ModelGeometry, n_vocab: int, ubatch: int, kv: KVPrice, type_k: str,
                   type_v: str, backend: Backend, host_weight: int = 0,
-                  n_outputs: int | None = None) -> ComputePrice:
+                  n_outputs: int | None = None, only: frozenset[int] | None = None,
+                  output: bool = True) -> ComputePrice:
     """Compute buffer of a ``ubatch``-token micro-batch (``graph_reserve`` with ``n_outputs``
     tokens output, None: all of them, as ``llama-completion``; llama-server: ``-np``; see the
     module docstring). Bytes:
@@ -357,13 +369,19 @@ def compute_price(geom: ModelGeometry, n_vocab: int, ubatch: int, kv: KVPrice, t
       ``ubatch >= 32``, the copy of the largest weight kept in host memory (``host_weight``
       bytes: an expert tensor under ``--n-cpu-moe``). The per-token terms were matched to the
       recorded runs (a 259-token vocabulary model isolates them).
+
+    On one device of a layer split (``only``: its layers; ``kv`` priced for them), the layer
+    phase is that of its own layers and the end of the graph is only on the device of the
+    output layer (``output``).
     """
     h = geom.hidden_size
     logits = 4 * (ubatch if n_outputs is None else min(n_outputs, ubatch)) * n_vocab
     end = logits + 4 * ubatch * (3 * h + 1)
     mask = 2 * ubatch * (kv.cells + kv.swa_cells)
     act = 0
-    for layer in geom.layers:
+    for il, layer in enumerate(geom.layers):
+        if only is not None and il not in only:
+            continue
         a = layer.attention
         if isinstance(kind_of(a), Recurrent):      # conv in/out, q/k/v, gate, the delta rule's 64-token blocks
             d_inner = a.linear_num_value_heads * a.linear_value_head_dim
@@ -385,6 +403,8 @@ def compute_price(geom: ModelGeometry, n_vocab: int, ubatch: int, kv: KVPrice, t
         fa = pad_to(fk, 128) + pad_to(fv, 128)
     copy = host_weight if backend.op_offload and ubatch >= OP_OFFLOAD_MIN_BATCH else 0
     layer_phase = mask + act + fa + copy
+    if not output:
+        logits = end = 0
     return ComputePrice(max(end, layer_phase), logits, end, layer_phase, mask, fa, copy)
 
 

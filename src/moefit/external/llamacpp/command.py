@@ -87,33 +87,43 @@ class LlamaPlan(LineTable):
 
     @property
     def batch(self) -> int:
-        """``-b`` of the command: llama.cpp's 2048, or the micro-batch when larger."""
-        return min(self.request.batch, max(DEFAULT_BATCH, self.ubatch))
+        """``-b`` of the command (:func:`llama_batch`)."""
+        return llama_batch(self.request, self.ubatch)
 
     @property
     def command(self) -> str:
         """The ``llama-server`` command line of this plan."""
-        r = self.request
-        # always -np: llama-server's default (-1, auto) is 4 slots sharing one cache
-        # (tools/server/server.cpp), which would multiply the recurrent state and the SWA cache
-        parts = ["llama-server", "-m", r.gguf, "-c", str(llama_ctx(r)), "-np", str(r.slots),
-                 "-ub", str(self.ubatch), "-b", str(self.batch), "-ngl", "999"]
-        if r.device:
-            parts += ["-dev", r.device]
-        if self.cpu_layers:
-            parts += ["-ot", self.override]
-        elif self.n_cpu_moe:
-            parts += ["--n-cpu-moe", str(self.n_cpu_moe)]
-        parts += ["-ctk", r.type_k, "-ctv", r.type_v, "-fa", "on"]
-        if not r.kv_offload:
-            parts.append("-nkvo")
-        if load_mode(r) != "mmap":
-            parts += ["-lm", load_mode(r)]
-        # llama.cpp's --fit (on by default) changes unset flags to fit and gives up, with a
-        # warning, once -ngl / -ot / --n-cpu-moe are set by hand (``llama_params_fit``): off, so the
-        # planned placement is the one that runs
-        parts += ["-fit", "off", *r.extra_flags]
-        return " ".join(parts)
+        placement = ["-ot", self.override] if self.cpu_layers else (
+            ["--n-cpu-moe", str(self.n_cpu_moe)] if self.n_cpu_moe else [])
+        return server_command(self.request, self.ubatch, self.batch, placement)
+
+
+def server_command(r: LlamaRequest, ubatch: int, batch: int, placement: list[str]) -> str:
+    """The ``llama-server`` command of a plan of ``r`` at ``-ub ubatch -b batch``: ``placement``
+    the flags that place layers and experts (``-ot`` / ``--n-cpu-moe``, and ``-sm layer -ts
+    ...`` on several devices), ``-dev`` from ``r.device``."""
+    # always -np: llama-server's default (-1, auto) is 4 slots sharing one cache
+    # (tools/server/server.cpp), which would multiply the recurrent state and the SWA cache
+    parts = ["llama-server", "-m", r.gguf, "-c", str(llama_ctx(r)), "-np", str(r.slots),
+             "-ub", str(ubatch), "-b", str(batch), "-ngl", "999"]
+    if r.device:
+        parts += ["-dev", r.device]
+    parts += [*placement, "-ctk", r.type_k, "-ctv", r.type_v, "-fa", "on"]
+    if not r.kv_offload:
+        parts.append("-nkvo")
+    if load_mode(r) != "mmap":
+        parts += ["-lm", load_mode(r)]
+    # llama.cpp's --fit (on by default) changes unset flags to fit and gives up, with a
+    # warning, once -ngl / -ot / --n-cpu-moe are set by hand (``llama_params_fit``): off, so the
+    # planned placement is the one that runs
+    parts += ["-fit", "off", *r.extra_flags]
+    return " ".join(parts)
+
+
+def llama_batch(req: LlamaRequest, ubatch: int) -> int:
+    """``-b`` of a command running micro-batches of ``ubatch`` tokens: llama.cpp's 2048, or
+    the micro-batch when larger, never above the requested ``-b``."""
+    return min(req.batch, max(DEFAULT_BATCH, ubatch))
 
 
 def llama_ctx(req: LlamaRequest) -> int:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from moefit.external.llamacpp.buffers import CTX_PAD, pad_to
 from moefit.external.llamacpp.command import LINES, LlamaPlan
 from moefit.external.llamacpp.host import HOST_LINES
+from moefit.external.llamacpp.split import LlamaSplitPlan
 from moefit.ingest.resolve import format_params
 from moefit.plan.report import host_document
 from moefit.plan.types import HostPlan, format_fits_with
@@ -14,18 +15,32 @@ from moefit.units import format_bytes, size_format
 
 def format_plan(plan: LlamaPlan) -> str:
     """The budget table in moefit's form, the host memory, the notes and the command."""
+    return _format(plan, [(plan.device, plan.lines)])
 
-    g, dev = plan.geometry, plan.device
-    fmt = size_format(dev.capacity_bytes)
+
+def format_split_plan(plan: LlamaSplitPlan) -> str:
+    """A plan over several devices: one budget table per device (layers, their KV, its
+    compute buffer), the host memory, the notes and the command (or the device that is
+    short and ``fits with:``)."""
+    return _format(plan, [(s.device, s.lines) for s in plan.shares])
+
+
+def _format(plan, tables) -> str:
+    """The text of a one-device or a split plan: ``tables`` (device, lines) in device order."""
+    g = plan.geometry
+    fmt = size_format(max(dev.capacity_bytes for dev, _ in tables))
     labels = dict(LINES)
     out = [f"model  {g.name}  {format_params(g.total_params)} total / {format_params(g.active_params)} active  "
            f"{g.num_layers} layers, {g.attention_layout()}",
-           "engine  llama.cpp (llama-server; memory model of commit 0c1e570, validated on the CPU backend)",
-           f"VRAM budget  {dev.label}  {dev.description}  {fmt(dev.free_bytes)} free of {fmt(dev.capacity_bytes)}"]
-    for line in plan.lines:
-        out.append(f"  {labels[line.key]:<18} {fmt(line.bytes):>10}   {line.detail}".rstrip())
-    if plan.unassigned_bytes >= 0:
-        out.append(f"  {'unassigned':<18} {fmt(plan.unassigned_bytes):>10}")
+           "engine  llama.cpp (llama-server; memory model of commit 0c1e570, validated on the CPU backend)"]
+    for dev, lines in tables:
+        out.append(f"VRAM budget  {dev.label}  {dev.description}  {fmt(dev.free_bytes)} free of "
+                   f"{fmt(dev.capacity_bytes)}")
+        for line in lines:
+            out.append(f"  {labels[line.key]:<18} {fmt(line.bytes):>10}   {line.detail}".rstrip())
+        unassigned = dev.free_bytes - sum(l.bytes for l in lines)
+        if unassigned >= 0:
+            out.append(f"  {'unassigned':<18} {fmt(unassigned):>10}")
     if plan.host_table is not None:
         out += _format_host(plan.host_table)
     out += list(plan.notes)
@@ -49,7 +64,7 @@ def short_lines(plan: LlamaPlan, fmt) -> list[str]:
     hfmt = size_format(hp.host.capacity_bytes) if host_short else fmt
     if plan.short_on == "host":
         return [f"does not fit: short by {hfmt(host_short)} on the host"]
-    line = f"does not fit: short by {fmt(plan.shortfall_bytes)} on {plan.device.label}"
+    line = f"does not fit: short by {fmt(plan.shortfall_bytes)} on {plan.short_on}"
     if host_short:
         line += f", and by {hfmt(host_short)} on the host"
     return [line]
@@ -85,6 +100,21 @@ def format_verbose(plan: LlamaPlan) -> str:
     return "\n".join(out)
 
 
+def format_split_verbose(plan: LlamaSplitPlan) -> str:
+    """``-v`` on several devices: each device's layers, its compute buffer's two phases and
+    its KV caches."""
+    out = []
+    for s in plan.shares:
+        c, kv = s.compute, s.kv
+        out.append(f"{s.device.label}  layers {s.layers.start}-{s.layers.stop - 1}"
+                   + (" + output" if s.output else "")
+                   + f"; compute: end of graph {format_bytes(c.end_phase)}, a layer {format_bytes(c.layer_phase)} "
+                   f"(KQ mask {format_bytes(c.mask)}, F16 K/V {format_bytes(c.fa_f16)}, expert copy "
+                   f"{format_bytes(c.weight_copy)}); KV full {format_bytes(kv.bytes_full)} x {kv.full_layers} layers, "
+                   f"SWA {format_bytes(kv.bytes_swa)} x {kv.swa_layers}, recurrent {format_bytes(kv.recurrent_bytes)}")
+    return "\n".join(out)
+
+
 #: the JSON document of a llama.cpp plan (docs/plan.md, "JSON (`moefit plan --json`)")
 SCHEMA = "moefit.llamacpp-plan/1"
 
@@ -98,19 +128,37 @@ def plan_document(plan: LlamaPlan) -> dict:
     :func:`host_bytes`), ``host_budget`` (the host table in ``moefit.plan/2``'s ``host`` form),
     ``short_on`` on failure (the device's label or ``host``) and ``command``.
     Sizes in bytes."""
-    g, dev = plan.geometry, plan.device
+    cpu = (list(plan.cpu_layers) if plan.cpu_layers else
+           [layer for layer, _ in plan.expert_bytes if layer < plan.n_cpu_moe])
+    return _document(plan, [(plan.device, plan.lines)], 0 if plan.cpu_layers else plan.n_cpu_moe, cpu)
+
+
+def split_document(plan: LlamaSplitPlan) -> dict:
+    """A plan over several devices as :func:`plan_document`'s dict, one entry of ``devices``
+    per device (each with its ``layers`` ``[first, last]`` and ``output``), ``split_mode``
+    ``layer`` and ``tensor_split`` (the ``-ts`` counts)."""
+    doc = _document(plan, [(s.device, s.lines) for s in plan.shares], plan.n_cpu_moe,
+                    [i for i in range(plan.n_cpu_moe)])
+    for d, s in zip(doc["devices"], plan.shares):
+        d["layers"] = [s.layers.start, s.layers.stop - 1]
+        d["output"] = s.output
+    doc.update(split_mode="layer", tensor_split=list(plan.ts))
+    return doc
+
+
+def _document(plan, tables, n_cpu_moe: int, cpu_layers: list[int]) -> dict:
+    g = plan.geometry
     doc = {"schema": SCHEMA, "engine": "llama.cpp", "fits": plan.fits,
            "model": {"name": g.name, "model_type": g.model_type, "total_params": g.total_params,
                      "active_params": g.active_params, "source": g.source},
            "context": pad_to(plan.request.context, CTX_PAD), "slots": plan.request.slots,
            "kv": {"k": plan.request.type_k, "v": plan.request.type_v},
-           "ubatch": plan.ubatch, "batch": plan.batch, "n_cpu_moe": 0 if plan.cpu_layers else plan.n_cpu_moe,
-           "cpu_layers": list(plan.cpu_layers) if plan.cpu_layers else
-           [layer for layer, _ in plan.expert_bytes if layer < plan.n_cpu_moe],
+           "ubatch": plan.ubatch, "batch": plan.batch, "n_cpu_moe": n_cpu_moe, "cpu_layers": cpu_layers,
            "devices": [{"name": dev.label, "description": dev.description, "kind": dev.kind,
                         "capacity_bytes": dev.capacity_bytes, "free_bytes": dev.free_bytes,
-                        "lines": [{"key": l.key, "bytes": l.bytes, "detail": l.detail} for l in plan.lines],
-                        "unassigned_bytes": plan.unassigned_bytes}],
+                        "lines": [{"key": l.key, "bytes": l.bytes, "detail": l.detail} for l in lines],
+                        "unassigned_bytes": dev.free_bytes - sum(l.bytes for l in lines)}
+                       for dev, lines in tables],
            "host": dict(plan.host), "notes": list(plan.notes)}
     if plan.host_table is not None:
         doc["host_budget"] = host_document(plan.host_table)

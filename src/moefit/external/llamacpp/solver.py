@@ -225,6 +225,13 @@ def _alternatives(geom, tensors, device, req, host_mem: Host | None = None) -> l
     def fits(r: LlamaRequest) -> bool:
         return solve_llamacpp(geom, tensors, device, r, alternatives=False, host_mem=host_mem).fits
 
+    return flag_alternatives(req, fits, host_mem is not None)
+
+
+def flag_alternatives(req: LlamaRequest, fits, host_checked: bool) -> list[Alternative]:
+    """The single-flag changes that make ``req`` fit, each checked with ``fits(request)``:
+    the largest ``--max-context`` (to the token), the closest smaller ``--kv`` pair, and, when
+    the host is checked and its margin was given, the largest ``--host-reserve-mib``."""
     out = []
     ctx = largest_int(lambda n: fits(replace(req, context=n)), 1, req.context - 1)
     if ctx is not None:
@@ -235,7 +242,7 @@ def _alternatives(geom, tensors, device, req, host_mem: Host | None = None) -> l
         if kv_row_bytes(tk, 256) + kv_row_bytes(tv, 256) < cur and fits(replace(req, type_k=tk, type_v=tv)):
             out.append(Alternative("--kv", name))
             break
-    if req.host_margin and host_mem is not None:
+    if req.host_margin and host_checked:
         mib = largest_int(lambda n: fits(replace(req, host_margin=n << 20)), 0, (req.host_margin >> 20) - 1)
         if mib is not None:
             out.append(Alternative("--host-reserve-mib", mib))

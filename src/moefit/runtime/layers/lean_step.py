@@ -358,6 +358,7 @@ class LeanStep:
         t, h, act, f32 = ids.numel(), g.hidden_size, arch.dtype, torch.float32
         ad, eps, off = self.act, float(arch.rms_eps), float(arch.norm_offset)
         threads = torch.get_num_threads()
+        auto = int(mdl.experts is not None and mdl.experts.miss_policy == "auto")
         for sg in segs:
             mdl.kv.check_room(sg.slot, sg.start, 1)
         ws.begin_chunk(mdl.fixed_bytes)
@@ -398,6 +399,7 @@ class LeanStep:
                     cl, st = self.clayers[i], mdl.experts.stats[self.layers[i].l.index]
                     st.hits += cl.hits
                     st.misses += cl.misses
+                    st.host_steps += auto         # auto: a step this small keeps its misses on the host
                     cl.hits = cl.misses = 0
                 continue
             L = item
@@ -422,6 +424,7 @@ class LeanStep:
                 st = mdl.experts.stats[l.index]
                 st.hits += counts[1]
                 st.misses += counts[2]
+                st.host_steps += auto
                 acc.zero_()
                 inter = fmt.gate.rows
                 lib.mf_moe(counts[0], bp, bnp, tp, wp, np_, ad, ap, t, h, inter, *codes, fmt.up.offset,

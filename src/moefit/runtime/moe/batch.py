@@ -76,10 +76,11 @@ def applies(cache, layer: int, x: torch.Tensor, experts_per_token: int) -> bool:
     kernels are built and read ``x``'s dtype (fp32 / fp16 / bf16:
     :func:`moefit.runtime.kernels.qmatmul.reads`), the device expert path is not forced
     (:data:`moefit.memory.host.EXPERT_PATH_ENV`), ``x`` and every blob the layer may read are CPU memory (misses
-    computed on the host: ``--miss-policy cpu``), the kernels read the layer's types and
+    computed on the host: ``--miss-policy cpu``, or ``auto`` in a step that keeps them
+    there: :meth:`~moefit.runtime.moe.cache.ExpertCache.on_host`), the kernels read the layer's types and
     widths, and ``T x experts_per_token`` is at most :func:`max_tokens_per_expert` per
     expert of the layer."""
-    if (cache is None or x.device.type != "cpu" or cache.miss_policy != "cpu" or not qmatmul.reads(x)
+    if (cache is None or x.device.type != "cpu" or not cache.on_host(layer, x.shape[0]) or not qmatmul.reads(x)
             or device_expert_path(x.device.type) or not qmatmul.available()):
         return False
     if cache.host.mapped:       # misses gather from the file's pages: expert by expert

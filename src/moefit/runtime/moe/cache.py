@@ -13,6 +13,12 @@ A routed expert that is resident is a *hit* and runs on the device from its slot
 - ``copy``: the host blob is copied into the next buffer of the weight-arena ring and
   runs there on the device; when the layer has slots, the arena copy then replaces the
   least recently used resident expert (LRU; mixtral-offloading's policy).
+- ``auto``: per layer and step, as ``cpu`` or streamed through the arena as ``copy``
+  (without replacing a resident: the host holds only the missing experts), whichever the
+  speed model predicts faster: the step's routed pairs on missing experts per missing
+  expert used, against the layer's crossover (:func:`moefit.plan.speed.crossover`,
+  computed at plan time; :meth:`ExpertCache.decide`). Each decision is counted per layer
+  (``host_steps`` / ``copied_steps``, in :meth:`ExpertCache.report`).
 
 Hits and misses are counted per layer, once per expert per forward call (an expert that
 serves several tokens of a chunk is one load).
@@ -32,6 +38,7 @@ into the staging workspace ``ws`` on the device.
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -44,8 +51,13 @@ from moefit.runtime.weights import HostExperts, split_blob
 
 @dataclass
 class LayerStats:
+    """Per layer: expert hits and misses (once per expert per call), and with
+    ``--miss-policy auto`` the steps whose misses ran on the host or were copied."""
+
     hits: int = 0
     misses: int = 0
+    host_steps: int = 0
+    copied_steps: int = 0
 
 
 def initial_residents(num_experts: int, slots: int, counts: dict[int, int] | None) -> list[int]:
@@ -81,8 +93,11 @@ class ExpertCache:
         slots: ``{layer: [slot tensors]}``, each ``[3 I H]`` from the ledger's ``experts``
             line (the engine allocates them; may be empty lists).
         arena: weight-arena ring buffers ``[blob elems]`` (``copy`` policy), else empty.
-        miss_policy: ``cpu`` or ``copy``.
+        miss_policy: ``cpu``, ``copy`` or ``auto``.
         profile: routing profile for the initial fill (see module docstring).
+        crossover: with ``auto``, per layer the tokens per missing expert from which its
+            misses are copied (:func:`moefit.plan.speed.miss_crossovers`; ``math.inf``:
+            never).
     """
 
     def __init__(self, host: HostExperts, slots: dict[int, list[torch.Tensor]],
@@ -90,19 +105,23 @@ class ExpertCache:
                  profile: dict[int, dict[int, int]] | None = None, *,
                  resident: dict[int, list[int]] | None = None,
                  slot_device: dict[int, list[int]] | None = None,
-                 workspaces: list | None = None, pieces: list[int] | None = None):
+                 workspaces: list | None = None, pieces: list[int] | None = None,
+                 crossover: dict[int, float] | None = None):
         """``resident``: the expert in each slot of each layer when the engine has filled
         the slots itself (else they are filled here from the host blobs, by the profile).
         ``slot_device``: the device index of each slot (all 0 without it); ``workspaces``
         and ``pieces``: per device index, its workspace and the most tokens an expert
         runs on there at once (index 0, the main device, uses ``ws``)."""
-        if miss_policy not in ("cpu", "copy"):
-            raise InputError(f"--miss-policy {miss_policy!r}: moefit serve and generate run cpu "
-                             "or copy (auto is planned only: `moefit plan` prices it and "
-                             "predicts its speed)")
-        if miss_policy == "copy" and not arena:
-            raise InputError("--miss-policy copy needs a weight arena (--arena-slots >= 1)")
+        if miss_policy not in ("cpu", "copy", "auto"):
+            raise InputError(f"--miss-policy {miss_policy!r}: give cpu, copy or auto")
+        if miss_policy != "cpu" and not arena:
+            raise InputError(f"--miss-policy {miss_policy} needs a weight arena (--arena-slots >= 1)")
+        if miss_policy == "auto" and crossover is None:
+            raise ValueError("--miss-policy auto needs the plan's crossovers")
         self.host, self.slots, self.arena, self.miss_policy = host, slots, arena, miss_policy
+        self.crossover = dict(crossover or {})
+        #: with ``auto``: the layers whose current step copies its misses (:meth:`decide`)
+        self.copying: set[int] = set()
         self.arena_next = 0
         #: bumped whenever an expert moves in or out of a slot (readers cache slot addresses)
         self.version = 0
@@ -125,6 +144,40 @@ class ExpertCache:
                 for s, e in enumerate(chosen):
                     slots[layer][s].copy_(host.blob(layer, e))
             self.resident[layer] = OrderedDict((e, s) for s, e in enumerate(chosen))
+
+    def on_host(self, layer: int, tokens: int | None = None) -> bool:
+        """Whether ``layer``'s misses run on the host in its current step: always with
+        ``cpu``, never with ``copy``; with ``auto``, a step of ``tokens`` tokens below the
+        layer's crossover (no expert can get more tokens than the step has), else what
+        :meth:`decide` chose for the step."""
+        if self.miss_policy != "auto":
+            return self.miss_policy == "cpu"
+        if tokens is not None and tokens < self.crossover.get(layer, math.inf):
+            return True
+        return layer not in self.copying
+
+    def decide(self, layer: int, ids: torch.Tensor) -> bool:
+        """``--miss-policy auto``: where ``layer``'s misses run in this step, routed as
+        ``ids`` (int64 ``[T, k]``). Copied when the step's pairs on missing experts per
+        missing expert used reach the layer's crossover; a step of fewer tokens than the
+        crossover stays on the host without reading ``ids`` (the one host read of the
+        routing otherwise: the experts' counts). Counts the step (``host_steps`` /
+        ``copied_steps``) and returns True when the misses run on the host."""
+        st = self.stats[layer]
+        cross = self.crossover.get(layer, math.inf)
+        copy = False
+        if ids.shape[0] >= cross:
+            counts = torch.bincount(ids.reshape(-1), minlength=self.host.experts[layer]).tolist()
+            res = self.resident[layer]
+            missing = [c for e, c in enumerate(counts) if c and e not in res]
+            copy = bool(missing) and sum(missing) / len(missing) >= cross
+        if copy:
+            self.copying.add(layer)
+            st.copied_steps += 1
+        else:
+            self.copying.discard(layer)
+            st.host_steps += 1
+        return not copy
 
     def num_slots(self, layer: int) -> int:
         return len(self.slots.get(layer, []))
@@ -187,7 +240,7 @@ class ExpertCache:
             return self.apply(layer, x, self.slots[layer][s], self.ws, scratch, out)
         st.misses += 1
         blob = self.host.blob(layer, expert)
-        if self.miss_policy == "cpu":
+        if self.on_host(layer):
             if blob.device == x.device:    # a simulated device: host and device are one
                 return self.apply(layer, x, blob, self.ws, scratch, out)
             y = self.apply(layer, x.to(blob.device), blob, None)
@@ -196,7 +249,7 @@ class ExpertCache:
         self.arena_next = (self.arena_next + 1) % len(self.arena)
         buf.copy_(blob, non_blocking=True)
         y = self.apply(layer, x, buf, self.ws, scratch, out)
-        if self.slots.get(layer):
+        if self.miss_policy == "copy" and self.slots.get(layer):
             self.version += 1
             victim, s = res.popitem(last=False)
             self.slots[layer][s][:blob.numel()].copy_(buf)
@@ -231,11 +284,15 @@ class ExpertCache:
         return swiglu(x, *split_blob(blob, self.host.inter[layer], self.host.hidden), scratch, out)
 
     def report(self) -> dict:
-        """``{"layers": {layer: {"slots", "resident", "hits", "misses"}}, "hits", "misses",
-        "hit_rate"}``."""
+        """``{"layers": {layer: {"slots", "resident", "hits", "misses", "host_steps",
+        "copied_steps"}}, "hits", "misses", "hit_rate", "host_steps", "copied_steps"}``
+        (the step counts: ``--miss-policy auto``'s decisions, 0 otherwise)."""
         layers = {l: {"slots": self.num_slots(l), "resident": sorted(self.resident[l]),
-                      "hits": s.hits, "misses": s.misses} for l, s in self.stats.items()}
+                      "hits": s.hits, "misses": s.misses, "host_steps": s.host_steps,
+                      "copied_steps": s.copied_steps} for l, s in self.stats.items()}
         hits = sum(s.hits for s in self.stats.values())
         misses = sum(s.misses for s in self.stats.values())
         return {"layers": layers, "hits": hits, "misses": misses,
-                "hit_rate": hits / (hits + misses) if hits + misses else 0.0}
+                "hit_rate": hits / (hits + misses) if hits + misses else 0.0,
+                "host_steps": sum(s.host_steps for s in self.stats.values()),
+                "copied_steps": sum(s.copied_steps for s in self.stats.values())}

@@ -93,13 +93,14 @@ PAD_MAX_TOKENS = 8
 
 def applies(cache, layer: int, x: torch.Tensor, clamped: bool = False) -> bool:
     """Whether :func:`run_layer` runs ``layer`` for activations ``x``: an expert cache with
-    misses computed on the host (``--miss-policy cpu``, blobs in host memory, not mapped),
+    misses computed on the host (``--miss-policy cpu``, or ``auto`` in a step that keeps them
+    there: :meth:`~moefit.runtime.moe.cache.ExpertCache.on_host`; blobs in host memory, not mapped),
     a plain SwiGLU (``clamped``: gpt-oss's is not), and ``x`` on a device that is not CPU
     memory, or a CPU device forced onto this path (:func:`moefit.memory.host.device_expert_path`).
     Every blob layout runs (stored formats dequantize in torch, plain blobs of any float
     dtype multiply as they are), so ``layer`` (as the other paths' ``applies`` take it) does
     not decide."""
-    if cache is None or clamped or cache.miss_policy != "cpu" or cache.host.mapped:
+    if cache is None or clamped or not cache.on_host(layer, x.shape[0]) or cache.host.mapped:
         return False
     return device_expert_path(x.device.type)
 

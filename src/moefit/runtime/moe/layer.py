@@ -79,6 +79,8 @@ def moe_layer(mdl: ForwardState, l: LayerSpec, lw: LayerWeights, x: torch.Tensor
                 route_topk_softmax(logits, k, ws, w, ids)
             else:
                 route(logits, k, mdl.arch.renormalize, ws, w, ids)
+        if mdl.experts is not None and mdl.experts.miss_policy == "auto":
+            mdl.experts.decide(l.index, ids)      # this step's misses: on the host, or copied
         if moe_device.applies(mdl.experts, l.index, x, mdl.arch.clamped_swiglu is not None):
             acc = ws.take((t, h), f32, zero=True)
             wa = w if act == f32 else ws.take((t, k), act).copy_(w)        # cast after fp32 routing
