@@ -213,6 +213,20 @@ def test_nothing_in_the_package_imports_the_command_line():
     assert importers == ["moefit.__main__"]
 
 
+#: Modules that start other programs (``moefit serve --engine llama.cpp`` runs llama-server):
+#: only the command line imports them, so no plan or runtime path can start a process.
+LAUNCHERS = ("moefit.external.llama_server",)
+
+
+def test_only_the_command_line_imports_the_launchers():
+    graph = package_graph()
+    for launcher in LAUNCHERS:
+        assert launcher in graph.modules
+        importers = sorted(m for m, out in graph.edges.items() if launcher in out)
+        assert importers == ["moefit.cli"], f"{launcher} imported by {importers}"
+        assert launcher not in heavy_modules(graph)        # no torch: it runs without the serve extra
+
+
 #: The layers of docs/design.md ("Layering"), lowest first: a module imports modules of its
 #: own group or of a lower rank, never of a higher rank or of another group of its rank.
 LAYERS: tuple[tuple[int, str, tuple[str, ...]], ...] = (

@@ -77,6 +77,18 @@ def _plan_llamacpp(args: argparse.Namespace) -> int:
     """``moefit plan MODEL --engine llama.cpp``: llama-server's budget and command, for a GGUF
     file (its header) or a Hugging Face model (the GGUF of ``--gguf-type``)."""
     from moefit.external import llamacpp     # an engine's model loads only for its --engine
+    plan = _llamacpp_plan(args)
+    speed = llamacpp_speed_from_args(plan.geometry, plan, args) if plan.fits else None
+    return _print_engine_plan(
+        args, plan, lambda p: {**llamacpp.plan_document(p), "speed": speed_document(speed)},
+        lambda p: _before_command(llamacpp.format_plan(p), format_speed(speed, "micro-batch")),
+        lambda p: "\n".join([llamacpp.format_verbose(p), *format_speed_verbose(speed, "micro-batch")]))
+
+
+def _llamacpp_plan(args: argparse.Namespace):
+    """The llama.cpp plan of the flags (``plan --engine llama.cpp`` and ``serve --engine
+    llama.cpp`` solve the same): ``--max-context max`` solved for the largest context."""
+    from moefit.external import llamacpp     # an engine's model loads only for its --engine
     geom = load_model(args.model)
     req = llama_request_from_args(geom, args)
     device = device_from_args(args)
@@ -90,11 +102,36 @@ def _plan_llamacpp(args: argparse.Namespace) -> int:
         plan = llamacpp.plan_max_context(geom, tensors, device, req, req.context, host)
     else:
         plan = llamacpp.solve_llamacpp(geom, tensors, device, req, host_mem=host)
-    speed = llamacpp_speed_from_args(geom, plan, args) if plan.fits else None
-    return _print_engine_plan(
-        args, plan, lambda p: {**llamacpp.plan_document(p), "speed": speed_document(speed)},
-        lambda p: _before_command(llamacpp.format_plan(p), format_speed(speed, "micro-batch")),
-        lambda p: "\n".join([llamacpp.format_verbose(p), *format_speed_verbose(speed, "micro-batch")]))
+    return plan
+
+
+def _serve_llamacpp(args: argparse.Namespace) -> int:
+    """``moefit serve MODEL.gguf --engine llama.cpp``: the plan of ``moefit plan --engine
+    llama.cpp`` with the same flags, then llama-server run with its command and checked
+    against it (:mod:`moefit.external.llama_server`). Exit 3 when the plan does not fit,
+    4 when llama-server dies, 2 for bad input (no GGUF file, a what-if card, no llama-server)."""
+    from moefit.external import llama_server, llamacpp     # only for serve --engine llama.cpp
+
+    if not is_gguf_file(args.model):
+        raise InputError(f"{args.model}: serve --engine llama.cpp runs a GGUF file; give the .gguf "
+                         "(moefit plan --engine llama.cpp plans a Hugging Face model as one)")
+    if args.device is None and (args.gpu or args.vram):
+        raise InputError("serve runs the model on a real device: use --device cuda[:N] (llama-server "
+                         "with a GPU build) or --device cpu --vram SIZE (the CPU backend, a simulated "
+                         "budget); --gpu and --vram alone only plan (moefit plan)")
+    binary = llama_server.find_llama_server(args.llama_bin)
+    check_engine_flags(args)
+    plan = _llamacpp_plan(args)
+    print(llamacpp.format_plan(plan), flush=True)
+    if not plan.fits:
+        return EXIT_NOFIT
+    port = args.port or llama_server.free_port(args.host)
+    argv = llama_server.server_argv(plan.command, binary, args.host, port, args.threads)
+    if args.served_model_name:
+        argv += ["--alias", args.served_model_name]
+    if args.api_key or os.environ.get("MOEFIT_API_KEY"):
+        argv += ["--api-key", args.api_key or os.environ["MOEFIT_API_KEY"]]
+    return llama_server.run(plan, argv, args.host, port, log=args.llama_log)
 
 
 def _before_command(text: str, line: str) -> str:
@@ -231,6 +268,15 @@ def cmd_make_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    if args.engine == "llama.cpp":
+        return _serve_llamacpp(args)
+    if args.engine != "moefit":
+        raise InputError(f"--engine {args.engine}: serve runs moefit's engine or llama.cpp's llama-server "
+                         f"(--engine llama.cpp); `moefit plan --engine {args.engine}` prints its launch commands")
+    for flag, value in (("--llama-bin", args.llama_bin), ("--llama-log", args.llama_log)):
+        if value is not None:
+            raise InputError(f"{flag} is for llama-server (--engine llama.cpp); add --engine llama.cpp")
+    check_engine_flags(args)
     return _runtime("serve")(args)
 
 
@@ -281,6 +327,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-level", default="info",
                    choices=("critical", "error", "warning", "info", "debug"),
                    help="uvicorn's log level (default info)")
+    add_engine_flags(p)
+    p.add_argument("--llama-bin", default=None, metavar="DIR",
+                   help="--engine llama.cpp: the folder holding llama-server (default: $LLAMA_CPP_BIN, "
+                        "else PATH)")
+    p.add_argument("--llama-log", default=None, metavar="FILE",
+                   help="--engine llama.cpp: write llama-server's whole log to FILE (moefit prints its "
+                        "buffer lines and, if it dies, its last lines)")
     p.set_defaults(func=cmd_serve)
     p = sub.add_parser("generate", help="commit the plan and complete one prompt")
     add_plan_flags(p)

@@ -24,11 +24,15 @@ vendored in the ``llama-cpp-python`` 0.3.36 sdist), file and function named at e
   ``n_embd_s``): per linear-attention layer and sequence, f32 conv state
   ``(d_conv - 1) x (d_inner + 2 n_group d_state)`` and SSM state ``d_state x d_inner``.
 - **compute buffer** (``llama-context.cpp``, ``llama_context::sched_reserve`` /
-  ``graph_reserve``): the graph of one full micro-batch (``-ub`` tokens, all of them output:
-  ``n_outputs = min(n_ubatch, n_batch)``) with the memory full (``init_full``: the KQ mask is
+  ``graph_reserve``): the graph of one full micro-batch (``-ub`` tokens, of which
+  ``n_outputs_max`` are output: llama-server's ``server_output_limits``
+  (``tools/server/server-context.cpp``) gives ``common_speculative_get_output_limits``'s
+  ``min(n_batch, n_parallel x (1 + n_draft))``, ``-np`` outputs without a draft model, and
+  llama-server prints ``n_outputs_max = 1`` with ``-np 1``; ``llama-completion`` outputs all
+  ``-ub``) with the memory full (``init_full``: the KQ mask is
   ``[n_kv, n_ubatch]`` f16 with ``n_kv`` the whole cache). ggml's allocator reuses memory, so
   the buffer is the larger of two phases: the end of the graph, where the logits
-  ``n_vocab x n_ubatch x 4`` B are live with the last hidden states, and a layer, where the
+  ``n_vocab x n_outputs x 4`` B are live with the last hidden states, and a layer, where the
   KQ masks, the attention and MoE activations are live (an upper bound per token, checked
   against the recorded runs). On CUDA a flash-attention node with a K/V cache that is not
   F16 also holds K and V converted to F16: the tile and MMA kernels a micro-batch uses need
@@ -336,12 +340,14 @@ OP_OFFLOAD_MIN_BATCH = 32
 
 
 def compute_price(geom: ModelGeometry, n_vocab: int, ubatch: int, kv: KVPrice, type_k: str,
-                  type_v: str, backend: Backend, host_weight: int = 0) -> ComputePrice:
-    """Compute buffer of a ``ubatch``-token micro-batch (``graph_reserve`` with all tokens
-    output; see the module docstring). Bytes:
+                  type_v: str, backend: Backend, host_weight: int = 0,
+                  n_outputs: int | None = None) -> ComputePrice:
+    """Compute buffer of a ``ubatch``-token micro-batch (``graph_reserve`` with ``n_outputs``
+    tokens output, None: all of them, as ``llama-completion``; llama-server: ``-np``; see the
+    module docstring). Bytes:
 
-    - end of the graph: ``4 ub (n_vocab + 3 n_embd + 1)`` (logits, the last hidden states
-      and their norm, ``out_ids``);
+    - end of the graph: ``4 (n_out n_vocab + ub (3 n_embd + 1))`` (logits of the ``n_out =
+      min(n_outputs, ub)`` outputs, the last hidden states and their norm, ``out_ids``);
     - a layer: the KQ masks ``2 ub n_kv`` (f16; one per cache, alive through every layer) +
       ``4 ub`` x the larger of the token mixer (attention: ``2 n_embd + 3 q + 2 k + 2 v``;
       Gated DeltaNet: ``2 n_embd + 2 conv + 3 d_inner + 256 n_v_heads``) and the FFN (MoE:
@@ -353,7 +359,7 @@ def compute_price(geom: ModelGeometry, n_vocab: int, ubatch: int, kv: KVPrice, t
       recorded runs (a 259-token vocabulary model isolates them).
     """
     h = geom.hidden_size
-    logits = 4 * ubatch * n_vocab   # n_outputs = min(n_ubatch, n_batch) = n_ubatch
+    logits = 4 * (ubatch if n_outputs is None else min(n_outputs, ubatch)) * n_vocab
     end = logits + 4 * ubatch * (3 * h + 1)
     mask = 2 * ubatch * (kv.cells + kv.swa_cells)
     act = 0

@@ -31,8 +31,9 @@ def mandatory_bytes(m: PricedModel, device: Device, req: LlamaRequest, ub: int,
     tokens or more copies the largest one into the compute buffer (:func:`compute_price`)."""
     be = backend_of(device)
     kv = kv_price(m.geom, llama_ctx(req), ub, req.type_k, req.type_v, be, req.slots)
+    # llama-server reserves the graph of -np outputs (buffers' module docstring, compute buffer)
     comp = compute_price(m.geom, m.n_vocab, ub, kv, req.type_k, req.type_v, be,
-                         m.buffers.largest_expert_tensor if experts_on_host else 0)
+                         m.buffers.largest_expert_tensor if experts_on_host else 0, n_outputs=req.slots)
     margin = default_reserve_bytes(device) if req.margin is None else req.margin
     cache = kv.kv_bytes + kv.recurrent_bytes if req.kv_offload else 0     # -nkvo: in host memory
     total = runtime_bytes(device) + m.buffers.device + cache + comp.bytes + margin
@@ -213,7 +214,8 @@ def _lines(m: PricedModel, device: Device, req: LlamaRequest, ub: int, on_cpu: f
 
 def _compute_detail(ub: int, n_vocab: int, comp: ComputePrice) -> str:
     if comp.end_phase >= comp.layer_phase:
-        return f"-ub {ub}; peak: logits {n_vocab} x {ub} x 4 B = {format_bytes(comp.logits)}"
+        return (f"-ub {ub}; peak: logits {n_vocab} x {comp.logits // (4 * n_vocab)} x 4 B = "
+                f"{format_bytes(comp.logits)}")
     fa = f" + F16 K/V {format_bytes(comp.fa_f16)}" if comp.fa_f16 else ""
     copy = f" + expert copy {format_bytes(comp.weight_copy)}" if comp.weight_copy else ""
     return f"-ub {ub}; peak in a layer: KQ mask {format_bytes(comp.mask)}{fa}{copy} + activations"
