@@ -141,18 +141,21 @@ DEFAULT_HOST_THREADS = 8
 DEFAULT_HOST_BANDWIDTH = 5600e6 * 8 * 2
 
 
-def default_host_speed(bandwidth: float | None = None) -> HostSpeed:
-    """The what-if host: :data:`DEFAULT_HOST_THREADS` threads at the CI machine's measured
-    per-core rates (scaled by the threads, an assumption: no efficiency is measured for
-    more cores) and :data:`DEFAULT_HOST_BANDWIDTH`, or ``bandwidth`` (bytes/s, from
-    ``--host-bandwidth``)."""
-    rates = {t: g * 1e9 * DEFAULT_HOST_THREADS for t, g in _CI_CORE_GBS.items()}
+def default_host_speed(bandwidth: float | None = None, threads: int | None = None) -> HostSpeed:
+    """The what-if host: ``threads`` (default :data:`DEFAULT_HOST_THREADS`) threads at the CI
+    machine's measured per-core rates (scaled by the threads, an assumption: no efficiency
+    is measured for more cores) and :data:`DEFAULT_HOST_BANDWIDTH`, or ``bandwidth``
+    (bytes/s, from ``--host-bandwidth``). Raises ValueError for ``threads`` below 1."""
+    n = DEFAULT_HOST_THREADS if threads is None else threads
+    if n < 1:
+        raise ValueError(f"default_host_speed: threads must be at least 1, got {n}")
+    rates = {t: g * 1e9 * n for t, g in _CI_CORE_GBS.items()}
     rates |= {t: rates[like] for t, like in _LIKE.items()}
     bw = DEFAULT_HOST_BANDWIDTH if bandwidth is None else bandwidth
     where = ("--host-bandwidth" if bandwidth is not None else
              "dual-channel DDR5-5600 peak (JEDEC JESD79-5)")
-    return HostSpeed(bw, DEFAULT_HOST_THREADS, rates,
-                     f"default host: {bw / 1e9:.1f} GB/s ({where}), {DEFAULT_HOST_THREADS} "
+    return HostSpeed(bw, n, rates,
+                     f"default host: {bw / 1e9:.1f} GB/s ({where}), {n} "
                      "threads at the C kernels' per-core rates measured on the CI machine "
                      "(AMD EPYC; moefit.runtime.kernels.qmatmul); `moefit calibrate --host` measures "
                      "this machine")

@@ -1,0 +1,111 @@
+"""Published runs predicted by the speed model (:mod:`moefit.plan.speed`).
+
+Each run of ``tests/data/published_runs.json`` names an engine, a model preset and its GGUF
+type, a catalogue GPU, the host's memory configuration (channels x MT/s x 8 bytes: the peak
+bandwidth of DDR4 / DDR5 DIMM channels, JEDEC JESD79-4 / JESD79-5) and threads, where the
+experts live, and the measured prefill / decode tokens/s. :func:`predict_run` prices it as
+a user's plan would be priced:
+
+- ``llama.cpp`` (``--n-cpu-moe N`` / ``-ot exps=CPU``): :func:`~moefit.plan.speed.predict_llamacpp`
+  with the experts of the first N MoE layers (or all) in host memory, the file's geometry from
+  :func:`~moefit.ingest.gguf_mix.gguf_geometry`;
+- ``ktransformers`` (routed experts on the CPU, attention and shared experts on the GPU):
+  :func:`~moefit.plan.speed.predict` with no resident expert and misses computed on the host
+  (``--miss-policy cpu``), the engine's own placement, and its f16 KV cache.
+
+The host is moefit's what-if host (:func:`~moefit.devices.host.default_host_speed`) at the
+run's bandwidth and threads: the C kernels' per-core rates measured on the CI machine, not
+the engine's kernels. Imports no torch; reads only the data file.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+
+from moefit.devices.catalogue import find_gpu
+from moefit.devices.host import default_host_speed
+from moefit.ingest.gguf_mix import gguf_geometry
+from moefit.ingest.resolve import load_model
+from moefit.memory.kv import kv_format
+from moefit.plan.speed import predict, predict_llamacpp, rates_for
+
+#: the engines a run may name
+ENGINES = ("llama.cpp", "ktransformers")
+#: bytes a memory channel moves per transfer (64 data bits: a DDR4 channel, or a DDR5 DIMM's
+#: two 32-bit subchannels)
+CHANNEL_BYTES = 8
+
+
+@dataclass(frozen=True)
+class Case:
+    """One measured figure of a run against its prediction: ``phase`` is ``prefill`` or
+    ``decode``; tokens/s both; ``bound`` the resource the model names."""
+
+    run: str
+    engine: str
+    phase: str
+    measured: float
+    predicted: float
+    bound: str
+
+    @property
+    def ratio(self) -> float:
+        """predicted / measured"""
+        return self.predicted / self.measured
+
+    @property
+    def error(self) -> float:
+        """|predicted / measured - 1|"""
+        return abs(self.ratio - 1)
+
+
+def load_runs(path: str | Path) -> list[dict]:
+    """The ``runs`` of a published-runs JSON file (the schema is checked by
+    tests/test_speed_published.py). Raises OSError / ValueError for an unreadable file."""
+    return json.loads(Path(path).read_text())["runs"]
+
+
+def host_bandwidth(host: dict) -> float:
+    """Peak host bandwidth in bytes/s: ``channels x mts x`` :data:`CHANNEL_BYTES`."""
+    return host["channels"] * host["mts"] * 1e6 * CHANNEL_BYTES
+
+
+def predict_run(run: dict) -> list[Case]:
+    """The :class:`Case` of each measured phase of ``run`` (module docstring). Prefill is
+    priced for the run's ``prompt_tokens`` from position 0, decode one token after them.
+    Raises KeyError / InputError for a run that names an unknown field, model or GPU."""
+    geom = gguf_geometry(load_model(run["model"]), run["gguf_type"])
+    device = find_gpu(run["gpu"])
+    host = default_host_speed(host_bandwidth(run["host"]), run["host"]["threads"])
+    moe = [layer.index for layer in geom.moe_layers]
+    out = []
+    for phase, m in run["measured"].items():
+        prompt = m["prompt_tokens"]
+        if run["engine"] == "llama.cpp":
+            n = run["placement"]["cpu_moe_layers"]
+            cpu = moe if n == "all" else moe[:n]
+            speed = predict_llamacpp(geom, device, host, context=run["context"],
+                                     ubatch=run["ubatch"], seqs=1, cpu_layers=cpu,
+                                     type_k=run["type_k"], type_v=run["type_v"],
+                                     prompt_tokens=prompt)
+        elif run["engine"] == "ktransformers":
+            if (run["type_k"], run["type_v"]) != ("f16", "f16"):
+                raise ValueError(f"run {run['id']}: ktransformers runs keep an f16 KV cache")
+            fmt = kv_format("fp16")
+            speed = predict(geom, rates_for(device, host), fmt, {i: 0 for i in moe},
+                            context=run["context"], chunk=run["ubatch"], seqs=1,
+                            policy="cpu", prompt_tokens=prompt)
+        else:
+            raise ValueError(f"run {run['id']}: engine {run['engine']!r} is not one of {ENGINES}")
+        p = speed.prefill if phase == "prefill" else speed.decode
+        out.append(Case(run["id"], run["engine"], phase, m["tokens_per_s"], p.tokens_per_s,
+                        p.bound))
+    return out
+
+
+def summary(cases: list[Case]) -> tuple[float, Case]:
+    """The median |predicted / measured - 1| over ``cases`` and the case of the largest."""
+    return statistics.median(c.error for c in cases), max(cases, key=lambda c: c.error)
