@@ -216,6 +216,7 @@ class ModelBuffers:
     experts_host: tuple[tuple[int, int], ...]     # (layer, CPU bytes)
     host: int
     largest_expert_tensor: int = 0                # device bytes of the largest expert tensor
+    repack: int = 0                               # CPU_REPACK bytes of a CPU-only load (repack_bytes)
 
 
 def model_buffers(tensors: list[Tensor], backend: Backend) -> ModelBuffers:
@@ -239,7 +240,34 @@ def model_buffers(tensors: list[Tensor], backend: Backend) -> ModelBuffers:
         # tied embeddings: the output layer loads token_embd again, on its own device
         # (llama_model::load_tensors, TENSOR_DUPLICATED)
         dev += emb.alloc_bytes(backend)
-    return ModelBuffers(dev, tuple(sorted(experts.items())), tuple(sorted(experts_host.items())), host, largest)
+    return ModelBuffers(dev, tuple(sorted(experts.items())), tuple(sorted(experts_host.items())), host, largest,
+                        repack_bytes(tensors))
+
+
+#: ggml types the CPU backend repacks on x86-64 (``ggml_repack_get_optimal_repack_type``,
+#: ``ggml-cpu/repack.cpp``): with AVX2 ``Q4_0`` / ``Q4_K`` / ``IQ4_NL`` / ``MXFP4`` into 8x8
+#: interleaved blocks, when the tensor's rows ``ne[1]`` are a multiple of 8 (``Q2_K`` too with
+#: AVX-512, and ARM repacks other types: not priced). Every x86-64 machine the CPU build is
+#: measured on has AVX2 (``REPACK = 1`` in its ``system_info``).
+REPACK_TYPES = frozenset({"Q4_0", "Q4_K", "IQ4_NL", "MXFP4"})
+
+
+def repack_bytes(tensors: list[Tensor]) -> int:
+    """The ``CPU_REPACK model buffer`` of a CPU-only load (bytes; 0 with ``--no-repack``, not
+    priced here).
+
+    ``make_cpu_buft_list`` (``llama-model.cpp``) puts the CPU's extra buffer types before the
+    plain CPU type, and ``select_weight_buft`` gives a weight the first type whose backend
+    supports the weight's op: the repack type's ``extra_buffer_type::supports_op`` accepts a
+    ``MUL_MAT`` with a 2-D weight or a ``MUL_MAT_ID`` with a 3-D one of a type
+    :data:`REPACK_TYPES` repacks (the token embeddings are read by ``GET_ROWS`` and stay mapped).
+    The buffer is a plain host allocation (``ggml_backend_cpu_repack_buffer_type_alloc_buffer``
+    over the CPU type) of ``ggml_nbytes`` per tensor (its ``get_alloc_size`` is the default),
+    aligned to ``TENSOR_ALIGNMENT`` (32 B), beside the mapped file, whose range still covers
+    these tensors (the recorded ``CPU_Mapped`` buffer is the whole file)."""
+    return sum(t.alloc_bytes(CPU) for t in tensors
+               if t.kind in REPACK_TYPES and len(t.ne) in (2, 3) and t.ne[1] % 8 == 0
+               and not t.name.startswith("token_embd."))
 
 
 def cpu_model_buffer(tensors: list[Tensor]) -> int:

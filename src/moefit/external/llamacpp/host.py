@@ -12,7 +12,8 @@ from moefit.units import format_bytes
 
 
 #: llama-server's host lines (key, label), in the order it allocates them
-HOST_LINES = (("host_runtime", "runtime"), ("host_weights", "model buffers"), ("host_kv", "KV cache"),
+HOST_LINES = (("host_runtime", "runtime"), ("host_weights", "model buffers"), ("host_repack", "CPU_REPACK"),
+              ("host_kv", "KV cache"),
               ("host_compute", "compute buffer"), ("host_devices", "simulated device"),
               ("host_margin", "safety margin"))
 #: the host side of llama-server's process before any buffer (bytes): not measured, estimates;
@@ -43,6 +44,9 @@ def host_bytes(m: PricedModel, device: Device, req: LlamaRequest, ub: int, on_cp
       printed against 528.00 planned in one published log (tests/test_llamacpp_cuda_logs.py);
       on the CPU backend the embedding lookup only (``4 ub (n_embd + 1)``), the rest being
       the device's compute buffer;
+    - ``repack``: on the CPU backend alone (a simulated device) the ``CPU_REPACK`` copies of
+      the weights the CPU repacks (:func:`~moefit.external.llamacpp.buffers.repack_bytes`),
+      host memory beside the mapped file; beside a GPU not priced (not measured);
     - ``kv``: with ``-nkvo`` the KV cache and the recurrent state (``CPU KV buffer``,
       ``CPU RS buffer``), else 0.
     """
@@ -52,7 +56,8 @@ def host_bytes(m: PricedModel, device: Device, req: LlamaRequest, ub: int, on_cp
         compute = 4 * ub * (g.hidden_size + 1)
     else:
         compute = comp.mask + 2 * 4 * ub * g.hidden_size
-    return {"model": model, "output": 4 * m.n_vocab * req.slots, "compute": compute,
+    return {"model": model, "repack": m.buffers.repack if device.kind == "cpu" else 0,
+            "output": 4 * m.n_vocab * req.slots, "compute": compute,
             "kv": 0 if req.kv_offload else kv.kv_bytes + kv.recurrent_bytes}
 
 
@@ -79,6 +84,9 @@ def host_table(plan: LlamaPlan, host_mem: Host | None) -> HostPlan:
         Line("host_runtime", HOST_RUNTIME_CPU if sim else HOST_RUNTIME_CUDA,
              "llama-server" + ("" if sim else " with the CUDA runtime") + " (estimate)"),
         Line("host_weights", h["model"], f"{what}: {where} (-lm {mode})"),
+        Line("host_repack", h.get("repack", 0),
+             "repacked weights, a host copy beside the mapped file (ggml-cpu repack.cpp)"
+             if h.get("repack") else ""),
         Line("host_kv", h["kv"], "-nkvo: KV cache and recurrent state" if h["kv"] else "on the device"),
         Line("host_compute", h["output"] + h["compute"],
              f"output {format_bytes(h['output'])} + "
