@@ -47,6 +47,8 @@ RUNS = [
     ("qwen35moe-hybrid", ["--max-context", "8192", "--parallel", "2", "--kv", "q8_0", "--prefill", "256"]),
     ("gptoss-swa", ["--max-context", "4096"]),
     ("qwen3moe-q8", ["--max-context", "16384", "--kv", "q8_0"]),
+    ("qwen3moe-q8", ["--max-context", "4096"]),                    # an f16 cache: no Q/K rotation
+    ("qwen3moe-q8", ["--max-context", "8192", "--prefill", "256"]),
 ]
 ROW = re.compile(r"^  (?P<label>.{18}) +(?P<planned>[\d.]+) +(?P<alloc>[\d.]+|-) +(?P<diff>\S+)?")
 

@@ -94,8 +94,10 @@ def test_the_plan_of_the_same_flags_is_what_llama_server_allocated(models, log):
         assert key not in rows or round(rows[key].allocated / MIB, 2) == round(rows[key].planned / MIB, 2), key
     assert ("repack" in rows) == ("gptoss" in log) and rows["model"].seen == ["CPU_Mapped"]
     if "qwen35moe" in log:
-        # the compute buffer within 5% (+3.4%, +2.9%)
-        assert rows["state"].planned > 0 and abs(rows["compute"].ratio - 1) < 0.05
+        assert rows["state"].planned > 0
+    # the compute buffer within 5% (qwen3moe-q8 16384 q8_0 was +5.5%, gpt-oss +18.4% before the
+    # MoE term was the GLU's three [n_ff, top_k] rows: buffers.compute_price)
+    assert abs(rows["compute"].ratio - 1) < 0.05, (rows["compute"].planned, rows["compute"].allocated)
     # before llama-server's -np outputs were priced, the plan had the logits of every -ub token:
     # 298 MiB for a compute buffer of 9.05
     assert rows["compute"].ratio > 0.8
@@ -254,7 +256,7 @@ def test_ready_planned_against_allocated_and_sigterm_passed_on(models, fake):
         assert "llama-server  CPU RS buffer 0.11 MiB  (recurrent state: planned 0.11 MiB" in text
         assert re.search(r"^  model buffers +94\.66 +94\.66 +exact +CPU_Mapped$", text, re.M)
         assert re.search(r"^  KV cache +4\.00 +4\.00 +exact", text, re.M)
-        assert re.search(r"^  compute buffer +8\.75 +9\.05 +\+3\.4%", text, re.M)
+        assert re.search(r"^  compute buffer +9\.01 +9\.05 +\+0\.5%", text, re.M)
         # docs/engines.md shows this table (its READY line with the benchmark's port)
         doc = (Path(__file__).parents[1] / "docs" / "engines.md").read_text()
         shown = doc[doc.index("llama-server budget  cpu"):].split("```")[0].strip().split("\n")
@@ -304,7 +306,7 @@ def test_llama_server_dying_is_exit_4_with_its_last_lines_and_the_table(models, 
     table = out[out.rindex("llama-server budget"):]
     assert re.search(r"^  recurrent state +0\.11 +0\.11 +exact", table, re.M)
     if mode == "die":       # the compute buffer was never allocated
-        assert re.search(r"^  compute buffer +8\.75 +- *$", table, re.M)
+        assert re.search(r"^  compute buffer +9\.01 +- *$", table, re.M)
     assert "Traceback" not in err
 
 

@@ -391,12 +391,29 @@ def compute_price(geom: ModelGeometry, n_vocab: int, ubatch: int, kv: KVPrice, t
     - a layer: the KQ masks ``2 ub n_kv`` (f16; one per cache, alive through every layer) +
       ``4 ub`` x the larger of the token mixer (attention: ``2 n_embd + 3 q + 2 k + 2 v``;
       Gated DeltaNet: ``2 n_embd + 2 conv + 3 d_inner + 256 n_v_heads``) and the FFN (MoE:
-      ``n_embd + 2 top_k n_embd + n_expert``, the top-k down-projections and their weighted
-      copy, ``build_moe_ffn``; shared expert ``2 n_embd + 3 n_ff_shexp``) + on CUDA the F16
+      ``3 top_k n_ff_exp + 2 n_embd + (q + k + v) + 2 top_k``; shared expert ``2 n_embd + 3 n_ff_shexp``)
+      + on CUDA the F16
       copies of a non-F16 K and V (``2 n_kv n_embd_{k,v}_gqa``) + on CUDA, when
       ``ubatch >= 32``, the copy of the largest weight kept in host memory (``host_weight``
       bytes: an expert tensor under ``--n-cpu-moe``). The per-token terms were matched to the
       recorded runs (a 259-token vocabulary model isolates them).
+
+    The MoE term, from ``llm_graph_context::build_moe_ffn`` (``llama-graph.cpp``) and
+    ``ggml_gallocr_alloc_graph_impl`` (``ggml-alloc.c``): the up and gate products
+    (``MUL_MAT_ID``, ``[n_ff_exp, top_k]`` per token each) are live when their GLU
+    (``ggml_swiglu_split`` / ``ggml_swiglu_oai``, ``GGML_OP_GLU``) is allocated, and a GLU is
+    not an op ``ggml_op_can_inplace`` lets reuse its input: ``3 top_k n_ff_exp``; the routing
+    weights and the selected experts (``top_k`` each) live to the weighting; the hidden rows:
+    the residual ``ffn_inp`` (kept for the closing add) and the normed input (freed after the
+    gate product, a hole of one row the GLU's ``top_k`` rows do not fit): ``2 n_embd``; and
+    the rows of the attention's Q, K and V (``q + k + v``, freed after the flash-attention
+    node) below them, which the best-fit allocator (``ggml_dyn_tallocr_alloc``) leaves
+    unused (on a recurrent layer none: its attention term is 0). That last term is
+    placement, a bound checked on the recorded buffers (llama-server:
+    ``tests/data/llama_server``, n_ff_exp 256 / 512, top_k 2 / 4, f16 and q8_0 caches;
+    llama-completion: ``qwen3moe-wide``, Q twice the hidden size), not derived node by node;
+    with a quantized cache llama.cpp rotates Q and K (``attn_rot_k``, ``llama_kv_cache``) and
+    the allocator lands about one row lower (+2% there).
 
     On one device of a layer split (``only``: its layers; ``kv`` priced for them), the layer
     phase is that of its own layers and the end of the graph is only on the device of the
@@ -411,15 +428,18 @@ def compute_price(geom: ModelGeometry, n_vocab: int, ubatch: int, kv: KVPrice, t
         if only is not None and il not in only:
             continue
         a = layer.attention
+        qkv = 0                     # the attention's Q, K, V rows (the MoE term below)
         if isinstance(kind_of(a), Recurrent):      # conv in/out, q/k/v, gate, the delta rule's 64-token blocks
             d_inner = a.linear_num_value_heads * a.linear_value_head_dim
             mix = 2 * h + 2 * a.linear_conv_dim + 3 * d_inner + 4 * 64 * a.linear_num_value_heads
         else:                       # Q (twice: projected, roped), K, V (twice), the output
             k, v = _layer_kv_dims(a)
             mix = 2 * h + 3 * a.num_heads * (a.head_dim or 0) + 2 * k + 2 * (v or k)
-        if layer.moe is not None:   # the top-k down outputs, weighted, + the residual, the router
+            qkv = a.num_heads * (a.head_dim or 0) + k + (v or k)
+        if layer.moe is not None:   # the GLU of the top-k experts (see the docstring), the shared expert
             m = layer.moe
-            ffn = max(h + 2 * m.experts_per_token * h + m.num_experts, 2 * h + 3 * m.shared_intermediate)
+            k = m.experts_per_token
+            ffn = max(3 * k * m.expert_intermediate + 2 * h + qkv + 2 * k, 2 * h + 3 * m.shared_intermediate)
         else:
             ffn = h + 3 * (layer.dense_intermediate or 0)
         act = max(act, 4 * ubatch * max(mix, ffn))
