@@ -224,8 +224,10 @@ class LoadLedger:
         return "\n".join(out)
 
     def worst(self) -> float:
-        """The largest ``|allocated / planned - 1|`` of the rows reported (0 when none)."""
-        return max((abs(r.ratio - 1) for r in self.shown() if r.ratio is not None), default=0.0)
+        """The largest ``|allocated / planned - 1|`` of the rows reported (0 when none); a row
+        equal to the printed 0.01 MiB counts as exact (an output buffer of 0.00 MiB is not 100% off)."""
+        return max((abs(r.ratio - 1) for r in self.shown()
+                    if r.ratio is not None and _diff(r) != "exact"), default=0.0)
 
 
 def _diff(r: LoadRow) -> str:
@@ -266,12 +268,17 @@ def _poll_host(host: str) -> str:
     return f"[{host}]" if ":" in host else host
 
 
+def masked_argv(argv: list[str]) -> list[str]:
+    """``argv`` as printed: the value of ``--api-key`` hidden."""
+    return [("***" if i and argv[i - 1] == "--api-key" else a) for i, a in enumerate(argv)]
+
+
 def run(plan, argv: list[str], host: str, port: int, out=None, err=None, poll: float = 0.2,
         log: str | None = None) -> int:
     """Run llama-server ``argv`` (:func:`server_argv`) for ``plan`` and watch it (see the
     module docstring); ``log``: a file that gets llama-server's whole log (``--llama-log``).
     Returns the exit code: 0 after a SIGINT / SIGTERM passed on once READY, 130 / 143 when it
-    came before READY, 4 when llama-server exited by itself.
+    came before READY or a second one killed llama-server, 4 when llama-server exited by itself.
 
     Signals: the first SIGINT / SIGTERM is sent on to llama-server (started in its own
     session, so a terminal's Ctrl-C reaches it once, through here); a second one kills it."""
@@ -280,7 +287,7 @@ def run(plan, argv: list[str], host: str, port: int, out=None, err=None, poll: f
     say = lambda text, f=out: print(text, file=f, flush=True)  # noqa: E731
     ledger = LoadLedger(plan)
     tail: deque[str] = deque(maxlen=TAIL)
-    say("command  " + shlex.join(argv))
+    say("command  " + shlex.join(masked_argv(argv)))
     try:
         keep = open(log, "w", encoding="utf-8") if log else None
     except OSError as e:
@@ -345,7 +352,9 @@ def run(plan, argv: list[str], host: str, port: int, out=None, err=None, poll: f
     if got:
         name = signal.Signals(got[0]).name
         say(f"llama-server stopped on {name} (exit {rc})", err)
-        return EXIT_OK if ready else 128 + got[0]
+        if ready and len(got) == 1:
+            return EXIT_OK
+        return 128 + got[-1]          # before READY, or killed on a second signal
     say(f"moefit: error: llama-server exited with code {rc} {'after' if ready else 'before'} READY; "
         f"its last lines:", err)
     for text in tail:
