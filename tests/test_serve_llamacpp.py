@@ -173,6 +173,8 @@ class H(http.server.BaseHTTPRequestHandler):
 def stop(signum, frame):
     with open(os.environ["FAKE_SIGNALS"], "a") as f:
         f.write(signal.Signals(signum).name + "\\n")
+    if mode == "stubborn":          # a server that does not stop on a signal
+        return
     print("srv    operator(): cleaning up before exit...", file=sys.stderr, flush=True)
     os._exit(0)
 
@@ -274,6 +276,36 @@ def test_ready_planned_against_allocated_and_sigterm_passed_on(models, fake):
     assert proc.returncode == 0, err
     assert files["signals"].read_text() == "SIGTERM\n"
     assert "llama-server stopped on SIGTERM (exit 0)" in err
+
+
+@pytest.mark.process
+def test_a_second_signal_kills_llama_server_and_is_not_a_clean_exit(models, fake):
+    env, files = fake
+    proc, _ = _serve(models, {**env, "FAKE_MODE": "stubborn"}, "--api-key", "sekrit")
+    try:
+        out = _until(proc, r"^READY")
+        assert [l for l in out if "sekrit" in l] == []
+        assert any("--api-key '***'" in l for l in out)     # the key is not printed
+        proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 30
+        while not files["signals"].exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert "sekrit" in files["argv"].read_text()        # llama-server still gets it
+    assert proc.returncode == 143, err
+    assert "llama-server stopped on SIGTERM (exit -9)" in err
+
+
+def test_the_ready_summary_counts_rows_equal_to_the_printed_mib_as_exact():
+    """An output buffer of 0.00 MiB planned and 0.00 MiB allocated (a few KiB apart) is exact,
+    not 100% off: the summary is the worst row the table shows off."""
+    led = ls.LoadLedger.__new__(ls.LoadLedger)
+    led.rows = {"output": ls.LoadRow("output", "output buffer", 1000, 2000, ["CPU"]),
+                "model": ls.LoadRow("model", "model buffers", 100 * MIB, 110 * MIB, ["CPU_Mapped"])}
+    assert led.worst() == pytest.approx(0.10)
 
 
 @pytest.mark.process

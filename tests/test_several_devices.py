@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import re
+
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
@@ -275,6 +277,18 @@ def test_gpu_flags_name_several_cards():
     assert [(d.label, d.kind, d.capacity_bytes) for d in sim] == [("cpu:0", "cpu", 16 * GIB),
                                                                   ("cpu:1", "cpu", 12 * GIB)]
     assert resolve_devices("cpu", None, "2GiB", None)[0].label == "cpu"     # one: as before
+    # the count glued to the name, as moefit's own messages write NAMExN
+    glued = [d.description for d in resolve_devices(None, ["RTX 5060 Ti 16GBx2", "4090×2"], None, None)]
+    assert glued == ["RTX 5060 Ti 16GB"] * 2 + ["RTX 4090"] * 2
+
+
+def test_no_catalogue_name_ends_in_a_count():
+    """A glued count (``4090x2``) is read off the end of a name: no card may end so."""
+    from moefit.devices.catalogue import GPU_CATALOGUE
+
+    for g in GPU_CATALOGUE:
+        for name in (g.name, *getattr(g, "aliases", ())):
+            assert not re.search(r"[x×]-?\d+$", name, re.IGNORECASE), name
 
 
 @pytest.mark.parametrize("args, flag", [

@@ -104,6 +104,18 @@ def test_default_host_bandwidth_is_dual_channel_ddr5_5600():
     assert default_host_speed().memory_bytes_per_s == DEFAULT_HOST_BANDWIDTH
 
 
+def test_a_failing_llamacpp_plan_prints_no_speed_line(capsys):
+    """A catalogue card's llama.cpp plan that does not fit (the host short) has no speed line:
+    not one that blames the card's figures."""
+    code, out = run(capsys, "plan", "Qwen3.5-35B-A3B", "--engine", "llama.cpp", "--gpu", "RTX 5060 Ti 16GB",
+                    "--host-ram", "8GiB", "--no-calibration")
+    assert code == 3 and "does not fit" in out
+    assert "speed" not in out
+    code, out = run(capsys, "plan", "Qwen3.5-35B-A3B", "--engine", "llama.cpp", "--gpu", "RTX 5060 Ti 16GB",
+                    "--no-calibration")
+    assert code == 0 and "speed  prefill" in out
+
+
 def test_a_vram_card_has_no_figures_and_the_plan_says_so(capsys):
     code, out = run(capsys, "plan", "Qwen3-30B-A3B", "--vram", "24GiB", "--no-calibration")
     assert code == 0

@@ -84,7 +84,8 @@ def _plan_llamacpp(args: argparse.Namespace) -> int:
     speed = llamacpp_speed_from_args(plan.geometry, plan, args) if plan.fits else None
     return _print_engine_plan(
         args, plan, lambda p: {**llamacpp.plan_document(p), "speed": speed_document(speed)},
-        lambda p: _before_command(llamacpp.format_plan(p), format_speed(speed, "micro-batch")),
+        lambda p: (_before_command(llamacpp.format_plan(p), format_speed(speed, "micro-batch"))
+                   if p.fits else llamacpp.format_plan(p)),     # a failing plan: no speed line
         lambda p: "\n".join([llamacpp.format_verbose(p), *format_speed_verbose(speed, "micro-batch")]))
 
 

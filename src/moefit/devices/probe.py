@@ -11,6 +11,7 @@ Imports no torch.
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import replace
 
 from moefit.devices.catalogue import find_gpu, idle_reserved
@@ -298,14 +299,19 @@ def _list(text: str | None, flag: str) -> list[str] | None:
     return items
 
 
+#: a count glued to a card's name (``RTX 4090x2``); no catalogue name ends so (tested)
+_GLUED_COUNT = re.compile(r"^(.*\S)([x×]-?\d+)$", re.IGNORECASE)
+
+
 def expand_gpus(names: list[str]) -> list[str]:
     """``--gpu`` values, each a catalogue name optionally followed by ``xN`` (N cards of
-    that kind: ``"RTX 5060 Ti 16GB x4"``), as one name per card.
+    that kind: ``"RTX 5060 Ti 16GB x4"``, or ``"RTX 4090x2"``), as one name per card.
 
     Raises InputError for a count below 1 or more than :data:`MAX_DEVICES` cards."""
     out: list[str] = []
     for name in names:
-        head, _, tail = name.strip().rpartition(" ")
+        glued = _GLUED_COUNT.match(name.strip())     # "RTX 4090x2": the count glued on
+        head, _, tail = (f"{glued[1]} {glued[2]}" if glued else name.strip()).rpartition(" ")
         count = tail.lower()[1:] if tail[:1].lower() in ("x", "×") else ""
         if head and count.lstrip("-").isdigit():
             n = int(count)

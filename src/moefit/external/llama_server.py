@@ -166,8 +166,7 @@ class LoadLedger:
     """The rows of a llama.cpp plan that llama-server reports, and which buffer fills each.
 
     From the plan (:class:`~moefit.external.llamacpp.LlamaPlan`): model buffers on the
-    device (``weights`` + ``experts``; a device buffer type), the ``CPU_REPACK`` copies of the
-    weights the CPU backend repacks (``host["repack"]``), and in host memory (the token
+    device (``weights`` + ``experts``; a device buffer type) and in host memory (the token
     embeddings and the experts kept on the CPU, ``host["model"]``); the KV cache and the
     recurrent state (every ``KV`` / ``RS`` buffer: with ``-nkvo`` they are host buffers of
     the same size); the output buffer (``host["output"]``); the compute buffer of the
@@ -181,8 +180,7 @@ class LoadLedger:
         h = plan.host
         self.cpu = plan.device.kind == "cpu"
         kv = plan.kv
-        rows = [LoadRow("model", "model buffers", line["weights"] + line["experts"] + (h["model"] if self.cpu else 0)),
-                LoadRow("repack", "CPU_REPACK", h.get("repack", 0))]
+        rows = [LoadRow("model", "model buffers", line["weights"] + line["experts"] + (h["model"] if self.cpu else 0))]
         if not self.cpu:
             rows.append(LoadRow("host_model", "host model bufs", h["model"]))
         rows += [LoadRow("kv", "KV cache", kv.kv_bytes), LoadRow("state", "recurrent state", kv.recurrent_bytes),
@@ -200,8 +198,6 @@ class LoadLedger:
             return "state"
         if b.kind == "output":
             return "output"
-        if b.buft == "CPU_REPACK":
-            return "repack"
         host = b.host and not self.cpu
         return ("host_" if host else "") + ("model" if b.kind == "model" else "compute")
 
@@ -229,10 +225,9 @@ class LoadLedger:
 
     def worst(self) -> float:
         """The largest ``|allocated / planned - 1|`` of the rows reported (0 when none); a row
-        equal at llama.cpp's printed precision (0.01 MiB) counts 0 (a 0.11 MiB state is not
-        1.2% off)."""
-        return max((abs(r.ratio - 1) for r in self.shown() if r.ratio is not None and _diff(r) != "exact"),
-                   default=0.0)
+        equal to the printed 0.01 MiB counts as exact (an output buffer of 0.00 MiB is not 100% off)."""
+        return max((abs(r.ratio - 1) for r in self.shown()
+                    if r.ratio is not None and _diff(r) != "exact"), default=0.0)
 
 
 def _diff(r: LoadRow) -> str:
@@ -273,12 +268,17 @@ def _poll_host(host: str) -> str:
     return f"[{host}]" if ":" in host else host
 
 
+def masked_argv(argv: list[str]) -> list[str]:
+    """``argv`` as printed: the value of ``--api-key`` hidden."""
+    return [("***" if i and argv[i - 1] == "--api-key" else a) for i, a in enumerate(argv)]
+
+
 def run(plan, argv: list[str], host: str, port: int, out=None, err=None, poll: float = 0.2,
         log: str | None = None) -> int:
     """Run llama-server ``argv`` (:func:`server_argv`) for ``plan`` and watch it (see the
     module docstring); ``log``: a file that gets llama-server's whole log (``--llama-log``).
     Returns the exit code: 0 after a SIGINT / SIGTERM passed on once READY, 130 / 143 when it
-    came before READY, 4 when llama-server exited by itself.
+    came before READY or a second one killed llama-server, 4 when llama-server exited by itself.
 
     Signals: the first SIGINT / SIGTERM is sent on to llama-server (started in its own
     session, so a terminal's Ctrl-C reaches it once, through here); a second one kills it."""
@@ -287,7 +287,7 @@ def run(plan, argv: list[str], host: str, port: int, out=None, err=None, poll: f
     say = lambda text, f=out: print(text, file=f, flush=True)  # noqa: E731
     ledger = LoadLedger(plan)
     tail: deque[str] = deque(maxlen=TAIL)
-    say("command  " + shlex.join(argv))
+    say("command  " + shlex.join(masked_argv(argv)))
     try:
         keep = open(log, "w", encoding="utf-8") if log else None
     except OSError as e:
@@ -352,7 +352,9 @@ def run(plan, argv: list[str], host: str, port: int, out=None, err=None, poll: f
     if got:
         name = signal.Signals(got[0]).name
         say(f"llama-server stopped on {name} (exit {rc})", err)
-        return EXIT_OK if ready else 128 + got[0]
+        if ready and len(got) == 1:
+            return EXIT_OK
+        return 128 + got[-1]          # before READY, or killed on a second signal
     say(f"moefit: error: llama-server exited with code {rc} {'after' if ready else 'before'} READY; "
         f"its last lines:", err)
     for text in tail:
