@@ -166,7 +166,8 @@ class LoadLedger:
     """The rows of a llama.cpp plan that llama-server reports, and which buffer fills each.
 
     From the plan (:class:`~moefit.external.llamacpp.LlamaPlan`): model buffers on the
-    device (``weights`` + ``experts``; a device buffer type) and in host memory (the token
+    device (``weights`` + ``experts``; a device buffer type), the ``CPU_REPACK`` copies of the
+    weights the CPU backend repacks (``host["repack"]``), and in host memory (the token
     embeddings and the experts kept on the CPU, ``host["model"]``); the KV cache and the
     recurrent state (every ``KV`` / ``RS`` buffer: with ``-nkvo`` they are host buffers of
     the same size); the output buffer (``host["output"]``); the compute buffer of the
@@ -180,7 +181,8 @@ class LoadLedger:
         h = plan.host
         self.cpu = plan.device.kind == "cpu"
         kv = plan.kv
-        rows = [LoadRow("model", "model buffers", line["weights"] + line["experts"] + (h["model"] if self.cpu else 0))]
+        rows = [LoadRow("model", "model buffers", line["weights"] + line["experts"] + (h["model"] if self.cpu else 0)),
+                LoadRow("repack", "CPU_REPACK", h.get("repack", 0))]
         if not self.cpu:
             rows.append(LoadRow("host_model", "host model bufs", h["model"]))
         rows += [LoadRow("kv", "KV cache", kv.kv_bytes), LoadRow("state", "recurrent state", kv.recurrent_bytes),
@@ -198,6 +200,8 @@ class LoadLedger:
             return "state"
         if b.kind == "output":
             return "output"
+        if b.buft == "CPU_REPACK":
+            return "repack"
         host = b.host and not self.cpu
         return ("host_" if host else "") + ("model" if b.kind == "model" else "compute")
 

@@ -84,9 +84,8 @@ def host_table(plan: LlamaPlan, host_mem: Host | None) -> HostPlan:
         Line("host_runtime", HOST_RUNTIME_CPU if sim else HOST_RUNTIME_CUDA,
              "llama-server" + ("" if sim else " with the CUDA runtime") + " (estimate)"),
         Line("host_weights", h["model"], f"{what}: {where} (-lm {mode})"),
-        Line("host_repack", h.get("repack", 0),
-             "repacked weights, a host copy beside the mapped file (ggml-cpu repack.cpp)"
-             if h.get("repack") else ""),
+    ) + ((Line("host_repack", h["repack"], "repacked weights, a host copy beside the mapped file "
+               "(ggml-cpu repack.cpp)"),) if h.get("repack") else ()) + (   # shown only when some are
         Line("host_kv", h["kv"], "-nkvo: KV cache and recurrent state" if h["kv"] else "on the device"),
         Line("host_compute", h["output"] + h["compute"],
              f"output {format_bytes(h['output'])} + "
