@@ -68,6 +68,7 @@ from dataclasses import dataclass
 from moefit.devices import Device
 from moefit.errors import InputError
 from moefit.ingest.geometry import ModelGeometry
+from moefit.ingest.ggml_types import BLOCKS
 from moefit.ingest.gguf_header import read_header
 from moefit.ingest.gguf_mix import llamacpp_tensors
 from moefit.memory.layer_kinds import Latent, Recurrent, kind_of
@@ -95,9 +96,10 @@ CTX_PAD_NO_FA = 32
 MATRIX_ROW_PADDING = 512
 _EXPS = re.compile(r"^blk\.(\d+)\.ffn_(up|down|gate|gate_up)_(ch|)exps")
 
-#: ggml block size and bytes per block of the KV cache types llama.cpp accepts (``-ctk``)
-KV_TYPE_SIZES = {"f32": (1, 4), "f16": (1, 2), "bf16": (1, 2), "q8_0": (32, 34), "q4_0": (32, 18),
-                 "q4_1": (32, 20), "iq4_nl": (32, 18), "q5_0": (32, 22), "q5_1": (32, 24)}
+#: ggml block size and bytes per block of the KV cache types llama.cpp accepts (``-ctk``;
+#: :data:`moefit.ingest.ggml_types.BLOCKS`)
+KV_TYPE_SIZES = {t: BLOCKS[t.upper()] for t in ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl",
+                                                "q5_0", "q5_1")}
 #: moefit's ``--kv`` formats as llama.cpp cache types (K, V); fp8 has no llama.cpp type: q8_0
 KV_FROM_MOEFIT = {"bf16": ("bf16", "bf16"), "fp16": ("f16", "f16"), "fp32": ("f32", "f32"),
                   "fp8": ("q8_0", "q8_0"), "int8": ("q8_0", "q8_0"), "k8v4": ("q8_0", "q4_0"),

@@ -64,6 +64,7 @@ import torch
 import torch.nn.functional as F
 
 from moefit.errors import InputError
+from moefit.ingest.ggml_types import BLOCKS
 from moefit.memory import gpu_kernels
 from moefit.memory.cpu_kernels import row_block
 from moefit.memory.staging import DEQUANT_TILE_ELEMS
@@ -239,8 +240,8 @@ def _gguf_reference(qtype: str) -> Callable[[torch.Tensor], torch.Tensor]:
 
 
 #: the types of :func:`_gguf_reference` (ggml-common.h): block bytes of 256 values
-_REFERENCE_TYPES = {"Q2_K": 84, "Q3_K": 110, "IQ4_XS": 136, "IQ2_XXS": 66, "IQ2_XS": 74, "IQ2_S": 82,
-                    "IQ3_XXS": 98, "IQ3_S": 110, "IQ1_S": 50, "IQ1_M": 56}
+_REFERENCE_TYPES = ("Q2_K", "Q3_K", "IQ4_XS", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ1_S",
+                    "IQ1_M")
 
 
 @dataclass(frozen=True)
@@ -252,23 +253,23 @@ class Kernel:
     fn: Callable[[torch.Tensor], torch.Tensor]
 
 
-#: Supported ggml types (block sizes as ``GGML_QUANT_SIZES`` / ``ggml-common.h``).
-KERNELS: dict[str, Kernel] = {
-    "F32": Kernel(1, 4, _plain(torch.float32)),
-    "F16": Kernel(1, 2, _plain(torch.float16)),
-    "BF16": Kernel(1, 2, _plain(torch.bfloat16)),
-    "Q8_0": Kernel(32, 34, _q8_0),
-    "Q4_0": Kernel(32, 18, _q4_0),
-    "Q4_1": Kernel(32, 20, _q4_1),
-    "Q5_0": Kernel(32, 22, _q5_0),
-    "Q5_1": Kernel(32, 24, _q5_1),
-    "IQ4_NL": Kernel(32, 18, _iq4_nl),
-    "Q4_K": Kernel(256, 144, _q4_k),
-    "Q5_K": Kernel(256, 176, _q5_k),
-    "Q6_K": Kernel(256, 210, _q6_k),
-    "MXFP4": Kernel(32, 17, _mxfp4),
-    **{t: Kernel(256, size, _gguf_reference(t)) for t, size in _REFERENCE_TYPES.items()},
-}
+#: Supported ggml types (block sizes: :data:`moefit.ingest.ggml_types.BLOCKS`).
+KERNELS: dict[str, Kernel] = {t: Kernel(*BLOCKS[t], fn) for t, fn in {
+    "F32": _plain(torch.float32),
+    "F16": _plain(torch.float16),
+    "BF16": _plain(torch.bfloat16),
+    "Q8_0": _q8_0,
+    "Q4_0": _q4_0,
+    "Q4_1": _q4_1,
+    "Q5_0": _q5_0,
+    "Q5_1": _q5_1,
+    "IQ4_NL": _iq4_nl,
+    "Q4_K": _q4_k,
+    "Q5_K": _q5_k,
+    "Q6_K": _q6_k,
+    "MXFP4": _mxfp4,
+    **{t: _gguf_reference(t) for t in _REFERENCE_TYPES},
+}.items()}
 
 
 def kernel_for(qtype: str, tensor: str = "") -> Kernel:
