@@ -299,8 +299,9 @@ def _list(text: str | None, flag: str) -> list[str] | None:
     return items
 
 
-#: a count glued to a card's name (``RTX 4090x2``); no catalogue name ends so (tested)
-_GLUED_COUNT = re.compile(r"^(.*\S)([x×]-?\d+)$", re.IGNORECASE)
+#: a card's name and a count after it, spaced or glued on (``RTX 4090 x2``, ``RTX 4090x2``); no
+#: catalogue name ends in a count (tested)
+_COUNTED = re.compile(r"^(.*?\S)\s*[x×](-?\d+)$", re.IGNORECASE)
 
 
 def expand_gpus(names: list[str]) -> list[str]:
@@ -310,14 +311,12 @@ def expand_gpus(names: list[str]) -> list[str]:
     Raises InputError for a count below 1 or more than :data:`MAX_DEVICES` cards."""
     out: list[str] = []
     for name in names:
-        glued = _GLUED_COUNT.match(name.strip())     # "RTX 4090x2": the count glued on
-        head, _, tail = (f"{glued[1]} {glued[2]}" if glued else name.strip()).rpartition(" ")
-        count = tail.lower()[1:] if tail[:1].lower() in ("x", "×") else ""
-        if head and count.lstrip("-").isdigit():
-            n = int(count)
+        counted = _COUNTED.match(name.strip())
+        if counted:
+            n = int(counted[2])
             if not 1 <= n <= MAX_DEVICES:
                 raise InputError(f"--gpu {name!r}: {n} cards; give 1 to {MAX_DEVICES}")
-            out += [head.strip()] * n
+            out += [counted[1]] * n
         else:
             out.append(name.strip())
     return out
