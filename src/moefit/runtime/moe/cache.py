@@ -46,6 +46,7 @@ import torch
 import torch.nn.functional as F
 
 from moefit.errors import InputError
+from moefit.runtime.moe.streams import ArenaRing
 from moefit.runtime.weights import HostExperts, split_blob
 
 
@@ -122,7 +123,13 @@ class ExpertCache:
         self.crossover = dict(crossover or {})
         #: with ``auto``: the layers whose current step copies its misses (:meth:`decide`)
         self.copying: set[int] = set()
-        self.arena_next = 0
+        #: the arena's buffers, filled on a copy stream ahead of the compute
+        #: (:mod:`moefit.runtime.moe.streams`)
+        self.ring = ArenaRing(arena, host.blob)
+        #: per layer, the experts its last copied step used (the next layer's prediction)
+        self.last_used: dict[int, list[int]] = {}
+        moe = sorted(host.experts)
+        self.next_layer = dict(zip(moe, moe[1:]))
         #: bumped whenever an expert moves in or out of a slot (readers cache slot addresses)
         self.version = 0
         self.ws = None   # staging workspace for dequantizing stored experts on the device
@@ -178,6 +185,20 @@ class ExpertCache:
             self.copying.discard(layer)
             st.host_steps += 1
         return not copy
+
+    def stream(self, layer: int, used: list[int], tokens: int) -> None:
+        """A step of ``tokens`` tokens whose misses are copied will run ``used`` (the
+        layer's experts with tokens, in the order they run): the ring queues its misses and,
+        behind them, the next MoE layer's predicted ones (the non-resident experts its last
+        copied step used), when that layer's step of ``tokens`` tokens may copy too
+        (:mod:`moefit.runtime.moe.streams`). Moves nothing into slots; counts nothing."""
+        res = self.resident[layer]
+        self.last_used[layer] = list(used)
+        after = None
+        nxt = self.next_layer.get(layer)
+        if nxt is not None and not (self.miss_policy == "auto" and tokens < self.crossover.get(nxt, math.inf)):
+            after = (nxt, [e for e in self.last_used.get(nxt, []) if e not in self.resident[nxt]])
+        self.ring.plan(layer, [e for e in used if e not in res], after)
 
     def num_slots(self, layer: int) -> int:
         return len(self.slots.get(layer, []))
@@ -245,15 +266,15 @@ class ExpertCache:
                 return self.apply(layer, x, blob, self.ws, scratch, out)
             y = self.apply(layer, x.to(blob.device), blob, None)
             return out.copy_(y) if out is not None else y.to(x.device)
-        buf = self.arena[self.arena_next][:blob.numel()]
-        self.arena_next = (self.arena_next + 1) % len(self.arena)
-        buf.copy_(blob, non_blocking=True)
+        b, buf = self.ring.fetch(layer, expert)          # the compute stream waits for its copy
+        buf = buf[:blob.numel()]
         y = self.apply(layer, x, buf, self.ws, scratch, out)
         if self.miss_policy == "copy" and self.slots.get(layer):
             self.version += 1
             victim, s = res.popitem(last=False)
             self.slots[layer][s][:blob.numel()].copy_(buf)
             res[expert] = s
+        self.ring.release(b)
         return y
 
     def run_on(self, k: int, layer: int, x: torch.Tensor, slot: torch.Tensor,

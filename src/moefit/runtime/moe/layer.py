@@ -19,6 +19,7 @@ from typing import Protocol
 
 import torch
 import torch.nn.functional as F
+from torch.autograd.profiler import record_function
 
 from moefit.ingest.geometry import LayerSpec
 from moefit.runtime.arch import Arch
@@ -81,20 +82,21 @@ def moe_layer(mdl: ForwardState, l: LayerSpec, lw: LayerWeights, x: torch.Tensor
                 route(logits, k, mdl.arch.renormalize, ws, w, ids)
         if mdl.experts is not None and mdl.experts.miss_policy == "auto":
             mdl.experts.decide(l.index, ids)      # this step's misses: on the host, or copied
-        if moe_device.applies(mdl.experts, l.index, x, mdl.arch.clamped_swiglu is not None):
-            acc = ws.take((t, h), f32, zero=True)
-            wa = w if act == f32 else ws.take((t, k), act).copy_(w)        # cast after fp32 routing
-            moe_device.run_layer(mdl.experts, l.index, x, ids, wa, acc, ws, max(mdl.chunk, t),
-                                 mdl.experts.host_ws)
-            out.copy_(acc)
-        elif mdl.arch.clamped_swiglu is None and moe_batch.applies(mdl.experts, l.index, x, k):
-            acc = ws.take((t, h), f32, zero=True)
-            scratch = ws.take((moe_batch.scratch_bytes(t, h, m.expert_intermediate, act),), torch.uint8)
-            wq = w if act == f32 else ws.take((t, k), act).copy_(w).float()   # rounded as combined
-            moe_batch.run_layer(mdl.experts, l.index, x, ids, wq, acc, scratch)
-            out.copy_(acc)
-        else:
-            _moe_one_by_one(mdl, l, x, w, ids, out)
+        with record_function(f"moe L{l.index} compute"):     # a profile trace's range
+            if moe_device.applies(mdl.experts, l.index, x, mdl.arch.clamped_swiglu is not None):
+                acc = ws.take((t, h), f32, zero=True)
+                wa = w if act == f32 else ws.take((t, k), act).copy_(w)        # cast after fp32 routing
+                moe_device.run_layer(mdl.experts, l.index, x, ids, wa, acc, ws, max(mdl.chunk, t),
+                                     mdl.experts.host_ws)
+                out.copy_(acc)
+            elif mdl.arch.clamped_swiglu is None and moe_batch.applies(mdl.experts, l.index, x, k):
+                acc = ws.take((t, h), f32, zero=True)
+                scratch = ws.take((moe_batch.scratch_bytes(t, h, m.expert_intermediate, act),), torch.uint8)
+                wq = w if act == f32 else ws.take((t, k), act).copy_(w).float()   # rounded as combined
+                moe_batch.run_layer(mdl.experts, l.index, x, ids, wq, acc, scratch)
+                out.copy_(acc)
+            else:
+                _moe_one_by_one(mdl, l, x, w, ids, out)
     if lw.shared_gate is not None:
         with ws.scope():
             sh = swiglu_mlp(x, lw.shared_gate, lw.shared_up, lw.shared_down, ws, ws.take((t, h), act))
@@ -129,10 +131,11 @@ def _moe_one_by_one(mdl: ForwardState, l: LayerSpec, x: torch.Tensor, w: torch.T
         ye = ws.take((t, h), act)                                        # expert output
         yf = ye if act == f32 else ws.take((t, h), f32)
         edges = bounds.tolist()
-        for e in range(n_exp):
+        used = [e for e in range(n_exp) if edges[e + 1] > edges[e]]
+        if not mdl.experts.on_host(l.index, t):   # misses copied: queued on the copy stream
+            mdl.experts.stream(l.index, used, t)
+        for e in used:
             s0, s1 = edges[e], edges[e + 1]
-            if s0 == s1:
-                continue
             n, te = s1 - s0, tok[s0:s1]
             torch.index_select(x, 0, te, out=xe[:n])
             y = mdl.experts.run(l.index, e, xe[:n], gu, ye[:n])         # [n, H]
