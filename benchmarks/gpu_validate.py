@@ -28,7 +28,22 @@ of work), the same commands on the simulated device in CI's short mode:
    on every line) and ``OUT/record.png`` (decode tokens/s by context). With
    ``--llama-bench PATH`` (a CUDA build of llama.cpp), ``llama-bench`` on each GGUF too.
 
-``--budget-s`` (full mode: 450) stops starting new runs past that time; the record says
+4. **Stream trace**: one more bench run with ``--miss-policy copy`` on a device that holds
+   part of the experts (full: ``qwen3-bf16``, ``--vram 1280MiB`` (38% of its experts),
+   one 2048-token chunk at ``4K``; short: ``qwen35-bf16`` on the short mode's device, ``1K``,
+   256 tokens: 9 of its 32 experts resident),
+   under ``torch.profiler``: ``OUT/trace.json`` (a Chrome / Perfetto trace: the
+   ``moe L{l} copy e{e}`` and ``moe L{l} compute`` ranges, and on CUDA the copy stream's
+   memcpy beside the compute kernels) and, in the record, its summary
+   (:func:`trace_summary`: the ranges counted; on CUDA the host-to-device copies, their
+   time, and how much of it overlaps a kernel on another stream).
+5. **Runtime line** (CUDA only): a fresh process creates the CUDA context, runs a bf16
+   matmul (cuBLAS / cuBLASLt handles and workspaces) and, with triton, one of moefit's Triton
+   kernels; the device memory it then holds outside the caching allocator (NVML's used
+   memory before and after, else ``mem_get_info`` after) against the plan's ``runtime``
+   line estimate (:func:`moefit.devices.cuda_runtime_estimate_bytes`).
+
+``--budget-s`` (full mode: 420, leaving the trace and the runtime probe under 8 minutes) stops starting new runs past that time; the record says
 which were skipped. ``docs/validation-gpu.md`` says how to run it on a lent GPU.
 """
 
@@ -69,12 +84,17 @@ QWEN35_SHORT = dict(QWEN35_FULL, vocab_size=512, hidden_size=128, num_hidden_lay
 
 MODES = {
     "full": dict(vram="16GiB", contexts="384K,512K,524K", prefill="24576", prompt="24576", decode="32",
-                 models={"qwen3": QWEN3_FULL, "qwen35": QWEN35_FULL}, budget=450.0),
+                 models={"qwen3": QWEN3_FULL, "qwen35": QWEN35_FULL}, budget=420.0),
     # a device that holds part of the tiny models' experts, so misses run in both policies
     "short": dict(vram="7MiB", contexts="1K,2K", prefill="256", prompt="256", decode="4",
                   models={"qwen3": QWEN3_SHORT, "qwen35": QWEN35_SHORT}, budget=0.0),
 }
 POLICIES = ("cpu", "copy")
+#: the stream trace's run (module docstring, step 4): the qwen3 bf16 checkpoint, misses copied
+#: (full: qwen3 on 1280 MiB keeps 38% of its experts; short: qwen35 keeps 9 of 32 at 1K)
+TRACE = {"full": dict(model="qwen3-bf16", vram="1280MiB", contexts="4K", prefill="2048", prompt="2048",
+                      decode="4"),
+         "short": dict(model="qwen35-bf16", vram="7MiB", contexts="1K", prefill="256", prompt="256", decode="2")}
 
 
 def write_model(family: str, cfg: dict, folder: Path) -> tuple[Path, Path]:
@@ -112,6 +132,138 @@ def bench_args(model: Path, device: str, mode: dict, policy: str, out: Path) -> 
             "--rope-scaling", "yarn", "--rope-scale", "2", "--kv", "int8", "--prefill", mode["prefill"],
             "--prompt-tokens", mode["prompt"], "--decode-tokens", mode["decode"], "--miss-policy", policy,
             "--out", str(out), "--no-progress"]
+
+
+def trace_run(model: Path, device: str, mode_name: str, out: Path) -> dict:
+    """The stream trace (module docstring, step 4): the engine ``moefit bench`` would start
+    for ``model`` with ``--miss-policy copy`` at the trace's context, warmed up by a short
+    prefill, then one prompt's prefill and a few decode steps under ``torch.profiler``
+    (only those: bench's own measurement profiles on the simulated device, and profilers do
+    not nest); the trace in ``out / "trace.json"``. Returns ``{"command", "exit",
+    "seconds", "trace", "summary"}`` (``error`` instead of the trace when it failed)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from moefit.bench.ladder import parse_contexts, prompt_ids
+    from moefit.cli import build_parser
+    from moefit.flags import request_from_args, runnable_device
+    from moefit.ingest.resolve import load_model
+    from moefit.plan.solver import solve
+    from moefit.runtime.engine import Engine, EngineOptions
+
+    mode = dict(MODES[mode_name], **TRACE[mode_name])
+    args = bench_args(model, device, mode, "copy", out / "runs" / "trace")
+    run = {"command": shlex.join(["moefit", *args]) + "  # its engine, profiled", "exit": 1}
+    start = time.perf_counter()
+    try:
+        ns = build_parser().parse_args(args)
+        geom = load_model(str(model))
+        dev = runnable_device(ns)
+        plan = solve(geom, dev, request_from_args(ns, dev).with_(max_context=parse_contexts(mode["contexts"])[0]))
+        engine = Engine.start(model, plan, EngineOptions(progress=False))
+        ids = prompt_ids(geom, int(mode["prompt"]), 0)
+        engine.prefill(ids[:64])                  # warm-up: kernels, first touch of buffers
+        cuda = device.startswith("cuda")
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+        with profile(activities=acts) as prof:
+            logits = engine.prefill(ids)
+            for _ in range(int(mode["decode"])):
+                logits = engine.decode(int(logits.argmax()))
+            if cuda:
+                torch.cuda.synchronize()
+        del engine
+    except Exception as e:         # the record says what failed; the other steps still run
+        run.update(seconds=time.perf_counter() - start, error=f"{type(e).__name__}: {e}")
+        return run
+    trace = out / "trace.json"
+    prof.export_chrome_trace(str(trace))
+    run.update(exit=0, seconds=time.perf_counter() - start, trace=trace.name,
+               summary=trace_summary(json.loads(trace.read_text())))
+    return run
+
+
+def trace_summary(trace: dict) -> dict:
+    """What a Chrome trace of :func:`trace_run` shows: the ``moe L.. copy`` / ``compute``
+    ranges counted; the host-to-device memcpy events (``cat`` ``gpu_memcpy``) with their
+    total time and the part of it during which a kernel (``cat`` ``kernel``) runs on another
+    stream (``args.stream``, else the event's ``tid``), in microseconds. On a CPU device the
+    trace has no GPU events: 0 copies."""
+    events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X"]
+    names = [e.get("name", "") for e in events if e.get("cat") == "user_annotation"]
+    stream = lambda e: (e.get("args") or {}).get("stream", e.get("tid"))   # noqa: E731
+    copies = [e for e in events if e.get("cat") == "gpu_memcpy" and "HtoD" in e.get("name", "")]
+    kernels = sorted((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0)), stream(e))
+                     for e in events if e.get("cat") == "kernel")
+    overlap = 0.0
+    for c in copies:
+        a, b, sc = float(c["ts"]), float(c["ts"]) + float(c.get("dur", 0)), stream(c)
+        spans = sorted((max(a, k0), min(b, k1)) for k0, k1, sk in kernels if sk != sc and k0 < b and k1 > a)
+        end = a
+        for x0, x1 in spans:          # the union of the kernels' spans inside the copy
+            x0 = max(x0, end)
+            if x1 > x0:
+                overlap += x1 - x0
+                end = x1
+    copy_us = sum(float(c.get("dur", 0)) for c in copies)
+    return {"copy_ranges": sum(" copy e" in n for n in names),
+            "compute_ranges": sum(n.endswith(" compute") and n.startswith("moe L") for n in names),
+            "htod_copies": len(copies), "htod_copy_us": copy_us, "htod_overlapped_us": overlap,
+            "htod_overlapped_fraction": overlap / copy_us if copy_us else 0.0,
+            "copy_streams": sorted({str(stream(c)) for c in copies})}
+
+
+#: the fresh process of :func:`runtime_measured` (module docstring, step 5)
+_RUNTIME_PROBE = r'''
+import json, sys, torch
+used0, how = None, "mem_get_info after the context (no NVML before it)"
+try:
+    import pynvml
+    pynvml.nvmlInit()
+    used0 = pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(int(sys.argv[1]))).used
+    how = "NVML used before, mem_get_info after"
+except Exception:
+    pass
+dev = torch.device("cuda", int(sys.argv[1]))
+a = torch.randn(4096, 4096, device=dev, dtype=torch.bfloat16)
+(a @ a).sum().item()
+triton_ran = False
+try:
+    from moefit.runtime.kernels.triton import available
+    if available("cuda"):
+        from moefit.runtime.kernels.triton.gguf import matmul
+        raw = torch.zeros(256 * 8 * 34, dtype=torch.uint8, device=dev)     # Q8_0: 34 bytes per 32
+        matmul(torch.randn(4, 256, device=dev, dtype=torch.bfloat16), raw, "Q8_0", 256, 256)
+        triton_ran = True
+except Exception as e:
+    how += f"; triton kernel not run: {e}"
+torch.cuda.synchronize(dev)
+free, total = torch.cuda.mem_get_info(dev)
+used = total - free
+reserved = torch.cuda.memory_reserved(dev)
+print(json.dumps({"used_before_bytes": used0, "used_after_bytes": used, "reserved_bytes": reserved,
+                  "outside_allocator_bytes": used - (used0 or 0) - reserved, "how": how,
+                  "triton_kernel_ran": triton_ran}))
+'''
+
+
+def runtime_measured(device: str) -> dict:
+    """The CUDA context and library workspaces a fresh process holds (module docstring,
+    step 5) against the ``runtime`` line's estimate; on the simulated device, why not."""
+    from moefit.devices import cuda_runtime_estimate_bytes
+
+    if not device.startswith("cuda"):
+        return {"skipped": "the simulated device has no CUDA context (its runtime line is 0)"}
+    index = device.partition(":")[2] or "0"
+    est = cuda_runtime_estimate_bytes()
+    try:
+        r = subprocess.run([sys.executable, "-c", _RUNTIME_PROBE, index], capture_output=True,
+                           text=True, timeout=180)
+        got = json.loads(r.stdout.strip().splitlines()[-1])
+    except (OSError, subprocess.TimeoutExpired, json.JSONDecodeError, IndexError) as e:
+        return {"estimate_bytes": est, "error": f"{e}; {getattr(locals().get('r'), 'stderr', '')[-2000:]}"}
+    got["estimate_bytes"] = est
+    got["measured_over_estimate"] = got["outside_allocator_bytes"] / est
+    return got
 
 
 def run_bench(args: list[str]) -> tuple[int, str]:
@@ -173,6 +325,22 @@ def write_record(out: Path, record: dict) -> None:
                         f"{format_bytes(rec['free_before_ready_bytes'])} | "
                         f"{'yes' if planned_is_allocated(rec) else 'NO'} | {rec['prefill_tps']:.0f} | "
                         f"{rec['decode_tps']:.1f} | {100 * rec['expert_hit_rate']:.0f}% |")
+    tr = record.get("trace")
+    if tr and "error" in tr:
+        rows += ["", f"Stream trace failed: {tr['error']}"]
+    elif tr:
+        sm = tr["summary"]
+        rows += ["", f"Stream trace (`trace.json`, exit {tr['exit']}): {sm['copy_ranges']} copy ranges, "
+                 f"{sm['compute_ranges']} compute ranges; {sm['htod_copies']} host-to-device copies, "
+                 f"{sm['htod_copy_us'] / 1e3:.1f} ms, {100 * sm['htod_overlapped_fraction']:.0f}% of it "
+                 "overlapped by a kernel on another stream."]
+    rt = record.get("runtime")
+    if rt and "outside_allocator_bytes" in rt:
+        rows += ["", f"Runtime line: {format_bytes(rt['outside_allocator_bytes'])} measured outside the "
+                 f"caching allocator ({rt['how']}) against the estimate {format_bytes(rt['estimate_bytes'])} "
+                 f"({rt['measured_over_estimate']:.2f}x)."]
+    elif rt:
+        rows += ["", f"Runtime line: {rt.get('skipped') or rt.get('error')}."]
     skipped = [r["name"] for r in record["runs"] if r.get("skipped")]
     failed = [f"{r['name']} (exit {r['exit']})" for r in record["runs"] if not ran(r)]
     md = [f"# GPU validation record ({record['mode']} mode, {record['device']})", "",
@@ -210,7 +378,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--models", type=Path, default=None,
                     help="where the random checkpoints and GGUFs go (default OUT/models; kept between runs)")
     ap.add_argument("--budget-s", type=float, default=None,
-                    help="start no run after this many seconds (default: 450 in the full mode, none in the short)")
+                    help="start no run after this many seconds (default: 420 in the full mode, none in the short)")
     ap.add_argument("--llama-bench", default=None, metavar="PATH", help="a CUDA llama-bench to run on each GGUF")
     args = ap.parse_args(argv)
     mode_name = "short" if args.device == "cpu" else "full"
@@ -245,13 +413,22 @@ def main(argv: list[str] | None = None) -> int:
             record["runs"].append(run)
             print(f"{run['name']}: " + ("skipped" if run.get("skipped") else
                                         f"exit {run['exit']}, {run['seconds']:.0f} s"), file=sys.stderr)
+    if budget and time.perf_counter() - t0 > budget:
+        record["trace"] = None
+        print("trace: skipped", file=sys.stderr)
+    else:
+        record["trace"] = trace_run(dict(files)[TRACE[mode_name]["model"]], args.device, mode_name, out)
+        record["commands"].append(record["trace"]["command"])
+        print(f"trace: exit {record['trace']['exit']}, {record['trace']['seconds']:.0f} s", file=sys.stderr)
+    record["runtime"] = runtime_measured(args.device)
     if args.llama_bench:
         record["llama_bench"] = {name: llama_bench(args.llama_bench, path) for name, path in files
                                  if path.suffix == ".gguf"}
     record["seconds"] = time.perf_counter() - t0
     write_record(out, record)
     print(f"wrote {out / 'record.json'}, record.md, record.png ({record['seconds']:.0f} s)", file=sys.stderr)
-    return 0 if all(ran(r) for r in record["runs"]) else 1
+    traced = record["trace"] is None or record["trace"]["exit"] == 0
+    return 0 if traced and all(ran(r) for r in record["runs"]) else 1
 
 
 if __name__ == "__main__":

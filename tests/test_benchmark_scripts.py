@@ -61,3 +61,32 @@ def test_gpu_validate_short_mode_writes_the_record(tmp_path: Path):
     assert all(c.startswith("moefit bench ") and "--rope-scaling yarn --rope-scale 2 --kv int8" in c
                for c in record["commands"])
     assert "| NO |" not in (rec / "record.md").read_text()
+    # the stream trace: the copy path's ranges recorded, per copy and per layer
+    assert (rec / "trace.json").is_file() and record["trace"]["exit"] == 0
+    summary = record["trace"]["summary"]
+    assert summary["copy_ranges"] > 0 and summary["compute_ranges"] > 0 and summary["htod_copies"] == 0
+    assert "skipped" in record["runtime"]
+
+
+def test_trace_summary_counts_the_copy_time_a_kernel_on_another_stream_overlaps():
+    """gpu_validate's overlap against a brute force over 0.25-us steps: kernels on the
+    copy's own stream do not count, overlapping kernels count once."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from gpu_validate import trace_summary
+
+    ev = lambda cat, name, ts, dur, stream: {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur,  # noqa: E731
+                                             "args": {"stream": stream}}
+    copies = [ev("gpu_memcpy", "Memcpy HtoD (Pinned -> Device)", 0, 10, 20),
+              ev("gpu_memcpy", "Memcpy HtoD (Pinned -> Device)", 20, 4, 20)]
+    kernels = [ev("kernel", "k", 2, 2, 7), ev("kernel", "k", 3, 3, 7), ev("kernel", "k", 8, 4, 20),
+               ev("kernel", "k", 23, 5, 7)]
+    notes = [ev("user_annotation", "moe L0 copy e3", 0, 1, 0), ev("user_annotation", "moe L0 compute", 0, 9, 0)]
+    got = trace_summary({"traceEvents": copies + kernels + notes})
+
+    def busy(t, stream):
+        return any(k["ts"] <= t < k["ts"] + k["dur"] and k["args"]["stream"] != stream for k in kernels)
+
+    brute = sum(0.25 for c in copies for i in range(int(c["dur"] * 4))
+                if busy(c["ts"] + i * 0.25, c["args"]["stream"]))
+    assert got["htod_overlapped_us"] == pytest.approx(brute) and got["htod_copy_us"] == 14
+    assert (got["htod_copies"], got["copy_ranges"], got["compute_ranges"]) == (2, 1, 1)
