@@ -101,6 +101,20 @@ def test_an_expert_not_queued_takes_the_buffer_of_the_one_that_runs_last():
     check_schedule(ring.schedule, 2)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_each_expert_reads_its_own_bytes_through_the_events():
+    """The same steps with real streams: 4 MiB blobs from pinned memory, copied on the copy
+    stream while the compute stream reads the buffer before; each read (a clone after the
+    wait) holds its expert's bytes."""
+    host = {k: v.pin_memory() for k, v in blobs(n=1 << 20).items()}
+    ring = ArenaRing([torch.empty(1 << 20, device="cuda") for _ in range(2)], lambda l, e: host[(l, e)])
+    seen = run_step(ring, host, 0, [1, 3, 5, 7], after=(1, [2, 4]))
+    seen += run_step(ring, host, 1, [2, 4, 6])
+    torch.cuda.synchronize()
+    want = [host[(0, e)] for e in (1, 3, 5, 7)] + [host[(1, e)] for e in (2, 4, 6)]
+    assert all(torch.equal(s.cpu(), w) for s, w in zip(seen, want))
+
+
 def copy_engine(tiny, policy):
     if policy == "auto":       # every step copies (crossover 0): residency never changes
         plan = plan_for(tiny, expert_cache=2, miss_policy="auto")

@@ -125,7 +125,9 @@ class ExpertCache:
         self.copying: set[int] = set()
         #: the arena's buffers, filled on a copy stream ahead of the compute
         #: (:mod:`moefit.runtime.moe.streams`)
-        self.ring = ArenaRing(arena, host.blob)
+        #: (not ahead with ``--host-experts mmap``: its misses are gathered into one host
+        #: buffer, which a copy still in flight would see overwritten)
+        self.ring = ArenaRing(arena, host.blob, prefetch=not host.mapped, reused_source=host.mapped)
         #: per layer, the experts its last copied step used (the next layer's prediction)
         self.last_used: dict[int, list[int]] = {}
         moe = sorted(host.experts)

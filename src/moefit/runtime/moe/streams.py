@@ -93,11 +93,14 @@ class ArenaRing:
         blob: ``(layer, expert) -> host blob``, the bytes a buffer receives.
         prefetch: issue copies ahead (steps 2 and 3); without it each miss is copied when
             it runs, still on the copy stream.
+        reused_source: ``blob`` returns one host buffer refilled at each call
+            (``--host-experts mmap``): the host waits for each copy before the next call.
     """
 
     def __init__(self, buffers: list[torch.Tensor], blob: Callable[[int, int], torch.Tensor],
-                 prefetch: bool = True):
+                 prefetch: bool = True, reused_source: bool = False):
         self.buffers, self.blob, self.prefetch = buffers, blob, prefetch
+        self.reused_source = reused_source
         self.streams = Streams(buffers[0].device) if buffers else None
         n = len(buffers)
         self.holder: list[tuple[int, int] | None] = [None] * n
@@ -155,6 +158,8 @@ class ArenaRing:
         src = self.blob(*item)
         with record_function(f"moe L{item[0]} copy e{item[1]}"):
             self.streams.copy_after(self.free[b], self.buffers[b][:src.numel()], src, self.ready[b])
+            if self.reused_source and self.streams.cuda:
+                self.ready[b].synchronize()
         self.holder[b], self.needed[b] = item, True
         self._log("copy", item, b)
 
