@@ -449,3 +449,56 @@ def test_glm_4_5_air_q4_k_m_plans_on_a_16_gb_card_at_32k(tmp_path, monkeypatch):
     monkeypatch.setenv(gpu_kernels.DISABLE_ENV, "1")         # widened to bf16: does not fit
     widened = solve(g, card, Request(max_context=32768))
     assert not widened.fits and widened.devices[0].line("weights").bytes > 12 << 30
+
+
+@pytest.mark.parametrize("mix, unread", [("Q4_K_M", None), ("Q3_K_M", None), ("Q3_K_M", "Q3_K")])
+def test_cuda_stages_no_dequantized_expert_where_the_kernels_read_its_blocks(tmp_path, monkeypatch, mix, unread):
+    """Issue 27: on a CUDA device whose Triton kernels read every expert type (Q4_K_M:
+    Q4_K / Q6_K; Q3_K_M: Q3_K too), the experts run as fused products on their stored
+    blocks, so the prefill line prices neither the dequantized expert matrix of the fixed
+    region nor the torch kernels' scratch; a type they do not read (as the IQ grid types:
+    here Q3_K taken out of the kernels' table) still dequantizes a matrix at a time, priced
+    as before. The same file with the kernels switched off is the reference: the
+    difference is exactly the scratch and the region's growth."""
+    import json
+
+    from moefit.memory import gpu_kernels
+    from moefit.memory.kv import kv_format
+    from moefit.memory.staging import _expert_matrix_bytes, experts_fused, fixed_region_bytes, staging_model
+    from test_engine_llamacpp import header_writer
+
+    monkeypatch.setattr(gpu_kernels, "installed", lambda: True)
+    if unread:
+        monkeypatch.delitem(gpu_kernels.TYPES, unread)
+    fused = unread is None
+    (tmp_path / "config.json").write_text(json.dumps(GLM45_AIR))
+    path = header_writer().write_header_gguf(str(tmp_path / "config.json"), mix, tmp_path / f"air-{mix}.gguf")
+    g = load_model(str(path))
+    fmt = kv_format("bf16")
+    assert experts_fused(g, "cuda") is fused and not experts_fused(g, "cpu")
+    on = staging_model(g, fmt, device_kind="cuda")
+    monkeypatch.setenv(gpu_kernels.DISABLE_ENV, "1")
+    assert not experts_fused(g, "cuda")
+    off = staging_model(g, fmt, device_kind="cuda")
+    act = compute_bytes(g)
+    scratch = expert_dequant_bytes(g, act) - _expert_matrix_bytes(g, act)
+    names = {t[0] for t in on.terms}
+    if not fused:
+        assert on == off and "expert dequantization kernel scratch" in names
+        return
+    assert "expert dequantization kernel scratch" not in names
+    assert on.fixed_bytes == fixed_region_bytes(g, fmt, fused=True) <= off.fixed_bytes   # (tiles dominate here)
+    assert off.const_bytes - on.const_bytes == scratch + (off.fixed_bytes - on.fixed_bytes)
+    assert on.per_token_bytes == off.per_token_bytes
+
+
+def test_gpt_oss_mxfp4_experts_are_fused_on_cuda_and_fp8_experts_are_not(monkeypatch):
+    """gpt-oss's biased MXFP4 experts run on the Triton kernels (biases added after), so
+    they are priced fused; block-scaled fp8 experts have no kernel and stay dequantized a
+    tile at a time."""
+    from moefit.memory import gpu_kernels
+    from moefit.memory.staging import experts_fused
+
+    monkeypatch.setattr(gpu_kernels, "installed", lambda: True)
+    assert experts_fused(load_model("gpt-oss-20b"), "cuda")
+    assert not experts_fused(load_model("DeepSeek-V3"), "cuda")

@@ -55,7 +55,7 @@ import math
 from dataclasses import dataclass
 
 from moefit.ingest.geometry import LayerSpec, ModelGeometry, Routing
-from moefit.memory import cpu_kernels
+from moefit.memory import cpu_kernels, gpu_kernels
 from moefit.memory.kv import KVFormat
 from moefit.memory.layer_kinds import is_kv_b, kind_of
 from moefit.memory.takes import (
@@ -222,8 +222,26 @@ def expert_dequant_bytes(geom: ModelGeometry, act: int, c_kernels: bool = False)
     return dequant
 
 
+def experts_fused(geom: ModelGeometry, device_kind: str) -> bool:
+    """Whether every MoE layer's stored experts run on a device of ``device_kind`` as fused
+    products on their stored blocks, nothing dequantized: a CUDA device where the Triton
+    kernels are expected (:func:`moefit.memory.gpu_kernels.expected`) and read each layer's
+    gate / up (rows of ``hidden`` values) and down (rows of ``expert_intermediate``) types
+    (``moefit.runtime.kernels.quant.StoredExpert.fused``; gpt-oss's biased experts too,
+    their biases added after: ``moefit.runtime.moe.gpt_oss``). Not block-scaled fp8 (no
+    kernel: dequantized a tile at a time), nor a layer whose types are not known."""
+    if not (geom.experts_stored and geom.moe_layers and gpu_kernels.expected(device_kind)):
+        return False
+    if geom.quant.method == "fp8":
+        return False
+    types, h = geom.expert_types, geom.hidden_size
+    return all(len(types.get(l.index, ())) == 3
+               and all(gpu_kernels.supports(t, c) for t, c in zip(types[l.index], (h, h, l.moe.expert_intermediate)))
+               for l in geom.moe_layers)
+
+
 def fixed_region_bytes(geom: ModelGeometry, fmt: KVFormat, q_block: int = ATTN_Q_BLOCK,
-                       kv_block: int = ATTN_KV_BLOCK, slots: int = 1) -> int:
+                       kv_block: int = ATTN_KV_BLOCK, slots: int = 1, fused: bool = False) -> int:
     """Bytes of the fixed region every chunk reserves at the bottom of the workspace (the
     engine reserves exactly this, ``moefit.runtime.model.Model.fixed_bytes``): the largest
     of one layer's token-mixer region (its kind's ``region_bytes``: attention tiles of
@@ -231,7 +249,8 @@ def fixed_region_bytes(geom: ModelGeometry, fmt: KVFormat, q_block: int = ATTN_Q
     the last-token logits of each of the ``slots`` sequences a
     batched step may hold (``[slots, V]`` fp32, and in the compute dtype first unless
     fp32: ``moefit.runtime.model.forward_batch``) and, for stored (GGUF, fp8) experts, one
-    dequantized expert matrix, and with block-scaled fp8 weights the largest of them
+    dequantized expert matrix (none when they are ``fused``: :func:`experts_fused`), and with
+    block-scaled fp8 weights the largest of them
     dequantized (:func:`fp8_dense_tensors`). The layers use it one after another. ``q_block`` /
     ``kv_block`` below the defaults give the smaller region of smaller tiles (the engine's
     ``EngineOptions``)."""
@@ -244,7 +263,7 @@ def fixed_region_bytes(geom: ModelGeometry, fmt: KVFormat, q_block: int = ATTN_Q
         if a not in seen:
             seen[a] = kind_of(a).region_bytes(a, fmt, act, q_block, kv_block)
         fixed = max(fixed, seen[a])
-    if geom.experts_stored:
+    if geom.experts_stored and not fused:
         fixed = max(fixed, span([_expert_matrix_bytes(geom, act)]))
     dense = [t.numel for t in fp8_dense_tensors(geom) if not is_kv_b(t)]
     if dense:       # the largest block-scaled fp8 matrix, dequantized when used
@@ -298,7 +317,9 @@ def staging_model(geom: ModelGeometry, fmt: KVFormat, slots: int = 1,
             every sequence, in the fixed region (:func:`fixed_region_bytes`).
         device_kind: ``cuda`` or ``cpu``: on a CPU device stored experts dequantize
             through the C kernels when they are expected (:mod:`moefit.memory.cpu_kernels`),
-            without the torch kernels' scratch.
+            without the torch kernels' scratch; on a CUDA device where they run as fused
+            Triton products (:func:`experts_fused`) neither the dequantized matrix nor a
+            kernel scratch is priced.
     """
     act = compute_bytes(geom)
     up = 0 if act == FP32 else 1
@@ -312,10 +333,11 @@ def staging_model(geom: ModelGeometry, fmt: KVFormat, slots: int = 1,
              Step("RoPE tables", 0, FP32 + rot * FP32 + up * rot * FP32)]
     for layer in geom.layers:
         steps += [kind_of(layer.attention).step(layer, fmt, act, geom), _mlp_step(layer, geom, act)]
-    fixed = fixed_region_bytes(geom, fmt, slots=slots)
+    fused = experts_fused(geom, device_kind)
+    fixed = fixed_region_bytes(geom, fmt, slots=slots, fused=fused)
     terms_extra: tuple = ()
     scratch = fp8_dense_scratch(geom)
-    if geom.experts_stored:
+    if geom.experts_stored and not fused:
         # quantized experts (GGUF, fp8, gpt-oss's mxfp4): one matrix dequantized at a time into
         # the fixed region; the kernels' fp32 scratch (bounded tiles) is allocated outside the workspace
         c_kernels = cpu_kernels.expected(device_kind)

@@ -30,7 +30,7 @@ from moefit.ingest.geometry import ModelGeometry
 from moefit.memory import host as host_memory
 from moefit.memory.kv import kv_bytes, kv_chunk_pieces, kv_format
 from moefit.memory.runtime import default_reserve_bytes, runtime_bytes
-from moefit.memory.staging import StagingModel, fixed_region_bytes, staging_model
+from moefit.memory.staging import StagingModel, experts_fused, fixed_region_bytes, staging_model
 from moefit.memory.weights import (expert_cache_bytes, expert_slot_bytes, most_slots, spread_slots,
                                    weight_arena_bytes, weights_bytes, weights_detail)
 from moefit.plan import throughput
@@ -95,7 +95,9 @@ def price(geom: ModelGeometry, device: Device, req: Request, context: int,
     if staging is not None and req.slots > 1:
         # a calibration is measured with one sequence: add the logits rows of the others
         # where they enlarge the fixed region (memory.staging.fixed_region_bytes)
-        extra = fixed_region_bytes(geom, fmt, slots=req.slots) - fixed_region_bytes(geom, fmt)
+        fused = experts_fused(geom, device.kind)
+        extra = (fixed_region_bytes(geom, fmt, slots=req.slots, fused=fused)
+                 - fixed_region_bytes(geom, fmt, fused=fused))
         stage = replace(stage, const_bytes=stage.const_bytes + extra)
     slot = expert_slot_bytes(geom)
     margin = default_reserve_bytes(device) if req.reserve_bytes is None else req.reserve_bytes

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from moefit.devices import Device, Host
 from moefit.ingest.geometry import ModelGeometry
 from moefit.memory.kv import KVLayout, kv_format, kv_layout
-from moefit.memory.staging import fixed_region_bytes
+from moefit.memory.staging import experts_fused, fixed_region_bytes
 from moefit.memory.takes import ATTN_KV_BLOCK, ATTN_Q_BLOCK
 from moefit.plan.request import Request
 
@@ -199,7 +199,8 @@ class Plan:
         ``q_block`` x ``kv_block`` tokens (:func:`moefit.memory.staging.fixed_region_bytes`;
         at the default tiles, the region the ``prefill`` line prices)."""
         return fixed_region_bytes(self.geometry, kv_format(self.request.kv), q_block, kv_block,
-                                  self.request.slots)
+                                  self.request.slots,
+                                  fused=experts_fused(self.geometry, self.devices[0].device.kind))
 
 
 def largest_int(ok, lo: int, hi: int) -> int | None:

@@ -39,7 +39,11 @@ Sources of the three layouts a loader reads:
 - GGUF ``gpt-oss`` (``MODEL_TENSORS[GPT_OSS]``): ``ffn_{gate,up}_exps`` ``[E, I, H]``,
   ``ffn_down_exps`` ``[E, H, I]`` in any type, ``ffn_{gate,up,down}_exps.bias``.
 
-Running it: a quantized matrix is multiplied from the stored blocks by the C kernels for
+Running it: a quantized matrix is multiplied from the stored blocks by the Triton kernels
+where they run and read its type (a CUDA device:
+:func:`~moefit.runtime.kernels.quant.stored_kernels_on`; mxfp4 and the GGUF types of
+:data:`moefit.memory.gpu_kernels.TYPES`), the biases added after, nothing dequantized
+(:func:`moefit.memory.staging.experts_fused` then prices no matrix); by the C kernels for
 a few rows (decode, :data:`~moefit.runtime.kernels.quant.StoredMatrix.SMALL_ROWS`), else
 dequantized into one ``[I, H]`` buffer of the staging workspace's fixed region (priced by
 :func:`moefit.memory.staging.fixed_region_bytes` when ``experts_stored``); a float matrix is
@@ -57,7 +61,8 @@ import torch
 from moefit.errors import InputError
 from moefit.ingest.families.gpt_oss import NAMES, checkpoint_experts, mxfp4_to_gguf
 from moefit.runtime.kernels import qmatmul
-from moefit.runtime.kernels.quant import Part, StoredMatrix, row_bytes
+from moefit.memory import gpu_kernels
+from moefit.runtime.kernels.quant import Part, StoredMatrix, row_bytes, stored_kernels_on
 
 #: float ggml types a blob part or bias may have, and their torch dtype
 FLOAT_TYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
@@ -148,6 +153,9 @@ class BiasedExpert:
             if w.dtype != x.dtype:
                 w = w.to(x.dtype)
             return torch.mm(x, w.t(), out=out)
+        if stored_kernels_on(x.device) and gpu_kernels.supports(p.qtype, p.cols):
+            # the Triton kernels on the stored blocks (a CUDA device): nothing dequantized
+            return p.matmul(blob, x if x.stride(-1) == 1 else x.contiguous(), out)
         if (n <= StoredMatrix.SMALL_ROWS and x.device.type == "cpu" and qmatmul.reads(x) and qmatmul.available()
                 and qmatmul.supports(p.qtype, p.cols)):
             xc = x.contiguous()
