@@ -40,7 +40,7 @@ DEVICE = "cpu" if interpreting() else "cuda"
 T = gguf.GGMLQuantizationType
 #: byte offsets of each type's fp16 scales (d, dmin / m) in a block (ggml-common.h)
 SCALES = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "IQ4_NL": (0,),
-          "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+          "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "Q2_K": (80, 82), "Q3_K": (108,), "IQ4_XS": (0,)}
 ROWS = 37
 #: |kernel - reference| / max |reference| over a product; measured <= 5.7e-7 (fp32 sums)
 FP32_BOUND = 1.2e-6
@@ -52,7 +52,7 @@ BF16_BOUND = 1.2e-2
 def cols_of(qtype: str) -> int:
     """Two super-blocks for the K-quants, five blocks (160: not a multiple of the 64-column
     tile) for the others."""
-    return 512 if qtype in ("Q4_K", "Q5_K", "Q6_K") else 160
+    return 512 if qtype in ("Q4_K", "Q5_K", "Q6_K", "Q2_K", "Q3_K", "IQ4_XS") else 160
 
 
 def random_matrix(qtype: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
@@ -85,8 +85,9 @@ def reference(raw: np.ndarray, qtype: str, rows: int, cols: int) -> torch.Tensor
 
 def test_the_kernels_read_the_types_the_planner_keeps_stored():
     """The planner keeps stored on CUDA exactly the types the Triton kernels read
-    (memory.gpu_kernels.TYPES); the runtime's other types (the low-bit K and IQ types)
-    are widened at load and priced so."""
+    (memory.gpu_kernels.TYPES), Q2_K, Q3_K and IQ4_XS included; the runtime's other types
+    (the IQ grid types) are widened at load and priced so."""
+    assert {"Q2_K", "Q3_K", "IQ4_XS"} <= set(tg.TYPES)
     assert set(tg.TYPES) == set(gpu_kernels.TYPES)
     assert set(tg.TYPES) <= set(KERNELS)
     for name, (_, block, size) in tg.TYPES.items():
@@ -151,7 +152,40 @@ def test_bad_sizes_are_refused_naming_the_type():
     raw = torch.zeros(ROWS * 144, dtype=torch.uint8)
     with pytest.raises(ValueError, match="Q4_K"):
         tg.matmul(torch.zeros(1, 256), raw[:-1], "Q4_K", ROWS, 256)
-    with pytest.raises(ValueError, match="IQ4_XS"):
-        tg.matmul(torch.zeros(1, 256), raw, "IQ4_XS", ROWS, 256)
+    with pytest.raises(ValueError, match="IQ2_XXS: the Triton kernels read"):
+        tg.matmul(torch.zeros(1, 256), raw, "IQ2_XXS", ROWS, 256)
     with pytest.raises(ValueError, match="x must be"):
         tg.matmul(torch.zeros(1, 512), raw, "Q4_K", ROWS, 256)
+
+
+def test_gpt_oss_biased_mxfp4_experts_run_on_the_kernels_with_the_biases_added_after(monkeypatch):
+    """A gpt-oss expert (MXFP4 gate / up / down, fp32 biases, the clamped SwiGLU) on a device
+    where the kernels run: its three products through :func:`tg.matmul` on the stored
+    blocks, nothing dequantized, against gguf's dequantization and the SwiGLU of
+    transformers' ``GptOssExperts`` in fp32: measured 7.4e-7 of the largest output (the
+    three products' fp32 sums in another order), bound 1.5e-6."""
+    from moefit.memory.gpu_kernels import KERNELS_ENV
+    from moefit.runtime.moe.gpt_oss import BiasedExpert
+
+    inter, hidden, alpha, limit = 64, 160, 1.702, 7.0
+    be = BiasedExpert.pack(inter, hidden, "F32", "MXFP4", "MXFP4", "MXFP4", alpha, limit)
+    rng = np.random.default_rng(1)
+    bias = rng.standard_normal(2 * inter + hidden).astype(np.float32)
+    parts = [random_matrix("MXFP4", p.rows, p.cols, seed=i) for i, p in enumerate((be.gate, be.up, be.down))]
+    blob = torch.from_numpy(np.concatenate([bias.view(np.uint8)] + parts).copy())
+    assert blob.numel() == be.nbytes
+    x = torch.from_numpy(rng.standard_normal((5, hidden)).astype(np.float32))
+    wg, wu, wd = (reference(r, "MXFP4", p.rows, p.cols) for r, p in zip(parts, (be.gate, be.up, be.down)))
+    bg, bu, bd = (torch.from_numpy(b) for b in (bias[:inter], bias[inter:2 * inter], bias[2 * inter:]))
+    g = (x @ wg.t() + bg).clamp(max=limit)
+    u = (x @ wu.t() + bu).clamp(-limit, limit)
+    want = ((u + 1) * g * torch.sigmoid(alpha * g)) @ wd.t() + bd
+    calls = []
+    real = tg.matmul
+    monkeypatch.setattr(tg, "matmul", lambda xx, raw, q, *a, **kw: calls.append(q) or real(xx, raw, q, *a, **kw))
+    monkeypatch.setattr(gpu_kernels, "installed", lambda: True)
+    if DEVICE == "cpu":
+        monkeypatch.setenv(KERNELS_ENV, "triton")
+    got = be.swiglu(x.to(DEVICE), blob.to(DEVICE)).cpu()
+    assert calls == ["MXFP4"] * 3
+    assert (got - want).abs().max().item() <= 1.5e-6 * want.abs().max().item()

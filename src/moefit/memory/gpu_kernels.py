@@ -30,7 +30,7 @@ from moefit.memory.cpu_kernels import switched_off
 #: (:data:`moefit.ingest.ggml_types.BLOCKS`)
 TYPES: dict[str, tuple[int, int]] = {k: BLOCKS[k] for k in (
     "F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL", "Q4_K", "Q5_K", "Q6_K",
-    "MXFP4")}
+    "MXFP4", "Q2_K", "Q3_K", "IQ4_XS")}
 DISABLE_ENV = "MOEFIT_NO_TRITON"
 #: ``triton``: run the Triton kernels on a CPU device too (needs ``TRITON_INTERPRET=1``)
 KERNELS_ENV = "MOEFIT_KERNELS"

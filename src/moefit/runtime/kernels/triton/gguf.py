@@ -23,8 +23,10 @@ overlap within a block, so they come from the L1 cache.
 counterpart of :func:`moefit.runtime.kernels.quant.dequantize`).
 
 Types (:data:`TYPES`): F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, Q4_K, Q5_K,
-Q6_K, MXFP4: all that :mod:`moefit.runtime.kernels.quant` reads, none by a dequantized copy. Rows
-are a multiple of the type's block (32; 256 for the K-quants). Block sizes are untuned: no
+Q6_K, MXFP4, Q2_K, Q3_K, IQ4_XS: all that :mod:`moefit.runtime.kernels.quant`'s torch kernels
+read, and the three low-bit types it reads through ``gguf``'s reference, none by a
+dequantized copy (the IQ grid types, IQ1 to IQ3, have none: widened at load, or dequantized a
+tile at a time). Rows are a multiple of the type's block (32; 256 for the K-quants and IQ4_XS). Block sizes are untuned: no
 GPU has run these kernels yet; the interpreter (``TRITON_INTERPRET=1``) runs them in the
 tests (``tests/runtime/test_triton_kernels.py``) against ``gguf``'s dequantization and an
 fp32 product. In the interpreter ``tl.dot`` is always fp32 (its bf16 ``dot`` is wrong in
@@ -45,7 +47,8 @@ from moefit.memory.gpu_kernels import interpreting
 #: ggml type -> (the kernels' type code, values per block, bytes per block); the sizes are
 #: :data:`moefit.memory.gpu_kernels.TYPES` (the planner's)
 TYPES: dict[str, tuple[int, int, int]] = {q: (code, *gpu_kernels.TYPES[q]) for code, q in enumerate(
-    ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL", "Q4_K", "Q5_K", "Q6_K", "MXFP4"))}
+    ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL", "Q4_K", "Q5_K", "Q6_K", "MXFP4",
+     "Q2_K", "Q3_K", "IQ4_XS"))}
 _FLOAT_VIEW = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 #: products of at most this many tokens run as register sums, more as ``tl.dot``
 SMALL_T = 8
@@ -94,7 +97,7 @@ def _tile(w, table, rn, kk, RB, N, K, Q: tl.constexpr):
     row = w + rn.to(tl.int64)[:, None] * RB
     if Q <= 2:                                   # F32 / F16 / BF16: plain values
         return tl.load(row + kk[None, :], mask=mask, other=0).to(tl.float32)
-    if Q == 9 or Q == 10 or Q == 11:             # K-quants: 256-value super-blocks
+    if Q == 9 or Q == 10 or Q == 11 or Q >= 13:  # K-quants, IQ4_XS: 256-value super-blocks
         blk = kk // 256
         j = (kk % 256)[None, :]
     else:
@@ -143,6 +146,35 @@ def _tile(w, table, rn, kk, RB, N, K, Q: tl.constexpr):
             q = q | (((_byte(p + 16 + (j % 32), mask) >> sb) & 1) << 4)
         sc, mn = _k4_scale_min(p, sb, mask)
         return (_f16(p, mask) * sc) * q.to(tl.float32) - (_f16(p + 2, mask) * mn)
+    if Q == 13:                                  # Q2_K: 16 scale|min bytes | 64 of 2-bit values | d | dmin
+        p = row + (blk * 84)[None, :]
+        half = j // 128
+        r = j % 128
+        q = (_byte(p + 16 + half * 32 + (r % 32), mask) >> (2 * (r // 32))) & 3
+        sc = _byte(p + j // 16, mask)
+        return (_f16(p + 80, mask) * (sc & 15).to(tl.float32)) * q.to(tl.float32) \
+            - (_f16(p + 82, mask) * (sc >> 4).to(tl.float32))
+    if Q == 14:                                  # Q3_K: 32 high-bit bytes | 64 of 2-bit values | 12 scale bytes | d
+        p = row + (blk * 110)[None, :]
+        half = j // 128
+        r = j % 128
+        lo = (_byte(p + 32 + half * 32 + (r % 32), mask) >> (2 * (r // 32))) & 3
+        hi = (_byte(p + (j % 32), mask) >> (j // 32)) & 1
+        q = lo - 4 * (1 - hi)                    # the offset is 0 where the high bit is set
+        s = j // 16
+        ls = (_byte(p + 96 + (s % 8), mask) >> (4 * (s // 8))) & 15
+        hs = (_byte(p + 104 + (s % 4), mask) >> (2 * (s // 4))) & 3
+        sc = (ls | (hs << 4)) - 32
+        return (_f16(p + 108, mask) * sc.to(tl.float32)) * q.to(tl.float32)
+    if Q == 15:                                  # IQ4_XS: d | u16 high scale bits | 4 low | 128 nibble bytes
+        p = row + (blk * 136)[None, :]
+        sb = j // 32
+        ls = (_byte(p + 4 + sb // 2, mask) >> (4 * (sb % 2))) & 15
+        hs = ((_byte(p + 2, mask) | (_byte(p + 3, mask) << 8)) >> (2 * sb)) & 3
+        sc = (ls | (hs << 4)) - 32
+        b = _byte(p + 8 + sb * 16 + (j % 16), mask)
+        nib = tl.where(j % 32 < 16, b & 15, b >> 4)
+        return (_f16(p, mask) * sc.to(tl.float32)) * tl.load(table + nib)
     # Q6_K: 128 bytes of low nibbles | 64 of high 2-bit pairs | 16 int8 scales | d
     p = row + (blk * 210)[None, :]
     half = j // 128
