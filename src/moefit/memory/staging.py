@@ -10,7 +10,8 @@ It prices exactly what moefit's forward pass takes from the line's one workspace
 1. a *fixed region*, reserved at the bottom for the whole chunk and shared by the layers
    one after another: whatever does not grow with the chunk. Its size is the largest of
    one layer's token-mixer needs, the last-token logits (fp32, and in the compute dtype
-   first unless fp32), and one dequantized expert matrix of a stored (GGUF) format.
+   first unless fp32), and one dequantized expert matrix of a stored (GGUF) format
+   (none on a CUDA device whose Triton kernels read them as stored: :func:`experts_fused`).
    Attention runs over tiles of ``ATTN_Q_BLOCK`` queries x ``ATTN_KV_BLOCK`` cached
    tokens with an online softmax (Milakov & Gimelshein 2018; FlashAttention, Dao et al.
    2022), so its part is one tile whatever the context: the query tile, fp32 running
