@@ -31,6 +31,12 @@ The results do not depend on any of this: an expert computes on the same bytes w
 its copy was issued early or on demand (``prefetch=False``, which :class:`ArenaRing`
 accepts, copies on demand: the tests compare the two token for token).
 
+A step whose misses stay on the host (decode-sized steps under ``auto``, and ``cpu``) runs
+:mod:`moefit.runtime.moe.device`: its rows go to the host and the result comes back on the
+compute stream (each copy follows the product that made its input and precedes the add
+that reads it), and an event lets the host start the misses while the device computes the
+hits; no second stream would let anything start earlier there.
+
 On a device that is not CUDA (the simulated device), :class:`Streams` has no streams: a
 copy is a memory copy done when it returns and the events are nothing, so the same code
 runs with the same order of operations. Either way the order can be recorded
