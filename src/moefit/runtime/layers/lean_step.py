@@ -262,6 +262,8 @@ class LeanStep:
             return "no C kernels"
         if mdl.kv.buffer.device.type != "cpu":
             return "not a CPU device"
+        if mdl.kv.pool is not None:
+            return "a shared KV pool (mf_attn_decode reads each slot's own contiguous cells)"
         if arch.dtype not in _PLAIN or not qmatmul.reads(torch.empty(0, dtype=arch.dtype)):
             return f"compute dtype {arch.dtype} (its activations stay on the torch path, qmatmul.reads)"
         unknown = {f.name for f in fields(Switches) if f.name not in KNOWN_SWITCHES
