@@ -55,9 +55,10 @@ def test_pooled_sequences_match_own_cells(tiny_models, kv):
     for s, ids in enumerate(prompts):
         alone.append(_alone(pooled, ids, s))
         pooled.reset(s)
-    # the reference's decode steps run the C lean step (a pooled cache: the torch path),
-    # which sums in another order: within test_batched_step's bounds
-    _same(alone, ref, KV_TOL[kv])
+    # the same values in other cells, read through the cell table by the torch prefill and
+    # the C decode step (fp8: torch) alike: bit for bit
+    _same(alone, ref, 0.0)
+    assert pooled.model.lean is not None and (pooled.model.lean.why is None or kv == "fp8")
     tokens, logits = _batched(pooled, prompts)
     owned = pooled.model.kv.pool.owned
     assert sorted(b for o in owned for b in o) != [b for o in owned for b in o]   # interleaved

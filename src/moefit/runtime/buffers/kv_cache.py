@@ -18,9 +18,9 @@ position of each slot, so a read or write of positions ``[lo, hi)`` indexes with
 row slice as it is (no index arithmetic, no scratch). A block is the same cell index on
 every pooled layer. Sliding-window rings and recurrent states stay per slot. Paged blocks,
 not a contiguous range per slot: the torch attention already reads cells through an index
-(:meth:`read`), so any cells will do, and no request waits on fragmentation; the C decode
-step (``mf_attn_decode``) addresses ``slot x cells`` and stands aside for a pooled cache
-(:mod:`moefit.runtime.layers.lean_step`).
+(:meth:`read`), and the C decode step (``mf_rope_kv``, ``mf_attn_decode``) reads the same
+table (one more load per position), so any cells will do and no request waits on
+fragmentation.
 
 On a hybrid model the buffer starts with the recurrent and conv state of the Gated
 DeltaNet layers (:class:`~moefit.runtime.buffers.linear_state.LinearStates`, ``self.linear``),
