@@ -109,3 +109,29 @@ def test_plan_shows_the_pool_in_the_kv_line_and_the_json():
 def test_bad_pools_are_named(flags, message):
     code, out, err = _plan("Qwen3-30B-A3B", "--gpu", "RTX 4090", *flags)
     assert code == 2 and message in err and "Traceback" not in err, err
+
+
+def _args(*flags):
+    from moefit.cli import build_parser
+
+    return build_parser().parse_args(["plan", "Qwen3-30B-A3B", "--gpu", "RTX 4090", *flags])
+
+
+def test_serve_defaults_to_four_slots_over_one_context():
+    """``moefit serve`` without --parallel: 4 slots over a pool of the one-slot plan's
+    context, so the KV cells are those of one slot (+ the cell table); --parallel keeps the
+    flags' plan."""
+    from moefit.flags import device_from_args, plan_from_args, serve_default_plan
+    from moefit.ingest.resolve import load_model as load
+
+    g = load("Qwen3-30B-A3B")
+    args = _args("--max-context", "32K")
+    dev = device_from_args(args)
+    one = plan_from_args(g, dev, args)
+    served = serve_default_plan(g, dev, args, one)
+    assert (one.request.slots, one.pool_cells) == (1, None)
+    assert (served.request.slots, served.pool_cells, served.context) == (4, 32768, 32768)
+    assert served.devices[0].line("kv").bytes == one.devices[0].line("kv").bytes + 4 * 32768 * 8
+    assert any("4 slots over one KV pool of 32768 cells" in n for n in served.notes)
+    pinned = _args("--max-context", "32K", "--parallel", "1")
+    assert serve_default_plan(g, dev, pinned, one) is one

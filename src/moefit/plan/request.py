@@ -73,6 +73,16 @@ class Request:
         return replace(self, **changes)
 
 
+#: ``moefit serve`` without ``--parallel`` or ``--kv-pool``: this many slots over one KV pool
+#: of one context (``--max-context``'s cells: the KV cells one slot held before), so a
+#: second client does not wait behind the first; the one-slot plan where this one does not
+#: fit (:func:`moefit.flags.solve.serve_default_plan`). Four, as llama-server's default
+#: (``-np -1`` = auto: 4 slots sharing one unified KV cache of ``-c`` cells, ``-kvu``;
+#: ggml-org/llama.cpp pull 16736, "By default, start the server using 4 slots and unified
+#: KV cache").
+DEFAULT_SERVE_SLOTS = 4
+
+
 def default_miss_policy(device_kind: str) -> str:
     """The ``--miss-policy`` of a plan that names none: ``auto`` on a CUDA device (a step
     copies its misses when the speed model predicts that faster, :mod:`moefit.plan.speed`,
