@@ -153,7 +153,8 @@ def ready_line(engine, url: str | None = None) -> str:
     if host is not None and host.capacity is not None:
         size = size_format(host.total)
         free.append(f"{size(host.free_bytes())} of {size(host.total)} on the host")
-    line = (f"READY  context {plan.context} tokens x {n} sequence{'s' if n != 1 else ''}, "
+    pool = f" sharing a KV pool of {plan.pool_cells} cells" if plan.pool_cells is not None else ""
+    line = (f"READY  context {plan.context} tokens x {n} sequence{'s' if n != 1 else ''}{pool}, "
             f"chunk {engine.chunk} tokens, expert slots {slots} of {plan.total_experts}, "
             f"free {', '.join(free)}")
     return f"{line}, serving {url}" if url else line
