@@ -323,7 +323,7 @@ class Scheduler:
             self.active[job.slot] = None
             pool = self.engine.model.kv.pool
             if pool is not None:        # keep only the blocks of what the slot holds (reuse)
-                pool.fit(job.slot, len(self.held[job.slot]))
+                pool.fit(job.slot, len(self.held[job.slot]) if self.reuse else 0)
         job.done = True
 
     def _ended(self, job: Job) -> None:
