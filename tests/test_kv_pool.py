@@ -135,3 +135,15 @@ def test_serve_defaults_to_four_slots_over_one_context():
     assert any("4 slots over one KV pool of 32768 cells" in n for n in served.notes)
     pinned = _args("--max-context", "32K", "--parallel", "1")
     assert serve_default_plan(g, dev, pinned, one) is one
+
+
+def test_decode_is_predicted_at_half_each_sequences_share_of_the_pool():
+    """Four busy slots over 65536 cells hold 16384 tokens each at most: decode is priced at
+    half of that (8192), as four own contexts of 32768 are priced at half a context."""
+    def decode(*flags):
+        code, out, _ = _plan("Qwen3-30B-A3B", "--gpu", "RTX 4090", "--max-context", "32K",
+                             "--parallel", "4", "--json", *flags)
+        return json.loads(out)["speed"]["decode"]["position"]
+
+    assert decode() == 16384
+    assert decode("--kv-pool", "64K") == 8192
