@@ -92,3 +92,19 @@ def test_pool_hands_out_blocks_and_takes_them_back(tiny_models):
     assert pool.used_cells() == POOL_BLOCK
     eng.reset(1)
     assert pool.used_cells() == 0 and len(pool.free) == pool.cells // POOL_BLOCK
+
+
+def test_pooled_gpt_oss_keeps_its_sliding_rings_per_slot(tmp_path):
+    """gpt-oss (sliding window 8, sinks): the full layers' cells in the pool, the sliding
+    layers' rings per slot; the 21-token prompt runs past the window."""
+    from gpt_oss import make_gpt_oss
+
+    tiny = make_gpt_oss(tmp_path)
+    vocab = tiny.geom.vocab_size
+    prompts = [prompt(vocab, n=n, seed=seed) for n, seed in PROMPTS]
+    own = _engine(tiny, None)
+    ref = [_alone(own, ids, s) for s, ids in enumerate(prompts)]
+    pooled = _engine(tiny, 2 * CONTEXT)
+    assert {lc.pooled for lc in pooled.model.kv.layers.values()} == {True, False}
+    tokens, logits = _batched(pooled, prompts)
+    _same(list(zip(tokens, logits)), ref, TOL)
