@@ -108,3 +108,18 @@ def test_pooled_gpt_oss_keeps_its_sliding_rings_per_slot(tmp_path):
     assert {lc.pooled for lc in pooled.model.kv.layers.values()} == {True, False}
     tokens, logits = _batched(pooled, prompts)
     _same(list(zip(tokens, logits)), ref, TOL)
+
+
+def test_pooled_mla_latent_rows_match_own_cells(tmp_path):
+    """DeepSeek-V2's MLA: one latent row per token, from the pool."""
+    from mla_models import make_mla
+
+    tiny = make_mla("deepseek_v2", tmp_path)
+    vocab = tiny.geom.vocab_size
+    prompts = [prompt(vocab, n=n, seed=seed) for n, seed in PROMPTS]
+    own = _engine(tiny, None)
+    ref = [_alone(own, ids, s) for s, ids in enumerate(prompts)]
+    pooled = _engine(tiny, 2 * CONTEXT)
+    assert all(lc.pooled and lc.latent for lc in pooled.model.kv.layers.values())
+    tokens, logits = _batched(pooled, prompts)
+    _same(list(zip(tokens, logits)), ref, TOL)
