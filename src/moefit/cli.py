@@ -220,7 +220,7 @@ def _print_engine_plan(args: argparse.Namespace, plan, document, text, verbose) 
 def _verbose(plan) -> str:
     g, r = plan.geometry, plan.request
     fmt = kv_format(r.kv)
-    kv = kv_bytes(g, fmt, plan.context, r.slots, plan.prefill_selected)
+    kv = kv_bytes(g, fmt, plan.context, r.slots, plan.prefill_selected, plan.pool_cells)
     st = staging_model(g, fmt, r.slots, plan.devices[0].device.kind)
     staged = plan.devices[0].line("prefill")
     if staged.detail.endswith("(calibrated)"):

@@ -65,7 +65,9 @@ def moefit(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_budget_ordering_gives_the_chunk_and_shrinks_the_expert_cache(tiny, tmp_path):
-    planned = moefit("plan", str(tiny.path), *BASE, "--vram", "6600000", "--prefill", "512", "--json")
+    # serve's default: 4 slots over a KV pool of one context (docs/serve.md)
+    planned = moefit("plan", str(tiny.path), *BASE, "--vram", "6600000", "--prefill", "512",
+                     "--parallel", "4", "--kv-pool", "1024", "--json")
     assert planned.returncode == 0, planned.stderr
     plan = json.loads(planned.stdout)
     with serve(tiny, tmp_path, *FITS_512) as srv:

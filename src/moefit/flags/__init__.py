@@ -39,7 +39,8 @@ from moefit.flags.groups import (ENGINES, PARALLEL_FLAGS, add_device_flags, add_
 from moefit.flags.request import (max_context_of, mib_bytes, prefill_min_of, request_from_args,
                                   reserve_bytes_of, slots_of, wants_max_context, yarn_orig_ctx_of)
 from moefit.flags.solve import (MAX_CONTEXT_CHUNK, calibrated_staging, host_speed_from_args,
-                                max_context_chunk, plan_from_args, speed_from_args)
+                                max_context_chunk, plan_from_args, serve_default_plan,
+                                speed_from_args)
 
 __all__ = ["ENGINES", "HOST_RAM_ENV", "MAX_CONTEXT_CHUNK", "PARALLEL_FLAGS", "add_device_flags",
            "add_engine_flags", "add_model_argument", "add_model_files_flags", "add_plan_flags",
@@ -49,5 +50,5 @@ __all__ = ["ENGINES", "HOST_RAM_ENV", "MAX_CONTEXT_CHUNK", "PARALLEL_FLAGS", "ad
            "llama_ftype", "llama_request_from_args", "llama_ubatch", "llamacpp_speed_from_args",
            "max_context_chunk", "max_context_of", "mib_bytes", "normalize_argv", "plan_from_args",
            "prefill_min_of", "request_from_args", "reserve_bytes_of", "runnable_device",
-           "runnable_devices", "serve_request_from_args", "slots_of", "speed_from_args",
+           "runnable_devices", "serve_default_plan", "serve_request_from_args", "slots_of", "speed_from_args",
            "wants_max_context", "warn", "yarn_orig_ctx_of"]

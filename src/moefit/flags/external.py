@@ -86,6 +86,9 @@ def llama_request_from_args(geom: ModelGeometry, args: argparse.Namespace) -> "L
         raise InputError("--expert-cache / --min-expert-cache / --miss-policy / --arena-slots are "
                          "moefit runtime flags; with --engine llama.cpp the experts kept on the "
                          "CPU are chosen as --n-cpu-moe")
+    if getattr(args, "kv_pool", None):
+        raise InputError("--kv-pool is a moefit runtime flag; llama.cpp's shared KV is its "
+                         "-kvu (one -c of cells for all --parallel sequences)")
     mode = getattr(args, "load_mode", None) or "mmap"
     if mode not in LLAMA_LOAD_MODES:
         raise InputError(f"--load-mode {mode!r}: use one of {', '.join(LLAMA_LOAD_MODES)} (llama-server's -lm)")
@@ -221,6 +224,9 @@ def serve_request_from_args(geom: ModelGeometry, args: argparse.Namespace) -> "S
             or args.miss_policy not in (None, "cpu") or args.arena_slots is not None):
         raise InputError(f"--expert-cache / --min-expert-cache / --miss-policy / --arena-slots are "
                          f"moefit runtime flags; --engine {engine} keeps every expert on the GPUs")
+    if getattr(args, "kv_pool", None):
+        raise InputError(f"--kv-pool is a moefit runtime flag; --engine {engine} pages its own "
+                         "KV cache over the memory left")
     if wants_max_context(args):
         raise InputError(f"--max-context max is not planned with --engine {engine}; give a number "
                          "of tokens (e.g. --max-context 128K): a plan that does not fit names the "

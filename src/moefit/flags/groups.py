@@ -56,6 +56,10 @@ def add_request_flags(p: argparse.ArgumentParser) -> None:
     req.add_argument("--parallel", "--slots", dest="slots", type=int, default=None, metavar="N",
                      help="concurrent sequences, each with its own KV cache (default 1; "
                           "--slots is the old name)")
+    req.add_argument("--kv-pool", default=None, metavar="TOKENS",
+                     help="one KV pool of TOKENS cells shared by the --parallel slots, each "
+                          "sequence up to --max-context (K/M suffixes; default: each slot "
+                          "owns --max-context cells)")
     req.add_argument("--kv", default=None,
                      help=f"KV format: {', '.join(KV_FORMATS)} (default bf16; with --engine "
                           "llama.cpp its own default, f16); llama.cpp's q8_0, q4_0, f16 are "

@@ -32,7 +32,7 @@ def request_from_args(args: argparse.Namespace, device: Device | None = None) ->
                              "number of expert slots") from None
     return Request(
         max_context=max_context_of(args.max_context),
-        slots=slots_of(args), kv=kv_name("bf16" if args.kv is None else args.kv), prefill_mode=mode, prefill_tokens=tokens,
+        slots=slots_of(args), kv_pool=kv_pool_of(args), kv=kv_name("bf16" if args.kv is None else args.kv), prefill_mode=mode, prefill_tokens=tokens,
         prefill_min=prefill_min_of(args), strict=args.strict, reserve_bytes=reserve_bytes_of(args),
         expert_cache=expert_cache, min_expert_cache=args.min_expert_cache,
         rope_scaling=args.rope_scaling, rope_scale=args.rope_scale,
@@ -70,6 +70,19 @@ def prefill_min_of(args: argparse.Namespace) -> int:
     given."""
     value = getattr(args, "prefill_min", None)
     return DEFAULT_PREFILL_MIN if value is None else value
+
+
+def kv_pool_of(args: argparse.Namespace) -> int | None:
+    """``--kv-pool``: tokens of the KV pool the slots share (K/M suffixes), None when not
+    given. Raises InputError, also with ``--max-context max`` (a pool fixes the KV line, so
+    there is no largest context to search for)."""
+    text = getattr(args, "kv_pool", None)
+    if not text:
+        return None
+    if wants_max_context(args):
+        raise InputError(f"--kv-pool {text} fixes the KV cache's size; give --max-context N "
+                         "(each sequence's limit) instead of max")
+    return parse_count(text, "--kv-pool")
 
 
 def slots_of(args: argparse.Namespace) -> int:

@@ -20,7 +20,7 @@ from moefit.ingest.inputs import read_routing_profile
 from moefit.memory import calibration
 from moefit.memory.staging import StagingModel
 from moefit.plan.alternatives import SMALLEST_CONTEXT, largest_context
-from moefit.plan.request import CHUNK_GRID, Request, context_limit
+from moefit.plan.request import CHUNK_GRID, DEFAULT_SERVE_SLOTS, Request, context_limit
 from moefit.plan.solver import solve
 from moefit.plan.speed import Speed, plan_crossovers, predict_plan
 from moefit.plan.throughput import DEFAULT_DECODE_TOKENS, Workload, alternative_request, rank_alternatives
@@ -62,6 +62,24 @@ def plan_from_args(geom: ModelGeometry, device: "Device | tuple[Device, ...]",
         cross = plan_crossovers(plan, host_speed_from_args(args, devices))
         plan = replace(plan, miss_crossover=tuple(sorted(cross.items())))
     return plan
+
+
+def serve_default_plan(geom: ModelGeometry, device: "Device | tuple[Device, ...]",
+                       args: argparse.Namespace, plan: Plan) -> Plan:
+    """``moefit serve``'s plan: ``plan`` (the flags' own) when ``--parallel`` or ``--kv-pool``
+    was given or it does not fit; else :data:`~moefit.plan.request.DEFAULT_SERVE_SLOTS`
+    slots over one pool of ``plan.context`` cells (each sequence up to that context), solved
+    for the same flags, when it fits, with a note saying so; else ``plan``."""
+    if args.slots is not None or getattr(args, "kv_pool", None) or not plan.fits:
+        return plan
+    ctx = str(plan.context)
+    pooled = plan_from_args(geom, device, argparse.Namespace(**{
+        **vars(args), "slots": DEFAULT_SERVE_SLOTS, "kv_pool": ctx, "max_context": ctx}))
+    if not pooled.fits:
+        return plan
+    note = (f"serve: {DEFAULT_SERVE_SLOTS} slots over one KV pool of {plan.context} cells (one "
+            f"context, shared; --parallel 1 for a single slot)")
+    return replace(pooled, notes=(*pooled.notes, note))
 
 
 #: the prefill chunk ``--max-context max`` keeps with ``--prefill auto`` (tokens): a default,

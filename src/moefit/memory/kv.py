@@ -45,6 +45,16 @@ chunk of ``chunk`` tokens:
    ``modeling_qwen3_next.py``: ``recurrent_state``, ``conv_state``; the conv only needs the
    last ``kernel - 1`` inputs). Independent of context.
 
+A shared KV pool (``--kv-pool TOKENS``, :func:`pool_cells`): the full-attention and MLA
+layers (the ones whose cells grow with the context) hold ``pool`` cells shared by the
+slots instead of ``context`` cells each, taken in blocks of :data:`POOL_BLOCK` tokens as a
+sequence needs them (vLLM's paged KV cache, Kwon et al. 2023, arXiv:2309.06180; llama.cpp's
+unified KV ``-kvu``), each sequence still up to ``context`` tokens. Where each position of a
+slot lives is a cell table of ``slots x context`` int64 cell indices at the start of the
+line (:data:`CELL_INDEX_BYTES` each), so a read or write indexes the table's row slice
+directly. Sliding-window rings and recurrent states stay per slot: they are a few windows'
+worth, not a context's.
+
 The runtime allocates the line as one buffer and views it by :func:`kv_layout` (offsets
 and row bytes from the formulas above; the runtime computes none of its own), as vLLM's
 ``kv_cache_interface.py`` puts the page size on its spec classes and the worker allocates
@@ -211,6 +221,37 @@ def linear_state_split(att: AttentionSpec, dtype_bytes: int) -> tuple[int, int]:
     return kind_of(att).state_split(att, dtype_bytes)
 
 
+#: Tokens per block of the shared KV pool (vLLM's default ``block_size``, 16).
+POOL_BLOCK = 16
+
+#: Bytes of one entry of the pool's cell table (an int64 cell index, what ``index_select``
+#: takes).
+CELL_INDEX_BYTES = INT64
+
+
+def pool_cells(context: int, slots: int, pool: int | None) -> int | None:
+    """Cells of the shared KV pool for ``pool`` tokens asked (``--kv-pool``), ``slots``
+    sequences of at most ``context`` tokens: at most ``slots x context`` (more would never
+    be used), rounded up to whole :data:`POOL_BLOCK` blocks; None without a pool (every slot
+    owns ``context`` cells). Raises InputError when the pool cannot hold one sequence of
+    ``context`` tokens."""
+    if pool is None:
+        return None
+    if pool < context:
+        raise InputError(f"--kv-pool {pool} is smaller than one sequence (--max-context "
+                         f"{context}); give a pool of at least {context} tokens or lower "
+                         "--max-context")
+    cells = min(pool, slots * context)
+    return -(-cells // POOL_BLOCK) * POOL_BLOCK
+
+
+def pooled(att: AttentionSpec) -> bool:
+    """The layer's cells come from the shared pool: it keeps per-token cells for the whole
+    context (full attention, MLA), not a window's ring or a recurrent state."""
+    kind = kind_of(att)
+    return bool(kind.cells) and kind.window(att) is None
+
+
 def layer_cells(att: AttentionSpec, context: int, chunk: int) -> int:
     """Cells (tokens) one sequence keeps in this layer (its kind's
     :meth:`~moefit.memory.layer_kinds.LayerKind.cell_count`); 0 for linear attention."""
@@ -230,10 +271,11 @@ class KVBudget:
     state_bytes: int         # linear-attention recurrent + conv state
     cache_layers: int
     total_layers: int
+    table_bytes: int = 0     # the shared pool's cell table (0 without a pool)
 
 
 def kv_bytes(geom: ModelGeometry, fmt: KVFormat, context: int, slots: int,
-             chunk: int) -> KVBudget:
+             chunk: int, pool: int | None = None) -> KVBudget:
     """Size the ``kv`` line for ``context`` tokens x ``slots`` sequences.
 
     Args:
@@ -242,6 +284,9 @@ def kv_bytes(geom: ModelGeometry, fmt: KVFormat, context: int, slots: int,
         context: cells per sequence on full-attention and MLA layers (tokens).
         slots: concurrent sequences.
         chunk: prefill chunk (tokens); only sliding-window and chunked layers depend on it.
+        pool: cells of a shared pool (:func:`pool_cells`, already rounded), None for none:
+            the pooled layers then hold ``pool`` cells in all, plus the cell table
+            (``slots x context x`` :data:`CELL_INDEX_BYTES`, ``table_bytes``).
 
     Returns the byte split; ``.bytes`` is the line.
     """
@@ -253,12 +298,14 @@ def kv_bytes(geom: ModelGeometry, fmt: KVFormat, context: int, slots: int,
         state += slots * sum(kind.state_split(att, geom.dtype_bytes))
         if kind.cells:
             cache_layers += 1
-            cells += slots * kind.cell_count(att, context, chunk) * cell_bytes(att, fmt)
-    return KVBudget(cells + state, cells, state, cache_layers, geom.num_layers)
+            n = pool if pool is not None and pooled(att) else slots * kind.cell_count(att, context, chunk)
+            cells += n * cell_bytes(att, fmt)
+    table = slots * context * CELL_INDEX_BYTES if pool is not None else 0
+    return KVBudget(cells + state + table, cells, state, cache_layers, geom.num_layers, table)
 
 
 def kv_chunk_pieces(geom: ModelGeometry, fmt: KVFormat, context: int,
-                    slots: int) -> list[tuple[int, int]]:
+                    slots: int, pool: int | None = None) -> list[tuple[int, int]]:
     """The ``kv`` line as a function of the chunk ``c``: ``min`` over affine pieces.
 
     Returns ``[(a, b), ...]`` such that ``kv_bytes(..., chunk=c).bytes == min(a + b*c)``
@@ -267,7 +314,7 @@ def kv_chunk_pieces(geom: ModelGeometry, fmt: KVFormat, context: int,
     shipped families, two pieces suffice (window saturated or not). Layers with
     different windows are handled exactly by taking one piece per breakpoint order.
     """
-    base = kv_bytes(geom, fmt, context, slots, chunk=0).bytes
+    base = kv_bytes(geom, fmt, context, slots, chunk=0, pool=pool).bytes
     windows_of = [(kind_of(l.attention).window(l.attention), l.attention) for l in geom.layers]
     sliding = [(w, slots * cell_bytes(a, fmt)) for w, a in windows_of if w is not None]
     if not sliding:
@@ -320,7 +367,8 @@ class CellLayout:
     """One attention layer's cells in the ``kv`` buffer (byte offsets, bytes).
 
     K cells ``[slots, cells, kv_heads, k_row]`` uint8 at ``k_offset``, V cells
-    ``[slots, cells, kv_heads, v_row]`` at ``v_offset``. ``window``: the
+    ``[slots, cells, kv_heads, v_row]`` at ``v_offset``; a ``pooled`` layer's are
+    ``[cells, kv_heads, *_row]``, ``cells`` the pool's (:func:`pooled`). ``window``: the
     sliding window (tokens) of a sliding layer, else None; ``cells``: :func:`layer_cells`.
     An MLA layer (``latent``) has one K cell per token, the latent and the RoPE key
     (:func:`cell_dims`), and no V cells (``v_dim`` and ``v_row`` 0).
@@ -336,6 +384,7 @@ class CellLayout:
     v_row: int
     k_offset: int
     v_offset: int
+    pooled: bool = False
 
     @property
     def latent(self) -> bool:
@@ -350,6 +399,8 @@ class KVLayout:
     recurrent states in layer order, then all conv states: the fp32 states at offset 0
     keep every view aligned), then each full / sliding layer's K then V cells. ``bytes`` equals :func:`kv_bytes` ``.bytes`` (a test checks it).
     ``context``, ``slots``, ``chunk``: what it was carved for (tokens, sequences, tokens).
+    ``pool``: the shared pool's cells (None: none); then the line starts with the cell table
+    ``[slots, context]`` int64 (offset 0, aligned for every view after it).
     """
 
     bytes: int
@@ -359,6 +410,7 @@ class KVLayout:
     chunk: int
     linear: tuple[LinearStateLayout, ...]
     layers: tuple[CellLayout, ...]
+    pool: int | None = None
 
 
 def cell_dims(att: AttentionSpec) -> tuple[int, int, int]:
@@ -370,13 +422,14 @@ def cell_dims(att: AttentionSpec) -> tuple[int, int, int]:
 
 
 def kv_layout(geom: ModelGeometry, fmt: KVFormat, context: int, slots: int,
-              chunk: int) -> KVLayout:
+              chunk: int, pool: int | None = None) -> KVLayout:
     """Carve the ``kv`` line for ``context`` tokens x ``slots`` sequences and a prefill
     chunk of ``chunk`` tokens into per-layer views (byte offsets); the runtime
     (``moefit.runtime.buffers.kv_cache.KVCache``) allocates ``.bytes`` and views these offsets.
-    MLA layers hold one latent row per token (:func:`cell_dims`).
+    MLA layers hold one latent row per token (:func:`cell_dims`). ``pool``: the shared
+    pool's cells (:func:`pool_cells`), None for none.
     """
-    off = 0
+    off = 0 if pool is None else slots * context * CELL_INDEX_BYTES
     recurrent: list[tuple] = []
     for l in geom.layers:
         a = l.attention
@@ -399,14 +452,15 @@ def kv_layout(geom: ModelGeometry, fmt: KVFormat, context: int, slots: int,
     layers = []
     for l in cache:
         a = l.attention
-        cells = layer_cells(a, context, chunk)
+        shared = pool is not None and pooled(a)
+        cells, rows = (pool, 1) if shared else (layer_cells(a, context, chunk), slots)
         heads, k_dim, v_dim = cell_dims(a)
         kb, vb = fmt.k_bytes(k_dim), fmt.v_bytes(v_dim) if v_dim else 0
         k_off = off
-        off += slots * cells * heads * kb
+        off += rows * cells * heads * kb
         v_off = off
-        off += slots * cells * heads * vb
+        off += rows * cells * heads * vb
         layers.append(CellLayout(
             l.index, cells, kind_of(a).masked_window(a), heads,
-            k_dim, v_dim, kb, vb, k_off, v_off))
-    return KVLayout(off, fmt, context, slots, chunk, tuple(linear), tuple(layers))
+            k_dim, v_dim, kb, vb, k_off, v_off, shared))
+    return KVLayout(off, fmt, context, slots, chunk, tuple(linear), tuple(layers), pool)

@@ -28,7 +28,7 @@ from moefit.devices import Device
 from moefit.errors import InputError
 from moefit.ingest.geometry import ModelGeometry
 from moefit.memory import host as host_memory
-from moefit.memory.kv import kv_bytes, kv_chunk_pieces, kv_format
+from moefit.memory.kv import kv_bytes, kv_chunk_pieces, kv_format, pool_cells
 from moefit.memory.runtime import default_reserve_bytes, runtime_bytes
 from moefit.memory.staging import StagingModel, experts_fused, fixed_region_bytes, staging_model
 from moefit.memory.weights import (expert_cache_bytes, expert_slot_bytes, most_slots, spread_slots,
@@ -111,7 +111,8 @@ def price(geom: ModelGeometry, device: Device, req: Request, context: int,
         slot_bytes=slot,
         staging_const=stage.const_bytes,
         staging_per_token=stage.per_token_bytes,
-        kv_pieces=tuple(kv_chunk_pieces(geom, fmt, context, req.slots)),
+        kv_pieces=tuple(kv_chunk_pieces(geom, fmt, context, req.slots,
+                                        pool_cells(context, req.slots, req.kv_pool))),
         staging_calibrated=stage.calibrated,
     )
 
@@ -277,10 +278,12 @@ def device_lines(geom: ModelGeometry, device: Device, req: Request, context: int
         experts_bytes = sum(n * blobs[l] for l, n in counts)
     else:
         experts_bytes = expert_cache_bytes(geom, slots)
-    kv = kv_bytes(geom, fmt, context, req.slots, chunk)
+    pool = pool_cells(context, req.slots, req.kv_pool)
+    kv = kv_bytes(geom, fmt, context, req.slots, chunk, pool)
     seq_word = "sequence" if req.slots == 1 else "sequences"
-    kv_detail = (f"{_tokens(context)} x {req.slots} {seq_word}, {fmt.name}, "
-                 f"{kv.cache_layers} of {kv.total_layers} layers")
+    kv_detail = (f"{_tokens(context)} x {req.slots} {seq_word}" if pool is None else
+                 f"{pool} cells shared by {req.slots} slots, each up to {_tokens(context)}")
+    kv_detail += f", {fmt.name}, {kv.cache_layers} of {kv.total_layers} layers"
     if kv.state_bytes:
         kv_detail += f" (+ recurrent state of {kv.total_layers - kv.cache_layers})"
     arena_detail = ("misses computed on the CPU" if req.miss_policy == "cpu" or not priced.arena

@@ -7,6 +7,7 @@ JSON document (sizes are integer bytes, lengths integer tokens)::
       "fits": true,
       "model": {"name", "model_type", "total_params", "active_params", "source"},
       "context": 524288, "slots": 1, "kv": "int8",
+      "kv_pool": {"cells", "slots", "context"},   # only with --kv-pool
       "split": "single",                          # or "experts", "layers" (several devices)
       "devices": [{"name", "description", "kind", "role", "layers",   # commit order
                    "capacity_bytes", "free_bytes",
@@ -283,6 +284,8 @@ def plan_document(plan: Plan, speed=None, alt_speeds=()) -> dict:
         "notes": list(plan.notes),
         "speed": speed_document(speed),
     }
+    if plan.pool_cells is not None:       # --kv-pool: cells shared by the slots
+        doc["kv_pool"] = {"cells": plan.pool_cells, "slots": r.slots, "context": plan.context}
     if not plan.fits:
         doc["shortfall_bytes"] = plan.shortfall_bytes
         doc["short_on"] = plan.short_on

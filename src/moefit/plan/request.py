@@ -40,11 +40,14 @@ class Request:
     ``fixed`` (``prefill_tokens`` requested, clamped unless ``strict``).
     ``reserve_bytes``: the ``margin`` line; None means the default policy.
     ``slots``: concurrent sequences (``--parallel``, old name ``--slots``).
+    ``kv_pool``: tokens of a KV pool shared by the slots (``--kv-pool``; None: each slot
+    owns ``max_context`` cells; :func:`moefit.memory.kv.pool_cells`).
     ``expert_cache``: None for ``auto``; N pins the cache at N expert slots.
     """
 
     max_context: int | None = None
     slots: int = 1
+    kv_pool: int | None = None
     kv: str = "bf16"
     prefill_mode: Literal["auto", "fixed"] = "auto"
     prefill_tokens: int = DEFAULT_PREFILL_CEILING
@@ -68,6 +71,16 @@ class Request:
 
     def with_(self, **changes) -> "Request":
         return replace(self, **changes)
+
+
+#: ``moefit serve`` without ``--parallel`` or ``--kv-pool``: this many slots over one KV pool
+#: of one context (``--max-context``'s cells: the KV cells one slot held before), so a
+#: second client does not wait behind the first; the one-slot plan where this one does not
+#: fit (:func:`moefit.flags.solve.serve_default_plan`). Four, as llama-server's default
+#: (``-np -1`` = auto: 4 slots sharing one unified KV cache of ``-c`` cells, ``-kvu``;
+#: ggml-org/llama.cpp pull 16736, "By default, start the server using 4 slots and unified
+#: KV cache").
+DEFAULT_SERVE_SLOTS = 4
 
 
 def default_miss_policy(device_kind: str) -> str:
@@ -108,6 +121,8 @@ def validate(req: Request) -> None:
     kv_format(req.kv)
     if req.slots < 1:
         raise InputError(f"--parallel {req.slots}: need at least 1 concurrent sequence")
+    if req.kv_pool is not None and req.kv_pool < 1:
+        raise InputError(f"--kv-pool {req.kv_pool}: must be a positive token count")
     if req.max_context is not None and req.max_context < 1:
         raise InputError(f"--max-context {req.max_context}: must be a positive token count")
     if req.prefill_min < CHUNK_GRID or req.prefill_min % CHUNK_GRID:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 from moefit.devices import Device
 from moefit.ingest.geometry import ModelGeometry
 from moefit.memory import host as host_memory
-from moefit.memory.kv import kv_chunk_pieces, kv_format
+from moefit.memory.kv import kv_chunk_pieces, kv_format, pool_cells
 from moefit.memory.runtime import default_reserve_bytes, runtime_bytes
 from moefit.memory.staging import StagingModel, expert_staging_model, staging_model
 from moefit.memory.weights import (expert_cache_bytes, expert_slot_bytes, most_slots, place_slots,
@@ -371,7 +371,8 @@ def _layer_split(geom: ModelGeometry, devices: tuple[Device, ...], req: Request,
             arena=weight_arena_bytes(sub, req.miss_policy, req.arena_slots), margin=margin,
             floor_bytes=expert_cache_bytes(sub, lo, blobs), slot_bytes=expert_slot_bytes(sub),
             staging_const=stage.const_bytes, staging_per_token=stage.per_token_bytes,
-            kv_pieces=tuple(kv_chunk_pieces(sub, fmt, context, req.slots))))
+            kv_pieces=tuple(kv_chunk_pieces(sub, fmt, context, req.slots,
+                                            pool_cells(context, req.slots, req.kv_pool)))))
     requested, target, may_shrink, lowest = chunk_target(req, context, notes)
 
     def ok(c: int) -> bool:

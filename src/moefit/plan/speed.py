@@ -525,14 +525,16 @@ def predict(geom: ModelGeometry, rates: Rates, fmt: KVFormat, resident: dict[int
             context: int, chunk: int, seqs: int, policy: str,
             prompt_tokens: int | None = None, profile: dict[int, dict[int, int]] | None = None,
             copy_whole: bool = False, decode_policy: str | None = None,
-            serial: bool = False) -> Speed:
+            serial: bool = False, pool: int | None = None) -> Speed:
     """Prefill and decode of ``geom`` with ``resident`` expert slots per MoE layer.
 
     Prefill: ``prompt_tokens`` from position 0 in chunks of ``chunk`` tokens; None: one
     full chunk at half the ``context``. The full chunks are priced once, at their mean
     position (exact where the time is affine in the position, which it is outside the
     sliding windows), the last partial chunk on its own. Decode: one token for each of
-    ``seqs`` sequences at a fill of the prompt's end (half the context by default).
+    ``seqs`` sequences at a fill of the prompt's end (half the context by default; with a
+    shared KV pool of ``pool`` cells, half of each sequence's share, ``pool / (2 seqs)``:
+    the busy slots cannot hold more between them).
     ``decode_policy``: the miss policy of decode steps (and of a last partial chunk under
     :data:`LLAMACPP_OFFLOAD_MIN_BATCH` tokens) when it is not ``policy``; ``copy_whole``,
     ``serial``: as :func:`layer_time` takes them."""
@@ -544,6 +546,8 @@ def predict(geom: ModelGeometry, rates: Rates, fmt: KVFormat, resident: dict[int
              for t, pos, n, pol in prefill_steps(context, chunk, prompt_tokens, policy, decode_policy)]
     start, n, fill = (context // 2, chunk, context // 2) if prompt_tokens is None else \
         (0, prompt_tokens, prompt_tokens)
+    if pool is not None:
+        fill = min(fill, pool // (2 * seqs))
     prefill = _prediction(steps, n, start, chunk)
     dstep = step_time(geom, rates, route, fmt, resident, tokens=seqs, seqs=seqs,
                       position=min(fill, max(context - 1, 0)), chunk=False,
@@ -566,7 +570,8 @@ def predict_plan(plan, host: HostSpeed, *, prompt_tokens: int | None = None,
     r = plan.request
     return predict(plan.geometry, rates, kv_format(r.kv), dict(plan.experts_per_layer),
                    context=plan.context, chunk=plan.prefill_selected, seqs=r.slots,
-                   policy=policy or r.miss_policy, prompt_tokens=prompt_tokens, profile=profile)
+                   policy=policy or r.miss_policy, prompt_tokens=prompt_tokens, profile=profile,
+                   pool=plan.pool_cells)
 
 
 #: llama.cpp's cache types (K, V) as moefit's KV formats of the same bytes per value

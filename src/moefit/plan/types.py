@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from moefit.devices import Device, Host
 from moefit.ingest.geometry import ModelGeometry
-from moefit.memory.kv import KVLayout, kv_format, kv_layout
+from moefit.memory.kv import KVLayout, kv_format, kv_layout, pool_cells
 from moefit.memory.staging import experts_fused, fixed_region_bytes
 from moefit.memory.takes import ATTN_KV_BLOCK, ATTN_Q_BLOCK
 from moefit.plan.request import Request
@@ -191,7 +191,13 @@ class Plan:
         plan's context, slots and chunk (:func:`moefit.memory.kv.kv_layout`); its
         ``.bytes`` is the ``kv`` line. Raises ValueError for MLA layers (not run)."""
         return kv_layout(self.geometry, kv_format(self.request.kv), self.context,
-                         self.request.slots, self.prefill_selected)
+                         self.request.slots, self.prefill_selected, self.pool_cells)
+
+    @property
+    def pool_cells(self) -> int | None:
+        """Cells of the KV pool the slots share (:func:`moefit.memory.kv.pool_cells`), None
+        when each slot owns ``context`` cells."""
+        return pool_cells(self.context, self.request.slots, self.request.kv_pool)
 
     def fixed_region_bytes(self, q_block: int = ATTN_Q_BLOCK,
                            kv_block: int = ATTN_KV_BLOCK) -> int:

@@ -151,8 +151,8 @@ def _attention(mdl: Model, l: LayerSpec, lw: LayerWeights, x: torch.Tensor,
             a0, a1 = sg.offset, sg.offset + sg.length
             with ws.scope():
                 mdl.kv.write(l.index, sg.slot, sg.start, k3[a0:a1], v3[a0:a1],
-                             ws.take((sg.length, kvh, lc.k.shape[3]), torch.uint8),
-                             ws.take((sg.length, kvh, lc.v.shape[3]), torch.uint8), ws)
+                             ws.take((sg.length, kvh, lc.k.shape[-1]), torch.uint8),
+                             ws.take((sg.length, kvh, lc.v.shape[-1]), torch.uint8), ws)
         o = ws.take((t, heads, dv), act)                                  # [T, A, Dv]
         for sg in segs:
             a0, a1 = sg.offset, sg.offset + sg.length
@@ -224,7 +224,7 @@ def _mla_attention(mdl: Model, l: LayerSpec, lw: LayerWeights, x: torch.Tensor,
             q3, k3 = q.view(t, heads, qk), kva.view(t, 1, lora + rope)
             rotate(q3[..., nope:], cos, sin, ws)
             rotate(k3[..., lora:], cos, sin, ws)
-            k_row = mdl.kv.layers[l.index].k.shape[3]
+            k_row = mdl.kv.layers[l.index].k.shape[-1]
             for sg in segs:
                 a0, a1 = sg.offset, sg.offset + sg.length
                 with ws.scope():

@@ -1,10 +1,11 @@
 """``GET /v1/budget``: the plan and, once READY, every ledger's lines, the KV cells in use
-per slot and the expert cache's hit rates."""
+per slot, the shared KV pool (``kv_pool``) and the expert cache's hit rates."""
 
 from __future__ import annotations
 
 from typing import Any
 
+from moefit.memory.kv import POOL_BLOCK
 from moefit.plan.report import plan_document
 
 from moefit.serve.state import ServerState
@@ -26,10 +27,26 @@ def ledger_doc(ledger) -> dict:
     }
 
 
+def kv_pool_figures(state: ServerState) -> dict | None:
+    """The shared KV pool as ``/v1/budget``'s ``kv_pool`` and ``/metrics`` show it
+    (:meth:`moefit.serve.scheduler.Scheduler.pool_figures`; before the scheduler runs, the
+    plan's pool with nothing used); None without ``--kv-pool``."""
+    cells = state.plan.pool_cells
+    if cells is None:
+        return None
+    sch = state._scheduler
+    if sch is not None:
+        return sch.pool_figures()
+    return {"cells": cells, "used": 0, "reserved": 0, "tokens": 0,
+            "slots": state.plan.request.slots, "context": state.plan.context,
+            "block": POOL_BLOCK, "waiting": 0}
+
+
 def budget_document(state: ServerState, private: bool = False) -> dict:
     """The plan, and once READY the ledger per line of every device (``ledger``: the main
     one, ``ledgers``: all, in the plan's order), the host ledger (``host_ledger``), the KV
-    cells in use per slot and the expert cache's hit rates. ``private`` false (a server
+    cells in use per slot, the shared KV pool (``kv_pool``: :func:`kv_pool_figures`, null
+    without one) and the expert cache's hit rates. ``private`` false (a server
     without ``--api-key``): the model's local path (``plan.model.source``) is left out."""
     plan = plan_document(state.plan)
     if not private and isinstance(plan.get("model"), dict) and "source" in plan["model"]:
@@ -50,6 +67,7 @@ def budget_document(state: ServerState, private: bool = False) -> dict:
                     "queued": sch.queue_length() if sch is not None else 0,
                     "kv_cells_per_slot": state.plan.context, "kv_cells_in_use": cells,
                     "kv_cells_peak": list(sch.peak_cells) if sch is not None else [0] * len(cells)}
+    doc["kv_pool"] = kv_pool_figures(state)
     doc["notes"] = [n for n in eng.notes if n != "READY"]
     stats = eng.expert_stats()
     layers = []

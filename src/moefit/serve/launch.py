@@ -42,7 +42,7 @@ import traceback
 from pathlib import Path
 
 from moefit.errors import EXIT_ALLOC, EXIT_INPUT, EXIT_NOFIT, EXIT_OK, EXIT_OTHER, InputError
-from moefit.flags import plan_from_args, runnable_devices
+from moefit.flags import plan_from_args, runnable_devices, serve_default_plan
 from moefit.ingest.inputs import is_gguf_file, read_routing_profile
 from moefit.ingest.resolve import load_model
 from moefit.plan.report import format_table
@@ -55,9 +55,11 @@ def _say(text: str, file=None) -> None:
     print(text, file=file or sys.stdout, flush=True)
 
 
-def prepare(args: argparse.Namespace):
+def prepare(args: argparse.Namespace, serving: bool = False):
     """Steps 1-2 of the module docstring. Returns (plan, tokenizer, defaults, exit code):
-    the exit code is 3 when the plan does not fit (the table is printed), else None."""
+    the exit code is 3 when the plan does not fit (the table is printed), else None.
+    ``serving``: without ``--parallel`` / ``--kv-pool``, several slots over one KV pool where
+    they fit (:func:`moefit.flags.serve_default_plan`)."""
     model = Path(args.model)
     gguf = is_gguf_file(model)        # by its magic bytes: Ollama's blobs have no extension
     if not (model.is_dir() or gguf):
@@ -71,6 +73,8 @@ def prepare(args: argparse.Namespace):
     if getattr(args, "routing_profile", None):      # checked with the other inputs
         args.routing_counts = read_routing_profile(args.routing_profile, geom)
     plan = plan_from_args(geom, devices, args)
+    if serving:
+        plan = serve_default_plan(geom, devices, args, plan)
     _say(format_table(plan), args.table_to)
     if not plan.fits:
         return plan, None, None, EXIT_NOFIT
@@ -149,7 +153,8 @@ def ready_line(engine, url: str | None = None) -> str:
     if host is not None and host.capacity is not None:
         size = size_format(host.total)
         free.append(f"{size(host.free_bytes())} of {size(host.total)} on the host")
-    line = (f"READY  context {plan.context} tokens x {n} sequence{'s' if n != 1 else ''}, "
+    pool = f" sharing a KV pool of {plan.pool_cells} cells" if plan.pool_cells is not None else ""
+    line = (f"READY  context {plan.context} tokens x {n} sequence{'s' if n != 1 else ''}{pool}, "
             f"chunk {engine.chunk} tokens, expert slots {slots} of {plan.total_experts}, "
             f"free {', '.join(free)}")
     return f"{line}, serving {url}" if url else line
@@ -299,7 +304,7 @@ def _serve(args: argparse.Namespace) -> int:
     args.table_to = sys.stdout
     _check_port(args.port)
     limits = server_limits(args)
-    plan, tokenizer, defaults, code = prepare(args)
+    plan, tokenizer, defaults, code = prepare(args, serving=True)
     if code is not None:
         return code
     from moefit.serve.app import ServerState   # torch and the server only once the plan fits

@@ -11,6 +11,9 @@ Every metric is named ``moefit_*``:
   reuse), not run (nor counted in ``moefit_prompt_tokens_total``);
 - ``moefit_queue_length``, ``moefit_slots_busy``, ``moefit_slots``: the scheduler;
 - ``moefit_kv_cells_in_use{slot}``: tokens held in each slot's KV cache;
+- ``moefit_kv_pool_cells``, ``moefit_kv_pool_used_cells``, ``moefit_kv_pool_reserved_cells``:
+  the shared KV pool (``--kv-pool``; only with one): its cells, those a slot holds, those
+  running jobs reserved;
 - ``moefit_expert_hit_rate``: expert-cache hits / lookups since start;
 - ``moefit_miss_layer_steps_total{path}``: with ``--miss-policy auto``, the MoE layer steps
   whose misses ran on the host (``host``) or were copied through the weight arena (``copy``);
@@ -31,6 +34,8 @@ from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from starlette.responses import Response
+
+from moefit.serve.budget import kv_pool_figures
 
 #: The finish reasons ``moefit_requests_total`` shows from the start (0 until one happens):
 #: a sequence's own (``stop``, ``length``) and ``abort`` (cancelled: the client went away,
@@ -112,6 +117,14 @@ class _StateCollector:
         for s, n in enumerate(sch.cells_in_use() if sch else [0] * slots):
             cells.add_metric([str(s)], n)
         yield cells
+        pool = kv_pool_figures(state)
+        if pool is not None:
+            yield GaugeMetricFamily("moefit_kv_pool_cells", "Cells of the KV pool the slots "
+                                    "share (--kv-pool)", value=pool["cells"])
+            yield GaugeMetricFamily("moefit_kv_pool_used_cells", "KV pool cells a slot holds "
+                                    "(running or kept for prompt reuse)", value=pool["used"])
+            yield GaugeMetricFamily("moefit_kv_pool_reserved_cells", "KV pool cells reserved "
+                                    "by running requests", value=pool["reserved"])
         eng = state.engine
         if eng is None:
             return

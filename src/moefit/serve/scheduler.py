@@ -12,6 +12,15 @@ holds at most the plan's prefill chunk of tokens (the per-step token budget, lik
 A job takes the free slot whose cells already hold the longest prefix of its prompt,
 and runs only the rest (prompt reuse; :meth:`Scheduler._admit`).
 
+With a shared KV pool (``--kv-pool``, ``KVCache.pool``) a job is admitted only when the
+pool can hold its prompt plus every token it may generate (``max_tokens``, at most the
+context): those blocks are reserved at admission, so a running sequence never runs out of
+cells. A free slot keeps the blocks of what it holds (for prompt reuse) until a job needs
+them: the idle slots holding the fewest tokens give theirs back first. A job the pool
+cannot take yet waits at the head of the queue (first come, first served) until running
+jobs end; a pool is at least one context (``memory.kv.pool_cells``), so every job fits once
+the others are done, and the wait queue's bound (``--max-queue``: 503) is the refusal.
+
 1. one decode token of every active sequence that has one (all of them in the same
    forward pass, so the tokens routed to one expert share one read of its weights);
 2. the next piece of the prompts still being read, in admission order, with what is left
@@ -199,6 +208,23 @@ class Scheduler:
     def busy_slots(self) -> int:
         return sum(j is not None for j in self.active)
 
+    def pool_figures(self) -> dict | None:
+        """The shared KV pool (None without one): ``cells`` in all, ``used`` (held by a
+        slot: reserved by a running job or kept by an idle one for prompt reuse),
+        ``reserved`` (held by running jobs), ``tokens`` (positions written in them),
+        ``slots``, ``context`` (most tokens of one sequence), ``block`` (cells per block),
+        ``waiting`` (jobs queued behind the pool, not behind a slot)."""
+        pool = self.engine.model.kv.pool
+        if pool is None:
+            return None
+        lengths = self.engine.model.kv.lengths
+        running = [s for s in range(self.slots) if self.active[s] is not None]
+        return {"cells": pool.cells, "used": pool.used_cells(),
+                "reserved": sum(len(pool.owned[s]) for s in running) * pool.block,
+                "tokens": sum(lengths[s] for s in running), "slots": self.slots,
+                "context": pool.context, "block": pool.block,
+                "waiting": len(self.waiting) if None in self.active else 0}
+
     def cells_in_use(self) -> list[int]:
         """KV cells in use per slot (tokens held; 0 for a free slot)."""
         lengths = self.engine.model.kv.lengths
@@ -242,7 +268,7 @@ class Scheduler:
         token, whose logits the first step needs; without one, the free slot that holds
         the fewest tokens."""
         while self.waiting and None in self.active:
-            job = self.waiting.popleft()
+            job = self.waiting[0]
             free = [s for s in range(self.slots) if self.active[s] is None]
             # without a shared prefix: the slot holding least (an empty one), so that the
             # cells worth reusing stay
@@ -252,6 +278,9 @@ class Scheduler:
                     n = _shared(self.held[s], job.prompt, len(job.prompt) - 1)
                     if n > keep:
                         best, keep = s, n
+            if not self._reserve(job, best, keep, free):
+                return                  # the pool cannot take it yet: it waits, first in line
+            self.waiting.popleft()
             job.slot = best
             if keep:
                 self.engine.model.kv.truncate(best, keep)
@@ -259,13 +288,42 @@ class Scheduler:
                 job.fed = keep
                 self.stats.cached_prompt_tokens += keep
             else:
-                self.engine.reset(best)
+                if self.engine.model.kv.pool is None:     # (_reserve reset a pooled one)
+                    self.engine.reset(best)
                 self.held[best] = []
             self.active[best] = job
+
+    def _reserve(self, job: Job, slot: int, keep: int, free: list[int]) -> bool:
+        """With a shared pool: give ``slot`` the blocks of ``job``'s prompt plus what it may
+        generate (``Decoding.limit``; the context without one), taking the blocks idle slots
+        keep for reuse, fewest tokens first, where the free ones do not suffice; ``keep``
+        0 (no prefix reused): the slot is reset first. False, changing nothing, when even
+        that is short (running jobs hold the rest)."""
+        kv = self.engine.model.kv
+        pool = kv.pool
+        if pool is None:
+            return True
+        limit = getattr(job.decoding, "limit", None)
+        need = pool.context if limit is None else len(job.prompt) + limit
+        want = pool.blocks_for(need)
+        others = sorted((s for s in free if s != slot), key=lambda s: len(self.held[s]))
+        if want > len(pool.free) + len(pool.owned[slot]) + sum(len(pool.owned[s]) for s in others):
+            return False
+        if not keep:
+            self.engine.reset(slot)
+        for s in others:
+            if pool.fit(slot, need):
+                break
+            self.engine.reset(s)        # its cells go to the pool: nothing left to reuse
+            self.held[s] = []
+        return pool.fit(slot, need)
 
     def _free(self, job: Job) -> None:
         if job.slot is not None and self.active[job.slot] is job:
             self.active[job.slot] = None
+            pool = self.engine.model.kv.pool
+            if pool is not None:        # keep only the blocks of what the slot holds (reuse)
+                pool.fit(job.slot, len(self.held[job.slot]) if self.reuse else 0)
         job.done = True
 
     def _ended(self, job: Job) -> None:

@@ -31,6 +31,7 @@ static const mf_abi_field FIELDS[] = {
     F_(mf_lean_layer, gt), F_(mf_lean_layer, ut), F_(mf_lean_layer, dt),
     F_(mf_lean_layer, up_off), F_(mf_lean_layer, down_off), F_(mf_lean_layer, pchunk),
     F_(mf_lean_layer, table), F_(mf_lean_layer, mask), F_(mf_lean_layer, hits), F_(mf_lean_layer, misses),
+    F_(mf_lean_layer, cells_of), F_(mf_lean_layer, ctx),
 
     S_(mf_lean_step),
     F_(mf_lean_step, t), F_(mf_lean_step, h), F_(mf_lean_step, ad), F_(mf_lean_step, threads),

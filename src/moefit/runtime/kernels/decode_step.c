@@ -222,10 +222,13 @@ void mf_rope_table(int T, int half, const float *inv_freq, float scaling, const 
  * (dtype dt) are rotated in place on their first rot channels: x * cos + rotate_half(x) * sin
  * (cos / sin of mf_rope_table, the same for both halves), each product and the sum rounded to
  * dt (r.mul_(c).add_(rot.mul_(s))). Then k and v [T, Kh, Dv] are encoded into the cache: K
- * cells at kc + ((slot * cells + pos % cells) * Kh + h) * krow, V likewise. */
+ * cells at kc + ((slot * cells + pos % cells) * Kh + h) * krow, V likewise; with a shared KV pool
+ * (cells_of [slots, ctx] not NULL: moefit.runtime.buffers.kv_cache.CellPool) the cell of a
+ * position is cells_of[slot * ctx + pos]. */
 void mf_rope_kv(int T, void *q, int A, void *k, int Kh, const void *v, int D, int Dv, int rot,
                 const float *cs, const float *sn, const int64_t *pos, const int64_t *slot, int dt,
-                uint8_t *kc, uint8_t *vc, int cells, int kcodec, int vcodec, int krow, int vrow) {
+                uint8_t *kc, uint8_t *vc, int cells, int kcodec, int vcodec, int krow, int vrow,
+                const int64_t *cells_of, int64_t ctx) {
     int half = rot / 2;
     float x[1024];
     for (int t = 0; t < T; t++) {
@@ -259,7 +262,8 @@ void mf_rope_kv(int T, void *q, int A, void *k, int Kh, const void *v, int D, in
                 }
             }
         }
-        int64_t cell = (slot[t] * (int64_t)cells + pos[t] % cells) * Kh;
+        int64_t cell = (cells_of ? cells_of[slot[t] * ctx + pos[t]]
+                                 : slot[t] * (int64_t)cells + pos[t] % cells) * Kh;
         for (int hh = 0; hh < Kh; hh++) {
             const uint8_t *ks = (const uint8_t *)k + ((int64_t)t * Kh + hh) * D * (dt == D_F32 ? 4 : 2);
             const uint8_t *vs = (const uint8_t *)v + ((int64_t)t * Kh + hh) * Dv * (dt == D_F32 ? 4 : 2);
@@ -401,7 +405,8 @@ static void att_values(float (*s)[ATT_BLOCK], int gn, float (*kb)[512], int n, i
  * (see qmatmul.c's gemm_ex_body) */
 static void attn_items(int T, const void *q, int A, int Kh, int D, int Dv, float scale,
                        const uint8_t *kc, const uint8_t *vc, int kcodec, int vcodec, int krow, int vrow,
-                       const int64_t *pos, const int64_t *slot, int cells, int window, int dt, void *out) {
+                       const int64_t *pos, const int64_t *slot, int cells, int window, int dt, void *out,
+                       const int64_t *cells_of, int64_t ctx) {
     int G = A / Kh;
 #pragma omp for schedule(dynamic, 1)
     for (int item = 0; item < T * Kh; item++) {
@@ -418,17 +423,19 @@ static void attn_items(int T, const void *q, int A, int Kh, int D, int Dv, float
             }
             int64_t p = pos[t], lo = window > 0 && p - window + 1 > 0 ? p - window + 1 : 0;
             const int64_t sbase = slot[t] * (int64_t)cells;
+            const int64_t *crow = cells_of ? cells_of + slot[t] * ctx : NULL;
+#define CELL(j) (crow ? crow[j] : sbase + (j) % cells)     /* the cell of position j */
             for (int64_t j = lo; j <= p && j < lo + ATT_BLOCK; j++) {
-                prefetch_row(kc + ((sbase + j % cells) * Kh + kh) * krow, krow);
-                prefetch_row(vc + ((sbase + j % cells) * Kh + kh) * vrow, vrow);
+                prefetch_row(kc + (CELL(j) * Kh + kh) * krow, krow);
+                prefetch_row(vc + (CELL(j) * Kh + kh) * vrow, vrow);
             }
             for (int64_t b0 = lo; b0 <= p; b0 += ATT_BLOCK) {
                 int n = (int)(p + 1 - b0 < ATT_BLOCK ? p + 1 - b0 : ATT_BLOCK);
                 int64_t b1 = b0 + ATT_BLOCK;        /* the next block, fetched while this one runs */
                 int n1 = b1 > p ? 0 : (int)(p + 1 - b1 < ATT_BLOCK ? p + 1 - b1 : ATT_BLOCK);
                 for (int j = 0; j < n; j++) {
-                    if (j < n1) prefetch_row(kc + ((sbase + (b1 + j) % cells) * Kh + kh) * krow, krow);
-                    kv_decode(kc + ((sbase + (b0 + j) % cells) * Kh + kh) * krow, D, kcodec, dt, kb[j]);
+                    if (j < n1) prefetch_row(kc + (CELL((b1 + j)) * Kh + kh) * krow, krow);
+                    kv_decode(kc + (CELL((b0 + j)) * Kh + kh) * krow, D, kcodec, dt, kb[j]);
                 }
                 att_scores(qv, gn, kb, n, D, scale, s);
                 for (int g = 0; g < gn; g++) {
@@ -451,11 +458,12 @@ static void attn_items(int T, const void *q, int A, int Kh, int D, int Dv, float
                     m[g] = mx;
                 }
                 for (int j = 0; j < n; j++) {       /* the V block, in kb (K is done with) */
-                    if (j < n1) prefetch_row(vc + ((sbase + (b1 + j) % cells) * Kh + kh) * vrow, vrow);
-                    kv_decode(vc + ((sbase + (b0 + j) % cells) * Kh + kh) * vrow, Dv, vcodec, dt, kb[j]);
+                    if (j < n1) prefetch_row(vc + (CELL((b1 + j)) * Kh + kh) * vrow, vrow);
+                    kv_decode(vc + (CELL((b0 + j)) * Kh + kh) * vrow, Dv, vcodec, dt, kb[j]);
                 }
                 att_values(s, gn, kb, n, Dv, acc);
             }
+#undef CELL
             for (int g = 0; g < gn; g++) {
                 int a = kh * G + g0 + g;
                 for (int i = 0; i < Dv; i++) st(out, dt, ((int64_t)t * A + a) * Dv + i, acc[g][i] / l[g]);
@@ -467,15 +475,15 @@ static void attn_items(int T, const void *q, int A, int Kh, int D, int Dv, float
 void mf_attn_decode(int T, const void *q, int A, int Kh, int D, int Dv, float scale,
                     const uint8_t *kc, const uint8_t *vc, int kcodec, int vcodec, int krow, int vrow,
                     const int64_t *pos, const int64_t *slot, int cells, int window, int dt, void *out,
-                    int nthreads) {
+                    int nthreads, const int64_t *cells_of, int64_t ctx) {
     int G = A / Kh;
     int64_t work = 0;
     for (int t = 0; t < T; t++) work += pos[t] + 1;
     int nt = work * Kh * (D + Dv) * G < 200000 ? 1 : nthreads;   /* a short context: one thread */
     if (nt > 1) {
 #pragma omp parallel num_threads(nt)
-        attn_items(T, q, A, Kh, D, Dv, scale, kc, vc, kcodec, vcodec, krow, vrow, pos, slot, cells, window, dt, out);
-    } else attn_items(T, q, A, Kh, D, Dv, scale, kc, vc, kcodec, vcodec, krow, vrow, pos, slot, cells, window, dt, out);
+        attn_items(T, q, A, Kh, D, Dv, scale, kc, vc, kcodec, vcodec, krow, vrow, pos, slot, cells, window, dt, out, cells_of, ctx);
+    } else attn_items(T, q, A, Kh, D, Dv, scale, kc, vc, kcodec, vcodec, krow, vrow, pos, slot, cells, window, dt, out, cells_of, ctx);
 }
 
 /* ---- top-k routing, pairs grouped by expert (moefit.runtime.model.route, moe_batch.run_layer) ----
@@ -572,9 +580,10 @@ void mf_lean_layers(int n, mf_lean_layer *layers, mf_lean_step *s) {
             mf_rmsnorm(t * L->kvh, L->d, s->k, NULL, ad, L->kn, ad, s->eps, s->off, s->k);
         }
         mf_rope_kv(t, s->q, L->heads, s->k, L->kvh, s->v, L->d, L->dv, s->rot, s->cs, s->sn, s->pos, s->slot, ad,
-                   L->kc, L->vc, L->cells, L->kcode, L->vcode, L->knb, L->vnb);
+                   L->kc, L->vc, L->cells, L->kcode, L->vcode, L->knb, L->vnb, L->cells_of, L->ctx);
         mf_attn_decode(t, s->q, L->heads, L->kvh, L->d, L->dv, L->scale, L->kc, L->vc, L->kcode, L->vcode,
-                       L->knb, L->vnb, s->pos, s->slot, L->cells, L->window, ad, s->o, s->threads);
+                       L->knb, L->vnb, s->pos, s->slot, L->cells, L->window, ad, s->o, s->threads,
+                       L->cells_of, L->ctx);
         mm(&L->o, s, s->o, s->delta, L->ob);
         mf_rmsnorm(t, h, s->hidden, s->delta, ad, L->post_norm, ad, s->eps, s->off, s->normed);
         mm(&L->router, s, s->normed, s->rlog, NULL);

@@ -31,7 +31,8 @@ class CLayer(ctypes.Structure):
                 *((n, ctypes.c_int32) for n in ("e", "topk", "inter", "gt", "ut", "dt")),
                 *((n, ctypes.c_int64) for n in ("up_off", "down_off", "pchunk")),
                 ("table", ctypes.c_void_p), ("mask", ctypes.c_void_p),
-                ("hits", ctypes.c_int64), ("misses", ctypes.c_int64)]
+                ("hits", ctypes.c_int64), ("misses", ctypes.c_int64),
+                ("cells_of", ctypes.c_void_p), ("ctx", ctypes.c_int64)]
 
 
 class CStep(ctypes.Structure):

@@ -19,7 +19,7 @@
 
 /* raised whenever a prototype or a structure below changes (and with it the Python mirror's
  * ABI_VERSION) */
-#define MF_ABI_VERSION 1
+#define MF_ABI_VERSION 2
 
 /* ---- structures (the lean decode step, decode_step.c) ----------------------------------- */
 typedef struct { const uint8_t *p; int32_t type, rows, cols, pad; } mf_mat;
@@ -36,6 +36,9 @@ typedef struct {
     const int64_t *table;                              /* blob address per expert */
     const uint8_t *mask;                               /* resident per expert */
     int64_t hits, misses;                              /* added to (the caller takes them) */
+    const int64_t *cells_of;                           /* shared KV pool: [slots, ctx] cell per
+                                                          position (NULL: slot x cells + p % cells) */
+    int64_t ctx;
 } mf_lean_layer;
 
 typedef struct {
@@ -90,11 +93,12 @@ void mf_rope_table(int T, int half, const float *inv_freq, float scaling, const 
                    float *cs, float *sn);
 void mf_rope_kv(int T, void *q, int A, void *k, int Kh, const void *v, int D, int Dv, int rot,
                 const float *cs, const float *sn, const int64_t *pos, const int64_t *slot, int dt,
-                uint8_t *kc, uint8_t *vc, int cells, int kcodec, int vcodec, int krow, int vrow);
+                uint8_t *kc, uint8_t *vc, int cells, int kcodec, int vcodec, int krow, int vrow,
+                const int64_t *cells_of, int64_t ctx);
 void mf_attn_decode(int T, const void *q, int A, int Kh, int D, int Dv, float scale,
                     const uint8_t *kc, const uint8_t *vc, int kcodec, int vcodec, int krow, int vrow,
                     const int64_t *pos, const int64_t *slot, int cells, int window, int dt, void *out,
-                    int nthreads);
+                    int nthreads, const int64_t *cells_of, int64_t ctx);
 void mf_route(int T, int E, int k, const void *logits, int dt, int renorm, const int64_t *table,
               const uint8_t *resident, int64_t *ptrs, int64_t *bounds, int64_t *tok, float *w,
               int64_t *stats);

@@ -55,7 +55,7 @@ COMMON_FLAGS = ("-O3", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
 JIT_FLAGS = ("-march=native",)
 LOG_ENV = "MOEFIT_KERNELS_LOG"
 #: ``MF_ABI_VERSION`` of ``moefit_kernels.h`` that :data:`PROTOTYPES` and :data:`STRUCTS` mirror
-ABI_VERSION = 1
+ABI_VERSION = 2
 #: the C structures, by their C name, and their ctypes mirrors (:mod:`.lean_abi`)
 STRUCTS: dict[str, type[ctypes.Structure]] = {"mf_mat": CMat, "mf_lean_layer": CLayer, "mf_lean_step": CStep}
 
@@ -84,8 +84,10 @@ PROTOTYPES: dict[str, tuple[object, list]] = {
     "mf_iq_tables": (_i, []),
     "mf_rmsnorm": (None, [_i, _i, _p, _p, _i, _p, _i, _f, _f, _p]),
     "mf_rope_table": (None, [_i, _i, _p, _f, _p, _i, _p, _p]),
-    "mf_rope_kv": (None, [_i, _p, _i, _p, _i, _p, _i, _i, _i, _p, _p, _p, _p, _i, _p, _p, _i, _i, _i, _i, _i]),
-    "mf_attn_decode": (None, [_i, _p, _i, _i, _i, _i, _f, _p, _p, _i, _i, _i, _i, _p, _p, _i, _i, _i, _p, _i]),
+    "mf_rope_kv": (None, [_i, _p, _i, _p, _i, _p, _i, _i, _i, _p, _p, _p, _p, _i, _p, _p, _i, _i, _i, _i, _i,
+                          _p, _i64]),
+    "mf_attn_decode": (None, [_i, _p, _i, _i, _i, _i, _f, _p, _p, _i, _i, _i, _i, _p, _p, _i, _i, _i, _p, _i,
+                              _p, _i64]),
     "mf_route": (None, [_i, _i, _i, _p, _i, _i, _p, _p, _p, _p, _p, _p, _p]),
     "mf_lean_layers": (None, [_i, _p, _p]),
 }

@@ -61,7 +61,7 @@ def attend(q: torch.Tensor, start: int, cache: KVCache, layer: int, slot: int, s
     """
     t_len, heads, d = q.shape
     lc = cache.layers[layer]
-    kvh = lc.k.shape[2]
+    kvh = lc.k.shape[-2]
     dv = out.shape[-1]
     g = heads // kvh
     window = lc.window
@@ -71,7 +71,7 @@ def attend(q: torch.Tensor, start: int, cache: KVCache, layer: int, slot: int, s
     latent = lc.latent
     with region.scope():
         (qt_, m_, l_, acc_, qpos_, kb_, vb_, k_, v_, s_, *rest) = region.take_layout(
-            attention_tile_takes(kvh, g, d, dv, lc.k.shape[3], lc.v.shape[3], act == f32,
+            attention_tile_takes(kvh, g, d, dv, lc.k.shape[-1], lc.v.shape[-1], act == f32,
                                  window is not None, q_block, kv_block, latent), act)
         p_, pv_, pv32_ = ((rest.pop(0), rest.pop(0), rest.pop(0)) if act != f32
                           else (None, None, None))
@@ -98,8 +98,8 @@ def attend(q: torch.Tensor, start: int, cache: KVCache, layer: int, slot: int, s
             lo = 0 if window is None else max(0, p_first - window + 1)
             for k0 in range(lo, p_last + 1, kv_block):
                 b = min(kv_block, p_last + 1 - k0)
-                kb = kb_[:b * kvh * lc.k.shape[3]].view(b, kvh, lc.k.shape[3])
-                vb = vb_[:b * kvh * lc.v.shape[3]].view(b, kvh, lc.v.shape[3])
+                kb = kb_[:b * kvh * lc.k.shape[-1]].view(b, kvh, lc.k.shape[-1])
+                vb = vb_[:b * kvh * lc.v.shape[-1]].view(b, kvh, lc.v.shape[-1])
                 # head-major, so each head's block is one plain matrix for bmm
                 k = k_[:b * kvh * d].view(kvh, b, d)                # [K, B, D]
                 if latent:      # MLA: the value is the latent, the first Dv of each row

@@ -168,6 +168,10 @@ class _Layer:
                 self.vcode = _PLAIN[vc.dtype] if vc.kind == "plain" else _KV_CODECS[vc.kind]
             self.knb, self.vnb = kc.nbytes, vc.nbytes
             self.kptr, self.vptr = lc.k.data_ptr(), lc.v.data_ptr()
+            # a pooled layer: its cells through the shared pool's cell table [slots, context]
+            pool = mdl.kv.pool if lc.pooled else None
+            self.cells_of = pool.table.data_ptr() if pool is not None else None
+            self.ctx = pool.context if pool is not None else 0
             self.qn, self.kn = _ptr(lw.q_norm), _ptr(lw.k_norm)
             self.biases = tuple(_ptr(b) for b in (self.q_bias, self.gate_bias, lw.k_bias, lw.v_bias, lw.o_bias))
             self.scale = d ** -0.5
@@ -191,6 +195,7 @@ class _Layer:
         c.qn, c.kn, c.kc, c.vc = self.qn, self.kn, self.kptr, self.vptr
         c.heads, c.kvh, c.d, c.dv, c.cells, c.window = self.heads, self.kvh, self.d, self.dv, self.cells, self.window
         c.kcode, c.vcode, c.knb, c.vnb, c.scale = self.kcode, self.vcode, self.knb, self.vnb, self.scale
+        c.cells_of, c.ctx = self.cells_of, self.ctx
         c.e, c.topk = self.moe.num_experts, self.moe.experts_per_token
         return c
 
@@ -566,9 +571,9 @@ class LeanStep:
             lib.mf_rmsnorm(t * heads, d, q, None, ad, L.qn, ad, eps, off, q)
             lib.mf_rmsnorm(t * kvh, d, k, None, ad, L.kn, ad, eps, off, k)
         lib.mf_rope_kv(t, q, heads, k, kvh, v, d, dv, self.rot, cs, sn, pos, slot, ad,
-                       L.kptr, L.vptr, L.cells, L.kcode, L.vcode, L.knb, L.vnb)
+                       L.kptr, L.vptr, L.cells, L.kcode, L.vcode, L.knb, L.vnb, L.cells_of, L.ctx)
         lib.mf_attn_decode(t, q, heads, kvh, d, dv, L.scale, L.kptr, L.vptr, L.kcode, L.vcode, L.knb, L.vnb,
-                           pos, slot, L.cells, L.window, ad, o, threads)
+                           pos, slot, L.cells, L.window, ad, o, threads, L.cells_of, L.ctx)
         if L.gate is not None:
             act = self.mdl.arch.dtype
             _view(o, t * heads * dv, act).mul_(_view(gate, t * heads * dv, act).sigmoid_())
