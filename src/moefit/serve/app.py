@@ -15,6 +15,11 @@ Routes:
   peak bytes per budget line, the KV cells in use per slot, and the expert cache's hits,
   misses and hit rates.
 - ``GET /metrics``: Prometheus text (:mod:`moefit.serve.metrics`).
+- ``GET /``: the live budget page (``page.html``: one self-contained HTML file whose
+  script reads ``/v1/budget`` every second and draws the ledgers per device, the KV pool,
+  the slots and queue, the expert hit rate per layer). It holds no data itself, so it is
+  never behind the key; with ``--api-key`` the page asks for the key and sends it to
+  ``/v1/budget`` like any client.
 
 Concurrency: every prompt x choice of a request is a job of the scheduler
 (:mod:`moefit.serve.scheduler`), which decodes up to ``--slots`` sequences together in one
@@ -52,10 +57,11 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from importlib import resources
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import HTMLResponse, JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from moefit.errors import InputError
@@ -74,6 +80,13 @@ from moefit.serve.tools import takes_tools, tool_use
 
 __all__ = ["ServerState", "create_app", "budget_document", "APIError", "MAX_BODY",
            "QUEUE_PER_SLOT", "WRITE_TIMEOUT_S"]
+
+#: Headers of the budget page: its own inline script and style only, fetches to this server
+#: only, never inside another site's frame.
+PAGE_HEADERS = {"Content-Security-Policy": "default-src 'none'; script-src 'unsafe-inline'; "
+                "style-src 'unsafe-inline'; connect-src 'self'; frame-ancestors 'none'",
+                "X-Content-Type-Options": "nosniff", "Cache-Control": "no-cache"}
+
 
 def create_app(state: ServerState) -> FastAPI:
     """The FastAPI application serving ``state`` (see module docstring)."""
@@ -138,6 +151,12 @@ def create_app(state: ServerState) -> FastAPI:
             raise APIError(404, f"The model `{model_id}` does not exist.",
                            "invalid_request_error", "model")
         return model_card()
+
+    page = resources.files("moefit.serve").joinpath("page.html").read_text(encoding="utf-8")
+
+    @app.get("/", response_class=HTMLResponse)
+    async def budget_page():
+        return HTMLResponse(page, headers=PAGE_HEADERS)
 
     @app.get("/v1/budget")
     async def budget(request: Request):
