@@ -72,6 +72,7 @@ from moefit.serve.generation import check_prompt
 from moefit.serve.guard import APIError, Guard, error_response, validation_message
 from moefit.serve.metrics import Metrics
 from moefit.serve.protocol import ChatRequest, CompletionRequest
+from moefit.serve.reasoning import begins_inside, split, thinks
 from moefit.serve.responses import (chat_chunks, chat_logprobs, completion_chunks,
                                     completion_logprobs, sse)
 from moefit.serve.runs import Run, usage
@@ -223,6 +224,11 @@ def create_app(state: ServerState) -> FastAPI:
                          body.token_limit)
             params = request_params(state, body, body.token_limit,
                                     await response_grammar(state, body, use))
+            # a thinking model's <think> block: reasoning_content (not with a constrained call)
+            reasoning = None
+            if thinks(template) and (use is None or use.mode == "auto"):
+                reasoning = begins_inside(state.tokenizer.tok.decode(
+                    list(ids[-8:]), skip_special_tokens=False))
         except InputError as e:
             raise APIError(400, str(e)) from None
         jobs = [(k, ids) for k in range(body.n)]
@@ -230,17 +236,21 @@ def create_app(state: ServerState) -> FastAPI:
                 "created": int(time.time()), "model": state.model_name}
         run = Run(state, jobs, params)
         if body.stream:
-            return sse(state, run, chat_chunks(run, head, body, [ids], state.tokenizer, use))
+            return sse(state, run, chat_chunks(run, head, body, [ids], state.tokenizer, use,
+                                               reasoning))
         results = await run.collect(request)
         choices = []
         for (index, _), res in zip(jobs, results):
-            message, finish = {"role": "assistant", "content": res.text}, res.finish_reason
+            thought, text = split(res.text, reasoning) if reasoning is not None else (None, res.text)
+            message, finish = {"role": "assistant", "content": text}, res.finish_reason
             if use is not None:
-                content, calls = use.calls(res.text, res.token_ids, state.tokenizer)
+                content, calls = use.calls(text, res.token_ids, state.tokenizer)
                 if calls:
                     message = {"role": "assistant", "content": content, "tool_calls": calls}
                     if finish == "stop" and use.mode != "named":
                         finish = "tool_calls"
+            if thought is not None:
+                message["reasoning_content"] = thought
             c = {"index": index, "message": message, "logprobs": None, "finish_reason": finish}
             if params.logprobs is not None:
                 c["logprobs"] = chat_logprobs(state.tokenizer, res.steps)
