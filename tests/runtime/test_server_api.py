@@ -246,3 +246,36 @@ def test_budget_reports_plan_ledger_and_expert_hit_rates(client, served):
     for l in e["layers"]:
         assert l["hit_rate"] == pytest.approx(l["hits"] / (l["hits"] + l["misses"]))
     assert doc["chunk"] == state.engine.chunk
+
+
+def test_echo_prepends_the_prompt_streamed_or_not(client, served):
+    tiny, state = served
+    prompt = "the quick brown fox"
+    plain = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 6}).json()
+    text = plain["choices"][0]["text"]
+    r = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 6, "echo": True})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == prompt + text
+    assert r.json()["usage"] == plain["usage"]
+    # a token-id prompt echoes its decoded text; two prompts x n=2 each echo their own
+    ids = tokens(state.tokenizer, "hello world")
+    r = client.post("/v1/completions", json={"prompt": ids, "max_tokens": 4, "echo": True}).json()
+    assert r["choices"][0]["text"].startswith(state.tokenizer.decode(ids))
+    r = client.post("/v1/completions", json={"prompt": [prompt, "hello world"], "max_tokens": 4,
+                                             "n": 2, "echo": True}).json()
+    starts = [c["text"][:len(p)] for c, p in
+              zip(sorted(r["choices"], key=lambda c: c["index"]),
+                  [prompt, prompt, "hello world", "hello world"])]
+    assert starts == [prompt, prompt, "hello world", "hello world"]
+    # streamed: the prompt first, then the completion
+    chunks = sse(client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 6,
+                                                      "echo": True, "stream": True}))
+    assert chunks[0]["choices"][0]["text"] == prompt
+    assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == prompt + text
+
+
+def test_echo_with_logprobs_and_suffix_are_400s_that_say_why(client):
+    r = client.post("/v1/completions", json={"prompt": "hello", "echo": True, "logprobs": 1})
+    assert r.status_code == 400 and "echo with logprobs" in r.json()["error"]["message"]
+    r = client.post("/v1/completions", json={"prompt": "hello", "suffix": "world"})
+    assert r.status_code == 400 and "fill in the middle" in r.json()["error"]["message"]

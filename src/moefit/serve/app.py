@@ -82,6 +82,18 @@ from moefit.serve.tools import takes_tools, tool_use
 __all__ = ["ServerState", "create_app", "budget_document", "APIError", "MAX_BODY",
            "QUEUE_PER_SLOT", "WRITE_TIMEOUT_S"]
 
+def echo_text(state: ServerState, prompt, ids: list[int]) -> str:
+    """``echo``'s text of one prompt: the prompt's own text, or a token-id prompt decoded
+    (special tokens left out, as in a completion's text). Raises InputError without a
+    tokenizer to decode with."""
+    if isinstance(prompt, str):
+        return prompt
+    if state.tokenizer is None:
+        raise InputError("echo of a token-id prompt: this model directory has no "
+                         "tokenizer.json to decode it with; leave echo out")
+    return state.tokenizer.decode(ids)
+
+
 #: Headers of the budget page: its own inline script and style only, fetches to this server
 #: only, never inside another site's frame.
 PAGE_HEADERS = {"Content-Security-Policy": "default-src 'none'; script-src 'unsafe-inline'; "
@@ -181,18 +193,21 @@ def create_app(state: ServerState) -> FastAPI:
             for ids in prompts:
                 check_prompt(ids, state.plan.context, state.plan.geometry.vocab_size, max_tokens)
             params = request_params(state, body, max_tokens, await response_grammar(state, body))
+            echoed = [echo_text(state, p, ids) for p, ids in zip(texts, prompts)] if body.echo else None
         except InputError as e:
             raise APIError(400, str(e)) from None
         jobs = [(i * body.n + k, ids) for i, ids in enumerate(prompts) for k in range(body.n)]
+        echo = {index: echoed[index // body.n] for index, _ in jobs} if echoed else None
         head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
                 "created": int(time.time()), "model": state.model_name}
         run = Run(state, jobs, params)
         if body.stream:
-            return sse(state, run, completion_chunks(run, head, body, prompts, state.tokenizer))
+            return sse(state, run, completion_chunks(run, head, body, prompts, state.tokenizer,
+                                                     echo))
         results = await run.collect(request)
         choices = []
         for (index, ids), res in zip(jobs, results):
-            c = {"index": index, "text": res.text, "logprobs": None,
+            c = {"index": index, "text": (echo[index] if echo else "") + res.text, "logprobs": None,
                  "finish_reason": res.finish_reason}
             if params.logprobs is not None:
                 c["logprobs"] = completion_logprobs(state.tokenizer, res.steps)[0]

@@ -147,9 +147,13 @@ def _usage_chunk(head: dict, prompts: list[list[int]], completion_tokens: int) -
                                                    "total_tokens": p + completion_tokens}})
 
 
-async def completion_chunks(run: Run, head, body, prompts, tokenizer) -> AsyncIterator[str]:
-    """A streamed completion's chunks (``text`` per token, ``logprobs`` as asked)."""
+async def completion_chunks(run: Run, head, body, prompts, tokenizer,
+                            echo: dict | None = None) -> AsyncIterator[str]:
+    """A streamed completion's chunks (``text`` per token, ``logprobs`` as asked); ``echo``
+    (choice index -> its prompt's text): each choice's first chunk is its prompt."""
     enc = _Chunks(head)
+    for index, text in (echo or {}).items():
+        yield enc.choice({"index": index, "text": text, "logprobs": None, "finish_reason": None})
     logprobs = body.top_logprobs_count is not None
     offsets = dict.fromkeys(run.indices, 0)      # text_offset of each choice's next token
 
