@@ -65,8 +65,8 @@ from fastapi.responses import HTMLResponse, JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from moefit.errors import InputError
-from moefit.serve.bodies import (check_choices, encode_prompt, parse_body, request_params,
-                                 response_grammar, tokenize)
+from moefit.serve.bodies import (check_choices, encode_prompt, fim_prompt, parse_body,
+                                 request_params, response_grammar, tokenize)
 from moefit.serve.budget import budget_document
 from moefit.serve.generation import check_prompt
 from moefit.serve.guard import APIError, Guard, error_response, validation_message
@@ -83,7 +83,8 @@ __all__ = ["ServerState", "create_app", "budget_document", "APIError", "MAX_BODY
            "QUEUE_PER_SLOT", "WRITE_TIMEOUT_S"]
 
 def echo_text(state: ServerState, prompt, ids: list[int]) -> str:
-    """``echo``'s text of one prompt: the prompt's own text, or a token-id prompt decoded
+    """``echo``'s text of one prompt: the prompt's own text (with ``suffix``: the prompt as
+    sent, not its FIM form), or a token-id prompt decoded
     (special tokens left out, as in a completion's text). Raises InputError without a
     tokenizer to decode with."""
     if isinstance(prompt, str):
@@ -188,12 +189,17 @@ def create_app(state: ServerState) -> FastAPI:
             body.refuse_unsupported()
             texts = body.prompts()
             check_choices(len(texts), body.n)
-            prompts = [await encode_prompt(state, p) for p in texts]
+            if body.suffix:
+                prompts = [await encode_prompt(state, fim_prompt(state.tokenizer, p, body.suffix))
+                           for p in texts]
+            else:
+                prompts = [await encode_prompt(state, p) for p in texts]
             max_tokens = 16 if body.max_tokens is None else body.max_tokens
             for ids in prompts:
                 check_prompt(ids, state.plan.context, state.plan.geometry.vocab_size, max_tokens)
             params = request_params(state, body, max_tokens, await response_grammar(state, body))
-            echoed = [echo_text(state, p, ids) for p, ids in zip(texts, prompts)] if body.echo else None
+            echoed = ([echo_text(state, p, ids) for p, ids in zip(texts, prompts)]
+                      if body.echo else None)
         except InputError as e:
             raise APIError(400, str(e)) from None
         jobs = [(i * body.n + k, ids) for i, ids in enumerate(prompts) for k in range(body.n)]

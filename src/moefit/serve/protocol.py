@@ -5,7 +5,7 @@ A field moefit does not know is a 400 naming it. Every field OpenAI defines for 
 endpoints is known, and its neutral value accepted (``store: false``, ``tool_choice:
 "none"``, ``parallel_tool_calls``, ``metadata``, ``user``, ``service_tier``, ``n: 1``,
 ``best_of`` equal to ``n``, ...); a value is refused with a 400 only when moefit cannot honour
-it (``echo`` with ``logprobs``, ``suffix``, ``store: true``, audio output). ``tools`` / ``tool_choice``:
+it (``echo`` with ``logprobs``, ``suffix`` without FIM tokens, ``store: true``, audio output). ``tools`` / ``tool_choice``:
 :mod:`moefit.serve.tools`. ``response_format``
 ``json_object`` / ``json_schema`` constrains the output (:mod:`moefit.serve.structured`). ``logit_bias`` (-100..100 added
 to a token's logit), ``presence_penalty`` and ``frequency_penalty`` (-2..2, OpenAI's formula
@@ -169,10 +169,7 @@ class CompletionRequest(_Sampling):
         if self.best_of not in (None, 1, self.n):
             raise InputError(f"best_of {self.best_of} is not supported by moefit (it returns every "
                              "sequence it runs: use n, or best_of equal to n)")
-        if self.suffix:
-            raise InputError("suffix (fill in the middle) is not supported by moefit: send the "
-                             "model's own FIM prompt (e.g. <|fim_prefix|>...<|fim_suffix|>..."
-                             "<|fim_middle|>) as the prompt")
+
 
     @property
     def top_logprobs_count(self) -> int | None:
