@@ -246,3 +246,71 @@ def test_budget_reports_plan_ledger_and_expert_hit_rates(client, served):
     for l in e["layers"]:
         assert l["hit_rate"] == pytest.approx(l["hits"] / (l["hits"] + l["misses"]))
     assert doc["chunk"] == state.engine.chunk
+
+
+def test_echo_prepends_the_prompt_streamed_or_not(client, served):
+    tiny, state = served
+    prompt = "the quick brown fox"
+    plain = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 6}).json()
+    text = plain["choices"][0]["text"]
+    r = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 6, "echo": True})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == prompt + text
+    assert r.json()["usage"] == plain["usage"]
+    # a token-id prompt echoes its decoded text; two prompts x n=2 each echo their own
+    ids = tokens(state.tokenizer, "hello world")
+    r = client.post("/v1/completions", json={"prompt": ids, "max_tokens": 4, "echo": True}).json()
+    assert r["choices"][0]["text"].startswith(state.tokenizer.decode(ids))
+    r = client.post("/v1/completions", json={"prompt": [prompt, "hello world"], "max_tokens": 4,
+                                             "n": 2, "echo": True}).json()
+    starts = [c["text"][:len(p)] for c, p in
+              zip(sorted(r["choices"], key=lambda c: c["index"]),
+                  [prompt, prompt, "hello world", "hello world"])]
+    assert starts == [prompt, prompt, "hello world", "hello world"]
+    # streamed: the prompt first, then the completion
+    chunks = sse(client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 6,
+                                                      "echo": True, "stream": True}))
+    assert chunks[0]["choices"][0]["text"] == prompt
+    assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == prompt + text
+
+
+def test_echo_with_logprobs_and_suffix_are_400s_that_say_why(client):
+    r = client.post("/v1/completions", json={"prompt": "hello", "echo": True, "logprobs": 1})
+    assert r.status_code == 400 and "echo with logprobs" in r.json()["error"]["message"]
+    r = client.post("/v1/completions", json={"prompt": "hello", "suffix": "world"})
+    assert r.status_code == 400 and "no <|fim_prefix|>" in r.json()["error"]["message"]
+    assert r.json()["error"]["message"].startswith("suffix")
+
+
+def test_suffix_is_a_fim_prompt_where_the_vocabulary_has_fim_tokens(served):
+    """Qwen2.5-Coder's prefix-suffix-middle prompt, on a state whose tokenizer has the FIM
+    tokens: the sequence run is exactly that prompt's tokens."""
+    import copy
+
+    from tokenizers import AddedToken
+    from tokenizers import Tokenizer as Tk
+
+    from moefit.serve.bodies import FIM_TOKENS
+
+    tiny, state = served
+    # the last three filler words become the FIM tokens (the model's vocabulary is unchanged)
+    vocab = state.tokenizer.tok.get_vocab()
+    fillers = sorted((i, w) for w, i in vocab.items() if w.startswith("w"))[-3:]
+    spec = state.tokenizer.tok.to_str()
+    for (_, word), fim_token in zip(fillers, FIM_TOKENS):
+        spec = spec.replace(f'"{word}"', json.dumps(fim_token))
+    tok = copy.copy(state.tokenizer)
+    tok.tok = Tk.from_str(spec)
+    tok.tok.add_special_tokens([AddedToken(t, special=True) for t in FIM_TOKENS])
+    assert [tok.tok.token_to_id(t) for t in FIM_TOKENS] == [i for i, _ in fillers]
+    fim = dataclasses.replace(state, tokenizer=tok)
+    with TestClient(create_app(fim)) as c:
+        r = c.post("/v1/completions", json={"prompt": "the quick", "suffix": "lazy dog",
+                                            "max_tokens": 3, "return_token_ids": True,
+                                            "echo": True})
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+    want = [fillers[0][0], *tok.encode("the quick", add_special_tokens=False), fillers[1][0],
+            *tok.encode("lazy dog", add_special_tokens=False), fillers[2][0]]
+    assert choice["prompt_token_ids"] == want
+    assert choice["text"].startswith("the quick")            # echo: the prompt as sent

@@ -251,3 +251,65 @@ def test_auto_is_refused_only_where_the_calls_could_not_be_returned():
     use = tool_use(_body(functions=[WEATHER["function"]], function_call={"name": "get_weather"}),
                    TOOLS_TEMPLATE)
     assert use.mode == "named" and use.name == "get_weather"
+
+
+# ---- a thinking model's reasoning before its call ------------------------------------------------
+
+#: Qwen3's template writes earlier turns' reasoning as <think>...</think> (a thinking template).
+THINK_TEMPLATE = TOOLS_TEMPLATE.replace(
+    "{{ message['content'] }}",
+    "{% if message.reasoning_content %}<think>\n{{ message.reasoning_content }}\n</think>\n\n"
+    "{% endif %}{{ message['content'] }}")
+THOUGHT = "The user wants the weather; get_weather takes a city and days."
+THINKING_REPLY = f"<think>\n{THOUGHT}\n</think>\n\n" + REPLY
+
+
+def test_reasoning_is_split_off_as_vllms_qwen3_parser_does():
+    from moefit.serve.reasoning import ReasoningSplit, split
+
+    assert split(THINKING_REPLY) == (THOUGHT, REPLY)
+    assert split("plain answer") == (None, "plain answer")        # enable_thinking false
+    assert split("\n\n</think>\n\nhi") == (None, "\n\n</think>\n\nhi")   # no block opened
+    assert split(f"{THOUGHT}\n</think>\n\nhi", inside=True) == (THOUGHT, "hi")  # prompt opened it
+    assert split("<think>cut by max_tok") == ("cut by max_tok", "")
+    s = ReasoningSplit()                    # one character at a time gives the same split
+    parts = [s.push(ch) for ch in THINKING_REPLY] + [s.finish()]
+    assert "".join(r for r, _ in parts).strip() == THOUGHT
+    assert "".join(c for _, c in parts) == REPLY
+
+
+@pytest.fixture
+def thinking(served):
+    tok = served[2]
+    before, tok.chat_template = tok.chat_template, THINK_TEMPLATE
+    script = tok.encode(THINKING_REPLY, add_special_tokens=False)
+    try:
+        with Running(state_of(served, engine=Scripted(served[3], script))) as srv:
+            yield openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0,
+                                timeout=60)
+    finally:
+        tok.chat_template = before
+
+
+def test_think_before_a_tool_call_is_reasoning_content_not_content(thinking):
+    r = thinking.chat.completions.create(model="tiny", messages=MESSAGES, tools=[WEATHER],
+                                         max_tokens=400)
+    c = r.choices[0]
+    assert c.finish_reason == "tool_calls"
+    assert c.message.content == "Let me look."
+    assert c.message.model_extra["reasoning_content"] == THOUGHT
+    assert [t.function.name for t in c.message.tool_calls] == ["get_weather"]
+    # streamed: reasoning_content deltas, then the content, then the call
+    reasoning, content, deltas = "", "", []
+    for chunk in thinking.chat.completions.create(model="tiny", messages=MESSAGES,
+                                                  tools=[WEATHER], max_tokens=400, stream=True):
+        for ch in chunk.choices:
+            reasoning += (ch.delta.model_extra or {}).get("reasoning_content") or ""
+            content += ch.delta.content or ""
+            deltas += ch.delta.tool_calls or []
+    assert reasoning.strip() == THOUGHT and "<think>" not in content + reasoning
+    assert content.strip() == "Let me look." and [d.function.name for d in deltas] == ["get_weather"]
+    # without tools too
+    r = thinking.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=400)
+    assert r.choices[0].message.model_extra["reasoning_content"] == THOUGHT
+    assert r.choices[0].message.content == REPLY

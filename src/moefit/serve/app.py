@@ -15,6 +15,11 @@ Routes:
   peak bytes per budget line, the KV cells in use per slot, and the expert cache's hits,
   misses and hit rates.
 - ``GET /metrics``: Prometheus text (:mod:`moefit.serve.metrics`).
+- ``GET /``: the live budget page (``page.html``: one self-contained HTML file whose
+  script reads ``/v1/budget`` every second and draws the ledgers per device, the KV pool,
+  the slots and queue, the expert hit rate per layer). It holds no data itself, so it is
+  never behind the key; with ``--api-key`` the page asks for the key and sends it to
+  ``/v1/budget`` like any client.
 
 Concurrency: every prompt x choice of a request is a job of the scheduler
 (:mod:`moefit.serve.scheduler`), which decodes up to ``--slots`` sequences together in one
@@ -52,20 +57,22 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from importlib import resources
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import HTMLResponse, JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from moefit.errors import InputError
-from moefit.serve.bodies import (check_choices, encode_prompt, parse_body, request_params,
-                                 response_grammar, tokenize)
+from moefit.serve.bodies import (check_choices, encode_prompt, fim_prompt, parse_body,
+                                 request_params, response_grammar, tokenize)
 from moefit.serve.budget import budget_document
 from moefit.serve.generation import check_prompt
 from moefit.serve.guard import APIError, Guard, error_response, validation_message
 from moefit.serve.metrics import Metrics
 from moefit.serve.protocol import ChatRequest, CompletionRequest
+from moefit.serve.reasoning import begins_inside, split, thinks
 from moefit.serve.responses import (chat_chunks, chat_logprobs, completion_chunks,
                                     completion_logprobs, sse)
 from moefit.serve.runs import Run, usage
@@ -74,6 +81,26 @@ from moefit.serve.tools import takes_tools, tool_use
 
 __all__ = ["ServerState", "create_app", "budget_document", "APIError", "MAX_BODY",
            "QUEUE_PER_SLOT", "WRITE_TIMEOUT_S"]
+
+def echo_text(state: ServerState, prompt, ids: list[int]) -> str:
+    """``echo``'s text of one prompt: the prompt's own text (with ``suffix``: the prompt as
+    sent, not its FIM form), or a token-id prompt decoded
+    (special tokens left out, as in a completion's text). Raises InputError without a
+    tokenizer to decode with."""
+    if isinstance(prompt, str):
+        return prompt
+    if state.tokenizer is None:
+        raise InputError("echo of a token-id prompt: this model directory has no "
+                         "tokenizer.json to decode it with; leave echo out")
+    return state.tokenizer.decode(ids)
+
+
+#: Headers of the budget page: its own inline script and style only, fetches to this server
+#: only, never inside another site's frame.
+PAGE_HEADERS = {"Content-Security-Policy": "default-src 'none'; script-src 'unsafe-inline'; "
+                "style-src 'unsafe-inline'; connect-src 'self'; frame-ancestors 'none'",
+                "X-Content-Type-Options": "nosniff", "Cache-Control": "no-cache"}
+
 
 def create_app(state: ServerState) -> FastAPI:
     """The FastAPI application serving ``state`` (see module docstring)."""
@@ -139,6 +166,12 @@ def create_app(state: ServerState) -> FastAPI:
                            "invalid_request_error", "model")
         return model_card()
 
+    page = resources.files("moefit.serve").joinpath("page.html").read_text(encoding="utf-8")
+
+    @app.get("/", response_class=HTMLResponse)
+    async def budget_page():
+        return HTMLResponse(page, headers=PAGE_HEADERS)
+
     @app.get("/v1/budget")
     async def budget(request: Request):
         return budget_document(state, private=bool(state.api_key))
@@ -156,23 +189,31 @@ def create_app(state: ServerState) -> FastAPI:
             body.refuse_unsupported()
             texts = body.prompts()
             check_choices(len(texts), body.n)
-            prompts = [await encode_prompt(state, p) for p in texts]
+            if body.suffix:
+                prompts = [await encode_prompt(state, fim_prompt(state.tokenizer, p, body.suffix))
+                           for p in texts]
+            else:
+                prompts = [await encode_prompt(state, p) for p in texts]
             max_tokens = 16 if body.max_tokens is None else body.max_tokens
             for ids in prompts:
                 check_prompt(ids, state.plan.context, state.plan.geometry.vocab_size, max_tokens)
             params = request_params(state, body, max_tokens, await response_grammar(state, body))
+            echoed = ([echo_text(state, p, ids) for p, ids in zip(texts, prompts)]
+                      if body.echo else None)
         except InputError as e:
             raise APIError(400, str(e)) from None
         jobs = [(i * body.n + k, ids) for i, ids in enumerate(prompts) for k in range(body.n)]
+        echo = {index: echoed[index // body.n] for index, _ in jobs} if echoed else None
         head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
                 "created": int(time.time()), "model": state.model_name}
         run = Run(state, jobs, params)
         if body.stream:
-            return sse(state, run, completion_chunks(run, head, body, prompts, state.tokenizer))
+            return sse(state, run, completion_chunks(run, head, body, prompts, state.tokenizer,
+                                                     echo))
         results = await run.collect(request)
         choices = []
         for (index, ids), res in zip(jobs, results):
-            c = {"index": index, "text": res.text, "logprobs": None,
+            c = {"index": index, "text": (echo[index] if echo else "") + res.text, "logprobs": None,
                  "finish_reason": res.finish_reason}
             if params.logprobs is not None:
                 c["logprobs"] = completion_logprobs(state.tokenizer, res.steps)[0]
@@ -204,6 +245,11 @@ def create_app(state: ServerState) -> FastAPI:
                          body.token_limit)
             params = request_params(state, body, body.token_limit,
                                     await response_grammar(state, body, use))
+            # a thinking model's <think> block: reasoning_content (not with a constrained call)
+            reasoning = None
+            if thinks(template) and (use is None or use.mode == "auto"):
+                reasoning = begins_inside(state.tokenizer.tok.decode(
+                    list(ids[-8:]), skip_special_tokens=False))
         except InputError as e:
             raise APIError(400, str(e)) from None
         jobs = [(k, ids) for k in range(body.n)]
@@ -211,17 +257,21 @@ def create_app(state: ServerState) -> FastAPI:
                 "created": int(time.time()), "model": state.model_name}
         run = Run(state, jobs, params)
         if body.stream:
-            return sse(state, run, chat_chunks(run, head, body, [ids], state.tokenizer, use))
+            return sse(state, run, chat_chunks(run, head, body, [ids], state.tokenizer, use,
+                                               reasoning))
         results = await run.collect(request)
         choices = []
         for (index, _), res in zip(jobs, results):
-            message, finish = {"role": "assistant", "content": res.text}, res.finish_reason
+            thought, text = split(res.text, reasoning) if reasoning is not None else (None, res.text)
+            message, finish = {"role": "assistant", "content": text}, res.finish_reason
             if use is not None:
-                content, calls = use.calls(res.text, res.token_ids, state.tokenizer)
+                content, calls = use.calls(text, res.token_ids, state.tokenizer)
                 if calls:
                     message = {"role": "assistant", "content": content, "tool_calls": calls}
                     if finish == "stop" and use.mode != "named":
                         finish = "tool_calls"
+            if thought is not None:
+                message["reasoning_content"] = thought
             c = {"index": index, "message": message, "logprobs": None, "finish_reason": finish}
             if params.logprobs is not None:
                 c["logprobs"] = chat_logprobs(state.tokenizer, res.steps)

@@ -138,6 +138,28 @@ async def on_worker(state: ServerState, fn):
     return await anyio.to_thread.run_sync(fn, limiter=state._tokenize)
 
 
+#: The fill-in-the-middle tokens of Qwen2.5-Coder / Qwen3-Coder, in prefix-suffix-middle
+#: order (Qwen2.5-Coder's model card: ``<|fim_prefix|>{prefix}<|fim_suffix|>{suffix}<|fim_middle|>``).
+FIM_TOKENS = ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>")
+
+
+def fim_prompt(tokenizer, prompt, suffix: str) -> str:
+    """The prompt text of a completion with ``suffix`` (fill in the middle): the model writes
+    what goes between ``prompt`` and ``suffix``. Raises InputError, naming ``suffix``, when
+    the vocabulary lacks :data:`FIM_TOKENS` or the prompt is token ids."""
+    missing = [t for t in FIM_TOKENS
+               if tokenizer is None or tokenizer.tok.token_to_id(t) is None]
+    if missing:
+        raise InputError(f"suffix (fill in the middle): this model's vocabulary has no "
+                         f"{', '.join(missing)} token, so it was not trained to fill in; leave "
+                         "suffix out")
+    if not isinstance(prompt, str):
+        raise InputError("suffix (fill in the middle) with a token-id prompt: send the prompt "
+                         "as text, or the whole FIM prompt as token ids without suffix")
+    pre, suf, mid = FIM_TOKENS
+    return f"{pre}{prompt}{suf}{suffix}{mid}"
+
+
 async def encode_prompt(state: ServerState, prompt) -> list[int]:
     if isinstance(prompt, str):
         if state.tokenizer is None:

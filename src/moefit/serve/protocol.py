@@ -5,7 +5,7 @@ A field moefit does not know is a 400 naming it. Every field OpenAI defines for 
 endpoints is known, and its neutral value accepted (``store: false``, ``tool_choice:
 "none"``, ``parallel_tool_calls``, ``metadata``, ``user``, ``service_tier``, ``n: 1``,
 ``best_of`` equal to ``n``, ...); a value is refused with a 400 only when moefit cannot honour
-it (``echo``, ``suffix``, ``store: true``, audio output). ``tools`` / ``tool_choice``:
+it (``echo`` with ``logprobs``, ``suffix`` without FIM tokens, ``store: true``, audio output). ``tools`` / ``tool_choice``:
 :mod:`moefit.serve.tools`. ``response_format``
 ``json_object`` / ``json_schema`` constrains the output (:mod:`moefit.serve.structured`). ``logit_bias`` (-100..100 added
 to a token's logit), ``presence_penalty`` and ``frequency_penalty`` (-2..2, OpenAI's formula
@@ -163,13 +163,13 @@ class CompletionRequest(_Sampling):
 
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()
-        if self.echo:
-            raise InputError("echo is not supported by moefit")
+        if self.echo and self.logprobs is not None:
+            raise InputError("echo with logprobs: moefit does not return the prompt's logprobs "
+                             "(only the completion's); send echo or logprobs, not both")
         if self.best_of not in (None, 1, self.n):
             raise InputError(f"best_of {self.best_of} is not supported by moefit (it returns every "
                              "sequence it runs: use n, or best_of equal to n)")
-        if self.suffix:
-            raise InputError("suffix is not supported by moefit")
+
 
     @property
     def top_logprobs_count(self) -> int | None:

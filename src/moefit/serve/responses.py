@@ -15,6 +15,7 @@ from moefit.errors import InputError
 from moefit.serve.generation import Step
 from moefit.serve.runs import Run
 from moefit.serve.scheduler import Ended
+from moefit.serve.reasoning import ReasoningSplit
 from moefit.serve.tools import ToolStream
 
 
@@ -146,9 +147,13 @@ def _usage_chunk(head: dict, prompts: list[list[int]], completion_tokens: int) -
                                                    "total_tokens": p + completion_tokens}})
 
 
-async def completion_chunks(run: Run, head, body, prompts, tokenizer) -> AsyncIterator[str]:
-    """A streamed completion's chunks (``text`` per token, ``logprobs`` as asked)."""
+async def completion_chunks(run: Run, head, body, prompts, tokenizer,
+                            echo: dict | None = None) -> AsyncIterator[str]:
+    """A streamed completion's chunks (``text`` per token, ``logprobs`` as asked); ``echo``
+    (choice index -> its prompt's text): each choice's first chunk is its prompt."""
     enc = _Chunks(head)
+    for index, text in (echo or {}).items():
+        yield enc.choice({"index": index, "text": text, "logprobs": None, "finish_reason": None})
     logprobs = body.top_logprobs_count is not None
     offsets = dict.fromkeys(run.indices, 0)      # text_offset of each choice's next token
 
@@ -168,12 +173,17 @@ async def completion_chunks(run: Run, head, body, prompts, tokenizer) -> AsyncIt
         yield chunk
 
 
-async def chat_chunks(run: Run, head, body, prompts, tokenizer, tools=None) -> AsyncIterator[str]:
+async def chat_chunks(run: Run, head, body, prompts, tokenizer, tools=None,
+                      reasoning: bool | None = None) -> AsyncIterator[str]:
     """A streamed chat's chunks; ``tools``: the request's :class:`moefit.serve.tools.ToolUse`
     (its calls are held back from the content and sent as one ``tool_calls`` delta at the
-    end of each choice)."""
+    end of each choice); ``reasoning`` not None: a thinking model's ``<think>`` block goes
+    out as ``reasoning_content`` deltas (:mod:`moefit.serve.reasoning`; True: the prompt
+    opened the block)."""
     head = {**head, "object": "chat.completion.chunk"}
     held = {i: ToolStream(tools, tokenizer) for i in run.indices} if tools is not None else None
+    thought = ({i: ReasoningSplit(reasoning) for i in run.indices} if reasoning is not None
+               else None)
     logprobs = body.top_logprobs_count is not None
     per_token = body.return_token_ids or logprobs      # each token's chunk goes out
     enc = _Chunks(head)
@@ -184,6 +194,14 @@ async def chat_chunks(run: Run, head, body, prompts, tokenizer, tools=None) -> A
     def write(index: int, step: Step) -> list[str]:
         out, sent = [], False
         text, finish, calls = step.text, step.finish_reason, []
+        if thought is not None:
+            reason, text = thought[index].push(text)
+            if finish is not None:
+                r2, c2 = thought[index].finish()
+                reason, text = reason + r2, text + c2
+            if reason:
+                out.append(enc.choice({"index": index, "delta": {"reasoning_content": reason},
+                                       "logprobs": None, "finish_reason": None}))
         if held is not None:
             text = held[index].push(text, step.token)
             if finish is not None:
