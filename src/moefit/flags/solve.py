@@ -19,10 +19,11 @@ from moefit.ingest.geometry import ModelGeometry
 from moefit.ingest.inputs import read_routing_profile
 from moefit.memory import calibration
 from moefit.memory.staging import StagingModel
+from moefit.memory.weights import spread_slots
 from moefit.plan.alternatives import SMALLEST_CONTEXT, largest_context
 from moefit.plan.request import CHUNK_GRID, Request, context_limit
 from moefit.plan.solver import solve
-from moefit.plan.speed import Speed, plan_crossovers, predict_plan
+from moefit.plan.speed import Speed, hit_rate, plan_crossovers, predict_plan, routing, routing_chances
 from moefit.plan.throughput import DEFAULT_DECODE_TOKENS, Workload, alternative_request, rank_alternatives
 from moefit.plan.types import Plan
 from moefit.units import parse_size
@@ -49,6 +50,9 @@ def plan_from_args(geom: ModelGeometry, device: "Device | tuple[Device, ...]",
     (:func:`moefit.plan.speed.plan_crossovers`). Raises InputError."""
     devices = (device,) if isinstance(device, Device) else tuple(device)
     req = request_from_args(args, devices[0])
+    profile = routing_profile_from_args(args, geom)
+    if profile:      # the expert slots go where the profile's routing hits them most
+        req = req.with_(routing=routing_chances(geom, profile))
     host = host_from_args(args, devices)
     staging = calibrated_staging(geom, devices[0], req.kv, args)
     if not wants_max_context(args):
@@ -57,11 +61,27 @@ def plan_from_args(geom: ModelGeometry, device: "Device | tuple[Device, ...]",
     else:
         plan = _plan_max_context(geom, devices, req, staging, host,
                                  keep_chunk=getattr(args, "prefill_min", None) is None)
+    if profile and geom.moe_layers:
+        plan = with_hit_rate(plan, profile)
     if plan.fits and plan.request.miss_policy == "auto":
         # the runtime's per-step choice, from the speed model with this host's figures
         cross = plan_crossovers(plan, host_speed_from_args(args, devices))
         plan = replace(plan, miss_crossover=tuple(sorted(cross.items())))
     return plan
+
+
+def with_hit_rate(plan: Plan, profile: dict[int, dict[int, int]]) -> Plan:
+    """``plan`` with the predicted hit rate of a decode step of its ``--parallel`` sequences
+    under ``profile`` (:func:`moefit.plan.speed.hit_rate`): with its spread (by the
+    profile) and with the same slots spread evenly, and a note saying both."""
+    geom, slots = plan.geometry, plan.expert_slots
+    route, tokens = routing(geom, profile), plan.request.slots
+    got = hit_rate(route, dict(plan.experts_per_layer), tokens)
+    even = hit_rate(route, dict(spread_slots(geom, slots)), tokens)
+    step = "a decode step" if tokens == 1 else f"a decode step of {tokens} sequences"
+    note = (f"experts: {slots} slots spread by the routing profile: predicted hit rate "
+            f"{100 * got:.1f}% in {step} (spread evenly: {100 * even:.1f}%)")
+    return replace(plan, hit_rate=got, even_hit_rate=even, notes=(*plan.notes, note))
 
 
 #: the prefill chunk ``--max-context max`` keeps with ``--prefill auto`` (tokens): a default,
@@ -149,6 +169,17 @@ def host_speed_from_args(args: argparse.Namespace, devices: tuple[Device, ...]) 
                    source=measured.source + f"; bandwidth {text} from --host-bandwidth")
 
 
+def routing_profile_from_args(args: argparse.Namespace, geom: ModelGeometry
+                              ) -> dict[int, dict[int, int]] | None:
+    """``--routing-profile``'s counts for ``geom`` (:func:`moefit.ingest.inputs.read_routing_profile`),
+    read once: kept on ``args`` as ``routing_counts`` (where ``serve`` puts them when it
+    checks its inputs); None without the flag. Raises InputError for a bad file."""
+    profile = getattr(args, "routing_counts", None)
+    if profile is None and getattr(args, "routing_profile", None):
+        profile = args.routing_counts = read_routing_profile(args.routing_profile, geom)
+    return profile
+
+
 def workload_from_args(args: argparse.Namespace, geom: ModelGeometry,
                        devices: tuple[Device, ...]) -> Workload:
     """The workload the plan's choices are predicted for
@@ -163,9 +194,7 @@ def workload_from_args(args: argparse.Namespace, geom: ModelGeometry,
     decode = getattr(args, "decode_tokens", None)
     if decode is not None and decode < 1:
         raise InputError(f"--decode-tokens {decode}: give at least one token")
-    profile = getattr(args, "routing_counts", None)
-    if profile is None and getattr(args, "routing_profile", None):
-        profile = read_routing_profile(args.routing_profile, geom)
+    profile = routing_profile_from_args(args, geom)
     return Workload(host_speed_from_args(args, devices), getattr(args, "objective", None) or "balanced",
                     prompt, decode or DEFAULT_DECODE_TOKENS, profile)
 

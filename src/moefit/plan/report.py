@@ -16,7 +16,10 @@ JSON document (sizes are integer bytes, lengths integer tokens)::
                "mapped_bytes", "embed_on_host",
                "lines": [{"key", "bytes", "detail"}, ...], "planned_bytes", "unassigned_bytes"},
       "prefill": {"requested", "selected", "clamped", "mode", "strict"},
-      "experts": {"slots", "total", "slot_bytes", "per_layer": [{"layer", "slots"}]},
+      "experts": {"slots", "total", "slot_bytes", "per_layer": [{"layer", "slots"}],
+                  # with --routing-profile: a decode step's predicted hit rate, the plan's
+                  # spread (by the profile) and the same slots spread evenly
+                  "predicted_hit_rate", "even_hit_rate"},
       "notes": [...],
       "speed": {"policy", "sources": [...],          # null: no figures for the device
                 "prefill": {"tokens_per_s", "bound", "tokens", "position", "chunk",
@@ -283,6 +286,9 @@ def plan_document(plan: Plan, speed=None, alt_speeds=()) -> dict:
         "notes": list(plan.notes),
         "speed": speed_document(speed),
     }
+    if plan.hit_rate is not None:       # a routing profile: the spread's predicted hits
+        doc["experts"]["predicted_hit_rate"] = plan.hit_rate
+        doc["experts"]["even_hit_rate"] = plan.even_hit_rate
     if not plan.fits:
         doc["shortfall_bytes"] = plan.shortfall_bytes
         doc["short_on"] = plan.short_on

@@ -168,7 +168,7 @@ def _expert_split(geom: ModelGeometry, devices: tuple[Device, ...], req: Request
     priced = [price(geom, devices[0], req, context, 0, staging)]
     priced += [_price_expert_device(geom, d, req) for d in devices[1:]]
     requested, target, may_shrink, lowest = chunk_target(req, context, notes)
-    floor_bytes = expert_cache_bytes(geom, floor)
+    floor_bytes = expert_cache_bytes(geom, floor, routing=req.routing)
     blobs = geom.expert_blob_bytes()
 
     def rooms(c: int) -> list[int]:
@@ -188,7 +188,7 @@ def _expert_split(geom: ModelGeometry, devices: tuple[Device, ...], req: Request
         r = rooms(c)
         if r[0] < 0:
             return False
-        return not floor or placed(place_slots(geom, usable(r), floor)) >= floor
+        return not floor or placed(place_slots(geom, usable(r), floor, req.routing)) >= floor
 
     chunk = _pick_chunk(priced[:1], devices[:1], target, lowest, may_shrink, ok)
     fits = chunk >= 0
@@ -199,17 +199,17 @@ def _expert_split(geom: ModelGeometry, devices: tuple[Device, ...], req: Request
     room = usable(rooms(shown))
     avail = [max(0, r) for r in room]
     if not fits:
-        counts = place_slots(geom, avail, floor)
+        counts = place_slots(geom, avail, floor, req.routing)
     elif clamped:
         # the clamped chunk took the main device's room: it keeps its share of the floor
         # (as one device does), the others hold what theirs hold
-        first = place_slots(geom, avail, floor)
+        first = place_slots(geom, avail, floor, req.routing)
         avail[0] = sum(n * blobs[l] for l, n in first[0])
-        counts = place_slots(geom, avail, ceiling)
+        counts = place_slots(geom, avail, ceiling, req.routing)
         if placed(counts) < floor:      # never fewer than the floor that was checked
             counts = first
     else:
-        counts = place_slots(geom, avail, ceiling)
+        counts = place_slots(geom, avail, ceiling, req.routing)
     dplans = []
     total_e = geom.total_experts
     for i, (d, p, per) in enumerate(zip(devices, priced, counts)):
@@ -349,8 +349,8 @@ def _layer_split(geom: ModelGeometry, devices: tuple[Device, ...], req: Request,
     ranges = layer_ranges(geom.num_layers, [d.free_bytes for d in devices])
     per_w, glob_w = _weight_shares(geom)
     embed_dev, _ = host_memory.embed_on_host(geom)
-    floor_split = dict(spread_slots(geom, floor))
-    ceil_split = dict(spread_slots(geom, ceiling))
+    floor_split = dict(spread_slots(geom, floor, routing=req.routing))
+    ceil_split = dict(spread_slots(geom, ceiling, routing=req.routing))
     blobs = geom.expert_blob_bytes()
     subs, priced, bounds = [], [], []
     for i, (d, (a, b)) in enumerate(zip(devices, ranges)):
@@ -369,7 +369,7 @@ def _layer_split(geom: ModelGeometry, devices: tuple[Device, ...], req: Request,
         priced.append(Priced(
             runtime=runtime_bytes(d), weights=weights,
             arena=weight_arena_bytes(sub, req.miss_policy, req.arena_slots), margin=margin,
-            floor_bytes=expert_cache_bytes(sub, lo, blobs), slot_bytes=expert_slot_bytes(sub),
+            floor_bytes=expert_cache_bytes(sub, lo, blobs, req.routing), slot_bytes=expert_slot_bytes(sub),
             staging_const=stage.const_bytes, staging_per_token=stage.per_token_bytes,
             kv_pieces=tuple(kv_chunk_pieces(sub, fmt, context, req.slots))))
     requested, target, may_shrink, lowest = chunk_target(req, context, notes)
@@ -387,8 +387,8 @@ def _layer_split(geom: ModelGeometry, devices: tuple[Device, ...], req: Request,
     for i, (d, p, sub, (lo, hi), r) in enumerate(zip(devices, priced, subs, bounds, ranges)):
         n = lo
         if fits and not clamped and p.slot_bytes:
-            n = most_slots(sub, p.floor_bytes + d.free_bytes - p.cost(chunk), lo, hi)
-        per = spread_slots(sub, n)
+            n = most_slots(sub, p.floor_bytes + d.free_bytes - p.cost(chunk), lo, hi, req.routing)
+        per = spread_slots(sub, n, routing=req.routing)
         counts.append(per)
         lines = device_lines(sub, d, req, context, shown, p, 0, per) if sub.layers else tuple(
             Line(k, p.runtime if k == "runtime" else p.margin if k == "margin" else 0)

@@ -140,6 +140,29 @@ def routing(geom: ModelGeometry, profile: dict[int, dict[int, int]] | None = Non
     return Routing(out)
 
 
+def routing_chances(geom: ModelGeometry, profile: dict[int, dict[int, int]]
+                    ) -> tuple[tuple[int, tuple[float, ...]], ...]:
+    """A routing profile as the planner's spread reads it
+    (:attr:`moefit.plan.request.Request.routing`): :func:`routing`'s chances per MoE layer,
+    in layer order."""
+    return tuple(sorted(routing(geom, profile).chances.items()))
+
+
+def hit_rate(route: Routing, resident: dict[int, int], tokens: int = 1) -> float:
+    """The predicted expert hit rate of a step of ``tokens`` tokens with ``resident`` slots
+    per MoE layer holding each layer's most used experts: the expected resident experts
+    the step uses over the expected experts it uses, summed over the layers (the runtime
+    counts a hit or a miss once per expert per layer and step: ``ExpertCache.lookup``; over
+    many steps its hits / (hits + misses) tends to this ratio of expectations). A decode
+    step of one sequence (``tokens`` 1): ``sum_l sum_{j < n_l} q_l[j] / sum_l k_l``. 0.0
+    for a model without MoE layers."""
+    hits = used = 0.0
+    for layer in route.chances:
+        r, m, _, _ = route.expected(layer, resident.get(layer, 0), tokens)
+        hits, used = hits + r, used + r + m
+    return hits / used if used else 0.0
+
+
 # ---- one layer, one step ---------------------------------------------------------------------
 
 @dataclass(frozen=True)
