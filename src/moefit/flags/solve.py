@@ -45,8 +45,8 @@ def plan_from_args(geom: ModelGeometry, device: "Device | tuple[Device, ...]",
     """Solve the flags' request for ``geom`` on ``device`` (one or several, main first)
     and the host of the flags (:func:`host_from_args`), with the staging calibrated for
     them on the main device (:func:`calibrated_staging`); ``--prefill auto`` by the
-    workload's predicted throughput (:func:`workload_from_args`; not with ``--max-context
-    max``, which keeps its chunk). An ``auto`` plan carries the runtime's crossovers
+    workload's predicted throughput (:func:`workload_from_args`; with ``--max-context
+    max``, among the chunks up to the one its context is sized at). An ``auto`` plan carries the runtime's crossovers
     (:func:`moefit.plan.speed.plan_crossovers`). Raises InputError."""
     devices = (device,) if isinstance(device, Device) else tuple(device)
     req = request_from_args(args, devices[0])
@@ -55,12 +55,13 @@ def plan_from_args(geom: ModelGeometry, device: "Device | tuple[Device, ...]",
         req = req.with_(routing=routing_chances(geom, profile))
     host = host_from_args(args, devices)
     staging = calibrated_staging(geom, devices[0], req.kv, args)
+    workload = workload_from_args(args, geom, devices)
     if not wants_max_context(args):
-        plan = solve(geom, devices, req, host=host, staging=staging,
-                     workload=workload_from_args(args, geom, devices))
+        plan = solve(geom, devices, req, host=host, staging=staging, workload=workload)
     else:
         plan = _plan_max_context(geom, devices, req, staging, host,
-                                 keep_chunk=getattr(args, "prefill_min", None) is None)
+                                 keep_chunk=getattr(args, "prefill_min", None) is None,
+                                 workload=workload)
     if profile and geom.moe_layers:
         plan = with_hit_rate(plan, profile)
     if plan.fits and plan.request.miss_policy == "auto":
@@ -102,7 +103,7 @@ def max_context_chunk(req: Request) -> int:
 
 def _plan_max_context(geom: ModelGeometry, device, req: Request,
                       staging: StagingModel | None, host: Host | None = None,
-                      keep_chunk: bool = False) -> Plan:
+                      keep_chunk: bool = False, workload: Workload | None = None) -> Plan:
     """``--max-context max``: the plan at the largest context that fits
     (:func:`~moefit.plan.alternatives.largest_context`, to the token, capped at the model's limit
     under the RoPE flags), with a note saying so. ``keep_chunk`` (no ``--prefill-min``): the
@@ -113,9 +114,12 @@ def _plan_max_context(geom: ModelGeometry, device, req: Request,
     (:data:`~moefit.plan.alternatives.SMALLEST_CONTEXT`), with a note saying no context fits: its
     shortfall, the side that is short (a device or the host), the limiting lines and the
     alternatives are those of the least KV cache, not of the model's limit (where the KV
-    cache would hide what is really short)."""
+    cache would hide what is really short). With a ``workload`` and ``--prefill auto``, the
+    plan at that context takes the chunk of the best predicted throughput among those up to
+    the kept one (:mod:`moefit.plan.throughput`: a smaller chunk leaves room for expert
+    slots; a larger one does not fit the context sized at the kept one)."""
     limit, how = context_limit(geom, req)
-    trade = ""
+    trade, asked_min = "", req.prefill_min
     best = largest_context(geom, device, req, staging, host)
     chunk = max_context_chunk(req)
     if keep_chunk and chunk > req.prefill_min and best is not None:
@@ -132,7 +136,12 @@ def _plan_max_context(geom: ModelGeometry, device, req: Request,
                      staging=staging)
         note = f"max-context: max, no context fits: shown at the smallest, {SMALLEST_CONTEXT} token"
         return replace(plan, notes=(note, *plan.notes))
-    plan = solve(geom, device, req.with_(max_context=best), host=host, staging=staging)
+    final = req.with_(max_context=best)
+    if workload is not None and final.prefill_mode == "auto":
+        # every chunk that fits this context (none above the kept one, unless the model's
+        # limit left room), each with the expert slots it leaves
+        final = final.with_(prefill_min=asked_min)
+    plan = solve(geom, device, final, host=host, staging=staging, workload=workload)
     capped = f" (the model's limit, {how})" if best == limit else ""
     note = f"max-context: max, the largest context that fits: {best} tokens{capped}"
     if keep_chunk and req.prefill_min == chunk > CHUNK_GRID:

@@ -159,16 +159,16 @@ def _slots_at(geom: ModelGeometry, priced: Priced, free: int, chunk: int, floor:
     return most_slots(geom, priced.floor_bytes + free - priced.cost(chunk), floor, ceiling, routing)
 
 
-def _by_throughput(geom: ModelGeometry, device: Device, req: Request, context: int,
-                   priced: Priced, free: int, lowest: int, top: int, top_slots: int,
-                   floor: int, ceiling: int, workload) -> tuple[int, int, str] | None:
+def by_throughput(geom: ModelGeometry, device: Device, req: Request, context: int,
+                  lowest: int, top: int, top_slots: int, slots_at,
+                  workload) -> tuple[int, int, str] | None:
     """``--prefill auto`` with a workload (:mod:`moefit.plan.throughput`): the (chunk,
-    slots, note) of the best predicted throughput among the chunks from ``lowest`` to
-    ``top`` (the largest that fits, with ``top_slots``), each with the slots it leaves;
-    None when ``top`` is best or nothing is predicted (a device without figures)."""
+    slots, note) of the best predicted throughput on ``device`` (the main one) among the
+    chunks from ``lowest`` to ``top`` (the largest that fits, with ``top_slots``), each
+    with the expert slots it leaves (``slots_at(chunk)``: in all, on every device); None
+    when ``top`` is best or nothing is predicted (a device without figures)."""
     chunks = throughput.candidate_chunks(lowest, top, CHUNK_GRID)
-    cands = [(c, top_slots if c == top else _slots_at(geom, priced, free, c, floor, ceiling, req.routing))
-             for c in chunks]
+    cands = [(c, top_slots if c == top else slots_at(c)) for c in chunks]
     rates = throughput.throughputs(geom, device, req, context, workload, cands)
     if rates is None:
         return None
@@ -213,8 +213,9 @@ def solve_one(geom: ModelGeometry, device: Device, req: Request, context: int,
         slots = _slots_at(geom, priced, free, chunk, floor, ceiling, req.routing)
     chosen = None
     if fits and workload is not None and req.prefill_mode == "auto" and geom.moe_layers:
-        chosen = _by_throughput(geom, device, req, context, priced, free, min(lowest, chunk),
-                                chunk, slots, floor, ceiling, workload)
+        chosen = by_throughput(geom, device, req, context, min(lowest, chunk), chunk, slots,
+                               lambda c: _slots_at(geom, priced, free, c, floor, ceiling, req.routing),
+                               workload)
     if chosen is not None:
         shown_chunk, slots, note = chosen
         chunk = shown_chunk

@@ -499,6 +499,10 @@ class Speed:
     decode: Prediction
     policy: str
     sources: tuple[str, ...] = field(default_factory=tuple)
+    #: per MoE layer the miss policy's :func:`crossover` on these figures ((layer index,
+    #: tokens per missing expert from which copying it beats computing it on the host;
+    #: ``math.inf``: never)), whatever the policy; empty for another engine's plan
+    crossover: tuple[tuple[int, float], ...] = ()
 
 
 def prefill_steps(context: int, chunk: int, prompt_tokens: int | None, policy: str,
@@ -581,15 +585,18 @@ def predict_plan(plan, host: HostSpeed, *, prompt_tokens: int | None = None,
     """The predicted speed of a solved moefit ``plan`` (:class:`~moefit.plan.types.Plan`)
     at its context, chunk, sequences, expert slots and miss policy (or ``policy``), on its
     main device's figures (several devices: the expert slots of all of them count as
-    resident; the transfers between devices are not priced). None when the main device
-    has no figures (:func:`rates_for`)."""
+    resident; the transfers between devices are not priced), with each MoE layer's
+    :func:`crossover` (:attr:`Speed.crossover`). None when the main device has no figures
+    (:func:`rates_for`)."""
     rates = rates_for(plan.devices[0].device, host)
     if rates is None:
         return None
     r = plan.request
-    return predict(plan.geometry, rates, kv_format(r.kv), dict(plan.experts_per_layer),
-                   context=plan.context, chunk=plan.prefill_selected, seqs=r.slots,
-                   policy=policy or r.miss_policy, prompt_tokens=prompt_tokens, profile=profile)
+    speed = predict(plan.geometry, rates, kv_format(r.kv), dict(plan.experts_per_layer),
+                    context=plan.context, chunk=plan.prefill_selected, seqs=r.slots,
+                    policy=policy or r.miss_policy, prompt_tokens=prompt_tokens, profile=profile)
+    cross = tuple(sorted(miss_crossovers(plan.geometry, rates).items()))
+    return replace(speed, crossover=cross)
 
 
 #: llama.cpp's cache types (K, V) as moefit's KV formats of the same bytes per value
