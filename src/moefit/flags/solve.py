@@ -23,7 +23,7 @@ from moefit.memory.weights import spread_slots
 from moefit.plan.alternatives import SMALLEST_CONTEXT, largest_context
 from moefit.plan.request import CHUNK_GRID, Request, context_limit
 from moefit.plan.solver import solve
-from moefit.plan.speed import Speed, hit_rate, plan_crossovers, predict_plan, routing, routing_chances
+from moefit.plan.speed import Routing, Speed, hit_rate, plan_crossovers, predict_plan, routing_chances
 from moefit.plan.throughput import DEFAULT_DECODE_TOKENS, Workload, alternative_request, rank_alternatives
 from moefit.plan.types import Plan
 from moefit.units import parse_size
@@ -63,7 +63,7 @@ def plan_from_args(geom: ModelGeometry, device: "Device | tuple[Device, ...]",
                                  keep_chunk=getattr(args, "prefill_min", None) is None,
                                  workload=workload)
     if profile and geom.moe_layers:
-        plan = with_hit_rate(plan, profile)
+        plan = with_hit_rate(plan)
     if plan.fits and plan.request.miss_policy == "auto":
         # the runtime's per-step choice, from the speed model with this host's figures
         cross = plan_crossovers(plan, host_speed_from_args(args, devices))
@@ -71,12 +71,13 @@ def plan_from_args(geom: ModelGeometry, device: "Device | tuple[Device, ...]",
     return plan
 
 
-def with_hit_rate(plan: Plan, profile: dict[int, dict[int, int]]) -> Plan:
+def with_hit_rate(plan: Plan) -> Plan:
     """``plan`` with the predicted hit rate of a decode step of its ``--parallel`` sequences
-    under ``profile`` (:func:`moefit.plan.speed.hit_rate`): with its spread (by the
-    profile) and with the same slots spread evenly, and a note saying both."""
+    under its request's routing profile (``Request.routing``, :func:`moefit.plan.speed.hit_rate`):
+    with its spread (by the profile) and with the same slots spread evenly, and a note
+    saying both."""
     geom, slots = plan.geometry, plan.expert_slots
-    route, tokens = routing(geom, profile), plan.request.slots
+    route, tokens = Routing(dict(plan.request.routing)), plan.request.slots
     got = hit_rate(route, dict(plan.experts_per_layer), tokens)
     even = hit_rate(route, dict(spread_slots(geom, slots)), tokens)
     step = "a decode step" if tokens == 1 else f"a decode step of {tokens} sequences"

@@ -16,8 +16,6 @@ compute). With ``--miss-policy cpu`` (default) misses run on the host and the ar
 
 from __future__ import annotations
 
-from bisect import bisect_right
-from functools import lru_cache
 from itertools import accumulate
 
 from moefit.ingest.geometry import DTYPE_BYTES, ModelGeometry
@@ -136,7 +134,11 @@ def spread_slots(geom: ModelGeometry, slots: int, caps: dict[int, int] | None = 
 Chances = tuple[tuple[int, tuple[float, ...]], ...]
 
 
-@lru_cache(maxsize=16)
+#: :func:`routed_order`'s results by the identity of the routing (a plan passes the same
+#: tuple to every call; hashing its thousands of floats each time cost more than the order)
+_ORDERS: dict[int, tuple] = {}
+
+
 def routed_order(routing: Chances, blobs: tuple[tuple[int, int], ...]
                  ) -> tuple[tuple[tuple[int, int], ...], tuple[int, ...]]:
     """The greedy order of expert slots under ``routing`` with ``blobs`` (``((layer, blob
@@ -154,10 +156,17 @@ def routed_order(routing: Chances, blobs: tuple[tuple[int, int], ...]
     the greedy takes exactly them. With mixed blob sizes (GGUF type mixes) the order by
     hits per byte is the fractional knapsack's, optimal up to the last slot that fits
     (Dantzig, "Discrete-variable extremum problems", Oper. Res. 5, 1957)."""
+    hit = _ORDERS.get(id(routing))
+    if hit is not None and hit[0] is routing and hit[1] == blobs:
+        return hit[2]
+    if len(_ORDERS) >= 16:
+        _ORDERS.clear()
     size = dict(blobs)
     ranked = sorted((-q / size[l], j, l) for l, qs in routing if l in size for j, q in enumerate(qs))
     order = tuple((l, j) for _, j, l in ranked)
-    return order, tuple(accumulate((size[l] for l, _ in order), initial=0))
+    out = order, tuple(accumulate((size[l] for l, _ in order), initial=0))
+    _ORDERS[id(routing)] = (routing, blobs, out)     # the entry keeps ``routing`` alive: ids stay unique
+    return out
 
 
 def _blobs_key(geom: ModelGeometry) -> tuple[tuple[int, int], ...]:
@@ -193,9 +202,12 @@ def place_slots(geom: ModelGeometry, rooms: list[int], limit: int,
     device's ``((layer, slots), ...)``, in layer order."""
     blobs = geom.expert_blob_bytes()
     caps = {l.index: l.moe.num_experts for l in geom.moe_layers}
+    sizes = {blobs[l] for l in caps}
     out, placed = [], 0
     for room in rooms:
         lo, hi = 0, max(0, min(limit - placed, sum(caps.values())))
+        if len(sizes) == 1:        # one blob size: the bytes are slots x blob, directly
+            lo = hi = max(0, min(hi, room // next(iter(sizes))))
         while lo < hi:
             mid = (lo + hi + 1) // 2
             if sum(n * blobs[l] for l, n in spread_slots(geom, mid, caps, routing)) <= room:
@@ -234,6 +246,8 @@ def most_slots(geom: ModelGeometry, budget: int, floor: int, ceiling: int,
     if len(sizes) == 1:            # one blob size: the bytes are slots x blob, directly
         return max(floor, min(ceiling, budget // sizes.pop()))
     if routing is not None:
+        from bisect import bisect_right       # only here: the planner's imports stay as few
+
         prefix = routed_order(routing, _blobs_key(geom))[1]
         return max(floor, min(ceiling, bisect_right(prefix, budget) - 1))
     lo, hi = floor, ceiling
