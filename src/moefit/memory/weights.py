@@ -245,11 +245,13 @@ def most_slots(geom: ModelGeometry, budget: int, floor: int, ceiling: int,
     sizes = set(blobs[l.index] for l in geom.moe_layers)
     if len(sizes) == 1:            # one blob size: the bytes are slots x blob, directly
         return max(floor, min(ceiling, budget // sizes.pop()))
-    if routing is not None:
-        from bisect import bisect_right       # only here: the planner's imports stay as few
-
+    if routing is not None:        # the bytes of the first n slots of the order, ascending
         prefix = routed_order(routing, _blobs_key(geom))[1]
-        return max(floor, min(ceiling, bisect_right(prefix, budget) - 1))
+        lo, hi = floor, min(ceiling, len(prefix) - 1)
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if prefix[mid] <= budget else (lo, mid - 1)
+        return lo
     lo, hi = floor, ceiling
     while lo < hi:
         mid = (lo + hi + 1) // 2
