@@ -3,7 +3,8 @@ slots spread by it.
 
 - ``Engine.record_routing`` counts every routed (token, expert) pair per layer: checked
   against transformers' own router (``output_router_logits``, top-k) on the same tokens;
-- ``generate --record-routing FILE`` writes those counts as a ``--routing-profile`` file;
+- ``generate`` / ``bench --record-routing FILE`` write those counts as a ``--routing-profile``
+  file (``serve`` writes them when it stops, by the same function);
 - on a checkpoint whose routers prefer a different number of experts per layer
   (:mod:`biased_router`), the plan spread by a profile recorded on some prompts hits more
   on held-out prompts than the even spread of the same slots, and each measured hit rate
@@ -127,3 +128,20 @@ def test_record_routing_into_a_folder_is_refused_before_loading(tmp_path, capsys
                  "--prompt", "hi", "--record-routing", str(tmp_path)])
     err = capsys.readouterr().err
     assert code == 2 and "--record-routing" in err and "folder" in err and "Traceback" not in err
+
+
+@pytest.mark.slow
+def test_bench_records_the_routing_of_its_runs(tmp_path, capsys):
+    tiny = make_servable(tmp_path / "ckpt", max_position_embeddings=1024)
+    out, record = tmp_path / "bench", tmp_path / "routing.json"
+    code = main(["bench", str(tiny.path), "--device", "cpu", "--vram", "64MiB", "--contexts", "512,1K",
+                 "--prefill", "256", "--decode-tokens", "2", "--no-progress", "--no-calibration",
+                 "--out", str(out), "--record-routing", str(record)])
+    assert code == 0, capsys.readouterr().err
+    geom = load_model(str(tiny.path))
+    profile = read_routing_profile(record, geom)
+    k = geom.moe_layers[0].moe.experts_per_token
+    sums = {sum(per.values()) for per in profile.values()}
+    assert len(sums) == 1 and sums.pop() % k == 0
+    runs = json.loads((out / "bench.json").read_text())["runs"]
+    assert len(runs) == 2 and all("routing_counts" not in r for r in runs)
