@@ -62,7 +62,7 @@ def plan_from_args(geom: ModelGeometry, device: "Device | tuple[Device, ...]",
         plan = _plan_max_context(geom, devices, req, staging, host,
                                  keep_chunk=getattr(args, "prefill_min", None) is None,
                                  workload=workload)
-    if profile and geom.moe_layers:
+    if profile and geom.moe_layers and plan.fits:
         plan = with_hit_rate(plan)
     if plan.fits and plan.request.miss_policy == "auto":
         # the runtime's per-step choice, from the speed model with this host's figures
