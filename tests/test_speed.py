@@ -16,7 +16,7 @@ from moefit.memory import calibration
 from moefit.memory.kv import kv_format
 from moefit.plan.request import Request
 from moefit.plan.solver import solve
-from moefit.plan.speed import RESOURCES, predict, predict_plan, rates_for, routing
+from moefit.plan.speed import RESOURCES, plan_crossovers, predict, predict_plan, rates_for, routing
 from moefit.plan.throughput import alternative_request
 
 FIELD = ["Qwen3.5-35B-A3B", "--max-context", "512K", "--rope-scaling", "yarn",
@@ -261,7 +261,8 @@ def test_json_speed_schema(capsys):
                     "--json", "--prompt-tokens", "30000")
     assert code == 0
     s = json.loads(out)["speed"]
-    assert set(s) == {"policy", "prefill", "decode", "sources"} and s["policy"] == "auto"   # CUDA's default
+    assert set(s) == {"policy", "prefill", "decode", "sources", "miss_crossover"}
+    assert s["policy"] == "auto"   # CUDA's default
     for key in ("prefill", "decode"):
         p = s[key]
         assert set(p) == {"tokens_per_s", "bound", "tokens", "position", "chunk",
@@ -271,6 +272,26 @@ def test_json_speed_schema(capsys):
         assert all(set(k) == {"kind", "layers", "seconds", "bound"} for k in p["by_kind"])
     assert s["prefill"]["tokens"] == 30000 and s["prefill"]["position"] == 0
     assert s["decode"]["position"] == 30000 and s["decode"]["tokens"] == 1
+    # the crossover the runtime's auto compares against, every MoE layer once
+    geom = load_model(FIELD[0])
+    plan = solve(geom, find_gpu("RTX 5060 Ti 16GB"), Request(
+        max_context=524288, rope_scaling="yarn", rope_scale=2.0, kv="k8v4",
+        prefill_mode="fixed", prefill_tokens=24576, miss_policy="auto"))
+    want = plan_crossovers(plan, default_host_speed())
+    got = {l: g["tokens"] for g in s["miss_crossover"] for l in g["layers"]}
+    assert got == pytest.approx(want) and len(got) == len(geom.moe_layers)
+
+
+def test_verbose_prints_the_miss_crossover(capsys):
+    code, out = run(capsys, "plan", "Qwen3-30B-A3B", "--gpu", "RTX 4090", "--max-context", "32K",
+                    "--no-calibration", "-v")
+    geom = load_model("Qwen3-30B-A3B")
+    plan = solve(geom, find_gpu("RTX 4090"), Request(max_context=32768, miss_policy="auto"))
+    (value,) = set(plan_crossovers(plan, default_host_speed()).values())
+    assert code == 0 and f"    {value:.1f} tokens per missing expert   (48 MoE layers)" in out
+    code, out = run(capsys, "plan", "Qwen3-30B-A3B", "--device", "cpu", "--vram", "8GiB",
+                    "--host-ram", "128GiB", "--max-context", "32K", "--no-calibration", "-v")
+    assert "never: host and device are one memory   (48 MoE layers)" in out
 
 
 def test_every_alternative_gets_the_speed_of_its_own_plan(capsys):

@@ -151,3 +151,48 @@ def test_alternatives_are_ranked_by_predicted_throughput(capsys):
         assert rates[-1] == -1                       # llama.cpp's remedy: not predicted, last
         orders[objective] = [(a["flag"], a["value"]) for a in doc["alternatives"]]
     assert orders["decode"] != orders["prefill"]
+
+
+# ---- several devices and --max-context max (issue 23, item 4) ---------------------------------
+
+@pytest.mark.parametrize("policy", ["cpu", "auto"])
+def test_the_expert_split_chooses_its_chunk_by_throughput_too(policy):
+    """Two cards, the expert split: the chosen chunk against every grid chunk solved as
+    ``--prefill N --strict`` and predicted (predict_plan: every device's slots resident)."""
+    geom = load_model("Qwen3.5-35B-A3B")
+    devices = (find_gpu("RTX 5060 Ti 16GB"), find_gpu("RTX 3060 12GB"))
+    req = Request(**FIELD, miss_policy=policy, split="experts", prefill_tokens=8192)
+    work = Workload(HOST)
+    plan = solve(geom, devices, req, workload=work)
+    old = solve(geom, devices, req)
+    assert plan.fits and old.fits and old.prefill_selected == 8192
+    scores = brute_force(geom, devices, req, work, 8192)
+    top = max(scores.values())
+    # the choice weighs the slots of every device as the plan places them; ties: the larger
+    assert scores[plan.prefill_selected] >= top * (1 - TIE) - 1e-9
+    assert plan.prefill_selected == max(c for c, x in scores.items() if x >= top * (1 - TIE))
+    if plan.prefill_selected < 8192:
+        assert plan.expert_slots > old.expert_slots
+        assert any(n.startswith(f"prefill: auto, {plan.prefill_selected} of the chunks") for n in plan.notes)
+    for d in plan.devices:
+        assert d.unassigned_bytes >= 0
+
+
+def test_max_context_max_chooses_its_chunk_by_throughput_at_the_context_it_fits(capsys):
+    import json
+
+    args = ["plan", "Qwen3.5-35B-A3B", "--gpu", "RTX 5060 Ti 16GB", "--kv", "k8v4",
+            "--rope-scaling", "yarn", "--rope-scale", "4", "--miss-policy", "cpu",
+            "--max-context", "max", "--no-calibration", "--json"]
+    code, out = run(capsys, *args)
+    doc = json.loads(out)
+    assert code == 0
+    geom, device = load_model("Qwen3.5-35B-A3B"), find_gpu("RTX 5060 Ti 16GB")
+    req = Request(max_context=doc["context"], kv="k8v4", rope_scaling="yarn", rope_scale=4.0,
+                  miss_policy="cpu")
+    work = Workload(HOST)
+    scores = brute_force(geom, device, req, work, 16384)
+    chosen = doc["prefill"]["selected"]
+    assert chosen < max(scores)                       # not the largest chunk that fits
+    assert scores[chosen] >= 0.99 * max(scores.values())
+    assert any(n.startswith(f"prefill: auto, {chosen} of the chunks that fit") for n in doc["notes"])

@@ -24,7 +24,7 @@ from moefit import __version__
 from moefit.devices import format_gpu_table
 from moefit.errors import (EXIT_INPUT, EXIT_NOFIT, EXIT_OK, EXIT_OTHER, InputError, Terminated,
                            exit_code)
-from moefit.flags import (add_engine_flags, add_model_files_flags, add_plan_flags,
+from moefit.flags import (add_engine_flags, add_model_files_flags, add_plan_flags, add_record_routing_flag,
                           add_sampling_flags, add_serve_flags, add_speed_flags, check_engine_flags,
                           device_from_args, devices_from_args, host_from_args, llama_ftype,
                           llama_request_from_args, llamacpp_speed_from_args, normalize_argv,
@@ -389,6 +389,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "shared machine)")
     p.add_argument("--no-progress", dest="progress", action="store_false",
                    help="no progress bar")
+    add_record_routing_flag(p)
     p.set_defaults(func=cmd_bench)
     p = sub.add_parser("calibrate", help="measure the prefill staging peak at two chunk sizes "
                                          "on this device and store the fitted model; --host: "

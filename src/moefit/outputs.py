@@ -48,6 +48,17 @@ TEMP_MARK = "moefit-tmp-"
 _TEMP_PID = re.compile(re.escape(TEMP_MARK) + r"(\d+)-")
 
 
+def writable_file(path: str | Path, what: str) -> Path:
+    """A file to write at the end of a run (``--record-routing FILE``): not a folder, and
+    its folder created and writable now (:func:`writable_dir`). Returns the path (``~``
+    expanded). Errors: InputError naming ``what``."""
+    target = Path(path).expanduser()
+    if target.is_dir():
+        raise InputError(f"{what}: {target} is a folder; give the file to write")
+    writable_dir(target.parent, what)
+    return target
+
+
 def temp_prefix(stem: str) -> str:
     """The name start of a temporary file of this process (:data:`TEMP_MARK`, the pid)."""
     return f"{stem}.{TEMP_MARK}{os.getpid()}-"

@@ -23,10 +23,10 @@ from tqdm import tqdm
 from moefit.bench import ladder, report, versus
 from moefit.errors import EXIT_NOFIT, EXIT_OK, InputError
 from moefit.flags import apply_threads, calibrated_staging, request_from_args, runnable_device, warn
-from moefit.ingest.inputs import is_gguf_file
+from moefit.ingest.inputs import is_gguf_file, routing_profile_text
 from moefit.ingest.resolve import load_model
 from moefit.memory import calibration
-from moefit.outputs import writable_dir
+from moefit.outputs import writable_dir, writable_file, write_text_atomic
 from moefit.plan.request import context_limit, resolve_context
 from moefit.plan.alternatives import largest_context
 from moefit.runtime.calibrate import measure_host, measure_point
@@ -62,9 +62,13 @@ def bench(args: argparse.Namespace) -> int:
         if largest is None:
             raise InputError("no context fits this device with these flags; see `moefit plan`")
         contexts = ladder.default_ladder(largest)
+    record = getattr(args, "record_routing", None)
     opts = ladder.BenchOptions(prompt_tokens=ladder.parse_prompt_tokens(args.prompt_tokens),
-                               decode_tokens=args.decode_tokens, seed=args.seed)
+                               decode_tokens=args.decode_tokens, seed=args.seed,
+                               record_routing=bool(record))
     out = writable_dir(args.out, f"--out {args.out}")     # before anything is measured
+    if record:
+        writable_file(record, f"--record-routing {record}")
     runs = []
     bar = tqdm(contexts, desc="bench", unit="context", file=sys.stderr,
                disable=not args.progress)
@@ -72,6 +76,16 @@ def bench(args: argparse.Namespace) -> int:
         bar.set_postfix_str(f"context {report.tokens_label(ctx)}")
         runs.append(ladder.run_context(model, geom, device, req, ctx, opts, staging))
     bar.close()
+    if record:        # the runs' routing summed: one --routing-profile file
+        routed: dict[int, dict[int, int]] = {}
+        for r in runs:
+            for layer, per in r.pop("routing_counts", {}).items():
+                into = routed.setdefault(layer, {})
+                for e, c in per.items():
+                    into[e] = into.get(e, 0) + c
+        write_text_atomic(Path(record).expanduser(), routing_profile_text(routed))
+        print(f"wrote the routing of {len(runs)} runs to {record} (--routing-profile {record})",
+              file=sys.stderr)
     if args.vs:
         ref = versus.Reference(model, "cpu" if device.kind == "cpu" else device.label,
                                versus.rope_parameters(geom, req))

@@ -56,6 +56,9 @@ class BenchOptions:
     prompt_tokens: tuple[int, ...] = ()
     decode_tokens: int = 64
     seed: int = 0
+    #: ``--record-routing``: count the routing of every run (the record's ``routing_counts``,
+    #: which ``bench`` sums and writes; decode then routes in Python, not the lean C step)
+    record_routing: bool = False
 
 
 def parse_contexts(text: str) -> list[int]:
@@ -122,8 +125,12 @@ def run_context(model_dir: str | Path, geom: ModelGeometry, device: Device, req:
         rec.update(shortfall_bytes=plan.shortfall_bytes, limiting=list(plan.limiting))
         return rec
     engine = Engine.start(model_dir, plan, EngineOptions(progress=False))
+    if opts.record_routing:
+        engine.record_routing()
     try:
         rec.update(_run(engine, geom, context, opts))
+        if opts.record_routing:
+            rec["routing_counts"] = engine.routing_counts()
     finally:
         dev = engine.ledger.device
         del engine

@@ -34,6 +34,7 @@ from moefit.flags.external import (check_engine_flags, llama_device, llama_ftype
                                    serve_request_from_args)
 from moefit.flags.groups import (ENGINES, PARALLEL_FLAGS, add_device_flags, add_engine_flags,
                                  add_model_argument, add_model_files_flags, add_plan_flags,
+                                 add_record_routing_flag,
                                  add_request_flags, add_sampling_flags, add_serve_flags,
                                  add_speed_flags, normalize_argv)
 from moefit.flags.request import (max_context_of, mib_bytes, prefill_min_of, request_from_args,
@@ -44,6 +45,7 @@ from moefit.flags.solve import (MAX_CONTEXT_CHUNK, calibrated_staging, host_spee
 
 __all__ = ["ENGINES", "HOST_RAM_ENV", "MAX_CONTEXT_CHUNK", "PARALLEL_FLAGS", "add_device_flags",
            "add_engine_flags", "add_model_argument", "add_model_files_flags", "add_plan_flags",
+           "add_record_routing_flag",
            "add_request_flags", "add_sampling_flags", "add_serve_flags", "add_speed_flags",
            "apply_threads", "calibrated_staging", "check_engine_flags", "device_from_args",
            "devices_from_args", "host_from_args", "host_speed_from_args", "llama_device",

@@ -182,8 +182,8 @@ def llama_ubatch(prefill: str, prefill_min: int) -> tuple[int, int]:
 
 
 def check_engine_flags(args: argparse.Namespace) -> None:
-    """The parallelism flags belong to ``--engine vllm|sglang``. Raises InputError naming
-    the first one given with another engine."""
+    """The parallelism flags belong to ``--engine vllm|sglang``, ``--record-routing`` to
+    moefit's runtime. Raises InputError naming the first one given with another engine."""
     engine = getattr(args, "engine", "moefit")
     if getattr(args, "gguf_type", None) is not None and engine != "llama.cpp":
         raise InputError(f"--gguf-type {args.gguf_type}: a GGUF type mix is planned with --engine "
@@ -193,6 +193,9 @@ def check_engine_flags(args: argparse.Namespace) -> None:
         if given and engine != "llama.cpp":
             raise InputError(f"{flag} is llama-server's (--engine llama.cpp); add --engine llama.cpp, "
                              f"or drop {flag}")
+    if getattr(args, "record_routing", None) and engine not in (None, "moefit"):
+        raise InputError(f"--record-routing counts the routing of moefit's own runtime; --engine "
+                         f"{engine} runs another program: drop --record-routing, or --engine")
     if engine in ("vllm", "sglang"):
         return
     for name in PARALLEL_FLAGS:

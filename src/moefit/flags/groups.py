@@ -161,8 +161,9 @@ def add_speed_flags(p: argparse.ArgumentParser) -> None:
                    help="the host's memory bandwidth, e.g. 60GB/s (default: what `moefit "
                         "calibrate --host` measured on this machine, else a stated default)")
     s.add_argument("--routing-profile", default=None,
-                   help='JSON {"layer": {"expert": count}}: routing counts for the expected '
-                        "hit rate (default: uniform routing)")
+                   help='JSON {"layer": {"expert": count}} (serve --record-routing writes '
+                        "one): routing counts for the expected hit rate and the spread of the "
+                        "expert slots over the layers (default: uniform routing, an even spread)")
     s.add_argument("--objective", choices=OBJECTIVES, default="balanced",
                    help="what --prefill auto's chunk and the order of the alternatives "
                         "maximise: predicted prefill or decode tokens/s, or (balanced, "
@@ -172,10 +173,20 @@ def add_speed_flags(p: argparse.ArgumentParser) -> None:
                         f"{DEFAULT_DECODE_TOKENS})")
 
 
+def add_record_routing_flag(p: argparse.ArgumentParser) -> None:
+    """``--record-routing FILE`` (serve, generate, bench): the run's routing counts, written
+    at its end in the ``--routing-profile`` format."""
+    p.add_argument("--record-routing", default=None, metavar="FILE",
+                   help="write the routing counts of the run (every routed token and expert, "
+                        "per layer) to FILE at its end, as a --routing-profile file")
+
+
 def add_model_files_flags(p: argparse.ArgumentParser) -> None:
     """Flags of the commands that run the model: the routing profile and the tokenizer."""
     p.add_argument("--routing-profile", default=None,
-                   help='JSON {"layer": {"expert": count}}: fill the expert cache with the most used')
+                   help='JSON {"layer": {"expert": count}}: fill the expert cache with the most used '
+                        "and spread its slots over the layers by it")
+    add_record_routing_flag(p)
     p.add_argument("--tokenizer", default=None, metavar="DIR",
                    help="read tokenizer.json / tokenizer_config.json / generation_config.json "
                         "from DIR (default: the model directory; for a .gguf, the file's "

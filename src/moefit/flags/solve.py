@@ -19,10 +19,11 @@ from moefit.ingest.geometry import ModelGeometry
 from moefit.ingest.inputs import read_routing_profile
 from moefit.memory import calibration
 from moefit.memory.staging import StagingModel
+from moefit.memory.weights import spread_slots
 from moefit.plan.alternatives import SMALLEST_CONTEXT, largest_context
 from moefit.plan.request import CHUNK_GRID, DEFAULT_SERVE_SLOTS, Request, context_limit
 from moefit.plan.solver import solve
-from moefit.plan.speed import Speed, plan_crossovers, predict_plan
+from moefit.plan.speed import Routing, Speed, hit_rate, plan_crossovers, predict_plan, routing_chances
 from moefit.plan.throughput import DEFAULT_DECODE_TOKENS, Workload, alternative_request, rank_alternatives
 from moefit.plan.types import Plan
 from moefit.units import parse_size
@@ -44,19 +45,25 @@ def plan_from_args(geom: ModelGeometry, device: "Device | tuple[Device, ...]",
     """Solve the flags' request for ``geom`` on ``device`` (one or several, main first)
     and the host of the flags (:func:`host_from_args`), with the staging calibrated for
     them on the main device (:func:`calibrated_staging`); ``--prefill auto`` by the
-    workload's predicted throughput (:func:`workload_from_args`; not with ``--max-context
-    max``, which keeps its chunk). An ``auto`` plan carries the runtime's crossovers
+    workload's predicted throughput (:func:`workload_from_args`; with ``--max-context
+    max``, among the chunks up to the one its context is sized at). An ``auto`` plan carries the runtime's crossovers
     (:func:`moefit.plan.speed.plan_crossovers`). Raises InputError."""
     devices = (device,) if isinstance(device, Device) else tuple(device)
     req = request_from_args(args, devices[0])
+    profile = routing_profile_from_args(args, geom)
+    if profile:      # the expert slots go where the profile's routing hits them most
+        req = req.with_(routing=routing_chances(geom, profile))
     host = host_from_args(args, devices)
     staging = calibrated_staging(geom, devices[0], req.kv, args)
+    workload = workload_from_args(args, geom, devices)
     if not wants_max_context(args):
-        plan = solve(geom, devices, req, host=host, staging=staging,
-                     workload=workload_from_args(args, geom, devices))
+        plan = solve(geom, devices, req, host=host, staging=staging, workload=workload)
     else:
         plan = _plan_max_context(geom, devices, req, staging, host,
-                                 keep_chunk=getattr(args, "prefill_min", None) is None)
+                                 keep_chunk=getattr(args, "prefill_min", None) is None,
+                                 workload=workload)
+    if profile and geom.moe_layers and plan.fits:
+        plan = with_hit_rate(plan)
     if plan.fits and plan.request.miss_policy == "auto":
         # the runtime's per-step choice, from the speed model with this host's figures
         cross = plan_crossovers(plan, host_speed_from_args(args, devices))
@@ -82,6 +89,21 @@ def serve_default_plan(geom: ModelGeometry, device: "Device | tuple[Device, ...]
     return replace(pooled, notes=(*pooled.notes, note))
 
 
+def with_hit_rate(plan: Plan) -> Plan:
+    """``plan`` with the predicted hit rate of a decode step of its ``--parallel`` sequences
+    under its request's routing profile (``Request.routing``, :func:`moefit.plan.speed.hit_rate`):
+    with its spread (by the profile) and with the same slots spread evenly, and a note
+    saying both."""
+    geom, slots = plan.geometry, plan.expert_slots
+    route, tokens = Routing(dict(plan.request.routing)), plan.request.slots
+    got = hit_rate(route, dict(plan.experts_per_layer), tokens)
+    even = hit_rate(route, dict(spread_slots(geom, slots)), tokens)
+    step = "a decode step" if tokens == 1 else f"a decode step of {tokens} sequences"
+    note = (f"experts: {slots} slots spread by the routing profile: predicted hit rate "
+            f"{100 * got:.1f}% in {step} (spread evenly: {100 * even:.1f}%)")
+    return replace(plan, hit_rate=got, even_hit_rate=even, notes=(*plan.notes, note))
+
+
 #: the prefill chunk ``--max-context max`` keeps with ``--prefill auto`` (tokens): a default,
 #: long enough that a prompt step's weight reads are shared by many tokens, short enough that
 #: its staging stays small beside a long context's KV cache (Qwen3.5-35B-A3B, YaRN x4, int8 KV
@@ -100,7 +122,7 @@ def max_context_chunk(req: Request) -> int:
 
 def _plan_max_context(geom: ModelGeometry, device, req: Request,
                       staging: StagingModel | None, host: Host | None = None,
-                      keep_chunk: bool = False) -> Plan:
+                      keep_chunk: bool = False, workload: Workload | None = None) -> Plan:
     """``--max-context max``: the plan at the largest context that fits
     (:func:`~moefit.plan.alternatives.largest_context`, to the token, capped at the model's limit
     under the RoPE flags), with a note saying so. ``keep_chunk`` (no ``--prefill-min``): the
@@ -111,9 +133,12 @@ def _plan_max_context(geom: ModelGeometry, device, req: Request,
     (:data:`~moefit.plan.alternatives.SMALLEST_CONTEXT`), with a note saying no context fits: its
     shortfall, the side that is short (a device or the host), the limiting lines and the
     alternatives are those of the least KV cache, not of the model's limit (where the KV
-    cache would hide what is really short)."""
+    cache would hide what is really short). With a ``workload`` and ``--prefill auto``, the
+    plan at that context takes the chunk of the best predicted throughput among those up to
+    the kept one (:mod:`moefit.plan.throughput`: a smaller chunk leaves room for expert
+    slots; a larger one does not fit the context sized at the kept one)."""
     limit, how = context_limit(geom, req)
-    trade = ""
+    trade, asked_min = "", req.prefill_min
     best = largest_context(geom, device, req, staging, host)
     chunk = max_context_chunk(req)
     if keep_chunk and chunk > req.prefill_min and best is not None:
@@ -130,7 +155,12 @@ def _plan_max_context(geom: ModelGeometry, device, req: Request,
                      staging=staging)
         note = f"max-context: max, no context fits: shown at the smallest, {SMALLEST_CONTEXT} token"
         return replace(plan, notes=(note, *plan.notes))
-    plan = solve(geom, device, req.with_(max_context=best), host=host, staging=staging)
+    final = req.with_(max_context=best)
+    if workload is not None and final.prefill_mode == "auto":
+        # every chunk that fits this context (none above the kept one, unless the model's
+        # limit left room), each with the expert slots it leaves
+        final = final.with_(prefill_min=asked_min)
+    plan = solve(geom, device, final, host=host, staging=staging, workload=workload)
     capped = f" (the model's limit, {how})" if best == limit else ""
     note = f"max-context: max, the largest context that fits: {best} tokens{capped}"
     if keep_chunk and req.prefill_min == chunk > CHUNK_GRID:
@@ -167,6 +197,17 @@ def host_speed_from_args(args: argparse.Namespace, devices: tuple[Device, ...]) 
                    source=measured.source + f"; bandwidth {text} from --host-bandwidth")
 
 
+def routing_profile_from_args(args: argparse.Namespace, geom: ModelGeometry
+                              ) -> dict[int, dict[int, int]] | None:
+    """``--routing-profile``'s counts for ``geom`` (:func:`moefit.ingest.inputs.read_routing_profile`),
+    read once: kept on ``args`` as ``routing_counts`` (where ``serve`` puts them when it
+    checks its inputs); None without the flag. Raises InputError for a bad file."""
+    profile = getattr(args, "routing_counts", None)
+    if profile is None and getattr(args, "routing_profile", None):
+        profile = args.routing_counts = read_routing_profile(args.routing_profile, geom)
+    return profile
+
+
 def workload_from_args(args: argparse.Namespace, geom: ModelGeometry,
                        devices: tuple[Device, ...]) -> Workload:
     """The workload the plan's choices are predicted for
@@ -181,9 +222,7 @@ def workload_from_args(args: argparse.Namespace, geom: ModelGeometry,
     decode = getattr(args, "decode_tokens", None)
     if decode is not None and decode < 1:
         raise InputError(f"--decode-tokens {decode}: give at least one token")
-    profile = getattr(args, "routing_counts", None)
-    if profile is None and getattr(args, "routing_profile", None):
-        profile = read_routing_profile(args.routing_profile, geom)
+    profile = routing_profile_from_args(args, geom)
     return Workload(host_speed_from_args(args, devices), getattr(args, "objective", None) or "balanced",
                     prompt, decode or DEFAULT_DECODE_TOKENS, profile)
 

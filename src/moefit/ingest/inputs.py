@@ -342,6 +342,13 @@ def read_routing_profile(path: str | Path, geom) -> dict[int, dict[int, int]]:
     return out
 
 
+def routing_profile_text(counts: dict[int, dict[int, int]]) -> str:
+    """A routing profile ``{layer: {expert: count}}`` (``--record-routing``'s counts) as the
+    JSON :func:`read_routing_profile` reads: decimal keys, layers and experts in order."""
+    doc = {str(l): {str(e): int(c) for e, c in sorted(per.items())} for l, per in sorted(counts.items())}
+    return json.dumps(doc, separators=(",", ":")) + "\n"
+
+
 def _index(key: str) -> int | None:
     """A decimal index ``"12"`` -> 12; None for anything else (``"-1"``, ``"x"``, ``"1e3"``)."""
     return int(key) if isinstance(key, str) and key.isdigit() and key.isascii() and len(key) < 10 else None

@@ -16,6 +16,8 @@ compute). With ``--miss-policy cpu`` (default) misses run on the host and the ar
 
 from __future__ import annotations
 
+from itertools import accumulate
+
 from moefit.ingest.geometry import DTYPE_BYTES, ModelGeometry
 from moefit.memory import cpu_kernels, gpu_kernels
 
@@ -96,17 +98,22 @@ def weight_arena_bytes(geom: ModelGeometry, miss_policy: str, arena_slots: int |
     return ring * expert_slot_bytes(geom)
 
 
-def spread_slots(geom: ModelGeometry, slots: int,
-                 caps: dict[int, int] | None = None) -> tuple[tuple[int, int], ...]:
-    """Spread ``slots`` expert slots evenly over the MoE layers.
+def spread_slots(geom: ModelGeometry, slots: int, caps: dict[int, int] | None = None,
+                 routing: "Chances | None" = None) -> tuple[tuple[int, int], ...]:
+    """Spread ``slots`` expert slots over the MoE layers: evenly, or by ``routing``.
 
-    Each layer gets ``slots // n`` (capped at its expert count, or at ``caps[layer]`` when
-    given: the experts another device has not taken yet); the remainder goes to the
-    earliest layers. Returns ((layer index, slots), ...) in layer order.
+    Even (no ``routing``): each layer gets ``slots // n`` (capped at its expert count, or at
+    ``caps[layer]`` when given: the experts another device has not taken yet); the
+    remainder goes to the earliest layers. By ``routing`` (a routing profile's chances,
+    :func:`routed_order`): the first ``slots`` of the layers' experts in the order of the
+    expected hits each adds per byte, skipping the ``E - caps[layer]`` most used of each
+    layer (those another device took). Returns ((layer index, slots), ...) in layer order.
     """
     layers = geom.moe_layers
     if not layers:
         return ()
+    if routing is not None:
+        return _routed_spread(geom, slots, caps, routing)
     cap = {l.index: l.moe.num_experts if caps is None else caps.get(l.index, 0) for l in layers}
     out = {l.index: 0 for l in layers}
     left = slots
@@ -122,24 +129,92 @@ def spread_slots(geom: ModelGeometry, slots: int,
     return tuple(out.items())
 
 
+#: a routing profile as the planner reads it: per MoE layer (in layer order) the chance that
+#: a token picks each of its experts, most used first (:func:`moefit.plan.speed.routing`)
+Chances = tuple[tuple[int, tuple[float, ...]], ...]
+
+
+#: :func:`routed_order`'s results by the identity of the routing (a plan passes the same
+#: tuple to every call; hashing its thousands of floats each time cost more than the order)
+_ORDERS: dict[int, tuple] = {}
+
+
+def routed_order(routing: Chances, blobs: tuple[tuple[int, int], ...]
+                 ) -> tuple[tuple[tuple[int, int], ...], tuple[int, ...]]:
+    """The greedy order of expert slots under ``routing`` with ``blobs`` (``((layer, blob
+    bytes), ...)``): ((layer, rank), ...), each layer's experts most used first, and the
+    bytes of the first ``n`` slots for every ``n`` (``len(order) + 1`` values).
+
+    Each next slot goes to the layer whose next most used expert adds the most expected
+    hits per byte (``q / blob``; hits per slot when every layer's blob is the same size);
+    ties by rank, then layer, so a uniform profile gives the even spread. Why greedy is
+    optimal: a layer holding its ``n`` most used experts expects ``H_l(n) = sum_{j<n} q_l[j]``
+    resident (token, expert) pairs per token, concave in ``n`` (``q_l`` is sorted most
+    used first), and the total ``sum_l H_l(n_l)`` is separable. With one blob size, the best
+    ``N`` slots are the ``N`` largest ``q_l[j]`` of all layers (any other choice swaps an
+    unchosen larger one in); they are a prefix of every layer's list, i.e. a residency, and
+    the greedy takes exactly them. With mixed blob sizes (GGUF type mixes) the order by
+    hits per byte is the fractional knapsack's, optimal up to the last slot that fits
+    (Dantzig, "Discrete-variable extremum problems", Oper. Res. 5, 1957)."""
+    hit = _ORDERS.get(id(routing))
+    if hit is not None and hit[0] is routing and hit[1] == blobs:
+        return hit[2]
+    if len(_ORDERS) >= 16:
+        _ORDERS.clear()
+    size = dict(blobs)
+    ranked = sorted((-q / size[l], j, l) for l, qs in routing if l in size for j, q in enumerate(qs))
+    order = tuple((l, j) for _, j, l in ranked)
+    out = order, tuple(accumulate((size[l] for l, _ in order), initial=0))
+    _ORDERS[id(routing)] = (routing, blobs, out)     # the entry keeps ``routing`` alive: ids stay unique
+    return out
+
+
+def _blobs_key(geom: ModelGeometry) -> tuple[tuple[int, int], ...]:
+    blobs = geom.expert_blob_bytes()
+    return tuple((l.index, blobs[l.index]) for l in geom.moe_layers)
+
+
+def _routed_spread(geom: ModelGeometry, slots: int, caps: dict[int, int] | None,
+                   routing: Chances) -> tuple[tuple[int, int], ...]:
+    order, _ = routed_order(routing, _blobs_key(geom))
+    out = {l.index: 0 for l in geom.moe_layers}
+    if caps is None:
+        for l, _ in order[:max(0, slots)]:
+            out[l] += 1
+        return tuple(out.items())
+    taken = {l.index: l.moe.num_experts - caps.get(l.index, 0) for l in geom.moe_layers}
+    left = slots
+    for l, j in order:
+        if left <= 0:
+            break
+        if j >= taken[l]:
+            out[l] += 1
+            left -= 1
+    return tuple(out.items())
+
+
 def place_slots(geom: ModelGeometry, rooms: list[int], limit: int,
-                ) -> list[tuple[tuple[int, int], ...]]:
+                routing: Chances | None = None) -> list[tuple[tuple[int, int], ...]]:
     """Expert slots of several devices: each device in turn (the main one first) takes
     the most slots its room (bytes) holds, spread evenly over the layers whose experts
-    the devices before it have not all taken, until ``limit`` slots are placed in all.
-    Returns each device's ``((layer, slots), ...)``, in layer order."""
+    the devices before it have not all taken (by ``routing``: the next most used experts
+    of :func:`routed_order`), until ``limit`` slots are placed in all. Returns each
+    device's ``((layer, slots), ...)``, in layer order."""
     blobs = geom.expert_blob_bytes()
     caps = {l.index: l.moe.num_experts for l in geom.moe_layers}
+    sizes = {blobs[l] for l in caps}
     out, placed = [], 0
     for room in rooms:
         lo, hi = 0, max(0, min(limit - placed, sum(caps.values())))
+        if len(sizes) == 1:        # one blob size: the bytes are slots x blob, directly
+            lo = hi = max(0, min(hi, room // next(iter(sizes))))
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            if sum(n * blobs[l] for l, n in spread_slots(geom, mid, caps)) <= room:
+            if sum(n * blobs[l] for l, n in spread_slots(geom, mid, caps, routing)) <= room:
                 lo = mid
             else:
                 hi = mid - 1
-        counts = spread_slots(geom, lo, caps)
+        counts = spread_slots(geom, lo, caps, routing)
         for l, n in counts:
             caps[l] -= n
         placed += lo
@@ -148,22 +223,35 @@ def place_slots(geom: ModelGeometry, rooms: list[int], limit: int,
 
 
 def expert_cache_bytes(geom: ModelGeometry, slots: int,
-                       blobs: dict[int, int] | None = None) -> int:
-    """Bytes of an expert cache of ``slots`` slots spread by :func:`spread_slots`, each
-    slot the size of its own layer's blob (GGUF files mix quant types layer by layer).
-    ``blobs``: ``geom.expert_blob_bytes()``, when the caller already has it."""
+                       blobs: dict[int, int] | None = None, routing: Chances | None = None) -> int:
+    """Bytes of an expert cache of ``slots`` slots spread by :func:`spread_slots` (evenly,
+    or by ``routing``), each slot the size of its own layer's blob (GGUF files mix quant
+    types layer by layer). ``blobs``: ``geom.expert_blob_bytes()``, when the caller
+    already has it."""
+    if routing is not None and geom.moe_layers:
+        prefix = routed_order(routing, _blobs_key(geom))[1]
+        return prefix[max(0, min(slots, len(prefix) - 1))]
     blobs = geom.expert_blob_bytes() if blobs is None else blobs
     return sum(n * blobs[layer] for layer, n in spread_slots(geom, slots))
 
 
-def most_slots(geom: ModelGeometry, budget: int, floor: int, ceiling: int) -> int:
-    """The most slots in ``[floor, ceiling]`` whose :func:`expert_cache_bytes` fit in
-    ``budget`` bytes (``floor`` when none above it do). One blob size for every layer: a
-    division; else a bisection (the bytes grow with the slot count)."""
+def most_slots(geom: ModelGeometry, budget: int, floor: int, ceiling: int,
+               routing: Chances | None = None) -> int:
+    """The most slots in ``[floor, ceiling]`` whose :func:`expert_cache_bytes` (spread
+    evenly, or by ``routing``) fit in ``budget`` bytes (``floor`` when none above it do).
+    One blob size for every layer: a division; by ``routing``, a search of its bytes
+    (:func:`routed_order`); else a bisection (the bytes grow with the slot count)."""
     blobs = geom.expert_blob_bytes()
     sizes = set(blobs[l.index] for l in geom.moe_layers)
     if len(sizes) == 1:            # one blob size: the bytes are slots x blob, directly
         return max(floor, min(ceiling, budget // sizes.pop()))
+    if routing is not None:        # the bytes of the first n slots of the order, ascending
+        prefix = routed_order(routing, _blobs_key(geom))[1]
+        lo, hi = floor, min(ceiling, len(prefix) - 1)
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if prefix[mid] <= budget else (lo, mid - 1)
+        return lo
     lo, hi = floor, ceiling
     while lo < hi:
         mid = (lo + hi + 1) // 2

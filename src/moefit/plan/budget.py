@@ -23,7 +23,8 @@ def solve_budget(geom: ModelGeometry, devices: tuple[Device, ...], req: Request,
                  workload=None) -> Plan:
     """The plan of ``geom`` on ``devices`` (the main one first) for ``req``, with its host
     table (``host`` None: priced, not checked), and no alternatives: the arguments and
-    errors of :func:`moefit.plan.solver.solve` (``workload``: one device only)."""
+    errors of :func:`moefit.plan.solver.solve` (``workload``: one device, or the expert
+    split of several)."""
     validate(req)
     context = resolve_context(geom, req)
     notes: list[str] = [*geom.notes, *rope_notes(geom, req)]
@@ -33,7 +34,7 @@ def solve_budget(geom: ModelGeometry, devices: tuple[Device, ...], req: Request,
     if len(devices) == 1:
         plan = solve_one(geom, devices[0], req, context, notes, staging, workload)
     else:
-        plan = solve_several(geom, devices, req, context, notes, staging)
+        plan = solve_several(geom, devices, req, context, notes, staging, workload)
     plan = with_host(plan, host)
     return plan
 

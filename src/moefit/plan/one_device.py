@@ -7,7 +7,9 @@ Rules (docs/design.md, solving), for one device with ``free`` bytes:
 2. Give the expert cache its floor (``--min-expert-cache``, default 0 slots; misses run
    on the CPU), or exactly ``--expert-cache N`` slots when pinned.
 3. If mandatory + floor fits, the expert cache gets the rest, in whole slots, capped at
-   all experts, spread evenly over the MoE layers.
+   all experts, spread evenly over the MoE layers, or with a routing profile
+   (``Request.routing``) by the expected hits each slot adds
+   (:func:`moefit.memory.weights.routed_order`).
 4. Otherwise, if the chunk may shrink (``--prefill auto``, or ``--prefill N`` without
    ``--strict``), take the largest chunk on the 256-token grid, not below
    ``--prefill-min``, that fits. Every chunk-dependent line is ``min`` of affine pieces in
@@ -107,7 +109,7 @@ def price(geom: ModelGeometry, device: Device, req: Request, context: int,
         weights=weights_bytes(geom, device.kind) - embed_off,
         arena=weight_arena_bytes(geom, req.miss_policy, req.arena_slots),
         margin=margin,
-        floor_bytes=expert_cache_bytes(geom, floor_slots),
+        floor_bytes=expert_cache_bytes(geom, floor_slots, routing=req.routing),
         slot_bytes=slot,
         staging_const=stage.const_bytes,
         staging_per_token=stage.per_token_bytes,
@@ -151,24 +153,25 @@ def clamp_note(req: Request, requested: int, chunk: int, notes: list[str], cost:
 
 
 def _slots_at(geom: ModelGeometry, priced: Priced, free: int, chunk: int, floor: int,
-              ceiling: int) -> int:
+              ceiling: int, routing=None) -> int:
     """The expert slots beside a ``chunk``-token chunk that fits: what the mandatory lines
-    leave, in whole slots within ``[floor, ceiling]``."""
+    leave, in whole slots within ``[floor, ceiling]`` (spread by ``routing``:
+    :attr:`Request.routing <moefit.plan.request.Request.routing>`)."""
     if not priced.slot_bytes:
         return floor
-    return most_slots(geom, priced.floor_bytes + free - priced.cost(chunk), floor, ceiling)
+    return most_slots(geom, priced.floor_bytes + free - priced.cost(chunk), floor, ceiling, routing)
 
 
-def _by_throughput(geom: ModelGeometry, device: Device, req: Request, context: int,
-                   priced: Priced, free: int, lowest: int, top: int, top_slots: int,
-                   floor: int, ceiling: int, workload) -> tuple[int, int, str] | None:
+def by_throughput(geom: ModelGeometry, device: Device, req: Request, context: int,
+                  lowest: int, top: int, top_slots: int, slots_at,
+                  workload) -> tuple[int, int, str] | None:
     """``--prefill auto`` with a workload (:mod:`moefit.plan.throughput`): the (chunk,
-    slots, note) of the best predicted throughput among the chunks from ``lowest`` to
-    ``top`` (the largest that fits, with ``top_slots``), each with the slots it leaves;
-    None when ``top`` is best or nothing is predicted (a device without figures)."""
+    slots, note) of the best predicted throughput on ``device`` (the main one) among the
+    chunks from ``lowest`` to ``top`` (the largest that fits, with ``top_slots``), each
+    with the expert slots it leaves (``slots_at(chunk)``: in all, on every device); None
+    when ``top`` is best or nothing is predicted (a device without figures)."""
     chunks = throughput.candidate_chunks(lowest, top, CHUNK_GRID)
-    cands = [(c, top_slots if c == top else _slots_at(geom, priced, free, c, floor, ceiling))
-             for c in chunks]
+    cands = [(c, top_slots if c == top else slots_at(c)) for c in chunks]
     rates = throughput.throughputs(geom, device, req, context, workload, cands)
     if rates is None:
         return None
@@ -210,11 +213,12 @@ def solve_one(geom: ModelGeometry, device: Device, req: Request, context: int,
     # step 3 only: a clamped chunk took everything, the expert cache stays at its floor
     # (this also keeps "more VRAM never gives fewer slots" true)
     if fits and not clamped:
-        slots = _slots_at(geom, priced, free, chunk, floor, ceiling)
+        slots = _slots_at(geom, priced, free, chunk, floor, ceiling, req.routing)
     chosen = None
     if fits and workload is not None and req.prefill_mode == "auto" and geom.moe_layers:
-        chosen = _by_throughput(geom, device, req, context, priced, free, min(lowest, chunk),
-                                chunk, slots, floor, ceiling, workload)
+        chosen = by_throughput(geom, device, req, context, min(lowest, chunk), chunk, slots,
+                               lambda c: _slots_at(geom, priced, free, c, floor, ceiling, req.routing),
+                               workload)
     if chosen is not None:
         shown_chunk, slots, note = chosen
         chunk = shown_chunk
@@ -228,7 +232,7 @@ def solve_one(geom: ModelGeometry, device: Device, req: Request, context: int,
             cost = throughput.clamp_cost((rates[0][0], rates[1][0])) if rates else ""
         clamp_note(req, requested, chunk, notes, cost)
     lines = device_lines(geom, device, req, context, shown_chunk, priced, slots)
-    per_layer = spread_slots(geom, slots)
+    per_layer = spread_slots(geom, slots, routing=req.routing)
     dplan = DevicePlan(device, lines, experts_per_layer=per_layer)
     plan = Plan(
         fits=fits, geometry=geom, request=req, context=context, devices=(dplan,),
@@ -277,7 +281,7 @@ def device_lines(geom: ModelGeometry, device: Device, req: Request, context: int
         slots = sum(n for _, n in counts)
         experts_bytes = sum(n * blobs[l] for l, n in counts)
     else:
-        experts_bytes = expert_cache_bytes(geom, slots)
+        experts_bytes = expert_cache_bytes(geom, slots, routing=req.routing)
     pool = pool_cells(context, req.slots, req.kv_pool)
     kv = kv_bytes(geom, fmt, context, req.slots, chunk, pool)
     seq_word = "sequence" if req.slots == 1 else "sequences"

@@ -17,9 +17,14 @@ JSON document (sizes are integer bytes, lengths integer tokens)::
                "mapped_bytes", "embed_on_host",
                "lines": [{"key", "bytes", "detail"}, ...], "planned_bytes", "unassigned_bytes"},
       "prefill": {"requested", "selected", "clamped", "mode", "strict"},
-      "experts": {"slots", "total", "slot_bytes", "per_layer": [{"layer", "slots"}]},
+      "experts": {"slots", "total", "slot_bytes", "per_layer": [{"layer", "slots"}],
+                  # with --routing-profile: a decode step's predicted hit rate, the plan's
+                  # spread (by the profile) and the same slots spread evenly
+                  "predicted_hit_rate", "even_hit_rate"},
       "notes": [...],
       "speed": {"policy", "sources": [...],          # null: no figures for the device
+                "miss_crossover": [{"tokens", "layers": [...]}],   # tokens per missing expert
+                                   # from which copying beats the host there (null: never)
                 "prefill": {"tokens_per_s", "bound", "tokens", "position", "chunk",
                             "copied_layers", "by_kind": [{"kind", "layers", "seconds", "bound"}]},
                 "decode": {... the same}},
@@ -38,6 +43,7 @@ version 2 later: a reader of the older fields is not affected.
 from __future__ import annotations
 
 import json
+import math
 
 from moefit.memory.weights import expert_slot_bytes
 from moefit.ingest.resolve import format_params
@@ -149,7 +155,22 @@ def format_speed_verbose(speed, context_word: str = "chunk") -> list[str]:
         for kind, n, secs, bound in pred.by_kind:
             shown = f"{secs:.2f} s" if secs >= 1 else f"{secs * 1e3:.2f} ms"
             out.append(f"    {kind:<16} {n:>3} layers {shown:>11}   {bound}")
+    out += format_crossover(speed.crossover)
     out += [f"  figures: {s}" for s in speed.sources]
+    return out
+
+
+def format_crossover(crossover) -> list[str]:
+    """``-v``'s miss-policy crossover: per value, the tokens per missing expert from which
+    copying it to the device beats computing it on the host, and the MoE layers it holds
+    for (:func:`moefit.plan.speed.crossover`); nothing for another engine's plan."""
+    if not crossover:
+        return []
+    out = ["  miss crossover (copy a missing expert rather than compute it on the host from):"]
+    for tokens, layers in crossover_groups(crossover):
+        what = ("never: host and device are one memory" if math.isinf(tokens) else
+                f"{tokens:.1f} tokens per missing expert")
+        out.append(f"    {what}   ({len(layers)} MoE layer{'s' if len(layers) != 1 else ''})")
     return out
 
 
@@ -168,8 +189,21 @@ def speed_document(speed) -> dict | None:
                 "by_kind": [{"kind": k, "layers": n, "seconds": s, "bound": b}
                             for k, n, s, b in p.by_kind]}
 
-    return {"policy": speed.policy, "prefill": one(speed.prefill), "decode": one(speed.decode),
-            "sources": list(speed.sources)}
+    doc = {"policy": speed.policy, "prefill": one(speed.prefill), "decode": one(speed.decode),
+           "sources": list(speed.sources)}
+    if speed.crossover:      # moefit's plans: the layers of each value; null: copying never pays
+        doc["miss_crossover"] = [{"tokens": None if math.isinf(t) else t, "layers": layers}
+                                 for t, layers in crossover_groups(speed.crossover)]
+    return doc
+
+
+def crossover_groups(crossover) -> list[tuple[float, list[int]]]:
+    """:attr:`~moefit.plan.speed.Speed.crossover` grouped: (tokens, [MoE layers]), the
+    smallest crossover first."""
+    groups: dict[float, list[int]] = {}
+    for layer, tokens in crossover:
+        groups.setdefault(tokens, []).append(layer)
+    return sorted(groups.items())
 
 
 def format_table(plan: Plan, speed=None, alt_speeds=()) -> str:
@@ -286,6 +320,9 @@ def plan_document(plan: Plan, speed=None, alt_speeds=()) -> dict:
     }
     if plan.pool_cells is not None:       # --kv-pool: cells shared by the slots
         doc["kv_pool"] = {"cells": plan.pool_cells, "slots": r.slots, "context": plan.context}
+    if plan.hit_rate is not None:       # a routing profile: the spread's predicted hits
+        doc["experts"]["predicted_hit_rate"] = plan.hit_rate
+        doc["experts"]["even_hit_rate"] = plan.even_hit_rate
     if not plan.fits:
         doc["shortfall_bytes"] = plan.shortfall_bytes
         doc["short_on"] = plan.short_on

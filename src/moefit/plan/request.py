@@ -68,6 +68,11 @@ class Request:
     host_reserve_bytes: int | None = None
     #: several devices: ``auto``, ``experts`` or ``layers`` (docs/design.md, several devices)
     split: Literal["auto", "experts", "layers"] = "auto"
+    #: ``--routing-profile`` as the spread reads it: per MoE layer the chance that a token
+    #: picks each expert, most used first (:func:`moefit.plan.speed.routing_chances`); the
+    #: expert slots then go where they add the most expected hits
+    #: (:func:`moefit.memory.weights.routed_order`). None: spread evenly.
+    routing: tuple[tuple[int, tuple[float, ...]], ...] | None = None
 
     def with_(self, **changes) -> "Request":
         return replace(self, **changes)

@@ -22,8 +22,8 @@ from moefit.memory.runtime import default_reserve_bytes, runtime_bytes
 from moefit.memory.staging import StagingModel, expert_staging_model, staging_model
 from moefit.memory.weights import (expert_cache_bytes, expert_slot_bytes, most_slots, place_slots,
                                    spread_slots, weight_arena_bytes)
-from moefit.plan.one_device import (Priced, chunk_target, clamp_note, device_lines, floor_ceiling,
-                                    grid_floor, price)
+from moefit.plan.one_device import (Priced, by_throughput, chunk_target, clamp_note, device_lines,
+                                    floor_ceiling, grid_floor, price)
 from moefit.plan.request import CHUNK_GRID, Request
 from moefit.plan.types import LINE_ORDER, DevicePlan, Line, Plan, limiting_lines
 from moefit.units import format_bytes
@@ -36,17 +36,18 @@ LAYER_SPLIT_NOTE = "planned only: moefit serve and generate run the expert split
 
 
 def solve_several(geom: ModelGeometry, devices: tuple[Device, ...], req: Request, context: int,
-                  notes: list[str], staging: StagingModel | None) -> Plan:
+                  notes: list[str], staging: StagingModel | None, workload=None) -> Plan:
     """The expert split and the layer split (docs/design.md, several devices), by
     ``--split``; with ``auto`` the one that fits with more expert slots (the expert split
     on a tie, or when neither fits), and a note saying why. A dense model has no experts
     to spread: ``auto`` keeps it on the main device when it fits there (the expert split,
-    the other devices left out), else places its layers."""
+    the other devices left out), else places its layers. ``workload``: the expert split's
+    ``--prefill auto`` chunk by predicted throughput (:func:`_expert_split`)."""
     if req.split == "experts":
-        return _expert_split(geom, devices, req, context, list(notes), staging)
+        return _expert_split(geom, devices, req, context, list(notes), staging, workload)
     if req.split == "layers":
         return _layer_split(geom, devices, req, context, list(notes))
-    by_experts = _expert_split(geom, devices, req, context, list(notes), staging)
+    by_experts = _expert_split(geom, devices, req, context, list(notes), staging, workload)
     by_layers = _layer_split(geom, devices, req, context, list(notes))
     ts = "-ts " + ",".join(str(d.device.free_bytes >> 20) for d in by_layers.devices)
     ranges = ", ".join(f"{d.device.label}: {_layer_range(d.layers)}" for d in by_layers.devices)
@@ -154,7 +155,7 @@ def _pick_chunk(priced: list[Priced], devices: tuple[Device, ...], target: int, 
 
 
 def _expert_split(geom: ModelGeometry, devices: tuple[Device, ...], req: Request, context: int,
-                  notes: list[str], staging: StagingModel | None) -> Plan:
+                  notes: list[str], staging: StagingModel | None, workload=None) -> Plan:
     """Dense weights, KV cache and staging on the main device; expert slots on every
     device, the main one first (:func:`moefit.memory.weights.place_slots`).
 
@@ -163,12 +164,16 @@ def _expert_split(geom: ModelGeometry, devices: tuple[Device, ...], req: Request
     own runtime, staging and margin, or not one expert slot above them, is left out (its
     lines are 0, a note says why) rather than failing the plan. A clamped chunk leaves the
     main device's expert cache at its share of the floor, as on one device; the other
-    devices fill their slots all the same."""
+    devices fill their slots all the same. With a ``workload``, ``--prefill auto`` takes
+    the chunk of the best predicted throughput among those that fit, each with the slots
+    all the devices then hold (:func:`moefit.plan.one_device.by_throughput`, on the main
+    device's figures: the slots of the others count as resident, as in
+    :func:`moefit.plan.speed.predict_plan`)."""
     floor, ceiling = floor_ceiling(geom, req)
     priced = [price(geom, devices[0], req, context, 0, staging)]
     priced += [_price_expert_device(geom, d, req) for d in devices[1:]]
     requested, target, may_shrink, lowest = chunk_target(req, context, notes)
-    floor_bytes = expert_cache_bytes(geom, floor)
+    floor_bytes = expert_cache_bytes(geom, floor, routing=req.routing)
     blobs = geom.expert_blob_bytes()
 
     def rooms(c: int) -> list[int]:
@@ -188,28 +193,41 @@ def _expert_split(geom: ModelGeometry, devices: tuple[Device, ...], req: Request
         r = rooms(c)
         if r[0] < 0:
             return False
-        return not floor or placed(place_slots(geom, usable(r), floor)) >= floor
+        return not floor or placed(place_slots(geom, usable(r), floor, req.routing)) >= floor
+
+    def filled(c: int):
+        """Every device's slots beside a chunk of ``c`` tokens that fits, filled."""
+        return place_slots(geom, [max(0, r) for r in usable(rooms(c))], ceiling, req.routing)
+
+    def floor_kept(c: int):
+        """A clamped chunk: the main device keeps its share of the floor (as one device
+        does), the others hold what theirs hold."""
+        avail = [max(0, r) for r in usable(rooms(c))]
+        first = place_slots(geom, avail, floor, req.routing)
+        avail[0] = sum(n * blobs[l] for l, n in first[0])
+        counts = place_slots(geom, avail, ceiling, req.routing)
+        return first if placed(counts) < floor else counts   # never fewer than the floor checked
 
     chunk = _pick_chunk(priced[:1], devices[:1], target, lowest, may_shrink, ok)
     fits = chunk >= 0
+    chosen = None
+    if fits and workload is not None and req.prefill_mode == "auto" and geom.moe_layers:
+        top = floor_kept(chunk) if chunk < target else filled(chunk)
+        chosen = by_throughput(geom, devices[0], req, context, min(lowest, chunk), chunk,
+                               placed(top), lambda c: placed(filled(c)), workload)
+    if chosen is not None:
+        chunk, _, note = chosen
+        notes.append(note)
     shown = chunk if fits else lowest
     clamped = fits and chunk < target
-    if clamped:
+    if clamped and chosen is None:
         clamp_note(req, requested, chunk, notes)
-    room = usable(rooms(shown))
-    avail = [max(0, r) for r in room]
     if not fits:
-        counts = place_slots(geom, avail, floor)
-    elif clamped:
-        # the clamped chunk took the main device's room: it keeps its share of the floor
-        # (as one device does), the others hold what theirs hold
-        first = place_slots(geom, avail, floor)
-        avail[0] = sum(n * blobs[l] for l, n in first[0])
-        counts = place_slots(geom, avail, ceiling)
-        if placed(counts) < floor:      # never fewer than the floor that was checked
-            counts = first
+        counts = place_slots(geom, [max(0, r) for r in usable(rooms(shown))], floor, req.routing)
+    elif clamped and chosen is None:
+        counts = floor_kept(shown)       # the clamped chunk took the main device's room
     else:
-        counts = place_slots(geom, avail, ceiling)
+        counts = filled(shown)
     dplans = []
     total_e = geom.total_experts
     for i, (d, p, per) in enumerate(zip(devices, priced, counts)):
@@ -349,8 +367,8 @@ def _layer_split(geom: ModelGeometry, devices: tuple[Device, ...], req: Request,
     ranges = layer_ranges(geom.num_layers, [d.free_bytes for d in devices])
     per_w, glob_w = _weight_shares(geom)
     embed_dev, _ = host_memory.embed_on_host(geom)
-    floor_split = dict(spread_slots(geom, floor))
-    ceil_split = dict(spread_slots(geom, ceiling))
+    floor_split = dict(spread_slots(geom, floor, routing=req.routing))
+    ceil_split = dict(spread_slots(geom, ceiling, routing=req.routing))
     blobs = geom.expert_blob_bytes()
     subs, priced, bounds = [], [], []
     for i, (d, (a, b)) in enumerate(zip(devices, ranges)):
@@ -369,7 +387,7 @@ def _layer_split(geom: ModelGeometry, devices: tuple[Device, ...], req: Request,
         priced.append(Priced(
             runtime=runtime_bytes(d), weights=weights,
             arena=weight_arena_bytes(sub, req.miss_policy, req.arena_slots), margin=margin,
-            floor_bytes=expert_cache_bytes(sub, lo, blobs), slot_bytes=expert_slot_bytes(sub),
+            floor_bytes=expert_cache_bytes(sub, lo, blobs, req.routing), slot_bytes=expert_slot_bytes(sub),
             staging_const=stage.const_bytes, staging_per_token=stage.per_token_bytes,
             kv_pieces=tuple(kv_chunk_pieces(sub, fmt, context, req.slots,
                                             pool_cells(context, req.slots, req.kv_pool)))))
@@ -388,8 +406,8 @@ def _layer_split(geom: ModelGeometry, devices: tuple[Device, ...], req: Request,
     for i, (d, p, sub, (lo, hi), r) in enumerate(zip(devices, priced, subs, bounds, ranges)):
         n = lo
         if fits and not clamped and p.slot_bytes:
-            n = most_slots(sub, p.floor_bytes + d.free_bytes - p.cost(chunk), lo, hi)
-        per = spread_slots(sub, n)
+            n = most_slots(sub, p.floor_bytes + d.free_bytes - p.cost(chunk), lo, hi, req.routing)
+        per = spread_slots(sub, n, routing=req.routing)
         counts.append(per)
         lines = device_lines(sub, d, req, context, shown, p, 0, per) if sub.layers else tuple(
             Line(k, p.runtime if k == "runtime" else p.margin if k == "margin" else 0)

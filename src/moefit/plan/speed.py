@@ -140,6 +140,29 @@ def routing(geom: ModelGeometry, profile: dict[int, dict[int, int]] | None = Non
     return Routing(out)
 
 
+def routing_chances(geom: ModelGeometry, profile: dict[int, dict[int, int]]
+                    ) -> tuple[tuple[int, tuple[float, ...]], ...]:
+    """A routing profile as the planner's spread reads it
+    (:attr:`moefit.plan.request.Request.routing`): :func:`routing`'s chances per MoE layer,
+    in layer order."""
+    return tuple(sorted(routing(geom, profile).chances.items()))
+
+
+def hit_rate(route: Routing, resident: dict[int, int], tokens: int = 1) -> float:
+    """The predicted expert hit rate of a step of ``tokens`` tokens with ``resident`` slots
+    per MoE layer holding each layer's most used experts: the expected resident experts
+    the step uses over the expected experts it uses, summed over the layers (the runtime
+    counts a hit or a miss once per expert per layer and step: ``ExpertCache.lookup``; over
+    many steps its hits / (hits + misses) tends to this ratio of expectations). A decode
+    step of one sequence (``tokens`` 1): ``sum_l sum_{j < n_l} q_l[j] / sum_l k_l``. 0.0
+    for a model without MoE layers."""
+    hits = used = 0.0
+    for layer in route.chances:
+        r, m, _, _ = route.expected(layer, resident.get(layer, 0), tokens)
+        hits, used = hits + r, used + r + m
+    return hits / used if used else 0.0
+
+
 # ---- one layer, one step ---------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -476,6 +499,10 @@ class Speed:
     decode: Prediction
     policy: str
     sources: tuple[str, ...] = field(default_factory=tuple)
+    #: per MoE layer the miss policy's :func:`crossover` on these figures ((layer index,
+    #: tokens per missing expert from which copying it beats computing it on the host;
+    #: ``math.inf``: never)), whatever the policy; empty for another engine's plan
+    crossover: tuple[tuple[int, float], ...] = ()
 
 
 def prefill_steps(context: int, chunk: int, prompt_tokens: int | None, policy: str,
@@ -562,16 +589,19 @@ def predict_plan(plan, host: HostSpeed, *, prompt_tokens: int | None = None,
     """The predicted speed of a solved moefit ``plan`` (:class:`~moefit.plan.types.Plan`)
     at its context, chunk, sequences, expert slots and miss policy (or ``policy``), on its
     main device's figures (several devices: the expert slots of all of them count as
-    resident; the transfers between devices are not priced). None when the main device
-    has no figures (:func:`rates_for`)."""
+    resident; the transfers between devices are not priced), with each MoE layer's
+    :func:`crossover` (:attr:`Speed.crossover`). None when the main device has no figures
+    (:func:`rates_for`)."""
     rates = rates_for(plan.devices[0].device, host)
     if rates is None:
         return None
     r = plan.request
-    return predict(plan.geometry, rates, kv_format(r.kv), dict(plan.experts_per_layer),
-                   context=plan.context, chunk=plan.prefill_selected, seqs=r.slots,
-                   policy=policy or r.miss_policy, prompt_tokens=prompt_tokens, profile=profile,
-                   pool=plan.pool_cells)
+    speed = predict(plan.geometry, rates, kv_format(r.kv), dict(plan.experts_per_layer),
+                    context=plan.context, chunk=plan.prefill_selected, seqs=r.slots,
+                    policy=policy or r.miss_policy, prompt_tokens=prompt_tokens, profile=profile,
+                    pool=plan.pool_cells)
+    cross = tuple(sorted(miss_crossovers(plan.geometry, rates).items()))
+    return replace(speed, crossover=cross)
 
 
 #: llama.cpp's cache types (K, V) as moefit's KV formats of the same bytes per value

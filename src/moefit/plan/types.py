@@ -179,6 +179,11 @@ class Plan:
     #: step copies the layer's misses ((layer index, tokens), :func:`moefit.plan.speed.miss_crossovers`
     #: with the plan's host figures); empty: the runtime computes them with the default host's
     miss_crossover: tuple[tuple[int, float], ...] = ()
+    #: with a routing profile (``request.routing``): the predicted expert hit rate of a
+    #: decode step (:func:`moefit.plan.speed.hit_rate`) with the plan's spread, and with the
+    #: same slots spread evenly; None without a profile
+    hit_rate: float | None = None
+    even_hit_rate: float | None = None
 
     @property
     def total_experts(self) -> int:

@@ -303,6 +303,16 @@ class Engine:
         return self.model.experts.report() if self.model.experts else {
             "layers": {}, "hits": 0, "misses": 0, "hit_rate": 0.0, "host_steps": 0, "copied_steps": 0}
 
+    def record_routing(self) -> None:
+        """Count the routing of every step from now on (:meth:`routing_counts`)."""
+        if self.model.experts is not None:
+            self.model.experts.start_recording()
+
+    def routing_counts(self) -> dict[int, dict[int, int]]:
+        """The routing recorded since :meth:`record_routing`: ``{layer: {expert: times
+        routed}}``, the ``--routing-profile`` format (empty for a dense model)."""
+        return self.model.experts.routing_counts() if self.model.experts else {}
+
     def report(self) -> str:
         """The ledger tables (planned / allocated / peak per line): every device, then the
         host."""

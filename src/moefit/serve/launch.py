@@ -43,8 +43,9 @@ from pathlib import Path
 
 from moefit.errors import EXIT_ALLOC, EXIT_INPUT, EXIT_NOFIT, EXIT_OK, EXIT_OTHER, InputError
 from moefit.flags import plan_from_args, runnable_devices, serve_default_plan
-from moefit.ingest.inputs import is_gguf_file, read_routing_profile
+from moefit.ingest.inputs import is_gguf_file, read_routing_profile, routing_profile_text
 from moefit.ingest.resolve import load_model
+from moefit.outputs import write_text_atomic, writable_file
 from moefit.plan.report import format_table
 from moefit.serve.gguf_text import text_from_gguf
 from moefit.serve.text import GenerationDefaults, Tokenizer
@@ -70,6 +71,8 @@ def prepare(args: argparse.Namespace, serving: bool = False):
     if not gguf and not geom.exact:
         raise InputError(f"{model}: no *.safetensors files; the runtime needs the weights")
     devices = runnable_devices(args)
+    if getattr(args, "record_routing", None):      # written at the end: its folder checked now
+        writable_file(args.record_routing, f"--record-routing {args.record_routing}")
     if getattr(args, "routing_profile", None):      # checked with the other inputs
         args.routing_counts = read_routing_profile(args.routing_profile, geom)
     plan = plan_from_args(geom, devices, args)
@@ -90,6 +93,20 @@ def prepare(args: argparse.Namespace, serving: bool = False):
     if gguf and tokenizer is None:                 # else the file's own metadata (llama.cpp keys)
         tokenizer, defaults = text_from_gguf(model)
     return plan, tokenizer, defaults, None
+
+
+def save_routing(args: argparse.Namespace, engine) -> None:
+    """``--record-routing FILE``: write the routing ``engine`` recorded (every routed
+    (token, expert) pair since the commit) as a ``--routing-profile`` file, replaced whole
+    (:func:`moefit.outputs.write_text_atomic`), and say so on the table's stream."""
+    path = getattr(args, "record_routing", None)
+    if not path or engine is None:
+        return
+    counts = engine.routing_counts()
+    write_text_atomic(Path(path).expanduser(), routing_profile_text(counts))
+    pairs = sum(sum(per.values()) for per in counts.values())
+    _say(f"routing: {pairs} routed (token, expert) pairs in {len(counts)} MoE layers written "
+         f"to {path} (plan with it: --routing-profile {path})", args.table_to)
 
 
 def layer_split_refusal(geom, devices, args: argparse.Namespace, plan, gguf: bool) -> str:
@@ -130,6 +147,8 @@ def commit(args: argparse.Namespace, plan):
     except InputError as e:
         _say(f"moefit: error: {e}", sys.stderr)
         return None, EXIT_INPUT
+    if getattr(args, "record_routing", None):
+        engine.record_routing()
     for note in engine.notes:
         if note != "READY":
             _say(note, args.table_to)
@@ -351,6 +370,8 @@ def _serve(args: argparse.Namespace) -> int:
         server.stop_signal = getattr(e, "signal", signal.SIGINT)
     finally:
         state.stopping.set()         # a worker still running stops at its next token
+    if not loader.is_alive():
+        save_routing(args, state.engine)
     if loader.is_alive():            # stopped while committing: do not wait for the load
         sig = signal.Signals(server.stop_signal)
         _say(f"moefit: interrupted ({sig.name}) while committing the plan; nothing was served",
@@ -442,6 +463,7 @@ def generate(args: argparse.Namespace) -> int:
         return EXIT_ALLOC
     end = time.perf_counter()
     sys.stdout.write("\n")
+    save_routing(args, engine)
     decode = f", decode {(n - 1) / (end - first):.1f} tokens/s" if n > 1 else ""
     stats = engine.expert_stats()
     _say(f"prompt {len(ids)} tokens in {first - t0:.2f} s ({len(ids) / (first - t0):.1f} tokens/s)"

@@ -307,11 +307,13 @@ class LeanStep:
 
     def applies(self, segs) -> bool:
         """Whether this step of segments ``segs`` runs here: one token per segment, at most
-        :data:`MAX_TOKENS`, and every MoE layer's experts on the CPU
+        :data:`MAX_TOKENS`, not recording the routing, and every MoE layer's experts on the CPU
         (:func:`moefit.runtime.moe.batch.applies`, asked once per token count and residency)."""
         if self.why is not None or len(segs) > MAX_TOKENS or any(sg.length != 1 for sg in segs):
             return False
         t, ec = len(segs), self.mdl.experts
+        if ec is not None and ec.routed is not None:    # recording routes in Python (moe/layer.py)
+            return False
         key = (t, ec.version if ec is not None else 0)
         ok = self._applies.get(key)
         if ok is None:

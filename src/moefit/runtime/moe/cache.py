@@ -23,6 +23,11 @@ A routed expert that is resident is a *hit* and runs on the device from its slot
 Hits and misses are counted per layer, once per expert per forward call (an expert that
 serves several tokens of a chunk is one load).
 
+Recording (``--record-routing``, :meth:`ExpertCache.start_recording`): every routed
+(token, expert) pair is counted per layer and expert, the counts of a routing profile
+(:meth:`ExpertCache.routing_counts`; the lean decode step, which routes in C, stands
+aside while recording).
+
 Several devices (docs/design.md, several devices): a layer's slots may lie on several
 devices (``slot_device``). An expert in a slot of another device than the main one runs
 there: its tokens are copied into that device's workspace (``workspaces[k]``, the
@@ -142,6 +147,9 @@ class ExpertCache:
         self.workspaces = workspaces or [None]
         self.pieces = pieces or [0]
         self.stats = {l: LayerStats() for l in host.experts}
+        #: while recording: per MoE layer the times each expert was routed to (int64 [E], on
+        #: the device the routing ran on); None when not recording
+        self.routed: dict[int, torch.Tensor] | None = None
         # layer -> OrderedDict(expert -> slot index), least recently used first
         self.resident: dict[int, OrderedDict[int, int]] = {}
         for layer, count in host.experts.items():
@@ -201,6 +209,27 @@ class ExpertCache:
         if nxt is not None and not (self.miss_policy == "auto" and tokens < self.crossover.get(nxt, math.inf)):
             after = (nxt, [e for e in self.last_used.get(nxt, []) if e not in self.resident[nxt]])
         self.ring.plan(layer, [e for e in used if e not in res], after)
+    def start_recording(self) -> None:
+        """Count every routed (token, expert) pair from now on (:meth:`record`)."""
+        if self.routed is None:
+            self.routed = {}
+
+    def record(self, layer: int, ids: torch.Tensor) -> None:
+        """Add the step's routing ``ids`` (int64 ``[T, k]``) of ``layer`` to the counts
+        (one per pair; on the device, no host sync)."""
+        counts = torch.bincount(ids.reshape(-1), minlength=self.host.experts[layer])
+        have = self.routed.get(layer)
+        self.routed[layer] = counts if have is None else have.add_(counts)
+
+    def routing_counts(self) -> dict[int, dict[int, int]]:
+        """The recorded counts as a routing profile ``{layer: {expert: count}}`` (every MoE
+        layer, every expert; zeros for what was never routed or before recording)."""
+        out = {}
+        for layer, count in self.host.experts.items():
+            have = (self.routed or {}).get(layer)
+            values = have.tolist() if have is not None else [0] * count
+            out[layer] = {e: int(c) for e, c in enumerate(values)}
+        return out
 
     def num_slots(self, layer: int) -> int:
         return len(self.slots.get(layer, []))

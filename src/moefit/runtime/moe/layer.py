@@ -80,6 +80,8 @@ def moe_layer(mdl: ForwardState, l: LayerSpec, lw: LayerWeights, x: torch.Tensor
                 route_topk_softmax(logits, k, ws, w, ids)
             else:
                 route(logits, k, mdl.arch.renormalize, ws, w, ids)
+        if mdl.experts is not None and mdl.experts.routed is not None:
+            mdl.experts.record(l.index, ids)      # --record-routing
         if mdl.experts is not None and mdl.experts.miss_policy == "auto":
             mdl.experts.decide(l.index, ids)      # this step's misses: on the host, or copied
         with record_function(f"moe L{l.index} compute"):     # a profile trace's range
