@@ -3,10 +3,13 @@
 Every number the page shows is an element with ``data-path`` (where it is in
 ``/v1/budget``) and ``data-value``; the checks read the page's numbers back and compare
 them with the document: the value at the path, the text as ``moefit.units.format_bytes``
-writes bytes, rates in percent to one decimal. Without a browser the page's own render
-script runs in V8 (mini-racer) on the server's document; with Chromium installed, headless
-Chromium loads the page from a served app, runs its script, and the DOM and a screenshot
-are checked (``MOEFIT_PAGE_SCREENSHOT=docs/budget-page.png`` keeps the screenshot there).
+writes bytes, rates in percent to one decimal; the shared KV pool's bar has its cells'
+shares (reserved, held by idle slots, free). The server has four slots over a pool of two
+contexts, after two requests; one without a pool shows no pool section. Without a browser
+the page's own render script runs in V8 (mini-racer) on the server's document; with
+Chromium installed, headless Chromium loads the page from a served app, runs its script,
+and the DOM and a screenshot are checked (``MOEFIT_PAGE_SCREENSHOT=docs/budget-page.png``
+keeps the screenshot there).
 """
 
 from __future__ import annotations
@@ -40,15 +43,23 @@ BYTE_FIELDS = {"planned", "allocated", "peak", "used_peak", "capacity_bytes", "l
                "free_bytes", "margin_bytes"}
 
 
-@pytest.fixture(scope="module")
-def state(tmp_path_factory):
-    d = tmp_path_factory.mktemp("page")
+#: the page's server: four slots sharing a KV pool of two contexts (--parallel 4 --kv-pool 512)
+SLOTS, CONTEXT, POOL = 4, 256, 512
+
+
+def _state(d, **req):
     tiny = make_servable(d, max_position_embeddings=1024)
-    plan = plan_for(tiny, max_context=256, expert_cache=8, slots=2)
+    plan = plan_for(tiny, max_context=CONTEXT, expert_cache=8, **req)
     tok = Tokenizer.from_dir(d)
     st = ServerState(plan=plan, model_name="tiny", tokenizer=tok,
                      defaults=GenerationDefaults.from_dir(d, tok))
     st.engine = Engine.start(d, plan, EngineOptions(progress=False))
+    return st
+
+
+@pytest.fixture(scope="module")
+def state(tmp_path_factory):
+    st = _state(tmp_path_factory.mktemp("page"), slots=SLOTS, kv_pool=POOL)
     with TestClient(create_app(st)) as c:      # some traffic: hits, misses, KV cells in use
         for prompt in ("the quick brown fox", "hello world how are you"):
             r = c.post("/v1/completions", json={"prompt": prompt, "max_tokens": 6})
@@ -119,7 +130,26 @@ def required_paths(doc) -> set[str]:
             need |= {f"{base}.lines.{i}.{k}" for k in ("planned", "allocated", "peak")}
     need |= {f"experts.layers.{i}.hit_rate" for i in range(len(doc["experts"]["layers"]))}
     need |= {f"slots.kv_cells_in_use.{i}" for i in range(len(doc["slots"]["kv_cells_in_use"]))}
+    if doc.get("kv_pool") is not None:
+        need |= {f"kv_pool.{k}" for k in POOL_FIELDS}
     return need
+
+
+#: /v1/budget's ``kv_pool`` (docs/serve.md, Scheduler.pool_figures)
+POOL_FIELDS = ("cells", "used", "reserved", "tokens", "slots", "context", "block", "waiting")
+
+
+def check_pool_bar(html: str, pool: dict) -> None:
+    """The KV pool's bar: its segments' widths are the pool's cells reserved by running
+    requests, held by idle slots (used - reserved) and free (cells - used), in percent of
+    ``cells``."""
+    found = dict(re.findall(r'<div class="(pool-reserved|pool-kept|pool-free)" '
+                            r'style="width: ?([0-9.]+)%', html))
+    cells, used, reserved = pool["cells"], pool["used"], pool["reserved"]
+    want = {"pool-reserved": reserved, "pool-kept": used - reserved, "pool-free": cells - used}
+    assert set(found) == set(want), ("no bar of the KV pool's cells", found)
+    for k, n in want.items():
+        assert abs(float(found[k]) - 100 * n / cells) < 1e-3, (k, found[k], n, cells)
 
 
 def page_script(html: str, name: str) -> str:
@@ -143,7 +173,13 @@ def test_page_is_served_self_contained_and_holds_no_data(state):
     assert state.plan.geometry.name not in html and numbers(html) == []
 
 
-def test_page_numbers_equal_v1_budget_without_a_browser(state):
+@pytest.fixture(scope="module")
+def no_pool(tmp_path_factory):
+    """A server whose slots own their KV cells (--parallel 2, no --kv-pool)."""
+    return _state(tmp_path_factory.mktemp("nopool"), slots=2)
+
+
+def test_page_numbers_equal_v1_budget_without_a_browser(state, no_pool):
     MiniRacer = pytest.importorskip("py_mini_racer", reason="mini-racer (the test extra) "
                                     "runs the page's script without a browser").MiniRacer
     with TestClient(create_app(state)) as c:
@@ -155,14 +191,27 @@ def test_page_numbers_equal_v1_budget_without_a_browser(state):
         out = js.call("render", doc)
         shown = check_numbers(numbers(out), doc)
         assert required_paths(doc) <= shown, sorted(required_paths(doc) - shown)
-        assert "KV pool" not in out                          # no --kv-pool: no section
-        pooled = copy.deepcopy(doc)
-        pooled["kv_pool"] = {"cells_total": 4096, "cells_in_use": 100, "capacity_bytes": 3 << 20,
-                             "slots": {"busy": 1}, "in_use_per_slot": [60, 40]}
-        out = js.call("render", pooled)
-        shown = check_numbers(numbers(out), pooled)
-        assert {"kv_pool.cells_in_use", "kv_pool.capacity_bytes", "kv_pool.slots.busy",
-                "kv_pool.in_use_per_slot.1"} <= shown
+        pool = doc["kv_pool"]
+        assert (pool["cells"], pool["slots"], pool["context"]) == (POOL, SLOTS, CONTEXT)
+        assert 0 < pool["used"] < pool["cells"]          # idle slots keep their prompts' cells
+        check_pool_bar(out, pool)
+        # a request running: cells reserved, tokens written, one waiting for cells
+        busy = copy.deepcopy(doc)
+        busy["kv_pool"].update(reserved=pool["used"] // 2, tokens=pool["used"] // 3, waiting=1)
+        out = js.call("render", busy)
+        assert required_paths(busy) <= check_numbers(numbers(out), busy)
+        check_pool_bar(out, busy["kv_pool"])
+        # a field added to kv_pool after the page still shows, by its name
+        extra = copy.deepcopy(doc)
+        extra["kv_pool"]["table_bytes"] = 3 << 20
+        assert "kv_pool.table_bytes" in check_numbers(numbers(js.call("render", extra)), extra)
+        # a server without --kv-pool (kv_pool null): no pool section
+        with TestClient(create_app(no_pool)) as c:
+            plain = c.get("/v1/budget").json()
+        assert plain["kv_pool"] is None
+        out = js.call("render", plain)
+        assert "KV pool" not in out and "kv_pool" not in out
+        assert required_paths(plain) <= check_numbers(numbers(out), plain)
         # labels are escaped: a device name is text, not markup
         odd = copy.deepcopy(doc)
         odd["ledgers"][0]["device"] = "<img onerror=x>"
@@ -225,6 +274,8 @@ def test_page_in_headless_chromium(state, http_server, tmp_path):
     assert 'data-rendered="1"' in dom, dom[-2000:]
     shown = check_numbers(numbers(dom), doc)
     assert required_paths(doc) <= shown, sorted(required_paths(doc) - shown)
+    assert doc["kv_pool"]["used"] > 0
+    check_pool_bar(dom, doc["kv_pool"])
     assert f'id="model" class="muted">{doc["plan"]["model"]["name"]}<' in dom   # from the budget
     shot = tmp_path / "budget-page.png"
     subprocess.run([*flags, "--window-size=1000,1500", f"--screenshot={shot}", url],
