@@ -99,11 +99,12 @@ def _layer_table() -> dict[str, str]:
 _LAYER = _layer_table()
 
 
-def ftype_name(text: str) -> str:
-    """``--gguf-type`` -> a :data:`FTYPES` key. Raises InputError naming the flag."""
+def ftype_name(text: str, flag: str = "--gguf-type") -> str:
+    """``--gguf-type`` (``flag``: ``gguf-header``'s ``--type``) -> a :data:`FTYPES` key.
+    Raises InputError naming the flag."""
     key = text.strip().upper()
     if key not in FTYPES:
-        raise InputError(f"--gguf-type {text!r}: use one of {', '.join(FTYPES)} (llama-quantize's "
+        raise InputError(f"{flag} {text!r}: use one of {', '.join(FTYPES)} (llama-quantize's "
                          "file types; the imatrix-only IQ1/IQ2/IQ3 mixes are not planned)")
     return key
 

@@ -118,7 +118,7 @@ def write_stand_in(model: str, ftype: str | None, out: str | Path, vocab: str | 
 
     config = config_of(model)
     geom = load_model(model)
-    kind = ftype_name(ftype) if ftype is not None else default_ftype(geom)
+    kind = ftype_name(ftype, "--type") if ftype is not None else default_ftype(geom)
     family = registry.family_for(geom.model_type)
     arch = family.gguf_arch_of.get(geom.model_type) if family else None
     if arch is None:

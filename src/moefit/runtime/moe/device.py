@@ -170,8 +170,8 @@ class _Fence:
 
     def __init__(self, device: torch.device):
         self.event = torch.cuda.Event() if device.type == "cuda" else None
-        if self.event is not None:
-            self.event.record()
+        if self.event is not None:      # the stream of ``device`` (cuda:1 need not be current)
+            self.event.record(torch.cuda.current_stream(device))
 
     def wait(self) -> None:
         if self.event is not None:

@@ -62,6 +62,7 @@ class Streams:
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
+        self.device = device
         self.copy = torch.cuda.Stream(device) if self.cuda else None
 
     def event(self):
@@ -82,12 +83,12 @@ class Streams:
     def compute_waits(self, ready) -> None:
         """The compute stream waits for ``ready`` (the host does not)."""
         if self.cuda:
-            torch.cuda.current_stream().wait_event(ready)
+            torch.cuda.current_stream(self.device).wait_event(ready)   # the buffers' device, not the current one
 
     def compute_marks(self, free) -> None:
         """Record ``free`` on the compute stream, after what it has enqueued so far."""
         if self.cuda:
-            free.record(torch.cuda.current_stream())
+            free.record(torch.cuda.current_stream(self.device))
 
 
 class ArenaRing:

@@ -175,16 +175,20 @@ def _tile(w, table, rn, kk, RB, N, K, Q: tl.constexpr):
         b = _byte(p + 8 + sb * 16 + (j % 16), mask)
         nib = tl.where(j % 32 < 16, b & 15, b >> 4)
         return (_f16(p, mask) * sc.to(tl.float32)) * tl.load(table + nib)
-    # Q6_K: 128 bytes of low nibbles | 64 of high 2-bit pairs | 16 int8 scales | d
-    p = row + (blk * 210)[None, :]
-    half = j // 128
-    r = j % 128
-    b = _byte(p + half * 64 + (r % 64), mask)
-    lo4 = tl.where(r < 64, b & 15, b >> 4)
-    hi2 = (_byte(p + 128 + half * 32 + (r % 32), mask) >> (2 * (r // 32))) & 3
-    q = (lo4 | (hi2 << 4)) - 32
-    sc = tl.load(p + 192 + j // 16, mask=mask, other=0).to(tl.int8, bitcast=True).to(tl.float32)
-    return (_f16(p + 208, mask) * sc) * q.to(tl.float32)
+    # Q6_K: 128 bytes of low nibbles | 64 of high 2-bit pairs | 16 int8 scales | d. Behind its
+    # own constexpr test: Triton's compiler (not the interpreter) still generates the code
+    # after a return taken in a constexpr branch, and this tail's int8 bitcast does not
+    # compile for the float types' typed pointers (F32 / F16 / BF16: 'Cannot bitcast')
+    if Q == 11:
+        p = row + (blk * 210)[None, :]
+        half = j // 128
+        r = j % 128
+        b = _byte(p + half * 64 + (r % 64), mask)
+        lo4 = tl.where(r < 64, b & 15, b >> 4)
+        hi2 = (_byte(p + 128 + half * 32 + (r % 32), mask) >> (2 * (r // 32))) & 3
+        q = (lo4 | (hi2 << 4)) - 32
+        sc = tl.load(p + 192 + j // 16, mask=mask, other=0).to(tl.int8, bitcast=True).to(tl.float32)
+        return (_f16(p + 208, mask) * sc) * q.to(tl.float32)
 
 
 @triton.jit
