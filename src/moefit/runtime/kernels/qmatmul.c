@@ -841,6 +841,13 @@ static inline int32_t lb_isum(const int8_t *v, const int8_t *y, const int32_t *s
 static inline __m256i lb_s16(int a, int b) {   /* int16 lanes 0..7: a, 8..15: b */
     return _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_set1_epi16((short)a)), _mm_set1_epi16((short)b), 1);
 }
+/* the same from a vector of 16 int16 scales s: lanes 0..7 s[2c], 8..15 s[2c+1] (a word
+ * permute and a byte shuffle, instead of two scalar loads and broadcasts) */
+static inline __m256i lb_pick(__m256i s, int c) {
+    const __m256i half = _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3,
+                                          2, 3, 2, 3);
+    return _mm256_shuffle_epi8(_mm256_permutevar8x32_epi32(s, _mm256_set1_epi32(c)), half);
+}
 static inline __m256i lb_mac(__m256i acc, __m256i u, __m256i q, int a, int b) {
     return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, q), lb_s16(a, b)));
 }
@@ -879,11 +886,13 @@ static inline __attribute__((always_inline)) void lb_sb_rows(const int t, const 
     const int sgn = t != T_Q2_K && t != T_Q3_K;      /* signs on the activation */
     float f = 0.f, fmin = 0.f;
     int8_t sc3[16];                                  /* Q3_K: the 16 scales */
-    __m256i hm = _mm256_setzero_si256(), mv = _mm256_setzero_si256();   /* Q3_K high bits; mins / scales as int16 */
+    /* Q3_K high bits; Q2_K mins, Q3_K scales as int16; Q2_K / Q3_K scales as int16 */
+    __m256i hm = _mm256_setzero_si256(), mv = hm, sv = hm;
     uint16_t s4[4] = {0, 0, 0, 0};
     switch (t) {
     case T_Q2_K:
         mv = _mm256_cvtepu8_epi16(_mm_srli_epi16(_mm_and_si128(_mm_loadu_si128((const __m128i *)w), _mm_set1_epi8((char)0xf0)), 4));
+        sv = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_loadu_si128((const __m128i *)w), _mm_set1_epi8(15)));
         f = mf_h2f(rd16(w + 80)); fmin = mf_h2f(rd16(w + 82));
         break;
     case T_Q3_K: {
@@ -897,7 +906,7 @@ static inline __attribute__((always_inline)) void lb_sb_rows(const int t, const 
         u4[1] = (u4[1] & 0x0f0f0f0fu) | (((hi >> 2) & 0x03030303u) << 4);
         memcpy(sc3, u4, 16);
         for (int k = 0; k < 16; k++) sc3[k] -= 32;
-        mv = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)sc3));
+        mv = sv = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)sc3));
         hm = _mm256_loadu_si256((const __m256i *)w);
         f = mf_h2f(rd16(w + 108));
         break; }
@@ -915,14 +924,12 @@ static inline __attribute__((always_inline)) void lb_sb_rows(const int t, const 
         switch (t) {
         case T_Q2_K:
             u = _mm256_and_si256(_mm256_srli_epi16(_mm256_loadu_si256((const __m256i *)(w + 16 + 32 * (c / 4))), 2 * (c % 4)), m3);
-            a = w[2 * c] & 15; b = w[2 * c + 1] & 15;
             break;
         case T_Q3_K: {
             /* u = 2-bit value | (high bit << 2), 0..7: the value is u - 4 */
             __m256i h = _mm256_and_si256(_mm256_srli_epi16(hm, c), _mm256_set1_epi8(1));
             u = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(_mm256_loadu_si256((const __m256i *)(w + 32 + 32 * (c / 4))),
                                                                    2 * (c % 4)), m3), _mm256_slli_epi16(h, 2));
-            a = sc3[2 * c]; b = sc3[2 * c + 1];
             break; }
         case T_IQ4_XS: {
             a = b = (((w[4 + c / 2] >> (4 * (c % 2))) & 15) | (((rd16(w + 2) >> (2 * c)) & 3) << 4)) - 32;
@@ -998,7 +1005,7 @@ static inline __attribute__((always_inline)) void lb_sb_rows(const int t, const 
             break; }
 #endif
         }
-        const __m256i scv = lb_s16(a, b);
+        const __m256i scv = t == T_Q2_K || t == T_Q3_K ? lb_pick(sv, c) : lb_s16(a, b);
         for (int j = 0; j < nr; j++) {
             __m256i q = _mm256_loadu_si256((const __m256i *)(y[j] + 32 * c));
             if (sgn) q = _mm256_sign_epi8(q, sg);
@@ -1018,6 +1025,19 @@ static inline __attribute__((always_inline)) void lb_sb_rows(const int t, const 
 static inline __attribute__((always_inline)) void lb_rows_t(const int t, const uint8_t *w, int K, const qact *a, int na,
                                                             float *out) {
     const int ts = lb_type_size(t);
+    if (na == 1) {          /* a decode step: the sum in a register, the same operations */
+        float sum = 0.f;
+        for (int sb = 0; sb < K / 256; sb++, w += ts) {
+            for (int c = 0; c < ts; c += 64) _mm_prefetch((const char *)(w + PREFETCH + c), _MM_HINT_T0);
+            const int8_t *y = a->qk + 256 * sb;
+            const int16_t *sk = a->sk16 + 16 * sb;
+            float s;
+            lb_sb_rows(t, w, &y, &sk, 1, &s);
+            sum += a->dk[sb] * s;
+        }
+        *out = sum;
+        return;
+    }
     for (int j = 0; j < na; j++) out[j] = 0.f;
     for (int sb = 0; sb < K / 256; sb++, w += ts) {
         for (int c = 0; c < ts; c += 64) _mm_prefetch((const char *)(w + PREFETCH + c), _MM_HINT_T0);
