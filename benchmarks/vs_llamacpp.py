@@ -42,6 +42,12 @@ llama.cpp's tools are found in ``--llama-bin DIR``, else ``$LLAMA_CPP_BIN``, els
     .venv/bin/python benchmarks/vs_llamacpp.py --llama-bin ../shared/tools/llama.cpp-cpu/bin
     .venv/bin/python benchmarks/vs_llamacpp.py --quick      # a 0.2B model, 3 repeats
     .venv/bin/python benchmarks/vs_llamacpp.py --mixes --threads 1,2 --resident all,quarter
+
+``--mixes`` covers by default every mix, both shapes, 1 and 2 threads and both
+residencies (7 x 2 x 2 pairs of settings, each ``--repeats`` interleaved pairs of pp 512 /
+tg 64: an hour or more on 2 cores, plus the first build of the files). ``--mixes --quick``
+runs the same table on the 0.2B model (one shape) with pp 128 / tg 32 unless given, a few
+minutes once the files are built. The first line printed is the command as run.
 """
 
 from __future__ import annotations
@@ -51,6 +57,7 @@ import json
 
 import numpy as np
 import os
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -391,8 +398,8 @@ def main() -> None:
     ap.add_argument("--resident", default="all,quarter",
                     help="all, quarter, or both (all,quarter: the default)")
     ap.add_argument("--repeats", type=int, default=5, help="interleaved pairs per set-up (default 5)")
-    ap.add_argument("--prompt", type=int, default=512, help="prefill tokens (default 512)")
-    ap.add_argument("--gen", type=int, default=64, help="decode tokens (default 64)")
+    ap.add_argument("--prompt", type=int, default=None, help="prefill tokens (default 512; --mixes --quick 128)")
+    ap.add_argument("--gen", type=int, default=None, help="decode tokens (default 64; --mixes --quick 32)")
     ap.add_argument("--quick", action="store_true", help="a 0.2B model of the same shape, 3 repeats")
     ap.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -408,9 +415,13 @@ def main() -> None:
         ap.error(f"--vocab {args.vocab}: not a file (ggml-vocab-qwen2.gguf from llama.cpp's models/)")
     if args.quick and args.shape:
         ap.error("--quick and --shape: choose one (--quick is the 1024 shape, smaller)")
-    shapes = [args.shape] if args.shape else (["1024", "2048"] if args.mixes else ["1024"])
+    short = args.quick and args.mixes       # the quick table: shorter runs unless given
+    args.prompt = args.prompt if args.prompt is not None else 128 if short else 512
+    args.gen = args.gen if args.gen is not None else 32 if short else 64
+    shapes = [args.shape] if args.shape else (["1024", "2048"] if args.mixes and not args.quick else ["1024"])
     if args.dir and len(shapes) > 1:
         ap.error("--dir with both shapes: name one with --shape (each shape has its own folder)")
+    print("command: " + shlex.join([Path(sys.executable).name, "benchmarks/vs_llamacpp.py", *sys.argv[1:]]), flush=True)
     bench = find_tool("llama-bench", args.llama_bin)
     quantize = (find_tool("llama-quantize", args.llama_bin)
                 if args.mixes or any(TYPES[t][0] == "quantize" for t in types) else None)

@@ -120,11 +120,13 @@ def test_lowbit_types_on_small_odd_shapes(qtype):
         assert torch.equal(qm.gemm(x, flat, qtype, rows, cols, threads=2), got)
 
 
-@pytest.mark.parametrize("qtype", ["BF16", "Q8_0", "Q4_K", "Q5_K", "Q6_K"])
+@pytest.mark.parametrize("qtype", ["BF16", "Q8_0", "Q4_K", "Q5_K", "Q6_K", *sorted(LOWBIT)])
 def test_rows_of_a_batch_equal_each_row_alone(qtype):
-    """A step of several sequences (BF16 rows: 4 activation rows per weight row read) gives
-    each row exactly what it gives alone, for every remainder of 4 rows and of 64 columns."""
-    for cols, n in ((96, 9), (512, 6), (288, 4)):
+    """A step of several sequences (BF16 rows: 4 activation rows per weight row read; the
+    low-bit types: a super-block unpacked once for 8, 4 or 1 activation rows) gives each row
+    exactly what it gives alone, for every remainder of 4 rows and of 64 columns, and 13 rows
+    (8 + 4 + 1)."""
+    for cols, n in ((96, 9), (512, 6), (288, 4), (768, 13)):
         if not qm.supports(qtype, cols):
             continue
         raw = torch.from_numpy(random_matrix(qtype, 40, cols, seed=cols).reshape(-1))
@@ -133,8 +135,7 @@ def test_rows_of_a_batch_equal_each_row_alone(qtype):
         alone = torch.cat([qm.gemm(x[i:i + 1], raw, qtype, 40, cols, threads=1) for i in range(n)])
         assert torch.equal(got, alone), (cols, n)
         w = reference_weights(raw.numpy(), qtype, 40, cols)
-        bound = FLOAT_BOUND if qtype == "BF16" else QUANT_BOUND
-        assert rel_err(got, x.double() @ w.T) < bound
+        assert rel_err(got, x.double() @ w.T) < bound_of(qtype)
 
 
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "IQ4_NL", "Q4_K", "Q5_K", "Q6_K", "F16"])
@@ -241,6 +242,40 @@ def test_moe_matches_per_expert_reference(types):
     with pytest.raises(ValueError, match="cannot hold the 5 token rows and one pair"):
         qm.moe(x, ptrs, bounds, order // k, wts.reshape(-1)[order], acc, fmt,
                scratch[:qm.moe_scratch_bytes(t, h, inter, 1) - 1])
+
+
+def _moe_call(x, blobs, ids, wts, fmt, threads):
+    """``qm.moe`` of tokens ``x`` [T, H] routed to ``ids`` [T, k] with weights ``wts``: acc [T, H]."""
+    t, k = ids.shape
+    flat = ids.reshape(-1)
+    order = torch.sort(flat, stable=True).indices
+    used = torch.unique(flat)
+    bounds = torch.searchsorted(flat[order], torch.cat([used, used[-1:] + 1])).to(torch.int64)
+    ptrs = torch.tensor([blobs[int(e)].data_ptr() for e in used], dtype=torch.int64)
+    acc = torch.zeros(t, x.shape[1])
+    scratch = torch.empty(qm.moe_scratch_bytes(t, x.shape[1], fmt.gate.rows, t * k), dtype=torch.uint8)
+    return qm.moe(x, ptrs, bounds, (order // k).contiguous(), wts.reshape(-1)[order].contiguous(), acc, fmt, scratch,
+                  threads=threads)
+
+
+@pytest.mark.parametrize("types", [("Q3_K", "Q3_K", "Q2_K"), ("IQ4_XS", "IQ4_XS", "Q3_K"), ("IQ2_XXS", "IQ3_S", "IQ1_M")])
+def test_moe_tokens_of_a_batch_equal_each_token_alone(types):
+    """The batched MoE layer multiplies the tokens routed to an expert together (a low-bit
+    super-block unpacked once for up to 8 of them): each token's output is bit for bit the
+    one it gets as a batch of one (13 tokens on 3 experts, top 2: runs of 8, 4 and 1)."""
+    h, inter, n_exp, t, k = 256, 512, 3, 13, 2
+    fmt = StoredExpert.pack(inter, h, *types)
+    blobs = [torch.from_numpy(np.concatenate([random_matrix(types[0], inter, h, seed=10 * e).reshape(-1),
+                                              random_matrix(types[1], inter, h, seed=10 * e + 1).reshape(-1),
+                                              random_matrix(types[2], h, inter, seed=10 * e + 2).reshape(-1)]))
+             for e in range(n_exp)]
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(t, h, generator=g)
+    ids = torch.stack([torch.randperm(n_exp, generator=g)[:k] for _ in range(t)])
+    wts = torch.rand(t, k, generator=g)
+    got = _moe_call(x, blobs, ids, wts, fmt, threads=2)
+    alone = torch.cat([_moe_call(x[i:i + 1], blobs, ids[i:i + 1], wts[i:i + 1], fmt, threads=1) for i in range(t)])
+    assert torch.equal(got, alone)
 
 
 def test_no_kernels_without_a_compiler(tmp_path):

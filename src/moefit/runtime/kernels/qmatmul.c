@@ -36,6 +36,8 @@ enum { T_F32 = 0, T_F16 = 1, T_BF16 = 2, T_Q8_0 = 3, T_Q4_0 = 4, T_Q4_K = 5, T_Q
        T_IQ1_S = 21, T_IQ1_M = 22 };
 /* the types of 256-value super-blocks read by unpacking (dot_lowbit), and their block bytes */
 static inline int is_lowbit(int t) { return t >= T_Q2_K && t <= T_IQ1_M; }
+/* activation rows multiplied per unpacking of a low-bit super-block (lb_sb_rows) */
+#define LB_MAXR 8
 static inline int lb_type_size(int t) {
     static const int16_t ts[] = {84, 110, 136, 66, 74, 82, 98, 110, 50, 56};
     return ts[t - T_Q2_K];
@@ -832,13 +834,19 @@ static inline int32_t lb_isum(const int8_t *v, const int8_t *y, const int32_t *s
 }
 
 #ifdef __AVX2__
-/* The AVX2 form of dot_lowbit: each super-block unpacked into registers, 32 values at a time
- * (unsigned magnitudes u < 128, the signs moved onto the activations: sign(q, v)), multiplied
- * with vpmaddubsw into int16 pairs and by the int16 scales of the two 16-value groups with
- * vpmaddwd (ggml's ggml_vec_dot_*_q8_K plan). Returns the super-block's sum in units of dk:
- * f * sum_g sc[g] sum(v q) - fmin * sum_g mn[g] sk16[g], the same integers as lb_unpack's. */
+/* The AVX2 form of dot_lowbit (lb_sb_rows): each super-block unpacked into registers, 32 values
+ * at a time (unsigned magnitudes u < 128, the signs moved onto the activations: sign(q, v)),
+ * multiplied with vpmaddubsw into int16 pairs and by the int16 scales of the two 16-value
+ * groups with vpmaddwd (ggml's ggml_vec_dot_*_q8_K plan). */
 static inline __m256i lb_s16(int a, int b) {   /* int16 lanes 0..7: a, 8..15: b */
     return _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_set1_epi16((short)a)), _mm_set1_epi16((short)b), 1);
+}
+/* the same from a vector of 16 int16 scales s: lanes 0..7 s[2c], 8..15 s[2c+1] (a word
+ * permute and a byte shuffle, instead of two scalar loads and broadcasts) */
+static inline __m256i lb_pick(__m256i s, int c) {
+    const __m256i half = _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3,
+                                          2, 3, 2, 3);
+    return _mm256_shuffle_epi8(_mm256_permutevar8x32_epi32(s, _mm256_set1_epi32(c)), half);
 }
 static inline __m256i lb_mac(__m256i acc, __m256i u, __m256i q, int a, int b) {
     return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, q), lb_s16(a, b)));
@@ -862,26 +870,32 @@ static inline __m256i lb_pm(uint8_t s0, uint8_t s1, uint8_t s2, uint8_t s3) {
 }
 #endif
 
-static float sb_dot_avx2(int t, const uint8_t *w, const int8_t *y, const int16_t *sk16) {
+/* One super-block of type t (a constant once inlined: lb_rows_t) against nr activation rows
+ * (y[j]: the row's 256 K-quant values, sk[j]: its 16 sums per 16): the super-block is unpacked
+ * once, 32 values at a time (u, and for the signed types the signs sg to put on the
+ * activation), and each 32 values multiply the nr rows from registers, so a batch of tokens
+ * unpacks each weight super-block once per nr rows (ggml's vec_dot unpacks it once per row).
+ * s[j]: row j's sum in units of dk, f * sum_g sc[g] sum(v q) - fmin * sum_g mn[g] sk16[g]
+ * (Q3_K: f * (sum(u q) - 4 sum_g sc[g] sk16[g]), u = v + 4), the same integers as lb_unpack's
+ * and the same fp32 operations for every nr, so a row's value does not depend on the batch. */
+static inline __attribute__((always_inline)) void lb_sb_rows(const int t, const uint8_t *w, const int8_t *const *y,
+                                                             const int16_t *const *sk, const int nr, float *s) {
     const __m256i m3 = _mm256_set1_epi8(3);
-    __m256i acc = _mm256_setzero_si256();
+    __m256i acc[LB_MAXR];
+    for (int j = 0; j < nr; j++) acc[j] = _mm256_setzero_si256();
+    const int sgn = t != T_Q2_K && t != T_Q3_K;      /* signs on the activation */
+    float f = 0.f, fmin = 0.f;
+    int8_t sc3[16];                                  /* Q3_K: the 16 scales */
+    /* Q3_K high bits; Q2_K mins, Q3_K scales as int16; Q2_K / Q3_K scales as int16 */
+    __m256i hm = _mm256_setzero_si256(), mv = hm, sv = hm;
+    uint16_t s4[4] = {0, 0, 0, 0};
     switch (t) {
-    case T_Q2_K: {
-        const uint8_t *sc = w, *qs = w + 16;
-        for (int n = 0; n < 2; n++) {
-            __m256i q = _mm256_loadu_si256((const __m256i *)(qs + 32 * n));
-            for (int j = 0; j < 4; j++) {
-                int c = 4 * n + j;
-                __m256i u = _mm256_and_si256(_mm256_srli_epi16(q, 2 * j), m3);
-                acc = lb_mac(acc, u, _mm256_loadu_si256((const __m256i *)(y + 32 * c)), sc[2 * c] & 15, sc[2 * c + 1] & 15);
-            }
-        }
-        __m256i mn = _mm256_cvtepu8_epi16(_mm_srli_epi16(_mm_and_si128(_mm_loadu_si128((const __m128i *)sc),
-                                                                          _mm_set1_epi8((char)0xf0)), 4));
-        return mf_h2f(rd16(w + 80)) * (float)hsum_i32(acc) - mf_h2f(rd16(w + 82)) * (float)lb_sdot16(mn, sk16); }
+    case T_Q2_K:
+        mv = _mm256_cvtepu8_epi16(_mm_srli_epi16(_mm_and_si128(_mm_loadu_si128((const __m128i *)w), _mm_set1_epi8((char)0xf0)), 4));
+        sv = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_loadu_si128((const __m128i *)w), _mm_set1_epi8(15)));
+        f = mf_h2f(rd16(w + 80)); fmin = mf_h2f(rd16(w + 82));
+        break;
     case T_Q3_K: {
-        /* u = 2-bit value | (high bit << 2), 0..7: the value is u - 4 */
-        const uint8_t *qs = w + 32;
         /* the 16 6-bit scales, 4 per 32-bit word (ggml's kmask unpacking of lb_unpack's loop) */
         uint32_t u4[4];
         memcpy(u4, w + 96, 12);
@@ -890,158 +904,216 @@ static float sb_dot_avx2(int t, const uint8_t *w, const int8_t *y, const int16_t
         u4[3] = ((u4[1] >> 4) & 0x0f0f0f0fu) | (((hi >> 6) & 0x03030303u) << 4);
         u4[0] = (u4[0] & 0x0f0f0f0fu) | ((hi & 0x03030303u) << 4);
         u4[1] = (u4[1] & 0x0f0f0f0fu) | (((hi >> 2) & 0x03030303u) << 4);
-        int8_t sc[16];
-        memcpy(sc, u4, 16);
-        for (int k = 0; k < 16; k++) sc[k] -= 32;
-        __m256i hm = _mm256_loadu_si256((const __m256i *)w);
-        for (int n = 0; n < 2; n++) {
-            __m256i q = _mm256_loadu_si256((const __m256i *)(qs + 32 * n));
-            for (int j = 0; j < 4; j++) {
-                int c = 4 * n + j;
-                __m256i h = _mm256_and_si256(_mm256_srli_epi16(hm, c), _mm256_set1_epi8(1));
-                __m256i u = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q, 2 * j), m3), _mm256_slli_epi16(h, 2));
-                acc = lb_mac(acc, u, _mm256_loadu_si256((const __m256i *)(y + 32 * c)), sc[2 * c], sc[2 * c + 1]);
-            }
-        }
-        int32_t corr = lb_sdot16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)sc)), sk16);
-        return mf_h2f(rd16(w + 108)) * (float)(hsum_i32(acc) - 4 * corr); }
-    case T_IQ4_XS: {
-        uint16_t sh = rd16(w + 2);
-        const uint8_t *sl = w + 4, *qs = w + 8;
-        for (int ib = 0; ib < 8; ib++) {
-            int ls = (((sl[ib / 2] >> (4 * (ib % 2))) & 15) | (((sh >> (2 * ib)) & 3) << 4)) - 32;
-            __m256i v = lut16(nibbles(qs + 16 * ib), KV_IQ4NL);
-            __m256i q = _mm256_loadu_si256((const __m256i *)(y + 32 * ib));
-            acc = lb_mac(acc, _mm256_sign_epi8(v, v), _mm256_sign_epi8(q, v), ls, ls);
-        }
-        return mf_h2f(rd16(w)) * (float)hsum_i32(acc); }
+        memcpy(sc3, u4, 16);
+        for (int k = 0; k < 16; k++) sc3[k] -= 32;
+        mv = sv = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)sc3));
+        hm = _mm256_loadu_si256((const __m256i *)w);
+        f = mf_h2f(rd16(w + 108));
+        break; }
+    case T_IQ4_XS: case T_IQ3_S: f = mf_h2f(rd16(w)); break;
+    case T_IQ3_XXS: f = mf_h2f(rd16(w)) * 0.25f; break;
+    case T_IQ1_M:
+        memcpy(s4, w + 48, 8);
+        f = mf_h2f((uint16_t)((s4[0] >> 12) | ((s4[1] >> 8) & 0xf0) | ((s4[2] >> 4) & 0xf00) | (s4[3] & 0xf000))) * 0.125f;
+        break;
+    default: f = mf_h2f(rd16(w)) * 0.125f;        /* IQ2_XXS, IQ2_XS, IQ2_S, IQ1_S */
+    }
+    for (int c = 0; c < 8; c++) {                    /* values 32c .. 32c+31 */
+        __m256i u = _mm256_setzero_si256(), sg = _mm256_setzero_si256();
+        int a = 0, b = 0;
+        switch (t) {
+        case T_Q2_K:
+            u = _mm256_and_si256(_mm256_srli_epi16(_mm256_loadu_si256((const __m256i *)(w + 16 + 32 * (c / 4))), 2 * (c % 4)), m3);
+            break;
+        case T_Q3_K: {
+            /* u = 2-bit value | (high bit << 2), 0..7: the value is u - 4 */
+            __m256i h = _mm256_and_si256(_mm256_srli_epi16(hm, c), _mm256_set1_epi8(1));
+            u = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(_mm256_loadu_si256((const __m256i *)(w + 32 + 32 * (c / 4))),
+                                                                   2 * (c % 4)), m3), _mm256_slli_epi16(h, 2));
+            break; }
+        case T_IQ4_XS: {
+            a = b = (((w[4 + c / 2] >> (4 * (c % 2))) & 15) | (((rd16(w + 2) >> (2 * c)) & 3) << 4)) - 32;
+            sg = lut16(nibbles(w + 8 + 16 * c), KV_IQ4NL);
+            u = _mm256_sign_epi8(sg, sg);
+            break; }
 #if MF_IQ_TABLES
-    case T_IQ2_XXS: {
-        for (int ib = 0; ib < 8; ib++) {
-            uint32_t a0 = rd32(w + 2 + 8 * ib), a1 = rd32(w + 6 + 8 * ib);
-            __m256i u = _mm256_set_epi64x((long long)MF_IQ2XXS_GRID[a0 >> 24], (long long)MF_IQ2XXS_GRID[(a0 >> 16) & 255],
-                                          (long long)MF_IQ2XXS_GRID[(a0 >> 8) & 255], (long long)MF_IQ2XXS_GRID[a0 & 255]);
-            __m256i s = lb_pm(MF_KSIGNS[a1 & 127], MF_KSIGNS[(a1 >> 7) & 127], MF_KSIGNS[(a1 >> 14) & 127], MF_KSIGNS[(a1 >> 21) & 127]);
-            int ls = 2 * (int)(a1 >> 28) + 1;
-            acc = lb_mac(acc, u, _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(y + 32 * ib)), s), ls, ls);
-        }
-        return mf_h2f(rd16(w)) * 0.125f * (float)hsum_i32(acc); }
-    case T_IQ2_XS: {
-        for (int ib = 0; ib < 8; ib++) {
+        case T_IQ2_XXS: {
+            uint32_t a0 = rd32(w + 2 + 8 * c), a1 = rd32(w + 6 + 8 * c);
+            u = _mm256_set_epi64x((long long)MF_IQ2XXS_GRID[a0 >> 24], (long long)MF_IQ2XXS_GRID[(a0 >> 16) & 255],
+                                  (long long)MF_IQ2XXS_GRID[(a0 >> 8) & 255], (long long)MF_IQ2XXS_GRID[a0 & 255]);
+            sg = lb_pm(MF_KSIGNS[a1 & 127], MF_KSIGNS[(a1 >> 7) & 127], MF_KSIGNS[(a1 >> 14) & 127], MF_KSIGNS[(a1 >> 21) & 127]);
+            a = b = 2 * (int)(a1 >> 28) + 1;
+            break; }
+        case T_IQ2_XS: {
             uint16_t q[4];
-            memcpy(q, w + 2 + 8 * ib, 8);
-            __m256i u = _mm256_set_epi64x((long long)MF_IQ2XS_GRID[q[3] & 511], (long long)MF_IQ2XS_GRID[q[2] & 511],
-                                          (long long)MF_IQ2XS_GRID[q[1] & 511], (long long)MF_IQ2XS_GRID[q[0] & 511]);
-            __m256i s = lb_pm(MF_KSIGNS[q[0] >> 9], MF_KSIGNS[q[1] >> 9], MF_KSIGNS[q[2] >> 9], MF_KSIGNS[q[3] >> 9]);
-            int sb = w[66 + ib];
-            acc = lb_mac(acc, u, _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(y + 32 * ib)), s),
-                         2 * (sb & 15) + 1, 2 * (sb >> 4) + 1);
-        }
-        return mf_h2f(rd16(w)) * 0.125f * (float)hsum_i32(acc); }
-    case T_IQ2_S: {
-        const uint8_t *qs = w + 2, *sg = w + 34, *qh = w + 66, *sc = w + 74;
-        for (int ib = 0; ib < 8; ib++) {
-            const uint8_t *b = qs + 4 * ib;
-            int h = qh[ib];
-            __m256i u = _mm256_set_epi64x((long long)MF_IQ2S_GRID[b[3] | ((h << 2) & 0x300)], (long long)MF_IQ2S_GRID[b[2] | ((h << 4) & 0x300)],
-                                          (long long)MF_IQ2S_GRID[b[1] | ((h << 6) & 0x300)], (long long)MF_IQ2S_GRID[b[0] | ((h << 8) & 0x300)]);
-            __m256i s = lb_pm(sg[4 * ib], sg[4 * ib + 1], sg[4 * ib + 2], sg[4 * ib + 3]);
-            int sb = sc[ib];
-            acc = lb_mac(acc, u, _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(y + 32 * ib)), s),
-                         2 * (sb & 15) + 1, 2 * (sb >> 4) + 1);
-        }
-        return mf_h2f(rd16(w)) * 0.125f * (float)hsum_i32(acc); }
-    case T_IQ3_XXS: {
-        const uint8_t *qs = w + 2;
-        for (int ib = 0; ib < 8; ib++) {
-            const uint8_t *b = qs + 8 * ib;
-            uint32_t aux = rd32(w + 66 + 4 * ib);
-            __m256i u = _mm256_set_epi32((int)MF_IQ3XXS_GRID[b[7]], (int)MF_IQ3XXS_GRID[b[6]], (int)MF_IQ3XXS_GRID[b[5]],
-                                         (int)MF_IQ3XXS_GRID[b[4]], (int)MF_IQ3XXS_GRID[b[3]], (int)MF_IQ3XXS_GRID[b[2]],
-                                         (int)MF_IQ3XXS_GRID[b[1]], (int)MF_IQ3XXS_GRID[b[0]]);
-            __m256i s = lb_pm(MF_KSIGNS[aux & 127], MF_KSIGNS[(aux >> 7) & 127], MF_KSIGNS[(aux >> 14) & 127], MF_KSIGNS[(aux >> 21) & 127]);
-            int ls = 2 * (int)(aux >> 28) + 1;
-            acc = lb_mac(acc, u, _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(y + 32 * ib)), s), ls, ls);
-        }
-        return mf_h2f(rd16(w)) * 0.25f * (float)hsum_i32(acc); }
-    case T_IQ3_S: {
-        const uint8_t *qs = w + 2, *qh = w + 66, *sg = w + 74, *sc = w + 106;
-        for (int ib = 0; ib < 8; ib++) {
-            const uint8_t *b = qs + 8 * ib;
-            int h = qh[ib];
+            memcpy(q, w + 2 + 8 * c, 8);
+            u = _mm256_set_epi64x((long long)MF_IQ2XS_GRID[q[3] & 511], (long long)MF_IQ2XS_GRID[q[2] & 511],
+                                  (long long)MF_IQ2XS_GRID[q[1] & 511], (long long)MF_IQ2XS_GRID[q[0] & 511]);
+            sg = lb_pm(MF_KSIGNS[q[0] >> 9], MF_KSIGNS[q[1] >> 9], MF_KSIGNS[q[2] >> 9], MF_KSIGNS[q[3] >> 9]);
+            a = 2 * (w[66 + c] & 15) + 1; b = 2 * (w[66 + c] >> 4) + 1;
+            break; }
+        case T_IQ2_S: {
+            const uint8_t *q = w + 2 + 4 * c, *sgb = w + 34 + 4 * c;
+            int h = w[66 + c];
+            u = _mm256_set_epi64x((long long)MF_IQ2S_GRID[q[3] | ((h << 2) & 0x300)], (long long)MF_IQ2S_GRID[q[2] | ((h << 4) & 0x300)],
+                                  (long long)MF_IQ2S_GRID[q[1] | ((h << 6) & 0x300)], (long long)MF_IQ2S_GRID[q[0] | ((h << 8) & 0x300)]);
+            sg = lb_pm(sgb[0], sgb[1], sgb[2], sgb[3]);
+            a = 2 * (w[74 + c] & 15) + 1; b = 2 * (w[74 + c] >> 4) + 1;
+            break; }
+        case T_IQ3_XXS: {
+            const uint8_t *q = w + 2 + 8 * c;
+            uint32_t aux = rd32(w + 66 + 4 * c);
+            u = _mm256_set_epi32((int)MF_IQ3XXS_GRID[q[7]], (int)MF_IQ3XXS_GRID[q[6]], (int)MF_IQ3XXS_GRID[q[5]],
+                                 (int)MF_IQ3XXS_GRID[q[4]], (int)MF_IQ3XXS_GRID[q[3]], (int)MF_IQ3XXS_GRID[q[2]],
+                                 (int)MF_IQ3XXS_GRID[q[1]], (int)MF_IQ3XXS_GRID[q[0]]);
+            sg = lb_pm(MF_KSIGNS[aux & 127], MF_KSIGNS[(aux >> 7) & 127], MF_KSIGNS[(aux >> 14) & 127], MF_KSIGNS[(aux >> 21) & 127]);
+            a = b = 2 * (int)(aux >> 28) + 1;
+            break; }
+        case T_IQ3_S: {
+            const uint8_t *q = w + 2 + 8 * c, *sgb = w + 74 + 4 * c;
+            int h = w[66 + c];
             int32_t g[8];
-            for (int k = 0; k < 8; k++) g[k] = (int32_t)MF_IQ3S_GRID[b[k] | (((h >> k) & 1) << 8)];
-            __m256i u = _mm256_loadu_si256((const __m256i *)g);
-            __m256i s = lb_pm(sg[4 * ib], sg[4 * ib + 1], sg[4 * ib + 2], sg[4 * ib + 3]);
-            int ls = 1 + 2 * ((sc[ib / 2] >> (4 * (ib % 2))) & 15);
-            acc = lb_mac(acc, u, _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(y + 32 * ib)), s), ls, ls);
-        }
-        return mf_h2f(rd16(w)) * (float)hsum_i32(acc); }
-    case T_IQ1_S: case T_IQ1_M: {
-        /* v = 8 g + delta (g in -1..1 from the 8 g grid, delta +-1 per 8 values), |v| <= 9 */
-        const uint8_t *qs = t == T_IQ1_S ? w + 2 : w, *qh = w + 32;
-        uint16_t s4[4];
-        float f;
-        if (t == T_IQ1_M) {
-            memcpy(s4, w + 48, 8);
-            f = mf_h2f((uint16_t)((s4[0] >> 12) | ((s4[1] >> 8) & 0xf0) | ((s4[2] >> 4) & 0xf00) | (s4[3] & 0xf000))) * 0.125f;
-        } else f = mf_h2f(rd16(w)) * 0.125f;
-        for (int ib = 0; ib < 8; ib++) {
-            int idx[4], a, b;
+            for (int k = 0; k < 8; k++) g[k] = (int32_t)MF_IQ3S_GRID[q[k] | (((h >> k) & 1) << 8)];
+            u = _mm256_loadu_si256((const __m256i *)g);
+            sg = lb_pm(sgb[0], sgb[1], sgb[2], sgb[3]);
+            a = b = 1 + 2 * ((w[106 + c / 2] >> (4 * (c % 2))) & 15);
+            break; }
+        case T_IQ1_S: case T_IQ1_M: {
+            /* v = 8 g + delta (g in -1..1 from the 8 g grid, delta +-1 per 8 values), |v| <= 9 */
+            int idx[4];
             long long dl[4];
             if (t == T_IQ1_S) {
-                int h = rd16(w + 34 + 2 * ib);
-                const uint8_t *q = qs + 4 * ib;
+                int h = rd16(w + 34 + 2 * c);
+                const uint8_t *q = w + 2 + 4 * c;
                 idx[0] = q[0] | ((h << 8) & 0x700); idx[1] = q[1] | ((h << 5) & 0x700);
                 idx[2] = q[2] | ((h << 2) & 0x700); idx[3] = q[3] | ((h >> 1) & 0x700);
                 dl[0] = dl[1] = dl[2] = dl[3] = h & 0x8000 ? -1 : 0x0101010101010101ll;
                 a = b = 2 * ((h >> 12) & 7) + 1;
             } else {
                 for (int l = 0; l < 4; l++) {
-                    int h = (qh[2 * ib + l / 2] >> (4 * (l % 2))) & 15;
-                    idx[l] = qs[4 * ib + l] | ((h & 7) << 8);
+                    int h = (w[32 + 2 * c + l / 2] >> (4 * (l % 2))) & 15;
+                    idx[l] = w[4 * c + l] | ((h & 7) << 8);
                     dl[l] = h & 8 ? -1 : 0x0101010101010101ll;
                 }
-                a = 2 * ((s4[ib / 2] >> (6 * (ib % 2))) & 7) + 1;
-                b = 2 * ((s4[ib / 2] >> (6 * (ib % 2) + 3)) & 7) + 1;
+                a = 2 * ((s4[c / 2] >> (6 * (c % 2))) & 7) + 1;
+                b = 2 * ((s4[c / 2] >> (6 * (c % 2) + 3)) & 7) + 1;
             }
-            __m256i v = _mm256_add_epi8(_mm256_set_epi64x((long long)MF_IQ1S_GRID8[idx[3]], (long long)MF_IQ1S_GRID8[idx[2]],
-                                                          (long long)MF_IQ1S_GRID8[idx[1]], (long long)MF_IQ1S_GRID8[idx[0]]),
-                                        _mm256_set_epi64x(dl[3], dl[2], dl[1], dl[0]));
-            __m256i q = _mm256_loadu_si256((const __m256i *)(y + 32 * ib));
-            acc = lb_mac(acc, _mm256_sign_epi8(v, v), _mm256_sign_epi8(q, v), a, b);
-        }
-        return f * (float)hsum_i32(acc); }
+            sg = _mm256_add_epi8(_mm256_set_epi64x((long long)MF_IQ1S_GRID8[idx[3]], (long long)MF_IQ1S_GRID8[idx[2]],
+                                                   (long long)MF_IQ1S_GRID8[idx[1]], (long long)MF_IQ1S_GRID8[idx[0]]),
+                                 _mm256_set_epi64x(dl[3], dl[2], dl[1], dl[0]));
+            u = _mm256_sign_epi8(sg, sg);
+            break; }
 #endif
+        }
+        const __m256i scv = t == T_Q2_K || t == T_Q3_K ? lb_pick(sv, c) : lb_s16(a, b);
+        for (int j = 0; j < nr; j++) {
+            __m256i q = _mm256_loadu_si256((const __m256i *)(y[j] + 32 * c));
+            if (sgn) q = _mm256_sign_epi8(q, sg);
+            acc[j] = _mm256_add_epi32(acc[j], _mm256_madd_epi16(_mm256_maddubs_epi16(u, q), scv));
+        }
     }
-    return 0.f;
+    for (int j = 0; j < nr; j++) {
+        if (t == T_Q2_K) s[j] = f * (float)hsum_i32(acc[j]) - fmin * (float)lb_sdot16(mv, sk[j]);
+        else if (t == T_Q3_K) s[j] = f * (float)(hsum_i32(acc[j]) - 4 * lb_sdot16(mv, sk[j]));
+        else s[j] = f * (float)hsum_i32(acc[j]);
+    }
+}
+
+/* out[j] = the product of one row (w) with activation rows a[j], j < na, super-block by
+ * super-block in order (sum += dk * s: dot_lowbit's fp32 operations for every na), na split
+ * into runs of LB_MAXR, 4 and 1 rows per unpacking */
+static inline __attribute__((always_inline)) void lb_rows_t(const int t, const uint8_t *w, int K, const qact *a, int na,
+                                                            float *out) {
+    const int ts = lb_type_size(t);
+    if (na == 1) {          /* a decode step: the sum in a register, the same operations */
+        float sum = 0.f;
+        for (int sb = 0; sb < K / 256; sb++, w += ts) {
+            for (int c = 0; c < ts; c += 64) _mm_prefetch((const char *)(w + PREFETCH + c), _MM_HINT_T0);
+            const int8_t *y = a->qk + 256 * sb;
+            const int16_t *sk = a->sk16 + 16 * sb;
+            float s;
+            lb_sb_rows(t, w, &y, &sk, 1, &s);
+            sum += a->dk[sb] * s;
+        }
+        *out = sum;
+        return;
+    }
+    for (int j = 0; j < na; j++) out[j] = 0.f;
+    for (int sb = 0; sb < K / 256; sb++, w += ts) {
+        for (int c = 0; c < ts; c += 64) _mm_prefetch((const char *)(w + PREFETCH + c), _MM_HINT_T0);
+        const int8_t *y[LB_MAXR];
+        const int16_t *sk[LB_MAXR];
+        float s[LB_MAXR];
+        int j = 0;
+#define LB_RUN(R)                                                                                              \
+        for (; j + (R) <= na; j += (R)) {                                                                      \
+            for (int k = 0; k < (R); k++) { y[k] = a[j + k].qk + 256 * sb; sk[k] = a[j + k].sk16 + 16 * sb; }  \
+            lb_sb_rows(t, w, y, sk, (R), s);                                                                   \
+            for (int k = 0; k < (R); k++) out[j + k] += a[j + k].dk[sb] * s[k];                                \
+        }
+        LB_RUN(LB_MAXR)
+        LB_RUN(4)
+        LB_RUN(1)
+#undef LB_RUN
+    }
 }
 #endif
 
-static float dot_lowbit(int t, const uint8_t *w, qact a, int K) {
-    int ts = lb_type_size(t);
-    float sum = 0.f;
+/* out[j] = dot of the low-bit row w (K values) with the quantized activations a[j], j < na;
+ * the same value for a row alone and in a batch (lb_sb_rows) */
+static void lowbit_rows(int t, const uint8_t *w, int K, const qact *a, int na, float *out) {
 #ifdef __AVX2__
-    for (int sb = 0; sb < K / 256; sb++, w += ts) {
-        for (int c = 0; c < ts; c += 64) _mm_prefetch((const char *)(w + PREFETCH + c), _MM_HINT_T0);
-        sum += a.dk[sb] * sb_dot_avx2(t, w, a.qk + 256 * sb, a.sk16 + 16 * sb);
+    switch (t) {
+    case T_Q2_K: lb_rows_t(T_Q2_K, w, K, a, na, out); return;
+    case T_Q3_K: lb_rows_t(T_Q3_K, w, K, a, na, out); return;
+    case T_IQ4_XS: lb_rows_t(T_IQ4_XS, w, K, a, na, out); return;
+#if MF_IQ_TABLES
+    case T_IQ2_XXS: lb_rows_t(T_IQ2_XXS, w, K, a, na, out); return;
+    case T_IQ2_XS: lb_rows_t(T_IQ2_XS, w, K, a, na, out); return;
+    case T_IQ2_S: lb_rows_t(T_IQ2_S, w, K, a, na, out); return;
+    case T_IQ3_XXS: lb_rows_t(T_IQ3_XXS, w, K, a, na, out); return;
+    case T_IQ3_S: lb_rows_t(T_IQ3_S, w, K, a, na, out); return;
+    case T_IQ1_S: lb_rows_t(T_IQ1_S, w, K, a, na, out); return;
+    case T_IQ1_M: lb_rows_t(T_IQ1_M, w, K, a, na, out); return;
+#endif
     }
 #else
     int8_t v[256];
     int32_t sc[16], mn[16];
-    for (int sb = 0; sb < K / 256; sb++, w += ts) {
-        float f, fmin = 0.f;
-        int mins = lb_unpack(t, w, v, sc, mn, &f, &fmin);
-        float dy = a.dk[sb];
-        sum += f * dy * (float)lb_isum(v, a.qk + 256 * sb, sc);
-        if (mins) {
-            int32_t m = 0;
-            for (int g = 0; g < 16; g++) m += mn[g] * a.sk16[16 * sb + g];
-            sum -= fmin * dy * (float)m;
+    for (int j = 0; j < na; j++) {
+        const uint8_t *wb = w;
+        float sum = 0.f;
+        for (int sb = 0; sb < K / 256; sb++, wb += lb_type_size(t)) {
+            float f, fmin = 0.f;
+            int mins = lb_unpack(t, wb, v, sc, mn, &f, &fmin);
+            float dy = a[j].dk[sb];
+            sum += f * dy * (float)lb_isum(v, a[j].qk + 256 * sb, sc);
+            if (mins) {
+                int32_t m = 0;
+                for (int g = 0; g < 16; g++) m += mn[g] * a[j].sk16[16 * sb + g];
+                sum -= fmin * dy * (float)m;
+            }
         }
+        out[j] = sum;
     }
 #endif
-    return sum;
+}
+
+static float dot_lowbit(int t, const uint8_t *w, qact a, int K) {
+    float out;
+    lowbit_rows(t, w, K, &a, 1, &out);
+    return out;
+}
+
+/* out[i * ldo + j] = the product of low-bit weight row j (j < nr, rows rb bytes apart) with the
+ * activation acts[i] (i < na <= LB_MAXR): the na rows share each super-block's unpacking */
+static void lowbit_block(int t, const uint8_t *w, int64_t rb, int nr, int K, const qact *acts, int na, float *out,
+                         int64_t ldo) {
+    float v[LB_MAXR];
+    for (int j = 0; j < nr; j++) {
+        lowbit_rows(t, w + j * rb, K, acts, na, v);
+        for (int i = 0; i < na; i++) out[i * ldo + j] = v[i];
+    }
 }
 
 /* one super-block -> y [256], bit for bit gguf's dequantize: (f sc) v - fmin mn, the products
@@ -1417,6 +1489,21 @@ static void gemm_rows(int t, const uint8_t *W, int N, int K, int n, const float 
     for (int r4 = 0; r4 < (N + 3) / 4; r4++) {
         int r = 4 * r4, nr = N - r < 4 ? N - r : 4;
         const uint8_t *wr = W + r * rb;
+        if (is_lowbit(t) && n > 1) {
+            /* LB_MAXR activation rows at a time against each of the (up to 4) weight rows: each
+             * super-block unpacked once per LB_MAXR rows, the activations reused from L1 */
+            for (int i0 = 0; i0 < n; i0 += LB_MAXR) {
+                int na = n - i0 < LB_MAXR ? n - i0 : LB_MAXR;
+                qact acts[LB_MAXR];
+                for (int i = 0; i < na; i++) acts[i] = qact_at(xq + (i0 + i) * qb, K);
+                for (int j = 0; j < nr; j++) {
+                    float v[LB_MAXR];
+                    lowbit_rows(t, wr + j * rb, K, acts, na, v);
+                    for (int i = 0; i < na; i++) store_y(y, ydt, (int64_t)(i0 + i) * ldy + r + j, v[i], bias, r + j);
+                }
+            }
+            continue;
+        }
         for (int i = 0; i < n; i++) {
             float v[4];
             dot_rows(t, wr, rb, nr, xf + (int64_t)i * K, qact_at(xq + i * qb, K), K, v, n == 1);
@@ -1527,6 +1614,15 @@ static void moe_body(int n_exp, const uint8_t *const *blobs, const int64_t *boun
                 int tt = r < I ? tg : tu;
                 int64_t rbt = r < I ? rbg : rbu;
                 const uint8_t *w = r < I ? blobs[ee] + r * rbg : blobs[ee] + off_u + (r - I) * rbu;
+                if (is_lowbit(tt) && pb - pa > 1) {
+                    for (int64_t q0 = pa; q0 < pb; q0 += LB_MAXR) {
+                        int na = (int)(pb - q0 < LB_MAXR ? pb - q0 : LB_MAXR);
+                        qact acts[LB_MAXR];
+                        for (int i = 0; i < na; i++) acts[i] = qact_at(xq + tok[q0 + i] * qh, H);
+                        lowbit_block(tt, w, rbt, 4, H, acts, na, gu + (q0 - p0) * 2 * I + r, 2 * I);
+                    }
+                    continue;
+                }
                 for (int64_t p = pa; p < pb; p++) {
                     int64_t t = tok[p];
                     float *dst = gu + (p - p0) * 2 * I + r;
@@ -1556,6 +1652,15 @@ static void moe_body(int n_exp, const uint8_t *const *blobs, const int64_t *boun
                 int ee = e + (int)(idx / (H / 4)), r = 4 * (int)(idx % (H / 4));
                 int64_t pa = bounds[ee] > p0 ? bounds[ee] : p0, pb = bounds[ee + 1] < p0 + n ? bounds[ee + 1] : p0 + n;
                 const uint8_t *w = blobs[ee] + off_d + r * rbd;
+                if (is_lowbit(td) && pb - pa > 1) {
+                    for (int64_t q0 = pa; q0 < pb; q0 += LB_MAXR) {
+                        int na = (int)(pb - q0 < LB_MAXR ? pb - q0 : LB_MAXR);
+                        qact acts[LB_MAXR];
+                        for (int i = 0; i < na; i++) acts[i] = qact_at(hq + (q0 - p0 + i) * qi, I);
+                        lowbit_block(td, w, rbd, 4, I, acts, na, yd + (q0 - p0) * H + r, H);
+                    }
+                    continue;
+                }
                 for (int64_t p = pa; p < pb; p++) {
                     int64_t i = p - p0;
 #ifdef HAVE_BF16DOT

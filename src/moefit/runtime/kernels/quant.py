@@ -556,8 +556,21 @@ class StoredMatrix:
     cols: int
     ws: object = None
 
-    #: Products of at most this many rows use the C kernels on the stored blocks.
+    #: Products of at most this many rows use the C kernels on the stored blocks
+    #: (:meth:`small_rows`: by type, :data:`SMALL_ROWS_BY_TYPE`, else this).
     SMALL_ROWS = 8
+    #: Where the C kernels stay faster than dequantizing into the workspace and
+    #: ``torch.mm``: measured with a 2048 x 1024 matrix, one thread (AMD EPYC, a loaded
+    #: 2-core machine, 15 interleaved pairs of 3 products, the median of the time ratios
+    #: C / dequantize + mm): Q3_K 0.86 at 32 rows, 1.32 at 64; Q2_K 0.83 / 1.26; IQ4_XS
+    #: 0.86 at 64, 1.30 at 128; Q6_K 0.95 at 16, 1.31 at 32 (low-bit super-blocks are
+    #: unpacked once per 8 activation rows, the dequantized matrix once per product). At two
+    #: threads the C kernels were faster up to 128 rows for Q3_K and IQ4_XS (0.91, 0.87).
+    SMALL_ROWS_BY_TYPE = {"Q2_K": 32, "Q3_K": 32, "IQ4_XS": 64, "Q6_K": 16}
+
+    def small_rows(self) -> int:
+        """Rows up to which :meth:`matmul` runs the C kernels on the stored blocks."""
+        return self.SMALL_ROWS_BY_TYPE.get(self.qtype, self.SMALL_ROWS)
 
     @property
     def nbytes(self) -> int:
@@ -584,7 +597,7 @@ class StoredMatrix:
         Triton kernels (a CUDA device: :func:`moefit.runtime.kernels.triton.used_on`), one
         fused kernel on the stored blocks for any ``T``
         (:func:`moefit.runtime.kernels.triton.gguf.matmul`: nothing dequantized into the
-        workspace). On the CPU: up to :attr:`SMALL_ROWS` rows
+        workspace). On the CPU: up to :meth:`small_rows` rows
         through the C kernels on the stored blocks (activations quantized per 32 values,
         :mod:`moefit.runtime.kernels.qmatmul`); more rows in blocks of weight rows dequantized into
         the free room of the workspace's fixed region (bit for bit the file's values; the
@@ -600,7 +613,7 @@ class StoredMatrix:
         region = getattr(self.ws, "fixed", None)
         es = x.element_size()
         room = (region.capacity - region.offset - 64) // (self.cols * es) if region is not None else self.rows
-        if (x.shape[0] <= self.SMALL_ROWS or room < 1) and qmatmul.reads(x) and qmatmul.available():
+        if (x.shape[0] <= self.small_rows() or room < 1) and qmatmul.reads(x) and qmatmul.available():
             xc = x.contiguous()
             if out.dtype in qmatmul.DTYPE_CODES and out.is_contiguous():
                 return qmatmul.gemm(xc, self.raw, self.qtype, self.rows, self.cols, out=out)
