@@ -26,7 +26,12 @@ resident experts are the most used ones (the runtime's initial fill). So a decod
 
 Within a layer the dense part runs first; then the resident experts on the device, the
 transfers and the host work overlap (separate engines), so the MoE part takes the longest
-of its branches. Misses run on the host (``--miss-policy cpu``), are copied
+of its branches. Copies go through the weight arena's ring of ``A`` slots
+(:func:`moefit.plan.arena.arena_moe_seconds`): a copy waits for a free slot, so the copy engine can run at
+most ``A`` experts ahead of the device's expert products; copies that are known before the
+router runs (a step that touches every missing expert of the layer, as a long chunk does)
+can fill the free slots during the layer's dense part, which follows the previous layer's
+experts. Misses run on the host (``--miss-policy cpu``), are copied
 (``copy``), or, per layer and step, copied when the step's tokens per missing expert reach
 the layer's :func:`crossover` (``auto``: the rule the runtime follows). On the simulated
 device (``--device cpu``) the device is the host: its parts add up, and nothing crosses a
@@ -48,7 +53,9 @@ from moefit.devices.host import HostSpeed
 from moefit.ingest.geometry import LayerSpec, ModelGeometry
 from moefit.memory.kv import KVFormat, cell_bytes, kv_format, linear_state_bytes
 from moefit.memory.layer_kinds import kind_of
+from moefit.memory.weights import expert_slot_bytes
 from moefit.memory.takes import ATTN_Q_BLOCK
+from moefit.plan.arena import KNOWN_COPIES, arena_moe_seconds
 
 #: The resources a step's time is charged to, as printed (the "bound").
 RESOURCES = ("device compute", "device memory", "PCIe", "host compute", "host memory")
@@ -234,7 +241,8 @@ def _layers(geom: ModelGeometry) -> tuple[_Layer, ...]:
 
 def layer_time(layer: _Layer, rates: Rates, route: Routing, fmt: KVFormat, dtype_bytes: int, *,
                tokens: int, seqs: int, position: int, chunk: bool, resident: int,
-               policy: str, copy_whole: bool = False, serial: bool = False) -> LayerTime:
+               policy: str, copy_whole: bool = False, serial: bool = False,
+               arena: int | None = None) -> LayerTime:
     """One layer's time for one step (see the module docstring for the model).
 
     ``resident``: the layer's expert slots. ``policy``: ``cpu`` (misses on the host),
@@ -243,7 +251,10 @@ def layer_time(layer: _Layer, rates: Rates, route: Routing, fmt: KVFormat, dtype
     ``copy_whole``: a copy moves every missing expert of the layer, touched or not
     (llama.cpp copies whole expert tensors). ``serial``: the MoE part's branches run one
     after another instead of overlapping (llama.cpp's scheduler runs a graph's splits in
-    turn: the CPU's experts, the copies and the device's experts)."""
+    turn: the CPU's experts, the copies and the device's experts). ``arena``: the weight
+    arena's ring in expert slots (:func:`moefit.plan.arena.arena_moe_seconds`); None: copies overlap the
+    layer's expert products only, never its dense part (a ring of about
+    2 x experts per token)."""
     spec = layer.spec
     a_bytes, a_flops = _attention(spec, fmt, dtype_bytes, tokens, seqs, position, chunk)
     dense, dense_bound = _roof(layer.dense_bytes + a_bytes, rates.device_bytes_per_s,
@@ -284,6 +295,10 @@ def layer_time(layer: _Layer, rates: Rates, route: Routing, fmt: KVFormat, dtype
     else:
         on_host = max(dev, host_side)
         on_dev = max(dev_all, copy_side)
+        if arena is not None:
+            known = copied_e >= KNOWN_COPIES * (spec.moe.num_experts - resident)
+            t = arena_moe_seconds(copy_side[0], dev_all[0], blob / link, dense if known else 0.0, arena)
+            on_dev = (t, "PCIe" if t > dev_all[0] else dev_all[1])
     if policy == "copy" or (policy == "auto" and miss_p / max(miss_e, 1e-30) >= crossover(layer, rates)):
         moe, copied = on_dev, True
     else:
@@ -396,7 +411,8 @@ def _head(geom: ModelGeometry, rates: Rates, rows: int) -> float:
 
 def step_time(geom: ModelGeometry, rates: Rates, route: Routing, fmt: KVFormat,
               resident: dict[int, int], *, tokens: int, seqs: int, position: int, chunk: bool,
-              policy: str, copy_whole: bool = False, serial: bool = False) -> StepTime:
+              policy: str, copy_whole: bool = False, serial: bool = False,
+              arena: int | None = None) -> StepTime:
     """A step of ``tokens`` tokens (a chunk when ``chunk``, else one token for each of
     ``seqs`` sequences) at ``position``: every layer (:func:`layer_time`) and the head.
     ``resident``: expert slots per MoE layer index."""
@@ -410,7 +426,8 @@ def step_time(geom: ModelGeometry, rates: Rates, route: Routing, fmt: KVFormat,
         if t is None:
             t = memo[key] = layer_time(l, rates, route, fmt, geom.dtype_bytes, tokens=tokens,
                                        seqs=seqs, position=position, chunk=chunk, resident=r,
-                                       policy=policy, copy_whole=copy_whole, serial=serial)
+                                       policy=policy, copy_whole=copy_whole, serial=serial,
+                                       arena=arena)
         layers.append(t if t.index == index else LayerTime(index, t.kind, t.seconds, t.bound, t.copied))
     return StepTime(tokens, position, tuple(layers), _head(geom, rates, 1 if chunk else seqs))
 
@@ -512,11 +529,12 @@ def layer_groups(geom: ModelGeometry, route: Routing, resident: dict[int, int]) 
 
 def step_seconds(geom: ModelGeometry, rates: Rates, route: Routing, fmt: KVFormat,
                  groups: list[tuple], *, tokens: int, seqs: int, position: int,
-                 chunk: bool, policy: str) -> float:
+                 chunk: bool, policy: str, arena: int | None = None) -> float:
     """:func:`step_time`'s seconds for the layers of :func:`layer_groups`, each group
     priced once (what a search over many plans, :mod:`moefit.plan.throughput`, runs on)."""
     total = sum(n * layer_time(l, rates, route, fmt, geom.dtype_bytes, tokens=tokens, seqs=seqs,
-                               position=position, chunk=chunk, resident=r, policy=policy).seconds
+                               position=position, chunk=chunk, resident=r, policy=policy,
+                               arena=arena).seconds
                 for l, r, n in groups)
     return total + _head(geom, rates, 1 if chunk else seqs)
 
@@ -525,7 +543,7 @@ def predict(geom: ModelGeometry, rates: Rates, fmt: KVFormat, resident: dict[int
             context: int, chunk: int, seqs: int, policy: str,
             prompt_tokens: int | None = None, profile: dict[int, dict[int, int]] | None = None,
             copy_whole: bool = False, decode_policy: str | None = None,
-            serial: bool = False) -> Speed:
+            serial: bool = False, arena: int | None = None) -> Speed:
     """Prefill and decode of ``geom`` with ``resident`` expert slots per MoE layer.
 
     Prefill: ``prompt_tokens`` from position 0 in chunks of ``chunk`` tokens; None: one
@@ -535,10 +553,10 @@ def predict(geom: ModelGeometry, rates: Rates, fmt: KVFormat, resident: dict[int
     ``seqs`` sequences at a fill of the prompt's end (half the context by default).
     ``decode_policy``: the miss policy of decode steps (and of a last partial chunk under
     :data:`LLAMACPP_OFFLOAD_MIN_BATCH` tokens) when it is not ``policy``; ``copy_whole``,
-    ``serial``: as :func:`layer_time` takes them."""
+    ``serial``, ``arena``: as :func:`layer_time` takes them."""
     route = routing(geom, profile)
     chunk = max(1, min(chunk, context))
-    kw = dict(copy_whole=copy_whole, serial=serial)
+    kw = dict(copy_whole=copy_whole, serial=serial, arena=arena)
     steps = [(step_time(geom, rates, route, fmt, resident, tokens=t, seqs=1, position=pos,
                         chunk=True, policy=pol, **kw), n)
              for t, pos, n, pol in prefill_steps(context, chunk, prompt_tokens, policy, decode_policy)]
@@ -558,15 +576,18 @@ def predict_plan(plan, host: HostSpeed, *, prompt_tokens: int | None = None,
     """The predicted speed of a solved moefit ``plan`` (:class:`~moefit.plan.types.Plan`)
     at its context, chunk, sequences, expert slots and miss policy (or ``policy``), on its
     main device's figures (several devices: the expert slots of all of them count as
-    resident; the transfers between devices are not priced). None when the main device
-    has no figures (:func:`rates_for`)."""
+    resident; the transfers between devices are not priced), copies through the main
+    device's weight arena ring. None when the main device has no figures (:func:`rates_for`)."""
     rates = rates_for(plan.devices[0].device, host)
     if rates is None:
         return None
     r = plan.request
+    slot = expert_slot_bytes(plan.geometry)
+    ring = plan.devices[0].line("weight_arena").bytes // slot if slot else 0
     return predict(plan.geometry, rates, kv_format(r.kv), dict(plan.experts_per_layer),
                    context=plan.context, chunk=plan.prefill_selected, seqs=r.slots,
-                   policy=policy or r.miss_policy, prompt_tokens=prompt_tokens, profile=profile)
+                   policy=policy or r.miss_policy, prompt_tokens=prompt_tokens, profile=profile,
+                   arena=ring or None)
 
 
 #: llama.cpp's cache types (K, V) as moefit's KV formats of the same bytes per value

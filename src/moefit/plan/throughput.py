@@ -83,12 +83,14 @@ class Workload:
 
 
 def throughputs(geom: ModelGeometry, device: Device, req: Request, context: int,
-                workload: Workload, chunks: list[tuple[int, int]]) -> list[tuple[float, float]] | None:
+                workload: Workload, chunks: list[tuple[int, int]],
+                arena: int | None = None) -> list[tuple[float, float]] | None:
     """Predicted (prefill, decode) tokens/s of ``geom`` on ``device`` for ``req`` at
     ``context`` for each (chunk tokens, expert slots) of ``chunks``, the slots spread as
     the plan spreads them (:func:`moefit.memory.weights.spread_slots`): the figures of
     :func:`moefit.plan.speed.predict`, layers of one shape priced once
-    (:func:`moefit.plan.speed.step_seconds`). None when the device has no figures."""
+    (:func:`moefit.plan.speed.step_seconds`), copies through a weight arena of ``arena``
+    slots (:func:`moefit.plan.arena.arena_moe_seconds`). None when the device has no figures."""
     rates = rates_for(device, workload.host)
     if rates is None:
         return None
@@ -100,13 +102,14 @@ def throughputs(geom: ModelGeometry, device: Device, req: Request, context: int,
         groups = layer_groups(geom, route, dict(spread_slots(geom, slots)))
         c = max(1, min(chunk, context))
         seconds = sum(n * step_seconds(geom, rates, route, fmt, groups, tokens=t, seqs=1,
-                                       position=pos, chunk=True, policy=pol)
+                                       position=pos, chunk=True, policy=pol, arena=arena)
                       for t, pos, n, pol in prefill_steps(context, c, workload.prompt_tokens, policy))
         prompt = c if workload.prompt_tokens is None else workload.prompt_tokens
         decode = decode_by_slots.get(slots)
         if decode is None:
             dt = step_seconds(geom, rates, route, fmt, groups, tokens=seqs, seqs=seqs,
-                              position=min(fill, max(context - 1, 0)), chunk=False, policy=policy)
+                              position=min(fill, max(context - 1, 0)), chunk=False, policy=policy,
+                              arena=arena)
             decode = decode_by_slots[slots] = seqs / dt if dt else math.inf
         out.append((prompt / seconds if seconds else math.inf, decode))
     return out
