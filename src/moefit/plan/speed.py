@@ -53,7 +53,7 @@ from moefit.devices.host import HostSpeed
 from moefit.ingest.geometry import LayerSpec, ModelGeometry
 from moefit.memory.kv import KVFormat, cell_bytes, kv_format, linear_state_bytes
 from moefit.memory.layer_kinds import kind_of
-from moefit.memory.weights import expert_slot_bytes
+from moefit.memory.weights import expert_slot_bytes, stored_bytes, stored_change
 from moefit.memory.takes import ATTN_Q_BLOCK
 from moefit.plan.arena import KNOWN_COPIES, arena_moe_seconds
 
@@ -74,13 +74,17 @@ class Rates:
     """The figures a prediction runs on. Bandwidths in bytes/s, rates in FLOP/s.
 
     ``link_bytes_per_s``: None when the device is the host (no transfer).
-    ``sources``: one line per figure set, for ``-v`` and ``--json``."""
+    ``sources``: one line per figure set, for ``-v`` and ``--json``. ``stored``: which dense
+    GGUF matrices a step reads in their stored type: those the runtime keeps stored on a
+    device of that kind (``cpu`` / ``cuda``: :func:`moefit.memory.weights.stored_matrices`),
+    or ``file``: all of them (llama.cpp); the rest in the compute dtype."""
 
     device_bytes_per_s: float
     device_flops: float
     link_bytes_per_s: float | None
     host: HostSpeed
     sources: tuple[str, ...]
+    stored: str = "cuda"
     #: :func:`crossover` per expert shape (what it depends on), filled as asked
     crossovers: dict = field(default_factory=dict, compare=False, repr=False)
 
@@ -97,7 +101,7 @@ def rates_for(device: Device, host: HostSpeed) -> Rates | None:
     (a ``--vram`` what-if card: ``--gpu NAME`` names one the catalogue knows)."""
     if device.kind == "cpu":
         return Rates(host.memory_bytes_per_s, host.rate("BF16"), None, host,
-                     (f"device: the host ({device.description})", f"host: {host.source}"))
+                     (f"device: the host ({device.description})", f"host: {host.source}"), "cpu")
     g: GpuSpeed | None = device.speed
     if g is None:
         return None
@@ -225,13 +229,15 @@ class _Layer:
     shape: int = 0
 
 
-def _layers(geom: ModelGeometry) -> tuple[_Layer, ...]:
+def _layers(geom: ModelGeometry, stored: str = "cuda") -> tuple[_Layer, ...]:
+    kept = stored_bytes(geom, stored)
     blobs = geom.expert_blob_bytes()
     types = geom.expert_types
     floats = ("F32",) if geom.dtype_bytes == 4 else ("BF16",)
     out, shapes = [], {}
     for l in geom.layers:
-        fields = (sum(geom.tensor_bytes(t) for t in l.tensors), sum(t.numel for t in l.tensors),
+        fields = (sum(geom.tensor_bytes(t) for t in l.tensors) + stored_change(geom, kept, f"blk.{l.index}."),
+                  sum(t.numel for t in l.tensors),
                   blobs.get(l.index, 0), sum(t.numel for t in l.expert_tensors),
                   tuple(types.get(l.index, ())) or floats, geom.hidden_size)
         shape = shapes.setdefault((l.attention, l.moe, *fields), len(shapes))
@@ -266,8 +272,11 @@ def layer_time(layer: _Layer, rates: Rates, route: Routing, fmt: KVFormat, dtype
     hit_e, miss_e, hit_p, miss_p = route.expected(spec.index, resident, tokens)
     pair_flops = 2 * layer.expert_params
     blob = layer.blob_bytes
-    dev = _roof(hit_e * blob, rates.device_bytes_per_s, hit_p * pair_flops, rates.device_flops,
-                "device memory", "device compute")
+    # the simulated device multiplies its resident experts with the host's C kernels
+    dev = _roof(hit_e * blob, rates.device_bytes_per_s, hit_p * blob, _expert_rate(layer, rates.host),
+                "device memory", "device compute") if rates.shared else \
+        _roof(hit_e * blob, rates.device_bytes_per_s, hit_p * pair_flops, rates.device_flops,
+              "device memory", "device compute")
     if miss_p <= 0:
         return LayerTime(spec.index, kind, dense + dev[0], dense_bound if dense >= dev[0] else dev[1])
     host = rates.host
@@ -373,7 +382,8 @@ def miss_crossovers(geom: ModelGeometry, rates: Rates | None) -> dict[int, float
     figures): :data:`LLAMACPP_OFFLOAD_MIN_BATCH` for every layer, llama.cpp's rule."""
     if rates is None:
         return {l.index: float(LLAMACPP_OFFLOAD_MIN_BATCH) for l in geom.moe_layers}
-    return {l.spec.index: crossover(l, rates) for l in _cached_layers(geom) if l.spec.moe is not None}
+    return {l.spec.index: crossover(l, rates) for l in _cached_layers(geom, rates.stored)
+            if l.spec.moe is not None}
 
 
 def plan_crossovers(plan, host: HostSpeed) -> dict[int, float]:
@@ -405,6 +415,8 @@ def _head(geom: ModelGeometry, rates: Rates, rows: int) -> float:
     head = [t for t in geom.global_tensors if t.role == "lm_head"] or \
         [t for t in geom.global_tensors if t.role == "embed"][:1]
     nbytes = sum(geom.tensor_bytes(t) for t in head)
+    if head and head[0].role == "lm_head":
+        nbytes += stored_change(geom, stored_bytes(geom, rates.stored), "output.weight")
     return max(nbytes / rates.device_bytes_per_s,
                2 * rows * geom.vocab_size * geom.hidden_size / rates.device_flops)
 
@@ -418,7 +430,7 @@ def step_time(geom: ModelGeometry, rates: Rates, route: Routing, fmt: KVFormat,
     ``resident``: expert slots per MoE layer index."""
     memo: dict[tuple, LayerTime] = {}
     layers = []
-    for l in _cached_layers(geom):
+    for l in _cached_layers(geom, rates.stored):
         index = l.spec.index
         r = resident.get(index, 0)
         key = (l.shape, r, id(route.chances.get(index)))     # layers of one shape: priced once
@@ -432,14 +444,14 @@ def step_time(geom: ModelGeometry, rates: Rates, route: Routing, fmt: KVFormat,
     return StepTime(tokens, position, tuple(layers), _head(geom, rates, 1 if chunk else seqs))
 
 
-_LAYER_CACHE: dict[int, tuple[ModelGeometry, tuple[_Layer, ...]]] = {}
+_LAYER_CACHE: dict[tuple[int, str], tuple[ModelGeometry, tuple[_Layer, ...]]] = {}
 
 
-def _cached_layers(geom: ModelGeometry) -> tuple[_Layer, ...]:
-    """:func:`_layers` of ``geom``, computed once per geometry object."""
-    hit = _LAYER_CACHE.get(id(geom))
+def _cached_layers(geom: ModelGeometry, stored: str = "cuda") -> tuple[_Layer, ...]:
+    """:func:`_layers` of ``geom``, computed once per geometry object and ``stored``."""
+    hit = _LAYER_CACHE.get((id(geom), stored))
     if hit is None or hit[0] is not geom:
-        hit = _LAYER_CACHE[id(geom)] = (geom, _layers(geom))
+        hit = _LAYER_CACHE[(id(geom), stored)] = (geom, _layers(geom, stored))
     return hit[1]
 
 
@@ -511,12 +523,14 @@ def prefill_steps(context: int, chunk: int, prompt_tokens: int | None, policy: s
     return out
 
 
-def layer_groups(geom: ModelGeometry, route: Routing, resident: dict[int, int]) -> list[tuple]:
+def layer_groups(geom: ModelGeometry, route: Routing, resident: dict[int, int],
+                 stored: str = "cuda") -> list[tuple]:
     """The layers of ``geom`` as (a layer, its expert slots, how many layers alike): layers
-    of one shape (:attr:`_Layer.shape`), routing and residency take the same time."""
+    of one shape (:attr:`_Layer.shape`), routing and residency take the same time;
+    ``stored``: as :attr:`Rates.stored`."""
     groups: dict[tuple, list] = {}
     chances = route.chances
-    for l in _cached_layers(geom):
+    for l in _cached_layers(geom, stored):
         index = l.spec.index
         r = resident.get(index, 0)
         g = groups.get((l.shape, r, id(chances.get(index))))
@@ -610,6 +624,7 @@ def predict_llamacpp(geom: ModelGeometry, device: Device, host: HostSpeed, *, co
     rates = rates_for(device, host)
     if rates is None:
         return None
+    rates = replace(rates, stored="file")       # llama.cpp reads every matrix as stored
     cpu = set(cpu_layers)
     resident = {l.index: 0 if l.index in cpu else l.moe.num_experts for l in geom.moe_layers}
     fmt = kv_format(_LLAMA_KV.get((type_k, type_v), "fp16"))

@@ -99,7 +99,7 @@ def throughputs(geom: ModelGeometry, device: Device, req: Request, context: int,
     policy = req.miss_policy
     out, decode_by_slots = [], {}
     for chunk, slots in chunks:
-        groups = layer_groups(geom, route, dict(spread_slots(geom, slots)))
+        groups = layer_groups(geom, route, dict(spread_slots(geom, slots)), rates.stored)
         c = max(1, min(chunk, context))
         seconds = sum(n * step_seconds(geom, rates, route, fmt, groups, tokens=t, seqs=1,
                                        position=pos, chunk=True, policy=pol, arena=arena)
