@@ -31,8 +31,9 @@ median and the largest |predicted / measured - 1|; ``--out FILE`` keeps the rows
     PYTHONPATH=src python benchmarks/speed_model.py --shapes 1024 --threads 1 --repeats 1  # small
 
 The files are written once (``vs_llamacpp.py``'s folders under /tmp; the first run builds them,
-about 8 minutes per shape on 2 cores); a run over built files takes about 6-8 minutes on a
-quiet 2-core machine with the defaults.
+about 8 minutes per shape on 2 cores); a run over built files with the defaults (6 files x 2
+thread counts x 1 pair) takes about 7 minutes on a quiet 2-core machine (estimated from a
+loaded run: 2048-wide files about 50 s per set, 1024-wide about 20 s).
 """
 
 from __future__ import annotations
@@ -128,7 +129,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shapes", default="1024,2048", help="comma list of 1024, 2048 (default both)")
     ap.add_argument("--threads", default="1,2", help="comma list of thread counts (default 1,2)")
     ap.add_argument("--resident", default="all,quarter", help="moefit's residencies: all, quarter or both")
-    ap.add_argument("--repeats", type=int, default=3, help="interleaved pairs per file and thread count")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="interleaved pairs per file and thread count (default 1: the full run's 12 "
+                         "file and thread sets in about 7 minutes on a quiet 2-core machine)")
     ap.add_argument("--prompt", type=int, default=512, help="prefill tokens (default 512)")
     ap.add_argument("--gen", type=int, default=64, help="decode tokens (default 64)")
     ap.add_argument("--cached-host", action="store_true",

@@ -230,11 +230,13 @@ def choose_arena(geom: ModelGeometry, device: Device, req: Request, context: int
 
 
 def solve_one(geom: ModelGeometry, device: Device, req: Request, context: int,
-               notes: list[str], staging: StagingModel | None, workload=None) -> Plan:
+               notes: list[str], staging: StagingModel | None, workload=None,
+               choose_ring: bool = True) -> Plan:
     """One device: the rules of the module docstring; with a ``workload``
     (:class:`moefit.plan.throughput.Workload`), ``--prefill auto`` takes the chunk of the
     best predicted throughput among those that fit, and a clamp of ``--prefill N`` notes
-    its predicted cost."""
+    its predicted cost; and, unless ``choose_ring`` is False, the weight arena's ring of
+    :func:`choose_arena`."""
     floor, ceiling = floor_ceiling(geom, req)
     priced = price(geom, device, req, context, floor, staging)
     free = device.free_bytes
@@ -271,7 +273,8 @@ def solve_one(geom: ModelGeometry, device: Device, req: Request, context: int,
                                            [(target, slots), (chunk, slots)])
             cost = throughput.clamp_cost((rates[0][0], rates[1][0])) if rates else ""
         clamp_note(req, requested, chunk, notes, cost)
-    if fits and workload is not None and req.arena_slots is None and req.miss_policy != "cpu":
+    if fits and choose_ring and workload is not None and req.arena_slots is None \
+            and req.miss_policy != "cpu":
         arena = choose_arena(geom, device, req, context, priced, free, chunk, floor, ceiling,
                              workload)
         if arena is not None:

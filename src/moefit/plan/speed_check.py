@@ -11,7 +11,10 @@ a user's plan would be priced:
   :func:`~moefit.ingest.gguf_mix.gguf_geometry`;
 - ``ktransformers`` (routed experts on the CPU, attention and shared experts on the GPU):
   :func:`~moefit.plan.speed.predict` with no resident expert and misses computed on the host
-  (``--miss-policy cpu``), the engine's own placement, and its f16 KV cache.
+  (``--miss-policy cpu``), the engine's own placement, and its f16 KV cache; the GPU's dense
+  matrices read in their stored types as on a CUDA device (:attr:`~moefit.plan.speed.Rates.stored`:
+  ktransformers' optimize rules run its linear layers in 4-bit Marlin kernels,
+  ``generate_op: KLinearMarlin``, about Q4_K's bytes).
 
 The host is moefit's what-if host (:func:`~moefit.devices.host.default_host_speed`) at the
 run's achieved bandwidth (:func:`achieved_bandwidth`: the channels' peak times the measured /
