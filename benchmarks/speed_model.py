@@ -125,7 +125,8 @@ def main(argv: list[str] | None = None) -> int:
                     default=Path(__file__).resolve().parents[2] / "shared/data/vocab/ggml-vocab-qwen2.gguf",
                     help="vocabulary-only GGUF of the Qwen2/Qwen3 tokenizer")
     ap.add_argument("--types", default="q8_0,q4_k_m,q6_k",
-                    help=f"comma list of llama-quantize mixes of {', '.join(vs.MIXES)} (default q8_0,q4_k_m,q6_k)")
+                    help=f"comma list of llama-quantize mixes of {', '.join(vs.MIXES)} "
+                         "(default q8_0,q4_k_m,q6_k)")
     ap.add_argument("--shapes", default="1024,2048", help="comma list of 1024, 2048 (default both)")
     ap.add_argument("--threads", default="1,2", help="comma list of thread counts (default 1,2)")
     ap.add_argument("--resident", default="all,quarter", help="moefit's residencies: all, quarter or both")
@@ -150,8 +151,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--repeats and --threads must be at least 1")
     if not args.vocab.is_file():
         ap.error(f"--vocab {args.vocab}: not a file (ggml-vocab-qwen2.gguf from llama.cpp's models/)")
-    print("$ PYTHONPATH=src python " + " ".join(shlex.quote(a) for a in [sys.argv[0], *(argv or sys.argv[1:])]),
-          flush=True)
+    words = [sys.argv[0], *(argv if argv is not None else sys.argv[1:])]
+    print("$ PYTHONPATH=src python " + " ".join(shlex.quote(a) for a in words), flush=True)
     t0 = time.perf_counter()
     bench = vs.find_tool("llama-bench", args.llama_bin)
     quantize = vs.find_tool("llama-quantize", args.llama_bin)
@@ -178,7 +179,8 @@ def main(argv: list[str] | None = None) -> int:
                         + " / ".join(f"{host.rate(k) / 1e9:.0f}" for k in ("Q8_0", "Q4_K", "Q6_K")))
                 got = measure(bench, path, n, residents, args)
                 pred = {r: predicted(path, r, host, args.prompt, args.gen) for r in residents}
-                cases = [("llama.cpp", "all", got["llama.cpp"], predicted(path, "all", host, args.prompt, args.gen))]
+                every = pred.get("all") or predicted(path, "all", host, args.prompt, args.gen)
+                cases = [("llama.cpp", "all", got["llama.cpp"], every)]
                 cases += [("moefit", r, got[f"moefit/{r}"], pred[r]) for r in residents]
                 for engine, r, m, p in cases:
                     for phase in ("pp", "tg"):
@@ -187,7 +189,8 @@ def main(argv: list[str] | None = None) -> int:
                                    measured=m[phase], predicted=p[phase][0], bound=p[phase][1],
                                    ratio=p[phase][0] / m[phase])
                         rows.append(row)
-                        print(f"| {s} | {row['file']} | {n} | {figs} | {engine} | {r if engine == 'moefit' else 'all (its CPU run)'} "
+                        shown = r if engine == "moefit" else "all (its CPU run)"
+                        print(f"| {s} | {row['file']} | {n} | {figs} | {engine} | {shown} "
                               f"| {row['phase']} | {row['measured']:.1f} | {row['predicted']:.1f} "
                               f"| {row['ratio']:.2f} | {row['bound']} |", flush=True)
     print()
@@ -195,8 +198,9 @@ def main(argv: list[str] | None = None) -> int:
         e = errors(rows, engine)
         if e:
             med, worst = e
-            print(f"{engine}: {sum(r['engine'] == engine for r in rows)} cases, median |predicted / measured - 1| "
-                  f"= {med:.0%}; largest {abs(worst['ratio'] - 1):.0%} ({worst['shape']} {worst['file']} "
+            count = sum(r["engine"] == engine for r in rows)
+            print(f"{engine}: {count} cases, median |predicted / measured - 1| = {med:.0%}; "
+                  f"largest {abs(worst['ratio'] - 1):.0%} ({worst['shape']} {worst['file']} "
                   f"{worst['threads']} thr {worst['resident']} {worst['phase']})")
     print(f"({time.perf_counter() - t0:.0f} s)")
     if args.out:

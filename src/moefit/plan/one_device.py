@@ -224,7 +224,7 @@ def choose_arena(geom: ModelGeometry, device: Device, req: Request, context: int
     ring, p, slots = options[i]
     shown = ", ".join(f"{r}: {s:.0f}" for (r, _, _), s in zip(options, scores))
     note = "" if ring == priced.ring else (
-        f"weight arena: {ring} slots, the fastest ring for {workload.objective} "
+        f"weight arena: a ring of {ring} expert blobs, the fastest for {workload.objective} "
         f"(predicted tokens/s by ring: {shown}), leaving {slots} expert slots")
     return p, slots, note
 

@@ -32,7 +32,7 @@ from moefit.devices import Device
 from moefit.devices.host import HostSpeed
 from moefit.ingest.geometry import ModelGeometry
 from moefit.memory.kv import kv_format
-from moefit.memory.weights import spread_slots
+from moefit.memory.weights import default_arena_slots, spread_slots
 from moefit.plan.request import Request
 from moefit.plan.speed import Speed, layer_groups, prefill_steps, rates_for, routing, step_seconds
 
@@ -90,13 +90,16 @@ def throughputs(geom: ModelGeometry, device: Device, req: Request, context: int,
     the plan spreads them (:func:`moefit.memory.weights.spread_slots`): the figures of
     :func:`moefit.plan.speed.predict`, layers of one shape priced once
     (:func:`moefit.plan.speed.step_seconds`), copies through a weight arena of ``arena``
-    slots (:func:`moefit.plan.arena.arena_moe_seconds`). None when the device has no figures."""
+    slots (:func:`moefit.plan.arena.arena_moe_seconds`; None: the request's, ``--arena-slots``
+    or the default ring). None when the device has no figures."""
     rates = rates_for(device, workload.host)
     if rates is None:
         return None
     route, fmt, seqs = routing(geom, workload.profile), kv_format(req.kv), req.slots
     fill = context // 2 if workload.prompt_tokens is None else workload.prompt_tokens
     policy = req.miss_policy
+    if arena is None and policy != "cpu":       # the request's ring
+        arena = req.arena_slots or default_arena_slots(geom) or None
     out, decode_by_slots = [], {}
     for chunk, slots in chunks:
         groups = layer_groups(geom, route, dict(spread_slots(geom, slots)), rates.stored)
