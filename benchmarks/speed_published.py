@@ -4,7 +4,8 @@ Reads ``tests/data/published_runs.json`` (llama.cpp with ``--n-cpu-moe`` / ``-ot
 ktransformers; each run with its source, quoted lines and the hardware figures used) and
 predicts every measured phase with :mod:`moefit.plan.speed` through
 :func:`moefit.plan.speed_check.predict_run` (the model preset as the GGUF type the run used,
-the catalogue GPU, the host's channels x MT/s x 8 bytes and threads, the residency the run's
+the catalogue GPU, the host's channels x MT/s x 8 bytes times the achieved fraction of a cited
+independent read measurement on the same class of host, and threads, the residency the run's
 flags imply). Prints one row per case: measured, predicted, predicted / measured and the
 bound the model names, then the median and the largest |predicted / measured - 1|.
 
@@ -19,14 +20,15 @@ import argparse
 import sys
 from pathlib import Path
 
-from moefit.plan.speed_check import host_bandwidth, load_runs, predict_run, summary
+from moefit.plan.speed_check import (achieved_bandwidth, host_bandwidth, load_runs,
+                                     memory_efficiency, predict_run, summary)
 
 DEFAULT_RUNS = Path(__file__).resolve().parent.parent / "tests" / "data" / "published_runs.json"
 
 
 def table(runs: list[dict]) -> tuple[list[str], list]:
     """The printed lines and the cases of ``runs``."""
-    lines = ["| run | engine | GPU | host GB/s, threads | phase | measured tok/s | predicted tok/s "
+    lines = ["| run | engine | GPU | host GB/s: peak x measured fraction = priced, threads | phase | measured tok/s | predicted tok/s "
              "| predicted / measured | bound |",
              "|---|---|---|---|---|---:|---:|---:|---|"]
     cases = []
@@ -34,7 +36,8 @@ def table(runs: list[dict]) -> tuple[list[str], list]:
         for c in predict_run(run):
             cases.append(c)
             lines.append(f"| {c.run} | {c.engine} | {run['gpu']} | "
-                         f"{host_bandwidth(run['host']) / 1e9:.1f}, {run['host']['threads']} | "
+                         f"{host_bandwidth(run['host']) / 1e9:.1f} x {memory_efficiency(run['host']):.2f} = "
+                         f"{achieved_bandwidth(run['host']) / 1e9:.1f}, {run['host']['threads']} | "
                          f"{c.phase} | {c.measured:.2f} | {c.predicted:.2f} | {c.ratio:.2f} | "
                          f"{c.bound} |")
     median, worst = summary(cases)

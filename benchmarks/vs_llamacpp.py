@@ -261,19 +261,16 @@ def build(root: Path, config: dict, types: list[str], vocab: Path, quantize: Pat
 
 
 # ---- moefit worker: loads once, measures on request ----------------------------------------
-def worker(path: Path, threads: int, resident: str, prompt: int, gen: int) -> None:
-    """Load ``path`` on a simulated CPU device, then answer each ``run`` line of stdin with
-    one JSON line ``{"pp": tok/s, "tg": tok/s, "hit_rate": ...}``."""
-    import torch
-
+def worker_plan(path: Path, resident: str, prompt: int, gen: int):
+    """(geometry, plan) a worker commits for ``path``: a simulated 16 GiB CPU device, a
+    ``prompt``-token chunk, bf16 KV, all experts resident or a quarter (misses on the CPU).
+    Planner only (no torch). Exits when the plan does not fit."""
     from moefit.devices import Device
     from moefit.ingest.resolve import load_model
     from moefit.plan.request import Request
     from moefit.plan.solver import solve
-    from moefit.runtime.engine import Engine, EngineOptions
     from moefit.units import GIB
 
-    torch.set_num_threads(threads)
     geom = load_model(str(path))
     slots = geom.total_experts if resident == "all" else geom.total_experts // 4
     device = Device("cpu", "simulated 16 GiB device on the CPU", "cpu", 16 * GIB, 16 * GIB,
@@ -283,6 +280,18 @@ def worker(path: Path, threads: int, resident: str, prompt: int, gen: int) -> No
                                        miss_policy="cpu"))
     if not plan.fits:
         sys.exit("the benchmark plan does not fit a 16 GiB simulated device")
+    return geom, plan
+
+
+def worker(path: Path, threads: int, resident: str, prompt: int, gen: int) -> None:
+    """Load ``path`` on a simulated CPU device, then answer each ``run`` line of stdin with
+    one JSON line ``{"pp": tok/s, "tg": tok/s, "hit_rate": ...}``."""
+    import torch
+
+    from moefit.runtime.engine import Engine, EngineOptions
+
+    torch.set_num_threads(threads)
+    geom, plan = worker_plan(path, resident, prompt, gen)
     engine = Engine.start(path, plan, EngineOptions(progress=False))
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, geom.vocab_size, (prompt,), generator=g).tolist()

@@ -54,7 +54,9 @@ def test_the_chosen_chunk_is_the_brute_force_best(policy, objective, gpu):
     best = max(c for c, x in scores.items() if x >= top * (1 - TIE))   # ties: the larger chunk
     # 32 candidates at most over 32 grid chunks: every chunk is weighed, so the choice is exact
     assert plan.prefill_selected == best, (plan.notes, sorted(scores.items(), key=lambda x: -x[1])[:3])
-    assert score(plan, work, 8192) == pytest.approx(scores[best], rel=1e-9)
+    # the weight arena's ring is chosen at that chunk afterwards (plan/arena.py, tests/test_arena.py):
+    # the default ring is one of its candidates, so it can only raise the score
+    assert score(plan, work, 8192) >= scores[best] * (1 - 1e-9)
     if best != old.prefill_selected:
         assert any(n.startswith(f"prefill: auto, {best} of the chunks that fit up to "
                                 f"{old.prefill_selected}: predicted {objective}") for n in plan.notes)

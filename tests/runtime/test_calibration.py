@@ -140,6 +140,34 @@ def test_calibrate_host_measures_every_kernel_type_and_the_planner_reads_it(tmp_
     assert "calibrate --host" in host.source
 
 
+def test_the_host_memory_bandwidth_is_the_fastest_one_row_read(monkeypatch):
+    """A one-row product bound by its arithmetic (BF16 on some cores) must not stand for
+    the memory: the probe reads the same bytes as each of PROBE_MEMORY_TYPES and keeps the
+    fastest (timings stubbed: BF16 four times slower than Q8_0 over its bytes)."""
+    from moefit.runtime import calibrate as rc
+    from moefit.runtime.kernels import qmatmul
+    if not qmatmul.available():
+        pytest.skip(f"C kernels: {qmatmul.unavailable_reason()}")
+    monkeypatch.setattr(rc, "PROBE_BIG", (512, 4096))
+    seen = []
+    real_gemm = qmatmul.gemm
+
+    def gemm(x, raw, qtype, rows, cols, threads=None):
+        seen.append((qtype, rows, raw.numel()))
+        return real_gemm(x, raw, qtype, rows, cols, threads=threads)
+
+    def best(run, repeats):
+        run()
+        qtype, _, nbytes = seen[-1]
+        return nbytes / (1e9 if qtype == "BF16" else 4e9) if nbytes > 3 << 20 else 1.0
+
+    monkeypatch.setattr(qmatmul, "gemm", gemm)
+    monkeypatch.setattr(rc, "_best_seconds", best)
+    bw, _ = rc.measure_host([1], say=lambda _m: None)[1]
+    assert {q for q, _, n in seen if n > 3 << 20} == set(rc.PROBE_MEMORY_TYPES)
+    assert bw == pytest.approx(4e9, rel=0.01)
+
+
 def test_calibrate_needs_a_model_or_host(capsys):
     assert main(["calibrate"]) == 2
     assert "give MODEL" in capsys.readouterr().err

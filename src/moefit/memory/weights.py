@@ -50,6 +50,26 @@ def stored_matrices(geom: ModelGeometry, device_kind: str) -> dict[str, int]:
     return {name: nbytes for name, qtype, _, cols, nbytes in matrices if keeps(qtype, cols)}
 
 
+def stored_bytes(geom: ModelGeometry, stored: str) -> dict[str, int]:
+    """The dense GGUF matrices a step reads in their stored type (the speed model's
+    :attr:`moefit.plan.speed.Rates.stored`: ``cpu`` / ``cuda`` as :func:`stored_matrices`
+    keeps them, ``file``: every one, as llama.cpp reads them), GGUF name
+    -> stored bytes, each of which the geometry prices in the compute dtype; empty without
+    GGUF headers."""
+    if stored == "file":
+        return {m[0]: m[4] for m in getattr(geom.exact, "matrices", ())}
+    return stored_matrices(geom, stored)
+
+
+def stored_change(geom: ModelGeometry, kept: dict[str, int], prefix: str) -> int:
+    """Stored minus compute-dtype bytes of the matrices of ``kept`` named ``prefix...``."""
+    if not kept:
+        return 0
+    act = DTYPE_BYTES[geom.exact.compute_dtype]
+    return sum(kept[name] - rows * cols * act for name, _, rows, cols, _ in geom.exact.matrices
+               if name in kept and name.startswith(prefix))
+
+
 def weights_bytes(geom: ModelGeometry, device_kind: str) -> int:
     """Bytes of the ``weights`` line on a device of ``device_kind``: the geometry's
     (:meth:`~moefit.ingest.geometry.ModelGeometry.weight_bytes`, every dense tensor in the

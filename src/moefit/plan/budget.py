@@ -11,6 +11,7 @@ from __future__ import annotations
 from moefit.devices import Device, Host
 from moefit.ingest.geometry import ModelGeometry
 from moefit.memory.staging import StagingModel
+from moefit.memory.weights import weight_arena_bytes
 from moefit.plan.host import check_host_flags, with_host
 from moefit.plan.one_device import check_expert_flags, solve_one
 from moefit.plan.request import Request, resolve_context, rope_notes, validate
@@ -24,18 +25,23 @@ def solve_budget(geom: ModelGeometry, devices: tuple[Device, ...], req: Request,
     """The plan of ``geom`` on ``devices`` (the main one first) for ``req``, with its host
     table (``host`` None: priced, not checked), and no alternatives: the arguments and
     errors of :func:`moefit.plan.solver.solve` (``workload``: one device, or the expert
-    split of several)."""
+    split of several). On one device, a weight arena ring chosen for the workload
+    (:func:`moefit.plan.one_device.choose_arena`) that leaves the host short gives way to
+    the default ring."""
     validate(req)
     context = resolve_context(geom, req)
     notes: list[str] = [*geom.notes, *rope_notes(geom, req)]
     notes += [d.note for d in devices if d.note]
     check_expert_flags(geom, req)
     check_host_flags(geom, req)
-    if len(devices) == 1:
-        plan = solve_one(geom, devices[0], req, context, notes, staging, workload)
-    else:
-        plan = solve_several(geom, devices, req, context, notes, staging, workload)
-    plan = with_host(plan, host)
+    if len(devices) > 1:
+        return with_host(solve_several(geom, devices, req, context, notes, staging, workload), host)
+    plan = with_host(solve_one(geom, devices[0], req, context, list(notes), staging, workload), host)
+    default = weight_arena_bytes(geom, req.miss_policy, req.arena_slots)
+    if not plan.fits and plan.devices[0].line("weight_arena").bytes != default:
+        # a chosen ring that leaves the host short: the default ring, as without a workload
+        plan = with_host(solve_one(geom, devices[0], req, context, list(notes), staging, workload,
+                                   choose_ring=False), host)
     return plan
 
 

@@ -15,6 +15,10 @@ Rules (docs/design.md, solving), for one device with ``free`` bytes:
    ``--prefill-min``, that fits. Every chunk-dependent line is ``min`` of affine pieces in
    the chunk (staging is affine; sliding-window KV is ``min(context, window + chunk)``),
    so the largest chunk is a direct calculation per piece, not a search.
+   With a workload (the host's figures and ``--objective``) and ``--miss-policy copy`` or
+   ``auto`` without ``--arena-slots``, the weight arena's ring is the fastest of
+   :func:`moefit.plan.arena.arena_candidates` at the chosen chunk, each with the expert
+   slots it leaves (:func:`choose_arena`).
 5. If nothing fits, the plan fails with the shortfall and the limiting lines
    (:mod:`moefit.plan.alternatives` adds the changes that fit).
 
@@ -36,6 +40,7 @@ from moefit.memory.staging import StagingModel, experts_fused, fixed_region_byte
 from moefit.memory.weights import (expert_cache_bytes, expert_slot_bytes, most_slots, spread_slots,
                                    weight_arena_bytes, weights_bytes, weights_detail)
 from moefit.plan import throughput
+from moefit.plan.arena import arena_candidates
 from moefit.plan.request import CHUNK_GRID, Request
 from moefit.plan.types import LINE_ORDER, DevicePlan, Line, Plan, limiting_lines
 
@@ -63,6 +68,11 @@ class Priced:
     staging_per_token: int
     kv_pieces: tuple[tuple[int, int], ...]
     staging_calibrated: bool = False
+
+    @property
+    def ring(self) -> int | None:
+        """The weight arena's ring in expert slots; None without an arena."""
+        return self.arena // self.slot_bytes if self.arena and self.slot_bytes else None
 
     def fixed(self) -> int:
         return self.runtime + self.weights + self.arena + self.margin + self.floor_bytes
@@ -164,7 +174,7 @@ def _slots_at(geom: ModelGeometry, priced: Priced, free: int, chunk: int, floor:
 
 def by_throughput(geom: ModelGeometry, device: Device, req: Request, context: int,
                   lowest: int, top: int, top_slots: int, slots_at,
-                  workload) -> tuple[int, int, str] | None:
+                  workload, arena: int | None = None) -> tuple[int, int, str] | None:
     """``--prefill auto`` with a workload (:mod:`moefit.plan.throughput`): the (chunk,
     slots, note) of the best predicted throughput on ``device`` (the main one) among the
     chunks from ``lowest`` to ``top`` (the largest that fits, with ``top_slots``), each
@@ -172,7 +182,7 @@ def by_throughput(geom: ModelGeometry, device: Device, req: Request, context: in
     when ``top`` is best or nothing is predicted (a device without figures)."""
     chunks = throughput.candidate_chunks(lowest, top, CHUNK_GRID)
     cands = [(c, top_slots if c == top else slots_at(c)) for c in chunks]
-    rates = throughput.throughputs(geom, device, req, context, workload, cands)
+    rates = throughput.throughputs(geom, device, req, context, workload, cands, arena=arena)
     if rates is None:
         return None
     scores = [workload.score(p, d, top) for p, d in rates]
@@ -188,12 +198,50 @@ def by_throughput(geom: ModelGeometry, device: Device, req: Request, context: in
                           f"{best}; {top}: {scores[-1]:.0f} with {top_slots}")
 
 
+def choose_arena(geom: ModelGeometry, device: Device, req: Request, context: int,
+                 priced: Priced, free: int, chunk: int, floor: int, ceiling: int,
+                 workload) -> tuple[Priced, int, str] | None:
+    """The weight arena's ring for a ``chunk``-token plan: each ring of
+    :func:`~moefit.plan.arena.arena_candidates` that fits beside the mandatory lines and
+    the expert floor, with the expert slots it leaves (:func:`_slots_at`), is predicted for
+    ``workload``'s objective (:func:`moefit.plan.throughput.throughputs`); the smallest ring
+    within :data:`~moefit.plan.throughput.TIE` of the best wins (the expert cache keeps
+    the rest). Returns (the priced lines with that ring, its expert slots, a note when it
+    is not the default ring), or None when nothing is predicted (a device without
+    figures) or no arena is priced."""
+    if priced.ring is None:
+        return None
+    options = []
+    for ring in arena_candidates(geom):
+        p = replace(priced, arena=ring * priced.slot_bytes)
+        if p.cost(chunk) <= free:
+            options.append((ring, p, _slots_at(geom, p, free, chunk, floor, ceiling, req.routing)))
+    scores = []
+    for ring, _, slots in options:
+        rates = throughput.throughputs(geom, device, req, context, workload, [(chunk, slots)],
+                                       arena=ring)
+        if rates is None:
+            return None
+        scores.append(workload.score(*rates[0], chunk))
+    if not options:
+        return None
+    i = min(k for k, s in enumerate(scores) if s >= max(scores) * (1 - throughput.TIE))
+    ring, p, slots = options[i]
+    shown = ", ".join(f"{r}: {s:.0f}" for (r, _, _), s in zip(options, scores))
+    note = "" if ring == priced.ring else (
+        f"weight arena: a ring of {ring} expert blobs, the fastest for {workload.objective} "
+        f"(predicted tokens/s by ring: {shown}), leaving {slots} expert slots")
+    return p, slots, note
+
+
 def solve_one(geom: ModelGeometry, device: Device, req: Request, context: int,
-               notes: list[str], staging: StagingModel | None, workload=None) -> Plan:
+               notes: list[str], staging: StagingModel | None, workload=None,
+               choose_ring: bool = True) -> Plan:
     """One device: the rules of the module docstring; with a ``workload``
     (:class:`moefit.plan.throughput.Workload`), ``--prefill auto`` takes the chunk of the
     best predicted throughput among those that fit, and a clamp of ``--prefill N`` notes
-    its predicted cost."""
+    its predicted cost; and, unless ``choose_ring`` is False, the weight arena's ring of
+    :func:`choose_arena`."""
     floor, ceiling = floor_ceiling(geom, req)
     priced = price(geom, device, req, context, floor, staging)
     free = device.free_bytes
@@ -218,7 +266,7 @@ def solve_one(geom: ModelGeometry, device: Device, req: Request, context: int,
     if fits and workload is not None and req.prefill_mode == "auto" and geom.moe_layers:
         chosen = by_throughput(geom, device, req, context, min(lowest, chunk), chunk, slots,
                                lambda c: _slots_at(geom, priced, free, c, floor, ceiling, req.routing),
-                               workload)
+                               workload, arena=priced.ring)
     if chosen is not None:
         shown_chunk, slots, note = chosen
         chunk = shown_chunk
@@ -231,6 +279,14 @@ def solve_one(geom: ModelGeometry, device: Device, req: Request, context: int,
                                            [(target, slots), (chunk, slots)])
             cost = throughput.clamp_cost((rates[0][0], rates[1][0])) if rates else ""
         clamp_note(req, requested, chunk, notes, cost)
+    if fits and choose_ring and workload is not None and req.arena_slots is None \
+            and req.miss_policy != "cpu":
+        arena = choose_arena(geom, device, req, context, priced, free, chunk, floor, ceiling,
+                             workload)
+        if arena is not None:
+            priced, slots, note = arena
+            if note:
+                notes.append(note)
     lines = device_lines(geom, device, req, context, shown_chunk, priced, slots)
     per_layer = spread_slots(geom, slots, routing=req.routing)
     dplan = DevicePlan(device, lines, experts_per_layer=per_layer)

@@ -214,7 +214,8 @@ def _expert_split(geom: ModelGeometry, devices: tuple[Device, ...], req: Request
     if fits and workload is not None and req.prefill_mode == "auto" and geom.moe_layers:
         top = floor_kept(chunk) if chunk < target else filled(chunk)
         chosen = by_throughput(geom, devices[0], req, context, min(lowest, chunk), chunk,
-                               placed(top), lambda c: placed(filled(c)), workload)
+                               placed(top), lambda c: placed(filled(c)), workload,
+                               arena=priced[0].ring)
     if chosen is not None:
         chunk, _, note = chosen
         notes.append(note)

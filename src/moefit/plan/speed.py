@@ -26,7 +26,12 @@ resident experts are the most used ones (the runtime's initial fill). So a decod
 
 Within a layer the dense part runs first; then the resident experts on the device, the
 transfers and the host work overlap (separate engines), so the MoE part takes the longest
-of its branches. Misses run on the host (``--miss-policy cpu``), are copied
+of its branches. Copies go through the weight arena's ring of ``A`` slots
+(:func:`moefit.plan.arena.arena_moe_seconds`): a copy waits for a free slot, so the copy engine can run at
+most ``A`` experts ahead of the device's expert products; copies that are known before the
+router runs (a step that touches every missing expert of the layer, as a long chunk does)
+can fill the free slots during the layer's dense part, which follows the previous layer's
+experts. Misses run on the host (``--miss-policy cpu``), are copied
 (``copy``), or, per layer and step, copied when the step's tokens per missing expert reach
 the layer's :func:`crossover` (``auto``: the rule the runtime follows). On the simulated
 device (``--device cpu``) the device is the host: its parts add up, and nothing crosses a
@@ -48,7 +53,9 @@ from moefit.devices.host import HostSpeed
 from moefit.ingest.geometry import LayerSpec, ModelGeometry
 from moefit.memory.kv import KVFormat, cell_bytes, kv_format, linear_state_bytes
 from moefit.memory.layer_kinds import kind_of
+from moefit.memory.weights import expert_slot_bytes, stored_bytes, stored_change
 from moefit.memory.takes import ATTN_Q_BLOCK
+from moefit.plan.arena import KNOWN_COPIES, arena_moe_seconds
 
 #: The resources a step's time is charged to, as printed (the "bound").
 RESOURCES = ("device compute", "device memory", "PCIe", "host compute", "host memory")
@@ -67,13 +74,17 @@ class Rates:
     """The figures a prediction runs on. Bandwidths in bytes/s, rates in FLOP/s.
 
     ``link_bytes_per_s``: None when the device is the host (no transfer).
-    ``sources``: one line per figure set, for ``-v`` and ``--json``."""
+    ``sources``: one line per figure set, for ``-v`` and ``--json``. ``stored``: which dense
+    GGUF matrices a step reads in their stored type: those the runtime keeps stored on a
+    device of that kind (``cpu`` / ``cuda``: :func:`moefit.memory.weights.stored_matrices`),
+    or ``file``: all of them (llama.cpp); the rest in the compute dtype."""
 
     device_bytes_per_s: float
     device_flops: float
     link_bytes_per_s: float | None
     host: HostSpeed
     sources: tuple[str, ...]
+    stored: str = "cuda"
     #: :func:`crossover` per expert shape (what it depends on), filled as asked
     crossovers: dict = field(default_factory=dict, compare=False, repr=False)
 
@@ -90,7 +101,7 @@ def rates_for(device: Device, host: HostSpeed) -> Rates | None:
     (a ``--vram`` what-if card: ``--gpu NAME`` names one the catalogue knows)."""
     if device.kind == "cpu":
         return Rates(host.memory_bytes_per_s, host.rate("BF16"), None, host,
-                     (f"device: the host ({device.description})", f"host: {host.source}"))
+                     (f"device: the host ({device.description})", f"host: {host.source}"), "cpu")
     g: GpuSpeed | None = device.speed
     if g is None:
         return None
@@ -241,13 +252,15 @@ class _Layer:
     shape: int = 0
 
 
-def _layers(geom: ModelGeometry) -> tuple[_Layer, ...]:
+def _layers(geom: ModelGeometry, stored: str = "cuda") -> tuple[_Layer, ...]:
+    kept = stored_bytes(geom, stored)
     blobs = geom.expert_blob_bytes()
     types = geom.expert_types
     floats = ("F32",) if geom.dtype_bytes == 4 else ("BF16",)
     out, shapes = [], {}
     for l in geom.layers:
-        fields = (sum(geom.tensor_bytes(t) for t in l.tensors), sum(t.numel for t in l.tensors),
+        fields = (sum(geom.tensor_bytes(t) for t in l.tensors) + stored_change(geom, kept, f"blk.{l.index}."),
+                  sum(t.numel for t in l.tensors),
                   blobs.get(l.index, 0), sum(t.numel for t in l.expert_tensors),
                   tuple(types.get(l.index, ())) or floats, geom.hidden_size)
         shape = shapes.setdefault((l.attention, l.moe, *fields), len(shapes))
@@ -257,7 +270,8 @@ def _layers(geom: ModelGeometry) -> tuple[_Layer, ...]:
 
 def layer_time(layer: _Layer, rates: Rates, route: Routing, fmt: KVFormat, dtype_bytes: int, *,
                tokens: int, seqs: int, position: int, chunk: bool, resident: int,
-               policy: str, copy_whole: bool = False, serial: bool = False) -> LayerTime:
+               policy: str, copy_whole: bool = False, serial: bool = False,
+               arena: int | None = None) -> LayerTime:
     """One layer's time for one step (see the module docstring for the model).
 
     ``resident``: the layer's expert slots. ``policy``: ``cpu`` (misses on the host),
@@ -266,7 +280,10 @@ def layer_time(layer: _Layer, rates: Rates, route: Routing, fmt: KVFormat, dtype
     ``copy_whole``: a copy moves every missing expert of the layer, touched or not
     (llama.cpp copies whole expert tensors). ``serial``: the MoE part's branches run one
     after another instead of overlapping (llama.cpp's scheduler runs a graph's splits in
-    turn: the CPU's experts, the copies and the device's experts)."""
+    turn: the CPU's experts, the copies and the device's experts). ``arena``: the weight
+    arena's ring in expert slots (:func:`moefit.plan.arena.arena_moe_seconds`); None: copies overlap the
+    layer's expert products only, never its dense part (a ring of about
+    2 x experts per token)."""
     spec = layer.spec
     a_bytes, a_flops = _attention(spec, fmt, dtype_bytes, tokens, seqs, position, chunk)
     dense, dense_bound = _roof(layer.dense_bytes + a_bytes, rates.device_bytes_per_s,
@@ -278,8 +295,11 @@ def layer_time(layer: _Layer, rates: Rates, route: Routing, fmt: KVFormat, dtype
     hit_e, miss_e, hit_p, miss_p = route.expected(spec.index, resident, tokens)
     pair_flops = 2 * layer.expert_params
     blob = layer.blob_bytes
-    dev = _roof(hit_e * blob, rates.device_bytes_per_s, hit_p * pair_flops, rates.device_flops,
-                "device memory", "device compute")
+    # the simulated device multiplies its resident experts with the host's C kernels
+    dev = _roof(hit_e * blob, rates.device_bytes_per_s, hit_p * blob, _expert_rate(layer, rates.host),
+                "device memory", "device compute") if rates.shared else \
+        _roof(hit_e * blob, rates.device_bytes_per_s, hit_p * pair_flops, rates.device_flops,
+              "device memory", "device compute")
     if miss_p <= 0:
         return LayerTime(spec.index, kind, dense + dev[0], dense_bound if dense >= dev[0] else dev[1])
     host = rates.host
@@ -307,6 +327,10 @@ def layer_time(layer: _Layer, rates: Rates, route: Routing, fmt: KVFormat, dtype
     else:
         on_host = max(dev, host_side)
         on_dev = max(dev_all, copy_side)
+        if arena is not None:
+            known = copied_e >= KNOWN_COPIES * (spec.moe.num_experts - resident)
+            t = arena_moe_seconds(copy_side[0], dev_all[0], blob / link, dense if known else 0.0, arena)
+            on_dev = (t, "PCIe" if t > dev_all[0] else dev_all[1])
     if policy == "copy" or (policy == "auto" and miss_p / max(miss_e, 1e-30) >= crossover(layer, rates)):
         moe, copied = on_dev, True
     else:
@@ -381,7 +405,8 @@ def miss_crossovers(geom: ModelGeometry, rates: Rates | None) -> dict[int, float
     figures): :data:`LLAMACPP_OFFLOAD_MIN_BATCH` for every layer, llama.cpp's rule."""
     if rates is None:
         return {l.index: float(LLAMACPP_OFFLOAD_MIN_BATCH) for l in geom.moe_layers}
-    return {l.spec.index: crossover(l, rates) for l in _cached_layers(geom) if l.spec.moe is not None}
+    return {l.spec.index: crossover(l, rates) for l in _cached_layers(geom, rates.stored)
+            if l.spec.moe is not None}
 
 
 def plan_crossovers(plan, host: HostSpeed) -> dict[int, float]:
@@ -413,19 +438,22 @@ def _head(geom: ModelGeometry, rates: Rates, rows: int) -> float:
     head = [t for t in geom.global_tensors if t.role == "lm_head"] or \
         [t for t in geom.global_tensors if t.role == "embed"][:1]
     nbytes = sum(geom.tensor_bytes(t) for t in head)
+    if head and head[0].role == "lm_head":
+        nbytes += stored_change(geom, stored_bytes(geom, rates.stored), "output.weight")
     return max(nbytes / rates.device_bytes_per_s,
                2 * rows * geom.vocab_size * geom.hidden_size / rates.device_flops)
 
 
 def step_time(geom: ModelGeometry, rates: Rates, route: Routing, fmt: KVFormat,
               resident: dict[int, int], *, tokens: int, seqs: int, position: int, chunk: bool,
-              policy: str, copy_whole: bool = False, serial: bool = False) -> StepTime:
+              policy: str, copy_whole: bool = False, serial: bool = False,
+              arena: int | None = None) -> StepTime:
     """A step of ``tokens`` tokens (a chunk when ``chunk``, else one token for each of
     ``seqs`` sequences) at ``position``: every layer (:func:`layer_time`) and the head.
     ``resident``: expert slots per MoE layer index."""
     memo: dict[tuple, LayerTime] = {}
     layers = []
-    for l in _cached_layers(geom):
+    for l in _cached_layers(geom, rates.stored):
         index = l.spec.index
         r = resident.get(index, 0)
         key = (l.shape, r, id(route.chances.get(index)))     # layers of one shape: priced once
@@ -433,19 +461,20 @@ def step_time(geom: ModelGeometry, rates: Rates, route: Routing, fmt: KVFormat,
         if t is None:
             t = memo[key] = layer_time(l, rates, route, fmt, geom.dtype_bytes, tokens=tokens,
                                        seqs=seqs, position=position, chunk=chunk, resident=r,
-                                       policy=policy, copy_whole=copy_whole, serial=serial)
+                                       policy=policy, copy_whole=copy_whole, serial=serial,
+                                       arena=arena)
         layers.append(t if t.index == index else LayerTime(index, t.kind, t.seconds, t.bound, t.copied))
     return StepTime(tokens, position, tuple(layers), _head(geom, rates, 1 if chunk else seqs))
 
 
-_LAYER_CACHE: dict[int, tuple[ModelGeometry, tuple[_Layer, ...]]] = {}
+_LAYER_CACHE: dict[tuple[int, str], tuple[ModelGeometry, tuple[_Layer, ...]]] = {}
 
 
-def _cached_layers(geom: ModelGeometry) -> tuple[_Layer, ...]:
-    """:func:`_layers` of ``geom``, computed once per geometry object."""
-    hit = _LAYER_CACHE.get(id(geom))
+def _cached_layers(geom: ModelGeometry, stored: str = "cuda") -> tuple[_Layer, ...]:
+    """:func:`_layers` of ``geom``, computed once per geometry object and ``stored``."""
+    hit = _LAYER_CACHE.get((id(geom), stored))
     if hit is None or hit[0] is not geom:
-        hit = _LAYER_CACHE[id(geom)] = (geom, _layers(geom))
+        hit = _LAYER_CACHE[(id(geom), stored)] = (geom, _layers(geom, stored))
     return hit[1]
 
 
@@ -521,12 +550,14 @@ def prefill_steps(context: int, chunk: int, prompt_tokens: int | None, policy: s
     return out
 
 
-def layer_groups(geom: ModelGeometry, route: Routing, resident: dict[int, int]) -> list[tuple]:
+def layer_groups(geom: ModelGeometry, route: Routing, resident: dict[int, int],
+                 stored: str = "cuda") -> list[tuple]:
     """The layers of ``geom`` as (a layer, its expert slots, how many layers alike): layers
-    of one shape (:attr:`_Layer.shape`), routing and residency take the same time."""
+    of one shape (:attr:`_Layer.shape`), routing and residency take the same time;
+    ``stored``: as :attr:`Rates.stored`."""
     groups: dict[tuple, list] = {}
     chances = route.chances
-    for l in _cached_layers(geom):
+    for l in _cached_layers(geom, stored):
         index = l.spec.index
         r = resident.get(index, 0)
         g = groups.get((l.shape, r, id(chances.get(index))))
@@ -539,11 +570,12 @@ def layer_groups(geom: ModelGeometry, route: Routing, resident: dict[int, int]) 
 
 def step_seconds(geom: ModelGeometry, rates: Rates, route: Routing, fmt: KVFormat,
                  groups: list[tuple], *, tokens: int, seqs: int, position: int,
-                 chunk: bool, policy: str) -> float:
+                 chunk: bool, policy: str, arena: int | None = None) -> float:
     """:func:`step_time`'s seconds for the layers of :func:`layer_groups`, each group
     priced once (what a search over many plans, :mod:`moefit.plan.throughput`, runs on)."""
     total = sum(n * layer_time(l, rates, route, fmt, geom.dtype_bytes, tokens=tokens, seqs=seqs,
-                               position=position, chunk=chunk, resident=r, policy=policy).seconds
+                               position=position, chunk=chunk, resident=r, policy=policy,
+                               arena=arena).seconds
                 for l, r, n in groups)
     return total + _head(geom, rates, 1 if chunk else seqs)
 
@@ -552,7 +584,7 @@ def predict(geom: ModelGeometry, rates: Rates, fmt: KVFormat, resident: dict[int
             context: int, chunk: int, seqs: int, policy: str,
             prompt_tokens: int | None = None, profile: dict[int, dict[int, int]] | None = None,
             copy_whole: bool = False, decode_policy: str | None = None,
-            serial: bool = False, pool: int | None = None) -> Speed:
+            serial: bool = False, pool: int | None = None, arena: int | None = None) -> Speed:
     """Prefill and decode of ``geom`` with ``resident`` expert slots per MoE layer.
 
     Prefill: ``prompt_tokens`` from position 0 in chunks of ``chunk`` tokens; None: one
@@ -564,10 +596,10 @@ def predict(geom: ModelGeometry, rates: Rates, fmt: KVFormat, resident: dict[int
     the busy slots cannot hold more between them).
     ``decode_policy``: the miss policy of decode steps (and of a last partial chunk under
     :data:`LLAMACPP_OFFLOAD_MIN_BATCH` tokens) when it is not ``policy``; ``copy_whole``,
-    ``serial``: as :func:`layer_time` takes them."""
+    ``serial``, ``arena``: as :func:`layer_time` takes them."""
     route = routing(geom, profile)
     chunk = max(1, min(chunk, context))
-    kw = dict(copy_whole=copy_whole, serial=serial)
+    kw = dict(copy_whole=copy_whole, serial=serial, arena=arena)
     steps = [(step_time(geom, rates, route, fmt, resident, tokens=t, seqs=1, position=pos,
                         chunk=True, policy=pol, **kw), n)
              for t, pos, n, pol in prefill_steps(context, chunk, prompt_tokens, policy, decode_policy)]
@@ -589,17 +621,19 @@ def predict_plan(plan, host: HostSpeed, *, prompt_tokens: int | None = None,
     """The predicted speed of a solved moefit ``plan`` (:class:`~moefit.plan.types.Plan`)
     at its context, chunk, sequences, expert slots and miss policy (or ``policy``), on its
     main device's figures (several devices: the expert slots of all of them count as
-    resident; the transfers between devices are not priced), with each MoE layer's
-    :func:`crossover` (:attr:`Speed.crossover`). None when the main device has no figures
-    (:func:`rates_for`)."""
+    resident; the transfers between devices are not priced), copies through the main
+    device's weight arena ring, with each MoE layer's :func:`crossover`
+    (:attr:`Speed.crossover`). None when the main device has no figures (:func:`rates_for`)."""
     rates = rates_for(plan.devices[0].device, host)
     if rates is None:
         return None
     r = plan.request
+    slot = expert_slot_bytes(plan.geometry)
+    ring = plan.devices[0].line("weight_arena").bytes // slot if slot else 0
     speed = predict(plan.geometry, rates, kv_format(r.kv), dict(plan.experts_per_layer),
                     context=plan.context, chunk=plan.prefill_selected, seqs=r.slots,
                     policy=policy or r.miss_policy, prompt_tokens=prompt_tokens, profile=profile,
-                    pool=plan.pool_cells)
+                    pool=plan.pool_cells, arena=ring or None)
     cross = tuple(sorted(miss_crossovers(plan.geometry, rates).items()))
     return replace(speed, crossover=cross)
 
@@ -624,6 +658,7 @@ def predict_llamacpp(geom: ModelGeometry, device: Device, host: HostSpeed, *, co
     rates = rates_for(device, host)
     if rates is None:
         return None
+    rates = replace(rates, stored="file")       # llama.cpp reads every matrix as stored
     cpu = set(cpu_layers)
     resident = {l.index: 0 if l.index in cpu else l.moe.num_experts for l in geom.moe_layers}
     fmt = kv_format(_LLAMA_KV.get((type_k, type_v), "fp16"))

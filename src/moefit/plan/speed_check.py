@@ -11,11 +11,16 @@ a user's plan would be priced:
   :func:`~moefit.ingest.gguf_mix.gguf_geometry`;
 - ``ktransformers`` (routed experts on the CPU, attention and shared experts on the GPU):
   :func:`~moefit.plan.speed.predict` with no resident expert and misses computed on the host
-  (``--miss-policy cpu``), the engine's own placement, and its f16 KV cache.
+  (``--miss-policy cpu``), the engine's own placement, and its f16 KV cache; the GPU's dense
+  matrices read in their stored types as on a CUDA device (:attr:`~moefit.plan.speed.Rates.stored`:
+  ktransformers' optimize rules run its linear layers in 4-bit Marlin kernels,
+  ``generate_op: KLinearMarlin``, about Q4_K's bytes).
 
 The host is moefit's what-if host (:func:`~moefit.devices.host.default_host_speed`) at the
-run's bandwidth and threads: the C kernels' per-core rates measured on the CI machine, not
-the engine's kernels. Imports no torch; reads only the data file.
+run's achieved bandwidth (:func:`achieved_bandwidth`: the channels' peak times the measured /
+peak fraction of an independent published read measurement on the same class of host, the
+file's ``host_memory_efficiency``) and threads: the C kernels' per-core rates measured on the
+CI machine, not the engine's kernels. Imports no torch; reads only the data file.
 """
 
 from __future__ import annotations
@@ -64,13 +69,36 @@ class Case:
 
 def load_runs(path: str | Path) -> list[dict]:
     """The ``runs`` of a published-runs JSON file (the schema is checked by
-    tests/test_speed_published.py). Raises OSError / ValueError for an unreadable file."""
-    return json.loads(Path(path).read_text())["runs"]
+    tests/test_speed_published.py), each host's ``efficiency`` (a key of the file's
+    ``host_memory_efficiency``) replaced by that entry. Raises OSError / ValueError for an
+    unreadable file, KeyError for a host naming an efficiency the file does not hold."""
+    doc = json.loads(Path(path).read_text())
+    table = doc.get("host_memory_efficiency", {})
+    runs = doc["runs"]
+    for run in runs:
+        key = run["host"].get("efficiency")
+        if isinstance(key, str):
+            run["host"] = run["host"] | {"efficiency": {"id": key, **table[key]}}
+    return runs
 
 
 def host_bandwidth(host: dict) -> float:
     """Peak host bandwidth in bytes/s: ``channels x mts x`` :data:`CHANNEL_BYTES`."""
     return host["channels"] * host["mts"] * 1e6 * CHANNEL_BYTES
+
+
+def memory_efficiency(host: dict) -> float:
+    """The achieved / peak fraction of the measurement the run's host names (its
+    ``efficiency``: ``measured_bytes_per_s / peak_bytes_per_s``, each cited in the data
+    file); 1.0 for a host naming none (priced at the peak)."""
+    e = host.get("efficiency")
+    return e["measured_bytes_per_s"] / e["peak_bytes_per_s"] if e else 1.0
+
+
+def achieved_bandwidth(host: dict) -> float:
+    """The host bandwidth a run is priced at (bytes/s): :func:`host_bandwidth` x
+    :func:`memory_efficiency`."""
+    return host_bandwidth(host) * memory_efficiency(host)
 
 
 def predict_run(run: dict) -> list[Case]:
@@ -79,7 +107,7 @@ def predict_run(run: dict) -> list[Case]:
     Raises KeyError / InputError for a run that names an unknown field, model or GPU."""
     geom = gguf_geometry(load_model(run["model"]), run["gguf_type"])
     device = find_gpu(run["gpu"])
-    host = default_host_speed(host_bandwidth(run["host"]), run["host"]["threads"])
+    host = default_host_speed(achieved_bandwidth(run["host"]), run["host"]["threads"])
     moe = [layer.index for layer in geom.moe_layers]
     out = []
     for phase, m in run["measured"].items():

@@ -32,7 +32,7 @@ from moefit.devices import Device
 from moefit.devices.host import HostSpeed
 from moefit.ingest.geometry import ModelGeometry
 from moefit.memory.kv import kv_format
-from moefit.memory.weights import spread_slots
+from moefit.memory.weights import default_arena_slots, spread_slots
 from moefit.plan.request import Request
 from moefit.plan.speed import Speed, layer_groups, prefill_steps, rates_for, routing, step_seconds
 
@@ -83,30 +83,37 @@ class Workload:
 
 
 def throughputs(geom: ModelGeometry, device: Device, req: Request, context: int,
-                workload: Workload, chunks: list[tuple[int, int]]) -> list[tuple[float, float]] | None:
+                workload: Workload, chunks: list[tuple[int, int]],
+                arena: int | None = None) -> list[tuple[float, float]] | None:
     """Predicted (prefill, decode) tokens/s of ``geom`` on ``device`` for ``req`` at
     ``context`` for each (chunk tokens, expert slots) of ``chunks``, the slots spread as
     the plan spreads them (:func:`moefit.memory.weights.spread_slots`): the figures of
     :func:`moefit.plan.speed.predict`, layers of one shape priced once
-    (:func:`moefit.plan.speed.step_seconds`). None when the device has no figures."""
+    (:func:`moefit.plan.speed.step_seconds`), copies through a weight arena of ``arena``
+    slots (:func:`moefit.plan.arena.arena_moe_seconds`; None: the request's, ``--arena-slots``
+    or the default ring). None when the device has no figures."""
     rates = rates_for(device, workload.host)
     if rates is None:
         return None
     route, fmt, seqs = routing(geom, workload.profile), kv_format(req.kv), req.slots
     fill = context // 2 if workload.prompt_tokens is None else workload.prompt_tokens
     policy = req.miss_policy
+    if arena is None and policy != "cpu":       # the request's ring
+        arena = req.arena_slots or default_arena_slots(geom) or None
     out, decode_by_slots = [], {}
     for chunk, slots in chunks:
-        groups = layer_groups(geom, route, dict(spread_slots(geom, slots, routing=req.routing)))
+        groups = layer_groups(geom, route, dict(spread_slots(geom, slots, routing=req.routing)),
+                              rates.stored)
         c = max(1, min(chunk, context))
         seconds = sum(n * step_seconds(geom, rates, route, fmt, groups, tokens=t, seqs=1,
-                                       position=pos, chunk=True, policy=pol)
+                                       position=pos, chunk=True, policy=pol, arena=arena)
                       for t, pos, n, pol in prefill_steps(context, c, workload.prompt_tokens, policy))
         prompt = c if workload.prompt_tokens is None else workload.prompt_tokens
         decode = decode_by_slots.get(slots)
         if decode is None:
             dt = step_seconds(geom, rates, route, fmt, groups, tokens=seqs, seqs=seqs,
-                              position=min(fill, max(context - 1, 0)), chunk=False, policy=policy)
+                              position=min(fill, max(context - 1, 0)), chunk=False, policy=policy,
+                              arena=arena)
             decode = decode_by_slots[slots] = seqs / dt if dt else math.inf
         out.append((prompt / seconds if seconds else math.inf, decode))
     return out

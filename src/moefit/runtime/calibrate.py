@@ -77,12 +77,16 @@ def measure_point(model_dir: str | Path, geom: ModelGeometry, device: Device, re
 
 # ---- the host (``moefit calibrate --host``) -----------------------------------------------------
 
-#: The host probe's matrices: a large BF16 one for the memory bandwidth (256 MiB: past any
+#: The host probe's matrices: a large one for the memory bandwidth (256 MiB: past any
 #: CPU's caches), and per ggml type a small one (256 x 2048 values: 0.14-1 MiB, so it stays
 #: in L2 and the kernels' arithmetic is what is timed) against :data:`PROBE_ROWS` rows.
 PROBE_BIG = (32768, 4096)
 PROBE_SMALL = (256, 2048)
 PROBE_ROWS = 8
+#: the one-row products whose best read rate over the :data:`PROBE_BIG` bytes is the memory
+#: bandwidth: a BF16 row is bound by its arithmetic on some cores (2.5 GB/s at one thread on
+#: the loaded 2-core CI machine, where Q8_0's product reads 8-9 GB/s), so the faster of the two
+PROBE_MEMORY_TYPES = ("BF16", "Q8_0")
 
 
 def _best_seconds(run, repeats: int) -> float:
@@ -97,8 +101,9 @@ def _best_seconds(run, repeats: int) -> float:
 def measure_host(threads: list[int], say=print) -> dict[int, tuple[float, dict[str, float]]]:
     """The host's figures at each of ``threads``: (memory bytes/s, {ggml type: weight bytes x
     rows per second}) from moefit's C kernels (:func:`moefit.runtime.kernels.qmatmul.gemm`): one
-    activation row against a :data:`PROBE_BIG` BF16 matrix (the bytes it reads over the best
-    of three runs), and :data:`PROBE_ROWS` rows against a :data:`PROBE_SMALL` matrix of each
+    activation row against the :data:`PROBE_BIG` matrix's bytes as each type of
+    :data:`PROBE_MEMORY_TYPES` (the bytes read per second, best of three runs, the faster
+    type), and :data:`PROBE_ROWS` rows against a :data:`PROBE_SMALL` matrix of each
     type this build multiplies (:func:`moefit.runtime.kernels.qmatmul.supports`; random
     bytes: the kernels' speed does not depend on the values), best of five.
     Raises InputError when the C kernels are not available."""
@@ -111,8 +116,12 @@ def measure_host(threads: list[int], say=print) -> dict[int, tuple[float, dict[s
     x1 = torch.randn(1, cols)
     out: dict[int, tuple[float, dict[str, float]]] = {}
     for t in threads:
-        sec = _best_seconds(lambda: qmatmul.gemm(x1, big, "BF16", rows, cols, threads=t), 3)
-        bw = big.numel() / sec
+        bw = 0.0
+        for qtype in PROBE_MEMORY_TYPES:
+            n = big.numel() // lib.mf_row_bytes(qmatmul.CTYPES[qtype], cols)
+            m = big[:n * lib.mf_row_bytes(qmatmul.CTYPES[qtype], cols)]
+            sec = _best_seconds(lambda: qmatmul.gemm(x1, m, qtype, n, cols, threads=t), 3)
+            bw = max(bw, m.numel() / sec)
         rates = {}
         r, c = PROBE_SMALL
         xs = torch.randn(PROBE_ROWS, c)

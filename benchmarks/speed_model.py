@@ -1,0 +1,212 @@
+"""The speed model against this machine: predicted and measured tokens/s, side by side, in one run.
+
+For moefit's engine and for llama.cpp's CPU tools, on the GGUF files ``llama-quantize`` writes
+(``vs_llamacpp.py --mixes``: Q8_0, Q4_K_M and Q6_K mixes by default) of the two random
+Qwen3-MoE shapes (``--shapes 1024,2048``: hidden 1024 with 10 layers of 64 experts, and
+Qwen3-30B-A3B's widths with 4 layers of 32), at each thread count (``--threads 1,2``):
+
+1. **The host's figures, measured here**: what ``moefit calibrate --host`` measures (this
+   machine's memory bandwidth read by the C kernels and their rate per GGUF type:
+   :func:`moefit.runtime.calibrate.measure_host`), at the case's thread count, right before each
+   file's interleaved pairs, so that a shared machine's load is the same for the figures and
+   the runs; ``--cached-host`` takes the stored ``moefit calibrate --host`` figures instead.
+   Nothing else goes into the prediction: no efficiency factor, no figure from the measured runs.
+2. **Measured**: ``vs_llamacpp.py``'s interleaved pairs, ``--repeats`` of them: ``llama-bench -r
+   1`` (pp ``--prompt`` tokens on an empty sequence, tg ``--gen`` tokens from an empty one) and a
+   moefit worker that loaded the file once on a simulated CPU device with all experts resident
+   and one with a quarter (misses on the CPU), the medians.
+3. **Predicted**: :func:`moefit.plan.speed.predict` of the worker's own plan (the file's geometry,
+   its expert slots per layer, the simulated device: every part on the host) with the host
+   figures at that thread count; prefill: the prompt from position 0 in one chunk; decode: one
+   token at a fill of half ``--gen`` (the mean position of the measured tokens). llama.cpp's CPU
+   run keeps every weight in host memory, as moefit does with all experts resident, so it is
+   predicted as that plan: the model prices moefit's C kernels (their measured rates), not
+   llama.cpp's, which are not measured here.
+
+Prints the exact command line first, the host figures and their source, one row per case
+(measured, predicted, predicted / measured, the bound the model names), then per engine the
+median and the largest |predicted / measured - 1|; ``--out FILE`` keeps the rows as JSON.
+
+    PYTHONPATH=src python benchmarks/speed_model.py --llama-bin ../shared/tools/llama.cpp-cpu/bin
+    PYTHONPATH=src python benchmarks/speed_model.py --shapes 1024 --threads 1 --repeats 1  # small
+
+The files are written once (``vs_llamacpp.py``'s folders under /tmp; the first run builds them,
+about 8 minutes per shape on 2 cores); a run over built files with the defaults (6 files x 2
+thread counts x 1 pair) takes about 7 minutes on a quiet 2-core machine (estimated from a
+loaded run: 2048-wide files about 50 s per set, 1024-wide about 20 s).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import vs_llamacpp as vs  # noqa: E402
+
+ENGINES = ("moefit", "llama.cpp")
+
+
+def host_now(threads: int):
+    """This machine's :class:`~moefit.devices.host.HostSpeed` at ``threads`` threads, measured
+    now by ``moefit calibrate --host``'s probe (:func:`moefit.runtime.calibrate.measure_host`,
+    a few seconds)."""
+    from moefit.devices.host import HostSpeed
+    from moefit.runtime.calibrate import measure_host
+
+    bw, rates = measure_host([threads], say=lambda _msg: None)[threads]
+    return HostSpeed(bw, threads, rates, f"this machine, measured now ({bw / 1e9:.1f} GB/s, {threads} thr)")
+
+
+def host_cached(threads: int):
+    """The stored ``moefit calibrate --host`` figures at ``threads`` threads; exits when that
+    count was not measured."""
+    from moefit.memory.calibration import load_host
+
+    h = load_host(threads)
+    if h is None or h.threads != threads:
+        sys.exit(f"no host calibration at {threads} thread(s): run `moefit calibrate --host` "
+                 "(or drop --cached-host)")
+    return h
+
+
+def predicted(path: Path, resident: str, host, prompt: int, gen: int) -> dict:
+    """``{"pp": (tokens/s, bound), "tg": (tokens/s, bound)}`` of the worker's plan for
+    ``path`` on ``host`` (module docstring, step 3)."""
+    from moefit.memory.kv import kv_format
+    from moefit.plan.speed import predict, rates_for
+
+    geom, plan = vs.worker_plan(path, resident, prompt, gen)
+    rates = rates_for(plan.devices[0].device, host)
+    res = dict(plan.experts_per_layer)
+    kw = dict(context=plan.context, chunk=plan.prefill_selected, seqs=1, policy="cpu")
+    pp = predict(geom, rates, kv_format("bf16"), res, prompt_tokens=prompt, **kw).prefill
+    tg = predict(geom, rates, kv_format("bf16"), res, prompt_tokens=max(1, gen // 2), **kw).decode
+    return {"pp": (pp.tokens_per_s, pp.bound), "tg": (tg.tokens_per_s, tg.bound)}
+
+
+def measure(bench: Path, path: Path, threads: int, residents: list[str], args) -> dict:
+    """Medians of ``args.repeats`` interleaved pairs: ``{engine/resident: {"pp": tok/s,
+    "tg": tok/s}}`` with llama.cpp under ``"llama.cpp"``."""
+    workers = {r: vs.Worker(path, threads, r, args.prompt, args.gen) for r in residents}
+    runs = {"llama.cpp": []} | {f"moefit/{r}": [] for r in residents}
+    try:
+        for _ in range(args.repeats):
+            runs["llama.cpp"].append(vs.llama_bench(bench, path, threads, args.prompt, args.gen))
+            for r, w in workers.items():
+                runs[f"moefit/{r}"].append(w.run())
+    finally:
+        for w in workers.values():
+            w.close()
+    return {k: {p: statistics.median(x[p] for x in v) for p in ("pp", "tg")} for k, v in runs.items()}
+
+
+def errors(rows: list[dict], engine: str) -> tuple[float, dict] | None:
+    """(median |predicted / measured - 1|, the row of the largest) of ``engine``'s rows."""
+    mine = [r for r in rows if r["engine"] == engine]
+    if not mine:
+        return None
+    return (statistics.median(abs(r["ratio"] - 1) for r in mine),
+            max(mine, key=lambda r: abs(r["ratio"] - 1)))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog="\n\n".join(__doc__.split("\n\n")[1:]))
+    ap.add_argument("--llama-bin", default=None, help="folder of llama-bench and llama-quantize")
+    ap.add_argument("--vocab", type=Path,
+                    default=Path(__file__).resolve().parents[2] / "shared/data/vocab/ggml-vocab-qwen2.gguf",
+                    help="vocabulary-only GGUF of the Qwen2/Qwen3 tokenizer")
+    ap.add_argument("--types", default="q8_0,q4_k_m,q6_k",
+                    help=f"comma list of llama-quantize mixes of {', '.join(vs.MIXES)} "
+                         "(default q8_0,q4_k_m,q6_k)")
+    ap.add_argument("--shapes", default="1024,2048", help="comma list of 1024, 2048 (default both)")
+    ap.add_argument("--threads", default="1,2", help="comma list of thread counts (default 1,2)")
+    ap.add_argument("--resident", default="all,quarter", help="moefit's residencies: all, quarter or both")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="interleaved pairs per file and thread count (default 1: the full run's 12 "
+                         "file and thread sets in about 7 minutes on a quiet 2-core machine)")
+    ap.add_argument("--prompt", type=int, default=512, help="prefill tokens (default 512)")
+    ap.add_argument("--gen", type=int, default=64, help="decode tokens (default 64)")
+    ap.add_argument("--cached-host", action="store_true",
+                    help="use the stored `moefit calibrate --host` figures instead of measuring now")
+    ap.add_argument("--out", type=Path, default=None, help="write the rows as JSON here")
+    args = ap.parse_args(argv)
+    types, shapes = args.types.split(","), args.shapes.split(",")
+    threads = [int(t) for t in args.threads.split(",")]
+    residents = args.resident.split(",")
+    for name, got, known in (("--types", types, vs.MIXES), ("--shapes", shapes, vs.SHAPES),
+                             ("--resident", residents, ("all", "quarter"))):
+        bad = [x for x in got if x not in known]
+        if bad:
+            ap.error(f"{name} {','.join(bad)}: use {', '.join(known)}")
+    if args.repeats < 1 or min(threads) < 1:
+        ap.error("--repeats and --threads must be at least 1")
+    if not args.vocab.is_file():
+        ap.error(f"--vocab {args.vocab}: not a file (ggml-vocab-qwen2.gguf from llama.cpp's models/)")
+    words = [sys.argv[0], *(argv if argv is not None else sys.argv[1:])]
+    print("$ PYTHONPATH=src python " + " ".join(shlex.quote(a) for a in words), flush=True)
+    t0 = time.perf_counter()
+    bench = vs.find_tool("llama-bench", args.llama_bin)
+    quantize = vs.find_tool("llama-quantize", args.llama_bin)
+    roots = {s: Path("/tmp/moefit-vs-llamacpp" + ("-2048" if s == "2048" else "")) for s in shapes}
+    for s in shapes:
+        vs.build(roots[s], vs.SHAPES[s], types, args.vocab, quantize, mixes=True)
+    files = [vs.file_of(roots[s], t, True) for s in shapes for t in types]
+    bench = vs.usable_bench(bench, files)
+    print(f"pp {args.prompt}, tg {args.gen}; medians of {args.repeats} interleaved pairs; "
+          f"llama.cpp {bench.parent}; host figures "
+          + ("stored by `moefit calibrate --host`" if args.cached_host else
+             "measured before each file (`moefit calibrate --host`'s probe)")
+          + "; host: memory GB/s, kernels Q8_0 / Q4_K / Q6_K GB/s of weights x rows", flush=True)
+    print("| shape | file | threads | host | engine | resident | phase | measured tok/s "
+          "| predicted tok/s | predicted / measured | bound |")
+    print("|---|---|---:|---|---|---|---|---:|---:|---:|---|", flush=True)
+    rows = []
+    for s in shapes:
+        for t in types:
+            path = vs.file_of(roots[s], t, True)
+            for n in threads:
+                host = host_cached(n) if args.cached_host else host_now(n)
+                figs = (f"{host.memory_bytes_per_s / 1e9:.1f}; "
+                        + " / ".join(f"{host.rate(k) / 1e9:.0f}" for k in ("Q8_0", "Q4_K", "Q6_K")))
+                got = measure(bench, path, n, residents, args)
+                pred = {r: predicted(path, r, host, args.prompt, args.gen) for r in residents}
+                every = pred.get("all") or predicted(path, "all", host, args.prompt, args.gen)
+                cases = [("llama.cpp", "all", got["llama.cpp"], every)]
+                cases += [("moefit", r, got[f"moefit/{r}"], pred[r]) for r in residents]
+                for engine, r, m, p in cases:
+                    for phase in ("pp", "tg"):
+                        row = dict(shape=s, file=vs.MIXES[t], threads=n, host=figs, engine=engine, resident=r,
+                                   phase={"pp": f"pp{args.prompt}", "tg": f"tg{args.gen}"}[phase],
+                                   measured=m[phase], predicted=p[phase][0], bound=p[phase][1],
+                                   ratio=p[phase][0] / m[phase])
+                        rows.append(row)
+                        shown = r if engine == "moefit" else "all (its CPU run)"
+                        print(f"| {s} | {row['file']} | {n} | {figs} | {engine} | {shown} "
+                              f"| {row['phase']} | {row['measured']:.1f} | {row['predicted']:.1f} "
+                              f"| {row['ratio']:.2f} | {row['bound']} |", flush=True)
+    print()
+    for engine in ENGINES:
+        e = errors(rows, engine)
+        if e:
+            med, worst = e
+            count = sum(r["engine"] == engine for r in rows)
+            print(f"{engine}: {count} cases, median |predicted / measured - 1| = {med:.0%}; "
+                  f"largest {abs(worst['ratio'] - 1):.0%} ({worst['shape']} {worst['file']} "
+                  f"{worst['threads']} thr {worst['resident']} {worst['phase']})")
+    print(f"({time.perf_counter() - t0:.0f} s)")
+    if args.out:
+        args.out.write_text(json.dumps(rows, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
