@@ -40,7 +40,7 @@ Pure arithmetic, no torch, no I/O.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import field, replace
 
 from moefit.devices import Device
 from moefit.devices.device import GpuSpeed
@@ -49,6 +49,7 @@ from moefit.ingest.geometry import LayerSpec, ModelGeometry
 from moefit.memory.kv import KVFormat, cell_bytes, kv_format, linear_state_bytes
 from moefit.memory.layer_kinds import kind_of
 from moefit.memory.takes import ATTN_Q_BLOCK
+from moefit.records import record
 
 #: The resources a step's time is charged to, as printed (the "bound").
 RESOURCES = ("device compute", "device memory", "PCIe", "host compute", "host memory")
@@ -62,7 +63,7 @@ ROW_VALUE_BYTES = 2 + 4
 LLAMACPP_OFFLOAD_MIN_BATCH = 32
 
 
-@dataclass(frozen=True)
+@record
 class Rates:
     """The figures a prediction runs on. Bandwidths in bytes/s, rates in FLOP/s.
 
@@ -103,7 +104,7 @@ def rates_for(device: Device, host: HostSpeed) -> Rates | None:
 
 # ---- routing ----------------------------------------------------------------------------------
 
-@dataclass(frozen=True)
+@record
 class Routing:
     """Per MoE layer, the chance ``q_e`` that a token picks each expert, most used first
     (so the first ``r`` are the resident ones)."""
@@ -142,7 +143,7 @@ def routing(geom: ModelGeometry, profile: dict[int, dict[int, int]] | None = Non
 
 # ---- one layer, one step ---------------------------------------------------------------------
 
-@dataclass(frozen=True)
+@record
 class LayerTime:
     """One layer's predicted time for one step (seconds) and the resource that bounds it;
     ``copied``: its misses were copied to the device (False: run on the host, or none)."""
@@ -202,7 +203,7 @@ def _attention(layer: LayerSpec, fmt: KVFormat, dtype_bytes: int, tokens: int, s
     return nbytes, flops
 
 
-@dataclass(frozen=True)
+@record
 class _Layer:
     """What a layer holds, computed once per geometry."""
 
@@ -370,7 +371,7 @@ def plan_crossovers(plan, host: HostSpeed) -> dict[int, float]:
 
 # ---- steps and predictions -------------------------------------------------------------------
 
-@dataclass(frozen=True)
+@record
 class StepTime:
     """One step's predicted time: its layers (:class:`LayerTime`) and the output head."""
 
@@ -426,7 +427,7 @@ def _cached_layers(geom: ModelGeometry) -> tuple[_Layer, ...]:
     return hit[1]
 
 
-@dataclass(frozen=True)
+@record
 class Prediction:
     """Predicted throughput of one workload.
 
@@ -467,7 +468,7 @@ def _prediction(steps: list[tuple[StepTime, int]], tokens: int, position: int, c
                       tokens, position, chunk, by_kind, sum(l.copied for l in main.layers))
 
 
-@dataclass(frozen=True)
+@record
 class Speed:
     """A plan's predicted prefill and decode (:class:`Prediction`), the miss policy they
     ran under and the figures' sources (:attr:`Rates.sources`)."""
