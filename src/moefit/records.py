@@ -45,8 +45,10 @@ def _getter(names: tuple[str, ...]):
 
 def _setattr(self, name, value):
     # __init__ assigns each field once; every other assignment is refused, as frozen does
-    if name in getattr(type(self), _FIELDS) and name not in self.__dict__:
-        object.__setattr__(self, name, value)
+    # (fields are plain instance attributes: no descriptor to go through)
+    d = self.__dict__
+    if name not in d and name in getattr(type(self), _FIELDS):
+        d[name] = value
     else:
         raise dataclasses.FrozenInstanceError(f"cannot assign to field {name!r}")
 
