@@ -80,7 +80,7 @@ def main() -> None:
           + (f"; vs: PYTHONPATH={args.vs}, CPU, and the paired ratio" if args.vs else ""))
     print(f"{'preset':<34} {'layers':>6} {'experts':>7} {'cpu':>6} {'wall':>6} {'load':>6} "
           f"{'solve':>6} {'failing':>7} {'alts':>4}" + (f" {'vs cpu':>6} {'ratio':>5}" if args.vs else ""))
-    slowest = 0.0
+    slowest, ratios = 0.0, []
     for name in presets:
         cmd = [sys.executable, "-m", "moefit", "plan", name, *FLAGS]
         srcs = [here] + ([args.vs] if args.vs else [])
@@ -99,11 +99,14 @@ def main() -> None:
         vs = ""
         if args.vs:
             ratio = statistics.median(p[0][0] / p[1][0] for p in pairs)
+            ratios.append(ratio)
             vs = f" {statistics.median(p[1][0] for p in pairs) * 1000:>6.1f} {ratio:>5.2f}"
         print(f"{name:<34} {geom.num_layers:>6} {geom.total_experts:>7} {cpu * 1000:>6.1f} "
               f"{proc * 1000:>6.1f} {load_s * 1000:>6.1f} {one * 1000:>6.2f} {fail_s * 1000:>7.1f} "
               f"{len(failing.alternatives):>4}{vs}")
-    print(f"slowest process: {slowest * 1000:.1f} ms CPU   target < 100 ms")
+    print(f"slowest process: {slowest * 1000:.1f} ms CPU   target < 100 ms"
+          + (f"   paired CPU ratio this / that: {min(ratios):.2f}-{max(ratios):.2f}, median "
+             f"{statistics.median(ratios):.2f}" if ratios else ""))
 
 
 if __name__ == "__main__":

@@ -164,6 +164,23 @@ def test_a_plan_that_fits_loads_none_of_the_on_demand_modules(tmp_path):
     assert loaded() == "0 ['hashlib']"
 
 
+def test_a_failing_plan_prices_its_llamacpp_alternative_without_gguf_or_numpy():
+    """A plan that does not fit on one card prices llama.cpp's alternative from ggml's block
+    sizes (moefit.ingest.ggml_types), not from the gguf package, which brings numpy: a third
+    of a second of every failing plan (issue 24). The alternative is still there."""
+    code = textwrap.dedent("""
+        import contextlib, io, sys
+        from moefit.cli import main
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            code = main(["plan", "Qwen3-30B-A3B", "--gpu", "RTX 4060"])
+        print(code, "llama.cpp" in out.getvalue(), [m for m in ("gguf", "numpy") if m in sys.modules])
+    """)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "3 True []"
+
+
 def test_models_and_gpus_list():
     m = moefit("models")
     assert m.returncode == 0 and "Qwen3-30B-A3B" in m.stdout and "DeepSeek-V3" in m.stdout

@@ -230,7 +230,7 @@ def test_only_the_command_line_imports_the_launchers():
 #: The layers of docs/design.md ("Layering"), lowest first: a module imports modules of its
 #: own group or of a lower rank, never of a higher rank or of another group of its rank.
 LAYERS: tuple[tuple[int, str, tuple[str, ...]], ...] = (
-    (0, "base", ("moefit", "moefit.units", "moefit.errors", "moefit.outputs")),
+    (0, "base", ("moefit", "moefit.units", "moefit.errors", "moefit.outputs", "moefit.records")),
     (1, "ingest", ("moefit.ingest",)),
     (2, "devices", ("moefit.devices",)),
     (3, "planner", ("moefit.memory", "moefit.plan")),
@@ -300,7 +300,7 @@ ON_DEMAND = ("moefit.external", "moefit.ingest.gguf_header", "moefit.ingest.gguf
 #: by its hash, only when calibration files exist); datetime stamps a calibration written;
 #: tempfile (with random) writes files atomically; difflib finds the close names of an
 #: unknown model. tests/test_cli.py checks that a plan loads none of them.
-RARE_STDLIB = {"hashlib", "datetime", "tempfile", "difflib"}
+RARE_STDLIB = {"hashlib", "datetime", "tempfile", "difflib", "platform"}
 
 
 def heavy_modules(graph: ImportGraph) -> set[str]:

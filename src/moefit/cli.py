@@ -326,101 +326,111 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     return _bench_command("calibrate")(args)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The ``moefit`` argument parser. ``command``: add only that subcommand's flags (every
+    subcommand keeps its name and help, which ``moefit -h`` lists): a plan's process then
+    builds its own 60 flags, not the 200 of all subcommands; None: every subcommand's."""
     parser = _Parser(prog="moefit", description="One solved GPU memory budget for "
                                                 "Mixture-of-Experts inference.")
     parser.add_argument("--version", action="version", version=f"moefit {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     p = sub.add_parser("plan", help="solve and print the VRAM budget")
-    add_plan_flags(p)
-    add_speed_flags(p)
-    p.add_argument("--json", action="store_true", help="print the moefit.plan/2 JSON document")
-    p.add_argument("--verbose", "-v", action="store_true",
-                   help="also show analytic vs exact weight bytes and the staging terms")
-    add_engine_flags(p)
+    if command in (None, "plan"):
+        add_plan_flags(p)
+        add_speed_flags(p)
+        p.add_argument("--json", action="store_true", help="print the moefit.plan/2 JSON document")
+        p.add_argument("--verbose", "-v", action="store_true",
+                       help="also show analytic vs exact weight bytes and the staging terms")
+        add_engine_flags(p)
     p.set_defaults(func=cmd_plan)
     p = sub.add_parser("serve", help="commit the plan and serve an OpenAI-compatible API")
-    add_plan_flags(p)
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0: any free port)")
-    p.add_argument("--served-model-name", default=None,
-                   help="the model id the API reports (default: the directory name)")
-    add_model_files_flags(p)
-    add_serve_flags(p)
-    p.add_argument("--log-level", default="info",
-                   choices=("critical", "error", "warning", "info", "debug"),
-                   help="uvicorn's log level (default info)")
-    add_engine_flags(p)
-    p.add_argument("--llama-bin", default=None, metavar="DIR",
-                   help="--engine llama.cpp: the folder holding llama-server (default: $LLAMA_CPP_BIN, "
-                        "else PATH)")
-    p.add_argument("--llama-log", default=None, metavar="FILE",
-                   help="--engine llama.cpp: write llama-server's whole log to FILE (moefit prints its "
-                        "buffer lines and, if it dies, its last lines)")
+    if command in (None, "serve"):
+        add_plan_flags(p)
+        p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+        p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0: any free port)")
+        p.add_argument("--served-model-name", default=None,
+                       help="the model id the API reports (default: the directory name)")
+        add_model_files_flags(p)
+        add_serve_flags(p)
+        p.add_argument("--log-level", default="info",
+                       choices=("critical", "error", "warning", "info", "debug"),
+                       help="uvicorn's log level (default info)")
+        add_engine_flags(p)
+        p.add_argument("--llama-bin", default=None, metavar="DIR",
+                       help="--engine llama.cpp: the folder holding llama-server (default: $LLAMA_CPP_BIN, "
+                            "else PATH)")
+        p.add_argument("--llama-log", default=None, metavar="FILE",
+                       help="--engine llama.cpp: write llama-server's whole log to FILE (moefit prints its "
+                            "buffer lines and, if it dies, its last lines)")
     p.set_defaults(func=cmd_serve)
     p = sub.add_parser("generate", help="commit the plan and complete one prompt")
-    add_plan_flags(p)
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--prompt", help="the prompt text; - reads it from stdin")
-    src.add_argument("--prompt-file", metavar="PATH", help="read the prompt from a UTF-8 text file")
-    p.add_argument("--chat", action="store_true",
-                   help="send the prompt as a user message through the chat template")
-    add_model_files_flags(p)
-    add_sampling_flags(p)
+    if command in (None, "generate"):
+        add_plan_flags(p)
+        src = p.add_mutually_exclusive_group(required=True)
+        src.add_argument("--prompt", help="the prompt text; - reads it from stdin")
+        src.add_argument("--prompt-file", metavar="PATH", help="read the prompt from a UTF-8 text file")
+        p.add_argument("--chat", action="store_true",
+                       help="send the prompt as a user message through the chat template")
+        add_model_files_flags(p)
+        add_sampling_flags(p)
     p.set_defaults(func=cmd_generate)
     p = sub.add_parser("bench", help="run the model across a ladder of contexts: planned vs "
                                      "allocated vs measured bytes, throughput, a chart")
-    add_plan_flags(p)
-    p.add_argument("--contexts", default=None,
-                   help="comma-separated contexts, K/M suffixes (e.g. 384K,512K,524K); default "
-                        "1/4, 1/2, 3/4 and all of the largest context the device allows")
-    p.add_argument("--prompt-tokens", default=None,
-                   help="comma-separated prompt lengths (default: one chunk and three chunks)")
-    p.add_argument("--decode-tokens", type=int, default=64,
-                   help="greedy tokens decoded after the longest prompt (default 64)")
-    p.add_argument("--out", default="bench", metavar="DIR",
-                   help="where bench.json, bench.md and bench.png go (default ./bench)")
-    p.add_argument("--vs", choices=("transformers",), default=None,
-                   help="also run the prompts through transformers' generate on the same "
-                        "device: tokens/s side by side, and whether greedy outputs agree")
-    p.add_argument("--seed", type=int, default=0, help="seed of the random prompt (default 0)")
-    p.add_argument("--threads", type=int, default=None,
-                   help="torch threads on the CPU (default: torch's; 1 is steadier on a "
-                        "shared machine)")
-    p.add_argument("--no-progress", dest="progress", action="store_false",
-                   help="no progress bar")
-    add_record_routing_flag(p)
+    if command in (None, "bench"):
+        add_plan_flags(p)
+        p.add_argument("--contexts", default=None,
+                       help="comma-separated contexts, K/M suffixes (e.g. 384K,512K,524K); default "
+                            "1/4, 1/2, 3/4 and all of the largest context the device allows")
+        p.add_argument("--prompt-tokens", default=None,
+                       help="comma-separated prompt lengths (default: one chunk and three chunks)")
+        p.add_argument("--decode-tokens", type=int, default=64,
+                       help="greedy tokens decoded after the longest prompt (default 64)")
+        p.add_argument("--out", default="bench", metavar="DIR",
+                       help="where bench.json, bench.md and bench.png go (default ./bench)")
+        p.add_argument("--vs", choices=("transformers",), default=None,
+                       help="also run the prompts through transformers' generate on the same "
+                            "device: tokens/s side by side, and whether greedy outputs agree")
+        p.add_argument("--seed", type=int, default=0, help="seed of the random prompt (default 0)")
+        p.add_argument("--threads", type=int, default=None,
+                       help="torch threads on the CPU (default: torch's; 1 is steadier on a "
+                            "shared machine)")
+        p.add_argument("--no-progress", dest="progress", action="store_false",
+                       help="no progress bar")
+        add_record_routing_flag(p)
     p.set_defaults(func=cmd_bench)
     p = sub.add_parser("calibrate", help="measure the prefill staging peak at two chunk sizes "
                                          "on this device and store the fitted model; --host: "
                                          "this machine's speed figures")
-    add_plan_flags(p, optional_model=True)
-    p.add_argument("--host", action="store_true",
-                   help="measure this machine's memory bandwidth and the C kernels' rate per "
-                        "GGUF type and thread count (a few seconds; the speed model's host "
-                        "figures), and store them")
-    p.add_argument("--chunks", default="512,2048",
-                   help="the two chunk sizes to measure (default 512,2048)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the random prompt (default 0)")
+    if command in (None, "calibrate"):
+        add_plan_flags(p, optional_model=True)
+        p.add_argument("--host", action="store_true",
+                       help="measure this machine's memory bandwidth and the C kernels' rate per "
+                            "GGUF type and thread count (a few seconds; the speed model's host "
+                            "figures), and store them")
+        p.add_argument("--chunks", default="512,2048",
+                       help="the two chunk sizes to measure (default 512,2048)")
+        p.add_argument("--seed", type=int, default=0, help="seed of the random prompt (default 0)")
     p.set_defaults(func=cmd_calibrate)
     p = sub.add_parser("make-demo", help="write a small random checkpoint with a tokenizer "
                                          "that serve / generate run offline")
-    p.add_argument("dir", help="the directory to write (new, or empty)")
-    p.add_argument("--family", default="qwen3_moe",
-                   help=f"{', '.join(DEMO_FAMILIES)} (default qwen3_moe)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the random weights (default 0)")
-    p.add_argument("--force", action="store_true", help="write into a non-empty directory")
+    if command in (None, "make-demo"):
+        p.add_argument("dir", help="the directory to write (new, or empty)")
+        p.add_argument("--family", default="qwen3_moe",
+                       help=f"{', '.join(DEMO_FAMILIES)} (default qwen3_moe)")
+        p.add_argument("--seed", type=int, default=0, help="seed of the random weights (default 0)")
+        p.add_argument("--force", action="store_true", help="write into a non-empty directory")
     p.set_defaults(func=cmd_make_demo)
     p = sub.add_parser("gguf-header", help="write a header-only GGUF stand-in of a model in a "
                                            "llama-quantize mix (no weights: plans and loads in llama.cpp)")
-    p.add_argument("model", help="preset name (see `moefit models`), a model directory or its config.json")
-    p.add_argument("out", help="the .gguf file to write")
-    p.add_argument("--type", dest="gguf_type", default=None, metavar="FTYPE",
-                   help="llama-quantize's file type (default: the family's released mix: MXFP4_MOE for "
-                        "gpt-oss, else Q4_K_M)")
-    p.add_argument("--vocab", default=None, metavar="GGUF",
-                   help="copy the tokenizer from this vocabulary GGUF (llama.cpp's "
-                        "models/ggml-vocab-qwen2.gguf); default: a stand-in byte-level vocabulary")
+    if command in (None, "gguf-header"):
+        p.add_argument("model", help="preset name (see `moefit models`), a model directory or its config.json")
+        p.add_argument("out", help="the .gguf file to write")
+        p.add_argument("--type", dest="gguf_type", default=None, metavar="FTYPE",
+                       help="llama-quantize's file type (default: the family's released mix: MXFP4_MOE for "
+                            "gpt-oss, else Q4_K_M)")
+        p.add_argument("--vocab", default=None, metavar="GGUF",
+                       help="copy the tokenizer from this vocabulary GGUF (llama.cpp's "
+                            "models/ggml-vocab-qwen2.gguf); default: a stand-in byte-level vocabulary")
     p.set_defaults(func=cmd_gguf_header)
     sub.add_parser("models", help="list the built-in model presets").set_defaults(func=cmd_models)
     sub.add_parser("gpus", help="list the built-in GPU catalogue").set_defaults(func=cmd_gpus)
@@ -428,7 +438,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(normalize_argv(sys.argv[1:] if argv is None else argv))
+    argv = normalize_argv(sys.argv[1:] if argv is None else argv)
+    command = argv[0] if argv and not argv[0].startswith("-") else None
+    args = build_parser(command).parse_args(argv)
     try:
         return args.func(args)
     except InputError as e:

@@ -159,6 +159,14 @@ def test_c_kernels_equal_the_torch_path_on_an_f16_gguf(tiny_models, tmp_path, mo
     assert err <= HALF_TOL[torch.float16], err
 
 
+def test_the_planner_prices_host_misses_for_the_dtypes_the_kernels_read():
+    """memory.host prices a step's host misses as the C kernels' (their scratch, no
+    dequantized copy) for exactly the compute dtypes qmatmul reads: fp16 was priced as the
+    torch path after fp16 took the kernels."""
+    from moefit.memory.host import C_ACT_DTYPES
+    assert set(C_ACT_DTYPES) == {str(d).removeprefix("torch.") for d in qmatmul.ACT_DTYPES}
+
+
 def test_moe_kernel_refuses_activations_it_does_not_read():
     """``qmatmul.moe`` and ``qmatmul.gemm`` read fp32 / fp16 / bf16 only: an fp64 tensor is
     an error, never bytes read as fp32 (as an fp16 one was before the kernels read it)."""

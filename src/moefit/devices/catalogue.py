@@ -9,14 +9,13 @@ architecture whitepapers, cited per card. Imports no torch and no NVML.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from moefit.devices.device import Device, GpuSpeed, cuda_runtime_estimate_bytes
 from moefit.errors import InputError
+from moefit.records import record
 from moefit.units import MIB
 
 
-@dataclass(frozen=True)
+@record
 class GpuSpec:
     """One catalogue card, as the driver reports it on Linux.
 

@@ -15,9 +15,9 @@ Where the figures come from: :mod:`moefit.devices.catalogue` (built-in cards),
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Literal
 
+from moefit.records import record
 from moefit.units import MIB
 
 DeviceKind = Literal["cuda", "cpu"]
@@ -34,7 +34,7 @@ PCIE_LANE_BYTES_PER_S: dict[int, float] = {
 }
 
 
-@dataclass(frozen=True)
+@record
 class GpuSpeed:
     """A GPU's throughput figures for the speed model (:mod:`moefit.plan.speed`).
 
@@ -59,7 +59,7 @@ class GpuSpeed:
         return PCIE_LANE_BYTES_PER_S.get(self.pcie_gen, PCIE_LANE_BYTES_PER_S[5]) * self.pcie_lanes
 
 
-@dataclass(frozen=True)
+@record
 class Device:
     """One device of the inventory a plan is solved against.
 

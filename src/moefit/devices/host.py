@@ -20,16 +20,16 @@ Imports no torch.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
 from moefit.errors import InputError
+from moefit.records import record
 from moefit.units import MIB, parse_size
 
 MEMINFO = Path("/proc/meminfo")
 
 
-@dataclass(frozen=True)
+@record
 class Host:
     """Host memory in bytes: ``capacity_bytes`` (``MemTotal`` or ``--host-ram``) and
     ``free_bytes`` (``MemAvailable`` or ``--host-ram``), and where they come from
@@ -97,7 +97,7 @@ def resolve_host(host_ram: str | None, on_this_machine: bool,
 
 # ---- the host's speed ------------------------------------------------------------------------
 
-@dataclass(frozen=True)
+@record
 class HostSpeed:
     """The host's figures for the speed model (:mod:`moefit.plan.speed`).
 

@@ -54,6 +54,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from moefit.errors import EXIT_ALLOC, EXIT_OK, InputError
+from moefit.records import record
 
 #: the environment variable naming llama.cpp's binary folder
 BIN_ENV = "LLAMA_CPP_BIN"
@@ -112,7 +113,7 @@ def free_port(host: str) -> int:
 
 
 # ---- the buffer lines ----------------------------------------------------------------------------
-@dataclass(frozen=True)
+@record
 class BufferLine:
     """One buffer llama.cpp reports: ``kind`` (``model``, ``KV``, ``RS``, ``output``,
     ``compute``), its buffer type ``buft`` (``CPU_Mapped``, ``CUDA0``, ...), ``bytes`` (the

@@ -24,7 +24,7 @@ tokens in all wins. Pure: no I/O, no torch.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import field, replace
 from typing import Protocol
 
 from moefit.devices import Device
@@ -36,6 +36,7 @@ from moefit.ingest.resolve import format_params
 from moefit.plan.types import Alternative, Line, LineTable, format_fits_with, largest_int, limiting_lines
 from moefit.memory.layer_kinds import Latent, kind_of
 from moefit.memory.runtime import runtime_bytes
+from moefit.records import record
 from moefit.units import GIB, MIB, format_bytes, size_format
 
 #: ``--max-num-batched-tokens`` / ``--chunked-prefill-size`` grid of a clamp (tokens)
@@ -55,7 +56,7 @@ NON_TORCH_PIPELINE = 72 * MIB
 NON_TORCH_COLLECTIVES = 2150 * MIB
 
 
-@dataclass(frozen=True)
+@record
 class ServeRequest:
     """What to plan. ``context``: tokens per sequence (``--max-model-len`` /
     ``--context-length``); ``seqs``: ``--parallel`` (None: the engine's default
@@ -85,7 +86,7 @@ class ServeRequest:
     fraction: float | None = None
 
 
-@dataclass(frozen=True)
+@record
 class RankBudget:
     """One rank's budget as an engine prices it: ``lines`` (bytes, in allocation order, the
     KV cache among them), ``kv_tokens`` (the engine's pool in tokens per DP rank, the
@@ -151,7 +152,7 @@ class EngineModel(Protocol):
         """Raise InputError (naming the flag) for a layout this engine cannot start."""
 
 
-@dataclass(frozen=True)
+@record
 class ServePlan(LineTable):
     """A solved serving plan: one rank's lines, the layout, the engine's numbers."""
 

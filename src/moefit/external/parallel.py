@@ -46,17 +46,17 @@ Nothing here imports torch or an engine.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 from moefit.errors import InputError
 from moefit.ingest.geometry import DTYPES, LayerSpec, ModelGeometry, Tensor
 from moefit.memory.layer_kinds import Latent, Recurrent, kind_of
+from moefit.records import record
 
 #: ``DEFAULT_VOCAB_PADDING_SIZE`` of ``vocab_parallel_embedding.py`` (rows)
 VOCAB_PADDING = 64
 
 
-@dataclass(frozen=True)
+@record
 class Layout:
     """How a model is spread over ``tp x pp x dp`` GPUs on ``nodes`` nodes.
 
@@ -234,7 +234,7 @@ def expert_rank_bytes(geom: ModelGeometry, layer: LayerSpec, layout: Layout,
     return -(-(e * blob) // g)
 
 
-@dataclass(frozen=True)
+@record
 class StageShard:
     """What one rank of pipeline stage ``stage`` holds (bytes; tokens; sequences).
 

@@ -56,7 +56,6 @@ per rank less KV memory than this model predicts.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 
 from moefit.devices import Device
 from moefit.external.parallel import (Layout, StageShard, ceil_div, floor_to, logits_bytes,
@@ -67,6 +66,7 @@ from moefit.errors import InputError
 from moefit.ingest.geometry import ModelGeometry
 from moefit.memory.runtime import default_reserve_bytes
 from moefit.plan.types import Line
+from moefit.records import record
 from moefit.units import GIB, MIB
 
 VERSION = "vLLM 0.11-0.20, V1 engine; memory model of vllm-project/vllm 35d5cda"
@@ -101,7 +101,7 @@ def _big_gpu(device: Device) -> bool:
     return device.capacity_bytes >= 70 * GIB and "a100" not in device.description.lower()
 
 
-@dataclass(frozen=True)
+@record
 class KVGroups:
     """The KV cache of one rank as ``kv_cache_utils.py`` lays it out: ``page`` bytes (one
     block of one layer), ``block`` tokens, ``group_size`` layers per group, ``groups`` (one

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import re
 import struct
-from dataclasses import dataclass
 from pathlib import Path
 
 from moefit.errors import InputError
@@ -41,6 +40,7 @@ from moefit.ingest.families import gpt_oss
 from moefit.ingest.families.common import FP32_TENSORS
 from moefit.ingest.geometry import ExactWeights, ModelGeometry
 from moefit.ingest.inputs import decode_utf8, parse_json, read_bytes, read_json
+from moefit.records import record
 
 #: Bytes per element of the safetensors dtypes (``safetensors`` ``Dtype`` enum). Sub-byte
 #: types (F4, F6_*) are measured from ``data_offsets`` instead.
@@ -61,7 +61,7 @@ _SKIP = re.compile(r"(?:^|\.)(?:mtp|visual|vision_[a-z_]*|multi_modal_projector|
 _SCALE_SUFFIXES = ("_scales", "weight_scale_inv", "weight_scale", "input_scale")
 
 
-@dataclass(frozen=True)
+@record
 class HeaderTensor:
     """One entry of a safetensors header: ``nbytes`` from shape x dtype (or the offsets)."""
 
@@ -71,7 +71,7 @@ class HeaderTensor:
     nbytes: int
 
 
-@dataclass(frozen=True)
+@record
 class Header:
     """A parsed header: the tensors plus the file's data size (file size - 8 - N)."""
 
@@ -120,7 +120,7 @@ def read_header(path: str | Path) -> Header:
                   data_bytes)
 
 
-@dataclass(frozen=True)
+@record
 class _Entry(HeaderTensor):
     end: int = 0     # data_offsets[1]: where the tensor's data ends, after the header
 

@@ -19,9 +19,11 @@ This module imports no torch.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import field
 from functools import cached_property
 from typing import Literal, NamedTuple
+
+from moefit.records import record
 
 #: How model cards count active parameters: convention -> the tensor roles left out. A
 #: token reads one row of the input embedding table, so some cards leave it out:
@@ -67,7 +69,7 @@ DTYPES: dict[str, Dtype] = {
 DTYPE_BYTES: dict[str, int] = {name: d.bytes for name, d in DTYPES.items()}
 
 
-@dataclass(frozen=True)
+@record
 class Tensor:
     """One weight tensor of the reference implementation.
 
@@ -101,7 +103,7 @@ class Tensor:
         return math.prod(self.shape)
 
 
-@dataclass(frozen=True)
+@record
 class Quantization:
     """How a checkpoint stores its quantizable weights.
 
@@ -146,7 +148,7 @@ class Quantization:
         raise ValueError(f"unknown quantization method {self.method!r}")
 
 
-@dataclass(frozen=True)
+@record
 class AttentionSpec:
     """Cache-relevant sizes of one layer's token mixer.
 
@@ -194,7 +196,7 @@ class AttentionSpec:
                 + self.linear_num_value_heads * self.linear_value_head_dim)
 
 
-@dataclass(frozen=True)
+@record
 class Routing:
     """How a router chooses a token's experts, beyond softmax top-k.
 
@@ -222,7 +224,7 @@ class Routing:
         return self != Routing()
 
 
-@dataclass(frozen=True)
+@record
 class MoESpec:
     """Routed-expert block of one layer (``routing``: :class:`Routing`)."""
 
@@ -234,7 +236,7 @@ class MoESpec:
     routing: Routing = Routing()
 
 
-@dataclass(frozen=True)
+@record
 class LayerSpec:
     """One decoder layer.
 
@@ -256,7 +258,7 @@ class LayerSpec:
     buffers: tuple[Tensor, ...] = ()
 
 
-@dataclass(frozen=True)
+@record
 class RopeSpec:
     """Rotary position embedding as the config declares it.
 
@@ -273,7 +275,7 @@ class RopeSpec:
     original_window: int
 
 
-@dataclass(frozen=True)
+@record
 class ModelGeometry:
     """Everything the planner needs about a model, without weights.
 
@@ -402,7 +404,7 @@ class ModelGeometry:
         return " + ".join(f"{n} {k}" for k, n in counts.items() if n)
 
 
-@dataclass(frozen=True)
+@record
 class ExactWeights:
     """Weight bytes read from safetensors headers (shapes and dtypes, never data).
 

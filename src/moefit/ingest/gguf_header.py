@@ -25,7 +25,7 @@ never torch.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +38,7 @@ from moefit.ingest.families.qwen_hybrid import GGUF_LINEAR
 from moefit.ingest.geometry import DTYPE_BYTES, ExactWeights, ModelGeometry
 from moefit.ingest.gguf_reader import (SHARD_NAME, GGUFHeader, GGUFTensor, close_reader, open_reader,
                                        read_header, shard_paths)
+from moefit.records import record
 from moefit.units import format_bytes
 
 __all__ = ["EMBEDDING", "RUNTIME_TYPES", "GGUFHeader", "GGUFTensor", "GGUFWeights", "close_reader",
@@ -168,7 +169,7 @@ def config_from_gguf(h: GGUFHeader) -> dict:
 # --------------------------------------------------------------------------------------------
 # exact bytes
 # --------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
+@record
 class GGUFWeights(ExactWeights):
     """Exact bytes of a GGUF model (see :class:`~moefit.ingest.geometry.ExactWeights`).
 

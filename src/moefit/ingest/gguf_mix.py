@@ -42,6 +42,7 @@ from moefit.ingest.families.common import GGUF_EXPERT_PARTS, GGUF_LAYER_EXTRA, G
 from moefit.ingest.geometry import ModelGeometry
 from moefit.ingest.ggml_types import block_values, tensor_bytes
 from moefit.ingest.gguf_header import GGUFHeader, GGUFTensor, exact_from_gguf
+from moefit.records import record
 
 #: ``llama-quantize`` file types planned here -> the default ggml type
 #: (``llama_ftype_get_default_type``)
@@ -73,7 +74,7 @@ _MOE_BLOCKS = ("mlp", "block_sparse_moe", "feed_forward")
 POST_ATTENTION_NORM_ARCHS = ("gpt-oss", "qwen3next", "qwen35moe", "glm4moe")
 
 
-@dataclass(frozen=True)
+@record
 class GGUFTensorInfo:
     """One tensor of the derived GGUF: ``name``, ggml ``kind``, ``ne`` innermost first."""
 

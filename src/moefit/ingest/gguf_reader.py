@@ -31,12 +31,13 @@ from typing import Any
 
 from moefit.errors import InputError
 from moefit.ingest.inputs import read_bytes
+from moefit.records import record
 
 #: A shard's file name of a split GGUF model: ``<stem>-0000K-of-0000N.gguf``.
 SHARD_NAME = re.compile(r"^(?P<stem>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$", re.IGNORECASE)
 
 
-@dataclass(frozen=True)
+@record
 class GGUFTensor:
     """One tensor info record.
 

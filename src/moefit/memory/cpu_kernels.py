@@ -19,13 +19,12 @@ module answers that before torch is imported:
 from __future__ import annotations
 
 import os
-import platform
 import shutil
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
 from pathlib import Path
 
 from moefit.errors import InputError
+from moefit.records import record
 
 #: ggml type -> the C kernels' type code (``qmatmul.c``).
 CTYPES: dict[str, int] = {"F32": 0, "F16": 1, "BF16": 2, "Q8_0": 3, "Q4_0": 4, "Q4_K": 5, "Q5_K": 6,
@@ -83,7 +82,7 @@ def disabled(env: Mapping[str, str] = os.environ) -> bool:
 
 
 # ---- the built library's x86-64 variants (setup.py builds them into the wheel) ----
-@dataclass(frozen=True)
+@record
 class Variant:
     """One build of the library for a level of x86-64: the CPU flags (``/proc/cpuinfo``
     names) it needs, and the compiler flags that turn on the kernels' ``#ifdef`` paths for
@@ -130,10 +129,20 @@ def cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
+def _machine() -> str:
+    """This machine's architecture: ``os.uname().machine``, which is ``platform.machine()``
+    on POSIX (importing ``platform`` compiles nine regular expressions, a few ms of every
+    plan); ``platform.machine()`` where there is no ``os.uname`` (Windows: ``AMD64``)."""
+    if hasattr(os, "uname"):
+        return os.uname().machine
+    import platform
+    return platform.machine()
+
+
 def pick(flags: Iterable[str], built: Iterable[str] | None = None, machine: str | None = None) -> Variant | None:
     """The best of :data:`VARIANTS` a CPU with ``flags`` runs, among the names in ``built``
     (default: every variant); None off x86-64 (``machine``, default this one's) or when none fits."""
-    machine = (machine or platform.machine()).lower()
+    machine = (machine or _machine()).lower()
     if machine not in ("x86_64", "amd64"):
         return None
     have, names = set(flags), None if built is None else set(built)

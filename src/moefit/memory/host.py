@@ -28,6 +28,7 @@ Imports no torch.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from collections.abc import Mapping
@@ -101,6 +102,14 @@ def load_staging_bytes(geom: ModelGeometry) -> int:
     way as a safetensors checkpoint."""
     if geom.exact is not None:
         return geom.exact.load_staging_bytes
+    return _listed_load_staging(geom)
+
+
+@functools.lru_cache(maxsize=4)
+def _listed_load_staging(geom: ModelGeometry) -> int:
+    """:func:`load_staging_bytes` of a geometry without headers, from its tensor listing;
+    kept for the last few geometries: a plan that does not fit solves the same geometry
+    again for each alternative it tries (Llama-4-Scout on an RTX 5090: 11 solves)."""
     listing = {t.name: geom.tensor_bytes(t) for t in geom.global_tensors}
     for l in geom.layers:
         listing.update({t.name: geom.tensor_bytes(t) for t in (*l.tensors, *l.expert_tensors)})
@@ -116,8 +125,9 @@ EXPERT_PATH_ENV = "MOEFIT_EXPERT_PATH"
 #: (token, expert) pairs the C kernels run at once for the misses of one device step
 #: (``qmatmul.moe``'s pair chunk: their scratch is this many pairs, not a pair per token)
 HOST_MISS_PAIRS = 64
-#: torch dtype names of the compute dtypes the C kernels are given (``qmatmul.ACT_DTYPES``)
-_C_ACT = ("float32", "bfloat16")
+#: torch dtype names of the compute dtypes the C kernels are given (``qmatmul.ACT_DTYPES``;
+#: tests/runtime/test_moe_batch.py checks the two agree)
+C_ACT_DTYPES = ("float32", "float16", "bfloat16")
 _PLAIN = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
 
 
@@ -153,7 +163,7 @@ def miss_host_c_kernels(types: tuple[str, str, str], hidden: int, inter: int, dt
     that dtype's activations and those types at those widths (``moefit.runtime.moe.device``
     asks the same of the built kernels); else they run in torch, expert by expert."""
     cols = (hidden, hidden, inter)
-    return (cpu_kernels.expected("cpu", env) and dtype in _C_ACT
+    return (cpu_kernels.expected("cpu", env) and dtype in C_ACT_DTYPES
             and all(cpu_kernels.supports(t, c) for t, c in zip(types, cols)))
 
 
@@ -212,7 +222,7 @@ def miss_host_bytes(geom: ModelGeometry, chunk: int,
                                     kernels, geom.experts_stored)
             buf = max(buf, span(take_bytes(takes, act)))
         if geom.experts_stored:
-            direct = cpu_kernels.expected("cpu", env) and geom.dtype in _C_ACT
+            direct = cpu_kernels.expected("cpu", env) and geom.dtype in C_ACT_DTYPES
             tile = min(m.expert_intermediate * geom.hidden_size, DEQUANT_TILE_ELEMS)
             worst = max(DEQUANT_SCRATCH_BYTES_PER_ELEM.values())
             per = max(0.0 if direct and cpu_kernels.supports(t, cpu_kernels.row_block(t))

@@ -67,12 +67,12 @@ and its encoder in ``moefit.runtime.buffers.kv_codec``.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 from moefit.errors import InputError
 from moefit.ingest.geometry import DTYPES, AttentionSpec, ModelGeometry
 from moefit.memory.layer_kinds import kind_of
 from moefit.memory.takes import FP32, INT64
+from moefit.records import record
 
 QBLOCK = 32  #: values per quantization block (q8_0 / q4_0 style)
 
@@ -87,7 +87,7 @@ BLOCK_BITS: dict[str, int] = {"q8": 8, "q4": 4}
 CODEC_KINDS: tuple[str, ...] = ("plain", "fp8", *BLOCK_BITS)
 
 
-@dataclass(frozen=True)
+@record
 class KVFormat:
     """Storage format of the KV cache.
 
@@ -258,7 +258,7 @@ def layer_cells(att: AttentionSpec, context: int, chunk: int) -> int:
     return kind_of(att).cell_count(att, context, chunk)
 
 
-@dataclass(frozen=True)
+@record
 class KVBudget:
     """The ``kv`` line, split by layer kind (bytes).
 
@@ -344,7 +344,7 @@ def kv_chunk_pieces(geom: ModelGeometry, fmt: KVFormat, context: int,
 
 # ---- the layout of the ``kv`` buffer: what the runtime carves, from the same formulas ----
 
-@dataclass(frozen=True)
+@record
 class LinearStateLayout:
     """One Gated DeltaNet layer's state in the ``kv`` buffer (byte offsets).
 
@@ -362,7 +362,7 @@ class LinearStateLayout:
     conv_bytes: int
 
 
-@dataclass(frozen=True)
+@record
 class CellLayout:
     """One attention layer's cells in the ``kv`` buffer (byte offsets, bytes).
 
@@ -393,7 +393,7 @@ class CellLayout:
         return self.v_dim == 0
 
 
-@dataclass(frozen=True)
+@record
 class KVLayout:
     """The ``kv`` line as one buffer of ``bytes``: linear-attention states first (all
     recurrent states in layer order, then all conv states: the fp32 states at offset 0

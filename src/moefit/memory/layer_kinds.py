@@ -39,16 +39,16 @@ This module imports no torch.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 
 from moefit.ingest.geometry import AttentionSpec, LayerSpec, ModelGeometry
 from moefit.memory.takes import (
     ATTN_KV_BLOCK, ATTN_Q_BLOCK, DELTA_CHUNK, FP32, INT64, Step, attention_tile_takes,
     delta_block_takes, span, take_bytes,
 )
+from moefit.records import record
 
 
-@dataclass(frozen=True)
+@record
 class LayerKind:
     """A softmax-attention layer over the whole context (``full``); the base of the others.
 
@@ -132,7 +132,7 @@ class LayerKind:
         return Step("attention", d * FP32, proj + max(norm, rope, write, attend))
 
 
-@dataclass(frozen=True)
+@record
 class Windowed(LayerKind):
     """``sliding`` (``masks``: the forward pass masks to the window) and ``chunked``
     layers: at most ``sliding_window + chunk`` cells per sequence."""
@@ -150,7 +150,7 @@ class Windowed(LayerKind):
         return self.window(att) if self.masks else None
 
 
-@dataclass(frozen=True)
+@record
 class Latent(LayerKind):
     """``mla``: one latent row per token, no V."""
 
@@ -193,7 +193,7 @@ class Latent(LayerKind):
                     qabs + max(build, heads * lora * act))
 
 
-@dataclass(frozen=True)
+@record
 class Recurrent(LayerKind):
     """``linear``: Gated DeltaNet's recurrent and conv state, no cells."""
 

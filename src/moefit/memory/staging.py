@@ -53,7 +53,6 @@ A calibration measured on the device (``moefit calibrate``,
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 from moefit.ingest.geometry import LayerSpec, ModelGeometry, Routing
 from moefit.memory import cpu_kernels, gpu_kernels
@@ -62,6 +61,7 @@ from moefit.memory.layer_kinds import is_kv_b, kind_of
 from moefit.memory.takes import (
     ATTN_KV_BLOCK, ATTN_Q_BLOCK, FP32, INT64, WORKSPACE_ALIGN, Step, Take, span, take_bytes,
 )
+from moefit.records import record
 
 ALIGN_SLACK = 32 * WORKSPACE_ALIGN   #: alignment of the stack's views (at most ~25 live)
 #: torch's own scalars and small results outside the workspace, and on CUDA the caching
@@ -91,7 +91,7 @@ DEQUANT_SCRATCH_BYTES_PER_ELEM: dict[str, float] = {
     **{t: 8.25 for t in ("Q2_K", "Q3_K", "IQ4_XS", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S",
                          "IQ1_S", "IQ1_M")},
 }
-@dataclass(frozen=True)
+@record
 class StagingModel:
     """``bytes(c) = const_bytes + per_token_bytes * c`` for a chunk of ``c`` tokens.
 

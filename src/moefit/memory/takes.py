@@ -6,7 +6,7 @@ them, in the order the runtime takes them (``moefit.runtime.buffers.workspace.Wo
 A layer's step above the residual stream is a :class:`Step` (``const + per_token x T``
 bytes). The staging model (:mod:`moefit.memory.staging`) and the layer kinds'
 workspace pricing (:mod:`moefit.memory.layer_kinds`) both price by these; this module
-imports nothing else of moefit.
+imports nothing else of moefit (but :mod:`moefit.records`).
 
 The two fixed-region layouts of the token mixers have their one home here:
 :func:`attention_tile_takes` (an attention tile of ``ATTN_Q_BLOCK`` queries x
@@ -18,7 +18,7 @@ Networks", chunkwise form).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from moefit.records import record
 
 ATTN_Q_BLOCK = 256      #: queries per attention tile (tokens)
 ATTN_KV_BLOCK = 512     #: cached tokens per attention tile (tokens)
@@ -33,7 +33,7 @@ ELEM_BYTES = {"f32": FP32, "i64": INT64, "u8": 1, "bool": 1}
 Take = tuple[int, str]
 
 
-@dataclass(frozen=True)
+@record
 class Step:
     """One step of a layer: its stack above the residual stream (``const`` +
     ``per_token`` x T bytes, T the chunk's tokens)."""

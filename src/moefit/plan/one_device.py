@@ -28,7 +28,7 @@ The pricing (:func:`price`, :func:`device_lines`) and the chunk rules
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from moefit.devices import Device
 from moefit.errors import InputError
@@ -43,6 +43,7 @@ from moefit.plan import throughput
 from moefit.plan.arena import arena_candidates
 from moefit.plan.request import CHUNK_GRID, Request
 from moefit.plan.types import LINE_ORDER, DevicePlan, Line, Plan, limiting_lines
+from moefit.records import record
 
 
 def _tokens(n: int) -> str:
@@ -54,7 +55,7 @@ def grid_floor(n: int) -> int:
     return (n // CHUNK_GRID) * CHUNK_GRID
 
 
-@dataclass(frozen=True)
+@record
 class Priced:
     """Mandatory lines that do not depend on the chunk, and the chunk-dependent ones."""
 

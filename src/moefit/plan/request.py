@@ -16,12 +16,13 @@ A :class:`Request` is plain data; :func:`context_limit` applies the RoPE rules:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Literal
 
 from moefit.errors import InputError
 from moefit.ingest.geometry import ModelGeometry
 from moefit.memory.kv import kv_format
+from moefit.records import record
 from moefit.units import parse_count
 
 CHUNK_GRID = 256            #: prefill chunks are multiples of this many tokens
@@ -31,7 +32,7 @@ DEFAULT_PREFILL_MIN = 256
 MAX_ROPE_SCALE = 1024
 
 
-@dataclass(frozen=True)
+@record
 class Request:
     """A plan request. Sizes in bytes, lengths in tokens.
 

@@ -12,7 +12,7 @@ memory (llama.cpp's ``--tensor-split``), each device holding its layers' experts
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from moefit.devices import Device
 from moefit.ingest.geometry import ModelGeometry
@@ -26,6 +26,7 @@ from moefit.plan.one_device import (Priced, by_throughput, chunk_target, clamp_n
                                     floor_ceiling, grid_floor, price)
 from moefit.plan.request import CHUNK_GRID, Request
 from moefit.plan.types import LINE_ORDER, DevicePlan, Line, Plan, limiting_lines
+from moefit.records import record
 from moefit.units import format_bytes
 
 #: The lines a device that holds expert slots only has (an expert split's other devices).
@@ -96,7 +97,7 @@ EXPERT_PIECE = 4096
 EXPERT_PIECE_SHARE = 8
 
 
-@dataclass(frozen=True)
+@record
 class _ExpertDevice:
     """The mandatory lines of a device that holds expert slots only: runtime, the staging
     its experts run in for pieces of at most ``piece_max`` tokens

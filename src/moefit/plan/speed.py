@@ -45,7 +45,7 @@ Pure arithmetic, no torch, no I/O.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import field, replace
 
 from moefit.devices import Device
 from moefit.devices.device import GpuSpeed
@@ -56,6 +56,7 @@ from moefit.memory.layer_kinds import kind_of
 from moefit.memory.weights import expert_slot_bytes, stored_bytes, stored_change
 from moefit.memory.takes import ATTN_Q_BLOCK
 from moefit.plan.arena import KNOWN_COPIES, arena_moe_seconds
+from moefit.records import record
 
 #: The resources a step's time is charged to, as printed (the "bound").
 RESOURCES = ("device compute", "device memory", "PCIe", "host compute", "host memory")
@@ -69,7 +70,7 @@ ROW_VALUE_BYTES = 2 + 4
 LLAMACPP_OFFLOAD_MIN_BATCH = 32
 
 
-@dataclass(frozen=True)
+@record
 class Rates:
     """The figures a prediction runs on. Bandwidths in bytes/s, rates in FLOP/s.
 
@@ -114,7 +115,7 @@ def rates_for(device: Device, host: HostSpeed) -> Rates | None:
 
 # ---- routing ----------------------------------------------------------------------------------
 
-@dataclass(frozen=True)
+@record
 class Routing:
     """Per MoE layer, the chance ``q_e`` that a token picks each expert, most used first
     (so the first ``r`` are the resident ones)."""
@@ -176,7 +177,7 @@ def hit_rate(route: Routing, resident: dict[int, int], tokens: int = 1) -> float
 
 # ---- one layer, one step ---------------------------------------------------------------------
 
-@dataclass(frozen=True)
+@record
 class LayerTime:
     """One layer's predicted time for one step (seconds) and the resource that bounds it;
     ``copied``: its misses were copied to the device (False: run on the host, or none)."""
@@ -236,7 +237,7 @@ def _attention(layer: LayerSpec, fmt: KVFormat, dtype_bytes: int, tokens: int, s
     return nbytes, flops
 
 
-@dataclass(frozen=True)
+@record
 class _Layer:
     """What a layer holds, computed once per geometry."""
 
@@ -418,7 +419,7 @@ def plan_crossovers(plan, host: HostSpeed) -> dict[int, float]:
 
 # ---- steps and predictions -------------------------------------------------------------------
 
-@dataclass(frozen=True)
+@record
 class StepTime:
     """One step's predicted time: its layers (:class:`LayerTime`) and the output head."""
 
@@ -478,7 +479,7 @@ def _cached_layers(geom: ModelGeometry, stored: str = "cuda") -> tuple[_Layer, .
     return hit[1]
 
 
-@dataclass(frozen=True)
+@record
 class Prediction:
     """Predicted throughput of one workload.
 
@@ -519,7 +520,7 @@ def _prediction(steps: list[tuple[StepTime, int]], tokens: int, position: int, c
                       tokens, position, chunk, by_kind, sum(l.copied for l in main.layers))
 
 
-@dataclass(frozen=True)
+@record
 class Speed:
     """A plan's predicted prefill and decode (:class:`Prediction`), the miss policy they
     ran under and the figures' sources (:attr:`Rates.sources`)."""

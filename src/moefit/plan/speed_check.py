@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import json
 import statistics
-from dataclasses import dataclass
 from pathlib import Path
 
 from moefit.devices.catalogue import find_gpu
@@ -36,6 +35,7 @@ from moefit.ingest.gguf_mix import gguf_geometry
 from moefit.ingest.resolve import load_model
 from moefit.memory.kv import kv_format
 from moefit.plan.speed import predict, predict_llamacpp, rates_for
+from moefit.records import record
 
 #: the engines a run may name
 ENGINES = ("llama.cpp", "ktransformers")
@@ -44,7 +44,7 @@ ENGINES = ("llama.cpp", "ktransformers")
 CHANNEL_BYTES = 8
 
 
-@dataclass(frozen=True)
+@record
 class Case:
     """One measured figure of a run against its prediction: ``phase`` is ``prefill`` or
     ``decode``; tokens/s both; ``bound`` the resource the model names."""

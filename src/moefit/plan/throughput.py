@@ -26,7 +26,6 @@ Pure arithmetic, no torch, no I/O.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 from moefit.devices import Device
 from moefit.devices.host import HostSpeed
@@ -35,6 +34,7 @@ from moefit.memory.kv import kv_format
 from moefit.memory.weights import default_arena_slots, spread_slots
 from moefit.plan.request import Request
 from moefit.plan.speed import Speed, layer_groups, prefill_steps, rates_for, routing, step_seconds
+from moefit.records import record
 
 OBJECTIVES = ("balanced", "prefill", "decode")
 #: the decode length of the ``balanced`` objective without ``--decode-tokens``: a stated
@@ -49,7 +49,7 @@ TIE = 0.01
 MAX_CANDIDATES = 32
 
 
-@dataclass(frozen=True)
+@record
 class Workload:
     """What a plan's choices are predicted for: the host's figures
     (:class:`~moefit.devices.host.HostSpeed`), the objective (:data:`OBJECTIVES`), the

@@ -10,7 +10,7 @@ change of flags that makes a failing plan fit. :func:`limiting_lines` and
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import field
 
 from moefit.devices import Device, Host
 from moefit.ingest.geometry import ModelGeometry
@@ -18,6 +18,7 @@ from moefit.memory.kv import KVLayout, kv_format, kv_layout, pool_cells
 from moefit.memory.staging import experts_fused, fixed_region_bytes
 from moefit.memory.takes import ATTN_KV_BLOCK, ATTN_Q_BLOCK
 from moefit.plan.request import Request
+from moefit.records import record
 
 #: Budget lines in commit order (docs/design.md, budget lines): key, label as printed.
 LINE_ORDER: tuple[tuple[str, str], ...] = (
@@ -42,7 +43,7 @@ HOST_LINE_ORDER: tuple[tuple[str, str], ...] = (
 
 
 
-@dataclass(frozen=True)
+@record
 class Line:
     """One budget line: ``key`` (docs/design.md, budget lines), ``bytes``, human ``detail``."""
 
@@ -65,7 +66,7 @@ class LineTable:
         return self.device.free_bytes - self.planned_bytes
 
 
-@dataclass(frozen=True)
+@record
 class DevicePlan(LineTable):
     """One device's table: its lines in commit order, and its share of the model.
 
@@ -95,7 +96,7 @@ class DevicePlan(LineTable):
         return next((l for l in self.lines if l.key == key), Line(key, 0))
 
 
-@dataclass(frozen=True)
+@record
 class HostPlan(LineTable):
     """The host table (docs/design.md, host budget): lines in :data:`HOST_LINE_ORDER`.
 
@@ -124,7 +125,7 @@ class HostPlan(LineTable):
         return next((l for l in self.lines if l.key == key), Line(key, 0))
 
 
-@dataclass(frozen=True)
+@record
 class Alternative:
     """A change of one flag that makes the plan fit (verified by re-solving with exactly
     this change): ``flag value``, with the flags in ``drop`` removed (``--miss-policy cpu``
@@ -144,7 +145,7 @@ class Alternative:
         return " ".join(f"{f} {v}" for f, v in ((self.flag, self.value), *self.also))
 
 
-@dataclass(frozen=True)
+@record
 class Plan:
     """The solved budget. Sizes in bytes, lengths in tokens.
 

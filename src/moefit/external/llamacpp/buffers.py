@@ -63,7 +63,6 @@ alignment) and the expert-tensor copy come from the source and are not measured.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 
 from moefit.devices import Device
 from moefit.errors import InputError
@@ -72,6 +71,7 @@ from moefit.ingest.ggml_types import BLOCKS
 from moefit.ingest.gguf_header import read_header
 from moefit.ingest.gguf_mix import llamacpp_tensors
 from moefit.memory.layer_kinds import Latent, Recurrent, kind_of
+from moefit.records import record
 from moefit.units import format_bytes
 
 
@@ -137,7 +137,7 @@ def pad_cells(context: int) -> int:
     return pad_to(context, CTX_PAD)
 
 
-@dataclass(frozen=True)
+@record
 class Backend:
     """Allocation rules of a ggml backend's buffers: ``alignment`` (bytes), quantized rows
     padded to ``row_padding`` elements (0: none), flash attention converting a non-F16 K/V to
@@ -155,7 +155,7 @@ CPU = Backend("CPU", 32)
 CUDA = Backend("CUDA0", 128, MATRIX_ROW_PADDING, fa_f16=True, op_offload=True)
 
 
-@dataclass(frozen=True)
+@record
 class Tensor:
     """A GGUF tensor: ``name``, ggml ``kind`` (``Q4_K``...), ``ne`` (innermost first), ``nbytes``."""
 
@@ -176,11 +176,11 @@ class Tensor:
 
 
 def ggml_row_bytes(kind: str, n: int) -> int:
-    """``ggml_row_size``: bytes of ``n`` elements of ggml type ``kind`` (``Q4_K``...), from the
-    ``gguf`` package's block sizes (``ggml-common.h``)."""
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-
-    bs, ts = GGML_QUANT_SIZES[GGMLQuantizationType[kind]]
+    """``ggml_row_size``: bytes of ``n`` elements of ggml type ``kind`` (``Q4_K``...), from
+    ggml's block sizes (:data:`moefit.ingest.ggml_types.BLOCKS`; a failing plan's llama.cpp
+    alternative prices its buffers by this without importing the ``gguf`` package and numpy,
+    a third of a second). Raises KeyError for a type ggml does not have."""
+    bs, ts = BLOCKS[kind]
     return ts * n // bs
 
 
@@ -207,7 +207,7 @@ def expert_layer(name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-@dataclass(frozen=True)
+@record
 class ModelBuffers:
     """Model bytes with ``-ngl 999 --n-cpu-moe 0``: ``device`` (non-expert tensors but the
     token embeddings), ``experts`` per layer (on the device unless ``--n-cpu-moe``), ``host``
@@ -279,7 +279,7 @@ def cpu_model_buffer(tensors: list[Tensor]) -> int:
 
 
 # ---- KV cache, recurrent state ---------------------------------------------------------------
-@dataclass(frozen=True)
+@record
 class KVPrice:
     """KV cache and recurrent state of one context (bytes; cells in tokens)."""
 
@@ -362,7 +362,7 @@ def kv_price(geom: ModelGeometry, context: int, ubatch: int, type_k: str, type_v
 
 
 # ---- compute buffer ------------------------------------------------------------------------------
-@dataclass(frozen=True)
+@record
 class ComputePrice:
     """The device compute buffer of one micro-batch (bytes) and its two phases."""
 
@@ -458,7 +458,7 @@ def compute_price(geom: ModelGeometry, n_vocab: int, ubatch: int, kv: KVPrice, t
     return ComputePrice(max(end, layer_phase), logits, end, layer_phase, mask, fa, copy)
 
 
-@dataclass(frozen=True)
+@record
 class PricedModel:
     """Everything of a model the plan needs, priced once per backend."""
 

@@ -5,12 +5,13 @@ the solved budget (:class:`LlamaPlan`) and the flags that reproduce it (``-c``, 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import field
 
 from moefit.devices import Device
 from moefit.external.llamacpp.buffers import DEFAULT_BATCH, DEFAULT_UBATCH, ComputePrice, KVPrice, pad_cells
 from moefit.ingest.geometry import ModelGeometry
 from moefit.plan.types import Alternative, HostPlan, Line, LineTable
+from moefit.records import record
 
 
 LINES = (("runtime", "runtime"), ("weights", "model buffers"), ("kv", "KV cache"),
@@ -18,7 +19,7 @@ LINES = (("runtime", "runtime"), ("weights", "model buffers"), ("kv", "KV cache"
          ("experts", "expert layers"))
 
 
-@dataclass(frozen=True)
+@record
 class LlamaRequest:
     """What to plan: ``context`` tokens per sequence, ``slots`` sequences (``-np``; ``-c`` is
     ``pad(context, 256) x slots``), ``ubatch`` requested (``-ub``; ``strict``: no
@@ -48,7 +49,7 @@ class LlamaRequest:
     host_margin: int | None = None
 
 
-@dataclass(frozen=True)
+@record
 class LlamaPlan(LineTable):
     """A solved llama.cpp budget on one device. ``n_cpu_moe``: the first layers whose experts
     stay on the CPU; ``lines`` in the order llama.cpp allocates them."""

@@ -46,7 +46,8 @@ def _experts_from(m: PricedModel, k: int) -> int:
 
 
 def solve_llamacpp(geom: ModelGeometry, tensors: list[Tensor], device: Device, req: LlamaRequest, *,
-                   alternatives: bool = True, host_mem: Host | None = None) -> LlamaPlan:
+                   alternatives: bool = True, host_mem: Host | None = None,
+                   priced: PricedModel | None = None) -> LlamaPlan:
     """Solve llama.cpp's budget with moefit's rules (docs/plan.md, How the plan is solved):
 
     1. price the mandatory lines at the requested ``-ub`` (runtime, model buffers without the
@@ -62,13 +63,18 @@ def solve_llamacpp(geom: ModelGeometry, tensors: list[Tensor], device: Device, r
        does not fails with the host's shortfall (``short_on`` ``host``), and its
        alternatives fit both.
 
+    ``priced``: ``tensors`` priced on ``device``'s backend, when the caller has them (the
+    alternatives and the largest-context search re-solve one model: pricing its tensors each
+    time was most of a failing plan's llama.cpp alternative).
+
     Pure: no I/O. Raises InputError for a bad request (``-ub`` below 1).
     """
     if req.ubatch < 1:
         raise InputError(f"--prefill {req.ubatch}: the micro-batch (-ub) needs at least 1 token")
     if not 1 <= req.slots <= MAX_SEQ:
         raise InputError(f"--parallel {req.slots}: llama.cpp runs 1 to {MAX_SEQ} sequences")
-    m = PricedModel(geom, vocab_size(tensors), model_buffers(tensors, backend_of(device)))
+    m = priced if priced is not None else PricedModel(geom, vocab_size(tensors),
+                                                      model_buffers(tensors, backend_of(device)))
     free = device.free_bytes
     n_layers = geom.num_layers
     moe_layers = [layer for layer, _ in m.buffers.experts]
@@ -136,7 +142,7 @@ def solve_llamacpp(geom: ModelGeometry, tensors: list[Tensor], device: Device, r
         shortfall = plan.planned_bytes - free
         plan = replace(plan, short_on=device.label, shortfall_bytes=shortfall,
                        limiting=limiting_lines(plan.lines, shortfall))
-    alts = _alternatives(geom, tensors, device, req, host_mem) if alternatives else ()
+    alts = _alternatives(geom, tensors, device, req, host_mem, m) if alternatives else ()
     return replace(plan, alternatives=tuple(alts))
 
 
@@ -221,9 +227,11 @@ def _compute_detail(ub: int, n_vocab: int, comp: ComputePrice) -> str:
     return f"-ub {ub}; peak in a layer: KQ mask {format_bytes(comp.mask)}{fa}{copy} + activations"
 
 
-def _alternatives(geom, tensors, device, req, host_mem: Host | None = None) -> list[Alternative]:
+def _alternatives(geom, tensors, device, req, host_mem: Host | None = None,
+                  priced: PricedModel | None = None) -> list[Alternative]:
     def fits(r: LlamaRequest) -> bool:
-        return solve_llamacpp(geom, tensors, device, r, alternatives=False, host_mem=host_mem).fits
+        return solve_llamacpp(geom, tensors, device, r, alternatives=False, host_mem=host_mem,
+                              priced=priced).fits
 
     return flag_alternatives(req, fits, host_mem is not None)
 
@@ -266,12 +274,13 @@ def largest_llama_context(geom: ModelGeometry, tensors: list[Tensor], device: De
     blocks with :func:`solve_llamacpp` finds it (the plan is monotone in the context)."""
     strict = replace(req, strict=True, notes=())
 
+    m = PricedModel(geom, vocab_size(tensors), model_buffers(tensors, backend_of(device)))
+
     def fits(context: int) -> bool:
         return solve_llamacpp(geom, tensors, device, replace(strict, context=context), alternatives=False,
-                              host_mem=host_mem).fits
+                              host_mem=host_mem, priced=m).fits
 
     top = -(-limit // CTX_PAD)            # blocks of the model's limit
-    m = PricedModel(geom, vocab_size(tensors), model_buffers(tensors, backend_of(device)))
     windows = [l.attention.sliding_window or 0 for l in geom.layers]
     b0 = max(1, -(-(max(windows, default=0) + req.ubatch) // CTX_PAD), -(-req.ubatch // CTX_PAD))
     ub, free = req.ubatch, device.free_bytes

@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import re
 import struct
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from moefit.devices import Device, Host
 from moefit.errors import InputError
@@ -55,6 +55,7 @@ from moefit.external.llamacpp.solver import flag_alternatives
 from moefit.ingest.geometry import ModelGeometry
 from moefit.memory.runtime import default_reserve_bytes, runtime_bytes
 from moefit.plan.types import Alternative, HostPlan, Line, largest_int, limiting_lines
+from moefit.records import record
 from moefit.units import format_bytes
 
 #: ``GGML_SCHED_MAX_COPIES`` (ggml's CMake default 4): the scheduler's copies of the inputs
@@ -87,7 +88,7 @@ def layer_devices(n_layer: int, ts: tuple[float, ...]) -> tuple[int, ...]:
     return tuple(out)
 
 
-@dataclass(frozen=True)
+@record
 class SplitModel:
     """A GGUF priced for a CUDA layer split: ``dense`` device bytes of each layer's tensors but
     its routed experts, ``experts`` their device bytes and ``experts_host`` their CPU bytes
@@ -132,7 +133,7 @@ def split_model(geom: ModelGeometry, tensors: list[Tensor]) -> SplitModel:
                       output, host, largest)
 
 
-@dataclass(frozen=True)
+@record
 class DeviceShare:
     """One device of a layer split: its ``layers`` (indices), whether it holds the output
     layer, its total ``bytes`` and the priced parts."""
@@ -197,7 +198,7 @@ def price_share(m: SplitModel, device: Device, layers: range, output: bool, firs
     return DeviceShare(device, layers, output, sum(l.bytes for l in lines), lines, kv, comp)
 
 
-@dataclass(frozen=True)
+@record
 class LlamaSplitPlan:
     """A llama.cpp budget over several CUDA devices (``-sm layer``): one :class:`DeviceShare`
     per device, ``ts`` the ``-ts`` counts, ``n_cpu_moe`` the first layers whose experts stay on

@@ -38,7 +38,7 @@ This module imports no torch.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import field
 from typing import Any, Callable
 
 from moefit.ingest.families.config import (FP8_ROLES, Cfg, RopeConfig, Sizes, dtype_name,
@@ -55,6 +55,7 @@ from moefit.ingest.families.tensors import (apply_not_convert, attn_spec, expert
                                             router_tensors, score_bias_buffer, slot_linear,
                                             slot_norm, slot_swiglu, swiglu)
 from moefit.ingest.geometry import LayerSpec, Tensor
+from moefit.records import record
 
 __all__ = ["FP32_TENSORS", "FP8_ROLES", "GGUF_EXPERT_NAMES", "GGUF_EXPERT_PARTS", "GGUF_LAYER_EXTRA",
            "GLOBAL_NAMES", "LAYER_NAMES", "STANDARD_NAMES", "Cfg", "Family", "GGUFConversion",
@@ -67,7 +68,7 @@ __all__ = ["FP32_TENSORS", "FP8_ROLES", "GGUF_EXPERT_NAMES", "GGUF_EXPERT_PARTS"
            "softmax_kind", "swiglu"]
 
 
-@dataclass(frozen=True)
+@record
 class Switches:
     """Per-family switches of the forward pass, as plain values (``moefit.runtime.arch.Arch``
     derives from it, with the torch dtype).
@@ -112,7 +113,7 @@ class Switches:
 Parser = Callable[["Cfg", str], "tuple[list[LayerSpec], tuple[Tensor, ...], int]"]
 
 
-@dataclass(frozen=True, eq=False)
+@record(eq=False)
 class Family:
     """Everything moefit knows about one model family.
 

@@ -7,12 +7,12 @@ Part of what every family shares (:mod:`moefit.ingest.families.common`). Imports
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Callable
 
 from moefit.errors import InputError
 from moefit.ingest.geometry import DTYPE_BYTES, Quantization, RopeSpec
 from moefit.ingest.inputs import bounded_float, bounded_int
+from moefit.records import record
 
 #: Roles that a block-scaled fp8 checkpoint quantizes (every linear role but router, embed, head).
 FP8_ROLES = frozenset({"attention", "linear_attention", "shared_expert", "dense_mlp", "expert"})
@@ -130,7 +130,7 @@ def read_quantization(c: Cfg) -> tuple[Quantization, tuple[str, ...]]:
                      "use the unquantized config to plan")
 
 
-@dataclass(frozen=True)
+@record
 class RopeConfig:
     """RoPE as a config declares it, read by the one rule of :func:`rope_config`.
 
@@ -237,7 +237,7 @@ def partial_rotary(c: Cfg, default: float = 1.0) -> float:
                          "partial_rotary_factor", c.source, low=0.0, high=1.0)
 
 
-@dataclass(frozen=True)
+@record
 class Sizes:
     """Sizes every softmax-attention family reads the same way."""
 

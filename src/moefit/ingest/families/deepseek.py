@@ -12,7 +12,6 @@ DeepSeek-V3 architecture (its ``config.json`` names ``DeepseekV3ForCausalLM``);
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 
 from moefit.errors import InputError
 from moefit.ingest.families.common import (
@@ -23,6 +22,7 @@ from moefit.ingest.families.common import (
 from moefit.ingest.geometry import (
     AttentionSpec, LayerSpec, ModelGeometry, MoESpec, Quantization, RopeSpec, Routing, Tensor,
 )
+from moefit.records import record
 
 #: The model types of the DeepSeek-V3 architecture (sigmoid ``noaux_tc`` routing).
 V3_TYPES = ("deepseek_v3", "kimi_k2")
@@ -65,7 +65,7 @@ SHARED_EXPERTS_NAMES: dict[str, tuple[str, str]] = {
 
 NAMES = name_table(layer={**MLA_NAMES, **SHARED_EXPERTS_NAMES}, shared_gate=False)
 
-@dataclass(frozen=True)
+@record
 class MlaSizes:
     """DeepSeek-V2/V3 sizes, from an HF config or DeepSeek's own inference config."""
 

@@ -8,11 +8,11 @@ Part of what every family shares (:mod:`moefit.ingest.families.common`). Imports
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Callable
 
 from moefit.errors import InputError
 from moefit.ingest.inputs import bounded_int
+from moefit.records import record
 
 
 class GGUFMeta:
@@ -49,7 +49,7 @@ class GGUFMeta:
         return t.ne if t else None
 
 
-@dataclass(frozen=True)
+@record
 class GGUFFacts:
     """What ``config_from_gguf`` reads the same way for every architecture, handed to a
     family's GGUF mapping: ``experts`` (``expert_count``), ``top_k`` (``expert_used_count``),
@@ -80,7 +80,7 @@ def gguf_moe_metadata(w: Any, config: dict) -> None:
     w.add_expert_weights_norm(bool(config.get("norm_topk_prob", False)))
 
 
-@dataclass(frozen=True)
+@record
 class GGUFTensorOut:
     """One tensor a family's GGUF conversion writes (:class:`GGUFConversion`).
 
@@ -98,7 +98,7 @@ class GGUFTensorOut:
     stored: str | None = None
 
 
-@dataclass(frozen=True)
+@record
 class GGUFConversion:
     """How ``moefit.tools.gguf_write`` writes some Hugging Face tensors of a family that
     llama.cpp's converter transforms (``convert_hf_to_gguf.py``): the state keys

@@ -9,7 +9,9 @@ Part of what every family shares (:mod:`moefit.ingest.families.common`). Imports
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import field
+
+from moefit.records import record
 
 #: Per-layer tensors the runtime holds resident: slot (a ``LayerWeights`` field) ->
 #: (Hugging Face name under ``{prefix}layers.N.``, GGUF name under ``blk.N.``). ``{moe}`` is
@@ -118,7 +120,7 @@ GGUF_EXPERT_PARTS: dict[str, tuple[str, ...]] = {
 }
 
 
-@dataclass(frozen=True)
+@record
 class NameTable:
     """One family's tensor names (see :data:`LAYER_NAMES`), resolved for its MoE block name.
 
