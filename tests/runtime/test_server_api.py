@@ -212,6 +212,11 @@ def test_bad_completion_requests_get_400_with_a_message(client, body, status, ne
     ('{"messages": [{"content": "hi"}]}', "role"),
     ('{"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}',
      "text only"),
+    # a text part with an extra key (Anthropic-style cache_control) names the key, not "text only"
+    ('{"messages": [{"role": "user", "content": [{"type": "text", "text": "hi", '
+     '"cache_control": {"type": "ephemeral"}}]}]}', "unknown keys 'cache_control'"),
+    ('{"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}',
+     "needs \"text\" as a string"),
     ('{"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}', "tools"),
 ])
 def test_bad_chat_requests_get_400_and_the_server_stays_up(client, raw, needle):

@@ -218,6 +218,13 @@ class ChatMessage(BaseModel):
             for part in content:
                 if not isinstance(part, TextPart):
                     kind = part.get("type", "?") if isinstance(part, dict) else "?"
+                    if kind == "text":
+                        # a text part that is not exactly {"type", "text": str}
+                        extra = sorted(set(part) - {"type", "text"})
+                        why = (f"has unknown keys {', '.join(map(repr, extra))}" if extra
+                               else "needs \"text\" as a string")
+                        raise InputError(f"messages: a content part of type 'text' {why}; "
+                                         "send {\"type\": \"text\", \"text\": ...}")
                     raise InputError(f"messages: content part of type {kind!r} is not "
                                      "supported (text only)")
                 texts.append(part.text)
