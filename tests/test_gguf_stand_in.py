@@ -91,7 +91,7 @@ def test_the_command_writes_the_released_mix_and_names_the_next_step(capsys, tmp
 @pytest.mark.parametrize("argv,needle", [
     (["DeepSeek-V2-Lite"], "model_type"),
     (["Llama-4-Scout-17B-16E-Instruct"], "GGUF architecture"),
-    (["Qwen3-30B-A3B", "--type", "Q9_K"], "--gguf-type"),
+    (["Qwen3-30B-A3B", "--type", "Q9_K"], "--type 'Q9_K'"),
 ])
 def test_bad_input_exits_2_with_the_reason(capsys, tmp_path, argv, needle):
     code = main(["gguf-header", argv[0], str(tmp_path / "x.gguf"), *argv[1:]])
