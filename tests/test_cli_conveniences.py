@@ -240,3 +240,22 @@ def test_largest_context_is_solved_directly_not_searched(monkeypatch, model, gpu
     assert expected < context_limit(geom, r)[0]        # a case the memory limits, not RoPE
     monkeypatch.setattr(alternatives, "largest_int", no_search)
     assert alternatives.largest_context(geom, find_gpu(gpu), r) == expected
+
+
+def test_max_context_max_note_names_the_chunk_the_plan_prefills_in(capsys, tmp_path):
+    """gpt-oss-20b's GGUF on an RTX 3060 12GB: the context is sized at 4096-token chunks,
+    then ``--prefill auto``'s throughput choice takes another; the note named 4096 as if
+    the plan used it. Every chunk size the note names must be the plan's or the sizing one."""
+    gguf = tmp_path / "g.gguf"
+    assert main(["gguf-header", "gpt-oss-20b", str(gguf)]) == 0
+    capsys.readouterr()
+    code, doc = plan_json(capsys, str(gguf), "--gpu", "RTX 3060 12GB", "--max-context", "max")
+    note = next(n for n in doc["notes"] if n.startswith("max-context: max"))
+    used = doc["prefill"]["selected"]
+    named = [int(x) for x in re.findall(r"(\d+)-token chunks", note)]
+    assert code == 0 and named, note
+    if used != 4096:                  # the case of the report: both named, the used one as used
+        assert f"prefills in {used}-token chunks" in note and not re.search(r"\) at 4096-token chunks", note)
+    else:
+        assert named == [used]
+
