@@ -259,3 +259,25 @@ def test_max_context_max_note_names_the_chunk_the_plan_prefills_in(capsys, tmp_p
     else:
         assert named == [used]
 
+
+def test_verbose_weights_line_says_what_the_table_prices_when_matrices_stay_stored(capsys, tmp_path):
+    """GLM-4.5-Air Q4_K_M on an RTX 5060 Ti 16GB: the table prices the dense matrices the
+    Triton kernels read as stored (3.74 GiB); ``-v`` said "13.40 GiB resident (bfloat16,
+    dequantized at load)". Its weights line must give the table's bytes and say how many
+    matrices stay stored (the table's detail)."""
+    cfg = tmp_path / "glm.json"
+    from test_active_params import GLM_45_AIR
+
+    cfg.write_text(json.dumps(GLM_45_AIR))
+    gguf = tmp_path / "glm.gguf"
+    assert main(["gguf-header", str(cfg), str(gguf), "--type", "Q4_K_M"]) == 0
+    capsys.readouterr()
+    code, out, _ = run(capsys, "plan", str(gguf), "--gpu", "RTX 5060 Ti 16GB", "--max-context", "32K", "-v",
+                       "--no-calibration")
+    assert code == 0
+    table = re.search(r"^  weights +([\d.]+ GiB) +exact, from GGUF; (\d+) quantized matrices kept as stored",
+                      out, re.M)
+    verbose = re.search(r"^  weights +([\d.]+ GiB) resident \((.*)\)", out, re.M)
+    assert table and verbose, out
+    assert verbose.group(1) == table.group(1)
+    assert verbose.group(2).startswith(f"{table.group(2)} quantized matrices kept as stored"), verbose.group(0)
