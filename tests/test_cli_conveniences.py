@@ -281,3 +281,21 @@ def test_verbose_weights_line_says_what_the_table_prices_when_matrices_stay_stor
     assert table and verbose, out
     assert verbose.group(1) == table.group(1)
     assert verbose.group(2).startswith(f"{table.group(2)} quantized matrices kept as stored"), verbose.group(0)
+
+
+@pytest.mark.parametrize("devices", [["--gpu", "RTX 3060 12GB"], ["--device", "cpu", "--vram", "12GiB"]],
+                         ids=["cuda", "cpu"])
+@pytest.mark.parametrize("gguf", [False, True], ids=["preset", "gguf"])
+def test_a_bad_moefit_kernels_is_refused_on_every_device(capsys, tmp_path, monkeypatch, devices, gguf):
+    """``MOEFIT_KERNELS=bogus`` was refused on a CPU plan and ignored on a CUDA one (where
+    only ``triton``, its own kernels, exists): exit 2 naming the variable on both."""
+    model = "Qwen3-30B-A3B"
+    if gguf:
+        model = str(tmp_path / "g.gguf")
+        assert main(["gguf-header", "gpt-oss-20b", model]) == 0
+    monkeypatch.setenv("MOEFIT_KERNELS", "bogus")
+    code, _, err = run(capsys, "plan", model, *devices, "--max-context", "8K", "--no-calibration")
+    assert code == 2 and "MOEFIT_KERNELS='bogus'" in err and "Traceback" not in err
+    monkeypatch.setenv("MOEFIT_KERNELS", "auto")            # the documented value still plans
+    code, _, err = run(capsys, "plan", model, *devices, "--max-context", "8K", "--no-calibration")
+    assert code in (0, 3) and "MOEFIT_KERNELS" not in err      # 3: the CPU host is short
