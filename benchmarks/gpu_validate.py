@@ -16,9 +16,12 @@ of work), the same commands on the simulated device in CI's short mode:
    hidden 128), trained window 1024.
 2. **Runs**: for each model file and miss policy (``cpu``, ``copy``), one
    ``moefit bench MODEL --device D --vram V --contexts C --rope-scaling yarn --rope-scale 2
-   --kv int8 --prefill P --miss-policy M`` (full: ``cuda:0``, ``16GiB`` (a cap on a larger
-   card: the ledger enforces it), ``384K,512K,524K``, ``24576``; short: ``cpu``,
-   ``7MiB``, ``1K,2K``, ``256``), run in this process (``moefit.cli.main``) so torch is
+   --kv int8 --prefill P --miss-policy M --expert-cache N`` (full: ``cuda:0``,
+   ``--vram 16311MiB --vram-free 15848MiB`` (the RTX 5060 Ti 16GB's catalogue figures as a cap
+   on a larger card: the ledger enforces them), ``384000,524288`` (cpu) and ``512000,524288``
+   (copy) (:data:`MODES`),
+   ``24576``; short: ``cpu``, ``7MiB``, ``1024,2048``, ``256``; N: :data:`EXPERT_CACHE`, about
+   40% of the experts, so both policies run misses), run in this process (``moefit.cli.main``) so torch is
    imported once. Each writes its ``bench.json`` / ``bench.md`` / ``bench.png`` under
    ``OUT/runs/NAME``: the plan, the ledger's planned / allocated / peak per line, the free
    bytes before READY (the ledger's; on CUDA ``mem_get_info``'s and the caching
@@ -29,7 +32,8 @@ of work), the same commands on the simulated device in CI's short mode:
    ``--llama-bench PATH`` (a CUDA build of llama.cpp), ``llama-bench`` on each GGUF too.
 
 4. **Stream trace**: one more bench run with ``--miss-policy copy`` on a device that holds
-   part of the experts (full: ``qwen3-bf16``, ``--vram 1280MiB`` (38% of its experts),
+   part of the experts (full: ``qwen3-bf16``, ``--vram 1280MiB`` (803 of 1536 experts, 52%,
+   after the 512 MiB runtime estimate),
    one 2048-token chunk at ``4K``; short: ``qwen35-bf16`` on the short mode's device, ``1K``,
    256 tokens: 9 of its 32 experts resident),
    under ``torch.profiler``: ``OUT/trace.json`` (a Chrome / Perfetto trace: the
@@ -82,6 +86,13 @@ QWEN35_SHORT = dict(QWEN35_FULL, vocab_size=512, hidden_size=128, num_hidden_lay
                     moe_intermediate_size=64, shared_expert_intermediate_size=64,
                     max_position_embeddings=1024)
 
+#: ``--expert-cache N`` per model: about 40% of its experts in the full mode (576 of qwen3's
+#: 1536, 1024 of qwen35's 2560); 6 of 16 and 6 of 32 in the short one (what qwen35-bf16 fits
+#: at 2048 under copy on its 7 MiB device). The scaled checkpoints' experts all fit a 16 GB card (0.84 and 0.94 GiB),
+#: so without a cap the cpu and copy policies would be the same run with no miss; a
+#: checkpoint whose experts overflow the card by itself needs over 6B random parameters,
+#: which cannot be written, quantized and loaded eight times inside the 8 minutes
+EXPERT_CACHE = {"full": {"qwen3": 576, "qwen35": 1024}, "short": {"qwen3": 6, "qwen35": 6}}
 #: the contexts of each mode: ``--contexts`` reads K as 1024 tokens, so "524K" would be 536576,
 #: over YaRN x2's limit of 2 x 262144 = 524288 (and bench refuses a ladder with a context over
 #: the limit, exit 2). The full run asks 384000 and 512000 tokens (decimal, as the budgeting
@@ -92,16 +103,22 @@ MODES = {
     # RTX 5060 Ti 16GB's catalogue figures (16311 MiB total, 15848 MiB free under CUDA), as a
     # cap on a larger card: the ledger enforces both
     "full": dict(vram="16311MiB", vram_free="15848MiB", contexts="384000,512000,524288", prefill="24576",
-                 prompt="24576", decode="32", models={"qwen3": QWEN3_FULL, "qwen35": QWEN35_FULL}, budget=420.0),
+                 prompt="24576", decode="32", models={"qwen3": QWEN3_FULL, "qwen35": QWEN35_FULL}, budget=420.0,
+                 expert_cache=EXPERT_CACHE["full"],
+                 # two contexts per policy, the limit in both: six 24576-token prefills of a
+                 # 48-layer model per run (each context measures its prompt, then re-runs it for
+                 # the staging peaks) would not fit 8 minutes over eight runs
+                 policy_contexts={"cpu": "384000,524288", "copy": "512000,524288"}),
     # a device that holds part of the tiny models' experts, so misses run
     "short": dict(vram="7MiB", vram_free=None, contexts="1024,2048", prefill="256", prompt="256", decode="4",
-                  models={"qwen3": QWEN3_SHORT, "qwen35": QWEN35_SHORT}, budget=0.0),
+                  models={"qwen3": QWEN3_SHORT, "qwen35": QWEN35_SHORT}, budget=0.0,
+                  expert_cache=EXPERT_CACHE["short"]),
 }
 #: ``--rope-scale`` of every run (YaRN)
 ROPE_SCALE = 2
 POLICIES = ("cpu", "copy")
 #: the stream trace's run (module docstring, step 4): the qwen3 bf16 checkpoint, misses copied
-#: (full: qwen3 on 1280 MiB keeps 38% of its experts; short: qwen35 keeps 9 of 32 at 1K)
+#: (full: qwen3 on 1280 MiB keeps 803 of 1536 experts, 52%; short: qwen35 keeps 9 of 32 at 1K)
 TRACE = {"full": dict(model="qwen3-bf16", vram="1280MiB", vram_free=None, contexts="4K", prefill="2048", prompt="2048",
                       decode="4"),
          "short": dict(model="qwen35-bf16", vram="7MiB", vram_free=None, contexts="1K", prefill="256", prompt="256", decode="2")}
@@ -158,20 +175,26 @@ def check_contexts(mode: dict) -> list[int]:
     fail (bench exit 2) on every model."""
     from moefit.bench.ladder import parse_contexts
 
-    contexts = parse_contexts(mode["contexts"])
-    for family, cfg in mode["models"].items():
-        limit = cfg["max_position_embeddings"] * ROPE_SCALE
-        over = [c for c in contexts if c > limit]
-        if over or contexts[-1] != limit:
-            raise ValueError(f"{family}: contexts {contexts} against YaRN x{ROPE_SCALE}'s limit of {limit} "
-                             f"tokens: {over or 'none'} over it, the last one must be the limit itself")
-    return contexts
+    every = [mode["contexts"], *mode.get("policy_contexts", {}).values()]
+    for text in every:
+        contexts = parse_contexts(text)
+        for family, cfg in mode["models"].items():
+            limit = cfg["max_position_embeddings"] * ROPE_SCALE
+            over = [c for c in contexts if c > limit]
+            if over or contexts[-1] != limit:
+                raise ValueError(f"{family}: contexts {contexts} against YaRN x{ROPE_SCALE}'s limit of {limit} "
+                                 f"tokens: {over or 'none'} over it, the last one must be the limit itself")
+    return parse_contexts(mode["contexts"])
 
 
-def bench_args(model: Path, device: str, mode: dict, policy: str, out: Path) -> list[str]:
-    """The ``moefit bench`` arguments of one run (module docstring, step 2)."""
+def bench_args(model: Path, device: str, mode: dict, policy: str, out: Path, family: str | None = None) -> list[str]:
+    """The ``moefit bench`` arguments of one run (module docstring, step 2); ``family``:
+    the model's key in the mode's ``expert_cache`` (:data:`EXPERT_CACHE`), None for none."""
     free = ["--vram-free", mode["vram_free"]] if mode.get("vram_free") else []
-    return ["bench", str(model), "--device", device, "--vram", mode["vram"], *free, "--contexts", mode["contexts"],
+    cap = mode.get("expert_cache", {}).get(family) if family else None
+    free += ["--expert-cache", str(cap)] if cap else []
+    contexts = mode.get("policy_contexts", {}).get(policy, mode["contexts"])
+    return ["bench", str(model), "--device", device, "--vram", mode["vram"], *free, "--contexts", contexts,
             "--rope-scaling", "yarn", "--rope-scale", str(ROPE_SCALE), "--kv", "int8", "--prefill", mode["prefill"],
             "--prompt-tokens", mode["prompt"], "--decode-tokens", mode["decode"], "--miss-policy", policy,
             "--out", str(out), "--no-progress"]
@@ -481,7 +504,7 @@ def main(argv: list[str] | None = None) -> int:
                 record["runs"].append(run)
                 print(f"{run['name']}: skipped ({run['reason']})", file=sys.stderr)
                 continue
-            args_ = bench_args(path, args.device, mode, policy, out / "runs" / run["name"])
+            args_ = bench_args(path, args.device, mode, policy, out / "runs" / run["name"], name.split("-")[0])
             record["commands"].append(shlex.join(["moefit", *args_]))
             if budget and time.perf_counter() - t0 > budget:
                 run.update(skipped=True, reason="past the time budget")
@@ -495,8 +518,10 @@ def main(argv: list[str] | None = None) -> int:
                 if run["exit"]:
                     run["output"] = output[-4000:]
             record["runs"].append(run)
+            spent = time.perf_counter() - t0
             print(f"{run['name']}: " + ("skipped" if run.get("skipped") else
-                                        f"exit {run['exit']}, {run['seconds']:.0f} s"), file=sys.stderr)
+                                        f"exit {run['exit']}, {run['seconds']:.0f} s") +
+                  (f"; {spent:.0f} s of the {budget:.0f} s budget spent" if budget else ""), file=sys.stderr)
     if budget and time.perf_counter() - t0 > budget:
         record["trace"] = None
         print("trace: skipped", file=sys.stderr)
