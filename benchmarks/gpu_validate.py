@@ -119,7 +119,7 @@ ROPE_SCALE = 2
 POLICIES = ("cpu", "copy")
 #: the stream trace's run (module docstring, step 4): the qwen3 bf16 checkpoint, misses copied
 #: (full: qwen3 on 1280 MiB keeps 803 of 1536 experts, 52%; short: qwen35 keeps 9 of 32 at 1K)
-TRACE = {"full": dict(model="qwen3-bf16", vram="1280MiB", vram_free=None, contexts="4K", prefill="2048", prompt="2048",
+TRACE = {"full": dict(model="qwen3-bf16", vram="1280MiB", vram_free=None, policy_contexts={}, contexts="4K", prefill="2048", prompt="2048",
                       decode="4"),
          "short": dict(model="qwen35-bf16", vram="7MiB", vram_free=None, contexts="1K", prefill="256", prompt="256", decode="2")}
 

@@ -195,3 +195,15 @@ def test_gpu_validate_judges_the_runtime_line_by_the_fresh_process_probe(tmp_pat
     ctx["lines"][1]["allocated_bytes"] = 9         # an engine-allocated line off plan still says NO
     gv.write_record(tmp_path, record)
     assert "| NO |" in (tmp_path / "record.md").read_text()
+
+
+@pytest.mark.parametrize("mode", ["full", "short"])
+def test_gpu_validate_trace_command_is_the_trace_s_own(mode: str):
+    """The stream trace's recorded command carries the trace's device and context (not the
+    runs' per-policy contexts, ``--vram-free`` cap or ``--expert-cache``)."""
+    gv = _gpu_validate()
+    spec = dict(gv.MODES[mode], **gv.TRACE[mode])
+    args = gv.bench_args(Path("m"), "cpu", spec, "copy", Path("o"))
+    assert args[args.index("--contexts") + 1] == gv.TRACE[mode]["contexts"]
+    assert args[args.index("--vram") + 1] == gv.TRACE[mode]["vram"]
+    assert "--vram-free" not in args and "--expert-cache" not in args
