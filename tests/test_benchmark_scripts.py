@@ -98,6 +98,7 @@ def _gpu_validate():
     return gpu_validate
 
 
+@pytest.mark.slow      # moefit.bench / transformers import torch
 @pytest.mark.parametrize("mode", ["full", "short"])
 def test_gpu_validate_contexts_are_ones_bench_accepts(mode: str, tmp_path: Path):
     """Every context of each mode passes bench's own check (``resolve_context`` with YaRN x2,
@@ -132,6 +133,7 @@ def test_gpu_validate_contexts_are_ones_bench_accepts(mode: str, tmp_path: Path)
         gv.check_contexts(dict(gv.MODES["full"], policy_contexts={"cpu": "384K,524K"}))
 
 
+@pytest.mark.slow      # moefit.bench / transformers import torch
 def test_gpu_validate_writes_no_gguf_without_the_package(tmp_path: Path, monkeypatch):
     """Without ``gguf`` (the lent GPU machine may lack it) the checkpoint is written and the
     GGUF is None with the reason, instead of the run dying before its first bench."""
@@ -142,6 +144,7 @@ def test_gpu_validate_writes_no_gguf_without_the_package(tmp_path: Path, monkeyp
     assert not list(tmp_path.glob("*.gguf"))
 
 
+@pytest.mark.slow      # moefit.bench / transformers import torch
 def test_gpu_validate_runs_skip_the_gguf_files_with_the_reason(tmp_path: Path, monkeypatch):
     """main() with gguf missing: the GGUF runs are recorded as skipped with the reason,
     the bf16 runs still run (bench stubbed)."""
