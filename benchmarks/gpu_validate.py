@@ -16,9 +16,12 @@ of work), the same commands on the simulated device in CI's short mode:
    hidden 128), trained window 1024.
 2. **Runs**: for each model file and miss policy (``cpu``, ``copy``), one
    ``moefit bench MODEL --device D --vram V --contexts C --rope-scaling yarn --rope-scale 2
-   --kv int8 --prefill P --miss-policy M`` (full: ``cuda:0``, ``16GiB`` (a cap on a larger
-   card: the ledger enforces it), ``384K,512K,524K``, ``24576``; short: ``cpu``,
-   ``7MiB``, ``1K,2K``, ``256``), run in this process (``moefit.cli.main``) so torch is
+   --kv int8 --prefill P --miss-policy M --expert-cache N`` (full: ``cuda:0``,
+   ``--vram 16311MiB --vram-free 15848MiB`` (the RTX 5060 Ti 16GB's catalogue figures as a cap
+   on a larger card: the ledger enforces them), ``384000,524288`` (cpu) and ``512000,524288``
+   (copy) (:data:`MODES`),
+   ``24576``; short: ``cpu``, ``7MiB``, ``1024,2048``, ``256``; N: :data:`EXPERT_CACHE`, about
+   40% of the experts, so both policies run misses), run in this process (``moefit.cli.main``) so torch is
    imported once. Each writes its ``bench.json`` / ``bench.md`` / ``bench.png`` under
    ``OUT/runs/NAME``: the plan, the ledger's planned / allocated / peak per line, the free
    bytes before READY (the ledger's; on CUDA ``mem_get_info``'s and the caching
@@ -29,7 +32,8 @@ of work), the same commands on the simulated device in CI's short mode:
    ``--llama-bench PATH`` (a CUDA build of llama.cpp), ``llama-bench`` on each GGUF too.
 
 4. **Stream trace**: one more bench run with ``--miss-policy copy`` on a device that holds
-   part of the experts (full: ``qwen3-bf16``, ``--vram 1280MiB`` (38% of its experts),
+   part of the experts (full: ``qwen3-bf16``, ``--vram 1280MiB`` (803 of 1536 experts, 52%,
+   after the 512 MiB runtime estimate),
    one 2048-token chunk at ``4K``; short: ``qwen35-bf16`` on the short mode's device, ``1K``,
    256 tokens: 9 of its 32 experts resident),
    under ``torch.profiler``: ``OUT/trace.json`` (a Chrome / Perfetto trace: the
@@ -82,29 +86,62 @@ QWEN35_SHORT = dict(QWEN35_FULL, vocab_size=512, hidden_size=128, num_hidden_lay
                     moe_intermediate_size=64, shared_expert_intermediate_size=64,
                     max_position_embeddings=1024)
 
+#: ``--expert-cache N`` per model: about 40% of its experts in the full mode (576 of qwen3's
+#: 1536, 1024 of qwen35's 2560); 6 of 16 and 6 of 32 in the short one (what qwen35-bf16 fits
+#: at 2048 under copy on its 7 MiB device). The scaled checkpoints' experts all fit a 16 GB card (0.84 and 0.94 GiB),
+#: so without a cap the cpu and copy policies would be the same run with no miss; a
+#: checkpoint whose experts overflow the card by itself needs over 6B random parameters,
+#: which cannot be written, quantized and loaded eight times inside the 8 minutes
+EXPERT_CACHE = {"full": {"qwen3": 576, "qwen35": 1024}, "short": {"qwen3": 6, "qwen35": 6}}
+#: the contexts of each mode: ``--contexts`` reads K as 1024 tokens, so "524K" would be 536576,
+#: over YaRN x2's limit of 2 x 262144 = 524288 (and bench refuses a ladder with a context over
+#: the limit, exit 2). The full run asks 384000 and 512000 tokens (decimal, as the budgeting
+#: request meant) and the limit itself, 524288; the short mode the same rule on its window of
+#: 1024: a context under the limit and the limit itself (2048). :func:`check_contexts` holds
+#: both to the limit before anything is written.
 MODES = {
-    "full": dict(vram="16GiB", contexts="384K,512K,524K", prefill="24576", prompt="24576", decode="32",
-                 models={"qwen3": QWEN3_FULL, "qwen35": QWEN35_FULL}, budget=420.0),
-    # a device that holds part of the tiny models' experts, so misses run in both policies
-    "short": dict(vram="7MiB", contexts="1K,2K", prefill="256", prompt="256", decode="4",
-                  models={"qwen3": QWEN3_SHORT, "qwen35": QWEN35_SHORT}, budget=0.0),
+    # RTX 5060 Ti 16GB's catalogue figures (16311 MiB total, 15848 MiB free under CUDA), as a
+    # cap on a larger card: the ledger enforces both
+    "full": dict(vram="16311MiB", vram_free="15848MiB", contexts="384000,512000,524288", prefill="24576",
+                 prompt="24576", decode="32", models={"qwen3": QWEN3_FULL, "qwen35": QWEN35_FULL}, budget=420.0,
+                 expert_cache=EXPERT_CACHE["full"],
+                 # two contexts per policy, the limit in both: six 24576-token prefills of a
+                 # 48-layer model per run (each context measures its prompt, then re-runs it for
+                 # the staging peaks) would not fit 8 minutes over eight runs
+                 policy_contexts={"cpu": "384000,524288", "copy": "512000,524288"}),
+    # a device that holds part of the tiny models' experts, so misses run
+    "short": dict(vram="7MiB", vram_free=None, contexts="1024,2048", prefill="256", prompt="256", decode="4",
+                  models={"qwen3": QWEN3_SHORT, "qwen35": QWEN35_SHORT}, budget=0.0,
+                  expert_cache=EXPERT_CACHE["short"]),
 }
+#: ``--rope-scale`` of every run (YaRN)
+ROPE_SCALE = 2
 POLICIES = ("cpu", "copy")
 #: the stream trace's run (module docstring, step 4): the qwen3 bf16 checkpoint, misses copied
-#: (full: qwen3 on 1280 MiB keeps 38% of its experts; short: qwen35 keeps 9 of 32 at 1K)
-TRACE = {"full": dict(model="qwen3-bf16", vram="1280MiB", contexts="4K", prefill="2048", prompt="2048",
+#: (full: qwen3 on 1280 MiB keeps 803 of 1536 experts, 52%; short: qwen35 keeps 9 of 32 at 1K)
+TRACE = {"full": dict(model="qwen3-bf16", vram="1280MiB", vram_free=None, policy_contexts={}, contexts="4K", prefill="2048", prompt="2048",
                       decode="4"),
-         "short": dict(model="qwen35-bf16", vram="7MiB", contexts="1K", prefill="256", prompt="256", decode="2")}
+         "short": dict(model="qwen35-bf16", vram="7MiB", vram_free=None, contexts="1K", prefill="256", prompt="256", decode="2")}
 
 
-def write_model(family: str, cfg: dict, folder: Path) -> tuple[Path, Path]:
+def gguf_missing() -> str | None:
+    """Why no GGUF can be written here (the ``gguf`` package, which
+    :mod:`moefit.tools.gguf_write` writes with, is not installed), or None."""
+    import importlib.util
+
+    if importlib.util.find_spec("gguf") is None:
+        return ("the gguf package is not installed (pip install gguf, or carry a wheel: "
+                "docs/validation-gpu.md); the GGUF runs are skipped")
+    return None
+
+
+def write_model(family: str, cfg: dict, folder: Path) -> tuple[Path, Path | None]:
     """A random bf16 checkpoint of ``cfg`` in ``folder / family`` (transformers'
-    ``Qwen3MoeForCausalLM`` or ``Qwen3_5MoeForCausalLM``, seeded) and its Q8_0 GGUF;
-    existing ones are kept. Returns (checkpoint dir, GGUF path)."""
+    ``Qwen3MoeForCausalLM`` or ``Qwen3_5MoeForCausalLM``, seeded) and its Q8_0 GGUF
+    (None without the ``gguf`` package: :func:`gguf_missing`); existing ones are kept.
+    Returns (checkpoint dir, GGUF path or None)."""
     import torch
     import transformers
-
-    from moefit.tools.gguf_write import write_gguf
 
     ckpt, gguf = folder / family, folder / f"{family}-Q8_0.gguf"
     if not (ckpt / "config.json").is_file():
@@ -115,8 +152,12 @@ def write_model(family: str, cfg: dict, folder: Path) -> tuple[Path, Path]:
             model = transformers.Qwen3_5MoeForCausalLM(transformers.Qwen3_5MoeTextConfig(**cfg, dtype="bfloat16"))
         model = model.to(torch.bfloat16)
         model.save_pretrained(ckpt)
+    if gguf_missing() and not gguf.is_file():
+        return ckpt, None
     if not gguf.is_file():
         from safetensors.torch import load_file
+
+        from moefit.tools.gguf_write import write_gguf
 
         config = json.loads((ckpt / "config.json").read_text())
         state = {}
@@ -126,10 +167,35 @@ def write_model(family: str, cfg: dict, folder: Path) -> tuple[Path, Path]:
     return ckpt, gguf
 
 
-def bench_args(model: Path, device: str, mode: dict, policy: str, out: Path) -> list[str]:
-    """The ``moefit bench`` arguments of one run (module docstring, step 2)."""
-    return ["bench", str(model), "--device", device, "--vram", mode["vram"], "--contexts", mode["contexts"],
-            "--rope-scaling", "yarn", "--rope-scale", "2", "--kv", "int8", "--prefill", mode["prefill"],
+def check_contexts(mode: dict) -> list[int]:
+    """``mode``'s contexts in tokens (``moefit bench``'s own reading of ``--contexts``),
+    each within YaRN x :data:`ROPE_SCALE`'s limit of every model's trained window
+    (``max_position_embeddings`` x scale, :func:`moefit.plan.request.context_limit`'s rule)
+    and the last one at it. Raises ValueError naming the context otherwise: the run would
+    fail (bench exit 2) on every model."""
+    from moefit.bench.ladder import parse_contexts
+
+    every = [mode["contexts"], *mode.get("policy_contexts", {}).values()]
+    for text in every:
+        contexts = parse_contexts(text)
+        for family, cfg in mode["models"].items():
+            limit = cfg["max_position_embeddings"] * ROPE_SCALE
+            over = [c for c in contexts if c > limit]
+            if over or contexts[-1] != limit:
+                raise ValueError(f"{family}: contexts {contexts} against YaRN x{ROPE_SCALE}'s limit of {limit} "
+                                 f"tokens: {over or 'none'} over it, the last one must be the limit itself")
+    return parse_contexts(mode["contexts"])
+
+
+def bench_args(model: Path, device: str, mode: dict, policy: str, out: Path, family: str | None = None) -> list[str]:
+    """The ``moefit bench`` arguments of one run (module docstring, step 2); ``family``:
+    the model's key in the mode's ``expert_cache`` (:data:`EXPERT_CACHE`), None for none."""
+    free = ["--vram-free", mode["vram_free"]] if mode.get("vram_free") else []
+    cap = mode.get("expert_cache", {}).get(family) if family else None
+    free += ["--expert-cache", str(cap)] if cap else []
+    contexts = mode.get("policy_contexts", {}).get(policy, mode["contexts"])
+    return ["bench", str(model), "--device", device, "--vram", mode["vram"], *free, "--contexts", contexts,
+            "--rope-scaling", "yarn", "--rope-scale", str(ROPE_SCALE), "--kv", "int8", "--prefill", mode["prefill"],
             "--prompt-tokens", mode["prompt"], "--decode-tokens", mode["decode"], "--miss-policy", policy,
             "--out", str(out), "--no-progress"]
 
@@ -300,10 +366,24 @@ def ran(run: dict) -> bool:
     return run.get("skipped", False) or run.get("exit") in (0, EXIT_NOFIT)
 
 
+#: ledger lines the engine does not allocate: the safety margin is the room left free, and
+#: the ``runtime`` line is charged what ``mem_get_info``'s free fell by below the plan's free
+#: bytes when the engine creates the CUDA context (``engine._commit_cuda_runtime``): 0 under a
+#: cap (``--vram-free`` below the card's real free) and 0 once this process holds a context,
+#: so it is judged against the fresh-process probe instead (:func:`runtime_measured`)
+NOT_ALLOCATED = ("margin", "runtime")
+
+
 def planned_is_allocated(rec: dict) -> bool:
-    """Whether every ledger line of one context's record allocated exactly what it planned
-    (the safety margin is never allocated: it is the room left free)."""
-    return all(l["planned_bytes"] == l["allocated_bytes"] for l in rec.get("lines", []) if l["key"] != "margin")
+    """Whether every ledger line the engine allocates (all but :data:`NOT_ALLOCATED`) of one
+    context's record allocated exactly what it planned."""
+    return all(l["planned_bytes"] == l["allocated_bytes"] for l in rec.get("lines", [])
+               if l["key"] not in NOT_ALLOCATED)
+
+
+def runtime_line(rec: dict) -> dict | None:
+    """One context's ``runtime`` ledger line (planned, charged), or None."""
+    return next((l for l in rec.get("lines", []) if l["key"] == "runtime"), None)
 
 
 def write_record(out: Path, record: dict) -> None:
@@ -311,20 +391,33 @@ def write_record(out: Path, record: dict) -> None:
     from moefit.units import format_bytes
 
     (out / "record.json").write_text(json.dumps(record, indent=1) + "\n")
-    rows = ["| run | context | fits | chunk | expert slots | weight arena | free before READY | "
-            "planned = allocated | prefill tok/s | decode tok/s | hit rate |", "|" + " --- |" * 11]
+    cols = ["run", "context", "fits", "chunk", "expert slots", "weight arena", "free before READY (ledger)",
+            "mem_get_info free before READY", "allocator peak (allocated / reserved)", "runtime line planned / charged",
+            "planned = allocated", "prefill tok/s", "decode tok/s", "hits / misses", "hit rate"]
+    rows = ["| " + " | ".join(cols) + " |", "|" + " --- |" * len(cols)]
     for run in record["runs"]:
         for rec in run.get("bench", {}).get("runs", []):
             if not rec.get("fits"):
-                rows.append(f"| {run['name']} | {rec['context']} | no | | | | | | | | |")
+                rows.append(f"| {run['name']} | {rec['context']} | no |" + " |" * (len(cols) - 3))
                 continue
             if "lines" not in rec:
                 continue
+            cuda, rt = rec.get("cuda") or {}, runtime_line(rec)
+            mgi = (format_bytes(cuda["mem_get_info_free_before_ready_bytes"])
+                   if "mem_get_info_free_before_ready_bytes" in cuda else "-")
+            peak = (f"{format_bytes(cuda['max_memory_allocated_bytes'])} / "
+                    f"{format_bytes(cuda['max_memory_reserved_bytes'])}" if "max_memory_reserved_bytes" in cuda else "-")
+            rtl = f"{format_bytes(rt['planned_bytes'])} / {format_bytes(rt['allocated_bytes'])}" if rt else "-"
             rows.append(f"| {run['name']} | {rec['context']} | yes | {rec['prefill_chunk']} | "
                         f"{rec['expert_slots']} of {rec['total_experts']} | {format_bytes(rec['weight_arena_bytes'])} | "
-                        f"{format_bytes(rec['free_before_ready_bytes'])} | "
+                        f"{format_bytes(rec['free_before_ready_bytes'])} | {mgi} | {peak} | {rtl} | "
                         f"{'yes' if planned_is_allocated(rec) else 'NO'} | {rec['prefill_tps']:.0f} | "
-                        f"{rec['decode_tps']:.1f} | {100 * rec['expert_hit_rate']:.0f}% |")
+                        f"{rec['decode_tps']:.1f} | {rec['expert_hits']} / {rec['expert_misses']} | "
+                        f"{100 * rec['expert_hit_rate']:.0f}% |")
+    rows += ["", "planned = allocated: every ledger line the engine allocates; not the safety margin (the room "
+             "left free) nor the runtime line (charged what the driver's free fell by below the plan's free "
+             "bytes: 0 under a `--vram-free` cap or once this process holds a CUDA context; the runtime step "
+             "below measures it in a fresh process)."]
     tr = record.get("trace")
     if tr and "error" in tr:
         rows += ["", f"Stream trace failed: {tr['error']}"]
@@ -336,17 +429,23 @@ def write_record(out: Path, record: dict) -> None:
                  "overlapped by a kernel on another stream."]
     rt = record.get("runtime")
     if rt and "outside_allocator_bytes" in rt:
-        rows += ["", f"Runtime line: {format_bytes(rt['outside_allocator_bytes'])} measured outside the "
-                 f"caching allocator ({rt['how']}) against the estimate {format_bytes(rt['estimate_bytes'])} "
-                 f"({rt['measured_over_estimate']:.2f}x)."]
+        rows += ["", f"Runtime line (fresh-process probe: CUDA context, cuBLAS workspaces"
+                 f"{', a Triton kernel' if rt.get('triton_kernel_ran') else ''}): "
+                 f"{format_bytes(rt['outside_allocator_bytes'])} measured outside the "
+                 f"caching allocator ({rt['how']}) against the plan's estimate {format_bytes(rt['estimate_bytes'])} "
+                 f"({rt['measured_over_estimate']:.2f}x; within the estimate: "
+                 f"{'yes' if rt['outside_allocator_bytes'] <= rt['estimate_bytes'] else 'NO'})."]
     elif rt:
         rows += ["", f"Runtime line: {rt.get('skipped') or rt.get('error')}."]
-    skipped = [r["name"] for r in record["runs"] if r.get("skipped")]
+    skipped = {}
+    for r in record["runs"]:
+        if r.get("skipped"):
+            skipped.setdefault(r.get("reason", "past the time budget"), []).append(r["name"])
     failed = [f"{r['name']} (exit {r['exit']})" for r in record["runs"] if not ran(r)]
     md = [f"# GPU validation record ({record['mode']} mode, {record['device']})", "",
           f"{record['machine']}; {record['seconds']:.0f} s.", "", *rows, ""]
-    if skipped:
-        md += [f"Skipped past the time budget: {', '.join(skipped)}.", ""]
+    for reason, names in skipped.items():
+        md += [f"Skipped ({reason}): {', '.join(names)}.", ""]
     if failed:
         md += [f"Failed: {', '.join(failed)} (their output is in record.json).", ""]
     md += ["Commands:", "", "```", *record["commands"], "```", ""]
@@ -383,24 +482,32 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     mode_name = "short" if args.device == "cpu" else "full"
     mode = MODES[mode_name]
+    check_contexts(mode)
     budget = mode["budget"] if args.budget_s is None else args.budget_s
     out = args.out
     models = args.models or out / "models"
     models.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    files = []
+    files, no_gguf = [], gguf_missing()
     for family, cfg in mode["models"].items():
         ckpt, gguf = write_model(family, cfg, models)
         files += [(f"{family}-bf16", ckpt), (f"{family}-Q8_0", gguf)]
+    if no_gguf:
+        print(f"GGUF: {no_gguf}", file=sys.stderr)
     record = {"mode": mode_name, "device": args.device, "machine": f"{platform.node()} {platform.machine()}",
               "model_seconds": time.perf_counter() - t0, "commands": [], "runs": []}
     for name, path in files:
         for policy in POLICIES:
             run = {"name": f"{name}-{policy}"}
-            args_ = bench_args(path, args.device, mode, policy, out / "runs" / run["name"])
+            if path is None:
+                run.update(skipped=True, reason=no_gguf or "no GGUF")
+                record["runs"].append(run)
+                print(f"{run['name']}: skipped ({run['reason']})", file=sys.stderr)
+                continue
+            args_ = bench_args(path, args.device, mode, policy, out / "runs" / run["name"], name.split("-")[0])
             record["commands"].append(shlex.join(["moefit", *args_]))
             if budget and time.perf_counter() - t0 > budget:
-                run["skipped"] = True
+                run.update(skipped=True, reason="past the time budget")
             else:
                 start = time.perf_counter()
                 run["exit"], output = run_bench(args_)
@@ -411,8 +518,10 @@ def main(argv: list[str] | None = None) -> int:
                 if run["exit"]:
                     run["output"] = output[-4000:]
             record["runs"].append(run)
+            spent = time.perf_counter() - t0
             print(f"{run['name']}: " + ("skipped" if run.get("skipped") else
-                                        f"exit {run['exit']}, {run['seconds']:.0f} s"), file=sys.stderr)
+                                        f"exit {run['exit']}, {run['seconds']:.0f} s") +
+                  (f"; {spent:.0f} s of the {budget:.0f} s budget spent" if budget else ""), file=sys.stderr)
     if budget and time.perf_counter() - t0 > budget:
         record["trace"] = None
         print("trace: skipped", file=sys.stderr)
@@ -423,7 +532,7 @@ def main(argv: list[str] | None = None) -> int:
     record["runtime"] = runtime_measured(args.device)
     if args.llama_bench:
         record["llama_bench"] = {name: llama_bench(args.llama_bench, path) for name, path in files
-                                 if path.suffix == ".gguf"}
+                                 if path is not None and path.suffix == ".gguf"}
     record["seconds"] = time.perf_counter() - t0
     write_record(out, record)
     print(f"wrote {out / 'record.json'}, record.md, record.png ({record['seconds']:.0f} s)", file=sys.stderr)

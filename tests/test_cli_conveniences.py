@@ -240,3 +240,62 @@ def test_largest_context_is_solved_directly_not_searched(monkeypatch, model, gpu
     assert expected < context_limit(geom, r)[0]        # a case the memory limits, not RoPE
     monkeypatch.setattr(alternatives, "largest_int", no_search)
     assert alternatives.largest_context(geom, find_gpu(gpu), r) == expected
+
+
+def test_max_context_max_note_names_the_chunk_the_plan_prefills_in(capsys, tmp_path):
+    """gpt-oss-20b's GGUF on an RTX 3060 12GB: the context is sized at 4096-token chunks,
+    then ``--prefill auto``'s throughput choice takes another; the note named 4096 as if
+    the plan used it. Every chunk size the note names must be the plan's or the sizing one."""
+    gguf = tmp_path / "g.gguf"
+    assert main(["gguf-header", "gpt-oss-20b", str(gguf)]) == 0
+    capsys.readouterr()
+    code, doc = plan_json(capsys, str(gguf), "--gpu", "RTX 3060 12GB", "--max-context", "max")
+    note = next(n for n in doc["notes"] if n.startswith("max-context: max"))
+    used = doc["prefill"]["selected"]
+    named = [int(x) for x in re.findall(r"(\d+)-token chunks", note)]
+    assert code == 0 and named, note
+    if used != 4096:                  # the case of the report: both named, the used one as used
+        assert f"prefills in {used}-token chunks" in note and not re.search(r"\) at 4096-token chunks", note)
+    else:
+        assert named == [used]
+
+
+def test_verbose_weights_line_says_what_the_table_prices_when_matrices_stay_stored(capsys, tmp_path):
+    """GLM-4.5-Air Q4_K_M on an RTX 5060 Ti 16GB: the table prices the dense matrices the
+    Triton kernels read as stored (3.74 GiB); ``-v`` said "13.40 GiB resident (bfloat16,
+    dequantized at load)". Its weights line must give the table's bytes and say how many
+    matrices stay stored (the table's detail)."""
+    cfg = tmp_path / "glm.json"
+    from test_active_params import GLM_45_AIR
+
+    cfg.write_text(json.dumps(GLM_45_AIR))
+    gguf = tmp_path / "glm.gguf"
+    assert main(["gguf-header", str(cfg), str(gguf), "--type", "Q4_K_M"]) == 0
+    capsys.readouterr()
+    code, out, _ = run(capsys, "plan", str(gguf), "--gpu", "RTX 5060 Ti 16GB", "--max-context", "32K", "-v",
+                       "--no-calibration")
+    assert code == 0
+    table = re.search(r"^  weights +([\d.]+ GiB) +exact, from GGUF; (\d+) quantized matrices kept as stored",
+                      out, re.M)
+    verbose = re.search(r"^  weights +([\d.]+ GiB) resident \((.*)\)", out, re.M)
+    assert table and verbose, out
+    assert verbose.group(1) == table.group(1)
+    assert verbose.group(2).startswith(f"{table.group(2)} quantized matrices kept as stored"), verbose.group(0)
+
+
+@pytest.mark.parametrize("devices", [["--gpu", "RTX 3060 12GB"], ["--device", "cpu", "--vram", "12GiB"]],
+                         ids=["cuda", "cpu"])
+@pytest.mark.parametrize("gguf", [False, True], ids=["preset", "gguf"])
+def test_a_bad_moefit_kernels_is_refused_on_every_device(capsys, tmp_path, monkeypatch, devices, gguf):
+    """``MOEFIT_KERNELS=bogus`` was refused on a CPU plan and ignored on a CUDA one (where
+    only ``triton``, its own kernels, exists): exit 2 naming the variable on both."""
+    model = "Qwen3-30B-A3B"
+    if gguf:
+        model = str(tmp_path / "g.gguf")
+        assert main(["gguf-header", "gpt-oss-20b", model]) == 0
+    monkeypatch.setenv("MOEFIT_KERNELS", "bogus")
+    code, _, err = run(capsys, "plan", model, *devices, "--max-context", "8K", "--no-calibration")
+    assert code == 2 and "MOEFIT_KERNELS='bogus'" in err and "Traceback" not in err
+    monkeypatch.setenv("MOEFIT_KERNELS", "auto")            # the documented value still plans
+    code, _, err = run(capsys, "plan", model, *devices, "--max-context", "8K", "--no-calibration")
+    assert code in (0, 3) and "MOEFIT_KERNELS" not in err      # 3: the CPU host is short

@@ -35,6 +35,7 @@ from moefit.ingest.inputs import is_gguf_file
 from moefit.ingest.resolve import format_models_table, list_presets, load_model
 from moefit.memory.kv import kv_bytes, kv_format
 from moefit.memory.staging import staging_model
+from moefit.memory.weights import stored_matrices
 from moefit.plan.report import (format_json, format_speed, format_speed_verbose, format_table,
                                 speed_document)
 from moefit.plan.types import Alternative
@@ -230,7 +231,10 @@ def _verbose(plan) -> str:
     else:
         out_cal = []
     out = ["details:"]
-    out += [f"  {line}" for line in describe_weights(g)]
+    # the weights lines the table prices (token embeddings on the host are not in them)
+    priced = sum(d.line("weights").bytes for d in plan.devices)
+    kept = len(stored_matrices(g, plan.devices[0].device.kind))
+    out += [f"  {line}" for line in describe_weights(g, (priced, kept))]
     out.append(f"  KV: cells {format_bytes(kv.cell_bytes)}, recurrent/conv state "
                f"{format_bytes(kv.state_bytes)}")
     out.append(f"  prefill staging = {st.const_bytes} B + {st.per_token_bytes} B/token x chunk")

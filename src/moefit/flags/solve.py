@@ -164,7 +164,10 @@ def _plan_max_context(geom: ModelGeometry, device, req: Request,
     capped = f" (the model's limit, {how})" if best == limit else ""
     note = f"max-context: max, the largest context that fits: {best} tokens{capped}"
     if keep_chunk and req.prefill_min == chunk > CHUNK_GRID:
-        note += f" at {chunk}-token chunks"
+        used = plan.prefill_selected
+        # the throughput choice may take another chunk at that context: name the one used
+        note += (f" at {chunk}-token chunks" if used == chunk else
+                 f" (sized at {chunk}-token chunks; the plan prefills in {used}-token chunks)")
     return replace(plan, notes=(note, *((trade,) if trade else ()), *plan.notes))
 
 

@@ -459,13 +459,15 @@ def _blob_range(blobs: dict[int, int]) -> str:
     return _fmt(lo) if lo == hi else f"{_fmt(lo)}..{_fmt(hi)}"
 
 
-def describe_weights(geom: ModelGeometry) -> list[str]:
+def describe_weights(geom: ModelGeometry, kept: tuple[int, int] | None = None) -> list[str]:
     """Lines for ``--verbose``: analytic vs exact bytes of the ``weights`` line and of one
     expert blob (range over MoE layers), their difference, and what the headers skipped.
     The exact figures are what the runtime holds: floating tensors at the config's dtype
     (the loader converts them), quantized / integer tensors at their stored bytes.
-    Without headers, the analytic figures and a note that they come from the config."""
-    own = geom.exact.describe(geom) if geom.exact is not None else None
+    Without headers, the analytic figures and a note that they come from the config.
+    ``kept``: (``weights`` line bytes, quantized matrices kept as stored) on the plan's
+    device (:func:`moefit.memory.weights.weights_bytes`), passed to the format's own lines."""
+    own = geom.exact.describe(geom, kept) if geom.exact is not None else None
     if own is not None:
         return own
     analytic_w = geom.analytic_weight_bytes()

@@ -438,6 +438,8 @@ class ExactWeights:
         """Detail of the ``weights`` budget line."""
         return "exact, from safetensors headers"
 
-    def describe(self, geom: "ModelGeometry") -> list[str] | None:
-        """``--verbose`` lines of a format that has its own; None: the generic lines."""
+    def describe(self, geom: "ModelGeometry", kept: tuple[int, int] | None = None) -> list[str] | None:
+        """``--verbose`` lines of a format that has its own; None: the generic lines.
+        ``kept``: (``weights`` line bytes, quantized matrices kept as stored) on the plan's
+        device, for a format that keeps some (GGUF)."""
         return None

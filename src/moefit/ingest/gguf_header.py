@@ -205,10 +205,20 @@ class GGUFWeights(ExactWeights):
         short = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}[self.compute_dtype]
         return f"exact, from GGUF; dequantized to {short} at load"
 
-    def describe(self, geom: ModelGeometry) -> list[str]:
+    def describe(self, geom: ModelGeometry, kept: tuple[int, int] | None = None) -> list[str]:
+        """``--verbose`` lines; ``kept``: (bytes of the ``weights`` line, number of quantized
+        matrices kept as stored) on the plan's device (:func:`moefit.memory.weights.weights_bytes`
+        / ``stored_matrices``), so the line says what the table prices; None or no matrix
+        kept: every dense tensor dequantized to the compute dtype."""
         blobs = dict(self.expert_blob_bytes)
-        lines = [f"weights      {format_bytes(self.weight_bytes)} resident ({self.compute_dtype}, dequantized at "
-                 f"load), {format_bytes(self.stored_weight_bytes)} in the file"]
+        if kept and kept[1]:
+            how = (f"{kept[1]} quantized matrices kept as stored, the rest {self.compute_dtype}, "
+                   "dequantized at load")
+            lines = [f"weights      {format_bytes(kept[0])} resident ({how}), "
+                     f"{format_bytes(self.stored_weight_bytes)} in the file"]
+        else:
+            lines = [f"weights      {format_bytes(self.weight_bytes)} resident ({self.compute_dtype}, dequantized at "
+                     f"load), {format_bytes(self.stored_weight_bytes)} in the file"]
         if blobs:
             lo, hi = min(blobs.values()), max(blobs.values())
             rng = format_bytes(lo) if lo == hi else f"{format_bytes(lo)}..{format_bytes(hi)}"

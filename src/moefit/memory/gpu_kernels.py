@@ -53,15 +53,25 @@ def interpreting(env: Mapping[str, str] = os.environ) -> bool:
     return env.get(INTERPRET_ENV, "").strip() not in ("", "0")
 
 
-def forced_on_cpu(env: Mapping[str, str] = os.environ) -> bool:
-    """Whether ``MOEFIT_KERNELS=triton`` asks for the Triton kernels on a CPU device. Raises
-    InputError for another value, or without ``TRITON_INTERPRET=1`` (no CPU backend)."""
+def kernels_choice(env: Mapping[str, str] = os.environ) -> str:
+    """:data:`KERNELS_ENV`'s value: ``""`` (unset or ``auto``: the device's own kernels) or
+    ``"triton"``. Raises InputError for another value, on any device (a typo must not
+    pass silently where the value changes nothing, as on CUDA)."""
     value = env.get(KERNELS_ENV, "").strip().lower()
     if value in ("", "auto"):
-        return False
+        return ""
     if value != "triton":
         raise InputError(f"{KERNELS_ENV}={env.get(KERNELS_ENV)!r}: the one choice is 'triton' "
                          "(or unset for the device's own kernels)")
+    return value
+
+
+def forced_on_cpu(env: Mapping[str, str] = os.environ) -> bool:
+    """Whether ``MOEFIT_KERNELS=triton`` asks for the Triton kernels on a CPU device. Raises
+    InputError for another value (:func:`kernels_choice`), or without ``TRITON_INTERPRET=1``
+    (no CPU backend)."""
+    if not kernels_choice(env):
+        return False
     if not interpreting(env):
         raise InputError(f"{KERNELS_ENV}=triton on a CPU device runs Triton's interpreter: "
                          f"set {INTERPRET_ENV}=1 too")
@@ -70,7 +80,11 @@ def forced_on_cpu(env: Mapping[str, str] = os.environ) -> bool:
 
 def expected(device_kind: str, env: Mapping[str, str] = os.environ) -> bool:
     """Whether a device of ``device_kind`` keeps GGUF matrices stored for the Triton
-    kernels: a CUDA device with ``triton`` installed and :data:`DISABLE_ENV` unset."""
+    kernels: a CUDA device with ``triton`` installed and :data:`DISABLE_ENV` unset.
+    Raises InputError for a bad :data:`KERNELS_ENV` (:func:`kernels_choice`; ``triton`` is a
+    CUDA device's own choice)."""
+    if device_kind == "cuda":
+        kernels_choice(env)
     return device_kind == "cuda" and installed() and not disabled(env)
 
 

@@ -35,7 +35,10 @@ def stored_matrices(geom: ModelGeometry, device_kind: str) -> dict[str, int]:
     stored, so it plans at 32K on a 16 GB card). Elsewhere none (dequantized to the
     compute dtype at load). A CPU device forced onto the Triton kernels
     (:func:`moefit.memory.gpu_kernels.forced_on_cpu`) keeps what a CUDA device keeps. Empty
-    for a model without GGUF headers. The GGUF loader keeps exactly these."""
+    for a model without GGUF headers. The GGUF loader keeps exactly these. Raises
+    InputError for a bad ``MOEFIT_KERNELS`` on any device and model
+    (:func:`moefit.memory.gpu_kernels.kernels_choice`)."""
+    gpu_kernels.kernels_choice()
     matrices = getattr(geom.exact, "matrices", ())
     if not matrices:
         return {}
