@@ -14,12 +14,14 @@ of work), the same commands on the simulated device in CI's short mode:
    Both declare a trained window of 262144 (Qwen3.5's), so YaRN x2 reaches 524288 in each.
    Short mode (``--device cpu``): the same two families at test size (2 and 4 layers,
    hidden 128), trained window 1024.
-2. **Runs**: for each model file and miss policy (``cpu``, ``copy``), one
+2. **Runs**: for each model file and miss policy (``cpu``; ``auto``, CUDA's default: a step's
+   misses copied through the weight arena when the speed model predicts that faster, so a
+   prompt chunk copies and a decode step runs them on the host), one
    ``moefit bench MODEL --device D --vram V --contexts C --rope-scaling yarn --rope-scale 2
    --kv int8 --prefill P --miss-policy M --expert-cache N`` (full: ``cuda:0``,
    ``--vram 16311MiB --vram-free 15848MiB`` (the RTX 5060 Ti 16GB's catalogue figures as a cap
    on a larger card: the ledger enforces them), ``384000,524288`` (cpu) and ``512000,524288``
-   (copy) (:data:`MODES`),
+   (auto) (:data:`MODES`),
    ``24576``; short: ``cpu``, ``7MiB``, ``1024,2048``, ``256``; N: :data:`EXPERT_CACHE`, about
    40% of the experts, so both policies run misses), run in this process (``moefit.cli.main``) so torch is
    imported once. Each writes its ``bench.json`` / ``bench.md`` / ``bench.png`` under
@@ -108,7 +110,7 @@ MODES = {
                  # two contexts per policy, the limit in both: six 24576-token prefills of a
                  # 48-layer model per run (each context measures its prompt, then re-runs it for
                  # the staging peaks) would not fit 8 minutes over eight runs
-                 policy_contexts={"cpu": "384000,524288", "copy": "512000,524288"}),
+                 policy_contexts={"cpu": "384000,524288", "auto": "512000,524288"}),
     # a device that holds part of the tiny models' experts, so misses run
     "short": dict(vram="7MiB", vram_free=None, contexts="1024,2048", prefill="256", prompt="256", decode="4",
                   models={"qwen3": QWEN3_SHORT, "qwen35": QWEN35_SHORT}, budget=0.0,
@@ -116,7 +118,7 @@ MODES = {
 }
 #: ``--rope-scale`` of every run (YaRN)
 ROPE_SCALE = 2
-POLICIES = ("cpu", "copy")
+POLICIES = ("cpu", "auto")
 #: the stream trace's run (module docstring, step 4): the qwen3 bf16 checkpoint, misses copied
 #: (full: qwen3 on 1280 MiB keeps 803 of 1536 experts, 52%; short: qwen35 keeps 9 of 32 at 1K)
 TRACE = {"full": dict(model="qwen3-bf16", vram="1280MiB", vram_free=None, policy_contexts={}, contexts="4K", prefill="2048", prompt="2048",
@@ -393,7 +395,8 @@ def write_record(out: Path, record: dict) -> None:
     (out / "record.json").write_text(json.dumps(record, indent=1) + "\n")
     cols = ["run", "context", "fits", "chunk", "expert slots", "weight arena", "free before READY (ledger)",
             "mem_get_info free before READY", "allocator peak (allocated / reserved)", "runtime line planned / charged",
-            "planned = allocated", "prefill tok/s", "decode tok/s", "hits / misses", "hit rate"]
+            "planned = allocated", "prefill tok/s", "decode tok/s", "hits / misses", "hit rate",
+            "auto: miss steps copied / on the host"]
     rows = ["| " + " | ".join(cols) + " |", "|" + " --- |" * len(cols)]
     for run in record["runs"]:
         for rec in run.get("bench", {}).get("runs", []):
@@ -413,7 +416,8 @@ def write_record(out: Path, record: dict) -> None:
                         f"{format_bytes(rec['free_before_ready_bytes'])} | {mgi} | {peak} | {rtl} | "
                         f"{'yes' if planned_is_allocated(rec) else 'NO'} | {rec['prefill_tps']:.0f} | "
                         f"{rec['decode_tps']:.1f} | {rec['expert_hits']} / {rec['expert_misses']} | "
-                        f"{100 * rec['expert_hit_rate']:.0f}% |")
+                        f"{100 * rec['expert_hit_rate']:.0f}% | "
+                        f"{rec.get('miss_steps_copied', '-')} / {rec.get('miss_steps_host', '-')} |")
     rows += ["", "planned = allocated: every ledger line the engine allocates; not the safety margin (the room "
              "left free) nor the runtime line (charged what the driver's free fell by below the plan's free "
              "bytes: 0 under a `--vram-free` cap or once this process holds a CUDA context; the runtime step "

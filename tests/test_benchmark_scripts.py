@@ -158,7 +158,7 @@ def test_gpu_validate_runs_skip_the_gguf_files_with_the_reason(tmp_path: Path, m
     assert gv.main(["--device", "cpu", "--out", str(tmp_path / "rec")]) == 0
     record = __import__("json").loads((tmp_path / "rec" / "record.json").read_text())
     skipped = [r for r in record["runs"] if r.get("skipped")]
-    assert {r["name"] for r in skipped} == {f"{f}-Q8_0-{p}" for f in ("qwen3", "qwen35") for p in ("cpu", "copy")}
+    assert {r["name"] for r in skipped} == {f"{f}-Q8_0-{p}" for f in ("qwen3", "qwen35") for p in gv.POLICIES}
     assert all(r["reason"] == "no gguf here" for r in skipped) and len(calls) == 4
     assert "Skipped (no gguf here)" in (tmp_path / "rec" / "record.md").read_text()
 

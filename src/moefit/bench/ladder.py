@@ -21,7 +21,8 @@ The record (one dict, JSON-ready; sizes in bytes, rates in tokens/s) holds at le
 ``allocated_bytes``, ``peak_bytes`` in commit order), ``expert_slots``,
 ``expert_slots_pct``, ``weight_arena_bytes``, ``free_before_ready_bytes``, ``prefill_tps``
 (of the longest prompt), ``decode_tps``, ``expert_hit_rate`` with the hit and miss
-counts, and on a CUDA device ``cuda``: ``torch.cuda.mem_get_info``'s free bytes before
+counts, ``miss_steps_copied`` / ``miss_steps_host`` (MoE layer steps whose misses were
+copied through the weight arena / computed on the host), and on a CUDA device ``cuda``: ``torch.cuda.mem_get_info``'s free bytes before
 READY and the caching allocator's peaks (allocated, reserved) over the run; see
 :func:`run_context`.
 """
@@ -211,6 +212,9 @@ def _run(engine: Engine, geom: ModelGeometry, context: int, opts: BenchOptions) 
         "greedy_tokens": tokens,
         "expert_hit_rate": stats["hit_rate"],
         "expert_hits": stats["hits"], "expert_misses": stats["misses"],
+        # the miss policy's choice per MoE layer and step (ExpertCache.report): steps whose
+        # misses were copied through the weight arena, and those run on the host
+        "miss_steps_copied": stats["copied_steps"], "miss_steps_host": stats["host_steps"],
         **({"cuda": {**cuda, "max_memory_allocated_bytes": torch.cuda.max_memory_allocated(dev),
                      "max_memory_reserved_bytes": torch.cuda.max_memory_reserved(dev)}} if cuda else {}),
         "engine_notes": [n for n in engine.notes if n != "READY"],
