@@ -60,8 +60,9 @@ def host_now(threads: int):
     from moefit.devices.host import HostSpeed
     from moefit.runtime.calibrate import measure_host
 
-    bw, rates = measure_host([threads], say=lambda _msg: None)[threads]
-    return HostSpeed(bw, threads, rates, f"this machine, measured now ({bw / 1e9:.1f} GB/s, {threads} thr)")
+    bw, rates, dequant, gemm = measure_host([threads], say=lambda _msg: None)[threads]
+    return HostSpeed(bw, threads, rates, f"this machine, measured now ({bw / 1e9:.1f} GB/s, {threads} thr)",
+                     dequant, gemm)
 
 
 def host_cached(threads: int):

@@ -51,6 +51,7 @@ from moefit.devices import Device
 from moefit.devices.device import GpuSpeed
 from moefit.devices.host import HostSpeed
 from moefit.ingest.geometry import LayerSpec, ModelGeometry
+from moefit.memory import cpu_kernels
 from moefit.memory.kv import KVFormat, cell_bytes, kv_format, linear_state_bytes
 from moefit.memory.layer_kinds import kind_of
 from moefit.memory.weights import expert_slot_bytes, stored_bytes, stored_change
@@ -248,6 +249,9 @@ class _Layer:
     expert_params: int
     expert_types: tuple[str, ...]
     hidden: int
+    #: the layer's dense matrices a step reads in their stored type (:attr:`Rates.stored`),
+    #: as (ggml type, stored bytes, parameters)
+    stored_mats: tuple[tuple[str, int, int], ...] = ()
     #: layers of the same shape (everything above but the index) share it: their times
     #: are equal at equal residency and routing
     shape: int = 0
@@ -259,11 +263,15 @@ def _layers(geom: ModelGeometry, stored: str = "cuda") -> tuple[_Layer, ...]:
     types = geom.expert_types
     floats = ("F32",) if geom.dtype_bytes == 4 else ("BF16",)
     out, shapes = [], {}
+    mats = getattr(geom.exact, "matrices", ()) if kept else ()
     for l in geom.layers:
-        fields = (sum(geom.tensor_bytes(t) for t in l.tensors) + stored_change(geom, kept, f"blk.{l.index}."),
+        prefix = f"blk.{l.index}."
+        fields = (sum(geom.tensor_bytes(t) for t in l.tensors) + stored_change(geom, kept, prefix),
                   sum(t.numel for t in l.tensors),
                   blobs.get(l.index, 0), sum(t.numel for t in l.expert_tensors),
-                  tuple(types.get(l.index, ())) or floats, geom.hidden_size)
+                  tuple(types.get(l.index, ())) or floats, geom.hidden_size,
+                  tuple((q, kept[n], rows * cols) for n, q, rows, cols, _ in mats
+                        if n in kept and n.startswith(prefix)))
         shape = shapes.setdefault((l.attention, l.moe, *fields), len(shapes))
         out.append(_Layer(l, *fields, shape))
     return tuple(out)
@@ -287,25 +295,39 @@ def layer_time(layer: _Layer, rates: Rates, route: Routing, fmt: KVFormat, dtype
     2 x experts per token)."""
     spec = layer.spec
     a_bytes, a_flops = _attention(spec, fmt, dtype_bytes, tokens, seqs, position, chunk)
-    dense, dense_bound = _roof(layer.dense_bytes + a_bytes, rates.device_bytes_per_s,
-                               2 * tokens * layer.dense_params + a_flops, rates.device_flops,
-                               "device memory", "device compute")
+    if rates.stored == "cpu":       # moefit's CPU device: each product on the path it takes
+        t_mem = (layer.dense_bytes + a_bytes) / rates.device_bytes_per_s
+        t_comp = _dense_products(layer, rates, tokens) + a_flops / rates.device_flops
+        dense, dense_bound = (t_mem, "device memory") if t_mem >= t_comp else (t_comp, "device compute")
+    else:
+        dense, dense_bound = _roof(layer.dense_bytes + a_bytes, rates.device_bytes_per_s,
+                                   2 * tokens * layer.dense_params + a_flops, rates.device_flops,
+                                   "device memory", "device compute")
     kind = layer_kind(spec)
     if spec.moe is None:
         return LayerTime(spec.index, kind, dense, dense_bound)
     hit_e, miss_e, hit_p, miss_p = route.expected(spec.index, resident, tokens)
     pair_flops = 2 * layer.expert_params
     blob = layer.blob_bytes
-    # the simulated device multiplies its resident experts with the host's C kernels
-    dev = _roof(hit_e * blob, rates.device_bytes_per_s, hit_p * blob, _expert_rate(layer, rates.host),
-                "device memory", "device compute") if rates.shared else \
-        _roof(hit_e * blob, rates.device_bytes_per_s, hit_p * pair_flops, rates.device_flops,
-              "device memory", "device compute")
+    # the simulated device runs its resident experts with the host's, one path for the step's
+    # (token, expert) pairs (moefit.runtime.moe.batch.applies); llama.cpp ("file"): C kernels
+    paths = rates.stored != "file"
+    batched = not paths or cpu_kernels.batched_experts(tokens, spec.moe.experts_per_token,
+                                                       spec.moe.num_experts, layer.expert_types)
+    if rates.shared:
+        t_mem = hit_e * blob / rates.device_bytes_per_s
+        t_comp = _expert_products(layer, rates.host, hit_e, hit_p, batched)
+        dev = (t_mem, "device memory") if t_mem >= t_comp else (t_comp, "device compute")
+    else:
+        dev = _roof(hit_e * blob, rates.device_bytes_per_s, hit_p * pair_flops, rates.device_flops,
+                    "device memory", "device compute")
     if miss_p <= 0:
         return LayerTime(spec.index, kind, dense + dev[0], dense_bound if dense >= dev[0] else dev[1])
     host = rates.host
-    rate = _expert_rate(layer, host)
-    h_mem, h_comp = miss_e * blob / host.memory_bytes_per_s, miss_p * blob / rate
+    if paths and not rates.shared:      # misses on the host: the runtime counts their pairs only
+        batched = miss_p <= cpu_kernels.tokens_per_expert(layer.expert_types) * spec.moe.num_experts
+    h_mem = miss_e * blob / host.memory_bytes_per_s
+    h_comp = _expert_products(layer, host, miss_e, miss_p, batched)
     host_t, host_bound = (h_mem, "host memory") if h_mem >= h_comp else (h_comp, "host compute")
     if rates.shared:
         # the simulated device: one machine, one memory; misses run where the rest does
@@ -338,6 +360,47 @@ def layer_time(layer: _Layer, rates: Rates, route: Routing, fmt: KVFormat, dtype
         moe, copied = on_host, False
     bound = dense_bound if dense >= moe[0] else moe[1]
     return LayerTime(spec.index, kind, dense + moe[0], bound, copied)
+
+
+def dense_large(qtype: str, rows: int) -> bool:
+    """Whether a dense product of ``rows`` activation rows with a stored ``qtype`` matrix on
+    a CPU device takes the large path (dequantize + bf16 GEMM) rather than the C kernels:
+    the runtime's rule (``StoredMatrix.matmul``, :func:`moefit.memory.cpu_kernels.small_rows`)."""
+    return rows > cpu_kernels.small_rows(qtype)
+
+
+def _dense_products(layer: _Layer, rates: Rates, tokens: int) -> float:
+    """Seconds of a layer's dense products for ``tokens`` rows on moefit's CPU device: each
+    stored matrix (``B`` bytes, ``N`` parameters, type ``q``) at the C kernels' rate up to
+    :func:`dense_large`'s threshold (``tokens x B / rate(q)``), above it dequantized and
+    multiplied (``B / dequantize rate(q) + 2 x tokens x N / GEMM FLOP/s``, the figures of
+    ``moefit calibrate --host``; not measured: the kernels' rate); the matrices kept in the
+    compute dtype at the device's FLOP rate (the GEMM's above :data:`~moefit.memory.
+    cpu_kernels.SMALL_ROWS` rows when measured)."""
+    host = rates.host
+    t, params = 0.0, layer.dense_params
+    for q, nbytes, n in layer.stored_mats:
+        params -= n
+        dq = host.dequant_rate(q) if dense_large(q, tokens) else None
+        t += nbytes / dq + 2 * tokens * n / host.gemm_flops if dq else tokens * nbytes / host.rate(q)
+    big = tokens > cpu_kernels.SMALL_ROWS and host.gemm_flops
+    return t + 2 * tokens * params / (host.gemm_flops if big else rates.device_flops)
+
+
+def _expert_products(layer: _Layer, host: HostSpeed, experts: float, pairs: float, batched: bool) -> float:
+    """Seconds of ``pairs`` (token, expert) products over ``experts`` touched experts of
+    ``layer`` on the host: ``batched`` (the runtime's batched C kernel,
+    :func:`moefit.memory.cpu_kernels.batched_experts`), ``pairs x blob / rate``
+    (:func:`_expert_rate`); else expert by expert, each matrix dequantized (a third of the
+    blob per matrix at its type's dequantize rate) and multiplied by the bf16 GEMM
+    (``2 x pairs x expert params / GEMM FLOP/s``); where those were not measured, the
+    kernels' rate."""
+    blob = layer.blob_bytes
+    rates = [host.dequant_rate(t) for t in layer.expert_types]
+    if batched or not all(rates):
+        return pairs * blob / _expert_rate(layer, host)
+    third = blob / len(rates)
+    return experts * sum(third / r for r in rates) + 2 * pairs * layer.expert_params / host.gemm_flops
 
 
 def _expert_rate(layer: _Layer, host: HostSpeed) -> float:

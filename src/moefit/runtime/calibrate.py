@@ -87,6 +87,12 @@ PROBE_ROWS = 8
 #: bandwidth: a BF16 row is bound by its arithmetic on some cores (2.5 GB/s at one thread on
 #: the loaded 2-core CI machine, where Q8_0's product reads 8-9 GB/s), so the faster of the two
 PROBE_MEMORY_TYPES = ("BF16", "Q8_0")
+#: The large-product path's probe (a prefill chunk past :func:`moefit.memory.cpu_kernels.
+#: small_rows`): each type dequantized to bf16 from a :data:`PROBE_SMALL` matrix (the C
+#: kernels, what ``StoredMatrix.matmul`` and an expert run one by one do), and ``torch.mm``
+#: in bf16 of :data:`PROBE_GEMM` = (activation rows, weight rows, columns): a 256-token chunk
+#: against a 1024 x 2048 weight (1.07 GFLOP, tens of ms at one thread).
+PROBE_GEMM = (256, 1024, 2048)
 
 
 def _best_seconds(run, repeats: int) -> float:
@@ -98,14 +104,19 @@ def _best_seconds(run, repeats: int) -> float:
     return best
 
 
-def measure_host(threads: list[int], say=print) -> dict[int, tuple[float, dict[str, float]]]:
+def measure_host(threads: list[int], say=print
+                 ) -> dict[int, tuple[float, dict[str, float], dict[str, float], float]]:
     """The host's figures at each of ``threads``: (memory bytes/s, {ggml type: weight bytes x
-    rows per second}) from moefit's C kernels (:func:`moefit.runtime.kernels.qmatmul.gemm`): one
+    rows per second}, {ggml type: stored bytes dequantized per second}, bf16 GEMM FLOP/s)
+    (:class:`moefit.devices.host.HostSpeed`'s figures) from moefit's C kernels (:func:`moefit.runtime.kernels.qmatmul.gemm`): one
     activation row against the :data:`PROBE_BIG` matrix's bytes as each type of
     :data:`PROBE_MEMORY_TYPES` (the bytes read per second, best of three runs, the faster
     type), and :data:`PROBE_ROWS` rows against a :data:`PROBE_SMALL` matrix of each
     type this build multiplies (:func:`moefit.runtime.kernels.qmatmul.supports`; random
-    bytes: the kernels' speed does not depend on the values), best of five.
+    bytes: the kernels' speed does not depend on the values), best of five; the same matrix of
+    each type dequantized to bf16 (:func:`moefit.runtime.kernels.qmatmul.dequantize`), best
+    of five, and ``torch.mm`` of a :data:`PROBE_GEMM` bf16 product (``torch.set_num_threads``
+    at the count), ``2 x rows x weight rows x columns`` FLOP over the best of three.
     Raises InputError when the C kernels are not available."""
     if not qmatmul.available():
         raise InputError(f"calibrate --host measures moefit's C kernels, which are not available "
@@ -122,7 +133,7 @@ def measure_host(threads: list[int], say=print) -> dict[int, tuple[float, dict[s
             m = big[:n * lib.mf_row_bytes(qmatmul.CTYPES[qtype], cols)]
             sec = _best_seconds(lambda: qmatmul.gemm(x1, m, qtype, n, cols, threads=t), 3)
             bw = max(bw, m.numel() / sec)
-        rates = {}
+        rates, dequant = {}, {}
         r, c = PROBE_SMALL
         xs = torch.randn(PROBE_ROWS, c)
         for qtype in (t for t in qmatmul.CTYPES if qmatmul.supports(t, c)):
@@ -131,9 +142,24 @@ def measure_host(threads: list[int], say=print) -> dict[int, tuple[float, dict[s
             qmatmul.gemm(xs, raw, qtype, r, c, threads=t)          # warm the caches
             sec = _best_seconds(lambda: qmatmul.gemm(xs, raw, qtype, r, c, threads=t), 5)
             rates[qtype] = PROBE_ROWS * raw.numel() / sec
+            dq = torch.empty((r, c), dtype=torch.bfloat16)
+            sec = _best_seconds(lambda: qmatmul.dequantize(raw, qtype, r, c, dq, threads=t), 5)
+            dequant[qtype] = raw.numel() / sec
+        before = torch.get_num_threads()
+        torch.set_num_threads(t)
+        try:
+            m_, n_, k_ = PROBE_GEMM
+            a, w = torch.randn(m_, k_).bfloat16(), torch.randn(n_, k_).bfloat16()
+            o = torch.empty((m_, n_), dtype=torch.bfloat16)
+            torch.mm(a, w.t(), out=o)                               # oneDNN's first call
+            gemm = 2 * m_ * n_ * k_ / _best_seconds(lambda: torch.mm(a, w.t(), out=o), 3)
+        finally:
+            torch.set_num_threads(before)
         say(f"threads {t}: memory {bw / 1e9:.1f} GB/s; kernels (GB/s of weights x rows): "
-            + ", ".join(f"{k} {v / 1e9:.0f}" for k, v in rates.items()))
-        out[t] = (bw, rates)
+            + ", ".join(f"{k} {v / 1e9:.0f}" for k, v in rates.items())
+            + "; dequantize (GB/s stored): " + ", ".join(f"{k} {v / 1e9:.1f}" for k, v in dequant.items())
+            + f"; bf16 GEMM {gemm / 1e9:.0f} GFLOP/s")
+        out[t] = (bw, rates, dequant, gemm)
     del big
     gc.collect()
     return out
