@@ -395,3 +395,21 @@ def test_the_runtime_gets_the_crossovers_the_model_decides_by():
         expect = 0 if chunk * 8 / 128 < min(cross.values()) else len(geom.moe_layers)
         assert s.prefill.copied == expect
     assert predict_plan(cuda, host, policy="auto").decode.copied == 0
+
+def test_a_cpu_device_prices_a_large_chunk_on_the_measured_dequantize_and_gemm_path():
+    # a prefill chunk gives each expert more tokens than the batched kernel takes
+    # (cpu_kernels.TOKENS_PER_EXPERT): the runtime dequantizes and multiplies expert by
+    # expert, so a slower measured GEMM must slow the predicted prefill and leave decode
+    from moefit.devices import Device
+    from moefit.units import GIB
+    geom = load_model("Qwen3-30B-A3B")
+    device = Device("cpu", "simulated", "cpu", 64 * GIB, 64 * GIB, simulated=True, runtime_bytes=0)
+    base = default_host_speed(threads=1)
+    deq = {t: 4e9 for t in base.kernel_rates}
+    fast, slow = (replace(base, dequant_rates=deq, gemm_flops=g) for g in (1e12, 1e10))
+    res = {l.index: l.moe.num_experts for l in geom.moe_layers}
+    kw = dict(context=8192, chunk=2048, seqs=1, policy="cpu")
+    got = {h.gemm_flops: predict(geom, rates_for(device, h), kv_format("bf16"), res, **kw) for h in (fast, slow)}
+    plain = predict(geom, rates_for(device, base), kv_format("bf16"), res, **kw)
+    assert got[1e10].prefill.tokens_per_s < got[1e12].prefill.tokens_per_s
+    assert got[1e10].decode.tokens_per_s == got[1e12].decode.tokens_per_s == plain.decode.tokens_per_s

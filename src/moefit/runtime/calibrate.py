@@ -88,11 +88,14 @@ PROBE_ROWS = 8
 #: the loaded 2-core CI machine, where Q8_0's product reads 8-9 GB/s), so the faster of the two
 PROBE_MEMORY_TYPES = ("BF16", "Q8_0")
 #: The large-product path's probe (a prefill chunk past :func:`moefit.memory.cpu_kernels.
-#: small_rows`): each type dequantized to bf16 from a :data:`PROBE_SMALL` matrix (the C
-#: kernels, what ``StoredMatrix.matmul`` and an expert run one by one do), and ``torch.mm``
+#: small_rows`): each type dequantized to bf16 (the C kernels, what ``StoredMatrix.matmul``
+#: and an expert run one by one do) from :data:`PROBE_DEQUANT_BYTES` of the
+#: :data:`PROBE_BIG` buffer (past the caches, as a step's weights are) in :data:`PROBE_SMALL`
+#: blocks into one bf16 tile (the runtime's workspace tile, which stays cached), and ``torch.mm``
 #: in bf16 of :data:`PROBE_GEMM` = (activation rows, weight rows, columns): a 256-token chunk
 #: against a 1024 x 2048 weight (1.07 GFLOP, tens of ms at one thread).
 PROBE_GEMM = (256, 1024, 2048)
+PROBE_DEQUANT_BYTES = 16 << 20
 
 
 def _best_seconds(run, repeats: int) -> float:
@@ -113,9 +116,9 @@ def measure_host(threads: list[int], say=print
     :data:`PROBE_MEMORY_TYPES` (the bytes read per second, best of three runs, the faster
     type), and :data:`PROBE_ROWS` rows against a :data:`PROBE_SMALL` matrix of each
     type this build multiplies (:func:`moefit.runtime.kernels.qmatmul.supports`; random
-    bytes: the kernels' speed does not depend on the values), best of five; the same matrix of
-    each type dequantized to bf16 (:func:`moefit.runtime.kernels.qmatmul.dequantize`), best
-    of five, and ``torch.mm`` of a :data:`PROBE_GEMM` bf16 product (``torch.set_num_threads``
+    bytes: the kernels' speed does not depend on the values), best of five;
+    :data:`PROBE_DEQUANT_BYTES` of each type dequantized to bf16
+    (:func:`moefit.runtime.kernels.qmatmul.dequantize`), best of two, and ``torch.mm`` of a :data:`PROBE_GEMM` bf16 product (``torch.set_num_threads``
     at the count), ``2 x rows x weight rows x columns`` FLOP over the best of three.
     Raises InputError when the C kernels are not available."""
     if not qmatmul.available():
@@ -135,6 +138,7 @@ def measure_host(threads: list[int], say=print
             bw = max(bw, m.numel() / sec)
         rates, dequant = {}, {}
         r, c = PROBE_SMALL
+        tile = torch.empty((r, c), dtype=torch.bfloat16)
         xs = torch.randn(PROBE_ROWS, c)
         for qtype in (t for t in qmatmul.CTYPES if qmatmul.supports(t, c)):
             raw = torch.randint(0, 64, (r * lib.mf_row_bytes(qmatmul.CTYPES[qtype], c),),
@@ -142,9 +146,14 @@ def measure_host(threads: list[int], say=print
             qmatmul.gemm(xs, raw, qtype, r, c, threads=t)          # warm the caches
             sec = _best_seconds(lambda: qmatmul.gemm(xs, raw, qtype, r, c, threads=t), 5)
             rates[qtype] = PROBE_ROWS * raw.numel() / sec
-            dq = torch.empty((r, c), dtype=torch.bfloat16)
-            sec = _best_seconds(lambda: qmatmul.dequantize(raw, qtype, r, c, dq, threads=t), 5)
-            dequant[qtype] = raw.numel() / sec
+            step = r * lib.mf_row_bytes(qmatmul.CTYPES[qtype], c)
+            src = big[:PROBE_DEQUANT_BYTES // step * step]
+
+            def walk(src=src, step=step, qtype=qtype):
+                for o in range(0, src.numel(), step):
+                    qmatmul.dequantize(src[o:o + step], qtype, r, c, tile, threads=t)
+            sec = _best_seconds(walk, 2)
+            dequant[qtype] = src.numel() / sec
         before = torch.get_num_threads()
         torch.set_num_threads(t)
         try:
