@@ -179,7 +179,7 @@ def test_the_speed_models_path_per_row_count_is_the_runtimes(monkeypatch):
     import torch
     from types import SimpleNamespace
 
-    from moefit.plan.speed import dense_large
+    from moefit.plan.host_paths import dense_large
     from moefit.memory import cpu_kernels
     from moefit.runtime.kernels import quant
     from moefit.runtime.kernels import qmatmul

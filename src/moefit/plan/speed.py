@@ -57,6 +57,7 @@ from moefit.memory.layer_kinds import kind_of
 from moefit.memory.weights import expert_slot_bytes, stored_bytes, stored_change
 from moefit.memory.takes import ATTN_Q_BLOCK
 from moefit.plan.arena import KNOWN_COPIES, arena_moe_seconds
+from moefit.plan.host_paths import dense_products, expert_products, expert_rate
 from moefit.records import record
 
 #: The resources a step's time is charged to, as printed (the "bound").
@@ -297,7 +298,7 @@ def layer_time(layer: _Layer, rates: Rates, route: Routing, fmt: KVFormat, dtype
     a_bytes, a_flops = _attention(spec, fmt, dtype_bytes, tokens, seqs, position, chunk)
     if rates.stored == "cpu":       # moefit's CPU device: each product on the path it takes
         t_mem = (layer.dense_bytes + a_bytes) / rates.device_bytes_per_s
-        t_comp = _dense_products(layer, rates, tokens) + a_flops / rates.device_flops
+        t_comp = dense_products(layer, rates, tokens) + a_flops / rates.device_flops
         dense, dense_bound = (t_mem, "device memory") if t_mem >= t_comp else (t_comp, "device compute")
     else:
         dense, dense_bound = _roof(layer.dense_bytes + a_bytes, rates.device_bytes_per_s,
@@ -316,7 +317,7 @@ def layer_time(layer: _Layer, rates: Rates, route: Routing, fmt: KVFormat, dtype
                                                        spec.moe.num_experts, layer.expert_types)
     if rates.shared:
         t_mem = hit_e * blob / rates.device_bytes_per_s
-        t_comp = _expert_products(layer, rates.host, hit_e, hit_p, batched)
+        t_comp = expert_products(layer, rates.host, hit_e, hit_p, batched)
         dev = (t_mem, "device memory") if t_mem >= t_comp else (t_comp, "device compute")
     else:
         dev = _roof(hit_e * blob, rates.device_bytes_per_s, hit_p * pair_flops, rates.device_flops,
@@ -327,7 +328,7 @@ def layer_time(layer: _Layer, rates: Rates, route: Routing, fmt: KVFormat, dtype
     if paths and not rates.shared:      # misses on the host: the runtime counts their pairs only
         batched = miss_p <= cpu_kernels.tokens_per_expert(layer.expert_types) * spec.moe.num_experts
     h_mem = miss_e * blob / host.memory_bytes_per_s
-    h_comp = _expert_products(layer, host, miss_e, miss_p, batched)
+    h_comp = expert_products(layer, host, miss_e, miss_p, batched)
     host_t, host_bound = (h_mem, "host memory") if h_mem >= h_comp else (h_comp, "host compute")
     if rates.shared:
         # the simulated device: one machine, one memory; misses run where the rest does
@@ -362,53 +363,6 @@ def layer_time(layer: _Layer, rates: Rates, route: Routing, fmt: KVFormat, dtype
     return LayerTime(spec.index, kind, dense + moe[0], bound, copied)
 
 
-def dense_large(qtype: str, rows: int) -> bool:
-    """Whether a dense product of ``rows`` activation rows with a stored ``qtype`` matrix on
-    a CPU device takes the large path (dequantize + bf16 GEMM) rather than the C kernels:
-    the runtime's rule (``StoredMatrix.matmul``, :func:`moefit.memory.cpu_kernels.small_rows`)."""
-    return rows > cpu_kernels.small_rows(qtype)
-
-
-def _dense_products(layer: _Layer, rates: Rates, tokens: int) -> float:
-    """Seconds of a layer's dense products for ``tokens`` rows on moefit's CPU device: each
-    stored matrix (``B`` bytes, ``N`` parameters, type ``q``) at the C kernels' rate up to
-    :func:`dense_large`'s threshold (``tokens x B / rate(q)``), above it dequantized and
-    multiplied (``B / dequantize rate(q) + 2 x tokens x N / GEMM FLOP/s``, the figures of
-    ``moefit calibrate --host``; not measured: the kernels' rate); the matrices kept in the
-    compute dtype at the device's FLOP rate (the GEMM's above :data:`~moefit.memory.
-    cpu_kernels.SMALL_ROWS` rows when measured)."""
-    host = rates.host
-    t, params = 0.0, layer.dense_params
-    for q, nbytes, n in layer.stored_mats:
-        params -= n
-        dq = host.dequant_rate(q) if dense_large(q, tokens) else None
-        t += nbytes / dq + 2 * tokens * n / host.gemm_flops if dq else tokens * nbytes / host.rate(q)
-    big = tokens > cpu_kernels.SMALL_ROWS and host.gemm_flops
-    return t + 2 * tokens * params / (host.gemm_flops if big else rates.device_flops)
-
-
-def _expert_products(layer: _Layer, host: HostSpeed, experts: float, pairs: float, batched: bool) -> float:
-    """Seconds of ``pairs`` (token, expert) products over ``experts`` touched experts of
-    ``layer`` on the host: ``batched`` (the runtime's batched C kernel,
-    :func:`moefit.memory.cpu_kernels.batched_experts`), ``pairs x blob / rate``
-    (:func:`_expert_rate`); else expert by expert, each matrix dequantized (a third of the
-    blob per matrix at its type's dequantize rate) and multiplied by the bf16 GEMM
-    (``2 x pairs x expert params / GEMM FLOP/s``); where those were not measured, the
-    kernels' rate."""
-    blob = layer.blob_bytes
-    rates = [host.dequant_rate(t) for t in layer.expert_types]
-    if batched or not all(rates):
-        return pairs * blob / _expert_rate(layer, host)
-    third = blob / len(rates)
-    return experts * sum(third / r for r in rates) + 2 * pairs * layer.expert_params / host.gemm_flops
-
-
-def _expert_rate(layer: _Layer, host: HostSpeed) -> float:
-    """The host's compute roof for one of ``layer``'s experts (weight bytes x rows per s):
-    the blob's matrices (gate, up, down) taken as thirds of it, each at its type's rate."""
-    return len(layer.expert_types) / sum(1 / host.rate(t) for t in layer.expert_types)
-
-
 def crossover(layer: _Layer, rates: Rates) -> float:
     """Tokens per missing expert from which ``--miss-policy auto`` copies a layer's misses
     through the weight arena instead of computing them on the host: the smallest ``n`` at
@@ -437,7 +391,7 @@ def crossover(layer: _Layer, rates: Rates) -> float:
 def _crossover(layer: _Layer, rates: Rates) -> float:
     """:func:`crossover`, computed."""
     blob, host, link = layer.blob_bytes, rates.host, rates.link_bytes_per_s
-    m, s = blob / host.memory_bytes_per_s, blob / _expert_rate(layer, host)
+    m, s = blob / host.memory_bytes_per_s, blob / expert_rate(layer, host)
     r = layer.hidden * ROW_VALUE_BYTES / link
     a = max(blob / link, blob / rates.device_bytes_per_s)
     c = 2 * layer.expert_params / rates.device_flops
@@ -469,7 +423,7 @@ def miss_crossovers(geom: ModelGeometry, rates: Rates | None) -> dict[int, float
     figures): :data:`LLAMACPP_OFFLOAD_MIN_BATCH` for every layer, llama.cpp's rule."""
     if rates is None:
         return {l.index: float(LLAMACPP_OFFLOAD_MIN_BATCH) for l in geom.moe_layers}
-    return {l.spec.index: crossover(l, rates) for l in _cached_layers(geom, rates.stored)
+    return {l.spec.index: crossover(l, rates) for l in cached_layers(geom, rates.stored)
             if l.spec.moe is not None}
 
 
@@ -496,7 +450,7 @@ class StepTime:
         return sum(l.seconds for l in self.layers) + self.head_seconds
 
 
-def _head(geom: ModelGeometry, rates: Rates, rows: int) -> float:
+def head_seconds(geom: ModelGeometry, rates: Rates, rows: int) -> float:
     """The output head for ``rows`` rows: the lm_head matrix (the embedding when tied) read
     once, ``2 x rows x vocab x hidden`` FLOP."""
     head = [t for t in geom.global_tensors if t.role == "lm_head"] or \
@@ -517,7 +471,7 @@ def step_time(geom: ModelGeometry, rates: Rates, route: Routing, fmt: KVFormat,
     ``resident``: expert slots per MoE layer index."""
     memo: dict[tuple, LayerTime] = {}
     layers = []
-    for l in _cached_layers(geom, rates.stored):
+    for l in cached_layers(geom, rates.stored):
         index = l.spec.index
         r = resident.get(index, 0)
         key = (l.shape, r, id(route.chances.get(index)))     # layers of one shape: priced once
@@ -528,13 +482,13 @@ def step_time(geom: ModelGeometry, rates: Rates, route: Routing, fmt: KVFormat,
                                        policy=policy, copy_whole=copy_whole, serial=serial,
                                        arena=arena)
         layers.append(t if t.index == index else LayerTime(index, t.kind, t.seconds, t.bound, t.copied))
-    return StepTime(tokens, position, tuple(layers), _head(geom, rates, 1 if chunk else seqs))
+    return StepTime(tokens, position, tuple(layers), head_seconds(geom, rates, 1 if chunk else seqs))
 
 
 _LAYER_CACHE: dict[tuple[int, str], tuple[ModelGeometry, tuple[_Layer, ...]]] = {}
 
 
-def _cached_layers(geom: ModelGeometry, stored: str = "cuda") -> tuple[_Layer, ...]:
+def cached_layers(geom: ModelGeometry, stored: str = "cuda") -> tuple[_Layer, ...]:
     """:func:`_layers` of ``geom``, computed once per geometry object and ``stored``."""
     hit = _LAYER_CACHE.get((id(geom), stored))
     if hit is None or hit[0] is not geom:
@@ -614,36 +568,6 @@ def prefill_steps(context: int, chunk: int, prompt_tokens: int | None, policy: s
     return out
 
 
-def layer_groups(geom: ModelGeometry, route: Routing, resident: dict[int, int],
-                 stored: str = "cuda") -> list[tuple]:
-    """The layers of ``geom`` as (a layer, its expert slots, how many layers alike): layers
-    of one shape (:attr:`_Layer.shape`), routing and residency take the same time;
-    ``stored``: as :attr:`Rates.stored`."""
-    groups: dict[tuple, list] = {}
-    chances = route.chances
-    for l in _cached_layers(geom, stored):
-        index = l.spec.index
-        r = resident.get(index, 0)
-        g = groups.get((l.shape, r, id(chances.get(index))))
-        if g is None:
-            groups[(l.shape, r, id(chances.get(index)))] = [l, r, 1]
-        else:
-            g[2] += 1
-    return [tuple(g) for g in groups.values()]
-
-
-def step_seconds(geom: ModelGeometry, rates: Rates, route: Routing, fmt: KVFormat,
-                 groups: list[tuple], *, tokens: int, seqs: int, position: int,
-                 chunk: bool, policy: str, arena: int | None = None) -> float:
-    """:func:`step_time`'s seconds for the layers of :func:`layer_groups`, each group
-    priced once (what a search over many plans, :mod:`moefit.plan.throughput`, runs on)."""
-    total = sum(n * layer_time(l, rates, route, fmt, geom.dtype_bytes, tokens=tokens, seqs=seqs,
-                               position=position, chunk=chunk, resident=r, policy=policy,
-                               arena=arena).seconds
-                for l, r, n in groups)
-    return total + _head(geom, rates, 1 if chunk else seqs)
-
-
 def predict(geom: ModelGeometry, rates: Rates, fmt: KVFormat, resident: dict[int, int], *,
             context: int, chunk: int, seqs: int, policy: str,
             prompt_tokens: int | None = None, profile: dict[int, dict[int, int]] | None = None,
@@ -700,35 +624,3 @@ def predict_plan(plan, host: HostSpeed, *, prompt_tokens: int | None = None,
                     pool=plan.pool_cells, arena=ring or None)
     cross = tuple(sorted(miss_crossovers(plan.geometry, rates).items()))
     return replace(speed, crossover=cross)
-
-
-#: llama.cpp's cache types (K, V) as moefit's KV formats of the same bytes per value
-_LLAMA_KV = {("f16", "f16"): "fp16", ("bf16", "bf16"): "bf16", ("f32", "f32"): "fp32",
-             ("q8_0", "q8_0"): "int8", ("q8_0", "q4_0"): "k8v4", ("q4_0", "q4_0"): "int4"}
-
-
-def predict_llamacpp(geom: ModelGeometry, device: Device, host: HostSpeed, *, context: int,
-                     ubatch: int, seqs: int, cpu_layers, type_k: str, type_v: str,
-                     prompt_tokens: int | None = None,
-                     profile: dict[int, dict[int, int]] | None = None) -> Speed | None:
-    """The predicted speed of a ``llama-server`` command (``moefit plan --engine llama.cpp``)
-    for ``geom`` as the GGUF file it runs: the experts of ``cpu_layers`` stay in host memory,
-    every other layer's on the device; prompts are processed in micro-batches of ``ubatch``
-    tokens. For a micro-batch of :data:`LLAMACPP_OFFLOAD_MIN_BATCH` tokens or more the
-    CPU-resident expert tensors are copied whole to the device and multiplied there, below
-    it they are multiplied on the CPU (a decode step of fewer sequences); the graph's
-    splits run one after another (``serial``). KV types without a moefit format of the
-    same size are priced as f16. None when the device has no figures."""
-    rates = rates_for(device, host)
-    if rates is None:
-        return None
-    rates = replace(rates, stored="file")       # llama.cpp reads every matrix as stored
-    cpu = set(cpu_layers)
-    resident = {l.index: 0 if l.index in cpu else l.moe.num_experts for l in geom.moe_layers}
-    fmt = kv_format(_LLAMA_KV.get((type_k, type_v), "fp16"))
-    big = lambda n: "copy" if n >= LLAMACPP_OFFLOAD_MIN_BATCH else "cpu"  # noqa: E731
-    speed = predict(geom, rates, fmt, resident, context=context, chunk=ubatch, seqs=seqs,
-                    policy=big(ubatch), decode_policy=big(seqs), prompt_tokens=prompt_tokens,
-                    profile=profile, copy_whole=True, serial=True)
-    return replace(speed, policy=f"llama.cpp copies the CPU's expert tensors for micro-batches "
-                                 f"of {LLAMACPP_OFFLOAD_MIN_BATCH} tokens or more")

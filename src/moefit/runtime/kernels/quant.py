@@ -65,8 +65,7 @@ import torch.nn.functional as F
 
 from moefit.errors import InputError
 from moefit.ingest.ggml_types import BLOCKS
-from moefit.memory import gpu_kernels
-from moefit.memory import cpu_kernels
+from moefit.memory import cpu_kernels, gpu_kernels
 from moefit.memory.cpu_kernels import row_block
 from moefit.memory.staging import DEQUANT_TILE_ELEMS
 from moefit.runtime.kernels import qmatmul
@@ -567,121 +566,6 @@ class StoredMatrix:
         """Rows up to which :meth:`matmul` runs the C kernels on the stored blocks
         (:func:`moefit.memory.cpu_kernels.small_rows`)."""
         return cpu_kernels.small_rows(self.qtype)
-
-    @property
-    def nbytes(self) -> int:
-        return self.gate.nbytes + self.up.nbytes + self.down.nbytes
-
-    def fused(self, device: torch.device) -> bool:
-        """Whether the experts of this layout run on ``device`` as three fused products on
-        their stored blocks (:meth:`Part.matmul`; nothing dequantized into the workspace):
-        where the Triton kernels run (:func:`stored_kernels_on`) and read every part's type."""
-        return stored_kernels_on(device) and all(gpu_kernels.supports(p.qtype, p.cols)
-                                                 for p in (self.gate, self.up, self.down))
-
-    @classmethod
-    def pack(cls, inter: int, hidden: int, gate: str, up: str, down: str) -> "StoredExpert":
-        """Layout for the given types (parts in gate, up, down order, no padding)."""
-        g = Part(gate, inter, hidden, 0, inter * row_bytes(gate, hidden))
-        u = Part(up, inter, hidden, g.nbytes, inter * row_bytes(up, hidden))
-        d = Part(down, hidden, inter, g.nbytes + u.nbytes, hidden * row_bytes(down, inter))
-        return cls(g, u, d)
-
-    @classmethod
-    def pack_fp8(cls, inter: int, hidden: int, block: tuple[int, int]) -> "StoredExpert":
-        """Layout of a block-scaled fp8 expert: gate, up, down, each its e4m3 bytes then its
-        fp32 scales (:func:`fp8_bytes`), back to back: the checkpoint's bytes of the expert."""
-        parts, off = [], 0
-        for rows, cols in ((inter, hidden), (inter, hidden), (hidden, inter)):
-            n = fp8_bytes(rows, cols, block)
-            parts.append(Part(FP8, rows, cols, off, n, tuple(block)))
-            off += n
-        return cls(*parts)
-
-    def swiglu(self, x: torch.Tensor, blob: torch.Tensor, ws=None, scratch=None,
-               out=None) -> torch.Tensor:
-        """``down(silu(gate(x)) * up(x))`` for ``x`` ``[n, H]`` from ``blob`` (uint8
-        ``[nbytes]`` on ``x``'s device) -> ``[n, H]`` in ``x``'s dtype.
-
-        One ``[I, H]`` buffer of ``x``'s dtype holds each matrix in turn; with ``ws`` (the
-        staging workspace) it is taken from its fixed region, else allocated. ``scratch``
-        (``n x 2I`` elements or more: gate and up outputs) and ``out`` ``[n, H]``, from the
-        workspace too, hold the activations; without them they are allocated. Where the
-        layout is :meth:`fused` (a CUDA device), the three products read the stored blocks
-        and no matrix buffer is taken.
-        """
-        n, inter = x.shape[0], self.gate.rows
-        if self.fused(x.device):
-            gu = (scratch[:2 * n * inter] if scratch is not None
-                  else torch.empty(2 * n * inter, dtype=x.dtype, device=x.device))
-            g, u = gu[:n * inter].view(n, inter), gu[n * inter:].view(n, inter)
-            xc = x if x.stride(-1) == 1 else x.contiguous()
-            self.gate.matmul(blob, xc, g)
-            self.up.matmul(blob, xc, u)
-            F.silu(g, inplace=True).mul_(u)
-            if out is None:
-                out = torch.empty((n, self.down.rows), dtype=x.dtype, device=x.device)
-            return self.down.matmul(blob, g, out)
-        region = ws.fixed if ws is not None else None
-        scope = region.scope() if region is not None else contextlib.nullcontext()
-        n_w = self.gate.rows * self.gate.cols
-        with scope:
-            buf = (region.take((n_w,), x.dtype) if region is not None
-                   else torch.empty(n_w, dtype=x.dtype, device=x.device))
-            w = self.gate.dequantize_into(blob, buf.view(self.gate.rows, self.gate.cols))
-            if scratch is None:
-                g = F.linear(x, w)                                       # [n, I]
-                w = self.up.dequantize_into(blob, buf.view(self.up.rows, self.up.cols))
-                h = F.silu(g).mul_(F.linear(x, w))                       # [n, I]
-                w = self.down.dequantize_into(blob, buf.view(self.down.rows, self.down.cols))
-                return F.linear(h, w)                                    # [n, H]
-            g = torch.mm(x, w.t(), out=scratch[:n * inter].view(n, inter))
-            w = self.up.dequantize_into(blob, buf.view(self.up.rows, self.up.cols))
-            u = torch.mm(x, w.t(), out=scratch[n * inter:2 * n * inter].view(n, inter))
-            F.silu(g, inplace=True).mul_(u)
-            w = self.down.dequantize_into(blob, buf.view(self.down.rows, self.down.cols))
-            return torch.mm(g, w.t(), out=out)                           # [n, H]
-
-
-def stored_kernels_on(device: torch.device) -> bool:
-    """Whether stored matrices and experts on ``device`` are multiplied by the Triton
-    kernels (:func:`moefit.runtime.kernels.triton.used_on`)."""
-    return triton_kernels.used_on(device.type)
-
-
-@dataclass(eq=False)
-class StoredMatrix:
-    """A dense GGUF weight ``[rows, cols]`` kept in its stored ggml type on a CPU device.
-
-    ``buf`` holds exactly the stored bytes (uint8 ``[rows x row bytes]``), allocated on the
-    ledger's ``weights`` line, which the plan prices at that size on a CPU device with the C
-    kernels (:func:`moefit.memory.weights.stored_matrices`): a decode step reads the stored
-    size instead of the widened one (a Q6_K output matrix: 0.82 bytes per weight against 2).
-    ``ws``: the staging workspace (the engine sets it), whose fixed region :meth:`matmul`
-    dequantizes row blocks into for larger products (prefill).
-    """
-
-    buf: torch.Tensor
-    qtype: str
-    rows: int
-    cols: int
-    ws: object = None
-
-    #: Products of at most this many rows use the C kernels on the stored blocks
-    #: (:meth:`small_rows`: by type, :data:`SMALL_ROWS_BY_TYPE`, else this).
-    SMALL_ROWS = 8
-    #: Where the C kernels stay faster than dequantizing into the workspace and
-    #: ``torch.mm``: measured with a 2048 x 1024 matrix, one thread (AMD EPYC, a loaded
-    #: 2-core machine, 15 interleaved pairs of 3 products, the median of the time ratios
-    #: C / dequantize + mm): Q3_K 0.86 at 32 rows, 1.32 at 64; Q2_K 0.83 / 1.26; IQ4_XS
-    #: 0.86 at 64, 1.30 at 128; Q6_K 0.95 at 16, 1.31 at 32 (low-bit super-blocks are
-    #: unpacked once per 8 activation rows, the dequantized matrix once per product). At two
-    #: threads the C kernels were faster up to 128 rows for Q3_K and IQ4_XS (0.91, 0.87).
-    SMALL_ROWS_BY_TYPE = {"Q2_K": 32, "Q3_K": 32, "IQ4_XS": 64, "Q6_K": 16}
-
-    def small_rows(self) -> int:
-        """Rows up to which :meth:`matmul` runs the C kernels on the stored blocks."""
-        return self.SMALL_ROWS_BY_TYPE.get(self.qtype, self.SMALL_ROWS)
 
     @property
     def nbytes(self) -> int:
