@@ -413,3 +413,16 @@ def test_a_cpu_device_prices_a_large_chunk_on_the_measured_dequantize_and_gemm_p
     plain = predict(geom, rates_for(device, base), kv_format("bf16"), res, **kw)
     assert got[1e10].prefill.tokens_per_s < got[1e12].prefill.tokens_per_s
     assert got[1e10].decode.tokens_per_s == got[1e12].decode.tokens_per_s == plain.decode.tokens_per_s
+
+
+def test_host_calibration_keeps_the_large_path_and_a_version_1_file_is_measured_again(tmp_path, monkeypatch):
+    monkeypatch.setenv(calibration.CACHE_ENV, str(tmp_path))
+    path = calibration.save_host({1: (20e9, {"Q4_K": 40e9}, {"Q4_K": 2e9, "Q8_0": 3e9}, 150e9)})
+    got = calibration.load_host(threads=1)
+    assert got.dequant_rate("Q8_0") == 3e9 and got.dequant_rate("Q6_K") == 2e9 and got.gemm_flops == 150e9
+    doc = json.loads(path.read_text())
+    doc["schema"] = "moefit.host/1"
+    path.write_text(json.dumps(doc))
+    warnings = []
+    assert calibration.load_host(warn=warnings.append) is None
+    assert "before the large-product figures" in warnings[0]
