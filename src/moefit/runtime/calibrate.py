@@ -147,7 +147,8 @@ def measure_host(threads: list[int], say=print
             sec = _best_seconds(lambda: qmatmul.gemm(xs, raw, qtype, r, c, threads=t), 5)
             rates[qtype] = PROBE_ROWS * raw.numel() / sec
             step = r * lib.mf_row_bytes(qmatmul.CTYPES[qtype], c)
-            src = big[:PROBE_DEQUANT_BYTES // step * step]
+            blocks = min(PROBE_DEQUANT_BYTES, big.numel()) // step
+            src = big[:blocks * step] if blocks else raw          # a test's small buffer
 
             def walk(src=src, step=step, qtype=qtype):
                 for o in range(0, src.numel(), step):
