@@ -6,7 +6,8 @@ Qwen3-MoE shapes (``--shapes 1024,2048``: hidden 1024 with 10 layers of 64 exper
 Qwen3-30B-A3B's widths with 4 layers of 32), at each thread count (``--threads 1,2``):
 
 1. **The host's figures, measured here**: what ``moefit calibrate --host`` measures (this
-   machine's memory bandwidth read by the C kernels and their rate per GGUF type:
+   machine's memory bandwidth read by the C kernels, their rate per GGUF type, and the large
+   products' path: dequantize per type and the bf16 GEMM:
    :func:`moefit.runtime.calibrate.measure_host`), at the case's thread count, right before each
    file's interleaved pairs, so that a shared machine's load is the same for the figures and
    the runs; ``--cached-host`` takes the stored ``moefit calibrate --host`` figures instead.
@@ -20,8 +21,8 @@ Qwen3-30B-A3B's widths with 4 layers of 32), at each thread count (``--threads 1
    figures at that thread count; prefill: the prompt from position 0 in one chunk; decode: one
    token at a fill of half ``--gen`` (the mean position of the measured tokens). llama.cpp's CPU
    run keeps every weight in host memory, as moefit does with all experts resident, so it is
-   predicted as that plan: the model prices moefit's C kernels (their measured rates), not
-   llama.cpp's, which are not measured here.
+   predicted as that plan: the model prices moefit's kernels and paths (their measured rates),
+   not llama.cpp's, which are not measured here.
 
 Prints the exact command line first, the host figures and their source, one row per case
 (measured, predicted, predicted / measured, the bound the model names), then per engine the
@@ -60,8 +61,9 @@ def host_now(threads: int):
     from moefit.devices.host import HostSpeed
     from moefit.runtime.calibrate import measure_host
 
-    bw, rates = measure_host([threads], say=lambda _msg: None)[threads]
-    return HostSpeed(bw, threads, rates, f"this machine, measured now ({bw / 1e9:.1f} GB/s, {threads} thr)")
+    bw, rates, dequant, gemm = measure_host([threads], say=lambda _msg: None)[threads]
+    return HostSpeed(bw, threads, rates, f"this machine, measured now ({bw / 1e9:.1f} GB/s, {threads} thr)",
+                     dequant, gemm)
 
 
 def host_cached(threads: int):

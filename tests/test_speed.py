@@ -395,3 +395,34 @@ def test_the_runtime_gets_the_crossovers_the_model_decides_by():
         expect = 0 if chunk * 8 / 128 < min(cross.values()) else len(geom.moe_layers)
         assert s.prefill.copied == expect
     assert predict_plan(cuda, host, policy="auto").decode.copied == 0
+
+def test_a_cpu_device_prices_a_large_chunk_on_the_measured_dequantize_and_gemm_path():
+    # a prefill chunk gives each expert more tokens than the batched kernel takes
+    # (cpu_kernels.TOKENS_PER_EXPERT): the runtime dequantizes and multiplies expert by
+    # expert, so a slower measured GEMM must slow the predicted prefill and leave decode
+    from moefit.devices import Device
+    from moefit.units import GIB
+    geom = load_model("Qwen3-30B-A3B")
+    device = Device("cpu", "simulated", "cpu", 64 * GIB, 64 * GIB, simulated=True, runtime_bytes=0)
+    base = default_host_speed(threads=1)
+    deq = {t: 4e9 for t in base.kernel_rates}
+    fast, slow = (replace(base, dequant_rates=deq, gemm_flops=g) for g in (1e12, 1e10))
+    res = {l.index: l.moe.num_experts for l in geom.moe_layers}
+    kw = dict(context=8192, chunk=2048, seqs=1, policy="cpu")
+    got = {h.gemm_flops: predict(geom, rates_for(device, h), kv_format("bf16"), res, **kw) for h in (fast, slow)}
+    plain = predict(geom, rates_for(device, base), kv_format("bf16"), res, **kw)
+    assert got[1e10].prefill.tokens_per_s < got[1e12].prefill.tokens_per_s
+    assert got[1e10].decode.tokens_per_s == got[1e12].decode.tokens_per_s == plain.decode.tokens_per_s
+
+
+def test_host_calibration_keeps_the_large_path_and_a_version_1_file_is_measured_again(tmp_path, monkeypatch):
+    monkeypatch.setenv(calibration.CACHE_ENV, str(tmp_path))
+    path = calibration.save_host({1: (20e9, {"Q4_K": 40e9}, {"Q4_K": 2e9, "Q8_0": 3e9}, 150e9)})
+    got = calibration.load_host(threads=1)
+    assert got.dequant_rate("Q8_0") == 3e9 and got.dequant_rate("Q6_K") == 2e9 and got.gemm_flops == 150e9
+    doc = json.loads(path.read_text())
+    doc["schema"] = "moefit.host/1"
+    path.write_text(json.dumps(doc))
+    warnings = []
+    assert calibration.load_host(warn=warnings.append) is None
+    assert "before the large-product figures" in warnings[0]

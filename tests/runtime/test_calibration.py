@@ -163,7 +163,7 @@ def test_the_host_memory_bandwidth_is_the_fastest_one_row_read(monkeypatch):
 
     monkeypatch.setattr(qmatmul, "gemm", gemm)
     monkeypatch.setattr(rc, "_best_seconds", best)
-    bw, _ = rc.measure_host([1], say=lambda _m: None)[1]
+    bw, *_ = rc.measure_host([1], say=lambda _m: None)[1]
     assert {q for q, _, n in seen if n > 3 << 20} == set(rc.PROBE_MEMORY_TYPES)
     assert bw == pytest.approx(4e9, rel=0.01)
 
@@ -171,3 +171,41 @@ def test_the_host_memory_bandwidth_is_the_fastest_one_row_read(monkeypatch):
 def test_calibrate_needs_a_model_or_host(capsys):
     assert main(["calibrate"]) == 2
     assert "give MODEL" in capsys.readouterr().err
+
+
+def test_the_speed_models_path_per_row_count_is_the_runtimes(monkeypatch):
+    """StoredMatrix.matmul's choice (C kernels or dequantize + mm), recorded, against the
+    speed model's :func:`dense_large`; the batched MoE layer's test against the model's."""
+    import torch
+    from types import SimpleNamespace
+
+    from moefit.plan.host_paths import dense_large
+    from moefit.memory import cpu_kernels
+    from moefit.runtime.kernels import quant
+    from moefit.runtime.kernels import qmatmul
+    from moefit.runtime.moe import batch
+
+    if not qmatmul.available():
+        pytest.skip(f"C kernels: {qmatmul.unavailable_reason()}")
+    taken = []
+    real_gemm, real_deq = qmatmul.gemm, quant.dequantize
+    monkeypatch.setattr(qmatmul, "gemm", lambda *a, **k: taken.append("kernels") or real_gemm(*a, **k))
+    monkeypatch.setattr(quant, "dequantize", lambda *a, **k: taken.append("gemm") or real_deq(*a, **k))
+    rows, cols = 16, 256
+    for qtype in ("Q8_0", "Q4_K", "Q6_K", "Q3_K", "IQ4_XS"):
+        nbytes = rows * qmatmul.library().mf_row_bytes(qmatmul.CTYPES[qtype], cols)
+        m = quant.StoredMatrix(torch.randint(0, 64, (nbytes,), dtype=torch.uint8), qtype, rows, cols)
+        for n in (1, 8, 9, 16, 17, 32, 33, 64, 65):
+            taken.clear()
+            m.matmul(torch.randn(n, cols), torch.empty(n, rows))
+            assert taken[0] == ("gemm" if dense_large(qtype, n) else "kernels"), (qtype, n)
+    experts, k = 64, 8
+    for qtype in ("Q8_0", "Q4_K", "Q3_K", "BF16"):
+        part = SimpleNamespace(qtype=qtype, cols=256)
+        fmt = SimpleNamespace(gate=part, up=part, down=part)
+        cache = SimpleNamespace(on_host=lambda *_: True, host=SimpleNamespace(mapped=False, experts={0: experts}),
+                                slots={})
+        monkeypatch.setattr(batch, "layer_format", lambda *_: fmt)
+        for t in (1, 8, 16, 48, 160, 161, 384, 385):
+            got = batch.applies(cache, 0, torch.randn(t, 256), k)
+            assert got == cpu_kernels.batched_experts(t, k, experts, [qtype] * 3), (qtype, t)

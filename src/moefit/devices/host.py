@@ -20,6 +20,7 @@ Imports no torch.
 
 from __future__ import annotations
 
+from dataclasses import field
 from pathlib import Path
 
 from moefit.errors import InputError
@@ -111,17 +112,35 @@ class HostSpeed:
             and at least ``B / memory_bytes_per_s``.
         source: where the figures come from (``moefit calibrate --host``, a flag, the
             default).
+        dequant_rates: per ggml type, the rate of the path a large product takes on a CPU
+            device (:func:`moefit.memory.cpu_kernels.small_rows`,
+            :func:`~moefit.memory.cpu_kernels.tokens_per_expert`): the C kernels
+            dequantizing the stored type to bf16, stored bytes per second; empty: not
+            measured (the default host), and large products are priced at
+            :attr:`kernel_rates`.
+        gemm_flops: the bf16 GEMM that follows the dequantization (``torch.mm``, oneDNN) at
+            a prefill-like shape, FLOP/s; 0: not measured.
     """
 
     memory_bytes_per_s: float
     threads: int
     kernel_rates: dict[str, float]
     source: str
+    dequant_rates: dict[str, float] = field(default_factory=dict)
+    gemm_flops: float = 0.0
 
     def rate(self, qtype: str) -> float:
         """The compute roof of ``qtype`` (:attr:`kernel_rates`); a type that was not
         measured takes the slowest measured rate."""
         return self.kernel_rates.get(qtype) or min(self.kernel_rates.values())
+
+    def dequant_rate(self, qtype: str) -> float | None:
+        """Stored bytes of ``qtype`` dequantized per second (:attr:`dequant_rates`; a type
+        that was not measured takes the slowest measured rate); None when the large path was
+        not measured (no :attr:`dequant_rates` or no :attr:`gemm_flops`)."""
+        if not self.dequant_rates or not self.gemm_flops:
+            return None
+        return self.dequant_rates.get(qtype) or min(self.dequant_rates.values())
 
 
 #: Per-thread compute roofs (GB/s of weights, one activation row, matrix in L2) measured on

@@ -26,7 +26,8 @@ from moefit.ingest.inputs import is_gguf_file, read_routing_profile
 from moefit.ingest.resolve import serving_reference
 from moefit.memory.kv import kv_name
 from moefit.plan.request import Request, context_limit, parse_prefill, resolve_context, validate
-from moefit.plan.speed import Speed, predict_llamacpp
+from moefit.plan.llamacpp_speed import predict_llamacpp
+from moefit.plan.speed import Speed
 from moefit.units import parse_count
 
 if TYPE_CHECKING:       # the engines' modules load only for --engine (moefit plan stays fast)
@@ -36,7 +37,7 @@ if TYPE_CHECKING:       # the engines' modules load only for --engine (moefit pl
 
 def llamacpp_speed_from_args(geom: ModelGeometry, plan, args: argparse.Namespace) -> "Speed | None":
     """The predicted speed of a llama.cpp plan's command
-    (:func:`moefit.plan.speed.predict_llamacpp`), for the GGUF file it runs: the file's own
+    (:func:`moefit.plan.llamacpp_speed.predict_llamacpp`), for the GGUF file it runs: the file's own
     geometry, or the one ``--gguf-type`` would write of a Hugging Face model
     (:func:`moefit.ingest.gguf_mix.gguf_geometry`)."""
     prompt = getattr(args, "prompt_tokens", None)

@@ -232,16 +232,19 @@ def load(geom: ModelGeometry, device: Device, kv: str,
 #
 # One JSON file per machine under the same cache, in ``host/``::
 #
-#     {"schema": "moefit.host/1", "moefit": "0.1.0", "cpu": "AMD EPYC ...", "cpus": 2,
-#      "threads": {"1": {"memory_bytes_per_s": ..., "rates": {"Q4_K": ..., ...}}, "2": ...},
+#     {"schema": "moefit.host/2", "moefit": "0.1.0", "cpu": "AMD EPYC ...", "cpus": 2,
+#      "threads": {"1": {"memory_bytes_per_s": ..., "rates": {"Q4_K": ..., ...},
+#                        "dequant_rates": {"Q4_K": ..., ...}, "gemm_flops": ...}, "2": ...},
 #      "created": "..."}
 #
 # ``memory_bytes_per_s``: one activation row against a matrix far larger than the caches
 # (what the kernels read from memory); ``rates``: eight rows against a matrix that stays in
-# the caches (weight bytes x rows per second). A file that cannot be trusted is ignored with
+# the caches (weight bytes x rows per second); ``dequant_rates`` (stored bytes dequantized per
+# second) and ``gemm_flops`` (bf16 ``torch.mm``): the path of large products (version 2; a
+# version 1 file lacks them and is measured again). A file that cannot be trusted is ignored with
 # a warning, as a staging calibration is.
 
-HOST_SCHEMA = "moefit.host/1"
+HOST_SCHEMA = "moefit.host/2"
 
 
 def host_key() -> dict:
@@ -270,14 +273,18 @@ def host_calibration_path(key: dict | None = None) -> Path:
     return cache_dir() / "host" / f"{digest}.json"
 
 
-def save_host(per_threads: dict[int, tuple[float, dict[str, float]]]) -> Path:
-    """Store ``{threads: (memory bytes/s, {ggml type: rate})}`` measured on this machine."""
+def save_host(per_threads: dict[int, tuple]) -> Path:
+    """Store ``{threads: (memory bytes/s, {ggml type: rate}[, {ggml type: dequantize
+    bytes/s}, bf16 GEMM FLOP/s])}`` measured on this machine
+    (:func:`moefit.runtime.calibrate.measure_host`)."""
     from datetime import datetime, timezone     # the time stamp: only a calibration written
 
     key = host_key()
     doc = {"schema": HOST_SCHEMA, "moefit": __version__, **key,
-           "threads": {str(t): {"memory_bytes_per_s": bw, "rates": rates}
-                       for t, (bw, rates) in sorted(per_threads.items())},
+           "threads": {str(t): {"memory_bytes_per_s": f[0], "rates": f[1],
+                                "dequant_rates": f[2] if len(f) > 2 else {},
+                                "gemm_flops": f[3] if len(f) > 3 else 0.0}
+                       for t, f in sorted(per_threads.items())},
            "created": datetime.now(timezone.utc).isoformat(timespec="seconds")}
     path = host_calibration_path(key)
     writable_dir(path.parent, f"the calibration cache (set {CACHE_ENV} to move it)")
@@ -306,6 +313,8 @@ def load_host(threads: int | None = None, warn: Warn | None = None) -> HostSpeed
         doc = read_json(path, "host calibration file", MAX_FILE_BYTES)
     except InputError as e:
         return ignored(f"unreadable: {str(e).removeprefix(f'{path}: ')}")
+    if isinstance(doc, dict) and doc.get("schema") == "moefit.host/1":
+        return ignored("written before the large-product figures were measured")
     if not isinstance(doc, dict) or doc.get("schema") != HOST_SCHEMA:
         return ignored("not a host calibration document")
     if doc.get("moefit") != __version__:
@@ -317,7 +326,10 @@ def load_host(threads: int | None = None, warn: Warn | None = None) -> HostSpeed
         ok = (str(t).isdigit() and isinstance(entry, dict)
               and _positive(entry.get("memory_bytes_per_s"))
               and isinstance(entry.get("rates"), dict) and entry["rates"]
-              and all(isinstance(k, str) and _positive(v) for k, v in entry["rates"].items()))
+              and all(isinstance(k, str) and _positive(v) for k, v in entry["rates"].items())
+              and isinstance(entry.get("dequant_rates", {}), dict)
+              and all(isinstance(k, str) and _positive(v) for k, v in entry.get("dequant_rates", {}).items())
+              and (entry.get("gemm_flops", 0.0) == 0.0 or _positive(entry.get("gemm_flops"))))
         if not ok:
             return ignored("implausible numbers")
         table[int(t)] = entry
@@ -330,7 +342,9 @@ def load_host(threads: int | None = None, warn: Warn | None = None) -> HostSpeed
                      {k: float(v) for k, v in entry["rates"].items()},
                      f"this machine, measured by `moefit calibrate --host` on {doc.get('created', '?')} "
                      f"({entry['memory_bytes_per_s'] / 1e9:.1f} GB/s, {pick} thread"
-                     f"{'s' if pick != 1 else ''})")
+                     f"{'s' if pick != 1 else ''})",
+                     {k: float(v) for k, v in (entry.get("dequant_rates") or {}).items()},
+                     float(entry.get("gemm_flops") or 0.0))
 
 
 def _positive(x: object) -> bool:

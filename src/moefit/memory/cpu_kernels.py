@@ -39,6 +39,69 @@ SUPER_BLOCK_TYPES = frozenset({"Q4_K", "Q5_K", "Q6_K", "Q2_K", "Q3_K", "IQ4_XS"}
 DISABLE_ENV = "MOEFIT_NO_CKERNELS"
 
 
+#: The runtime's choice of path on a CPU device, by rows (shared by the runtime and the speed
+#: model, :mod:`moefit.plan.speed`, so that the model prices the kernels that run):
+#:
+#: A dense product (``StoredMatrix.matmul``) of at most :func:`small_rows` activation rows
+#: runs the C kernels on the stored blocks; more rows dequantize the matrix (C) and multiply
+#: with ``torch.mm`` (oneDNN's bf16 GEMM). :data:`SMALL_ROWS` by default; where the C kernels
+#: stay faster (:data:`SMALL_ROWS_BY_TYPE`): measured with a 2048 x 1024 matrix, one thread
+#: (AMD EPYC, a loaded 2-core machine, 15 interleaved pairs of 3 products, the median of the
+#: time ratios C / dequantize + mm): Q3_K 0.86 at 32 rows, 1.32 at 64; Q2_K 0.83 / 1.26;
+#: IQ4_XS 0.86 at 64, 1.30 at 128; Q6_K 0.95 at 16, 1.31 at 32 (low-bit super-blocks are
+#: unpacked once per 8 activation rows, the dequantized matrix once per product). At two
+#: threads the C kernels were faster up to 128 rows for Q3_K and IQ4_XS (0.91, 0.87).
+SMALL_ROWS = 8
+SMALL_ROWS_BY_TYPE = {"Q2_K": 32, "Q3_K": 32, "IQ4_XS": 64, "Q6_K": 16}
+
+#: A MoE layer (``moefit.runtime.moe.batch.run_layer``) runs the batched C kernel while its
+#: experts get at most this many tokens each on average (the (token, expert) pairs over the
+#: layer's experts), by the ggml type of the expert's matrices (the smallest over gate, up
+#: and down: :func:`tokens_per_expert`); larger chunks (prefill) run expert by expert, each
+#: matrix dequantized (C) and multiplied by ``torch.mm`` (oneDNN's bf16 kernels). Measured
+#: on the CI machine (AMD EPYC, one thread) with the 1.37B Qwen3-MoE-shaped files of
+#: ``benchmarks/vs_llamacpp.py`` (hidden 1024, 64 experts of width 512, 8 active), one
+#: chunk of 16 .. 256 tokens both ways: the batched kernel is as fast or faster up to
+#: 4-6 tokens per expert for the K-quants (Q4_K_M: 84 against 124 ms at 2 per expert,
+#: 193 / 191 ms at 6, 274 / 218 ms at 9), 20 for Q8_0 (434 / 492 ms at 20, 541 / 494 ms at
+#: 24) and 32 or more for Q4_0 (570 / 650 ms at 32) and BF16 (639 / 644 ms at 32). Q5_K
+#: takes the K-quants' figure and F16 / F32 BF16's (the same kernels, not measured apart);
+#: the other types the kernels read keep the 8 of the first measurement
+#: (:data:`DEFAULT_TOKENS_PER_EXPERT`). The low-bit types, since their super-blocks are
+#: unpacked once per 8 tokens of an expert (``benchmarks``-style interleaved pairs of one
+#: layer, hidden 1024, 64 experts of 512, 8 active, one thread, a loaded machine; time
+#: ratio batched / expert by expert): Q3_K 0.68 at 32 tokens per expert, 1.07 at 64; Q2_K
+#: 0.68 / 1.02; IQ4_XS 0.59 / 0.83 (hidden 2048, 32 experts of 768: 0.90 at 64); IQ2_XXS
+#: 0.72 / 1.17; IQ3_XXS 0.67 at 16, 1.09 at 32; IQ1_M 0.68 / 1.18 (the other IQ types, not
+#: measured, keep 8).
+TOKENS_PER_EXPERT = {"Q4_K": 6, "Q5_K": 6, "Q6_K": 6, "Q8_0": 20, "Q4_0": 32,
+                     "BF16": 32, "F16": 32, "F32": 32, "Q2_K": 48, "Q3_K": 48, "IQ4_XS": 64,
+                     "IQ2_XXS": 48, "IQ3_XXS": 24, "IQ1_M": 24}
+DEFAULT_TOKENS_PER_EXPERT = 8
+
+
+def small_rows(qtype: str) -> int:
+    """Activation rows up to which a dense product with a stored matrix of ``qtype`` runs
+    the C kernels on a CPU device (:data:`SMALL_ROWS_BY_TYPE`, else :data:`SMALL_ROWS`);
+    more rows: dequantize + ``torch.mm``."""
+    return SMALL_ROWS_BY_TYPE.get(qtype, SMALL_ROWS)
+
+
+def tokens_per_expert(qtypes: Iterable[str]) -> int:
+    """Average tokens per expert up to which a MoE layer whose expert matrices are of
+    ``qtypes`` (gate, up, down) runs the batched C kernel (:data:`TOKENS_PER_EXPERT`, the
+    smallest over them, :data:`DEFAULT_TOKENS_PER_EXPERT` for a type not listed); more:
+    expert by expert, dequantize + ``torch.mm``."""
+    return min(TOKENS_PER_EXPERT.get(t, DEFAULT_TOKENS_PER_EXPERT) for t in qtypes)
+
+
+def batched_experts(tokens: int, experts_per_token: int, experts: int, qtypes: Iterable[str]) -> bool:
+    """Whether a step of ``tokens`` tokens, each routed to ``experts_per_token`` of a layer's
+    ``experts``, runs that layer's experts on the batched C kernel (the runtime's test:
+    ``tokens x experts_per_token <= tokens_per_expert(qtypes) x experts``)."""
+    return tokens * experts_per_token <= tokens_per_expert(qtypes) * experts
+
+
 def row_block(qtype: str) -> int:
     """Values per row unit the C kernels need for ``qtype``: 256 for K-quants, else 32."""
     return 256 if qtype in SUPER_BLOCK_TYPES else 32

@@ -51,11 +51,13 @@ from moefit.devices import Device
 from moefit.devices.device import GpuSpeed
 from moefit.devices.host import HostSpeed
 from moefit.ingest.geometry import LayerSpec, ModelGeometry
+from moefit.memory import cpu_kernels
 from moefit.memory.kv import KVFormat, cell_bytes, kv_format, linear_state_bytes
 from moefit.memory.layer_kinds import kind_of
 from moefit.memory.weights import expert_slot_bytes, stored_bytes, stored_change
 from moefit.memory.takes import ATTN_Q_BLOCK
 from moefit.plan.arena import KNOWN_COPIES, arena_moe_seconds
+from moefit.plan.host_paths import dense_products, expert_products, expert_rate
 from moefit.records import record
 
 #: The resources a step's time is charged to, as printed (the "bound").
@@ -248,6 +250,9 @@ class _Layer:
     expert_params: int
     expert_types: tuple[str, ...]
     hidden: int
+    #: the layer's dense matrices a step reads in their stored type (:attr:`Rates.stored`),
+    #: as (ggml type, stored bytes, parameters)
+    stored_mats: tuple[tuple[str, int, int], ...] = ()
     #: layers of the same shape (everything above but the index) share it: their times
     #: are equal at equal residency and routing
     shape: int = 0
@@ -259,11 +264,15 @@ def _layers(geom: ModelGeometry, stored: str = "cuda") -> tuple[_Layer, ...]:
     types = geom.expert_types
     floats = ("F32",) if geom.dtype_bytes == 4 else ("BF16",)
     out, shapes = [], {}
+    mats = getattr(geom.exact, "matrices", ()) if kept else ()
     for l in geom.layers:
-        fields = (sum(geom.tensor_bytes(t) for t in l.tensors) + stored_change(geom, kept, f"blk.{l.index}."),
+        prefix = f"blk.{l.index}."
+        fields = (sum(geom.tensor_bytes(t) for t in l.tensors) + stored_change(geom, kept, prefix),
                   sum(t.numel for t in l.tensors),
                   blobs.get(l.index, 0), sum(t.numel for t in l.expert_tensors),
-                  tuple(types.get(l.index, ())) or floats, geom.hidden_size)
+                  tuple(types.get(l.index, ())) or floats, geom.hidden_size,
+                  tuple((q, kept[n], rows * cols) for n, q, rows, cols, _ in mats
+                        if n in kept and n.startswith(prefix)))
         shape = shapes.setdefault((l.attention, l.moe, *fields), len(shapes))
         out.append(_Layer(l, *fields, shape))
     return tuple(out)
@@ -287,25 +296,39 @@ def layer_time(layer: _Layer, rates: Rates, route: Routing, fmt: KVFormat, dtype
     2 x experts per token)."""
     spec = layer.spec
     a_bytes, a_flops = _attention(spec, fmt, dtype_bytes, tokens, seqs, position, chunk)
-    dense, dense_bound = _roof(layer.dense_bytes + a_bytes, rates.device_bytes_per_s,
-                               2 * tokens * layer.dense_params + a_flops, rates.device_flops,
-                               "device memory", "device compute")
+    if rates.stored == "cpu":       # moefit's CPU device: each product on the path it takes
+        t_mem = (layer.dense_bytes + a_bytes) / rates.device_bytes_per_s
+        t_comp = dense_products(layer, rates, tokens) + a_flops / rates.device_flops
+        dense, dense_bound = (t_mem, "device memory") if t_mem >= t_comp else (t_comp, "device compute")
+    else:
+        dense, dense_bound = _roof(layer.dense_bytes + a_bytes, rates.device_bytes_per_s,
+                                   2 * tokens * layer.dense_params + a_flops, rates.device_flops,
+                                   "device memory", "device compute")
     kind = layer_kind(spec)
     if spec.moe is None:
         return LayerTime(spec.index, kind, dense, dense_bound)
     hit_e, miss_e, hit_p, miss_p = route.expected(spec.index, resident, tokens)
     pair_flops = 2 * layer.expert_params
     blob = layer.blob_bytes
-    # the simulated device multiplies its resident experts with the host's C kernels
-    dev = _roof(hit_e * blob, rates.device_bytes_per_s, hit_p * blob, _expert_rate(layer, rates.host),
-                "device memory", "device compute") if rates.shared else \
-        _roof(hit_e * blob, rates.device_bytes_per_s, hit_p * pair_flops, rates.device_flops,
-              "device memory", "device compute")
+    # the simulated device runs its resident experts with the host's, one path for the step's
+    # (token, expert) pairs (moefit.runtime.moe.batch.applies); llama.cpp ("file"): C kernels
+    paths = rates.stored != "file"
+    batched = not paths or cpu_kernels.batched_experts(tokens, spec.moe.experts_per_token,
+                                                       spec.moe.num_experts, layer.expert_types)
+    if rates.shared:
+        t_mem = hit_e * blob / rates.device_bytes_per_s
+        t_comp = expert_products(layer, rates.host, hit_e, hit_p, batched)
+        dev = (t_mem, "device memory") if t_mem >= t_comp else (t_comp, "device compute")
+    else:
+        dev = _roof(hit_e * blob, rates.device_bytes_per_s, hit_p * pair_flops, rates.device_flops,
+                    "device memory", "device compute")
     if miss_p <= 0:
         return LayerTime(spec.index, kind, dense + dev[0], dense_bound if dense >= dev[0] else dev[1])
     host = rates.host
-    rate = _expert_rate(layer, host)
-    h_mem, h_comp = miss_e * blob / host.memory_bytes_per_s, miss_p * blob / rate
+    if paths and not rates.shared:      # misses on the host: the runtime counts their pairs only
+        batched = miss_p <= cpu_kernels.tokens_per_expert(layer.expert_types) * spec.moe.num_experts
+    h_mem = miss_e * blob / host.memory_bytes_per_s
+    h_comp = expert_products(layer, host, miss_e, miss_p, batched)
     host_t, host_bound = (h_mem, "host memory") if h_mem >= h_comp else (h_comp, "host compute")
     if rates.shared:
         # the simulated device: one machine, one memory; misses run where the rest does
@@ -340,12 +363,6 @@ def layer_time(layer: _Layer, rates: Rates, route: Routing, fmt: KVFormat, dtype
     return LayerTime(spec.index, kind, dense + moe[0], bound, copied)
 
 
-def _expert_rate(layer: _Layer, host: HostSpeed) -> float:
-    """The host's compute roof for one of ``layer``'s experts (weight bytes x rows per s):
-    the blob's matrices (gate, up, down) taken as thirds of it, each at its type's rate."""
-    return len(layer.expert_types) / sum(1 / host.rate(t) for t in layer.expert_types)
-
-
 def crossover(layer: _Layer, rates: Rates) -> float:
     """Tokens per missing expert from which ``--miss-policy auto`` copies a layer's misses
     through the weight arena instead of computing them on the host: the smallest ``n`` at
@@ -374,7 +391,7 @@ def crossover(layer: _Layer, rates: Rates) -> float:
 def _crossover(layer: _Layer, rates: Rates) -> float:
     """:func:`crossover`, computed."""
     blob, host, link = layer.blob_bytes, rates.host, rates.link_bytes_per_s
-    m, s = blob / host.memory_bytes_per_s, blob / _expert_rate(layer, host)
+    m, s = blob / host.memory_bytes_per_s, blob / expert_rate(layer, host)
     r = layer.hidden * ROW_VALUE_BYTES / link
     a = max(blob / link, blob / rates.device_bytes_per_s)
     c = 2 * layer.expert_params / rates.device_flops
@@ -406,7 +423,7 @@ def miss_crossovers(geom: ModelGeometry, rates: Rates | None) -> dict[int, float
     figures): :data:`LLAMACPP_OFFLOAD_MIN_BATCH` for every layer, llama.cpp's rule."""
     if rates is None:
         return {l.index: float(LLAMACPP_OFFLOAD_MIN_BATCH) for l in geom.moe_layers}
-    return {l.spec.index: crossover(l, rates) for l in _cached_layers(geom, rates.stored)
+    return {l.spec.index: crossover(l, rates) for l in cached_layers(geom, rates.stored)
             if l.spec.moe is not None}
 
 
@@ -433,7 +450,7 @@ class StepTime:
         return sum(l.seconds for l in self.layers) + self.head_seconds
 
 
-def _head(geom: ModelGeometry, rates: Rates, rows: int) -> float:
+def head_seconds(geom: ModelGeometry, rates: Rates, rows: int) -> float:
     """The output head for ``rows`` rows: the lm_head matrix (the embedding when tied) read
     once, ``2 x rows x vocab x hidden`` FLOP."""
     head = [t for t in geom.global_tensors if t.role == "lm_head"] or \
@@ -454,7 +471,7 @@ def step_time(geom: ModelGeometry, rates: Rates, route: Routing, fmt: KVFormat,
     ``resident``: expert slots per MoE layer index."""
     memo: dict[tuple, LayerTime] = {}
     layers = []
-    for l in _cached_layers(geom, rates.stored):
+    for l in cached_layers(geom, rates.stored):
         index = l.spec.index
         r = resident.get(index, 0)
         key = (l.shape, r, id(route.chances.get(index)))     # layers of one shape: priced once
@@ -465,13 +482,13 @@ def step_time(geom: ModelGeometry, rates: Rates, route: Routing, fmt: KVFormat,
                                        policy=policy, copy_whole=copy_whole, serial=serial,
                                        arena=arena)
         layers.append(t if t.index == index else LayerTime(index, t.kind, t.seconds, t.bound, t.copied))
-    return StepTime(tokens, position, tuple(layers), _head(geom, rates, 1 if chunk else seqs))
+    return StepTime(tokens, position, tuple(layers), head_seconds(geom, rates, 1 if chunk else seqs))
 
 
 _LAYER_CACHE: dict[tuple[int, str], tuple[ModelGeometry, tuple[_Layer, ...]]] = {}
 
 
-def _cached_layers(geom: ModelGeometry, stored: str = "cuda") -> tuple[_Layer, ...]:
+def cached_layers(geom: ModelGeometry, stored: str = "cuda") -> tuple[_Layer, ...]:
     """:func:`_layers` of ``geom``, computed once per geometry object and ``stored``."""
     hit = _LAYER_CACHE.get((id(geom), stored))
     if hit is None or hit[0] is not geom:
@@ -551,36 +568,6 @@ def prefill_steps(context: int, chunk: int, prompt_tokens: int | None, policy: s
     return out
 
 
-def layer_groups(geom: ModelGeometry, route: Routing, resident: dict[int, int],
-                 stored: str = "cuda") -> list[tuple]:
-    """The layers of ``geom`` as (a layer, its expert slots, how many layers alike): layers
-    of one shape (:attr:`_Layer.shape`), routing and residency take the same time;
-    ``stored``: as :attr:`Rates.stored`."""
-    groups: dict[tuple, list] = {}
-    chances = route.chances
-    for l in _cached_layers(geom, stored):
-        index = l.spec.index
-        r = resident.get(index, 0)
-        g = groups.get((l.shape, r, id(chances.get(index))))
-        if g is None:
-            groups[(l.shape, r, id(chances.get(index)))] = [l, r, 1]
-        else:
-            g[2] += 1
-    return [tuple(g) for g in groups.values()]
-
-
-def step_seconds(geom: ModelGeometry, rates: Rates, route: Routing, fmt: KVFormat,
-                 groups: list[tuple], *, tokens: int, seqs: int, position: int,
-                 chunk: bool, policy: str, arena: int | None = None) -> float:
-    """:func:`step_time`'s seconds for the layers of :func:`layer_groups`, each group
-    priced once (what a search over many plans, :mod:`moefit.plan.throughput`, runs on)."""
-    total = sum(n * layer_time(l, rates, route, fmt, geom.dtype_bytes, tokens=tokens, seqs=seqs,
-                               position=position, chunk=chunk, resident=r, policy=policy,
-                               arena=arena).seconds
-                for l, r, n in groups)
-    return total + _head(geom, rates, 1 if chunk else seqs)
-
-
 def predict(geom: ModelGeometry, rates: Rates, fmt: KVFormat, resident: dict[int, int], *,
             context: int, chunk: int, seqs: int, policy: str,
             prompt_tokens: int | None = None, profile: dict[int, dict[int, int]] | None = None,
@@ -637,35 +624,3 @@ def predict_plan(plan, host: HostSpeed, *, prompt_tokens: int | None = None,
                     pool=plan.pool_cells, arena=ring or None)
     cross = tuple(sorted(miss_crossovers(plan.geometry, rates).items()))
     return replace(speed, crossover=cross)
-
-
-#: llama.cpp's cache types (K, V) as moefit's KV formats of the same bytes per value
-_LLAMA_KV = {("f16", "f16"): "fp16", ("bf16", "bf16"): "bf16", ("f32", "f32"): "fp32",
-             ("q8_0", "q8_0"): "int8", ("q8_0", "q4_0"): "k8v4", ("q4_0", "q4_0"): "int4"}
-
-
-def predict_llamacpp(geom: ModelGeometry, device: Device, host: HostSpeed, *, context: int,
-                     ubatch: int, seqs: int, cpu_layers, type_k: str, type_v: str,
-                     prompt_tokens: int | None = None,
-                     profile: dict[int, dict[int, int]] | None = None) -> Speed | None:
-    """The predicted speed of a ``llama-server`` command (``moefit plan --engine llama.cpp``)
-    for ``geom`` as the GGUF file it runs: the experts of ``cpu_layers`` stay in host memory,
-    every other layer's on the device; prompts are processed in micro-batches of ``ubatch``
-    tokens. For a micro-batch of :data:`LLAMACPP_OFFLOAD_MIN_BATCH` tokens or more the
-    CPU-resident expert tensors are copied whole to the device and multiplied there, below
-    it they are multiplied on the CPU (a decode step of fewer sequences); the graph's
-    splits run one after another (``serial``). KV types without a moefit format of the
-    same size are priced as f16. None when the device has no figures."""
-    rates = rates_for(device, host)
-    if rates is None:
-        return None
-    rates = replace(rates, stored="file")       # llama.cpp reads every matrix as stored
-    cpu = set(cpu_layers)
-    resident = {l.index: 0 if l.index in cpu else l.moe.num_experts for l in geom.moe_layers}
-    fmt = kv_format(_LLAMA_KV.get((type_k, type_v), "fp16"))
-    big = lambda n: "copy" if n >= LLAMACPP_OFFLOAD_MIN_BATCH else "cpu"  # noqa: E731
-    speed = predict(geom, rates, fmt, resident, context=context, chunk=ubatch, seqs=seqs,
-                    policy=big(ubatch), decode_policy=big(seqs), prompt_tokens=prompt_tokens,
-                    profile=profile, copy_whole=True, serial=True)
-    return replace(speed, policy=f"llama.cpp copies the CPU's expert tensors for micro-batches "
-                                 f"of {LLAMACPP_OFFLOAD_MIN_BATCH} tokens or more")

@@ -6,7 +6,7 @@ bandwidth of DDR4 / DDR5 DIMM channels, JEDEC JESD79-4 / JESD79-5) and threads, 
 experts live, and the measured prefill / decode tokens/s. :func:`predict_run` prices it as
 a user's plan would be priced:
 
-- ``llama.cpp`` (``--n-cpu-moe N`` / ``-ot exps=CPU``): :func:`~moefit.plan.speed.predict_llamacpp`
+- ``llama.cpp`` (``--n-cpu-moe N`` / ``-ot exps=CPU``): :func:`~moefit.plan.llamacpp_speed.predict_llamacpp`
   with the experts of the first N MoE layers (or all) in host memory, the file's geometry from
   :func:`~moefit.ingest.gguf_mix.gguf_geometry`;
 - ``ktransformers`` (routed experts on the CPU, attention and shared experts on the GPU):
@@ -34,7 +34,8 @@ from moefit.devices.host import default_host_speed
 from moefit.ingest.gguf_mix import gguf_geometry
 from moefit.ingest.resolve import load_model
 from moefit.memory.kv import kv_format
-from moefit.plan.speed import predict, predict_llamacpp, rates_for
+from moefit.plan.llamacpp_speed import predict_llamacpp
+from moefit.plan.speed import predict, rates_for
 from moefit.records import record
 
 #: the engines a run may name

@@ -30,10 +30,11 @@ import math
 from moefit.devices import Device
 from moefit.devices.host import HostSpeed
 from moefit.ingest.geometry import ModelGeometry
-from moefit.memory.kv import kv_format
+from moefit.memory.kv import KVFormat, kv_format
 from moefit.memory.weights import default_arena_slots, spread_slots
 from moefit.plan.request import Request
-from moefit.plan.speed import Speed, layer_groups, prefill_steps, rates_for, routing, step_seconds
+from moefit.plan.speed import (Rates, Routing, Speed, cached_layers, head_seconds, layer_time, prefill_steps,
+                               rates_for, routing)
 from moefit.records import record
 
 OBJECTIVES = ("balanced", "prefill", "decode")
@@ -80,6 +81,36 @@ class Workload:
         if speed is None:
             return -math.inf
         return self.score(speed.prefill.tokens_per_s, speed.decode.tokens_per_s, prompt)
+
+
+def layer_groups(geom: ModelGeometry, route: Routing, resident: dict[int, int],
+                 stored: str = "cuda") -> list[tuple]:
+    """The layers of ``geom`` as (a layer, its expert slots, how many layers alike): layers
+    of one shape (:attr:`moefit.plan.speed._Layer.shape`), routing and residency take the same time;
+    ``stored``: as :attr:`moefit.plan.speed.Rates.stored`."""
+    groups: dict[tuple, list] = {}
+    chances = route.chances
+    for l in cached_layers(geom, stored):
+        index = l.spec.index
+        r = resident.get(index, 0)
+        g = groups.get((l.shape, r, id(chances.get(index))))
+        if g is None:
+            groups[(l.shape, r, id(chances.get(index)))] = [l, r, 1]
+        else:
+            g[2] += 1
+    return [tuple(g) for g in groups.values()]
+
+
+def step_seconds(geom: ModelGeometry, rates: Rates, route: Routing, fmt: KVFormat,
+                 groups: list[tuple], *, tokens: int, seqs: int, position: int,
+                 chunk: bool, policy: str, arena: int | None = None) -> float:
+    """:func:`moefit.plan.speed.step_time`'s seconds for the layers of :func:`layer_groups`, each group
+    priced once (what a search over many plans, :mod:`moefit.plan.throughput`, runs on)."""
+    total = sum(n * layer_time(l, rates, route, fmt, geom.dtype_bytes, tokens=tokens, seqs=seqs,
+                               position=position, chunk=chunk, resident=r, policy=policy,
+                               arena=arena).seconds
+                for l, r, n in groups)
+    return total + head_seconds(geom, rates, 1 if chunk else seqs)
 
 
 def throughputs(geom: ModelGeometry, device: Device, req: Request, context: int,

@@ -87,6 +87,15 @@ PROBE_ROWS = 8
 #: bandwidth: a BF16 row is bound by its arithmetic on some cores (2.5 GB/s at one thread on
 #: the loaded 2-core CI machine, where Q8_0's product reads 8-9 GB/s), so the faster of the two
 PROBE_MEMORY_TYPES = ("BF16", "Q8_0")
+#: The large-product path's probe (a prefill chunk past :func:`moefit.memory.cpu_kernels.
+#: small_rows`): each type dequantized to bf16 (the C kernels, what ``StoredMatrix.matmul``
+#: and an expert run one by one do) from :data:`PROBE_DEQUANT_BYTES` of the
+#: :data:`PROBE_BIG` buffer (past the caches, as a step's weights are) in :data:`PROBE_SMALL`
+#: blocks into one bf16 tile (the runtime's workspace tile, which stays cached), and ``torch.mm``
+#: in bf16 of :data:`PROBE_GEMM` = (activation rows, weight rows, columns): a 256-token chunk
+#: against a 1024 x 2048 weight (1.07 GFLOP, tens of ms at one thread).
+PROBE_GEMM = (256, 1024, 2048)
+PROBE_DEQUANT_BYTES = 16 << 20
 
 
 def _best_seconds(run, repeats: int) -> float:
@@ -98,14 +107,19 @@ def _best_seconds(run, repeats: int) -> float:
     return best
 
 
-def measure_host(threads: list[int], say=print) -> dict[int, tuple[float, dict[str, float]]]:
+def measure_host(threads: list[int], say=print
+                 ) -> dict[int, tuple[float, dict[str, float], dict[str, float], float]]:
     """The host's figures at each of ``threads``: (memory bytes/s, {ggml type: weight bytes x
-    rows per second}) from moefit's C kernels (:func:`moefit.runtime.kernels.qmatmul.gemm`): one
+    rows per second}, {ggml type: stored bytes dequantized per second}, bf16 GEMM FLOP/s)
+    (:class:`moefit.devices.host.HostSpeed`'s figures) from moefit's C kernels (:func:`moefit.runtime.kernels.qmatmul.gemm`): one
     activation row against the :data:`PROBE_BIG` matrix's bytes as each type of
     :data:`PROBE_MEMORY_TYPES` (the bytes read per second, best of three runs, the faster
     type), and :data:`PROBE_ROWS` rows against a :data:`PROBE_SMALL` matrix of each
     type this build multiplies (:func:`moefit.runtime.kernels.qmatmul.supports`; random
-    bytes: the kernels' speed does not depend on the values), best of five.
+    bytes: the kernels' speed does not depend on the values), best of five;
+    :data:`PROBE_DEQUANT_BYTES` of each type dequantized to bf16
+    (:func:`moefit.runtime.kernels.qmatmul.dequantize`), best of two, and ``torch.mm`` of a :data:`PROBE_GEMM` bf16 product (``torch.set_num_threads``
+    at the count), ``2 x rows x weight rows x columns`` FLOP over the best of three.
     Raises InputError when the C kernels are not available."""
     if not qmatmul.available():
         raise InputError(f"calibrate --host measures moefit's C kernels, which are not available "
@@ -122,8 +136,9 @@ def measure_host(threads: list[int], say=print) -> dict[int, tuple[float, dict[s
             m = big[:n * lib.mf_row_bytes(qmatmul.CTYPES[qtype], cols)]
             sec = _best_seconds(lambda: qmatmul.gemm(x1, m, qtype, n, cols, threads=t), 3)
             bw = max(bw, m.numel() / sec)
-        rates = {}
+        rates, dequant = {}, {}
         r, c = PROBE_SMALL
+        tile = torch.empty((r, c), dtype=torch.bfloat16)
         xs = torch.randn(PROBE_ROWS, c)
         for qtype in (t for t in qmatmul.CTYPES if qmatmul.supports(t, c)):
             raw = torch.randint(0, 64, (r * lib.mf_row_bytes(qmatmul.CTYPES[qtype], c),),
@@ -131,9 +146,30 @@ def measure_host(threads: list[int], say=print) -> dict[int, tuple[float, dict[s
             qmatmul.gemm(xs, raw, qtype, r, c, threads=t)          # warm the caches
             sec = _best_seconds(lambda: qmatmul.gemm(xs, raw, qtype, r, c, threads=t), 5)
             rates[qtype] = PROBE_ROWS * raw.numel() / sec
+            step = r * lib.mf_row_bytes(qmatmul.CTYPES[qtype], c)
+            blocks = min(PROBE_DEQUANT_BYTES, big.numel()) // step
+            src = big[:blocks * step] if blocks else raw          # a test's small buffer
+
+            def walk(src=src, step=step, qtype=qtype):
+                for o in range(0, src.numel(), step):
+                    qmatmul.dequantize(src[o:o + step], qtype, r, c, tile, threads=t)
+            sec = _best_seconds(walk, 2)
+            dequant[qtype] = src.numel() / sec
+        before = torch.get_num_threads()
+        torch.set_num_threads(t)
+        try:
+            m_, n_, k_ = PROBE_GEMM
+            a, w = torch.randn(m_, k_).bfloat16(), torch.randn(n_, k_).bfloat16()
+            o = torch.empty((m_, n_), dtype=torch.bfloat16)
+            torch.mm(a, w.t(), out=o)                               # oneDNN's first call
+            gemm = 2 * m_ * n_ * k_ / _best_seconds(lambda: torch.mm(a, w.t(), out=o), 3)
+        finally:
+            torch.set_num_threads(before)
         say(f"threads {t}: memory {bw / 1e9:.1f} GB/s; kernels (GB/s of weights x rows): "
-            + ", ".join(f"{k} {v / 1e9:.0f}" for k, v in rates.items()))
-        out[t] = (bw, rates)
+            + ", ".join(f"{k} {v / 1e9:.0f}" for k, v in rates.items())
+            + "; dequantize (GB/s stored): " + ", ".join(f"{k} {v / 1e9:.1f}" for k, v in dequant.items())
+            + f"; bf16 GEMM {gemm / 1e9:.0f} GFLOP/s")
+        out[t] = (bw, rates, dequant, gemm)
     del big
     gc.collect()
     return out

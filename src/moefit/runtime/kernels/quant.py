@@ -65,7 +65,7 @@ import torch.nn.functional as F
 
 from moefit.errors import InputError
 from moefit.ingest.ggml_types import BLOCKS
-from moefit.memory import gpu_kernels
+from moefit.memory import cpu_kernels, gpu_kernels
 from moefit.memory.cpu_kernels import row_block
 from moefit.memory.staging import DEQUANT_TILE_ELEMS
 from moefit.runtime.kernels import qmatmul
@@ -557,20 +557,15 @@ class StoredMatrix:
     ws: object = None
 
     #: Products of at most this many rows use the C kernels on the stored blocks
-    #: (:meth:`small_rows`: by type, :data:`SMALL_ROWS_BY_TYPE`, else this).
-    SMALL_ROWS = 8
-    #: Where the C kernels stay faster than dequantizing into the workspace and
-    #: ``torch.mm``: measured with a 2048 x 1024 matrix, one thread (AMD EPYC, a loaded
-    #: 2-core machine, 15 interleaved pairs of 3 products, the median of the time ratios
-    #: C / dequantize + mm): Q3_K 0.86 at 32 rows, 1.32 at 64; Q2_K 0.83 / 1.26; IQ4_XS
-    #: 0.86 at 64, 1.30 at 128; Q6_K 0.95 at 16, 1.31 at 32 (low-bit super-blocks are
-    #: unpacked once per 8 activation rows, the dequantized matrix once per product). At two
-    #: threads the C kernels were faster up to 128 rows for Q3_K and IQ4_XS (0.91, 0.87).
-    SMALL_ROWS_BY_TYPE = {"Q2_K": 32, "Q3_K": 32, "IQ4_XS": 64, "Q6_K": 16}
+    #: (:meth:`small_rows`; the figures and their measurement:
+    #: :data:`moefit.memory.cpu_kernels.SMALL_ROWS_BY_TYPE`, shared with the speed model).
+    SMALL_ROWS = cpu_kernels.SMALL_ROWS
+    SMALL_ROWS_BY_TYPE = cpu_kernels.SMALL_ROWS_BY_TYPE
 
     def small_rows(self) -> int:
-        """Rows up to which :meth:`matmul` runs the C kernels on the stored blocks."""
-        return self.SMALL_ROWS_BY_TYPE.get(self.qtype, self.SMALL_ROWS)
+        """Rows up to which :meth:`matmul` runs the C kernels on the stored blocks
+        (:func:`moefit.memory.cpu_kernels.small_rows`)."""
+        return cpu_kernels.small_rows(self.qtype)
 
     @property
     def nbytes(self) -> int:

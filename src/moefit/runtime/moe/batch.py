@@ -26,6 +26,7 @@ import functools
 
 import torch
 
+from moefit.memory import cpu_kernels
 from moefit.memory.host import device_expert_path
 from moefit.runtime.kernels import qmatmul
 from moefit.runtime.kernels.linear import FLOAT_TYPES
@@ -48,34 +49,17 @@ def layer_format(cache, layer: int) -> StoredExpert | None:
 
 
 #: :func:`run_layer` runs a chunk whose experts get at most this many tokens each on
-#: average (the (token, expert) pairs over the layer's experts), by the ggml type of the
-#: expert's matrices (the smallest over gate, up and down); larger chunks (prefill) run
-#: expert by expert, each matrix dequantized (C, :func:`moefit.runtime.kernels.qmatmul.dequantize`)
-#: and multiplied by ``torch.mm`` (oneDNN's bf16 kernels). Measured on the CI machine
-#: (AMD EPYC, one thread) with the 1.37B Qwen3-MoE-shaped files of
-#: ``benchmarks/vs_llamacpp.py`` (hidden 1024, 64 experts of width 512, 8 active), one
-#: chunk of 16 .. 256 tokens both ways: the batched kernel is as fast or faster up to
-#: 4-6 tokens per expert for the K-quants (Q4_K_M: 84 against 124 ms at 2 per expert,
-#: 193 / 191 ms at 6, 274 / 218 ms at 9), 20 for Q8_0 (434 / 492 ms at 20, 541 / 494 ms at
-#: 24) and 32 or more for Q4_0 (570 / 650 ms at 32) and BF16 (639 / 644 ms at 32). Q5_K
-#: takes the K-quants' figure and F16 / F32 BF16's (the same kernels, not measured apart);
-#: the other types the kernels read keep the 8 of the first measurement. The low-bit
-#: types, since their super-blocks are unpacked once per 8 tokens of an expert
-#: (``benchmarks``-style interleaved pairs of one layer, hidden 1024, 64 experts of 512, 8
-#: active, one thread, a loaded machine; time ratio batched / expert by expert): Q3_K 0.68
-#: at 32 tokens per expert, 1.07 at 64; Q2_K 0.68 / 1.02; IQ4_XS 0.59 / 0.83 (hidden 2048,
-#: 32 experts of 768: 0.90 at 64); IQ2_XXS 0.72 / 1.17; IQ3_XXS 0.67 at 16, 1.09 at 32;
-#: IQ1_M 0.68 / 1.18 (the other IQ types, not measured, keep 8).
-TOKENS_PER_EXPERT = {"Q4_K": 6, "Q5_K": 6, "Q6_K": 6, "Q8_0": 20, "Q4_0": 32,
-                     "BF16": 32, "F16": 32, "F32": 32, "Q2_K": 48, "Q3_K": 48, "IQ4_XS": 64,
-                     "IQ2_XXS": 48, "IQ3_XXS": 24, "IQ1_M": 24}
-DEFAULT_TOKENS_PER_EXPERT = 8
+#: average (the figures and their measurement: :data:`moefit.memory.cpu_kernels.
+#: TOKENS_PER_EXPERT`, shared with the speed model); larger chunks run expert by expert.
+TOKENS_PER_EXPERT = cpu_kernels.TOKENS_PER_EXPERT
+DEFAULT_TOKENS_PER_EXPERT = cpu_kernels.DEFAULT_TOKENS_PER_EXPERT
 
 
 def max_tokens_per_expert(fmt: StoredExpert) -> int:
     """Average tokens per expert up to which :func:`run_layer` runs a layer whose experts
-    are stored as ``fmt`` (:data:`TOKENS_PER_EXPERT`, the smallest over its three matrices)."""
-    return min(TOKENS_PER_EXPERT.get(p.qtype, DEFAULT_TOKENS_PER_EXPERT) for p in (fmt.gate, fmt.up, fmt.down))
+    are stored as ``fmt`` (:func:`moefit.memory.cpu_kernels.tokens_per_expert` of its three
+    matrices' types)."""
+    return cpu_kernels.tokens_per_expert(p.qtype for p in (fmt.gate, fmt.up, fmt.down))
 
 
 def applies(cache, layer: int, x: torch.Tensor, experts_per_token: int) -> bool:
@@ -97,7 +81,8 @@ def applies(cache, layer: int, x: torch.Tensor, experts_per_token: int) -> bool:
     fmt = layer_format(cache, layer)
     if fmt is None or not all(qmatmul.supports(p.qtype, p.cols) for p in (fmt.gate, fmt.up, fmt.down)):
         return False
-    return x.shape[0] * experts_per_token <= max_tokens_per_expert(fmt) * cache.host.experts[layer]
+    return cpu_kernels.batched_experts(x.shape[0], experts_per_token, cache.host.experts[layer],
+                                       (p.qtype for p in (fmt.gate, fmt.up, fmt.down)))
 
 
 def scratch_bytes(tokens: int, hidden: int, inter: int, act: torch.dtype) -> int:
