@@ -356,6 +356,7 @@ def test_the_demo_template_renders_tools_calls_and_replies_as_qwen3s_does(tmp_pa
     tok = _demo_tokenizer(tmp_path)
     body = ChatRequest.model_validate({"messages": CALL_TURNS, "tools": [TIME]})
     messages = [m.for_template() for m in body.messages]
+    assert messages[2]["content"] is None          # kept: real templates read it
     assert tok.render_chat(messages, tools=[TIME]) == QWEN3_RENDERED
     # without tools: plain ChatML, as before
     assert tok.render_chat(MESSAGES) == "<|im_start|>user\nweather in Paris?<|im_end|>\n<|im_start|>assistant\n"

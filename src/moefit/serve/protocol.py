@@ -212,7 +212,7 @@ class ChatMessage(BaseModel):
             raise InputError(f"messages: a {self.role!r} message needs content (null only "
                              "for an assistant message)")
         msg = self.model_dump(exclude_none=True)
-        content = self.content
+        msg["content"] = content = self.content      # null kept: templates read message.content
         if isinstance(content, list):
             texts = []
             for part in content:
