@@ -363,3 +363,42 @@ def test_the_demo_template_renders_tools_calls_and_replies_as_qwen3s_does(tmp_pa
     # so auto (and tools without tool_choice) works on the demo
     use = tool_use(_body(tools=[WEATHER]), DEMO_TEMPLATE)
     assert use.mode == "auto" and use.fmt == "hermes"
+
+
+NOARGS = {"type": "function", "function": {"name": "noargs",
+                                           "parameters": {"type": "object", "properties": {}}}}
+
+
+def test_a_function_without_parameters_is_called_with_an_empty_object(client):
+    # before: the schema allowed any key, and the model wrote keys until max_tokens
+    r = client.chat.completions.create(
+        model="tiny", messages=MESSAGES, tools=[NOARGS, WEATHER], max_tokens=48, n=3,
+        temperature=1.0, seed=1, tool_choice={"type": "function", "function": {"name": "noargs"}})
+    for c in r.choices:
+        (call,) = c.message.tool_calls
+        assert json.loads(call.function.arguments) == {}, call.function.arguments
+    open_schema = {"type": "object", "properties": {}, "additionalProperties": True}
+    use = tool_use(_body(tools=[{"type": "function", "function": {
+        "name": "f", "parameters": open_schema}}], tool_choice="required"), CHAT_TEMPLATE)
+    assert use.schema()["items"]["anyOf"][0]["properties"]["parameters"] == open_schema  # as said
+
+
+def test_arguments_cut_by_the_length_limit_are_content_not_a_call(client):
+    r = client.chat.completions.create(
+        model="tiny", messages=MESSAGES, tools=[WEATHER], max_tokens=4, temperature=1.0, seed=1,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    c = r.choices[0]
+    assert c.finish_reason == "length" and c.message.tool_calls is None
+    with pytest.raises(ValueError):
+        json.loads(c.message.content)
+    # streamed likewise
+    deltas, content, finish = [], "", None
+    for chunk in client.chat.completions.create(
+            model="tiny", messages=MESSAGES, tools=[WEATHER], max_tokens=4, temperature=1.0,
+            seed=1, stream=True,
+            tool_choice={"type": "function", "function": {"name": "get_weather"}}):
+        for ch in chunk.choices:
+            deltas += ch.delta.tool_calls or []
+            content += ch.delta.content or ""
+            finish = ch.finish_reason or finish
+    assert deltas == [] and finish == "length" and content == c.message.content
