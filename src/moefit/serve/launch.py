@@ -41,7 +41,8 @@ import time
 import traceback
 from pathlib import Path
 
-from moefit.errors import EXIT_ALLOC, EXIT_INPUT, EXIT_NOFIT, EXIT_OK, EXIT_OTHER, InputError
+from moefit.errors import (EXIT_ALLOC, EXIT_INPUT, EXIT_NOFIT, EXIT_OK, EXIT_OTHER, InputError,
+                           exit_at_once)
 from moefit.flags import plan_from_args, runnable_devices, serve_default_plan
 from moefit.ingest.inputs import is_gguf_file, read_routing_profile, routing_profile_text
 from moefit.ingest.resolve import load_model
@@ -288,30 +289,16 @@ def make_server(state, **config):
         "http": protocol_class(config.pop("header_timeout", HEADER_TIMEOUT_S)), **config}))
 
 
-def _exit_now(sig, frame) -> None:
-    """SIGINT / SIGTERM before the server's own handlers run: one line and exit at once
-    (130 / 143). Raising an exception from the handler (as before) was lost when the signal
-    came while a finalizer ran (``import torch`` runs many): Python prints "Exception
-    ignored" and goes on, and the server went on to READY."""
-    try:
-        sys.stdout.flush()
-    except Exception:  # noqa: BLE001 -- a write in progress: what it held is lost anyway
-        pass
-    line = "moefit: interrupted" + (" (SIGTERM)" if sig == signal.SIGTERM else "")
-    os.write(2, (line + "\n").encode())
-    os._exit(128 + sig)
-
-
 def serve(args: argparse.Namespace) -> int:
     """``moefit serve``: see the module docstring. Returns the exit code.
 
     Until the server's own handlers take over (uvicorn's, :func:`make_server`), SIGINT
     and SIGTERM end the process at once with one line and exit 130 / 143
-    (:func:`_exit_now`), while the plan is solved, the tokenizer read or torch imported;
+    (:func:`moefit.errors.exit_at_once`), while the plan is solved, the tokenizer read or torch imported;
     the previous handlers are restored after."""
     if threading.current_thread() is not threading.main_thread():
         return _serve(args)         # signal handlers belong to the main thread
-    previous = {sig: signal.signal(sig, _exit_now) for sig in (signal.SIGINT, signal.SIGTERM)}
+    previous = {sig: signal.signal(sig, exit_at_once) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         return _serve(args)
     finally:
