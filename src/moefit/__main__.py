@@ -18,6 +18,7 @@ SIGNALS = (signal.SIGINT, signal.SIGTERM)
 def main(argv: list[str] | None = None) -> int:
     """Run the command line (:func:`moefit.cli.main`); returns its exit code."""
     previous = {sig: signal.signal(sig, exit_at_once) for sig in SIGNALS}
+    # after the handlers, by design: this import is the 0.5 s a signal must not interrupt
     from moefit.cli import main as cli_main
 
     return cli_main(argv, signal_handlers=previous)

@@ -17,6 +17,7 @@ import argparse
 import dataclasses
 import json
 import os
+import signal
 import sys
 from importlib.util import find_spec
 
@@ -446,8 +447,6 @@ def main(argv: list[str] | None = None, signal_handlers: dict | None = None) -> 
     command = argv[0] if argv and not argv[0].startswith("-") else None
     args = build_parser(command).parse_args(argv)
     if signal_handlers and args.func is not cmd_serve:
-        import signal
-
         for sig, handler in signal_handlers.items():
             signal.signal(sig, handler)
     try:
