@@ -218,6 +218,10 @@ def test_bad_completion_requests_get_400_with_a_message(client, body, status, ne
     ('{"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}',
      "needs \"text\" as a string"),
     ('{"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}', "tools"),
+    # an unknown key inside a message is refused as an unknown top-level key is
+    ('{"messages": [{"role": "user", "content": "hi", "foo": 1}]}', "unknown field 'messages.0.foo'"),
+    ('{"messages": [{"role": "assistant", "content": null, "audio": {"id": "a"}}, '
+     '{"role": "user", "content": "hi"}]}', "audio"),
 ])
 def test_bad_chat_requests_get_400_and_the_server_stays_up(client, raw, needle):
     r = client.post("/v1/chat/completions", content=raw,
@@ -319,3 +323,14 @@ def test_suffix_is_a_fim_prompt_where_the_vocabulary_has_fim_tokens(served):
             *tok.encode("lazy dog", add_special_tokens=False), fillers[2][0]]
     assert choice["prompt_token_ids"] == want
     assert choice["text"].startswith("the quick")            # echo: the prompt as sent
+
+
+def test_openais_message_fields_reach_the_template(client):
+    msgs = [{"role": "system", "content": "s", "name": "boss"},
+            {"role": "user", "content": "hi", "name": "ann"},
+            {"role": "assistant", "content": "ok", "refusal": None, "reasoning_content": "r",
+             "function_call": None},
+            {"role": "tool", "content": "12", "tool_call_id": "call_1"},
+            {"role": "user", "content": "more"}]
+    r = client.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 2})
+    assert r.status_code == 200, r.text

@@ -194,13 +194,26 @@ class TextPart(_Body):
 
 
 class ChatMessage(BaseModel):
-    """One message; extra keys (``name``, ``tool_calls``, ``reasoning_content``) are kept
-    for the chat template. ``content`` is required; it may be null only for an
-    ``assistant`` message (one that made tool calls)."""
+    """One message: OpenAI's fields (``name``, ``tool_calls``, ``tool_call_id``,
+    ``refusal``, the legacy ``function_call``; ``audio`` is refused) and the reasoning the
+    chat templates read (``reasoning_content``: Qwen3's, DeepSeek's and vLLM's;
+    ``reasoning``: vLLM's newer name; ``thinking``: gpt-oss's), all kept for the chat
+    template; any other key is a 400 naming it, as an unknown key of the request is.
+    ``content`` is required; it may be null only for an ``assistant`` message (one that
+    made tool calls)."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="forbid")
     role: str
     content: str | list[TextPart | dict[str, Any]] | None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+    refusal: str | None = None
+    function_call: dict[str, Any] | None = None
+    audio: dict[str, Any] | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+    thinking: str | None = None
 
     def for_template(self) -> dict:
         """The message as the template sees it: text parts joined by newlines. Raises
@@ -208,6 +221,9 @@ class ChatMessage(BaseModel):
         if self.role not in CHAT_ROLES:
             raise InputError(f"messages: role {self.role!r} is not a chat role; use one of "
                              f"{', '.join(CHAT_ROLES)}")
+        if self.audio is not None:
+            raise InputError("messages: an assistant message's audio (a reference to an "
+                             "earlier audio reply) is not supported: moefit has no audio")
         if self.content is None and self.role != "assistant":
             raise InputError(f"messages: a {self.role!r} message needs content (null only "
                              "for an assistant message)")
