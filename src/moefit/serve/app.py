@@ -206,7 +206,7 @@ def create_app(state: ServerState) -> FastAPI:
         echo = {index: echoed[index // body.n] for index, _ in jobs} if echoed else None
         head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
                 "created": int(time.time()), "model": state.model_name}
-        run = Run(state, jobs, params)
+        run = Run(state, jobs, params, reuse=body.cache_prompt)
         if body.stream:
             return sse(state, run, completion_chunks(run, head, body, prompts, state.tokenizer,
                                                      echo))
@@ -220,7 +220,8 @@ def create_app(state: ServerState) -> FastAPI:
             if body.return_token_ids:
                 c.update(prompt_token_ids=list(ids), token_ids=res.token_ids)
             choices.append(c)
-        return {**head, "choices": choices, "usage": usage(prompts, results)}
+        return {**head, "choices": choices,
+                "usage": usage(prompts, results, run.cached_tokens(body.n))}
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
@@ -255,7 +256,7 @@ def create_app(state: ServerState) -> FastAPI:
         jobs = [(k, ids) for k in range(body.n)]
         head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",
                 "created": int(time.time()), "model": state.model_name}
-        run = Run(state, jobs, params)
+        run = Run(state, jobs, params, reuse=body.cache_prompt)
         if body.stream:
             return sse(state, run, chat_chunks(run, head, body, [ids], state.tokenizer, use,
                                                reasoning))
@@ -278,7 +279,7 @@ def create_app(state: ServerState) -> FastAPI:
             if body.return_token_ids:
                 c["token_ids"] = res.token_ids
             choices.append(c)
-        out = {**head, "choices": choices, "usage": usage([ids], results)}
+        out = {**head, "choices": choices, "usage": usage([ids], results, run.cached_tokens(body.n))}
         if body.return_token_ids:
             out["prompt_token_ids"] = ids
         return out

@@ -110,6 +110,8 @@ class _Sampling(_Body):
     n: int = Field(1, ge=1, le=16, strict=True)
     stream: bool = Field(False, strict=True)
     stream_options: StreamOptions | None = None
+    # llama-server's: false runs the whole prompt (no cells of a slot's earlier prompt kept)
+    cache_prompt: bool = Field(True, strict=True)
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = Field(
