@@ -402,3 +402,15 @@ def test_arguments_cut_by_the_length_limit_are_content_not_a_call(client):
             content += ch.delta.content or ""
             finish = ch.finish_reason or finish
     assert deltas == [] and finish == "length" and content == c.message.content
+
+
+def test_errors_carry_openais_string_code_or_null_and_the_client_reads_them(client):
+    """OpenAI's error ``code`` is a string or null (the HTTP status is the response's): the
+    official client parses both into its exceptions."""
+    with pytest.raises(openai.NotFoundError) as e:
+        client.chat.completions.create(model="gpt-4", messages=MESSAGES, max_tokens=2)
+    assert e.value.status_code == 404 and e.value.code == "model_not_found"
+    assert "does not exist" in e.value.message
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=0)
+    assert e.value.status_code == 400 and e.value.code is None and e.value.body["code"] is None

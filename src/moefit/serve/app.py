@@ -125,7 +125,8 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
-        return error_response(exc.status, exc.message, exc.kind, exc.param, exc.headers)
+        return error_response(exc.status, exc.message, exc.kind, exc.param, exc.headers,
+                              exc.code)
 
     @app.exception_handler(Exception)
     async def _bug(request: Request, exc: Exception):   # logged by uvicorn; the server stays up
@@ -140,7 +141,7 @@ def create_app(state: ServerState) -> FastAPI:
     def check_model(body) -> None:
         if body.model is not None and body.model != state.model_name:
             raise APIError(404, f"The model `{body.model}` does not exist.",
-                           "invalid_request_error", "model")
+                           "invalid_request_error", "model", code="model_not_found")
 
     @app.get("/health")
     async def health():
@@ -163,7 +164,7 @@ def create_app(state: ServerState) -> FastAPI:
     async def model(model_id: str):
         if model_id != state.model_name:
             raise APIError(404, f"The model `{model_id}` does not exist.",
-                           "invalid_request_error", "model")
+                           "invalid_request_error", "model", code="model_not_found")
         return model_card()
 
     page = resources.files("moefit.serve").joinpath("page.html").read_text(encoding="utf-8")
