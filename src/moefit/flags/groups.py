@@ -211,7 +211,7 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
                         "its slot freed (default 30)")
     s.add_argument("--api-key", default=None, metavar="KEY",
                    help="require `Authorization: Bearer KEY` on every /v1/* route "
-                        "(default: $MOEFIT_API_KEY; /health and /metrics stay open)")
+                        "(default: $MOEFIT_API_KEY; /, /health and /metrics stay open)")
 
 
 def add_sampling_flags(p: argparse.ArgumentParser) -> None:

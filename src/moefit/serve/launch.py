@@ -289,6 +289,15 @@ def make_server(state, **config):
         "http": protocol_class(config.pop("header_timeout", HEADER_TIMEOUT_S)), **config}))
 
 
+#: Routes that answer without the API key (:class:`moefit.serve.guard.Guard` asks it of
+#: /v1/* and /openapi.json only): the budget page (it holds no data and asks for the key),
+#: the health check and the metrics.
+OPEN_ROUTES = ("/", "/health", "/metrics")
+#: What a server with ``--api-key`` says before READY.
+KEY_LINE = ("API key required: every /v1/* route needs `Authorization: Bearer <key>` "
+            f"({', '.join(OPEN_ROUTES[:-1])} and {OPEN_ROUTES[-1]} stay open)")
+
+
 def serve(args: argparse.Namespace) -> int:
     """``moefit serve``: see the module docstring. Returns the exit code.
 
@@ -345,8 +354,7 @@ def _serve(args: argparse.Namespace) -> int:
         gc.freeze()
         state.engine = engine        # /health answers 200 from here on
         if state.api_key:
-            _say("API key required: every /v1/* route needs `Authorization: Bearer <key>` "
-                 "(/health and /metrics stay open)")
+            _say(KEY_LINE)
         _say(ready_line(engine, url))
 
     loader = threading.Thread(target=load, name="moefit-commit", daemon=True)
