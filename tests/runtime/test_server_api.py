@@ -334,3 +334,40 @@ def test_openais_message_fields_reach_the_template(client):
             {"role": "user", "content": "more"}]
     r = client.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 2})
     assert r.status_code == 200, r.text
+
+
+PREFLIGHT = {"Access-Control-Request-Method": "POST",
+             "Access-Control-Request-Headers": "content-type,authorization"}
+
+
+def test_cors_is_off_by_default_and_opt_in_per_origin(served):
+    """The Fetch standard's CORS protocol as a browser runs it: a preflight ``OPTIONS``
+    with ``Origin``, then the request; only the ``--cors-origin`` origins are allowed."""
+    from moefit.serve.launch import cors_origins
+    from moefit.errors import InputError
+
+    state = served[1]
+    page = "http://localhost:3000"
+    body = {"prompt": "hello", "max_tokens": 1}
+    with TestClient(create_app(state)) as c:          # default: no CORS at all
+        r = c.options("/v1/completions", headers={"Origin": page, **PREFLIGHT})
+        assert r.status_code == 405 and "access-control-allow-origin" not in r.headers
+    allowed = dataclasses.replace(state, cors_origins=cors_origins([page + ",http://a.test:8"]),
+                                  api_key="k")
+    with TestClient(create_app(allowed)) as c:
+        r = c.options("/v1/completions", headers={"Origin": page, **PREFLIGHT})
+        assert r.status_code == 200, r.text      # answered before the key check
+        assert r.headers["access-control-allow-origin"] == page
+        assert "POST" in r.headers["access-control-allow-methods"]
+        r = c.post("/v1/completions", json=body,
+                   headers={"Origin": page, "Authorization": "Bearer k"})
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == page
+        r = c.options("/v1/completions", headers={"Origin": "http://evil.test", **PREFLIGHT})
+        assert r.status_code == 400 and "access-control-allow-origin" not in r.headers
+        r = c.post("/v1/completions", json=body,
+                   headers={"Origin": "http://evil.test", "Authorization": "Bearer k"})
+        assert "access-control-allow-origin" not in r.headers
+    assert cors_origins(["http://a:1, https://b", "http://a:1"]) == ("http://a:1", "https://b")
+    for bad in ("*", "localhost:3000", "http://x/path"):
+        with pytest.raises(InputError, match="--cors-origin"):
+            cors_origins([bad])

@@ -63,6 +63,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
 
 from moefit.errors import InputError
 from moefit.serve.bodies import (check_choices, encode_prompt, fim_prompt, parse_body,
@@ -109,6 +110,10 @@ def create_app(state: ServerState) -> FastAPI:
     if state.metrics is None:
         state.metrics = Metrics(state)
     app.add_middleware(Guard, state=state)
+    if state.cors_origins:      # outside the Guard: a preflight carries no key (Fetch spec)
+        app.add_middleware(CORSMiddleware, allow_origins=list(state.cors_origins),
+                           allow_methods=["GET", "POST"],
+                           allow_headers=["Authorization", "Content-Type"], max_age=600)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):

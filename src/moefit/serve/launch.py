@@ -239,6 +239,28 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def cors_origins(values: list[str]) -> tuple[str, ...]:
+    """The origins of ``--cors-origin`` (each value one origin or a comma list), as a
+    browser sends them in ``Origin`` (``scheme://host[:port]``, no path; RFC 6454).
+    Raises InputError for ``*`` (name the pages: any page could then use a loopback server
+    without a key) or a value that is not an origin."""
+    out = []
+    for value in values:
+        for origin in (o.strip() for o in value.split(",")):
+            if not origin:
+                continue
+            if origin == "*":
+                raise InputError("--cors-origin *: name the origins of the pages that may call "
+                                 "the API (http://localhost:3000): any web page could use it")
+            scheme, sep, rest = origin.partition("://")
+            if scheme not in ("http", "https") or not sep or not rest or "/" in rest:
+                raise InputError(f"--cors-origin {origin!r}: not an origin; give "
+                                 "scheme://host[:port] as the browser sends it, e.g. "
+                                 "http://localhost:3000")
+            out.append(origin)
+    return tuple(dict.fromkeys(out))
+
+
 def server_limits(args: argparse.Namespace) -> dict:
     """The ``ServerState`` fields of the admission flags (``moefit.flags.add_serve_flags``),
     unset ones left to the state's defaults; ``--api-key`` else ``MOEFIT_API_KEY``.
@@ -254,6 +276,9 @@ def server_limits(args: argparse.Namespace) -> dict:
         if not value >= low:
             raise InputError(f"{flag} {value}: must be at least {low}")
         out[name] = value
+    origins = cors_origins(getattr(args, "cors_origin", None) or [])
+    if origins:
+        out["cors_origins"] = origins
     flag = getattr(args, "api_key", None)
     if flag is not None and not flag.strip():
         raise InputError("--api-key: empty; give the key clients must send, or leave the flag "
