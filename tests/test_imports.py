@@ -333,6 +333,9 @@ def needless_local_imports(graph: ImportGraph) -> list[tuple[str, int, str]]:
 
 #: Known ones awaiting their owner's change (module, what); empty now.
 KNOWN_LOCAL: set[tuple[str, str]] = set()
+#: Local by design (module, what): the entry point imports the command line after it has
+#: installed its signal handlers (a signal during those 0.5 s of imports: one line, 130).
+DEFERRED = {("moefit.__main__", "moefit.cli")}
 
 
 def test_function_local_imports_are_for_heavy_dependencies_only():
@@ -340,7 +343,7 @@ def test_function_local_imports_are_for_heavy_dependencies_only():
     assert "moefit.serve.app" in heavy_modules(graph)
     assert "moefit.plan.solver" not in heavy_modules(graph)
     new = [(m, line, what) for m, line, what in needless_local_imports(graph)
-           if (m, what) not in KNOWN_LOCAL]
+           if (m, what) not in KNOWN_LOCAL | DEFERRED]
     assert new == [], "import these at module level:\n" + "\n".join(
         f"{m}:{line}: {what}" for m, line, what in new)
 

@@ -100,6 +100,23 @@ def test_plan_shows_the_pool_in_the_kv_line_and_the_json():
     assert kv["bytes"] == 48 * 2048 * 65536 + 4 * 32768 * 8
 
 
+def test_a_pool_cut_to_every_slots_context_or_of_one_slot_is_noted():
+    code, out, _ = _plan("Qwen3-30B-A3B", "--gpu", "RTX 4090", "--max-context", "32K",
+                         "--parallel", "4", "--kv-pool", "100000000000")
+    assert code == 0
+    assert f"{4 * 32768} cells shared by 4 slots" in out        # 4 x 32K: no more is used
+    assert (f"--kv-pool 100000000000 capped at {4 * 32768} cells (4 slots x 32768 tokens"
+            in out), out
+    code, out, _ = _plan("Qwen3-30B-A3B", "--gpu", "RTX 4090", "--max-context", "32K",
+                         "--kv-pool", "64K")
+    assert code == 0
+    assert "32768 cells shared by 1 slot, each" in out and "1 slots" not in out
+    assert "--kv-pool with one slot shares nothing" in out and "--parallel N" in out
+    code, out, _ = _plan("Qwen3-30B-A3B", "--gpu", "RTX 4090", "--max-context", "32K",
+                         "--parallel", "4", "--kv-pool", "64K")
+    assert "kv pool:" not in out                                # as asked: no note
+
+
 @pytest.mark.parametrize("flags,message", [
     (["--max-context", "32K", "--kv-pool", "1000"], "--kv-pool 1000 is smaller than one sequence"),
     (["--max-context", "max", "--kv-pool", "64K"], "--kv-pool 64K fixes the KV cache's size"),

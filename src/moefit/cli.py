@@ -17,6 +17,7 @@ import argparse
 import dataclasses
 import json
 import os
+import signal
 import sys
 from importlib.util import find_spec
 
@@ -441,10 +442,17 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, signal_handlers: dict | None = None) -> int:
+    """Run one command; returns its exit code. ``signal_handlers``: the SIGINT / SIGTERM
+    handlers the entry point (:mod:`moefit.__main__`) replaced by
+    :func:`moefit.errors.exit_at_once` before its imports, put back once the arguments are
+    read (``serve`` keeps exiting at once until its server's handlers take over)."""
     argv = normalize_argv(sys.argv[1:] if argv is None else argv)
     command = argv[0] if argv and not argv[0].startswith("-") else None
     args = build_parser(command).parse_args(argv)
+    if signal_handlers and args.func is not cmd_serve:
+        for sig, handler in signal_handlers.items():
+            signal.signal(sig, handler)
     try:
         return args.func(args)
     except InputError as e:

@@ -19,7 +19,9 @@ and :mod:`moefit.bench.command` return these):
   SIGTERM) for ``serve`` stopped by SIGTERM before it was ready (:class:`Terminated`).
 """
 
+import os
 import signal
+import sys
 
 EXIT_OK, EXIT_OTHER, EXIT_INPUT, EXIT_NOFIT, EXIT_ALLOC = 0, 1, 2, 3, 4
 EXIT_INTERRUPTED = 130
@@ -37,6 +39,22 @@ def exit_code(interrupt: KeyboardInterrupt) -> int:
     """The exit code of an interrupt: 128 + its signal (130 for Ctrl-C, 143 for
     :class:`Terminated`), the shell's convention."""
     return 128 + getattr(interrupt, "signal", signal.SIGINT)
+
+
+def exit_at_once(sig, frame) -> None:
+    """A SIGINT / SIGTERM handler: one line ("moefit: interrupted", "(SIGTERM)" added) and
+    exit 130 / 143 at once (``os._exit``), installed by the entry point before its imports
+    (:mod:`moefit.__main__`) and by ``serve`` until the server's own handlers take over.
+    Raising an exception from the handler instead was lost when the signal came while a
+    finalizer ran (``import torch`` runs many): Python prints "Exception ignored" and goes
+    on; and a KeyboardInterrupt inside an import printed its traceback."""
+    try:
+        sys.stdout.flush()
+    except Exception:  # noqa: BLE001 -- a write in progress: what it held is lost anyway
+        pass
+    line = "moefit: interrupted" + (" (SIGTERM)" if sig == signal.SIGTERM else "")
+    os.write(2, (line + "\n").encode())
+    os._exit(128 + sig)
 
 
 class InputError(ValueError):

@@ -227,6 +227,12 @@ def test_page_with_an_api_key_asks_for_it(state):
         assert c.get("/v1/budget").status_code == 401
         assert c.get("/v1/budget", headers={"Authorization": "Bearer sekrit"}).status_code == 200
     assert "sekrit" not in open_page.text and numbers(open_page.text) == []
+    # what the server says before READY names every route that answers without the key
+    from moefit.serve.launch import KEY_LINE, OPEN_ROUTES
+
+    with TestClient(create_app(keyed)) as c:
+        assert all(c.get(route).status_code == 200 for route in OPEN_ROUTES)
+    assert "(/, /health and /metrics stay open)" in KEY_LINE
     live = page_script(open_page.text, "live")
     assert "r.status === 401" in live and "Authorization" in live
 

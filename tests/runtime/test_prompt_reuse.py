@@ -129,3 +129,33 @@ def test_caches_that_cannot_be_cut_back_are_not_reused(served):
     assert kv.truncatable
     with pytest.raises(ValueError):
         kv.truncate(0, kv.lengths[0] + 1)
+
+
+def test_usage_counts_the_reused_tokens_and_cache_prompt_false_runs_the_whole_prompt(served):
+    """``usage.prompt_tokens_details.cached_tokens`` (OpenAI's field) is the prompt tokens
+    reused, as the scheduler's counter has them; llama-server's ``cache_prompt: false``
+    reuses nothing for that request."""
+    state = _state(served, reuse=True)
+    prompt = [5, 6, 7, 8, 9, 10, 11, 12, 13, 14]
+    with TestClient(create_app(state)) as c:
+        def go(**kw):
+            r = c.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2, **kw})
+            assert r.status_code == 200, r.text
+            return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+        assert go() == 0
+        sch = state._scheduler
+        before = sch.stats.cached_prompt_tokens
+        assert go() == len(prompt) - 1 == sch.stats.cached_prompt_tokens - before
+        before = sch.stats.cached_prompt_tokens
+        assert go(cache_prompt=False) == 0 and sch.stats.cached_prompt_tokens == before
+        # streamed with include_usage: the same count
+        r = c.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2, "stream": True,
+                                            "stream_options": {"include_usage": True}})
+        import json
+        last = [json.loads(l[6:]) for l in r.text.splitlines()
+                if l.startswith("data: {")][-1]
+        assert last["usage"]["prompt_tokens_details"]["cached_tokens"] == len(prompt) - 1
+        assert c.post("/v1/completions", json={"prompt": prompt, "cache_prompt": "no"}
+                      ).status_code == 400
+    state._scheduler.stop(timeout=5)

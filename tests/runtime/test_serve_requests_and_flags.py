@@ -192,6 +192,7 @@ def test_another_model_name_is_404_and_no_model_is_fine(client):
     r = client.post("/v1/completions", json={"model": "gpt-4", "prompt": "hello", "max_tokens": 1})
     assert r.status_code == 404
     assert r.json()["error"]["message"] == "The model `gpt-4` does not exist."
+    assert r.json()["error"]["code"] == "model_not_found"          # OpenAI's string code
     r = client.post("/v1/chat/completions", json={"model": "x", "max_tokens": 1,
                                                   "messages": [{"role": "user", "content": "hi"}]})
     assert r.status_code == 404

@@ -92,8 +92,11 @@ def test_greedy_completion_matches_transformers(client, served):
     words = [state.tokenizer.decode([t]) for t in ref]      # special tokens decode to ""
     assert choice["text"] == "".join(" " + w for w in words if w)
     assert choice["finish_reason"] == ("stop" if ref[-1] == EOS else "length")
-    assert r.json()["usage"] == {"prompt_tokens": len(ids), "completion_tokens": len(ref),
-                                 "total_tokens": len(ids) + len(ref)}
+    usage = r.json()["usage"]
+    cached = usage.pop("prompt_tokens_details")["cached_tokens"]
+    assert usage == {"prompt_tokens": len(ids), "completion_tokens": len(ref),
+                     "total_tokens": len(ids) + len(ref)}
+    assert 0 <= cached < len(ids)
     # token-id prompts give the same answer
     r2 = client.post("/v1/completions", json={"prompt": ids, "max_tokens": 12})
     assert r2.json()["choices"][0]["text"] == choice["text"]
@@ -122,7 +125,11 @@ def test_chat_streaming_equals_non_streaming(client, served):
     finals = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]
               and c["choices"][0]["finish_reason"]]
     assert finals == [whole["choices"][0]["finish_reason"]]
-    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == whole["usage"]
+    # the same counts; the stream's prompt was reused from the whole request's slot
+    streamed = chunks[-1]["usage"]
+    assert chunks[-1]["choices"] == [] and streamed["prompt_tokens_details"]["cached_tokens"] > 0
+    assert ({k: v for k, v in streamed.items() if k != "prompt_tokens_details"}
+            == {k: v for k, v in whole["usage"].items() if k != "prompt_tokens_details"})
 
 
 def test_eos_from_generation_config_ends_the_completion(client, served, defaults):
@@ -218,6 +225,10 @@ def test_bad_completion_requests_get_400_with_a_message(client, body, status, ne
     ('{"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}',
      "needs \"text\" as a string"),
     ('{"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}', "tools"),
+    # an unknown key inside a message is refused as an unknown top-level key is
+    ('{"messages": [{"role": "user", "content": "hi", "foo": 1}]}', "unknown field 'messages.0.foo'"),
+    ('{"messages": [{"role": "assistant", "content": null, "audio": {"id": "a"}}, '
+     '{"role": "user", "content": "hi"}]}', "audio"),
 ])
 def test_bad_chat_requests_get_400_and_the_server_stays_up(client, raw, needle):
     r = client.post("/v1/chat/completions", content=raw,
@@ -261,7 +272,10 @@ def test_echo_prepends_the_prompt_streamed_or_not(client, served):
     r = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 6, "echo": True})
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["text"] == prompt + text
-    assert r.json()["usage"] == plain["usage"]
+    def counts(u):              # the second request may reuse the first's cells
+        return {k: v for k, v in u.items() if k != "prompt_tokens_details"}
+
+    assert counts(r.json()["usage"]) == counts(plain["usage"])
     # a token-id prompt echoes its decoded text; two prompts x n=2 each echo their own
     ids = tokens(state.tokenizer, "hello world")
     r = client.post("/v1/completions", json={"prompt": ids, "max_tokens": 4, "echo": True}).json()
@@ -319,3 +333,51 @@ def test_suffix_is_a_fim_prompt_where_the_vocabulary_has_fim_tokens(served):
             *tok.encode("lazy dog", add_special_tokens=False), fillers[2][0]]
     assert choice["prompt_token_ids"] == want
     assert choice["text"].startswith("the quick")            # echo: the prompt as sent
+
+
+def test_openais_message_fields_reach_the_template(client):
+    msgs = [{"role": "system", "content": "s", "name": "boss"},
+            {"role": "user", "content": "hi", "name": "ann"},
+            {"role": "assistant", "content": "ok", "refusal": None, "reasoning_content": "r",
+             "function_call": None},
+            {"role": "tool", "content": "12", "tool_call_id": "call_1"},
+            {"role": "user", "content": "more"}]
+    r = client.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 2})
+    assert r.status_code == 200, r.text
+
+
+PREFLIGHT = {"Access-Control-Request-Method": "POST",
+             "Access-Control-Request-Headers": "content-type,authorization"}
+
+
+def test_cors_is_off_by_default_and_opt_in_per_origin(served):
+    """The Fetch standard's CORS protocol as a browser runs it: a preflight ``OPTIONS``
+    with ``Origin``, then the request; only the ``--cors-origin`` origins are allowed."""
+    from moefit.serve.launch import cors_origins
+    from moefit.errors import InputError
+
+    state = served[1]
+    page = "http://localhost:3000"
+    body = {"prompt": "hello", "max_tokens": 1}
+    with TestClient(create_app(state)) as c:          # default: no CORS at all
+        r = c.options("/v1/completions", headers={"Origin": page, **PREFLIGHT})
+        assert r.status_code == 405 and "access-control-allow-origin" not in r.headers
+    allowed = dataclasses.replace(state, cors_origins=cors_origins([page + ",http://a.test:8"]),
+                                  api_key="k")
+    with TestClient(create_app(allowed)) as c:
+        r = c.options("/v1/completions", headers={"Origin": page, **PREFLIGHT})
+        assert r.status_code == 200, r.text      # answered before the key check
+        assert r.headers["access-control-allow-origin"] == page
+        assert "POST" in r.headers["access-control-allow-methods"]
+        r = c.post("/v1/completions", json=body,
+                   headers={"Origin": page, "Authorization": "Bearer k"})
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == page
+        r = c.options("/v1/completions", headers={"Origin": "http://evil.test", **PREFLIGHT})
+        assert r.status_code == 400 and "access-control-allow-origin" not in r.headers
+        r = c.post("/v1/completions", json=body,
+                   headers={"Origin": "http://evil.test", "Authorization": "Bearer k"})
+        assert "access-control-allow-origin" not in r.headers
+    assert cors_origins(["http://a:1, https://b", "http://a:1"]) == ("http://a:1", "https://b")
+    for bad in ("*", "localhost:3000", "http://x/path"):
+        with pytest.raises(InputError, match="--cors-origin"):
+            cors_origins([bad])

@@ -102,6 +102,17 @@ def test_json_schema_on_completions_and_streamed(client):
     assert follows_schema("".join(parts)), parts
 
 
+def test_the_schema_true_is_any_json_value(client):
+    # JSON Schema's boolean schema true (draft 6 on) accepts every JSON value: not a 400
+    r = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "anything"}], temperature=1.0,
+        seed=2, max_tokens=MAX_TOKENS,
+        response_format={"type": "json_schema", "json_schema": {"name": "any", "schema": True}})
+    c = r.choices[0]
+    if c.finish_reason == "stop":
+        json.loads(c.message.content)
+
+
 def test_json_object_output_is_an_object_in_every_sampled_run(client, served):
     # a bias towards '"' and '}' keeps the random model's objects short; unconstrained, the
     # same bias writes no JSON object at all
@@ -135,6 +146,8 @@ def test_json_object_output_is_an_object_in_every_sampled_run(client, served):
     ({"type": "json_schema", "json_schema": {"name": "x"}}, "response_format.json_schema.schema"),
     ({"type": "json_schema"}, "response_format.json_schema"),
     ({"type": "yaml"}, "response_format.type"),
+    ({"type": "json_schema", "json_schema": {"name": "x", "schema": False}},
+     "false accepts no output"),
 ])
 def test_a_bad_response_format_is_a_400_naming_the_field(client, fmt, field):
     with pytest.raises(openai.BadRequestError) as e:

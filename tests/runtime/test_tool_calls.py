@@ -313,3 +313,104 @@ def test_think_before_a_tool_call_is_reasoning_content_not_content(thinking):
     r = thinking.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=400)
     assert r.choices[0].message.model_extra["reasoning_content"] == THOUGHT
     assert r.choices[0].message.content == REPLY
+
+
+# ---- make-demo's template: tools as Qwen3's template renders them -------------------------------
+
+#: What Qwen3's own chat template (Qwen/Qwen3-30B-A3B tokenizer_config.json) renders for a
+#: system message, a user turn, an assistant turn with null content and one call, a tool
+#: reply, offered one tool: written out from that template by hand.
+QWEN3_RENDERED = (
+    '<|im_start|>system\nBe brief.\n\n# Tools\n\nYou may call one or more functions to assist '
+    'with the user query.\n\nYou are provided with function signatures within <tools></tools> '
+    'XML tags:\n<tools>\n' + json.dumps(TIME) + '\n</tools>\n\nFor each function call, return a '
+    'json object with function name and arguments within <tool_call></tool_call> XML tags:\n'
+    '<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
+    '<|im_end|>\n<|im_start|>user\ntime?<|im_end|>\n<|im_start|>assistant\n<tool_call>\n'
+    '{"name": "get_time", "arguments": {"zone": "utc"}}\n</tool_call><|im_end|>\n'
+    '<|im_start|>user\n<tool_response>\n12:00\n</tool_response><|im_end|>\n'
+    '<|im_start|>assistant\n')
+CALL_TURNS = [
+    {"role": "system", "content": "Be brief."}, {"role": "user", "content": "time?"},
+    {"role": "assistant", "content": None, "tool_calls": [{
+        "id": "call_1", "type": "function",
+        "function": {"name": "get_time", "arguments": '{"zone": "utc"}'}}]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "12:00"}]
+
+
+def _demo_tokenizer(tmp_path):
+    from moefit.serve.text import Tokenizer
+    from moefit.tools.demo import CHAT_TEMPLATE as DEMO_TEMPLATE
+
+    from serving import write_byte_tokenizer
+
+    write_byte_tokenizer(tmp_path)
+    tok = Tokenizer.from_dir(tmp_path)
+    tok.chat_template = DEMO_TEMPLATE
+    return tok
+
+
+def test_the_demo_template_renders_tools_calls_and_replies_as_qwen3s_does(tmp_path):
+    from moefit.tools.demo import CHAT_TEMPLATE as DEMO_TEMPLATE
+
+    tok = _demo_tokenizer(tmp_path)
+    body = ChatRequest.model_validate({"messages": CALL_TURNS, "tools": [TIME]})
+    messages = [m.for_template() for m in body.messages]
+    assert messages[2]["content"] is None          # kept: real templates read it
+    assert tok.render_chat(messages, tools=[TIME]) == QWEN3_RENDERED
+    # without tools: plain ChatML, as before
+    assert tok.render_chat(MESSAGES) == "<|im_start|>user\nweather in Paris?<|im_end|>\n<|im_start|>assistant\n"
+    # so auto (and tools without tool_choice) works on the demo
+    use = tool_use(_body(tools=[WEATHER]), DEMO_TEMPLATE)
+    assert use.mode == "auto" and use.fmt == "hermes"
+
+
+NOARGS = {"type": "function", "function": {"name": "noargs",
+                                           "parameters": {"type": "object", "properties": {}}}}
+
+
+def test_a_function_without_parameters_is_called_with_an_empty_object(client):
+    # before: the schema allowed any key, and the model wrote keys until max_tokens
+    r = client.chat.completions.create(
+        model="tiny", messages=MESSAGES, tools=[NOARGS, WEATHER], max_tokens=48, n=3,
+        temperature=1.0, seed=1, tool_choice={"type": "function", "function": {"name": "noargs"}})
+    for c in r.choices:
+        (call,) = c.message.tool_calls
+        assert json.loads(call.function.arguments) == {}, call.function.arguments
+    open_schema = {"type": "object", "properties": {}, "additionalProperties": True}
+    use = tool_use(_body(tools=[{"type": "function", "function": {
+        "name": "f", "parameters": open_schema}}], tool_choice="required"), CHAT_TEMPLATE)
+    assert use.schema()["items"]["anyOf"][0]["properties"]["parameters"] == open_schema  # as said
+
+
+def test_arguments_cut_by_the_length_limit_are_content_not_a_call(client):
+    r = client.chat.completions.create(
+        model="tiny", messages=MESSAGES, tools=[WEATHER], max_tokens=4, temperature=1.0, seed=1,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    c = r.choices[0]
+    assert c.finish_reason == "length" and c.message.tool_calls is None
+    with pytest.raises(ValueError):
+        json.loads(c.message.content)
+    # streamed likewise
+    deltas, content, finish = [], "", None
+    for chunk in client.chat.completions.create(
+            model="tiny", messages=MESSAGES, tools=[WEATHER], max_tokens=4, temperature=1.0,
+            seed=1, stream=True,
+            tool_choice={"type": "function", "function": {"name": "get_weather"}}):
+        for ch in chunk.choices:
+            deltas += ch.delta.tool_calls or []
+            content += ch.delta.content or ""
+            finish = ch.finish_reason or finish
+    assert deltas == [] and finish == "length" and content == c.message.content
+
+
+def test_errors_carry_openais_string_code_or_null_and_the_client_reads_them(client):
+    """OpenAI's error ``code`` is a string or null (the HTTP status is the response's): the
+    official client parses both into its exceptions."""
+    with pytest.raises(openai.NotFoundError) as e:
+        client.chat.completions.create(model="gpt-4", messages=MESSAGES, max_tokens=2)
+    assert e.value.status_code == 404 and e.value.code == "model_not_found"
+    assert "does not exist" in e.value.message
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=0)
+    assert e.value.status_code == 400 and e.value.code is None and e.value.body["code"] is None

@@ -211,7 +211,11 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
                         "its slot freed (default 30)")
     s.add_argument("--api-key", default=None, metavar="KEY",
                    help="require `Authorization: Bearer KEY` on every /v1/* route "
-                        "(default: $MOEFIT_API_KEY; /health and /metrics stay open)")
+                        "(default: $MOEFIT_API_KEY; /, /health and /metrics stay open)")
+    s.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
+                   help="let web pages of ORIGIN (scheme://host[:port]; repeatable or a comma "
+                        "list) call the API from a browser: CORS preflights answered and "
+                        "Access-Control-Allow-Origin set for it (default: none)")
 
 
 def add_sampling_flags(p: argparse.ArgumentParser) -> None:

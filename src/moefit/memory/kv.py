@@ -245,6 +245,23 @@ def pool_cells(context: int, slots: int, pool: int | None) -> int | None:
     return -(-cells // POOL_BLOCK) * POOL_BLOCK
 
 
+def pool_note(context: int, slots: int, pool: int | None) -> str | None:
+    """The plan's note on ``--kv-pool`` (``pool`` tokens asked, ``slots`` sequences of at
+    most ``context`` tokens) when :func:`pool_cells` does not give what was asked: a pool
+    capped at ``slots x context`` cells (more would never be used), or a pool of one slot
+    (it shares nothing: the same cells as without ``--kv-pool``); None otherwise."""
+    cells = pool_cells(context, slots, pool)
+    if cells is None:
+        return None
+    if slots == 1:
+        return (f"kv pool: --kv-pool with one slot shares nothing ({cells} cells, one "
+                f"sequence's context); give --parallel N for N slots sharing the pool")
+    if pool > slots * context:
+        return (f"kv pool: --kv-pool {pool} capped at {cells} cells ({slots} slots x "
+                f"{context} tokens of context: more would never be used)")
+    return None
+
+
 def pooled(att: AttentionSpec) -> bool:
     """The layer's cells come from the shared pool: it keeps per-token cells for the whole
     context (full attention, MLA), not a window's ring or a recurrent state."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from moefit.devices import Device, Host
 from moefit.ingest.geometry import ModelGeometry
+from moefit.memory.kv import pool_note
 from moefit.memory.staging import StagingModel
 from moefit.memory.weights import weight_arena_bytes
 from moefit.plan.host import check_host_flags, with_host
@@ -32,6 +33,8 @@ def solve_budget(geom: ModelGeometry, devices: tuple[Device, ...], req: Request,
     context = resolve_context(geom, req)
     notes: list[str] = [*geom.notes, *rope_notes(geom, req)]
     notes += [d.note for d in devices if d.note]
+    pool = pool_note(context, req.slots, req.kv_pool)
+    notes += [pool] if pool else []
     check_expert_flags(geom, req)
     check_host_flags(geom, req)
     if len(devices) > 1:

@@ -343,7 +343,8 @@ def device_lines(geom: ModelGeometry, device: Device, req: Request, context: int
     kv = kv_bytes(geom, fmt, context, req.slots, chunk, pool)
     seq_word = "sequence" if req.slots == 1 else "sequences"
     kv_detail = (f"{_tokens(context)} x {req.slots} {seq_word}" if pool is None else
-                 f"{pool} cells shared by {req.slots} slots, each up to {_tokens(context)}")
+                 f"{pool} cells shared by {req.slots} slot{'s' if req.slots > 1 else ''}, "
+                 f"each up to {_tokens(context)}")
     kv_detail += f", {fmt.name}, {kv.cache_layers} of {kv.total_layers} layers"
     if kv.state_bytes:
         kv_detail += f" (+ recurrent state of {kv.total_layers - kv.cache_layers})"

@@ -63,6 +63,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
 
 from moefit.errors import InputError
 from moefit.serve.bodies import (check_choices, encode_prompt, fim_prompt, parse_body,
@@ -109,6 +110,10 @@ def create_app(state: ServerState) -> FastAPI:
     if state.metrics is None:
         state.metrics = Metrics(state)
     app.add_middleware(Guard, state=state)
+    if state.cors_origins:      # outside the Guard: a preflight carries no key (Fetch spec)
+        app.add_middleware(CORSMiddleware, allow_origins=list(state.cors_origins),
+                           allow_methods=["GET", "POST"],
+                           allow_headers=["Authorization", "Content-Type"], max_age=600)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):
@@ -125,7 +130,8 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
-        return error_response(exc.status, exc.message, exc.kind, exc.param, exc.headers)
+        return error_response(exc.status, exc.message, exc.kind, exc.param, exc.headers,
+                              exc.code)
 
     @app.exception_handler(Exception)
     async def _bug(request: Request, exc: Exception):   # logged by uvicorn; the server stays up
@@ -140,7 +146,7 @@ def create_app(state: ServerState) -> FastAPI:
     def check_model(body) -> None:
         if body.model is not None and body.model != state.model_name:
             raise APIError(404, f"The model `{body.model}` does not exist.",
-                           "invalid_request_error", "model")
+                           "invalid_request_error", "model", code="model_not_found")
 
     @app.get("/health")
     async def health():
@@ -163,7 +169,7 @@ def create_app(state: ServerState) -> FastAPI:
     async def model(model_id: str):
         if model_id != state.model_name:
             raise APIError(404, f"The model `{model_id}` does not exist.",
-                           "invalid_request_error", "model")
+                           "invalid_request_error", "model", code="model_not_found")
         return model_card()
 
     page = resources.files("moefit.serve").joinpath("page.html").read_text(encoding="utf-8")
@@ -206,7 +212,7 @@ def create_app(state: ServerState) -> FastAPI:
         echo = {index: echoed[index // body.n] for index, _ in jobs} if echoed else None
         head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
                 "created": int(time.time()), "model": state.model_name}
-        run = Run(state, jobs, params)
+        run = Run(state, jobs, params, reuse=body.cache_prompt)
         if body.stream:
             return sse(state, run, completion_chunks(run, head, body, prompts, state.tokenizer,
                                                      echo))
@@ -220,7 +226,8 @@ def create_app(state: ServerState) -> FastAPI:
             if body.return_token_ids:
                 c.update(prompt_token_ids=list(ids), token_ids=res.token_ids)
             choices.append(c)
-        return {**head, "choices": choices, "usage": usage(prompts, results)}
+        return {**head, "choices": choices,
+                "usage": usage(prompts, results, run.cached_tokens(body.n))}
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
@@ -255,7 +262,7 @@ def create_app(state: ServerState) -> FastAPI:
         jobs = [(k, ids) for k in range(body.n)]
         head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",
                 "created": int(time.time()), "model": state.model_name}
-        run = Run(state, jobs, params)
+        run = Run(state, jobs, params, reuse=body.cache_prompt)
         if body.stream:
             return sse(state, run, chat_chunks(run, head, body, [ids], state.tokenizer, use,
                                                reasoning))
@@ -278,7 +285,7 @@ def create_app(state: ServerState) -> FastAPI:
             if body.return_token_ids:
                 c["token_ids"] = res.token_ids
             choices.append(c)
-        out = {**head, "choices": choices, "usage": usage([ids], results)}
+        out = {**head, "choices": choices, "usage": usage([ids], results, run.cached_tokens(body.n))}
         if body.return_token_ids:
             out["prompt_token_ids"] = ids
         return out

@@ -38,7 +38,7 @@ def error_response(status: int, reason: str, message: str) -> bytes:
     """A whole HTTP/1.1 response that closes the connection, its body an error in OpenAI's
     shape (``{"error": {"message", "type", "param", "code"}}``, as the routes answer)."""
     body = json.dumps({"error": {"message": message, "type": "invalid_request_error",
-                                 "param": None, "code": status}}).encode()
+                                 "param": None, "code": None}}).encode()
     return (b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
             b"connection: close\r\n\r\n%s" % (status, reason.encode(), len(body), body))
 

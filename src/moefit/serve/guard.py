@@ -22,17 +22,24 @@ BODY_TOTAL_S = 60.0
 
 
 class APIError(Exception):
+    """An error answered in OpenAI's shape (:func:`error_response`)."""
+
     def __init__(self, status: int, message: str, kind: str = "invalid_request_error",
-                 param: str | None = None, headers: dict | None = None):
+                 param: str | None = None, headers: dict | None = None,
+                 code: str | None = None):
         super().__init__(message)
         self.status, self.message, self.kind, self.param = status, message, kind, param
-        self.headers = headers
+        self.headers, self.code = headers, code
 
 
 def error_response(status: int, message: str, kind: str = "invalid_request_error",
-           param: str | None = None, headers: dict | None = None) -> JSONResponse:
+                   param: str | None = None, headers: dict | None = None,
+                   code: str | None = None) -> JSONResponse:
+    """OpenAI's error body ``{"error": {"message", "type", "param", "code"}}`` with HTTP
+    ``status``: ``code`` is OpenAI's string (``"invalid_api_key"``, ``"model_not_found"``)
+    or null, as its API returns it, not the status number (the status is the response's)."""
     return JSONResponse({"error": {"message": message, "type": kind, "param": param,
-                                   "code": status}}, status_code=status, headers=headers)
+                                   "code": code}}, status_code=status, headers=headers)
 
 
 def _authorized(state: ServerState, headers) -> bool:
@@ -135,7 +142,8 @@ def _early_refusal(st: ServerState, method: str, path: str, headers: dict) -> JS
     if (path.startswith("/v1/") or path == "/openapi.json") and not _authorized(st, headers.items()):
         return error_response(401, "missing or wrong API key: send the header "
                       "`Authorization: Bearer <key>` (the server's --api-key)",
-                      "authentication_error", headers={"WWW-Authenticate": "Bearer", **_CLOSE})
+                      "authentication_error", headers={"WWW-Authenticate": "Bearer", **_CLOSE},
+                      code="invalid_api_key")
     length = headers.get(b"content-length")
     if length is not None and length.isdigit() and int(length) > st.max_body:
         return _too_large(st)

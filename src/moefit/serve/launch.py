@@ -41,7 +41,8 @@ import time
 import traceback
 from pathlib import Path
 
-from moefit.errors import EXIT_ALLOC, EXIT_INPUT, EXIT_NOFIT, EXIT_OK, EXIT_OTHER, InputError
+from moefit.errors import (EXIT_ALLOC, EXIT_INPUT, EXIT_NOFIT, EXIT_OK, EXIT_OTHER, InputError,
+                           exit_at_once)
 from moefit.flags import plan_from_args, runnable_devices, serve_default_plan
 from moefit.ingest.inputs import is_gguf_file, read_routing_profile, routing_profile_text
 from moefit.ingest.resolve import load_model
@@ -238,6 +239,28 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def cors_origins(values: list[str]) -> tuple[str, ...]:
+    """The origins of ``--cors-origin`` (each value one origin or a comma list), as a
+    browser sends them in ``Origin`` (``scheme://host[:port]``, no path; RFC 6454).
+    Raises InputError for ``*`` (name the pages: any page could then use a loopback server
+    without a key) or a value that is not an origin."""
+    out = []
+    for value in values:
+        for origin in (o.strip() for o in value.split(",")):
+            if not origin:
+                continue
+            if origin == "*":
+                raise InputError("--cors-origin *: name the origins of the pages that may call "
+                                 "the API (http://localhost:3000): any web page could use it")
+            scheme, sep, rest = origin.partition("://")
+            if scheme not in ("http", "https") or not sep or not rest or "/" in rest:
+                raise InputError(f"--cors-origin {origin!r}: not an origin; give "
+                                 "scheme://host[:port] as the browser sends it, e.g. "
+                                 "http://localhost:3000")
+            out.append(origin)
+    return tuple(dict.fromkeys(out))
+
+
 def server_limits(args: argparse.Namespace) -> dict:
     """The ``ServerState`` fields of the admission flags (``moefit.flags.add_serve_flags``),
     unset ones left to the state's defaults; ``--api-key`` else ``MOEFIT_API_KEY``.
@@ -253,6 +276,9 @@ def server_limits(args: argparse.Namespace) -> dict:
         if not value >= low:
             raise InputError(f"{flag} {value}: must be at least {low}")
         out[name] = value
+    origins = cors_origins(getattr(args, "cors_origin", None) or [])
+    if origins:
+        out["cors_origins"] = origins
     flag = getattr(args, "api_key", None)
     if flag is not None and not flag.strip():
         raise InputError("--api-key: empty; give the key clients must send, or leave the flag "
@@ -288,18 +314,13 @@ def make_server(state, **config):
         "http": protocol_class(config.pop("header_timeout", HEADER_TIMEOUT_S)), **config}))
 
 
-def _exit_now(sig, frame) -> None:
-    """SIGINT / SIGTERM before the server's own handlers run: one line and exit at once
-    (130 / 143). Raising an exception from the handler (as before) was lost when the signal
-    came while a finalizer ran (``import torch`` runs many): Python prints "Exception
-    ignored" and goes on, and the server went on to READY."""
-    try:
-        sys.stdout.flush()
-    except Exception:  # noqa: BLE001 -- a write in progress: what it held is lost anyway
-        pass
-    line = "moefit: interrupted" + (" (SIGTERM)" if sig == signal.SIGTERM else "")
-    os.write(2, (line + "\n").encode())
-    os._exit(128 + sig)
+#: Routes that answer without the API key (:class:`moefit.serve.guard.Guard` asks it of
+#: /v1/* and /openapi.json only): the budget page (it holds no data and asks for the key),
+#: the health check and the metrics.
+OPEN_ROUTES = ("/", "/health", "/metrics")
+#: What a server with ``--api-key`` says before READY.
+KEY_LINE = ("API key required: every /v1/* route needs `Authorization: Bearer <key>` "
+            f"({', '.join(OPEN_ROUTES[:-1])} and {OPEN_ROUTES[-1]} stay open)")
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -307,11 +328,11 @@ def serve(args: argparse.Namespace) -> int:
 
     Until the server's own handlers take over (uvicorn's, :func:`make_server`), SIGINT
     and SIGTERM end the process at once with one line and exit 130 / 143
-    (:func:`_exit_now`), while the plan is solved, the tokenizer read or torch imported;
+    (:func:`moefit.errors.exit_at_once`), while the plan is solved, the tokenizer read or torch imported;
     the previous handlers are restored after."""
     if threading.current_thread() is not threading.main_thread():
         return _serve(args)         # signal handlers belong to the main thread
-    previous = {sig: signal.signal(sig, _exit_now) for sig in (signal.SIGINT, signal.SIGTERM)}
+    previous = {sig: signal.signal(sig, exit_at_once) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         return _serve(args)
     finally:
@@ -358,8 +379,7 @@ def _serve(args: argparse.Namespace) -> int:
         gc.freeze()
         state.engine = engine        # /health answers 200 from here on
         if state.api_key:
-            _say("API key required: every /v1/* route needs `Authorization: Bearer <key>` "
-                 "(/health and /metrics stay open)")
+            _say(KEY_LINE)
         _say(ready_line(engine, url))
 
     loader = threading.Thread(target=load, name="moefit-commit", daemon=True)

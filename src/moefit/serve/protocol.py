@@ -110,6 +110,8 @@ class _Sampling(_Body):
     n: int = Field(1, ge=1, le=16, strict=True)
     stream: bool = Field(False, strict=True)
     stream_options: StreamOptions | None = None
+    # llama-server's: false runs the whole prompt (no cells of a slot's earlier prompt kept)
+    cache_prompt: bool = Field(True, strict=True)
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = Field(
@@ -194,13 +196,26 @@ class TextPart(_Body):
 
 
 class ChatMessage(BaseModel):
-    """One message; extra keys (``name``, ``tool_calls``, ``reasoning_content``) are kept
-    for the chat template. ``content`` is required; it may be null only for an
-    ``assistant`` message (one that made tool calls)."""
+    """One message: OpenAI's fields (``name``, ``tool_calls``, ``tool_call_id``,
+    ``refusal``, the legacy ``function_call``; ``audio`` is refused) and the reasoning the
+    chat templates read (``reasoning_content``: Qwen3's, DeepSeek's and vLLM's;
+    ``reasoning``: vLLM's newer name; ``thinking``: gpt-oss's), all kept for the chat
+    template; any other key is a 400 naming it, as an unknown key of the request is.
+    ``content`` is required; it may be null only for an ``assistant`` message (one that
+    made tool calls)."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="forbid")
     role: str
     content: str | list[TextPart | dict[str, Any]] | None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+    refusal: str | None = None
+    function_call: dict[str, Any] | None = None
+    audio: dict[str, Any] | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+    thinking: str | None = None
 
     def for_template(self) -> dict:
         """The message as the template sees it: text parts joined by newlines. Raises
@@ -208,11 +223,14 @@ class ChatMessage(BaseModel):
         if self.role not in CHAT_ROLES:
             raise InputError(f"messages: role {self.role!r} is not a chat role; use one of "
                              f"{', '.join(CHAT_ROLES)}")
+        if self.audio is not None:
+            raise InputError("messages: an assistant message's audio (a reference to an "
+                             "earlier audio reply) is not supported: moefit has no audio")
         if self.content is None and self.role != "assistant":
             raise InputError(f"messages: a {self.role!r} message needs content (null only "
                              "for an assistant message)")
         msg = self.model_dump(exclude_none=True)
-        content = self.content
+        msg["content"] = content = self.content      # null kept: templates read message.content
         if isinstance(content, list):
             texts = []
             for part in content:

@@ -13,7 +13,7 @@ from fastapi.responses import StreamingResponse
 
 from moefit.errors import InputError
 from moefit.serve.generation import Step
-from moefit.serve.runs import Run
+from moefit.serve.runs import Run, usage_counts
 from moefit.serve.scheduler import Ended
 from moefit.serve.reasoning import ReasoningSplit
 from moefit.serve.tools import ToolStream
@@ -133,18 +133,14 @@ class _Chunks:
         return f"{self.pre}{json.dumps(c, ensure_ascii=False)}]}}\n\n"
 
 
-def _end(head: dict, body, prompts: list[list[int]], completion_tokens: int) -> str:
-    """A stream's last lines: the usage chunk where ``stream_options.include_usage``, then
-    ``data: [DONE]``."""
-    usage = _usage_chunk(head, prompts, completion_tokens) if body.include_usage else ""
+def _end(head: dict, body, prompts: list[list[int]], completion_tokens: int,
+         cached_tokens: int) -> str:
+    """A stream's last lines: the usage chunk (:func:`moefit.serve.runs.usage_counts`)
+    where ``stream_options.include_usage``, then ``data: [DONE]``."""
+    usage = (_data({**head, "choices": [], "usage": usage_counts(prompts, completion_tokens,
+                                                                 cached_tokens)})
+             if body.include_usage else "")
     return usage + "data: [DONE]\n\n"
-
-
-def _usage_chunk(head: dict, prompts: list[list[int]], completion_tokens: int) -> str:
-    p = sum(len(ids) for ids in prompts)
-    return _data({**head, "choices": [], "usage": {"prompt_tokens": p,
-                                                   "completion_tokens": completion_tokens,
-                                                   "total_tokens": p + completion_tokens}})
 
 
 async def completion_chunks(run: Run, head, body, prompts, tokenizer,
@@ -169,7 +165,7 @@ async def completion_chunks(run: Run, head, body, prompts, tokenizer,
         return [enc.choice(c)]
 
     async for chunk in _stream(run, enc, {"text": "", "logprobs": None}, write,
-                               lambda n: _end(head, body, prompts, n)):
+                               lambda n: _end(head, body, prompts, n, run.cached_tokens(body.n))):
         yield chunk
 
 
@@ -229,7 +225,7 @@ async def chat_chunks(run: Run, head, body, prompts, tokenizer, tools=None,
         return out
 
     async for chunk in _stream(run, enc, {"delta": {}, "logprobs": None}, write,
-                               lambda n: _end(head, body, prompts, n)):
+                               lambda n: _end(head, body, prompts, n, run.cached_tokens(body.n))):
         yield chunk
 
 

@@ -73,7 +73,7 @@ class Run:
     Submitting raises APIError 503 when the wait queue is full or the server is
     stopping."""
 
-    def __init__(self, state: ServerState, jobs, params: Params):
+    def __init__(self, state: ServerState, jobs, params: Params, reuse: bool = True):
         box = _mailbox(asyncio.get_running_loop())
         self.queue: asyncio.Queue = asyncio.Queue()
         self.scheduler = state.scheduler()
@@ -85,7 +85,8 @@ class Run:
             return emit
 
         self.jobs = [Job(list(ids), Decoding(ids, params, state.tokenizer, context, vocab,
-                                             params.generator(index)), emitter(index))
+                                             params.generator(index)), emitter(index),
+                         reuse=reuse)
                      for index, ids in jobs]
         self.indices = [index for index, _ in jobs]
         self.pending = len(self.jobs)
@@ -97,6 +98,15 @@ class Run:
                            headers={"Retry-After": str(RETRY_AFTER_S)}) from None
         except (Stopping, EngineFailed) as e:
             raise APIError(503, str(e), "service_unavailable") from None
+
+    def cached_tokens(self, n: int) -> int:
+        """Prompt tokens reused from a slot's cells (``usage.prompt_tokens_details``), once
+        per prompt: the most any of its ``n`` choices' jobs reused (jobs are indexed
+        ``prompt x n + choice``). Read once the jobs were admitted."""
+        best: dict[int, int] = {}
+        for index, job in zip(self.indices, self.jobs):
+            best[index // n] = max(best.get(index // n, 0), job.cached)
+        return sum(best.values())
 
     def cancel(self) -> None:
         self.scheduler.cancel(self.jobs)
@@ -155,7 +165,15 @@ class Run:
             res.text = "".join(parts[i])
         return [out[i] for i in range(len(self.jobs))]
 
-def usage(prompts: list[list[int]], results: list[Completion]) -> dict:
+def usage_counts(prompts: list[list[int]], completion_tokens: int, cached_tokens: int) -> dict:
+    """A response's ``usage``: OpenAI's counts, with ``prompt_tokens_details.cached_tokens``
+    the prompt tokens whose KV cells a slot already held (prompt reuse: not run)."""
     p = sum(len(ids) for ids in prompts)
-    c = sum(len(r.token_ids) for r in results)
-    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+    return {"prompt_tokens": p, "completion_tokens": completion_tokens,
+            "total_tokens": p + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
+def usage(prompts: list[list[int]], results: list[Completion], cached_tokens: int) -> dict:
+    """:func:`usage_counts` of a finished request's ``results``."""
+    return usage_counts(prompts, sum(len(r.token_ids) for r in results), cached_tokens)

@@ -85,6 +85,8 @@ class Job:
 
     ``emit``: called from the engine thread with each event (module docstring); must not
     block. ``slot``: its KV slot once admitted. ``fed``: prompt tokens in the KV cache.
+    ``reuse``: it may keep a slot's cells of its prompt's prefix (llama-server's
+    ``cache_prompt``); ``cached``: the prompt tokens it kept so.
     """
 
     prompt: list[int]
@@ -98,6 +100,8 @@ class Job:
     submitted: float = field(default_factory=time.monotonic)
     first_token: float | None = None
     last_token: float | None = None
+    reuse: bool = True
+    cached: int = 0
 
 
 @dataclass
@@ -273,7 +277,7 @@ class Scheduler:
             # without a shared prefix: the slot holding least (an empty one), so that the
             # cells worth reusing stay
             best, keep = min(free, key=lambda s: len(self.held[s])), 0
-            if self.reuse:
+            if self.reuse and job.reuse:
                 for s in free:
                     n = _shared(self.held[s], job.prompt, len(job.prompt) - 1)
                     if n > keep:
@@ -285,7 +289,7 @@ class Scheduler:
             if keep:
                 self.engine.model.kv.truncate(best, keep)
                 del self.held[best][keep:]
-                job.fed = keep
+                job.fed = job.cached = keep
                 self.stats.cached_prompt_tokens += keep
             else:
                 if self.engine.model.kv.pool is None:     # (_reserve reset a pooled one)

@@ -35,6 +35,7 @@ class ServerState:
     write_timeout: float = WRITE_TIMEOUT_S
     api_key: str | None = None
     loopback_only: bool = False            # Host and Content-Type checks (Guard)
+    cors_origins: tuple[str, ...] = ()     # --cors-origin: pages that may call the API
     metrics: Any = None                    # moefit.serve.metrics.Metrics, made by create_app
     _scheduler: Scheduler | None = None
     _tokenize: Any = None                  # anyio.CapacityLimiter, made on first use

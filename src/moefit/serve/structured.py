@@ -131,6 +131,11 @@ def schema_of(response_format: dict[str, Any]) -> dict | None:
         raise InputError('response_format.json_schema: required with "type": "json_schema", '
                          'as {"name": ..., "schema": {...}}')
     schema = spec.get("schema")
+    if schema is True:          # JSON Schema's boolean "anything" (draft 6 on): any JSON value
+        return {}
+    if schema is False:
+        raise InputError("response_format.json_schema.schema: false accepts no output at all; "
+                         "send a schema some JSON follows (true: any JSON)")
     if not isinstance(schema, dict):
         raise InputError("response_format.json_schema.schema: must be a JSON Schema object "
                          f"(got {type(schema).__name__ if schema is not None else 'nothing'})")

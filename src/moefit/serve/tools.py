@@ -80,14 +80,19 @@ class ToolUse:
     parallel: bool = True
 
     def schema(self) -> dict | None:
-        """The JSON Schema the output must follow (named / required), else None."""
+        """The JSON Schema the output must follow (named / required), else None. A function's
+        ``parameters`` are read as OpenAI's strict function schemas are (and xgrammar's
+        ``strict_mode``, vLLM's default): an object that lists ``properties`` and says
+        nothing of ``additionalProperties`` takes no other keys (:func:`closed`), else an
+        empty ``properties`` lets the model write keys until the length limit."""
         if self.mode == "named":
             fn = next(t["function"] for t in self.tools if t["function"]["name"] == self.name)
-            return fn.get("parameters") or {"type": "object"}
+            return closed(fn.get("parameters") or {"type": "object"})
         if self.mode == "required":
             one = [{"type": "object", "properties": {"name": {"const": t["function"]["name"]},
-                                                     "parameters": t["function"].get("parameters")
-                                                     or {"type": "object"}},
+                                                     "parameters": closed(
+                                                         t["function"].get("parameters")
+                                                         or {"type": "object"})},
                     "required": ["name", "parameters"], "additionalProperties": False}
                    for t in self.tools]
             return {"type": "array", "minItems": 1, "items": {"anyOf": one},
@@ -98,6 +103,10 @@ class ToolUse:
         """``(content, tool_calls)`` of a finished output ``text`` (module docstring; harmony
         reads ``token_ids`` through ``tokenizer`` with the special tokens)."""
         if self.mode == "named":
+            try:
+                json.loads(text)
+            except ValueError:              # cut by max_tokens: no call of invalid arguments
+                return text, []
             return None, [_call(self.name, text)]
         if self.mode == "required":
             try:
@@ -111,6 +120,30 @@ class ToolUse:
                                                                 skip_special_tokens=False))
             return (content, calls) if calls else (text, [])
         return parse_hermes(text)
+
+
+def closed(schema: Any) -> Any:
+    """``schema`` (a JSON Schema) with ``"additionalProperties": false`` added to every
+    object schema that has ``properties`` and neither ``additionalProperties`` nor
+    ``patternProperties``: the reading of OpenAI's strict function schemas
+    (platform.openai.com/docs/guides/function-calling, "strict mode"). A new value; the
+    input is not changed."""
+    if isinstance(schema, list):
+        return [closed(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for k, v in schema.items():
+        if k in ("properties", "patternProperties", "$defs", "definitions") and isinstance(v, dict):
+            out[k] = {name: closed(sub) for name, sub in v.items()}    # name -> schema maps
+        elif k in ("const", "enum", "default", "examples"):
+            out[k] = v                                                  # values, not schemas
+        else:
+            out[k] = closed(v)
+    if (isinstance(schema.get("properties"), dict) and "additionalProperties" not in schema
+            and "patternProperties" not in schema):
+        out["additionalProperties"] = False
+    return out
 
 
 def _call(name: str, arguments: Any) -> dict:

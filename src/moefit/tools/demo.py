@@ -15,7 +15,7 @@ directory made here without any download:
 - ``tokenizer.json``: a byte-level BPE (GPT-2 / Qwen style, ``tokenizers`` library)
   trained at write time on :data:`TEXT`, with Qwen's ChatML special tokens; every string
   encodes (byte fallback through the 256-symbol byte alphabet);
-- ``tokenizer_config.json``: the ChatML chat template and the special tokens;
+- ``tokenizer_config.json``: the ChatML chat template (with Qwen3's tool calls) and the special tokens;
 - ``generation_config.json``: ``eos_token_id`` (``<|im_end|>``, ``<|endoftext|>``), greedy.
 
 The weights are random: the model answers with fluent-looking nonsense. The demo is for
@@ -121,12 +121,43 @@ green and blue. Write a short poem about the sea, the sky and the wind.
 """
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
-#: ChatML, as Qwen's templates write it (a system message when given, then the turns).
+#: ChatML with function calling, as Qwen3's chat template writes it (Qwen/Qwen3-30B-A3B
+#: tokenizer_config.json, its thinking parts left out): with ``tools``, a system message
+#: listing them in a hermes ``<tools>`` block (after the request's own system text); an
+#: assistant's ``tool_calls`` as ``<tool_call>`` blocks after its content (which may be null);
+#: consecutive ``tool`` messages as ``<tool_response>`` blocks in one user turn.
 CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+    "{%- if tools %}{{- '<|im_start|>system\\n' }}"
+    "{%- if messages[0].role == 'system' %}{{- messages[0].content + '\\n\\n' }}{%- endif %}"
+    "{{- '# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' }}{{- tool | tojson }}{%- endfor %}"
+    "{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name "
+    "and arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n"
+    "{\"name\": <function-name>, \"arguments\": <args-json-object>}\\n</tool_call><|im_end|>\\n' }}"
+    "{%- elif messages[0].role == 'system' %}"
+    "{{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- set content = message.content if message.content is string else '' %}"
+    "{%- if message.role == 'user' or (message.role == 'system' and not loop.first) %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + content + '<|im_end|>\\n' }}"
+    "{%- elif message.role == 'assistant' %}"
+    "{{- '<|im_start|>assistant\\n' + content }}"
+    "{%- for tool_call in message.tool_calls or [] %}"
+    "{%- if (loop.first and content) or not loop.first %}{{- '\\n' }}{%- endif %}"
+    "{%- set call = tool_call.function if tool_call.function else tool_call %}"
+    "{{- '<tool_call>\\n{\"name\": \"' + call.name + '\", \"arguments\": ' }}"
+    "{{- call.arguments if call.arguments is string else call.arguments | tojson }}"
+    "{{- '}\\n</tool_call>' }}{%- endfor %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- elif message.role == 'tool' %}"
+    "{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}"
+    "{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\\n<tool_response>\\n' + content + '\\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}"
+    "{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
 TOKENIZER_VOCAB = 1024
 
 
