@@ -179,3 +179,18 @@ def test_moe_kernel_refuses_activations_it_does_not_read():
     with pytest.raises(ValueError, match="fp32/fp16/bf16"):
         qmatmul.gemm(x, torch.zeros(32 * 64 * 2, dtype=torch.uint8), "BF16", 32, 64)
     assert not qmatmul.reads(x) and all(qmatmul.reads(x.to(d)) for d in (torch.float32, torch.float16, torch.bfloat16))
+
+
+def test_mixed_layer_threshold_is_between_its_matrices():
+    """A layer of one type takes that type's figure; a Q3_K_M layer (Q3_K gate / up, Q4_K
+    down) the harmonic mean of its three matrices' figures, above the smallest (which ran
+    its 16-token-per-expert chunks expert by expert, 1 / 0.76 slower)."""
+    from types import SimpleNamespace as NS
+
+    table = moe_batch.TOKENS_PER_EXPERT
+    fmt = lambda g, u, d: NS(gate=NS(qtype=g), up=NS(qtype=u), down=NS(qtype=d))  # noqa: E731
+    for t, n in table.items():
+        assert moe_batch.max_tokens_per_expert(fmt(t, t, t)) == n
+    mixed = moe_batch.max_tokens_per_expert(fmt("Q3_K", "Q3_K", "Q4_K"))
+    assert mixed == int(3 / (2 / table["Q3_K"] + 1 / table["Q4_K"]) + 1e-9)
+    assert table["Q4_K"] < mixed < table["Q3_K"]

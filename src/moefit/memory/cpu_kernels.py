@@ -56,8 +56,8 @@ SMALL_ROWS_BY_TYPE = {"Q2_K": 32, "Q3_K": 32, "IQ4_XS": 64, "Q6_K": 16}
 
 #: A MoE layer (``moefit.runtime.moe.batch.run_layer``) runs the batched C kernel while its
 #: experts get at most this many tokens each on average (the (token, expert) pairs over the
-#: layer's experts), by the ggml type of the expert's matrices (the smallest over gate, up
-#: and down: :func:`tokens_per_expert`); larger chunks (prefill) run expert by expert, each
+#: layer's experts), by the ggml type of the expert's matrices (the harmonic mean over gate,
+#: up and down: :func:`tokens_per_expert`); larger chunks (prefill) run expert by expert, each
 #: matrix dequantized (C) and multiplied by ``torch.mm`` (oneDNN's bf16 kernels). Measured
 #: on the CI machine (AMD EPYC, one thread) with the 1.37B Qwen3-MoE-shaped files of
 #: ``benchmarks/vs_llamacpp.py`` (hidden 1024, 64 experts of width 512, 8 active), one
@@ -73,8 +73,12 @@ SMALL_ROWS_BY_TYPE = {"Q2_K": 32, "Q3_K": 32, "IQ4_XS": 64, "Q6_K": 16}
 #: ratio batched / expert by expert): Q3_K 0.68 at 32 tokens per expert, 1.07 at 64; Q2_K
 #: 0.68 / 1.02; IQ4_XS 0.59 / 0.83 (hidden 2048, 32 experts of 768: 0.90 at 64); IQ2_XXS
 #: 0.72 / 1.17; IQ3_XXS 0.67 at 16, 1.09 at 32; IQ1_M 0.68 / 1.18 (the other IQ types, not
-#: measured, keep 8).
-TOKENS_PER_EXPERT = {"Q4_K": 6, "Q5_K": 6, "Q6_K": 6, "Q8_0": 20, "Q4_0": 32,
+#: measured, keep 8). Whole model again (``benchmarks/vs_llamacpp.py``'s 1.37B ``--mixes``
+#: files, one thread, a loaded machine, 5 interleaved pairs of one prefill chunk): Q4_K_M
+#: (Q4_K / Q6_K experts) batched against expert by expert 0.72 at 8 tokens per expert, 1.20
+#: at 16, 1.22 at 24 (both ways 1.02 at 32: the noise), hence 8 for the K-quants (Q5_K with
+#: them).
+TOKENS_PER_EXPERT = {"Q4_K": 8, "Q5_K": 8, "Q6_K": 8, "Q8_0": 20, "Q4_0": 32,
                      "BF16": 32, "F16": 32, "F32": 32, "Q2_K": 48, "Q3_K": 48, "IQ4_XS": 64,
                      "IQ2_XXS": 48, "IQ3_XXS": 24, "IQ1_M": 24}
 DEFAULT_TOKENS_PER_EXPERT = 8
@@ -89,10 +93,16 @@ def small_rows(qtype: str) -> int:
 
 def tokens_per_expert(qtypes: Iterable[str]) -> int:
     """Average tokens per expert up to which a MoE layer whose expert matrices are of
-    ``qtypes`` (gate, up, down) runs the batched C kernel (:data:`TOKENS_PER_EXPERT`, the
-    smallest over them, :data:`DEFAULT_TOKENS_PER_EXPERT` for a type not listed); more:
-    expert by expert, dequantize + ``torch.mm``."""
-    return min(TOKENS_PER_EXPERT.get(t, DEFAULT_TOKENS_PER_EXPERT) for t in qtypes)
+    ``qtypes`` (gate, up, down) runs the batched C kernel: the harmonic mean, rounded down,
+    of their :data:`TOKENS_PER_EXPERT` (:data:`DEFAULT_TOKENS_PER_EXPERT` for a type not
+    listed; the three matrices have the same number of values), so a layer of one type takes
+    that type's figure; more: expert by expert, dequantize + ``torch.mm``. Not the smallest:
+    a Q3_K_M layer (Q3_K gate / up, 48; Q4_K down, 8) is faster batched up to 16-24 tokens
+    per expert (whole model, one thread, loaded machine: time ratio batched / expert by
+    expert 0.60 at 8, 0.76 at 16, 1.02 at 24, 1.26 at 32); the harmonic mean gives it 18,
+    the smallest 8."""
+    figures = [TOKENS_PER_EXPERT.get(t, DEFAULT_TOKENS_PER_EXPERT) for t in qtypes]
+    return int(len(figures) / sum(1 / f for f in figures) + 1e-9)
 
 
 def batched_experts(tokens: int, experts_per_token: int, experts: int, qtypes: Iterable[str]) -> bool:
