@@ -72,7 +72,7 @@ def mandatory_bytes(path, chunk: int) -> tuple[int, int, int]:
 
 
 def serve(path, tmp_path, *args, env=None) -> Server:
-    return Server(path, *BASE, "--vram-reserve-mib", "0", *args, env=env,
+    return Server(path, *BASE, "--vram-reserve-mib", "0", "--parallel", "1", *args, env=env,
                   log=tmp_path / "stderr.txt")
 
 

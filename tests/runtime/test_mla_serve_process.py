@@ -83,7 +83,7 @@ def serve_and_check(path, ref, tmp_path) -> dict:
     # 4 MLA layers x 32768 tokens x one latent row of 48 + 16 = 64 values, int8: 2 x 34 B
     assert lines["kv"] == 4 * CONTEXT * 68
     assert 0 < plan["experts"]["slots"] < plan["experts"]["total"] == 3 * 64
-    with Server(path, *BASE, "--vram", str(vram), log=tmp_path / "stderr.txt") as srv:
+    with Server(path, *BASE, "--parallel", "1", "--vram", str(vram), log=tmp_path / "stderr.txt") as srv:
         assert srv.url, srv.output
         ready = srv.lines[-1]
         assert ready.startswith("READY") and "context 32768 tokens" in ready
