@@ -105,11 +105,19 @@ def tokens_per_expert(qtypes: Iterable[str]) -> int:
     return int(len(figures) / sum(1 / f for f in figures) + 1e-9)
 
 
+def batched_pairs(pairs: float, experts: int, qtypes: Iterable[str]) -> bool:
+    """Whether a step that gives a layer's ``experts`` ``pairs`` (token, expert) pairs in all
+    runs them on the batched C kernel: at most :func:`tokens_per_expert` of ``qtypes`` (gate,
+    up, down) per expert on average, ``pairs <= tokens_per_expert(qtypes) x experts`` (the
+    runtime's test, for a layer's step and for its host misses alike)."""
+    return pairs <= tokens_per_expert(qtypes) * experts
+
+
 def batched_experts(tokens: int, experts_per_token: int, experts: int, qtypes: Iterable[str]) -> bool:
     """Whether a step of ``tokens`` tokens, each routed to ``experts_per_token`` of a layer's
-    ``experts``, runs that layer's experts on the batched C kernel (the runtime's test:
-    ``tokens x experts_per_token <= tokens_per_expert(qtypes) x experts``)."""
-    return tokens * experts_per_token <= tokens_per_expert(qtypes) * experts
+    ``experts``, runs that layer's experts on the batched C kernel (:func:`batched_pairs` of
+    its ``tokens x experts_per_token`` pairs)."""
+    return batched_pairs(tokens * experts_per_token, experts, qtypes)
 
 
 def row_block(qtype: str) -> int:

@@ -326,7 +326,7 @@ def layer_time(layer: _Layer, rates: Rates, route: Routing, fmt: KVFormat, dtype
         return LayerTime(spec.index, kind, dense + dev[0], dense_bound if dense >= dev[0] else dev[1])
     host = rates.host
     if paths and not rates.shared:      # misses on the host: the runtime counts their pairs only
-        batched = miss_p <= cpu_kernels.tokens_per_expert(layer.expert_types) * spec.moe.num_experts
+        batched = cpu_kernels.batched_pairs(miss_p, spec.moe.num_experts, layer.expert_types)
     h_mem = miss_e * blob / host.memory_bytes_per_s
     h_comp = expert_products(layer, host, miss_e, miss_p, batched)
     host_t, host_bound = (h_mem, "host memory") if h_mem >= h_comp else (h_comp, "host compute")

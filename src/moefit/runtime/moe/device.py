@@ -78,11 +78,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from moefit.memory import cpu_kernels
 from moefit.memory.host import device_expert_path, miss_host_takes
 from moefit.memory.staging import DEQUANT_TILE_ELEMS, span
 from moefit.runtime.kernels import qmatmul
 from moefit.runtime.weights import split_blob
-from moefit.runtime.moe.batch import layer_format, max_tokens_per_expert
+from moefit.runtime.moe.batch import layer_format
 from moefit.runtime.kernels.quant import FP8, StoredExpert, dequantize
 
 #: a layer's hit groups run as padded ``torch.bmm`` when no expert gets more tokens than
@@ -374,7 +375,7 @@ def _to_host(host_ws, cache, layer, x, tok, wsel, k) -> dict:
     into the host buffer (asynchronous from pinned memory on CUDA) and mark the stream
     after them. The misses run through the C kernels when they read the layer's blobs and
     ``x``'s dtype and the step gives the experts at most
-    :func:`~moefit.runtime.moe.batch.max_tokens_per_expert` tokens each on average (a CPU
+    :func:`moefit.memory.cpu_kernels.tokens_per_expert` tokens each on average (a CPU
     device's choice, measured there), else dequantized and multiplied expert by expert
     (:func:`moefit.memory.host.miss_host_bytes` prices both).
     Returns what :func:`_run_misses` needs."""
@@ -382,7 +383,9 @@ def _to_host(host_ws, cache, layer, x, tok, wsel, k) -> dict:
     p = tok.numel()
     inter = cache.host.inter[layer]
     lay = layer_format(cache, layer)
-    c_kernels = (lay is not None and p <= max_tokens_per_expert(lay) * cache.host.experts[layer]
+    c_kernels = (lay is not None
+                 and cpu_kernels.batched_pairs(p, cache.host.experts[layer],
+                                               (q.qtype for q in (lay.gate, lay.up, lay.down)))
                  and qmatmul.available() and qmatmul.reads(x)
                  and all(qmatmul.supports(q.qtype, q.cols) for q in (lay.gate, lay.up, lay.down)))
     stored = cache.host.formats.get(layer) is not None
