@@ -61,9 +61,9 @@ def host_now(threads: int):
     from moefit.devices.host import HostSpeed
     from moefit.runtime.calibrate import measure_host
 
-    bw, rates, dequant, gemm = measure_host([threads], say=lambda _msg: None)[threads]
+    bw, rates, dequant, gemm, one_row = measure_host([threads], say=lambda _msg: None)[threads]
     return HostSpeed(bw, threads, rates, f"this machine, measured now ({bw / 1e9:.1f} GB/s, {threads} thr)",
-                     dequant, gemm)
+                     dequant, gemm, one_row)
 
 
 def host_cached(threads: int):
@@ -76,6 +76,78 @@ def host_cached(threads: int):
         sys.exit(f"no host calibration at {threads} thread(s): run `moefit calibrate --host` "
                  "(or drop --cached-host)")
     return h
+
+
+def root_of(shape: str) -> Path:
+    """The folder of ``shape``'s files (``vs_llamacpp.py``'s, under /tmp)."""
+    return Path("/tmp/moefit-vs-llamacpp" + ("-2048" if shape == "2048" else ""))
+
+
+def host_figures(host) -> dict:
+    """``host``'s figures as a JSON object (each row's ``host_figures``: what
+    ``--predict-only`` predicts from again)."""
+    return {"memory_bytes_per_s": host.memory_bytes_per_s, "threads": host.threads,
+            "rates": host.kernel_rates, "dequant_rates": host.dequant_rates,
+            "gemm_flops": host.gemm_flops, "one_row_rates": host.one_row_rates}
+
+
+def host_of(figures: dict):
+    """The :class:`~moefit.devices.host.HostSpeed` of a row's ``host_figures``
+    (:func:`host_figures`)."""
+    from moefit.devices.host import HostSpeed
+
+    f = figures
+    return HostSpeed(float(f["memory_bytes_per_s"]), int(f["threads"]), dict(f["rates"]),
+                     "stored with the measured run", dict(f.get("dequant_rates") or {}),
+                     float(f.get("gemm_flops") or 0.0), dict(f.get("one_row_rates") or {}))
+
+
+def predict_only(src: Path, out: Path | None) -> int:
+    """``--predict-only``: the rows of an earlier ``--out`` file predicted again by the
+    current model from the host figures stored in each row (no engine runs; the GGUF files
+    must still be where the run built them); prints the table and the errors as the run
+    does. Exits 2 when the file is unreadable or its rows carry no host figures."""
+    try:
+        rows = json.loads(src.read_text())
+    except (OSError, ValueError) as e:
+        print(f"--predict-only {src}: cannot read it ({e})", file=sys.stderr)
+        return 2
+    if not isinstance(rows, list) or not all(isinstance(r, dict) and "host_figures" in r for r in rows):
+        print(f"--predict-only {src}: its rows carry no host figures (a file written before "
+              "speed_model.py stored them); rerun the benchmark", file=sys.stderr)
+        return 2
+    memo = {}
+    for r in rows:
+        path = vs.file_of(root_of(r["shape"]), next(k for k, v in vs.MIXES.items() if v == r["file"]), True)
+        if not path.is_file():
+            print(f"--predict-only: {path} is gone; rebuild it with the benchmark", file=sys.stderr)
+            return 2
+        prompt, gen = int(r["phase_prompt"]), int(r["phase_gen"])
+        key = (str(path), r["resident"], json.dumps(r["host_figures"], sort_keys=True))
+        if key not in memo:
+            memo[key] = predicted(path, r["resident"], host_of(r["host_figures"]), prompt, gen)
+        p = memo[key]["pp" if r["phase"].startswith("pp") else "tg"]
+        r.update(predicted=p[0], bound=p[1], ratio=p[0] / r["measured"])
+        print(f"| {r['shape']} | {r['file']} | {r['threads']} | {r['engine']} | {r['resident']} "
+              f"| {r['phase']} | {r['measured']:.1f} | {r['predicted']:.1f} | {r['ratio']:.2f} "
+              f"| {r['bound']} |")
+    summary(rows)
+    if out:
+        out.write_text(json.dumps(rows, indent=1) + "\n")
+    return 0
+
+
+def summary(rows: list[dict]) -> None:
+    """Per engine, the median and the largest |predicted / measured - 1| of ``rows``."""
+    print()
+    for engine in ENGINES:
+        e = errors(rows, engine)
+        if e:
+            med, worst = e
+            count = sum(r["engine"] == engine for r in rows)
+            print(f"{engine}: {count} cases, median |predicted / measured - 1| = {med:.0%}; "
+                  f"largest {abs(worst['ratio'] - 1):.0%} ({worst['shape']} {worst['file']} "
+                  f"{worst['threads']} thr {worst['resident']} {worst['phase']})")
 
 
 def predicted(path: Path, resident: str, host, prompt: int, gen: int) -> dict:
@@ -140,7 +212,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cached-host", action="store_true",
                     help="use the stored `moefit calibrate --host` figures instead of measuring now")
     ap.add_argument("--out", type=Path, default=None, help="write the rows as JSON here")
+    ap.add_argument("--predict-only", type=Path, default=None, metavar="FROM.json",
+                    help="run no engine: predict the rows of an earlier --out file again from "
+                         "the host figures stored in it, with the current model")
     args = ap.parse_args(argv)
+    if args.predict_only:
+        return predict_only(args.predict_only, args.out)
     types, shapes = args.types.split(","), args.shapes.split(",")
     threads = [int(t) for t in args.threads.split(",")]
     residents = args.resident.split(",")
@@ -158,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     bench = vs.find_tool("llama-bench", args.llama_bin)
     quantize = vs.find_tool("llama-quantize", args.llama_bin)
-    roots = {s: Path("/tmp/moefit-vs-llamacpp" + ("-2048" if s == "2048" else "")) for s in shapes}
+    roots = {s: root_of(s) for s in shapes}
     for s in shapes:
         vs.build(roots[s], vs.SHAPES[s], types, args.vocab, quantize, mixes=True)
     files = [vs.file_of(roots[s], t, True) for s in shapes for t in types]
@@ -189,21 +266,14 @@ def main(argv: list[str] | None = None) -> int:
                         row = dict(shape=s, file=vs.MIXES[t], threads=n, host=figs, engine=engine, resident=r,
                                    phase={"pp": f"pp{args.prompt}", "tg": f"tg{args.gen}"}[phase],
                                    measured=m[phase], predicted=p[phase][0], bound=p[phase][1],
-                                   ratio=p[phase][0] / m[phase])
+                                   ratio=p[phase][0] / m[phase], host_figures=host_figures(host),
+                                   phase_prompt=args.prompt, phase_gen=args.gen)
                         rows.append(row)
                         shown = r if engine == "moefit" else "all (its CPU run)"
                         print(f"| {s} | {row['file']} | {n} | {figs} | {engine} | {shown} "
                               f"| {row['phase']} | {row['measured']:.1f} | {row['predicted']:.1f} "
                               f"| {row['ratio']:.2f} | {row['bound']} |", flush=True)
-    print()
-    for engine in ENGINES:
-        e = errors(rows, engine)
-        if e:
-            med, worst = e
-            count = sum(r["engine"] == engine for r in rows)
-            print(f"{engine}: {count} cases, median |predicted / measured - 1| = {med:.0%}; "
-                  f"largest {abs(worst['ratio'] - 1):.0%} ({worst['shape']} {worst['file']} "
-                  f"{worst['threads']} thr {worst['resident']} {worst['phase']})")
+    summary(rows)
     print(f"({time.perf_counter() - t0:.0f} s)")
     if args.out:
         args.out.write_text(json.dumps(rows, indent=1) + "\n")

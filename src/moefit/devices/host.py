@@ -98,6 +98,12 @@ def resolve_host(host_ram: str | None, on_this_machine: bool,
 
 # ---- the host's speed ------------------------------------------------------------------------
 
+#: The activation rows of the kernel-rate probe (``moefit calibrate --host``:
+#: :func:`moefit.runtime.calibrate.measure_host`), the row count of
+#: :attr:`HostSpeed.kernel_rates`.
+KERNEL_PROBE_ROWS = 8
+
+
 @record
 class HostSpeed:
     """The host's figures for the speed model (:mod:`moefit.plan.speed`).
@@ -120,6 +126,14 @@ class HostSpeed:
             :attr:`kernel_rates`.
         gemm_flops: the bf16 GEMM that follows the dequantization (``torch.mm``, oneDNN) at
             a prefill-like shape, FLOP/s; 0: not measured.
+        one_row_rates: per ggml type, the C kernels' rate with one activation row (weight
+            bytes per second, the matrix in the caches, as :attr:`kernel_rates`); empty: not
+            measured, and every row count takes :attr:`kernel_rates`. One row is slower per
+            row than :data:`KERNEL_PROBE_ROWS`: each block's scales and packed values are
+            unpacked once per call and shared by the rows (measured here, AMD EPYC, one
+            thread, a 256 x 2048 matrix, process CPU time: Q8_0 31 against 54 GB/s of weights
+            x rows at 8 rows, Q4_K 17 / 27, Q6_K 26 / 39, BF16 48 / 66), which a decode step
+            (one row per product) pays.
     """
 
     memory_bytes_per_s: float
@@ -128,11 +142,31 @@ class HostSpeed:
     source: str
     dequant_rates: dict[str, float] = field(default_factory=dict)
     gemm_flops: float = 0.0
+    one_row_rates: dict[str, float] = field(default_factory=dict)
 
     def rate(self, qtype: str) -> float:
         """The compute roof of ``qtype`` (:attr:`kernel_rates`); a type that was not
         measured takes the slowest measured rate."""
         return self.kernel_rates.get(qtype) or min(self.kernel_rates.values())
+
+    def kernel_seconds(self, qtype: str, nbytes: float, rows: float) -> float:
+        """The C kernels' compute roof for ``rows`` activation rows (a real number: an
+        average over a layer's experts) against ``nbytes`` stored bytes of ``qtype``, in
+        seconds: from :data:`KERNEL_PROBE_ROWS` rows on, ``rows x nbytes / rate(qtype)``
+        (:meth:`rate`); below, the straight line between the two measured points, ``nbytes /
+        one-row rate`` at one row and the :data:`KERNEL_PROBE_ROWS`-row time (a call's time
+        is a fixed part, the unpacking, plus a part per row); under one row, that row's
+        share. Without a one-row rate for ``qtype`` (:attr:`one_row_rates`), the
+        :meth:`rate` line for every row count."""
+        full = rows * nbytes / self.rate(qtype)
+        one = self.one_row_rates.get(qtype)
+        if not one or rows >= KERNEL_PROBE_ROWS:
+            return full
+        t1 = nbytes / one
+        if rows <= 1:
+            return rows * t1
+        t_probe = KERNEL_PROBE_ROWS * nbytes / self.rate(qtype)
+        return t1 + (rows - 1) * (t_probe - t1) / (KERNEL_PROBE_ROWS - 1)
 
     def dequant_rate(self, qtype: str) -> float | None:
         """Stored bytes of ``qtype`` dequantized per second (:attr:`dequant_rates`; a type

@@ -241,7 +241,8 @@ def load(geom: ModelGeometry, device: Device, kv: str,
 # (what the kernels read from memory); ``rates``: eight rows against a matrix that stays in
 # the caches (weight bytes x rows per second); ``dequant_rates`` (stored bytes dequantized per
 # second) and ``gemm_flops`` (bf16 ``torch.mm``): the path of large products (version 2; a
-# version 1 file lacks them and is measured again). A file that cannot be trusted is ignored with
+# version 1 file lacks them and is measured again); ``one_row_rates``: one row against the
+# cached matrix (optional: a file without it prices every row count at ``rates``). A file that cannot be trusted is ignored with
 # a warning, as a staging calibration is.
 
 HOST_SCHEMA = "moefit.host/2"
@@ -275,7 +276,7 @@ def host_calibration_path(key: dict | None = None) -> Path:
 
 def save_host(per_threads: dict[int, tuple]) -> Path:
     """Store ``{threads: (memory bytes/s, {ggml type: rate}[, {ggml type: dequantize
-    bytes/s}, bf16 GEMM FLOP/s])}`` measured on this machine
+    bytes/s}, bf16 GEMM FLOP/s[, {ggml type: one-row rate}]])}`` measured on this machine
     (:func:`moefit.runtime.calibrate.measure_host`)."""
     from datetime import datetime, timezone     # the time stamp: only a calibration written
 
@@ -283,7 +284,8 @@ def save_host(per_threads: dict[int, tuple]) -> Path:
     doc = {"schema": HOST_SCHEMA, "moefit": __version__, **key,
            "threads": {str(t): {"memory_bytes_per_s": f[0], "rates": f[1],
                                 "dequant_rates": f[2] if len(f) > 2 else {},
-                                "gemm_flops": f[3] if len(f) > 3 else 0.0}
+                                "gemm_flops": f[3] if len(f) > 3 else 0.0,
+                                "one_row_rates": f[4] if len(f) > 4 else {}}
                        for t, f in sorted(per_threads.items())},
            "created": datetime.now(timezone.utc).isoformat(timespec="seconds")}
     path = host_calibration_path(key)
@@ -329,7 +331,9 @@ def load_host(threads: int | None = None, warn: Warn | None = None) -> HostSpeed
               and all(isinstance(k, str) and _positive(v) for k, v in entry["rates"].items())
               and isinstance(entry.get("dequant_rates", {}), dict)
               and all(isinstance(k, str) and _positive(v) for k, v in entry.get("dequant_rates", {}).items())
-              and (entry.get("gemm_flops", 0.0) == 0.0 or _positive(entry.get("gemm_flops"))))
+              and (entry.get("gemm_flops", 0.0) == 0.0 or _positive(entry.get("gemm_flops")))
+              and isinstance(entry.get("one_row_rates", {}), dict)
+              and all(isinstance(k, str) and _positive(v) for k, v in entry.get("one_row_rates", {}).items()))
         if not ok:
             return ignored("implausible numbers")
         table[int(t)] = entry
@@ -344,7 +348,8 @@ def load_host(threads: int | None = None, warn: Warn | None = None) -> HostSpeed
                      f"({entry['memory_bytes_per_s'] / 1e9:.1f} GB/s, {pick} thread"
                      f"{'s' if pick != 1 else ''})",
                      {k: float(v) for k, v in (entry.get("dequant_rates") or {}).items()},
-                     float(entry.get("gemm_flops") or 0.0))
+                     float(entry.get("gemm_flops") or 0.0),
+                     {k: float(v) for k, v in (entry.get("one_row_rates") or {}).items()})
 
 
 def _positive(x: object) -> bool:

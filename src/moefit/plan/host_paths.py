@@ -25,7 +25,9 @@ def dense_large(qtype: str, rows: int) -> bool:
 def dense_products(layer, rates, tokens: int) -> float:
     """Seconds of a layer's dense products for ``tokens`` rows on moefit's CPU device: each
     stored matrix (``B`` bytes, ``N`` parameters, type ``q``) at the C kernels' rate up to
-    :func:`dense_large`'s threshold (``tokens x B / rate(q)``), above it dequantized and
+    :func:`dense_large`'s threshold (:meth:`~moefit.devices.host.HostSpeed.kernel_seconds`
+    of ``tokens`` rows: ``tokens x B / rate(q)`` from the probe's rows on, slower per row
+    below), above it dequantized and
     multiplied (``B / dequantize rate(q) + 2 x tokens x N / GEMM FLOP/s``, the figures of
     ``moefit calibrate --host``; not measured: the kernels' rate); the matrices kept in the
     compute dtype at the device's FLOP rate (the GEMM's above :data:`~moefit.memory.
@@ -35,7 +37,7 @@ def dense_products(layer, rates, tokens: int) -> float:
     for q, nbytes, n in layer.stored_mats:
         params -= n
         dq = host.dequant_rate(q) if dense_large(q, tokens) else None
-        t += nbytes / dq + 2 * tokens * n / host.gemm_flops if dq else tokens * nbytes / host.rate(q)
+        t += nbytes / dq + 2 * tokens * n / host.gemm_flops if dq else host.kernel_seconds(q, nbytes, tokens)
     big = tokens > cpu_kernels.SMALL_ROWS and host.gemm_flops
     return t + 2 * tokens * params / (host.gemm_flops if big else rates.device_flops)
 
@@ -43,16 +45,21 @@ def dense_products(layer, rates, tokens: int) -> float:
 def expert_products(layer, host: HostSpeed, experts: float, pairs: float, batched: bool) -> float:
     """Seconds of ``pairs`` (token, expert) products over ``experts`` touched experts of
     ``layer`` on the host: ``batched`` (the runtime's batched C kernel,
-    :func:`moefit.memory.cpu_kernels.batched_experts`), ``pairs x blob / rate``
-    (:func:`expert_rate`); else expert by expert, each matrix dequantized (a third of the
+    :func:`moefit.memory.cpu_kernels.batched_experts`), each touched expert's matrices
+    (thirds of the blob) at ``pairs / experts`` rows
+    (:meth:`~moefit.devices.host.HostSpeed.kernel_seconds`; from the probe's rows on,
+    ``pairs x blob / rate``: :func:`expert_rate`); else expert by expert, each matrix dequantized (a third of the
     blob per matrix at its type's dequantize rate) and multiplied by the bf16 GEMM
     (``2 x pairs x expert params / GEMM FLOP/s``); where those were not measured, the
     kernels' rate."""
     blob = layer.blob_bytes
     rates = [host.dequant_rate(t) for t in layer.expert_types]
-    if batched or not all(rates):
-        return pairs * blob / expert_rate(layer, host)
     third = blob / len(rates)
+    if batched or not all(rates):
+        if experts <= 0:
+            return 0.0
+        rows = pairs / experts
+        return experts * sum(host.kernel_seconds(t, third, rows) for t in layer.expert_types)
     return experts * sum(third / r for r in rates) + 2 * pairs * layer.expert_params / host.gemm_flops
 
 

@@ -452,14 +452,21 @@ class StepTime:
 
 def head_seconds(geom: ModelGeometry, rates: Rates, rows: int) -> float:
     """The output head for ``rows`` rows: the lm_head matrix (the embedding when tied) read
-    once, ``2 x rows x vocab x hidden`` FLOP."""
+    once, ``2 x rows x vocab x hidden`` FLOP; on moefit's CPU device (:attr:`Rates.stored`
+    ``cpu``) a head kept in its stored type is computed by the C kernels at that type's rate
+    for ``rows`` rows (:meth:`~moefit.devices.host.HostSpeed.kernel_seconds`)."""
     head = [t for t in geom.global_tensors if t.role == "lm_head"] or \
         [t for t in geom.global_tensors if t.role == "embed"][:1]
     nbytes = sum(geom.tensor_bytes(t) for t in head)
+    compute = 2 * rows * geom.vocab_size * geom.hidden_size / rates.device_flops
     if head and head[0].role == "lm_head":
-        nbytes += stored_change(geom, stored_bytes(geom, rates.stored), "output.weight")
-    return max(nbytes / rates.device_bytes_per_s,
-               2 * rows * geom.vocab_size * geom.hidden_size / rates.device_flops)
+        kept = stored_bytes(geom, rates.stored)
+        nbytes += stored_change(geom, kept, "output.weight")
+        if rates.stored == "cpu" and "output.weight" in kept:
+            q = next((q for n, q, *_ in getattr(geom.exact, "matrices", ()) if n == "output.weight"), None)
+            if q is not None:
+                compute = rates.host.kernel_seconds(q, kept["output.weight"], rows)
+    return max(nbytes / rates.device_bytes_per_s, compute)
 
 
 def step_time(geom: ModelGeometry, rates: Rates, route: Routing, fmt: KVFormat,

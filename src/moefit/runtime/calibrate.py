@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from moefit.devices import Device
+from moefit.devices.host import KERNEL_PROBE_ROWS as PROBE_ROWS
 from moefit.errors import InputError
 from moefit.ingest.geometry import ModelGeometry
 from moefit.memory.kv import kv_format
@@ -82,7 +83,6 @@ def measure_point(model_dir: str | Path, geom: ModelGeometry, device: Device, re
 #: in L2 and the kernels' arithmetic is what is timed) against :data:`PROBE_ROWS` rows.
 PROBE_BIG = (32768, 4096)
 PROBE_SMALL = (256, 2048)
-PROBE_ROWS = 8
 #: the one-row products whose best read rate over the :data:`PROBE_BIG` bytes is the memory
 #: bandwidth: a BF16 row is bound by its arithmetic on some cores (2.5 GB/s at one thread on
 #: the loaded 2-core CI machine, where Q8_0's product reads 8-9 GB/s), so the faster of the two
@@ -108,15 +108,17 @@ def _best_seconds(run, repeats: int) -> float:
 
 
 def measure_host(threads: list[int], say=print
-                 ) -> dict[int, tuple[float, dict[str, float], dict[str, float], float]]:
+                 ) -> dict[int, tuple[float, dict[str, float], dict[str, float], float, dict[str, float]]]:
     """The host's figures at each of ``threads``: (memory bytes/s, {ggml type: weight bytes x
-    rows per second}, {ggml type: stored bytes dequantized per second}, bf16 GEMM FLOP/s)
+    rows per second}, {ggml type: stored bytes dequantized per second}, bf16 GEMM FLOP/s,
+    {ggml type: weight bytes per second with one row})
     (:class:`moefit.devices.host.HostSpeed`'s figures) from moefit's C kernels (:func:`moefit.runtime.kernels.qmatmul.gemm`): one
     activation row against the :data:`PROBE_BIG` matrix's bytes as each type of
     :data:`PROBE_MEMORY_TYPES` (the bytes read per second, best of three runs, the faster
     type), and :data:`PROBE_ROWS` rows against a :data:`PROBE_SMALL` matrix of each
     type this build multiplies (:func:`moefit.runtime.kernels.qmatmul.supports`; random
-    bytes: the kernels' speed does not depend on the values), best of five;
+    bytes: the kernels' speed does not depend on the values), best of five, and one row
+    against it, best of five (:attr:`moefit.devices.host.HostSpeed.one_row_rates`);
     :data:`PROBE_DEQUANT_BYTES` of each type dequantized to bf16
     (:func:`moefit.runtime.kernels.qmatmul.dequantize`), best of two, and ``torch.mm`` of a :data:`PROBE_GEMM` bf16 product (``torch.set_num_threads``
     at the count), ``2 x rows x weight rows x columns`` FLOP over the best of three.
@@ -136,16 +138,19 @@ def measure_host(threads: list[int], say=print
             m = big[:n * lib.mf_row_bytes(qmatmul.CTYPES[qtype], cols)]
             sec = _best_seconds(lambda: qmatmul.gemm(x1, m, qtype, n, cols, threads=t), 3)
             bw = max(bw, m.numel() / sec)
-        rates, dequant = {}, {}
+        rates, dequant, one_row = {}, {}, {}
         r, c = PROBE_SMALL
         tile = torch.empty((r, c), dtype=torch.bfloat16)
         xs = torch.randn(PROBE_ROWS, c)
+        x_one = xs[:1].clone()
         for qtype in (t for t in qmatmul.CTYPES if qmatmul.supports(t, c)):
             raw = torch.randint(0, 64, (r * lib.mf_row_bytes(qmatmul.CTYPES[qtype], c),),
                                 dtype=torch.uint8)
             qmatmul.gemm(xs, raw, qtype, r, c, threads=t)          # warm the caches
             sec = _best_seconds(lambda: qmatmul.gemm(xs, raw, qtype, r, c, threads=t), 5)
             rates[qtype] = PROBE_ROWS * raw.numel() / sec
+            sec = _best_seconds(lambda: qmatmul.gemm(x_one, raw, qtype, r, c, threads=t), 5)
+            one_row[qtype] = raw.numel() / sec
             step = r * lib.mf_row_bytes(qmatmul.CTYPES[qtype], c)
             blocks = min(PROBE_DEQUANT_BYTES, big.numel()) // step
             src = big[:blocks * step] if blocks else raw          # a test's small buffer
@@ -167,9 +172,10 @@ def measure_host(threads: list[int], say=print
             torch.set_num_threads(before)
         say(f"threads {t}: memory {bw / 1e9:.1f} GB/s; kernels (GB/s of weights x rows): "
             + ", ".join(f"{k} {v / 1e9:.0f}" for k, v in rates.items())
+            + "; one row: " + ", ".join(f"{k} {v / 1e9:.0f}" for k, v in one_row.items())
             + "; dequantize (GB/s stored): " + ", ".join(f"{k} {v / 1e9:.1f}" for k, v in dequant.items())
             + f"; bf16 GEMM {gemm / 1e9:.0f} GFLOP/s")
-        out[t] = (bw, rates, dequant, gemm)
+        out[t] = (bw, rates, dequant, gemm, one_row)
     del big
     gc.collect()
     return out

@@ -1,0 +1,72 @@
+"""The C kernels' rate by activation rows (HostSpeed.kernel_seconds) and what the speed
+model does with it: a product of fewer rows than the kernel probe's is slower per row
+(the blocks are unpacked once per call), which decode steps pay."""
+
+import json
+from dataclasses import replace
+
+import pytest
+
+from moefit.devices import Device
+from moefit.devices.host import KERNEL_PROBE_ROWS, default_host_speed
+from moefit.ingest.resolve import load_model
+from moefit.memory import calibration
+from moefit.memory.kv import kv_format
+from moefit.plan.speed import predict, rates_for
+from moefit.units import GIB
+
+
+def _host(one_row: dict[str, float] | None = None):
+    base = default_host_speed(threads=1)
+    return replace(base, one_row_rates=one_row or {})
+
+
+def test_without_a_one_row_rate_every_row_count_takes_the_probe_rate():
+    h = _host()
+    for rows in (0.5, 1, 3, KERNEL_PROBE_ROWS, 40):
+        assert h.kernel_seconds("Q4_K", 1e6, rows) == pytest.approx(rows * 1e6 / h.rate("Q4_K"))
+
+
+def test_the_one_row_and_probe_row_times_are_the_measured_ones_and_rows_between_lie_on_the_line():
+    base = _host()
+    one = base.rate("Q4_K") / 2                     # one row: half the probe's rate per row
+    h = _host({"Q4_K": one})
+    b = 3e6
+    assert h.kernel_seconds("Q4_K", b, 1) == pytest.approx(b / one)
+    probe = KERNEL_PROBE_ROWS * b / h.rate("Q4_K")
+    assert h.kernel_seconds("Q4_K", b, KERNEL_PROBE_ROWS) == pytest.approx(probe)
+    mid = (1 + KERNEL_PROBE_ROWS) / 2
+    assert h.kernel_seconds("Q4_K", b, mid) == pytest.approx((b / one + probe) / 2)
+    times = [h.kernel_seconds("Q4_K", b, r) for r in (0.25, 1, 2, 5, KERNEL_PROBE_ROWS, 9, 64)]
+    assert times == sorted(times)                   # more rows never take less time
+    assert h.kernel_seconds("Q8_0", b, 1) == base.kernel_seconds("Q8_0", b, 1)   # not measured
+
+
+def test_a_slower_one_row_rate_slows_cpu_decode_and_leaves_a_large_chunks_prefill():
+    geom = load_model("Qwen3-30B-A3B")
+    device = Device("cpu", "simulated", "cpu", 64 * GIB, 64 * GIB, simulated=True, runtime_bytes=0)
+    base = _host()
+    deq = {t: 4e9 for t in base.kernel_rates}
+    fast = replace(base, dequant_rates=deq, gemm_flops=1e12, memory_bytes_per_s=1e15)  # compute-bound
+    slow = replace(fast, one_row_rates={t: r / 4 for t, r in fast.kernel_rates.items()})
+    res = {l.index: l.moe.num_experts for l in geom.moe_layers}
+    kw = dict(context=8192, chunk=2048, seqs=1, policy="cpu")
+    a, b = (predict(geom, rates_for(device, h), kv_format("bf16"), res, **kw) for h in (fast, slow))
+    assert b.decode.tokens_per_s < a.decode.tokens_per_s
+    assert b.prefill.tokens_per_s == pytest.approx(a.prefill.tokens_per_s)
+
+
+def test_host_calibration_keeps_the_one_row_rates_and_rejects_implausible_ones(tmp_path, monkeypatch):
+    monkeypatch.setenv(calibration.CACHE_ENV, str(tmp_path))
+    path = calibration.save_host({1: (20e9, {"Q4_K": 40e9}, {"Q4_K": 2e9}, 150e9, {"Q4_K": 25e9})})
+    got = calibration.load_host(threads=1)
+    assert got.one_row_rates == {"Q4_K": 25e9}
+    assert got.kernel_seconds("Q4_K", 1e6, 1) == pytest.approx(1e6 / 25e9)
+    doc = json.loads(path.read_text())
+    doc["threads"]["1"]["one_row_rates"] = {"Q4_K": -1}
+    path.write_text(json.dumps(doc))
+    warnings = []
+    assert calibration.load_host(warn=warnings.append) is None
+    assert "implausible" in warnings[0]
+    calibration.save_host({1: (20e9, {"Q4_K": 40e9}, {"Q4_K": 2e9}, 150e9)})   # an older probe
+    assert calibration.load_host(threads=1).one_row_rates == {}
