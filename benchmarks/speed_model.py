@@ -26,10 +26,17 @@ Qwen3-30B-A3B's widths with 4 layers of 32), at each thread count (``--threads 1
 
 Prints the exact command line first, the host figures and their source, one row per case
 (measured, predicted, predicted / measured, the bound the model names), then per engine the
-median and the largest |predicted / measured - 1|; ``--out FILE`` keeps the rows as JSON.
+median and the largest |predicted / measured - 1|; ``--out FILE`` keeps the rows as JSON, each
+with the host figures it was predicted from (``host_figures``), so that ``--predict-only FILE``
+can predict the rows again with a changed model, no engine run (the GGUF files must still be
+there).
+
+moefit's worker warms up with a full prompt before its timed runs (the first prefill at a row
+count pays one-off costs: ``vs_llamacpp.worker``), as llama-bench runs an untimed warm-up.
 
     PYTHONPATH=src python benchmarks/speed_model.py --llama-bin ../shared/tools/llama.cpp-cpu/bin
     PYTHONPATH=src python benchmarks/speed_model.py --shapes 1024 --threads 1 --repeats 1  # small
+    PYTHONPATH=src python benchmarks/speed_model.py --predict-only run.json     # re-predict
 
 The files are written once (``vs_llamacpp.py``'s folders under /tmp; the first run builds them,
 about 8 minutes per shape on 2 cores); a run over built files with the defaults (6 files x 2
