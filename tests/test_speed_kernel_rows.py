@@ -42,6 +42,14 @@ def test_the_one_row_and_probe_row_times_are_the_measured_ones_and_rows_between_
     assert h.kernel_seconds("Q8_0", b, 1) == base.kernel_seconds("Q8_0", b, 1)   # not measured
 
 
+def test_a_one_row_time_above_the_probe_rows_time_is_capped_so_more_rows_never_take_less():
+    base = _host()
+    h = _host({"Q4_K": base.rate("Q4_K") / (2 * KERNEL_PROBE_ROWS)})   # a disturbed probe
+    times = [h.kernel_seconds("Q4_K", 1e6, r) for r in (1, 2, 4, KERNEL_PROBE_ROWS, 12)]
+    assert times == sorted(times)
+    assert times[0] == pytest.approx(KERNEL_PROBE_ROWS * 1e6 / base.rate("Q4_K"))
+
+
 def test_a_slower_one_row_rate_slows_cpu_decode_and_leaves_a_large_chunks_prefill():
     geom = load_model("Qwen3-30B-A3B")
     device = Device("cpu", "simulated", "cpu", 64 * GIB, 64 * GIB, simulated=True, runtime_bytes=0)

@@ -157,15 +157,17 @@ class HostSpeed:
         one-row rate`` at one row and the :data:`KERNEL_PROBE_ROWS`-row time (a call's time
         is a fixed part, the unpacking, plus a part per row); under one row, that row's
         share. Without a one-row rate for ``qtype`` (:attr:`one_row_rates`), the
-        :meth:`rate` line for every row count."""
+        :meth:`rate` line for every row count. One row never takes longer than the probe's
+        rows (a probe disturbed by other load can measure that; more rows never take less
+        time)."""
         full = rows * nbytes / self.rate(qtype)
         one = self.one_row_rates.get(qtype)
         if not one or rows >= KERNEL_PROBE_ROWS:
             return full
-        t1 = nbytes / one
+        t_probe = KERNEL_PROBE_ROWS * nbytes / self.rate(qtype)
+        t1 = min(nbytes / one, t_probe)     # a noisy probe must not make more rows faster
         if rows <= 1:
             return rows * t1
-        t_probe = KERNEL_PROBE_ROWS * nbytes / self.rate(qtype)
         return t1 + (rows - 1) * (t_probe - t1) / (KERNEL_PROBE_ROWS - 1)
 
     def dequant_rate(self, qtype: str) -> float | None:
