@@ -14,8 +14,11 @@ including a stream cut short), p50 / p95 time to first token and inter-token lat
 a stream's first / the time during which at least one stream was decoding: the union of
 the streams' first-to-last-token windows, so prompts and connection set-up are left out),
 tokens/s over the round's wall time (every token streamed / the round's wall time, which
-includes them), and the server's resident set size (``VmRSS``) before and after. Nothing
-may be lost: completed + refused + failed = sent.
+includes them), the server's resident set size (``VmRSS``) before and after, and the
+server's CPU time (all its threads) per streamed token, prompts included (on a loaded
+machine less shifted than tokens/s by the time other jobs hold the cores, though not
+immune: they share the caches and the memory bus). Nothing may be lost: completed +
+refused + failed = sent.
 
 Default model: a random bf16 Qwen3-MoE of about 120 MB written into ``--dir`` once
 (``bench_runtime.write_checkpoint`` at hidden 512, 4 layers, 32 experts of width 256, 4
@@ -57,6 +60,16 @@ def rss_bytes(pid: int) -> int:
     except OSError:
         pass
     return 0
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of process ``pid`` so far, all its threads (seconds, from
+    ``/proc/PID/stat`` fields 14 and 15 in clock ticks, proc(5)); 0 when it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 class Child:
@@ -290,10 +303,13 @@ def bench(name: str, child: Child, args, vocab: int) -> list[dict]:
     try:
         asyncio.run(run_round(child.url, 1, 1, args.prompt, 4, vocab, args.round_timeout, 0))
         for n in args.clients:
-            before = rss_bytes(child.proc.pid)
+            before, cpu = rss_bytes(child.proc.pid), cpu_seconds(child.proc.pid)
             row = asyncio.run(run_round(child.url, n, args.requests, args.prompt, args.tokens,
                                         vocab, args.round_timeout, n))
-            row.update(server=name, rss_before=before, rss_after=rss_bytes(child.proc.pid))
+            cpu = cpu_seconds(child.proc.pid) - cpu
+            streamed = row["wall_tokens_per_s"] * row["wall_s"]
+            row.update(server=name, rss_before=before, rss_after=rss_bytes(child.proc.pid),
+                       server_cpu_s=cpu, cpu_us_per_token=1e6 * cpu / streamed if streamed else None)
             rows.append(row)
             print(_line(row), file=sys.stderr, flush=True)
     finally:
@@ -310,12 +326,13 @@ def _line(r: dict) -> str:
             f"{r['failed']} | {_fmt(r['ttft_p50'])} / {_fmt(r['ttft_p95'])} | "
             f"{_fmt(r['itl_p50'])} / {_fmt(r['itl_p95'])} | {r['decode_tokens_per_s']:.1f} | "
             f"{r['wall_tokens_per_s']:.1f} | "
-            f"{r['rss_before'] / 2**20:.0f} -> {r['rss_after'] / 2**20:.0f} MiB |")
+            f"{r['rss_before'] / 2**20:.0f} -> {r['rss_after'] / 2**20:.0f} MiB | "
+            f"{_fmt(r['cpu_us_per_token'], '')} |")
 
 
 HEADER = ("| server | clients | sent | completed | refused | failed | TTFT p50 / p95 | "
-          "ITL p50 / p95 | decode tokens/s | tokens/s (wall) | RSS |\n"
-          "|---|---|---|---|---|---|---|---|---|---|---|")
+          "ITL p50 / p95 | decode tokens/s | tokens/s (wall) | RSS | server CPU us / token |\n"
+          "|---|---|---|---|---|---|---|---|---|---|---|---|")
 
 
 def main() -> None:

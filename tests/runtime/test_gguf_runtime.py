@@ -293,3 +293,24 @@ def test_f16_gguf_on_the_fast_path_matches_the_reference(tiny_models, tmp_path, 
     assert ran["lean"] == len(tokens) and ran["moe"] > 0
     assert tokens == ref_tokens
     assert max_error(logits, ref_logits) <= F16_TOL[expert_type]
+
+
+@pytest.mark.parametrize("qtype,out_dtype", [("BF16", torch.bfloat16), ("F32", torch.float32),
+                                             ("F16", torch.float16), ("F16", torch.bfloat16),
+                                             ("Q8_0", torch.bfloat16)])
+def test_host_embedding_lookup_matches_gguf_dequantize(qtype, out_dtype):
+    """A lookup's rows are the gguf package's dequantized rows, cast to the output's dtype:
+    a float table of the output's own type gathered as is, any other type dequantized."""
+    from gguf import GGMLQuantizationType, quants
+
+    V, H = 64, 256
+    values = torch.randn(V, H).numpy()
+    gtype = GGMLQuantizationType[qtype]
+    raw = torch.from_numpy(quants.quantize(values, gtype).view("uint8").reshape(V, -1).copy())
+    table = torch.from_numpy(quants.dequantize(raw.numpy(), gtype).reshape(V, H).astype("float32"))
+    emb = HostEmbedding(raw, qtype, H)
+    assert (emb.floats is not None) == (qtype in ("F32", "F16", "BF16"))
+    ids = torch.tensor([3, 0, 63, 3, 17])
+    out = torch.empty(len(ids), H, dtype=out_dtype)
+    assert emb.lookup(ids, out).data_ptr() == out.data_ptr()
+    assert torch.equal(out, table[ids].to(out_dtype))
