@@ -258,11 +258,13 @@ def _moe_call(x, blobs, ids, wts, fmt, threads):
                   threads=threads)
 
 
-@pytest.mark.parametrize("types", [("Q3_K", "Q3_K", "Q2_K"), ("IQ4_XS", "IQ4_XS", "Q3_K"), ("IQ2_XXS", "IQ3_S", "IQ1_M")])
+@pytest.mark.parametrize("types", [("Q3_K", "Q3_K", "Q2_K"), ("IQ4_XS", "IQ4_XS", "Q3_K"), ("IQ2_XXS", "IQ3_S", "IQ1_M"),
+                                   ("Q6_K", "Q6_K", "Q6_K"), ("Q4_K", "Q4_K", "Q6_K")])
 def test_moe_tokens_of_a_batch_equal_each_token_alone(types):
     """The batched MoE layer multiplies the tokens routed to an expert together (a low-bit
-    super-block unpacked once for up to 8 of them): each token's output is bit for bit the
-    one it gets as a batch of one (13 tokens on 3 experts, top 2: runs of 8, 4 and 1)."""
+    or Q6_K super-block unpacked once for up to 8 of them): each token's output is bit for
+    bit the one it gets as a batch of one (13 tokens on 3 experts, top 2: runs of 8 and a
+    rest of 1 to 7 tokens per expert)."""
     h, inter, n_exp, t, k = 256, 512, 3, 13, 2
     fmt = StoredExpert.pack(inter, h, *types)
     blobs = [torch.from_numpy(np.concatenate([random_matrix(types[0], inter, h, seed=10 * e).reshape(-1),
