@@ -318,6 +318,31 @@ def test_dequantize_is_bit_exact(qtype):
         qm.dequantize(flat, qtype, rows, cols, torch.empty(rows, cols - 1))
 
 
+def _f2b(f: np.ndarray) -> np.ndarray:
+    """fp32 -> bf16 bits as ``mf_floats.h`` ``mf_f2b`` rounds: nearest even; a NaN keeps its
+    top bits with the quiet bit set."""
+    u = f.view(np.uint32).astype(np.uint64)
+    r = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) & 0xFFFF
+    nan = (u & 0x7FFFFFFF) > 0x7F800000
+    return np.where(nan, (u >> 16) | 0x40, r).astype(np.uint16)
+
+
+def test_q6k_bf16_dequantize_rounds_every_value_as_the_scalar_path():
+    """Q6_K's bf16 dequantization (16 values at a time where AVX-512 runs) gives every value
+    its fp32 dequantized value rounded as ``mf_f2b``, including the rows whose fp16 scale is
+    inf or NaN (inf x 0 = NaN, NaN payloads) and the largest and smallest finite scales, on an
+    odd number of rows of 3 super-blocks."""
+    rows, cols = 7, 768
+    raw = random_matrix("Q6_K", rows, cols, seed=3).reshape(rows, cols // 256, 210)
+    for r, h in enumerate((0x7C00, 0xFC00, 0x7E01, 0x7BFF, 0x0001)):   # inf, -inf, NaN, max, smallest
+        raw[r, :, 208:210] = np.array([h], dtype=np.uint16).view(np.uint8)
+    flat = torch.from_numpy(raw.reshape(-1))
+    f32 = qm.dequantize(flat, "Q6_K", rows, cols, torch.empty(rows, cols))
+    got16 = qm.dequantize(flat, "Q6_K", rows, cols, torch.empty(rows, cols, dtype=torch.bfloat16), threads=2)
+    assert np.isnan(f32.numpy()).any() and np.isinf(f32.numpy()).any()
+    assert np.array_equal(got16.view(torch.int16).numpy().view(np.uint16), _f2b(f32.numpy()))
+
+
 def test_activation_quantization_is_the_documented_rounding_bit_for_bit():
     """The activations' int8 form (qmatmul.c, vectorised where AVX-512 runs) is exactly
     ggml's: per 32 values (and per 256 for the K-quant form) d = max|x| / 127, q =

@@ -1880,6 +1880,48 @@ static void dequant_block(int t, const uint8_t *w, float *y) {
 }
 
 /* nrows rows of K values of type t -> out16 (bf16) or out32 (fp32), whichever is not NULL. */
+#ifdef HAVE512
+/* fp32 -> bf16 of 16 lanes, mf_f2b's rounding (nearest even; NaN stays NaN, quiet bit set) */
+static inline __m256i f2b_512(__m512 v) {
+    __m512i u = _mm512_castps_si512(v);
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)),
+                                                   _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))), 16);
+    __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
+    r = _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+    return _mm512_cvtepi32_epi16(r);
+}
+
+/* one Q6_K super-block (w) as 256 bf16 (o): dequant_block's values (d * scale, then times
+ * q - 32, each an fp32 product), 16 at a time (one scale each), rounded as mf_f2b: bit for
+ * bit the scalar path's. The values' order in the block is q6k_sb's (low nibbles of 64
+ * bytes of ql with two bits of qh each, then the high nibbles). */
+static void dequant_q6k_bf16_512(const uint8_t *w, uint16_t *o) {
+    const __m512i m4 = _mm512_set1_epi8(0x0f), m2 = _mm512_set1_epi8(3), o32 = _mm512_set1_epi8(32);
+    const int8_t *sc = (const int8_t *)(w + 192);
+    float d = mf_h2f(rd16(w + 208));
+    for (int h = 0; h < 2; h++) {
+        __m512i L = _mm512_loadu_si512((const void *)(w + 64 * h));
+        __m256i H = _mm256_loadu_si256((const __m256i *)(w + 128 + 32 * h));
+        __m512i ha = _mm512_inserti64x4(_mm512_castsi256_si512(H), _mm256_srli_epi16(H, 2), 1);
+        __m512i hb = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_srli_epi16(H, 4)), _mm256_srli_epi16(H, 6), 1);
+        __m512i v[2];
+        v[0] = _mm512_sub_epi8(_mm512_or_si512(_mm512_and_si512(L, m4), _mm512_slli_epi16(_mm512_and_si512(ha, m2), 4)), o32);
+        v[1] = _mm512_sub_epi8(_mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(L, 4), m4),
+                                               _mm512_slli_epi16(_mm512_and_si512(hb, m2), 4)), o32);
+        for (int g = 0; g < 2; g++)
+            for (int c = 0; c < 4; c++) {
+                int k = 8 * h + 4 * g + c;                      /* the 16 values' sub-block */
+                __m128i q8 = _mm512_extracti32x4_epi32(v[g], 0);
+                if (c == 1) q8 = _mm512_extracti32x4_epi32(v[g], 1);
+                if (c == 2) q8 = _mm512_extracti32x4_epi32(v[g], 2);
+                if (c == 3) q8 = _mm512_extracti32x4_epi32(v[g], 3);
+                __m512 q = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q8));
+                _mm256_storeu_si256((__m256i *)(o + 16 * k), f2b_512(_mm512_mul_ps(q, _mm512_set1_ps(d * sc[k]))));
+            }
+    }
+}
+#endif
+
 void mf_dequant(int t, const uint8_t *W, int64_t nrows, int K, uint16_t *out16, float *out32, int nthreads) {
     int64_t rb = row_bytes(t, K);
     int bs = (t == T_Q4_K || t == T_Q5_K || t == T_Q6_K || is_lowbit(t)) ? 256 : 32;
@@ -1891,6 +1933,12 @@ void mf_dequant(int t, const uint8_t *W, int64_t nrows, int K, uint16_t *out16, 
         for (int64_t r = 0; r < nrows; r++) {
             const uint8_t *wr = W + r * rb;
             for (int b = 0; b < K / bs; b++) {
+#ifdef HAVE512
+                if (t == T_Q6_K && out16 && !out32) {   /* prefill's expert matrices: half the scalar path's time */
+                    dequant_q6k_bf16_512(wr + b * tb, out16 + r * K + (int64_t)b * bs);
+                    continue;
+                }
+#endif
                 float *dst = out32 ? out32 + r * K + (int64_t)b * bs : y;
                 if (is_float_type(t)) {
                     for (int i = 0; i < bs; i++) {
