@@ -258,11 +258,13 @@ def _moe_call(x, blobs, ids, wts, fmt, threads):
                   threads=threads)
 
 
-@pytest.mark.parametrize("types", [("Q3_K", "Q3_K", "Q2_K"), ("IQ4_XS", "IQ4_XS", "Q3_K"), ("IQ2_XXS", "IQ3_S", "IQ1_M")])
+@pytest.mark.parametrize("types", [("Q3_K", "Q3_K", "Q2_K"), ("IQ4_XS", "IQ4_XS", "Q3_K"), ("IQ2_XXS", "IQ3_S", "IQ1_M"),
+                                   ("Q6_K", "Q6_K", "Q6_K"), ("Q4_K", "Q4_K", "Q6_K")])
 def test_moe_tokens_of_a_batch_equal_each_token_alone(types):
     """The batched MoE layer multiplies the tokens routed to an expert together (a low-bit
-    super-block unpacked once for up to 8 of them): each token's output is bit for bit the
-    one it gets as a batch of one (13 tokens on 3 experts, top 2: runs of 8, 4 and 1)."""
+    or Q6_K super-block unpacked once for up to 8 of them): each token's output is bit for
+    bit the one it gets as a batch of one (13 tokens on 3 experts, top 2: runs of 8 and a
+    rest of 1 to 7 tokens per expert)."""
     h, inter, n_exp, t, k = 256, 512, 3, 13, 2
     fmt = StoredExpert.pack(inter, h, *types)
     blobs = [torch.from_numpy(np.concatenate([random_matrix(types[0], inter, h, seed=10 * e).reshape(-1),
@@ -314,6 +316,31 @@ def test_dequantize_is_bit_exact(qtype):
     assert torch.equal(got16.view(torch.int16), ref.bfloat16().view(torch.int16))
     with pytest.raises(ValueError, match="out must be"):
         qm.dequantize(flat, qtype, rows, cols, torch.empty(rows, cols - 1))
+
+
+def _f2b(f: np.ndarray) -> np.ndarray:
+    """fp32 -> bf16 bits as ``mf_floats.h`` ``mf_f2b`` rounds: nearest even; a NaN keeps its
+    top bits with the quiet bit set."""
+    u = f.view(np.uint32).astype(np.uint64)
+    r = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) & 0xFFFF
+    nan = (u & 0x7FFFFFFF) > 0x7F800000
+    return np.where(nan, (u >> 16) | 0x40, r).astype(np.uint16)
+
+
+def test_q6k_bf16_dequantize_rounds_every_value_as_the_scalar_path():
+    """Q6_K's bf16 dequantization (16 values at a time where AVX-512 runs) gives every value
+    its fp32 dequantized value rounded as ``mf_f2b``, including the rows whose fp16 scale is
+    inf or NaN (inf x 0 = NaN, NaN payloads) and the largest and smallest finite scales, on an
+    odd number of rows of 3 super-blocks."""
+    rows, cols = 7, 768
+    raw = random_matrix("Q6_K", rows, cols, seed=3).reshape(rows, cols // 256, 210)
+    for r, h in enumerate((0x7C00, 0xFC00, 0x7E01, 0x7BFF, 0x0001)):   # inf, -inf, NaN, max, smallest
+        raw[r, :, 208:210] = np.array([h], dtype=np.uint16).view(np.uint8)
+    flat = torch.from_numpy(raw.reshape(-1))
+    f32 = qm.dequantize(flat, "Q6_K", rows, cols, torch.empty(rows, cols))
+    got16 = qm.dequantize(flat, "Q6_K", rows, cols, torch.empty(rows, cols, dtype=torch.bfloat16), threads=2)
+    assert np.isnan(f32.numpy()).any() and np.isinf(f32.numpy()).any()
+    assert np.array_equal(got16.view(torch.int16).numpy().view(np.uint16), _f2b(f32.numpy()))
 
 
 def test_activation_quantization_is_the_documented_rounding_bit_for_bit():

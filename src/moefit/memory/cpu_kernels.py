@@ -48,11 +48,14 @@ DISABLE_ENV = "MOEFIT_NO_CKERNELS"
 #: stay faster (:data:`SMALL_ROWS_BY_TYPE`): measured with a 2048 x 1024 matrix, one thread
 #: (AMD EPYC, a loaded 2-core machine, 15 interleaved pairs of 3 products, the median of the
 #: time ratios C / dequantize + mm): Q3_K 0.86 at 32 rows, 1.32 at 64; Q2_K 0.83 / 1.26;
-#: IQ4_XS 0.86 at 64, 1.30 at 128; Q6_K 0.95 at 16, 1.31 at 32 (low-bit super-blocks are
-#: unpacked once per 8 activation rows, the dequantized matrix once per product). At two
-#: threads the C kernels were faster up to 128 rows for Q3_K and IQ4_XS (0.91, 0.87).
+#: IQ4_XS 0.86 at 64, 1.30 at 128 (low-bit super-blocks are unpacked once per 8 activation
+#: rows, the dequantized matrix once per product). At two threads the C kernels were faster
+#: up to 128 rows for Q3_K and IQ4_XS (0.91, 0.87). Q6_K, since its rows are unpacked once per
+#: 8 activation rows too and dequantized to bf16 16 values at a time (AVX-512; the same
+#: matrix, a loaded machine, 9 interleaved pairs): 0.65 at 16 rows, 0.88 at 24, 0.99 at 32,
+#: 1.37 at 64 (a 512 x 1024 expert matrix: 0.65 / 0.88 / 1.03 / 1.26).
 SMALL_ROWS = 8
-SMALL_ROWS_BY_TYPE = {"Q2_K": 32, "Q3_K": 32, "IQ4_XS": 64, "Q6_K": 16}
+SMALL_ROWS_BY_TYPE = {"Q2_K": 32, "Q3_K": 32, "IQ4_XS": 64, "Q6_K": 24}
 
 #: A MoE layer (``moefit.runtime.moe.batch.run_layer``) runs the batched C kernel while its
 #: experts get at most this many tokens each on average (the (token, expert) pairs over the
@@ -77,8 +80,11 @@ SMALL_ROWS_BY_TYPE = {"Q2_K": 32, "Q3_K": 32, "IQ4_XS": 64, "Q6_K": 16}
 #: files, one thread, a loaded machine, 5 interleaved pairs of one prefill chunk): Q4_K_M
 #: (Q4_K / Q6_K experts) batched against expert by expert 0.72 at 8 tokens per expert, 1.20
 #: at 16, 1.22 at 24 (both ways 1.02 at 32: the noise), hence 8 for the K-quants (Q5_K with
-#: them).
-TOKENS_PER_EXPERT = {"Q4_K": 8, "Q5_K": 8, "Q6_K": 8, "Q8_0": 20, "Q4_0": 32,
+#: them). Q6_K 24 since its rows are unpacked once per 8 tokens of an expert (``q6k_tok``):
+#: a 512 x 1024 expert matrix, one thread, a loaded machine, C kernel against dequantize +
+#: ``torch.mm`` (the crossover of :data:`SMALL_ROWS_BY_TYPE`'s measurement, not a whole-model
+#: one): 0.65 at 16 tokens, 0.88 at 24, 1.03 at 32.
+TOKENS_PER_EXPERT = {"Q4_K": 8, "Q5_K": 8, "Q6_K": 24, "Q8_0": 20, "Q4_0": 32,
                      "BF16": 32, "F16": 32, "F32": 32, "Q2_K": 48, "Q3_K": 48, "IQ4_XS": 64,
                      "IQ2_XXS": 48, "IQ3_XXS": 24, "IQ1_M": 24}
 DEFAULT_TOKENS_PER_EXPERT = 8

@@ -597,6 +597,70 @@ static void dot4_q6k_512(const uint8_t *w, int64_t rb, qact a, int K, float *out
     for (int r = 0; r < 4; r++) out[r] = hsum16(acc[r]) - hsum8(oacc[r]);
 }
 
+/* One Q6_K row against NA activation rows (NA <= Q6K_MAXT): each super-block unpacked into
+ * registers once (values and scale vectors, as q6k_sb) and multiplied by every activation
+ * row, so a prefill step whose tokens share an expert unpacks each row once per Q6K_MAXT
+ * tokens rather than once per token. Each activation row gets q6k_sb's float operations in
+ * q6k_sb's order (a super-block's sums in integers, then one fmadd per super-block), so its
+ * value is bit for bit dot_q6k_512's. out[i * ldo] = the row's product with acts[i]. */
+#define Q6K_MAXT 8
+static inline __attribute__((always_inline)) void q6k_tok_t(const uint8_t *w, int K, const qact *acts, const int NA,
+                                                            float *out, int64_t ldo) {
+    const __m512i m4 = _mm512_set1_epi8(0x0f), m2 = _mm512_set1_epi8(3);
+    const __m512i sel = _mm512_set_epi16(3,3,3,3,3,3,3,3, 2,2,2,2,2,2,2,2, 1,1,1,1,1,1,1,1, 0,0,0,0,0,0,0,0);
+    __m512 acc[Q6K_MAXT];
+    __m256 oacc[Q6K_MAXT];
+    for (int i = 0; i < NA; i++) { acc[i] = _mm512_setzero_ps(); oacc[i] = _mm256_setzero_ps(); }
+    for (int sb = 0; sb < K / 256; sb++, w += 210) {
+        for (int c = 0; c < 210; c += 64) _mm_prefetch((const char *)(w + PREFETCH + c), _MM_HINT_T0);
+        const uint8_t *ql = w, *qh = w + 128;
+        float dw = mf_h2f(rd16(w + 208));
+        __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w + 192)));
+        __m512i scw = _mm512_castsi256_si512(sc16);
+        __m512i v[4], s[4];
+        for (int h = 0; h < 2; h++) {
+            __m512i L = _mm512_loadu_si512((const void *)(ql + 64 * h));
+            __m256i H = _mm256_loadu_si256((const __m256i *)(qh + 32 * h));
+            __m512i ha = _mm512_inserti64x4(_mm512_castsi256_si512(H), _mm256_srli_epi16(H, 2), 1);
+            __m512i hb = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_srli_epi16(H, 4)), _mm256_srli_epi16(H, 6), 1);
+            v[2 * h] = _mm512_or_si512(_mm512_and_si512(L, m4), _mm512_slli_epi16(_mm512_and_si512(ha, m2), 4));
+            v[2 * h + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(L, 4), m4),
+                                           _mm512_slli_epi16(_mm512_and_si512(hb, m2), 4));
+            s[2 * h] = _mm512_permutexvar_epi16(_mm512_add_epi16(sel, _mm512_set1_epi16(8 * h)), scw);
+            s[2 * h + 1] = _mm512_permutexvar_epi16(_mm512_add_epi16(sel, _mm512_set1_epi16(8 * h + 4)), scw);
+        }
+        for (int i = 0; i < NA; i++) {
+            float d = dw * acts[i].dk[sb];
+            const int8_t *y = acts[i].qk + 256 * sb;
+            __m256i os = _mm256_madd_epi16(sc16, _mm256_loadu_si256((const __m256i *)(acts[i].sk16 + 16 * sb)));
+            oacc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(os), _mm256_set1_ps(32.f * d), oacc[i]);
+            __m512i isum = _mm512_setzero_si512();
+            for (int k = 0; k < 4; k++)
+                isum = _mm512_dpwssd_epi32(isum, _mm512_maddubs_epi16(v[k], _mm512_loadu_si512((const void *)(y + 64 * k))),
+                                           s[k]);
+            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_set1_ps(d), acc[i]);
+        }
+    }
+    for (int i = 0; i < NA; i++) out[i * ldo] = hsum16(acc[i]) - hsum8(oacc[i]);
+}
+
+/* (q6k_tok_t) na activation rows, any na >= 0: runs of Q6K_MAXT, then the rest at once */
+static void q6k_tok(const uint8_t *w, int K, const qact *acts, int na, float *out, int64_t ldo) {
+    for (; na >= Q6K_MAXT; na -= Q6K_MAXT, acts += Q6K_MAXT, out += Q6K_MAXT * ldo)
+        q6k_tok_t(w, K, acts, Q6K_MAXT, out, ldo);
+    switch (na) {
+    case 7: q6k_tok_t(w, K, acts, 7, out, ldo); break;
+    case 6: q6k_tok_t(w, K, acts, 6, out, ldo); break;
+    case 5: q6k_tok_t(w, K, acts, 5, out, ldo); break;
+    case 4: q6k_tok_t(w, K, acts, 4, out, ldo); break;
+    case 3: q6k_tok_t(w, K, acts, 3, out, ldo); break;
+    case 2: q6k_tok_t(w, K, acts, 2, out, ldo); break;
+    case 1: q6k_tok_t(w, K, acts, 1, out, ldo); break;
+    default: break;
+    }
+}
+#define HAVE_Q6K_TOK 1
+
 #endif
 
 
@@ -1519,6 +1583,22 @@ static void gemm_rows(int t, const uint8_t *W, int N, int K, int n, const float 
             }
             continue;
         }
+#ifdef HAVE_Q6K_TOK
+        if (t == T_Q6_K && n > 1) {
+            /* each weight row unpacked once per Q6K_MAXT activation rows (q6k_tok) */
+            for (int i0 = 0; i0 < n; i0 += Q6K_MAXT) {
+                int na = n - i0 < Q6K_MAXT ? n - i0 : Q6K_MAXT;
+                qact acts[Q6K_MAXT];
+                for (int i = 0; i < na; i++) acts[i] = qact_at(xq + (i0 + i) * qb, K);
+                for (int j = 0; j < nr; j++) {
+                    float v[Q6K_MAXT];
+                    q6k_tok(wr + j * rb, K, acts, na, v, 1);
+                    for (int i = 0; i < na; i++) store_y(y, ydt, (int64_t)(i0 + i) * ldy + r + j, v[i], bias, r + j);
+                }
+            }
+            continue;
+        }
+#endif
         for (int i = 0; i < n; i++) {
             float v[4];
             dot_rows(t, wr, rb, nr, xf + (int64_t)i * K, qact_at(xq + i * qb, K), K, v, n == 1);
@@ -1638,6 +1718,18 @@ static void moe_body(int n_exp, const uint8_t *const *blobs, const int64_t *boun
                     }
                     continue;
                 }
+#ifdef HAVE_Q6K_TOK
+                if (tt == T_Q6_K && pb - pa > 1) {      /* each row unpacked once per Q6K_MAXT tokens */
+                    for (int64_t q0 = pa; q0 < pb; q0 += Q6K_MAXT) {
+                        int na = (int)(pb - q0 < Q6K_MAXT ? pb - q0 : Q6K_MAXT);
+                        qact acts[Q6K_MAXT];
+                        for (int i = 0; i < na; i++) acts[i] = qact_at(xq + tok[q0 + i] * qh, H);
+                        for (int j = 0; j < 4; j++)
+                            q6k_tok(w + j * rbt, H, acts, na, gu + (q0 - p0) * 2 * I + r + j, 2 * I);
+                    }
+                    continue;
+                }
+#endif
                 for (int64_t p = pa; p < pb; p++) {
                     int64_t t = tok[p];
                     float *dst = gu + (p - p0) * 2 * I + r;
@@ -1676,6 +1768,17 @@ static void moe_body(int n_exp, const uint8_t *const *blobs, const int64_t *boun
                     }
                     continue;
                 }
+#ifdef HAVE_Q6K_TOK
+                if (td == T_Q6_K && pb - pa > 1) {
+                    for (int64_t q0 = pa; q0 < pb; q0 += Q6K_MAXT) {
+                        int na = (int)(pb - q0 < Q6K_MAXT ? pb - q0 : Q6K_MAXT);
+                        qact acts[Q6K_MAXT];
+                        for (int i = 0; i < na; i++) acts[i] = qact_at(hq + (q0 - p0 + i) * qi, I);
+                        for (int j = 0; j < 4; j++) q6k_tok(w + j * rbd, I, acts, na, yd + (q0 - p0) * H + r + j, H);
+                    }
+                    continue;
+                }
+#endif
                 for (int64_t p = pa; p < pb; p++) {
                     int64_t i = p - p0;
 #ifdef HAVE_BF16DOT
@@ -1777,6 +1880,48 @@ static void dequant_block(int t, const uint8_t *w, float *y) {
 }
 
 /* nrows rows of K values of type t -> out16 (bf16) or out32 (fp32), whichever is not NULL. */
+#ifdef HAVE512
+/* fp32 -> bf16 of 16 lanes, mf_f2b's rounding (nearest even; NaN stays NaN, quiet bit set) */
+static inline __m256i f2b_512(__m512 v) {
+    __m512i u = _mm512_castps_si512(v);
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)),
+                                                   _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))), 16);
+    __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
+    r = _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+    return _mm512_cvtepi32_epi16(r);
+}
+
+/* one Q6_K super-block (w) as 256 bf16 (o): dequant_block's values (d * scale, then times
+ * q - 32, each an fp32 product), 16 at a time (one scale each), rounded as mf_f2b: bit for
+ * bit the scalar path's. The values' order in the block is q6k_sb's (low nibbles of 64
+ * bytes of ql with two bits of qh each, then the high nibbles). */
+static void dequant_q6k_bf16_512(const uint8_t *w, uint16_t *o) {
+    const __m512i m4 = _mm512_set1_epi8(0x0f), m2 = _mm512_set1_epi8(3), o32 = _mm512_set1_epi8(32);
+    const int8_t *sc = (const int8_t *)(w + 192);
+    float d = mf_h2f(rd16(w + 208));
+    for (int h = 0; h < 2; h++) {
+        __m512i L = _mm512_loadu_si512((const void *)(w + 64 * h));
+        __m256i H = _mm256_loadu_si256((const __m256i *)(w + 128 + 32 * h));
+        __m512i ha = _mm512_inserti64x4(_mm512_castsi256_si512(H), _mm256_srli_epi16(H, 2), 1);
+        __m512i hb = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_srli_epi16(H, 4)), _mm256_srli_epi16(H, 6), 1);
+        __m512i v[2];
+        v[0] = _mm512_sub_epi8(_mm512_or_si512(_mm512_and_si512(L, m4), _mm512_slli_epi16(_mm512_and_si512(ha, m2), 4)), o32);
+        v[1] = _mm512_sub_epi8(_mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(L, 4), m4),
+                                               _mm512_slli_epi16(_mm512_and_si512(hb, m2), 4)), o32);
+        for (int g = 0; g < 2; g++)
+            for (int c = 0; c < 4; c++) {
+                int k = 8 * h + 4 * g + c;                      /* the 16 values' sub-block */
+                __m128i q8 = _mm512_extracti32x4_epi32(v[g], 0);
+                if (c == 1) q8 = _mm512_extracti32x4_epi32(v[g], 1);
+                if (c == 2) q8 = _mm512_extracti32x4_epi32(v[g], 2);
+                if (c == 3) q8 = _mm512_extracti32x4_epi32(v[g], 3);
+                __m512 q = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q8));
+                _mm256_storeu_si256((__m256i *)(o + 16 * k), f2b_512(_mm512_mul_ps(q, _mm512_set1_ps(d * sc[k]))));
+            }
+    }
+}
+#endif
+
 void mf_dequant(int t, const uint8_t *W, int64_t nrows, int K, uint16_t *out16, float *out32, int nthreads) {
     int64_t rb = row_bytes(t, K);
     int bs = (t == T_Q4_K || t == T_Q5_K || t == T_Q6_K || is_lowbit(t)) ? 256 : 32;
@@ -1788,6 +1933,12 @@ void mf_dequant(int t, const uint8_t *W, int64_t nrows, int K, uint16_t *out16, 
         for (int64_t r = 0; r < nrows; r++) {
             const uint8_t *wr = W + r * rb;
             for (int b = 0; b < K / bs; b++) {
+#ifdef HAVE512
+                if (t == T_Q6_K && out16 && !out32) {   /* prefill's expert matrices: half the scalar path's time */
+                    dequant_q6k_bf16_512(wr + b * tb, out16 + r * K + (int64_t)b * bs);
+                    continue;
+                }
+#endif
                 float *dst = out32 ? out32 + r * K + (int64_t)b * bs : y;
                 if (is_float_type(t)) {
                     for (int i = 0; i < bs; i++) {
