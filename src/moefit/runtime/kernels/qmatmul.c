@@ -996,10 +996,6 @@ static inline __attribute__((always_inline)) void lb_sb_rows(const int t, const 
                                                              const int16_t *const *sk, const int nr, float *s) {
     __m256i acc[LB_MAXR];
     for (int j = 0; j < nr; j++) acc[j] = _mm256_setzero_si256();
-#ifdef HAVE512
-    __m512i acc5[LB_MAXR];
-    for (int j = 0; j < nr; j++) acc5[j] = _mm512_setzero_si512();
-#endif
     const int sgn = t != T_Q2_K && t != T_Q3_K;      /* signs on the activation */
     float f = 0.f, fmin = 0.f;
     int8_t sc3[16];                                  /* Q3_K: the 16 scales */
@@ -1040,7 +1036,9 @@ static inline __attribute__((always_inline)) void lb_sb_rows(const int t, const 
     /* a batch: 64 values a step in 512-bit registers (two lb_chunk halves), so each activation
      * row costs half the instructions; the signs go on with a masked negation (no vpsignb in
      * AVX-512); the same integer sums as the 256-bit steps */
-    if (nr > 1)
+    if (nr > 1) {
+        __m512i acc5[LB_MAXR];
+        for (int j = 0; j < nr; j++) acc5[j] = _mm512_setzero_si512();
         for (; c < 8; c += 2) {
             __m256i u0, u1, g0, g1, s0, s1;
             lb_chunk(t, w, c, hm, sv, s4, &u0, &g0, &s0);
@@ -1054,8 +1052,9 @@ static inline __attribute__((always_inline)) void lb_sb_rows(const int t, const 
                 acc5[j] = _mm512_add_epi32(acc5[j], _mm512_madd_epi16(_mm512_maddubs_epi16(u, q), scv));
             }
         }
-    for (int j = 0; j < nr; j++)
-        acc[j] = _mm256_add_epi32(_mm512_castsi512_si256(acc5[j]), _mm512_extracti64x4_epi64(acc5[j], 1));
+        for (int j = 0; j < nr; j++)
+            acc[j] = _mm256_add_epi32(_mm512_castsi512_si256(acc5[j]), _mm512_extracti64x4_epi64(acc5[j], 1));
+    }
 #endif
     for (; c < 8; c++) {                             /* values 32c .. 32c+31 */
         __m256i u, sg, scv;
