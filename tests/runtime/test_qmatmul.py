@@ -123,9 +123,9 @@ def test_lowbit_types_on_small_odd_shapes(qtype):
 @pytest.mark.parametrize("qtype", ["BF16", "Q8_0", "Q4_K", "Q5_K", "Q6_K", *sorted(LOWBIT)])
 def test_rows_of_a_batch_equal_each_row_alone(qtype):
     """A step of several sequences (BF16 rows: 4 activation rows per weight row read; the
-    low-bit types: a super-block unpacked once for 8, 4 or 1 activation rows) gives each row
-    exactly what it gives alone, for every remainder of 4 rows and of 64 columns, and 13 rows
-    (8 + 4 + 1)."""
+    low-bit types: a super-block unpacked once for 8, 4 or 1 activation rows; with AVX-512 the
+    8 and 4 in 64-value steps, the 1 in 32-value steps) gives each row exactly what it gives
+    alone, for every remainder of 4 rows and of 64 columns, and 13 rows (8 + 4 + 1)."""
     for cols, n in ((96, 9), (512, 6), (288, 4), (768, 13)):
         if not qm.supports(qtype, cols):
             continue

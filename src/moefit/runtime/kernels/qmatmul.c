@@ -949,6 +949,105 @@ static inline __m256i lb_pm(uint8_t s0, uint8_t s1, uint8_t s2, uint8_t s3) {
 }
 #endif
 
+/* 32 values 32c .. 32c+31 of the super-block w of type t (a constant once inlined): the unsigned
+ * magnitudes *u, for the signed types the signs *sg to put on the activation, and the int16
+ * scales of the two 16-value groups *scv (lanes 0..7, 8..15); hm, sv, s4: lb_sb_rows' per
+ * super-block state (Q3_K high bits, Q2_K / Q3_K scales, IQ1_M scales) */
+static inline __attribute__((always_inline)) void lb_chunk(const int t, const uint8_t *w, const int c, const __m256i hm,
+                                                           const __m256i sv, const uint16_t *s4, __m256i *u_,
+                                                           __m256i *sg_, __m256i *scv_) {
+    const __m256i m3 = _mm256_set1_epi8(3);
+    __m256i u = _mm256_setzero_si256(), sg = _mm256_setzero_si256();
+    int a = 0, b = 0;
+    (void)s4;
+    switch (t) {
+    case T_Q2_K:
+        u = _mm256_and_si256(_mm256_srli_epi16(_mm256_loadu_si256((const __m256i *)(w + 16 + 32 * (c / 4))), 2 * (c % 4)), m3);
+        break;
+    case T_Q3_K: {
+        /* u = 2-bit value | (high bit << 2), 0..7: the value is u - 4 */
+        __m256i h = _mm256_and_si256(_mm256_srli_epi16(hm, c), _mm256_set1_epi8(1));
+        u = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(_mm256_loadu_si256((const __m256i *)(w + 32 + 32 * (c / 4))),
+                                                               2 * (c % 4)), m3), _mm256_slli_epi16(h, 2));
+        break; }
+    case T_IQ4_XS: {
+        a = b = (((w[4 + c / 2] >> (4 * (c % 2))) & 15) | (((rd16(w + 2) >> (2 * c)) & 3) << 4)) - 32;
+        sg = lut16(nibbles(w + 8 + 16 * c), KV_IQ4NL);
+        u = _mm256_sign_epi8(sg, sg);
+        break; }
+#if MF_IQ_TABLES
+    case T_IQ2_XXS: {
+        uint32_t a0 = rd32(w + 2 + 8 * c), a1 = rd32(w + 6 + 8 * c);
+        u = _mm256_set_epi64x((long long)MF_IQ2XXS_GRID[a0 >> 24], (long long)MF_IQ2XXS_GRID[(a0 >> 16) & 255],
+                              (long long)MF_IQ2XXS_GRID[(a0 >> 8) & 255], (long long)MF_IQ2XXS_GRID[a0 & 255]);
+        sg = lb_pm(MF_KSIGNS[a1 & 127], MF_KSIGNS[(a1 >> 7) & 127], MF_KSIGNS[(a1 >> 14) & 127], MF_KSIGNS[(a1 >> 21) & 127]);
+        a = b = 2 * (int)(a1 >> 28) + 1;
+        break; }
+    case T_IQ2_XS: {
+        uint16_t q[4];
+        memcpy(q, w + 2 + 8 * c, 8);
+        u = _mm256_set_epi64x((long long)MF_IQ2XS_GRID[q[3] & 511], (long long)MF_IQ2XS_GRID[q[2] & 511],
+                              (long long)MF_IQ2XS_GRID[q[1] & 511], (long long)MF_IQ2XS_GRID[q[0] & 511]);
+        sg = lb_pm(MF_KSIGNS[q[0] >> 9], MF_KSIGNS[q[1] >> 9], MF_KSIGNS[q[2] >> 9], MF_KSIGNS[q[3] >> 9]);
+        a = 2 * (w[66 + c] & 15) + 1; b = 2 * (w[66 + c] >> 4) + 1;
+        break; }
+    case T_IQ2_S: {
+        const uint8_t *q = w + 2 + 4 * c, *sgb = w + 34 + 4 * c;
+        int h = w[66 + c];
+        u = _mm256_set_epi64x((long long)MF_IQ2S_GRID[q[3] | ((h << 2) & 0x300)], (long long)MF_IQ2S_GRID[q[2] | ((h << 4) & 0x300)],
+                              (long long)MF_IQ2S_GRID[q[1] | ((h << 6) & 0x300)], (long long)MF_IQ2S_GRID[q[0] | ((h << 8) & 0x300)]);
+        sg = lb_pm(sgb[0], sgb[1], sgb[2], sgb[3]);
+        a = 2 * (w[74 + c] & 15) + 1; b = 2 * (w[74 + c] >> 4) + 1;
+        break; }
+    case T_IQ3_XXS: {
+        const uint8_t *q = w + 2 + 8 * c;
+        uint32_t aux = rd32(w + 66 + 4 * c);
+        u = _mm256_set_epi32((int)MF_IQ3XXS_GRID[q[7]], (int)MF_IQ3XXS_GRID[q[6]], (int)MF_IQ3XXS_GRID[q[5]],
+                             (int)MF_IQ3XXS_GRID[q[4]], (int)MF_IQ3XXS_GRID[q[3]], (int)MF_IQ3XXS_GRID[q[2]],
+                             (int)MF_IQ3XXS_GRID[q[1]], (int)MF_IQ3XXS_GRID[q[0]]);
+        sg = lb_pm(MF_KSIGNS[aux & 127], MF_KSIGNS[(aux >> 7) & 127], MF_KSIGNS[(aux >> 14) & 127], MF_KSIGNS[(aux >> 21) & 127]);
+        a = b = 2 * (int)(aux >> 28) + 1;
+        break; }
+    case T_IQ3_S: {
+        const uint8_t *q = w + 2 + 8 * c, *sgb = w + 74 + 4 * c;
+        int h = w[66 + c];
+        int32_t g[8];
+        for (int k = 0; k < 8; k++) g[k] = (int32_t)MF_IQ3S_GRID[q[k] | (((h >> k) & 1) << 8)];
+        u = _mm256_loadu_si256((const __m256i *)g);
+        sg = lb_pm(sgb[0], sgb[1], sgb[2], sgb[3]);
+        a = b = 1 + 2 * ((w[106 + c / 2] >> (4 * (c % 2))) & 15);
+        break; }
+    case T_IQ1_S: case T_IQ1_M: {
+        /* v = 8 g + delta (g in -1..1 from the 8 g grid, delta +-1 per 8 values), |v| <= 9 */
+        int idx[4];
+        long long dl[4];
+        if (t == T_IQ1_S) {
+            int h = rd16(w + 34 + 2 * c);
+            const uint8_t *q = w + 2 + 4 * c;
+            idx[0] = q[0] | ((h << 8) & 0x700); idx[1] = q[1] | ((h << 5) & 0x700);
+            idx[2] = q[2] | ((h << 2) & 0x700); idx[3] = q[3] | ((h >> 1) & 0x700);
+            dl[0] = dl[1] = dl[2] = dl[3] = h & 0x8000 ? -1 : 0x0101010101010101ll;
+            a = b = 2 * ((h >> 12) & 7) + 1;
+        } else {
+            for (int l = 0; l < 4; l++) {
+                int h = (w[32 + 2 * c + l / 2] >> (4 * (l % 2))) & 15;
+                idx[l] = w[4 * c + l] | ((h & 7) << 8);
+                dl[l] = h & 8 ? -1 : 0x0101010101010101ll;
+            }
+            a = 2 * ((s4[c / 2] >> (6 * (c % 2))) & 7) + 1;
+            b = 2 * ((s4[c / 2] >> (6 * (c % 2) + 3)) & 7) + 1;
+        }
+        sg = _mm256_add_epi8(_mm256_set_epi64x((long long)MF_IQ1S_GRID8[idx[3]], (long long)MF_IQ1S_GRID8[idx[2]],
+                                               (long long)MF_IQ1S_GRID8[idx[1]], (long long)MF_IQ1S_GRID8[idx[0]]),
+                             _mm256_set_epi64x(dl[3], dl[2], dl[1], dl[0]));
+        u = _mm256_sign_epi8(sg, sg);
+        break; }
+#endif
+    }
+    *u_ = u; *sg_ = sg;
+    *scv_ = t == T_Q2_K || t == T_Q3_K ? lb_pick(sv, c) : lb_s16(a, b);
+}
+
 /* One super-block of type t (a constant once inlined: lb_rows_t) against nr activation rows
  * (y[j]: the row's 256 K-quant values, sk[j]: its 16 sums per 16): the super-block is unpacked
  * once, 32 values at a time (u, and for the signed types the signs sg to put on the
@@ -959,7 +1058,6 @@ static inline __m256i lb_pm(uint8_t s0, uint8_t s1, uint8_t s2, uint8_t s3) {
  * and the same fp32 operations for every nr, so a row's value does not depend on the batch. */
 static inline __attribute__((always_inline)) void lb_sb_rows(const int t, const uint8_t *w, const int8_t *const *y,
                                                              const int16_t *const *sk, const int nr, float *s) {
-    const __m256i m3 = _mm256_set1_epi8(3);
     __m256i acc[LB_MAXR];
     for (int j = 0; j < nr; j++) acc[j] = _mm256_setzero_si256();
     const int sgn = t != T_Q2_K && t != T_Q3_K;      /* signs on the activation */
@@ -997,94 +1095,34 @@ static inline __attribute__((always_inline)) void lb_sb_rows(const int t, const 
         break;
     default: f = mf_h2f(rd16(w)) * 0.125f;        /* IQ2_XXS, IQ2_XS, IQ2_S, IQ1_S */
     }
-    for (int c = 0; c < 8; c++) {                    /* values 32c .. 32c+31 */
-        __m256i u = _mm256_setzero_si256(), sg = _mm256_setzero_si256();
-        int a = 0, b = 0;
-        switch (t) {
-        case T_Q2_K:
-            u = _mm256_and_si256(_mm256_srli_epi16(_mm256_loadu_si256((const __m256i *)(w + 16 + 32 * (c / 4))), 2 * (c % 4)), m3);
-            break;
-        case T_Q3_K: {
-            /* u = 2-bit value | (high bit << 2), 0..7: the value is u - 4 */
-            __m256i h = _mm256_and_si256(_mm256_srli_epi16(hm, c), _mm256_set1_epi8(1));
-            u = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(_mm256_loadu_si256((const __m256i *)(w + 32 + 32 * (c / 4))),
-                                                                   2 * (c % 4)), m3), _mm256_slli_epi16(h, 2));
-            break; }
-        case T_IQ4_XS: {
-            a = b = (((w[4 + c / 2] >> (4 * (c % 2))) & 15) | (((rd16(w + 2) >> (2 * c)) & 3) << 4)) - 32;
-            sg = lut16(nibbles(w + 8 + 16 * c), KV_IQ4NL);
-            u = _mm256_sign_epi8(sg, sg);
-            break; }
-#if MF_IQ_TABLES
-        case T_IQ2_XXS: {
-            uint32_t a0 = rd32(w + 2 + 8 * c), a1 = rd32(w + 6 + 8 * c);
-            u = _mm256_set_epi64x((long long)MF_IQ2XXS_GRID[a0 >> 24], (long long)MF_IQ2XXS_GRID[(a0 >> 16) & 255],
-                                  (long long)MF_IQ2XXS_GRID[(a0 >> 8) & 255], (long long)MF_IQ2XXS_GRID[a0 & 255]);
-            sg = lb_pm(MF_KSIGNS[a1 & 127], MF_KSIGNS[(a1 >> 7) & 127], MF_KSIGNS[(a1 >> 14) & 127], MF_KSIGNS[(a1 >> 21) & 127]);
-            a = b = 2 * (int)(a1 >> 28) + 1;
-            break; }
-        case T_IQ2_XS: {
-            uint16_t q[4];
-            memcpy(q, w + 2 + 8 * c, 8);
-            u = _mm256_set_epi64x((long long)MF_IQ2XS_GRID[q[3] & 511], (long long)MF_IQ2XS_GRID[q[2] & 511],
-                                  (long long)MF_IQ2XS_GRID[q[1] & 511], (long long)MF_IQ2XS_GRID[q[0] & 511]);
-            sg = lb_pm(MF_KSIGNS[q[0] >> 9], MF_KSIGNS[q[1] >> 9], MF_KSIGNS[q[2] >> 9], MF_KSIGNS[q[3] >> 9]);
-            a = 2 * (w[66 + c] & 15) + 1; b = 2 * (w[66 + c] >> 4) + 1;
-            break; }
-        case T_IQ2_S: {
-            const uint8_t *q = w + 2 + 4 * c, *sgb = w + 34 + 4 * c;
-            int h = w[66 + c];
-            u = _mm256_set_epi64x((long long)MF_IQ2S_GRID[q[3] | ((h << 2) & 0x300)], (long long)MF_IQ2S_GRID[q[2] | ((h << 4) & 0x300)],
-                                  (long long)MF_IQ2S_GRID[q[1] | ((h << 6) & 0x300)], (long long)MF_IQ2S_GRID[q[0] | ((h << 8) & 0x300)]);
-            sg = lb_pm(sgb[0], sgb[1], sgb[2], sgb[3]);
-            a = 2 * (w[74 + c] & 15) + 1; b = 2 * (w[74 + c] >> 4) + 1;
-            break; }
-        case T_IQ3_XXS: {
-            const uint8_t *q = w + 2 + 8 * c;
-            uint32_t aux = rd32(w + 66 + 4 * c);
-            u = _mm256_set_epi32((int)MF_IQ3XXS_GRID[q[7]], (int)MF_IQ3XXS_GRID[q[6]], (int)MF_IQ3XXS_GRID[q[5]],
-                                 (int)MF_IQ3XXS_GRID[q[4]], (int)MF_IQ3XXS_GRID[q[3]], (int)MF_IQ3XXS_GRID[q[2]],
-                                 (int)MF_IQ3XXS_GRID[q[1]], (int)MF_IQ3XXS_GRID[q[0]]);
-            sg = lb_pm(MF_KSIGNS[aux & 127], MF_KSIGNS[(aux >> 7) & 127], MF_KSIGNS[(aux >> 14) & 127], MF_KSIGNS[(aux >> 21) & 127]);
-            a = b = 2 * (int)(aux >> 28) + 1;
-            break; }
-        case T_IQ3_S: {
-            const uint8_t *q = w + 2 + 8 * c, *sgb = w + 74 + 4 * c;
-            int h = w[66 + c];
-            int32_t g[8];
-            for (int k = 0; k < 8; k++) g[k] = (int32_t)MF_IQ3S_GRID[q[k] | (((h >> k) & 1) << 8)];
-            u = _mm256_loadu_si256((const __m256i *)g);
-            sg = lb_pm(sgb[0], sgb[1], sgb[2], sgb[3]);
-            a = b = 1 + 2 * ((w[106 + c / 2] >> (4 * (c % 2))) & 15);
-            break; }
-        case T_IQ1_S: case T_IQ1_M: {
-            /* v = 8 g + delta (g in -1..1 from the 8 g grid, delta +-1 per 8 values), |v| <= 9 */
-            int idx[4];
-            long long dl[4];
-            if (t == T_IQ1_S) {
-                int h = rd16(w + 34 + 2 * c);
-                const uint8_t *q = w + 2 + 4 * c;
-                idx[0] = q[0] | ((h << 8) & 0x700); idx[1] = q[1] | ((h << 5) & 0x700);
-                idx[2] = q[2] | ((h << 2) & 0x700); idx[3] = q[3] | ((h >> 1) & 0x700);
-                dl[0] = dl[1] = dl[2] = dl[3] = h & 0x8000 ? -1 : 0x0101010101010101ll;
-                a = b = 2 * ((h >> 12) & 7) + 1;
-            } else {
-                for (int l = 0; l < 4; l++) {
-                    int h = (w[32 + 2 * c + l / 2] >> (4 * (l % 2))) & 15;
-                    idx[l] = w[4 * c + l] | ((h & 7) << 8);
-                    dl[l] = h & 8 ? -1 : 0x0101010101010101ll;
-                }
-                a = 2 * ((s4[c / 2] >> (6 * (c % 2))) & 7) + 1;
-                b = 2 * ((s4[c / 2] >> (6 * (c % 2) + 3)) & 7) + 1;
+    int c = 0;
+#ifdef HAVE512
+    /* a batch: 64 values a step in 512-bit registers (two lb_chunk halves), so each activation
+     * row costs half the instructions; the signs go on with a masked negation (no vpsignb in
+     * AVX-512); the same integer sums as the 256-bit steps */
+    if (nr > 1) {
+        __m512i acc5[LB_MAXR];
+        for (int j = 0; j < nr; j++) acc5[j] = _mm512_setzero_si512();
+        for (; c < 8; c += 2) {
+            __m256i u0, u1, g0, g1, s0, s1;
+            lb_chunk(t, w, c, hm, sv, s4, &u0, &g0, &s0);
+            lb_chunk(t, w, c + 1, hm, sv, s4, &u1, &g1, &s1);
+            const __m512i u = _mm512_inserti64x4(_mm512_castsi256_si512(u0), u1, 1);
+            const __m512i scv = _mm512_inserti64x4(_mm512_castsi256_si512(s0), s1, 1);
+            const __mmask64 neg = sgn ? _mm512_movepi8_mask(_mm512_inserti64x4(_mm512_castsi256_si512(g0), g1, 1)) : 0;
+            for (int j = 0; j < nr; j++) {
+                __m512i q = _mm512_loadu_si512((const void *)(y[j] + 32 * c));
+                if (sgn) q = _mm512_mask_sub_epi8(q, neg, _mm512_setzero_si512(), q);
+                acc5[j] = _mm512_add_epi32(acc5[j], _mm512_madd_epi16(_mm512_maddubs_epi16(u, q), scv));
             }
-            sg = _mm256_add_epi8(_mm256_set_epi64x((long long)MF_IQ1S_GRID8[idx[3]], (long long)MF_IQ1S_GRID8[idx[2]],
-                                                   (long long)MF_IQ1S_GRID8[idx[1]], (long long)MF_IQ1S_GRID8[idx[0]]),
-                                 _mm256_set_epi64x(dl[3], dl[2], dl[1], dl[0]));
-            u = _mm256_sign_epi8(sg, sg);
-            break; }
-#endif
         }
-        const __m256i scv = t == T_Q2_K || t == T_Q3_K ? lb_pick(sv, c) : lb_s16(a, b);
+        for (int j = 0; j < nr; j++)
+            acc[j] = _mm256_add_epi32(_mm512_castsi512_si256(acc5[j]), _mm512_extracti64x4_epi64(acc5[j], 1));
+    }
+#endif
+    for (; c < 8; c++) {                             /* values 32c .. 32c+31 */
+        __m256i u, sg, scv;
+        lb_chunk(t, w, c, hm, sv, s4, &u, &sg, &scv);
         for (int j = 0; j < nr; j++) {
             __m256i q = _mm256_loadu_si256((const __m256i *)(y[j] + 32 * c));
             if (sgn) q = _mm256_sign_epi8(q, sg);
