@@ -3,7 +3,8 @@ prediction of each (moefit.plan.speed_check; issue 23, item 6): the data file's 
 sources, every case predicted with a named bound, and the median error recorded.
 
 The host is priced at its channels' peak times the achieved fraction of a cited, independent
-read (or llama.cpp CPU-only decode) measurement on the same class of host (the file's ``host_memory_efficiency``). The model
+read (or llama.cpp CPU-only decode) measurement on the same class of host (the file's
+``host_memory_efficiency``). The model
 does not meet the issue's target (median |predicted / measured - 1| <= 25%) on these runs, so
 nothing is asserted about the error's size; the table with the errors is
 benchmarks/speed_published.py's output in docs/benchmarks.md."""
