@@ -5,7 +5,7 @@ ktransformers; each run with its source, quoted lines and the hardware figures u
 predicts every measured phase with :mod:`moefit.plan.speed` through
 :func:`moefit.plan.speed_check.predict_run` (the model preset as the GGUF type the run used,
 the catalogue GPU, the host's channels x MT/s x 8 bytes times the achieved fraction of a cited
-independent read measurement on the same class of host, and threads, the residency the run's
+independent read or llama.cpp CPU-decode measurement on the same class of host, and threads, the residency the run's
 flags imply). Prints one row per case: measured, predicted, predicted / measured and the
 bound the model names, then the median and the largest |predicted / measured - 1|.
 

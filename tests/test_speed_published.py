@@ -3,13 +3,15 @@ prediction of each (moefit.plan.speed_check; issue 23, item 6): the data file's 
 sources, every case predicted with a named bound, and the median error recorded.
 
 The host is priced at its channels' peak times the achieved fraction of a cited, independent
-read measurement on the same class of host (the file's ``host_memory_efficiency``). The model
+read (or llama.cpp CPU-only decode) measurement on the same class of host (the file's
+``host_memory_efficiency``). The model
 does not meet the issue's target (median |predicted / measured - 1| <= 25%) on these runs, so
 nothing is asserted about the error's size; the table with the errors is
 benchmarks/speed_published.py's output in docs/benchmarks.md."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -112,3 +114,25 @@ def test_median_error_is_recorded(record_property):
     record_property("median_error", round(median, 3))
     record_property("largest_error", f"{worst.run} {worst.phase} {worst.error:.2f}")
     assert median >= 0 and worst.error >= median
+
+
+PEAK = re.compile(r"(\d+) x (\d+) MT/s x 8 B")
+
+
+@pytest.mark.parametrize("run", RUNS, ids=lambda r: r["id"])
+def test_every_figure_of_a_run_carries_its_source(run):
+    """Each figure a run is priced with is traceable: the host's channels and MT/s are the
+    ones its source multiplies out, the efficiency's peak is the arithmetic of its
+    ``peak_source`` and its measured figure comes with the quoted lines it is read from,
+    every measured tokens/s is in one of the run's quoted lines, and a prompt length that
+    is not quoted says so in a note."""
+    host = run["host"]
+    assert f"{host['channels']} x {host['mts']} MT/s x 8 B" in host["source"]
+    eff = host["efficiency"]
+    n, mts = map(int, PEAK.search(eff["peak_source"]).groups())
+    assert eff["peak_bytes_per_s"] == pytest.approx(n * mts * 1e6 * 8, rel=1e-3)
+    assert eff["quote"] and eff["source"] and eff["applies_to"]
+    quoted = " ".join(run["quote"])
+    for phase, m in run["measured"].items():
+        assert f"{m['tokens_per_s']:g}" in quoted, (phase, m["tokens_per_s"])
+        assert str(m["prompt_tokens"]) in quoted or m.get("note"), (phase, "prompt length")

@@ -18,7 +18,8 @@ a user's plan would be priced:
 
 The host is moefit's what-if host (:func:`~moefit.devices.host.default_host_speed`) at the
 run's achieved bandwidth (:func:`achieved_bandwidth`: the channels' peak times the measured /
-peak fraction of an independent published read measurement on the same class of host, the
+peak fraction of an independent published measurement on the same class of host (a read
+benchmark, or llama.cpp's CPU-only decode: bytes read per token x tokens/s), the
 file's ``host_memory_efficiency``) and threads: the C kernels' per-core rates measured on the
 CI machine, not the engine's kernels. Imports no torch; reads only the data file.
 """
