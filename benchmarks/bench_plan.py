@@ -14,8 +14,10 @@ checkout's ``src``) runs in turn with this one, A B A B ..., and the ratio this 
 the CPU times is taken pair by pair (median): on a shared machine only such paired ratios
 mean something, absolute times grow with the load.
 
-The process runs with the bytecode cache it finds (the first run of each preset warms it
-and is not counted). Target: every preset's process answers in under 0.1 s (llama.cpp's
+The process runs with a bytecode cache this benchmark controls: a fresh
+``PYTHONPYCACHEPREFIX`` temporary folder per version, ``PYTHONDONTWRITEBYTECODE`` removed from
+the child's environment (a machine that sets it would otherwise time every run without
+bytecode); the first run of each preset and version writes the cache and is not counted. Target: every preset's process answers in under 0.1 s (llama.cpp's
 `--fit` needs 1-9 s per fit). Run: `python benchmarks/bench_plan.py [--runs 5]
 [--preset NAME ...] [--vs OTHER/src]`.
 """
@@ -27,6 +29,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -50,9 +53,14 @@ def _median_s(fn, runs: int) -> float:
     return statistics.median(times)
 
 
-def _process(cmd: list[str], src: str) -> tuple[float, float]:
-    """(CPU seconds, wall seconds) of one run of ``cmd`` with ``PYTHONPATH=src``."""
-    env = {**os.environ, "PYTHONPATH": src}
+def _child_env(src: str, cache: str) -> dict[str, str]:
+    """The child's environment: ``PYTHONPATH=src``, bytecode written to and read from ``cache``."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+    return {**env, "PYTHONPATH": src, "PYTHONPYCACHEPREFIX": cache}
+
+
+def _process(cmd: list[str], env: dict[str, str]) -> tuple[float, float]:
+    """(CPU seconds, wall seconds) of one run of ``cmd`` in ``env``."""
     t = time.perf_counter()
     child = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     _, _, usage = os.wait4(child.pid, 0)
@@ -75,6 +83,12 @@ def main() -> None:
     gpu = find_gpu(GPU)
     req = Request(kv="int8", prefill_mode="fixed", prefill_tokens=8192)
 
+    caches = tempfile.TemporaryDirectory(prefix="bench_plan-pyc-")
+    envs = [_child_env(here, os.path.join(caches.name, "this"))]
+    if args.vs:
+        envs.append(_child_env(args.vs, os.path.join(caches.name, "vs")))
+    print(f"bytecode: each version's own cache under {caches.name} (PYTHONPYCACHEPREFIX; "
+          f"PYTHONDONTWRITEBYTECODE removed), written by one uncounted run per preset")
     print(f"moefit plan PRESET {' '.join(FLAGS)}: medians, ms (process of {runs}: CPU user + "
           f"system and wall; solve of {runs * 10}, failing solve of {runs} on a 4 GiB device)"
           + (f"; vs: PYTHONPATH={args.vs}, CPU, and the paired ratio" if args.vs else ""))
@@ -83,10 +97,9 @@ def main() -> None:
     slowest, ratios = 0.0, []
     for name in presets:
         cmd = [sys.executable, "-m", "moefit", "plan", name, *FLAGS]
-        srcs = [here] + ([args.vs] if args.vs else [])
-        for src in srcs:
-            _process(cmd, src)                                            # warms the bytecode
-        pairs = [[_process(cmd, src) for src in srcs] for _ in range(runs)]
+        for env in envs:
+            _process(cmd, env)                                            # writes the bytecode
+        pairs = [[_process(cmd, env) for env in envs] for _ in range(runs)]
         cpu = statistics.median(p[0][0] for p in pairs)
         proc = statistics.median(p[0][1] for p in pairs)
         t = time.perf_counter()
@@ -107,6 +120,7 @@ def main() -> None:
     print(f"slowest process: {slowest * 1000:.1f} ms CPU   target < 100 ms"
           + (f"   paired CPU ratio this / that: {min(ratios):.2f}-{max(ratios):.2f}, median "
              f"{statistics.median(ratios):.2f}" if ratios else ""))
+    caches.cleanup()
 
 
 if __name__ == "__main__":

@@ -90,7 +90,13 @@ def solve_llamacpp(geom: ModelGeometry, tensors: list[Tensor], device: Device, r
         k = 0
     else:
         total, kv, comp = mandatory_bytes(m, device, req, ub, bool(moe_layers))
-        k = next((k for k in range(1, all_cpu + 1) if total + _experts_from(m, k) <= free), None)
+        # the experts of layers >= k for every k at once (one pass, not one sum per k)
+        tail = [0] * (all_cpu + 1)
+        for layer, b in m.buffers.experts:
+            tail[layer] += b
+        for i in range(all_cpu - 1, -1, -1):
+            tail[i] += tail[i + 1]
+        k = next((k for k in range(1, all_cpu + 1) if total + tail[k] <= free), None)
     if k is None or total > free:
         k = all_cpu
         lowest = max(1, min(req.ubatch_min, ub))
