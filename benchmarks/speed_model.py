@@ -21,8 +21,13 @@ Qwen3-30B-A3B's widths with 4 layers of 32), at each thread count (``--threads 1
    figures at that thread count; prefill: the prompt from position 0 in one chunk; decode: one
    token at a fill of half ``--gen`` (the mean position of the measured tokens). llama.cpp's CPU
    run keeps every weight in host memory, as moefit does with all experts resident, so it is
-   predicted as that plan: the model prices moefit's kernels and paths (their measured rates),
-   not llama.cpp's, which are not measured here.
+   predicted as that plan, the same formulas, with **llama.cpp's own kernel rates, measured
+   here** (:func:`llama_host`, one input: a :class:`~moefit.devices.host.HostSpeed` of
+   llama.cpp's figures): right before each file's runs, at the case's thread count,
+   ``llama-bench`` of three small probe files (``llama-quantize --pure`` Q8_0, Q4_K_M, Q6_K of a
+   4-layer Qwen3-MoE under /tmp/llrates), each type's rate the one at which the model's
+   prediction of its probe takes the probe's measured time (prefill: the rate at prompt
+   sizes; decode: the one-row rate). The probes are not the files predicted.
 
 Prints the exact command line first, the host figures and their source, one row per case
 (measured, predicted, predicted / measured, the bound the model names), then per engine the
@@ -83,6 +88,93 @@ def host_cached(threads: int):
         sys.exit(f"no host calibration at {threads} thread(s): run `moefit calibrate --host` "
                  "(or drop --cached-host)")
     return h
+
+
+#: llama.cpp's rate probes (:func:`llama_host`): one small model per ggml type, every
+#: matrix of it in that type (``llama-quantize --pure`` of ``vs_llamacpp.QUICK``'s bf16 file,
+#: 4 layers of 32 experts, hidden 512), under this folder (written once)
+PROBE_ROOT = Path("/tmp/llrates/probe")
+#: ggml type -> the ``llama-quantize`` type whose ``--pure`` file is all of it
+PROBE_TYPES = {"Q8_0": "Q8_0", "Q4_K": "Q4_K_M", "Q6_K": "Q6_K"}
+#: ``llama-bench -r`` of each probe, the best of its runs taken (as ``moefit calibrate
+#: --host``'s probes: a short probe's slower runs are other jobs' time; a probe file's pp512
+#: takes 0.1-0.2 s at one thread, its tg64 0.2-0.3 s, measured here)
+PROBE_REPEATS = 3
+
+
+def rate_for_seconds(seconds_at, rate0: float, measured_s: float) -> float:
+    """The rate at which the model's time of a step is ``measured_s``: ``seconds_at(rate)``
+    is the model's seconds with one figure at ``rate``, ``other + work / rate`` where the
+    step is compute-bound in that figure (the products of its type; everything else
+    ``other``), so two evaluations, at ``rate0`` and ``rate0 / 2``, give ``work = rate0 x
+    (t(rate0 / 2) - t(rate0))`` and ``other = t(rate0) - work / rate0``, and the rate is ``work
+    / (measured_s - other)``. ``rate0`` must be slow enough that no part of the step is
+    memory-bound at it (the caller takes a quarter of the host's kernel rate). Raises
+    ValueError when the step does not depend on the figure or the measured time is not above
+    ``other`` (the model's other terms alone are slower than the measurement)."""
+    t1, t2 = seconds_at(rate0), seconds_at(rate0 / 2)
+    work = rate0 * (t2 - t1)
+    other = t1 - work / rate0
+    if work <= 0 or measured_s <= other:
+        raise ValueError(f"cannot invert: work {work:.3g} B, other {other:.3g} s, measured {measured_s:.3g} s")
+    return work / (measured_s - other)
+
+
+def llama_host(bench: Path, quantize: Path, vocab: Path, host, prompt: int, gen: int):
+    """llama.cpp's own kernel rates at ``host.threads`` threads, measured now: ``llama-bench``
+    (pp ``prompt``, tg ``gen``, the best of :data:`PROBE_REPEATS` runs) of each
+    :data:`PROBE_TYPES` probe file (every matrix of it in that type), and per type the rate at
+    which the speed model's own prediction of that probe (:func:`predicted`, the same formulas
+    as every other prediction) takes the measured seconds (:func:`rate_for_seconds`): the
+    prefill's for :attr:`~moefit.devices.host.HostSpeed.kernel_rates` (weight bytes x rows per
+    second), the decoded token's for :attr:`~moefit.devices.host.HostSpeed.one_row_rates`;
+    ``host``'s memory bandwidth and BF16 rate (what the model prices attention's products
+    with), no dequantize path (llama.cpp multiplies every row count on its own kernels). So
+    what the model leaves to the kernels' figure (llama.cpp's graph, its activation
+    quantization, its norms) is measured on the probe, not fitted to the files predicted.
+    Builds the probe files once under :data:`PROBE_ROOT` (about 45 s); about 5 s per
+    call."""
+    from dataclasses import replace
+
+    from moefit.devices.host import HostSpeed
+
+    root = PROBE_ROOT
+    if not (root / "bf16.gguf").exists():
+        vs.build(root, vs.QUICK, ["bf16"], vocab, None)
+    bf16 = {"BF16": host.rate("BF16")}
+    rates, one_row = dict(bf16), {}
+    for qtype, mix in PROBE_TYPES.items():
+        f = root / f"pure-{mix}.gguf"
+        if not f.exists():
+            vs.subprocess.run([str(quantize), "--pure", str(root / "bf16.gguf"), str(f), mix],
+                              check=True, capture_output=True)
+        out = vs.subprocess.run([str(bench), "-m", str(f), "-p", str(prompt), "-n", str(gen), "-t",
+                                 str(host.threads), "-r", str(PROBE_REPEATS), "-o", "json"],
+                                check=True, capture_output=True, text=True)
+        got = {"pp" if r["n_prompt"] else "tg": max(r["samples_ts"])
+               for r in json.loads(out.stdout)}
+        r0 = host.rate(qtype) / 4
+        probe = HostSpeed(host.memory_bytes_per_s, host.threads, bf16 | {qtype: r0}, "probe",
+                          one_row_rates={qtype: (host.one_row_rates.get(qtype) or 4 * r0) / 4})
+        pp = lambda r: prompt / predicted(f, "all", replace(probe, kernel_rates=bf16 | {qtype: r}),  # noqa: E731
+                                          prompt, gen)["pp"][0]
+        try:
+            rates[qtype] = rate_for_seconds(pp, r0, prompt / got["pp"])
+        except ValueError as e:
+            sys.exit(f"llama.cpp's probe {f}: pp{prompt} at {got['pp']:.0f} tok/s: {e}")
+        # decode is one row per product: only the one-row rate prices it, except where a
+        # slow one-row rate meets HostSpeed.kernel_seconds' bound (never slower than the
+        # probe's rows); the kernel rate is set far below for the inversion, out of its way
+        probe = replace(probe, kernel_rates=bf16 | {qtype: rates[qtype] / 64})
+        tg = lambda r: 1 / predicted(f, "all", replace(probe, one_row_rates={qtype: r}),  # noqa: E731
+                                     prompt, gen)["tg"][0]
+        try:
+            one_row[qtype] = rate_for_seconds(tg, probe.one_row_rates[qtype], 1 / got["tg"])
+        except ValueError as e:
+            sys.exit(f"llama.cpp's probe {f}: tg{gen} at {got['tg']:.0f} tok/s: {e}")
+    return HostSpeed(host.memory_bytes_per_s, host.threads, rates,
+                     f"llama.cpp's rates, llama-bench of probe files, measured now ({host.threads} thr)",
+                     one_row_rates=one_row)
 
 
 def root_of(shape: str) -> Path:
@@ -250,7 +342,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"pp {args.prompt}, tg {args.gen}; medians of {args.repeats} interleaved pairs; "
           f"llama.cpp {bench.parent}; host figures "
           + ("stored by `moefit calibrate --host`" if args.cached_host else
-             "measured before each file (`moefit calibrate --host`'s probe)")
+             "measured before each file (`moefit calibrate --host`'s probe; llama.cpp's rates: "
+             "llama-bench of the probe files, llama_host)")
           + "; host: memory GB/s, kernels Q8_0 / Q4_K / Q6_K GB/s of weights x rows", flush=True)
     print("| shape | file | threads | host | engine | resident | phase | measured tok/s "
           "| predicted tok/s | predicted / measured | bound |")
@@ -263,17 +356,18 @@ def main(argv: list[str] | None = None) -> int:
                 host = host_cached(n) if args.cached_host else host_now(n)
                 figs = (f"{host.memory_bytes_per_s / 1e9:.1f}; "
                         + " / ".join(f"{host.rate(k) / 1e9:.0f}" for k in ("Q8_0", "Q4_K", "Q6_K")))
+                llama = llama_host(bench, quantize, args.vocab, host, args.prompt, args.gen)
                 got = measure(bench, path, n, residents, args)
                 pred = {r: predicted(path, r, host, args.prompt, args.gen) for r in residents}
-                every = pred.get("all") or predicted(path, "all", host, args.prompt, args.gen)
-                cases = [("llama.cpp", "all", got["llama.cpp"], every)]
-                cases += [("moefit", r, got[f"moefit/{r}"], pred[r]) for r in residents]
-                for engine, r, m, p in cases:
+                cases = [("llama.cpp", "all", got["llama.cpp"],
+                          predicted(path, "all", llama, args.prompt, args.gen), llama)]
+                cases += [("moefit", r, got[f"moefit/{r}"], pred[r], host) for r in residents]
+                for engine, r, m, p, h in cases:
                     for phase in ("pp", "tg"):
                         row = dict(shape=s, file=vs.MIXES[t], threads=n, host=figs, engine=engine, resident=r,
                                    phase={"pp": f"pp{args.prompt}", "tg": f"tg{args.gen}"}[phase],
                                    measured=m[phase], predicted=p[phase][0], bound=p[phase][1],
-                                   ratio=p[phase][0] / m[phase], host_figures=host_figures(host),
+                                   ratio=p[phase][0] / m[phase], host_figures=host_figures(h),
                                    phase_prompt=args.prompt, phase_gen=args.gen)
                         rows.append(row)
                         shown = r if engine == "moefit" else "all (its CPU run)"

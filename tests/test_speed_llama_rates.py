@@ -1,0 +1,55 @@
+"""benchmarks/speed_model.py's llama.cpp rates: the rate at which the speed model's own
+prediction of a probe takes the probe's measured seconds (rate_for_seconds). No llama.cpp
+needed: the measurement is stood in for by the model's time at a known rate."""
+
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from moefit.devices import Device
+from moefit.devices.host import default_host_speed
+from moefit.ingest.resolve import load_model
+from moefit.memory.kv import kv_format
+from moefit.plan.speed import predict, rates_for
+from moefit.units import GIB
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import speed_model as sm  # noqa: E402
+
+
+def _prefill_seconds(rate: float) -> float:
+    """The model's prefill seconds (2048 tokens) of Qwen3-30B-A3B on a simulated CPU device
+    whose every kernel rate is ``rate``, memory far from binding."""
+    geom = load_model("Qwen3-30B-A3B")
+    device = Device("cpu", "simulated", "cpu", 64 * GIB, 64 * GIB, simulated=True, runtime_bytes=0)
+    base = default_host_speed(threads=1)
+    host = replace(base, kernel_rates={t: rate for t in base.kernel_rates}, memory_bytes_per_s=1e15)
+    res = {l.index: l.moe.num_experts for l in geom.moe_layers}
+    p = predict(geom, rates_for(device, host), kv_format("bf16"), res, context=4096, chunk=2048,
+                seqs=1, policy="cpu", prompt_tokens=2048).prefill
+    return 2048 / p.tokens_per_s
+
+
+def test_the_rate_found_is_the_one_the_models_time_was_taken_at():
+    true = 37e9
+    measured = _prefill_seconds(true)
+    got = sm.rate_for_seconds(_prefill_seconds, true / 5, measured)
+    assert got == pytest.approx(true, rel=1e-6)
+    assert sm.rate_for_seconds(_prefill_seconds, true / 5, measured / 2) > 2 * true   # other terms stay
+
+
+def test_the_other_terms_are_not_billed_to_the_rate():
+    other, work = 0.25, 4e9
+    t = lambda r: other + work / r  # noqa: E731
+    assert sm.rate_for_seconds(t, 1e9, 0.25 + 0.5) == pytest.approx(work / 0.5)
+    assert work / 0.75 < sm.rate_for_seconds(t, 1e9, 0.75)       # the naive work / seconds is lower
+
+
+def test_a_measurement_the_other_terms_alone_exceed_is_refused():
+    t = lambda r: 0.25 + 4e9 / r  # noqa: E731
+    with pytest.raises(ValueError, match="cannot invert"):
+        sm.rate_for_seconds(t, 1e9, 0.2)
+    with pytest.raises(ValueError, match="cannot invert"):
+        sm.rate_for_seconds(lambda r: 1.0, 1e9, 2.0)               # does not depend on the rate
