@@ -19,7 +19,7 @@ row slice as it is (no index arithmetic, no scratch). A block is the same cell i
 every pooled layer. Sliding-window rings and recurrent states stay per slot. Paged blocks,
 not a contiguous range per slot: the torch attention already reads cells through an index
 (:meth:`read`), and the C decode step (``mf_rope_kv``, ``mf_attn_decode``) reads the same
-table (one more load per position), so any cells will do and no request waits on
+table (its row is a block's cells in position order: one pointer per block of positions), so any cells will do and no request waits on
 fragmentation.
 
 On a hybrid model the buffer starts with the recurrent and conv state of the Gated

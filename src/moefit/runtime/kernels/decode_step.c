@@ -400,6 +400,19 @@ static void att_values(float (*s)[ATT_BLOCK], int gn, float (*kb)[512], int n, i
     }
 }
 
+/* the cells of positions [b0, b0 + n) of one sequence (n <= ATT_BLOCK): with a cell table
+ * (crow, the slot's row of moefit.runtime.buffers.kv_cache.CellPool.table) the row itself;
+ * own cells sbase + position % cells, written to own (one modulo per block unless the ring
+ * wraps inside it) */
+static inline const int64_t *block_cells(const int64_t *crow, int64_t sbase, int cells, int64_t b0, int n,
+                                         int64_t *own) {
+    if (crow) return crow + b0;
+    int64_t c0 = b0 % cells;
+    if (c0 + n <= cells) for (int j = 0; j < n; j++) own[j] = sbase + c0 + j;
+    else for (int j = 0; j < n; j++) own[j] = sbase + (b0 + j) % cells;
+    return own;
+}
+
 /* the (token, KV head) items of mf_attn_decode taken by the calling thread: an orphaned
  * worksharing loop, so on one thread it runs outside any parallel region, with no barrier
  * (see qmatmul.c's gemm_ex_body) */
@@ -424,18 +437,24 @@ static void attn_items(int T, const void *q, int A, int Kh, int D, int Dv, float
             int64_t p = pos[t], lo = window > 0 && p - window + 1 > 0 ? p - window + 1 : 0;
             const int64_t sbase = slot[t] * (int64_t)cells;
             const int64_t *crow = cells_of ? cells_of + slot[t] * ctx : NULL;
-#define CELL(j) (crow ? crow[j] : sbase + (j) % cells)     /* the cell of position j */
-            for (int64_t j = lo; j <= p && j < lo + ATT_BLOCK; j++) {
-                prefetch_row(kc + (CELL(j) * Kh + kh) * krow, krow);
-                prefetch_row(vc + (CELL(j) * Kh + kh) * vrow, vrow);
+            /* the cells of a block of positions, looked up once per block (not per K / V row
+             * and prefetch): with a cell table its row is already the block's cells in
+             * position order; own cells are slot x cells, contiguous unless the ring wraps */
+            int64_t own[2][ATT_BLOCK];
+            int n0 = (int)(p + 1 - lo < ATT_BLOCK ? p + 1 - lo : ATT_BLOCK);
+            const int64_t *cb = block_cells(crow, sbase, cells, lo, n0, own[0]);
+            for (int j = 0; j < n0; j++) {
+                prefetch_row(kc + (cb[j] * Kh + kh) * krow, krow);
+                prefetch_row(vc + (cb[j] * Kh + kh) * vrow, vrow);
             }
-            for (int64_t b0 = lo; b0 <= p; b0 += ATT_BLOCK) {
+            for (int64_t b0 = lo, k = 0; b0 <= p; b0 += ATT_BLOCK, k ^= 1) {
                 int n = (int)(p + 1 - b0 < ATT_BLOCK ? p + 1 - b0 : ATT_BLOCK);
                 int64_t b1 = b0 + ATT_BLOCK;        /* the next block, fetched while this one runs */
                 int n1 = b1 > p ? 0 : (int)(p + 1 - b1 < ATT_BLOCK ? p + 1 - b1 : ATT_BLOCK);
+                const int64_t *nb = n1 ? block_cells(crow, sbase, cells, b1, n1, own[k ^ 1]) : NULL;
                 for (int j = 0; j < n; j++) {
-                    if (j < n1) prefetch_row(kc + (CELL((b1 + j)) * Kh + kh) * krow, krow);
-                    kv_decode(kc + (CELL((b0 + j)) * Kh + kh) * krow, D, kcodec, dt, kb[j]);
+                    if (j < n1) prefetch_row(kc + (nb[j] * Kh + kh) * krow, krow);
+                    kv_decode(kc + (cb[j] * Kh + kh) * krow, D, kcodec, dt, kb[j]);
                 }
                 att_scores(qv, gn, kb, n, D, scale, s);
                 for (int g = 0; g < gn; g++) {
@@ -458,12 +477,12 @@ static void attn_items(int T, const void *q, int A, int Kh, int D, int Dv, float
                     m[g] = mx;
                 }
                 for (int j = 0; j < n; j++) {       /* the V block, in kb (K is done with) */
-                    if (j < n1) prefetch_row(vc + (CELL((b1 + j)) * Kh + kh) * vrow, vrow);
-                    kv_decode(vc + (CELL((b0 + j)) * Kh + kh) * vrow, Dv, vcodec, dt, kb[j]);
+                    if (j < n1) prefetch_row(vc + (nb[j] * Kh + kh) * vrow, vrow);
+                    kv_decode(vc + (cb[j] * Kh + kh) * vrow, Dv, vcodec, dt, kb[j]);
                 }
                 att_values(s, gn, kb, n, Dv, acc);
+                cb = nb;
             }
-#undef CELL
             for (int g = 0; g < gn; g++) {
                 int a = kh * G + g0 + g;
                 for (int i = 0; i < Dv; i++) st(out, dt, ((int64_t)t * A + a) * Dv + i, acc[g][i] / l[g]);
