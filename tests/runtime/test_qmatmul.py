@@ -143,8 +143,8 @@ def test_four_rows_at_once_equal_each_row_alone(qtype):
     """The kernels that read four weight rows against one activation give each row what that
     row gives as a one-row matrix (the one-row kernel), for 4, 5, 7 and 11 rows (the rest of
     4 on the one-row kernel), one and three activation rows: bit for bit for Q8_0 / Q4_K /
-    Q5_K / Q6_K / F16 (the same sums in the same order: a decode step reads these types one
-    row at a time, a batch four rows at once), within fp32 rounding for the 4-bit block
+    Q5_K / Q6_K / F16 (the same sums in the same order: a decode step reads Q8_0 / Q6_K one
+    row at a time, Q4_K / Q5_K four rows at once, a batch four rows at once), within fp32 rounding for the 4-bit block
     types (whose four-row kernel adds the blocks in another order); and agree with gguf's
     dequantize."""
     cols = 512

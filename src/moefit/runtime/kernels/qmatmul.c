@@ -1557,10 +1557,13 @@ static inline void store_y(void *y, int ydt, int64_t i, float v, const void *b, 
 }
 
 /* out[r] = dot_row(t, w + r * rb, ...) for the nr rows r < nr (nr <= 4). stream: the rows are
- * read once (one activation row: a decode step), so Q8_0 / Q4_K / Q5_K / Q6_K rows are read one
- * after the other, one sequential run through memory, rather than four rows side by side (the
- * four-row kernels, faster when the rows stay in the caches for several activation rows:
- * 0.85x the time of the one-row kernel for Q4_K and Q6_K, Q8_0 0.95x). These four-row kernels
+ * read once (one activation row: a decode step), so Q8_0 / Q6_K rows are read one after the
+ * other, one sequential run through memory, rather than four rows side by side (the four-row
+ * kernels, faster when the rows stay in the caches for several activation rows: 0.85x the time
+ * of the one-row kernel for Q4_K and Q6_K, Q8_0 0.95x). Q4_K / Q5_K take the four-row kernel
+ * in a decode step too: its four independent chains of sums beat the one sequential run even
+ * from DRAM (1 thread, 256 MiB of 1024x1024 and 2048x1024 matrices: 0.86-0.90x the one-row
+ * kernel's time; Q6_K the other way, 1.12-1.17x; docs/benchmarks.md). These four-row kernels
  * give bit for bit the one-row kernel's sums, so a row's value does not depend on how many
  * activation rows a step has. */
 static inline void dot_rows(int t, const uint8_t *w, int64_t rb, int nr, const float *xf, qact a, int K, float *out,
@@ -1571,7 +1574,7 @@ static inline void dot_rows(int t, const uint8_t *w, int64_t rb, int nr, const f
         return;
     }
     if (nr == 4 && !stream && K % 128 == 0 && t == T_Q8_0) { dot4_q80_512(w, rb, a, K / 32, out); return; }
-    if (nr == 4 && !stream && (t == T_Q4_K || t == T_Q5_K)) { dot4_k45_512(t, w, rb, a, K, out); return; }
+    if (nr == 4 && (t == T_Q4_K || t == T_Q5_K)) { dot4_k45_512(t, w, rb, a, K, out); return; }
     if (nr == 4 && !stream && t == T_Q6_K) { dot4_q6k_512(w, rb, a, K, out); return; }
 #endif
     for (int r = 0; r < nr; r++) out[r] = dot_row(t, w + r * rb, xf, a, K);
