@@ -183,8 +183,8 @@ def test_moe_kernel_refuses_activations_it_does_not_read():
 
 def test_mixed_layer_threshold_is_between_its_matrices():
     """A layer of one type takes that type's figure; a Q3_K_M layer (Q3_K gate / up, Q4_K
-    down) the harmonic mean of its three matrices' figures, above the smallest (which ran
-    its 16-token-per-expert chunks expert by expert, 1 / 0.76 slower)."""
+    down) the harmonic mean of its three matrices' figures, strictly between the smallest
+    and the largest."""
     from types import SimpleNamespace as NS
 
     table = moe_batch.TOKENS_PER_EXPERT

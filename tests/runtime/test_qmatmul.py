@@ -327,18 +327,25 @@ def _f2b(f: np.ndarray) -> np.ndarray:
     return np.where(nan, (u >> 16) | 0x40, r).astype(np.uint16)
 
 
-def test_q6k_bf16_dequantize_rounds_every_value_as_the_scalar_path():
-    """Q6_K's bf16 dequantization (16 values at a time where AVX-512 runs) gives every value
-    its fp32 dequantized value rounded as ``mf_f2b``, including the rows whose fp16 scale is
-    inf or NaN (inf x 0 = NaN, NaN payloads) and the largest and smallest finite scales, on an
-    odd number of rows of 3 super-blocks."""
+#: super-block bytes and the byte offset of its fp16 scale d (ggml's block_q*_K / block_iq4_xs)
+SUPER_BLOCK_D = {"Q6_K": (210, 208), "Q4_K": (144, 0), "Q5_K": (176, 0), "Q2_K": (84, 80),
+                 "Q3_K": (110, 108), "IQ4_XS": (136, 0)}
+
+
+@pytest.mark.parametrize("qtype", sorted(SUPER_BLOCK_D))
+def test_super_block_bf16_dequantize_rounds_every_value_as_the_scalar_path(qtype):
+    """The super-block types' bf16 dequantization (16 values at a time where AVX-512 runs)
+    gives every value its fp32 dequantized value rounded as ``mf_f2b``, including the rows
+    whose fp16 scale is inf or NaN (inf x 0 = NaN, NaN payloads) and the largest and smallest
+    finite scales, on an odd number of rows of 3 super-blocks."""
     rows, cols = 7, 768
-    raw = random_matrix("Q6_K", rows, cols, seed=3).reshape(rows, cols // 256, 210)
+    size, at = SUPER_BLOCK_D[qtype]
+    raw = random_matrix(qtype, rows, cols, seed=3).reshape(rows, cols // 256, size)
     for r, h in enumerate((0x7C00, 0xFC00, 0x7E01, 0x7BFF, 0x0001)):   # inf, -inf, NaN, max, smallest
-        raw[r, :, 208:210] = np.array([h], dtype=np.uint16).view(np.uint8)
+        raw[r, :, at:at + 2] = np.array([h], dtype=np.uint16).view(np.uint8)
     flat = torch.from_numpy(raw.reshape(-1))
-    f32 = qm.dequantize(flat, "Q6_K", rows, cols, torch.empty(rows, cols))
-    got16 = qm.dequantize(flat, "Q6_K", rows, cols, torch.empty(rows, cols, dtype=torch.bfloat16), threads=2)
+    f32 = qm.dequantize(flat, qtype, rows, cols, torch.empty(rows, cols))
+    got16 = qm.dequantize(flat, qtype, rows, cols, torch.empty(rows, cols, dtype=torch.bfloat16), threads=2)
     assert np.isnan(f32.numpy()).any() and np.isinf(f32.numpy()).any()
     assert np.array_equal(got16.view(torch.int16).numpy().view(np.uint16), _f2b(f32.numpy()))
 

@@ -83,9 +83,15 @@ SMALL_ROWS_BY_TYPE = {"Q2_K": 32, "Q3_K": 32, "IQ4_XS": 64, "Q6_K": 24}
 #: them). Q6_K 24 since its rows are unpacked once per 8 tokens of an expert (``q6k_tok``):
 #: a 512 x 1024 expert matrix, one thread, a loaded machine, C kernel against dequantize +
 #: ``torch.mm`` (the crossover of :data:`SMALL_ROWS_BY_TYPE`'s measurement, not a whole-model
-#: one): 0.65 at 16 tokens, 0.88 at 24, 1.03 at 32.
+#: one): 0.65 at 16 tokens, 0.88 at 24, 1.03 at 32. Q2_K, Q3_K and IQ4_XS again since their
+#: bf16 dequantization runs 16 values at a time (AVX-512; 0.27-0.43x its scalar time): whole
+#: model, the 2048-wide ``--mixes`` files (32 experts of 768, 8 active), one thread, a
+#: loaded machine (load 4-5), 7 interleaved pairs of one prefill chunk, process CPU time,
+#: expert by expert against batched: IQ4_XS 1.23 at 16 tokens per expert, 0.95 at 24, 0.92
+#: at 32; Q2_K (Q2_K gate / up, Q3_K down) 1.00 at 16, 0.82 at 32; Q3_K_M (Q3_K gate / up,
+#: Q4_K down) 0.91 at 16; hence 16 for the three (was 64, 48, 48).
 TOKENS_PER_EXPERT = {"Q4_K": 8, "Q5_K": 8, "Q6_K": 24, "Q8_0": 20, "Q4_0": 32,
-                     "BF16": 32, "F16": 32, "F32": 32, "Q2_K": 48, "Q3_K": 48, "IQ4_XS": 64,
+                     "BF16": 32, "F16": 32, "F32": 32, "Q2_K": 16, "Q3_K": 16, "IQ4_XS": 16,
                      "IQ2_XXS": 48, "IQ3_XXS": 24, "IQ1_M": 24}
 DEFAULT_TOKENS_PER_EXPERT = 8
 
@@ -103,10 +109,11 @@ def tokens_per_expert(qtypes: Iterable[str]) -> int:
     of their :data:`TOKENS_PER_EXPERT` (:data:`DEFAULT_TOKENS_PER_EXPERT` for a type not
     listed; the three matrices have the same number of values), so a layer of one type takes
     that type's figure; more: expert by expert, dequantize + ``torch.mm``. Not the smallest:
-    a Q3_K_M layer (Q3_K gate / up, 48; Q4_K down, 8) is faster batched up to 16-24 tokens
-    per expert (whole model, one thread, loaded machine: time ratio batched / expert by
-    expert 0.60 at 8, 0.76 at 16, 1.02 at 24, 1.26 at 32); the harmonic mean gives it 18,
-    the smallest 8."""
+    a Q3_K_M layer (Q3_K gate / up, 16; Q4_K down, 8) was faster batched up to 16-24 tokens
+    per expert while Q3_K's dequantization was scalar (whole model, one thread, loaded
+    machine: time ratio batched / expert by expert 0.60 at 8, 0.76 at 16, 1.02 at 24, 1.26
+    at 32), expert by expert at 16 since (:data:`TOKENS_PER_EXPERT`); the harmonic mean
+    gives it 12, the smallest 8."""
     figures = [TOKENS_PER_EXPERT.get(t, DEFAULT_TOKENS_PER_EXPERT) for t in qtypes]
     return int(len(figures) / sum(1 / f for f in figures) + 1e-9)
 

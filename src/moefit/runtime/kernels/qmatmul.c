@@ -1961,6 +1961,48 @@ static void dequant_q6k_bf16_512(const uint8_t *w, uint16_t *o) {
             }
     }
 }
+
+/* one low-bit super-block (Q2_K, Q3_K, IQ4_XS, the IQ grids) as 256 bf16 (o): lb_unpack's
+ * values, then dequant_lowbit's fp32 operations (dl = f sc, dl v, minus fmin mn for Q2_K; a
+ * product and a difference, no FMA) 16 at a time, rounded as mf_f2b: bit for bit the scalar
+ * path's. */
+static void dequant_lowbit_bf16_512(int t, const uint8_t *w, uint16_t *o) {
+    int8_t v[256];
+    int32_t sc[16], mn[16];
+    float f, fmin = 0.f;
+    int mins = lb_unpack(t, w, v, sc, mn, &f, &fmin);
+    for (int g = 0; g < 16; g++) {
+        __m512 q = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(v + 16 * g))));
+        __m512 y = _mm512_mul_ps(_mm512_set1_ps(f * (float)sc[g]), q);
+        if (mins) y = _mm512_sub_ps(y, _mm512_set1_ps(fmin * (float)mn[g]));
+        _mm256_storeu_si256((__m256i *)(o + 16 * g), f2b_512(y));
+    }
+}
+
+/* one Q4_K / Q5_K super-block as 256 bf16 (o): dequant_block's fp32 operations (d1 = d sc,
+ * m1 = dmin m, d1 q - m1: a product and a difference, no FMA) 16 at a time, rounded as
+ * mf_f2b: bit for bit the scalar path's. */
+static void dequant_k45_bf16_512(int t, const uint8_t *w, uint16_t *o) {
+    float d = mf_h2f(rd16(w)), dmin = mf_h2f(rd16(w + 2));
+    const uint8_t *sc = w + 4, *qh = w + 16, *qs = w + (t == T_Q4_K ? 16 : 48);
+    for (int j = 0; j < 8; j++) {
+        int scj, mj;
+        if (j < 4) { scj = sc[j] & 63; mj = sc[j + 4] & 63; }
+        else { scj = (sc[j + 4] & 0xF) | ((sc[j - 4] >> 6) << 4); mj = (sc[j + 4] >> 4) | ((sc[j] >> 6) << 4); }
+        __m512 d1 = _mm512_set1_ps(d * scj), m1 = _mm512_set1_ps(dmin * mj);
+        const uint8_t *q4 = qs + 32 * (j / 2);
+        int sh = 4 * (j & 1);
+        for (int h = 0; h < 2; h++) {
+            __m512i q = _mm512_and_si512(_mm512_srli_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(q4 + 16 * h))), sh),
+                                         _mm512_set1_epi32(15));
+            if (t == T_Q5_K)
+                q = _mm512_or_si512(q, _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(
+                        _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(qh + 16 * h))), j), _mm512_set1_epi32(1)), 4));
+            __m512 y = _mm512_sub_ps(_mm512_mul_ps(d1, _mm512_cvtepi32_ps(q)), m1);
+            _mm256_storeu_si256((__m256i *)(o + 32 * j + 16 * h), f2b_512(y));
+        }
+    }
+}
 #endif
 
 void mf_dequant(int t, const uint8_t *W, int64_t nrows, int K, uint16_t *out16, float *out32, int nthreads) {
@@ -1977,6 +2019,14 @@ void mf_dequant(int t, const uint8_t *W, int64_t nrows, int K, uint16_t *out16, 
 #ifdef HAVE512
                 if (t == T_Q6_K && out16 && !out32) {   /* prefill's expert matrices: half the scalar path's time */
                     dequant_q6k_bf16_512(wr + b * tb, out16 + r * K + (int64_t)b * bs);
+                    continue;
+                }
+                if ((t == T_Q4_K || t == T_Q5_K) && out16 && !out32) {
+                    dequant_k45_bf16_512(t, wr + b * tb, out16 + r * K + (int64_t)b * bs);
+                    continue;
+                }
+                if (is_lowbit(t) && out16 && !out32) {
+                    dequant_lowbit_bf16_512(t, wr + b * tb, out16 + r * K + (int64_t)b * bs);
                     continue;
                 }
 #endif
