@@ -102,3 +102,21 @@ def test_when_no_block_fits_the_failure_is_shown_at_one_block(capsys):
     doc = plan_json(capsys, "Qwen3-235B-A22B", "--vram", "4GiB", "--max-context", "max")
     assert not doc["fits"] and doc["context"] == lc.CTX_PAD
     assert doc["notes"][0].startswith("max-context: max, no context fits at -ub 512")
+
+
+def test_a_priced_model_reads_its_layer_figures_once_and_prices_as_without_them():
+    """The figures are kept on the PricedModel (read once, not part of its equality or repr),
+    and a price from them is the price from the geometry (Llama-4-Scout: chunked and full
+    layers; Qwen3.5: recurrent and full)."""
+    for name in ("Llama-4-Scout-17B-16E-Instruct", "Qwen3.5-35B-A3B"):
+        geom = load_model(name)
+        m = lc.PricedModel(geom, geom.vocab_size, lc.ModelBuffers(0, (), (), 0))
+        assert m.figures is m.figures
+        assert m == lc.PricedModel(geom, geom.vocab_size, lc.ModelBuffers(0, (), (), 0))
+        assert "figures" not in repr(m)
+        for ctx, ub in ((4000, 512), (300000, 64)):
+            kv = lc.kv_price(geom, ctx, ub, "q8_0", "q4_0", lc.CUDA, 2)
+            assert lc.kv_price(geom, ctx, ub, "q8_0", "q4_0", lc.CUDA, 2, figures=m.figures) == kv
+            assert (lc.compute_price(geom, m.n_vocab, ub, kv, "q8_0", "q4_0", lc.CUDA, 99, n_outputs=2,
+                                     figures=m.figures)
+                    == lc.compute_price(geom, m.n_vocab, ub, kv, "q8_0", "q4_0", lc.CUDA, 99, n_outputs=2))

@@ -63,6 +63,7 @@ alignment) and the expert-tensor copy come from the source and are not measured.
 from __future__ import annotations
 
 import re
+from functools import cached_property
 
 from moefit.devices import Device
 from moefit.errors import InputError
@@ -308,9 +309,77 @@ def _layer_kv_dims(spec) -> tuple[int, int]:
     return spec.num_kv_heads * spec.head_dim, spec.num_kv_heads * (spec.v_head_dim or spec.head_dim)
 
 
+@record
+class LayerFigures:
+    """The per-layer figures of a model that :func:`kv_price` and :func:`compute_price` sum
+    or take the largest of, independent of the context, micro-batch and cache types (read
+    once per model: a failing plan's alternatives and the largest-context search price one
+    model some 30 times). Layers with the same figures are grouped, in layer order of first
+    appearance; a sum over a group is its count times one layer's term, the same integers.
+
+    ``attention``: ((n_embd_k_gqa, n_embd_v_gqa, sliding window or 0), layers) of the attention
+    layers (V 0 for MLA); ``last_window``: the window of the last sliding layer (0: none);
+    ``k_dims`` / ``v_dims``: each attention layer's, in order; ``recurrent``: ((conv state
+    elements ``r``, delta-rule state elements ``s``) per sequence, layers); ``activation``:
+    the largest per-token activation of a layer (elements; :func:`compute_price`'s ``4 ub`` x
+    the larger of the token mixer and the FFN)."""
+
+    attention: tuple[tuple[tuple[int, int, int], int], ...]
+    last_window: int
+    k_dims: tuple[int, ...]
+    v_dims: tuple[int, ...]
+    recurrent: tuple[tuple[tuple[int, int], int], ...]
+    activation: int
+
+
+def _count(items: list) -> tuple:
+    counts: dict = {}
+    for item in items:
+        counts[item] = counts.get(item, 0) + 1
+    return tuple(counts.items())
+
+
+def layer_figures(geom: ModelGeometry, only: frozenset[int] | None = None) -> LayerFigures:
+    """The :class:`LayerFigures` of ``geom``'s layers (``only``: those indices; None: every
+    layer). The formulas are :func:`kv_price`'s and :func:`compute_price`'s (their docstrings
+    give the sources)."""
+    h = geom.hidden_size
+    att, rec, kd, vd = [], [], [], []
+    last_window = act = 0
+    for il, layer in enumerate(geom.layers):
+        if only is not None and il not in only:
+            continue
+        a = layer.attention
+        kind = kind_of(a)
+        qkv = 0                     # the attention's Q, K, V rows (the MoE term below)
+        if isinstance(kind, Recurrent):      # conv in/out, q/k/v, gate, the delta rule's 64-token blocks
+            d_inner = a.linear_num_value_heads * a.linear_value_head_dim
+            rec.append(((a.linear_conv_kernel - 1) * (d_inner + 2 * a.linear_num_key_heads * a.linear_key_head_dim),
+                        a.linear_key_head_dim * d_inner))
+            mix = 2 * h + 2 * a.linear_conv_dim + 3 * d_inner + 4 * 64 * a.linear_num_value_heads
+        else:                       # Q (twice: projected, roped), K, V (twice), the output
+            k, v = _layer_kv_dims(a)
+            kd.append(k)
+            vd.append(v)
+            window = kind.masked_window(a) or 0    # a sliding window (chunked layers: priced full)
+            if window:
+                last_window = window
+            att.append((k, v, window))
+            mix = 2 * h + 3 * a.num_heads * (a.head_dim or 0) + 2 * k + 2 * (v or k)
+            qkv = a.num_heads * (a.head_dim or 0) + k + (v or k)
+        if layer.moe is not None:   # the GLU of the top-k experts (see compute_price), the shared expert
+            m = layer.moe
+            top = m.experts_per_token
+            ffn = max(3 * top * m.expert_intermediate + 2 * h + qkv + 2 * top, 2 * h + 3 * m.shared_intermediate)
+        else:
+            ffn = h + 3 * (layer.dense_intermediate or 0)
+        act = max(act, mix, ffn)
+    return LayerFigures(_count(att), last_window, tuple(kd), tuple(vd), _count(rec), act)
+
+
 def kv_price(geom: ModelGeometry, context: int, ubatch: int, type_k: str, type_v: str,
              backend: Backend, n_seq: int = 1, only: frozenset[int] | None = None,
-             pad: int = CTX_PAD) -> KVPrice:
+             pad: int = CTX_PAD, figures: LayerFigures | None = None) -> KVPrice:
     """KV cache and recurrent state of ``geom`` for llama.cpp's ``-c context -ub ubatch -np
     n_seq`` with cache types ``type_k`` / ``type_v`` (see module docstring for the sources).
 
@@ -323,42 +392,31 @@ def kv_price(geom: ModelGeometry, context: int, ubatch: int, type_k: str, type_v
     one device of a layer split, each layer's cache being on its layer's device
     (``llama_kv_cache``: ``model.dev_layer(il)``); None: every layer. ``pad``: the cell
     padding (:data:`CTX_PAD`; :data:`CTX_PAD_NO_FA` for an older build without flash
-    attention)."""
+    attention). ``figures``: ``layer_figures(geom, only)`` when the caller has them
+    (a :class:`PricedModel`'s ``figures``)."""
     if n_seq < 1:
         raise InputError(f"-np {n_seq}: need at least one sequence")
+    f = figures if figures is not None else layer_figures(geom, only)
     n_ctx_seq = pad_to(pad_to(context, pad) // n_seq, pad) if n_seq > 1 else pad_to(context, pad)
     full = swa = rec = 0
     nf = ns = nr = 0
-    swa_cells = 0
-    kd, vd = [], []
-    for il, layer in enumerate(geom.layers):
-        if only is not None and il not in only:
-            continue
-        a = layer.attention
-        kind = kind_of(a)
-        if isinstance(kind, Recurrent):
-            d_inner = a.linear_num_value_heads * a.linear_value_head_dim
-            r = (a.linear_conv_kernel - 1) * (d_inner + 2 * a.linear_num_key_heads * a.linear_key_head_dim)
-            s = a.linear_key_head_dim * d_inner
-            rec += pad_to(4 * r * n_seq, backend.alignment) + pad_to(4 * s * n_seq, backend.alignment)
-            nr += 1
-            continue
-        k, v = _layer_kv_dims(a)
-        kd.append(k)
-        vd.append(v)
-        window = kind.masked_window(a)     # a sliding window (chunked layers: priced full)
+    al = backend.alignment
+    for (r, st), n in f.recurrent:
+        rec += n * (pad_to(4 * r * n_seq, al) + pad_to(4 * st * n_seq, al))
+        nr += n
+    for (k, v, window), n in f.attention:
         if window:
             cells = pad_to(min(n_ctx_seq, window + ubatch), CTX_PAD)
-            swa_cells = cells
-            swa += pad_to(kv_row_bytes(type_k, k * cells) * n_seq, backend.alignment) + (
-                pad_to(kv_row_bytes(type_v, v * cells) * n_seq, backend.alignment) if v else 0)
-            ns += 1
+            swa += n * (pad_to(kv_row_bytes(type_k, k * cells) * n_seq, al) + (
+                pad_to(kv_row_bytes(type_v, v * cells) * n_seq, al) if v else 0))
+            ns += n
         else:
-            full += pad_to(kv_row_bytes(type_k, k * n_ctx_seq) * n_seq, backend.alignment) + (
-                pad_to(kv_row_bytes(type_v, v * n_ctx_seq) * n_seq, backend.alignment) if v else 0)
-            nf += 1
+            full += n * (pad_to(kv_row_bytes(type_k, k * n_ctx_seq) * n_seq, al) + (
+                pad_to(kv_row_bytes(type_v, v * n_ctx_seq) * n_seq, al) if v else 0))
+            nf += n
+    swa_cells = pad_to(min(n_ctx_seq, f.last_window + ubatch), CTX_PAD) if f.last_window else 0
     return KVPrice(n_ctx_seq * n_seq, n_ctx_seq if nf else 0, swa_cells, nf, ns, full, swa, nr, rec,
-                   tuple(kd), tuple(vd), n_seq)
+                   f.k_dims, f.v_dims, n_seq)
 
 
 # ---- compute buffer ------------------------------------------------------------------------------
@@ -383,7 +441,7 @@ OP_OFFLOAD_MIN_BATCH = 32
 def compute_price(geom: ModelGeometry, n_vocab: int, ubatch: int, kv: KVPrice, type_k: str,
                   type_v: str, backend: Backend, host_weight: int = 0,
                   n_outputs: int | None = None, only: frozenset[int] | None = None,
-                  output: bool = True) -> ComputePrice:
+                  output: bool = True, figures: LayerFigures | None = None) -> ComputePrice:
     """Compute buffer of a ``ubatch``-token micro-batch (``graph_reserve`` with ``n_outputs``
     tokens output, None: all of them, as ``llama-completion``; llama-server: ``-np``; see the
     module docstring). Bytes:
@@ -419,32 +477,14 @@ def compute_price(geom: ModelGeometry, n_vocab: int, ubatch: int, kv: KVPrice, t
 
     On one device of a layer split (``only``: its layers; ``kv`` priced for them), the layer
     phase is that of its own layers and the end of the graph is only on the device of the
-    output layer (``output``).
+    output layer (``output``). The per-layer terms are :func:`layer_figures`' (``figures``:
+    those of ``geom`` and ``only``, when the caller has them).
     """
     h = geom.hidden_size
     logits = 4 * (ubatch if n_outputs is None else min(n_outputs, ubatch)) * n_vocab
     end = logits + 4 * ubatch * (3 * h + 1)
     mask = 2 * ubatch * (kv.cells + kv.swa_cells)
-    act = 0
-    for il, layer in enumerate(geom.layers):
-        if only is not None and il not in only:
-            continue
-        a = layer.attention
-        qkv = 0                     # the attention's Q, K, V rows (the MoE term below)
-        if isinstance(kind_of(a), Recurrent):      # conv in/out, q/k/v, gate, the delta rule's 64-token blocks
-            d_inner = a.linear_num_value_heads * a.linear_value_head_dim
-            mix = 2 * h + 2 * a.linear_conv_dim + 3 * d_inner + 4 * 64 * a.linear_num_value_heads
-        else:                       # Q (twice: projected, roped), K, V (twice), the output
-            k, v = _layer_kv_dims(a)
-            mix = 2 * h + 3 * a.num_heads * (a.head_dim or 0) + 2 * k + 2 * (v or k)
-            qkv = a.num_heads * (a.head_dim or 0) + k + (v or k)
-        if layer.moe is not None:   # the GLU of the top-k experts (see the docstring), the shared expert
-            m = layer.moe
-            k = m.experts_per_token
-            ffn = max(3 * k * m.expert_intermediate + 2 * h + qkv + 2 * k, 2 * h + 3 * m.shared_intermediate)
-        else:
-            ffn = h + 3 * (layer.dense_intermediate or 0)
-        act = max(act, 4 * ubatch * max(mix, ffn))
+    act = 4 * ubatch * (figures if figures is not None else layer_figures(geom, only)).activation
     fa = 0
     if backend.fa_f16 and kv.k_dims:
         cells = max(kv.cells, kv.swa_cells)
@@ -465,6 +505,11 @@ class PricedModel:
     geom: ModelGeometry
     n_vocab: int
     buffers: ModelBuffers
+
+    @cached_property
+    def figures(self) -> LayerFigures:
+        """:func:`layer_figures` of every layer, read on first use and kept on this object."""
+        return layer_figures(self.geom)
 
 
 def vocab_size(tensors: list[Tensor]) -> int:

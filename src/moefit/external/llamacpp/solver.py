@@ -30,10 +30,11 @@ def mandatory_bytes(m: PricedModel, device: Device, req: LlamaRequest, ub: int,
     ``experts_on_host``: some expert tensor stays in host memory, so a micro-batch of 32
     tokens or more copies the largest one into the compute buffer (:func:`compute_price`)."""
     be = backend_of(device)
-    kv = kv_price(m.geom, llama_ctx(req), ub, req.type_k, req.type_v, be, req.slots)
+    kv = kv_price(m.geom, llama_ctx(req), ub, req.type_k, req.type_v, be, req.slots, figures=m.figures)
     # llama-server reserves the graph of -np outputs (buffers' module docstring, compute buffer)
     comp = compute_price(m.geom, m.n_vocab, ub, kv, req.type_k, req.type_v, be,
-                         m.buffers.largest_expert_tensor if experts_on_host else 0, n_outputs=req.slots)
+                         m.buffers.largest_expert_tensor if experts_on_host else 0, n_outputs=req.slots,
+                         figures=m.figures)
     margin = default_reserve_bytes(device) if req.margin is None else req.margin
     cache = kv.kv_bytes + kv.recurrent_bytes if req.kv_offload else 0     # -nkvo: in host memory
     total = runtime_bytes(device) + m.buffers.device + cache + comp.bytes + margin
