@@ -13,10 +13,10 @@ from __future__ import annotations
 import torch
 
 from moefit.runtime.kernels import qmatmul
-from moefit.runtime.kernels.quant import Fp8Matrix, StoredMatrix
+from moefit.runtime.kernels.quant import FLOAT_DTYPES, Fp8Matrix, StoredMatrix
 
 #: torch dtype of a plain blob -> ggml type name
-FLOAT_TYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
+FLOAT_TYPES = {dtype: t for t, dtype in FLOAT_DTYPES.items()}
 
 
 def dense_applies(x: torch.Tensor, w: torch.Tensor, max_rows: int = 8) -> bool:

@@ -217,6 +217,12 @@ def _mxfp4(raw: torch.Tensor) -> torch.Tensor:
     return (d.view(nb, 1, 1) * q).reshape(nb, 32)                          # lows, then highs
 
 
+#: ggml's float types and the torch dtype whose bytes each one's rows are, bit for bit (ggml.h:
+#: ``GGML_TYPE_F32``, ``GGML_TYPE_F16`` IEEE half, ``GGML_TYPE_BF16`` bfloat16): a raw row
+#: viewed as this dtype is its values
+FLOAT_DTYPES: dict[str, torch.dtype] = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+
+
 def _plain(dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
     def kernel(raw: torch.Tensor) -> torch.Tensor:
         return _as(raw, dtype).float().reshape(raw.shape[0], 1)
@@ -255,9 +261,7 @@ class Kernel:
 
 #: Supported ggml types (block sizes: :data:`moefit.ingest.ggml_types.BLOCKS`).
 KERNELS: dict[str, Kernel] = {t: Kernel(*BLOCKS[t], fn) for t, fn in {
-    "F32": _plain(torch.float32),
-    "F16": _plain(torch.float16),
-    "BF16": _plain(torch.bfloat16),
+    **{t: _plain(dtype) for t, dtype in FLOAT_DTYPES.items()},
     "Q8_0": _q8_0,
     "Q4_0": _q4_0,
     "Q4_1": _q4_1,

@@ -61,7 +61,7 @@ from moefit.runtime.load.hybrid_layout import LINEAR_SLOTS, Packed, gguf_linear_
 from moefit.runtime.load.listing import global_entries, layer_entries
 from moefit.runtime.load.safetensors import progress_bar, resident_dtype
 from moefit.runtime.weights import ExpertSource, Weights, assemble_weights
-from moefit.runtime.kernels.quant import StoredExpert, StoredMatrix, dequantize, kernel_for
+from moefit.runtime.kernels.quant import FLOAT_DTYPES, StoredExpert, StoredMatrix, dequantize, kernel_for
 
 
 def gguf_config(path: str | Path) -> dict:
@@ -201,14 +201,11 @@ class HostEmbedding:
     output: the same bits, without the dequantize call (~16 us of a decode step's Python
     and C on the 120 MB serving benchmark's model, against ~2 us)."""
 
-    #: ggml float types whose rows are, bit for bit, torch tensors of this dtype
-    FLOAT_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
-
     def __init__(self, raw: torch.Tensor, qtype: str, hidden: int):
         self.raw, self.qtype, self.hidden = raw, qtype, hidden
         self.rows: torch.Tensor | None = None
         self.tmp: torch.Tensor | None = None
-        dtype = self.FLOAT_DTYPES.get(qtype)
+        dtype = FLOAT_DTYPES.get(qtype)
         #: the table as ``[V, H]`` of its own float dtype (None: a quantized type)
         self.floats = raw.view(dtype) if dtype is not None else None
 

@@ -61,12 +61,9 @@ import torch
 from moefit.errors import InputError
 from moefit.ingest.families.gpt_oss import NAMES, checkpoint_experts, mxfp4_to_gguf
 from moefit.runtime.kernels import qmatmul
+from moefit.runtime.kernels.linear import FLOAT_TYPES as TYPE_OF    # torch dtype -> ggml float type
 from moefit.memory import gpu_kernels
-from moefit.runtime.kernels.quant import Part, StoredMatrix, row_bytes, stored_kernels_on
-
-#: float ggml types a blob part or bias may have, and their torch dtype
-FLOAT_TYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
-TYPE_OF = {v: k for k, v in FLOAT_TYPES.items()}
+from moefit.runtime.kernels.quant import FLOAT_DTYPES, Part, StoredMatrix, row_bytes, stored_kernels_on
 
 
 @dataclass(frozen=True)
@@ -89,10 +86,10 @@ class BiasedExpert:
              alpha: float, limit: float) -> "BiasedExpert":
         """The layout for these types (parts back to back after the biases, no padding).
         Raises InputError for a bias type that is not F32 / F16 / BF16."""
-        if bias_type not in FLOAT_TYPES:
+        if bias_type not in FLOAT_DTYPES:
             raise InputError(f"gpt-oss expert biases stored as {bias_type}: the runtime reads "
-                             f"them as {', '.join(FLOAT_TYPES)}")
-        off = (2 * inter + hidden) * FLOAT_TYPES[bias_type].itemsize
+                             f"them as {', '.join(FLOAT_DTYPES)}")
+        off = (2 * inter + hidden) * FLOAT_DTYPES[bias_type].itemsize
         g = Part(gate, inter, hidden, off, inter * row_bytes(gate, hidden))
         u = Part(up, inter, hidden, g.offset + g.nbytes, inter * row_bytes(up, hidden))
         d = Part(down, hidden, inter, u.offset + u.nbytes, hidden * row_bytes(down, inter))
@@ -108,7 +105,7 @@ class BiasedExpert:
 
     def biases(self, blob: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Views of ``bg`` ``[I]``, ``bu`` ``[I]``, ``bd`` ``[H]`` in ``blob`` (uint8)."""
-        b = blob[:self.bias_bytes].view(FLOAT_TYPES[self.bias_type])
+        b = blob[:self.bias_bytes].view(FLOAT_DTYPES[self.bias_type])
         i = self.inter
         return b[:i], b[i:2 * i], b[2 * i:]
 
@@ -148,8 +145,8 @@ class BiasedExpert:
     def _matmul_in(p: Part, x: torch.Tensor, blob: torch.Tensor, out: torch.Tensor, region) -> torch.Tensor:
         raw = blob[p.offset:p.offset + p.nbytes]
         n = x.shape[0]
-        if p.qtype in FLOAT_TYPES:
-            w = raw.view(FLOAT_TYPES[p.qtype]).view(p.rows, p.cols)
+        if p.qtype in FLOAT_DTYPES:
+            w = raw.view(FLOAT_DTYPES[p.qtype]).view(p.rows, p.cols)
             if w.dtype != x.dtype:
                 w = w.to(x.dtype)
             return torch.mm(x, w.t(), out=out)
@@ -213,7 +210,7 @@ def hf_expert_into(get, names: dict[str, str], fmt: BiasedExpert, dst: torch.Ten
     Biases and float matrices are converted to ``fmt.bias_type``; mxfp4 matrices are
     repacked as stored (:func:`mxfp4_blocks`). The host bytes this holds at once:
     :func:`moefit.ingest.families.gpt_oss.expert_read_bytes`."""
-    i, dtype = fmt.inter, FLOAT_TYPES[fmt.bias_type]
+    i, dtype = fmt.inter, FLOAT_DTYPES[fmt.bias_type]
     bias = dst[:fmt.bias_bytes].view(dtype)                            # [2I + H]
     gub = get(names["gate_up_bias"])                                   # [2I] interleaved
     bias[:i].copy_(gub[0::2])
