@@ -53,9 +53,14 @@ DISABLE_ENV = "MOEFIT_NO_CKERNELS"
 #: up to 128 rows for Q3_K and IQ4_XS (0.91, 0.87). Q6_K, since its rows are unpacked once per
 #: 8 activation rows too and dequantized to bf16 16 values at a time (AVX-512; the same
 #: matrix, a loaded machine, 9 interleaved pairs): 0.65 at 16 rows, 0.88 at 24, 0.99 at 32,
-#: 1.37 at 64 (a 512 x 1024 expert matrix: 0.65 / 0.88 / 1.03 / 1.26).
+#: 1.37 at 64 (a 512 x 1024 expert matrix: 0.65 / 0.88 / 1.03 / 1.26). Q6_K again since
+#: products of 25 rows or more take ``q6k_tile`` (16 weight rows unpacked once per super-block
+#: for every activation row, vpdpbusd on 16 rows at once; AVX-512): ``mf_gemm_ex`` against
+#: ``mf_dequant`` to bf16 + ``torch.mm``, one thread, a loaded machine (load 5-9 on 2 cores),
+#: 5-7 interleaved rounds, CPU time: a 512 x 1024 matrix 0.65 at 64 rows, 0.94 at 128; 2048 x
+#: 1024 0.81 at 128, 0.98 at 512; hence 256.
 SMALL_ROWS = 8
-SMALL_ROWS_BY_TYPE = {"Q2_K": 32, "Q3_K": 32, "IQ4_XS": 64, "Q6_K": 24}
+SMALL_ROWS_BY_TYPE = {"Q2_K": 32, "Q3_K": 32, "IQ4_XS": 64, "Q6_K": 256}
 
 #: A MoE layer (``moefit.runtime.moe.batch.run_layer``) runs the batched C kernel while its
 #: experts get at most this many tokens each on average (the (token, expert) pairs over the
@@ -89,8 +94,14 @@ SMALL_ROWS_BY_TYPE = {"Q2_K": 32, "Q3_K": 32, "IQ4_XS": 64, "Q6_K": 24}
 #: loaded machine (load 4-5), 7 interleaved pairs of one prefill chunk, process CPU time,
 #: expert by expert against batched: IQ4_XS 1.23 at 16 tokens per expert, 0.95 at 24, 0.92
 #: at 32; Q2_K (Q2_K gate / up, Q3_K down) 1.00 at 16, 0.82 at 32; Q3_K_M (Q3_K gate / up,
-#: Q4_K down) 0.91 at 16; hence 16 for the three (was 64, 48, 48).
-TOKENS_PER_EXPERT = {"Q4_K": 8, "Q5_K": 8, "Q6_K": 24, "Q8_0": 20, "Q4_0": 32,
+#: Q4_K down) 0.91 at 16; hence 16 for the three (was 64, 48, 48). Q6_K 256 since an expert's
+#: 25 tokens or more take ``q6k_tile`` (see :data:`SMALL_ROWS_BY_TYPE`) and the SwiGLU's exp
+#: runs 16 values at a time (the scalar ``expf`` had been a fifth of the batched layer): one
+#: layer of Q6_K experts, ``mf_moe`` against expert by expert (``mf_dequant`` to bf16 +
+#: ``torch.mm``), one thread, a loaded machine (load 5-9), 3-7 interleaved rounds, CPU time:
+#: hidden 1024, 64 experts of 512, 0.55 at 64 tokens per expert, 0.78 at 256; hidden 2048,
+#: 32 experts of 768, 0.64 at 128.
+TOKENS_PER_EXPERT = {"Q4_K": 8, "Q5_K": 8, "Q6_K": 256, "Q8_0": 20, "Q4_0": 32,
                      "BF16": 32, "F16": 32, "F32": 32, "Q2_K": 16, "Q3_K": 16, "IQ4_XS": 16,
                      "IQ2_XXS": 48, "IQ3_XXS": 24, "IQ1_M": 24}
 DEFAULT_TOKENS_PER_EXPERT = 8

@@ -661,6 +661,167 @@ static void q6k_tok(const uint8_t *w, int K, const qact *acts, int na, float *ou
 }
 #define HAVE_Q6K_TOK 1
 
+static qact qact_at(uint8_t *base, int K);
+
+/* ---- Q6_K against many activation rows (a prompt's tokens on one expert, a dense product of
+ * a prompt): Q6K_TILE_ROWS = 16 weight rows at a time. Each super-block of the 16 rows is
+ * unpacked once into a transposed layout (q6k_pack16: 32-bit lane r of vector 4s + k holds
+ * values 16s + 4k .. 16s + 4k + 3 of row r, unsigned 0..63), so one vpdpbusd multiplies 4
+ * values of 16 rows by 4 values of one activation row (broadcast) and a lane sums a whole
+ * 16-value sub-block in integers; the sub-block's int8 scale then multiplies the 16 lanes
+ * (vpmulld), the offset 32 entering as the sub-block's start value -32 * (sum of its 16
+ * activation values). Per super-block each (row, activation row) gets the exact integer
+ * I = sum_s sc_s * sum_{k in s} (q_k - 32) * y_k, then acc = fmadd(float(I), d_w * d_y, acc)
+ * in super-block order: the value does not depend on how many activation rows share the call
+ * (a row alone == in a batch), and differs from the one-row kernel (dot_q6k_512, per-lane
+ * float sums) by fp32 rounding only. */
+#define HAVE_Q6K_TILE 1
+#define Q6K_TILE_ROWS 16
+#define Q6K_TILE_TOK 8       /* activation rows per register tile */
+#define Q6K_TILE_MAXA 128    /* activation rows per pass over the weight rows (accumulators on the stack) */
+/* tokens of an expert (activation rows of a product) from which q6k_tile runs rather than
+ * q6k_tok: one above the 24 up to which the C kernels ran Q6_K before it (the batches that gave
+ * each row its one-row value bit for bit still do). The tile is faster from 8 rows (a 512 x 1024
+ * matrix, one thread, loaded machine: 0.039 against 0.057 ms at 8, 0.062 / 0.101 at 16) but its
+ * fp32 sums are another order's than the one-row kernel's. */
+#ifndef Q6K_TILE_MIN
+#define Q6K_TILE_MIN 25
+#endif
+
+/* r[j] lane i <- r[i] lane j (16 x 16 32-bit lanes) */
+static inline __attribute__((always_inline)) void transpose16_epi32(__m512i r[16]) {
+    __m512i t[16], u[16];
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) {
+        u[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+        u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+        u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+        u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+    }
+    for (int c = 0; c < 4; c++) {
+        __m512i v0 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x88), v1 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xDD);
+        __m512i w0 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x88), w1 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xDD);
+        r[c] = _mm512_shuffle_i32x4(v0, w0, 0x88);
+        r[8 + c] = _mm512_shuffle_i32x4(v0, w0, 0xDD);
+        r[4 + c] = _mm512_shuffle_i32x4(v1, w1, 0x88);
+        r[12 + c] = _mm512_shuffle_i32x4(v1, w1, 0xDD);
+    }
+}
+
+/* super-block sb of the 16 rows w + r * rb into P [64][64] (the transposed values), SC [16][16]
+ * (int32 scale of sub-block s, row r at 16 s + r) and DW [16] (the rows' d) */
+static void q6k_pack16(const uint8_t *w, int64_t rb, int sb, uint8_t *P, int32_t *SC, float *DW) {
+    const __m512i m4 = _mm512_set1_epi8(0x0f), m2 = _mm512_set1_epi8(3);
+    uint8_t tmp[16 * 256] __attribute__((aligned(64)));
+    __m512i r[16];
+    /* the next 16 rows (contiguous after these), a K/256-th of them per super-block */
+    const uint8_t *nx = w + 16 * rb + (int64_t)sb * 16 * 210;
+    for (int c = 0; c < 16 * 210; c += 64) _mm_prefetch((const char *)(nx + c), _MM_HINT_T0);
+    for (int j = 0; j < 16; j++) {
+        const uint8_t *b = w + j * rb + (int64_t)sb * 210, *ql = b, *qh = b + 128;
+        DW[j] = mf_h2f(rd16(b + 208));
+        r[j] = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + 192)));
+        for (int h = 0; h < 2; h++) {
+            __m512i L = _mm512_loadu_si512((const void *)(ql + 64 * h));
+            __m256i H = _mm256_loadu_si256((const __m256i *)(qh + 32 * h));
+            __m512i ha = _mm512_inserti64x4(_mm512_castsi256_si512(H), _mm256_srli_epi16(H, 2), 1);
+            __m512i hb = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_srli_epi16(H, 4)), _mm256_srli_epi16(H, 6), 1);
+            _mm512_store_si512((void *)(tmp + 256 * j + 128 * h),
+                               _mm512_or_si512(_mm512_and_si512(L, m4), _mm512_slli_epi16(_mm512_and_si512(ha, m2), 4)));
+            _mm512_store_si512((void *)(tmp + 256 * j + 128 * h + 64),
+                               _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(L, 4), m4),
+                                               _mm512_slli_epi16(_mm512_and_si512(hb, m2), 4)));
+        }
+    }
+    transpose16_epi32(r);
+    for (int s = 0; s < 16; s++) _mm512_store_si512((void *)(SC + 16 * s), r[s]);
+    for (int g = 0; g < 4; g++) {
+        for (int j = 0; j < 16; j++) r[j] = _mm512_load_si512((const void *)(tmp + 256 * j + 64 * g));
+        transpose16_epi32(r);
+        for (int j = 0; j < 16; j++) _mm512_store_si512((void *)(P + 64 * (16 * g + j)), r[j]);
+    }
+}
+
+/* NA (<= Q6K_TILE_TOK) activation rows (their super-block sb's values y[i], the offsets
+ * off[16 i + s] = -32 * (sum of sub-block s of y[i])) against a packed super-block: facc [NA][16]
+ * += the super-block's products (see above) */
+static inline __attribute__((always_inline)) void q6k_tile_t(const uint8_t *P, const int32_t *SC, const float *DW,
+                                                             const int8_t *const *y, const int32_t *off, const float *dy,
+                                                             const int NA, float *facc) {
+    __m512i isb[Q6K_TILE_TOK];
+    for (int i = 0; i < NA; i++) isb[i] = _mm512_setzero_si512();
+    for (int s = 0; s < 16; s++) {
+        __m512i w0 = _mm512_load_si512((const void *)(P + 64 * (4 * s))), w1 = _mm512_load_si512((const void *)(P + 64 * (4 * s + 1)));
+        __m512i w2 = _mm512_load_si512((const void *)(P + 64 * (4 * s + 2))), w3 = _mm512_load_si512((const void *)(P + 64 * (4 * s + 3)));
+        __m512i sc = _mm512_load_si512((const void *)(SC + 16 * s));
+        for (int i = 0; i < NA; i++) {
+            const int8_t *yi = y[i] + 16 * s;
+            int32_t y0, y1, y2, y3;
+            memcpy(&y0, yi, 4); memcpy(&y1, yi + 4, 4); memcpy(&y2, yi + 8, 4); memcpy(&y3, yi + 12, 4);
+            __m512i a = _mm512_set1_epi32(off[16 * i + s]);
+            a = _mm512_dpbusd_epi32(a, w0, _mm512_set1_epi32(y0));
+            a = _mm512_dpbusd_epi32(a, w1, _mm512_set1_epi32(y1));
+            a = _mm512_dpbusd_epi32(a, w2, _mm512_set1_epi32(y2));
+            a = _mm512_dpbusd_epi32(a, w3, _mm512_set1_epi32(y3));
+            isb[i] = _mm512_add_epi32(isb[i], _mm512_mullo_epi32(a, sc));
+        }
+    }
+    __m512 dw = _mm512_load_ps(DW);
+    for (int i = 0; i < NA; i++) {
+        __m512 f = _mm512_load_ps(facc + 16 * i);
+        f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isb[i]), _mm512_mul_ps(dw, _mm512_set1_ps(dy[i])), f);
+        _mm512_store_ps(facc + 16 * i, f);
+    }
+}
+
+/* 16 Q6_K rows (w + r * rb) against na activation rows (na <= Q6K_TILE_MAXA): out[i * ldo + r]
+ * = row r . acts[i] */
+static void q6k_tile(const uint8_t *w, int64_t rb, int K, const qact *acts, int na, float *out, int64_t ldo) {
+    uint8_t P[64 * 64] __attribute__((aligned(64)));
+    int32_t SC[256] __attribute__((aligned(64)));
+    float DW[16] __attribute__((aligned(64)));
+    float facc[Q6K_TILE_MAXA * 16] __attribute__((aligned(64)));
+    int32_t off[Q6K_TILE_MAXA * 16] __attribute__((aligned(64)));
+    const int8_t *y[Q6K_TILE_MAXA];
+    float dy[Q6K_TILE_MAXA];
+    memset(facc, 0, sizeof(float) * 16 * na);
+    for (int sb = 0; sb < K / 256; sb++) {
+        q6k_pack16(w, rb, sb, P, SC, DW);
+        for (int i = 0; i < na; i++) {
+            y[i] = acts[i].qk + 256 * sb;
+            dy[i] = acts[i].dk[sb];
+            __m512i s16 = _mm512_cvtepi16_epi32(_mm256_loadu_si256((const __m256i *)(acts[i].sk16 + 16 * sb)));
+            _mm512_store_si512((void *)(off + 16 * i), _mm512_mullo_epi32(s16, _mm512_set1_epi32(-32)));
+        }
+        int i = 0;
+        for (; i + Q6K_TILE_TOK <= na; i += Q6K_TILE_TOK)
+            q6k_tile_t(P, SC, DW, y + i, off + 16 * i, dy + i, Q6K_TILE_TOK, facc + 16 * i);
+        switch (na - i) {
+#define Q6K_TILE_REST(n) case n: q6k_tile_t(P, SC, DW, y + i, off + 16 * i, dy + i, n, facc + 16 * i); break;
+        Q6K_TILE_REST(7) Q6K_TILE_REST(6) Q6K_TILE_REST(5) Q6K_TILE_REST(4) Q6K_TILE_REST(3) Q6K_TILE_REST(2)
+        Q6K_TILE_REST(1)
+#undef Q6K_TILE_REST
+        default: break;
+        }
+    }
+    for (int i = 0; i < na; i++) memcpy(out + i * ldo, facc + 16 * i, 16 * sizeof(float));
+}
+
+/* q6k_tile over any number of activation rows: row i's quantized form at base + idx[i] * qb
+ * (idx NULL: base + i * qb), out[i * ldo + r] */
+static void q6k_tile_rows(const uint8_t *w, int64_t rb, int K, const uint8_t *base, int64_t qb, const int64_t *idx,
+                          int64_t n, float *out, int64_t ldo) {
+    qact acts[Q6K_TILE_MAXA];
+    for (int64_t i0 = 0; i0 < n; i0 += Q6K_TILE_MAXA) {
+        int na = (int)(n - i0 < Q6K_TILE_MAXA ? n - i0 : Q6K_TILE_MAXA);
+        for (int i = 0; i < na; i++) acts[i] = qact_at((uint8_t *)base + (idx ? idx[i0 + i] : i0 + i) * qb, K);
+        q6k_tile(w, rb, K, acts, na, out + i0 * ldo, ldo);
+    }
+}
+
 #endif
 
 
@@ -1585,6 +1746,21 @@ static inline void dot_rows(int t, const uint8_t *w, int64_t rb, int nr, const f
  * gemm_ex_body, ends there): chunks of rows taken as the threads come (a thread whose core is
  * shared with another process takes fewer, where a static split would wait for it). xb: the bf16 rows of x when x is bf16 (BF16
  * weights then multiply them with vdpbf16ps), else NULL. */
+#ifdef HAVE_Q6K_TILE
+/* q6k_tile of 16 rows (row r0 .. r0 + 15 of W, wr its first) against the n quantized rows of
+ * xq (qb bytes each) into y (store_y: dtype ydt, row stride ldy, bias) */
+static void q6k_tile_store(const uint8_t *wr, int64_t rb, int K, uint8_t *xq, int64_t qb, int n, void *y, int ydt,
+                           int ldy, const void *bias, int r0) {
+    float v[Q6K_TILE_MAXA * 16];
+    for (int i0 = 0; i0 < n; i0 += Q6K_TILE_MAXA) {
+        int na = n - i0 < Q6K_TILE_MAXA ? n - i0 : Q6K_TILE_MAXA;
+        q6k_tile_rows(wr, rb, K, xq + (int64_t)i0 * qb, qb, NULL, na, v, 16);
+        for (int i = 0; i < na; i++)
+            for (int j = 0; j < 16; j++) store_y(y, ydt, (int64_t)(i0 + i) * ldy + r0 + j, v[16 * i + j], bias, r0 + j);
+    }
+}
+#endif
+
 static void gemm_rows(int t, const uint8_t *W, int N, int K, int n, const float *xf, uint8_t *xq, void *y, int ydt,
                       int ldy, const void *bias, const uint16_t *xb) {
     int64_t rb = row_bytes(t, K), qb = qact_bytes(K);
@@ -1624,6 +1800,12 @@ static void gemm_rows(int t, const uint8_t *W, int N, int K, int n, const float 
             }
             continue;
         }
+#ifdef HAVE_Q6K_TILE
+        if (t == T_Q6_K && n >= Q6K_TILE_MIN && N % 16 == 0) {   /* 16 rows per group of 4 r4 */
+            if (r % 16 == 0) q6k_tile_store(wr, rb, K, xq, qb, n, y, ydt, ldy, bias, r);
+            continue;
+        }
+#endif
 #ifdef HAVE_Q6K_TOK
         if (t == T_Q6_K && n > 1) {
             /* each weight row unpacked once per Q6K_MAXT activation rows (q6k_tok) */
@@ -1699,6 +1881,42 @@ void mf_gemm(int t, const uint8_t *W, int N, int K, const void *x, int xbf16, in
 
 static inline float silu(float v) { return v / (1.f + expf(-v)); }
 
+#ifdef HAVE512
+/* exp(x), 16 values: 2^n * exp(r), n = round(x / ln 2), r = x - n ln 2 in two parts (Cody and
+ * Waite), exp(r) by Cephes' expf polynomial (within 2 ulp of expf); x clamped to [-104, 89]
+ * first (expf is 0 below, inf above; a NaN stays NaN) */
+static inline __m512 exp_512(__m512 x) {
+    x = _mm512_max_ps(_mm512_set1_ps(-104.f), _mm512_min_ps(_mm512_set1_ps(89.f), x));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+    return _mm512_scalef_ps(p, n);
+}
+#endif
+
+/* h[j] = silu(g[j]) * u[j] for j < n (SwiGLU); with AVX-512 16 values a step, exp by exp_512
+ * (the scalar expf was a fifth of a batched prefill layer's time), the rest as silu */
+static void swiglu(const float *g, const float *u, float *h, int n) {
+    int j = 0;
+#ifdef HAVE512
+    for (; j + 16 <= n; j += 16) {
+        __m512 v = _mm512_loadu_ps(g + j);
+        __m512 e = exp_512(_mm512_sub_ps(_mm512_setzero_ps(), v));
+        __m512 sv = _mm512_div_ps(v, _mm512_add_ps(_mm512_set1_ps(1.f), e));
+        _mm512_storeu_ps(h + j, _mm512_mul_ps(sv, _mm512_loadu_ps(u + j)));
+    }
+#endif
+    for (; j < n; j++) h[j] = silu(g[j]) * u[j];
+}
+
 /* Routed experts of one MoE layer, SwiGLU, combined: acc [T, H] += sum over pairs p of
  * wt[p] * down(silu(gate(x[tok[p]])) * up(x[tok[p]])), pairs grouped by expert:
  * expert i (blob blobs[i]) serves pairs bounds[i] .. bounds[i+1]-1.
@@ -1759,6 +1977,12 @@ static void moe_body(int n_exp, const uint8_t *const *blobs, const int64_t *boun
                     }
                     continue;
                 }
+#ifdef HAVE_Q6K_TILE
+                if (tt == T_Q6_K && pb - pa >= Q6K_TILE_MIN && I % 16 == 0) {   /* 16 rows per group of 4 idx */
+                    if (r % 16 == 0) q6k_tile_rows(w, rbt, H, xq, qh, tok + pa, pb - pa, gu + (pa - p0) * 2 * I + r, 2 * I);
+                    continue;
+                }
+#endif
 #ifdef HAVE_Q6K_TOK
                 if (tt == T_Q6_K && pb - pa > 1) {      /* each row unpacked once per Q6K_MAXT tokens */
                     for (int64_t q0 = pa; q0 < pb; q0 += Q6K_MAXT) {
@@ -1786,7 +2010,7 @@ static void moe_body(int n_exp, const uint8_t *const *blobs, const int64_t *boun
 #pragma omp for schedule(static)
             for (int i = 0; i < n; i++) {
                 float *g = gu + (int64_t)i * 2 * I, *h = hf + (int64_t)i * I;
-                for (int j = 0; j < I; j++) h[j] = silu(g[j]) * g[I + j];
+                swiglu(g, g + I, h, I);
                 if (xdt == T_F16)    /* fp16 compute: the product as the fp16 tensor the torch expert holds */
                     round_f16(h, I);
                 if (qd) quantize_act(h, I, qact_at(hq + i * qi, I));
@@ -1809,6 +2033,12 @@ static void moe_body(int n_exp, const uint8_t *const *blobs, const int64_t *boun
                     }
                     continue;
                 }
+#ifdef HAVE_Q6K_TILE
+                if (td == T_Q6_K && pb - pa >= Q6K_TILE_MIN && H % 16 == 0) {
+                    if (r % 16 == 0) q6k_tile_rows(w, rbd, I, hq + (pa - p0) * qi, qi, NULL, pb - pa, yd + (pa - p0) * H + r, H);
+                    continue;
+                }
+#endif
 #ifdef HAVE_Q6K_TOK
                 if (td == T_Q6_K && pb - pa > 1) {
                     for (int64_t q0 = pa; q0 < pb; q0 += Q6K_MAXT) {

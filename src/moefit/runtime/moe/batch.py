@@ -28,6 +28,7 @@ import torch
 
 from moefit.memory import cpu_kernels
 from moefit.memory.host import device_expert_path
+from moefit.runtime.buffers.workspace import ALIGN
 from moefit.runtime.kernels import qmatmul
 from moefit.runtime.kernels.linear import FLOAT_TYPES
 from moefit.runtime.kernels.quant import StoredExpert
@@ -93,6 +94,18 @@ def scratch_bytes(tokens: int, hidden: int, inter: int, act: torch.dtype) -> int
     e = act.itemsize
     old = tokens * (2 * hidden * e + 2 * inter * e + (0 if act == torch.float32 else 4 * hidden))
     return max(old, qmatmul.moe_scratch_bytes(tokens, hidden, inter, 1))
+
+
+def layer_scratch_bytes(ws, tokens: int, hidden: int, inter: int, pairs: int, act: torch.dtype) -> int:
+    """Workspace bytes a layer's :func:`run_layer` takes from ``ws`` for a chunk of ``tokens``
+    (``pairs`` (token, expert) pairs): :func:`scratch_bytes` at least, and up to every pair
+    at once (:func:`moefit.runtime.kernels.qmatmul.moe_scratch_bytes`) where the workspace
+    has that room free, so that a prefill chunk's experts run whole (a chunk of pairs cuts an
+    expert's tokens in two, and each piece unpacks its rows again)."""
+    base = scratch_bytes(tokens, hidden, inter, act)
+    want = qmatmul.moe_scratch_bytes(tokens, hidden, inter, pairs)
+    room = ws.capacity - (-(-ws.offset // ALIGN) * ALIGN) - 8 * ALIGN
+    return max(base, min(want, room))
 
 
 def run_layer(cache, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,

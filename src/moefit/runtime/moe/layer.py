@@ -93,8 +93,10 @@ def moe_layer(mdl: ForwardState, l: LayerSpec, lw: LayerWeights, x: torch.Tensor
                 out.copy_(acc)
             elif mdl.arch.clamped_swiglu is None and moe_batch.applies(mdl.experts, l.index, x, k):
                 acc = ws.take((t, h), f32, zero=True)
-                scratch = ws.take((moe_batch.scratch_bytes(t, h, m.expert_intermediate, act),), torch.uint8)
                 wq = w if act == f32 else ws.take((t, k), act).copy_(w).float()   # rounded as combined
+                # the workspace's free room, every pair at once at most (the layer's last take)
+                nb = moe_batch.layer_scratch_bytes(ws, t, h, m.expert_intermediate, t * k, act)
+                scratch = ws.take((nb,), torch.uint8)
                 moe_batch.run_layer(mdl.experts, l.index, x, ids, wq, acc, scratch)
                 out.copy_(acc)
             else:
