@@ -21,6 +21,7 @@ gguf = pytest.importorskip("gguf")
 
 from conftest import MIB, sim_device  # noqa: E402
 from moefit.errors import InputError  # noqa: E402
+from moefit.memory import cpu_kernels  # noqa: E402
 from moefit.tools.gguf_write import write_gguf  # noqa: E402
 from moefit.memory.weights import expert_slot_bytes  # noqa: E402
 from moefit.ingest.resolve import load_model  # noqa: E402
@@ -170,8 +171,9 @@ def test_stored_matrix_products_equal_the_dequantized_ones():
     ws.begin_chunk(64 * cols * 2 + 512)           # room for 64 rows: five blocks
     sm.ws = ws
     ref_w = quant.dequantize(raw, "Q6_K", (rows, cols), dtype=torch.bfloat16)
-    x = torch.randn(40, cols).bfloat16()
-    out = torch.empty(40, rows, dtype=torch.bfloat16)
+    many = cpu_kernels.small_rows("Q6_K") + 1        # past the C kernels' rows
+    x = torch.randn(many, cols).bfloat16()
+    out = torch.empty(many, rows, dtype=torch.bfloat16)
     assert torch.equal(sm.matmul(x, out), torch.mm(x, ref_w.t()))
     assert ws.fixed.peak <= 64 * cols * 2 + 512 and ws.fixed.offset == 0
     assert torch.equal(sm.raw, raw)                       # the stored bytes are untouched

@@ -58,9 +58,11 @@ DISABLE_ENV = "MOEFIT_NO_CKERNELS"
 #: for every activation row, vpdpbusd on 16 rows at once; AVX-512): ``mf_gemm_ex`` against
 #: ``mf_dequant`` to bf16 + ``torch.mm``, one thread, a loaded machine (load 5-9 on 2 cores),
 #: 5-7 interleaved rounds, CPU time: a 512 x 1024 matrix 0.65 at 64 rows, 0.94 at 128; 2048 x
-#: 1024 0.81 at 128, 0.98 at 512; hence 256.
+#: 1024 0.81 at 128, 0.98 at 512; hence 256. Q5_K, whose 25 rows or more take its twin
+#: ``q5k_tile`` (the same harness, a 512 x 1024 matrix): 0.43 at 32 rows, 0.61 at 64, 0.93 at
+#: 128; hence 128.
 SMALL_ROWS = 8
-SMALL_ROWS_BY_TYPE = {"Q2_K": 32, "Q3_K": 32, "IQ4_XS": 64, "Q6_K": 256}
+SMALL_ROWS_BY_TYPE = {"Q2_K": 32, "Q3_K": 32, "IQ4_XS": 64, "Q6_K": 256, "Q5_K": 128}
 
 #: A MoE layer (``moefit.runtime.moe.batch.run_layer``) runs the batched C kernel while its
 #: experts get at most this many tokens each on average (the (token, expert) pairs over the
@@ -85,7 +87,8 @@ SMALL_ROWS_BY_TYPE = {"Q2_K": 32, "Q3_K": 32, "IQ4_XS": 64, "Q6_K": 256}
 #: files, one thread, a loaded machine, 5 interleaved pairs of one prefill chunk): Q4_K_M
 #: (Q4_K / Q6_K experts) batched against expert by expert 0.72 at 8 tokens per expert, 1.20
 #: at 16, 1.22 at 24 (both ways 1.02 at 32: the noise), hence 8 for the K-quants (Q5_K with
-#: them). Q6_K 24 since its rows are unpacked once per 8 tokens of an expert (``q6k_tok``):
+#: them until ``q5k_tile``, below). Q6_K was 24 since its rows are unpacked once per 8 tokens
+#: of an expert (``q6k_tok``):
 #: a 512 x 1024 expert matrix, one thread, a loaded machine, C kernel against dequantize +
 #: ``torch.mm`` (the crossover of :data:`SMALL_ROWS_BY_TYPE`'s measurement, not a whole-model
 #: one): 0.65 at 16 tokens, 0.88 at 24, 1.03 at 32. Q2_K, Q3_K and IQ4_XS again since their
@@ -100,8 +103,11 @@ SMALL_ROWS_BY_TYPE = {"Q2_K": 32, "Q3_K": 32, "IQ4_XS": 64, "Q6_K": 256}
 #: layer of Q6_K experts, ``mf_moe`` against expert by expert (``mf_dequant`` to bf16 +
 #: ``torch.mm``), one thread, a loaded machine (load 5-9), 3-7 interleaved rounds, CPU time:
 #: hidden 1024, 64 experts of 512, 0.55 at 64 tokens per expert, 0.78 at 256; hidden 2048,
-#: 32 experts of 768, 0.64 at 128.
-TOKENS_PER_EXPERT = {"Q4_K": 8, "Q5_K": 8, "Q6_K": 256, "Q8_0": 20, "Q4_0": 32,
+#: 32 experts of 768, 0.64 at 128. Q5_K 128 since its experts' 25 tokens or more take
+#: ``q5k_tile`` (the same harness): Q5_K gate / up with Q6_K down (the Q5_K_M mix's layers),
+#: hidden 1024, 64 experts of 512, 0.62 at 64 tokens per expert; all Q5_K, hidden 2048, 32 of
+#: 768, 0.74 at 128 (not measured further).
+TOKENS_PER_EXPERT = {"Q4_K": 8, "Q5_K": 128, "Q6_K": 256, "Q8_0": 20, "Q4_0": 32,
                      "BF16": 32, "F16": 32, "F32": 32, "Q2_K": 16, "Q3_K": 16, "IQ4_XS": 16,
                      "IQ2_XXS": 48, "IQ3_XXS": 24, "IQ1_M": 24}
 DEFAULT_TOKENS_PER_EXPERT = 8

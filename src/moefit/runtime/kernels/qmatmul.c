@@ -687,6 +687,11 @@ static qact qact_at(uint8_t *base, int K);
 #ifndef Q6K_TILE_MIN
 #define Q6K_TILE_MIN 25
 #endif
+/* Q5_K (q5k_tile) likewise from Q5K_TILE_MIN rows */
+#ifndef Q5K_TILE_MIN
+#define Q5K_TILE_MIN 25
+#endif
+static inline int is_ktile(int t, int64_t n) { return t == T_Q6_K ? n >= Q6K_TILE_MIN : t == T_Q5_K && n >= Q5K_TILE_MIN; }
 
 /* r[j] lane i <- r[i] lane j (16 x 16 32-bit lanes) */
 static inline __attribute__((always_inline)) void transpose16_epi32(__m512i r[16]) {
@@ -810,15 +815,128 @@ static void q6k_tile(const uint8_t *w, int64_t rb, int K, const qact *acts, int 
     for (int i = 0; i < na; i++) memcpy(out + i * ldo, facc + 16 * i, 16 * sizeof(float));
 }
 
-/* q6k_tile over any number of activation rows: row i's quantized form at base + idx[i] * qb
- * (idx NULL: base + i * qb), out[i * ldo + r] */
-static void q6k_tile_rows(const uint8_t *w, int64_t rb, int K, const uint8_t *base, int64_t qb, const int64_t *idx,
-                          int64_t n, float *out, int64_t ldo) {
+/* Q5_K the same way (q5k_tile): 16 rows' super-block unpacked to values 0..31 in q6k_pack16's
+ * transposed layout, 8 sub-blocks of 32 (vectors 8s .. 8s + 7), so a lane sums a sub-block of 32
+ * in integers before its 6-bit scale multiplies it; the mins term sum_s m_s * (sum of sub-block
+ * s of y) by vpdpwssd on the activation's sums per 16. Per super-block the exact integers
+ * I = sum_s sc_s * sum_{k in s} q_k y_k and M = sum_s m_s * sum_{k in s} y_k, then
+ * acc = fmadd(float(I), d * d_y, acc), acc = fnmadd(float(M), dmin * d_y, acc). */
+static void q5k_pack16(const uint8_t *w, int64_t rb, int sb, uint8_t *P, int32_t *SC, int32_t *MN, float *DW,
+                       float *DM) {
+    const __m512i m4 = _mm512_set1_epi8(0x0f), one = _mm512_set1_epi8(1);
+    uint8_t tmp[16 * 256] __attribute__((aligned(64)));
+    __m512i r[16];
+    const uint8_t *nx = w + 16 * rb + (int64_t)sb * 16 * 176;
+    for (int c = 0; c < 16 * 176; c += 64) _mm_prefetch((const char *)(nx + c), _MM_HINT_T0);
+    for (int j = 0; j < 16; j++) {
+        const uint8_t *b = w + j * rb + (int64_t)sb * 176, *qs = b + 48;
+        DW[j] = mf_h2f(rd16(b));
+        DM[j] = mf_h2f(rd16(b + 2));
+        r[j] = _mm512_cvtepu8_epi32(k4_scales(b + 4));     /* lanes 0..7 scales, 8..15 mins */
+        __m256i hb = _mm256_loadu_si256((const __m256i *)(b + 16));
+        for (int p = 0; p < 2; p++) {
+            __m512i raw = _mm512_loadu_si512((const void *)(qs + 64 * p));
+            __m512i lo = _mm512_and_si512(raw, m4), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), m4);
+            __m512i va = _mm512_shuffle_i64x2(lo, hi, 0x44), vb = _mm512_shuffle_i64x2(lo, hi, 0xEE);
+            __m512i h = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_srli_epi16(hb, 4 * p)), _mm256_srli_epi16(hb, 4 * p + 1), 1);
+            __m512i h2 = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_srli_epi16(hb, 4 * p + 2)),
+                                            _mm256_srli_epi16(hb, 4 * p + 3), 1);
+            va = _mm512_or_si512(va, _mm512_slli_epi16(_mm512_and_si512(h, one), 4));
+            vb = _mm512_or_si512(vb, _mm512_slli_epi16(_mm512_and_si512(h2, one), 4));
+            _mm512_store_si512((void *)(tmp + 256 * j + 128 * p), va);
+            _mm512_store_si512((void *)(tmp + 256 * j + 128 * p + 64), vb);
+        }
+    }
+    transpose16_epi32(r);
+    for (int s = 0; s < 8; s++) {
+        _mm512_store_si512((void *)(SC + 16 * s), r[s]);
+        /* the min as the two int16 halves of a lane (vpdpwssd against two sums per 16) */
+        _mm512_store_si512((void *)(MN + 16 * s), _mm512_or_si512(r[8 + s], _mm512_slli_epi32(r[8 + s], 16)));
+    }
+    for (int g = 0; g < 4; g++) {
+        for (int j = 0; j < 16; j++) r[j] = _mm512_load_si512((const void *)(tmp + 256 * j + 64 * g));
+        transpose16_epi32(r);
+        for (int j = 0; j < 16; j++) _mm512_store_si512((void *)(P + 64 * (16 * g + j)), r[j]);
+    }
+}
+
+static inline __attribute__((always_inline)) void q5k_tile_t(const uint8_t *P, const int32_t *SC, const int32_t *MN,
+                                                             const float *DW, const float *DM, const int8_t *const *y,
+                                                             const int16_t *const *ys, const float *dy, const int NA,
+                                                             float *facc) {
+    __m512i isb[Q6K_TILE_TOK];
+    for (int i = 0; i < NA; i++) isb[i] = _mm512_setzero_si512();
+    for (int s = 0; s < 8; s++) {
+        __m512i wv[8];
+        for (int k = 0; k < 8; k++) wv[k] = _mm512_load_si512((const void *)(P + 64 * (8 * s + k)));
+        __m512i sc = _mm512_load_si512((const void *)(SC + 16 * s));
+        for (int i = 0; i < NA; i++) {
+            const int8_t *yi = y[i] + 32 * s;
+            __m512i a = _mm512_setzero_si512();
+            for (int k = 0; k < 8; k++) {
+                int32_t v;
+                memcpy(&v, yi + 4 * k, 4);
+                a = _mm512_dpbusd_epi32(a, wv[k], _mm512_set1_epi32(v));
+            }
+            isb[i] = _mm512_add_epi32(isb[i], _mm512_mullo_epi32(a, sc));
+        }
+    }
+    __m512 dw = _mm512_load_ps(DW), dm = _mm512_load_ps(DM);
+    for (int i = 0; i < NA; i++) {
+        __m512i msb = _mm512_setzero_si512();
+        for (int s = 0; s < 8; s++) {
+            int32_t v;
+            memcpy(&v, ys[i] + 2 * s, 4);
+            msb = _mm512_dpwssd_epi32(msb, _mm512_load_si512((const void *)(MN + 16 * s)), _mm512_set1_epi32(v));
+        }
+        __m512 f = _mm512_load_ps(facc + 16 * i), d = _mm512_set1_ps(dy[i]);
+        f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isb[i]), _mm512_mul_ps(dw, d), f);
+        f = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(msb), _mm512_mul_ps(dm, d), f);
+        _mm512_store_ps(facc + 16 * i, f);
+    }
+}
+
+/* 16 Q5_K rows (w + r * rb) against na activation rows (na <= Q6K_TILE_MAXA), as q6k_tile */
+static void q5k_tile(const uint8_t *w, int64_t rb, int K, const qact *acts, int na, float *out, int64_t ldo) {
+    uint8_t P[64 * 64] __attribute__((aligned(64)));
+    int32_t SC[128] __attribute__((aligned(64))), MN[128] __attribute__((aligned(64)));
+    float DW[16] __attribute__((aligned(64))), DM[16] __attribute__((aligned(64)));
+    float facc[Q6K_TILE_MAXA * 16] __attribute__((aligned(64)));
+    const int8_t *y[Q6K_TILE_MAXA];
+    const int16_t *ys[Q6K_TILE_MAXA];
+    float dy[Q6K_TILE_MAXA];
+    memset(facc, 0, sizeof(float) * 16 * na);
+    for (int sb = 0; sb < K / 256; sb++) {
+        q5k_pack16(w, rb, sb, P, SC, MN, DW, DM);
+        for (int i = 0; i < na; i++) {
+            y[i] = acts[i].qk + 256 * sb;
+            ys[i] = acts[i].sk16 + 16 * sb;
+            dy[i] = acts[i].dk[sb];
+        }
+        int i = 0;
+        for (; i + Q6K_TILE_TOK <= na; i += Q6K_TILE_TOK)
+            q5k_tile_t(P, SC, MN, DW, DM, y + i, ys + i, dy + i, Q6K_TILE_TOK, facc + 16 * i);
+        switch (na - i) {
+#define Q5K_TILE_REST(n) case n: q5k_tile_t(P, SC, MN, DW, DM, y + i, ys + i, dy + i, n, facc + 16 * i); break;
+        Q5K_TILE_REST(7) Q5K_TILE_REST(6) Q5K_TILE_REST(5) Q5K_TILE_REST(4) Q5K_TILE_REST(3) Q5K_TILE_REST(2)
+        Q5K_TILE_REST(1)
+#undef Q5K_TILE_REST
+        default: break;
+        }
+    }
+    for (int i = 0; i < na; i++) memcpy(out + i * ldo, facc + 16 * i, 16 * sizeof(float));
+}
+
+/* q6k_tile / q5k_tile (t: T_Q6_K or T_Q5_K) over any number of activation rows: row i's quantized
+ * form at base + idx[i] * qb (idx NULL: base + i * qb), out[i * ldo + r] */
+static void ktile_rows(int t, const uint8_t *w, int64_t rb, int K, const uint8_t *base, int64_t qb, const int64_t *idx,
+                       int64_t n, float *out, int64_t ldo) {
     qact acts[Q6K_TILE_MAXA];
     for (int64_t i0 = 0; i0 < n; i0 += Q6K_TILE_MAXA) {
         int na = (int)(n - i0 < Q6K_TILE_MAXA ? n - i0 : Q6K_TILE_MAXA);
         for (int i = 0; i < na; i++) acts[i] = qact_at((uint8_t *)base + (idx ? idx[i0 + i] : i0 + i) * qb, K);
-        q6k_tile(w, rb, K, acts, na, out + i0 * ldo, ldo);
+        if (t == T_Q6_K) q6k_tile(w, rb, K, acts, na, out + i0 * ldo, ldo);
+        else q5k_tile(w, rb, K, acts, na, out + i0 * ldo, ldo);
     }
 }
 
@@ -1749,12 +1867,12 @@ static inline void dot_rows(int t, const uint8_t *w, int64_t rb, int nr, const f
 #ifdef HAVE_Q6K_TILE
 /* q6k_tile of 16 rows (row r0 .. r0 + 15 of W, wr its first) against the n quantized rows of
  * xq (qb bytes each) into y (store_y: dtype ydt, row stride ldy, bias) */
-static void q6k_tile_store(const uint8_t *wr, int64_t rb, int K, uint8_t *xq, int64_t qb, int n, void *y, int ydt,
+static void ktile_store(int t, const uint8_t *wr, int64_t rb, int K, uint8_t *xq, int64_t qb, int n, void *y, int ydt,
                            int ldy, const void *bias, int r0) {
     float v[Q6K_TILE_MAXA * 16];
     for (int i0 = 0; i0 < n; i0 += Q6K_TILE_MAXA) {
         int na = n - i0 < Q6K_TILE_MAXA ? n - i0 : Q6K_TILE_MAXA;
-        q6k_tile_rows(wr, rb, K, xq + (int64_t)i0 * qb, qb, NULL, na, v, 16);
+        ktile_rows(t, wr, rb, K, xq + (int64_t)i0 * qb, qb, NULL, na, v, 16);
         for (int i = 0; i < na; i++)
             for (int j = 0; j < 16; j++) store_y(y, ydt, (int64_t)(i0 + i) * ldy + r0 + j, v[16 * i + j], bias, r0 + j);
     }
@@ -1801,8 +1919,8 @@ static void gemm_rows(int t, const uint8_t *W, int N, int K, int n, const float 
             continue;
         }
 #ifdef HAVE_Q6K_TILE
-        if (t == T_Q6_K && n >= Q6K_TILE_MIN && N % 16 == 0) {   /* 16 rows per group of 4 r4 */
-            if (r % 16 == 0) q6k_tile_store(wr, rb, K, xq, qb, n, y, ydt, ldy, bias, r);
+        if (is_ktile(t, n) && N % 16 == 0) {   /* 16 rows per group of 4 r4 */
+            if (r % 16 == 0) ktile_store(t, wr, rb, K, xq, qb, n, y, ydt, ldy, bias, r);
             continue;
         }
 #endif
@@ -1978,8 +2096,8 @@ static void moe_body(int n_exp, const uint8_t *const *blobs, const int64_t *boun
                     continue;
                 }
 #ifdef HAVE_Q6K_TILE
-                if (tt == T_Q6_K && pb - pa >= Q6K_TILE_MIN && I % 16 == 0) {   /* 16 rows per group of 4 idx */
-                    if (r % 16 == 0) q6k_tile_rows(w, rbt, H, xq, qh, tok + pa, pb - pa, gu + (pa - p0) * 2 * I + r, 2 * I);
+                if (is_ktile(tt, pb - pa) && I % 16 == 0) {   /* 16 rows per group of 4 idx */
+                    if (r % 16 == 0) ktile_rows(tt, w, rbt, H, xq, qh, tok + pa, pb - pa, gu + (pa - p0) * 2 * I + r, 2 * I);
                     continue;
                 }
 #endif
@@ -2034,8 +2152,8 @@ static void moe_body(int n_exp, const uint8_t *const *blobs, const int64_t *boun
                     continue;
                 }
 #ifdef HAVE_Q6K_TILE
-                if (td == T_Q6_K && pb - pa >= Q6K_TILE_MIN && H % 16 == 0) {
-                    if (r % 16 == 0) q6k_tile_rows(w, rbd, I, hq + (pa - p0) * qi, qi, NULL, pb - pa, yd + (pa - p0) * H + r, H);
+                if (is_ktile(td, pb - pa) && H % 16 == 0) {
+                    if (r % 16 == 0) ktile_rows(td, w, rbd, I, hq + (pa - p0) * qi, qi, NULL, pb - pa, yd + (pa - p0) * H + r, H);
                     continue;
                 }
 #endif
