@@ -386,3 +386,52 @@ def test_activation_quantization_is_the_documented_rounding_bit_for_bit():
     assert np.array_equal(got_q, q) and np.array_equal(got_d, d) and np.array_equal(got_s16, s16)
     assert np.array_equal(got_qk, qk) and np.array_equal(got_dk, dk) and np.array_equal(got_sk16, sk16)
     assert not got_q[64:96].any()
+
+
+@pytest.mark.parametrize("qtype", ["Q6_K", "Q5_K"])
+def test_tiled_products_of_many_rows(qtype):
+    """From 25 activation rows a Q6_K / Q5_K product unpacks 16 weight rows once per super-block
+    for every activation row (``q6k_tile`` / ``q5k_tile``, AVX-512): within the activation-rounding
+    bound of gguf's dequantize (fp64 product), within fp32 rounding of each row alone (the
+    one-row kernel: the same integer sums, added in another order), and a row's value is the
+    same in any batch of 25 rows or more (exact integer sums per super-block, then one fmadd
+    per super-block in order); 48 weight rows (3 groups of 16), 2 super-blocks, 40 rows (runs
+    of 8 and none left) and 29 (a rest of 5)."""
+    rows, cols = 48, 512
+    raw = torch.from_numpy(random_matrix(qtype, rows, cols, seed=7).reshape(-1))
+    x = torch.randn(40, cols, generator=torch.Generator().manual_seed(3)).bfloat16()
+    got = qm.gemm(x, raw, qtype, rows, cols, threads=2)
+    w = reference_weights(raw.numpy(), qtype, rows, cols)
+    assert rel_err(got, x.double() @ w.T) < bound_of(qtype)
+    alone = torch.cat([qm.gemm(x[i:i + 1], raw, qtype, rows, cols, threads=1) for i in range(40)])
+    assert 0 < rel_err(got, alone.double()) < 1e-6 or torch.equal(got, alone)
+    assert torch.equal(qm.gemm(x[11:40], raw, qtype, rows, cols, threads=1), got[11:40])
+
+
+@pytest.mark.parametrize("types", [("Q6_K", "Q6_K", "Q6_K"), ("Q5_K", "Q5_K", "Q6_K"), ("Q5_K", "Q5_K", "Q5_K")])
+def test_moe_experts_of_many_tokens(types):
+    """A prefill's batched MoE layer, 25 tokens or more per expert (the tiled kernels and the
+    16-wide SwiGLU): within twice the activation-rounding bound of the dequantized experts run
+    one by one in fp64, and each token's output the same in another batch whose experts get
+    25 or more tokens too (60 tokens on 3 experts, top 2; then its first 45)."""
+    h, inter, n_exp, t, k = 256, 256, 3, 60, 2
+    fmt = StoredExpert.pack(inter, h, *types)
+    blobs = [torch.from_numpy(np.concatenate([random_matrix(types[0], inter, h, seed=10 * e).reshape(-1),
+                                              random_matrix(types[1], inter, h, seed=10 * e + 1).reshape(-1),
+                                              random_matrix(types[2], h, inter, seed=10 * e + 2).reshape(-1)]))
+             for e in range(n_exp)]
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(t, h, generator=g)
+    ids = torch.stack([torch.randperm(n_exp, generator=g)[:k] for _ in range(t)])
+    wts = torch.rand(t, k, generator=g)
+    assert min(int((ids[:45] == e).sum()) for e in range(n_exp)) >= 25
+    got = _moe_call(x, blobs, ids, wts, fmt, threads=2)
+    ref = torch.zeros(t, h, dtype=torch.float64)
+    for e in range(n_exp):
+        mats = [dequantize(blobs[e][p.offset:p.offset + p.nbytes], p.qtype, (p.rows, p.cols)).double()
+                for p in (fmt.gate, fmt.up, fmt.down)]
+        for ti, j in zip(*torch.nonzero(ids == e, as_tuple=True)):
+            xe = x[ti].double()
+            ref[ti] += wts[ti, j] * (mats[2] @ (torch.nn.functional.silu(mats[0] @ xe) * (mats[1] @ xe)))
+    assert rel_err(got, ref) < 2 * QUANT_BOUND
+    assert torch.equal(_moe_call(x[:45], blobs, ids[:45], wts[:45], fmt, threads=1), got[:45])
