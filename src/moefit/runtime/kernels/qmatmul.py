@@ -34,6 +34,13 @@ Q6_K 41 GB/s of weights (the machine reads 43 GB/s on one thread); from L2 (no m
 bound) Q8_0 54, Q4_0 36-38, Q4_K 24, Q6_K 37, BF16 110 GB/s, so Q4_K is the one type the
 arithmetic still limits.
 
+Products of 25 activation rows or more with Q6_K / Q5_K matrices (a prompt's dense products,
+the tokens a prefill routes to one expert) take ``q6k_tile`` / ``q5k_tile`` (AVX-512): 16
+weight rows' super-block unpacked once into a transposed layout, one ``vpdpbusd`` for 4 values
+of 16 rows against 4 of one activation row, the sub-block scale by ``vpmulld``; per super-block
+exact integer sums, so a row's value is the same in any batch of 25 or more, within fp32
+rounding of its one-row value (docs/benchmarks.md, "Q6_K / Q5_K prefill").
+
 Threads: a product splits its rows over OpenMP threads in chunks taken as they come; the
 few rows of a decode step are quantized by the calling thread first, and a product on one
 thread runs outside any parallel region (libgomp ends each worksharing loop of a team, even
