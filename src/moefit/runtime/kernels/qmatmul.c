@@ -677,7 +677,7 @@ static qact qact_at(uint8_t *base, int K);
  * float sums) by fp32 rounding only. */
 #define HAVE_Q6K_TILE 1
 #define Q6K_TILE_ROWS 16
-#define Q6K_TILE_TOK 8       /* activation rows per register tile */
+#define Q6K_TILE_TOK 8       /* activation rows per register tile (the rest switches cover 1..7) */
 #define Q6K_TILE_MAXA 128    /* activation rows per pass over the weight rows (accumulators on the stack) */
 /* tokens of an expert (activation rows of a product) from which q6k_tile runs rather than
  * q6k_tok: one above the 24 up to which the C kernels ran Q6_K before it (the batches that gave
