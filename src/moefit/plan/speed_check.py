@@ -22,6 +22,12 @@ peak fraction of an independent published measurement on the same class of host 
 benchmark, or llama.cpp's CPU-only decode: bytes read per token x tokens/s), the
 file's ``host_memory_efficiency``) and threads: the C kernels' per-core rates measured on the
 CI machine, not the engine's kernels. Imports no torch; reads only the data file.
+
+A run may carry an ``outlier``: a measurement the model cannot reproduce, with the reason found
+(or that none was); it stays in the median (:func:`summary`) and its :class:`Case` names it.
+:func:`host_expert_bytes` is what a decoded token reads from host memory by the model's
+geometry, so a decode's measured tokens/s gives the host read rate it implies
+(:meth:`Case.implied_host_bytes_per_s`), the check behind such a reason.
 """
 
 from __future__ import annotations
@@ -49,7 +55,10 @@ CHANNEL_BYTES = 8
 @record
 class Case:
     """One measured figure of a run against its prediction: ``phase`` is ``prefill`` or
-    ``decode``; tokens/s both; ``bound`` the resource the model names."""
+    ``decode``; tokens/s both; ``bound`` the resource the model names; ``host_bytes``: the
+    bytes of routed experts one decoded token reads from host memory
+    (:func:`host_expert_bytes`; 0.0 for prefill); ``outlier``: the run's outlier reason, ""
+    for none."""
 
     run: str
     engine: str
@@ -57,6 +66,15 @@ class Case:
     measured: float
     predicted: float
     bound: str
+    host_bytes: float = 0.0
+    outlier: str = ""
+
+    @property
+    def implied_host_bytes_per_s(self) -> float:
+        """The host read rate a decode's measured tokens/s implies (bytes/s): ``host_bytes x
+        measured``, a lower bound on the achieved bandwidth when every other part of the step
+        took no time; 0.0 for prefill."""
+        return self.host_bytes * self.measured
 
     @property
     def ratio(self) -> float:
@@ -103,6 +121,28 @@ def achieved_bandwidth(host: dict) -> float:
     return host_bandwidth(host) * memory_efficiency(host)
 
 
+def host_layers(run: dict, geom) -> list[int]:
+    """The MoE layer indices whose experts ``run`` keeps in host memory: the first
+    ``cpu_moe_layers`` (or all) for llama.cpp, all for ktransformers."""
+    moe = [layer.index for layer in geom.moe_layers]
+    if run["engine"] == "llama.cpp":
+        n = run["placement"]["cpu_moe_layers"]
+        return moe if n == "all" else moe[:n]
+    return moe
+
+
+def host_expert_bytes(run: dict) -> float:
+    """Bytes of routed experts one decoded token of one sequence reads from host memory in
+    ``run``: per host-resident MoE layer (:func:`host_layers`), ``experts_per_token`` expert
+    blobs in the run's GGUF type (:meth:`~moefit.ingest.geometry.ModelGeometry.expert_blob_bytes`,
+    the stored bytes of gate, up and down), the same bytes :func:`predict_run` prices. Raises
+    as :func:`predict_run` for an unknown model."""
+    geom = gguf_geometry(load_model(run["model"]), run["gguf_type"])
+    blobs = geom.expert_blob_bytes()
+    k = {layer.index: layer.moe.experts_per_token for layer in geom.moe_layers}
+    return float(sum(k[i] * blobs[i] for i in host_layers(run, geom)))
+
+
 def predict_run(run: dict) -> list[Case]:
     """The :class:`Case` of each measured phase of ``run`` (module docstring). Prefill is
     priced for the run's ``prompt_tokens`` from position 0, decode one token after them.
@@ -111,12 +151,13 @@ def predict_run(run: dict) -> list[Case]:
     device = find_gpu(run["gpu"])
     host = default_host_speed(achieved_bandwidth(run["host"]), run["host"]["threads"])
     moe = [layer.index for layer in geom.moe_layers]
+    cpu = host_layers(run, geom)
+    outlier = (run.get("outlier") or {}).get("reason", "")
+    per_token = host_expert_bytes(run)
     out = []
     for phase, m in run["measured"].items():
         prompt = m["prompt_tokens"]
         if run["engine"] == "llama.cpp":
-            n = run["placement"]["cpu_moe_layers"]
-            cpu = moe if n == "all" else moe[:n]
             speed = predict_llamacpp(geom, device, host, context=run["context"],
                                      ubatch=run["ubatch"], seqs=1, cpu_layers=cpu,
                                      type_k=run["type_k"], type_v=run["type_v"],
@@ -132,10 +173,11 @@ def predict_run(run: dict) -> list[Case]:
             raise ValueError(f"run {run['id']}: engine {run['engine']!r} is not one of {ENGINES}")
         p = speed.prefill if phase == "prefill" else speed.decode
         out.append(Case(run["id"], run["engine"], phase, m["tokens_per_s"], p.tokens_per_s,
-                        p.bound))
+                        p.bound, per_token if phase == "decode" else 0.0, outlier))
     return out
 
 
 def summary(cases: list[Case]) -> tuple[float, Case]:
-    """The median |predicted / measured - 1| over ``cases`` and the case of the largest."""
+    """The median |predicted / measured - 1| over ``cases`` (outliers kept) and the case of
+    the largest."""
     return statistics.median(c.error for c in cases), max(cases, key=lambda c: c.error)
