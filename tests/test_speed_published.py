@@ -22,9 +22,9 @@ from moefit.devices.host import default_host_speed
 from moefit.ingest.gguf_mix import FTYPES
 from moefit.ingest.resolve import load_model
 from moefit.plan.speed import RESOURCES
-from moefit.plan.speed_check import (ENGINES, achieved_bandwidth, host_bandwidth,
-                                     host_expert_bytes, load_runs, memory_efficiency,
-                                     predict_run, summary)
+from moefit.plan.speed_check import (ENGINES, HANDOVER, achieved_bandwidth, derive_handover,
+                                     host_bandwidth, host_expert_bytes, load_runs,
+                                     memory_efficiency, predict_run, summary)
 
 DATA = Path(__file__).resolve().parent / "data" / "published_runs.json"
 RUNS = load_runs(DATA)
@@ -77,7 +77,7 @@ def test_every_run_is_predicted_with_a_named_bound(run):
     cases = predict_run(run)
     assert [c.phase for c in cases] == list(run["measured"])
     for c in cases:
-        assert c.predicted > 0 and c.bound in RESOURCES
+        assert c.predicted > 0 and c.bound in RESOURCES + (HANDOVER,)
 
 
 def test_host_threads_scale_the_what_if_host_compute():
@@ -167,3 +167,29 @@ def test_an_outlier_says_why_and_its_reason_holds():
     assert all(c.outlier for c in decodes if c.implied_host_bytes_per_s < 3e9)
     assert all(c.implied_host_bytes_per_s > 20e9 for c in decodes if not c.outlier)
     assert any(c.outlier for c in decodes)
+
+
+def test_the_decode_handover_is_derived_from_its_pair_and_never_applied_to_it():
+    """The ktransformers hand-over per MoE layer is what derive_handover computes from the
+    two quoted runs of one machine (one and two sockets), is applied only to runs of other
+    sources, adds its layers' seconds to each decoded token and nothing to prefill."""
+    by_id = {r["id"]: r for r in RUNS}
+    users = [r for r in RUNS if r.get("handover")]
+    assert users
+    for r in users:
+        h = r["handover"]
+        one, two = (by_id[i] for i in h["pair"])
+        assert derive_handover(one, two) == pytest.approx(h["per_moe_layer_s"], rel=0.01)
+        assert r["url"] != h["url"] and r["id"] not in h["pair"] and r["engine"] == "ktransformers"
+        assert not one.get("handover") and not two.get("handover")
+        assert f"{one['measured']['decode']['tokens_per_s']:g}" in " ".join(h["quote"])
+        assert f"{two['measured']['decode']['tokens_per_s']:g}" in " ".join(h["quote"])
+        bare = predict_run(r | {"handover": None})
+        for c, b in zip(predict_run(r), bare):
+            if c.phase == "decode":
+                layers = 58                         # DeepSeek-V3/R1: 3 dense + 58 MoE layers
+                assert 1 / c.predicted == pytest.approx(1 / b.predicted + layers * h["per_moe_layer_s"])
+            else:
+                assert c.predicted == b.predicted
+    with pytest.raises(ValueError, match="not one run"):
+        derive_handover(by_id["ktrans-r1-9654"], by_id["ktrans-dsv3-6454s-2socket"])

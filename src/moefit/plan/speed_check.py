@@ -23,6 +23,15 @@ benchmark, or llama.cpp's CPU-only decode: bytes read per token x tokens/s), the
 file's ``host_memory_efficiency``) and threads: the C kernels' per-core rates measured on the
 CI machine, not the engine's kernels. Imports no torch; reads only the data file.
 
+A ktransformers run may name a ``handover`` (a key of the file's ``decode_handover``): a fixed
+time per MoE layer and decoded token that the engine spends outside the reads the model prices
+(the CPU-GPU hand-over of each layer's experts: synchronisation, copies, launches), derived by
+:func:`derive_handover` from a published pair of runs on another machine that differ only in
+their sockets; it is added to the decode's step (:data:`HANDOVER` names it as the bound when it
+is the larger part). llama.cpp runs name none: no published or measured figure for its
+hand-over was found (the CPU side's fixed cost, measured here by
+``benchmarks/llamacpp_layer_cost.py``, is a few microseconds per layer).
+
 A run may carry an ``outlier``: a measurement the model cannot reproduce, with the reason found
 (or that none was); it stays in the median (:func:`summary`) and its :class:`Case` names it.
 :func:`host_expert_bytes` is what a decoded token reads from host memory by the model's
@@ -47,6 +56,9 @@ from moefit.records import record
 
 #: the engines a run may name
 ENGINES = ("llama.cpp", "ktransformers")
+#: the bound named when a run's decode hand-over (:func:`derive_handover`) takes longer than
+#: the rest of its step
+HANDOVER = "hand-over"
 #: bytes a memory channel moves per transfer (64 data bits: a DDR4 channel, or a DDR5 DIMM's
 #: two 32-bit subchannels)
 CHANNEL_BYTES = 8
@@ -94,11 +106,15 @@ def load_runs(path: str | Path) -> list[dict]:
     unreadable file, KeyError for a host naming an efficiency the file does not hold."""
     doc = json.loads(Path(path).read_text())
     table = doc.get("host_memory_efficiency", {})
+    handovers = doc.get("decode_handover", {})
     runs = doc["runs"]
     for run in runs:
         key = run["host"].get("efficiency")
         if isinstance(key, str):
             run["host"] = run["host"] | {"efficiency": {"id": key, **table[key]}}
+        key = run.get("handover")
+        if isinstance(key, str):
+            run["handover"] = {"id": key, **handovers[key]}
     return runs
 
 
@@ -143,9 +159,33 @@ def host_expert_bytes(run: dict) -> float:
     return float(sum(k[i] * blobs[i] for i in host_layers(run, geom)))
 
 
+def derive_handover(one: dict, two: dict) -> float:
+    """Seconds per MoE layer and decoded token that ktransformers spends beyond what the model
+    prices, from two runs of one machine, ``one`` on one socket and ``two`` on two (its
+    channels doubled, a copy of the experts per NUMA node), each with a measured decode:
+    with ``t1``, ``t2`` their seconds per token and the host reads halved on two sockets,
+    the host-read time of one socket is ``X = 2 (t1 - t2)`` and the rest of its step
+    ``t1 - X``; less the model's own time outside the host reads (its predicted step less
+    :func:`host_expert_bytes` over :func:`achieved_bandwidth`), over the MoE layers. Raises
+    ValueError when the two are not such a pair."""
+    if (two["host"]["channels"] != 2 * one["host"]["channels"] or one["model"] != two["model"]
+            or one["gguf_type"] != two["gguf_type"] or one["engine"] != "ktransformers"):
+        raise ValueError(f"derive_handover: {one['id']} and {two['id']} are not one run on one "
+                         f"and two sockets")
+    t1 = 1 / one["measured"]["decode"]["tokens_per_s"]
+    t2 = 1 / two["measured"]["decode"]["tokens_per_s"]
+    rest = t1 - 2 * (t1 - t2)
+    base = next(c for c in predict_run({**one, "handover": None}) if c.phase == "decode")
+    priced_rest = 1 / base.predicted - base.host_bytes / achieved_bandwidth(one["host"])
+    geom = gguf_geometry(load_model(one["model"]), one["gguf_type"])
+    return (rest - priced_rest) / len(geom.moe_layers)
+
+
 def predict_run(run: dict) -> list[Case]:
     """The :class:`Case` of each measured phase of ``run`` (module docstring). Prefill is
-    priced for the run's ``prompt_tokens`` from position 0, decode one token after them.
+    priced for the run's ``prompt_tokens`` from position 0, decode one token after them;
+    a run's ``handover`` adds its ``per_moe_layer_s`` x the MoE layers to each decoded
+    token (bound :data:`HANDOVER` when that is longer than the rest of the step).
     Raises KeyError / InputError for a run that names an unknown field, model or GPU."""
     geom = gguf_geometry(load_model(run["model"]), run["gguf_type"])
     device = find_gpu(run["gpu"])
@@ -172,8 +212,13 @@ def predict_run(run: dict) -> list[Case]:
         else:
             raise ValueError(f"run {run['id']}: engine {run['engine']!r} is not one of {ENGINES}")
         p = speed.prefill if phase == "prefill" else speed.decode
-        out.append(Case(run["id"], run["engine"], phase, m["tokens_per_s"], p.tokens_per_s,
-                        p.bound, per_token if phase == "decode" else 0.0, outlier))
+        tps, bound = p.tokens_per_s, p.bound
+        handover = run.get("handover")
+        if handover and phase == "decode":
+            extra = handover["per_moe_layer_s"] * len(moe)
+            tps, bound = 1 / (1 / tps + extra), HANDOVER if extra > 1 / tps else bound
+        out.append(Case(run["id"], run["engine"], phase, m["tokens_per_s"], tps, bound,
+                        per_token if phase == "decode" else 0.0, outlier))
     return out
 
 
