@@ -33,7 +33,7 @@ hand-over was found (the CPU side's fixed cost, measured here by
 ``benchmarks/llamacpp_layer_cost.py``, is a few microseconds per layer).
 
 A run may carry an ``outlier``: a measurement the model cannot reproduce, with the reason found
-(or that none was); it stays in the median (:func:`summary`) and its :class:`Case` names it.
+(or that none was) and the ``phases`` it concerns (default: all); it stays in the median (:func:`summary`) and its :class:`Case` names it.
 :func:`host_expert_bytes` is what a decoded token reads from host memory by the model's
 geometry, so a decode's measured tokens/s gives the host read rate it implies
 (:meth:`Case.implied_host_bytes_per_s`), the check behind such a reason.
@@ -192,7 +192,8 @@ def predict_run(run: dict) -> list[Case]:
     host = default_host_speed(achieved_bandwidth(run["host"]), run["host"]["threads"])
     moe = [layer.index for layer in geom.moe_layers]
     cpu = host_layers(run, geom)
-    outlier = (run.get("outlier") or {}).get("reason", "")
+    outlier = run.get("outlier") or {}
+    outlier_phases = outlier.get("phases", list(run["measured"]))
     per_token = host_expert_bytes(run)
     out = []
     for phase, m in run["measured"].items():
@@ -218,7 +219,8 @@ def predict_run(run: dict) -> list[Case]:
             extra = handover["per_moe_layer_s"] * len(moe)
             tps, bound = 1 / (1 / tps + extra), HANDOVER if extra > 1 / tps else bound
         out.append(Case(run["id"], run["engine"], phase, m["tokens_per_s"], tps, bound,
-                        per_token if phase == "decode" else 0.0, outlier))
+                        per_token if phase == "decode" else 0.0,
+                        outlier.get("reason", "") if phase in outlier_phases else ""))
     return out
 
 
