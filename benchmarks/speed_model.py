@@ -6,8 +6,9 @@ Qwen3-MoE shapes (``--shapes 1024,2048``: hidden 1024 with 10 layers of 64 exper
 Qwen3-30B-A3B's widths with 4 layers of 32), at each thread count (``--threads 1,2``):
 
 1. **The host's figures, measured here**: what ``moefit calibrate --host`` measures (this
-   machine's memory bandwidth read by the C kernels, their rate per GGUF type, and the large
-   products' path: dequantize per type and the bf16 GEMM:
+   machine's memory bandwidth read by the C kernels, their rate per GGUF type with eight rows
+   from the caches and with one row streamed from memory, the cost of each one-row call, and
+   the large products' path: dequantize per type and the bf16 GEMM:
    :func:`moefit.runtime.calibrate.measure_host`), at the case's thread count, right before each
    file's interleaved pairs, so that a shared machine's load is the same for the figures and
    the runs; ``--cached-host`` takes the stored ``moefit calibrate --host`` figures instead.
@@ -73,9 +74,9 @@ def host_now(threads: int):
     from moefit.devices.host import HostSpeed
     from moefit.runtime.calibrate import measure_host
 
-    bw, rates, dequant, gemm, one_row = measure_host([threads], say=lambda _msg: None)[threads]
+    bw, rates, dequant, gemm, one_row, calls = measure_host([threads], say=lambda _msg: None)[threads]
     return HostSpeed(bw, threads, rates, f"this machine, measured now ({bw / 1e9:.1f} GB/s, {threads} thr)",
-                     dequant, gemm, one_row)
+                     dequant, gemm, one_row, calls)
 
 
 def host_cached(threads: int):
@@ -187,7 +188,8 @@ def host_figures(host) -> dict:
     ``--predict-only`` predicts from again)."""
     return {"memory_bytes_per_s": host.memory_bytes_per_s, "threads": host.threads,
             "rates": host.kernel_rates, "dequant_rates": host.dequant_rates,
-            "gemm_flops": host.gemm_flops, "one_row_rates": host.one_row_rates}
+            "gemm_flops": host.gemm_flops, "one_row_rates": host.one_row_rates,
+            "call_seconds": host.call_seconds}
 
 
 def host_of(figures: dict):
@@ -198,7 +200,8 @@ def host_of(figures: dict):
     f = figures
     return HostSpeed(float(f["memory_bytes_per_s"]), int(f["threads"]), dict(f["rates"]),
                      "stored with the measured run", dict(f.get("dequant_rates") or {}),
-                     float(f.get("gemm_flops") or 0.0), dict(f.get("one_row_rates") or {}))
+                     float(f.get("gemm_flops") or 0.0), dict(f.get("one_row_rates") or {}),
+                     dict(f.get("call_seconds") or {}))
 
 
 def predict_only(src: Path, out: Path | None) -> int:

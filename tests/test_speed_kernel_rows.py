@@ -78,3 +78,51 @@ def test_host_calibration_keeps_the_one_row_rates_and_rejects_implausible_ones(t
     assert "implausible" in warnings[0]
     calibration.save_host({1: (20e9, {"Q4_K": 40e9}, {"Q4_K": 2e9}, 150e9)})   # an older probe
     assert calibration.load_host(threads=1).one_row_rates == {}
+
+
+def test_a_one_row_call_costs_its_bytes_at_the_one_row_rate_plus_the_types_call_seconds():
+    """Each matrix of a decode step is one call: its one-row time is its bytes at the streamed
+    one-row rate plus the type's measured cost per call, so the same bytes in more matrices
+    take longer; rows between one and the probe's stay on the line, more rows never faster."""
+    base = _host()
+    one = base.rate("Q4_K") / 2
+    h = replace(_host({"Q4_K": one}), call_seconds={"Q4_K": 5e-6})
+    b = 1e6
+    assert h.kernel_seconds("Q4_K", b, 1) == pytest.approx(b / one + 5e-6)
+    assert 4 * h.kernel_seconds("Q4_K", b / 4, 1) == pytest.approx(b / one + 20e-6)
+    times = [h.kernel_seconds("Q4_K", b, r) for r in (0.5, 1, 2, 5, KERNEL_PROBE_ROWS, 12)]
+    assert times == sorted(times)
+    assert h.kernel_seconds("Q4_K", b, KERNEL_PROBE_ROWS) == pytest.approx(KERNEL_PROBE_ROWS * b / h.rate("Q4_K"))
+    assert h.kernel_seconds("Q8_0", b, 1) == base.kernel_seconds("Q8_0", b, 1)   # not measured: 0
+
+
+def test_a_call_cost_slows_cpu_decode_only():
+    geom = load_model("Qwen3-30B-A3B")
+    device = Device("cpu", "simulated", "cpu", 64 * GIB, 64 * GIB, simulated=True, runtime_bytes=0)
+    base = _host({t: r / 2 for t, r in _host().kernel_rates.items()})
+    fast = replace(base, dequant_rates={t: 4e9 for t in base.kernel_rates}, gemm_flops=1e12,
+                   memory_bytes_per_s=1e15)
+    slow = replace(fast, call_seconds={t: 20e-6 for t in fast.kernel_rates})
+    res = {l.index: l.moe.num_experts for l in geom.moe_layers}
+    kw = dict(context=8192, chunk=2048, seqs=1, policy="cpu")
+    a, b = (predict(geom, rates_for(device, h), kv_format("bf16"), res, **kw) for h in (fast, slow))
+    assert b.decode.tokens_per_s < a.decode.tokens_per_s
+    assert b.prefill.tokens_per_s == pytest.approx(a.prefill.tokens_per_s, rel=1e-3)
+
+
+def test_host_calibration_keeps_the_call_seconds_and_rejects_implausible_ones(tmp_path, monkeypatch):
+    monkeypatch.setenv(calibration.CACHE_ENV, str(tmp_path))
+    path = calibration.save_host({1: (20e9, {"Q4_K": 40e9}, {"Q4_K": 2e9}, 150e9, {"Q4_K": 25e9},
+                                      {"Q4_K": 4e-6, "Q8_0": 0.0})})
+    got = calibration.load_host(threads=1)
+    assert got.call_seconds == {"Q4_K": 4e-6, "Q8_0": 0.0}
+    assert got.kernel_seconds("Q4_K", 1e6, 1) == pytest.approx(1e6 / 25e9 + 4e-6)
+    for bad in (-1e-6, 2.0, True, "1us"):
+        doc = json.loads(path.read_text())
+        doc["threads"]["1"]["call_seconds"] = {"Q4_K": bad}
+        path.write_text(json.dumps(doc))
+        warnings = []
+        assert calibration.load_host(warn=warnings.append) is None, bad
+        assert "implausible" in warnings[0]
+    calibration.save_host({1: (20e9, {"Q4_K": 40e9}, {"Q4_K": 2e9}, 150e9, {"Q4_K": 25e9})})
+    assert calibration.load_host(threads=1).call_seconds == {}

@@ -127,13 +127,24 @@ class HostSpeed:
         gemm_flops: the bf16 GEMM that follows the dequantization (``torch.mm``, oneDNN) at
             a prefill-like shape, FLOP/s; 0: not measured.
         one_row_rates: per ggml type, the C kernels' rate with one activation row (weight
-            bytes per second, the matrix in the caches, as :attr:`kernel_rates`); empty: not
-            measured, and every row count takes :attr:`kernel_rates`. One row is slower per
-            row than :data:`KERNEL_PROBE_ROWS`: each block's scales and packed values are
-            unpacked once per call and shared by the rows (measured here, AMD EPYC, one
-            thread, a 256 x 2048 matrix, process CPU time: Q8_0 31 against 54 GB/s of weights
-            x rows at 8 rows, Q4_K 17 / 27, Q6_K 26 / 39, BF16 48 / 66), which a decode step
-            (one row per product) pays.
+            bytes per second), measured as a decode step runs its products: one long call
+            against a matrix far larger than the caches, so the weights stream from memory
+            and the call's own cost is amortised (:data:`moefit.runtime.calibrate.PROBE_BIG`);
+            so it is at most the memory bandwidth, and below it where the type's arithmetic
+            is slower. Empty: not measured, and every row count takes :attr:`kernel_rates`.
+            One row is slower per row than :data:`KERNEL_PROBE_ROWS`: each block's scales
+            and packed values are unpacked once per call and shared by the rows (measured
+            here, AMD EPYC, one thread, a 256 x 2048 matrix in the caches, process CPU time:
+            Q8_0 31 against 54 GB/s of weights x rows at 8 rows, Q4_K 17 / 27, Q6_K 26 / 39,
+            BF16 48 / 66), which a decode step (one row per product) pays.
+        call_seconds: per ggml type, what one one-row product of a matrix costs beyond its
+            bytes at :attr:`one_row_rates` (seconds per matrix): a decode step runs a
+            layer's small matrices one after another (0.3-1.7 MB each in the benchmark
+            files), each starting its stream anew and ending at a barrier of the threads,
+            which one long stream does not pay. Measured by running one row through
+            :data:`moefit.runtime.calibrate.PROBE_EXPERT`-shaped experts past the caches in
+            the MoE kernel, a decode layer's pairs at a time
+            (:func:`moefit.runtime.calibrate.measure_host`); empty: not measured (0).
     """
 
     memory_bytes_per_s: float
@@ -143,6 +154,7 @@ class HostSpeed:
     dequant_rates: dict[str, float] = field(default_factory=dict)
     gemm_flops: float = 0.0
     one_row_rates: dict[str, float] = field(default_factory=dict)
+    call_seconds: dict[str, float] = field(default_factory=dict)
 
     def rate(self, qtype: str) -> float:
         """The compute roof of ``qtype`` (:attr:`kernel_rates`); a type that was not
@@ -156,16 +168,18 @@ class HostSpeed:
         (:meth:`rate`); below, the straight line between the two measured points, ``nbytes /
         one-row rate`` at one row and the :data:`KERNEL_PROBE_ROWS`-row time (a call's time
         is a fixed part, the unpacking, plus a part per row); under one row, that row's
-        share. Without a one-row rate for ``qtype`` (:attr:`one_row_rates`), the
-        :meth:`rate` line for every row count. One row never takes longer than the probe's
-        rows (a probe disturbed by other load can measure that; more rows never take less
-        time)."""
+        share. The one-row time of one matrix (one call) is ``nbytes / one-row rate`` plus
+        the type's :attr:`call_seconds`. Without a one-row rate for ``qtype``
+        (:attr:`one_row_rates`), the :meth:`rate` line for every row count. One row never
+        takes longer than the probe's rows (a probe disturbed by other load can measure
+        that; more rows never take less time)."""
         full = rows * nbytes / self.rate(qtype)
         one = self.one_row_rates.get(qtype)
         if not one or rows >= KERNEL_PROBE_ROWS:
             return full
         t_probe = KERNEL_PROBE_ROWS * nbytes / self.rate(qtype)
-        t1 = min(nbytes / one, t_probe)     # a noisy probe must not make more rows faster
+        t1 = nbytes / one + self.call_seconds.get(qtype, 0.0)
+        t1 = min(t1, t_probe)               # a noisy probe must not make more rows faster
         if rows <= 1:
             return rows * t1
         return t1 + (rows - 1) * (t_probe - t1) / (KERNEL_PROBE_ROWS - 1)

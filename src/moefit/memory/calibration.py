@@ -241,9 +241,11 @@ def load(geom: ModelGeometry, device: Device, kv: str,
 # (what the kernels read from memory); ``rates``: eight rows against a matrix that stays in
 # the caches (weight bytes x rows per second); ``dequant_rates`` (stored bytes dequantized per
 # second) and ``gemm_flops`` (bf16 ``torch.mm``): the path of large products (version 2; a
-# version 1 file lacks them and is measured again); ``one_row_rates``: one row against the
-# cached matrix (optional: a file without it prices every row count at ``rates``). A file that cannot be trusted is ignored with
-# a warning, as a staging calibration is.
+# version 1 file lacks them and is measured again); ``one_row_rates``: one row against a
+# large matrix past the caches in one call (optional: a file without it prices every row count
+# at ``rates``); ``call_seconds``: per type, a one-row product's cost per matrix beyond its
+# bytes (optional: 0). A file that cannot be trusted is ignored with a warning, as a staging
+# calibration is.
 
 HOST_SCHEMA = "moefit.host/2"
 
@@ -276,7 +278,8 @@ def host_calibration_path(key: dict | None = None) -> Path:
 
 def save_host(per_threads: dict[int, tuple]) -> Path:
     """Store ``{threads: (memory bytes/s, {ggml type: rate}[, {ggml type: dequantize
-    bytes/s}, bf16 GEMM FLOP/s[, {ggml type: one-row rate}]])}`` measured on this machine
+    bytes/s}, bf16 GEMM FLOP/s[, {ggml type: one-row rate}[, {ggml type: seconds per
+    one-row call}]]])}`` measured on this machine
     (:func:`moefit.runtime.calibrate.measure_host`)."""
     from datetime import datetime, timezone     # the time stamp: only a calibration written
 
@@ -285,7 +288,8 @@ def save_host(per_threads: dict[int, tuple]) -> Path:
            "threads": {str(t): {"memory_bytes_per_s": f[0], "rates": f[1],
                                 "dequant_rates": f[2] if len(f) > 2 else {},
                                 "gemm_flops": f[3] if len(f) > 3 else 0.0,
-                                "one_row_rates": f[4] if len(f) > 4 else {}}
+                                "one_row_rates": f[4] if len(f) > 4 else {},
+                                "call_seconds": f[5] if len(f) > 5 else {}}
                        for t, f in sorted(per_threads.items())},
            "created": datetime.now(timezone.utc).isoformat(timespec="seconds")}
     path = host_calibration_path(key)
@@ -333,7 +337,10 @@ def load_host(threads: int | None = None, warn: Warn | None = None) -> HostSpeed
               and all(isinstance(k, str) and _positive(v) for k, v in entry.get("dequant_rates", {}).items())
               and (entry.get("gemm_flops", 0.0) == 0.0 or _positive(entry.get("gemm_flops")))
               and isinstance(entry.get("one_row_rates", {}), dict)
-              and all(isinstance(k, str) and _positive(v) for k, v in entry.get("one_row_rates", {}).items()))
+              and all(isinstance(k, str) and _positive(v) for k, v in entry.get("one_row_rates", {}).items())
+              and isinstance(entry.get("call_seconds", {}), dict)
+              and all(isinstance(k, str) and (v == 0 or _positive(v)) and not isinstance(v, bool)
+                      and v < 1.0 for k, v in entry.get("call_seconds", {}).items()))
         if not ok:
             return ignored("implausible numbers")
         table[int(t)] = entry
@@ -349,7 +356,8 @@ def load_host(threads: int | None = None, warn: Warn | None = None) -> HostSpeed
                      f"{'s' if pick != 1 else ''})",
                      {k: float(v) for k, v in (entry.get("dequant_rates") or {}).items()},
                      float(entry.get("gemm_flops") or 0.0),
-                     {k: float(v) for k, v in (entry.get("one_row_rates") or {}).items()})
+                     {k: float(v) for k, v in (entry.get("one_row_rates") or {}).items()},
+                     {k: float(v) for k, v in (entry.get("call_seconds") or {}).items()})
 
 
 def _positive(x: object) -> bool:
