@@ -129,30 +129,41 @@ def _best_seconds(run, repeats: int) -> float:
     return best
 
 
-def _call_seconds(big: torch.Tensor, one_row: dict[str, float], threads: int) -> dict[str, float]:
-    """Per ggml type of ``one_row`` that the MoE kernel reads at :data:`PROBE_EXPERT`'s
-    widths, the seconds a one-row product costs per matrix beyond its bytes at the type's
-    one-row rate (:data:`PROBE_EXPERT`; at least 0: a probe disturbed by other load may
-    find the experts faster than the long stream)."""
+def _one_row(big: torch.Tensor, qtype: str, threads: int) -> tuple[float, float | None]:
+    """(one-row rate, seconds per one-row call) of ``qtype`` at ``threads`` threads: one
+    activation row against ``big``'s bytes read as ``qtype`` in one call (bytes per second),
+    and one row through :data:`PROBE_EXPERT` experts over its first :data:`PROBE_CALL_BYTES`
+    in the MoE kernel, :data:`PROBE_EXPERT_PAIRS` pairs at a time, the time beyond their
+    bytes at that rate per matrix (at least 0: a probe disturbed by other load may find the
+    experts faster than the long stream; None where the MoE kernel does not read ``qtype``
+    at those widths). The two runs alternate, best of :data:`PROBE_ONE_ROW_REPEATS` each, so
+    that a shared machine's load falls on both alike."""
+    lib = qmatmul.library()
+    cols = PROBE_BIG[1]
+    n = big.numel() // lib.mf_row_bytes(qmatmul.CTYPES[qtype], cols)
+    m = big[:n * lib.mf_row_bytes(qmatmul.CTYPES[qtype], cols)]
+    x1 = torch.randn(1, cols)
+    runs = [lambda: qmatmul.gemm(x1, m, qtype, n, cols, threads=threads)]
     inter, hidden = PROBE_EXPERT
-    x = torch.randn(1, hidden)
-    acc = torch.zeros(1, hidden)
-    scratch = torch.empty(moe_scratch_bytes(1, hidden, inter, PROBE_EXPERT_PAIRS), dtype=torch.uint8)
-    out = {}
-    for qtype, rate in one_row.items():
-        if not (qmatmul.supports(qtype, hidden) and qmatmul.supports(qtype, inter)):
-            continue
+    experts = 0
+    if qmatmul.supports(qtype, hidden) and qmatmul.supports(qtype, inter):
         fmt = StoredExpert.pack(inter, hidden, qtype, qtype, qtype)
-        n = min(big.numel(), PROBE_CALL_BYTES) // fmt.nbytes
-        if n < 1:
-            continue
-        ptrs = big.data_ptr() + fmt.nbytes * torch.arange(n, dtype=torch.int64)
-        bounds = torch.arange(n + 1, dtype=torch.int64)
-        tok, w = torch.zeros(n, dtype=torch.int64), torch.ones(n)
-        sec = _best_seconds(lambda: qmatmul.moe(x, ptrs, bounds, tok, w, acc, fmt, scratch, threads=threads),
-                            PROBE_ONE_ROW_REPEATS)
-        out[qtype] = max(0.0, (sec - n * fmt.nbytes / rate) / (3 * n))
-    return out
+        experts = min(big.numel(), PROBE_CALL_BYTES) // fmt.nbytes
+    if experts:
+        x, acc = torch.randn(1, hidden), torch.zeros(1, hidden)
+        scratch = torch.empty(moe_scratch_bytes(1, hidden, inter, PROBE_EXPERT_PAIRS), dtype=torch.uint8)
+        ptrs = big.data_ptr() + fmt.nbytes * torch.arange(experts, dtype=torch.int64)
+        bounds = torch.arange(experts + 1, dtype=torch.int64)
+        tok, w = torch.zeros(experts, dtype=torch.int64), torch.ones(experts)
+        runs.append(lambda: qmatmul.moe(x, ptrs, bounds, tok, w, acc, fmt, scratch, threads=threads))
+    best = [float("inf")] * len(runs)
+    for _ in range(PROBE_ONE_ROW_REPEATS):
+        for i, run in enumerate(runs):
+            best[i] = min(best[i], _best_seconds(run, 1))
+    rate = m.numel() / best[0]
+    if not experts:
+        return rate, None
+    return rate, max(0.0, (best[1] - experts * fmt.nbytes / rate) / (3 * experts))
 
 
 def measure_host(threads: list[int], say=print
@@ -167,7 +178,7 @@ def measure_host(threads: list[int], say=print
     multiplies (:func:`moefit.runtime.kernels.qmatmul.supports`), the bytes read per second,
     best of :data:`PROBE_ONE_ROW_REPEATS` (the one-row rates; the memory bandwidth is the
     fastest of them over :data:`PROBE_MEMORY_TYPES`), one row through :data:`PROBE_EXPERT`
-    experts over the same bytes (the cost per one-row call, :func:`_call_seconds`), and :data:`PROBE_ROWS` rows against a
+    experts over the same bytes (the cost per one-row call; :func:`_one_row`), and :data:`PROBE_ROWS` rows against a
     :data:`PROBE_SMALL` matrix of each type (random bytes: the kernels' speed does not depend
     on the values), best of five;
     :data:`PROBE_DEQUANT_BYTES` of each type dequantized to bf16
@@ -180,18 +191,14 @@ def measure_host(threads: list[int], say=print
     lib = qmatmul.library()
     rows, cols = PROBE_BIG
     big = torch.full((rows * lib.mf_row_bytes(qmatmul.CTYPES["BF16"], cols),), 17, dtype=torch.uint8)
-    x1 = torch.randn(1, cols)
     out: dict[int, tuple[float, dict[str, float]]] = {}
     for t in threads:
-        one_row = {}
+        one_row, calls = {}, {}
         for qtype in (q for q in qmatmul.CTYPES if qmatmul.supports(q, cols)):
-            n = big.numel() // lib.mf_row_bytes(qmatmul.CTYPES[qtype], cols)
-            m = big[:n * lib.mf_row_bytes(qmatmul.CTYPES[qtype], cols)]
-            sec = _best_seconds(lambda: qmatmul.gemm(x1, m, qtype, n, cols, threads=t),
-                                PROBE_ONE_ROW_REPEATS)
-            one_row[qtype] = m.numel() / sec
+            one_row[qtype], call = _one_row(big, qtype, t)
+            if call is not None:
+                calls[qtype] = call
         bw = max(one_row[q] for q in PROBE_MEMORY_TYPES)
-        calls = _call_seconds(big, one_row, t)
         rates, dequant = {}, {}
         r, c = PROBE_SMALL
         tile = torch.empty((r, c), dtype=torch.bfloat16)
