@@ -126,3 +126,49 @@ def test_host_calibration_keeps_the_call_seconds_and_rejects_implausible_ones(tm
         assert "implausible" in warnings[0]
     calibration.save_host({1: (20e9, {"Q4_K": 40e9}, {"Q4_K": 2e9}, 150e9, {"Q4_K": 25e9})})
     assert calibration.load_host(threads=1).call_seconds == {}
+
+
+def test_the_gemm_rate_is_the_probes_at_their_sizes_and_on_the_log_line_between():
+    from moefit.devices.host import GEMM_PROBE, GEMM_PROBE_SMALL
+    big = 2.0 * GEMM_PROBE[0] * GEMM_PROBE[1] * GEMM_PROBE[2]
+    small = 2.0 * GEMM_PROBE_SMALL[0] * GEMM_PROBE_SMALL[1] * GEMM_PROBE_SMALL[2]
+    h = replace(_host(), gemm_flops=400e9, gemm_small_flops=250e9)
+    assert h.gemm_rate(big) == h.gemm_rate(10 * big) == 400e9
+    assert h.gemm_rate(small) == h.gemm_rate(small / 10) == 250e9
+    assert h.gemm_rate((big * small) ** 0.5) == pytest.approx(325e9)
+    sizes = [small / 4, small, small * 2, small * 8, big, big * 4]
+    times = [f / h.gemm_rate(f) for f in sizes]
+    assert times == sorted(times)                       # a larger product never takes less time
+    assert replace(h, gemm_small_flops=0.0).gemm_rate(small) == 400e9     # not measured
+
+
+def test_an_experts_prefill_products_take_the_gemm_rate_at_their_size():
+    """Expert by expert, each product is 2 x tokens per expert x its matrix: the smaller
+    the products (fewer tokens per expert), the slower per FLOP, as measured; the dense
+    products of the whole chunk keep the large rate."""
+    from moefit.plan.host_paths import expert_products
+    from moefit.plan.speed import cached_layers
+    geom = load_model("Qwen3-30B-A3B")
+    layer = next(l for l in cached_layers(geom, "cpu") if l.spec.moe)
+    base = replace(_host(), dequant_rates={t: 1e15 for t in _host().kernel_rates}, gemm_flops=400e9)
+    slow_small = replace(base, gemm_small_flops=200e9)
+    experts = layer.spec.moe.num_experts
+    for per_expert in (4, 64, 1024):
+        pairs = per_expert * experts
+        a = expert_products(layer, base, experts, pairs, batched=False)
+        b = expert_products(layer, slow_small, experts, pairs, batched=False)
+        flop = 2 * per_expert * layer.expert_params / 3
+        assert b == pytest.approx(a * 400e9 / slow_small.gemm_rate(flop), rel=1e-3)   # dequantize ~0
+    assert expert_products(layer, slow_small, 0, 0, batched=False) == 0.0
+
+
+def test_host_calibration_keeps_the_small_gemm_rate(tmp_path, monkeypatch):
+    monkeypatch.setenv(calibration.CACHE_ENV, str(tmp_path))
+    path = calibration.save_host({1: (20e9, {"Q4_K": 40e9}, {"Q4_K": 2e9}, 150e9, {"Q4_K": 25e9}, {}, 90e9)})
+    assert calibration.load_host(threads=1).gemm_small_flops == 90e9
+    doc = json.loads(path.read_text())
+    doc["threads"]["1"]["gemm_small_flops"] = -1
+    path.write_text(json.dumps(doc))
+    assert calibration.load_host(warn=lambda _m: None) is None
+    calibration.save_host({1: (20e9, {"Q4_K": 40e9}, {"Q4_K": 2e9}, 150e9)})
+    assert calibration.load_host(threads=1).gemm_small_flops == 0.0

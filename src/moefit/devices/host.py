@@ -20,6 +20,7 @@ Imports no torch.
 
 from __future__ import annotations
 
+import math
 from dataclasses import field
 from pathlib import Path
 
@@ -98,6 +99,20 @@ def resolve_host(host_ram: str | None, on_this_machine: bool,
 
 # ---- the host's speed ------------------------------------------------------------------------
 
+#: The bf16 GEMM probes of ``moefit calibrate --host`` (:func:`moefit.runtime.calibrate.
+#: measure_host`), (activation rows, weight rows, columns): a 256-token chunk against a 1024 x
+#: 2048 weight (:attr:`HostSpeed.gemm_flops`, 1.07 GFLOP) and an expert's product in a prefill
+#: chunk run expert by expert, 64 tokens against a 512 x 1024 expert matrix (the 1024-wide
+#: benchmark files' 512 tokens x 8 of 64 experts; :attr:`HostSpeed.gemm_small_flops`, 67 MFLOP)
+GEMM_PROBE = (256, 1024, 2048)
+GEMM_PROBE_SMALL = (64, 512, 1024)
+
+
+def _flop(shape: tuple[int, int, int]) -> float:
+    m, n, k = shape
+    return 2.0 * m * n * k
+
+
 #: The activation rows of the kernel-rate probe (``moefit calibrate --host``:
 #: :func:`moefit.runtime.calibrate.measure_host`), the row count of
 #: :attr:`HostSpeed.kernel_rates`.
@@ -125,7 +140,10 @@ class HostSpeed:
             measured (the default host), and large products are priced at
             :attr:`kernel_rates`.
         gemm_flops: the bf16 GEMM that follows the dequantization (``torch.mm``, oneDNN) at
-            a prefill-like shape, FLOP/s; 0: not measured.
+            a prefill-like shape (:data:`GEMM_PROBE`), FLOP/s; 0: not measured.
+        gemm_small_flops: the same GEMM at an expert's product in a prefill chunk
+            (:data:`GEMM_PROBE_SMALL`), FLOP/s; 0: not measured, and every product takes
+            :attr:`gemm_flops` (:meth:`gemm_rate`).
         one_row_rates: per ggml type, the C kernels' rate with one activation row (weight
             bytes per second), measured as a decode step runs its products: one long call
             against a matrix far larger than the caches, so the weights stream from memory
@@ -155,6 +173,7 @@ class HostSpeed:
     gemm_flops: float = 0.0
     one_row_rates: dict[str, float] = field(default_factory=dict)
     call_seconds: dict[str, float] = field(default_factory=dict)
+    gemm_small_flops: float = 0.0
 
     def rate(self, qtype: str) -> float:
         """The compute roof of ``qtype`` (:attr:`kernel_rates`); a type that was not
@@ -183,6 +202,20 @@ class HostSpeed:
         if rows <= 1:
             return rows * t1
         return t1 + (rows - 1) * (t_probe - t1) / (KERNEL_PROBE_ROWS - 1)
+
+    def gemm_rate(self, flop: float) -> float:
+        """The bf16 GEMM's FLOP/s for one product of ``flop`` FLOP (``2 x rows x weight rows
+        x columns``): :attr:`gemm_flops` at :data:`GEMM_PROBE`'s size and above,
+        :attr:`gemm_small_flops` at :data:`GEMM_PROBE_SMALL`'s and below, on the straight
+        line in log(FLOP) between (a small product pays oneDNN's per-call and per-thread
+        costs over less work). Without :attr:`gemm_small_flops`, :attr:`gemm_flops`."""
+        big, small = _flop(GEMM_PROBE), _flop(GEMM_PROBE_SMALL)
+        if not self.gemm_small_flops or flop >= big:
+            return self.gemm_flops
+        if flop <= small:
+            return self.gemm_small_flops
+        f = math.log(flop / small) / math.log(big / small)
+        return self.gemm_small_flops + f * (self.gemm_flops - self.gemm_small_flops)
 
     def dequant_rate(self, qtype: str) -> float | None:
         """Stored bytes of ``qtype`` dequantized per second (:attr:`dequant_rates`; a type

@@ -244,7 +244,8 @@ def load(geom: ModelGeometry, device: Device, kv: str,
 # version 1 file lacks them and is measured again); ``one_row_rates``: one row against a
 # large matrix past the caches in one call (optional: a file without it prices every row count
 # at ``rates``); ``call_seconds``: per type, a one-row product's cost per matrix beyond its
-# bytes (optional: 0). A file that cannot be trusted is ignored with a warning, as a staging
+# bytes (optional: 0); ``gemm_small_flops``: the bf16 GEMM at an expert's product in a prefill
+# chunk (optional: every product at ``gemm_flops``). A file that cannot be trusted is ignored with a warning, as a staging
 # calibration is.
 
 HOST_SCHEMA = "moefit.host/2"
@@ -279,7 +280,7 @@ def host_calibration_path(key: dict | None = None) -> Path:
 def save_host(per_threads: dict[int, tuple]) -> Path:
     """Store ``{threads: (memory bytes/s, {ggml type: rate}[, {ggml type: dequantize
     bytes/s}, bf16 GEMM FLOP/s[, {ggml type: one-row rate}[, {ggml type: seconds per
-    one-row call}]]])}`` measured on this machine
+    one-row call}[, bf16 GEMM FLOP/s at an expert's size]]]])}`` measured on this machine
     (:func:`moefit.runtime.calibrate.measure_host`)."""
     from datetime import datetime, timezone     # the time stamp: only a calibration written
 
@@ -289,7 +290,8 @@ def save_host(per_threads: dict[int, tuple]) -> Path:
                                 "dequant_rates": f[2] if len(f) > 2 else {},
                                 "gemm_flops": f[3] if len(f) > 3 else 0.0,
                                 "one_row_rates": f[4] if len(f) > 4 else {},
-                                "call_seconds": f[5] if len(f) > 5 else {}}
+                                "call_seconds": f[5] if len(f) > 5 else {},
+                                "gemm_small_flops": f[6] if len(f) > 6 else 0.0}
                        for t, f in sorted(per_threads.items())},
            "created": datetime.now(timezone.utc).isoformat(timespec="seconds")}
     path = host_calibration_path(key)
@@ -336,6 +338,7 @@ def load_host(threads: int | None = None, warn: Warn | None = None) -> HostSpeed
               and isinstance(entry.get("dequant_rates", {}), dict)
               and all(isinstance(k, str) and _positive(v) for k, v in entry.get("dequant_rates", {}).items())
               and (entry.get("gemm_flops", 0.0) == 0.0 or _positive(entry.get("gemm_flops")))
+              and (entry.get("gemm_small_flops", 0.0) == 0.0 or _positive(entry.get("gemm_small_flops")))
               and isinstance(entry.get("one_row_rates", {}), dict)
               and all(isinstance(k, str) and _positive(v) for k, v in entry.get("one_row_rates", {}).items())
               and isinstance(entry.get("call_seconds", {}), dict)
@@ -357,7 +360,8 @@ def load_host(threads: int | None = None, warn: Warn | None = None) -> HostSpeed
                      {k: float(v) for k, v in (entry.get("dequant_rates") or {}).items()},
                      float(entry.get("gemm_flops") or 0.0),
                      {k: float(v) for k, v in (entry.get("one_row_rates") or {}).items()},
-                     {k: float(v) for k, v in (entry.get("call_seconds") or {}).items()})
+                     {k: float(v) for k, v in (entry.get("call_seconds") or {}).items()},
+                     float(entry.get("gemm_small_flops") or 0.0))
 
 
 def _positive(x: object) -> bool:

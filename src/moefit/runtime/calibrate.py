@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from moefit.devices import Device
+from moefit.devices.host import GEMM_PROBE, GEMM_PROBE_SMALL
 from moefit.devices.host import KERNEL_PROBE_ROWS as PROBE_ROWS
 from moefit.errors import InputError
 from moefit.ingest.geometry import ModelGeometry
@@ -115,8 +116,13 @@ PROBE_MEMORY_TYPES = ("BF16", "Q8_0")
 #: :data:`PROBE_BIG` buffer (past the caches, as a step's weights are) in :data:`PROBE_SMALL`
 #: blocks into one bf16 tile (the runtime's workspace tile, which stays cached), and ``torch.mm``
 #: in bf16 of :data:`PROBE_GEMM` = (activation rows, weight rows, columns): a 256-token chunk
-#: against a 1024 x 2048 weight (1.07 GFLOP, tens of ms at one thread).
-PROBE_GEMM = (256, 1024, 2048)
+#: against a 1024 x 2048 weight (1.07 GFLOP, tens of ms at one thread), and of
+#: :data:`PROBE_GEMM_SMALL`, an expert's product in a prefill chunk (64 tokens, a 512 x 1024
+#: expert matrix: 67 MFLOP), best of :data:`PROBE_GEMM_SMALL_REPEATS`
+#: (:data:`moefit.devices.host.GEMM_PROBE`, :data:`~moefit.devices.host.GEMM_PROBE_SMALL`).
+PROBE_GEMM = GEMM_PROBE
+PROBE_GEMM_SMALL = GEMM_PROBE_SMALL
+PROBE_GEMM_SMALL_REPEATS = 10
 PROBE_DEQUANT_BYTES = 16 << 20
 
 
@@ -168,11 +174,11 @@ def _one_row(big: torch.Tensor, qtype: str, threads: int) -> tuple[float, float 
 
 def measure_host(threads: list[int], say=print
                  ) -> dict[int, tuple[float, dict[str, float], dict[str, float], float, dict[str, float],
-                                  dict[str, float]]]:
+                                  dict[str, float], float]]:
     """The host's figures at each of ``threads``: (memory bytes/s, {ggml type: weight bytes x
     rows per second}, {ggml type: stored bytes dequantized per second}, bf16 GEMM FLOP/s,
     {ggml type: weight bytes per second with one row}, {ggml type: seconds per one-row call
-    beyond its bytes})
+    beyond its bytes}, bf16 GEMM FLOP/s at an expert's size)
     (:class:`moefit.devices.host.HostSpeed`'s figures) from moefit's C kernels (:func:`moefit.runtime.kernels.qmatmul.gemm`): one
     activation row against the :data:`PROBE_BIG` matrix's bytes as each type this build
     multiplies (:func:`moefit.runtime.kernels.qmatmul.supports`), the bytes read per second,
@@ -183,7 +189,8 @@ def measure_host(threads: list[int], say=print
     on the values), best of five;
     :data:`PROBE_DEQUANT_BYTES` of each type dequantized to bf16
     (:func:`moefit.runtime.kernels.qmatmul.dequantize`), best of two, and ``torch.mm`` of a :data:`PROBE_GEMM` bf16 product (``torch.set_num_threads``
-    at the count), ``2 x rows x weight rows x columns`` FLOP over the best of three.
+    at the count), ``2 x rows x weight rows x columns`` FLOP over the best of three, and of a
+    :data:`PROBE_GEMM_SMALL` one.
     Raises InputError when the C kernels are not available."""
     if not qmatmul.available():
         raise InputError(f"calibrate --host measures moefit's C kernels, which are not available "
@@ -226,6 +233,12 @@ def measure_host(threads: list[int], say=print
             o = torch.empty((m_, n_), dtype=torch.bfloat16)
             torch.mm(a, w.t(), out=o)                               # oneDNN's first call
             gemm = 2 * m_ * n_ * k_ / _best_seconds(lambda: torch.mm(a, w.t(), out=o), 3)
+            m_, n_, k_ = PROBE_GEMM_SMALL
+            a, w = torch.randn(m_, k_).bfloat16(), torch.randn(n_, k_).bfloat16()
+            o = torch.empty((m_, n_), dtype=torch.bfloat16)
+            torch.mm(a, w.t(), out=o)                               # oneDNN's first call
+            gemm_small = 2 * m_ * n_ * k_ / _best_seconds(lambda: torch.mm(a, w.t(), out=o),
+                                                          PROBE_GEMM_SMALL_REPEATS)
         finally:
             torch.set_num_threads(before)
         say(f"threads {t}: memory {bw / 1e9:.1f} GB/s; kernels (GB/s of weights x rows): "
@@ -233,8 +246,8 @@ def measure_host(threads: list[int], say=print
             + "; one row: " + ", ".join(f"{k} {v / 1e9:.0f}" for k, v in one_row.items())
             + "; per one-row call (us): " + ", ".join(f"{k} {v * 1e6:.1f}" for k, v in calls.items())
             + "; dequantize (GB/s stored): " + ", ".join(f"{k} {v / 1e9:.1f}" for k, v in dequant.items())
-            + f"; bf16 GEMM {gemm / 1e9:.0f} GFLOP/s")
-        out[t] = (bw, rates, dequant, gemm, one_row, calls)
+            + f"; bf16 GEMM {gemm / 1e9:.0f} GFLOP/s, at an expert's size {gemm_small / 1e9:.0f}")
+        out[t] = (bw, rates, dequant, gemm, one_row, calls, gemm_small)
     del big
     gc.collect()
     return out
