@@ -172,3 +172,15 @@ def test_host_calibration_keeps_the_small_gemm_rate(tmp_path, monkeypatch):
     assert calibration.load_host(warn=lambda _m: None) is None
     calibration.save_host({1: (20e9, {"Q4_K": 40e9}, {"Q4_K": 2e9}, 150e9)})
     assert calibration.load_host(threads=1).gemm_small_flops == 0.0
+
+
+def test_a_version_2_host_file_is_measured_again(tmp_path, monkeypatch):
+    """Its one-row rates came from a cached matrix's short call, another figure."""
+    monkeypatch.setenv(calibration.CACHE_ENV, str(tmp_path))
+    path = calibration.save_host({1: (20e9, {"Q4_K": 40e9}, {"Q4_K": 2e9}, 150e9, {"Q4_K": 25e9})})
+    doc = json.loads(path.read_text())
+    doc["schema"] = "moefit.host/2"
+    path.write_text(json.dumps(doc))
+    warnings = []
+    assert calibration.load_host(warn=warnings.append) is None
+    assert "before the one-row rates were streamed" in warnings[0]

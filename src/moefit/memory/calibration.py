@@ -232,7 +232,7 @@ def load(geom: ModelGeometry, device: Device, kv: str,
 #
 # One JSON file per machine under the same cache, in ``host/``::
 #
-#     {"schema": "moefit.host/2", "moefit": "0.1.0", "cpu": "AMD EPYC ...", "cpus": 2,
+#     {"schema": "moefit.host/3", "moefit": "0.1.0", "cpu": "AMD EPYC ...", "cpus": 2,
 #      "threads": {"1": {"memory_bytes_per_s": ..., "rates": {"Q4_K": ..., ...},
 #                        "dequant_rates": {"Q4_K": ..., ...}, "gemm_flops": ...}, "2": ...},
 #      "created": "..."}
@@ -248,7 +248,10 @@ def load(geom: ModelGeometry, device: Device, kv: str,
 # chunk (optional: every product at ``gemm_flops``). A file that cannot be trusted is ignored with a warning, as a staging
 # calibration is.
 
-HOST_SCHEMA = "moefit.host/2"
+#: version 3 (2026-12-02): ``one_row_rates`` streamed from memory in one call, and
+#: ``call_seconds``; a version 2 file's one-row rates came from a cached matrix's short
+#: call (another figure), so it is measured again
+HOST_SCHEMA = "moefit.host/3"
 
 
 def host_key() -> dict:
@@ -323,6 +326,8 @@ def load_host(threads: int | None = None, warn: Warn | None = None) -> HostSpeed
         return ignored(f"unreadable: {str(e).removeprefix(f'{path}: ')}")
     if isinstance(doc, dict) and doc.get("schema") == "moefit.host/1":
         return ignored("written before the large-product figures were measured")
+    if isinstance(doc, dict) and doc.get("schema") == "moefit.host/2":
+        return ignored("written before the one-row rates were streamed from memory")
     if not isinstance(doc, dict) or doc.get("schema") != HOST_SCHEMA:
         return ignored("not a host calibration document")
     if doc.get("moefit") != __version__:
