@@ -52,6 +52,8 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
+import torch
+
 from moefit.serve.generation import Decoding, Step
 
 #: Seconds an idle engine thread sleeps between looks at the ``stopping`` event.
@@ -237,7 +239,9 @@ class Scheduler:
     # ---- engine thread -----------------------------------------------------------------------
     def _run(self) -> None:
         try:
-            self._loop()
+            # once for the thread, not per step (Engine.step enters it unless in it already)
+            with torch.inference_mode():
+                self._loop()
         except BaseException as e:     # a bug: end every job rather than leave it waiting
             failed = EngineFailed(f"the engine thread failed ({type(e).__name__}: {e}); "
                                   "restart the server")
