@@ -299,8 +299,10 @@ ON_DEMAND = ("moefit.external", "moefit.ingest.gguf_header", "moefit.ingest.gguf
 #: on the path that needs them. hashlib loads OpenSSL's libcrypto (a calibration looked up
 #: by its hash, only when calibration files exist); datetime stamps a calibration written;
 #: tempfile (with random) writes files atomically; difflib finds the close names of an
-#: unknown model. tests/test_cli.py checks that a plan loads none of them.
-RARE_STDLIB = {"hashlib", "datetime", "tempfile", "difflib", "platform"}
+#: unknown model; dataclasses (with the inspect, ast and dis it imports: 6-7 ms) only for the
+#: dataclasses API used on a record (:mod:`moefit.records`) and a calibration's hash.
+#: tests/test_cli.py checks that a plan loads none of them.
+RARE_STDLIB = {"hashlib", "datetime", "tempfile", "difflib", "platform", "dataclasses"}
 
 
 def heavy_modules(graph: ImportGraph) -> set[str]:

@@ -133,3 +133,12 @@ def test_a_class_that_sets_attributes_itself_is_refused():
     with pytest.raises(TypeError, match="__setattr__"):
         record(type("Bad", (), {"__annotations__": {"a": "int"},
                                 "__setattr__": lambda self, k, v: None}))
+
+
+def test_the_hash_is_kept_once_computed_and_left_out_of_copies_and_pickles():
+    r = Rec(2, "y", (1,), {"k": 1})
+    h = hash(r)
+    assert r.__dict__["__record_hash__"] == h == hash(Ref(2, "y", (1,), {"k": 1}))
+    for other in (copy.copy(r), copy.deepcopy(r), pickle.loads(pickle.dumps(r))):
+        assert "__record_hash__" not in other.__dict__ and other == r and hash(other) == h
+    assert dataclasses.asdict(r) == dataclasses.asdict(Ref(2, "y", (1,), {"k": 1}))

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from dataclasses import dataclass, replace
 
 from moefit.errors import InputError
 from moefit.ingest.families import registry
@@ -42,7 +41,7 @@ from moefit.ingest.families.common import GGUF_EXPERT_PARTS, GGUF_LAYER_EXTRA, G
 from moefit.ingest.geometry import ModelGeometry
 from moefit.ingest.ggml_types import block_values, tensor_bytes
 from moefit.ingest.gguf_header import GGUFHeader, GGUFTensor, exact_from_gguf
-from moefit.records import record
+from moefit.records import record, replace
 
 #: ``llama-quantize`` file types planned here -> the default ggml type
 #: (``llama_ftype_get_default_type``)
@@ -169,7 +168,7 @@ def converted_tensors(geom: ModelGeometry, dtype: str | None = None) -> tuple[li
     return out, unknown
 
 
-@dataclass
+@record(frozen=False)
 class _Counters:
     """``quantize_state_impl``'s counters: ``n_attention_wv`` (attention-V-like tensors) and
     the running ``i_attention_wv``; ``n_layer`` (``n_ffn_down`` = the block count)."""

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import replace
 
 from moefit.devices import Device, Host
 from moefit.errors import InputError
@@ -19,6 +18,7 @@ from moefit.external.llamacpp.host import host_bytes, host_limiting, host_table
 from moefit.ingest.geometry import ModelGeometry
 from moefit.memory.runtime import default_reserve_bytes, runtime_bytes
 from moefit.plan.types import Alternative, Line, largest_int, limiting_lines
+from moefit.records import replace
 from moefit.units import format_bytes
 
 
