@@ -195,11 +195,12 @@ def tensors_from_geometry(geom: ModelGeometry, ftype: str) -> tuple[list[Tensor]
     """The tensors of the GGUF ``llama-quantize FTYPE`` would write for the Hugging Face model
     ``geom`` (:func:`moefit.ingest.gguf_mix.llamacpp_tensors`), and a note saying so."""
     infos, unknown = llamacpp_tensors(geom, ftype)
+    tensors = [Tensor(t.name, t.kind, t.ne, t.nbytes) for t in infos]     # each priced once
     note = (f"model: the GGUF of convert_hf_to_gguf.py + llama-quantize {ftype} (--gguf-type), derived from "
-            f"the config, {format_bytes(sum(t.nbytes for t in infos))}")
+            f"the config, {format_bytes(sum(t.nbytes for t in tensors))}")
     if unknown:
         note += f"; {unknown} tensors without a llama.cpp name priced at the mix's default type"
-    return [Tensor(t.name, t.kind, t.ne, t.nbytes) for t in infos], note
+    return tensors, note
 
 
 def expert_layer(name: str) -> int | None:
