@@ -9,9 +9,10 @@ import and the ~70 classes of a ``moefit plan`` process were 20-25 ms of its ~80
 (``python -X importtime``, and ``dataclasses._process_class`` timed, 2026-12-02).
 
 :func:`record` makes the class itself: it reads the fields from the class's annotations
-(its own and its record bases'), compiles one ``__init__`` (which stores the fields in the
+(its own and its record bases'), makes one ``__init__`` (which stores the fields in the
 instance's ``__dict__``, the frozen dataclass's ``object.__setattr__`` without its per-field
-type lookup) and gives every record the same five other methods, written once below. A
+type lookup; compiled once per field count and renamed for each class, or compiled for the
+class when a field has a ``default_factory`` or ``init=False``) and gives every record the same five other methods, written once below. A
 record behaves as the frozen dataclass would (tests/test_records.py checks each method
 against ``dataclass(frozen=True)``): the same ``__init__`` signature, defaults,
 ``default_factory`` and ``__post_init__``, the same repr, equality (same class, the compared
@@ -36,6 +37,7 @@ from __future__ import annotations
 import sys
 from operator import attrgetter
 from reprlib import recursive_repr
+from types import FunctionType
 
 
 class _Sentinel:
@@ -138,11 +140,6 @@ def _getstate(self):
 _SPECS = "_record_specs"       # the class's fields (Field, in order, the bases' first)
 
 
-def _annotation_needs_dataclasses(ann) -> bool:
-    text = ann if isinstance(ann, str) else repr(ann)
-    return any(w in text for w in ("ClassVar", "InitVar", "KW_ONLY"))
-
-
 def _as_field(value) -> Field | None:
     """``value`` (a class attribute) as a Field when it is one (ours or ``dataclasses``')."""
     if isinstance(value, Field):
@@ -163,11 +160,40 @@ def _needs_dataclasses(cls) -> bool:
     if any("__dataclass_fields__" in b.__dict__ and _SPECS not in b.__dict__ for b in cls.__mro__[1:]):
         return True
     own = cls.__dict__.get("__annotations__", {})
-    if any(_annotation_needs_dataclasses(a) for a in own.values()):
+    text = " ".join(a if isinstance(a, str) else repr(a) for a in own.values())
+    if "ClassVar" in text or "InitVar" in text or "KW_ONLY" in text:
         return True
     dc = sys.modules.get("dataclasses")
     return dc is not None and any(isinstance(cls.__dict__.get(n), dc.Field) and _as_field(cls.__dict__[n]) is None
                                   for n in own)
+
+
+_TEMPLATES: dict[tuple[int, bool], object] = {}    # (fields, __post_init__) -> code of an __init__
+
+
+def _init_from_template(specs: tuple[Field, ...], post_init: bool):
+    """``__init__`` of fields that all take a plain argument (no ``default_factory``, no
+    ``init=False``): the code of one compiled template per field count (``_p0``, ``_p1``...)
+    with the field names put in its argument names and its keys (``code.replace``: no
+    compile), the defaults as the function's own. None when a field needs the source."""
+    names = tuple(f.name for f in specs)
+    if any(not f.init or f.default_factory is not MISSING for f in specs) or \
+            "self" in names or "__record_dict__" in names:
+        return None
+    key = (len(specs), post_init)
+    code = _TEMPLATES.get(key)
+    if code is None:
+        params = "".join(f", _p{i}" for i in range(len(specs)))
+        body = "".join(f"    __record_dict__['_p{i}'] = _p{i}\n" for i in range(len(specs)))
+        names_ns: dict = {}
+        exec(f"def __init__(self{params}):\n    __record_dict__ = self.__dict__\n{body}"   # noqa: S102
+             + ("    self.__post_init__()\n" if post_init else ""), names_ns)
+        code = _TEMPLATES[key] = names_ns["__init__"].__code__
+    rename = {f"_p{i}": n for i, n in enumerate(names)}
+    code = code.replace(co_varnames=tuple(rename.get(v, v) for v in code.co_varnames),
+                        co_consts=tuple(rename.get(c, c) if isinstance(c, str) else c for c in code.co_consts))
+    defaults = tuple(f.default for f in specs if f.default is not MISSING)
+    return FunctionType(code, {}, "__init__", defaults or None)
 
 
 def _init_source(specs: tuple[Field, ...], post_init: bool) -> tuple[str, dict]:
@@ -231,12 +257,14 @@ def record(cls=None, /, *, eq: bool = True, frozen: bool = True):
         for f in base.__dict__.get(_SPECS, ()):
             fields[f.name] = f
     annotations = own.get("__annotations__", {})
+    dc = sys.modules.get("dataclasses")
+    field_types = (Field,) if dc is None else (Field, dc.Field)
     for name, value in own.items():
-        if _as_field(value) is not None and name not in annotations:
+        if isinstance(value, field_types) and name not in annotations:
             raise TypeError(f"{name!r} is a field but has no type annotation")
     for name, ann in annotations.items():
         value = own.get(name, MISSING)
-        f = _as_field(value)
+        f = _as_field(value) if isinstance(value, field_types) else None
         if f is None:
             f = Field(value, MISSING, True, True, None, True, None)
             if value is not MISSING and type(value).__hash__ is None:
@@ -258,9 +286,12 @@ def record(cls=None, /, *, eq: bool = True, frozen: bool = True):
                 seen_default = True
             elif seen_default:
                 raise TypeError(f"non-default argument {f.name!r} follows default argument")
-    source, names = _init_source(specs, hasattr(cls, "__post_init__"))
-    exec(source, names)                     # noqa: S102 (the source is made above)
-    init = names["__init__"]
+    post_init = hasattr(cls, "__post_init__")
+    init = _init_from_template(specs, post_init)
+    if init is None:
+        source, names = _init_source(specs, post_init)
+        exec(source, names)                 # noqa: S102 (the source is made above)
+        init = names["__init__"]
     init.__qualname__ = f"{cls.__qualname__}.__init__"
     init.__module__ = cls.__module__
     init.__annotations__ = {**{f.name: f.type for f in specs if f.init}, "return": None}
