@@ -69,7 +69,6 @@ from moefit.devices import Device
 from moefit.errors import InputError
 from moefit.ingest.geometry import ModelGeometry
 from moefit.ingest.ggml_types import BLOCKS
-from moefit.ingest.gguf_header import read_header
 from moefit.ingest.gguf_mix import llamacpp_tensors
 from moefit.memory.layer_kinds import Latent, Recurrent, kind_of
 from moefit.records import record
@@ -187,6 +186,8 @@ def ggml_row_bytes(kind: str, n: int) -> int:
 
 def tensors_from_header(path: str) -> list[Tensor]:
     """The tensor infos of a GGUF file (every shard), from its header only."""
+    from moefit.ingest.gguf_header import read_header     # only a GGUF file's plan reads a header
+
     h = read_header(path)
     return [Tensor(t.name, t.ggml_type, tuple(t.ne), t.nbytes) for t in h.tensors.values()]
 
