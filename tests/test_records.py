@@ -155,3 +155,11 @@ def test_init_of_a_template_and_of_its_own_source_bind_like_the_dataclass():
     assert str(inspect.signature(Rec)).replace("Rec", "") == str(inspect.signature(Ref)).replace("Ref", "")
     with pytest.raises(TypeError):
         One(1, 2)
+
+
+def test_a_class_s_own_init_stays_as_with_the_dataclass():
+    body = lambda: {"__annotations__": {"x": "int"},                      # noqa: E731
+                    "__init__": lambda self, v: object.__setattr__(self, "x", 2 * v)}
+    rec = record(type("OwnInit", (), body()))
+    ref = dataclasses.dataclass(frozen=True)(type("OwnInit", (), body()))
+    assert repr(rec(2)) == repr(ref(2)) == "OwnInit(x=4)"

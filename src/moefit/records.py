@@ -300,7 +300,8 @@ def record(cls=None, /, *, eq: bool = True, frozen: bool = True):
     cls._record_frozen, cls._record_eq_flag = frozen, eq
     cls._record_init = tuple(f.name for f in specs if f.init)
     cls._record_repr = tuple(f.name for f in specs if f.repr)
-    cls.__init__ = init
+    if "__init__" not in own:              # as dataclass: a class's own __init__ stays
+        cls.__init__ = init
     if "__repr__" not in own:
         cls.__repr__ = _repr
     if frozen:
