@@ -21,11 +21,10 @@ Imports no torch.
 from __future__ import annotations
 
 import math
-from dataclasses import field
 from pathlib import Path
 
 from moefit.errors import InputError
-from moefit.records import record
+from moefit.records import field, record
 from moefit.units import MIB, parse_size
 
 MEMINFO = Path("/proc/meminfo")

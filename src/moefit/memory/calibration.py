@@ -35,7 +35,6 @@ from __future__ import annotations
 import json
 import math
 import os
-from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Callable
 
@@ -48,6 +47,7 @@ from moefit.ingest.inputs import read_json
 from moefit.memory.kv import kv_format
 from moefit.memory.staging import StagingModel, compute_bytes, expert_dequant_bytes, staging_model
 from moefit.outputs import writable_dir, write_text_atomic
+from moefit.records import replace
 
 SCHEMA = "moefit.calibration/1"
 #: bumped whenever the runtime's staging changes shape: older calibrations go stale
@@ -69,6 +69,8 @@ def cache_dir() -> Path:
 
 def geometry_hash(geom: ModelGeometry) -> str:
     """sha256 of what the staging depends on: family, sizes and every layer's specs."""
+    from dataclasses import asdict      # only a plan that finds calibration files hashes
+
     layers = [[asdict(l.attention), _moe_doc(l.moe), l.dense_intermediate,
                sorted(t.name.rsplit(".", 2)[-2] for t in l.tensors if "norm" in t.name)]
               for l in geom.layers]
@@ -89,6 +91,8 @@ def _sha256(text: str) -> str:
 def _moe_doc(moe) -> dict | None:
     """A layer's MoE spec for the hash; plain softmax routing is left out, so the hashes
     of the families from before grouped routing stay the same."""
+    from dataclasses import asdict      # as geometry_hash
+
     if moe is None:
         return None
     doc = asdict(moe)
