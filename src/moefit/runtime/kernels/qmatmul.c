@@ -1324,25 +1324,29 @@ static inline __m128i q23_hsum4(const __m256i *v) {
 
 static inline __attribute__((always_inline)) void q23_dot4_t(const int t, const uint8_t *w, int64_t rb, qact a, int K,
                                                              float *out) {
-    const int bs = t == T_Q2_K ? 84 : 110, fo = t == T_Q2_K ? 80 : 108;
+    const int bs = t == T_Q2_K ? 84 : 110;
     __m128 sum = _mm_setzero_ps();
     for (int sb = 0; sb < K / 256; sb++) {
         __m512i y[4];
         q23_acts(a.qk + 256 * sb, y);
         const __m256i sk = _mm256_loadu_si256((const __m256i *)(a.sk16 + 16 * sb));
         __m256i iv[4], mv[4];
-        uint16_t fh[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+        uint32_t fh[4];         /* Q2_K: d | dmin << 16; Q3_K: d */
         for (int r = 0; r < 4; r++) {
             const uint8_t *wr = w + r * rb + (int64_t)sb * bs;
             for (int c = 0; c < bs; c += 64) _mm_prefetch((const char *)(wr + PREFETCH + c), _MM_HINT_T0);
             q23_row(t, wr, y, sk, &iv[r], &mv[r]);
-            fh[r] = rd16(wr + fo);
-            if (t == T_Q2_K) fh[4 + r] = rd16(wr + 82);
+            fh[r] = t == T_Q2_K ? rd32(wr + 80) : rd16(wr + 108);
         }
-        /* f (and fmin) of the four rows, then lb_rows_t's fp32 operations lane by lane */
-        __m256 fv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)fh));
-        __m128 s = _mm_mul_ps(_mm256_castps256_ps128(fv), _mm_cvtepi32_ps(q23_hsum4(iv)));
-        if (t == T_Q2_K) s = _mm_sub_ps(s, _mm_mul_ps(_mm256_extractf128_ps(fv, 1), _mm_cvtepi32_ps(q23_hsum4(mv))));
+        /* f (and fmin) of the four rows (set in a register: a store of 4 and a load of 16 bytes
+         * would miss the store forwarding), then lb_rows_t's fp32 operations lane by lane */
+        __m128i fq = _mm_setr_epi32((int)fh[0], (int)fh[1], (int)fh[2], (int)fh[3]);
+        __m128 s;
+        if (t == T_Q2_K) {
+            __m256 fv = _mm256_permutexvar_ps(_mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7), _mm256_cvtph_ps(fq));
+            s = _mm_sub_ps(_mm_mul_ps(_mm256_castps256_ps128(fv), _mm_cvtepi32_ps(q23_hsum4(iv))),
+                           _mm_mul_ps(_mm256_extractf128_ps(fv, 1), _mm_cvtepi32_ps(q23_hsum4(mv))));
+        } else s = _mm_mul_ps(_mm_cvtph_ps(_mm_packus_epi32(fq, fq)), _mm_cvtepi32_ps(q23_hsum4(iv)));
         sum = _mm_add_ps(sum, _mm_mul_ps(_mm_set1_ps(a.dk[sb]), s));
     }
     _mm_storeu_ps(out, sum);
