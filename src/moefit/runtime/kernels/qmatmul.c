@@ -2128,6 +2128,25 @@ static void dequant_lowbit_bf16_512(int t, const uint8_t *w, uint16_t *o) {
     }
 }
 
+/* one IQ4_XS super-block as 256 bf16 (o), without lb_unpack's scalar loop: per 32 values the 16
+ * index bytes split into nibbles and looked up in KV_IQ4NL with vpshufb, then
+ * dequant_lowbit's fp32 operations (dl = d x (ls - 32), dl x v, no FMA) 16 at a time, rounded
+ * as mf_f2b: bit for bit the scalar path's. */
+static void dequant_iq4xs_bf16_512(const uint8_t *w, uint16_t *o) {
+    const __m128i tab = _mm_loadu_si128((const __m128i *)KV_IQ4NL), m4 = _mm_set1_epi8(0x0f);
+    float d = mf_h2f(rd16(w));
+    uint16_t sh = rd16(w + 2);
+    for (int ib = 0; ib < 8; ib++) {
+        int ls = ((w[4 + ib / 2] >> (4 * (ib % 2))) & 15) | (((sh >> (2 * ib)) & 3) << 4);
+        __m512 dl = _mm512_set1_ps(d * (float)(ls - 32));
+        __m128i q = _mm_loadu_si128((const __m128i *)(w + 8 + 16 * ib));
+        __m128i lo = _mm_shuffle_epi8(tab, _mm_and_si128(q, m4)), hi = _mm_shuffle_epi8(tab, _mm_and_si128(_mm_srli_epi16(q, 4), m4));
+        _mm256_storeu_si256((__m256i *)(o + 32 * ib), f2b_512(_mm512_mul_ps(dl, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(lo)))));
+        _mm256_storeu_si256((__m256i *)(o + 32 * ib + 16),
+                            f2b_512(_mm512_mul_ps(dl, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(hi)))));
+    }
+}
+
 /* one Q4_K / Q5_K super-block as 256 bf16 (o): dequant_block's fp32 operations (d1 = d sc,
  * m1 = dmin m, d1 q - m1: a product and a difference, no FMA) 16 at a time, rounded as
  * mf_f2b: bit for bit the scalar path's. */
@@ -2172,6 +2191,10 @@ void mf_dequant(int t, const uint8_t *W, int64_t nrows, int K, uint16_t *out16, 
                 }
                 if ((t == T_Q4_K || t == T_Q5_K) && out16 && !out32) {
                     dequant_k45_bf16_512(t, wr + b * tb, out16 + r * K + (int64_t)b * bs);
+                    continue;
+                }
+                if (t == T_IQ4_XS && out16 && !out32) {
+                    dequant_iq4xs_bf16_512(wr + b * tb, out16 + r * K + (int64_t)b * bs);
                     continue;
                 }
                 if (is_lowbit(t) && out16 && !out32) {
