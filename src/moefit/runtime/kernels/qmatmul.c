@@ -1263,6 +1263,9 @@ static void dequant_lowbit(int t, const uint8_t *w, float *y) {
  * for bit the one-row kernel's, alone or in a batch, for any number of rows. */
 #define HAVE_IQ4X 1
 #define IQ4X_MAXT 64          /* activation rows of one iq4x_rows16 call */
+/* prefetch distance in rows: the next panel's rows at the super-block being read (rows read
+ * 16 side by side; row + PREFETCH bytes would land in this panel's own later rows) */
+#define IQ4X_PF 16
 
 /* out[i * ldo + r] = IQ4_XS row r (w + r * rb, r < nr <= 16) . acts[i] (i < na <= IQ4X_MAXT) */
 static void iq4x_rows16(const uint8_t *w, int64_t rb, int nr, int K, const qact *acts, int na, float *out,
@@ -1282,9 +1285,10 @@ static void iq4x_rows16(const uint8_t *w, int64_t rb, int nr, int K, const qact 
     for (int i = 0; i < na; i++) acc[i] = _mm512_setzero_ps();
     for (int sb = 0; sb < K / 256; sb++) {
         const int64_t o = (int64_t)sb * 136;
-        for (int r = 0; r < 16; r++) {
-            _mm_prefetch((const char *)(rp[r] + o + PREFETCH), _MM_HINT_T0);
-            _mm_prefetch((const char *)(rp[r] + o + PREFETCH + 64), _MM_HINT_T0);
+        for (int r = 0; r < 16; r++) {      /* the next panel's rows, at this super-block */
+            _mm_prefetch((const char *)(rp[r] + IQ4X_PF * rb + o), _MM_HINT_T0);
+            _mm_prefetch((const char *)(rp[r] + IQ4X_PF * rb + o + 64), _MM_HINT_T0);
+            _mm_prefetch((const char *)(rp[r] + IQ4X_PF * rb + o + 128), _MM_HINT_T0);
         }
         /* d | scales_h, then scales_l, of the 16 rows */
         const __m512i h0 = _mm512_i32gather_epi32(vidx, (const void *)(w + o), 1);
