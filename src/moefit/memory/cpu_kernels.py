@@ -53,9 +53,14 @@ DISABLE_ENV = "MOEFIT_NO_CKERNELS"
 #: up to 128 rows for Q3_K and IQ4_XS (0.91, 0.87). Q6_K, since its rows are unpacked once per
 #: 8 activation rows too and dequantized to bf16 16 values at a time (AVX-512; the same
 #: matrix, a loaded machine, 9 interleaved pairs): 0.65 at 16 rows, 0.88 at 24, 0.99 at 32,
-#: 1.37 at 64 (a 512 x 1024 expert matrix: 0.65 / 0.88 / 1.03 / 1.26).
+#: 1.37 at 64 (a 512 x 1024 expert matrix: 0.65 / 0.88 / 1.03 / 1.26). IQ4_XS again since its
+#: AVX-512 VNNI kernel takes 16 weight rows per unpacking (``iq4x_rows16``) and its bf16
+#: dequantization no longer goes through the scalar unpacking: the dense matrices of the two
+#: ``benchmarks/vs_llamacpp.py --mixes`` shapes (2048 x 1024, 1024 x 2048, 512 x 1024,
+#: 4096 x 2048, 2048 x 4096, 512 x 2048), one thread, a loaded machine (load 8), 5
+#: interleaved pairs: 0.82-1.05 at 256 rows, 0.95-1.25 at 512.
 SMALL_ROWS = 8
-SMALL_ROWS_BY_TYPE = {"Q2_K": 32, "Q3_K": 32, "IQ4_XS": 64, "Q6_K": 24}
+SMALL_ROWS_BY_TYPE = {"Q2_K": 32, "Q3_K": 32, "IQ4_XS": 256, "Q6_K": 24}
 
 #: A MoE layer (``moefit.runtime.moe.batch.run_layer``) runs the batched C kernel while its
 #: experts get at most this many tokens each on average (the (token, expert) pairs over the
@@ -89,9 +94,14 @@ SMALL_ROWS_BY_TYPE = {"Q2_K": 32, "Q3_K": 32, "IQ4_XS": 64, "Q6_K": 24}
 #: loaded machine (load 4-5), 7 interleaved pairs of one prefill chunk, process CPU time,
 #: expert by expert against batched: IQ4_XS 1.23 at 16 tokens per expert, 0.95 at 24, 0.92
 #: at 32; Q2_K (Q2_K gate / up, Q3_K down) 1.00 at 16, 0.82 at 32; Q3_K_M (Q3_K gate / up,
-#: Q4_K down) 0.91 at 16; hence 16 for the three (was 64, 48, 48).
+#: Q4_K down) 0.91 at 16; hence 16 for the three (was 64, 48, 48). IQ4_XS since its 16-row
+#: kernel (``iq4x_rows16``; :data:`SMALL_ROWS_BY_TYPE`'s measurement, the four expert
+#: matrices of the two shapes, 512 x 1024, 1024 x 512, 768 x 2048, 2048 x 768): 0.73-0.88 at
+#: 128 tokens, 0.89-0.95 at 256, 0.90-1.01 at 384, the kernel against its matrix's
+#: dequantization and ``torch.mm`` alone (the expert-by-expert path adds its per-expert
+#: work): 256.
 TOKENS_PER_EXPERT = {"Q4_K": 8, "Q5_K": 8, "Q6_K": 24, "Q8_0": 20, "Q4_0": 32,
-                     "BF16": 32, "F16": 32, "F32": 32, "Q2_K": 16, "Q3_K": 16, "IQ4_XS": 16,
+                     "BF16": 32, "F16": 32, "F32": 32, "Q2_K": 16, "Q3_K": 16, "IQ4_XS": 256,
                      "IQ2_XXS": 48, "IQ3_XXS": 24, "IQ1_M": 24}
 DEFAULT_TOKENS_PER_EXPERT = 8
 
