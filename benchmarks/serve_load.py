@@ -17,8 +17,9 @@ tokens/s over the round's wall time (every token streamed / the round's wall tim
 includes them), the server's resident set size (``VmRSS``) before and after, and the
 server's CPU time (all its threads) per streamed token, prompts included (on a loaded
 machine less shifted than tokens/s by the time other jobs hold the cores, though not
-immune: they share the caches and the memory bus). Nothing may be lost: completed +
-refused + failed = sent.
+immune: they share the caches and the memory bus), and the part of it its main thread
+spent (moefit's event loop: HTTP, the SSE chunks; its engine thread is the rest). Nothing
+may be lost: completed + refused + failed = sent.
 
 Default model: a random bf16 Qwen3-MoE of about 120 MB written into ``--dir`` once
 (``bench_runtime.write_checkpoint`` at hidden 512, 4 layers, 32 experts of width 256, 4
@@ -67,6 +68,16 @@ def cpu_seconds(pid: int) -> float:
     ``/proc/PID/stat`` fields 14 and 15 in clock ticks, proc(5)); 0 when it is gone."""
     try:
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def main_thread_cpu_seconds(pid: int) -> float:
+    """User + system CPU time of process ``pid``'s main thread (``/proc/PID/task/PID/stat``;
+    moefit's event loop, the engine thread being another); 0 when it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/task/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except OSError:
         return 0.0
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
@@ -303,13 +314,16 @@ def bench(name: str, child: Child, args, vocab: int) -> list[dict]:
     try:
         asyncio.run(run_round(child.url, 1, 1, args.prompt, 4, vocab, args.round_timeout, 0))
         for n in args.clients:
-            before, cpu = rss_bytes(child.proc.pid), cpu_seconds(child.proc.pid)
+            pid = child.proc.pid
+            before, cpu, main = rss_bytes(pid), cpu_seconds(pid), main_thread_cpu_seconds(pid)
             row = asyncio.run(run_round(child.url, n, args.requests, args.prompt, args.tokens,
                                         vocab, args.round_timeout, n))
-            cpu = cpu_seconds(child.proc.pid) - cpu
+            cpu = cpu_seconds(pid) - cpu
+            main = main_thread_cpu_seconds(pid) - main
             streamed = row["wall_tokens_per_s"] * row["wall_s"]
-            row.update(server=name, rss_before=before, rss_after=rss_bytes(child.proc.pid),
-                       server_cpu_s=cpu, cpu_us_per_token=1e6 * cpu / streamed if streamed else None)
+            row.update(server=name, rss_before=before, rss_after=rss_bytes(pid),
+                       server_cpu_s=cpu, cpu_us_per_token=1e6 * cpu / streamed if streamed else None,
+                       main_thread_cpu_us_per_token=1e6 * main / streamed if streamed else None)
             rows.append(row)
             print(_line(row), file=sys.stderr, flush=True)
     finally:
@@ -327,12 +341,13 @@ def _line(r: dict) -> str:
             f"{_fmt(r['itl_p50'])} / {_fmt(r['itl_p95'])} | {r['decode_tokens_per_s']:.1f} | "
             f"{r['wall_tokens_per_s']:.1f} | "
             f"{r['rss_before'] / 2**20:.0f} -> {r['rss_after'] / 2**20:.0f} MiB | "
-            f"{_fmt(r['cpu_us_per_token'], '')} |")
+            f"{_fmt(r['cpu_us_per_token'], '')} | {_fmt(r['main_thread_cpu_us_per_token'], '')} |")
 
 
 HEADER = ("| server | clients | sent | completed | refused | failed | TTFT p50 / p95 | "
-          "ITL p50 / p95 | decode tokens/s | tokens/s (wall) | RSS | server CPU us / token |\n"
-          "|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "ITL p50 / p95 | decode tokens/s | tokens/s (wall) | RSS | server CPU us / token | "
+          "of it the main thread |\n"
+          "|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 
 
 def main() -> None:

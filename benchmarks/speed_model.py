@@ -6,8 +6,9 @@ Qwen3-MoE shapes (``--shapes 1024,2048``: hidden 1024 with 10 layers of 64 exper
 Qwen3-30B-A3B's widths with 4 layers of 32), at each thread count (``--threads 1,2``):
 
 1. **The host's figures, measured here**: what ``moefit calibrate --host`` measures (this
-   machine's memory bandwidth read by the C kernels, their rate per GGUF type, and the large
-   products' path: dequantize per type and the bf16 GEMM:
+   machine's memory bandwidth read by the C kernels, their rate per GGUF type with eight rows
+   from the caches and with one row streamed from memory, the cost of each one-row call, and
+   the large products' path: dequantize per type and the bf16 GEMM:
    :func:`moefit.runtime.calibrate.measure_host`), at the case's thread count, right before each
    file's interleaved pairs, so that a shared machine's load is the same for the figures and
    the runs; ``--cached-host`` takes the stored ``moefit calibrate --host`` figures instead.
@@ -73,9 +74,9 @@ def host_now(threads: int):
     from moefit.devices.host import HostSpeed
     from moefit.runtime.calibrate import measure_host
 
-    bw, rates, dequant, gemm, one_row = measure_host([threads], say=lambda _msg: None)[threads]
+    bw, rates, dequant, gemm, one_row, calls, gemm_small = measure_host([threads], say=lambda _msg: None)[threads]
     return HostSpeed(bw, threads, rates, f"this machine, measured now ({bw / 1e9:.1f} GB/s, {threads} thr)",
-                     dequant, gemm, one_row)
+                     dequant, gemm, one_row, calls, gemm_small)
 
 
 def host_cached(threads: int):
@@ -127,7 +128,14 @@ def llama_host(bench: Path, quantize: Path, vocab: Path, host, prompt: int, gen:
     which the speed model's own prediction of that probe (:func:`predicted`, the same formulas
     as every other prediction) takes the measured seconds (:func:`rate_for_seconds`): the
     prefill's for :attr:`~moefit.devices.host.HostSpeed.kernel_rates` (weight bytes x rows per
-    second), the decoded token's for :attr:`~moefit.devices.host.HostSpeed.one_row_rates`;
+    second), the decoded token's for llama.cpp's cost per one-row call
+    (:attr:`~moefit.devices.host.HostSpeed.call_seconds`, :func:`call_for_seconds`) with
+    every type's one-row rate at ``host``'s memory bandwidth (a probe's matrices are small,
+    so a rate inverted from its decode bills its calls to its few bytes and prices a larger
+    file's bytes too slowly; the quiet run's llama.cpp decode read 22-24 GB/s of weights on
+    the 1024-wide files and 24-26 on the 2048-wide ones whatever the type, Q8_0, Q4_K_M or
+    Q6_K: its time follows the bytes and the calls, not the type), or, where the memory alone
+    is slower than the probe, for :attr:`~moefit.devices.host.HostSpeed.one_row_rates`;
     ``host``'s memory bandwidth and BF16 rate (what the model prices attention's products
     with), no dequantize path (llama.cpp multiplies every row count on its own kernels). So
     what the model leaves to the kernels' figure (llama.cpp's graph, its activation
@@ -142,7 +150,7 @@ def llama_host(bench: Path, quantize: Path, vocab: Path, host, prompt: int, gen:
     if not (root / "bf16.gguf").exists():
         vs.build(root, vs.QUICK, ["bf16"], vocab, None)
     bf16 = {"BF16": host.rate("BF16")}
-    rates, one_row = dict(bf16), {}
+    rates, one_row, calls = dict(bf16), {}, {}
     for qtype, mix in PROBE_TYPES.items():
         f = root / f"pure-{mix}.gguf"
         if not f.exists():
@@ -162,10 +170,18 @@ def llama_host(bench: Path, quantize: Path, vocab: Path, host, prompt: int, gen:
             rates[qtype] = rate_for_seconds(pp, r0, prompt / got["pp"])
         except ValueError as e:
             sys.exit(f"llama.cpp's probe {f}: pp{prompt} at {got['pp']:.0f} tok/s: {e}")
-        # decode is one row per product: only the one-row rate prices it, except where a
+        # decode is one row per product: only the one-row figures price it, except where a
         # slow one-row rate meets HostSpeed.kernel_seconds' bound (never slower than the
         # probe's rows); the kernel rate is set far below for the inversion, out of its way
         probe = replace(probe, kernel_rates=bf16 | {qtype: rates[qtype] / 64})
+        stream = host.memory_bytes_per_s
+        if stream:
+            c = call_for_seconds(lambda c: 1 / predicted(  # noqa: E731
+                f, "all", replace(probe, one_row_rates={qtype: stream}, call_seconds={qtype: c}),
+                prompt, gen)["tg"][0], 1 / got["tg"])
+            if c is not None:
+                one_row[qtype], calls[qtype] = stream, c
+                continue
         tg = lambda r: 1 / predicted(f, "all", replace(probe, one_row_rates={qtype: r}),  # noqa: E731
                                      prompt, gen)["tg"][0]
         try:
@@ -174,7 +190,28 @@ def llama_host(bench: Path, quantize: Path, vocab: Path, host, prompt: int, gen:
             sys.exit(f"llama.cpp's probe {f}: tg{gen} at {got['tg']:.0f} tok/s: {e}")
     return HostSpeed(host.memory_bytes_per_s, host.threads, rates,
                      f"llama.cpp's rates, llama-bench of probe files, measured now ({host.threads} thr)",
-                     one_row_rates=one_row)
+                     one_row_rates=one_row, call_seconds=calls)
+
+
+#: the two costs per call (seconds) :func:`call_for_seconds` evaluates the model at: far above
+#: a call's few microseconds, so that every matrix of the probe's step is bound by its call,
+#: not by the memory, at both
+CALL_PROBE_POINTS = (20e-6, 40e-6)
+
+
+def call_for_seconds(seconds_at, measured_s: float) -> float | None:
+    """The cost per one-row call (:attr:`~moefit.devices.host.HostSpeed.call_seconds`) at
+    which the model's time of a decode step is ``measured_s``: ``seconds_at(c)`` is the
+    model's seconds with that cost per call, ``other + calls x c`` where the calls bind, so
+    two evaluations at :data:`CALL_PROBE_POINTS` give the line; the cost is where it meets
+    ``measured_s``, at least 0. None when the step does not depend on the cost or the model
+    without any (``seconds_at(0)``) is already slower than the measurement: the stream rate
+    alone is too slow, and the caller inverts the rate instead."""
+    c1, c2 = CALL_PROBE_POINTS
+    t1, t2 = seconds_at(c1), seconds_at(c2)
+    if t2 <= t1 or seconds_at(0.0) > measured_s:
+        return None
+    return max(0.0, c1 + (measured_s - t1) * (c2 - c1) / (t2 - t1))
 
 
 def root_of(shape: str) -> Path:
@@ -187,7 +224,8 @@ def host_figures(host) -> dict:
     ``--predict-only`` predicts from again)."""
     return {"memory_bytes_per_s": host.memory_bytes_per_s, "threads": host.threads,
             "rates": host.kernel_rates, "dequant_rates": host.dequant_rates,
-            "gemm_flops": host.gemm_flops, "one_row_rates": host.one_row_rates}
+            "gemm_flops": host.gemm_flops, "one_row_rates": host.one_row_rates,
+            "call_seconds": host.call_seconds, "gemm_small_flops": host.gemm_small_flops}
 
 
 def host_of(figures: dict):
@@ -198,7 +236,8 @@ def host_of(figures: dict):
     f = figures
     return HostSpeed(float(f["memory_bytes_per_s"]), int(f["threads"]), dict(f["rates"]),
                      "stored with the measured run", dict(f.get("dequant_rates") or {}),
-                     float(f.get("gemm_flops") or 0.0), dict(f.get("one_row_rates") or {}))
+                     float(f.get("gemm_flops") or 0.0), dict(f.get("one_row_rates") or {}),
+                     dict(f.get("call_seconds") or {}), float(f.get("gemm_small_flops") or 0.0))
 
 
 def predict_only(src: Path, out: Path | None) -> int:

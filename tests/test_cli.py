@@ -139,7 +139,8 @@ def test_a_plan_that_fits_loads_none_of_the_on_demand_modules(tmp_path):
     """A plan of a preset that fits imports none of the modules that tests/test_imports.py
     lets the package import where their path begins (:data:`ON_DEMAND`,
     :data:`RARE_STDLIB`): each would slow every plan (issue 24). With a calibration file in
-    the cache the plan hashes its geometry to look it up, and hashlib is seen to load."""
+    the cache the plan hashes its geometry to look it up (its layers as dicts,
+    ``dataclasses.asdict``), and hashlib and dataclasses are seen to load."""
     sys.path.insert(0, str(Path(__file__).parent))
     from test_imports import ON_DEMAND, RARE_STDLIB
 
@@ -161,7 +162,7 @@ def test_a_plan_that_fits_loads_none_of_the_on_demand_modules(tmp_path):
     assert loaded() == "0 []"
     (tmp_path / "calibration").mkdir()
     (tmp_path / "calibration" / "0123.json").write_text("{}")   # another key's: not read
-    assert loaded() == "0 ['hashlib']"
+    assert loaded() == "0 ['dataclasses', 'hashlib']"
 
 
 def test_a_failing_plan_prices_its_llamacpp_alternative_without_gguf_or_numpy():

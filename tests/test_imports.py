@@ -299,8 +299,10 @@ ON_DEMAND = ("moefit.external", "moefit.ingest.gguf_header", "moefit.ingest.gguf
 #: on the path that needs them. hashlib loads OpenSSL's libcrypto (a calibration looked up
 #: by its hash, only when calibration files exist); datetime stamps a calibration written;
 #: tempfile (with random) writes files atomically; difflib finds the close names of an
-#: unknown model. tests/test_cli.py checks that a plan loads none of them.
-RARE_STDLIB = {"hashlib", "datetime", "tempfile", "difflib", "platform"}
+#: unknown model; dataclasses (with the inspect, ast and dis it imports: 6-7 ms) only for the
+#: dataclasses API used on a record (:mod:`moefit.records`) and a calibration's hash.
+#: tests/test_cli.py checks that a plan loads none of them.
+RARE_STDLIB = {"hashlib", "datetime", "tempfile", "difflib", "platform", "dataclasses"}
 
 
 def heavy_modules(graph: ImportGraph) -> set[str]:
@@ -336,6 +338,11 @@ KNOWN_LOCAL: set[tuple[str, str]] = set()
 #: Local by design (module, what): the entry point imports the command line after it has
 #: installed its signal handlers (a signal during those 0.5 s of imports: one line, 130).
 DEFERRED = {("moefit.__main__", "moefit.cli")}
+#: Packages whose ``__init__`` re-exports its modules' names lazily (PEP 562 ``__getattr__``:
+#: each module imported when one of its names is first read): llama.cpp's, whose failing-plan
+#: alternative needs two of its six modules (issue 24).
+LAZY_PACKAGES = {"moefit.external.llamacpp": ("buffers", "command", "host", "report", "solver", "split")}
+DEFERRED |= {(pkg, f"{pkg}.{m}") for pkg, mods in LAZY_PACKAGES.items() for m in mods}
 
 
 def test_function_local_imports_are_for_heavy_dependencies_only():
@@ -505,3 +512,39 @@ def test_no_module_is_longer_than_a_job():
 def test_the_top_of_runtime_holds_at_most_eight_files():
     top = sorted(p.name for p in (SRC / "runtime").glob("*.py"))
     assert len(top) <= MAX_RUNTIME_TOP_FILES, top
+
+
+def test_a_lazy_package_reexports_what_it_did_and_loads_a_module_only_when_read():
+    """``moefit.external.llamacpp`` (:data:`LAZY_PACKAGES`): importing it loads none of its
+    modules; the solver's name loads the solver and what it imports, not the split, the
+    report nor the GGUF header reader; every name of ``__all__`` is its module's."""
+    import subprocess
+    import sys
+
+    import pytest
+
+    code = textwrap.dedent("""
+        import sys
+        from moefit.external import llamacpp as lc
+        def loaded():
+            return sorted(m for m in sys.modules if m.startswith(("moefit.external.llamacpp.", "moefit.ingest.gguf_")))
+        print(loaded())
+        lc.solve_llamacpp
+        print(loaded())
+        lc.SCHEMA
+        print(loaded())
+    """)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                       env={"PYTHONPATH": str(SRC.parent)})
+    assert r.returncode == 0, r.stderr
+    pkg = "moefit.external.llamacpp."
+    solver = [pkg + m for m in ("buffers", "command", "host", "solver")] + ["moefit.ingest.gguf_mix"]
+    assert r.stdout.splitlines() == ["[]", str(sorted(solver)), str(sorted(solver + [pkg + "report", pkg + "split"]))]   # the report shows split plans
+    from moefit.external import llamacpp as lc
+    for mod in LAZY_PACKAGES["moefit.external.llamacpp"]:
+        module = __import__(pkg + mod, fromlist=["x"])
+        for name in lc._HOMES[mod]:
+            assert getattr(lc, name) is getattr(module, name)
+    assert sorted(lc.__all__) == sorted(n for names in lc._HOMES.values() for n in names)
+    with pytest.raises(AttributeError):
+        lc.no_such_name

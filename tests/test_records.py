@@ -133,3 +133,33 @@ def test_a_class_that_sets_attributes_itself_is_refused():
     with pytest.raises(TypeError, match="__setattr__"):
         record(type("Bad", (), {"__annotations__": {"a": "int"},
                                 "__setattr__": lambda self, k, v: None}))
+
+
+def test_the_hash_is_kept_once_computed_and_left_out_of_copies_and_pickles():
+    r = Rec(2, "y", (1,), {"k": 1})
+    h = hash(r)
+    assert r.__dict__["__record_hash__"] == h == hash(Ref(2, "y", (1,), {"k": 1}))
+    for other in (copy.copy(r), copy.deepcopy(r), pickle.loads(pickle.dumps(r))):
+        assert "__record_hash__" not in other.__dict__ and other == r and hash(other) == h
+    assert dataclasses.asdict(r) == dataclasses.asdict(Ref(2, "y", (1,), {"k": 1}))
+
+
+def test_init_of_a_template_and_of_its_own_source_bind_like_the_dataclass():
+    # One: one plain field (the shared template, renamed); Rec: a default_factory field
+    # (its own compiled source); both bind positionally and by name as the dataclass does
+    import inspect
+    assert One.__init__.__code__.co_varnames[:2] == ("self", "x")
+    assert One(x=4) == One(4) and One(4).__dict__ == {"x": 4}
+    assert str(inspect.signature(One)) == str(inspect.signature(dataclasses.dataclass(frozen=True)(
+        type("One", (), {"__annotations__": {"x": "int"}}))))
+    assert str(inspect.signature(Rec)).replace("Rec", "") == str(inspect.signature(Ref)).replace("Ref", "")
+    with pytest.raises(TypeError):
+        One(1, 2)
+
+
+def test_a_class_s_own_init_stays_as_with_the_dataclass():
+    body = lambda: {"__annotations__": {"x": "int"},                      # noqa: E731
+                    "__init__": lambda self, v: object.__setattr__(self, "x", 2 * v)}
+    rec = record(type("OwnInit", (), body()))
+    ref = dataclasses.dataclass(frozen=True)(type("OwnInit", (), body()))
+    assert repr(rec(2)) == repr(ref(2)) == "OwnInit(x=4)"

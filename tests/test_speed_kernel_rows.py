@@ -78,3 +78,109 @@ def test_host_calibration_keeps_the_one_row_rates_and_rejects_implausible_ones(t
     assert "implausible" in warnings[0]
     calibration.save_host({1: (20e9, {"Q4_K": 40e9}, {"Q4_K": 2e9}, 150e9)})   # an older probe
     assert calibration.load_host(threads=1).one_row_rates == {}
+
+
+def test_a_one_row_call_costs_its_bytes_at_the_one_row_rate_plus_the_types_call_seconds():
+    """Each matrix of a decode step is one call: its one-row time is its bytes at the streamed
+    one-row rate plus the type's measured cost per call, so the same bytes in more matrices
+    take longer; rows between one and the probe's stay on the line, more rows never faster."""
+    base = _host()
+    one = base.rate("Q4_K") / 2
+    h = replace(_host({"Q4_K": one}), call_seconds={"Q4_K": 5e-6})
+    b = 1e6
+    assert h.kernel_seconds("Q4_K", b, 1) == pytest.approx(b / one + 5e-6)
+    assert 4 * h.kernel_seconds("Q4_K", b / 4, 1) == pytest.approx(b / one + 20e-6)
+    times = [h.kernel_seconds("Q4_K", b, r) for r in (0.5, 1, 2, 5, KERNEL_PROBE_ROWS, 12)]
+    assert times == sorted(times)
+    assert h.kernel_seconds("Q4_K", b, KERNEL_PROBE_ROWS) == pytest.approx(KERNEL_PROBE_ROWS * b / h.rate("Q4_K"))
+    assert h.kernel_seconds("Q8_0", b, 1) == base.kernel_seconds("Q8_0", b, 1)   # not measured: 0
+
+
+def test_a_call_cost_slows_cpu_decode_only():
+    geom = load_model("Qwen3-30B-A3B")
+    device = Device("cpu", "simulated", "cpu", 64 * GIB, 64 * GIB, simulated=True, runtime_bytes=0)
+    base = _host({t: r / 2 for t, r in _host().kernel_rates.items()})
+    fast = replace(base, dequant_rates={t: 4e9 for t in base.kernel_rates}, gemm_flops=1e12,
+                   memory_bytes_per_s=1e15)
+    slow = replace(fast, call_seconds={t: 20e-6 for t in fast.kernel_rates})
+    res = {l.index: l.moe.num_experts for l in geom.moe_layers}
+    kw = dict(context=8192, chunk=2048, seqs=1, policy="cpu")
+    a, b = (predict(geom, rates_for(device, h), kv_format("bf16"), res, **kw) for h in (fast, slow))
+    assert b.decode.tokens_per_s < a.decode.tokens_per_s
+    assert b.prefill.tokens_per_s == pytest.approx(a.prefill.tokens_per_s, rel=1e-3)
+
+
+def test_host_calibration_keeps_the_call_seconds_and_rejects_implausible_ones(tmp_path, monkeypatch):
+    monkeypatch.setenv(calibration.CACHE_ENV, str(tmp_path))
+    path = calibration.save_host({1: (20e9, {"Q4_K": 40e9}, {"Q4_K": 2e9}, 150e9, {"Q4_K": 25e9},
+                                      {"Q4_K": 4e-6, "Q8_0": 0.0})})
+    got = calibration.load_host(threads=1)
+    assert got.call_seconds == {"Q4_K": 4e-6, "Q8_0": 0.0}
+    assert got.kernel_seconds("Q4_K", 1e6, 1) == pytest.approx(1e6 / 25e9 + 4e-6)
+    for bad in (-1e-6, 2.0, True, "1us"):
+        doc = json.loads(path.read_text())
+        doc["threads"]["1"]["call_seconds"] = {"Q4_K": bad}
+        path.write_text(json.dumps(doc))
+        warnings = []
+        assert calibration.load_host(warn=warnings.append) is None, bad
+        assert "implausible" in warnings[0]
+    calibration.save_host({1: (20e9, {"Q4_K": 40e9}, {"Q4_K": 2e9}, 150e9, {"Q4_K": 25e9})})
+    assert calibration.load_host(threads=1).call_seconds == {}
+
+
+def test_the_gemm_rate_is_the_probes_at_their_sizes_and_on_the_log_line_between():
+    from moefit.devices.host import GEMM_PROBE, GEMM_PROBE_SMALL
+    big = 2.0 * GEMM_PROBE[0] * GEMM_PROBE[1] * GEMM_PROBE[2]
+    small = 2.0 * GEMM_PROBE_SMALL[0] * GEMM_PROBE_SMALL[1] * GEMM_PROBE_SMALL[2]
+    h = replace(_host(), gemm_flops=400e9, gemm_small_flops=250e9)
+    assert h.gemm_rate(big) == h.gemm_rate(10 * big) == 400e9
+    assert h.gemm_rate(small) == h.gemm_rate(small / 10) == 250e9
+    assert h.gemm_rate((big * small) ** 0.5) == pytest.approx(325e9)
+    sizes = [small / 4, small, small * 2, small * 8, big, big * 4]
+    times = [f / h.gemm_rate(f) for f in sizes]
+    assert times == sorted(times)                       # a larger product never takes less time
+    assert replace(h, gemm_small_flops=0.0).gemm_rate(small) == 400e9     # not measured
+
+
+def test_an_experts_prefill_products_take_the_gemm_rate_at_their_size():
+    """Expert by expert, each product is 2 x tokens per expert x its matrix: the smaller
+    the products (fewer tokens per expert), the slower per FLOP, as measured; the dense
+    products of the whole chunk keep the large rate."""
+    from moefit.plan.host_paths import expert_products
+    from moefit.plan.speed import cached_layers
+    geom = load_model("Qwen3-30B-A3B")
+    layer = next(l for l in cached_layers(geom, "cpu") if l.spec.moe)
+    base = replace(_host(), dequant_rates={t: 1e15 for t in _host().kernel_rates}, gemm_flops=400e9)
+    slow_small = replace(base, gemm_small_flops=200e9)
+    experts = layer.spec.moe.num_experts
+    for per_expert in (4, 64, 1024):
+        pairs = per_expert * experts
+        a = expert_products(layer, base, experts, pairs, batched=False)
+        b = expert_products(layer, slow_small, experts, pairs, batched=False)
+        flop = 2 * per_expert * layer.expert_params / 3
+        assert b == pytest.approx(a * 400e9 / slow_small.gemm_rate(flop), rel=1e-3)   # dequantize ~0
+    assert expert_products(layer, slow_small, 0, 0, batched=False) == 0.0
+
+
+def test_host_calibration_keeps_the_small_gemm_rate(tmp_path, monkeypatch):
+    monkeypatch.setenv(calibration.CACHE_ENV, str(tmp_path))
+    path = calibration.save_host({1: (20e9, {"Q4_K": 40e9}, {"Q4_K": 2e9}, 150e9, {"Q4_K": 25e9}, {}, 90e9)})
+    assert calibration.load_host(threads=1).gemm_small_flops == 90e9
+    doc = json.loads(path.read_text())
+    doc["threads"]["1"]["gemm_small_flops"] = -1
+    path.write_text(json.dumps(doc))
+    assert calibration.load_host(warn=lambda _m: None) is None
+    calibration.save_host({1: (20e9, {"Q4_K": 40e9}, {"Q4_K": 2e9}, 150e9)})
+    assert calibration.load_host(threads=1).gemm_small_flops == 0.0
+
+
+def test_a_version_2_host_file_is_measured_again(tmp_path, monkeypatch):
+    """Its one-row rates came from a cached matrix's short call, another figure."""
+    monkeypatch.setenv(calibration.CACHE_ENV, str(tmp_path))
+    path = calibration.save_host({1: (20e9, {"Q4_K": 40e9}, {"Q4_K": 2e9}, 150e9, {"Q4_K": 25e9})})
+    doc = json.loads(path.read_text())
+    doc["schema"] = "moefit.host/2"
+    path.write_text(json.dumps(doc))
+    warnings = []
+    assert calibration.load_host(warn=warnings.append) is None
+    assert "before the one-row rates were streamed" in warnings[0]

@@ -53,3 +53,25 @@ def test_a_measurement_the_other_terms_alone_exceed_is_refused():
         sm.rate_for_seconds(t, 1e9, 0.2)
     with pytest.raises(ValueError, match="cannot invert"):
         sm.rate_for_seconds(lambda r: 1.0, 1e9, 2.0)               # does not depend on the rate
+
+
+def test_the_call_cost_found_is_the_one_the_models_decode_was_taken_at():
+    """llama.cpp's decode: the machine's stream rate, and the cost per call at which the
+    model's decode of the probe takes the measured seconds (the model's own decode of
+    Qwen3-30B-A3B at a known cost stands in for llama-bench)."""
+    geom = load_model("Qwen3-30B-A3B")
+    device = Device("cpu", "simulated", "cpu", 64 * GIB, 64 * GIB, simulated=True, runtime_bytes=0)
+    base = default_host_speed(threads=1)
+    host = replace(base, one_row_rates={t: 30e9 for t in base.kernel_rates}, memory_bytes_per_s=35e9)
+    res = {l.index: l.moe.num_experts for l in geom.moe_layers}
+
+    def decode_seconds(c: float) -> float:
+        h = replace(host, call_seconds={t: c for t in base.kernel_rates})
+        d = predict(geom, rates_for(device, h), kv_format("bf16"), res, context=4096, chunk=2048,
+                    seqs=1, policy="cpu", prompt_tokens=64).decode
+        return 1 / d.tokens_per_s
+
+    for true in (3e-6, 12e-6, 60e-6):
+        assert sm.call_for_seconds(decode_seconds, decode_seconds(true)) == pytest.approx(true, rel=1e-6)
+    assert sm.call_for_seconds(decode_seconds, decode_seconds(0.0) * 0.9) is None   # stream too slow
+    assert sm.call_for_seconds(lambda c: 1.0, 2.0) is None                         # no calls

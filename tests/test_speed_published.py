@@ -1,6 +1,7 @@
 """Published MoE offload runs (tests/data/published_runs.json) and the speed model's
 prediction of each (moefit.plan.speed_check; issue 23, item 6): the data file's schema and
-sources, every case predicted with a named bound, and the median error recorded.
+sources, every case predicted with a named bound, each outlier's reason checked against the
+host read rate its measurement implies, and the median error recorded.
 
 The host is priced at its channels' peak times the achieved fraction of a cited, independent
 read (or llama.cpp CPU-only decode) measurement on the same class of host (the file's
@@ -21,7 +22,8 @@ from moefit.devices.host import default_host_speed
 from moefit.ingest.gguf_mix import FTYPES
 from moefit.ingest.resolve import load_model
 from moefit.plan.speed import RESOURCES
-from moefit.plan.speed_check import (ENGINES, achieved_bandwidth, host_bandwidth, load_runs,
+from moefit.plan.speed_check import (ENGINES, HANDOVER, achieved_bandwidth, derive_handover,
+                                     host_bandwidth, host_expert_bytes, load_runs,
                                      memory_efficiency, predict_run, summary)
 
 DATA = Path(__file__).resolve().parent / "data" / "published_runs.json"
@@ -75,7 +77,7 @@ def test_every_run_is_predicted_with_a_named_bound(run):
     cases = predict_run(run)
     assert [c.phase for c in cases] == list(run["measured"])
     for c in cases:
-        assert c.predicted > 0 and c.bound in RESOURCES
+        assert c.predicted > 0 and c.bound in RESOURCES + (HANDOVER,)
 
 
 def test_host_threads_scale_the_what_if_host_compute():
@@ -136,3 +138,58 @@ def test_every_figure_of_a_run_carries_its_source(run):
     for phase, m in run["measured"].items():
         assert f"{m['tokens_per_s']:g}" in quoted, (phase, m["tokens_per_s"])
         assert str(m["prompt_tokens"]) in quoted or m.get("note"), (phase, "prompt length")
+
+
+def test_host_expert_bytes_are_the_stored_experts_a_token_reads():
+    """gpt-oss-120b as MXFP4_MOE with 27 layers' experts on the host: 4 experts per layer,
+    each gate, up and down of 2880 x 2880 in MXFP4 (32 values in 17 bytes: one E8M0 scale
+    and 16 bytes of 4-bit values, ggml's block_mxfp4) and their fp32 biases (2 x 2880 + 2880,
+    openai/gpt-oss-120b config.json: hidden 2880, intermediate 2880, 4 experts per token)."""
+    run = next(r for r in RUNS if r["id"] == "gptoss120b-3090-ncmoe27")
+    blob = 3 * 2880 * 2880 * 17 // 32 + 3 * 2880 * 4
+    assert host_expert_bytes(run) == 27 * 4 * blob
+    every = run | {"placement": {"cpu_moe_layers": "all"}}
+    assert host_expert_bytes(every) == 36 * 4 * blob
+
+
+def test_an_outlier_says_why_and_its_reason_holds():
+    """An outlier keeps its reason and the lines it is read from, stays in the median, and
+    its decode implies a host read rate far below DRAM's (< 3 GB/s, the reason's figure)
+    where every other decode implies a DRAM rate (> 20 GB/s): the reason is checked against
+    the model's bytes, not only stated."""
+    outliers = [r for r in RUNS if r.get("outlier")]
+    assert outliers, "the gpt-oss-120b RTX 3090 decode is an outlier"
+    for r in outliers:
+        assert r["outlier"]["reason"].strip() and r["outlier"]["quote"]
+        assert all(isinstance(q, str) and q.strip() for q in r["outlier"]["quote"])
+    cases = [c for r in RUNS for c in predict_run(r)]
+    decodes = [c for c in cases if c.phase == "decode"]
+    assert all(c.outlier for c in decodes if c.implied_host_bytes_per_s < 3e9)
+    assert all(c.implied_host_bytes_per_s > 20e9 for c in decodes if not c.outlier)
+    assert any(c.outlier for c in decodes)
+
+
+def test_the_decode_handover_is_derived_from_its_pair_and_never_applied_to_it():
+    """The ktransformers hand-over per MoE layer is what derive_handover computes from the
+    two quoted runs of one machine (one and two sockets), is applied only to runs of other
+    sources, adds its layers' seconds to each decoded token and nothing to prefill."""
+    by_id = {r["id"]: r for r in RUNS}
+    users = [r for r in RUNS if r.get("handover")]
+    assert users
+    for r in users:
+        h = r["handover"]
+        one, two = (by_id[i] for i in h["pair"])
+        assert derive_handover(one, two) == pytest.approx(h["per_moe_layer_s"], rel=0.01)
+        assert r["url"] != h["url"] and r["id"] not in h["pair"] and r["engine"] == "ktransformers"
+        assert not one.get("handover") and not two.get("handover")
+        assert f"{one['measured']['decode']['tokens_per_s']:g}" in " ".join(h["quote"])
+        assert f"{two['measured']['decode']['tokens_per_s']:g}" in " ".join(h["quote"])
+        bare = predict_run(r | {"handover": None})
+        for c, b in zip(predict_run(r), bare):
+            if c.phase == "decode":
+                layers = 58                         # DeepSeek-V3/R1: 3 dense + 58 MoE layers
+                assert 1 / c.predicted == pytest.approx(1 / b.predicted + layers * h["per_moe_layer_s"])
+            else:
+                assert c.predicted == b.predicted
+    with pytest.raises(ValueError, match="not one run"):
+        derive_handover(by_id["ktrans-r1-9654"], by_id["ktrans-dsv3-6454s-2socket"])

@@ -14,7 +14,6 @@ only once the extra is known to be installed.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import signal
@@ -40,6 +39,7 @@ from moefit.memory.weights import stored_matrices
 from moefit.plan.report import (format_json, format_speed, format_speed_verbose, format_table,
                                 speed_document)
 from moefit.plan.types import Alternative
+from moefit.records import replace
 from moefit.tools.demo import FAMILIES as DEMO_FAMILIES
 from moefit.units import format_bytes
 
@@ -62,7 +62,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     devices = devices_from_args(args)
     plan = plan_from_args(geom, devices, args)
     if not plan.fits and len(devices) == 1:
-        plan = dataclasses.replace(plan, alternatives=(*plan.alternatives,
+        plan = replace(plan, alternatives=(*plan.alternatives,
                                                        *_llamacpp_alternatives(geom, devices[0], args)))
     plan, speed, alt_speeds = speed_from_args(geom, devices, plan, args)
     if args.json:
@@ -103,7 +103,7 @@ def _llamacpp_plan(args: argparse.Namespace):
         tensors = llamacpp.tensors_from_header(args.model)
     else:
         tensors, note = llamacpp.tensors_from_geometry(geom, llama_ftype(args, geom))
-        req = dataclasses.replace(req, notes=(note, *req.notes))
+        req = replace(req, notes=(note, *req.notes))
     host = host_from_args(args, devices)
     if len(devices) > 1:
         return _llamacpp_split_plan(args, llamacpp, geom, tensors, devices, req, host)
@@ -153,9 +153,9 @@ def _llamacpp_split_plan(args, llamacpp, geom, tensors, devices, req, host):
     if wants_max_context(args):
         best = llamacpp.largest_split_context(geom, tensors, devices, req, req.context, host)
         if best is not None:
-            req = dataclasses.replace(req, context=best, notes=(
+            req = replace(req, context=best, notes=(
                 f"max-context: max, the largest context that fits at -ub {req.ubatch}: {best} tokens per "
-                f"sequence (-c {llamacpp.llama_ctx(dataclasses.replace(req, context=best))})", *req.notes))
+                f"sequence (-c {llamacpp.llama_ctx(replace(req, context=best))})", *req.notes))
     return llamacpp.solve_split(geom, tensors, devices, req, host_mem=host)
 
 

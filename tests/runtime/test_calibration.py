@@ -164,8 +164,89 @@ def test_the_host_memory_bandwidth_is_the_fastest_one_row_read(monkeypatch):
     monkeypatch.setattr(qmatmul, "gemm", gemm)
     monkeypatch.setattr(rc, "_best_seconds", best)
     bw, *_ = rc.measure_host([1], say=lambda _m: None)[1]
-    assert {q for q, _, n in seen if n > 3 << 20} == set(rc.PROBE_MEMORY_TYPES)
+    assert set(rc.PROBE_MEMORY_TYPES) <= {q for q, _, n in seen if n > 3 << 20}
     assert bw == pytest.approx(4e9, rel=0.01)
+
+
+def test_the_one_row_rates_stream_the_large_buffer_in_one_call_per_type(monkeypatch):
+    """A decode step's products stream their weights from memory, each in one long call:
+    the one-row rate of every type is one row against the whole PROBE_BIG buffer (not the
+    cached PROBE_SMALL matrix, whose short call is mostly the Python call's own cost),
+    its bytes over the call's time (stubbed)."""
+    from moefit.runtime import calibrate as rc
+    from moefit.runtime.kernels import qmatmul
+    if not qmatmul.available():
+        pytest.skip(f"C kernels: {qmatmul.unavailable_reason()}")
+    monkeypatch.setattr(rc, "PROBE_BIG", (512, 4096))
+    seen = []
+    real_gemm = qmatmul.gemm
+
+    def gemm(x, raw, qtype, rows, cols, threads=None):
+        seen.append((qtype, x.shape[0], raw.numel()))
+        return real_gemm(x, raw, qtype, rows, cols, threads=threads)
+
+    speed = {q: (i + 1) * 1e9 for i, q in enumerate(qmatmul.CTYPES)}
+
+    def best(run, repeats):
+        run()
+        qtype, _, nbytes = seen[-1]
+        return nbytes / speed[qtype]
+
+    monkeypatch.setattr(qmatmul, "gemm", gemm)
+    monkeypatch.setattr(rc, "_best_seconds", best)
+    bw, _, _, _, one_row, _, _ = rc.measure_host([1], say=lambda _m: None)[1]
+    types = {q for q in qmatmul.CTYPES if qmatmul.supports(q, rc.PROBE_BIG[1])}
+    assert set(one_row) == types
+    big = {q: n for q, r, n in seen if r == 1 and n > 3 << 20}
+    assert set(big) == types and all(n > 3.9 * (1 << 20) for n in big.values())
+    assert one_row == pytest.approx({q: speed[q] for q in types})
+    assert bw == max(speed[q] for q in rc.PROBE_MEMORY_TYPES)
+
+
+def test_the_call_cost_is_the_expert_probes_time_beyond_its_bytes_per_matrix(monkeypatch):
+    """One row through PROBE_EXPERT experts over the buffer in the MoE kernel, a decode
+    layer's pairs at a time, alternating with the long stream: per matrix, the time beyond
+    the bytes at the stream's rate (timings stubbed: 5 us per matrix); never below 0 (a
+    probe faster than the stream)."""
+    import torch
+
+    from moefit.memory.cpu_kernels import moe_scratch_bytes
+    from moefit.runtime import calibrate as rc
+    from moefit.runtime.kernels import qmatmul
+    if not qmatmul.available():
+        pytest.skip(f"C kernels: {qmatmul.unavailable_reason()}")
+    seen = []
+    real_moe, real_gemm = qmatmul.moe, qmatmul.gemm
+    rate = {"Q8_0": 10e9, "Q4_K": 5e9}
+    extra = {"Q8_0": 5e-6, "Q4_K": -1e-6}
+
+    def moe(x, ptrs, bounds, tok, w, acc, fmt, scratch, threads=None):
+        seen.append(("moe", fmt.gate.qtype, ptrs.numel() * fmt.nbytes, ptrs.numel(), fmt, scratch.numel()))
+        return real_moe(x, ptrs, bounds, tok, w, acc, fmt, scratch, threads=threads)
+
+    def gemm(x, raw, qtype, rows, cols, threads=None):
+        seen.append(("gemm", qtype, raw.numel(), 0, None, 0))
+        return real_gemm(x, raw, qtype, rows, cols, threads=threads)
+
+    def best(run, repeats):
+        run()
+        kind, qtype, nbytes, n, _, _ = seen[-1]
+        return nbytes / rate[qtype] + (3 * n * extra[qtype] if kind == "moe" else 0.0)
+
+    monkeypatch.setattr(qmatmul, "moe", moe)
+    monkeypatch.setattr(qmatmul, "gemm", gemm)
+    monkeypatch.setattr(rc, "_best_seconds", best)
+    big = torch.full((8 << 20,), 17, dtype=torch.uint8)
+    r8, c8 = rc._one_row(big, "Q8_0", 1)
+    r4, c4 = rc._one_row(big, "Q4_K", 1)
+    assert (r8, r4) == (pytest.approx(10e9), pytest.approx(5e9))
+    assert c8 == pytest.approx(5e-6) and c4 == 0.0
+    kinds = [k for k, *_ in seen]
+    assert kinds == ["gemm", "moe"] * (2 * rc.PROBE_ONE_ROW_REPEATS)      # alternating
+    _, _, nbytes, n, fmt, scratch = seen[1]
+    assert (fmt.gate.rows, fmt.gate.cols) == rc.PROBE_EXPERT and n == (8 << 20) // fmt.nbytes
+    assert scratch == moe_scratch_bytes(1, rc.PROBE_EXPERT[1], rc.PROBE_EXPERT[0], rc.PROBE_EXPERT_PAIRS)
+    assert (8 << 20) - 4352 < seen[0][2] <= 8 << 20       # the whole buffer (whole Q8_0 rows)
 
 
 def test_calibrate_needs_a_model_or_host(capsys):

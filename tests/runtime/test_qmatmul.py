@@ -138,13 +138,13 @@ def test_rows_of_a_batch_equal_each_row_alone(qtype):
         assert rel_err(got, x.double() @ w.T) < bound_of(qtype)
 
 
-@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "IQ4_NL", "Q4_K", "Q5_K", "Q6_K", "F16"])
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "IQ4_NL", "Q4_K", "Q5_K", "Q6_K", "Q2_K", "Q3_K", "F16"])
 def test_four_rows_at_once_equal_each_row_alone(qtype):
     """The kernels that read four weight rows against one activation give each row what that
     row gives as a one-row matrix (the one-row kernel), for 4, 5, 7 and 11 rows (the rest of
     4 on the one-row kernel), one and three activation rows: bit for bit for Q8_0 / Q4_K /
     Q5_K / Q6_K / F16 (the same sums in the same order: a decode step reads Q8_0 / Q6_K one
-    row at a time, Q4_K / Q5_K four rows at once, a batch four rows at once), within fp32 rounding for the 4-bit block
+    row at a time, Q4_K / Q5_K / Q2_K / Q3_K four rows at once, a batch four rows at once), within fp32 rounding for the 4-bit block
     types (whose four-row kernel adds the blocks in another order); and agree with gguf's
     dequantize."""
     cols = 512
@@ -157,12 +157,46 @@ def test_four_rows_at_once_equal_each_row_alone(qtype):
             got = qm.gemm(x[:n], flat, qtype, rows, cols, threads=1)
             alone = torch.cat([qm.gemm(x[:n], flat[r * rb:(r + 1) * rb], qtype, 1, cols, threads=1)
                                for r in range(rows)], dim=1)
-            if qtype in ("Q8_0", "Q4_K", "Q5_K", "Q6_K", "F16"):
+            if qtype in ("Q8_0", "Q4_K", "Q5_K", "Q6_K", "Q2_K", "Q3_K", "F16"):
                 assert torch.equal(got, alone), (rows, n)
             else:
                 assert rel_err(got, alone.double()) < 1e-6, (rows, n)
         w = reference_weights(raw, qtype, rows, cols)
         assert rel_err(got, x.double() @ w.T) < bound_of(qtype)
+
+
+@pytest.mark.parametrize("qtype", ["Q2_K", "Q3_K"])
+@pytest.mark.parametrize("fill", [0x00, 0xFF, 0xAA])
+def test_low_bit_k_quants_at_extreme_scales(qtype, fill):
+    """Q2_K / Q3_K super-blocks whose quant bytes are all 0x00, 0xFF or 0xAA (Q2_K: every value
+    0 or 3, scales and mins 0 or 15; Q3_K: values -4 or 3, hmask all set or clear, scales -32 or
+    31), with the fp16 scales at 1 and at 2^12, against activations that quantize exactly
+    (integers in -127..127, each super-block's largest 127): the one-activation-row kernels
+    (four rows at once and one) and the batch path are then exact in integers and agree with
+    gguf's dequantize to fp32 rounding; no int16 step saturates (vpmaddubsw pairs of 3 x 127
+    or 7 x 127, times scales of 15 / 32)."""
+    rows, cols = 9, 768
+    bs, ts = gguf.GGML_QUANT_SIZES[T[qtype]]
+    raw = np.full((rows, cols // bs, ts), fill, dtype=np.uint8)
+    d_at = {"Q2_K": (80, 84), "Q3_K": (108, 110)}[qtype]
+    scale = np.where(np.arange(rows) % 2 == 0, 1.0, 4096.0).astype(np.float16)
+    halves = np.broadcast_to(scale[:, None, None], (rows, cols // bs, (d_at[1] - d_at[0]) // 2))
+    raw[:, :, d_at[0]:d_at[1]] = np.ascontiguousarray(halves).view(np.uint8)
+    w = reference_weights(raw.reshape(rows, -1), qtype, rows, cols)
+    g = torch.Generator().manual_seed(fill)
+    x = torch.randint(-127, 128, (3, cols), generator=g).float()
+    x[0] = 127.0                                       # every value at the largest (sums of 127 x 3 x 16)
+    x[1, ::2] = -127.0
+    x.view(3, -1, 256)[:, :, 0] = 127.0
+    flat = torch.from_numpy(raw.reshape(-1))
+    ref = x.double() @ w.T
+    got = qm.gemm(x, flat, qtype, rows, cols, threads=1)
+    assert ((got.double() - ref).abs().max() / ref.abs().max().clamp(min=1)).item() < 1e-6
+    alone = torch.cat([qm.gemm(x[i:i + 1], flat, qtype, rows, cols, threads=1) for i in range(3)])
+    assert torch.equal(got, alone)
+    rb = flat.numel() // rows
+    one = torch.cat([qm.gemm(x, flat[r * rb:(r + 1) * rb], qtype, 1, cols, threads=1) for r in range(rows)], dim=1)
+    assert torch.equal(got, one)
 
 
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_K", "Q6_K", "Q2_K", "Q3_K", "IQ4_XS", "IQ2_XXS",

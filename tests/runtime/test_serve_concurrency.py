@@ -390,6 +390,91 @@ def test_a_stalled_reader_loses_its_stream_and_its_slot():
     assert DROPPED_STREAMS.pending == before
 
 
+def test_a_slow_reader_that_takes_every_write_in_time_keeps_its_stream():
+    # the timeout is per write (one timer per stream looks at the write in progress): six
+    # writes of 0.12 s each, 0.72 s in all, under a 0.25 s write timeout
+    cancelled = []
+
+    class Run:
+        def cancel(self):
+            cancelled.append(True)
+
+    async def events():
+        for i in range(6):
+            yield f"data: {i}\n\n"
+
+    async def main():
+        resp = EventStream(events(), Run(), write_timeout=0.25)
+        sent = []
+
+        async def send(msg):
+            sent.append(msg)
+            if msg["type"] == "http.response.body" and msg["more_body"]:
+                await asyncio.sleep(0.12)
+        t0 = time.monotonic()
+        await resp.stream_response(send)
+        return time.monotonic() - t0, sent
+
+    before = DROPPED_STREAMS.pending
+    elapsed, sent = asyncio.run(main())
+    assert elapsed > 0.7 and DROPPED_STREAMS.pending == before
+    assert [m.get("body") for m in sent[1:]] == [f"data: {i}\n\n".encode() for i in range(6)] + [b""]
+    assert sent[-1]["more_body"] is False and cancelled == [True]
+
+
+def test_a_reader_that_stalls_late_loses_its_stream_one_timeout_after_the_write():
+    # quick writes for 0.5 s (past the 0.2 s timeout since the first), then one that never
+    # returns: dropped about 0.2 s after that write began
+    class Run:
+        def cancel(self):
+            pass
+
+    async def events():
+        while True:
+            yield "data: {}\n\n"
+
+    async def main():
+        resp = EventStream(events(), Run(), write_timeout=0.2)
+        t0 = time.monotonic()
+        stalled = []
+
+        async def send(msg):
+            if time.monotonic() - t0 < 0.5:
+                await asyncio.sleep(0.01)
+            else:
+                stalled.append(time.monotonic())
+                await asyncio.Event().wait()
+        await resp.stream_response(send)
+        return time.monotonic() - stalled[0]
+
+    after = asyncio.run(main())
+    assert 0.15 < after < 0.6
+
+
+@pytest.mark.parametrize("text", ["", " hello", 'quo"te\\', "tab\tnew\nline\r\x00\x1f\x7f",
+                                  "h\u00e9llo \u00fc", "\u2713 \U0001f680", "\ufffd", "\ud800 lone",
+                                  "</script>", "\u2028\u2029"])
+def test_the_chunk_templates_are_json_dumps_of_the_chunk(text):
+    from moefit.serve.responses import _Chunks, _data
+
+    head = {"id": "cmpl-1", "object": "text_completion", "created": 5, "model": "m\u00e9"}
+    enc = _Chunks(head)
+
+    def ref(choice):
+        return _data({**head, "choices": [choice]})
+    for index in (0, 7):
+        for finish in (None, "stop", "length"):
+            c = {"index": index, "text": text, "logprobs": None, "finish_reason": finish}
+            assert enc.text(index, text, finish) == ref(c)
+            assert enc.text(index, text, finish, 4095) == ref({**c, "token_ids": [4095]})
+            d = {"index": index, "delta": {"content": text}, "logprobs": None, "finish_reason": finish}
+            assert enc.delta(index, text, finish) == ref(d)
+            assert enc.delta(index, text, finish, 3) == ref({**d, "token_ids": [3]})
+            e = {"index": index, "delta": {}, "logprobs": None, "finish_reason": finish}
+            assert enc.delta(index, None, finish) == ref(e)
+            assert enc.delta(index, None, finish, 12) == ref({**e, "token_ids": [12]})
+
+
 @pytest.mark.process
 def test_shutdown_ends_every_stream_with_a_finish_reason(served):
     state = make_state(served)

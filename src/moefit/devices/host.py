@@ -20,11 +20,11 @@ Imports no torch.
 
 from __future__ import annotations
 
-from dataclasses import field
+import math
 from pathlib import Path
 
 from moefit.errors import InputError
-from moefit.records import record
+from moefit.records import field, record
 from moefit.units import MIB, parse_size
 
 MEMINFO = Path("/proc/meminfo")
@@ -98,6 +98,20 @@ def resolve_host(host_ram: str | None, on_this_machine: bool,
 
 # ---- the host's speed ------------------------------------------------------------------------
 
+#: The bf16 GEMM probes of ``moefit calibrate --host`` (:func:`moefit.runtime.calibrate.
+#: measure_host`), (activation rows, weight rows, columns): a 256-token chunk against a 1024 x
+#: 2048 weight (:attr:`HostSpeed.gemm_flops`, 1.07 GFLOP) and an expert's product in a prefill
+#: chunk run expert by expert, 64 tokens against a 512 x 1024 expert matrix (the 1024-wide
+#: benchmark files' 512 tokens x 8 of 64 experts; :attr:`HostSpeed.gemm_small_flops`, 67 MFLOP)
+GEMM_PROBE = (256, 1024, 2048)
+GEMM_PROBE_SMALL = (64, 512, 1024)
+
+
+def _flop(shape: tuple[int, int, int]) -> float:
+    m, n, k = shape
+    return 2.0 * m * n * k
+
+
 #: The activation rows of the kernel-rate probe (``moefit calibrate --host``:
 #: :func:`moefit.runtime.calibrate.measure_host`), the row count of
 #: :attr:`HostSpeed.kernel_rates`.
@@ -125,15 +139,29 @@ class HostSpeed:
             measured (the default host), and large products are priced at
             :attr:`kernel_rates`.
         gemm_flops: the bf16 GEMM that follows the dequantization (``torch.mm``, oneDNN) at
-            a prefill-like shape, FLOP/s; 0: not measured.
+            a prefill-like shape (:data:`GEMM_PROBE`), FLOP/s; 0: not measured.
+        gemm_small_flops: the same GEMM at an expert's product in a prefill chunk
+            (:data:`GEMM_PROBE_SMALL`), FLOP/s; 0: not measured, and every product takes
+            :attr:`gemm_flops` (:meth:`gemm_rate`).
         one_row_rates: per ggml type, the C kernels' rate with one activation row (weight
-            bytes per second, the matrix in the caches, as :attr:`kernel_rates`); empty: not
-            measured, and every row count takes :attr:`kernel_rates`. One row is slower per
-            row than :data:`KERNEL_PROBE_ROWS`: each block's scales and packed values are
-            unpacked once per call and shared by the rows (measured here, AMD EPYC, one
-            thread, a 256 x 2048 matrix, process CPU time: Q8_0 31 against 54 GB/s of weights
-            x rows at 8 rows, Q4_K 17 / 27, Q6_K 26 / 39, BF16 48 / 66), which a decode step
-            (one row per product) pays.
+            bytes per second), measured as a decode step runs its products: one long call
+            against a matrix far larger than the caches, so the weights stream from memory
+            and the call's own cost is amortised (:data:`moefit.runtime.calibrate.PROBE_BIG`);
+            so it is at most the memory bandwidth, and below it where the type's arithmetic
+            is slower. Empty: not measured, and every row count takes :attr:`kernel_rates`.
+            One row is slower per row than :data:`KERNEL_PROBE_ROWS`: each block's scales
+            and packed values are unpacked once per call and shared by the rows (measured
+            here, AMD EPYC, one thread, a 256 x 2048 matrix in the caches, process CPU time:
+            Q8_0 31 against 54 GB/s of weights x rows at 8 rows, Q4_K 17 / 27, Q6_K 26 / 39,
+            BF16 48 / 66), which a decode step (one row per product) pays.
+        call_seconds: per ggml type, what one one-row product of a matrix costs beyond its
+            bytes at :attr:`one_row_rates` (seconds per matrix): a decode step runs a
+            layer's small matrices one after another (0.3-1.7 MB each in the benchmark
+            files), each starting its stream anew and ending at a barrier of the threads,
+            which one long stream does not pay. Measured by running one row through
+            :data:`moefit.runtime.calibrate.PROBE_EXPERT`-shaped experts past the caches in
+            the MoE kernel, a decode layer's pairs at a time
+            (:func:`moefit.runtime.calibrate.measure_host`); empty: not measured (0).
     """
 
     memory_bytes_per_s: float
@@ -143,6 +171,8 @@ class HostSpeed:
     dequant_rates: dict[str, float] = field(default_factory=dict)
     gemm_flops: float = 0.0
     one_row_rates: dict[str, float] = field(default_factory=dict)
+    call_seconds: dict[str, float] = field(default_factory=dict)
+    gemm_small_flops: float = 0.0
 
     def rate(self, qtype: str) -> float:
         """The compute roof of ``qtype`` (:attr:`kernel_rates`); a type that was not
@@ -156,19 +186,35 @@ class HostSpeed:
         (:meth:`rate`); below, the straight line between the two measured points, ``nbytes /
         one-row rate`` at one row and the :data:`KERNEL_PROBE_ROWS`-row time (a call's time
         is a fixed part, the unpacking, plus a part per row); under one row, that row's
-        share. Without a one-row rate for ``qtype`` (:attr:`one_row_rates`), the
-        :meth:`rate` line for every row count. One row never takes longer than the probe's
-        rows (a probe disturbed by other load can measure that; more rows never take less
-        time)."""
+        share. The one-row time of one matrix (one call) is ``nbytes / one-row rate`` plus
+        the type's :attr:`call_seconds`. Without a one-row rate for ``qtype``
+        (:attr:`one_row_rates`), the :meth:`rate` line for every row count. One row never
+        takes longer than the probe's rows (a probe disturbed by other load can measure
+        that; more rows never take less time)."""
         full = rows * nbytes / self.rate(qtype)
         one = self.one_row_rates.get(qtype)
         if not one or rows >= KERNEL_PROBE_ROWS:
             return full
         t_probe = KERNEL_PROBE_ROWS * nbytes / self.rate(qtype)
-        t1 = min(nbytes / one, t_probe)     # a noisy probe must not make more rows faster
+        t1 = nbytes / one + self.call_seconds.get(qtype, 0.0)
+        t1 = min(t1, t_probe)               # a noisy probe must not make more rows faster
         if rows <= 1:
             return rows * t1
         return t1 + (rows - 1) * (t_probe - t1) / (KERNEL_PROBE_ROWS - 1)
+
+    def gemm_rate(self, flop: float) -> float:
+        """The bf16 GEMM's FLOP/s for one product of ``flop`` FLOP (``2 x rows x weight rows
+        x columns``): :attr:`gemm_flops` at :data:`GEMM_PROBE`'s size and above,
+        :attr:`gemm_small_flops` at :data:`GEMM_PROBE_SMALL`'s and below, on the straight
+        line in log(FLOP) between (a small product pays oneDNN's per-call and per-thread
+        costs over less work). Without :attr:`gemm_small_flops`, :attr:`gemm_flops`."""
+        big, small = _flop(GEMM_PROBE), _flop(GEMM_PROBE_SMALL)
+        if not self.gemm_small_flops or flop >= big:
+            return self.gemm_flops
+        if flop <= small:
+            return self.gemm_small_flops
+        f = math.log(flop / small) / math.log(big / small)
+        return self.gemm_small_flops + f * (self.gemm_flops - self.gemm_small_flops)
 
     def dequant_rate(self, qtype: str) -> float | None:
         """Stored bytes of ``qtype`` dequantized per second (:attr:`dequant_rates`; a type

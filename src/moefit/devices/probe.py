@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import replace
 
 from moefit.devices.catalogue import find_gpu, idle_reserved
 from moefit.devices.device import Device, DeviceKind
 from moefit.errors import InputError
+from moefit.records import replace
 from moefit.units import MIB, format_gib, parse_size, size_format
 
 _NO_GPU_FIX = (

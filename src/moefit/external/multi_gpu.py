@@ -24,7 +24,6 @@ tokens in all wins. Pure: no I/O, no torch.
 
 from __future__ import annotations
 
-from dataclasses import field, replace
 from typing import Protocol
 
 from moefit.devices import Device
@@ -36,7 +35,7 @@ from moefit.ingest.resolve import format_params
 from moefit.plan.types import Alternative, Line, LineTable, format_fits_with, largest_int, limiting_lines
 from moefit.memory.layer_kinds import Latent, kind_of
 from moefit.memory.runtime import runtime_bytes
-from moefit.records import record
+from moefit.records import field, record, replace
 from moefit.units import GIB, MIB, format_bytes, size_format
 
 #: ``--max-num-batched-tokens`` / ``--chunked-prefill-size`` grid of a clamp (tokens)

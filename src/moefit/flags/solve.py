@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import os
-from dataclasses import replace
 
 from moefit.devices import Device, Host
 from moefit.devices.host import HostSpeed, default_host_speed
@@ -26,6 +25,7 @@ from moefit.plan.solver import solve
 from moefit.plan.speed import Routing, Speed, hit_rate, plan_crossovers, predict_plan, routing_chances
 from moefit.plan.throughput import DEFAULT_DECODE_TOKENS, Workload, alternative_request, rank_alternatives
 from moefit.plan.types import Plan
+from moefit.records import replace
 from moefit.units import parse_size
 
 

@@ -19,11 +19,10 @@ This module imports no torch.
 from __future__ import annotations
 
 import math
-from dataclasses import field
 from functools import cached_property
 from typing import Literal, NamedTuple
 
-from moefit.records import record
+from moefit.records import field, record
 
 #: How model cards count active parameters: convention -> the tensor roles left out. A
 #: token reads one row of the input embedding table, so some cards leave it out:

@@ -25,7 +25,6 @@ never torch.
 from __future__ import annotations
 
 import re
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +37,7 @@ from moefit.ingest.families.qwen_hybrid import GGUF_LINEAR
 from moefit.ingest.geometry import DTYPE_BYTES, ExactWeights, ModelGeometry
 from moefit.ingest.gguf_reader import (SHARD_NAME, GGUFHeader, GGUFTensor, close_reader, open_reader,
                                        read_header, shard_paths)
-from moefit.records import record
+from moefit.records import record, replace
 from moefit.units import format_bytes
 
 __all__ = ["EMBEDDING", "RUNTIME_TYPES", "GGUFHeader", "GGUFTensor", "GGUFWeights", "close_reader",

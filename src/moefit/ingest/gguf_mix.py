@@ -34,15 +34,13 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from dataclasses import dataclass, replace
 
 from moefit.errors import InputError
 from moefit.ingest.families import registry
 from moefit.ingest.families.common import GGUF_EXPERT_PARTS, GGUF_LAYER_EXTRA, GLOBAL_NAMES, LAYER_NAMES
 from moefit.ingest.geometry import ModelGeometry
 from moefit.ingest.ggml_types import block_values, tensor_bytes
-from moefit.ingest.gguf_header import GGUFHeader, GGUFTensor, exact_from_gguf
-from moefit.records import record
+from moefit.records import record, replace
 
 #: ``llama-quantize`` file types planned here -> the default ggml type
 #: (``llama_ftype_get_default_type``)
@@ -169,7 +167,7 @@ def converted_tensors(geom: ModelGeometry, dtype: str | None = None) -> tuple[li
     return out, unknown
 
 
-@dataclass
+@record(frozen=False)
 class _Counters:
     """``quantize_state_impl``'s counters: ``n_attention_wv`` (attention-V-like tensors) and
     the running ``i_attention_wv``; ``n_layer`` (``n_ffn_down`` = the block count)."""
@@ -334,6 +332,9 @@ def gguf_geometry(geom: ModelGeometry, ftype: str) -> ModelGeometry:
     :func:`llamacpp_tensors`), so moefit's own planner prices a file that does not exist
     yet (a ``fits with:`` remedy of a checkpoint, :func:`moefit.plan.alternatives.find_alternatives`).
     Pure: no file is read. Raises InputError for a family without a GGUF architecture."""
+    # the GGUF reader's records and exact bytes: only a failing plan's GGUF remedy prices a file
+    from moefit.ingest.gguf_header import GGUFHeader, GGUFTensor, exact_from_gguf
+
     infos, _ = llamacpp_tensors(geom, ftype)
     tensors = {t.name: GGUFTensor(t.name, t.kind, t.ne, math.prod(t.ne), t.nbytes, 0, 0) for t in infos}
     name = f"{geom.name.rstrip('/').rsplit('/', 1)[-1]}-{ftype}.gguf"

@@ -25,13 +25,12 @@ from __future__ import annotations
 import functools
 import re
 import struct
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from moefit.errors import InputError
 from moefit.ingest.inputs import read_bytes
-from moefit.records import record
+from moefit.records import field, record
 
 #: A shard's file name of a split GGUF model: ``<stem>-0000K-of-0000N.gguf``.
 SHARD_NAME = re.compile(r"^(?P<stem>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$", re.IGNORECASE)
@@ -62,7 +61,7 @@ class GGUFTensor:
         return tuple(reversed(self.ne))
 
 
-@dataclass
+@record(frozen=False)
 class GGUFHeader:
     """Metadata (first shard) and tensor infos (all shards) of a GGUF model.
 

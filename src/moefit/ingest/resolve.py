@@ -19,7 +19,6 @@ Parsed presets are cached; nothing here imports torch.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from pathlib import Path
 from typing import Iterable
@@ -30,6 +29,7 @@ from moefit.ingest.families import geometry_from_config, is_deepseek_inference_c
 from moefit.ingest.families import registry
 from moefit.ingest.geometry import ACTIVE_LEFT_OUT, ModelGeometry
 from moefit.ingest.inputs import is_regular_file, read_json, sniff
+from moefit.records import record, replace
 
 PRESETS_DIR = Path(__file__).resolve().parents[1] / "presets"
 
@@ -159,7 +159,7 @@ def load_model(spec: str) -> ModelGeometry:
             raise _unknown(spec)
         return _load_preset(name)
     exact = exact_weights(geom, model_dir)
-    return dataclasses.replace(geom, exact=exact) if exact is not None else geom
+    return replace(geom, exact=exact) if exact is not None else geom
 
 
 def config_of(spec: str) -> dict:
@@ -188,7 +188,7 @@ def config_of(spec: str) -> dict:
     return data
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class ServingReference:
     """How a serving engine's launch command names a model: ``model`` (the Hugging Face
     repository id of a preset, from ``presets/repos.json``; else the path as given, a

@@ -35,7 +35,6 @@ from __future__ import annotations
 import json
 import math
 import os
-from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Callable
 
@@ -48,6 +47,7 @@ from moefit.ingest.inputs import read_json
 from moefit.memory.kv import kv_format
 from moefit.memory.staging import StagingModel, compute_bytes, expert_dequant_bytes, staging_model
 from moefit.outputs import writable_dir, write_text_atomic
+from moefit.records import replace
 
 SCHEMA = "moefit.calibration/1"
 #: bumped whenever the runtime's staging changes shape: older calibrations go stale
@@ -69,6 +69,8 @@ def cache_dir() -> Path:
 
 def geometry_hash(geom: ModelGeometry) -> str:
     """sha256 of what the staging depends on: family, sizes and every layer's specs."""
+    from dataclasses import asdict      # only a plan that finds calibration files hashes
+
     layers = [[asdict(l.attention), _moe_doc(l.moe), l.dense_intermediate,
                sorted(t.name.rsplit(".", 2)[-2] for t in l.tensors if "norm" in t.name)]
               for l in geom.layers]
@@ -89,6 +91,8 @@ def _sha256(text: str) -> str:
 def _moe_doc(moe) -> dict | None:
     """A layer's MoE spec for the hash; plain softmax routing is left out, so the hashes
     of the families from before grouped routing stay the same."""
+    from dataclasses import asdict      # as geometry_hash
+
     if moe is None:
         return None
     doc = asdict(moe)
@@ -232,7 +236,7 @@ def load(geom: ModelGeometry, device: Device, kv: str,
 #
 # One JSON file per machine under the same cache, in ``host/``::
 #
-#     {"schema": "moefit.host/2", "moefit": "0.1.0", "cpu": "AMD EPYC ...", "cpus": 2,
+#     {"schema": "moefit.host/3", "moefit": "0.1.0", "cpu": "AMD EPYC ...", "cpus": 2,
 #      "threads": {"1": {"memory_bytes_per_s": ..., "rates": {"Q4_K": ..., ...},
 #                        "dequant_rates": {"Q4_K": ..., ...}, "gemm_flops": ...}, "2": ...},
 #      "created": "..."}
@@ -241,11 +245,17 @@ def load(geom: ModelGeometry, device: Device, kv: str,
 # (what the kernels read from memory); ``rates``: eight rows against a matrix that stays in
 # the caches (weight bytes x rows per second); ``dequant_rates`` (stored bytes dequantized per
 # second) and ``gemm_flops`` (bf16 ``torch.mm``): the path of large products (version 2; a
-# version 1 file lacks them and is measured again); ``one_row_rates``: one row against the
-# cached matrix (optional: a file without it prices every row count at ``rates``). A file that cannot be trusted is ignored with
-# a warning, as a staging calibration is.
+# version 1 file lacks them and is measured again); ``one_row_rates``: one row against a
+# large matrix past the caches in one call (optional: a file without it prices every row count
+# at ``rates``); ``call_seconds``: per type, a one-row product's cost per matrix beyond its
+# bytes (optional: 0); ``gemm_small_flops``: the bf16 GEMM at an expert's product in a prefill
+# chunk (optional: every product at ``gemm_flops``). A file that cannot be trusted is ignored with a warning, as a staging
+# calibration is.
 
-HOST_SCHEMA = "moefit.host/2"
+#: version 3 (2026-12-02): ``one_row_rates`` streamed from memory in one call, and
+#: ``call_seconds``; a version 2 file's one-row rates came from a cached matrix's short
+#: call (another figure), so it is measured again
+HOST_SCHEMA = "moefit.host/3"
 
 
 def host_key() -> dict:
@@ -276,7 +286,8 @@ def host_calibration_path(key: dict | None = None) -> Path:
 
 def save_host(per_threads: dict[int, tuple]) -> Path:
     """Store ``{threads: (memory bytes/s, {ggml type: rate}[, {ggml type: dequantize
-    bytes/s}, bf16 GEMM FLOP/s[, {ggml type: one-row rate}]])}`` measured on this machine
+    bytes/s}, bf16 GEMM FLOP/s[, {ggml type: one-row rate}[, {ggml type: seconds per
+    one-row call}[, bf16 GEMM FLOP/s at an expert's size]]]])}`` measured on this machine
     (:func:`moefit.runtime.calibrate.measure_host`)."""
     from datetime import datetime, timezone     # the time stamp: only a calibration written
 
@@ -285,7 +296,9 @@ def save_host(per_threads: dict[int, tuple]) -> Path:
            "threads": {str(t): {"memory_bytes_per_s": f[0], "rates": f[1],
                                 "dequant_rates": f[2] if len(f) > 2 else {},
                                 "gemm_flops": f[3] if len(f) > 3 else 0.0,
-                                "one_row_rates": f[4] if len(f) > 4 else {}}
+                                "one_row_rates": f[4] if len(f) > 4 else {},
+                                "call_seconds": f[5] if len(f) > 5 else {},
+                                "gemm_small_flops": f[6] if len(f) > 6 else 0.0}
                        for t, f in sorted(per_threads.items())},
            "created": datetime.now(timezone.utc).isoformat(timespec="seconds")}
     path = host_calibration_path(key)
@@ -317,6 +330,8 @@ def load_host(threads: int | None = None, warn: Warn | None = None) -> HostSpeed
         return ignored(f"unreadable: {str(e).removeprefix(f'{path}: ')}")
     if isinstance(doc, dict) and doc.get("schema") == "moefit.host/1":
         return ignored("written before the large-product figures were measured")
+    if isinstance(doc, dict) and doc.get("schema") == "moefit.host/2":
+        return ignored("written before the one-row rates were streamed from memory")
     if not isinstance(doc, dict) or doc.get("schema") != HOST_SCHEMA:
         return ignored("not a host calibration document")
     if doc.get("moefit") != __version__:
@@ -332,8 +347,12 @@ def load_host(threads: int | None = None, warn: Warn | None = None) -> HostSpeed
               and isinstance(entry.get("dequant_rates", {}), dict)
               and all(isinstance(k, str) and _positive(v) for k, v in entry.get("dequant_rates", {}).items())
               and (entry.get("gemm_flops", 0.0) == 0.0 or _positive(entry.get("gemm_flops")))
+              and (entry.get("gemm_small_flops", 0.0) == 0.0 or _positive(entry.get("gemm_small_flops")))
               and isinstance(entry.get("one_row_rates", {}), dict)
-              and all(isinstance(k, str) and _positive(v) for k, v in entry.get("one_row_rates", {}).items()))
+              and all(isinstance(k, str) and _positive(v) for k, v in entry.get("one_row_rates", {}).items())
+              and isinstance(entry.get("call_seconds", {}), dict)
+              and all(isinstance(k, str) and (v == 0 or _positive(v)) and not isinstance(v, bool)
+                      and v < 1.0 for k, v in entry.get("call_seconds", {}).items()))
         if not ok:
             return ignored("implausible numbers")
         table[int(t)] = entry
@@ -349,7 +368,9 @@ def load_host(threads: int | None = None, warn: Warn | None = None) -> HostSpeed
                      f"{'s' if pick != 1 else ''})",
                      {k: float(v) for k, v in (entry.get("dequant_rates") or {}).items()},
                      float(entry.get("gemm_flops") or 0.0),
-                     {k: float(v) for k, v in (entry.get("one_row_rates") or {}).items()})
+                     {k: float(v) for k, v in (entry.get("one_row_rates") or {}).items()},
+                     {k: float(v) for k, v in (entry.get("call_seconds") or {}).items()},
+                     float(entry.get("gemm_small_flops") or 0.0))
 
 
 def _positive(x: object) -> bool:

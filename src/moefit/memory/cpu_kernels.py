@@ -60,9 +60,14 @@ DISABLE_ENV = "MOEFIT_NO_CKERNELS"
 #: 5-7 interleaved rounds, CPU time: a 512 x 1024 matrix 0.65 at 64 rows, 0.94 at 128; 2048 x
 #: 1024 0.81 at 128, 0.98 at 512; hence 256. Q5_K, whose 25 rows or more take its twin
 #: ``q5k_tile`` (the same harness, a 512 x 1024 matrix): 0.43 at 32 rows, 0.61 at 64, 0.93 at
-#: 128; hence 128.
+#: 128; hence 128. IQ4_XS again since its AVX-512 VNNI kernel takes 16 weight rows per
+#: unpacking (``iq4x_rows16``) and its bf16
+#: dequantization no longer goes through the scalar unpacking: the dense matrices of the two
+#: ``benchmarks/vs_llamacpp.py --mixes`` shapes (2048 x 1024, 1024 x 2048, 512 x 1024,
+#: 4096 x 2048, 2048 x 4096, 512 x 2048), one thread, a loaded machine (load 8), 5
+#: interleaved pairs: 0.82-1.05 at 256 rows, 0.95-1.25 at 512.
 SMALL_ROWS = 8
-SMALL_ROWS_BY_TYPE = {"Q2_K": 32, "Q3_K": 32, "IQ4_XS": 64, "Q6_K": 256, "Q5_K": 128}
+SMALL_ROWS_BY_TYPE = {"Q2_K": 32, "Q3_K": 32, "IQ4_XS": 256, "Q6_K": 256, "Q5_K": 128}
 
 #: A MoE layer (``moefit.runtime.moe.batch.run_layer``) runs the batched C kernel while its
 #: experts get at most this many tokens each on average (the (token, expert) pairs over the
@@ -106,9 +111,14 @@ SMALL_ROWS_BY_TYPE = {"Q2_K": 32, "Q3_K": 32, "IQ4_XS": 64, "Q6_K": 256, "Q5_K":
 #: 32 experts of 768, 0.64 at 128. Q5_K 128 since its experts' 25 tokens or more take
 #: ``q5k_tile`` (the same harness): Q5_K gate / up with Q6_K down (the Q5_K_M mix's layers),
 #: hidden 1024, 64 experts of 512, 0.62 at 64 tokens per expert; all Q5_K, hidden 2048, 32 of
-#: 768, 0.74 at 128 (not measured further).
+#: 768, 0.74 at 128 (not measured further). IQ4_XS since its 16-row kernel (``iq4x_rows16``;
+#: :data:`SMALL_ROWS_BY_TYPE`'s measurement, the four expert
+#: matrices of the two shapes, 512 x 1024, 1024 x 512, 768 x 2048, 2048 x 768): 0.73-0.88 at
+#: 128 tokens, 0.89-0.95 at 256, 0.90-1.01 at 384, the kernel against its matrix's
+#: dequantization and ``torch.mm`` alone (the expert-by-expert path adds its per-expert
+#: work): 256.
 TOKENS_PER_EXPERT = {"Q4_K": 8, "Q5_K": 128, "Q6_K": 256, "Q8_0": 20, "Q4_0": 32,
-                     "BF16": 32, "F16": 32, "F32": 32, "Q2_K": 16, "Q3_K": 16, "IQ4_XS": 16,
+                     "BF16": 32, "F16": 32, "F32": 32, "Q2_K": 16, "Q3_K": 16, "IQ4_XS": 256,
                      "IQ2_XXS": 48, "IQ3_XXS": 24, "IQ1_M": 24}
 DEFAULT_TOKENS_PER_EXPERT = 8
 

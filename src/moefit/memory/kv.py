@@ -309,14 +309,23 @@ def kv_bytes(geom: ModelGeometry, fmt: KVFormat, context: int, slots: int,
     """
     cells = state = 0
     cache_layers = 0
+    # the layers that share one attention spec (the same object) cost the same: priced once,
+    # times their count (a failing plan's alternatives price a model's KV some 25 times)
+    layers_of: dict[int, list] = {}
     for layer in geom.layers:
         att = layer.attention
+        seen = layers_of.get(id(att))
+        if seen is None:
+            layers_of[id(att)] = [att, 1]
+        else:
+            seen[1] += 1
+    for att, count in layers_of.values():
         kind = kind_of(att)
-        state += slots * sum(kind.state_split(att, geom.dtype_bytes))
+        state += count * slots * sum(kind.state_split(att, geom.dtype_bytes))
         if kind.cells:
-            cache_layers += 1
+            cache_layers += count
             n = pool if pool is not None and pooled(att) else slots * kind.cell_count(att, context, chunk)
-            cells += n * cell_bytes(att, fmt)
+            cells += count * n * cell_bytes(att, fmt)
     table = slots * context * CELL_INDEX_BYTES if pool is not None else 0
     return KVBudget(cells + state + table, cells, state, cache_layers, geom.num_layers, table)
 

@@ -52,6 +52,7 @@ A calibration measured on the device (``moefit calibrate``,
 
 from __future__ import annotations
 
+import functools
 import math
 
 from moefit.ingest.geometry import LayerSpec, ModelGeometry, Routing
@@ -321,7 +322,24 @@ def staging_model(geom: ModelGeometry, fmt: KVFormat, slots: int = 1,
             without the torch kernels' scratch; on a CUDA device where they run as fused
             Triton products (:func:`experts_fused`) neither the dequantized matrix nor a
             kernel scratch is priced.
+
+    Kept for the last few arguments (with what the environment decides: the C kernels
+    expected, the experts fused): a failing plan re-solves one model a dozen times for its
+    alternatives, and the per-layer steps were a quarter of that.
     """
+    fused = experts_fused(geom, device_kind)
+    c_kernels = bool(geom.experts_stored and not fused and cpu_kernels.expected(device_kind))
+    try:
+        hash(geom)
+    except TypeError:       # a geometry with an unhashable field (a plug-in's): not kept
+        return _staging_model.__wrapped__(geom, fmt, slots, device_kind, fused, c_kernels)
+    return _staging_model(geom, fmt, slots, device_kind, fused, c_kernels)
+
+
+@functools.lru_cache(maxsize=16)
+def _staging_model(geom: ModelGeometry, fmt: KVFormat, slots: int, device_kind: str, fused: bool,
+                   c_kernels: bool) -> StagingModel:
+    """:func:`staging_model` with the environment's choices given (``fused``, ``c_kernels``)."""
     act = compute_bytes(geom)
     up = 0 if act == FP32 else 1
     h = geom.hidden_size
@@ -334,14 +352,12 @@ def staging_model(geom: ModelGeometry, fmt: KVFormat, slots: int = 1,
              Step("RoPE tables", 0, FP32 + rot * FP32 + up * rot * FP32)]
     for layer in geom.layers:
         steps += [kind_of(layer.attention).step(layer, fmt, act, geom), _mlp_step(layer, geom, act)]
-    fused = experts_fused(geom, device_kind)
     fixed = fixed_region_bytes(geom, fmt, slots=slots, fused=fused)
     terms_extra: tuple = ()
     scratch = fp8_dense_scratch(geom)
     if geom.experts_stored and not fused:
         # quantized experts (GGUF, fp8, gpt-oss's mxfp4): one matrix dequantized at a time into
         # the fixed region; the kernels' fp32 scratch (bounded tiles) is allocated outside the workspace
-        c_kernels = cpu_kernels.expected(device_kind)
         scratch = max(scratch, expert_dequant_bytes(geom, act, c_kernels) - _expert_matrix_bytes(geom, act))
         terms_extra = (("expert dequantization kernel scratch", scratch, 0),)
     elif scratch:    # fp8 dense weights only

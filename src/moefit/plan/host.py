@@ -7,8 +7,6 @@ small fails the plan like a device.
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 from moefit.devices import Host
 from moefit.errors import InputError
 from moefit.ingest.geometry import ModelGeometry
@@ -16,6 +14,7 @@ from moefit.memory import host as host_memory
 from moefit.memory.weights import expert_slot_bytes
 from moefit.plan.request import Request
 from moefit.plan.types import HostPlan, Line, Plan
+from moefit.records import replace
 from moefit.units import format_bytes
 
 

@@ -28,7 +28,8 @@ def dense_products(layer, rates, tokens: int) -> float:
     :func:`dense_large`'s threshold (:meth:`~moefit.devices.host.HostSpeed.kernel_seconds`
     of ``tokens`` rows: ``tokens x B / rate(q)`` from the probe's rows on, slower per row
     below), above it dequantized and
-    multiplied (``B / dequantize rate(q) + 2 x tokens x N / GEMM FLOP/s``, the figures of
+    multiplied (``B / dequantize rate(q) + 2 x tokens x N / GEMM FLOP/s`` at that product's size,
+    :meth:`~moefit.devices.host.HostSpeed.gemm_rate`, the figures of
     ``moefit calibrate --host``; not measured: the kernels' rate); the matrices kept in the
     compute dtype at the device's FLOP rate (the GEMM's above :data:`~moefit.memory.
     cpu_kernels.SMALL_ROWS` rows when measured)."""
@@ -37,9 +38,10 @@ def dense_products(layer, rates, tokens: int) -> float:
     for q, nbytes, n in layer.stored_mats:
         params -= n
         dq = host.dequant_rate(q) if dense_large(q, tokens) else None
-        t += nbytes / dq + 2 * tokens * n / host.gemm_flops if dq else host.kernel_seconds(q, nbytes, tokens)
+        t += nbytes / dq + 2 * tokens * n / host.gemm_rate(2 * tokens * n) if dq else \
+            host.kernel_seconds(q, nbytes, tokens)
     big = tokens > cpu_kernels.SMALL_ROWS and host.gemm_flops
-    return t + 2 * tokens * params / (host.gemm_flops if big else rates.device_flops)
+    return t + 2 * tokens * params / (host.gemm_rate(2 * tokens * params) if big else rates.device_flops)
 
 
 def expert_products(layer, host: HostSpeed, experts: float, pairs: float, batched: bool) -> float:
@@ -50,7 +52,9 @@ def expert_products(layer, host: HostSpeed, experts: float, pairs: float, batche
     (:meth:`~moefit.devices.host.HostSpeed.kernel_seconds`; from the probe's rows on,
     ``pairs x blob / rate``: :func:`expert_rate`); else expert by expert, each matrix dequantized (a third of the
     blob per matrix at its type's dequantize rate) and multiplied by the bf16 GEMM
-    (``2 x pairs x expert params / GEMM FLOP/s``); where those were not measured, the
+    (``2 x pairs x expert params / GEMM FLOP/s``, the GEMM's rate at one product's size,
+    ``2 x pairs / experts x expert params / 3``:
+    :meth:`~moefit.devices.host.HostSpeed.gemm_rate`); where those were not measured, the
     kernels' rate."""
     blob = layer.blob_bytes
     rates = [host.dequant_rate(t) for t in layer.expert_types]
@@ -60,7 +64,10 @@ def expert_products(layer, host: HostSpeed, experts: float, pairs: float, batche
             return 0.0
         rows = pairs / experts
         return experts * sum(host.kernel_seconds(t, third, rows) for t in layer.expert_types)
-    return experts * sum(third / r for r in rates) + 2 * pairs * layer.expert_params / host.gemm_flops
+    if experts <= 0:
+        return 0.0
+    flop = 2 * pairs * layer.expert_params      # three products per expert, equal in size
+    return experts * sum(third / r for r in rates) + flop / host.gemm_rate(flop / (3 * experts))
 
 
 def expert_rate(layer, host: HostSpeed) -> float:

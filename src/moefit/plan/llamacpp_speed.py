@@ -6,13 +6,12 @@ expert tensors copied for large micro-batches, the graph's splits in turn. Impor
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 from moefit.devices import Device
 from moefit.devices.host import HostSpeed
 from moefit.ingest.geometry import ModelGeometry
 from moefit.memory.kv import kv_format
 from moefit.plan.speed import LLAMACPP_OFFLOAD_MIN_BATCH, Speed, predict, rates_for
+from moefit.records import replace
 
 #: llama.cpp's cache types (K, V) as moefit's KV formats of the same bytes per value
 _LLAMA_KV = {("f16", "f16"): "fp16", ("bf16", "bf16"): "bf16", ("f32", "f32"): "fp32",

@@ -28,8 +28,6 @@ The pricing (:func:`price`, :func:`device_lines`) and the chunk rules
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 from moefit.devices import Device
 from moefit.errors import InputError
 from moefit.ingest.geometry import ModelGeometry
@@ -43,7 +41,7 @@ from moefit.plan import throughput
 from moefit.plan.arena import arena_candidates
 from moefit.plan.request import CHUNK_GRID, Request
 from moefit.plan.types import LINE_ORDER, DevicePlan, Line, Plan, limiting_lines
-from moefit.records import record
+from moefit.records import record, replace
 
 
 def _tokens(n: int) -> str:

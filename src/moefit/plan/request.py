@@ -16,13 +16,12 @@ A :class:`Request` is plain data; :func:`context_limit` applies the RoPE rules:
 from __future__ import annotations
 
 import math
-from dataclasses import replace
 from typing import Literal
 
 from moefit.errors import InputError
 from moefit.ingest.geometry import ModelGeometry
 from moefit.memory.kv import kv_format
-from moefit.records import record
+from moefit.records import record, replace
 from moefit.units import parse_count
 
 CHUNK_GRID = 256            #: prefill chunks are multiples of this many tokens

@@ -12,8 +12,6 @@ memory (llama.cpp's ``--tensor-split``), each device holding its layers' experts
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 from moefit.devices import Device
 from moefit.ingest.geometry import ModelGeometry
 from moefit.memory import host as host_memory
@@ -26,7 +24,7 @@ from moefit.plan.one_device import (Priced, by_throughput, chunk_target, clamp_n
                                     floor_ceiling, grid_floor, price)
 from moefit.plan.request import CHUNK_GRID, Request
 from moefit.plan.types import LINE_ORDER, DevicePlan, Line, Plan, limiting_lines
-from moefit.records import record
+from moefit.records import record, replace
 from moefit.units import format_bytes
 
 #: The lines a device that holds expert slots only has (an expert split's other devices).

@@ -13,8 +13,6 @@ The types it returns are in :mod:`moefit.plan.types`. :func:`solve` is a pure fu
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 from moefit.devices import Device, Host
 from moefit.ingest.geometry import ModelGeometry
 from moefit.memory.staging import StagingModel
@@ -22,6 +20,7 @@ from moefit.plan.alternatives import find_alternatives
 from moefit.plan.budget import as_devices, solve_budget
 from moefit.plan.request import Request
 from moefit.plan.types import Plan
+from moefit.records import replace
 
 
 def solve(geom: ModelGeometry, device: "Device | tuple[Device, ...]", req: Request, *,

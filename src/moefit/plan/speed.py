@@ -45,7 +45,6 @@ Pure arithmetic, no torch, no I/O.
 from __future__ import annotations
 
 import math
-from dataclasses import field, replace
 
 from moefit.devices import Device
 from moefit.devices.device import GpuSpeed
@@ -58,7 +57,7 @@ from moefit.memory.weights import expert_slot_bytes, stored_bytes, stored_change
 from moefit.memory.takes import ATTN_Q_BLOCK
 from moefit.plan.arena import KNOWN_COPIES, arena_moe_seconds
 from moefit.plan.host_paths import dense_products, expert_products, expert_rate
-from moefit.records import record
+from moefit.records import field, record, replace
 
 #: The resources a step's time is charged to, as printed (the "bound").
 RESOURCES = ("device compute", "device memory", "PCIe", "host compute", "host memory")

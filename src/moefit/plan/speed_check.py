@@ -22,6 +22,21 @@ peak fraction of an independent published measurement on the same class of host 
 benchmark, or llama.cpp's CPU-only decode: bytes read per token x tokens/s), the
 file's ``host_memory_efficiency``) and threads: the C kernels' per-core rates measured on the
 CI machine, not the engine's kernels. Imports no torch; reads only the data file.
+
+A ktransformers run may name a ``handover`` (a key of the file's ``decode_handover``): a fixed
+time per MoE layer and decoded token that the engine spends outside the reads the model prices
+(the CPU-GPU hand-over of each layer's experts: synchronisation, copies, launches), derived by
+:func:`derive_handover` from a published pair of runs on another machine that differ only in
+their sockets; it is added to the decode's step (:data:`HANDOVER` names it as the bound when it
+is the larger part). llama.cpp runs name none: no published or measured figure for its
+hand-over was found (the CPU side's fixed cost, measured here by
+``benchmarks/llamacpp_layer_cost.py``, is a few microseconds per layer).
+
+A run may carry an ``outlier``: a measurement the model cannot reproduce, with the reason found
+(or that none was) and the ``phases`` it concerns (default: all); it stays in the median (:func:`summary`) and its :class:`Case` names it.
+:func:`host_expert_bytes` is what a decoded token reads from host memory by the model's
+geometry, so a decode's measured tokens/s gives the host read rate it implies
+(:meth:`Case.implied_host_bytes_per_s`), the check behind such a reason.
 """
 
 from __future__ import annotations
@@ -41,6 +56,9 @@ from moefit.records import record
 
 #: the engines a run may name
 ENGINES = ("llama.cpp", "ktransformers")
+#: the bound named when a run's decode hand-over (:func:`derive_handover`) takes longer than
+#: the rest of its step
+HANDOVER = "hand-over"
 #: bytes a memory channel moves per transfer (64 data bits: a DDR4 channel, or a DDR5 DIMM's
 #: two 32-bit subchannels)
 CHANNEL_BYTES = 8
@@ -49,7 +67,10 @@ CHANNEL_BYTES = 8
 @record
 class Case:
     """One measured figure of a run against its prediction: ``phase`` is ``prefill`` or
-    ``decode``; tokens/s both; ``bound`` the resource the model names."""
+    ``decode``; tokens/s both; ``bound`` the resource the model names; ``host_bytes``: the
+    bytes of routed experts one decoded token reads from host memory
+    (:func:`host_expert_bytes`; 0.0 for prefill); ``outlier``: the run's outlier reason, ""
+    for none."""
 
     run: str
     engine: str
@@ -57,6 +78,15 @@ class Case:
     measured: float
     predicted: float
     bound: str
+    host_bytes: float = 0.0
+    outlier: str = ""
+
+    @property
+    def implied_host_bytes_per_s(self) -> float:
+        """The host read rate a decode's measured tokens/s implies (bytes/s): ``host_bytes x
+        measured``, a lower bound on the achieved bandwidth when every other part of the step
+        took no time; 0.0 for prefill."""
+        return self.host_bytes * self.measured
 
     @property
     def ratio(self) -> float:
@@ -76,11 +106,15 @@ def load_runs(path: str | Path) -> list[dict]:
     unreadable file, KeyError for a host naming an efficiency the file does not hold."""
     doc = json.loads(Path(path).read_text())
     table = doc.get("host_memory_efficiency", {})
+    handovers = doc.get("decode_handover", {})
     runs = doc["runs"]
     for run in runs:
         key = run["host"].get("efficiency")
         if isinstance(key, str):
             run["host"] = run["host"] | {"efficiency": {"id": key, **table[key]}}
+        key = run.get("handover")
+        if isinstance(key, str):
+            run["handover"] = {"id": key, **handovers[key]}
     return runs
 
 
@@ -103,20 +137,68 @@ def achieved_bandwidth(host: dict) -> float:
     return host_bandwidth(host) * memory_efficiency(host)
 
 
+def host_layers(run: dict, geom) -> list[int]:
+    """The MoE layer indices whose experts ``run`` keeps in host memory: the first
+    ``cpu_moe_layers`` (or all) for llama.cpp, all for ktransformers."""
+    moe = [layer.index for layer in geom.moe_layers]
+    if run["engine"] == "llama.cpp":
+        n = run["placement"]["cpu_moe_layers"]
+        return moe if n == "all" else moe[:n]
+    return moe
+
+
+def host_expert_bytes(run: dict) -> float:
+    """Bytes of routed experts one decoded token of one sequence reads from host memory in
+    ``run``: per host-resident MoE layer (:func:`host_layers`), ``experts_per_token`` expert
+    blobs in the run's GGUF type (:meth:`~moefit.ingest.geometry.ModelGeometry.expert_blob_bytes`,
+    the stored bytes of gate, up and down), the same bytes :func:`predict_run` prices. Raises
+    as :func:`predict_run` for an unknown model."""
+    geom = gguf_geometry(load_model(run["model"]), run["gguf_type"])
+    blobs = geom.expert_blob_bytes()
+    k = {layer.index: layer.moe.experts_per_token for layer in geom.moe_layers}
+    return float(sum(k[i] * blobs[i] for i in host_layers(run, geom)))
+
+
+def derive_handover(one: dict, two: dict) -> float:
+    """Seconds per MoE layer and decoded token that ktransformers spends beyond what the model
+    prices, from two runs of one machine, ``one`` on one socket and ``two`` on two (its
+    channels doubled, a copy of the experts per NUMA node), each with a measured decode:
+    with ``t1``, ``t2`` their seconds per token and the host reads halved on two sockets,
+    the host-read time of one socket is ``X = 2 (t1 - t2)`` and the rest of its step
+    ``t1 - X``; less the model's own time outside the host reads (its predicted step less
+    :func:`host_expert_bytes` over :func:`achieved_bandwidth`), over the MoE layers. Raises
+    ValueError when the two are not such a pair."""
+    if (two["host"]["channels"] != 2 * one["host"]["channels"] or one["model"] != two["model"]
+            or one["gguf_type"] != two["gguf_type"] or one["engine"] != "ktransformers"):
+        raise ValueError(f"derive_handover: {one['id']} and {two['id']} are not one run on one "
+                         f"and two sockets")
+    t1 = 1 / one["measured"]["decode"]["tokens_per_s"]
+    t2 = 1 / two["measured"]["decode"]["tokens_per_s"]
+    rest = t1 - 2 * (t1 - t2)
+    base = next(c for c in predict_run({**one, "handover": None}) if c.phase == "decode")
+    priced_rest = 1 / base.predicted - base.host_bytes / achieved_bandwidth(one["host"])
+    geom = gguf_geometry(load_model(one["model"]), one["gguf_type"])
+    return (rest - priced_rest) / len(geom.moe_layers)
+
+
 def predict_run(run: dict) -> list[Case]:
     """The :class:`Case` of each measured phase of ``run`` (module docstring). Prefill is
-    priced for the run's ``prompt_tokens`` from position 0, decode one token after them.
+    priced for the run's ``prompt_tokens`` from position 0, decode one token after them;
+    a run's ``handover`` adds its ``per_moe_layer_s`` x the MoE layers to each decoded
+    token (bound :data:`HANDOVER` when that is longer than the rest of the step).
     Raises KeyError / InputError for a run that names an unknown field, model or GPU."""
     geom = gguf_geometry(load_model(run["model"]), run["gguf_type"])
     device = find_gpu(run["gpu"])
     host = default_host_speed(achieved_bandwidth(run["host"]), run["host"]["threads"])
     moe = [layer.index for layer in geom.moe_layers]
+    cpu = host_layers(run, geom)
+    outlier = run.get("outlier") or {}
+    outlier_phases = outlier.get("phases", list(run["measured"]))
+    per_token = host_expert_bytes(run)
     out = []
     for phase, m in run["measured"].items():
         prompt = m["prompt_tokens"]
         if run["engine"] == "llama.cpp":
-            n = run["placement"]["cpu_moe_layers"]
-            cpu = moe if n == "all" else moe[:n]
             speed = predict_llamacpp(geom, device, host, context=run["context"],
                                      ubatch=run["ubatch"], seqs=1, cpu_layers=cpu,
                                      type_k=run["type_k"], type_v=run["type_v"],
@@ -131,11 +213,18 @@ def predict_run(run: dict) -> list[Case]:
         else:
             raise ValueError(f"run {run['id']}: engine {run['engine']!r} is not one of {ENGINES}")
         p = speed.prefill if phase == "prefill" else speed.decode
-        out.append(Case(run["id"], run["engine"], phase, m["tokens_per_s"], p.tokens_per_s,
-                        p.bound))
+        tps, bound = p.tokens_per_s, p.bound
+        handover = run.get("handover")
+        if handover and phase == "decode":
+            extra = handover["per_moe_layer_s"] * len(moe)
+            tps, bound = 1 / (1 / tps + extra), HANDOVER if extra > 1 / tps else bound
+        out.append(Case(run["id"], run["engine"], phase, m["tokens_per_s"], tps, bound,
+                        per_token if phase == "decode" else 0.0,
+                        outlier.get("reason", "") if phase in outlier_phases else ""))
     return out
 
 
 def summary(cases: list[Case]) -> tuple[float, Case]:
-    """The median |predicted / measured - 1| over ``cases`` and the case of the largest."""
+    """The median |predicted / measured - 1| over ``cases`` (outliers kept) and the case of
+    the largest."""
     return statistics.median(c.error for c in cases), max(cases, key=lambda c: c.error)

@@ -10,15 +10,13 @@ change of flags that makes a failing plan fit. :func:`limiting_lines` and
 
 from __future__ import annotations
 
-from dataclasses import field
-
 from moefit.devices import Device, Host
 from moefit.ingest.geometry import ModelGeometry
 from moefit.memory.kv import KVLayout, kv_format, kv_layout, pool_cells
 from moefit.memory.staging import experts_fused, fixed_region_bytes
 from moefit.memory.takes import ATTN_KV_BLOCK, ATTN_Q_BLOCK
 from moefit.plan.request import Request
-from moefit.records import record
+from moefit.records import field, record
 
 #: Budget lines in commit order (docs/design.md, budget lines): key, label as printed.
 LINE_ORDER: tuple[tuple[str, str], ...] = (

@@ -22,14 +22,15 @@ Routes:
   ``/v1/budget`` like any client.
 
 Concurrency: every prompt x choice of a request is a job of the scheduler
-(:mod:`moefit.serve.scheduler`), which decodes up to ``--slots`` sequences together in one
-batched forward pass per step; its engine thread posts each token to the request's asyncio
-queue (``loop.call_soon_threadsafe``), so no client holds a thread and no client can
-stall the engine. A request past the bounded wait queue (``--max-queue``) gets 503 with
-``Retry-After``. A request that goes away (disconnect, or a stream whose reader stops
-reading for ``--write-timeout`` seconds) is cancelled: its slot is free for the next
-step, and a job still waiting costs nothing. On shutdown (:attr:`ServerState.stopping`)
-every stream ends with ``finish_reason: "abort"`` and ``data: [DONE]``.
+(:mod:`moefit.serve.scheduler`), which decodes up to ``--slots`` sequences together in
+one batched forward pass per step; its engine thread posts each token to the request's
+inbox on the event loop (one ``loop.call_soon_threadsafe`` per step), so no client holds
+a thread and no client can stall the engine. A request past the bounded wait queue
+(``--max-queue``) gets 503 with ``Retry-After``. A request that goes away (disconnect, or
+a stream whose reader stops reading for ``--write-timeout`` seconds) is cancelled: its
+slot is free for the next step, and a job still waiting costs nothing. On shutdown
+(:attr:`ServerState.stopping`) every stream ends with ``finish_reason: "abort"`` and
+``data: [DONE]``.
 
 Limits: request bodies over ``--max-body`` bytes get 413 before parsing, bodies that
 stall get 408 (:data:`moefit.serve.guard.BODY_IDLE_S`, ``BODY_TOTAL_S``); bodies are parsed and prompts

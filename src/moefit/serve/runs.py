@@ -28,7 +28,8 @@ class Mailbox:
     (``loop.call_soon_threadsafe``), so the tokens of every busy slot of one step cost one
     wake-up, not one each (each wake-up is a write to the loop's self-pipe and a GIL
     hand-over between the two threads: a third of the engine thread's time went there
-    with one wake-up per token)."""
+    with one wake-up per token). The loop then hands each :class:`Run` its events
+    (:meth:`Run.put`)."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
         self.loop = loop
@@ -36,10 +37,10 @@ class Mailbox:
         self.lock = threading.Lock()
         self.armed = False
 
-    def post(self, queue: asyncio.Queue, item) -> None:
-        """Queue ``item`` for ``queue`` (engine thread)."""
+    def post(self, run: "Run", item) -> None:
+        """Queue ``item`` for ``run`` (engine thread)."""
         with self.lock:
-            self.items.append((queue, item))
+            self.items.append((run, item))
             if self.armed:
                 return
             self.armed = True
@@ -51,8 +52,8 @@ class Mailbox:
     def _deliver(self) -> None:
         with self.lock:
             items, self.items, self.armed = self.items, [], False
-        for queue, item in items:
-            queue.put_nowait(item)
+        for run, item in items:
+            run.put(item)
 
 
 _MAILBOXES: "dict[asyncio.AbstractEventLoop, Mailbox]" = {}
@@ -68,20 +69,23 @@ def _mailbox(loop: asyncio.AbstractEventLoop) -> Mailbox:
 
 
 class Run:
-    """The jobs of one request in the scheduler, and the asyncio queue their events come
-    back on: ``(index, Step | Ended | Exception)``, through the loop's :class:`Mailbox`.
+    """The jobs of one request in the scheduler, and the inbox their events come back to:
+    ``(index, Step | Ended | Exception)``, through the loop's :class:`Mailbox` (a list and
+    one future to wake the reader, not an ``asyncio.Queue``: no put / get per event).
     Submitting raises APIError 503 when the wait queue is full or the server is
     stopping."""
 
     def __init__(self, state: ServerState, jobs, params: Params, reuse: bool = True):
-        box = _mailbox(asyncio.get_running_loop())
-        self.queue: asyncio.Queue = asyncio.Queue()
+        self.loop = asyncio.get_running_loop()
+        box = _mailbox(self.loop)
+        self.inbox: list = []       # events delivered, not yet taken
+        self.waiter: asyncio.Future | None = None    # set while a reader waits for one
         self.scheduler = state.scheduler()
         context, vocab = state.plan.context, state.plan.geometry.vocab_size
 
         def emitter(index: int):
             def emit(event) -> None:     # engine thread: never blocks
-                box.post(self.queue, (index, event))
+                box.post(self, (index, event))
             return emit
 
         self.jobs = [Job(list(ids), Decoding(ids, params, state.tokenizer, context, vocab,
@@ -111,16 +115,39 @@ class Run:
     def cancel(self) -> None:
         self.scheduler.cancel(self.jobs)
 
+    def put(self, item) -> None:
+        """Deliver ``(index, event)`` (event loop; :class:`Mailbox`), waking the reader."""
+        self.inbox.append(item)
+        w = self.waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    async def _wait(self) -> None:
+        while not self.inbox:
+            self.waiter = self.loop.create_future()
+            try:
+                await self.waiter
+            finally:
+                self.waiter = None
+
     async def next(self):
         """The next event; ``pending`` counts the jobs not yet ended."""
-        return self._count(await self.queue.get())
+        if not self.inbox:
+            await self._wait()
+        return self._count(self.inbox.pop(0))
 
     async def batch(self) -> list:
-        """The next event and every one already queued behind it (a stream writes them
-        in one go)."""
-        out = [await self.next()]
-        while self.pending and not self.queue.empty():
-            out.append(self._count(self.queue.get_nowait()))
+        """The next event and every one already delivered behind it, up to the last job's
+        end (a stream writes them in one go)."""
+        if not self.inbox:
+            await self._wait()
+        out, take = [], 0
+        for item in self.inbox:
+            out.append(self._count(item))
+            take += 1
+            if not self.pending:
+                break
+        del self.inbox[:take]
         return out
 
     def _count(self, item):

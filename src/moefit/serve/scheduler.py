@@ -29,13 +29,13 @@ the others are done, and the wait queue's bound (``--max-queue``: 503) is the re
 After the step every sequence whose prompt is complete samples its next token with its
 own settings and random stream (:class:`moefit.serve.generation.Decoding`).
 
-The engine thread never waits on a client: each job's events go to its ``emit``
-callable, which must not block (the server posts them to an asyncio queue with
-``loop.call_soon_threadsafe``). Events: a :class:`~moefit.serve.generation.Step` per
+The engine thread never waits on a client: each job's events go to its ``emit`` callable,
+which must not block (the server posts them to the request's inbox on the event loop:
+:class:`moefit.serve.runs.Mailbox`). Events: a :class:`~moefit.serve.generation.Step` per
 token (the last one has a finish reason); :class:`Ended` when the job ends without one
 (cancelled, server stopping: ``"abort"``); an ``Exception`` when the engine failed on its
-step, or sampling failed on the job's logits (that job ends, its slot is reset; the others
-go on, the server stays up).
+step, or sampling failed on the job's logits (that job ends, its slot is reset; the
+others go on, the server stays up).
 
 Should the engine thread itself ever fail (a bug outside those two), it records why
 (:attr:`Scheduler.failed`), every job it held or queued ends with an :class:`EngineFailed`
@@ -51,6 +51,8 @@ import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
+
+import torch
 
 from moefit.serve.generation import Decoding, Step
 
@@ -237,7 +239,9 @@ class Scheduler:
     # ---- engine thread -----------------------------------------------------------------------
     def _run(self) -> None:
         try:
-            self._loop()
+            # once for the thread, not per step (Engine.step enters it unless in it already)
+            with torch.inference_mode():
+                self._loop()
         except BaseException as e:     # a bug: end every job rather than leave it waiting
             failed = EngineFailed(f"the engine thread failed ({type(e).__name__}: {e}); "
                                   "restart the server")

@@ -69,7 +69,6 @@ from moefit.devices import Device
 from moefit.errors import InputError
 from moefit.ingest.geometry import ModelGeometry
 from moefit.ingest.ggml_types import BLOCKS
-from moefit.ingest.gguf_header import read_header
 from moefit.ingest.gguf_mix import llamacpp_tensors
 from moefit.memory.layer_kinds import Latent, Recurrent, kind_of
 from moefit.records import record
@@ -187,6 +186,8 @@ def ggml_row_bytes(kind: str, n: int) -> int:
 
 def tensors_from_header(path: str) -> list[Tensor]:
     """The tensor infos of a GGUF file (every shard), from its header only."""
+    from moefit.ingest.gguf_header import read_header     # only a GGUF file's plan reads a header
+
     h = read_header(path)
     return [Tensor(t.name, t.ggml_type, tuple(t.ne), t.nbytes) for t in h.tensors.values()]
 
@@ -195,11 +196,12 @@ def tensors_from_geometry(geom: ModelGeometry, ftype: str) -> tuple[list[Tensor]
     """The tensors of the GGUF ``llama-quantize FTYPE`` would write for the Hugging Face model
     ``geom`` (:func:`moefit.ingest.gguf_mix.llamacpp_tensors`), and a note saying so."""
     infos, unknown = llamacpp_tensors(geom, ftype)
+    tensors = [Tensor(t.name, t.kind, t.ne, t.nbytes) for t in infos]     # each priced once
     note = (f"model: the GGUF of convert_hf_to_gguf.py + llama-quantize {ftype} (--gguf-type), derived from "
-            f"the config, {format_bytes(sum(t.nbytes for t in infos))}")
+            f"the config, {format_bytes(sum(t.nbytes for t in tensors))}")
     if unknown:
         note += f"; {unknown} tensors without a llama.cpp name priced at the mix's default type"
-    return [Tensor(t.name, t.kind, t.ne, t.nbytes) for t in infos], note
+    return tensors, note
 
 
 def expert_layer(name: str) -> int | None:

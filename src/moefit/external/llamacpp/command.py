@@ -5,13 +5,11 @@ the solved budget (:class:`LlamaPlan`) and the flags that reproduce it (``-c``, 
 
 from __future__ import annotations
 
-from dataclasses import field
-
 from moefit.devices import Device
 from moefit.external.llamacpp.buffers import DEFAULT_BATCH, DEFAULT_UBATCH, ComputePrice, KVPrice, pad_cells
 from moefit.ingest.geometry import ModelGeometry
 from moefit.plan.types import Alternative, HostPlan, Line, LineTable
-from moefit.records import record
+from moefit.records import field, record
 
 
 LINES = (("runtime", "runtime"), ("weights", "model buffers"), ("kv", "KV cache"),

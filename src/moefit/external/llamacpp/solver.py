@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import replace
 
 from moefit.devices import Device, Host
 from moefit.errors import InputError
@@ -19,6 +18,7 @@ from moefit.external.llamacpp.host import host_bytes, host_limiting, host_table
 from moefit.ingest.geometry import ModelGeometry
 from moefit.memory.runtime import default_reserve_bytes, runtime_bytes
 from moefit.plan.types import Alternative, Line, largest_int, limiting_lines
+from moefit.records import replace
 from moefit.units import format_bytes
 
 
@@ -240,15 +240,60 @@ def _alternatives(geom, tensors, device, req, host_mem: Host | None = None,
         return solve_llamacpp(geom, tensors, device, r, alternatives=False, host_mem=host_mem,
                               priced=priced).fits
 
-    return flag_alternatives(req, fits, host_mem is not None)
+    guess = _context_guess(priced, device, req) if priced is not None else None
+    return flag_alternatives(req, fits, host_mem is not None, context_guess=guess)
 
 
-def flag_alternatives(req: LlamaRequest, fits, host_checked: bool) -> list[Alternative]:
+def _context_guess(m: PricedModel, device: Device, req: LlamaRequest) -> int | None:
+    """A guess of the last 256-cell block below ``req.context`` at which the device's
+    mandatory lines fit with every expert on the CPU and the smallest ``-ub`` a clamp may
+    take: Newton's steps down from the top on those lines (affine in the blocks past the
+    sliding windows), as :func:`largest_llama_context` takes them. Only a guess (the host
+    is not priced): :func:`flag_alternatives` checks it with two solves."""
+    top = -(-(req.context - 1) // CTX_PAD)
+    if top < 1:
+        return None
+    ub = max(1, min(req.ubatch_min, effective_ubatch(req)))
+    free, on_host = device.free_bytes, bool(m.buffers.experts)
+
+    def total(b: int) -> int:
+        return mandatory_bytes(m, device, replace(req, context=b * CTX_PAD), ub, on_host)[0]
+
+    b = top
+    for _ in range(4):
+        at = total(b)
+        if at <= free:
+            return b
+        slope = total(b + 1) - at
+        if slope <= 0:
+            return None
+        b -= -(-(at - free) // slope)
+        if b < 1:
+            return None
+    return b if total(b) <= free else None
+
+
+def flag_alternatives(req: LlamaRequest, fits, host_checked: bool,
+                      context_guess: int | None = None) -> list[Alternative]:
     """The single-flag changes that make ``req`` fit, each checked with ``fits(request)``:
     the largest ``--max-context`` (to the token), the closest smaller ``--kv`` pair, and, when
-    the host is checked and its margin was given, the largest ``--host-reserve-mib``."""
+    the host is checked and its margin was given, the largest ``--host-reserve-mib``.
+
+    A plan sees the context only as its cells (``llama_ctx``: blocks of ``CTX_PAD`` tokens),
+    so the largest context that fits ends the largest block that fits (or is
+    ``req.context - 1``): ``context_guess`` (a block) when it fits and the next does not,
+    else a bisection over the blocks. The plan is monotone in the context, so either way
+    the answer is the same."""
     out = []
-    ctx = largest_int(lambda n: fits(replace(req, context=n)), 1, req.context - 1)
+    top = req.context - 1
+    blocks = -(-top // CTX_PAD)
+    at = lambda b: fits(replace(req, context=min(b * CTX_PAD, top)))       # noqa: E731
+    g = context_guess
+    if g is not None and 1 <= g <= blocks and at(g) and (g == blocks or not at(g + 1)):
+        block = g
+    else:
+        block = largest_int(at, 1, blocks)
+    ctx = None if block is None else min(block * CTX_PAD, top)
     if ctx is not None:
         out.append(Alternative("--max-context", ctx))
     cur = kv_row_bytes(req.type_k, 256) + kv_row_bytes(req.type_v, 256)

@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import re
 import struct
-from dataclasses import replace
 
 from moefit.devices import Device, Host
 from moefit.errors import InputError
@@ -55,7 +54,7 @@ from moefit.external.llamacpp.solver import flag_alternatives
 from moefit.ingest.geometry import ModelGeometry
 from moefit.memory.runtime import default_reserve_bytes, runtime_bytes
 from moefit.plan.types import Alternative, HostPlan, Line, largest_int, limiting_lines
-from moefit.records import record
+from moefit.records import record, replace
 from moefit.units import format_bytes
 
 #: ``GGML_SCHED_MAX_COPIES`` (ggml's CMake default 4): the scheduler's copies of the inputs

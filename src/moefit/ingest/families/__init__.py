@@ -27,13 +27,12 @@ from __future__ import annotations
 
 import json
 
-from dataclasses import replace
-
 from moefit.errors import InputError
 from moefit.ingest.families import registry
 from moefit.ingest.families.common import Cfg, apply_not_convert, read_dtype, read_quantization, read_rope
 from moefit.ingest.families.deepseek import inference_geometry, is_deepseek_inference_config
 from moefit.ingest.geometry import ModelGeometry
+from moefit.records import replace
 
 __all__ = ["SUPPORTED_MODEL_TYPES", "check_geometry", "geometry_from_config", "is_deepseek_inference_config"]
 

@@ -38,7 +38,6 @@ This module imports no torch.
 
 from __future__ import annotations
 
-from dataclasses import field
 from typing import Any, Callable
 
 from moefit.ingest.families.config import (FP8_ROLES, Cfg, RopeConfig, Sizes, dtype_name,
@@ -55,7 +54,7 @@ from moefit.ingest.families.tensors import (apply_not_convert, attn_spec, expert
                                             router_tensors, score_bias_buffer, slot_linear,
                                             slot_norm, slot_swiglu, swiglu)
 from moefit.ingest.geometry import LayerSpec, Tensor
-from moefit.records import record
+from moefit.records import field, record
 
 __all__ = ["FP32_TENSORS", "FP8_ROLES", "GGUF_EXPERT_NAMES", "GGUF_EXPERT_PARTS", "GGUF_LAYER_EXTRA",
            "GLOBAL_NAMES", "LAYER_NAMES", "STANDARD_NAMES", "Cfg", "Family", "GGUFConversion",

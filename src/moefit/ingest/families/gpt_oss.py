@@ -11,8 +11,6 @@ torch (numpy only inside :func:`gguf_tensors`).
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import re
 
 from moefit.errors import InputError
@@ -24,6 +22,7 @@ from moefit.ingest.families.common import (
 )
 from moefit.ingest.geometry import LayerSpec, MoESpec, Tensor
 from moefit.ingest.inputs import bounded_float
+from moefit.records import replace
 
 #: Names: router ``mlp.router`` (weight and bias; GGUF ``ffn_gate_inp``), attention sinks
 #: ``self_attn.sinks`` [heads] (``attn_sinks.weight``), the MLP's norm

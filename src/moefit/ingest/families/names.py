@@ -9,9 +9,7 @@ Part of what every family shares (:mod:`moefit.ingest.families.common`). Imports
 
 from __future__ import annotations
 
-from dataclasses import field
-
-from moefit.records import record
+from moefit.records import field, record
 
 #: Per-layer tensors the runtime holds resident: slot (a ``LayerWeights`` field) ->
 #: (Hugging Face name under ``{prefix}layers.N.``, GGUF name under ``blk.N.``). ``{moe}`` is

@@ -10,11 +10,11 @@ Part of what every family shares (:mod:`moefit.ingest.families.common`). Imports
 from __future__ import annotations
 
 import fnmatch
-from dataclasses import replace
 
 from moefit.ingest.families.config import Sizes
 from moefit.ingest.families.names import GLOBAL_NAMES, STANDARD_NAMES, NameTable
 from moefit.ingest.geometry import AttentionSpec, Tensor
+from moefit.records import replace
 
 
 def linear(name: str, out_f: int, in_f: int, role: str, bias: bool = False, slot: str = "") -> list[Tensor]:

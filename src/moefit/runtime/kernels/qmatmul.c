@@ -1526,10 +1526,256 @@ static void dequant_lowbit(int t, const uint8_t *w, float *y) {
     }
 }
 
+#ifdef HAVE512
+/* ---- Q2_K / Q3_K against one activation row, AVX-512: four rows at once (dot4_q23_512) or one
+ * (dot_q23_512). ggml's vec_dot_q2_K_q8_K / q3_K_q8_K plan in 64-value steps: step j (0..3)
+ * takes the 2-bit fields at bit 2j of a super-block's 64 qs bytes, values 32j .. 32j+31
+ * (bytes 0..31) and 128+32j .. 159+32j (bytes 32..63; Q3_K: with their high bits from hmask,
+ * u = value + 4 in 0..7), against the K-quant activation's values in that order (q23_acts:
+ * built once per super-block for the four rows); vpmaddubsw into int16 pairs, vpdpwssd by the
+ * int16 scale of each 16 values. The super-block's integers are lb_sb_rows' (the scaled sum,
+ * and the sum over sk16 of the mins / of the scales for Q3_K's offset 4) and the fp32
+ * operations after them lb_rows_t's, in the same order (s = f isum - fmin msum, Q3_K
+ * s = f (isum - 4 msum); sum += dk s from 0), so a row's value is bit for bit what the batch
+ * path (lowbit_rows) and the generic one-row path give it. A decode step reads Q2_K / Q3_K
+ * four rows at once, from memory too (one row after the other took 1.4-1.8x the time on
+ * 128 MB matrices of K = 1024, one thread, interleaved on a loaded machine). Against the
+ * generic path (lb_rows_t, 32 values a step, the activation reloaded for every row), one
+ * thread, interleaved, a loaded machine: 0.44-0.48x the time from memory (128 MB), 0.4-0.7x in
+ * the caches. */
+
+/* the activation's 256 values of one super-block (q) in step order: y[j] = values 32j ..
+ * 32j+31, then 128+32j .. 159+32j */
+static inline __attribute__((always_inline)) void q23_acts(const int8_t *q, __m512i *y) {
+    for (int j = 0; j < 4; j++)
+        y[j] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(q + 32 * j))),
+                                  _mm256_loadu_si256((const __m256i *)(q + 128 + 32 * j)), 1);
+}
+
+/* one super-block w of a Q2_K / Q3_K row (t, a constant once inlined) against the activation's
+ * values y (q23_acts) and its 16 sums per 16 values sk: *iv = 8 int32 lanes adding up to the
+ * scaled sum sum_g sc[g] sum(u q) (Q3_K: minus 4 sum_g sc[g] sk[g]), *mv = 8 lanes adding up
+ * to sum_g mn[g] sk[g] (Q2_K's mins) */
+static inline __attribute__((always_inline)) void q23_row(const int t, const uint8_t *w, const __m512i *y, __m256i sk,
+                                                          __m256i *iv, __m256i *mv) {
+    const __m512i m3 = _mm512_set1_epi8(3), m4 = _mm512_set1_epi8(4);
+    /* int16 lane i of step j's scale vector: scale 2j (lanes 0..7), 2j+1, 8+2j, 9+2j */
+    const __m512i sel = _mm512_set_epi16(9,9,9,9,9,9,9,9, 8,8,8,8,8,8,8,8, 1,1,1,1,1,1,1,1, 0,0,0,0,0,0,0,0);
+    __m256i sc16, ms;
+    __m512i raw, hb = _mm512_setzero_si512();
+    if (t == T_Q2_K) {
+        __m128i s = _mm_loadu_si128((const __m128i *)w);
+        sc16 = _mm256_cvtepu8_epi16(_mm_and_si128(s, _mm_set1_epi8(15)));
+        ms = _mm256_madd_epi16(_mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(s, 4), _mm_set1_epi8(15))), sk);
+        raw = _mm512_loadu_si512((const void *)(w + 16));
+    } else {
+        /* the 16 6-bit scales (ggml's kmask unpacking), built in a register as k4_scales */
+        uint32_t u0, u1, u2;
+        memcpy(&u0, w + 96, 4); memcpy(&u1, w + 100, 4); memcpy(&u2, w + 104, 4);
+        uint32_t r0 = (u0 & 0x0f0f0f0fu) | ((u2 & 0x03030303u) << 4);
+        uint32_t r1 = (u1 & 0x0f0f0f0fu) | (((u2 >> 2) & 0x03030303u) << 4);
+        uint32_t r2 = ((u0 >> 4) & 0x0f0f0f0fu) | (((u2 >> 4) & 0x03030303u) << 4);
+        uint32_t r3 = ((u1 >> 4) & 0x0f0f0f0fu) | (((u2 >> 6) & 0x03030303u) << 4);
+        sc16 = _mm256_cvtepi8_epi16(_mm_sub_epi8(_mm_setr_epi32((int)r0, (int)r1, (int)r2, (int)r3), _mm_set1_epi8(32)));
+        ms = _mm256_madd_epi16(sc16, sk);
+        __m256i h = _mm256_loadu_si256((const __m256i *)w);       /* hmask: bit 4n+j of byte l */
+        hb = _mm512_inserti64x4(_mm512_castsi256_si512(h), _mm256_srli_epi16(h, 4), 1);
+        raw = _mm512_loadu_si512((const void *)(w + 32));
+    }
+    const __m512i scz = _mm512_castsi256_si512(sc16);
+    __m512i isum = _mm512_setzero_si512();
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; j++) {
+        __m512i u = _mm512_and_si512(_mm512_srli_epi16(raw, 2 * j), m3);
+        if (t == T_Q3_K) {      /* the high bit j (of hb's bytes) to bit 2 */
+            __m512i h = j < 2 ? _mm512_slli_epi16(hb, 2 - j) : j == 2 ? hb : _mm512_srli_epi16(hb, 1);
+            u = _mm512_or_si512(u, _mm512_and_si512(h, m4));
+        }
+        __m512i sc = _mm512_permutexvar_epi16(_mm512_add_epi16(sel, _mm512_set1_epi16((short)(2 * j))), scz);
+        isum = _mm512_dpwssd_epi32(isum, _mm512_maddubs_epi16(u, y[j]), sc);
+    }
+    __m256i f = _mm256_add_epi32(_mm512_castsi512_si256(isum), _mm512_extracti64x4_epi64(isum, 1));
+    if (t == T_Q3_K) f = _mm256_sub_epi32(f, _mm256_slli_epi32(ms, 2));
+    *iv = f;
+    *mv = ms;
+}
+
+/* lane r of the result: the sum of the 8 int32 lanes of v[r], r < 4 */
+static inline __m128i q23_hsum4(const __m256i *v) {
+    __m256i t = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
+    return _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
+}
+
+static inline __attribute__((always_inline)) void q23_dot4_t(const int t, const uint8_t *w, int64_t rb, qact a, int K,
+                                                             float *out) {
+    const int bs = t == T_Q2_K ? 84 : 110;
+    __m128 sum = _mm_setzero_ps();
+    for (int sb = 0; sb < K / 256; sb++) {
+        __m512i y[4];
+        q23_acts(a.qk + 256 * sb, y);
+        const __m256i sk = _mm256_loadu_si256((const __m256i *)(a.sk16 + 16 * sb));
+        __m256i iv[4], mv[4];
+        uint32_t fh[4];         /* Q2_K: d | dmin << 16; Q3_K: d */
+        for (int r = 0; r < 4; r++) {
+            const uint8_t *wr = w + r * rb + (int64_t)sb * bs;
+            for (int c = 0; c < bs; c += 64) _mm_prefetch((const char *)(wr + PREFETCH + c), _MM_HINT_T0);
+            q23_row(t, wr, y, sk, &iv[r], &mv[r]);
+            fh[r] = t == T_Q2_K ? rd32(wr + 80) : rd16(wr + 108);
+        }
+        /* f (and fmin) of the four rows (set in a register: a store of 4 and a load of 16 bytes
+         * would miss the store forwarding), then lb_rows_t's fp32 operations lane by lane */
+        __m128i fq = _mm_setr_epi32((int)fh[0], (int)fh[1], (int)fh[2], (int)fh[3]);
+        __m128 s;
+        if (t == T_Q2_K) {
+            __m256 fv = _mm256_permutexvar_ps(_mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7), _mm256_cvtph_ps(fq));
+            s = _mm_sub_ps(_mm_mul_ps(_mm256_castps256_ps128(fv), _mm_cvtepi32_ps(q23_hsum4(iv))),
+                           _mm_mul_ps(_mm256_extractf128_ps(fv, 1), _mm_cvtepi32_ps(q23_hsum4(mv))));
+        } else s = _mm_mul_ps(_mm_cvtph_ps(_mm_packus_epi32(fq, fq)), _mm_cvtepi32_ps(q23_hsum4(iv)));
+        sum = _mm_add_ps(sum, _mm_mul_ps(_mm_set1_ps(a.dk[sb]), s));
+    }
+    _mm_storeu_ps(out, sum);
+}
+
+/* four Q2_K / Q3_K rows at once (rows w + r * rb) against one activation row: the activation's
+ * vectors of each super-block built once for the four rows */
+static void dot4_q23_512(int t, const uint8_t *w, int64_t rb, qact a, int K, float *out) {
+    if (t == T_Q2_K) q23_dot4_t(T_Q2_K, w, rb, a, K, out);
+    else q23_dot4_t(T_Q3_K, w, rb, a, K, out);
+}
+
+static inline __attribute__((always_inline)) float q23_dot_t(const int t, const uint8_t *w, qact a, int K) {
+    const int bs = t == T_Q2_K ? 84 : 110;
+    float sum = 0.f;
+    for (int sb = 0; sb < K / 256; sb++, w += bs) {
+        for (int c = 0; c < bs; c += 64) _mm_prefetch((const char *)(w + PREFETCH + c), _MM_HINT_T0);
+        __m512i y[4];
+        q23_acts(a.qk + 256 * sb, y);
+        __m256i iv, mv;
+        q23_row(t, w, y, _mm256_loadu_si256((const __m256i *)(a.sk16 + 16 * sb)), &iv, &mv);
+        float s = t == T_Q2_K ? mf_h2f(rd16(w + 80)) * (float)hsum_i32(iv) - mf_h2f(rd16(w + 82)) * (float)hsum_i32(mv)
+                              : mf_h2f(rd16(w + 108)) * (float)hsum_i32(iv);
+        sum += a.dk[sb] * s;
+    }
+    return sum;
+}
+
+/* one Q2_K / Q3_K row against one activation row (the same value as a row of dot4_q23_512) */
+static float dot_q23_512(int t, const uint8_t *w, qact a, int K) {
+    return t == T_Q2_K ? q23_dot_t(T_Q2_K, w, a, K) : q23_dot_t(T_Q3_K, w, a, K);
+}
+#endif
+
+#ifdef HAVE512
+/* ---- IQ4_XS, 16 weight rows at a time (AVX-512 VNNI) ---------------------------------------
+ * The 16 rows' 4-bit indices of one 32-value sub-block are transposed in registers so that
+ * int32 lane r of a vector holds 4 consecutive values of row r (4x4 dword transposes within
+ * the 128-bit lanes of 4 vectors, then the nibbles split and looked up in KV_IQ4NL_U, the
+ * table + 128); one activation row's 4 values, broadcast, then meet the 16 rows in one
+ * vpdpbusd, 8 of them per sub-block, so a weight row is unpacked once for all the activation
+ * rows of a call (iq4x_rows16) and its 6-bit scale multiplies 16 rows' sums at once. The
+ * offset comes back out through the activation's sums per 16 values (sk16): sum(v q) =
+ * sum((v + 128) q) - 128 sum(q), the second term by vpdpwssd against the scale pair (-128 sc,
+ * -128 sc). The integer sum of a row and super-block is therefore lb_sb_rows' (sum_ib sc_ib
+ * sum(v q), exact in int32: |sum| < 2^28), and its fp32 operations are lb_rows_t's (s = f x
+ * (float) isum, then sum += dk x s, super-block by super-block, no FMA): every output is bit
+ * for bit the one-row kernel's, alone or in a batch, for any number of rows. */
+#define HAVE_IQ4X 1
+#define IQ4X_MAXT 64          /* activation rows of one iq4x_rows16 call */
+/* prefetch distance in rows: the next panel's rows at the super-block being read (rows read
+ * 16 side by side; row + PREFETCH bytes would land in this panel's own later rows) */
+#define IQ4X_PF 16
+
+/* out[i * ldo + r] = IQ4_XS row r (w + r * rb, r < nr <= 16) . acts[i] (i < na <= IQ4X_MAXT) */
+static void iq4x_rows16(const uint8_t *w, int64_t rb, int nr, int K, const qact *acts, int na, float *out,
+                        int64_t ldo) {
+    __m512i isum[IQ4X_MAXT];
+    __m512 acc[IQ4X_MAXT];
+    int32_t corr[8 * IQ4X_MAXT];
+    const uint8_t *rp[16];
+    int32_t off[16];
+    for (int r = 0; r < 16; r++) {            /* rows past nr read row 0 again; their lanes are dropped */
+        rp[r] = w + (r < nr ? r : 0) * rb;
+        off[r] = (int32_t)((r < nr ? r : 0) * rb);
+    }
+    const __m512i vidx = _mm512_loadu_si512((const void *)off);
+    const __m512i lut = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)KV_IQ4NL_U));
+    const __m512i m4 = _mm512_set1_epi8(0x0f), m15 = _mm512_set1_epi32(15), m3 = _mm512_set1_epi32(3);
+    for (int i = 0; i < na; i++) acc[i] = _mm512_setzero_ps();
+    for (int sb = 0; sb < K / 256; sb++) {
+        const int64_t o = (int64_t)sb * 136;
+        for (int r = 0; r < 16; r++) {      /* the next panel's rows, at this super-block */
+            _mm_prefetch((const char *)(rp[r] + IQ4X_PF * rb + o), _MM_HINT_T0);
+            _mm_prefetch((const char *)(rp[r] + IQ4X_PF * rb + o + 64), _MM_HINT_T0);
+            _mm_prefetch((const char *)(rp[r] + IQ4X_PF * rb + o + 128), _MM_HINT_T0);
+        }
+        /* d | scales_h, then scales_l, of the 16 rows */
+        const __m512i h0 = _mm512_i32gather_epi32(vidx, (const void *)(w + o), 1);
+        const __m512i h1 = _mm512_i32gather_epi32(vidx, (const void *)(w + o + 4), 1);
+        const __m512 F = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(h0));
+        const __m512i SH = _mm512_srli_epi32(h0, 16);
+        __m512i SC[8];
+        for (int ib = 0; ib < 8; ib++) {
+            __m512i s = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(h1, 4 * ib), m15),
+                                        _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(SH, 2 * ib), m3), 4));
+            s = _mm512_sub_epi32(s, _mm512_set1_epi32(32));
+            SC[ib] = s;
+        }
+        /* 128 x the activations' sums per 32 values of this super-block, as int32 */
+        for (int i = 0; i < na; i++) {
+            isum[i] = _mm512_setzero_si512();
+            __m256i p = _mm256_loadu_si256((const __m256i *)(acts[i].sk16 + 16 * sb));
+            __m256i s2 = _mm256_add_epi32(_mm256_srai_epi32(_mm256_slli_epi32(p, 16), 16), _mm256_srai_epi32(p, 16));
+            _mm256_storeu_si256((__m256i *)(corr + 8 * i), _mm256_slli_epi32(s2, 7));
+        }
+        for (int ib = 0; ib < 8; ib++) {
+            const int64_t q = o + 8 + 16 * ib;
+            __m512i W[4];
+            for (int j = 0; j < 4; j++) {
+                __m512i v = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(rp[j] + q)));
+                v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(rp[4 + j] + q)), 1);
+                v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(rp[8 + j] + q)), 2);
+                W[j] = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(rp[12 + j] + q)), 3);
+            }
+            const __m512i t0 = _mm512_unpacklo_epi32(W[0], W[1]), t1 = _mm512_unpackhi_epi32(W[0], W[1]);
+            const __m512i t2 = _mm512_unpacklo_epi32(W[2], W[3]), t3 = _mm512_unpackhi_epi32(W[2], W[3]);
+            __m512i T[4] = {_mm512_unpacklo_epi64(t0, t2), _mm512_unpackhi_epi64(t0, t2),
+                            _mm512_unpacklo_epi64(t1, t3), _mm512_unpackhi_epi64(t1, t3)};
+            __m512i P[8];
+            for (int g = 0; g < 4; g++) {
+                P[g] = _mm512_shuffle_epi8(lut, _mm512_and_si512(T[g], m4));
+                P[g + 4] = _mm512_shuffle_epi8(lut, _mm512_and_si512(_mm512_srli_epi16(T[g], 4), m4));
+            }
+            const __m512i sc = SC[ib];
+            for (int i = 0; i < na; i++) {
+                const int8_t *y = acts[i].qk + 256 * sb + 32 * ib;
+                __m512i a0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), P[0], _mm512_set1_epi32((int)rd32((const uint8_t *)y)));
+                __m512i a1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), P[1], _mm512_set1_epi32((int)rd32((const uint8_t *)y + 4)));
+                a0 = _mm512_dpbusd_epi32(a0, P[2], _mm512_set1_epi32((int)rd32((const uint8_t *)y + 8)));
+                a1 = _mm512_dpbusd_epi32(a1, P[3], _mm512_set1_epi32((int)rd32((const uint8_t *)y + 12)));
+                a0 = _mm512_dpbusd_epi32(a0, P[4], _mm512_set1_epi32((int)rd32((const uint8_t *)y + 16)));
+                a1 = _mm512_dpbusd_epi32(a1, P[5], _mm512_set1_epi32((int)rd32((const uint8_t *)y + 20)));
+                a0 = _mm512_dpbusd_epi32(a0, P[6], _mm512_set1_epi32((int)rd32((const uint8_t *)y + 24)));
+                a1 = _mm512_dpbusd_epi32(a1, P[7], _mm512_set1_epi32((int)rd32((const uint8_t *)y + 28)));
+                const __m512i a = _mm512_sub_epi32(_mm512_add_epi32(a0, a1), _mm512_set1_epi32(corr[8 * i + ib]));
+                isum[i] = _mm512_add_epi32(isum[i], _mm512_mullo_epi32(a, sc));
+            }
+        }
+        for (int i = 0; i < na; i++)
+            acc[i] = _mm512_add_ps(acc[i], _mm512_mul_ps(_mm512_set1_ps(acts[i].dk[sb]),
+                                                         _mm512_mul_ps(F, _mm512_cvtepi32_ps(isum[i]))));
+    }
+    const __mmask16 keep = (__mmask16)((1u << nr) - 1);
+    for (int i = 0; i < na; i++) _mm512_mask_storeu_ps(out + i * ldo, keep, acc[i]);
+}
+#endif
+
 /* ---- one row . one activation, per type ---------------------------------------------------- */
 static float dot_row(int t, const uint8_t *w, const float *xf, qact a, int K) {
     float sum = 0.f;
     int nb = K / 32;
+#ifdef HAVE512
+    if (t == T_Q2_K || t == T_Q3_K) return dot_q23_512(t, w, a, K);
+#endif
     if (is_lowbit(t)) return dot_lowbit(t, w, a, K);
 #ifdef HAVE512
     switch (t) {
@@ -1854,10 +2100,46 @@ static inline void dot_rows(int t, const uint8_t *w, int64_t rb, int nr, const f
     }
     if (nr == 4 && !stream && K % 128 == 0 && t == T_Q8_0) { dot4_q80_512(w, rb, a, K / 32, out); return; }
     if (nr == 4 && (t == T_Q4_K || t == T_Q5_K)) { dot4_k45_512(t, w, rb, a, K, out); return; }
+    if (nr == 4 && (t == T_Q2_K || t == T_Q3_K)) { dot4_q23_512(t, w, rb, a, K, out); return; }
     if (nr == 4 && !stream && t == T_Q6_K) { dot4_q6k_512(w, rb, a, K, out); return; }
 #endif
     for (int r = 0; r < nr; r++) out[r] = dot_row(t, w + r * rb, xf, a, K);
 }
+
+#ifdef HAVE_IQ4X
+/* rows of IQ4_XS weights taken together by the dense and the MoE products: each chunk of
+ * IQ4X_MAXT activation rows meets the group's 4 panels of 16 rows in turn while it is in the
+ * caches (the activations of a 512-token chunk of a 2048-wide model are 1.7 MB) */
+#define IQ4X_GROUP 64
+
+/* iq4x_rows16 of the nr (<= IQ4X_GROUP) IQ4_XS rows at w against n quantized activation rows
+ * (qb bytes apart from xq; with tok, rows tok[0..n) of xq), IQ4X_MAXT at a time:
+ * out[i * ldo + r] */
+static void iq4x_acts_rows(const uint8_t *w, int64_t rb, int nr, int K, uint8_t *xq, int64_t qb, const int64_t *tok,
+                           int64_t n, float *out, int64_t ldo) {
+    for (int64_t i0 = 0; i0 < n; i0 += IQ4X_MAXT) {
+        int na = (int)(n - i0 < IQ4X_MAXT ? n - i0 : IQ4X_MAXT);
+        qact acts[IQ4X_MAXT];
+        for (int i = 0; i < na; i++) acts[i] = qact_at(xq + (tok ? tok[i0 + i] : i0 + i) * qb, K);
+        for (int r = 0; r < nr; r += 16)
+            iq4x_rows16(w + r * rb, rb, nr - r < 16 ? nr - r : 16, K, acts, na, out + i0 * ldo + r, ldo);
+    }
+}
+
+/* (gemm_rows) rows r .. r + nr - 1 (nr <= IQ4X_GROUP) of an IQ4_XS matrix W against the n rows
+ * of xq, into y */
+static void iq4x_gemm(const uint8_t *W, int64_t rb, int r, int nr, int K, uint8_t *xq, int64_t qb, int n, void *y,
+                      int ydt, int ldy, const void *bias) {
+    float v[IQ4X_MAXT * IQ4X_GROUP];
+    for (int i0 = 0; i0 < n; i0 += IQ4X_MAXT) {
+        int na = n - i0 < IQ4X_MAXT ? n - i0 : IQ4X_MAXT;
+        iq4x_acts_rows(W + r * rb, rb, nr, K, xq + i0 * qb, qb, NULL, na, v, IQ4X_GROUP);
+        for (int i = 0; i < na; i++)
+            for (int j = 0; j < nr; j++)
+                store_y(y, ydt, (int64_t)(i0 + i) * ldy + r + j, v[IQ4X_GROUP * i + j], bias, r + j);
+    }
+}
+#endif
 
 /* rows of y [n, N] (dtype ydt, row stride ldy, plus bias [N] when not NULL) = x [n, K] . W^T,
  * inside a parallel region whose end is the only barrier after it (nowait: its one caller,
@@ -1903,6 +2185,12 @@ static void gemm_rows(int t, const uint8_t *W, int N, int K, int n, const float 
     for (int r4 = 0; r4 < (N + 3) / 4; r4++) {
         int r = 4 * r4, nr = N - r < 4 ? N - r : 4;
         const uint8_t *wr = W + r * rb;
+#ifdef HAVE_IQ4X
+        if (t == T_IQ4_XS) {          /* IQ4X_GROUP rows at a time: the first r4 of each group takes them */
+            if (r % IQ4X_GROUP == 0) iq4x_gemm(W, rb, r, N - r < IQ4X_GROUP ? N - r : IQ4X_GROUP, K, xq, qb, n, y, ydt, ldy, bias);
+            continue;
+        }
+#endif
         if (is_lowbit(t) && n > 1) {
             /* LB_MAXR activation rows at a time against each of the (up to 4) weight rows: each
              * super-block unpacked once per LB_MAXR rows, the activations reused from L1 */
@@ -2086,6 +2374,15 @@ static void moe_body(int n_exp, const uint8_t *const *blobs, const int64_t *boun
                 int tt = r < I ? tg : tu;
                 int64_t rbt = r < I ? rbg : rbu;
                 const uint8_t *w = r < I ? blobs[ee] + r * rbg : blobs[ee] + off_u + (r - I) * rbu;
+#ifdef HAVE_IQ4X
+                if (tt == T_IQ4_XS) {     /* IQ4X_GROUP rows of gate or up at a time (iq4x_rows16) */
+                    int rr = r < I ? r : r - I;
+                    if (rr % IQ4X_GROUP == 0)
+                        iq4x_acts_rows(w, rbt, I - rr < IQ4X_GROUP ? I - rr : IQ4X_GROUP, H, xq, qh, tok + pa, pb - pa,
+                                       gu + (pa - p0) * 2 * I + r, 2 * I);
+                    continue;
+                }
+#endif
                 if (is_lowbit(tt) && pb - pa > 1) {
                     for (int64_t q0 = pa; q0 < pb; q0 += LB_MAXR) {
                         int na = (int)(pb - q0 < LB_MAXR ? pb - q0 : LB_MAXR);
@@ -2142,6 +2439,14 @@ static void moe_body(int n_exp, const uint8_t *const *blobs, const int64_t *boun
                 int ee = e + (int)(idx / (H / 4)), r = 4 * (int)(idx % (H / 4));
                 int64_t pa = bounds[ee] > p0 ? bounds[ee] : p0, pb = bounds[ee + 1] < p0 + n ? bounds[ee + 1] : p0 + n;
                 const uint8_t *w = blobs[ee] + off_d + r * rbd;
+#ifdef HAVE_IQ4X
+                if (td == T_IQ4_XS) {
+                    if (r % IQ4X_GROUP == 0)
+                        iq4x_acts_rows(w, rbd, H - r < IQ4X_GROUP ? H - r : IQ4X_GROUP, I, hq + (pa - p0) * qi, qi, NULL, pb - pa,
+                                       yd + (pa - p0) * H + r, H);
+                    continue;
+                }
+#endif
                 if (is_lowbit(td) && pb - pa > 1) {
                     for (int64_t q0 = pa; q0 < pb; q0 += LB_MAXR) {
                         int na = (int)(pb - q0 < LB_MAXR ? pb - q0 : LB_MAXR);
@@ -2327,6 +2632,25 @@ static void dequant_lowbit_bf16_512(int t, const uint8_t *w, uint16_t *o) {
     }
 }
 
+/* one IQ4_XS super-block as 256 bf16 (o), without lb_unpack's scalar loop: per 32 values the 16
+ * index bytes split into nibbles and looked up in KV_IQ4NL with vpshufb, then
+ * dequant_lowbit's fp32 operations (dl = d x (ls - 32), dl x v, no FMA) 16 at a time, rounded
+ * as mf_f2b: bit for bit the scalar path's. */
+static void dequant_iq4xs_bf16_512(const uint8_t *w, uint16_t *o) {
+    const __m128i tab = _mm_loadu_si128((const __m128i *)KV_IQ4NL), m4 = _mm_set1_epi8(0x0f);
+    float d = mf_h2f(rd16(w));
+    uint16_t sh = rd16(w + 2);
+    for (int ib = 0; ib < 8; ib++) {
+        int ls = ((w[4 + ib / 2] >> (4 * (ib % 2))) & 15) | (((sh >> (2 * ib)) & 3) << 4);
+        __m512 dl = _mm512_set1_ps(d * (float)(ls - 32));
+        __m128i q = _mm_loadu_si128((const __m128i *)(w + 8 + 16 * ib));
+        __m128i lo = _mm_shuffle_epi8(tab, _mm_and_si128(q, m4)), hi = _mm_shuffle_epi8(tab, _mm_and_si128(_mm_srli_epi16(q, 4), m4));
+        _mm256_storeu_si256((__m256i *)(o + 32 * ib), f2b_512(_mm512_mul_ps(dl, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(lo)))));
+        _mm256_storeu_si256((__m256i *)(o + 32 * ib + 16),
+                            f2b_512(_mm512_mul_ps(dl, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(hi)))));
+    }
+}
+
 /* one Q4_K / Q5_K super-block as 256 bf16 (o): dequant_block's fp32 operations (d1 = d sc,
  * m1 = dmin m, d1 q - m1: a product and a difference, no FMA) 16 at a time, rounded as
  * mf_f2b: bit for bit the scalar path's. */
@@ -2371,6 +2695,10 @@ void mf_dequant(int t, const uint8_t *W, int64_t nrows, int K, uint16_t *out16, 
                 }
                 if ((t == T_Q4_K || t == T_Q5_K) && out16 && !out32) {
                     dequant_k45_bf16_512(t, wr + b * tb, out16 + r * K + (int64_t)b * bs);
+                    continue;
+                }
+                if (t == T_IQ4_XS && out16 && !out32) {
+                    dequant_iq4xs_bf16_512(wr + b * tb, out16 + r * K + (int64_t)b * bs);
                     continue;
                 }
                 if (is_lowbit(t) && out16 && !out32) {
