@@ -276,7 +276,8 @@ def predict_only(src: Path, out: Path | None) -> int:
 
 
 def summary(rows: list[dict]) -> None:
-    """Per engine, the median and the largest |predicted / measured - 1| of ``rows``."""
+    """Per engine, the median and the largest |predicted / measured - 1| of ``rows``, over all
+    of them and per phase (prefill ``pp``, decode ``tg``)."""
     print()
     for engine in ENGINES:
         e = errors(rows, engine)
@@ -286,6 +287,11 @@ def summary(rows: list[dict]) -> None:
             print(f"{engine}: {count} cases, median |predicted / measured - 1| = {med:.0%}; "
                   f"largest {abs(worst['ratio'] - 1):.0%} ({worst['shape']} {worst['file']} "
                   f"{worst['threads']} thr {worst['resident']} {worst['phase']})")
+            for phase in ("pp", "tg"):
+                e = errors([r for r in rows if r["phase"].startswith(phase)], engine)
+                if e:
+                    print(f"  {phase}: median {e[0]:.0%}; largest {abs(e[1]['ratio'] - 1):.0%} "
+                          f"({e[1]['shape']} {e[1]['file']} {e[1]['threads']} thr {e[1]['resident']})")
 
 
 def predicted(path: Path, resident: str, host, prompt: int, gen: int) -> dict:
