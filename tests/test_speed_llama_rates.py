@@ -75,3 +75,15 @@ def test_the_call_cost_found_is_the_one_the_models_decode_was_taken_at():
         assert sm.call_for_seconds(decode_seconds, decode_seconds(true)) == pytest.approx(true, rel=1e-6)
     assert sm.call_for_seconds(decode_seconds, decode_seconds(0.0) * 0.9) is None   # stream too slow
     assert sm.call_for_seconds(lambda c: 1.0, 2.0) is None                         # no calls
+
+
+def test_the_runs_best_llama_rates_are_per_thread_count_and_probed_type():
+    """best_llama_rates: per thread count, the fastest of the run's probes for each probed
+    type; moefit's rows and the host's own BF16 figure do not enter."""
+    def row(engine, threads, **rates):
+        return {"engine": engine, "threads": threads, "host_figures": {"rates": rates}}
+    rows = [row("llama.cpp", 1, BF16=60e9, Q8_0=29e9, Q4_K=40e9),
+            row("llama.cpp", 1, BF16=90e9, Q8_0=51e9, Q4_K=31e9),
+            row("llama.cpp", 2, Q8_0=93e9, Q6_K=180e9),
+            row("moefit", 1, Q8_0=500e9, Q6_K=500e9)]
+    assert sm.best_llama_rates(rows) == {1: {"Q8_0": 51e9, "Q4_K": 40e9}, 2: {"Q8_0": 93e9, "Q6_K": 180e9}}
