@@ -74,9 +74,9 @@ def host_now(threads: int):
     from moefit.devices.host import HostSpeed
     from moefit.runtime.calibrate import measure_host
 
-    bw, rates, dequant, gemm, one_row, calls, gemm_small = measure_host([threads], say=lambda _msg: None)[threads]
+    bw, rates, dequant, gemm, one_row, calls, gemm_small, many = measure_host([threads], say=lambda _msg: None)[threads]
     return HostSpeed(bw, threads, rates, f"this machine, measured now ({bw / 1e9:.1f} GB/s, {threads} thr)",
-                     dequant, gemm, one_row, calls, gemm_small)
+                     dequant, gemm, one_row, calls, gemm_small, many)
 
 
 def host_cached(threads: int):
@@ -225,7 +225,8 @@ def host_figures(host) -> dict:
     return {"memory_bytes_per_s": host.memory_bytes_per_s, "threads": host.threads,
             "rates": host.kernel_rates, "dequant_rates": host.dequant_rates,
             "gemm_flops": host.gemm_flops, "one_row_rates": host.one_row_rates,
-            "call_seconds": host.call_seconds, "gemm_small_flops": host.gemm_small_flops}
+            "call_seconds": host.call_seconds, "gemm_small_flops": host.gemm_small_flops,
+            "many_row_rates": host.many_row_rates}
 
 
 def host_of(figures: dict):
@@ -237,7 +238,8 @@ def host_of(figures: dict):
     return HostSpeed(float(f["memory_bytes_per_s"]), int(f["threads"]), dict(f["rates"]),
                      "stored with the measured run", dict(f.get("dequant_rates") or {}),
                      float(f.get("gemm_flops") or 0.0), dict(f.get("one_row_rates") or {}),
-                     dict(f.get("call_seconds") or {}), float(f.get("gemm_small_flops") or 0.0))
+                     dict(f.get("call_seconds") or {}), float(f.get("gemm_small_flops") or 0.0),
+                     dict(f.get("many_row_rates") or {}))
 
 
 def predict_only(src: Path, out: Path | None) -> int:

@@ -184,3 +184,40 @@ def test_a_version_2_host_file_is_measured_again(tmp_path, monkeypatch):
     warnings = []
     assert calibration.load_host(warn=warnings.append) is None
     assert "before the one-row rates were streamed" in warnings[0]
+
+
+def test_the_many_row_rate_prices_an_experts_prefill_rows_and_the_line_joins_the_probes():
+    """HostSpeed.many_row_rates (KERNEL_PROBE_ROWS_MANY rows, the kernel that runs there:
+    Q6_K's tile from 25 rows on): from that row count on, rows x bytes / that rate; between
+    the two probes the straight line of their times; below the first probe, unchanged; a type
+    without it keeps the eight-row rate everywhere."""
+    from moefit.devices.host import KERNEL_PROBE_ROWS_MANY
+    base = _host()
+    r8 = base.rate("Q6_K")
+    h = replace(base, many_row_rates={"Q6_K": 2.5 * r8})
+    b = 1e6
+    t8 = KERNEL_PROBE_ROWS * b / r8
+    t64 = KERNEL_PROBE_ROWS_MANY * b / (2.5 * r8)
+    assert h.kernel_seconds("Q6_K", b, KERNEL_PROBE_ROWS) == pytest.approx(t8)
+    assert h.kernel_seconds("Q6_K", b, KERNEL_PROBE_ROWS_MANY) == pytest.approx(t64)
+    assert h.kernel_seconds("Q6_K", b, 128) == pytest.approx(2 * t64)
+    mid = (KERNEL_PROBE_ROWS + KERNEL_PROBE_ROWS_MANY) / 2
+    assert h.kernel_seconds("Q6_K", b, mid) == pytest.approx((t8 + t64) / 2)
+    assert h.kernel_seconds("Q6_K", b, 3) == base.kernel_seconds("Q6_K", b, 3)
+    assert h.kernel_seconds("Q4_K", b, 128) == base.kernel_seconds("Q4_K", b, 128)
+    # a disturbed probe that finds 64 rows faster than 8 never makes more rows cheaper
+    slow = replace(base, many_row_rates={"Q6_K": r8 / 100})
+    assert slow.kernel_seconds("Q6_K", b, 32) >= t8
+
+
+def test_host_calibration_keeps_the_many_row_rates(tmp_path, monkeypatch):
+    monkeypatch.setenv(calibration.CACHE_ENV, str(tmp_path))
+    path = calibration.save_host({1: (20e9, {"Q6_K": 40e9}, {"Q6_K": 2e9}, 150e9, {"Q6_K": 25e9}, {},
+                                      90e9, {"Q6_K": 100e9})})
+    assert calibration.load_host(threads=1).many_row_rates == {"Q6_K": 100e9}
+    doc = json.loads(path.read_text())
+    doc["threads"]["1"]["many_row_rates"] = {"Q6_K": -1}
+    path.write_text(json.dumps(doc))
+    assert calibration.load_host(warn=lambda _m: None) is None
+    calibration.save_host({1: (20e9, {"Q6_K": 40e9}, {"Q6_K": 2e9}, 150e9)})
+    assert calibration.load_host(threads=1).many_row_rates == {}

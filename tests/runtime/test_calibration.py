@@ -194,7 +194,7 @@ def test_the_one_row_rates_stream_the_large_buffer_in_one_call_per_type(monkeypa
 
     monkeypatch.setattr(qmatmul, "gemm", gemm)
     monkeypatch.setattr(rc, "_best_seconds", best)
-    bw, _, _, _, one_row, _, _ = rc.measure_host([1], say=lambda _m: None)[1]
+    bw, _, _, _, one_row, _, _, _ = rc.measure_host([1], say=lambda _m: None)[1]
     types = {q for q in qmatmul.CTYPES if qmatmul.supports(q, rc.PROBE_BIG[1])}
     assert set(one_row) == types
     big = {q: n for q, r, n in seen if r == 1 and n > 3 << 20}

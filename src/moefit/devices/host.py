@@ -116,6 +116,12 @@ def _flop(shape: tuple[int, int, int]) -> float:
 #: :func:`moefit.runtime.calibrate.measure_host`), the row count of
 #: :attr:`HostSpeed.kernel_rates`.
 KERNEL_PROBE_ROWS = 8
+#: The activation rows of the second kernel-rate probe (the same matrices,
+#: :attr:`HostSpeed.many_row_rates`): an expert's rows in a prefill chunk (512 tokens x 8 of
+#: 64 experts), where some types run another kernel than at :data:`KERNEL_PROBE_ROWS` rows
+#: (Q6_K / Q5_K from 25 rows on: ``q6k_tile`` / ``q5k_tile``, 16 weight rows unpacked once
+#: per super-block for every activation row; ``qmatmul.c``).
+KERNEL_PROBE_ROWS_MANY = 64
 
 
 @record
@@ -162,6 +168,11 @@ class HostSpeed:
             :data:`moefit.runtime.calibrate.PROBE_EXPERT`-shaped experts past the caches in
             the MoE kernel, a decode layer's pairs at a time
             (:func:`moefit.runtime.calibrate.measure_host`); empty: not measured (0).
+        many_row_rates: per ggml type, the C kernels' rate as :attr:`kernel_rates` but with
+            :data:`KERNEL_PROBE_ROWS_MANY` activation rows (weight bytes x rows per second,
+            the same cached matrix): the rate of the kernel that runs at an expert's rows in
+            a prefill chunk. Empty (or a type not in it): not measured, and every row count
+            from :data:`KERNEL_PROBE_ROWS` on takes :attr:`kernel_rates`.
     """
 
     memory_bytes_per_s: float
@@ -173,6 +184,7 @@ class HostSpeed:
     one_row_rates: dict[str, float] = field(default_factory=dict)
     call_seconds: dict[str, float] = field(default_factory=dict)
     gemm_small_flops: float = 0.0
+    many_row_rates: dict[str, float] = field(default_factory=dict)
 
     def rate(self, qtype: str) -> float:
         """The compute roof of ``qtype`` (:attr:`kernel_rates`); a type that was not
@@ -190,8 +202,20 @@ class HostSpeed:
         the type's :attr:`call_seconds`. Without a one-row rate for ``qtype``
         (:attr:`one_row_rates`), the :meth:`rate` line for every row count. One row never
         takes longer than the probe's rows (a probe disturbed by other load can measure
-        that; more rows never take less time)."""
+        that; more rows never take less time). Where :attr:`many_row_rates` has ``qtype``:
+        from :data:`KERNEL_PROBE_ROWS_MANY` rows on, ``rows x nbytes / many-row rate``, and
+        between the two probes' row counts the straight line between their times (the
+        kernel that runs may change inside that range: Q6_K's and Q5_K's at 25 rows), never
+        less than the :data:`KERNEL_PROBE_ROWS`-row time."""
         full = rows * nbytes / self.rate(qtype)
+        many = self.many_row_rates.get(qtype)
+        if many and rows >= KERNEL_PROBE_ROWS:
+            t_probe = KERNEL_PROBE_ROWS * nbytes / self.rate(qtype)
+            t_many = max(KERNEL_PROBE_ROWS_MANY * nbytes / many, t_probe)
+            if rows >= KERNEL_PROBE_ROWS_MANY:
+                return rows * t_many / KERNEL_PROBE_ROWS_MANY
+            return t_probe + (rows - KERNEL_PROBE_ROWS) * (t_many - t_probe) / (
+                KERNEL_PROBE_ROWS_MANY - KERNEL_PROBE_ROWS)
         one = self.one_row_rates.get(qtype)
         if not one or rows >= KERNEL_PROBE_ROWS:
             return full

@@ -249,7 +249,8 @@ def load(geom: ModelGeometry, device: Device, kv: str,
 # large matrix past the caches in one call (optional: a file without it prices every row count
 # at ``rates``); ``call_seconds``: per type, a one-row product's cost per matrix beyond its
 # bytes (optional: 0); ``gemm_small_flops``: the bf16 GEMM at an expert's product in a prefill
-# chunk (optional: every product at ``gemm_flops``). A file that cannot be trusted is ignored with a warning, as a staging
+# chunk (optional: every product at ``gemm_flops``); ``many_row_rates``: as ``rates`` with
+# ``KERNEL_PROBE_ROWS_MANY`` (64) rows (optional: every row count from 8 on at ``rates``). A file that cannot be trusted is ignored with a warning, as a staging
 # calibration is.
 
 #: version 3 (2026-12-02): ``one_row_rates`` streamed from memory in one call, and
@@ -287,7 +288,8 @@ def host_calibration_path(key: dict | None = None) -> Path:
 def save_host(per_threads: dict[int, tuple]) -> Path:
     """Store ``{threads: (memory bytes/s, {ggml type: rate}[, {ggml type: dequantize
     bytes/s}, bf16 GEMM FLOP/s[, {ggml type: one-row rate}[, {ggml type: seconds per
-    one-row call}[, bf16 GEMM FLOP/s at an expert's size]]]])}`` measured on this machine
+    one-row call}[, bf16 GEMM FLOP/s at an expert's size[, {ggml type: rate at
+    KERNEL_PROBE_ROWS_MANY rows}]]]]])}`` measured on this machine
     (:func:`moefit.runtime.calibrate.measure_host`)."""
     from datetime import datetime, timezone     # the time stamp: only a calibration written
 
@@ -298,7 +300,8 @@ def save_host(per_threads: dict[int, tuple]) -> Path:
                                 "gemm_flops": f[3] if len(f) > 3 else 0.0,
                                 "one_row_rates": f[4] if len(f) > 4 else {},
                                 "call_seconds": f[5] if len(f) > 5 else {},
-                                "gemm_small_flops": f[6] if len(f) > 6 else 0.0}
+                                "gemm_small_flops": f[6] if len(f) > 6 else 0.0,
+                                "many_row_rates": f[7] if len(f) > 7 else {}}
                        for t, f in sorted(per_threads.items())},
            "created": datetime.now(timezone.utc).isoformat(timespec="seconds")}
     path = host_calibration_path(key)
@@ -348,6 +351,8 @@ def load_host(threads: int | None = None, warn: Warn | None = None) -> HostSpeed
               and all(isinstance(k, str) and _positive(v) for k, v in entry.get("dequant_rates", {}).items())
               and (entry.get("gemm_flops", 0.0) == 0.0 or _positive(entry.get("gemm_flops")))
               and (entry.get("gemm_small_flops", 0.0) == 0.0 or _positive(entry.get("gemm_small_flops")))
+              and isinstance(entry.get("many_row_rates", {}), dict)
+              and all(isinstance(k, str) and _positive(v) for k, v in entry.get("many_row_rates", {}).items())
               and isinstance(entry.get("one_row_rates", {}), dict)
               and all(isinstance(k, str) and _positive(v) for k, v in entry.get("one_row_rates", {}).items())
               and isinstance(entry.get("call_seconds", {}), dict)
@@ -370,7 +375,8 @@ def load_host(threads: int | None = None, warn: Warn | None = None) -> HostSpeed
                      float(entry.get("gemm_flops") or 0.0),
                      {k: float(v) for k, v in (entry.get("one_row_rates") or {}).items()},
                      {k: float(v) for k, v in (entry.get("call_seconds") or {}).items()},
-                     float(entry.get("gemm_small_flops") or 0.0))
+                     float(entry.get("gemm_small_flops") or 0.0),
+                     {k: float(v) for k, v in (entry.get("many_row_rates") or {}).items()})
 
 
 def _positive(x: object) -> bool:

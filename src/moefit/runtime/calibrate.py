@@ -22,6 +22,7 @@ import torch
 from moefit.devices import Device
 from moefit.devices.host import GEMM_PROBE, GEMM_PROBE_SMALL
 from moefit.devices.host import KERNEL_PROBE_ROWS as PROBE_ROWS
+from moefit.devices.host import KERNEL_PROBE_ROWS_MANY as PROBE_ROWS_MANY
 from moefit.errors import InputError
 from moefit.ingest.geometry import ModelGeometry
 from moefit.memory.cpu_kernels import moe_scratch_bytes
@@ -174,11 +175,12 @@ def _one_row(big: torch.Tensor, qtype: str, threads: int) -> tuple[float, float 
 
 def measure_host(threads: list[int], say=print
                  ) -> dict[int, tuple[float, dict[str, float], dict[str, float], float, dict[str, float],
-                                  dict[str, float], float]]:
+                                  dict[str, float], float, dict[str, float]]]:
     """The host's figures at each of ``threads``: (memory bytes/s, {ggml type: weight bytes x
     rows per second}, {ggml type: stored bytes dequantized per second}, bf16 GEMM FLOP/s,
     {ggml type: weight bytes per second with one row}, {ggml type: seconds per one-row call
-    beyond its bytes}, bf16 GEMM FLOP/s at an expert's size)
+    beyond its bytes}, bf16 GEMM FLOP/s at an expert's size, {ggml type: weight bytes x rows
+    per second at :data:`PROBE_ROWS_MANY` rows})
     (:class:`moefit.devices.host.HostSpeed`'s figures) from moefit's C kernels (:func:`moefit.runtime.kernels.qmatmul.gemm`): one
     activation row against the :data:`PROBE_BIG` matrix's bytes as each type this build
     multiplies (:func:`moefit.runtime.kernels.qmatmul.supports`), the bytes read per second,
@@ -186,7 +188,7 @@ def measure_host(threads: list[int], say=print
     fastest of them over :data:`PROBE_MEMORY_TYPES`), one row through :data:`PROBE_EXPERT`
     experts over the same bytes (the cost per one-row call; :func:`_one_row`), and :data:`PROBE_ROWS` rows against a
     :data:`PROBE_SMALL` matrix of each type (random bytes: the kernels' speed does not depend
-    on the values), best of five;
+    on the values), best of five, and :data:`PROBE_ROWS_MANY` rows against it, best of three;
     :data:`PROBE_DEQUANT_BYTES` of each type dequantized to bf16
     (:func:`moefit.runtime.kernels.qmatmul.dequantize`), best of two, and ``torch.mm`` of a :data:`PROBE_GEMM` bf16 product (``torch.set_num_threads``
     at the count), ``2 x rows x weight rows x columns`` FLOP over the best of three, and of a
@@ -206,16 +208,19 @@ def measure_host(threads: list[int], say=print
             if call is not None:
                 calls[qtype] = call
         bw = max(one_row[q] for q in PROBE_MEMORY_TYPES)
-        rates, dequant = {}, {}
+        rates, dequant, many = {}, {}, {}
         r, c = PROBE_SMALL
         tile = torch.empty((r, c), dtype=torch.bfloat16)
         xs = torch.randn(PROBE_ROWS, c)
+        xm = torch.randn(PROBE_ROWS_MANY, c)
         for qtype in (t for t in qmatmul.CTYPES if qmatmul.supports(t, c)):
             raw = torch.randint(0, 64, (r * lib.mf_row_bytes(qmatmul.CTYPES[qtype], c),),
                                 dtype=torch.uint8)
             qmatmul.gemm(xs, raw, qtype, r, c, threads=t)          # warm the caches
             sec = _best_seconds(lambda: qmatmul.gemm(xs, raw, qtype, r, c, threads=t), 5)
             rates[qtype] = PROBE_ROWS * raw.numel() / sec
+            sec = _best_seconds(lambda: qmatmul.gemm(xm, raw, qtype, r, c, threads=t), 3)
+            many[qtype] = PROBE_ROWS_MANY * raw.numel() / sec
             step = r * lib.mf_row_bytes(qmatmul.CTYPES[qtype], c)
             blocks = min(PROBE_DEQUANT_BYTES, big.numel()) // step
             src = big[:blocks * step] if blocks else raw          # a test's small buffer
@@ -243,11 +248,12 @@ def measure_host(threads: list[int], say=print
             torch.set_num_threads(before)
         say(f"threads {t}: memory {bw / 1e9:.1f} GB/s; kernels (GB/s of weights x rows): "
             + ", ".join(f"{k} {v / 1e9:.0f}" for k, v in rates.items())
+            + f"; at {PROBE_ROWS_MANY} rows: " + ", ".join(f"{k} {v / 1e9:.0f}" for k, v in many.items())
             + "; one row: " + ", ".join(f"{k} {v / 1e9:.0f}" for k, v in one_row.items())
             + "; per one-row call (us): " + ", ".join(f"{k} {v * 1e6:.1f}" for k, v in calls.items())
             + "; dequantize (GB/s stored): " + ", ".join(f"{k} {v / 1e9:.1f}" for k, v in dequant.items())
             + f"; bf16 GEMM {gemm / 1e9:.0f} GFLOP/s, at an expert's size {gemm_small / 1e9:.0f}")
-        out[t] = (bw, rates, dequant, gemm, one_row, calls, gemm_small)
+        out[t] = (bw, rates, dequant, gemm, one_row, calls, gemm_small, many)
     del big
     gc.collect()
     return out
