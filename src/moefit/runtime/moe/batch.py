@@ -96,15 +96,28 @@ def scratch_bytes(tokens: int, hidden: int, inter: int, act: torch.dtype) -> int
     return max(old, qmatmul.moe_scratch_bytes(tokens, hidden, inter, 1))
 
 
+#: torch's own temporaries of :func:`run_layer`, allocated outside the workspace while the
+#: layer's scratch is taken: ``torch.sort``'s values and indices (16 bytes a (token, expert)
+#: pair), ``tok`` (8), ``wsel`` (4) and the stable sort's own buffers; measured 44 bytes a
+#: pair (22664 bytes for 512 pairs of an 8-expert layer, torch's profiler in
+#: tests/runtime/test_staging_bound_gguf.py), so 64 a pair and 4 KiB for the per-expert
+#: arrays (``used``, ``counts``, ``bounds``, the blob pointers) are left free of the scratch.
+RUN_LAYER_TEMP_BYTES_PER_PAIR = 64
+RUN_LAYER_TEMP_BYTES = 4096
+
+
 def layer_scratch_bytes(ws, tokens: int, hidden: int, inter: int, pairs: int, act: torch.dtype) -> int:
     """Workspace bytes a layer's :func:`run_layer` takes from ``ws`` for a chunk of ``tokens``
     (``pairs`` (token, expert) pairs): :func:`scratch_bytes` at least, and up to every pair
     at once (:func:`moefit.runtime.kernels.qmatmul.moe_scratch_bytes`) where the workspace
-    has that room free, so that a prefill chunk's experts run whole (a chunk of pairs cuts an
-    expert's tokens in two, and each piece unpacks its rows again)."""
+    has that room free beyond torch's own temporaries of the layer
+    (:data:`RUN_LAYER_TEMP_BYTES_PER_PAIR`), so that a prefill chunk's experts run whole
+    (a chunk of pairs cuts an expert's tokens in two, and each piece unpacks its rows
+    again)."""
     base = scratch_bytes(tokens, hidden, inter, act)
     want = qmatmul.moe_scratch_bytes(tokens, hidden, inter, pairs)
-    room = ws.capacity - (-(-ws.offset // ALIGN) * ALIGN) - 8 * ALIGN
+    room = (ws.capacity - (-(-ws.offset // ALIGN) * ALIGN) - 8 * ALIGN
+            - pairs * RUN_LAYER_TEMP_BYTES_PER_PAIR - RUN_LAYER_TEMP_BYTES)
     return max(base, min(want, room))
 
 
