@@ -122,7 +122,7 @@ def test_response_format_text_is_fine_and_json_on_a_vocabulary_without_json_is_r
     for fmt in ({"type": "json_object"},
                 {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}):
         msg = refused(client, route, {**base, "response_format": fmt})
-        assert "response_format" in msg and "cannot write JSON" in msg
+        assert "response_format" in msg and "cannot write JSON" in msg and "check the schema" in msg
 
 
 @pytest.mark.parametrize("route,base", [

@@ -545,3 +545,17 @@ def test_logit_bias_and_openais_penalties_match_the_formula(served, presence, fr
         assert want == [11] * 8
     if frequency == 1.5:          # the penalty changes the greedy tokens of this prompt
         assert want != _reference_penalised(served, ids, 8, 0.0, 0.0, {})
+
+
+def test_completion_logprobs_keep_the_likeliest_of_tokens_with_one_string():
+    from moefit.serve.generation import Step
+    from moefit.serve.responses import completion_logprobs
+
+    class Tok:                       # two byte tokens that both decode to U+FFFD alone
+        def token_bytes(self, t):
+            return {1: b"\xe4", 2: b"\xe5", 3: b"ab"}[t]
+
+    st = Step(token=2, text="", logprob=-1.0, top=((3, -0.5), (1, -2.0)))
+    lp, _ = completion_logprobs(Tok(), [st])
+    assert lp["top_logprobs"][0] == {"ab": -0.5, "\ufffd": -1.0}
+    assert lp["token_logprobs"] == [-1.0]

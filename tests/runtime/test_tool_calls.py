@@ -414,3 +414,32 @@ def test_errors_carry_openais_string_code_or_null_and_the_client_reads_them(clie
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=0)
     assert e.value.status_code == 400 and e.value.code is None and e.value.body["code"] is None
+
+
+def test_required_tools_keep_their_own_refs_inside_the_wrapper():
+    params = {"type": "object", "properties": {"city": {"$ref": "#/$defs/City"}},
+              "$defs": {"City": {"type": "string", "maxLength": 8}}, "required": ["city"]}
+    use = ToolUse(mode="required", tools=[{"type": "function", "function": {"name": "f", "parameters": params}}])
+    schema = use.schema()
+    ref = schema["items"]["anyOf"][0]["properties"]["parameters"]["properties"]["city"]["$ref"]
+    node = schema
+    for part in ref.removeprefix("#/").split("/"):
+        node = node[int(part)] if isinstance(node, list) else node[part]
+    assert node == {"type": "string", "maxLength": 8}
+    assert params["properties"]["city"]["$ref"] == "#/$defs/City"        # the input unchanged
+
+
+def test_a_self_referencing_tool_schema_is_never_a_500(client):
+    # {"$ref": "#"} meant the wrapper array itself once wrapped (a 500 when the grammar's
+    # item limit broke mid-generation); rerooted, it is the parameters' own root: answered
+    # (calls of valid JSON) or refused with a 400, never a server error
+    bad = {"type": "function", "function": {"name": "f", "parameters": {"$ref": "#"}}}
+    try:
+        r = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=20, tools=[bad],
+                                           tool_choice="required")
+    except openai.BadRequestError as e:
+        assert "schema" in e.message, e.message
+    else:
+        for c in r.choices:
+            for call in c.message.tool_calls or ():
+                json.loads(call.function.arguments)

@@ -342,8 +342,12 @@ def completion_logprobs(tokenizer, steps: list[Step], offset: int = 0) -> tuple[
         lps.append(_lp(st.logprob))
         offsets.append(offset)
         offset += len(text)
-        alts = {_token_bytes(tokenizer, t).decode("utf-8", "replace"): _lp(v) for t, v in st.top}
-        alts.setdefault(text, _lp(st.logprob))
+        # token strings can collide (byte tokens that decode to "\ufffd" alike): a string
+        # keeps its most likely token's log probability, the sampled one's included
+        alts: dict[str, float] = {}
+        for t, v in (*st.top, (st.token, st.logprob)):
+            key = _token_bytes(tokenizer, t).decode("utf-8", "replace")
+            alts[key] = max(alts.get(key, -float("inf")), _lp(v))
         tops.append(alts)
     return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops,
             "text_offset": offsets}, offset

@@ -193,8 +193,9 @@ def compile_schema(schema: dict, field: str, tokenizer, vocab_size: int,
     allowed = {8 * k + b for k, byte in enumerate(mask) if byte for b in range(8) if byte >> b & 1}
     # llguidance allows token 0 where no token can go on (a vocabulary without "{")
     if not allowed - set(tokenizer.tok.get_added_tokens_decoder()):
-        raise InputError(f"{field}: no token of this model's vocabulary can start such output "
-                         "(its tokenizer cannot write JSON); leave response_format out")
+        raise InputError(f"{field}: no output of this model's vocabulary satisfies this schema "
+                         "(a schema no value can match, such as one whose only definition is "
+                         "itself, or a tokenizer that cannot write JSON); check the schema")
     return Grammar(matcher, vocab_size, lt.vocab_size)
 
 
@@ -229,7 +230,7 @@ class Constraint:
         refuses the token (the sampler drew a masked one: a bug)."""
         if not self.matcher.consume_token(int(token)):
             raise RuntimeError(f"response_format: the grammar refused token {token} "
-                               f"({self.matcher.get_error()})")
+                               f"({(self.matcher.get_error() or '')[:300]})")
         if self.matcher.is_stopped():
             return True
         self.pending = _executor().submit(self._mask)

@@ -90,11 +90,12 @@ class ToolUse:
             return closed(fn.get("parameters") or {"type": "object"})
         if self.mode == "required":
             one = [{"type": "object", "properties": {"name": {"const": t["function"]["name"]},
-                                                     "parameters": closed(
+                                                     "parameters": rerooted(closed(
                                                          t["function"].get("parameters")
-                                                         or {"type": "object"})},
+                                                         or {"type": "object"}),
+                                                         f"#/items/anyOf/{i}/properties/parameters")},
                     "required": ["name", "parameters"], "additionalProperties": False}
-                   for t in self.tools]
+                   for i, t in enumerate(self.tools)]
             return {"type": "array", "minItems": 1, "items": {"anyOf": one},
                     **({} if self.parallel else {"maxItems": 1})}
         return None
@@ -143,6 +144,28 @@ def closed(schema: Any) -> Any:
     if (isinstance(schema.get("properties"), dict) and "additionalProperties" not in schema
             and "patternProperties" not in schema):
         out["additionalProperties"] = False
+    return out
+
+
+def rerooted(schema: Any, at: str) -> Any:
+    """``schema`` with every local ``$ref`` (``"#"`` or ``"#/..."``, JSON Pointers into the
+    document, RFC 6901 / JSON Schema 2020-12 section 8.2.3.1) made to point into the same
+    schema placed at ``at`` (a pointer ``"#/..."``) of a larger document: a function's
+    ``parameters`` wrapped in the ``required`` array keep meaning their own root and
+    ``$defs``, not the wrapper's. Other refs (URLs, anchors) are left as they are. A new
+    value; the input is not changed."""
+    if isinstance(schema, list):
+        return [rerooted(s, at) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for k, v in schema.items():
+        if k == "$ref" and isinstance(v, str) and (v == "#" or v.startswith("#/")):
+            out[k] = at + v[1:]
+        elif k in ("const", "enum", "default", "examples"):
+            out[k] = v                                                  # values, not schemas
+        else:
+            out[k] = rerooted(v, at)
     return out
 
 
