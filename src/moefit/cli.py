@@ -40,7 +40,6 @@ from moefit.plan.report import (format_json, format_speed, format_speed_verbose,
                                 speed_document)
 from moefit.plan.types import Alternative
 from moefit.records import replace
-from moefit.tools.demo import FAMILIES as DEMO_FAMILIES
 from moefit.units import format_bytes
 
 
@@ -453,6 +452,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     p = sub.add_parser("make-demo", help="write a small random checkpoint with a tokenizer "
                                          "that serve / generate run offline")
     if command in (None, "make-demo"):
+        from moefit.tools.demo import FAMILIES as DEMO_FAMILIES   # only this command's help
         p.add_argument("dir", help="the directory to write (new, or empty)")
         p.add_argument("--family", default="qwen3_moe",
                        help=f"{', '.join(DEMO_FAMILIES)} (default qwen3_moe)")
