@@ -175,11 +175,43 @@ def test_a_failing_plan_prices_its_llamacpp_alternative_without_gguf_or_numpy():
         out = io.StringIO()
         with contextlib.redirect_stdout(out):
             code = main(["plan", "Qwen3-30B-A3B", "--gpu", "RTX 4060"])
-        print(code, "llama.cpp" in out.getvalue(), [m for m in ("gguf", "numpy") if m in sys.modules])
+        print(code, "llama.cpp" in out.getvalue(), [m for m in ("gguf", "numpy", "shutil") if m in sys.modules])
     """)
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "3 True []"
+
+
+@pytest.mark.parametrize("columns", [None, "", "x", "0", "50", "200"])
+def test_the_help_is_as_wide_as_shutil_says(monkeypatch, columns):
+    """The width argparse's help is wrapped at (moefit.cli._columns, which spares a plan
+    importing shutil) is shutil.get_terminal_size()'s."""
+    import shutil
+
+    from moefit import cli
+    if columns is None:
+        monkeypatch.delenv("COLUMNS", raising=False)
+    else:
+        monkeypatch.setenv("COLUMNS", columns)
+    assert cli._columns() == shutil.get_terminal_size().columns
+
+
+def test_the_compiler_lookup_is_shutil_which(tmp_path):
+    """moefit.memory.cpu_kernels._which (spares a plan importing shutil) finds what
+    shutil.which finds: a program on the PATH, an absolute path, not a directory nor a file
+    that does not run, an empty PATH."""
+    import shutil
+
+    from moefit.memory.cpu_kernels import _which
+    (tmp_path / "runs").write_text("#!/bin/sh\n")
+    (tmp_path / "runs").chmod(0o755)
+    (tmp_path / "stays").write_text("")
+    (tmp_path / "dir").mkdir()
+    for program, path in [("sh", None), ("no-such-cc", None), ("runs", str(tmp_path)),
+                          ("stays", str(tmp_path)), ("dir", str(tmp_path)), ("sh", ""),
+                          (str(tmp_path / "runs"), None), (str(tmp_path / "stays"), None),
+                          ("runs", f"/nonexistent{os.pathsep}{tmp_path}")]:
+        assert _which(program, path) == (shutil.which(program, path=path) is not None), (program, path)
 
 
 def test_models_and_gpus_list():

@@ -301,8 +301,11 @@ ON_DEMAND = ("moefit.external", "moefit.ingest.gguf_header", "moefit.ingest.gguf
 #: tempfile (with random) writes files atomically; difflib finds the close names of an
 #: unknown model; dataclasses (with the inspect, ast and dis it imports: 6-7 ms) only for the
 #: dataclasses API used on a record (:mod:`moefit.records`) and a calibration's hash.
+#: shutil (with zlib, bz2 and lzma: ~3 ms) only where files are copied or removed: argparse's
+#: help formatter and the compiler lookup have their own few lines (moefit.cli._columns,
+#: moefit.memory.cpu_kernels._which).
 #: tests/test_cli.py checks that a plan loads none of them.
-RARE_STDLIB = {"hashlib", "datetime", "tempfile", "difflib", "platform", "dataclasses"}
+RARE_STDLIB = {"hashlib", "datetime", "tempfile", "difflib", "platform", "dataclasses", "shutil"}
 
 
 def heavy_modules(graph: ImportGraph) -> set[str]:

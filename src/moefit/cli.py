@@ -40,12 +40,45 @@ from moefit.plan.report import (format_json, format_speed, format_speed_verbose,
                                 speed_document)
 from moefit.plan.types import Alternative
 from moefit.records import replace
-from moefit.tools.demo import FAMILIES as DEMO_FAMILIES
 from moefit.units import format_bytes
+
+
+def _columns() -> int:
+    """The terminal's width, as ``shutil.get_terminal_size().columns`` gives it (``$COLUMNS``,
+    else the width of ``sys.__stdout__``'s terminal, else 80), without importing ``shutil``
+    (zlib, bz2 and lzma: ~3 ms of every command; argparse's formatter imports it for each
+    argument added)."""
+    try:
+        columns = int(os.environ["COLUMNS"])
+    except (KeyError, ValueError):
+        columns = 0
+    try:
+        lines = int(os.environ["LINES"])
+    except (KeyError, ValueError):
+        lines = 0
+    if columns <= 0 or lines <= 0:
+        try:
+            size = os.get_terminal_size(sys.__stdout__.fileno())
+        except (AttributeError, ValueError, OSError):
+            size = os.terminal_size((80, 24))
+        if columns <= 0:
+            columns = size.columns or 80
+    return columns
+
+
+class _Formatter(argparse.HelpFormatter):
+    """argparse's help formatter, its width found by :func:`_columns` (the same width)."""
+
+    def __init__(self, prog, indent_increment=2, max_help_position=24, width=None):
+        super().__init__(prog, indent_increment, max_help_position,
+                         _columns() - 2 if width is None else width)
 
 
 class _Parser(argparse.ArgumentParser):
     """argparse that exits 2 with the usage line (its default) and a hint."""
+
+    def __init__(self, *args, formatter_class=_Formatter, **kwargs):
+        super().__init__(*args, formatter_class=formatter_class, **kwargs)
 
     def error(self, message: str):  # noqa: D401
         self.print_usage(sys.stderr)
@@ -419,6 +452,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     p = sub.add_parser("make-demo", help="write a small random checkpoint with a tokenizer "
                                          "that serve / generate run offline")
     if command in (None, "make-demo"):
+        from moefit.tools.demo import FAMILIES as DEMO_FAMILIES   # only this command's help
         p.add_argument("dir", help="the directory to write (new, or empty)")
         p.add_argument("--family", default="qwen3_moe",
                        help=f"{', '.join(DEMO_FAMILIES)} (default qwen3_moe)")

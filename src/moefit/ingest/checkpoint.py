@@ -329,18 +329,20 @@ def load_staging(geom: ModelGeometry, tensors: dict[str, int]) -> int:
     (:data:`LINEAR_ATTENTION_PACKS`, :data:`GATED_Q_PACKS`) as its parts and the result at
     once, twice the parts' bytes. The same as the loader charges to ``host_staging``."""
     largest = 0
-    by_layer: dict[int | None, dict[str, int]] = {}
     for name, n in tensors.items():
-        by_layer.setdefault(_LAYER_OF(name), {})[name] = n
         if name.endswith(FP8_SCALE):
             continue
         largest = max(largest, n + tensors.get(name + FP8_SCALE, 0))
-    for layer in geom.layers:
-        packs = (LINEAR_ATTENTION_PACKS if layer.attention.kind == "linear" else ()) + \
-                (GATED_Q_PACKS if layer.attention.output_gate else ())
-        if not packs:
-            continue
-        mine = by_layer.get(layer.index, {})
+    packed = [(layer.index, (LINEAR_ATTENTION_PACKS if layer.attention.kind == "linear" else ()) +
+               (GATED_Q_PACKS if layer.attention.output_gate else ())) for layer in geom.layers]
+    packed = [(i, packs) for i, packs in packed if packs]
+    if not packed:       # no layer packs a projection: the names need no grouping by layer
+        return largest
+    by_layer: dict[int | None, dict[str, int]] = {}
+    for name, n in tensors.items():
+        by_layer.setdefault(_LAYER_OF(name), {})[name] = n
+    for index, packs in packed:
+        mine = by_layer.get(index, {})
         for pack in packs:
             parts = [n for name, n in mine.items() if name.endswith(pack)]
             if len(parts) == len(pack):

@@ -117,8 +117,7 @@ def converted_tensors(geom: ModelGeometry, dtype: str | None = None) -> tuple[li
     unknown = 0
 
     def add(name: str, shape: tuple[int, ...]):
-        ne = tuple(reversed([d for d in shape])) if len(shape) > 1 else tuple(shape)
-        ne = tuple(d for d in ne if d != 1) or (1,)
+        ne = tuple([d for d in (shape[::-1] if len(shape) > 1 else shape) if d != 1]) or (1,)
         one_d = len(ne) == 1
         f32 = one_d or not name.endswith("weight") or "_norm." in name or name.endswith("norm.weight") \
             or "ffn_gate_inp" in name or "ssm_conv1d" in name
@@ -282,10 +281,11 @@ def quantized_tensors(tensors: list[GGUFTensorInfo], ftype: str, *, n_expert: in
     tied = not any(t.name == "output.weight" for t in ordered)
     c = _Counters(sum(_category(t.name) in ("attn_v", "attn_qkv", "attn_kv_b") for t in ordered), n_layer)
     out = []
+    floats = default in _FLOATS
     for t in ordered:
-        if not _allows_quantization(t) or default in _FLOATS:
-            kind = t.kind if not _allows_quantization(t) else default
-            out.append(GGUFTensorInfo(t.name, kind, t.ne))
+        allowed = _allows_quantization(t)
+        if not allowed or floats:
+            out.append(GGUFTensorInfo(t.name, t.kind if not allowed else default, t.ne))
             continue
         kind = _rule(t, ftype, default, c, max(1, n_expert), tied, n_gqa)
         if t.ne[0] % _block(kind):

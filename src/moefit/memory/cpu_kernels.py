@@ -19,7 +19,6 @@ module answers that before torch is imported:
 from __future__ import annotations
 
 import os
-import shutil
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
@@ -284,6 +283,52 @@ def built_library(lib_dir: Path = LIB_DIR, env: Mapping[str, str] = os.environ) 
     return None if v is None else (v, lib_dir / v.filename)
 
 
+#: Whether a program is on a PATH, by (program, PATH): :func:`unexpected_reason` is asked once
+#: per priced plan (a failing plan's alternatives: a dozen times), and each ``shutil.which``
+#: walks the PATH's directories (and importing ``shutil`` brings zlib, bz2 and lzma).
+_ON_PATH: dict[tuple[str, str | None], bool] = {}
+
+
+def _on_path(program: str, path: str | None) -> bool:
+    """``shutil.which(program, path=path)`` found it (kept per process, :data:`_ON_PATH`)."""
+    key = (program, path)
+    found = _ON_PATH.get(key)
+    if found is None:
+        found = _ON_PATH[key] = _which(program, path)
+    return found
+
+
+def _which(program: str, path: str | None) -> bool:
+    """``shutil.which(program, path=path) is not None`` (CPython 3.11's POSIX branch, written
+    out: importing ``shutil`` imports zlib, bz2 and lzma, ~3 ms of a plan); ``shutil`` itself
+    elsewhere."""
+    if os.name != "posix":
+        import shutil
+        return shutil.which(program, path=path) is not None
+
+    def runs(f: str) -> bool:
+        return os.path.exists(f) and os.access(f, os.F_OK | os.X_OK) and not os.path.isdir(f)
+
+    if os.path.dirname(program):
+        return runs(program)
+    if path is None:
+        path = os.environ.get("PATH", None)
+        if path is None:
+            try:
+                path = os.confstr("CS_PATH")
+            except (AttributeError, ValueError):
+                path = os.defpath
+    if not path:
+        return False
+    seen = set()
+    for d in path.split(os.pathsep):
+        if d not in seen:
+            seen.add(d)
+            if runs(os.path.join(d, program)):
+                return True
+    return False
+
+
 def unexpected_reason(env: Mapping[str, str] = os.environ) -> str | None:
     """Why the C kernels will not run on a CPU device (None when they are expected: a built
     variant for this CPU, or a C compiler to build them). Raises InputError for a value of
@@ -291,7 +336,7 @@ def unexpected_reason(env: Mapping[str, str] = os.environ) -> str | None:
     if disabled(env):
         return f"{DISABLE_ENV} is set"
     cc = compiler(env)
-    if shutil.which(cc, path=env.get("PATH")) is None and built_library() is None:
+    if not _on_path(cc, env.get("PATH")) and built_library() is None:
         return f"no C compiler ({cc}) on PATH and no built library for this CPU"
     return None
 

@@ -154,8 +154,8 @@ def fp8_scratch_bytes(rows: int, cols: int, block: tuple[int, int]) -> int:
 def fp8_dense_scratch(geom: ModelGeometry) -> int:
     """The dequantization scratch of the largest dense fp8 matrix (allocated beside the
     workspace while a matrix is dequantized): 0 without fp8 weights."""
-    return max((fp8_scratch_bytes(*t.shape, geom.quant.block_size) for t in fp8_dense_tensors(geom)),
-               default=0)
+    shapes = {t.shape for t in fp8_dense_tensors(geom)}     # each distinct shape priced once
+    return max((fp8_scratch_bytes(*shape, geom.quant.block_size) for shape in shapes), default=0)
 
 
 def grouped_route_takes(t: int, e: int, k: int, r: Routing, act_fp32: bool) -> list[Take]:

@@ -93,12 +93,28 @@ def gqa(p: str, m: Sizes, *, qkv_bias: bool = False, o_bias: bool = False, q_mul
     return ts
 
 
+#: The attention specs made by :func:`attn_spec`, one object per distinct spec: equal layers
+#: share it, so what is priced per spec object (``moefit.memory.kv.kv_bytes`` groups layers by
+#: it) is priced once per distinct kind, not once per layer (records are frozen: sharing is safe).
+_ATTN_SPECS: dict[tuple, AttentionSpec] = {}
+
+
 def attn_spec(m: Sizes, kind: str = "full", rotary: float = 1.0, window: int | None = None,
                output_gate: bool = False) -> AttentionSpec:
-    return AttentionSpec(kind=kind, num_heads=m.heads, num_kv_heads=m.kv_heads, head_dim=m.head_dim,
-                         v_head_dim=m.head_dim, rotary_dim=int(m.head_dim * rotary),
-                         sliding_window=window if kind in ("sliding", "chunked") else None,
-                         output_gate=output_gate)
+    """The softmax attention spec of a layer of sizes ``m``: ``kind`` (full, sliding, chunked),
+    ``rotary`` the fraction of the head dimension rotated, ``window`` the sliding window or
+    chunk (tokens; kept for sliding and chunked only), ``output_gate`` a gated output. Equal
+    specs are one shared object (:data:`_ATTN_SPECS`)."""
+    rotary_dim = int(m.head_dim * rotary)
+    window = window if kind in ("sliding", "chunked") else None
+    key = (kind, m.heads, m.kv_heads, m.head_dim, rotary_dim, window, type(window), output_gate)
+    spec = _ATTN_SPECS.get(key)
+    if spec is None:
+        spec = _ATTN_SPECS[key] = AttentionSpec(
+            kind=kind, num_heads=m.heads, num_kv_heads=m.kv_heads, head_dim=m.head_dim,
+            v_head_dim=m.head_dim, rotary_dim=rotary_dim, sliding_window=window,
+            output_gate=output_gate)
+    return spec
 
 
 def layer_norms(p: str, hidden: int, names: "NameTable | None" = None) -> list[Tensor]:
