@@ -24,6 +24,7 @@ gguf = pytest.importorskip("gguf")
 
 from moefit.runtime.kernels import qmatmul as qm  # noqa: E402
 from moefit.runtime.kernels.quant import StoredExpert  # noqa: E402
+from stored_moe import moe_call as _moe  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not qm.available(), reason=f"C kernels: {qm.unavailable_reason()}")
 
@@ -128,19 +129,6 @@ def test_inf_nan_and_extreme_scales_give_the_sums_of_their_fp32_arithmetic():
     ref = model(raw, x)
     assert np.isnan(ref).any() and np.isinf(ref).any()
     assert same_bits(got, ref)
-
-
-def _moe(x, blobs, ids, wts, fmt, threads):
-    t, k = ids.shape
-    flat = ids.reshape(-1)
-    order = torch.sort(flat, stable=True).indices
-    used = torch.unique(flat)
-    bounds = torch.searchsorted(flat[order], torch.cat([used, used[-1:] + 1])).to(torch.int64)
-    ptrs = torch.tensor([blobs[int(e)].data_ptr() for e in used], dtype=torch.int64)
-    acc = torch.zeros(t, x.shape[1])
-    scratch = torch.empty(qm.moe_scratch_bytes(t, x.shape[1], fmt.gate.rows, t * k), dtype=torch.uint8)
-    return qm.moe(x, ptrs, bounds, (order // k).contiguous(), wts.reshape(-1)[order].contiguous(), acc, fmt, scratch,
-                  threads=threads)
 
 
 def test_moe_layer_tokens_alone_and_in_a_batch_agree_and_match_the_dense_products():

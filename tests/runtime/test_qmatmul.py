@@ -22,6 +22,7 @@ from moefit.memory.cpu_kernels import SUPER_BLOCK_TYPES  # noqa: E402
 from moefit.runtime.kernels import native, qmatmul as qm  # noqa: E402
 from moefit.runtime.kernels.quant import StoredExpert, dequantize  # noqa: E402
 from random_gguf import LOWBIT, SCALES, set_iq1m_scale  # noqa: E402
+from stored_moe import moe_call as _moe_call  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not qm.available(), reason=f"C kernels: {qm.unavailable_reason()}")
 
@@ -278,18 +279,13 @@ def test_moe_matches_per_expert_reference(types):
                scratch[:qm.moe_scratch_bytes(t, h, inter, 1) - 1])
 
 
-def _moe_call(x, blobs, ids, wts, fmt, threads):
-    """``qm.moe`` of tokens ``x`` [T, H] routed to ``ids`` [T, k] with weights ``wts``: acc [T, H]."""
-    t, k = ids.shape
-    flat = ids.reshape(-1)
-    order = torch.sort(flat, stable=True).indices
-    used = torch.unique(flat)
-    bounds = torch.searchsorted(flat[order], torch.cat([used, used[-1:] + 1])).to(torch.int64)
-    ptrs = torch.tensor([blobs[int(e)].data_ptr() for e in used], dtype=torch.int64)
-    acc = torch.zeros(t, x.shape[1])
-    scratch = torch.empty(qm.moe_scratch_bytes(t, x.shape[1], fmt.gate.rows, t * k), dtype=torch.uint8)
-    return qm.moe(x, ptrs, bounds, (order // k).contiguous(), wts.reshape(-1)[order].contiguous(), acc, fmt, scratch,
-                  threads=threads)
+def _expert_blobs(types, inter: int, h: int, n_exp: int) -> list[torch.Tensor]:
+    """``n_exp`` random expert blobs: gate and up ``[inter, h]`` and down ``[h, inter]`` in
+    ``types``, expert e's matrices seeded 10 e, 10 e + 1, 10 e + 2."""
+    return [torch.from_numpy(np.concatenate([random_matrix(types[0], inter, h, seed=10 * e).reshape(-1),
+                                             random_matrix(types[1], inter, h, seed=10 * e + 1).reshape(-1),
+                                             random_matrix(types[2], h, inter, seed=10 * e + 2).reshape(-1)]))
+            for e in range(n_exp)]
 
 
 @pytest.mark.parametrize("types", [("Q3_K", "Q3_K", "Q2_K"), ("IQ4_XS", "IQ4_XS", "Q3_K"), ("IQ2_XXS", "IQ3_S", "IQ1_M"),
@@ -301,10 +297,7 @@ def test_moe_tokens_of_a_batch_equal_each_token_alone(types):
     rest of 1 to 7 tokens per expert)."""
     h, inter, n_exp, t, k = 256, 512, 3, 13, 2
     fmt = StoredExpert.pack(inter, h, *types)
-    blobs = [torch.from_numpy(np.concatenate([random_matrix(types[0], inter, h, seed=10 * e).reshape(-1),
-                                              random_matrix(types[1], inter, h, seed=10 * e + 1).reshape(-1),
-                                              random_matrix(types[2], h, inter, seed=10 * e + 2).reshape(-1)]))
-             for e in range(n_exp)]
+    blobs = _expert_blobs(types, inter, h, n_exp)
     g = torch.Generator().manual_seed(1)
     x = torch.randn(t, h, generator=g)
     ids = torch.stack([torch.randperm(n_exp, generator=g)[:k] for _ in range(t)])
@@ -450,10 +443,7 @@ def test_moe_experts_of_many_tokens(types):
     25 or more tokens too (60 tokens on 3 experts, top 2; then its first 45)."""
     h, inter, n_exp, t, k = 256, 256, 3, 60, 2
     fmt = StoredExpert.pack(inter, h, *types)
-    blobs = [torch.from_numpy(np.concatenate([random_matrix(types[0], inter, h, seed=10 * e).reshape(-1),
-                                              random_matrix(types[1], inter, h, seed=10 * e + 1).reshape(-1),
-                                              random_matrix(types[2], h, inter, seed=10 * e + 2).reshape(-1)]))
-             for e in range(n_exp)]
+    blobs = _expert_blobs(types, inter, h, n_exp)
     g = torch.Generator().manual_seed(2)
     x = torch.randn(t, h, generator=g)
     ids = torch.stack([torch.randperm(n_exp, generator=g)[:k] for _ in range(t)])
