@@ -416,17 +416,18 @@ def test_errors_carry_openais_string_code_or_null_and_the_client_reads_them(clie
     assert e.value.status_code == 400 and e.value.code is None and e.value.body["code"] is None
 
 
-def test_required_tools_keep_their_own_refs_inside_the_wrapper():
-    params = {"type": "object", "properties": {"city": {"$ref": "#/$defs/City"}},
-              "$defs": {"City": {"type": "string", "maxLength": 8}}, "required": ["city"]}
+@pytest.mark.parametrize("prop", ["city", "default", "enum"])   # a property may be named like a value keyword
+def test_required_tools_keep_their_own_refs_inside_the_wrapper(prop):
+    params = {"type": "object", "properties": {prop: {"$ref": "#/$defs/City"}},
+              "$defs": {"City": {"type": "string", "maxLength": 8}}, "required": [prop]}
     use = ToolUse(mode="required", tools=[{"type": "function", "function": {"name": "f", "parameters": params}}])
     schema = use.schema()
-    ref = schema["items"]["anyOf"][0]["properties"]["parameters"]["properties"]["city"]["$ref"]
+    ref = schema["items"]["anyOf"][0]["properties"]["parameters"]["properties"][prop]["$ref"]
     node = schema
     for part in ref.removeprefix("#/").split("/"):
         node = node[int(part)] if isinstance(node, list) else node[part]
     assert node == {"type": "string", "maxLength": 8}
-    assert params["properties"]["city"]["$ref"] == "#/$defs/City"        # the input unchanged
+    assert params["properties"][prop]["$ref"] == "#/$defs/City"        # the input unchanged
 
 
 def test_a_self_referencing_tool_schema_is_never_a_500(client):

@@ -123,6 +123,14 @@ class ToolUse:
         return parse_hermes(text)
 
 
+#: JSON Schema keywords whose value maps names to schemas (JSON Schema 2020-12 sections 10.3.2
+#: and 8.2.4; ``definitions`` of draft 7): a key there is a name, never a keyword.
+_NAME_MAPS = ("properties", "patternProperties", "$defs", "definitions")
+#: Keywords whose value is data, not a schema (sections 6.1.2, 6.1.3, 9.2, 9.5 of the validation
+#: vocabulary): left as they are.
+_VALUES = ("const", "enum", "default", "examples")
+
+
 def closed(schema: Any) -> Any:
     """``schema`` (a JSON Schema) with ``"additionalProperties": false`` added to every
     object schema that has ``properties`` and neither ``additionalProperties`` nor
@@ -135,9 +143,9 @@ def closed(schema: Any) -> Any:
         return schema
     out = {}
     for k, v in schema.items():
-        if k in ("properties", "patternProperties", "$defs", "definitions") and isinstance(v, dict):
+        if k in _NAME_MAPS and isinstance(v, dict):
             out[k] = {name: closed(sub) for name, sub in v.items()}    # name -> schema maps
-        elif k in ("const", "enum", "default", "examples"):
+        elif k in _VALUES:
             out[k] = v                                                  # values, not schemas
         else:
             out[k] = closed(v)
@@ -162,7 +170,9 @@ def rerooted(schema: Any, at: str) -> Any:
     for k, v in schema.items():
         if k == "$ref" and isinstance(v, str) and (v == "#" or v.startswith("#/")):
             out[k] = at + v[1:]
-        elif k in ("const", "enum", "default", "examples"):
+        elif k in _NAME_MAPS and isinstance(v, dict):
+            out[k] = {name: rerooted(sub, at) for name, sub in v.items()}   # name -> schema maps
+        elif k in _VALUES:
             out[k] = v                                                  # values, not schemas
         else:
             out[k] = rerooted(v, at)
